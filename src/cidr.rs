@@ -1,0 +1,293 @@
+//! IP prefixes (CIDR blocks): strict parsing and the address arithmetic the
+//! store and the CNI result need. Addresses are handled as `u128` offsets so
+//! IPv4 and IPv6 share one code path.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
+
+/// An address family, spelled as upstream stores it in `cidr_blocks.ip_family`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The database spelling: `ipv4` or `ipv6`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+
+    /// Parses the database spelling.
+    pub fn parse(text: &str) -> Option<Family> {
+        match text {
+            "ipv4" => Some(Family::V4),
+            "ipv6" => Some(Family::V6),
+            _ => None,
+        }
+    }
+
+    /// Bits in an address of this family.
+    pub fn bits(self) -> u8 {
+        match self {
+            Family::V4 => 32,
+            Family::V6 => 128,
+        }
+    }
+
+    /// The family of an address.
+    pub fn of(addr: IpAddr) -> Family {
+        match addr {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a prefix did not parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CidrError {
+    /// No `/` separating address and prefix length.
+    MissingPrefixLength(String),
+    /// The address part is not an IP address.
+    BadAddress(String),
+    /// The prefix length is not a number within the family's width.
+    BadPrefixLength(String),
+    /// Bits below the prefix length are set; the canonical network is given.
+    HostBitsSet { given: String, network: String },
+}
+
+impl fmt::Display for CidrError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CidrError::MissingPrefixLength(s) => {
+                write!(f, "invalid CIDR {s:?}: missing \"/prefix-length\"")
+            }
+            CidrError::BadAddress(s) => write!(f, "invalid CIDR {s:?}: not an IP address"),
+            CidrError::BadPrefixLength(s) => {
+                write!(f, "invalid CIDR {s:?}: prefix length out of range")
+            }
+            CidrError::HostBitsSet { given, network } => write!(
+                f,
+                "invalid CIDR {given:?}: host bits set; the network address is {network}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CidrError {}
+
+/// A canonical IP prefix: the address has no bits set below the prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cidr {
+    base: IpAddr,
+    prefix_len: u8,
+}
+
+impl Cidr {
+    /// Builds a prefix from its parts, refusing host bits and lengths wider
+    /// than the family.
+    pub fn new(base: IpAddr, prefix_len: u8) -> Result<Cidr, CidrError> {
+        let family = Family::of(base);
+        if prefix_len > family.bits() {
+            return Err(CidrError::BadPrefixLength(format!("{base}/{prefix_len}")));
+        }
+        let canonical = Cidr {
+            base: from_u128(family, to_u128(base) & mask(family, prefix_len)),
+            prefix_len,
+        };
+        if canonical.base != base {
+            return Err(CidrError::HostBitsSet {
+                given: format!("{base}/{prefix_len}"),
+                network: canonical.to_string(),
+            });
+        }
+        Ok(canonical)
+    }
+
+    /// The first address of the prefix.
+    pub fn base(&self) -> IpAddr {
+        self.base
+    }
+
+    pub fn prefix_len(&self) -> u8 {
+        self.prefix_len
+    }
+
+    pub fn family(&self) -> Family {
+        Family::of(self.base)
+    }
+
+    /// Bits left for hosts: 32 − len or 128 − len.
+    pub fn host_bits(&self) -> u8 {
+        self.family().bits() - self.prefix_len
+    }
+
+    /// Number of addresses, saturating at `u128::MAX` for `::/0`.
+    pub fn size(&self) -> u128 {
+        1u128.checked_shl(u32::from(self.host_bits())).unwrap_or(u128::MAX)
+    }
+
+    /// The address `offset` places after the base, if it is inside the prefix.
+    pub fn nth(&self, offset: u128) -> Option<IpAddr> {
+        if offset >= self.size() {
+            return None;
+        }
+        Some(from_u128(self.family(), to_u128(self.base) + offset))
+    }
+
+    /// The offset of `addr` from the base, if `addr` is inside the prefix.
+    pub fn offset_of(&self, addr: IpAddr) -> Option<u128> {
+        if Family::of(addr) != self.family() {
+            return None;
+        }
+        let offset = to_u128(addr).wrapping_sub(to_u128(self.base));
+        (offset < self.size()).then_some(offset)
+    }
+
+    pub fn contains(&self, addr: IpAddr) -> bool {
+        self.offset_of(addr).is_some()
+    }
+
+    /// Whether two prefixes share any address.
+    pub fn overlaps(&self, other: &Cidr) -> bool {
+        self.contains(other.base) || other.contains(self.base)
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = CidrError;
+
+    fn from_str(text: &str) -> Result<Cidr, CidrError> {
+        let (addr, len) = text
+            .split_once('/')
+            .ok_or_else(|| CidrError::MissingPrefixLength(text.to_string()))?;
+        let base: IpAddr = addr
+            .parse()
+            .map_err(|_| CidrError::BadAddress(text.to_string()))?;
+        // Only plain decimal digits: "+24", " 24" and "024" are not prefixes.
+        let valid_digits = !len.is_empty()
+            && len.len() <= 3
+            && len.bytes().all(|b| b.is_ascii_digit())
+            && !(len.len() > 1 && len.starts_with('0'));
+        let prefix_len = valid_digits
+            .then(|| len.parse::<u8>().ok())
+            .flatten()
+            .ok_or_else(|| CidrError::BadPrefixLength(text.to_string()))?;
+        Cidr::new(base, prefix_len).map_err(|err| match err {
+            CidrError::BadPrefixLength(_) => CidrError::BadPrefixLength(text.to_string()),
+            other => other,
+        })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.base, self.prefix_len)
+    }
+}
+
+/// The address as an unsigned integer (IPv4 in the low 32 bits).
+pub fn to_u128(addr: IpAddr) -> u128 {
+    match addr {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// The inverse of [`to_u128`]; IPv4 keeps only the low 32 bits.
+pub fn from_u128(family: Family, value: u128) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(Ipv4Addr::from(
+            u32::try_from(value & u128::from(u32::MAX)).unwrap_or(u32::MAX),
+        )),
+        Family::V6 => IpAddr::V6(Ipv6Addr::from(value)),
+    }
+}
+
+fn mask(family: Family, prefix_len: u8) -> u128 {
+    let bits = u32::from(family.bits());
+    let host = bits - u32::from(prefix_len);
+    let all = if bits == 128 {
+        u128::MAX
+    } else {
+        (1u128 << bits) - 1
+    };
+    all & !(1u128.checked_shl(host).map_or(u128::MAX, |v| v - 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cidr(text: &str) -> Cidr {
+        text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    #[test]
+    fn parses_canonical_prefixes() {
+        let c = cidr("198.18.0.0/24");
+        assert_eq!(c.size(), 256);
+        assert_eq!(c.nth(1), Some("198.18.0.1".parse().unwrap()));
+        assert_eq!(c.nth(255), Some("198.18.0.255".parse().unwrap()));
+        assert_eq!(c.nth(256), None);
+        assert_eq!(cidr("0.0.0.0/0").size(), 1 << 32);
+        assert_eq!(cidr("2001:db8::/64").host_bits(), 64);
+        assert_eq!(cidr("::/0").size(), u128::MAX);
+        assert_eq!(cidr("2001:db8::1/128").size(), 1);
+        assert_eq!(cidr("198.18.0.7/32").to_string(), "198.18.0.7/32");
+    }
+
+    #[test]
+    fn rejects_malformed_prefixes() {
+        for bad in [
+            "198.18.0.0",
+            "198.18.0.0/33",
+            "198.18.0.0/",
+            "198.18.0.0/+8",
+            "198.18.0.0/024",
+            "198.18.0.0/ 8",
+            "2001:db8::/129",
+            "nope/24",
+            "/24",
+            "198.18.0.0/24/1",
+            "198.18.0.0/99999999999",
+        ] {
+            assert!(bad.parse::<Cidr>().is_err(), "{bad} parsed");
+        }
+    }
+
+    #[test]
+    fn host_bits_name_the_network() {
+        let err = "198.18.0.1/24".parse::<Cidr>().unwrap_err();
+        assert_eq!(
+            err,
+            CidrError::HostBitsSet {
+                given: "198.18.0.1/24".into(),
+                network: "198.18.0.0/24".into()
+            }
+        );
+        assert!(err.to_string().contains("198.18.0.0/24"));
+    }
+
+    #[test]
+    fn offsets_and_overlap() {
+        let c = cidr("2001:db8::/120");
+        assert_eq!(c.offset_of("2001:db8::ff".parse().unwrap()), Some(255));
+        assert_eq!(c.offset_of("2001:db8::100".parse().unwrap()), None);
+        assert_eq!(c.offset_of("198.18.0.1".parse().unwrap()), None);
+        assert!(cidr("198.18.0.0/16").overlaps(&cidr("198.18.4.0/24")));
+        assert!(cidr("198.18.4.0/24").overlaps(&cidr("198.18.0.0/16")));
+        assert!(!cidr("198.18.4.0/24").overlaps(&cidr("198.18.5.0/24")));
+    }
+}

@@ -1,0 +1,2 @@
+//! Metis: a node-local adaptive IPAM for Kubernetes pods.
+pub mod cidr;
