@@ -135,7 +135,9 @@ impl Cidr {
 
     /// Number of addresses, saturating at `u128::MAX` for `::/0`.
     pub fn size(&self) -> u128 {
-        1u128.checked_shl(u32::from(self.host_bits())).unwrap_or(u128::MAX)
+        1u128
+            .checked_shl(u32::from(self.host_bits()))
+            .unwrap_or(u128::MAX)
     }
 
     /// The address `offset` places after the base, if it is inside the prefix.

@@ -1,2 +1,9 @@
 //! Metis: a node-local adaptive IPAM for Kubernetes pods.
 pub mod cidr;
+pub mod cni;
+pub mod daemon;
+pub mod engine;
+pub mod flags;
+pub mod log;
+pub mod store;
+pub mod wire;

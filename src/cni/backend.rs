@@ -1,0 +1,71 @@
+//! Where the plugin's requests go: the daemon over its socket, or — when no
+//! daemon answers (before the DaemonSet is up, during a restart) — the same
+//! engine run in-process against the same database ("direct mode"). SQLite's
+//! WAL, busy timeout and immediate transactions make the two safe together.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::cni::error::CniError;
+use crate::engine::Engine;
+use crate::log;
+use crate::store::{Store, StoreOptions};
+use crate::wire::client::{Client, ClientError};
+use crate::wire::{Request, Response};
+
+/// Connection attempts before falling back to direct mode (upstream's 3).
+const CONNECT_ATTEMPTS: u32 = 3;
+/// Pause between connection attempts (upstream's 100 ms).
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// Bound on one connect; a live daemon accepts in microseconds.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bound on one exchange: above the daemon's 9 s wait for new blocks and
+/// below the 10 s runtimes commonly allow a plugin call... as upstream.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sends `request` to the daemon at `socket`, or serves it in-process from
+/// `db_path` when the daemon cannot be reached at all.
+pub fn call(socket: &Path, db_path: &Path, request: &Request) -> Result<Response, CniError> {
+    match call_daemon(socket, request) {
+        Ok(response) => Ok(response),
+        Err(err) if err.is_connect() => {
+            log::info(
+                "cni",
+                "daemon unreachable, using direct mode",
+                &[("error", &err), ("db", &db_path.display())],
+            );
+            call_direct(db_path, request)
+        }
+        Err(err) => Err(CniError::from_client(&err)),
+    }
+}
+
+fn call_daemon(socket: &Path, request: &Request) -> Result<Response, ClientError> {
+    let mut attempt = 1;
+    loop {
+        match Client::connect(socket, CONNECT_TIMEOUT, CALL_TIMEOUT) {
+            Ok(mut client) => return client.call(request),
+            Err(err) if attempt >= CONNECT_ATTEMPTS => return Err(err),
+            Err(err) => {
+                log::debug("cni", "connect failed, retrying", &[("error", &err)]);
+                attempt += 1;
+                std::thread::sleep(CONNECT_RETRY_PAUSE);
+            }
+        }
+    }
+}
+
+fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> {
+    let store = Store::open(
+        db_path,
+        &StoreOptions {
+            durability: crate::store::Durability::Normal,
+            reserve: None,
+        },
+    )
+    .map_err(|err| CniError::from_store_open(db_path, &err))?;
+    // The daemon records its cooldown so direct-mode releases honour it too.
+    let cooldown_ms = store.release_cooldown().unwrap_or(0);
+    let mut engine = Engine::new(store, cooldown_ms);
+    Ok(engine.handle(request.clone(), log::now_ms()))
+}

@@ -1,0 +1,1281 @@
+//! The network configuration on stdin: serde structs mirroring the JSON,
+//! then one pass that canonicalizes and validates them into [`NetConf`],
+//! naming the key and value at fault. Unknown keys are ignored: a delegated
+//! IPAM sees the main plugin's whole object.
+//!
+//! Codes: unreadable JSON or wrong JSON types → 6, semantically invalid → 7,
+//! valid but unsupported by Metis → 2, unsupported `cniVersion` → 1.
+
+use super::args::{CniArgs, parse_ip_maybe_prefix};
+use super::env::{NAME_RULE, is_valid_name};
+use super::error::CniError;
+use super::result::gateway_for;
+use super::version;
+use crate::cidr::{Cidr, Family};
+use serde::Deserialize;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+/// Where the daemon listens unless `daemonSocket` says otherwise.
+pub const DEFAULT_DAEMON_SOCKET: &str = "/var/lib/cni/metis/metis-adaptive-ipam.sock";
+/// The SQLite store used in direct mode unless `dbPath` says otherwise.
+pub const DEFAULT_DB_PATH: &str = "/var/lib/cni/metis/metis.sqlite";
+/// The plugin's log file unless `logFile` says otherwise (stdout is reserved
+/// for CNI JSON).
+pub const DEFAULT_LOG_FILE: &str = "/var/lib/cni/metis/metis-cni.log";
+/// How long an allocation missing from GC's valid set survives: 5 minutes.
+pub const DEFAULT_GC_GRACE_PERIOD_MS: i64 = 5 * 60 * 1000;
+
+/// A route to report in the result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub dst: Cidr,
+    /// The configured gateway; when absent the result uses the gateway of
+    /// the allocated address of the route's family.
+    pub gw: Option<IpAddr>,
+    /// `mtu`, `advmss`, `priority`: 1.1.0 fields; 0 is normalized to absent
+    /// because Go omits a zero (`omitempty` on a plain int).
+    pub mtu: Option<u32>,
+    pub advmss: Option<u32>,
+    pub priority: Option<u32>,
+    /// `table`, `scope`: 1.1.0 fields; Go uses pointers, so 0 is kept.
+    pub table: Option<u32>,
+    pub scope: Option<u32>,
+}
+
+/// One entry of GC's `cni.dev/valid-attachments`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Attachment {
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub ifname: String,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConf {
+    /// Checked against [`version::SUPPORTED`].
+    pub cni_version: String,
+    pub name: String,
+    /// The top-level `type`.
+    pub plugin_type: String,
+    /// `ipam.type`, empty when there is no `ipam` object.
+    pub ipam_type: String,
+    /// True when a main plugin (e.g. bridge) delegated IPAM to Metis: the
+    /// result is then the spec's abbreviated one.
+    pub delegated: bool,
+    /// `ipam.network` if set, else `name`: allocations are scoped by it.
+    pub network: String,
+    /// Every IPv4 subnet of `ipam.ranges`, in order.
+    pub ipv4_ranges: Vec<Cidr>,
+    /// Every IPv6 subnet of `ipam.ranges`, in order.
+    pub ipv6_ranges: Vec<Cidr>,
+    pub routes: Vec<Route>,
+    pub daemon_socket: PathBuf,
+    pub db_path: PathBuf,
+    pub log_file: PathBuf,
+    pub log_level: Option<String>,
+    /// `runtimeConfig.ips` (the `ips` capability).
+    pub runtime_config_ips: Vec<IpAddr>,
+    /// `args.cni.ips`; `Some` (even empty) means `CNI_ARGS` `IP` is ignored.
+    pub args_ips: Option<Vec<IpAddr>>,
+    pub gc_grace_period_ms: i64,
+    /// `cni.dev/valid-attachments`, else the older `cni.dev/attachments`;
+    /// `None` when neither was sent (cnitool: nothing is valid).
+    pub valid_attachments: Option<Vec<Attachment>>,
+    pub prev_result: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct RawConf {
+    #[serde(rename = "cniVersion")]
+    cni_version: Option<String>,
+    name: Option<String>,
+    #[serde(rename = "type")]
+    plugin_type: Option<String>,
+    ipam: Option<RawIpam>,
+    #[serde(flatten)]
+    paths: RawPaths,
+    #[serde(rename = "runtimeConfig")]
+    runtime_config: Option<RawRuntimeConfig>,
+    args: Option<RawArgs>,
+    #[serde(rename = "cni.dev/valid-attachments")]
+    valid_attachments: Option<Vec<Attachment>>,
+    #[serde(rename = "cni.dev/attachments")]
+    attachments: Option<Vec<Attachment>>,
+    #[serde(rename = "prevResult")]
+    prev_result: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawIpam {
+    #[serde(rename = "type")]
+    ipam_type: Option<String>,
+    network: Option<String>,
+    ranges: Option<Vec<Vec<RawRange>>>,
+    routes: Option<Vec<RawRoute>>,
+    #[serde(flatten)]
+    paths: RawPaths,
+    #[serde(rename = "logLevel")]
+    log_level: Option<String>,
+    #[serde(rename = "gcGracePeriod")]
+    gc_grace_period: Option<String>,
+}
+
+/// Settings accepted both at the top level and inside `ipam`.
+#[derive(Deserialize, Default)]
+struct RawPaths {
+    #[serde(rename = "daemonSocket")]
+    daemon_socket: Option<String>,
+    #[serde(rename = "dbPath")]
+    db_path: Option<String>,
+    #[serde(rename = "logFile")]
+    log_file: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RawRange {
+    subnet: Option<String>,
+    #[serde(rename = "rangeStart")]
+    range_start: Option<String>,
+    #[serde(rename = "rangeEnd")]
+    range_end: Option<String>,
+    gateway: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RawRoute {
+    dst: Option<String>,
+    gw: Option<String>,
+    mtu: Option<u32>,
+    advmss: Option<u32>,
+    priority: Option<u32>,
+    table: Option<u32>,
+    scope: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct RawRuntimeConfig {
+    ips: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+struct RawArgs {
+    cni: Option<RawArgsCni>,
+}
+
+#[derive(Deserialize)]
+struct RawArgsCni {
+    ips: Option<Vec<String>>,
+}
+
+/// Parses and validates the configuration.
+pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+    let raw: RawConf = serde_json::from_slice(stdin)
+        .map_err(|e| CniError::decode(format!("failed to parse network configuration: {e}")))?;
+    let cni_version = required(raw.cni_version, "cniVersion")?;
+    version::check_supported(&cni_version)?;
+    let name = required(raw.name, "name")?;
+    if !is_valid_name(&name) {
+        return Err(CniError::invalid_config(format!(
+            "invalid network name {name:?}: {NAME_RULE}"
+        )));
+    }
+    let plugin_type = raw.plugin_type.unwrap_or_default();
+    // A main plugin names itself in `type` and us in `ipam.type`; when we
+    // are the top-level plugin the two agree (or `ipam.type` is absent).
+    let delegated = raw
+        .ipam
+        .as_ref()
+        .and_then(|ipam| ipam.ipam_type.as_deref())
+        .is_some_and(|ipam_type| !ipam_type.is_empty() && ipam_type != plugin_type);
+    let ipam = raw.ipam.unwrap_or_default();
+    let (ipv4_ranges, ipv6_ranges) = parse_ranges(ipam.ranges.as_deref())?;
+    let network = ipam
+        .network
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| name.clone());
+    let gc_grace_period_ms = match ipam.gc_grace_period.as_deref() {
+        None => DEFAULT_GC_GRACE_PERIOD_MS,
+        Some(text) => parse_duration_ms(text).ok_or_else(|| {
+            CniError::invalid_config(format!(
+                "invalid ipam.gcGracePeriod {text:?}: expected a duration such as \"5m\" or \"1h30m\""
+            ))
+        })?,
+    };
+    Ok(NetConf {
+        routes: parse_routes(ipam.routes.as_deref().unwrap_or_default())?,
+        daemon_socket: path_setting(
+            "daemonSocket",
+            &ipam.paths.daemon_socket,
+            &raw.paths.daemon_socket,
+            DEFAULT_DAEMON_SOCKET,
+        )?,
+        db_path: path_setting(
+            "dbPath",
+            &ipam.paths.db_path,
+            &raw.paths.db_path,
+            DEFAULT_DB_PATH,
+        )?,
+        log_file: path_setting(
+            "logFile",
+            &ipam.paths.log_file,
+            &raw.paths.log_file,
+            DEFAULT_LOG_FILE,
+        )?,
+        log_level: ipam.log_level,
+        runtime_config_ips: parse_ip_strings(
+            "runtimeConfig.ips",
+            raw.runtime_config
+                .and_then(|rc| rc.ips)
+                .as_deref()
+                .unwrap_or_default(),
+        )?,
+        args_ips: raw
+            .args
+            .and_then(|a| a.cni)
+            .and_then(|c| c.ips)
+            .map(|ips| parse_ip_strings("args.cni.ips", &ips))
+            .transpose()?,
+        valid_attachments: raw.valid_attachments.or(raw.attachments),
+        prev_result: raw.prev_result,
+        cni_version,
+        name,
+        plugin_type,
+        ipam_type: ipam.ipam_type.unwrap_or_default(),
+        delegated,
+        network,
+        ipv4_ranges,
+        ipv6_ranges,
+        gc_grace_period_ms,
+    })
+}
+
+fn required(value: Option<String>, key: &str) -> Result<String, CniError> {
+    value
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| CniError::invalid_config(format!("missing required key {key:?}")))
+}
+
+fn family_name(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "IPv4",
+        Family::V6 => "IPv6",
+    }
+}
+
+/// A parsed subnet with where it came from, for messages.
+struct Placed {
+    subnet: Cidr,
+    set: usize,
+    index: usize,
+}
+
+impl Placed {
+    fn key(&self) -> String {
+        format!("ipam.ranges[{}][{}].subnet", self.set, self.index)
+    }
+}
+
+/// Validates `ipam.ranges`: at most one range set per family (Metis gives
+/// one address per family), every subnet canonical, none overlapping.
+/// Absent ranges are fine here; [`NetConf::require_ranges`] enforces them
+/// for the verbs that allocate.
+fn parse_ranges(sets: Option<&[Vec<RawRange>]>) -> Result<(Vec<Cidr>, Vec<Cidr>), CniError> {
+    let Some(sets) = sets else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    if sets.is_empty() {
+        return Err(CniError::invalid_config("ipam.ranges is empty"));
+    }
+    let mut placed = Vec::new();
+    let mut set_families: Vec<(usize, Family)> = Vec::new();
+    for (set, ranges) in sets.iter().enumerate() {
+        let family = parse_range_set(set, ranges, &mut placed)?;
+        if let Some((earlier, _)) = set_families.iter().find(|(_, f)| *f == family) {
+            return Err(CniError::invalid_config(format!(
+                "metis allocates one address per family; range sets {earlier} and {set} are both {}",
+                family_name(family)
+            )));
+        }
+        set_families.push((set, family));
+    }
+    check_overlaps(&placed)?;
+    let of = |family: Family| {
+        placed
+            .iter()
+            .filter(|p| p.subnet.family() == family)
+            .map(|p| p.subnet)
+            .collect()
+    };
+    Ok((of(Family::V4), of(Family::V6)))
+}
+
+/// Parses one range set into `placed` and returns its single family.
+fn parse_range_set(
+    set: usize,
+    ranges: &[RawRange],
+    placed: &mut Vec<Placed>,
+) -> Result<Family, CniError> {
+    let first = placed.len();
+    for (index, range) in ranges.iter().enumerate() {
+        let subnet = parse_range(set, index, range)?;
+        placed.push(Placed { subnet, set, index });
+    }
+    let mut families = placed.iter().skip(first).map(|p| p.subnet.family());
+    let family = families.next().ok_or_else(|| {
+        CniError::invalid_config(format!("ipam.ranges[{set}] is an empty range set"))
+    })?;
+    if families.any(|f| f != family) {
+        return Err(CniError::invalid_config(format!(
+            "ipam.ranges[{set}] mixes IPv4 and IPv6 subnets"
+        )));
+    }
+    Ok(family)
+}
+
+fn parse_range(set: usize, index: usize, range: &RawRange) -> Result<Cidr, CniError> {
+    let key = format!("ipam.ranges[{set}][{index}]");
+    let text = range
+        .subnet
+        .as_deref()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| CniError::invalid_config(format!("{key}: missing subnet")))?;
+    let subnet: Cidr = text
+        .parse()
+        .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
+    for (field, value) in [
+        ("rangeStart", &range.range_start),
+        ("rangeEnd", &range.range_end),
+    ] {
+        if let Some(value) = value.as_deref().filter(|v| !v.is_empty()) {
+            return Err(CniError::unsupported_field(format!(
+                "unsupported field {key}.{field} = {value:?}: metis allocates whole blocks"
+            )));
+        }
+    }
+    if let Some(text) = range.gateway.as_deref().filter(|v| !v.is_empty()) {
+        check_gateway(&key, text, &subnet)?;
+    }
+    Ok(subnet)
+}
+
+/// A configured gateway is only accepted when it is the one Metis reports
+/// anyway, so configs copied from host-local keep working.
+fn check_gateway(key: &str, text: &str, subnet: &Cidr) -> Result<(), CniError> {
+    let gateway: IpAddr = text.parse().map_err(|_| {
+        CniError::invalid_config(format!("invalid {key}.gateway {text:?}: not an IP address"))
+    })?;
+    let computed = gateway_for(subnet);
+    if gateway == computed {
+        Ok(())
+    } else {
+        Err(CniError::unsupported_field(format!(
+            "unsupported field {key}.gateway = {text:?}: metis uses {computed} for {subnet}"
+        )))
+    }
+}
+
+fn check_overlaps(placed: &[Placed]) -> Result<(), CniError> {
+    for (i, a) in placed.iter().enumerate() {
+        if let Some(b) = placed
+            .iter()
+            .skip(i + 1)
+            .find(|b| a.subnet.overlaps(&b.subnet))
+        {
+            return Err(CniError::invalid_config(format!(
+                "{} {} overlaps {} {}",
+                a.key(),
+                a.subnet,
+                b.key(),
+                b.subnet
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn parse_routes(raw: &[RawRoute]) -> Result<Vec<Route>, CniError> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, r)| parse_route(i, r))
+        .collect()
+}
+
+fn parse_route(i: usize, raw: &RawRoute) -> Result<Route, CniError> {
+    let key = format!("ipam.routes[{i}]");
+    let dst_text = raw
+        .dst
+        .as_deref()
+        .ok_or_else(|| CniError::invalid_config(format!("{key}: missing dst")))?;
+    let dst: Cidr = dst_text
+        .parse()
+        .map_err(|e| CniError::invalid_config(format!("invalid {key}.dst: {e}")))?;
+    let gw = match raw.gw.as_deref().filter(|g| !g.is_empty()) {
+        None => None,
+        Some(text) => Some(parse_route_gw(&key, text, &dst)?),
+    };
+    let nonzero = |v: Option<u32>| v.filter(|n| *n != 0);
+    Ok(Route {
+        dst,
+        gw,
+        mtu: nonzero(raw.mtu),
+        advmss: nonzero(raw.advmss),
+        priority: nonzero(raw.priority),
+        table: raw.table,
+        scope: raw.scope,
+    })
+}
+
+fn parse_route_gw(key: &str, text: &str, dst: &Cidr) -> Result<IpAddr, CniError> {
+    let gw: IpAddr = text.parse().map_err(|_| {
+        CniError::invalid_config(format!("invalid {key}.gw {text:?}: not an IP address"))
+    })?;
+    if Family::of(gw) != dst.family() {
+        return Err(CniError::invalid_config(format!(
+            "invalid {key}.gw {text:?}: not of the same family as dst {dst}"
+        )));
+    }
+    Ok(gw)
+}
+
+/// `ipam.<key>` wins over the top-level `<key>`; empty means unset.
+fn path_setting(
+    key: &str,
+    ipam: &Option<String>,
+    top: &Option<String>,
+    default: &str,
+) -> Result<PathBuf, CniError> {
+    let non_empty = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    let (where_, value) = match (non_empty(ipam), non_empty(top)) {
+        (Some(v), _) => (format!("ipam.{key}"), v),
+        (None, Some(v)) => (key.to_string(), v),
+        (None, None) => return Ok(PathBuf::from(default)),
+    };
+    let path = PathBuf::from(&value);
+    if path.is_absolute() {
+        Ok(path)
+    } else {
+        Err(CniError::invalid_config(format!(
+            "invalid {where_} {value:?}: must be an absolute path"
+        )))
+    }
+}
+
+fn parse_ip_strings(key: &str, items: &[String]) -> Result<Vec<IpAddr>, CniError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            parse_ip_maybe_prefix(text)
+                .map(|(ip, _)| ip)
+                .ok_or_else(|| {
+                    CniError::invalid_config(format!(
+                        "invalid {key}[{i}] {text:?}: expected <ip>[/<prefix>]"
+                    ))
+                })
+        })
+        .collect()
+}
+
+impl NetConf {
+    /// For ADD and STATUS, which need something to allocate from.
+    pub fn require_ranges(&self) -> Result<(), CniError> {
+        if self.ipv4_ranges.is_empty() && self.ipv6_ranges.is_empty() {
+            Err(CniError::invalid_config(
+                "no IPAM ranges specified in config",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn ranges_of(&self, family: Family) -> &[Cidr] {
+        match family {
+            Family::V4 => &self.ipv4_ranges,
+            Family::V6 => &self.ipv6_ranges,
+        }
+    }
+
+    /// The specific addresses asked for: `runtimeConfig.ips`, then
+    /// `args.cni.ips` or, only when that is absent, `CNI_ARGS` `IP` (the
+    /// conventions say `args` overrides `CNI_ARGS`). Duplicates are dropped;
+    /// at most one per family, and only for families with a range. Whether
+    /// the address is inside a block is the daemon's call.
+    pub fn requested_addresses(&self, cni_args: &CniArgs) -> Result<Vec<IpAddr>, CniError> {
+        let from_args = self.args_ips.as_ref().unwrap_or(&cni_args.ips);
+        let mut wanted: Vec<IpAddr> = Vec::new();
+        for ip in self.runtime_config_ips.iter().chain(from_args) {
+            if !wanted.contains(ip) {
+                wanted.push(*ip);
+            }
+        }
+        for family in [Family::V4, Family::V6] {
+            let of_family: Vec<String> = wanted
+                .iter()
+                .filter(|ip| Family::of(**ip) == family)
+                .map(|ip| ip.to_string())
+                .collect();
+            if of_family.len() > 1 {
+                return Err(CniError::invalid_config(format!(
+                    "metis allocates one address per family; {} addresses requested: {}",
+                    family_name(family),
+                    of_family.join(", ")
+                )));
+            }
+            if let Some(ip) = of_family
+                .first()
+                .filter(|_| self.ranges_of(family).is_empty())
+            {
+                return Err(CniError::invalid_config(format!(
+                    "requested address {ip} is {} but no {} range is configured",
+                    family_name(family),
+                    family_name(family)
+                )));
+            }
+        }
+        Ok(wanted)
+    }
+
+    /// The addresses of `prevResult`: `ips[].address` (0.3.0 and later) or
+    /// `ip4.ip`/`ip6.ip` (0.1.0, 0.2.0). Empty when there is no prevResult.
+    pub fn prev_result_ips(&self) -> Result<Vec<IpAddr>, CniError> {
+        let Some(prev) = &self.prev_result else {
+            return Ok(Vec::new());
+        };
+        let obj = prev
+            .as_object()
+            .ok_or_else(|| CniError::invalid_config("invalid prevResult: not a JSON object"))?;
+        let present = |key: &str| obj.get(key).filter(|v| !v.is_null());
+        if let Some(ips) = present("ips") {
+            let list = ips.as_array().ok_or_else(|| {
+                CniError::invalid_config("invalid prevResult.ips: not a JSON array")
+            })?;
+            return list
+                .iter()
+                .enumerate()
+                .map(|(i, entry)| {
+                    prev_address(
+                        entry.get("address"),
+                        &format!("prevResult.ips[{i}].address"),
+                    )
+                })
+                .collect();
+        }
+        ["ip4", "ip6"]
+            .into_iter()
+            .filter_map(|key| present(key).map(|v| (key, v)))
+            .map(|(key, v)| prev_address(v.get("ip"), &format!("prevResult.{key}.ip")))
+            .collect()
+    }
+}
+
+/// A result address is `<ip>/<prefix>`.
+fn prev_address(value: Option<&serde_json::Value>, key: &str) -> Result<IpAddr, CniError> {
+    let text = value.and_then(|v| v.as_str());
+    text.and_then(parse_ip_maybe_prefix)
+        .and_then(|(ip, prefix)| prefix.map(|_| ip))
+        .ok_or_else(|| {
+            CniError::invalid_config(format!(
+                "invalid {key} {}: expected \"<ip>/<prefix>\"",
+                value.map_or_else(|| "(missing)".to_string(), |v| v.to_string())
+            ))
+        })
+}
+
+/// Largest duration Go can express: `i64::MAX` nanoseconds (~292 years).
+const MAX_DURATION_NS: u128 = i64::MAX.unsigned_abs() as u128;
+/// Fraction digits beyond this are below a nanosecond for every unit.
+const MAX_FRACTION_DIGITS: usize = 18;
+
+/// Parses a Go duration (`"0"`, `"500ms"`, `"1h30m"`, `"1.5s"`) into whole
+/// milliseconds, truncating. Units: ns, us, µs, μs, ms, s, m, h. A leading
+/// `+` is allowed as in Go; negative, empty, unit-less (except `"0"`) or
+/// over ~292 years gives `None`.
+pub fn parse_duration_ms(text: &str) -> Option<i64> {
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest == "0" {
+        return Some(0);
+    }
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total_ns: u128 = 0;
+    while !rest.is_empty() {
+        let (ns, tail) = duration_segment(rest)?;
+        total_ns = total_ns.checked_add(ns).filter(|t| *t <= MAX_DURATION_NS)?;
+        rest = tail;
+    }
+    i64::try_from(total_ns / 1_000_000).ok()
+}
+
+/// One `<number>[.<fraction>]<unit>` segment, in nanoseconds.
+fn duration_segment(text: &str) -> Option<(u128, &str)> {
+    let (int_digits, after) = split_digits(text);
+    let (frac_digits, after) = match after.strip_prefix('.') {
+        Some(after_dot) => split_digits(after_dot),
+        None => ("", after),
+    };
+    if int_digits.is_empty() && frac_digits.is_empty() {
+        return None;
+    }
+    let unit_len = after
+        .find(|c: char| c.is_ascii_digit() || c == '.')
+        .unwrap_or(after.len());
+    let (unit, tail) = after.split_at(unit_len);
+    let unit_ns: u128 = match unit {
+        "ns" => 1,
+        "us" | "µs" | "μs" => 1_000,
+        "ms" => 1_000_000,
+        "s" => 1_000_000_000,
+        "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
+        _ => return None,
+    };
+    let whole = digits_value(int_digits)?.checked_mul(unit_ns)?;
+    let fraction = fraction_ns(frac_digits, unit_ns)?;
+    Some((whole.checked_add(fraction)?, tail))
+}
+
+fn split_digits(text: &str) -> (&str, &str) {
+    let len = text.bytes().take_while(u8::is_ascii_digit).count();
+    text.split_at(len)
+}
+
+/// The value of ASCII digits; `None` beyond any representable duration.
+fn digits_value(digits: &str) -> Option<u128> {
+    digits.bytes().try_fold(0u128, |acc, b| {
+        acc.checked_mul(10)?
+            .checked_add(u128::from(b - b'0'))
+            .filter(|v| *v <= MAX_DURATION_NS)
+    })
+}
+
+fn fraction_ns(digits: &str, unit_ns: u128) -> Option<u128> {
+    let kept = digits.get(..MAX_FRACTION_DIGITS).unwrap_or(digits);
+    let value = digits_value(kept)?;
+    let scale = 10u128.checked_pow(u32::try_from(kept.len()).ok()?)?;
+    Some(value.checked_mul(unit_ns)? / scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cni::error::{
+        DECODE_FAILURE, INCOMPATIBLE_VERSION, INVALID_CONFIG, UNSUPPORTED_FIELD,
+    };
+    use serde_json::json;
+
+    fn cidr(text: &str) -> Cidr {
+        text.parse().unwrap()
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    /// A top-level Metis config with `ipam` fields merged in.
+    fn with_ipam(ipam: serde_json::Value) -> serde_json::Value {
+        let mut conf = json!({
+            "cniVersion": "1.0.0", "name": "metis-network", "type": "metis",
+            "ipam": {"type": "metis"}
+        });
+        if let (Some(target), Some(extra)) = (conf["ipam"].as_object_mut(), ipam.as_object()) {
+            target.extend(extra.clone());
+        }
+        conf
+    }
+
+    fn parse_value(value: &serde_json::Value) -> Result<NetConf, CniError> {
+        parse(value.to_string().as_bytes())
+    }
+
+    fn ok(value: serde_json::Value) -> NetConf {
+        parse_value(&value).unwrap_or_else(|e| panic!("{value}: {e}"))
+    }
+
+    fn err(value: serde_json::Value) -> CniError {
+        match parse_value(&value) {
+            Err(e) => e,
+            Ok(conf) => panic!("{value} parsed: {conf:?}"),
+        }
+    }
+
+    fn ranges(sets: serde_json::Value) -> serde_json::Value {
+        with_ipam(json!({ "ranges": sets }))
+    }
+
+    #[test]
+    fn upstream_test_config() {
+        let conf = ok(json!({
+            "cniVersion": "0.4.0", "name": "metis-network", "type": "metis",
+            "ipam": {"type": "metis", "ranges": [[{"subnet": "10.240.0.0/24"}]],
+                     "routes": [{"dst": "0.0.0.0/0"}]}
+        }));
+        assert_eq!(conf.cni_version, "0.4.0");
+        assert_eq!(conf.name, "metis-network");
+        assert_eq!(conf.plugin_type, "metis");
+        assert_eq!(conf.ipam_type, "metis");
+        assert!(!conf.delegated);
+        assert_eq!(conf.network, "metis-network");
+        assert_eq!(conf.ipv4_ranges, vec![cidr("10.240.0.0/24")]);
+        assert!(conf.ipv6_ranges.is_empty());
+        assert_eq!(
+            conf.routes,
+            vec![Route {
+                dst: cidr("0.0.0.0/0"),
+                gw: None,
+                mtu: None,
+                advmss: None,
+                priority: None,
+                table: None,
+                scope: None
+            }]
+        );
+        assert_eq!(conf.daemon_socket, PathBuf::from(DEFAULT_DAEMON_SOCKET));
+        assert_eq!(conf.db_path, PathBuf::from(DEFAULT_DB_PATH));
+        assert_eq!(conf.log_file, PathBuf::from(DEFAULT_LOG_FILE));
+        assert_eq!(conf.log_level, None);
+        assert_eq!(conf.gc_grace_period_ms, DEFAULT_GC_GRACE_PERIOD_MS);
+        assert_eq!(conf.valid_attachments, None);
+        assert_eq!(conf.prev_result, None);
+        assert_eq!(conf.args_ips, None);
+        assert!(conf.runtime_config_ips.is_empty());
+        assert!(conf.require_ranges().is_ok());
+    }
+
+    #[test]
+    fn delegated_dual_stack_takes_every_subnet() {
+        let conf = ok(json!({
+            "cniVersion": "1.1.0", "name": "k8s-pod-network", "type": "bridge", "bridge": "cni0",
+            "ipam": {"type": "metis", "network": "pods",
+                     "ranges": [[{"subnet": "10.160.7.0/24"}, {"subnet": "10.160.9.0/24", "gateway": "10.160.9.1"}],
+                                [{"subnet": "2600:1900:4040:ae7:0:7::/112"}]],
+                     "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]}
+        }));
+        assert!(conf.delegated);
+        assert_eq!(conf.network, "pods");
+        assert_eq!(
+            conf.ipv4_ranges,
+            vec![cidr("10.160.7.0/24"), cidr("10.160.9.0/24")]
+        );
+        assert_eq!(conf.ipv6_ranges, vec![cidr("2600:1900:4040:ae7:0:7::/112")]);
+        assert_eq!(conf.routes.len(), 2);
+    }
+
+    #[test]
+    fn no_ipam_object_is_not_delegated_and_has_no_ranges() {
+        let conf = ok(json!({"cniVersion": "1.1.0", "name": "n", "type": "metis"}));
+        assert!(!conf.delegated);
+        assert_eq!(conf.ipam_type, "");
+        let e = conf.require_ranges().unwrap_err();
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert_eq!(e.msg, "no IPAM ranges specified in config");
+    }
+
+    #[test]
+    fn bad_json_is_code_6() {
+        for text in [
+            "",
+            "{",
+            "[]",
+            r#"{"cniVersion": 1}"#,
+            r#"{"ipam": {"ranges": {}}}"#,
+            r#"{"ipam": {"routes": [{"dst": "0.0.0.0/0", "mtu": -1}]}}"#,
+            r#"{"runtimeConfig": {"ips": "10.0.0.1"}}"#,
+        ] {
+            let e = parse(text.as_bytes()).unwrap_err();
+            assert_eq!(e.code, DECODE_FAILURE, "{text}");
+            assert!(
+                e.msg.starts_with("failed to parse network configuration: "),
+                "{}",
+                e.msg
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_nulls_are_ignored() {
+        let conf = ok(json!({
+            "cniVersion": "1.0.0", "name": "n", "type": "bridge", "isGateway": true,
+            "ipam": {"type": "metis", "dataDir": "/x", "ranges": null, "routes": null},
+            "args": {"k8s": {"x": 1}, "cni": {"labels": [{"key": "a", "value": "b"}]}},
+            "runtimeConfig": {"portMappings": [{"hostPort": 80}]},
+            "prevResult": null
+        }));
+        assert_eq!(conf.args_ips, None);
+        assert_eq!(conf.prev_result, None);
+    }
+
+    #[test]
+    fn missing_version_or_name_is_code_7() {
+        let e = err(json!({"name": "n"}));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "missing required key \"cniVersion\"")
+        );
+        let e = err(json!({"cniVersion": "1.0.0"}));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "missing required key \"name\"")
+        );
+        let e = err(json!({"cniVersion": "1.0.0", "name": ""}));
+        assert_eq!(e.code, INVALID_CONFIG);
+    }
+
+    #[test]
+    fn unsupported_version_is_code_1() {
+        let e = err(json!({"cniVersion": "0.5.0", "name": "n"}));
+        assert_eq!(e.code, INCOMPATIBLE_VERSION);
+        assert!(e.msg.contains("\"0.5.0\""));
+    }
+
+    #[test]
+    fn bad_name_is_code_7() {
+        let e = err(json!({"cniVersion": "1.0.0", "name": "my net"}));
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert!(
+            e.msg.starts_with("invalid network name \"my net\""),
+            "{}",
+            e.msg
+        );
+    }
+
+    #[test]
+    fn subnet_with_host_bits_names_network() {
+        let e = err(ranges(json!([[{"subnet": "10.240.0.1/24"}]])));
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert_eq!(
+            e.msg,
+            "invalid ipam.ranges[0][0].subnet: invalid CIDR \"10.240.0.1/24\": host bits set; the network address is 10.240.0.0/24"
+        );
+    }
+
+    #[test]
+    fn unparseable_or_missing_subnet() {
+        let e = err(ranges(
+            json!([[{"subnet": "10.240.0.0/24"}], [{"subnet": "nope"}]]),
+        ));
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert!(
+            e.msg
+                .starts_with("invalid ipam.ranges[1][0].subnet: invalid CIDR \"nope\""),
+            "{}",
+            e.msg
+        );
+        let e = err(ranges(json!([[{"gateway": "10.0.0.1"}]])));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "ipam.ranges[0][0]: missing subnet")
+        );
+    }
+
+    #[test]
+    fn mixed_family_set() {
+        let e = err(ranges(
+            json!([[{"subnet": "10.0.0.0/24"}, {"subnet": "2001:db8::/64"}]]),
+        ));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "ipam.ranges[0] mixes IPv4 and IPv6 subnets")
+        );
+    }
+
+    #[test]
+    fn two_sets_of_one_family() {
+        let e = err(ranges(json!([
+            [{"subnet": "10.0.0.0/24"}], [{"subnet": "2001:db8::/64"}], [{"subnet": "10.1.0.0/24"}]
+        ])));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "metis allocates one address per family; range sets 0 and 2 are both IPv4"
+            )
+        );
+    }
+
+    #[test]
+    fn overlapping_subnets_are_both_named() {
+        let e = err(ranges(
+            json!([[{"subnet": "10.0.0.0/16"}, {"subnet": "10.0.4.0/24"}]]),
+        ));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "ipam.ranges[0][0].subnet 10.0.0.0/16 overlaps ipam.ranges[0][1].subnet 10.0.4.0/24"
+            )
+        );
+    }
+
+    #[test]
+    fn empty_ranges_or_set() {
+        let e = err(ranges(json!([])));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "ipam.ranges is empty")
+        );
+        let e = err(ranges(json!([[{"subnet": "10.0.0.0/24"}], []])));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (INVALID_CONFIG, "ipam.ranges[1] is an empty range set")
+        );
+    }
+
+    #[test]
+    fn range_start_and_end_are_unsupported() {
+        let e = err(ranges(
+            json!([[{"subnet": "10.0.0.0/24", "rangeStart": "10.0.0.10"}]]),
+        ));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                UNSUPPORTED_FIELD,
+                "unsupported field ipam.ranges[0][0].rangeStart = \"10.0.0.10\": metis allocates whole blocks"
+            )
+        );
+        let e = err(ranges(
+            json!([[{"subnet": "10.0.0.0/24", "rangeEnd": "10.0.0.20"}]]),
+        ));
+        assert_eq!(e.code, UNSUPPORTED_FIELD);
+        assert!(e.msg.contains("rangeEnd = \"10.0.0.20\""), "{}", e.msg);
+    }
+
+    #[test]
+    fn gateway_must_match_computed() {
+        ok(ranges(
+            json!([[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.1"}]]),
+        ));
+        ok(ranges(
+            json!([[{"subnet": "10.0.0.4/31", "gateway": "169.254.4.6"}]]),
+        ));
+        let e = err(ranges(
+            json!([[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.254"}]]),
+        ));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                UNSUPPORTED_FIELD,
+                "unsupported field ipam.ranges[0][0].gateway = \"10.0.0.254\": metis uses 10.0.0.1 for 10.0.0.0/24"
+            )
+        );
+        let e = err(ranges(json!([[{"subnet": "10.0.0.0/24", "gateway": "x"}]])));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "invalid ipam.ranges[0][0].gateway \"x\": not an IP address"
+            )
+        );
+    }
+
+    #[test]
+    fn route_fields() {
+        let conf = ok(with_ipam(json!({"routes": [
+            {"dst": "10.0.0.0/8", "gw": "10.0.0.1", "mtu": 1400, "advmss": 0, "priority": 3, "table": 0, "scope": 253}
+        ]})));
+        assert_eq!(
+            conf.routes,
+            vec![Route {
+                dst: cidr("10.0.0.0/8"),
+                gw: Some(ip("10.0.0.1")),
+                mtu: Some(1400),
+                advmss: None,
+                priority: Some(3),
+                table: Some(0),
+                scope: Some(253)
+            }]
+        );
+    }
+
+    #[test]
+    fn bad_routes_name_the_index() {
+        let cases = [
+            (
+                json!([{"dst": "0.0.0.0/0"}, {"dst": "10.0.0.1/8"}]),
+                "invalid ipam.routes[1].dst: invalid CIDR \"10.0.0.1/8\": host bits set; the network address is 10.0.0.0/8",
+            ),
+            (json!([{"gw": "10.0.0.1"}]), "ipam.routes[0]: missing dst"),
+            (
+                json!([{"dst": "0.0.0.0/0", "gw": "bogus"}]),
+                "invalid ipam.routes[0].gw \"bogus\": not an IP address",
+            ),
+            (
+                json!([{"dst": "::/0", "gw": "10.0.0.1"}]),
+                "invalid ipam.routes[0].gw \"10.0.0.1\": not of the same family as dst ::/0",
+            ),
+        ];
+        for (routes, msg) in cases {
+            let e = err(with_ipam(json!({ "routes": routes })));
+            assert_eq!((e.code, e.msg.as_str()), (INVALID_CONFIG, msg));
+        }
+    }
+
+    #[test]
+    fn paths_ipam_wins_over_top_level() {
+        let mut value = with_ipam(json!({"dbPath": "/ipam/db", "daemonSocket": ""}));
+        value["dbPath"] = json!("/top/db");
+        value["daemonSocket"] = json!("/top/sock");
+        value["logFile"] = json!("/top/log");
+        let conf = ok(value);
+        assert_eq!(conf.db_path, PathBuf::from("/ipam/db"));
+        assert_eq!(conf.daemon_socket, PathBuf::from("/top/sock"));
+        assert_eq!(conf.log_file, PathBuf::from("/top/log"));
+    }
+
+    #[test]
+    fn relative_paths_are_code_7() {
+        let e = err(with_ipam(json!({"logFile": "metis.log"})));
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "invalid ipam.logFile \"metis.log\": must be an absolute path"
+            )
+        );
+        let mut value = with_ipam(json!({}));
+        value["daemonSocket"] = json!("run/x.sock");
+        let e = err(value);
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "invalid daemonSocket \"run/x.sock\": must be an absolute path"
+            )
+        );
+    }
+
+    #[test]
+    fn log_level_and_grace_period() {
+        let conf = ok(with_ipam(
+            json!({"logLevel": "debug", "gcGracePeriod": "1h30m"}),
+        ));
+        assert_eq!(conf.log_level.as_deref(), Some("debug"));
+        assert_eq!(conf.gc_grace_period_ms, 90 * 60 * 1000);
+        let e = err(with_ipam(json!({"gcGracePeriod": "5 minutes"})));
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert!(
+            e.msg
+                .starts_with("invalid ipam.gcGracePeriod \"5 minutes\""),
+            "{}",
+            e.msg
+        );
+    }
+
+    #[test]
+    fn attachments_prefer_valid_key() {
+        let mut value = with_ipam(json!({}));
+        value["cni.dev/attachments"] = json!([{"containerID": "old", "ifname": "eth0"}]);
+        let conf = ok(value.clone());
+        assert_eq!(
+            conf.valid_attachments,
+            Some(vec![Attachment {
+                container_id: "old".into(),
+                ifname: "eth0".into()
+            }])
+        );
+        value["cni.dev/valid-attachments"] = json!([{"containerID": "new", "ifname": "net1"}, {"containerID": "b", "ifname": "eth0"}]);
+        let conf = ok(value);
+        let ids: Vec<String> = conf
+            .valid_attachments
+            .unwrap()
+            .into_iter()
+            .map(|a| a.container_id)
+            .collect();
+        assert_eq!(ids, ["new", "b"]);
+        let mut value = with_ipam(json!({}));
+        value["cni.dev/valid-attachments"] = json!([]);
+        assert_eq!(ok(value).valid_attachments, Some(vec![]));
+    }
+
+    #[test]
+    fn requested_ips_sources() {
+        let dual = json!([[{"subnet": "10.0.0.0/24"}], [{"subnet": "2001:db8::/64"}]]);
+        let mut value = ranges(dual.clone());
+        value["runtimeConfig"] = json!({"ips": ["10.0.0.5/24"]});
+        let conf = ok(value.clone());
+        let cni_args = CniArgs {
+            ips: vec![ip("2001:db8::9"), ip("10.0.0.5")],
+            ..CniArgs::default()
+        };
+        // CNI_ARGS used while args.cni.ips is absent; duplicates dropped.
+        assert_eq!(
+            conf.requested_addresses(&cni_args).unwrap(),
+            vec![ip("10.0.0.5"), ip("2001:db8::9")]
+        );
+        // args.cni.ips present (even empty) → CNI_ARGS ignored.
+        value["args"] = json!({"cni": {"ips": []}});
+        assert_eq!(
+            ok(value.clone()).requested_addresses(&cni_args).unwrap(),
+            vec![ip("10.0.0.5")]
+        );
+        value["args"] = json!({"cni": {"ips": ["2001:db8::7/64"]}});
+        let conf = ok(value);
+        assert_eq!(conf.args_ips, Some(vec![ip("2001:db8::7")]));
+        assert_eq!(
+            conf.requested_addresses(&cni_args).unwrap(),
+            vec![ip("10.0.0.5"), ip("2001:db8::7")]
+        );
+    }
+
+    #[test]
+    fn requested_ips_errors() {
+        let mut value = ranges(json!([[{"subnet": "10.0.0.0/24"}]]));
+        value["runtimeConfig"] = json!({"ips": ["10.0.0.5", "10.0.0.6"]});
+        let e = ok(value.clone())
+            .requested_addresses(&CniArgs::default())
+            .unwrap_err();
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "metis allocates one address per family; IPv4 addresses requested: 10.0.0.5, 10.0.0.6"
+            )
+        );
+        value["runtimeConfig"] = json!({"ips": ["2001:db8::1"]});
+        let e = ok(value.clone())
+            .requested_addresses(&CniArgs::default())
+            .unwrap_err();
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "requested address 2001:db8::1 is IPv6 but no IPv6 range is configured"
+            )
+        );
+        value["runtimeConfig"] = json!({"ips": ["10.0.0.5/33"]});
+        let e = err(value.clone());
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "invalid runtimeConfig.ips[0] \"10.0.0.5/33\": expected <ip>[/<prefix>]"
+            )
+        );
+        value["runtimeConfig"] = json!({});
+        value["args"] = json!({"cni": {"ips": ["10.0.0.5", "nope"]}});
+        let e = err(value);
+        assert_eq!(
+            (e.code, e.msg.as_str()),
+            (
+                INVALID_CONFIG,
+                "invalid args.cni.ips[1] \"nope\": expected <ip>[/<prefix>]"
+            )
+        );
+    }
+
+    #[test]
+    fn prev_result_ips_v1_shape() {
+        let mut value = with_ipam(json!({}));
+        value["prevResult"] = json!({
+            "cniVersion": "1.0.0",
+            "interfaces": [{"name": "eth0", "sandbox": "/ns"}],
+            "ips": [{"interface": 0, "address": "10.240.0.5/24", "gateway": "10.240.0.1"},
+                    {"address": "2600:1900::5/112"}]
+        });
+        assert_eq!(
+            ok(value).prev_result_ips().unwrap(),
+            vec![ip("10.240.0.5"), ip("2600:1900::5")]
+        );
+    }
+
+    #[test]
+    fn prev_result_ips_v02_shape() {
+        let mut value = with_ipam(json!({}));
+        value["prevResult"] = json!({
+            "cniVersion": "0.2.0",
+            "ip4": {"ip": "10.240.0.5/24", "gateway": "10.240.0.1"},
+            "ip6": {"ip": "2001:db8::5/64"}
+        });
+        assert_eq!(
+            ok(value).prev_result_ips().unwrap(),
+            vec![ip("10.240.0.5"), ip("2001:db8::5")]
+        );
+    }
+
+    #[test]
+    fn prev_result_absent_or_without_ips() {
+        assert!(
+            ok(with_ipam(json!({})))
+                .prev_result_ips()
+                .unwrap()
+                .is_empty()
+        );
+        let mut value = with_ipam(json!({}));
+        value["prevResult"] = json!({"cniVersion": "1.0.0", "interfaces": []});
+        assert!(ok(value).prev_result_ips().unwrap().is_empty());
+    }
+
+    #[test]
+    fn malformed_prev_result_is_code_7() {
+        let cases = [
+            (json!("x"), "invalid prevResult: not a JSON object"),
+            (
+                json!({"ips": {}}),
+                "invalid prevResult.ips: not a JSON array",
+            ),
+            (
+                json!({"ips": [{"address": "10.0.0.5"}]}),
+                "invalid prevResult.ips[0].address \"10.0.0.5\": expected \"<ip>/<prefix>\"",
+            ),
+            (
+                json!({"ips": [{"gateway": "10.0.0.1"}]}),
+                "invalid prevResult.ips[0].address (missing): expected \"<ip>/<prefix>\"",
+            ),
+            (
+                json!({"ip4": {"ip": 5}}),
+                "invalid prevResult.ip4.ip 5: expected \"<ip>/<prefix>\"",
+            ),
+        ];
+        for (prev, msg) in cases {
+            let mut value = with_ipam(json!({}));
+            value["prevResult"] = prev;
+            let e = ok(value).prev_result_ips().unwrap_err();
+            assert_eq!((e.code, e.msg.as_str()), (INVALID_CONFIG, msg));
+        }
+    }
+
+    #[test]
+    fn durations() {
+        for (text, ms) in [
+            ("0", 0),
+            ("+0", 0),
+            ("0s", 0),
+            ("5m", 300_000),
+            ("1h30m", 5_400_000),
+            ("500ms", 500),
+            ("1.5s", 1_500),
+            (".5s", 500),
+            ("1.s", 1_000),
+            ("1500us", 1),
+            ("1500µs", 1),
+            ("1500μs", 1),
+            ("999999ns", 0),
+            ("1h1m1s1ms", 3_661_001),
+            ("2562047h", 2_562_047 * 3_600_000),
+            ("0.000000000000000000001h", 0),
+        ] {
+            assert_eq!(parse_duration_ms(text), Some(ms), "{text}");
+        }
+        for text in [
+            "",
+            "+",
+            "-5m",
+            "5",
+            "5x",
+            "m",
+            ".s",
+            "1..5s",
+            "5m-1s",
+            " 5m",
+            "5m ",
+            "1h 30m",
+            "3000000h",
+            "9223372036854775808ns",
+            "99999999999999999999999999999999999999999h",
+        ] {
+            assert_eq!(parse_duration_ms(text), None, "{text}");
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The CNI error object and the codes Metis reports. Codes below 100 are the
+//! spec's well-known ones; 100 and up are Metis-specific (the spec reserves
+//! 0–99 and leaves 100+ to plugins).
+
+use serde::Serialize;
+use std::fmt;
+use std::path::Path;
+
+use crate::store::StoreError;
+use crate::wire::client::ClientError;
+use crate::wire::{Code, Status, reason};
+
+/// Incompatible CNI version.
+pub const INCOMPATIBLE_VERSION: u32 = 1;
+/// Unsupported field in the network configuration; the message names key and value.
+pub const UNSUPPORTED_FIELD: u32 = 2;
+/// Container unknown or does not exist.
+pub const UNKNOWN_CONTAINER: u32 = 3;
+/// Invalid necessary environment variables; the message names them.
+pub const INVALID_ENV: u32 = 4;
+/// I/O failure, e.g. reading the configuration from stdin.
+pub const IO_FAILURE: u32 = 5;
+/// Failed to decode content (configuration or version info).
+pub const DECODE_FAILURE: u32 = 6;
+/// Invalid network configuration.
+pub const INVALID_CONFIG: u32 = 7;
+/// Transient condition; the runtime should retry.
+pub const TRY_AGAIN_LATER: u32 = 11;
+/// STATUS: the plugin cannot service ADD.
+pub const PLUGIN_NOT_AVAILABLE: u32 = 50;
+/// STATUS: existing containers may have limited connectivity.
+pub const LIMITED_CONNECTIVITY: u32 = 51;
+/// Metis: the address requested via `runtimeConfig.ips`, `args.cni.ips` or
+/// `CNI_ARGS` `IP` is taken or outside every block of the network.
+pub const ADDRESS_UNAVAILABLE: u32 = 100;
+/// Metis, CHECK: no allocation exists for (network, container, interface).
+pub const NO_ALLOCATION: u32 = 101;
+/// Metis, CHECK: the stored allocation differs from the addresses in `prevResult`.
+pub const ALLOCATION_DIFFERS: u32 = 102;
+/// Metis: the daemon rejected the request or failed internally.
+pub const DAEMON_ERROR: u32 = 103;
+/// Metis: the local store is corrupt or unusable (direct mode).
+pub const STORE_FAILURE: u32 = 104;
+
+/// A CNI error: printed as JSON on stdout before a non-zero exit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CniError {
+    pub code: u32,
+    pub msg: String,
+    pub details: String,
+}
+
+impl CniError {
+    pub fn new(code: u32, msg: impl Into<String>) -> CniError {
+        CniError {
+            code,
+            msg: msg.into(),
+            details: String::new(),
+        }
+    }
+
+    /// Adds the optional longer explanation.
+    pub fn with_details(mut self, details: impl Into<String>) -> CniError {
+        self.details = details.into();
+        self
+    }
+
+    pub fn incompatible_version(msg: impl Into<String>) -> CniError {
+        CniError::new(INCOMPATIBLE_VERSION, msg)
+    }
+
+    pub fn unsupported_field(msg: impl Into<String>) -> CniError {
+        CniError::new(UNSUPPORTED_FIELD, msg)
+    }
+
+    pub fn unknown_container(msg: impl Into<String>) -> CniError {
+        CniError::new(UNKNOWN_CONTAINER, msg)
+    }
+
+    pub fn invalid_env(msg: impl Into<String>) -> CniError {
+        CniError::new(INVALID_ENV, msg)
+    }
+
+    pub fn io(msg: impl Into<String>) -> CniError {
+        CniError::new(IO_FAILURE, msg)
+    }
+
+    pub fn decode(msg: impl Into<String>) -> CniError {
+        CniError::new(DECODE_FAILURE, msg)
+    }
+
+    pub fn invalid_config(msg: impl Into<String>) -> CniError {
+        CniError::new(INVALID_CONFIG, msg)
+    }
+
+    pub fn try_again_later(msg: impl Into<String>) -> CniError {
+        CniError::new(TRY_AGAIN_LATER, msg)
+    }
+
+    pub fn plugin_not_available(msg: impl Into<String>) -> CniError {
+        CniError::new(PLUGIN_NOT_AVAILABLE, msg)
+    }
+
+    pub fn limited_connectivity(msg: impl Into<String>) -> CniError {
+        CniError::new(LIMITED_CONNECTIVITY, msg)
+    }
+
+    pub fn address_unavailable(msg: impl Into<String>) -> CniError {
+        CniError::new(ADDRESS_UNAVAILABLE, msg)
+    }
+
+    pub fn no_allocation(msg: impl Into<String>) -> CniError {
+        CniError::new(NO_ALLOCATION, msg)
+    }
+
+    pub fn allocation_differs(msg: impl Into<String>) -> CniError {
+        CniError::new(ALLOCATION_DIFFERS, msg)
+    }
+
+    pub fn daemon(msg: impl Into<String>) -> CniError {
+        CniError::new(DAEMON_ERROR, msg)
+    }
+
+    pub fn store(msg: impl Into<String>) -> CniError {
+        CniError::new(STORE_FAILURE, msg)
+    }
+
+    /// The spec's error object, pretty-printed like Go's `types.PrettyPrint`.
+    /// `cniVersion` is included (the spec has it, Go omits it) unless
+    /// `cni_version` is empty, e.g. when the config could not be read.
+    pub fn to_json(&self, cni_version: &str) -> String {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            #[serde(rename = "cniVersion", skip_serializing_if = "str::is_empty")]
+            cni_version: &'a str,
+            code: u32,
+            msg: &'a str,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            details: &'a str,
+        }
+        pretty_json(&Wire {
+            cni_version,
+            code: self.code,
+            msg: &self.msg,
+            details: &self.details,
+        })
+    }
+}
+
+/// Where Metis's own failures become CNI codes: daemon statuses, socket
+/// failures and direct-mode store failures are mapped here and nowhere else.
+impl CniError {
+    /// An error status from the daemon (or the in-process engine).
+    pub fn from_status(status: Option<&Status>) -> CniError {
+        let Some(status) = status else {
+            return CniError::daemon("the daemon answered without a status");
+        };
+        let code = Code::try_from(status.code).unwrap_or(Code::Internal);
+        let message = status.message.clone();
+        match (code, status.reason.as_str()) {
+            (_, reason::IP_POOL_EXHAUSTED) => {
+                CniError::try_again_later("IP address pool exhausted").with_details(message)
+            }
+            (_, reason::REQUESTED_IP_UNAVAILABLE) => CniError::address_unavailable(message),
+            (_, reason::STORE_CORRUPT) => CniError::store(message),
+            (_, reason::STORE_UNAVAILABLE | reason::TOO_MANY_CONNECTIONS)
+            | (Code::Unavailable, _) => CniError::try_again_later(message),
+            (Code::NotFound, _) => CniError::no_allocation(message),
+            (Code::InvalidArgument, _) => CniError::invalid_config(message),
+            _ => CniError::daemon(message).with_details(format!(
+                "status {}, reason {}",
+                code.as_str_name(),
+                status.reason
+            )),
+        }
+    }
+
+    /// The daemon was reached but no valid response came back: the outcome is
+    /// unknown, and every verb is idempotent, so the runtime should retry.
+    pub fn from_client(err: &ClientError) -> CniError {
+        CniError::try_again_later(err.to_string())
+    }
+
+    /// Direct mode could not open the database.
+    pub fn from_store_open(path: &Path, err: &StoreError) -> CniError {
+        let message = format!(
+            "the metis daemon is unreachable and the database {} cannot be used: {err}",
+            path.display()
+        );
+        if err.is_transient() {
+            CniError::try_again_later(message)
+        } else {
+            CniError::store(message)
+        }
+    }
+
+    /// A response of the wrong kind for the request: a daemon bug or a
+    /// version mismatch between plugin and daemon.
+    pub fn unexpected_response(verb: &str) -> CniError {
+        CniError::daemon(format!("the daemon sent an unexpected reply to {verb}"))
+    }
+}
+
+impl fmt::Display for CniError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.details.is_empty() {
+            write!(f, "{}", self.msg)
+        } else {
+            write!(f, "{}: {}", self.msg, self.details)
+        }
+    }
+}
+
+impl std::error::Error for CniError {}
+
+/// JSON with a 4-space indent and no trailing newline, as Go's
+/// `json.MarshalIndent(v, "", "    ")`. Only used on structs with string
+/// keys, for which serialization cannot fail; the fallback keeps stdout
+/// parseable should that ever change.
+pub(crate) fn pretty_json<T: Serialize>(value: &T) -> String {
+    let mut out = Vec::new();
+    let formatter = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
+    match value.serialize(&mut ser) {
+        Ok(()) => String::from_utf8(out).unwrap_or_else(|_| "{}".to_string()),
+        Err(_) => "{}".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prints_spec_error_object_in_key_order() {
+        let err = CniError::invalid_config("invalid configuration")
+            .with_details("network 192.168.0.0/31 too small");
+        assert_eq!(
+            err.to_json("1.1.0"),
+            r#"{
+    "cniVersion": "1.1.0",
+    "code": 7,
+    "msg": "invalid configuration",
+    "details": "network 192.168.0.0/31 too small"
+}"#
+        );
+    }
+
+    #[test]
+    fn omits_empty_details_and_version() {
+        let err = CniError::invalid_env("required environment variables missing: CNI_NETNS");
+        assert_eq!(
+            err.to_json(""),
+            r#"{
+    "code": 4,
+    "msg": "required environment variables missing: CNI_NETNS"
+}"#
+        );
+    }
+
+    #[test]
+    fn escapes_strings() {
+        let err = CniError::decode("bad \"quote\"\n");
+        assert!(err.to_json("0.4.0").contains(r#""msg": "bad \"quote\"\n""#));
+    }
+
+    #[test]
+    fn constructors_pick_codes() {
+        let cases = [
+            (CniError::incompatible_version("x"), 1),
+            (CniError::unsupported_field("x"), 2),
+            (CniError::unknown_container("x"), 3),
+            (CniError::invalid_env("x"), 4),
+            (CniError::io("x"), 5),
+            (CniError::decode("x"), 6),
+            (CniError::invalid_config("x"), 7),
+            (CniError::try_again_later("x"), 11),
+            (CniError::plugin_not_available("x"), 50),
+            (CniError::limited_connectivity("x"), 51),
+            (CniError::address_unavailable("x"), 100),
+            (CniError::no_allocation("x"), 101),
+            (CniError::allocation_differs("x"), 102),
+            (CniError::daemon("x"), 103),
+            (CniError::store("x"), 104),
+        ];
+        for (err, code) in cases {
+            assert_eq!(err.code, code, "{err:?}");
+        }
+    }
+
+    #[test]
+    fn display_joins_details() {
+        assert_eq!(CniError::io("read stdin").to_string(), "read stdin");
+        assert_eq!(
+            CniError::io("read stdin")
+                .with_details("broken pipe")
+                .to_string(),
+            "read stdin: broken pipe"
+        );
+    }
+}

@@ -1,0 +1,197 @@
+//! One client connection of the daemon: non-blocking buffers and deadlines,
+//! so no client can hold the single-threaded loop.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use prost::Message;
+
+use crate::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
+use crate::wire::{Code, Request, Response, reason};
+
+/// Bytes read from a socket per `read` call.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Timing limits applied to every connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A connection with nothing in flight is closed after this long.
+    pub idle: Duration,
+    /// A started request must fully arrive, and a response fully drain,
+    /// within this; a client trickling bytes is cut off here.
+    pub request: Duration,
+}
+
+/// What the loop should do with a connection after an event.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub enum State {
+    Open,
+    Closed,
+}
+
+pub struct Conn {
+    stream: UnixStream,
+    limits: Limits,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    written: usize,
+    last_activity: Instant,
+    /// When the first byte of the request still being received arrived.
+    partial_since: Option<Instant>,
+    /// When the oldest unsent response byte was queued.
+    write_since: Option<Instant>,
+    /// Set after a fatal protocol error: flush the reply, then close.
+    closing: bool,
+    peer_closed: bool,
+}
+
+impl Conn {
+    pub fn new(stream: UnixStream, limits: Limits, now: Instant) -> Conn {
+        Conn {
+            stream,
+            limits,
+            input: Vec::new(),
+            output: Vec::new(),
+            written: 0,
+            last_activity: now,
+            partial_since: None,
+            write_since: None,
+            closing: false,
+            peer_closed: false,
+        }
+    }
+
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// When this connection is closed unless something happens first.
+    pub fn deadline(&self) -> Instant {
+        match (self.write_since, self.partial_since) {
+            (Some(since), _) | (None, Some(since)) => since + self.limits.request,
+            (None, None) => self.last_activity + self.limits.idle,
+        }
+    }
+
+    /// Whether there are response bytes waiting for the socket.
+    pub fn wants_write(&self) -> bool {
+        self.written < self.output.len()
+    }
+
+    /// Queues a response that ends the connection (cap reached, peer
+    /// refused, protocol error): it is flushed, then the socket closed.
+    pub fn refuse(&mut self, code: Code, why: &str, message: String, now: Instant) -> State {
+        self.queue(&Response::error(code, why, message), now);
+        self.closing = true;
+        self.flush(now)
+    }
+
+    /// Reads what the socket has, then answers every complete request with
+    /// `handle`.
+    pub fn on_readable(
+        &mut self,
+        now: Instant,
+        handle: &mut dyn FnMut(Request) -> Response,
+    ) -> State {
+        if self.fill_input(now) == State::Closed {
+            return State::Closed;
+        }
+        while !self.closing {
+            match frame::split(&self.input, MAX_REQUEST_FRAME) {
+                Ok(Some((payload, used))) => {
+                    let decoded = self.input.get(payload).map(Request::decode);
+                    let reply = match decoded {
+                        Some(Ok(request)) => handle(request),
+                        Some(Err(err)) => Response::error(
+                            Code::InvalidArgument,
+                            reason::MALFORMED_REQUEST,
+                            format!("undecodable request: {err}"),
+                        ),
+                        None => break,
+                    };
+                    self.input.drain(..used);
+                    self.queue(&reply, now);
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    self.input.clear();
+                    return self.refuse(
+                        Code::InvalidArgument,
+                        reason::MALFORMED_REQUEST,
+                        err.to_string(),
+                        now,
+                    );
+                }
+            }
+        }
+        self.partial_since = match (self.input.is_empty(), self.partial_since) {
+            (true, _) => None,
+            (false, Some(since)) => Some(since),
+            (false, None) => Some(now),
+        };
+        self.flush(now)
+    }
+
+    /// Writes queued response bytes until the socket would block.
+    pub fn flush(&mut self, now: Instant) -> State {
+        while self.wants_write() {
+            let pending = self.output.get(self.written..).unwrap_or_default();
+            match self.stream.write(pending) {
+                Ok(0) => return State::Closed,
+                Ok(n) => {
+                    self.written += n;
+                    self.last_activity = now;
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return State::Open,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return State::Closed,
+            }
+        }
+        self.output.clear();
+        self.written = 0;
+        self.write_since = None;
+        if self.closing || self.peer_closed {
+            return State::Closed;
+        }
+        State::Open
+    }
+
+    fn fill_input(&mut self, now: Instant) -> State {
+        let mut chunk = [0u8; READ_CHUNK];
+        // Never buffer more than one maximal frame; the prefix check in
+        // `frame::split` refuses anything larger as soon as it is readable.
+        while self.input.len() < MAX_REQUEST_FRAME + frame::PREFIX_LEN {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    self.peer_closed = true;
+                    return State::Open;
+                }
+                Ok(n) => {
+                    self.input
+                        .extend_from_slice(chunk.get(..n).unwrap_or_default());
+                    self.last_activity = now;
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return State::Open,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return State::Closed,
+            }
+        }
+        State::Open
+    }
+
+    fn queue(&mut self, reply: &Response, now: Instant) {
+        let frame = frame::encode(&reply.encode_to_vec(), MAX_RESPONSE_FRAME).or_else(|err| {
+            let refusal = Response::error(
+                Code::ResourceExhausted,
+                reason::MALFORMED_REQUEST,
+                format!("response not sent: {err}; narrow the request with filters"),
+            );
+            frame::encode(&refusal.encode_to_vec(), MAX_RESPONSE_FRAME)
+        });
+        if let Ok(frame) = frame {
+            self.output.extend_from_slice(&frame);
+            self.write_since.get_or_insert(now);
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! The daemon's single-threaded loop: `poll` over the signal fd, the
+//! listening socket and every client. Each request is handled to completion
+//! in turn — that serialisation is what keeps the store simple — while slow
+//! or hostile clients only ever cost a non-blocking read or write.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixListener;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::socket::{getsockopt, sockopt};
+use nix::unistd::Uid;
+
+use super::conn::{Conn, Limits, State};
+use crate::engine::Engine;
+use crate::log;
+use crate::wire::{Code, reason};
+
+/// Longest single `poll` wait, so deadlines are checked at least this often.
+const MAX_POLL_WAIT: Duration = Duration::from_secs(1);
+
+/// How long shutdown waits for queued responses to drain.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
+
+/// Who may connect and how many at once.
+pub struct Admission {
+    pub max_connections: usize,
+    /// Users besides root and the daemon's own user.
+    pub allowed_uids: Vec<u32>,
+}
+
+impl Admission {
+    fn permits(&self, uid: u32) -> bool {
+        uid == 0 || uid == Uid::effective().as_raw() || self.allowed_uids.contains(&uid)
+    }
+}
+
+pub struct EventLoop {
+    listener: UnixListener,
+    signals: SignalFd,
+    engine: Engine,
+    conns: Vec<Conn>,
+    limits: Limits,
+    admission: Admission,
+}
+
+impl EventLoop {
+    pub fn new(
+        listener: UnixListener,
+        signals: SignalFd,
+        engine: Engine,
+        limits: Limits,
+        admission: Admission,
+    ) -> EventLoop {
+        EventLoop {
+            listener,
+            signals,
+            engine,
+            conns: Vec::new(),
+            limits,
+            admission,
+        }
+    }
+
+    /// Serves until SIGTERM or SIGINT, then drains queued responses.
+    pub fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            let ready = match self.wait(now) {
+                Ok(ready) => ready,
+                Err(err) => {
+                    log::error("daemon", "poll failed", &[("error", &err)]);
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            if ready.signal && self.take_signal() {
+                break;
+            }
+            if ready.listener {
+                self.accept_all(now);
+            }
+            self.serve(&ready.conns, now);
+            self.expire(now);
+        }
+        self.drain_on_shutdown();
+    }
+
+    fn wait(&self, now: Instant) -> nix::Result<Ready> {
+        let mut fds = Vec::with_capacity(2 + self.conns.len());
+        fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
+        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        for conn in &self.conns {
+            let interest = if conn.wants_write() {
+                PollFlags::POLLOUT
+            } else {
+                PollFlags::POLLIN
+            };
+            fds.push(PollFd::new(conn.stream().as_fd(), interest));
+        }
+        let next_deadline = self.conns.iter().map(Conn::deadline).min();
+        let wait = next_deadline
+            .map_or(MAX_POLL_WAIT, |deadline| {
+                deadline.saturating_duration_since(now)
+            })
+            .min(MAX_POLL_WAIT);
+        let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::ZERO);
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::Error::EINTR) => {}
+            Err(err) => return Err(err),
+        }
+        let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
+        Ok(Ready {
+            signal: fds.first().is_some_and(fired),
+            listener: fds.get(1).is_some_and(fired),
+            conns: fds.iter().skip(2).map(fired).collect(),
+        })
+    }
+
+    /// True when a shutdown signal arrived.
+    fn take_signal(&mut self) -> bool {
+        match self.signals.read_signal() {
+            Ok(Some(info)) => {
+                log::info(
+                    "daemon",
+                    "received signal, shutting down",
+                    &[("signal", &info.ssi_signo)],
+                );
+                true
+            }
+            Ok(None) => false,
+            Err(err) => {
+                log::warn("daemon", "reading signal fd failed", &[("error", &err)]);
+                false
+            }
+        }
+    }
+
+    fn accept_all(&mut self, now: Instant) {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(err) => {
+                    // EMFILE and friends: leave the rest in the backlog.
+                    log::warn("daemon", "accept failed", &[("error", &err)]);
+                    return;
+                }
+            };
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let peer_uid = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
+            let mut conn = Conn::new(stream, self.limits, now);
+            let refusal = match peer_uid {
+                _ if self.conns.len() >= self.admission.max_connections => Some((
+                    Code::Unavailable,
+                    reason::TOO_MANY_CONNECTIONS,
+                    format!(
+                        "the daemon is at its limit of {} connections; retry later",
+                        self.admission.max_connections
+                    ),
+                )),
+                Ok(uid) if self.admission.permits(uid) => None,
+                Ok(uid) => Some((
+                    Code::PermissionDenied,
+                    reason::PERMISSION_DENIED,
+                    format!("user {uid} may not use the metis daemon"),
+                )),
+                Err(err) => Some((
+                    Code::PermissionDenied,
+                    reason::PERMISSION_DENIED,
+                    format!("cannot read peer credentials: {err}"),
+                )),
+            };
+            match refusal {
+                None => self.conns.push(conn),
+                Some((code, why, message)) => {
+                    log::warn("daemon", "refused connection", &[("reason", &message)]);
+                    // Best effort: one non-blocking write, then close.
+                    let _ = conn.refuse(code, why, message, now);
+                }
+            }
+        }
+    }
+
+    fn serve(&mut self, fired: &[bool], now: Instant) {
+        let engine = &mut self.engine;
+        let mut handle = |request| engine.handle(request, log::now_ms());
+        let mut index = 0;
+        self.conns.retain_mut(|conn| {
+            let active = fired.get(index).copied().unwrap_or(false);
+            index += 1;
+            if !active {
+                return true;
+            }
+            let state = if conn.wants_write() {
+                conn.flush(now)
+            } else {
+                conn.on_readable(now, &mut handle)
+            };
+            state == State::Open
+        });
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let before = self.conns.len();
+        self.conns.retain(|conn| conn.deadline() > now);
+        let closed = before - self.conns.len();
+        if closed > 0 {
+            log::debug(
+                "daemon",
+                "closed connections past their deadline",
+                &[("count", &closed)],
+            );
+        }
+    }
+
+    /// Responses already queued are delivered before the daemon exits.
+    fn drain_on_shutdown(&mut self) {
+        let give_up = Instant::now() + SHUTDOWN_FLUSH;
+        self.conns.retain(Conn::wants_write);
+        while !self.conns.is_empty() && Instant::now() < give_up {
+            let mut fds: Vec<PollFd> = self
+                .conns
+                .iter()
+                .map(|conn| PollFd::new(conn.stream().as_fd(), PollFlags::POLLOUT))
+                .collect();
+            let timeout =
+                PollTimeout::try_from(Duration::from_millis(100)).unwrap_or(PollTimeout::ZERO);
+            if poll(&mut fds, timeout).is_err() {
+                break;
+            }
+            drop(fds);
+            let now = Instant::now();
+            self.conns
+                .retain_mut(|conn| conn.flush(now) == State::Open && conn.wants_write());
+        }
+    }
+}
+
+struct Ready {
+    signal: bool,
+    listener: bool,
+    conns: Vec<bool>,
+}

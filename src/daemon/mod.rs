@@ -1,0 +1,399 @@
+//! `metis daemon`: owns the node's address blocks in SQLite and serves the
+//! plugin over a Unix socket from one single-threaded loop.
+
+mod conn;
+mod event_loop;
+
+use std::fmt;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::stat::{Mode, umask};
+
+use crate::cidr::Cidr;
+use crate::engine::Engine;
+use crate::flags::{self, FlagError, FlagSpec};
+use crate::log;
+use crate::store::{Durability, ReserveMode, Store, StoreError, StoreOptions};
+
+pub use conn::Limits;
+pub use event_loop::Admission;
+
+/// Upstream's default socket path.
+pub const DEFAULT_SOCKET_PATH: &str = "/var/lib/cni/metis/metis-adaptive-ipam.sock";
+/// Upstream's default database path.
+pub const DEFAULT_DB_PATH: &str = "/var/lib/cni/metis/metis.sqlite";
+
+const FLAGS: &[FlagSpec] = &[
+    FlagSpec {
+        name: "--socket-path",
+        value: Some("PATH"),
+        repeatable: false,
+        default: DEFAULT_SOCKET_PATH,
+        help: "Unix socket the plugin connects to",
+    },
+    FlagSpec {
+        name: "--db-path",
+        value: Some("PATH"),
+        repeatable: false,
+        default: DEFAULT_DB_PATH,
+        help: "SQLite database holding the node's blocks and allocations",
+    },
+    FlagSpec {
+        name: "--release-cooldown",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "1m",
+        help: "how long a released address rests before reuse (0 = none)",
+    },
+    FlagSpec {
+        name: "--cidr",
+        value: Some("NETWORK=CIDR"),
+        repeatable: true,
+        default: "",
+        help: "add a block to a network at start (nodes without Kubernetes)",
+    },
+    FlagSpec {
+        name: "--reserve",
+        value: Some("every-block|first-block"),
+        repeatable: false,
+        default: "every-block",
+        help: "which blocks keep network, gateway and broadcast addresses out of allocation; \
+               first-block is upstream's rule, for dataplanes that never use the IPAM gateway",
+    },
+    FlagSpec {
+        name: "--db-synchronous",
+        value: Some("normal|full"),
+        repeatable: false,
+        default: "normal",
+        help: "SQLite synchronous mode; full also survives power loss of the last commits",
+    },
+    FlagSpec {
+        name: "--max-connections",
+        value: Some("N"),
+        repeatable: false,
+        default: "256",
+        help: "concurrent client connections; more are refused with an error",
+    },
+    FlagSpec {
+        name: "--idle-timeout",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "30s",
+        help: "close a client connection idle this long",
+    },
+    FlagSpec {
+        name: "--request-timeout",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "5s",
+        help: "a started request must arrive, and its response drain, within this",
+    },
+    FlagSpec {
+        name: "--allowed-uid",
+        value: Some("UID"),
+        repeatable: true,
+        default: "",
+        help: "another user allowed to connect (root and the daemon's user always are)",
+    },
+    FlagSpec {
+        name: "-v",
+        value: Some("N"),
+        repeatable: false,
+        default: "0",
+        help: "log verbosity: 1 adds debug lines, 4 adds periodic no-op messages",
+    },
+];
+
+/// Everything the daemon needs to start.
+#[derive(Debug)]
+pub struct Config {
+    pub socket_path: PathBuf,
+    pub db_path: PathBuf,
+    pub release_cooldown_ms: i64,
+    pub cidrs: Vec<(String, Cidr)>,
+    pub reserve: ReserveMode,
+    pub durability: Durability,
+    pub max_connections: usize,
+    pub limits: Limits,
+    pub allowed_uids: Vec<u32>,
+    pub verbosity: u8,
+}
+
+/// A failure that stops the daemon.
+#[derive(Debug)]
+pub enum DaemonError {
+    Usage(FlagError),
+    Store(StoreError),
+    Socket { path: PathBuf, reason: String },
+    Signals(nix::Error),
+}
+
+impl fmt::Display for DaemonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DaemonError::Usage(err) => write!(f, "{err}"),
+            DaemonError::Store(err) => write!(f, "failed to initialize sqlite store: {err}"),
+            DaemonError::Socket { path, reason } => {
+                write!(f, "cannot listen on {}: {reason}", path.display())
+            }
+            DaemonError::Signals(err) => write!(f, "cannot set up signal handling: {err}"),
+        }
+    }
+}
+
+impl std::error::Error for DaemonError {}
+
+/// Parses the daemon's flags. `Err(FlagError::Help)` asks for the usage text.
+pub fn parse_config(args: &[String]) -> Result<Config, FlagError> {
+    let parsed = flags::parse(FLAGS, args)?;
+    let duration = |name: &'static str, default: &str| -> Result<i64, FlagError> {
+        let text = parsed.get(name).unwrap_or(default);
+        crate::cni::conf::parse_duration_ms(text).ok_or_else(|| {
+            FlagError::BadValue(
+                name,
+                format!("{text:?} is not a duration like 30s, 1m or 1h30m"),
+            )
+        })
+    };
+    let cidrs = parsed
+        .all("--cidr")
+        .into_iter()
+        .map(parse_network_cidr)
+        .collect::<Result<Vec<_>, _>>()?;
+    let reserve = match parsed.get("--reserve").unwrap_or("every-block") {
+        "every-block" => ReserveMode::EveryBlock,
+        "first-block" => ReserveMode::FirstBlock,
+        other => {
+            return Err(FlagError::BadValue(
+                "--reserve",
+                format!("{other:?} is neither every-block nor first-block"),
+            ));
+        }
+    };
+    let durability = match parsed.get("--db-synchronous").unwrap_or("normal") {
+        "normal" => Durability::Normal,
+        "full" => Durability::Full,
+        other => {
+            return Err(FlagError::BadValue(
+                "--db-synchronous",
+                format!("{other:?} is neither normal nor full"),
+            ));
+        }
+    };
+    let number = |name: &'static str, default: &str| -> Result<u64, FlagError> {
+        let text = parsed.get(name).unwrap_or(default);
+        text.parse::<u64>()
+            .map_err(|_| FlagError::BadValue(name, format!("{text:?} is not a whole number")))
+    };
+    let max_connections = usize::try_from(number("--max-connections", "256")?)
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| FlagError::BadValue("--max-connections", "must be at least 1".into()))?;
+    let verbosity = u8::try_from(number("-v", "0")?)
+        .map_err(|_| FlagError::BadValue("-v", "must be at most 255".into()))?;
+    let allowed_uids = parsed
+        .all("--allowed-uid")
+        .into_iter()
+        .map(|text| {
+            text.parse::<u32>().map_err(|_| {
+                FlagError::BadValue("--allowed-uid", format!("{text:?} is not a user id"))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let positive = |name: &'static str, default: &str| -> Result<Duration, FlagError> {
+        let ms = duration(name, default)?;
+        u64::try_from(ms)
+            .ok()
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis)
+            .ok_or_else(|| FlagError::BadValue(name, "must be greater than zero".into()))
+    };
+    Ok(Config {
+        socket_path: absolute(&parsed, "--socket-path", DEFAULT_SOCKET_PATH)?,
+        db_path: absolute(&parsed, "--db-path", DEFAULT_DB_PATH)?,
+        release_cooldown_ms: duration("--release-cooldown", "1m")?,
+        cidrs,
+        reserve,
+        durability,
+        max_connections,
+        limits: Limits {
+            idle: positive("--idle-timeout", "30s")?,
+            request: positive("--request-timeout", "5s")?,
+        },
+        allowed_uids,
+        verbosity,
+    })
+}
+
+fn absolute(
+    parsed: &flags::Parsed,
+    name: &'static str,
+    default: &str,
+) -> Result<PathBuf, FlagError> {
+    let path = PathBuf::from(parsed.get(name).unwrap_or(default));
+    if path.is_absolute() {
+        Ok(path)
+    } else {
+        Err(FlagError::BadValue(
+            name,
+            format!("{} is not an absolute path", path.display()),
+        ))
+    }
+}
+
+fn parse_network_cidr(text: &str) -> Result<(String, Cidr), FlagError> {
+    let (network, cidr) = text
+        .split_once('=')
+        .ok_or_else(|| FlagError::BadValue("--cidr", format!("{text:?} is not NETWORK=CIDR")))?;
+    if network.is_empty() {
+        return Err(FlagError::BadValue(
+            "--cidr",
+            format!("{text:?} names no network"),
+        ));
+    }
+    let cidr = cidr
+        .parse::<Cidr>()
+        .map_err(|err| FlagError::BadValue("--cidr", err.to_string()))?;
+    Ok((network.to_string(), cidr))
+}
+
+/// The `--help` text.
+pub fn usage() -> String {
+    flags::usage(
+        "metis daemon",
+        "Serve pod address allocations for this node over a Unix socket.",
+        FLAGS,
+    )
+}
+
+/// Runs the daemon until SIGTERM/SIGINT.
+pub fn run(config: &Config) -> Result<(), DaemonError> {
+    log::info(
+        "daemon",
+        "metis daemon is starting",
+        &[
+            ("socket", &config.socket_path.display()),
+            ("db", &config.db_path.display()),
+            ("release_cooldown_ms", &config.release_cooldown_ms),
+        ],
+    );
+    // Block the signals before anything else so they queue on the fd.
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGTERM);
+    mask.add(Signal::SIGINT);
+    mask.thread_block().map_err(DaemonError::Signals)?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(DaemonError::Signals)?;
+
+    let mut store = Store::open(
+        &config.db_path,
+        &StoreOptions {
+            durability: config.durability,
+            reserve: Some(config.reserve),
+        },
+    )
+    .map_err(DaemonError::Store)?;
+    for warning in store.open_warnings() {
+        log::warn("store", warning, &[]);
+    }
+    store
+        .set_release_cooldown(config.release_cooldown_ms)
+        .map_err(DaemonError::Store)?;
+    for (network, cidr) in &config.cidrs {
+        let outcome = store
+            .add_cidr_block(network, cidr)
+            .map_err(DaemonError::Store)?;
+        log::info(
+            "daemon",
+            "static CIDR block",
+            &[
+                ("network", network),
+                ("cidr", cidr),
+                ("outcome", &format!("{outcome:?}")),
+            ],
+        );
+    }
+
+    let listener = listen(&config.socket_path)?;
+    let engine = Engine::new(store, config.release_cooldown_ms);
+    log::info(
+        "daemon",
+        "listening",
+        &[("socket", &config.socket_path.display())],
+    );
+    event_loop::EventLoop::new(
+        listener,
+        signals,
+        engine,
+        config.limits,
+        Admission {
+            max_connections: config.max_connections,
+            allowed_uids: config.allowed_uids.clone(),
+        },
+    )
+    .run();
+    if let Err(err) = fs::remove_file(&config.socket_path) {
+        log::warn("daemon", "could not remove socket", &[("error", &err)]);
+    }
+    log::info("daemon", "metis daemon stopped", &[]);
+    Ok(())
+}
+
+/// Binds the socket safely: its directory is created 0700 if missing and
+/// must not be writable by others; an existing path must be a stale socket
+/// (never a symlink or another kind of file); the socket is born 0600.
+fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
+    let fail = |reason: String| DaemonError::Socket {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let dir = path
+        .parent()
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .ok_or_else(|| fail("the socket path has no directory".into()))?;
+    if !dir.exists() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|err| fail(format!("cannot create {}: {err}", dir.display())))?;
+    }
+    let dir_meta = fs::metadata(dir).map_err(|err| fail(format!("{}: {err}", dir.display())))?;
+    if dir_meta.permissions().mode() & 0o002 != 0 {
+        return Err(fail(format!(
+            "directory {} is writable by others; use a private directory",
+            dir.display()
+        )));
+    }
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(fail("the path is a symbolic link".into()));
+        }
+        Ok(meta) if meta.file_type().is_socket() => {
+            fs::remove_file(path)
+                .map_err(|err| fail(format!("cannot remove stale socket: {err}")))?;
+        }
+        Ok(_) => return Err(fail("the path exists and is not a socket".into())),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => return Err(fail(err.to_string())),
+    }
+    // The umask makes the socket 0600 from birth: no window in which
+    // another user could connect.
+    let previous = umask(Mode::from_bits_truncate(0o177));
+    let bound = UnixListener::bind(path);
+    umask(previous);
+    let listener = bound.map_err(|err| fail(err.to_string()))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+        .map_err(|err| fail(err.to_string()))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|err| fail(err.to_string()))?;
+    Ok(listener)
+}

@@ -1,0 +1,432 @@
+//! The IPAM engine: one request in, one response out, against the store.
+//! The daemon runs it for every client; the plugin runs the very same code
+//! in-process in direct mode, so both paths share every rule.
+
+use std::net::IpAddr;
+
+use crate::cidr::{Cidr, Family};
+use crate::store::{
+    AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
+};
+use crate::wire::admin::v1 as admin;
+use crate::wire::ipam;
+use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
+
+/// Network used when a request names none (upstream's default pod network).
+pub const DEFAULT_NETWORK: &str = "default";
+
+/// A request-level failure: what the client is told.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub code: Code,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Failure {
+    fn invalid(message: impl Into<String>) -> Failure {
+        Failure {
+            code: Code::InvalidArgument,
+            reason: reason::INVALID_REQUEST,
+            message: message.into(),
+        }
+    }
+
+    /// What a store error means for the client. This is the one place where
+    /// store failures become wire statuses.
+    fn from_store(context: &str, err: &StoreError) -> Failure {
+        let (code, reason) = match err {
+            StoreError::NoAvailableIps { .. } => {
+                (Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED)
+            }
+            StoreError::RequestedIpUnavailable { .. }
+            | StoreError::RequestedIpOutsideBlocks { .. } => {
+                (Code::InvalidArgument, reason::REQUESTED_IP_UNAVAILABLE)
+            }
+            StoreError::EmptyOwner | StoreError::BadCidr(_) => {
+                (Code::InvalidArgument, reason::INVALID_REQUEST)
+            }
+            StoreError::Corrupt(_) => (Code::Internal, reason::STORE_CORRUPT),
+            _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
+        };
+        Failure {
+            code,
+            reason,
+            message: format!("{context}: {err}"),
+        }
+    }
+
+    fn into_response(self) -> Response {
+        Response::error(self.code, self.reason, self.message)
+    }
+}
+
+/// Serves requests against one store.
+pub struct Engine {
+    store: Store,
+    release_cooldown_ms: i64,
+}
+
+impl Engine {
+    pub fn new(store: Store, release_cooldown_ms: i64) -> Engine {
+        Engine {
+            store,
+            release_cooldown_ms,
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
+
+    /// Handles one request at time `now_ms`. Never panics on input: every
+    /// failure becomes an error status.
+    pub fn handle(&mut self, request: Request, now_ms: i64) -> Response {
+        let result = match request.kind {
+            Some(request::Kind::Allocate(req)) => {
+                self.allocate(&req, now_ms).map(response::Kind::Allocate)
+            }
+            Some(request::Kind::Deallocate(req)) => self
+                .deallocate(&req, now_ms)
+                .map(response::Kind::Deallocate),
+            Some(request::Kind::Check(req)) => self.check(&req).map(response::Kind::Check),
+            Some(request::Kind::ListCidrBlocks(req)) => {
+                self.list_blocks(&req).map(response::Kind::Table)
+            }
+            Some(request::Kind::ListIpAddresses(req)) => {
+                self.list_addresses(&req).map(response::Kind::Table)
+            }
+            Some(request::Kind::Health(_)) => Ok(response::Kind::Health(HealthCheckResponse {
+                status: crate::wire::envelope::v1::health_check_response::ServingStatus::Serving
+                    as i32,
+                detail: "Metis daemon is SERVING".to_string(),
+            })),
+            None => Err(Failure {
+                code: Code::Unimplemented,
+                reason: reason::UNKNOWN_REQUEST,
+                message: "request carries no known message".to_string(),
+            }),
+        };
+        match result {
+            Ok(kind) => Response::ok(kind),
+            Err(failure) => failure.into_response(),
+        }
+    }
+
+    /// Allocates one address per requested family, IPv4 first. If a later
+    /// family fails, the earlier ones are released again so a failed ADD
+    /// holds nothing.
+    pub fn allocate(
+        &mut self,
+        req: &ipam::AllocatePodIpRequest,
+        now_ms: i64,
+    ) -> Result<ipam::AllocatePodIpResponse, Failure> {
+        let network = network_or_default(&req.network);
+        let configs = [
+            (Family::V4, req.ipv4_config.as_ref()),
+            (Family::V6, req.ipv6_config.as_ref()),
+        ];
+        if configs.iter().all(|(_, config)| config.is_none()) {
+            return Err(Failure::invalid(format!(
+                "both ipv4_config and ipv6_config are missing for pod {}/{}",
+                req.pod_namespace, req.pod_name
+            )));
+        }
+        let mut reply = ipam::AllocatePodIpResponse::default();
+        let mut allocated_owner: Option<(String, String)> = None;
+        for (family, config) in configs {
+            let Some(config) = config else { continue };
+            let outcome = self.allocate_family(network, family, config, req, now_ms);
+            match outcome {
+                Ok(allocation) => {
+                    let pod_ip = pod_ip(&allocation);
+                    match family {
+                        Family::V4 => reply.ipv4 = Some(pod_ip),
+                        Family::V6 => reply.ipv6 = Some(pod_ip),
+                    }
+                    allocated_owner =
+                        Some((config.container_id.clone(), config.interface_name.clone()));
+                }
+                Err(failure) => {
+                    if let Some((container_id, interface_name)) = allocated_owner {
+                        self.roll_back(network, &container_id, &interface_name, now_ms);
+                    }
+                    return Err(failure);
+                }
+            }
+        }
+        Ok(reply)
+    }
+
+    fn allocate_family(
+        &mut self,
+        network: &str,
+        family: Family,
+        config: &ipam::IpConfig,
+        req: &ipam::AllocatePodIpRequest,
+        now_ms: i64,
+    ) -> Result<Allocation, Failure> {
+        if config.container_id.is_empty() || config.interface_name.is_empty() {
+            return Err(Failure::invalid(
+                "container_id and interface_name must not be empty",
+            ));
+        }
+        self.ensure_initial_blocks(network, family, config)?;
+        let owner = Owner {
+            network,
+            container_id: &config.container_id,
+            interface_name: &config.interface_name,
+            pod_name: &req.pod_name,
+            pod_namespace: &req.pod_namespace,
+        };
+        let context = format!(
+            "failed to allocate {family} for pod {}/{}",
+            req.pod_namespace, req.pod_name
+        );
+        if !config.requested_ip.is_empty() {
+            let address: IpAddr = config.requested_ip.parse().map_err(|_| {
+                Failure::invalid(format!(
+                    "requested_ip {:?} is not an IP address",
+                    config.requested_ip
+                ))
+            })?;
+            if Family::of(address) != family {
+                return Err(Failure::invalid(format!(
+                    "requested_ip {address} is not an {family} address"
+                )));
+            }
+            return self
+                .store
+                .allocate_requested(&owner, address, now_ms)
+                .map_err(|err| Failure::from_store(&context, &err));
+        }
+        match self.store.allocate(&owner, family, now_ms) {
+            Err(StoreError::NoAvailableIps { .. }) if family == Family::V4 => {
+                // A Draining block still holds addresses: take it back before
+                // reporting exhaustion (upstream's first scale-up step).
+                let undrained = self
+                    .store
+                    .undrain_one(network, family, now_ms)
+                    .map_err(|err| Failure::from_store(&context, &err))?;
+                if undrained.is_some() {
+                    crate::log::info(
+                        "engine",
+                        "undrained a block to serve an allocation",
+                        &[("network", &network)],
+                    );
+                }
+                self.store
+                    .allocate(&owner, family, now_ms)
+                    .map_err(|err| Failure::from_store(&context, &err))
+            }
+            other => other.map_err(|err| Failure::from_store(&context, &err)),
+        }
+    }
+
+    /// Adds the CNI ranges of a family as blocks of the network if the store
+    /// does not have them yet (reads first: this runs on every ADD).
+    fn ensure_initial_blocks(
+        &mut self,
+        network: &str,
+        family: Family,
+        config: &ipam::IpConfig,
+    ) -> Result<(), Failure> {
+        let ranges = std::iter::once(&config.initial_pod_cidr)
+            .filter(|cidr| !cidr.is_empty())
+            .chain(config.additional_pod_cidrs.iter());
+        for text in ranges {
+            let cidr: Cidr = text
+                .parse()
+                .map_err(|err| Failure::invalid(format!("initial pod CIDR: {err}")))?;
+            if cidr.family() != family {
+                return Err(Failure::invalid(format!(
+                    "initial pod CIDR {cidr} is not an {family} block"
+                )));
+            }
+            let context = format!("failed to add initial cidr block {cidr}");
+            let known = self
+                .store
+                .find_block(network, &cidr)
+                .map_err(|err| Failure::from_store(&context, &err))?;
+            if known.is_none() {
+                self.store
+                    .add_cidr_block(network, &cidr)
+                    .map_err(|err| Failure::from_store(&context, &err))?;
+                crate::log::info(
+                    "engine",
+                    "added initial CIDR block",
+                    &[("network", &network), ("cidr", &cidr)],
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn roll_back(&mut self, network: &str, container_id: &str, interface_name: &str, now_ms: i64) {
+        // No cooldown: the address never reached a pod.
+        if let Err(err) = self
+            .store
+            .release(network, container_id, interface_name, 0, now_ms)
+        {
+            crate::log::error(
+                "engine",
+                "failed to roll back a partial allocation",
+                &[
+                    ("network", &network),
+                    ("container_id", &container_id),
+                    ("error", &err),
+                ],
+            );
+        }
+    }
+
+    pub fn deallocate(
+        &mut self,
+        req: &ipam::DeallocatePodIpRequest,
+        now_ms: i64,
+    ) -> Result<ipam::DeallocatePodIpResponse, Failure> {
+        let network = network_or_default(&req.network);
+        require_owner(&req.container_id, &req.interface_name)?;
+        let released = self
+            .store
+            .release(
+                network,
+                &req.container_id,
+                &req.interface_name,
+                self.release_cooldown_ms,
+                now_ms,
+            )
+            .map_err(|err| {
+                Failure::from_store(
+                    &format!(
+                        "failed to deallocate ips for pod {}/{}",
+                        req.pod_namespace, req.pod_name
+                    ),
+                    &err,
+                )
+            })?;
+        Ok(ipam::DeallocatePodIpResponse {
+            released: released.iter().map(pod_ip).collect(),
+        })
+    }
+
+    pub fn check(
+        &self,
+        req: &ipam::CheckPodIpRequest,
+    ) -> Result<ipam::CheckPodIpResponse, Failure> {
+        let network = network_or_default(&req.network);
+        require_owner(&req.container_id, &req.interface_name)?;
+        let allocated = self
+            .store
+            .check(network, &req.container_id, &req.interface_name)
+            .map_err(|err| Failure::from_store("allocation check failed", &err))?;
+        if allocated.is_empty() {
+            return Err(Failure {
+                code: Code::NotFound,
+                reason: reason::ALLOCATION_NOT_FOUND,
+                message: format!(
+                    "no active allocation found for container {} interface {} on network {network}",
+                    req.container_id, req.interface_name
+                ),
+            });
+        }
+        Ok(ipam::CheckPodIpResponse {
+            allocated: allocated.iter().map(pod_ip).collect(),
+        })
+    }
+
+    fn list_blocks(
+        &self,
+        req: &admin::ListCidrBlocksRequest,
+    ) -> Result<admin::AdminTableDumpResponse, Failure> {
+        let filter = BlockFilter {
+            network: non_empty(&req.network),
+            state: parse_state(&req.state)?,
+            family: parse_family(&req.ip_family)?,
+        };
+        self.store
+            .list_blocks(&filter)
+            .map(table_dump)
+            .map_err(|err| Failure::from_store("failed to list CIDR blocks", &err))
+    }
+
+    fn list_addresses(
+        &self,
+        req: &admin::ListIpAddressesRequest,
+    ) -> Result<admin::AdminTableDumpResponse, Failure> {
+        let filter = AddressFilter {
+            network: non_empty(&req.network),
+            state: parse_state(&req.state)?,
+            family: parse_family(&req.ip_family)?,
+            container_id: non_empty(&req.container_id),
+            allocated: req.allocated,
+        };
+        self.store
+            .list_addresses(&filter)
+            .map(table_dump)
+            .map_err(|err| Failure::from_store("failed to list IP addresses", &err))
+    }
+}
+
+fn network_or_default(network: &str) -> &str {
+    if network.is_empty() {
+        DEFAULT_NETWORK
+    } else {
+        network
+    }
+}
+
+fn require_owner(container_id: &str, interface_name: &str) -> Result<(), Failure> {
+    if container_id.is_empty() || interface_name.is_empty() {
+        return Err(Failure::invalid(
+            "container_id and interface_name must not be empty",
+        ));
+    }
+    Ok(())
+}
+
+fn pod_ip(allocation: &Allocation) -> ipam::PodIp {
+    ipam::PodIp {
+        ip_address: allocation.address.to_string(),
+        cidr: allocation.block.to_string(),
+    }
+}
+
+fn non_empty(text: &str) -> Option<String> {
+    (!text.is_empty()).then(|| text.to_string())
+}
+
+fn parse_state(text: &str) -> Result<Option<BlockState>, Failure> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    BlockState::parse(text).map(Some).ok_or_else(|| {
+        Failure::invalid(format!(
+            "unknown block state {text:?} (Ready, Draining or Deleting)"
+        ))
+    })
+}
+
+fn parse_family(text: &str) -> Result<Option<Family>, Failure> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    Family::parse(text)
+        .map(Some)
+        .ok_or_else(|| Failure::invalid(format!("unknown IP family {text:?} (ipv4 or ipv6)")))
+}
+
+fn table_dump(table: Table) -> admin::AdminTableDumpResponse {
+    admin::AdminTableDumpResponse {
+        headers: table.headers,
+        rows: table
+            .rows
+            .into_iter()
+            .map(|values| admin::Row { values })
+            .collect(),
+    }
+}

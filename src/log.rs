@@ -1,0 +1,182 @@
+//! Line-oriented logging: one event per line, `time level component: message
+//! key=value…`. The daemon logs to stderr; the plugin to its log file (its
+//! stdout belongs to the CNI result). No logging crate: this is all we need.
+
+use std::fmt::{self, Display, Write as _};
+use std::io::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Severity, lowest number most important. `-v N` shows levels up to
+/// `Info + N`, so `-v 1` adds `Debug` and `-v 4` adds `Trace`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Error = 0,
+    Warn = 1,
+    Info = 2,
+    Debug = 3,
+    Trace = 6,
+}
+
+impl Level {
+    fn label(self) -> &'static str {
+        match self {
+            Level::Error => "ERROR",
+            Level::Warn => "WARN",
+            Level::Info => "INFO",
+            Level::Debug => "DEBUG",
+            Level::Trace => "TRACE",
+        }
+    }
+}
+
+static MAX_LEVEL: AtomicU8 = AtomicU8::new(Level::Info as u8);
+static SINK: Mutex<Option<Box<dyn Write + Send>>> = Mutex::new(None);
+
+/// Sends log lines to `sink` (stderr if never called) and sets verbosity.
+pub fn init(sink: Box<dyn Write + Send>, verbosity: u8) {
+    MAX_LEVEL.store(
+        (Level::Info as u8).saturating_add(verbosity),
+        Ordering::Relaxed,
+    );
+    if let Ok(mut guard) = SINK.lock() {
+        *guard = Some(sink);
+    }
+}
+
+/// Whether a message at `level` would be written.
+pub fn enabled(level: Level) -> bool {
+    level as u8 <= MAX_LEVEL.load(Ordering::Relaxed)
+}
+
+/// Writes one event. Values containing spaces, quotes or `=` are quoted.
+pub fn log(level: Level, component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    if !enabled(level) {
+        return;
+    }
+    let mut line = format!(
+        "{} {:<5} {component}: {message}",
+        rfc3339_millis(now_ms()),
+        level.label()
+    );
+    for (key, value) in fields {
+        let value = value.to_string();
+        let plain = !value.is_empty()
+            && !value
+                .chars()
+                .any(|c| c.is_whitespace() || c == '"' || c == '=' || c.is_control());
+        if plain {
+            let _ = write!(line, " {key}={value}");
+        } else {
+            let _ = write!(line, " {key}={value:?}");
+        }
+    }
+    line.push('\n');
+    // A failed log write must never fail the operation being logged.
+    if let Ok(mut guard) = SINK.lock() {
+        match guard.as_mut() {
+            Some(sink) => {
+                let _ = sink.write_all(line.as_bytes());
+                let _ = sink.flush();
+            }
+            None => {
+                let _ = std::io::stderr().write_all(line.as_bytes());
+            }
+        }
+    }
+}
+
+pub fn error(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    log(Level::Error, component, message, fields);
+}
+
+pub fn warn(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    log(Level::Warn, component, message, fields);
+}
+
+pub fn info(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    log(Level::Info, component, message, fields);
+}
+
+pub fn debug(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    log(Level::Debug, component, message, fields);
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// Formats Unix milliseconds as RFC 3339 UTC, e.g. `2026-11-29T17:08:04.123Z`.
+pub fn rfc3339_millis(ms: i64) -> Rfc3339 {
+    Rfc3339 { ms, millis: true }
+}
+
+/// Formats Unix milliseconds as RFC 3339 UTC without fractions, e.g.
+/// `2026-11-29T17:08:04Z`.
+pub fn rfc3339_seconds(ms: i64) -> Rfc3339 {
+    Rfc3339 { ms, millis: false }
+}
+
+/// A lazily formatted RFC 3339 timestamp.
+pub struct Rfc3339 {
+    ms: i64,
+    millis: bool,
+}
+
+impl Display for Rfc3339 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = self.ms.div_euclid(1000);
+        let days = secs.div_euclid(86_400);
+        let rem = secs.rem_euclid(86_400);
+        let (year, month, day) = civil_from_days(days);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        )?;
+        if self.millis {
+            write!(f, ".{:03}", self.ms.rem_euclid(1000))?;
+        }
+        f.write_str("Z")
+    }
+}
+
+/// Days since 1970-01-01 to (year, month, day), after Howard Hinnant's
+/// `civil_from_days`.
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339_millis(0).to_string(), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            rfc3339_millis(1_795_971_684_123).to_string(),
+            "2026-11-29T17:01:24.123Z"
+        );
+        assert_eq!(
+            rfc3339_seconds(951_782_400_000).to_string(),
+            "2000-02-29T00:00:00Z"
+        );
+        assert_eq!(rfc3339_seconds(-1000).to_string(), "1969-12-31T23:59:59Z");
+    }
+}

@@ -1,0 +1,508 @@
+//! Adding blocks, allocating, releasing and checking addresses.
+
+use std::net::IpAddr;
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use super::reserve::{block_reserved, is_first_v4, reserved_offsets};
+use super::{
+    AddOutcome, Allocation, Owner, ReserveMode, Store, StoreError, parse_addr, parse_cidr,
+    total_ips, validate_owner,
+};
+use crate::cidr::{Cidr, Family};
+
+/// IPv6 rows are populated lazily, this many at a time.
+pub const IPV6_BATCH: u128 = 64;
+
+/// Bound on expand-then-claim rounds per block within one allocation.
+const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
+
+/// Inserts the rows at `offsets` of a block, reserving those in `reserved`;
+/// bumps the block's counter by the number reserved. Returns rows inserted.
+fn insert_rows(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+    offsets: std::ops::Range<u128>,
+    reserved: &[u128],
+) -> Result<u64, StoreError> {
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+         VALUES (?1, ?2, '', '', ?3)",
+    )?;
+    let mut inserted = 0u64;
+    let mut reserved_count = 0i64;
+    for offset in offsets {
+        let Some(addr) = cidr.nth(offset) else {
+            break;
+        };
+        let is_reserved = reserved.contains(&offset);
+        insert.execute(params![addr.to_string(), block_id, is_reserved])?;
+        inserted += 1;
+        if is_reserved {
+            reserved_count += 1;
+        }
+    }
+    if reserved_count > 0 {
+        conn.prepare_cached(
+            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
+        )?
+        .execute(params![block_id, reserved_count])?;
+    }
+    Ok(inserted)
+}
+
+/// Allocated rows of an owner in blocks of `network` (optionally one
+/// family), IPv4 first.
+fn held(
+    conn: &Connection,
+    network: &str,
+    container_id: &str,
+    interface_name: &str,
+    family: Option<Family>,
+) -> Result<Vec<(i64, i64, Allocation)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT a.id, a.address, b.id, b.cidr FROM ip_addresses a \
+         JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+         WHERE a.container_id = ?1 AND a.interface_name = ?2 AND a.is_allocated = 1 \
+           AND b.network = ?3 AND (?4 IS NULL OR b.ip_family = ?4) \
+         ORDER BY b.ip_family, a.id",
+    )?;
+    let mut rows = stmt.query(params![
+        container_id,
+        interface_name,
+        network,
+        family.map(Family::as_str)
+    ])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let row_id: i64 = row.get(0)?;
+        let address: String = row.get(1)?;
+        let block_id: i64 = row.get(2)?;
+        let cidr: String = row.get(3)?;
+        out.push((
+            row_id,
+            block_id,
+            Allocation {
+                address: parse_addr(&address)?,
+                block: parse_cidr(&cidr)?,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// Marks row `row_id` of block `block_id` allocated to `owner`.
+fn take_row(
+    conn: &Connection,
+    row_id: i64,
+    block_id: i64,
+    owner: &Owner,
+    now_ms: i64,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "UPDATE ip_addresses SET is_allocated = 1, container_id = ?2, interface_name = ?3, \
+         pod_name = ?4, pod_namespace = ?5, allocated_at = ?6, release_at = NULL WHERE id = ?1",
+    )?
+    .execute(params![
+        row_id,
+        owner.container_id,
+        owner.interface_name,
+        owner.pod_name,
+        owner.pod_namespace,
+        now_ms
+    ])?;
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1 WHERE id = ?1",
+    )?
+    .execute([block_id])?;
+    Ok(())
+}
+
+/// Claims the lowest-id free, non-cooling row of a block.
+fn claim(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+    owner: &Owner,
+    now_ms: i64,
+) -> Result<Option<IpAddr>, StoreError> {
+    let row: Option<(i64, String)> = conn
+        .prepare_cached(
+            "SELECT id, address FROM ip_addresses \
+             WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
+               AND (release_at IS NULL OR release_at <= ?2) \
+             ORDER BY id LIMIT 1",
+        )?
+        .query_row(params![block_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    let Some((row_id, text)) = row else {
+        return Ok(None);
+    };
+    let address = parse_addr(&text)?;
+    if !cidr.contains(address) {
+        return Err(StoreError::Corrupt(format!(
+            "free row {text:?} of block {block_id} lies outside {cidr}"
+        )));
+    }
+    take_row(conn, row_id, block_id, owner, now_ms)?;
+    Ok(Some(address))
+}
+
+/// Populates the next batch of an IPv6 block after its highest row address.
+/// Returns rows inserted (0: has a free usable row already, or full).
+fn expand_v6(
+    conn: &Connection,
+    mode: ReserveMode,
+    block_id: i64,
+    network: &str,
+    cidr: &Cidr,
+    now_ms: i64,
+) -> Result<u64, StoreError> {
+    let has_free: bool = conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
+             AND is_allocated = FALSE AND (release_at IS NULL OR release_at <= ?2))",
+        )?
+        .query_row(params![block_id, now_ms], |r| r.get(0))?;
+    if has_free {
+        return Ok(0);
+    }
+    let mut highest: Option<u128> = None;
+    {
+        let mut stmt =
+            conn.prepare_cached("SELECT address FROM ip_addresses WHERE cidr_block_id = ?1")?;
+        let mut rows = stmt.query([block_id])?;
+        while let Some(row) = rows.next()? {
+            let text: String = row.get(0)?;
+            if let Some(offset) = cidr.offset_of(parse_addr(&text)?) {
+                highest = Some(highest.map_or(offset, |h| h.max(offset)));
+            }
+        }
+    }
+    let start = match highest {
+        None => 0,
+        Some(h) => match h.checked_add(1) {
+            Some(s) => s,
+            None => return Ok(0),
+        },
+    };
+    let end = start.saturating_add(IPV6_BATCH).min(cidr.size());
+    if start >= end {
+        return Ok(0);
+    }
+    let reserved = block_reserved(conn, mode, block_id, network, cidr)?;
+    insert_rows(conn, block_id, cidr, start..end, &reserved)
+}
+
+impl Store {
+    /// Adds a block (Ready, its rows populated: every IPv4 address, the
+    /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
+    pub fn add_cidr_block(&mut self, network: &str, cidr: &Cidr) -> Result<AddOutcome, StoreError> {
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let text = cidr.to_string();
+        if let Some(id) = find_block(&tx, network, &text)? {
+            return Ok(AddOutcome::Exists(id));
+        }
+        tx.prepare_cached(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
+             VALUES (?1, ?2, ?3, ?4, 0, 'Ready')",
+        )?
+        .execute(params![
+            text,
+            network,
+            cidr.family().as_str(),
+            total_ips(cidr)
+        ])?;
+        let id = tx.last_insert_rowid();
+        let first = mode == ReserveMode::FirstBlock
+            && cidr.family() == Family::V4
+            && is_first_v4(&tx, network, id)?;
+        let reserved = reserved_offsets(cidr, mode, first);
+        let end = match cidr.family() {
+            Family::V4 => cidr.size(),
+            Family::V6 => cidr.size().min(IPV6_BATCH),
+        };
+        insert_rows(&tx, id, cidr, 0..end, &reserved)?;
+        tx.commit()?;
+        Ok(AddOutcome::Added(id))
+    }
+
+    /// The id of the block (cidr, network), if any.
+    pub fn find_block(&self, network: &str, cidr: &Cidr) -> Result<Option<i64>, StoreError> {
+        find_block(&self.conn, network, &cidr.to_string())
+    }
+
+    /// Allocates an address of `family` in `network` to `owner`; repeating
+    /// the call returns the address already held.
+    pub fn allocate(
+        &mut self,
+        owner: &Owner,
+        family: Family,
+        now_ms: i64,
+    ) -> Result<Allocation, StoreError> {
+        validate_owner(owner.container_id, owner.interface_name)?;
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        if let Some((_, _, existing)) = held(
+            &tx,
+            owner.network,
+            owner.container_id,
+            owner.interface_name,
+            Some(family),
+        )?
+        .into_iter()
+        .next()
+        {
+            return Ok(existing);
+        }
+        let candidates = candidates(&tx, owner.network, family)?;
+        for (id, cidr) in &candidates {
+            if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
+                tx.commit()?;
+                return Ok(Allocation {
+                    address,
+                    block: *cidr,
+                });
+            }
+        }
+        if family == Family::V6 {
+            for (id, cidr) in &candidates {
+                for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
+                    if expand_v6(&tx, mode, *id, owner.network, cidr, now_ms)? == 0 {
+                        break;
+                    }
+                    if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
+                        tx.commit()?;
+                        return Ok(Allocation {
+                            address,
+                            block: *cidr,
+                        });
+                    }
+                }
+            }
+            // Keep any rows populated on the way; they are valid.
+            tx.commit()?;
+        }
+        Err(StoreError::NoAvailableIps {
+            network: owner.network.to_string(),
+            family,
+        })
+    }
+
+    /// Allocates exactly `address` to `owner` (static IP request).
+    pub fn allocate_requested(
+        &mut self,
+        owner: &Owner,
+        address: IpAddr,
+        now_ms: i64,
+    ) -> Result<Allocation, StoreError> {
+        validate_owner(owner.container_id, owner.interface_name)?;
+        let family = Family::of(address);
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let unavailable = |reason: String| StoreError::RequestedIpUnavailable { address, reason };
+        if let Some((_, _, existing)) = held(
+            &tx,
+            owner.network,
+            owner.container_id,
+            owner.interface_name,
+            Some(family),
+        )?
+        .into_iter()
+        .next()
+        {
+            if existing.address == address {
+                return Ok(existing);
+            }
+            return Err(unavailable(format!(
+                "container {:?} interface {:?} already holds {} in network {:?}",
+                owner.container_id, owner.interface_name, existing.address, owner.network
+            )));
+        }
+        // The non-Deleting block of the network containing the address.
+        let mut found: Option<(i64, Cidr, String)> = None;
+        {
+            let mut stmt = tx.prepare_cached(
+                "SELECT id, cidr, state FROM cidr_blocks \
+                 WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
+            )?;
+            let mut rows = stmt.query(params![owner.network, family.as_str()])?;
+            while let Some(row) = rows.next()? {
+                let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
+                if cidr.contains(address) {
+                    found = Some((row.get(0)?, cidr, row.get(2)?));
+                    break;
+                }
+            }
+        }
+        let Some((block_id, cidr, state)) = found else {
+            return Err(StoreError::RequestedIpOutsideBlocks {
+                address,
+                network: owner.network.to_string(),
+            });
+        };
+        if state != "Ready" {
+            return Err(unavailable(format!("block {cidr} is {state}")));
+        }
+        let offset = cidr.offset_of(address).unwrap_or(0);
+        let reserved = block_reserved(&tx, mode, block_id, owner.network, &cidr)?;
+        if reserved.contains(&offset) {
+            return Err(unavailable(format!(
+                "it is reserved (network/gateway/broadcast) in block {cidr}"
+            )));
+        }
+        let text = address.to_string();
+        let lookup = |conn: &Connection| -> Result<Option<RowState>, StoreError> {
+            Ok(conn
+                .prepare_cached(
+                    "SELECT id, is_allocated, COALESCE(container_id, ''), release_at \
+                     FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+                )?
+                .query_row(params![text, block_id], |r| {
+                    Ok(RowState {
+                        id: r.get(0)?,
+                        allocated: r.get(1)?,
+                        container_id: r.get(2)?,
+                        release_at: r.get(3)?,
+                    })
+                })
+                .optional()?)
+        };
+        let row = match lookup(&tx)? {
+            Some(row) => row,
+            None => {
+                insert_rows(&tx, block_id, &cidr, offset..offset + 1, &[])?;
+                lookup(&tx)?.ok_or_else(|| {
+                    StoreError::Corrupt(format!("row {text} vanished after insert"))
+                })?
+            }
+        };
+        if row.allocated {
+            if row.container_id.is_empty() {
+                return Err(unavailable(format!("it is reserved in block {cidr}")));
+            }
+            return Err(unavailable(format!(
+                "it is held by container {:?}",
+                row.container_id
+            )));
+        }
+        if let Some(until) = row.release_at
+            && until > now_ms
+        {
+            return Err(unavailable(format!(
+                "it is in release cooldown until {until} (Unix ms)"
+            )));
+        }
+        take_row(&tx, row.id, block_id, owner, now_ms)?;
+        tx.commit()?;
+        Ok(Allocation {
+            address,
+            block: cidr,
+        })
+    }
+
+    /// Releases every address the owner holds in `network` (all families,
+    /// any block state). Addresses enter cooldown until `now + cooldown_ms`
+    /// (none if `cooldown_ms <= 0`); the last owner stays recorded. A pod
+    /// that held a reserved position gives it back to the reservation.
+    pub fn release(
+        &mut self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+        cooldown_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<Allocation>, StoreError> {
+        validate_owner(container_id, interface_name)?;
+        let mode = self.reserve;
+        let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let rows = held(&tx, network, container_id, interface_name, None)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for (row_id, block_id, allocation) in rows {
+            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
+            let at_reserved = allocation
+                .block
+                .offset_of(allocation.address)
+                .is_some_and(|o| reserved.contains(&o));
+            if at_reserved {
+                tx.prepare_cached(
+                    "UPDATE ip_addresses SET container_id = '', interface_name = '', \
+                     pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1",
+                )?
+                .execute([row_id])?;
+            } else {
+                tx.prepare_cached(
+                    "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1",
+                )?
+                .execute(params![row_id, release_at])?;
+                tx.prepare_cached(
+                    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1",
+                )?
+                .execute([block_id])?;
+            }
+            out.push(allocation);
+        }
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// The addresses the owner holds in `network`, IPv4 first (empty: none).
+    pub fn check(
+        &self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+    ) -> Result<Vec<Allocation>, StoreError> {
+        validate_owner(container_id, interface_name)?;
+        Ok(
+            held(&self.conn, network, container_id, interface_name, None)?
+                .into_iter()
+                .map(|(_, _, a)| a)
+                .collect(),
+        )
+    }
+}
+
+struct RowState {
+    id: i64,
+    allocated: bool,
+    container_id: String,
+    release_at: Option<i64>,
+}
+
+fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2")?
+        .query_row(params![cidr, network], |r| r.get(0))
+        .optional()?)
+}
+
+/// Ready blocks of network+family with room, oldest (lowest id) first.
+fn candidates(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<(i64, Cidr)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, cidr FROM cidr_blocks \
+         WHERE network = ?1 AND ip_family = ?2 AND state = 'Ready' AND total_ips > allocated_ips \
+         ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![network, family.as_str()])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push((row.get(0)?, parse_cidr(&row.get::<_, String>(1)?)?));
+    }
+    Ok(out)
+}

@@ -1,0 +1,553 @@
+//! SQLite store: upstream Metis's schema (version 1) and operations, with
+//! Metis's fixes (reservations in every block, network-scoped idempotency,
+//! bounded IPv6 expansion, repair of databases written by upstream).
+//!
+//! Every write is one short `BEGIN IMMEDIATE` transaction; the daemon and the
+//! CNI plugin (direct mode) may open the same file concurrently (WAL + busy
+//! timeout). Timestamps are Unix milliseconds passed in by the caller.
+
+mod admin;
+mod alloc;
+mod reserve;
+mod schema;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::fs::{DirBuilder, OpenOptions};
+use std::net::IpAddr;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, params};
+
+use crate::cidr::{Cidr, CidrError, Family};
+
+pub use reserve::reserved_offsets;
+pub use schema::{SCHEMA, SCHEMA_VERSION};
+
+/// How hard SQLite syncs: `synchronous=NORMAL` (default, safe with WAL
+/// against application crashes) or `FULL` (also against power loss).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    #[default]
+    Normal,
+    Full,
+}
+
+/// Which addresses are kept out of allocation (network, gateway, broadcast).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReserveMode {
+    /// Every block with ≥ 4 addresses: IPv4 offsets 0, 1, last; IPv6 0, 1.
+    #[default]
+    EveryBlock,
+    /// Upstream's rule: only the network's first IPv4 block (0, 1, last).
+    FirstBlock,
+}
+
+impl ReserveMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReserveMode::EveryBlock => "every-block",
+            ReserveMode::FirstBlock => "first-block",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<ReserveMode> {
+        match text {
+            "every-block" => Some(ReserveMode::EveryBlock),
+            "first-block" => Some(ReserveMode::FirstBlock),
+            _ => None,
+        }
+    }
+}
+
+/// Options for [`Store::open`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StoreOptions {
+    pub durability: Durability,
+    /// `None`: use the mode stored in the database (default `EveryBlock`).
+    /// `Some(m)`: store `m` (if different) and use it.
+    pub reserve: Option<ReserveMode>,
+}
+
+/// Lifecycle state of a CIDR block (`cidr_blocks.state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockState {
+    Ready,
+    Draining,
+    Deleting,
+}
+
+impl BlockState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BlockState::Ready => "Ready",
+            BlockState::Draining => "Draining",
+            BlockState::Deleting => "Deleting",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<BlockState> {
+        match text {
+            "Ready" => Some(BlockState::Ready),
+            "Draining" => Some(BlockState::Draining),
+            "Deleting" => Some(BlockState::Deleting),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for BlockState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Who an address is allocated to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner<'a> {
+    pub network: &'a str,
+    pub container_id: &'a str,
+    pub interface_name: &'a str,
+    pub pod_name: &'a str,
+    pub pod_namespace: &'a str,
+}
+
+/// An allocated address and the block it came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    pub address: IpAddr,
+    pub block: Cidr,
+}
+
+/// Result of [`Store::add_cidr_block`]: the block id, new or existing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddOutcome {
+    Added(i64),
+    Exists(i64),
+}
+
+impl AddOutcome {
+    pub fn id(self) -> i64 {
+        match self {
+            AddOutcome::Added(id) | AddOutcome::Exists(id) => id,
+        }
+    }
+}
+
+/// Upstream's `GetIPUsage` over the non-Deleting blocks of a network+family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Σ allocated_ips (reserved rows and Draining blocks included).
+    pub allocated: i64,
+    /// Unallocated rows whose `release_at` is still in the future.
+    pub cooldown: i64,
+    /// Σ total_ips (saturating).
+    pub total: i64,
+    /// Σ total_ips of Draining blocks (saturating).
+    pub draining: i64,
+}
+
+/// One `cidr_blocks` row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockInfo {
+    pub id: i64,
+    pub cidr: String,
+    pub network: String,
+    pub family: Family,
+    pub total_ips: i64,
+    pub allocated_ips: i64,
+    pub state: BlockState,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// A raw table dump for the admin interface.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Table {
+    pub headers: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+/// Typed filter on blocks; every field set must match.
+#[derive(Debug, Clone, Default)]
+pub struct BlockFilter {
+    pub network: Option<String>,
+    pub state: Option<BlockState>,
+    pub family: Option<Family>,
+}
+
+/// Typed filter on addresses; network/state/family apply to the owning block.
+#[derive(Debug, Clone, Default)]
+pub struct AddressFilter {
+    pub network: Option<String>,
+    pub state: Option<BlockState>,
+    pub family: Option<Family>,
+    pub container_id: Option<String>,
+    pub allocated: Option<bool>,
+}
+
+/// Errors of the store. `Display` starts with `store: `.
+#[derive(Debug)]
+pub enum StoreError {
+    /// The database path is empty.
+    InvalidPath,
+    /// The directory or file could not be created/opened.
+    Open {
+        path: PathBuf,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Any other error SQLite reports.
+    Sqlite(rusqlite::Error),
+    /// SQLITE_BUSY / SQLITE_LOCKED beyond the busy timeout.
+    Busy(rusqlite::Error),
+    BadCidr(CidrError),
+    NoAvailableIps {
+        network: String,
+        family: Family,
+    },
+    RequestedIpUnavailable {
+        address: IpAddr,
+        reason: String,
+    },
+    RequestedIpOutsideBlocks {
+        address: IpAddr,
+        network: String,
+    },
+    /// container_id or interface_name is empty.
+    EmptyOwner,
+    /// A row whose content does not parse.
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Whether the caller should report "try again later" (lock contention,
+    /// I/O, full disk, unopenable or read-only database).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Busy(_) | StoreError::Open { .. } => true,
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
+                e.code,
+                ErrorCode::DatabaseBusy
+                    | ErrorCode::DatabaseLocked
+                    | ErrorCode::SystemIoFailure
+                    | ErrorCode::DiskFull
+                    | ErrorCode::CannotOpen
+                    | ErrorCode::ReadOnly
+                    | ErrorCode::FileLockingProtocolFailed
+                    | ErrorCode::OutOfMemory
+            ),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::InvalidPath => f.write_str("store: database path cannot be empty"),
+            StoreError::Open { path, source } => {
+                write!(
+                    f,
+                    "store: cannot open database {}: {source}",
+                    path.display()
+                )
+            }
+            StoreError::Sqlite(e) => write!(f, "store: sqlite: {e}"),
+            StoreError::Busy(e) => write!(f, "store: database is busy: {e}"),
+            StoreError::BadCidr(e) => write!(f, "store: {e}"),
+            StoreError::NoAvailableIps { network, family } => write!(
+                f,
+                "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
+            ),
+            StoreError::RequestedIpUnavailable { address, reason } => {
+                write!(f, "store: requested IP {address} is unavailable: {reason}")
+            }
+            StoreError::RequestedIpOutsideBlocks { address, network } => write!(
+                f,
+                "store: requested IP {address} is not inside any block of network {network:?}"
+            ),
+            StoreError::EmptyOwner => {
+                f.write_str("store: container_id and interface_name must not be empty")
+            }
+            StoreError::Corrupt(what) => write!(f, "store: corrupt database content: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Open { source, .. } => Some(source.as_ref()),
+            StoreError::Sqlite(e) | StoreError::Busy(e) => Some(e),
+            StoreError::BadCidr(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> StoreError {
+        match &e {
+            rusqlite::Error::SqliteFailure(f, _)
+                if matches!(f.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) =>
+            {
+                StoreError::Busy(e)
+            }
+            _ => StoreError::Sqlite(e),
+        }
+    }
+}
+
+impl From<CidrError> for StoreError {
+    fn from(e: CidrError) -> StoreError {
+        StoreError::BadCidr(e)
+    }
+}
+
+/// An open database.
+pub struct Store {
+    conn: Connection,
+    reserve: ReserveMode,
+    warnings: Vec<String>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("reserve", &self.reserve)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path`: parent directory
+    /// 0700, file 0600, WAL, foreign keys, 5 s busy timeout; installs the
+    /// schema unless `user_version` is already 1; repairs reservations.
+    pub fn open(path: &Path, opts: &StoreOptions) -> Result<Store, StoreError> {
+        if path.as_os_str().is_empty() {
+            return Err(StoreError::InvalidPath);
+        }
+        let open_err = |source: std::io::Error| StoreError::Open {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        };
+        if let Some(parent) = path.parent()
+            && !parent.as_os_str().is_empty()
+            && !parent.exists()
+        {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(parent)
+                .map_err(open_err)?;
+        }
+        if !path.exists() {
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+            {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(open_err(e)),
+            }
+        }
+        let conn = Connection::open(path).map_err(|e| StoreError::Open {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })?;
+        conn.busy_timeout(Duration::from_millis(5000))?;
+        let mode: String =
+            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Corrupt(format!(
+                "journal_mode is {mode}, WAL could not be enabled"
+            )));
+        }
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        let sync = match opts.durability {
+            Durability::Normal => "NORMAL",
+            Durability::Full => "FULL",
+        };
+        conn.pragma_update(None, "synchronous", sync)?;
+
+        let mut store = Store {
+            conn,
+            reserve: ReserveMode::EveryBlock,
+            warnings: Vec::new(),
+        };
+        store.install_schema()?;
+        store.reserve = store.settle_reserve_mode(opts.reserve)?;
+        store.repair()?;
+        Ok(store)
+    }
+
+    /// The reservation mode in force.
+    pub fn reserve_mode(&self) -> ReserveMode {
+        self.reserve
+    }
+
+    /// Problems found at open that were left alone (e.g. a pod holding an
+    /// address at a reserved position), for the caller to log.
+    pub fn open_warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    fn install_schema(&mut self) -> Result<(), StoreError> {
+        let version: i64 = self
+            .conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version != SCHEMA_VERSION {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.execute_batch(SCHEMA)?;
+            tx.commit()?;
+        }
+        let has_settings: bool = self.conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_settings')",
+            [],
+            |r| r.get(0),
+        )?;
+        if !has_settings {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.execute(schema::SETTINGS, [])?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    /// The daemon's release cooldown as it last recorded it, so direct-mode
+    /// releases rest as long as the daemon's would. `None` if never recorded.
+    pub fn release_cooldown(&self) -> Option<i64> {
+        get_setting(&self.conn, schema::KEY_RELEASE_COOLDOWN)
+            .ok()
+            .flatten()
+            .and_then(|text| text.parse().ok())
+    }
+
+    /// Records the daemon's release cooldown (see [`Store::release_cooldown`]).
+    pub fn set_release_cooldown(&mut self, cooldown_ms: i64) -> Result<(), StoreError> {
+        let value = cooldown_ms.to_string();
+        if get_setting(&self.conn, schema::KEY_RELEASE_COOLDOWN)?.as_deref() == Some(value.as_str())
+        {
+            return Ok(());
+        }
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        set_setting(&tx, schema::KEY_RELEASE_COOLDOWN, &value)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn settle_reserve_mode(
+        &mut self,
+        requested: Option<ReserveMode>,
+    ) -> Result<ReserveMode, StoreError> {
+        let stored = match get_setting(&self.conn, schema::KEY_RESERVE_MODE)? {
+            None => None,
+            Some(text) => {
+                let parsed = ReserveMode::parse(&text);
+                if parsed.is_none() {
+                    self.warnings.push(format!(
+                        "store: unknown reserve_mode {text:?} in metis_settings; using every-block"
+                    ));
+                }
+                parsed
+            }
+        };
+        match requested {
+            None => Ok(stored.unwrap_or_default()),
+            Some(mode) => {
+                if stored != Some(mode) {
+                    let tx = self
+                        .conn
+                        .transaction_with_behavior(TransactionBehavior::Immediate)?;
+                    set_setting(&tx, schema::KEY_RESERVE_MODE, mode.as_str())?;
+                    tx.commit()?;
+                }
+                Ok(mode)
+            }
+        }
+    }
+
+    /// Blocks whose `allocated_ips` differs from their count of allocated
+    /// rows: `(block id, allocated_ips, actual)`.
+    pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT b.id, COALESCE(b.allocated_ips, 0), \
+                    (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
+             FROM cidr_blocks b ORDER BY b.id",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, counter, actual) = row?;
+            if counter != actual {
+                out.push((id, counter, actual));
+            }
+        }
+        Ok(out)
+    }
+}
+
+pub(crate) fn get_setting(conn: &Connection, key: &str) -> Result<Option<String>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT value FROM metis_settings WHERE key = ?1")?
+        .query_row([key], |r| r.get(0))
+        .optional()?)
+}
+
+fn set_setting(conn: &Connection, key: &str, value: &str) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO metis_settings (key, value) VALUES (?1, ?2) \
+         ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+    )?
+    .execute(params![key, value])?;
+    Ok(())
+}
+
+fn validate_owner(container_id: &str, interface_name: &str) -> Result<(), StoreError> {
+    if container_id.is_empty() || interface_name.is_empty() {
+        return Err(StoreError::EmptyOwner);
+    }
+    Ok(())
+}
+
+pub(crate) fn parse_addr(text: &str) -> Result<IpAddr, StoreError> {
+    text.parse()
+        .map_err(|_| StoreError::Corrupt(format!("address {text:?} is not an IP address")))
+}
+
+pub(crate) fn parse_cidr(text: &str) -> Result<Cidr, StoreError> {
+    text.parse()
+        .map_err(|e| StoreError::Corrupt(format!("block cidr {text:?}: {e}")))
+}
+
+pub(crate) fn parse_family(text: &str) -> Result<Family, StoreError> {
+    Family::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown ip_family {text:?}")))
+}
+
+pub(crate) fn parse_state(text: &str) -> Result<BlockState, StoreError> {
+    BlockState::parse(text)
+        .ok_or_else(|| StoreError::Corrupt(format!("unknown block state {text:?}")))
+}
+
+/// `total_ips` for a block: 2^host_bits, or `i64::MAX` at ≥ 62 host bits.
+pub(crate) fn total_ips(cidr: &Cidr) -> i64 {
+    let host = cidr.host_bits();
+    if host >= 62 { i64::MAX } else { 1i64 << host }
+}

@@ -1,0 +1,255 @@
+//! Reserved addresses (network, gateway, broadcast) and the repair run at
+//! open that brings any database — including one written by upstream — in
+//! line with the reservation mode in force.
+
+use std::collections::{HashMap, HashSet};
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use super::{ReserveMode, Store, StoreError, parse_cidr, parse_family, parse_state, schema};
+use crate::cidr::{Cidr, Family};
+
+/// The offsets (from the block base) a block reserves. Blocks with fewer
+/// than 4 addresses reserve nothing. `EveryBlock`: IPv4 0, 1, last; IPv6 0,
+/// 1. `FirstBlock`: IPv4 0, 1, last only for the network's first IPv4 block.
+pub fn reserved_offsets(cidr: &Cidr, mode: ReserveMode, first_v4_block: bool) -> Vec<u128> {
+    let size = cidr.size();
+    if size < 4 {
+        return Vec::new();
+    }
+    match (cidr.family(), mode) {
+        (Family::V4, ReserveMode::EveryBlock) => vec![0, 1, size - 1],
+        (Family::V4, ReserveMode::FirstBlock) if first_v4_block => vec![0, 1, size - 1],
+        (Family::V6, ReserveMode::EveryBlock) => vec![0, 1],
+        _ => Vec::new(),
+    }
+}
+
+/// Whether block `id` is the lowest-id IPv4 block of `network`.
+pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<bool, StoreError> {
+    let first: Option<i64> = conn
+        .prepare_cached(
+            "SELECT MIN(id) FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4'",
+        )?
+        .query_row([network], |r| r.get(0))?;
+    Ok(first == Some(id))
+}
+
+/// The reserved offsets of an existing block under `mode`.
+pub(super) fn block_reserved(
+    conn: &Connection,
+    mode: ReserveMode,
+    id: i64,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<Vec<u128>, StoreError> {
+    let first = mode == ReserveMode::FirstBlock
+        && cidr.family() == Family::V4
+        && is_first_v4(conn, network, id)?;
+    Ok(reserved_offsets(cidr, mode, first))
+}
+
+#[derive(Default)]
+struct Plan {
+    /// (row id, block id) of free rows to reserve.
+    reserve: Vec<(i64, i64)>,
+    /// (row id, block id) of reserved rows to free.
+    free: Vec<(i64, i64)>,
+    /// Free rows outside their block's prefix (upstream's /127, /128 bug).
+    delete: Vec<i64>,
+    warnings: Vec<String>,
+    /// The full (expensive) part ran; record the layout marker.
+    mark: bool,
+}
+
+impl Plan {
+    fn changes(&self) -> bool {
+        !self.reserve.is_empty() || !self.free.is_empty() || !self.delete.is_empty() || self.mark
+    }
+}
+
+fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
+    let mut plan = Plan::default();
+    let layout = super::get_setting(conn, schema::KEY_LAYOUT)?;
+    let full = layout.as_deref() != Some(mode.as_str());
+    plan.mark = full;
+
+    struct Block {
+        id: i64,
+        cidr: Cidr,
+        network: String,
+    }
+    let mut blocks = Vec::new();
+    let mut first_v4: HashMap<String, i64> = HashMap::new();
+    {
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, cidr, network, ip_family, state FROM cidr_blocks ORDER BY id",
+        )?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let id: i64 = row.get(0)?;
+            let cidr_text: String = row.get(1)?;
+            let network: String = row.get(2)?;
+            let family_text: String = row.get(3)?;
+            let state_text: String = row.get(4)?;
+            let (family, state) = match (parse_family(&family_text), parse_state(&state_text)) {
+                (Ok(f), Ok(s)) => (f, s),
+                (Err(e), _) | (_, Err(e)) => {
+                    plan.warnings.push(format!("block {id}: {e}; not repaired"));
+                    continue;
+                }
+            };
+            if family == Family::V4 {
+                first_v4.entry(network.clone()).or_insert(id);
+            }
+            if state == super::BlockState::Deleting {
+                continue;
+            }
+            let cidr = match parse_cidr(&cidr_text) {
+                Ok(c) => c,
+                Err(e) => {
+                    plan.warnings.push(format!("block {id}: {e}; not repaired"));
+                    continue;
+                }
+            };
+            blocks.push(Block { id, cidr, network });
+        }
+    }
+
+    let mut lookup = conn.prepare_cached(
+        "SELECT id, is_allocated, COALESCE(container_id, ''), COALESCE(interface_name, '') \
+         FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+    )?;
+    let mut expected: HashMap<i64, HashSet<String>> = HashMap::new();
+    for block in &blocks {
+        let first = first_v4.get(&block.network) == Some(&block.id);
+        let mut set = HashSet::new();
+        for offset in reserved_offsets(&block.cidr, mode, first) {
+            let Some(addr) = block.cidr.nth(offset) else {
+                continue;
+            };
+            let text = addr.to_string();
+            let row: Option<(i64, bool, String, String)> = lookup
+                .query_row(params![text, block.id], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                })
+                .optional()?;
+            match row {
+                None => {} // IPv6 row not populated yet: reserved when inserted.
+                Some((row_id, false, _, _)) => plan.reserve.push((row_id, block.id)),
+                Some((_, true, cid, _)) if cid.is_empty() => {}
+                Some((_, true, cid, ifname)) => plan.warnings.push(format!(
+                    "store: block {} ({}, network {:?}): reserved address {addr} is held by container {cid:?} interface {ifname:?}; left alone until released",
+                    block.id, block.cidr, block.network
+                )),
+            }
+            set.insert(text);
+        }
+        expected.insert(block.id, set);
+    }
+
+    if full {
+        // Reserved rows at positions the mode does not reserve.
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, address, cidr_block_id FROM ip_addresses \
+             WHERE container_id = '' AND is_allocated = 1",
+        )?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let row_id: i64 = row.get(0)?;
+            let address: String = row.get(1)?;
+            let block_id: i64 = row.get(2)?;
+            if let Some(set) = expected.get(&block_id)
+                && !set.contains(&address)
+            {
+                plan.free.push((row_id, block_id));
+            }
+        }
+        // Free rows outside a small IPv6 block's prefix (upstream inserted
+        // a full batch of 64 even for /127 and /128).
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, address, is_allocated FROM ip_addresses WHERE cidr_block_id = ?1",
+        )?;
+        for block in blocks
+            .iter()
+            .filter(|b| b.cidr.family() == Family::V6 && b.cidr.size() < 64)
+        {
+            let mut rows = stmt.query([block.id])?;
+            while let Some(row) = rows.next()? {
+                let row_id: i64 = row.get(0)?;
+                let address: String = row.get(1)?;
+                let allocated: bool = row.get(2)?;
+                let inside = address
+                    .parse()
+                    .map(|a| block.cidr.contains(a))
+                    .unwrap_or(false);
+                if inside {
+                    continue;
+                }
+                if allocated {
+                    plan.warnings.push(format!(
+                        "store: block {} ({}): allocated row {address:?} lies outside the prefix; left alone",
+                        block.id, block.cidr
+                    ));
+                } else {
+                    plan.delete.push(row_id);
+                }
+            }
+        }
+    }
+    Ok(plan)
+}
+
+impl Store {
+    /// Brings reservations in line with the mode. Read-only unless
+    /// something must change.
+    pub(super) fn repair(&mut self) -> Result<(), StoreError> {
+        let mode = self.reserve;
+        let first = plan(&self.conn, mode)?;
+        if !first.changes() {
+            self.warnings.extend(first.warnings);
+            return Ok(());
+        }
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        // Re-plan under the write lock: another process may have repaired.
+        let plan = plan(&tx, mode)?;
+        {
+            let mut reserve = tx.prepare_cached(
+                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
+                 pod_name = NULL, pod_namespace = NULL, release_at = NULL \
+                 WHERE id = ?1 AND is_allocated = FALSE",
+            )?;
+            let mut free = tx.prepare_cached(
+                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL \
+                 WHERE id = ?1 AND is_allocated = 1 AND container_id = ''",
+            )?;
+            let mut delete = tx.prepare_cached(
+                "DELETE FROM ip_addresses WHERE id = ?1 AND is_allocated = FALSE",
+            )?;
+            let mut bump = tx.prepare_cached(
+                "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
+            )?;
+            for &(row_id, block_id) in &plan.reserve {
+                if reserve.execute([row_id])? > 0 {
+                    bump.execute([block_id, 1])?;
+                }
+            }
+            for &(row_id, block_id) in &plan.free {
+                if free.execute([row_id])? > 0 {
+                    bump.execute([block_id, -1])?;
+                }
+            }
+            for &row_id in &plan.delete {
+                delete.execute([row_id])?;
+            }
+            if plan.mark {
+                super::set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;
+            }
+        }
+        tx.commit()?;
+        self.warnings.extend(plan.warnings);
+        Ok(())
+    }
+}

@@ -1,0 +1,1549 @@
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rusqlite::Connection;
+
+use super::*;
+
+const NOW: i64 = 1_700_000_000_000;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir = std::env::temp_dir().join(format!(
+            "metis-store-test-{}-{}-{nanos}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn db(&self) -> PathBuf {
+        self.0.join("metis.sqlite")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn opts(reserve: Option<ReserveMode>) -> StoreOptions {
+    StoreOptions {
+        durability: Durability::Normal,
+        reserve,
+    }
+}
+
+fn open(path: &Path) -> Store {
+    Store::open(path, &opts(None)).unwrap()
+}
+
+fn open_mode(path: &Path, mode: ReserveMode) -> Store {
+    Store::open(path, &opts(Some(mode))).unwrap()
+}
+
+fn c(text: &str) -> Cidr {
+    text.parse().unwrap()
+}
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().unwrap()
+}
+
+fn owner<'a>(network: &'a str, container_id: &'a str) -> Owner<'a> {
+    Owner {
+        network,
+        container_id,
+        interface_name: "eth0",
+        pod_name: "pod",
+        pod_namespace: "ns",
+    }
+}
+
+fn wall_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+fn alloc(store: &mut Store, network: &str, cid: &str, family: Family, now: i64) -> IpAddr {
+    store
+        .allocate(&owner(network, cid), family, now)
+        .unwrap()
+        .address
+}
+
+fn block(store: &Store, id: i64) -> BlockInfo {
+    store
+        .blocks(&BlockFilter::default())
+        .unwrap()
+        .into_iter()
+        .find(|b| b.id == id)
+        .unwrap()
+}
+
+/// (address, is_allocated, container_id, release_at) of a block's rows, id order.
+fn rows(store: &Store, block_id: i64) -> Vec<(String, bool, String, Option<i64>)> {
+    let mut stmt = store
+        .conn
+        .prepare(
+            "SELECT address, is_allocated, COALESCE(container_id, ''), release_at \
+             FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id",
+        )
+        .unwrap();
+    stmt.query_map([block_id], |r| {
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+fn reserved_addrs(store: &Store, block_id: i64) -> Vec<String> {
+    rows(store, block_id)
+        .into_iter()
+        .filter(|r| r.1 && r.2.is_empty())
+        .map(|r| r.0)
+        .collect()
+}
+
+fn assert_counters(store: &Store) {
+    assert_eq!(store.counter_mismatches().unwrap(), Vec::new());
+}
+
+#[test]
+fn reserved_offsets_rule() {
+    let e = ReserveMode::EveryBlock;
+    let f = ReserveMode::FirstBlock;
+    assert_eq!(reserved_offsets(&c("10.0.0.0/29"), e, false), vec![0, 1, 7]);
+    assert_eq!(reserved_offsets(&c("10.0.0.0/30"), e, false), vec![0, 1, 3]);
+    assert!(reserved_offsets(&c("10.0.0.0/31"), e, true).is_empty());
+    assert!(reserved_offsets(&c("10.0.0.0/32"), e, true).is_empty());
+    assert_eq!(reserved_offsets(&c("10.0.0.0/29"), f, true), vec![0, 1, 7]);
+    assert!(reserved_offsets(&c("10.0.0.0/29"), f, false).is_empty());
+    assert_eq!(reserved_offsets(&c("fd00::/64"), e, false), vec![0, 1]);
+    assert!(reserved_offsets(&c("fd00::/64"), f, true).is_empty());
+    assert!(reserved_offsets(&c("fd00::/127"), e, false).is_empty());
+}
+
+#[test]
+fn schema_objects_are_exact() {
+    let dir = TempDir::new();
+    let path = dir.0.join("nested/dir/metis.sqlite");
+    let store = open(&path);
+    let conn = &store.conn;
+
+    let mut objects: Vec<(String, String)> = conn
+        .prepare("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_autoindex%' ORDER BY type, name")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    objects.sort();
+    let expected: Vec<(String, String)> = [
+        ("index", "idx_available_ips"),
+        ("index", "idx_ip_idempotency"),
+        ("table", "cidr_blocks"),
+        ("table", "ip_addresses"),
+        ("table", "metis_settings"),
+        ("table", "sqlite_sequence"),
+        ("trigger", "update_cidr_blocks_updated_at"),
+        ("trigger", "update_ip_addresses_updated_at"),
+    ]
+    .iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
+    assert_eq!(objects, expected);
+
+    let sql = |name: &str| -> String {
+        conn.query_row(
+            "SELECT sql FROM sqlite_master WHERE name = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .unwrap()
+    };
+    assert!(
+        sql("idx_available_ips")
+            .contains("ip_addresses(cidr_block_id, id) WHERE is_allocated = FALSE")
+    );
+    assert!(sql("idx_ip_idempotency").contains("ip_addresses(container_id, interface_name)"));
+    assert!(sql("cidr_blocks").contains("UNIQUE(cidr, network)"));
+    assert!(sql("ip_addresses").contains("UNIQUE(address, cidr_block_id)"));
+    assert!(sql("ip_addresses").contains("REFERENCES cidr_blocks(id) ON DELETE CASCADE"));
+    for trigger in [
+        "update_cidr_blocks_updated_at",
+        "update_ip_addresses_updated_at",
+    ] {
+        let text = sql(trigger);
+        assert!(text.contains("AFTER UPDATE"), "{text}");
+        assert!(text.contains("WHERE id = OLD.id"), "{text}");
+        assert!(
+            text.contains("CAST(unixepoch('subsec') * 1000 AS INTEGER)"),
+            "{text}"
+        );
+    }
+
+    let now_default = Some("CAST(unixepoch('subsec') * 1000 AS INTEGER)".to_string());
+    let info = |table: &str| -> Vec<(String, String, bool, Option<String>, i64)> {
+        conn.prepare(&format!("PRAGMA table_info({table})"))
+            .unwrap()
+            .query_map([], |r| {
+                Ok((r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    let col = |n: &str, t: &str, nn: bool, d: Option<&str>, pk: i64| {
+        (n.to_string(), t.to_string(), nn, d.map(str::to_string), pk)
+    };
+    assert_eq!(
+        info("cidr_blocks"),
+        vec![
+            col("id", "INTEGER", false, None, 1),
+            col("cidr", "TEXT", true, None, 0),
+            col("network", "TEXT", true, None, 0),
+            col("ip_family", "TEXT", true, None, 0),
+            col("total_ips", "INTEGER", true, None, 0),
+            col("allocated_ips", "INTEGER", false, Some("0"), 0),
+            col("state", "TEXT", true, Some("'Ready'"), 0),
+            col("created_at", "INTEGER", false, now_default.as_deref(), 0),
+            col("updated_at", "INTEGER", false, now_default.as_deref(), 0),
+        ]
+    );
+    assert_eq!(
+        info("ip_addresses"),
+        vec![
+            col("id", "INTEGER", false, None, 1),
+            col("address", "TEXT", true, None, 0),
+            col("cidr_block_id", "INTEGER", true, None, 0),
+            col("container_id", "TEXT", false, None, 0),
+            col("pod_name", "TEXT", false, None, 0),
+            col("pod_namespace", "TEXT", false, None, 0),
+            col("interface_name", "TEXT", false, None, 0),
+            col("is_allocated", "BOOLEAN", false, Some("FALSE"), 0),
+            col("release_at", "INTEGER", false, None, 0),
+            col("allocated_at", "INTEGER", false, None, 0),
+            col("updated_at", "INTEGER", false, now_default.as_deref(), 0),
+        ]
+    );
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 1);
+    let journal: String = conn
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .unwrap();
+    assert_eq!(journal, "wal");
+    let fk: i64 = conn
+        .pragma_query_value(None, "foreign_keys", |r| r.get(0))
+        .unwrap();
+    assert_eq!(fk, 1);
+    let sync: i64 = conn
+        .pragma_query_value(None, "synchronous", |r| r.get(0))
+        .unwrap();
+    assert_eq!(sync, 1);
+    let busy: i64 = conn
+        .pragma_query_value(None, "busy_timeout", |r| r.get(0))
+        .unwrap();
+    assert_eq!(busy, 5000);
+
+    let file_mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(file_mode, 0o600);
+    let dir_mode = std::fs::metadata(path.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(dir_mode, 0o700);
+    assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
+    assert!(store.open_warnings().is_empty());
+}
+
+#[test]
+fn durability_full_sets_synchronous_full() {
+    let dir = TempDir::new();
+    let store = Store::open(
+        &dir.db(),
+        &StoreOptions {
+            durability: Durability::Full,
+            reserve: None,
+        },
+    )
+    .unwrap();
+    let sync: i64 = store
+        .conn
+        .pragma_query_value(None, "synchronous", |r| r.get(0))
+        .unwrap();
+    assert_eq!(sync, 2);
+}
+
+#[test]
+fn empty_path_is_rejected() {
+    let err = Store::open(Path::new(""), &opts(None)).unwrap_err();
+    assert!(matches!(err, StoreError::InvalidPath));
+    assert!(err.to_string().starts_with("store: "));
+}
+
+#[test]
+fn reopen_is_idempotent_and_keeps_data() {
+    let dir = TempDir::new();
+    let schema_before: Vec<String>;
+    let a;
+    {
+        let mut store = open(&dir.db());
+        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+        a = alloc(&mut store, "default", "c1", Family::V4, NOW);
+        schema_before = store
+            .conn
+            .prepare("SELECT sql FROM sqlite_master ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get::<_, Option<String>>(0))
+            .unwrap()
+            .map(|r| r.unwrap().unwrap_or_default())
+            .collect();
+    }
+    for _ in 0..2 {
+        let mut store = open(&dir.db());
+        let schema_after: Vec<String> = store
+            .conn
+            .prepare("SELECT sql FROM sqlite_master ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get::<_, Option<String>>(0))
+            .unwrap()
+            .map(|r| r.unwrap().unwrap_or_default())
+            .collect();
+        assert_eq!(schema_after, schema_before);
+        assert!(store.open_warnings().is_empty());
+        assert_eq!(alloc(&mut store, "default", "c1", Family::V4, NOW), a);
+        assert_eq!(block(&store, 1).allocated_ips, 4);
+        assert_counters(&store);
+    }
+}
+
+#[test]
+fn every_block_29_reserves_and_allocates_in_order() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let id = store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    assert_eq!(id, AddOutcome::Added(1));
+    assert_eq!(rows(&store, 1).len(), 8);
+    assert_eq!(
+        reserved_addrs(&store, 1),
+        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+    );
+    let b = block(&store, 1);
+    assert_eq!(
+        (b.total_ips, b.allocated_ips, b.state),
+        (8, 3, BlockState::Ready)
+    );
+    assert_eq!(b.family, Family::V4);
+    let got: Vec<IpAddr> = (0..5)
+        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+        .collect();
+    let want: Vec<IpAddr> = (2..=6).map(|i| ip(&format!("10.0.1.{i}"))).collect();
+    assert_eq!(got, want);
+    let err = store
+        .allocate(&owner("default", "c9"), Family::V4, NOW)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NoAvailableIps { .. }), "{err}");
+    assert!(err.to_string().contains("no available IPs in store"));
+    assert!(!err.is_transient());
+    assert_eq!(block(&store, 1).allocated_ips, 8);
+    assert_counters(&store);
+    // Adding it again changes nothing.
+    assert_eq!(
+        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap(),
+        AddOutcome::Exists(1)
+    );
+    assert_eq!(rows(&store, 1).len(), 8);
+    assert_eq!(
+        store.find_block("default", &c("10.0.1.0/29")).unwrap(),
+        Some(1)
+    );
+    assert_eq!(store.find_block("other", &c("10.0.1.0/29")).unwrap(), None);
+    // Same prefix in another network is a separate block.
+    assert_eq!(
+        store.add_cidr_block("other", &c("10.0.1.0/29")).unwrap(),
+        AddOutcome::Added(2)
+    );
+}
+
+#[test]
+fn second_block_reservation_depends_on_mode() {
+    let dir = TempDir::new();
+    {
+        let mut store = open(&dir.db());
+        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+        store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+        assert_eq!(
+            reserved_addrs(&store, 2),
+            vec!["10.0.2.0", "10.0.2.1", "10.0.2.7"]
+        );
+        assert_eq!(block(&store, 2).allocated_ips, 3);
+    }
+    let dir2 = TempDir::new();
+    let mut store = open_mode(&dir2.db(), ReserveMode::FirstBlock);
+    assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
+    store.add_cidr_block("default", &c("fd00::/120")).unwrap(); // v6 first: no effect on v4 rule
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+    assert!(reserved_addrs(&store, 1).is_empty());
+    assert_eq!(
+        reserved_addrs(&store, 2),
+        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+    );
+    assert!(reserved_addrs(&store, 3).is_empty());
+    assert_eq!(block(&store, 3).allocated_ips, 0);
+    for i in 0..5 {
+        alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW);
+    }
+    assert_eq!(
+        alloc(&mut store, "default", "c5", Family::V4, NOW),
+        ip("10.0.2.0")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "c6", Family::V6, NOW),
+        ip("fd00::")
+    );
+    drop(store);
+
+    // The stored mode persists; switching to EveryBlock repairs the layout.
+    let store = open(&dir2.db());
+    assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
+    drop(store);
+    let store = open_mode(&dir2.db(), ReserveMode::EveryBlock);
+    assert_eq!(reserved_addrs(&store, 3), vec!["10.0.2.1", "10.0.2.7"]);
+    assert_eq!(reserved_addrs(&store, 1), vec!["fd00::1"]);
+    assert_eq!(
+        store.open_warnings().len(),
+        2,
+        "{:?}",
+        store.open_warnings()
+    );
+    assert!(
+        store
+            .open_warnings()
+            .iter()
+            .any(|w| w.contains("10.0.2.0") && w.contains("c5"))
+    );
+    assert!(
+        store
+            .open_warnings()
+            .iter()
+            .any(|w| w.contains("fd00::") && w.contains("c6"))
+    );
+    assert_counters(&store);
+    drop(store);
+    // And back: the stray reservations of the later blocks are freed.
+    let mut store = open_mode(&dir2.db(), ReserveMode::FirstBlock);
+    assert!(reserved_addrs(&store, 3).is_empty());
+    assert!(reserved_addrs(&store, 1).is_empty());
+    assert_eq!(reserved_addrs(&store, 2).len(), 3);
+    assert_counters(&store);
+    assert_eq!(
+        alloc(&mut store, "default", "c7", Family::V4, NOW),
+        ip("10.0.2.1")
+    );
+}
+
+#[test]
+fn tiny_v4_blocks_reserve_nothing() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.0.0/31")).unwrap();
+    store.add_cidr_block("default", &c("10.0.0.9/32")).unwrap();
+    assert_eq!(block(&store, 1).allocated_ips, 0);
+    assert_eq!(block(&store, 2).allocated_ips, 0);
+    assert_eq!(block(&store, 2).total_ips, 1);
+    let got: Vec<IpAddr> = (0..3)
+        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+        .collect();
+    assert_eq!(got, vec![ip("10.0.0.0"), ip("10.0.0.1"), ip("10.0.0.9")]);
+    assert!(
+        store
+            .allocate(&owner("default", "c3"), Family::V4, NOW)
+            .is_err()
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn ipv6_reserves_base_and_gateway() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("fd00::/120")).unwrap();
+    let b = block(&store, 1);
+    assert_eq!(
+        (b.family, b.total_ips, b.allocated_ips),
+        (Family::V6, 256, 2)
+    );
+    assert_eq!(rows(&store, 1).len(), 64);
+    assert_eq!(reserved_addrs(&store, 1), vec!["fd00::", "fd00::1"]);
+    let a = store
+        .allocate(&owner("default", "c1"), Family::V6, NOW)
+        .unwrap();
+    assert_eq!(a.address, ip("fd00::2"));
+    assert_eq!(a.block, c("fd00::/120"));
+}
+
+#[test]
+fn ipv6_expands_in_batches() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    assert_eq!(block(&store, 1).total_ips, i64::MAX);
+    let mut seen = HashSet::new();
+    for i in 0..100 {
+        let a = alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
+        assert!(c("fd00::/64").contains(a));
+        assert!(seen.insert(a), "duplicate {a}");
+    }
+    let n = rows(&store, 1).len();
+    assert!(n >= 128, "{n} rows");
+    assert_eq!(n, 128);
+    assert!(seen.contains(&ip("fd00::41")));
+    assert_eq!(block(&store, 1).allocated_ips, 102);
+    assert_counters(&store);
+}
+
+#[test]
+fn tiny_ipv6_blocks_stay_inside_prefix() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("fd00::/127")).unwrap();
+    store.add_cidr_block("other", &c("fd00::10/128")).unwrap();
+    assert_eq!(
+        rows(&store, 1)
+            .iter()
+            .map(|r| r.0.clone())
+            .collect::<Vec<_>>(),
+        vec!["fd00::", "fd00::1"]
+    );
+    assert_eq!(
+        rows(&store, 2)
+            .iter()
+            .map(|r| r.0.clone())
+            .collect::<Vec<_>>(),
+        vec!["fd00::10"]
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "a", Family::V6, NOW),
+        ip("fd00::")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "b", Family::V6, NOW),
+        ip("fd00::1")
+    );
+    assert!(matches!(
+        store.allocate(&owner("default", "c"), Family::V6, NOW),
+        Err(StoreError::NoAvailableIps { .. })
+    ));
+    // Released with cooldown: candidates exist but nothing can be claimed or grown.
+    store.release("default", "a", "eth0", 60_000, NOW).unwrap();
+    assert!(matches!(
+        store.allocate(&owner("default", "c"), Family::V6, NOW),
+        Err(StoreError::NoAvailableIps { .. })
+    ));
+    assert_eq!(
+        alloc(&mut store, "other", "x", Family::V6, NOW),
+        ip("fd00::10")
+    );
+    assert_eq!(rows(&store, 1).len(), 2);
+    assert_eq!(rows(&store, 2).len(), 1);
+}
+
+#[test]
+fn fully_cooling_126_terminates() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("fd00::/126")).unwrap();
+    assert_eq!(rows(&store, 1).len(), 4);
+    assert_eq!(
+        alloc(&mut store, "default", "a", Family::V6, NOW),
+        ip("fd00::2")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "b", Family::V6, NOW),
+        ip("fd00::3")
+    );
+    store.release("default", "a", "eth0", 30_000, NOW).unwrap();
+    store.release("default", "b", "eth0", 30_000, NOW).unwrap();
+    let err = store
+        .allocate(&owner("default", "c"), Family::V6, NOW + 1)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::NoAvailableIps {
+                family: Family::V6,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(rows(&store, 1).len(), 4);
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V6, NOW + 30_000),
+        ip("fd00::2")
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn cooldown_skips_then_reuses() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    assert_eq!(
+        alloc(&mut store, "default", "a", Family::V4, NOW),
+        ip("10.0.1.2")
+    );
+    let released = store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    assert_eq!(
+        released,
+        vec![Allocation {
+            address: ip("10.0.1.2"),
+            block: c("10.0.1.0/29")
+        }]
+    );
+    let r = rows(&store, 1);
+    assert_eq!(
+        r[2],
+        (
+            "10.0.1.2".to_string(),
+            false,
+            "a".to_string(),
+            Some(NOW + 1000)
+        )
+    );
+    assert_eq!(store.usage("default", Family::V4, NOW).unwrap().cooldown, 1);
+    assert_eq!(
+        alloc(&mut store, "default", "b", Family::V4, NOW + 999),
+        ip("10.0.1.3")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V4, NOW + 1000),
+        ip("10.0.1.2")
+    );
+    assert_eq!(
+        store
+            .usage("default", Family::V4, NOW + 1000)
+            .unwrap()
+            .cooldown,
+        0
+    );
+    // Cooldown 0 → release_at NULL, immediately reusable.
+    store
+        .release("default", "c", "eth0", 0, NOW + 2000)
+        .unwrap();
+    assert_eq!(rows(&store, 1)[2].3, None);
+    assert_eq!(
+        alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
+        ip("10.0.1.2")
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn oldest_block_first() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.2.0/28")).unwrap();
+    store.add_cidr_block("default", &c("10.0.1.0/28")).unwrap();
+    for i in 0..3 {
+        let a = store
+            .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
+            .unwrap();
+        assert_eq!(a.block, c("10.0.2.0/28"));
+    }
+    // A Draining block is skipped.
+    store.drain_block(1, NOW).unwrap();
+    let a = store
+        .allocate(&owner("default", "d"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(a.address, ip("10.0.1.2"));
+}
+
+#[test]
+fn allocate_is_idempotent_and_network_scoped() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("blue", &c("10.0.9.0/29")).unwrap();
+    let a = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW)
+        .unwrap();
+    let before = store.blocks(&BlockFilter::default()).unwrap();
+    let again = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW + 5)
+        .unwrap();
+    assert_eq!(a, again);
+    assert_eq!(
+        store.blocks(&BlockFilter::default()).unwrap()[0].allocated_ips,
+        before[0].allocated_ips
+    );
+    let blue = store
+        .allocate(&owner("blue", "c1"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(blue.address, ip("10.0.9.2"));
+    assert_eq!(store.check("default", "c1", "eth0").unwrap(), vec![a]);
+    assert_eq!(store.check("blue", "c1", "eth0").unwrap(), vec![blue]);
+    // Another interface of the same container is another owner.
+    let mut o = owner("default", "c1");
+    o.interface_name = "net1";
+    assert_eq!(
+        store.allocate(&o, Family::V4, NOW).unwrap().address,
+        ip("10.0.1.3")
+    );
+    // Empty owner fields are refused.
+    let mut bad = owner("default", "");
+    assert!(matches!(
+        store.allocate(&bad, Family::V4, NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    bad.container_id = "x";
+    bad.interface_name = "";
+    assert!(matches!(
+        store.allocate(&bad, Family::V4, NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    assert!(matches!(
+        store.release("default", "", "eth0", 0, NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    assert_counters(&store);
+}
+
+#[test]
+fn release_is_idempotent_and_dual_stack() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    let v6 = store
+        .allocate(&owner("default", "c1"), Family::V6, NOW)
+        .unwrap();
+    let v4 = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(store.check("default", "c1", "eth0").unwrap(), vec![v4, v6]);
+    assert!(store.check("other", "c1", "eth0").unwrap().is_empty());
+    assert!(
+        store
+            .release("other", "c1", "eth0", 0, NOW)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store.release("default", "c1", "eth0", 1000, NOW).unwrap(),
+        vec![v4, v6]
+    );
+    assert!(
+        store
+            .release("default", "c1", "eth0", 1000, NOW)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.check("default", "c1", "eth0").unwrap().is_empty());
+    assert_eq!(block(&store, 1).allocated_ips, 2);
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_counters(&store);
+}
+
+#[test]
+fn counters_match_rows_after_mixed_sequence() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/28")).unwrap();
+    store.add_cidr_block("default", &c("10.0.2.0/28")).unwrap();
+    store.add_cidr_block("default", &c("fd00::/120")).unwrap();
+    for i in 0..70 {
+        let cid = format!("c{i}");
+        if i < 20 {
+            alloc(&mut store, "default", &cid, Family::V4, NOW + i);
+        }
+        alloc(&mut store, "default", &cid, Family::V6, NOW + i);
+        if i % 3 == 0 {
+            store
+                .release("default", &cid, "eth0", i % 2 * 500, NOW + i)
+                .unwrap();
+        }
+    }
+    store
+        .allocate_requested(&owner("default", "req"), ip("10.0.2.9"), NOW + 100)
+        .unwrap();
+    store
+        .allocate_requested(&owner("default", "req"), ip("fd00::f0"), NOW + 100)
+        .unwrap();
+    store.drain_block(2, NOW).unwrap();
+    store
+        .release("default", "req", "eth0", 0, NOW + 200)
+        .unwrap();
+    assert_counters(&store);
+    let usage = store.usage("default", Family::V6, NOW + 100).unwrap();
+    assert_eq!(usage.total, 256);
+    assert_eq!(usage.allocated, block(&store, 3).allocated_ips);
+}
+
+#[test]
+fn allocate_requested_cases() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    let a = store
+        .allocate_requested(&owner("default", "a"), ip("10.0.1.5"), NOW)
+        .unwrap();
+    assert_eq!(
+        a,
+        Allocation {
+            address: ip("10.0.1.5"),
+            block: c("10.0.1.0/29")
+        }
+    );
+    assert_eq!(
+        store
+            .allocate_requested(&owner("default", "a"), ip("10.0.1.5"), NOW)
+            .unwrap(),
+        a
+    );
+    let unavailable = |e: StoreError, needle: &str| match e {
+        StoreError::RequestedIpUnavailable { reason, .. } => {
+            assert!(reason.contains(needle), "{reason:?} lacks {needle:?}")
+        }
+        other => panic!("unexpected {other}"),
+    };
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "a"), ip("10.0.1.4"), NOW)
+            .unwrap_err(),
+        "already holds 10.0.1.5",
+    );
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW)
+            .unwrap_err(),
+        "held by container \"a\"",
+    );
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("10.0.1.1"), NOW)
+            .unwrap_err(),
+        "reserved",
+    );
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("10.0.1.7"), NOW)
+            .unwrap_err(),
+        "reserved",
+    );
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("fd00::1"), NOW)
+            .unwrap_err(),
+        "reserved",
+    );
+    store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW + 10)
+            .unwrap_err(),
+        "cooldown",
+    );
+    assert!(matches!(
+        store.allocate_requested(&owner("default", "b"), ip("10.0.3.1"), NOW),
+        Err(StoreError::RequestedIpOutsideBlocks { .. })
+    ));
+    assert!(matches!(
+        store.allocate_requested(&owner("blue", "b"), ip("10.0.1.3"), NOW),
+        Err(StoreError::RequestedIpOutsideBlocks { .. })
+    ));
+    assert_eq!(
+        store
+            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW + 1000)
+            .unwrap()
+            .address,
+        ip("10.0.1.5")
+    );
+    // IPv6 beyond the populated rows: just that row is added.
+    let v6 = store
+        .allocate_requested(&owner("default", "b"), ip("fd00::1:0"), NOW)
+        .unwrap();
+    assert_eq!(v6.block, c("fd00::/64"));
+    assert_eq!(rows(&store, 2).len(), 65);
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V6, NOW),
+        ip("fd00::2")
+    );
+    // Draining block: unavailable, not outside.
+    store.drain_block(1, NOW).unwrap();
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "d"), ip("10.0.1.3"), NOW)
+            .unwrap_err(),
+        "Draining",
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn lifecycle_drain_undrain_expire_delete() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+    store.add_cidr_block("default", &c("10.0.3.0/29")).unwrap();
+    // Fill block 1 so the next lands in block 2.
+    for i in 0..5 {
+        alloc(&mut store, "default", &format!("f{i}"), Family::V4, NOW);
+    }
+    assert_eq!(
+        alloc(&mut store, "default", "p", Family::V4, NOW),
+        ip("10.0.2.2")
+    );
+    assert!(store.drain_block(2, wall_ms()).unwrap());
+    assert!(store.drain_block(3, wall_ms()).unwrap());
+    assert!(!store.drain_block(99, wall_ms()).unwrap());
+    assert_eq!(block(&store, 2).state, BlockState::Draining);
+    assert_eq!(
+        store.undrain_one("default", Family::V6, wall_ms()).unwrap(),
+        None
+    );
+    assert_eq!(
+        store.undrain_one("default", Family::V4, wall_ms()).unwrap(),
+        Some(2)
+    );
+    assert_eq!(block(&store, 2).state, BlockState::Ready);
+    assert_eq!(block(&store, 3).state, BlockState::Draining);
+    assert!(store.drain_block(2, wall_ms()).unwrap());
+
+    let exp = 60_000;
+    // Not yet expired.
+    assert!(
+        store
+            .expire_draining("default", Family::V4, exp, wall_ms() + exp - 5_000)
+            .unwrap()
+            .is_empty()
+    );
+    // Block 2 still has a pod; block 3 has only reservations.
+    let later = wall_ms() + exp + 5_000;
+    let expired = store
+        .expire_draining("default", Family::V4, exp, later)
+        .unwrap();
+    assert_eq!(expired.len(), 1);
+    assert_eq!((expired[0].id, expired[0].state), (3, BlockState::Deleting));
+    assert_eq!(expired[0].cidr, "10.0.3.0/29");
+    assert_eq!(
+        store.deleting_blocks("default", Family::V4).unwrap(),
+        expired
+    );
+    // Release restarts the clock of block 2 (updated_at trigger).
+    store.release("default", "p", "eth0", 0, wall_ms()).unwrap();
+    assert!(
+        store
+            .expire_draining("default", Family::V4, exp, wall_ms() + exp - 5_000)
+            .unwrap()
+            .is_empty()
+    );
+    let expired = store
+        .expire_draining("default", Family::V4, exp, wall_ms() + exp + 5_000)
+        .unwrap();
+    assert_eq!(expired.iter().map(|b| b.id).collect::<Vec<_>>(), vec![2]);
+    // Delete only Deleting blocks; rows cascade.
+    assert!(!store.delete_block(1).unwrap());
+    assert!(store.delete_block(3).unwrap());
+    assert!(!store.delete_block(3).unwrap());
+    let remaining: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = 3",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(remaining, 0);
+    assert_eq!(store.blocks(&BlockFilter::default()).unwrap().len(), 2);
+    assert_eq!(store.networks().unwrap(), vec!["default".to_string()]);
+    assert_counters(&store);
+}
+
+#[test]
+fn usage_example_from_reference() {
+    let dir = TempDir::new();
+    let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+    alloc(&mut store, "default", "active", Family::V4, NOW);
+    alloc(&mut store, "default", "cooling", Family::V4, NOW);
+    store
+        .release("default", "cooling", "eth0", 30_000, NOW)
+        .unwrap();
+    store.drain_block(2, NOW).unwrap();
+    let usage = store.usage("default", Family::V4, NOW + 1).unwrap();
+    assert_eq!(
+        usage,
+        Usage {
+            allocated: 4,
+            cooldown: 1,
+            total: 16,
+            draining: 8
+        }
+    );
+    assert_eq!(
+        store.usage("default", Family::V6, NOW).unwrap(),
+        Usage::default()
+    );
+    // Deleting blocks are excluded.
+    store
+        .conn
+        .execute("UPDATE cidr_blocks SET state = 'Deleting' WHERE id = 2", [])
+        .unwrap();
+    let usage = store.usage("default", Family::V4, NOW + 1).unwrap();
+    assert_eq!(
+        usage,
+        Usage {
+            allocated: 4,
+            cooldown: 1,
+            total: 8,
+            draining: 0
+        }
+    );
+    // Saturating totals.
+    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    store.add_cidr_block("default", &c("fd01::/64")).unwrap();
+    assert_eq!(
+        store.usage("default", Family::V6, NOW).unwrap().total,
+        i64::MAX
+    );
+}
+
+#[test]
+fn networks_and_ready_blocks_order() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("zeta", &c("10.0.1.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("10.0.2.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("10.0.3.0/29")).unwrap();
+    store.add_cidr_block("gone", &c("10.0.4.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("10.0.5.0/29")).unwrap();
+    store
+        .conn
+        .execute("UPDATE cidr_blocks SET state = 'Deleting' WHERE id = 4", [])
+        .unwrap();
+    store.drain_block(5, NOW).unwrap();
+    assert_eq!(store.networks().unwrap(), vec!["alpha", "zeta"]);
+    let ids: Vec<i64> = store
+        .ready_blocks_newest_first("alpha", Family::V4)
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect();
+    assert_eq!(ids, vec![3, 2]);
+}
+
+#[test]
+fn listings_honour_filters_and_bind_values() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/30")).unwrap();
+    store.add_cidr_block("blue", &c("10.0.2.0/30")).unwrap();
+    store.add_cidr_block("default", &c("fd00::/126")).unwrap();
+    alloc(&mut store, "default", "c1", Family::V4, NOW);
+    alloc(&mut store, "blue", "c2", Family::V4, NOW);
+    store.drain_block(2, NOW).unwrap();
+
+    let all = store.list_blocks(&BlockFilter::default()).unwrap();
+    assert_eq!(
+        all.headers,
+        vec![
+            "id",
+            "cidr",
+            "network",
+            "ip_family",
+            "total_ips",
+            "allocated_ips",
+            "state",
+            "created_at",
+            "updated_at"
+        ]
+    );
+    assert_eq!(all.rows.len(), 3);
+    assert_eq!(
+        &all.rows[0][..7],
+        &["1", "10.0.1.0/30", "default", "ipv4", "4", "4", "Ready"]
+    );
+    let ids = |t: &Table| t.rows.iter().map(|r| r[0].clone()).collect::<Vec<_>>();
+    let f = |n: Option<&str>, s: Option<BlockState>, fam: Option<Family>| BlockFilter {
+        network: n.map(str::to_string),
+        state: s,
+        family: fam,
+    };
+    assert_eq!(
+        ids(&store.list_blocks(&f(Some("default"), None, None)).unwrap()),
+        vec!["1", "3"]
+    );
+    assert_eq!(
+        ids(&store
+            .list_blocks(&f(None, Some(BlockState::Draining), None))
+            .unwrap()),
+        vec!["2"]
+    );
+    assert_eq!(
+        ids(&store.list_blocks(&f(None, None, Some(Family::V6))).unwrap()),
+        vec!["3"]
+    );
+    assert_eq!(
+        ids(&store
+            .list_blocks(&f(
+                Some("default"),
+                Some(BlockState::Ready),
+                Some(Family::V4)
+            ))
+            .unwrap()),
+        vec!["1"]
+    );
+    let evil = "x' OR '1'='1";
+    assert!(
+        store
+            .list_blocks(&f(Some(evil), None, None))
+            .unwrap()
+            .rows
+            .is_empty()
+    );
+    assert!(store.blocks(&f(Some(evil), None, None)).unwrap().is_empty());
+    assert_eq!(
+        store.blocks(&f(Some("blue"), None, None)).unwrap()[0].state,
+        BlockState::Draining
+    );
+
+    let addrs = store.list_addresses(&AddressFilter::default()).unwrap();
+    assert_eq!(
+        addrs.headers,
+        vec![
+            "id",
+            "address",
+            "cidr_block_id",
+            "container_id",
+            "pod_name",
+            "pod_namespace",
+            "interface_name",
+            "is_allocated",
+            "release_at",
+            "allocated_at",
+            "updated_at"
+        ]
+    );
+    assert_eq!(addrs.rows.len(), 12);
+    let c1 = store
+        .list_addresses(&AddressFilter {
+            container_id: Some("c1".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(c1.rows.len(), 1);
+    assert_eq!(
+        &c1.rows[0][1..],
+        &[
+            "10.0.1.2",
+            "1",
+            "c1",
+            "pod",
+            "ns",
+            "eth0",
+            "1",
+            "NULL",
+            &NOW.to_string(),
+            &c1.rows[0][10]
+        ]
+    );
+    let count = |flt: AddressFilter| store.list_addresses(&flt).unwrap().rows.len();
+    assert_eq!(
+        count(AddressFilter {
+            allocated: Some(true),
+            ..Default::default()
+        }),
+        10
+    );
+    assert_eq!(
+        count(AddressFilter {
+            allocated: Some(false),
+            ..Default::default()
+        }),
+        2
+    );
+    assert_eq!(
+        count(AddressFilter {
+            network: Some("blue".into()),
+            ..Default::default()
+        }),
+        4
+    );
+    assert_eq!(
+        count(AddressFilter {
+            state: Some(BlockState::Draining),
+            ..Default::default()
+        }),
+        4
+    );
+    assert_eq!(
+        count(AddressFilter {
+            family: Some(Family::V6),
+            ..Default::default()
+        }),
+        4
+    );
+    assert_eq!(
+        count(AddressFilter {
+            network: Some("default".into()),
+            family: Some(Family::V6),
+            allocated: Some(false),
+            ..Default::default()
+        }),
+        2
+    );
+    assert_eq!(
+        count(AddressFilter {
+            container_id: Some(evil.into()),
+            ..Default::default()
+        }),
+        0
+    );
+    assert_eq!(
+        count(AddressFilter {
+            network: Some(evil.into()),
+            ..Default::default()
+        }),
+        0
+    );
+}
+
+#[test]
+fn two_stores_allocate_concurrently() {
+    let dir = TempDir::new();
+    {
+        let mut store = open(&dir.db());
+        store.add_cidr_block("default", &c("10.1.0.0/24")).unwrap();
+    }
+    let handles: Vec<_> = (0..2)
+        .map(|t| {
+            let path = dir.db();
+            std::thread::spawn(move || {
+                let mut store = open(&path);
+                (0..100)
+                    .map(|i| {
+                        alloc(
+                            &mut store,
+                            "default",
+                            &format!("t{t}-c{i}"),
+                            Family::V4,
+                            NOW,
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut all = HashSet::new();
+    for h in handles {
+        for a in h.join().unwrap() {
+            assert!(all.insert(a), "duplicate {a}");
+        }
+    }
+    assert_eq!(all.len(), 200);
+    let store = open(&dir.db());
+    assert_eq!(block(&store, 1).allocated_ips, 203);
+    assert_counters(&store);
+}
+
+#[test]
+fn adding_a_slash16_is_fast() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let start = std::time::Instant::now();
+    store.add_cidr_block("default", &c("10.8.0.0/16")).unwrap();
+    let took = start.elapsed();
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    assert_eq!(block(&store, 1).total_ips, 65536);
+    assert_eq!(
+        reserved_addrs(&store, 1),
+        vec!["10.8.0.0", "10.8.0.1", "10.8.255.255"]
+    );
+    let start = std::time::Instant::now();
+    drop(store);
+    let store = open(&dir.db());
+    assert!(start.elapsed() < std::time::Duration::from_secs(1));
+    assert!(store.open_warnings().is_empty());
+}
+
+#[test]
+fn corrupt_rows_are_errors_not_panics() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.0.1.0/30")).unwrap();
+    store
+        .conn
+        .execute(
+            "UPDATE ip_addresses SET address = 'garbage' WHERE address = '10.0.1.2'",
+            [],
+        )
+        .unwrap();
+    let err = store
+        .allocate(&owner("default", "a"), Family::V4, NOW)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err}");
+    store
+        .conn
+        .execute("UPDATE cidr_blocks SET state = 'Weird'", [])
+        .unwrap();
+    assert!(matches!(
+        store.blocks(&BlockFilter::default()),
+        Err(StoreError::Corrupt(_))
+    ));
+    drop(store);
+    let mut store = open(&dir.db());
+    assert!(store.open_warnings().iter().any(|w| w.contains("Weird")));
+    store
+        .conn
+        .execute("UPDATE cidr_blocks SET cidr = 'nope', state = 'Ready'", [])
+        .unwrap();
+    assert!(matches!(
+        store.allocate(&owner("default", "a"), Family::V4, NOW),
+        Err(StoreError::Corrupt(_))
+    ));
+    drop(store);
+    let store = open(&dir.db());
+    assert!(store.open_warnings().iter().any(|w| w.contains("nope")));
+}
+
+#[test]
+fn busy_errors_are_transient() {
+    let busy =
+        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY), None);
+    let err = StoreError::from(busy);
+    assert!(matches!(err, StoreError::Busy(_)));
+    assert!(err.is_transient());
+    assert!(std::error::Error::source(&err).is_some());
+    let full = StoreError::from(rusqlite::Error::SqliteFailure(
+        rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+        None,
+    ));
+    assert!(matches!(full, StoreError::Sqlite(_)));
+    assert!(full.is_transient());
+    assert!(!StoreError::EmptyOwner.is_transient());
+    assert!(!StoreError::from("1.2.3.4".parse::<Cidr>().unwrap_err()).is_transient());
+}
+
+/// Upstream's schema as upstream ships it (hand-written copy).
+const UPSTREAM_SCHEMA: &str = r"
+CREATE TABLE IF NOT EXISTS cidr_blocks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    cidr TEXT NOT NULL,
+    network TEXT NOT NULL,
+    ip_family TEXT NOT NULL,
+    total_ips INTEGER NOT NULL,
+    allocated_ips INTEGER DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'Ready',
+    created_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    updated_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    UNIQUE(cidr, network)
+);
+CREATE TABLE IF NOT EXISTS ip_addresses (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    address TEXT NOT NULL,
+    cidr_block_id INTEGER NOT NULL,
+    container_id TEXT,
+    pod_name TEXT,
+    pod_namespace TEXT,
+    interface_name TEXT,
+    is_allocated BOOLEAN DEFAULT FALSE,
+    release_at INTEGER,
+    allocated_at INTEGER,
+    updated_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    UNIQUE(address, cidr_block_id),
+    FOREIGN KEY (cidr_block_id) REFERENCES cidr_blocks(id) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS idx_available_ips ON ip_addresses(cidr_block_id, id) WHERE is_allocated = FALSE;
+CREATE INDEX IF NOT EXISTS idx_ip_idempotency ON ip_addresses(container_id, interface_name);
+CREATE TRIGGER IF NOT EXISTS update_cidr_blocks_updated_at AFTER UPDATE ON cidr_blocks FOR EACH ROW
+BEGIN UPDATE cidr_blocks SET updated_at = (CAST(unixepoch('subsec') * 1000 AS INTEGER)) WHERE id = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS update_ip_addresses_updated_at AFTER UPDATE ON ip_addresses FOR EACH ROW
+BEGIN UPDATE ip_addresses SET updated_at = (CAST(unixepoch('subsec') * 1000 AS INTEGER)) WHERE id = OLD.id; END;
+PRAGMA user_version = 1;
+";
+
+#[test]
+fn upstream_database_is_repaired_and_served() {
+    let dir = TempDir::new();
+    let path = dir.db();
+    let upstream_tables: Vec<String>;
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
+        // Block 1: upstream's first block, .0 .1 .7 reserved.
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('10.0.1.0/29', 'default', 'ipv4', 8, 3)",
+            [],
+        )
+        .unwrap();
+        for i in 0..8 {
+            let reserved = i == 0 || i == 1 || i == 7;
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 1, '', '', ?2)",
+                rusqlite::params![format!("10.0.1.{i}"), reserved],
+            )
+            .unwrap();
+        }
+        // Block 2: unreserved; .1 held by a pod.
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('10.0.2.0/29', 'default', 'ipv4', 8, 1)",
+            [],
+        )
+        .unwrap();
+        for i in 0..8 {
+            let (cid, ifname, allocated) = if i == 1 {
+                ("pod-x", "eth0", true)
+            } else {
+                ("", "", false)
+            };
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated, allocated_at) VALUES (?1, 2, ?2, ?3, ?4, ?5)",
+                rusqlite::params![format!("10.0.2.{i}"), cid, ifname, allocated, NOW],
+            )
+            .unwrap();
+        }
+        // Block 3: upstream's /127 with a full batch of 64 rows (62 out of prefix).
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('fd00::/127', 'default', 'ipv6', 2, 0)",
+            [],
+        )
+        .unwrap();
+        for i in 0..64u32 {
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 3, '', '', 0)",
+                [std::net::Ipv6Addr::from(0xfd00_u128 << 112 | u128::from(i)).to_string()],
+            )
+            .unwrap();
+        }
+        upstream_tables = conn
+            .prepare("SELECT sql FROM sqlite_master WHERE name IN ('cidr_blocks', 'ip_addresses') ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+    }
+
+    let mut store = open(&path);
+    assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
+    assert_eq!(
+        reserved_addrs(&store, 1),
+        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+    );
+    assert_eq!(reserved_addrs(&store, 2), vec!["10.0.2.0", "10.0.2.7"]);
+    let held = &rows(&store, 2)[1];
+    assert_eq!(
+        (held.0.as_str(), held.1, held.2.as_str()),
+        ("10.0.2.1", true, "pod-x")
+    );
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_eq!(store.open_warnings().len(), 1);
+    assert!(store.open_warnings()[0].contains("10.0.2.1"));
+    assert!(store.open_warnings()[0].contains("pod-x"));
+    assert_eq!(
+        rows(&store, 3)
+            .iter()
+            .map(|r| r.0.clone())
+            .collect::<Vec<_>>(),
+        vec!["fd00::", "fd00::1"]
+    );
+    assert_counters(&store);
+    let tables_after: Vec<String> = store
+        .conn
+        .prepare("SELECT sql FROM sqlite_master WHERE name IN ('cidr_blocks', 'ip_addresses') ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(tables_after, upstream_tables);
+
+    // Served: the held pod is recognised, new pods get non-reserved addresses.
+    assert_eq!(
+        store.check("default", "pod-x", "eth0").unwrap()[0].address,
+        ip("10.0.2.1")
+    );
+    let got: Vec<IpAddr> = (0..10)
+        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+        .collect();
+    let want: Vec<IpAddr> = ["10.0.1.2", "10.0.1.3", "10.0.1.4", "10.0.1.5", "10.0.1.6"]
+        .iter()
+        .chain(["10.0.2.2", "10.0.2.3", "10.0.2.4", "10.0.2.5", "10.0.2.6"].iter())
+        .map(|s| ip(s))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        alloc(&mut store, "default", "v6", Family::V6, NOW),
+        ip("fd00::")
+    );
+    // Releasing the held reserved position returns it to the reservation.
+    let released = store
+        .release("default", "pod-x", "eth0", 30_000, NOW)
+        .unwrap();
+    assert_eq!(released[0].address, ip("10.0.2.1"));
+    assert_eq!(
+        reserved_addrs(&store, 2),
+        vec!["10.0.2.0", "10.0.2.1", "10.0.2.7"]
+    );
+    assert!(
+        store
+            .allocate(&owner("default", "more"), Family::V4, NOW + 60_000)
+            .is_err()
+    );
+    assert_counters(&store);
+    drop(store);
+    // Reopening finds nothing left to do.
+    let store = open(&path);
+    assert!(store.open_warnings().is_empty());
+}
+
+#[test]
+fn claim_query_uses_partial_index() {
+    let dir = TempDir::new();
+    let store = open(&dir.db());
+    let plan: Vec<String> = store
+        .conn
+        .prepare(
+            "EXPLAIN QUERY PLAN SELECT id, address FROM ip_addresses \
+             WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
+               AND (release_at IS NULL OR release_at <= ?2) \
+             ORDER BY id LIMIT 1",
+        )
+        .unwrap()
+        .query_map([1, 2], |r| r.get::<_, String>(3))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        plan.iter().any(|p| p.contains("idx_available_ips")),
+        "{plan:?}"
+    );
+}

@@ -1,0 +1,144 @@
+//! A blocking client over a Unix stream socket with connect, read and write
+//! deadlines: one framed request, one framed response.
+
+use std::fmt;
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr, sockopt};
+use nix::sys::time::TimeVal;
+use prost::Message;
+
+use super::frame::{self, FrameError, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
+use super::{Request, Response};
+
+/// Why a call did not produce a response.
+#[derive(Debug)]
+pub enum ClientError {
+    /// The daemon could not be reached at all: nothing was sent, so the
+    /// caller may safely do the work another way (direct mode).
+    Connect { path: PathBuf, source: io::Error },
+    /// The request was (possibly) sent but no complete response came back.
+    Exchange { path: PathBuf, source: FrameError },
+    /// The response bytes are not a valid message.
+    Decode {
+        path: PathBuf,
+        source: prost::DecodeError,
+    },
+}
+
+impl ClientError {
+    /// True when the failure happened before anything was sent.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, ClientError::Connect { .. })
+    }
+}
+
+impl fmt::Display for ClientError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientError::Connect { path, source } => {
+                write!(
+                    f,
+                    "cannot connect to the metis daemon at {}: {source}",
+                    path.display()
+                )
+            }
+            ClientError::Exchange { path, source } => {
+                write!(
+                    f,
+                    "no response from the metis daemon at {}: {source}",
+                    path.display()
+                )
+            }
+            ClientError::Decode { path, source } => write!(
+                f,
+                "undecodable response from the metis daemon at {}: {source}",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ClientError::Connect { source, .. } => Some(source),
+            ClientError::Exchange { source, .. } => Some(source),
+            ClientError::Decode { source, .. } => Some(source),
+        }
+    }
+}
+
+/// A connection to the daemon.
+pub struct Client {
+    stream: UnixStream,
+    path: PathBuf,
+}
+
+impl Client {
+    /// Connects within `connect_timeout`; every later read and write must
+    /// finish within `io_timeout`.
+    pub fn connect(
+        path: &Path,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Client, ClientError> {
+        let connect_err = |source: io::Error| ClientError::Connect {
+            path: path.to_path_buf(),
+            source,
+        };
+        let stream = connect_with_timeout(path, connect_timeout).map_err(connect_err)?;
+        stream
+            .set_read_timeout(Some(io_timeout))
+            .and_then(|()| stream.set_write_timeout(Some(io_timeout)))
+            .map_err(connect_err)?;
+        Ok(Client {
+            stream,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Sends one request and waits for its response.
+    pub fn call(&mut self, request: &Request) -> Result<Response, ClientError> {
+        let exchange_err = |source: FrameError| ClientError::Exchange {
+            path: self.path.clone(),
+            source,
+        };
+        frame::write_frame(
+            &mut self.stream,
+            &request.encode_to_vec(),
+            MAX_REQUEST_FRAME,
+        )
+        .map_err(exchange_err)?;
+        let payload =
+            frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME).map_err(exchange_err)?;
+        Response::decode(payload.as_slice()).map_err(|source| ClientError::Decode {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
+/// A Unix stream connect bounded in time: Linux applies the socket's send
+/// timeout to a connect that waits for room in a busy listener's backlog.
+fn connect_with_timeout(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    let fd = socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let address = UnixAddr::new(path)?;
+    socket::setsockopt(&fd, sockopt::SendTimeout, &timeval(timeout))?;
+    socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &address)?;
+    Ok(UnixStream::from(fd))
+}
+
+fn timeval(duration: Duration) -> TimeVal {
+    let secs = nix::libc::time_t::try_from(duration.as_secs()).unwrap_or(nix::libc::time_t::MAX);
+    let micros = nix::libc::suseconds_t::from(duration.subsec_micros());
+    TimeVal::new(secs, micros)
+}

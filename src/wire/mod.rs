@@ -1,0 +1,94 @@
+//! The framed protobuf wire between the plugin (or admin tools) and the
+//! daemon. Types are generated from `proto/` into `gen/` (see `make proto`);
+//! `frame` does the length-prefixed framing and `client` the blocking calls.
+
+pub mod client;
+pub mod frame;
+
+/// Upstream's allocation messages (`proto/adaptiveipam/v1`).
+pub mod adaptiveipam {
+    #[allow(clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        include!("gen/adaptiveipam.v1.rs");
+    }
+}
+
+/// Admin listings with typed filters (`proto/admin/v1`).
+pub mod admin {
+    #[allow(clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        include!("gen/admin.v1.rs");
+    }
+}
+
+/// The request/response envelope (`proto/metis/v1`).
+pub mod envelope {
+    #[allow(clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        include!("gen/metis.v1.rs");
+    }
+}
+
+pub use adaptiveipam::v1 as ipam;
+pub use envelope::v1::{
+    Code, HealthCheckRequest, HealthCheckResponse, Request, Response, Status, request, response,
+};
+
+/// Machine-readable reasons carried in `Status.reason`.
+pub mod reason {
+    /// No free address in the network's blocks (and none arrived in time).
+    pub const IP_POOL_EXHAUSTED: &str = "IP_POOL_EXHAUSTED";
+    /// The request is missing a field or has a malformed one.
+    pub const INVALID_REQUEST: &str = "INVALID_REQUEST";
+    /// The owner has no allocation in the network (CHECK).
+    pub const ALLOCATION_NOT_FOUND: &str = "ALLOCATION_NOT_FOUND";
+    /// The exact address asked for is taken, reserved, cooling or outside every block.
+    pub const REQUESTED_IP_UNAVAILABLE: &str = "REQUESTED_IP_UNAVAILABLE";
+    /// The database is busy, full, read-only or otherwise unusable right now.
+    pub const STORE_UNAVAILABLE: &str = "STORE_UNAVAILABLE";
+    /// The database content is inconsistent or unreadable.
+    pub const STORE_CORRUPT: &str = "STORE_CORRUPT";
+    /// A frame or message the daemon cannot decode.
+    pub const MALFORMED_REQUEST: &str = "MALFORMED_REQUEST";
+    /// The daemon is at its connection cap.
+    pub const TOO_MANY_CONNECTIONS: &str = "TOO_MANY_CONNECTIONS";
+    /// The peer's user may not talk to the daemon.
+    pub const PERMISSION_DENIED: &str = "PERMISSION_DENIED";
+    /// The request kind is not served.
+    pub const UNKNOWN_REQUEST: &str = "UNKNOWN_REQUEST";
+}
+
+impl Response {
+    /// A response carrying only an error status.
+    pub fn error(code: Code, reason: &str, message: impl Into<String>) -> Response {
+        Response {
+            status: Some(Status {
+                code: code as i32,
+                reason: reason.to_string(),
+                message: message.into(),
+            }),
+            kind: None,
+        }
+    }
+
+    /// A successful response with its payload.
+    pub fn ok(kind: response::Kind) -> Response {
+        Response {
+            status: Some(Status {
+                code: Code::Ok as i32,
+                reason: String::new(),
+                message: String::new(),
+            }),
+            kind: Some(kind),
+        }
+    }
+
+    /// The status code, `Unknown`-safe: an absent status or a number this
+    /// build does not know reads as `Internal`.
+    pub fn code(&self) -> Code {
+        match &self.status {
+            None => Code::Internal,
+            Some(status) => Code::try_from(status.code).unwrap_or(Code::Internal),
+        }
+    }
+}

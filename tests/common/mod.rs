@@ -1,0 +1,232 @@
+//! Shared harness for the integration tests: private temp dirs, a real
+//! daemon process, and the real plugin binary run with CNI env and stdin.
+#![allow(dead_code)] // each test crate uses a different part of the harness
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
+
+/// A private directory removed on drop.
+pub struct TestDir {
+    pub path: PathBuf,
+}
+
+impl TestDir {
+    pub fn new(name: &str) -> TestDir {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "metis-{name}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        TestDir { path }
+    }
+
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Polls `condition` until it holds or `timeout` passes.
+pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A `metis daemon` child process, killed on drop.
+pub struct TestDaemon {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub db: PathBuf,
+    pub stderr_path: PathBuf,
+}
+
+impl TestDaemon {
+    /// Starts a daemon on `dir` and waits until its socket accepts.
+    pub fn start(dir: &TestDir, extra: &[&str]) -> TestDaemon {
+        let socket = dir.join("metis.sock");
+        let db = dir.join("metis.sqlite");
+        let stderr_path = dir.join("daemon.log");
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&stderr_path)
+            .unwrap();
+        let child = Command::new(METIS)
+            .arg("daemon")
+            .arg("--socket-path")
+            .arg(&socket)
+            .arg("--db-path")
+            .arg(&db)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let mut daemon = TestDaemon {
+            child,
+            socket,
+            db,
+            stderr_path,
+        };
+        let socket = daemon.socket.clone();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while UnixStream::connect(&socket).is_err() {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("daemon exited with {status}: {}", daemon.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not listen: {}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        daemon
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "daemon ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One plugin invocation's inputs.
+pub struct Plugin<'a> {
+    pub command: &'a str,
+    pub container_id: &'a str,
+    pub ifname: &'a str,
+    pub netns: &'a str,
+    pub args: &'a str,
+}
+
+impl<'a> Plugin<'a> {
+    pub fn new(command: &'a str, container_id: &'a str) -> Plugin<'a> {
+        Plugin {
+            command,
+            container_id,
+            ifname: "eth0",
+            netns: "/var/run/netns/test",
+            args: "K8S_POD_NAMESPACE=default;K8S_POD_NAME=pod",
+        }
+    }
+
+    /// Runs the real binary with a scrubbed CNI environment.
+    pub fn run(&self, stdin: &str) -> Output {
+        let mut command = Command::new(METIS);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("CNI_") {
+                command.env_remove(key);
+            }
+        }
+        command
+            .env("CNI_COMMAND", self.command)
+            .env("CNI_CONTAINERID", self.container_id)
+            .env("CNI_IFNAME", self.ifname)
+            .env("CNI_PATH", "/opt/cni/bin");
+        if !self.netns.is_empty() {
+            command.env("CNI_NETNS", self.netns);
+        }
+        if !self.args.is_empty() {
+            command.env("CNI_ARGS", self.args);
+        }
+        run_with_stdin(command, stdin)
+    }
+}
+
+/// Runs `command`, feeding `stdin` from a thread so large inputs cannot
+/// deadlock against a full stdout pipe.
+pub fn run_with_stdin(mut command: Command, stdin: &str) -> Output {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pipe = child.stdin.take().unwrap();
+    let input = stdin.as_bytes().to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = pipe.write_all(&input);
+    });
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    output
+}
+
+/// A network configuration with Metis as the top-level plugin.
+pub fn conf(dir: &TestDir, version: &str, ranges: &str, extra: &str) -> String {
+    format!(
+        r#"{{"cniVersion":"{version}","name":"testnet","type":"metis","ipam":{{"type":"metis","ranges":{ranges},"routes":[{{"dst":"0.0.0.0/0"}}],"daemonSocket":"{}","dbPath":"{}","logFile":"{}"}}{extra}}}"#,
+        dir.join("metis.sock").display(),
+        dir.join("metis.sqlite").display(),
+        dir.join("cni.log").display(),
+    )
+}
+
+/// Parses stdout as JSON, failing with the whole output if it is not.
+pub fn json(output: &Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|err| {
+        panic!(
+            "stdout is not JSON ({err}): status {:?}\nstdout: {}\nstderr: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// Asserts success, printing everything on failure.
+pub fn assert_ok(output: &Output) {
+    assert!(
+        output.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Opens the database read-only to assert on rows.
+pub fn db(path: &Path) -> rusqlite::Connection {
+    rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
+}

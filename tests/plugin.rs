@@ -1,0 +1,210 @@
+//! The real plugin binary, executed with CNI environment and stdin, against
+//! a running daemon and in direct mode.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+mod common;
+
+use common::{Plugin, TestDaemon, TestDir, assert_ok, conf, db, json};
+use serde_json::json;
+
+const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
+const DUAL: &str = r#"[[{"subnet":"198.18.0.0/24"}],[{"subnet":"2001:db8::/120"}]]"#;
+
+fn allocated_count(dir: &TestDir) -> i64 {
+    db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
+            [],
+            |row| row.get(0),
+        )
+        .unwrap()
+}
+
+#[test]
+fn add_check_del_through_the_daemon() {
+    let dir = TestDir::new("plugin-daemon");
+    let _daemon = TestDaemon::start(&dir, &[]);
+    let config = conf(&dir, "1.0.0", V4, "");
+
+    let add = Plugin::new("ADD", "ctr-1").run(&config);
+    assert_ok(&add);
+    assert!(add.stderr.is_empty(), "stderr must stay clean");
+    assert_eq!(
+        json(&add),
+        json!({
+            "cniVersion": "1.0.0",
+            "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/test"}],
+            "ips": [{"interface": 0, "address": "198.18.0.2/24", "gateway": "198.18.0.1"}],
+            "routes": [{"dst": "0.0.0.0/0", "gw": "198.18.0.1"}]
+        })
+    );
+    assert_eq!(allocated_count(&dir), 1);
+
+    let prev = String::from_utf8(add.stdout.clone()).unwrap();
+    let with_prev = conf(&dir, "1.0.0", V4, &format!(r#","prevResult":{prev}"#));
+    assert_ok(&Plugin::new("CHECK", "ctr-1").run(&with_prev));
+
+    // A prevResult naming another address fails CHECK.
+    let wrong = with_prev.replace("198.18.0.2/24", "198.18.0.9/24");
+    let check = Plugin::new("CHECK", "ctr-1").run(&wrong);
+    assert_eq!(check.status.code(), Some(1));
+    assert_eq!(json(&check)["code"], 102);
+
+    // Repeat ADD is idempotent.
+    let again = Plugin::new("ADD", "ctr-1").run(&config);
+    assert_eq!(json(&again)["ips"][0]["address"], "198.18.0.2/24");
+
+    let del = Plugin::new("DEL", "ctr-1").run(&config);
+    assert_ok(&del);
+    assert!(del.stdout.is_empty());
+    assert_eq!(allocated_count(&dir), 0);
+    assert_ok(&Plugin::new("DEL", "ctr-1").run(&config));
+
+    let gone = Plugin::new("CHECK", "ctr-1").run(&with_prev);
+    assert_eq!(json(&gone)["code"], 101);
+}
+
+#[test]
+fn dual_stack_and_delegated_results() {
+    let dir = TestDir::new("plugin-dual");
+    let _daemon = TestDaemon::start(&dir, &[]);
+    let config = conf(&dir, "1.0.0", DUAL, "")
+        .replace(r#""type":"metis","ipam""#, r#""type":"bridge","ipam""#);
+    let add = Plugin::new("ADD", "ctr-dual").run(&config);
+    assert_ok(&add);
+    let result = json(&add);
+    assert!(
+        result.get("interfaces").is_none(),
+        "delegated result is abbreviated: {result}"
+    );
+    assert_eq!(
+        result["ips"][0],
+        json!({"address": "198.18.0.2/24", "gateway": "198.18.0.1"})
+    );
+    assert_eq!(
+        result["ips"][1],
+        json!({"address": "2001:db8::2/120", "gateway": "2001:db8::1"})
+    );
+}
+
+#[test]
+fn direct_mode_without_daemon_then_daemon_on_same_database() {
+    let dir = TestDir::new("plugin-direct");
+    let config = conf(&dir, "1.0.0", V4, "");
+    let add = Plugin::new("ADD", "early").run(&config);
+    assert_ok(&add);
+    assert_eq!(json(&add)["ips"][0]["address"], "198.18.0.2/24");
+
+    let daemon = TestDaemon::start(&dir, &[]);
+    let add = Plugin::new("ADD", "late").run(&config);
+    assert_eq!(json(&add)["ips"][0]["address"], "198.18.0.3/24");
+    assert_ok(&Plugin::new("DEL", "early").run(&config));
+    assert_eq!(allocated_count(&dir), 1);
+    drop(daemon);
+
+    // Daemon gone again: DEL still succeeds in direct mode.
+    assert_ok(&Plugin::new("DEL", "late").run(&config));
+    assert_eq!(allocated_count(&dir), 0);
+}
+
+#[test]
+fn concurrent_direct_mode_processes_share_the_database() {
+    let dir = TestDir::new("plugin-direct-concurrent");
+    let config = conf(&dir, "1.0.0", V4, "");
+    // Create the database once so every process races only on allocation.
+    assert_ok(&Plugin::new("ADD", "seed").run(&config));
+    let handles: Vec<_> = (0..24)
+        .map(|i| {
+            let config = config.clone();
+            std::thread::spawn(move || {
+                let id = format!("ctr-{i}");
+                let output = Plugin::new("ADD", &id).run(&config);
+                assert_ok(&output);
+                json(&output)["ips"][0]["address"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+        })
+        .collect();
+    let mut addresses: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 24, "duplicate addresses: {addresses:?}");
+    assert_eq!(allocated_count(&dir), 25);
+}
+
+#[test]
+fn exhausted_pool_is_try_again_later() {
+    let dir = TestDir::new("plugin-exhausted");
+    let _daemon = TestDaemon::start(&dir, &[]);
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "");
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    let full = Plugin::new("ADD", "two").run(&config);
+    assert_eq!(full.status.code(), Some(1));
+    let error = json(&full);
+    assert_eq!(error["code"], 11, "{error}");
+    assert_eq!(error["cniVersion"], "1.0.0");
+}
+
+#[test]
+fn bad_input_gets_the_right_error_code() {
+    let dir = TestDir::new("plugin-bad");
+    let good = conf(&dir, "1.0.0", V4, "");
+    let cases: Vec<(String, Plugin, u64)> = vec![
+        ("{not json".into(), Plugin::new("ADD", "c"), 6),
+        (good.replace("1.0.0", "9.9.9"), Plugin::new("ADD", "c"), 1),
+        (
+            good.replace("198.18.0.0/24", "198.18.0.1/24"),
+            Plugin::new("ADD", "c"),
+            7,
+        ),
+        (good.clone(), Plugin::new("ADD", "bad/id"), 4),
+        (
+            good.clone(),
+            Plugin {
+                ifname: "a-very-long-interface-name",
+                ..Plugin::new("ADD", "c")
+            },
+            4,
+        ),
+        (
+            good.clone(),
+            Plugin {
+                netns: "",
+                ..Plugin::new("ADD", "c")
+            },
+            4,
+        ),
+        (
+            good.clone(),
+            Plugin {
+                args: "invalid;format",
+                ..Plugin::new("ADD", "c")
+            },
+            4,
+        ),
+        (good.clone(), Plugin::new("BOGUS", "c"), 4),
+    ];
+    for (stdin, plugin, code) in cases {
+        let output = plugin.run(&stdin);
+        assert_eq!(output.status.code(), Some(1), "{stdin}");
+        assert_eq!(json(&output)["code"], code, "{stdin}");
+        assert!(output.stderr.is_empty());
+    }
+    // Nothing was allocated by any of them.
+    assert!(!dir.join("metis.sqlite").exists() || allocated_count(&dir) == 0);
+}
+
+#[test]
+fn version_lists_supported_versions() {
+    let output = Plugin::new("VERSION", "").run(r#"{"cniVersion":"1.0.0"}"#);
+    assert_ok(&output);
+    let reply = json(&output);
+    assert_eq!(reply["cniVersion"], "1.0.0");
+    let versions = reply["supportedVersions"].as_array().unwrap();
+    for v in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
+        assert!(versions.contains(&json!(v)), "missing {v}");
+    }
+}
