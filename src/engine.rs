@@ -21,6 +21,8 @@ pub struct Failure {
     pub code: Code,
     pub reason: &'static str,
     pub message: String,
+    /// The network and family the failure concerns, when there is one.
+    pub scope: Option<(String, Family)>,
 }
 
 impl Failure {
@@ -29,6 +31,7 @@ impl Failure {
             code: Code::InvalidArgument,
             reason: reason::INVALID_REQUEST,
             message: message.into(),
+            scope: None,
         }
     }
 
@@ -49,15 +52,26 @@ impl Failure {
             StoreError::Corrupt(_) => (Code::Internal, reason::STORE_CORRUPT),
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };
+        let scope = match err {
+            StoreError::NoAvailableIps { network, family } => Some((network.clone(), *family)),
+            _ => None,
+        };
         Failure {
             code,
             reason,
             message: format!("{context}: {err}"),
+            scope,
         }
     }
 
     fn into_response(self) -> Response {
-        Response::error(self.code, self.reason, self.message)
+        let response = Response::error(self.code, self.reason, self.message);
+        match self.scope {
+            Some((network, family)) => response
+                .with_metadata(reason::META_NETWORK, &network)
+                .with_metadata(reason::META_IP_FAMILY, family.as_str()),
+            None => response,
+        }
     }
 }
 
@@ -109,6 +123,7 @@ impl Engine {
                 code: Code::Unimplemented,
                 reason: reason::UNKNOWN_REQUEST,
                 message: "request carries no known message".to_string(),
+                scope: None,
             }),
         };
         match result {
@@ -332,6 +347,7 @@ impl Engine {
                     "no active allocation found for container {} interface {} on network {network}",
                     req.container_id, req.interface_name
                 ),
+                scope: None,
             });
         }
         Ok(ipam::CheckPodIpResponse {
@@ -428,5 +444,129 @@ fn table_dump(table: Table) -> admin::AdminTableDumpResponse {
             .into_iter()
             .map(|values| admin::Row { values })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::TempDir;
+
+    fn config(container: &str, cidr: &str) -> Option<ipam::IpConfig> {
+        Some(ipam::IpConfig {
+            interface_name: "eth0".into(),
+            container_id: container.into(),
+            initial_pod_cidr: cidr.into(),
+            ..Default::default()
+        })
+    }
+
+    fn request(container: &str, v4: &str, v6: &str) -> ipam::AllocatePodIpRequest {
+        ipam::AllocatePodIpRequest {
+            network: "net".into(),
+            ipv4_config: (!v4.is_empty()).then(|| config(container, v4)).flatten(),
+            ipv6_config: (!v6.is_empty()).then(|| config(container, v6)).flatten(),
+            pod_name: "p".into(),
+            pod_namespace: "ns".into(),
+        }
+    }
+
+    #[test]
+    fn failed_second_family_releases_the_first() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 60_000);
+        let now = crate::log::now_ms();
+        // A /128 has one address: the first pod takes it.
+        engine
+            .allocate(&request("a", "198.18.0.0/24", "2001:db8::1/128"), now)
+            .unwrap();
+        let failure = engine
+            .allocate(&request("b", "198.18.0.0/24", "2001:db8::1/128"), now)
+            .unwrap_err();
+        assert_eq!(failure.code, Code::ResourceExhausted);
+        assert_eq!(failure.scope, Some(("net".to_string(), Family::V6)));
+        let held = engine.store().check("net", "b", "eth0").unwrap();
+        assert!(held.is_empty(), "IPv4 address leaked: {held:?}");
+        // Rolled back without cooldown: the next pod gets that same address.
+        let next = engine
+            .allocate(&request("c", "198.18.0.0/24", ""), now)
+            .unwrap();
+        assert_eq!(next.ipv4.unwrap().ip_address, "198.18.0.3");
+    }
+
+    #[test]
+    fn exhaustion_takes_back_a_draining_block_first() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 0);
+        let now = crate::log::now_ms();
+        engine
+            .allocate(&request("a", "198.18.0.0/30", ""), now)
+            .unwrap();
+        let extra = engine
+            .store_mut()
+            .add_cidr_block("net", &"198.18.1.0/30".parse().unwrap())
+            .unwrap();
+        let crate::store::AddOutcome::Added(id) = extra else {
+            panic!("{extra:?}")
+        };
+        engine.store_mut().drain_block(id, now).unwrap();
+        let reply = engine
+            .allocate(&request("b", "198.18.0.0/30", ""), now)
+            .unwrap();
+        assert_eq!(reply.ipv4.unwrap().ip_address, "198.18.1.2");
+        let failure = engine
+            .allocate(&request("c", "198.18.0.0/30", ""), now)
+            .unwrap_err();
+        assert_eq!(failure.reason, reason::IP_POOL_EXHAUSTED);
+        assert_eq!(failure.scope, Some(("net".to_string(), Family::V4)));
+    }
+
+    #[test]
+    fn requested_addresses_and_bad_requests() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 0);
+        let now = crate::log::now_ms();
+        let mut wanted = request("a", "198.18.0.0/24", "");
+        if let Some(c) = wanted.ipv4_config.as_mut() {
+            c.requested_ip = "198.18.0.77".into();
+        }
+        assert_eq!(
+            engine
+                .allocate(&wanted, now)
+                .unwrap()
+                .ipv4
+                .unwrap()
+                .ip_address,
+            "198.18.0.77"
+        );
+        let mut taken = request("b", "198.18.0.0/24", "");
+        if let Some(c) = taken.ipv4_config.as_mut() {
+            c.requested_ip = "198.18.0.77".into();
+        }
+        assert_eq!(
+            engine.allocate(&taken, now).unwrap_err().reason,
+            reason::REQUESTED_IP_UNAVAILABLE
+        );
+        for bad in ["not-an-ip", "2001:db8::1"] {
+            let mut wrong = request("c", "198.18.0.0/24", "");
+            if let Some(c) = wrong.ipv4_config.as_mut() {
+                c.requested_ip = bad.into();
+            }
+            assert_eq!(
+                engine.allocate(&wrong, now).unwrap_err().code,
+                Code::InvalidArgument,
+                "{bad}"
+            );
+        }
+        let wrong_family = request("d", "2001:db8::/64", "");
+        assert_eq!(
+            engine.allocate(&wrong_family, now).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        let host_bits = request("e", "198.18.0.1/24", "");
+        assert_eq!(
+            engine.allocate(&host_bits, now).unwrap_err().code,
+            Code::InvalidArgument
+        );
     }
 }

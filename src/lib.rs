@@ -4,6 +4,11 @@ pub mod cni;
 pub mod daemon;
 pub mod engine;
 pub mod flags;
+pub mod kube;
 pub mod log;
+pub mod policy;
 pub mod store;
 pub mod wire;
+
+#[cfg(test)]
+mod testutil;

@@ -56,7 +56,7 @@ fn main() -> ExitCode {
 }
 
 fn run_daemon(args: &[String]) -> ExitCode {
-    let config = match daemon::parse_config(args) {
+    let config = match daemon::parse_config(args, &|name| std::env::var(name).ok()) {
         Ok(config) => config,
         Err(FlagError::Help) => {
             print!("{}", daemon::usage());

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Plugin, TestDaemon, TestDir, assert_ok, conf, db, json};
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, json};
 use serde_json::json;
 
 const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
@@ -114,21 +114,7 @@ fn concurrent_direct_mode_processes_share_the_database() {
     let config = conf(&dir, "1.0.0", V4, "");
     // Create the database once so every process races only on allocation.
     assert_ok(&Plugin::new("ADD", "seed").run(&config));
-    let handles: Vec<_> = (0..24)
-        .map(|i| {
-            let config = config.clone();
-            std::thread::spawn(move || {
-                let id = format!("ctr-{i}");
-                let output = Plugin::new("ADD", &id).run(&config);
-                assert_ok(&output);
-                json(&output)["ips"][0]["address"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
-            })
-        })
-        .collect();
-    let mut addresses: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut addresses = add_concurrently(&config, 0..24);
     addresses.sort();
     addresses.dedup();
     assert_eq!(addresses.len(), 24, "duplicate addresses: {addresses:?}");

@@ -23,6 +23,9 @@ pub struct Limits {
     pub request: Duration,
 }
 
+/// Answers one request of a connection (by id); `None` parks it.
+pub type Handler<'a> = dyn FnMut(u64, Request) -> Option<Response> + 'a;
+
 /// What the loop should do with a connection after an event.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 pub enum State {
@@ -30,7 +33,12 @@ pub enum State {
     Closed,
 }
 
+/// How long a connection waiting for a parked request may stay silent; the
+/// parked request's own deadline answers it long before.
+const AWAITING_IDLE: Duration = Duration::from_secs(3600);
+
 pub struct Conn {
+    id: u64,
     stream: UnixStream,
     limits: Limits,
     input: Vec<u8>,
@@ -44,11 +52,15 @@ pub struct Conn {
     /// Set after a fatal protocol error: flush the reply, then close.
     closing: bool,
     peer_closed: bool,
+    /// A request of this connection is parked; nothing more is processed
+    /// until its response is delivered.
+    awaiting: bool,
 }
 
 impl Conn {
-    pub fn new(stream: UnixStream, limits: Limits, now: Instant) -> Conn {
+    pub fn new(id: u64, stream: UnixStream, limits: Limits, now: Instant) -> Conn {
         Conn {
+            id,
             stream,
             limits,
             input: Vec::new(),
@@ -59,7 +71,12 @@ impl Conn {
             write_since: None,
             closing: false,
             peer_closed: false,
+            awaiting: false,
         }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     pub fn stream(&self) -> &UnixStream {
@@ -68,6 +85,9 @@ impl Conn {
 
     /// When this connection is closed unless something happens first.
     pub fn deadline(&self) -> Instant {
+        if self.awaiting {
+            return self.last_activity + AWAITING_IDLE;
+        }
         match (self.write_since, self.partial_since) {
             (Some(since), _) | (None, Some(since)) => since + self.limits.request,
             (None, None) => self.last_activity + self.limits.idle,
@@ -87,31 +107,59 @@ impl Conn {
         self.flush(now)
     }
 
+    /// Whether a complete request is buffered and may be processed now
+    /// (left over after a parked request was answered).
+    pub fn has_buffered_request(&self) -> bool {
+        !self.awaiting
+            && !self.closing
+            && matches!(frame::split(&self.input, MAX_REQUEST_FRAME), Ok(Some(_)))
+    }
+
     /// Reads what the socket has, then answers every complete request with
-    /// `handle`.
-    pub fn on_readable(
-        &mut self,
-        now: Instant,
-        handle: &mut dyn FnMut(Request) -> Response,
-    ) -> State {
+    /// `handle`, which returns `None` when it parked the request.
+    pub fn on_readable(&mut self, now: Instant, handle: &mut Handler<'_>) -> State {
         if self.fill_input(now) == State::Closed {
             return State::Closed;
         }
-        while !self.closing {
+        if self.awaiting {
+            // Only a hang-up matters while the answer is pending.
+            return if self.peer_closed {
+                State::Closed
+            } else {
+                State::Open
+            };
+        }
+        self.process(now, handle)
+    }
+
+    /// Delivers the response of a parked request, then serves anything
+    /// buffered behind it.
+    pub fn deliver(&mut self, reply: &Response, now: Instant) -> State {
+        self.awaiting = false;
+        self.queue(reply, now);
+        self.flush(now)
+    }
+
+    /// Answers the complete requests already buffered.
+    pub fn process(&mut self, now: Instant, handle: &mut Handler<'_>) -> State {
+        while !self.closing && !self.awaiting {
             match frame::split(&self.input, MAX_REQUEST_FRAME) {
                 Ok(Some((payload, used))) => {
                     let decoded = self.input.get(payload).map(Request::decode);
                     let reply = match decoded {
-                        Some(Ok(request)) => handle(request),
-                        Some(Err(err)) => Response::error(
+                        Some(Ok(request)) => handle(self.id, request),
+                        Some(Err(err)) => Some(Response::error(
                             Code::InvalidArgument,
                             reason::MALFORMED_REQUEST,
                             format!("undecodable request: {err}"),
-                        ),
+                        )),
                         None => break,
                     };
                     self.input.drain(..used);
-                    self.queue(&reply, now);
+                    match reply {
+                        Some(reply) => self.queue(&reply, now),
+                        None => self.awaiting = true,
+                    }
                 }
                 Ok(None) => break,
                 Err(err) => {
@@ -151,7 +199,7 @@ impl Conn {
         self.output.clear();
         self.written = 0;
         self.write_since = None;
-        if self.closing || self.peer_closed {
+        if self.closing || (self.peer_closed && !self.awaiting) {
             return State::Closed;
         }
         State::Open

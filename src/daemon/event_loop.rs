@@ -1,7 +1,9 @@
 //! The daemon's single-threaded loop: `poll` over the signal fd, the
-//! listening socket and every client. Each request is handled to completion
-//! in turn — that serialisation is what keeps the store simple — while slow
-//! or hostile clients only ever cost a non-blocking read or write.
+//! listening socket, the Kubernetes threads' wake pipe and every client.
+//! Each request is handled to completion in turn — that serialisation is
+//! what keeps the store simple — while slow or hostile clients only ever
+//! cost a non-blocking read or write, and a request waiting for new blocks
+//! is parked instead of holding the loop.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixListener;
@@ -12,6 +14,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
+use super::adaptive::{Adaptive, Delivery};
 use super::conn::{Conn, Limits, State};
 use crate::engine::Engine;
 use crate::log;
@@ -40,7 +43,9 @@ pub struct EventLoop {
     listener: UnixListener,
     signals: SignalFd,
     engine: Engine,
+    adaptive: Option<Adaptive>,
     conns: Vec<Conn>,
+    next_conn_id: u64,
     limits: Limits,
     admission: Admission,
 }
@@ -50,6 +55,7 @@ impl EventLoop {
         listener: UnixListener,
         signals: SignalFd,
         engine: Engine,
+        adaptive: Option<Adaptive>,
         limits: Limits,
         admission: Admission,
     ) -> EventLoop {
@@ -57,7 +63,9 @@ impl EventLoop {
             listener,
             signals,
             engine,
+            adaptive,
             conns: Vec::new(),
+            next_conn_id: 0,
             limits,
             admission,
         }
@@ -66,8 +74,7 @@ impl EventLoop {
     /// Serves until SIGTERM or SIGINT, then drains queued responses.
     pub fn run(mut self) {
         loop {
-            let now = Instant::now();
-            let ready = match self.wait(now) {
+            let ready = match self.wait(Instant::now()) {
                 Ok(ready) => ready,
                 Err(err) => {
                     log::error("daemon", "poll failed", &[("error", &err)]);
@@ -78,19 +85,34 @@ impl EventLoop {
             if ready.signal && self.take_signal() {
                 break;
             }
+            if ready.wake
+                && let Some(adaptive) = self.adaptive.as_mut()
+            {
+                let deliveries = adaptive.on_wake(&mut self.engine, now);
+                self.deliver(deliveries, now);
+            }
             if ready.listener {
                 self.accept_all(now);
             }
             self.serve(&ready.conns, now);
+            if let Some(adaptive) = self.adaptive.as_mut() {
+                let mut deliveries = adaptive.retry_woken(&mut self.engine);
+                deliveries.extend(adaptive.tick(&mut self.engine, now));
+                self.deliver(deliveries, now);
+            }
             self.expire(now);
         }
         self.drain_on_shutdown();
     }
 
     fn wait(&self, now: Instant) -> nix::Result<Ready> {
-        let mut fds = Vec::with_capacity(2 + self.conns.len());
+        let mut fds = Vec::with_capacity(3 + self.conns.len());
         fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
         fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        if let Some(adaptive) = &self.adaptive {
+            fds.push(PollFd::new(adaptive.wake_fd(), PollFlags::POLLIN));
+        }
+        let first_conn = fds.len();
         for conn in &self.conns {
             let interest = if conn.wants_write() {
                 PollFlags::POLLOUT
@@ -99,12 +121,18 @@ impl EventLoop {
             };
             fds.push(PollFd::new(conn.stream().as_fd(), interest));
         }
-        let next_deadline = self.conns.iter().map(Conn::deadline).min();
-        let wait = next_deadline
-            .map_or(MAX_POLL_WAIT, |deadline| {
-                deadline.saturating_duration_since(now)
-            })
-            .min(MAX_POLL_WAIT);
+        let buffered = self.conns.iter().any(Conn::has_buffered_request);
+        let next_deadline = self
+            .conns
+            .iter()
+            .map(Conn::deadline)
+            .chain(self.adaptive.as_ref().and_then(Adaptive::next_deadline))
+            .min();
+        let wait = match (buffered, next_deadline) {
+            (true, _) => Duration::ZERO,
+            (false, Some(deadline)) => deadline.saturating_duration_since(now).min(MAX_POLL_WAIT),
+            (false, None) => MAX_POLL_WAIT,
+        };
         let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::ZERO);
         match poll(&mut fds, timeout) {
             Ok(_) | Err(nix::Error::EINTR) => {}
@@ -114,7 +142,8 @@ impl EventLoop {
         Ok(Ready {
             signal: fds.first().is_some_and(fired),
             listener: fds.get(1).is_some_and(fired),
-            conns: fds.iter().skip(2).map(fired).collect(),
+            wake: first_conn == 3 && fds.get(2).is_some_and(fired),
+            conns: fds.iter().skip(first_conn).map(fired).collect(),
         })
     }
 
@@ -153,7 +182,8 @@ impl EventLoop {
                 continue;
             }
             let peer_uid = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
-            let mut conn = Conn::new(stream, self.limits, now);
+            self.next_conn_id += 1;
+            let mut conn = Conn::new(self.next_conn_id, stream, self.limits, now);
             let refusal = match peer_uid {
                 _ if self.conns.len() >= self.admission.max_connections => Some((
                     Code::Unavailable,
@@ -187,34 +217,80 @@ impl EventLoop {
     }
 
     fn serve(&mut self, fired: &[bool], now: Instant) {
-        let engine = &mut self.engine;
-        let mut handle = |request| engine.handle(request, log::now_ms());
+        let EventLoop {
+            engine,
+            adaptive,
+            conns,
+            ..
+        } = self;
+        let mut handle = |conn_id: u64, request: crate::wire::Request| {
+            let Some(adaptive) = adaptive.as_mut() else {
+                return Some(engine.handle(request, log::now_ms()));
+            };
+            let reply = engine.handle(request.clone(), log::now_ms());
+            adaptive.intercept(conn_id, &request, reply, now)
+        };
+        let mut closed = Vec::new();
         let mut index = 0;
-        self.conns.retain_mut(|conn| {
+        conns.retain_mut(|conn| {
             let active = fired.get(index).copied().unwrap_or(false);
             index += 1;
-            if !active {
+            let state = if conn.has_buffered_request() {
+                conn.process(now, &mut handle)
+            } else if !active {
                 return true;
-            }
-            let state = if conn.wants_write() {
+            } else if conn.wants_write() {
                 conn.flush(now)
             } else {
                 conn.on_readable(now, &mut handle)
             };
+            if state == State::Closed {
+                closed.push(conn.id());
+            }
             state == State::Open
         });
+        self.forget(&closed);
+    }
+
+    /// Sends responses of parked requests to their connections.
+    fn deliver(&mut self, deliveries: Vec<Delivery>, now: Instant) {
+        let mut closed = Vec::new();
+        for (conn_id, reply) in deliveries {
+            if let Some(conn) = self.conns.iter_mut().find(|conn| conn.id() == conn_id)
+                && conn.deliver(&reply, now) == State::Closed
+            {
+                closed.push(conn_id);
+            }
+        }
+        self.conns.retain(|conn| !closed.contains(&conn.id()));
+        self.forget(&closed);
     }
 
     fn expire(&mut self, now: Instant) {
-        let before = self.conns.len();
-        self.conns.retain(|conn| conn.deadline() > now);
-        let closed = before - self.conns.len();
-        if closed > 0 {
+        let mut closed = Vec::new();
+        self.conns.retain(|conn| {
+            let alive = conn.deadline() > now;
+            if !alive {
+                closed.push(conn.id());
+            }
+            alive
+        });
+        if !closed.is_empty() {
             log::debug(
                 "daemon",
                 "closed connections past their deadline",
-                &[("count", &closed)],
+                &[("count", &closed.len())],
             );
+        }
+        self.forget(&closed);
+    }
+
+    /// Drops parked requests of connections that are gone.
+    fn forget(&mut self, closed: &[u64]) {
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            for conn_id in closed {
+                adaptive.forget(*conn_id);
+            }
         }
     }
 
@@ -244,5 +320,6 @@ impl EventLoop {
 struct Ready {
     signal: bool,
     listener: bool,
+    wake: bool,
     conns: Vec<bool>,
 }

@@ -1,8 +1,10 @@
 //! `metis daemon`: owns the node's address blocks in SQLite and serves the
 //! plugin over a Unix socket from one single-threaded loop.
 
+mod adaptive;
 mod conn;
 mod event_loop;
+mod monitor;
 
 use std::fmt;
 use std::fs;
@@ -19,11 +21,15 @@ use nix::sys::stat::{Mode, umask};
 use crate::cidr::Cidr;
 use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
+use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
 use crate::log;
 use crate::store::{Durability, ReserveMode, Store, StoreError, StoreOptions};
 
+use adaptive::Adaptive;
+pub use adaptive::AdaptiveConfig;
 pub use conn::Limits;
 pub use event_loop::Admission;
+pub use monitor::MonitorConfig;
 
 /// Upstream's default socket path.
 pub const DEFAULT_SOCKET_PATH: &str = "/var/lib/cni/metis/metis-adaptive-ipam.sock";
@@ -103,6 +109,50 @@ const FLAGS: &[FlagSpec] = &[
         help: "another user allowed to connect (root and the daemon's user always are)",
     },
     FlagSpec {
+        name: "--cidr-source",
+        value: Some("static|node|nnc"),
+        repeatable: false,
+        default: "nnc with a cluster, else static",
+        help: "where blocks come from: static (--cidr and CNI ranges only), node (the Node's \
+               spec.podCIDRs) or nnc (NodeNetworkConfig scale-up and release)",
+    },
+    FlagSpec {
+        name: "--node-network",
+        value: Some("NAME"),
+        repeatable: false,
+        default: "default",
+        help: "network that Node podCIDRs are added to (--cidr-source node)",
+    },
+    FlagSpec {
+        name: "--monitor-interval",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "2s",
+        help: "how often the monitor re-evaluates scale-up, drain and release",
+    },
+    FlagSpec {
+        name: "--draining-expiration",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "5h",
+        help: "an empty Draining block untouched this long is released",
+    },
+    FlagSpec {
+        name: "--sustained-low-utilization-duration",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "8h",
+        help: "utilisation below 50% for this long drains the newest blocks",
+    },
+    FlagSpec {
+        name: "--scale-up-wait",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "9s",
+        help: "how long an allocation waits for new blocks before IP_POOL_EXHAUSTED \
+               (keep it under the runtime's 10 s plugin timeout)",
+    },
+    FlagSpec {
         name: "-v",
         value: Some("N"),
         repeatable: false,
@@ -124,6 +174,16 @@ pub struct Config {
     pub limits: Limits,
     pub allowed_uids: Vec<u32>,
     pub verbosity: u8,
+    /// `None` for static blocks only.
+    pub adaptive: Option<AdaptiveSettings>,
+}
+
+/// The Kubernetes side of the configuration.
+#[derive(Debug)]
+pub struct AdaptiveSettings {
+    pub api: ApiConfig,
+    pub node_name: String,
+    pub adaptive: AdaptiveConfig,
 }
 
 /// A failure that stops the daemon.
@@ -133,6 +193,7 @@ pub enum DaemonError {
     Store(StoreError),
     Socket { path: PathBuf, reason: String },
     Signals(nix::Error),
+    Kube(String),
 }
 
 impl fmt::Display for DaemonError {
@@ -144,14 +205,20 @@ impl fmt::Display for DaemonError {
                 write!(f, "cannot listen on {}: {reason}", path.display())
             }
             DaemonError::Signals(err) => write!(f, "cannot set up signal handling: {err}"),
+            DaemonError::Kube(why) => write!(f, "cannot start the Kubernetes client: {why}"),
         }
     }
 }
 
 impl std::error::Error for DaemonError {}
 
-/// Parses the daemon's flags. `Err(FlagError::Help)` asks for the usage text.
-pub fn parse_config(args: &[String]) -> Result<Config, FlagError> {
+/// Parses the daemon's flags; `lookup` reads the environment (`KUBECONFIG`,
+/// `KUBERNETES_SERVICE_*`, `NODE_NAME`). `Err(FlagError::Help)` asks for the
+/// usage text.
+pub fn parse_config(
+    args: &[String],
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, FlagError> {
     let parsed = flags::parse(FLAGS, args)?;
     let duration = |name: &'static str, default: &str| -> Result<i64, FlagError> {
         let text = parsed.get(name).unwrap_or(default);
@@ -215,6 +282,7 @@ pub fn parse_config(args: &[String]) -> Result<Config, FlagError> {
             .map(Duration::from_millis)
             .ok_or_else(|| FlagError::BadValue(name, "must be greater than zero".into()))
     };
+    let adaptive = adaptive_settings(&parsed, lookup, &duration, &positive)?;
     Ok(Config {
         socket_path: absolute(&parsed, "--socket-path", DEFAULT_SOCKET_PATH)?,
         db_path: absolute(&parsed, "--db-path", DEFAULT_DB_PATH)?,
@@ -229,7 +297,92 @@ pub fn parse_config(args: &[String]) -> Result<Config, FlagError> {
         },
         allowed_uids,
         verbosity,
+        adaptive,
     })
+}
+
+/// Reads `--cidr-source` and, for a cluster source, the API server and node.
+fn adaptive_settings(
+    parsed: &flags::Parsed,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    duration: &dyn Fn(&'static str, &str) -> Result<i64, FlagError>,
+    positive: &dyn Fn(&'static str, &str) -> Result<Duration, FlagError>,
+) -> Result<Option<AdaptiveSettings>, FlagError> {
+    let api = kube::config::from_environment(lookup)
+        .map_err(|err| FlagError::BadValue("--cidr-source", err.to_string()))?;
+    let source = match (parsed.get("--cidr-source"), &api) {
+        (Some("static"), _) | (None, None) => return Ok(None),
+        (Some("node"), _) => Kind::Node,
+        (Some("nnc"), _) | (None, Some(_)) => Kind::Nnc,
+        (Some(other), _) => {
+            return Err(FlagError::BadValue(
+                "--cidr-source",
+                format!("{other:?} is not static, node or nnc"),
+            ));
+        }
+    };
+    let api = api.ok_or_else(|| {
+        FlagError::BadValue(
+            "--cidr-source",
+            "needs a cluster: set KUBECONFIG or run in a pod (KUBERNETES_SERVICE_HOST/PORT)".into(),
+        )
+    })?;
+    let node_name = match lookup("NODE_NAME").filter(|n| !n.is_empty()) {
+        Some(name) => name,
+        None => nix::unistd::gethostname()
+            .ok()
+            .and_then(|name| name.into_string().ok())
+            .unwrap_or_default(),
+    };
+    if !is_dns_subdomain(&node_name) {
+        return Err(FlagError::BadValue(
+            "--cidr-source",
+            format!(
+                "node name {node_name:?} (NODE_NAME or hostname) is not a valid Kubernetes name"
+            ),
+        ));
+    }
+    let node_network = parsed
+        .get("--node-network")
+        .unwrap_or(crate::engine::DEFAULT_NETWORK);
+    if node_network.is_empty() {
+        return Err(FlagError::BadValue(
+            "--node-network",
+            "must not be empty".into(),
+        ));
+    }
+    Ok(Some(AdaptiveSettings {
+        api,
+        node_name,
+        adaptive: AdaptiveConfig {
+            source,
+            node_network: node_network.to_string(),
+            monitor: MonitorConfig {
+                draining_expiration_ms: duration("--draining-expiration", "5h")?,
+                sustained_low_utilization_ms: duration(
+                    "--sustained-low-utilization-duration",
+                    "8h",
+                )?,
+            },
+            monitor_interval: positive("--monitor-interval", "2s")?,
+            pending_timeout: positive("--scale-up-wait", "9s")?,
+        },
+    }))
+}
+
+/// A Kubernetes object name (RFC 1123 subdomain): it is placed in URL paths.
+fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 fn absolute(
@@ -323,6 +476,30 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
 
     let listener = listen(&config.socket_path)?;
     let engine = Engine::new(store, config.release_cooldown_ms);
+    let adaptive = match &config.adaptive {
+        None => None,
+        Some(settings) => {
+            let client =
+                ApiClient::new(&settings.api).map_err(|err| DaemonError::Kube(err.to_string()))?;
+            let link =
+                kube::worker::spawn(client, settings.node_name.clone(), settings.adaptive.source)
+                    .map_err(|err| DaemonError::Kube(err.to_string()))?;
+            log::info(
+                "daemon",
+                "following the cluster",
+                &[
+                    ("server", &settings.api.server),
+                    ("node", &settings.node_name),
+                    ("source", &format!("{:?}", settings.adaptive.source)),
+                ],
+            );
+            Some(Adaptive::new(
+                link,
+                settings.adaptive.clone(),
+                std::time::Instant::now(),
+            ))
+        }
+    };
     log::info(
         "daemon",
         "listening",
@@ -332,6 +509,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         listener,
         signals,
         engine,
+        adaptive,
         config.limits,
         Admission {
             max_connections: config.max_connections,

@@ -426,7 +426,7 @@ impl Store {
     /// The daemon's release cooldown as it last recorded it, so direct-mode
     /// releases rest as long as the daemon's would. `None` if never recorded.
     pub fn release_cooldown(&self) -> Option<i64> {
-        get_setting(&self.conn, schema::KEY_RELEASE_COOLDOWN)
+        self.setting(schema::KEY_RELEASE_COOLDOWN)
             .ok()
             .flatten()
             .and_then(|text| text.parse().ok())
@@ -434,15 +434,29 @@ impl Store {
 
     /// Records the daemon's release cooldown (see [`Store::release_cooldown`]).
     pub fn set_release_cooldown(&mut self, cooldown_ms: i64) -> Result<(), StoreError> {
-        let value = cooldown_ms.to_string();
-        if get_setting(&self.conn, schema::KEY_RELEASE_COOLDOWN)?.as_deref() == Some(value.as_str())
-        {
+        self.put_setting(schema::KEY_RELEASE_COOLDOWN, Some(&cooldown_ms.to_string()))
+    }
+
+    /// A value of Metis's own settings table.
+    pub fn setting(&self, key: &str) -> Result<Option<String>, StoreError> {
+        get_setting(&self.conn, key)
+    }
+
+    /// Sets (or with `None` removes) a setting; writes only on a change.
+    pub fn put_setting(&mut self, key: &str, value: Option<&str>) -> Result<(), StoreError> {
+        if get_setting(&self.conn, key)?.as_deref() == value {
             return Ok(());
         }
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        set_setting(&tx, schema::KEY_RELEASE_COOLDOWN, &value)?;
+        match value {
+            Some(value) => set_setting(&tx, key, value)?,
+            None => {
+                tx.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+                    .execute([key])?;
+            }
+        }
         tx.commit()?;
         Ok(())
     }

@@ -54,6 +54,10 @@ pub mod reason {
     pub const TOO_MANY_CONNECTIONS: &str = "TOO_MANY_CONNECTIONS";
     /// The peer's user may not talk to the daemon.
     pub const PERMISSION_DENIED: &str = "PERMISSION_DENIED";
+    /// Metadata key: the network a status concerns.
+    pub const META_NETWORK: &str = "network";
+    /// Metadata key: the address family a status concerns (`ipv4`/`ipv6`).
+    pub const META_IP_FAMILY: &str = "ip_family";
     /// The request kind is not served.
     pub const UNKNOWN_REQUEST: &str = "UNKNOWN_REQUEST";
 }
@@ -66,6 +70,7 @@ impl Response {
                 code: code as i32,
                 reason: reason.to_string(),
                 message: message.into(),
+                metadata: Default::default(),
             }),
             kind: None,
         }
@@ -78,9 +83,30 @@ impl Response {
                 code: Code::Ok as i32,
                 reason: String::new(),
                 message: String::new(),
+                metadata: Default::default(),
             }),
             kind: Some(kind),
         }
+    }
+
+    /// Adds a metadata entry to the status.
+    pub fn with_metadata(mut self, key: &str, value: &str) -> Response {
+        if let Some(status) = self.status.as_mut() {
+            status.metadata.insert(key.to_string(), value.to_string());
+        }
+        self
+    }
+
+    /// A metadata value of the status, if present.
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.status.as_ref()?.metadata.get(key).map(String::as_str)
+    }
+
+    /// The status reason ("" for success or no status).
+    pub fn reason(&self) -> &str {
+        self.status
+            .as_ref()
+            .map_or("", |status| status.reason.as_str())
     }
 
     /// The status code, `Unknown`-safe: an absent status or a number this

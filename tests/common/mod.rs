@@ -10,6 +10,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod apiserver;
+
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
 
 /// A private directory removed on drop.
@@ -39,7 +41,9 @@ impl TestDir {
 
 impl Drop for TestDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
+        if std::env::var_os("METIS_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 
@@ -63,6 +67,12 @@ pub struct TestDaemon {
 impl TestDaemon {
     /// Starts a daemon on `dir` and waits until its socket accepts.
     pub fn start(dir: &TestDir, extra: &[&str]) -> TestDaemon {
+        TestDaemon::start_with_env(dir, extra, &[])
+    }
+
+    /// Like `start`, with extra environment; any cluster settings of the
+    /// test's own environment are scrubbed first.
+    pub fn start_with_env(dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
         let socket = dir.join("metis.sock");
         let db = dir.join("metis.sqlite");
         let stderr_path = dir.join("daemon.log");
@@ -71,7 +81,17 @@ impl TestDaemon {
             .append(true)
             .open(&stderr_path)
             .unwrap();
-        let child = Command::new(METIS)
+        let mut command = Command::new(METIS);
+        for name in [
+            "KUBECONFIG",
+            "KUBERNETES_SERVICE_HOST",
+            "KUBERNETES_SERVICE_PORT",
+            "NODE_NAME",
+        ] {
+            command.env_remove(name);
+        }
+        command.envs(env.iter().copied());
+        let child = command
             .arg("daemon")
             .arg("--socket-path")
             .arg(&socket)
@@ -229,4 +249,24 @@ pub fn assert_ok(output: &Output) {
 /// Opens the database read-only to assert on rows.
 pub fn db(path: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
+}
+
+/// Runs one ADD per id (`pod-N`) concurrently, each in its own process;
+/// asserts every one succeeded and returns the IPv4 addresses.
+pub fn add_concurrently(config: &str, ids: std::ops::Range<usize>) -> Vec<String> {
+    let handles: Vec<_> = ids
+        .map(|i| {
+            let config = config.to_string();
+            std::thread::spawn(move || {
+                let id = format!("pod-{i}");
+                let output = Plugin::new("ADD", &id).run(&config);
+                assert_ok(&output);
+                json(&output)["ips"][0]["address"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }

@@ -73,7 +73,7 @@ pub mod request {
         Health(super::HealthCheckRequest),
     }
 }
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Status {
     #[prost(enumeration = "Code", tag = "1")]
     pub code: i32,
@@ -83,6 +83,13 @@ pub struct Status {
     /// Human-readable message.
     #[prost(string, tag = "3")]
     pub message: ::prost::alloc::string::String,
+    /// Machine-readable context, e.g. "network" and "ip_family" of an
+    /// exhausted pool (as upstream's google.rpc.ErrorInfo metadata).
+    #[prost(map = "string, string", tag = "4")]
+    pub metadata: ::std::collections::HashMap<
+        ::prost::alloc::string::String,
+        ::prost::alloc::string::String,
+    >,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Response {

@@ -1,0 +1,307 @@
+//! The daemon's adaptive side, run on the loop thread: parked requests
+//! waiting for addresses, events from the Kubernetes threads, and the
+//! periodic monitor pass. Nothing here blocks: HTTP happens on the kube
+//! threads, and every store change happens here, on the loop.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use super::monitor::{self, MonitorConfig};
+use crate::cidr::Family;
+use crate::engine::Engine;
+use crate::kube::nnc::{Kind, Nnc};
+use crate::kube::worker::{self, KubeEvent, KubeLink};
+use crate::log;
+use crate::wire::{Code, Request, Response, reason, request, response};
+
+/// Settings of the adaptive side.
+#[derive(Debug, Clone)]
+pub struct AdaptiveConfig {
+    /// NodeNetworkConfig (scale up and down) or Node podCIDRs (fixed).
+    pub source: Kind,
+    /// The network that Node podCIDRs are added to.
+    pub node_network: String,
+    pub monitor: MonitorConfig,
+    pub monitor_interval: Duration,
+    /// How long a request waits for new blocks before it is told the pool
+    /// is exhausted (upstream's 9 s, under the runtime's 10 s).
+    pub pending_timeout: Duration,
+}
+
+/// Re-check soon after a push-back (many addresses cooling).
+const PUSH_BACK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// A response owed to a connection.
+pub type Delivery = (u64, Response);
+
+struct Parked {
+    conn_id: u64,
+    request: Request,
+    network: String,
+    deadline: Instant,
+}
+
+pub struct Adaptive {
+    link: KubeLink,
+    config: AdaptiveConfig,
+    latest: Option<Nnc>,
+    unreachable: Option<String>,
+    parked: Vec<Parked>,
+    /// Networks whose waiters should be retried (addresses were released).
+    woken: Vec<String>,
+    next_pass: Instant,
+    /// The resource version a patch is in flight for: no second patch is
+    /// computed from the same version until the first one is answered.
+    patching: Option<String>,
+}
+
+impl Adaptive {
+    pub fn new(link: KubeLink, config: AdaptiveConfig, now: Instant) -> Adaptive {
+        Adaptive {
+            link,
+            config,
+            latest: None,
+            unreachable: None,
+            parked: Vec::new(),
+            woken: Vec::new(),
+            next_pass: now,
+            patching: None,
+        }
+    }
+
+    pub fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.link.wake_fd.as_fd()
+    }
+
+    /// When `tick` next has work: a parked deadline or the monitor pass.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let parked = self.parked.iter().map(|p| p.deadline).min();
+        let pass = (self.config.source == Kind::Nnc).then_some(self.next_pass);
+        parked.into_iter().chain(pass).min()
+    }
+
+    /// Parked requests of a network (the monitor's "pending").
+    pub fn pending(&self, network: &str) -> i64 {
+        let count = self.parked.iter().filter(|p| p.network == network).count();
+        i64::try_from(count).unwrap_or(i64::MAX)
+    }
+
+    /// Looks at a response before it is sent: an IPv4 exhaustion with a
+    /// cluster that can add blocks parks the request (returns `None`); a
+    /// successful release wakes waiters; health reports a degraded link.
+    pub fn intercept(
+        &mut self,
+        conn_id: u64,
+        request: &Request,
+        reply: Response,
+        now: Instant,
+    ) -> Option<Response> {
+        match &request.kind {
+            Some(request::Kind::Allocate(_)) if self.config.source == Kind::Nnc => {
+                let exhausted_v4 = reply.reason() == reason::IP_POOL_EXHAUSTED
+                    && reply.metadata(reason::META_IP_FAMILY) == Some(Family::V4.as_str());
+                if let (true, Some(network)) = (exhausted_v4, reply.metadata(reason::META_NETWORK))
+                {
+                    log::info(
+                        "daemon",
+                        "Local store IP exhaustion detected, requesting scale up",
+                        &[("network", &network), ("conn", &conn_id)],
+                    );
+                    self.parked.push(Parked {
+                        conn_id,
+                        request: request.clone(),
+                        network: network.to_string(),
+                        deadline: now + self.config.pending_timeout,
+                    });
+                    self.next_pass = now;
+                    return None;
+                }
+                Some(reply)
+            }
+            Some(request::Kind::Deallocate(req)) => {
+                let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
+                if released {
+                    let network = if req.network.is_empty() {
+                        crate::engine::DEFAULT_NETWORK
+                    } else {
+                        &req.network
+                    };
+                    self.woken.push(network.to_string());
+                }
+                Some(reply)
+            }
+            Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
+            _ => Some(reply),
+        }
+    }
+
+    fn annotate_health(&self, mut reply: Response) -> Response {
+        if let (Some(why), Some(response::Kind::Health(health))) =
+            (&self.unreachable, reply.kind.as_mut())
+        {
+            health.detail = format!(
+                "{} (degraded: serving from local blocks; {why})",
+                health.detail
+            );
+        }
+        reply
+    }
+
+    /// Handles everything the kube threads sent since the last wake-up.
+    pub fn on_wake(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
+        worker::drain_wakeups(&self.link.wake_fd);
+        let mut grown = Vec::new();
+        while let Ok(event) = self.link.events.try_recv() {
+            match event {
+                KubeEvent::Nnc(nnc) => {
+                    self.unreachable = None;
+                    match monitor::sync_blocks(engine.store_mut(), &nnc) {
+                        Ok(networks) => grown.extend(networks),
+                        Err(err) => log::error(
+                            "daemon",
+                            "syncing blocks from the NodeNetworkConfig failed",
+                            &[("error", &err)],
+                        ),
+                    }
+                    self.latest = Some(nnc);
+                }
+                KubeEvent::NodePodCidrs(cidrs) => {
+                    self.unreachable = None;
+                    match monitor::sync_node_cidrs(
+                        engine.store_mut(),
+                        &self.config.node_network,
+                        &cidrs,
+                    ) {
+                        Ok(true) => grown.push(self.config.node_network.clone()),
+                        Ok(false) => {}
+                        Err(err) => {
+                            log::error("daemon", "adding node podCIDRs failed", &[("error", &err)])
+                        }
+                    }
+                }
+                KubeEvent::Unreachable(why) => self.unreachable = Some(why),
+                KubeEvent::Patched => {
+                    self.patching = None;
+                    log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                }
+                KubeEvent::Conflict => {
+                    // A fresh object arrived just before this: recompute now.
+                    self.patching = None;
+                    self.next_pass = now;
+                }
+                KubeEvent::PatchFailed(why) => {
+                    self.patching = None;
+                    log::warn(
+                        "daemon",
+                        "patching the NodeNetworkConfig failed; retrying later",
+                        &[("error", &why)],
+                    );
+                }
+            }
+        }
+        grown.dedup();
+        let mut deliveries = Vec::new();
+        for network in grown {
+            log::info(
+                "daemon",
+                "Woken up by CIDR watcher, retrying local allocation",
+                &[("network", &network)],
+            );
+            deliveries.extend(self.retry(&network, engine));
+        }
+        deliveries
+    }
+
+    /// Retries waiters of networks where addresses were just released
+    /// (upstream leaves them waiting for a block that may never come).
+    pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
+        let mut networks = std::mem::take(&mut self.woken);
+        networks.dedup();
+        networks
+            .iter()
+            .flat_map(|network| self.retry(network, engine))
+            .collect()
+    }
+
+    /// Answers parked requests whose time is up, and runs the monitor pass
+    /// when due.
+    pub fn tick(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
+        let mut deliveries = Vec::new();
+        let (expired, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| p.deadline <= now);
+        self.parked = waiting;
+        for parked in expired {
+            let message = format!(
+                "no available IPs in store for network {} (timed out waiting {} s for new blocks)",
+                parked.network,
+                self.config.pending_timeout.as_secs()
+            );
+            let reply =
+                Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
+                    .with_metadata(reason::META_NETWORK, &parked.network)
+                    .with_metadata(reason::META_IP_FAMILY, Family::V4.as_str());
+            deliveries.push((parked.conn_id, reply));
+        }
+        if self.config.source == Kind::Nnc && now >= self.next_pass {
+            self.run_pass(engine, now);
+        }
+        deliveries
+    }
+
+    /// Drops the parked requests of a connection that went away.
+    pub fn forget(&mut self, conn_id: u64) {
+        self.parked.retain(|p| p.conn_id != conn_id);
+    }
+
+    fn run_pass(&mut self, engine: &mut Engine, now: Instant) {
+        self.next_pass = now + self.config.monitor_interval;
+        let Some(nnc) = &self.latest else {
+            return;
+        };
+        if self.patching.as_deref() == Some(nnc.resource_version.as_str()) {
+            return;
+        }
+        let pending = |network: &str| self.pending(network);
+        let outcome = monitor::pass(
+            engine.store_mut(),
+            nnc,
+            &pending,
+            self.config.monitor,
+            log::now_ms(),
+        );
+        let version = nnc.resource_version.clone();
+        match outcome {
+            Ok(outcome) => {
+                if outcome.push_back {
+                    self.next_pass = self.next_pass.min(now + PUSH_BACK_INTERVAL);
+                }
+                if let Some(patch) = outcome.patch {
+                    self.patching = Some(version);
+                    self.link.patch(patch);
+                }
+            }
+            Err(err) => log::error("daemon", "monitor pass failed", &[("error", &err)]),
+        }
+    }
+
+    /// Retries the waiters of a network in arrival order until one still
+    /// finds no address.
+    fn retry(&mut self, network: &str, engine: &mut Engine) -> Vec<Delivery> {
+        let mut deliveries = Vec::new();
+        while let Some(index) = self.parked.iter().position(|p| p.network == network) {
+            let Some(parked) = self.parked.get(index) else {
+                break;
+            };
+            let reply = engine.handle(parked.request.clone(), log::now_ms());
+            if reply.reason() == reason::IP_POOL_EXHAUSTED
+                && reply.metadata(reason::META_IP_FAMILY) == Some(Family::V4.as_str())
+            {
+                break;
+            }
+            let parked = self.parked.remove(index);
+            deliveries.push((parked.conn_id, reply));
+        }
+        deliveries
+    }
+}

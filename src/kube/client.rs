@@ -1,0 +1,281 @@
+//! A small blocking Kubernetes API client on `ureq`: JSON GET, POST, JSON
+//! merge PATCH and line-delimited watch streams. Every request has a
+//! deadline; watches have a server-side timeout and a read deadline.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Read};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use ureq::Agent;
+use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
+
+use super::config::{ApiConfig, Auth, read_file};
+
+/// Deadline for one ordinary request.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the API server keeps one watch open (`timeoutSeconds`).
+pub const WATCH_SECONDS: u64 = 60;
+/// Largest JSON body accepted from the API server.
+const MAX_BODY: u64 = 16 * 1024 * 1024;
+/// Longest watch event line accepted.
+const MAX_EVENT_LINE: u64 = 4 * 1024 * 1024;
+
+/// A failed API call.
+#[derive(Debug)]
+pub enum KubeError {
+    /// The client could not be set up (bad TLS material, …).
+    Config(String),
+    /// No HTTP response: connection refused, timeout, TLS failure.
+    Transport(String),
+    /// The server answered with a non-success status.
+    Status { code: u16, body: String },
+    /// The body is not the JSON expected.
+    Decode(String),
+}
+
+impl KubeError {
+    pub fn is_status(&self, code: u16) -> bool {
+        matches!(self, KubeError::Status { code: c, .. } if *c == code)
+    }
+}
+
+impl fmt::Display for KubeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KubeError::Config(msg) => write!(f, "client setup: {msg}"),
+            KubeError::Transport(msg) => write!(f, "API server unreachable: {msg}"),
+            KubeError::Status { code, body } => {
+                let body: String = body.chars().take(300).collect();
+                write!(f, "API server answered {code}: {body}")
+            }
+            KubeError::Decode(msg) => write!(f, "unexpected API response: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for KubeError {}
+
+/// One event of a watch stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchEvent {
+    /// `ADDED`, `MODIFIED`, `DELETED`, `BOOKMARK` or `ERROR`.
+    pub kind: String,
+    pub object: Value,
+}
+
+pub struct ApiClient {
+    agent: Agent,
+    watch_agent: Agent,
+    server: String,
+    auth: Auth,
+}
+
+impl ApiClient {
+    pub fn new(config: &ApiConfig) -> Result<ApiClient, KubeError> {
+        let tls = tls_config(config)?;
+        let agent: Agent = Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(REQUEST_TIMEOUT))
+            .tls_config(tls.clone())
+            .build()
+            .into();
+        let watch_agent: Agent = Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(REQUEST_TIMEOUT))
+            .timeout_recv_response(Some(REQUEST_TIMEOUT))
+            .timeout_recv_body(Some(Duration::from_secs(WATCH_SECONDS + 30)))
+            .tls_config(tls)
+            .build()
+            .into();
+        Ok(ApiClient {
+            agent,
+            watch_agent,
+            server: config.server.clone(),
+            auth: config.auth.clone(),
+        })
+    }
+
+    pub fn get(&self, path: &str) -> Result<Value, KubeError> {
+        let request = self.agent.get(self.url(path));
+        let response = with_auth(request, &self.auth)?.call();
+        json_body(response)
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        let request = self
+            .agent
+            .post(self.url(path))
+            .content_type("application/json");
+        let response = with_auth(request, &self.auth)?.send(body.to_string());
+        json_body(response)
+    }
+
+    /// A JSON merge patch (RFC 7386); include `metadata.resourceVersion` for
+    /// optimistic concurrency (a stale version answers 409).
+    pub fn merge_patch(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        let request = self
+            .agent
+            .patch(self.url(path))
+            .content_type("application/merge-patch+json");
+        let response = with_auth(request, &self.auth)?.send(body.to_string());
+        json_body(response)
+    }
+
+    /// Opens a watch; `path` must already carry `watch=true` and the
+    /// resource version. Events are read lazily from the stream.
+    pub fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
+        let request = self.watch_agent.get(self.url(path));
+        let response = with_auth(request, &self.auth)?
+            .call()
+            .map_err(|err| KubeError::Transport(err.to_string()))?;
+        let status = response.status().as_u16();
+        if !(200..300).contains(&status) {
+            let body = response
+                .into_body()
+                .with_config()
+                .limit(MAX_BODY)
+                .read_to_string()
+                .unwrap_or_default();
+            return Err(KubeError::Status { code: status, body });
+        }
+        Ok(WatchStream {
+            reader: BufReader::new(Box::new(response.into_body().into_reader())),
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.server)
+    }
+}
+
+/// Events of one watch, one JSON object per line.
+pub struct WatchStream {
+    reader: BufReader<Box<dyn Read + Send>>,
+}
+
+impl Iterator for WatchStream {
+    type Item = Result<WatchEvent, KubeError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let mut line = Vec::new();
+            let read = (&mut self.reader)
+                .take(MAX_EVENT_LINE)
+                .read_until(b'\n', &mut line);
+            match read {
+                Ok(0) => return None,
+                Ok(_) if line.iter().all(u8::is_ascii_whitespace) => continue,
+                Ok(_) => return Some(parse_event(&line)),
+                Err(err) => return Some(Err(KubeError::Transport(err.to_string()))),
+            }
+        }
+    }
+}
+
+fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
+    let value: Value = serde_json::from_slice(line)
+        .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
+    let kind = value["type"]
+        .as_str()
+        .ok_or_else(|| KubeError::Decode("watch event without a type".into()))?
+        .to_string();
+    Ok(WatchEvent {
+        kind,
+        object: value["object"].clone(),
+    })
+}
+
+fn with_auth<B>(
+    request: ureq::RequestBuilder<B>,
+    auth: &Auth,
+) -> Result<ureq::RequestBuilder<B>, KubeError> {
+    let token = match auth {
+        Auth::None => return Ok(request),
+        Auth::Token(token) => token.clone(),
+        Auth::TokenFile(path) => {
+            let bytes = read_file(path).map_err(|err| KubeError::Config(err.to_string()))?;
+            String::from_utf8_lossy(&bytes).trim().to_string()
+        }
+    };
+    Ok(request.header("Authorization", format!("Bearer {token}")))
+}
+
+fn json_body(
+    response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+) -> Result<Value, KubeError> {
+    let mut response = response.map_err(|err| KubeError::Transport(err.to_string()))?;
+    let status = response.status().as_u16();
+    let body = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_BODY)
+        .read_to_string()
+        .map_err(|err| KubeError::Transport(err.to_string()))?;
+    if !(200..300).contains(&status) {
+        return Err(KubeError::Status { code: status, body });
+    }
+    serde_json::from_str(&body).map_err(|err| KubeError::Decode(err.to_string()))
+}
+
+fn tls_config(config: &ApiConfig) -> Result<TlsConfig, KubeError> {
+    let mut builder = TlsConfig::builder().disable_verification(config.tls.insecure);
+    if let Some(ca) = &config.tls.ca {
+        let certs = pem_certificates(ca)?;
+        if certs.is_empty() {
+            return Err(KubeError::Config(
+                "the CA bundle holds no certificate".into(),
+            ));
+        }
+        builder = builder.root_certs(RootCerts::Specific(Arc::new(certs)));
+    }
+    if let (Some(cert), Some(key)) = (&config.tls.client_cert, &config.tls.client_key) {
+        let chain = pem_certificates(cert)?;
+        let key = PrivateKey::from_pem(key)
+            .map_err(|err| KubeError::Config(format!("client key: {err}")))?;
+        builder = builder.client_cert(Some(ClientCert::new_with_certs(&chain, key)));
+    }
+    Ok(builder.build())
+}
+
+fn pem_certificates(pem: &[u8]) -> Result<Vec<Certificate<'static>>, KubeError> {
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(pem) {
+        match item.map_err(|err| KubeError::Config(format!("PEM: {err}")))? {
+            PemItem::Certificate(cert) => certs.push(cert),
+            PemItem::PrivateKey(_) => {}
+            _ => {}
+        }
+    }
+    Ok(certs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_watch_events() {
+        let event =
+            parse_event(br#"{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"7"}}}"#)
+                .unwrap();
+        assert_eq!(event.kind, "MODIFIED");
+        assert_eq!(event.object["metadata"]["resourceVersion"], "7");
+        assert!(parse_event(b"{}").is_err());
+        assert!(parse_event(b"not json").is_err());
+    }
+
+    #[test]
+    fn bad_tls_material_is_a_config_error() {
+        let config = ApiConfig {
+            server: "https://198.18.0.1".into(),
+            auth: Auth::None,
+            tls: super::super::config::Tls {
+                ca: Some(b"not pem".to_vec()),
+                ..Default::default()
+            },
+        };
+        assert!(matches!(ApiClient::new(&config), Err(KubeError::Config(_))));
+    }
+}

@@ -1,0 +1,8 @@
+//! Kubernetes: where extra address blocks come from. Blocking HTTP lives on
+//! threads of its own that never touch SQLite; they hand the daemon's loop
+//! typed events over a channel and wake it through a pipe.
+
+pub mod client;
+pub mod config;
+pub mod nnc;
+pub mod worker;

@@ -1,0 +1,342 @@
+//! The adaptive policy: how many pod addresses to ask the cluster for, and
+//! which blocks to give back. Plain functions over plain numbers, so every
+//! rule is tested without a store, a clock or an API server. Thresholds are
+//! upstream's (0.75 target after scale-up, 0.50 low-utilisation mark, more
+//! than 10 cooling addresses pushes back); ratios are computed in exact
+//! integer arithmetic.
+
+/// Address counts of one network and family, as the monitor sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    /// Allocated rows, reserved ones included (upstream's `allocated_ips`).
+    pub allocated: i64,
+    /// Requests waiting for an address.
+    pub pending: i64,
+    /// Addresses in non-Deleting blocks.
+    pub total: i64,
+    /// Free addresses still in release cooldown.
+    pub cooldown: i64,
+}
+
+/// More cooling addresses than this means "capacity is about to come back":
+/// do not ask for more yet, look again shortly.
+pub const COOLDOWN_PUSHBACK_THRESHOLD: i64 = 10;
+
+/// What the scale-up step decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleUp {
+    /// Keep the current request and re-run soon (cooling addresses pending).
+    PushBack,
+    /// Ask for this many pod addresses in total.
+    Desired(i64),
+}
+
+/// Upstream's scale-up rule: ask for enough that everything held plus every
+/// waiter sits at 75 % utilisation, never less than what is held plus the
+/// waiters, and never less than the current request.
+pub fn scale_up(load: Load, current_pods: i64) -> ScaleUp {
+    if load.cooldown > COOLDOWN_PUSHBACK_THRESHOLD {
+        return ScaleUp::PushBack;
+    }
+    let used = load.allocated.saturating_add(load.pending).max(0);
+    // ceil(used / 0.75) == ceil(4 * used / 3), exactly.
+    let at_target = used.saturating_mul(4).saturating_add(2) / 3;
+    let held = load.total.saturating_add(load.pending);
+    ScaleUp::Desired(at_target.max(held).max(current_pods))
+}
+
+/// Whether utilisation, (allocated + pending) / total, is below one half.
+/// An empty network is not "low": there is nothing to give back.
+pub fn is_low_utilization(load: Load) -> bool {
+    let used = load.allocated.saturating_add(load.pending);
+    load.total > 0 && used.saturating_mul(2) < load.total
+}
+
+/// A Ready block as the drain step sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLoad {
+    pub id: i64,
+    pub total: i64,
+    pub allocated: i64,
+}
+
+/// Upstream's drain step, run after utilisation stayed low long enough.
+/// `ready_newest_first` lists the network's Ready blocks newest first; the
+/// oldest (last) is never drained. Blocks are drained newest first until
+/// the simulated utilisation reaches one half: each drained block's free
+/// addresses count as used from then on. Returns the block ids to drain.
+pub fn blocks_to_drain(ready_newest_first: &[BlockLoad], load: Load) -> Vec<i64> {
+    let Some((_oldest, candidates)) = ready_newest_first.split_last() else {
+        return Vec::new();
+    };
+    let target = load.total.saturating_add(load.pending) / 2;
+    let mut running = load.allocated.saturating_add(load.pending);
+    let mut drained = Vec::new();
+    for block in candidates {
+        if running >= target {
+            break;
+        }
+        drained.push(block.id);
+        running = running.saturating_add((block.total - block.allocated).max(0));
+    }
+    drained
+}
+
+/// The low-utilisation timer's next state and whether to drain now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LowUtilization {
+    /// Utilisation is fine: forget any start time.
+    Clear,
+    /// Low since this time (Unix ms); not long enough yet.
+    Since(i64),
+    /// Low for longer than the sustained duration: drain now.
+    Drain,
+}
+
+/// Advances the low-utilisation timer of a network.
+pub fn low_utilization(
+    load: Load,
+    since_ms: Option<i64>,
+    now_ms: i64,
+    sustained_ms: i64,
+) -> LowUtilization {
+    if !is_low_utilization(load) {
+        return LowUtilization::Clear;
+    }
+    match since_ms {
+        Some(since) if now_ms.saturating_sub(since) > sustained_ms => LowUtilization::Drain,
+        Some(since) => LowUtilization::Since(since),
+        None => LowUtilization::Since(now_ms),
+    }
+}
+
+/// The pod count to request after giving `released` addresses back.
+pub fn final_pods(desired: i64, released: i64) -> i64 {
+    desired.saturating_sub(released).max(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The worked examples of upstream's monitor tests (upstream-metis.md §6.1).
+    #[test]
+    fn scale_up_worked_example_74() {
+        // /28 + /27 (total 48); 42 allocated + 3 reserved; 10 waiting; current 32.
+        let load = Load {
+            allocated: 45,
+            pending: 10,
+            total: 48,
+            cooldown: 0,
+        };
+        assert_eq!(scale_up(load, 32), ScaleUp::Desired(74));
+    }
+
+    #[test]
+    fn scale_up_worked_example_90_with_draining_block() {
+        // + a draining /27 (total 80); 40 + 3 allocated; 10 waiting; current 64.
+        let load = Load {
+            allocated: 43,
+            pending: 10,
+            total: 80,
+            cooldown: 0,
+        };
+        assert_eq!(scale_up(load, 64), ScaleUp::Desired(90));
+    }
+
+    #[test]
+    fn scale_up_pushes_back_when_many_addresses_cool() {
+        let load = Load {
+            allocated: 45,
+            pending: 10,
+            total: 48,
+            cooldown: 11,
+        };
+        assert_eq!(scale_up(load, 32), ScaleUp::PushBack);
+        let at_threshold = Load {
+            cooldown: 10,
+            ..load
+        };
+        assert_eq!(scale_up(at_threshold, 32), ScaleUp::Desired(74));
+    }
+
+    #[test]
+    fn scale_up_never_lowers_the_request() {
+        let load = Load {
+            allocated: 3,
+            pending: 0,
+            total: 16,
+            cooldown: 0,
+        };
+        assert_eq!(scale_up(load, 100), ScaleUp::Desired(100));
+        assert_eq!(scale_up(load, 0), ScaleUp::Desired(16));
+    }
+
+    #[test]
+    fn ceil_is_exact() {
+        for used in 0..200 {
+            let load = Load {
+                allocated: used,
+                pending: 0,
+                total: 0,
+                cooldown: 0,
+            };
+            let expected = (used * 4 + 2) / 3;
+            assert_eq!(scale_up(load, 0), ScaleUp::Desired(expected));
+            assert!(expected * 3 >= used * 4 && (expected - 1) * 3 < used * 4 || used == 0);
+        }
+    }
+
+    #[test]
+    fn drain_worked_example() {
+        // /28 (oldest) + /27 (total 48); 2 active + 3 reserved = 5 used, 20 cooling.
+        let blocks = [
+            BlockLoad {
+                id: 2,
+                total: 32,
+                allocated: 2,
+            },
+            BlockLoad {
+                id: 1,
+                total: 16,
+                allocated: 3,
+            },
+        ];
+        let load = Load {
+            allocated: 5,
+            pending: 0,
+            total: 48,
+            cooldown: 20,
+        };
+        assert_eq!(blocks_to_drain(&blocks, load), vec![2]);
+        // 25 active + 3 reserved = 28 >= 24: nothing to drain.
+        let busy = Load {
+            allocated: 28,
+            ..load
+        };
+        assert!(blocks_to_drain(&blocks, busy).is_empty());
+    }
+
+    #[test]
+    fn drain_never_takes_the_oldest_block() {
+        let only = [BlockLoad {
+            id: 1,
+            total: 256,
+            allocated: 3,
+        }];
+        let load = Load {
+            allocated: 3,
+            pending: 0,
+            total: 256,
+            cooldown: 0,
+        };
+        assert!(blocks_to_drain(&only, load).is_empty());
+        let three = [
+            BlockLoad {
+                id: 3,
+                total: 16,
+                allocated: 0,
+            },
+            BlockLoad {
+                id: 2,
+                total: 16,
+                allocated: 0,
+            },
+            BlockLoad {
+                id: 1,
+                total: 16,
+                allocated: 3,
+            },
+        ];
+        let load = Load {
+            allocated: 3,
+            pending: 0,
+            total: 48,
+            cooldown: 0,
+        };
+        // Both newer blocks drain (3 → 19 → 35 ≥ 24 would stop after two).
+        assert_eq!(blocks_to_drain(&three, load), vec![3, 2]);
+    }
+
+    #[test]
+    fn drain_stops_once_simulated_utilization_reaches_half() {
+        let blocks = [
+            BlockLoad {
+                id: 4,
+                total: 16,
+                allocated: 0,
+            },
+            BlockLoad {
+                id: 3,
+                total: 16,
+                allocated: 0,
+            },
+            BlockLoad {
+                id: 2,
+                total: 16,
+                allocated: 0,
+            },
+            BlockLoad {
+                id: 1,
+                total: 64,
+                allocated: 40,
+            },
+        ];
+        // total 112, target 56; running 40 → 56 after one block: stop.
+        let load = Load {
+            allocated: 40,
+            pending: 0,
+            total: 112,
+            cooldown: 0,
+        };
+        assert_eq!(blocks_to_drain(&blocks, load), vec![4]);
+    }
+
+    #[test]
+    fn low_utilization_timer() {
+        let low = Load {
+            allocated: 5,
+            pending: 0,
+            total: 48,
+            cooldown: 0,
+        };
+        let high = Load {
+            allocated: 24,
+            ..low
+        };
+        let hour = 3_600_000;
+        assert_eq!(
+            low_utilization(high, Some(0), 9 * hour, 8 * hour),
+            LowUtilization::Clear
+        );
+        assert_eq!(
+            low_utilization(low, None, hour, 8 * hour),
+            LowUtilization::Since(hour)
+        );
+        assert_eq!(
+            low_utilization(low, Some(hour), 9 * hour, 8 * hour),
+            LowUtilization::Since(hour)
+        );
+        assert_eq!(
+            low_utilization(low, Some(hour), 9 * hour + 1, 8 * hour),
+            LowUtilization::Drain
+        );
+        let empty = Load::default();
+        assert_eq!(
+            low_utilization(empty, Some(0), 9 * hour, 8 * hour),
+            LowUtilization::Clear
+        );
+        // Waiters count as used.
+        let waiting = Load { pending: 20, ..low };
+        assert_eq!(
+            low_utilization(waiting, Some(0), 9 * hour, 8 * hour),
+            LowUtilization::Clear
+        );
+    }
+
+    #[test]
+    fn released_blocks_come_off_the_request() {
+        assert_eq!(final_pods(90, 32), 58);
+        assert_eq!(final_pods(10, 32), 0);
+    }
+}

@@ -1,0 +1,48 @@
+//! Helpers shared by unit tests: private temp directories and stores.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::store::{Durability, Store, StoreOptions};
+
+/// A unique directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir = std::env::temp_dir().join(format!(
+            "metis-unit-{}-{}-{nanos}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    pub fn db(&self) -> PathBuf {
+        self.0.join("metis.sqlite")
+    }
+
+    /// A store on this directory's database, with default options.
+    pub fn store(&self) -> Store {
+        Store::open(
+            &self.db(),
+            &StoreOptions {
+                durability: Durability::Normal,
+                reserve: None,
+            },
+        )
+        .unwrap()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

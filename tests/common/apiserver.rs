@@ -1,0 +1,565 @@
+//! A test Kubernetes API server: real HTTP/1.1 on 127.0.0.1 implementing
+//! the endpoints the daemon uses with Kubernetes semantics — GET, POST,
+//! JSON merge PATCH with `resourceVersion` preconditions (409 on mismatch),
+//! chunked watch streams with ADDED/MODIFIED events, `410 Gone` for
+//! compacted versions — plus a simulated cloud controller that appends
+//! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds capacity and
+//! removes `releasableCIDRs` from the status.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const NNC_COLLECTION: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
+const NODE_COLLECTION: &str = "/api/v1/nodes";
+
+/// Everything the server knows; tests read and change it under the lock.
+pub struct State {
+    /// The last resource version handed out (etcd-style global counter).
+    pub version: u64,
+    /// Watches asking for a version below this get 410 Gone.
+    pub compacted_below: u64,
+    pub node: Value,
+    pub nnc: Option<Value>,
+    /// (version, kind "nnc"/"node", event type, object) in order.
+    pub events: Vec<(u64, &'static str, &'static str, Value)>,
+    /// (method, path, status) of every request answered.
+    pub log: Vec<(String, String, u16)>,
+    /// The next this many PATCHes answer 409 whatever their version.
+    pub inject_conflicts: u32,
+    /// Capacity the node has besides status pod CIDRs (its CNI range).
+    pub base_capacity: i64,
+    /// Pod CIDRs handed out so far by the simulated cloud controller.
+    pub next_block: u32,
+    pub controller: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+pub struct ApiServer {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    running: Option<Running>,
+}
+
+struct Running {
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    acceptor: JoinHandle<()>,
+}
+
+impl ApiServer {
+    /// Starts a server that knows the Node `node` (with `pod_cidrs`).
+    pub fn start(node: &str, pod_cidrs: &[&str], base_capacity: i64) -> ApiServer {
+        let node = json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": node, "uid": "uid-of-node", "resourceVersion": "1"},
+            "spec": {"podCIDRs": pod_cidrs},
+        });
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                version: 1,
+                compacted_below: 0,
+                node: node.clone(),
+                nnc: None,
+                events: vec![(1, "node", "ADDED", node)],
+                log: Vec::new(),
+                inject_conflicts: 0,
+                base_capacity,
+                next_block: 0,
+                controller: true,
+            }),
+            changed: Condvar::new(),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut server = ApiServer {
+            addr,
+            shared,
+            running: None,
+        };
+        server.serve(listener);
+        server
+    }
+
+    /// Writes a kubeconfig pointing at this server.
+    pub fn kubeconfig(&self, path: &std::path::Path) {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user:\n    token: test-token\n",
+            self.addr
+        );
+        std::fs::write(path, text).unwrap();
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, State> {
+        self.shared.state.lock().unwrap()
+    }
+
+    /// Stops listening and cuts every open connection (watches included).
+    pub fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop.store(true, Ordering::SeqCst);
+            for conn in running.conns.lock().unwrap().drain(..) {
+                let _ = conn.shutdown(Shutdown::Both);
+            }
+            self.shared.changed.notify_all();
+            // Unblock accept() with a throwaway connection.
+            let _ = TcpStream::connect(self.addr);
+            running.acceptor.join().unwrap();
+        }
+    }
+
+    /// Listens again on the same address.
+    pub fn restart(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let listener = loop {
+            match TcpListener::bind(self.addr) {
+                Ok(listener) => break listener,
+                Err(err) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot rebind {}: {err}",
+                        self.addr
+                    );
+                    thread::sleep(Duration::from_millis(20));
+                }
+            }
+        };
+        self.serve(listener);
+    }
+
+    /// Forces watches from older versions to get 410 Gone.
+    pub fn compact(&self) {
+        let mut state = self.state();
+        state.compacted_below = state.version + 1;
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits until `condition` holds on the state (re-checked on every change).
+    pub fn wait_until(&self, what: &str, timeout: Duration, condition: impl Fn(&State) -> bool) {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.state();
+        while !condition(&state) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "timed out waiting for {what}");
+            state = self
+                .shared
+                .changed
+                .wait_timeout(state, left.min(Duration::from_millis(200)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let acceptor = {
+            let (stop, conns, shared) = (
+                Arc::clone(&stop),
+                Arc::clone(&conns),
+                Arc::clone(&self.shared),
+            );
+            thread::spawn(move || {
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    if let Ok(copy) = stream.try_clone() {
+                        conns.lock().unwrap().push(copy);
+                    }
+                    let (stop, shared) = (Arc::clone(&stop), Arc::clone(&shared));
+                    thread::spawn(move || handle(stream, &shared, &stop));
+                }
+            })
+        };
+        self.running = Some(Running {
+            stop,
+            conns,
+            acceptor,
+        });
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl State {
+    /// The NodeNetworkConfig's `spec.allocations[network].pods`.
+    pub fn pods(&self, network: &str) -> Option<i64> {
+        self.nnc.as_ref()?["spec"]["allocations"]
+            .as_array()?
+            .iter()
+            .find(|a| a["network"] == network)
+            .and_then(|a| a["pods"].as_i64())
+    }
+
+    /// CIDRs in `status.podCIDRs`.
+    pub fn status_cidrs(&self) -> Vec<String> {
+        self.nnc
+            .as_ref()
+            .and_then(|nnc| nnc["status"]["podCIDRs"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c["cidr"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// CIDRs in `spec.releasableCIDRs`.
+    pub fn releasable_cidrs(&self) -> Vec<String> {
+        self.nnc
+            .as_ref()
+            .and_then(|nnc| nnc["spec"]["releasableCIDRs"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c["cidr"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    pub fn count(&self, method: &str, status: u16) -> usize {
+        self.log
+            .iter()
+            .filter(|(m, _, s)| m == method && *s == status)
+            .count()
+    }
+
+    fn bump(&mut self) -> u64 {
+        self.version += 1;
+        self.version
+    }
+
+    fn record_nnc(&mut self, kind: &'static str) {
+        let version = self.bump();
+        if let Some(nnc) = self.nnc.as_mut() {
+            nnc["metadata"]["resourceVersion"] = json!(version.to_string());
+            let copy = nnc.clone();
+            self.events.push((version, "nnc", kind, copy));
+        }
+    }
+
+    /// The simulated cloud controller: grow the status to the requested
+    /// pods with /28 blocks, and drop released blocks from it.
+    fn reconcile(&mut self) {
+        if !self.controller {
+            return;
+        }
+        let Some(nnc) = self.nnc.as_ref() else { return };
+        let releasable = self.releasable_cidrs();
+        let mut status: Vec<Value> = nnc["status"]["podCIDRs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let before = status.len();
+        status.retain(|c| {
+            !releasable
+                .iter()
+                .any(|r| Some(r.as_str()) == c["cidr"].as_str())
+        });
+        let mut changed = status.len() != before;
+        let pods = self.pods("default").unwrap_or(0);
+        let live = i64::try_from(status.len()).unwrap();
+        let mut capacity = self.base_capacity + 16 * live;
+        while pods > capacity {
+            let block = self.next_block;
+            self.next_block += 1;
+            let cidr = format!("198.19.{}.{}/28", block / 16, (block % 16) * 16);
+            status.push(json!({
+                "id": format!("pod-cidr-{block}"),
+                "network": "default",
+                "cidr": cidr,
+                "condition": {"type": "Ready", "status": "True", "reason": "PodCIDRReady"},
+            }));
+            capacity += 16;
+            changed = true;
+        }
+        if changed {
+            if let Some(nnc) = self.nnc.as_mut() {
+                nnc["status"]["podCIDRs"] = Value::Array(status);
+            }
+            self.record_nnc("MODIFIED");
+        }
+    }
+}
+
+struct HttpRequest {
+    method: String,
+    path: String,
+    query: String,
+    body: Vec<u8>,
+}
+
+fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
+    let mut line = String::new();
+    stream.read_line(&mut line).ok()?;
+    let mut parts = line.split_whitespace();
+    let method = parts.next()?.to_string();
+    let target = parts.next()?.to_string();
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        stream.read_line(&mut header).ok()?;
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().ok()?;
+        }
+    }
+    let mut body = vec![0; length];
+    stream.read_exact(&mut body).ok()?;
+    let (path, query) = match target.split_once('?') {
+        Some((path, query)) => (path.to_string(), query.to_string()),
+        None => (target, String::new()),
+    };
+    Some(HttpRequest {
+        method,
+        path,
+        query,
+        body,
+    })
+}
+
+fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value)
+}
+
+fn respond(stream: &mut TcpStream, status: u16, body: &Value) {
+    let text = body.to_string();
+    let reason = match status {
+        200 => "OK",
+        201 => "Created",
+        404 => "Not Found",
+        409 => "Conflict",
+        410 => "Gone",
+        _ => "Error",
+    };
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+        text.len()
+    );
+}
+
+fn status_body(code: u16, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code})
+}
+
+fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
+    let Ok(read_half) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(read_half);
+    let mut stream = stream;
+    let Some(request) = read_request(&mut reader) else {
+        return;
+    };
+    if stop.load(Ordering::SeqCst) {
+        return;
+    }
+    let kind = if request.path.starts_with(NNC_COLLECTION) {
+        "nnc"
+    } else if request.path.starts_with(NODE_COLLECTION) {
+        "node"
+    } else {
+        respond(&mut stream, 404, &status_body(404, "NotFound"));
+        return;
+    };
+    if request.method == "GET" && param(&request.query, "watch") == Some("true") {
+        watch(&mut stream, shared, stop, kind, &request);
+        // The acceptor keeps a clone for `stop`: close explicitly.
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    let (status, body) = {
+        let mut state = shared.state.lock().unwrap();
+        let answer = answer(&mut state, kind, &request);
+        state
+            .log
+            .push((request.method.clone(), request.path.clone(), answer.0));
+        answer
+    };
+    shared.changed.notify_all();
+    respond(&mut stream, status, &body);
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16, Value) {
+    let is_collection = request.path == NNC_COLLECTION || request.path == NODE_COLLECTION;
+    let object = match kind {
+        "nnc" => state.nnc.clone(),
+        _ => Some(state.node.clone()),
+    };
+    match (request.method.as_str(), is_collection) {
+        ("GET", true) => {
+            let items: Vec<Value> = object.into_iter().collect();
+            (
+                200,
+                json!({"metadata": {"resourceVersion": state.version.to_string()}, "items": items}),
+            )
+        }
+        ("GET", false) => match object {
+            Some(object) => (200, object),
+            None => (404, status_body(404, "NotFound")),
+        },
+        ("POST", true) if kind == "nnc" => {
+            if state.nnc.is_some() {
+                return (409, status_body(409, "AlreadyExists"));
+            }
+            let Ok(mut created) = serde_json::from_slice::<Value>(&request.body) else {
+                return (400, status_body(400, "BadRequest"));
+            };
+            created["status"] = json!({"podCIDRs": []});
+            state.nnc = Some(created);
+            state.record_nnc("ADDED");
+            state.reconcile();
+            (201, state.nnc.clone().unwrap_or_default())
+        }
+        ("PATCH", false) if kind == "nnc" => {
+            let Ok(patch) = serde_json::from_slice::<Value>(&request.body) else {
+                return (400, status_body(400, "BadRequest"));
+            };
+            let Some(current) = state.nnc.clone() else {
+                return (404, status_body(404, "NotFound"));
+            };
+            let precondition = patch["metadata"]["resourceVersion"].as_str();
+            let stale = precondition
+                .is_some_and(|v| Some(v) != current["metadata"]["resourceVersion"].as_str());
+            if state.inject_conflicts > 0 || stale {
+                state.inject_conflicts = state.inject_conflicts.saturating_sub(1);
+                return (409, status_body(409, "Conflict"));
+            }
+            let mut merged = current;
+            merge_patch(&mut merged, &patch);
+            state.nnc = Some(merged);
+            state.record_nnc("MODIFIED");
+            state.reconcile();
+            (200, state.nnc.clone().unwrap_or_default())
+        }
+        _ => (405, status_body(405, "MethodNotAllowed")),
+    }
+}
+
+/// RFC 7386 JSON merge patch.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(fields) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    for (key, value) in fields {
+        if value.is_null() {
+            if let Some(object) = target.as_object_mut() {
+                object.remove(key);
+            }
+        } else {
+            merge_patch(&mut target[key.as_str()], value);
+        }
+    }
+}
+
+fn watch(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    stop: &AtomicBool,
+    kind: &'static str,
+    request: &HttpRequest,
+) {
+    let from: u64 = param(&request.query, "resourceVersion")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let seconds: u64 = param(&request.query, "timeoutSeconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    {
+        let mut state = shared.state.lock().unwrap();
+        state.log.push(("WATCH".into(), request.path.clone(), 200));
+        if from < state.compacted_below {
+            drop(state);
+            shared.changed.notify_all();
+            let gone = json!({"type": "ERROR", "object": status_body(410, "Expired")});
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            );
+            let _ = write_chunk(stream, &format!("{gone}\n"));
+            let _ = write!(stream, "0\r\n\r\n");
+            return;
+        }
+    }
+    shared.changed.notify_all();
+    if write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").is_err() {
+        return;
+    }
+    let mut sent = from;
+    let mut state = shared.state.lock().unwrap();
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if state.compacted_below > sent {
+            // History this watch stands on was compacted: end it; the
+            // client's next watch from its version gets 410 Gone.
+            drop(state);
+            let _ = write!(stream, "0\r\n\r\n");
+            return;
+        }
+        let pending: Vec<(u64, &'static str, Value)> = state
+            .events
+            .iter()
+            .filter(|(version, k, _, _)| *k == kind && *version > sent)
+            .map(|(version, _, event, object)| (*version, *event, object.clone()))
+            .collect();
+        if !pending.is_empty() {
+            drop(state);
+            for (version, event, object) in pending {
+                let line = format!("{}\n", json!({"type": event, "object": object}));
+                if write_chunk(stream, &line).is_err() {
+                    return;
+                }
+                sent = version;
+            }
+            state = shared.state.lock().unwrap();
+            continue;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            drop(state);
+            let _ = write!(stream, "0\r\n\r\n");
+            return;
+        }
+        state = shared
+            .changed
+            .wait_timeout(state, left.min(Duration::from_millis(200)))
+            .unwrap()
+            .0;
+    }
+}
+
+fn write_chunk(stream: &mut TcpStream, text: &str) -> std::io::Result<()> {
+    write!(stream, "{:x}\r\n{text}\r\n", text.len())?;
+    stream.flush()
+}

@@ -1,0 +1,264 @@
+//! The daemon against a real HTTP API server on loopback: NodeNetworkConfig
+//! scale-up with parked requests, drain and release, an API server that
+//! goes away, 409 races, 410 relists, and Node podCIDRs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+mod common;
+
+use std::time::Duration;
+
+use common::apiserver::ApiServer;
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, wait_for};
+
+const NODE: &str = "edge-node-1";
+const INITIAL: &str = r#"[[{"subnet":"198.18.0.0/26"}]]"#;
+
+/// Fast monitor settings so the adaptive loop runs in test time.
+const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown", "0"];
+
+fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut args = vec!["--cidr-source", source];
+    args.extend_from_slice(FAST);
+    args.extend_from_slice(extra);
+    TestDaemon::start_with_env(
+        dir,
+        &args,
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    )
+}
+
+fn block_count(dir: &TestDir, state: &str) -> i64 {
+    db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM cidr_blocks WHERE state = ?1",
+            [state],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+#[test]
+fn scale_up_parks_requests_until_new_blocks_arrive() {
+    let dir = TestDir::new("kube-scale-up");
+    let api = ApiServer::start(NODE, &[], 64);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    {
+        let state = api.state();
+        let owner = &state.nnc.as_ref().unwrap()["metadata"]["ownerReferences"][0];
+        assert_eq!(owner["kind"], "Node");
+        assert_eq!(owner["name"], NODE);
+        assert_eq!(owner["uid"], "uid-of-node");
+        assert_eq!(owner["controller"], true);
+    }
+
+    // 80 pods against a /26 (61 usable addresses): the rest must wait for
+    // the cluster, and every ADD must still succeed with its own address.
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let mut addresses = add_concurrently(&config, 0..80);
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 80, "duplicate addresses");
+    let dynamic = addresses
+        .iter()
+        .filter(|a| a.starts_with("198.19."))
+        .count();
+    assert!(
+        dynamic >= 19,
+        "only {dynamic} addresses came from new blocks"
+    );
+
+    let state = api.state();
+    let pods = state.pods("default").unwrap();
+    assert!(pods >= 80, "requested only {pods} pods");
+    assert!(state.status_cidrs().len() >= 2);
+    assert!(state.count("PATCH", 200) >= 1);
+    drop(state);
+    assert!(block_count(&dir, "Ready") >= 3);
+}
+
+#[test]
+fn idle_blocks_drain_expire_and_are_released_but_never_the_oldest() {
+    let dir = TestDir::new("kube-release");
+    let api = ApiServer::start(NODE, &[], 64);
+    let _daemon = start_daemon(
+        &dir,
+        &api,
+        "nnc",
+        &[
+            "--sustained-low-utilization-duration",
+            "300ms",
+            "--draining-expiration",
+            "300ms",
+        ],
+    );
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    add_concurrently(&config, 0..90);
+    let grown = api.state().status_cidrs().len();
+    assert!(grown >= 2, "scale-up did not happen");
+
+    for i in 0..88 {
+        assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
+    }
+    // Blocks drain, expire, are listed as releasable, leave the status and
+    // then the database; the initial /26 stays.
+    api.wait_until(
+        "released blocks to leave the status",
+        Duration::from_secs(30),
+        |s| s.status_cidrs().len() < grown && s.releasable_cidrs().is_empty() && s.nnc.is_some(),
+    );
+    wait_for(
+        "released blocks to leave the database",
+        Duration::from_secs(30),
+        || {
+            let blocks: i64 = db(&dir.join("metis.sqlite"))
+                .query_row("SELECT COUNT(*) FROM cidr_blocks", [], |r| r.get(0))
+                .unwrap();
+            usize::try_from(blocks).unwrap() <= api.state().status_cidrs().len() + 1
+        },
+    );
+    let initial: String = db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT state FROM cidr_blocks WHERE cidr = '198.18.0.0/26'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(initial, "Ready", "the oldest block must never drain");
+    // The two remaining pods kept their addresses throughout.
+    for i in 88..90 {
+        let check = Plugin::new("CHECK", &format!("pod-{i}")).run(&config);
+        assert_ok(&check);
+    }
+}
+
+#[test]
+fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
+    let dir = TestDir::new("kube-outage");
+    let mut api = ApiServer::start(NODE, &[], 64);
+    let daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+
+    api.stop();
+    // Local blocks keep serving while the API server is gone.
+    let local = add_concurrently(&config, 0..40);
+    assert!(local.iter().all(|a| a.starts_with("198.18.0.")));
+    let health = metis::wire::client::Client::connect(
+        &daemon.socket,
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+    .call(&metis::wire::Request {
+        kind: Some(metis::wire::request::Kind::Health(Default::default())),
+    })
+    .unwrap();
+    let detail = match health.kind {
+        Some(metis::wire::response::Kind::Health(h)) => h.detail,
+        other => panic!("{other:?}"),
+    };
+    assert!(detail.contains("degraded"), "{detail}");
+
+    // Back, with one patch conflict to survive: scale-up resumes.
+    api.state().inject_conflicts = 1;
+    api.restart();
+    let more = add_concurrently(&config, 40..80);
+    assert!(more.iter().any(|a| a.starts_with("198.19.")));
+    let state = api.state();
+    assert!(state.count("PATCH", 409) >= 1, "the conflict was never hit");
+    assert!(
+        state.count("PATCH", 200) >= 1,
+        "no patch succeeded after the conflict"
+    );
+}
+
+#[test]
+fn stale_watch_versions_relist() {
+    let dir = TestDir::new("kube-relist");
+    let api = ApiServer::start(NODE, &[], 64);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("a watch", Duration::from_secs(10), |s| {
+        s.log.iter().any(|(m, _, _)| m == "WATCH")
+    });
+    let lists_before = api
+        .state()
+        .log
+        .iter()
+        .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
+        .count();
+    api.compact();
+    // Hand a block to the daemon directly through the status: it must be
+    // picked up after the relist that the 410 forces.
+    {
+        let mut state = api.state();
+        state.controller = false;
+        let nnc = state.nnc.as_mut().unwrap();
+        nnc["status"]["podCIDRs"] =
+            serde_json::json!([{"id": "x", "network": "default", "cidr": "198.19.200.0/28"}]);
+    }
+    api.wait_until("a relist", Duration::from_secs(90), |s| {
+        s.log
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
+            .count()
+            > lists_before
+    });
+    wait_for("the block from the relist", Duration::from_secs(10), || {
+        db(&dir.join("metis.sqlite"))
+            .query_row(
+                "SELECT COUNT(*) FROM cidr_blocks WHERE cidr = '198.19.200.0/28'",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .unwrap()
+            == 1
+    });
+}
+
+#[test]
+fn node_source_adds_pod_cidrs_as_blocks() {
+    let dir = TestDir::new("kube-node");
+    let api = ApiServer::start(NODE, &["198.18.8.0/24", "2001:db8:8::/64"], 0);
+    let _daemon = start_daemon(&dir, &api, "node", &[]);
+    wait_for("node podCIDRs as blocks", Duration::from_secs(10), || {
+        dir.join("metis.sqlite").exists()
+            && db(&dir.join("metis.sqlite"))
+                .query_row(
+                    "SELECT COUNT(*) FROM cidr_blocks WHERE network = 'default' AND cidr IN ('198.18.8.0/24', '2001:db8:8::/64')",
+                    [],
+                    |r| r.get::<_, i64>(0),
+                )
+                .unwrap()
+                == 2
+    });
+    assert!(
+        api.state().nnc.is_none(),
+        "node source must not create a NodeNetworkConfig"
+    );
+}
+
+#[test]
+fn cluster_source_without_cluster_is_a_usage_error() {
+    let dir = TestDir::new("kube-nocluster");
+    let output = std::process::Command::new(common::METIS)
+        .args(["daemon", "--cidr-source", "nnc", "--socket-path"])
+        .arg(dir.join("s.sock"))
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("needs a cluster"));
+}
