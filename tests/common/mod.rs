@@ -63,6 +63,12 @@ pub struct TestDaemon {
 impl TestDaemon {
     /// Starts a daemon on `dir` and waits until its socket accepts.
     pub fn start(dir: &TestDir, extra: &[&str]) -> TestDaemon {
+        TestDaemon::start_from(Path::new(METIS), dir, extra)
+    }
+
+    /// Like [`TestDaemon::start`], running the daemon from another copy of
+    /// the binary.
+    pub fn start_from(binary: &Path, dir: &TestDir, extra: &[&str]) -> TestDaemon {
         let socket = dir.join("metis.sock");
         let db = dir.join("metis.sqlite");
         let stderr_path = dir.join("daemon.log");
@@ -71,7 +77,7 @@ impl TestDaemon {
             .append(true)
             .open(&stderr_path)
             .unwrap();
-        let child = Command::new(METIS)
+        let child = Command::new(binary)
             .arg("daemon")
             .arg("--socket-path")
             .arg(&socket)
@@ -229,4 +235,23 @@ pub fn assert_ok(output: &Output) {
 /// Opens the database read-only to assert on rows.
 pub fn db(path: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
+}
+
+/// Runs `metis ARGS…` with no stdin and no CNI variables.
+pub fn metis(args: &[&str]) -> Output {
+    let mut command = Command::new(METIS);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("CNI_") {
+            command.env_remove(key);
+        }
+    }
+    command.args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+/// stdout and stderr as text.
+pub fn out_err(output: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }
