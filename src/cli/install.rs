@@ -228,6 +228,9 @@ fn read_conflist(path: &Path) -> Result<Vec<u8>, InstallError> {
 pub fn validate_conflist(bytes: &[u8]) -> Result<(), String> {
     let list: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|err| format!("not JSON: {err}"))?;
+    if !list.is_object() {
+        return Err("not a JSON object".to_string());
+    }
     let text = |key: &str| {
         list.get(key)
             .and_then(serde_json::Value::as_str)
@@ -353,7 +356,8 @@ mod tests {
     #[test]
     fn rejects_lists_metis_would_refuse() {
         let cases = [
-            ("[]", "not"),
+            ("[]", "not a JSON object"),
+            ("{", "not JSON"),
             (r#"{"name":"x","plugins":[{"type":"metis"}]}"#, "cniVersion"),
             (
                 r#"{"cniVersion":"1.0.0","name":"x","plugins":[]}"#,
