@@ -104,6 +104,11 @@ fn subcommands_explain_themselves_and_reject_typos() {
         (&["health", "--socket"], "unknown flag \"--socket\""),
         (&["health", "--socket-path"], "needs a value"),
         (&["health", "extra"], "unexpected argument"),
+        (&["health", "--socket-path="], "must not be empty"),
+        (
+            &["admin", "usage", "--socket-path", ""],
+            "must not be empty",
+        ),
         (&["install", "--cni-dir"], "needs a value"),
         (&["install", "--conflist", "x.conflist"], "go together"),
         (&["install", "--cnidir", "/x"], "unknown flag"),

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::render::{Cell, Rows};
-use super::{ArgsError, CallError, call};
+use super::{ArgsError, CallError, call, socket_path};
 use crate::cidr::Family;
 use crate::daemon::DEFAULT_SOCKET_PATH;
 use crate::flags::{self, FlagSpec, Parsed};
@@ -222,7 +222,7 @@ fn options(listing: &str, parsed: &Parsed) -> Result<Options, flags::FlagError> 
         "json" => Format::Json,
         other => return Err(bad("-o", other, "table or json")),
     };
-    let socket_path = PathBuf::from(parsed.get("--socket-path").unwrap_or(DEFAULT_SOCKET_PATH));
+    let socket_path = socket_path(parsed)?;
     Ok(Options {
         listing,
         format,

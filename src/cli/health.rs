@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::{ArgsError, CallError, call};
+use super::{ArgsError, CallError, call, socket_path};
 use crate::daemon::DEFAULT_SOCKET_PATH;
 use crate::flags::{self, FlagSpec};
 use crate::wire::envelope::v1::health_check_response::ServingStatus;
@@ -65,10 +65,10 @@ pub fn usage() -> String {
 }
 
 pub fn parse(args: &[String]) -> Result<Options, ArgsError> {
-    let parsed = flags::parse(FLAGS, args).map_err(|err| ArgsError::from_flags(err, usage()))?;
-    Ok(Options {
-        socket_path: PathBuf::from(parsed.get("--socket-path").unwrap_or(DEFAULT_SOCKET_PATH)),
-    })
+    let socket_path = flags::parse(FLAGS, args)
+        .and_then(|parsed| socket_path(&parsed))
+        .map_err(|err| ArgsError::from_flags(err, usage()))?;
+    Ok(Options { socket_path })
 }
 
 /// Runs the check; `Ok` carries the daemon's own description of its state.

@@ -9,10 +9,11 @@ pub mod install;
 pub mod render;
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::flags::FlagError;
+use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::flags::{FlagError, Parsed};
 use crate::wire::client::{Client, ClientError};
 use crate::wire::{Code, Request, request, response};
 
@@ -48,6 +49,18 @@ impl fmt::Display for ArgsError {
 }
 
 impl std::error::Error for ArgsError {}
+
+/// `--socket-path`, defaulting to the daemon's; an empty one is refused.
+pub fn socket_path(parsed: &Parsed) -> Result<PathBuf, FlagError> {
+    match parsed.get("--socket-path") {
+        None => Ok(PathBuf::from(DEFAULT_SOCKET_PATH)),
+        Some("") => Err(FlagError::BadValue(
+            "--socket-path",
+            "must not be empty".into(),
+        )),
+        Some(path) => Ok(PathBuf::from(path)),
+    }
+}
 
 /// Why a request to the daemon got no successful answer.
 #[derive(Debug)]
