@@ -9,6 +9,7 @@ use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
 };
 use crate::wire::admin::v1 as admin;
+use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
 
@@ -119,6 +120,7 @@ impl Engine {
                     as i32,
                 detail: "Metis daemon is SERVING".to_string(),
             })),
+            Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
             None => Err(Failure {
                 code: Code::Unimplemented,
                 reason: reason::UNKNOWN_REQUEST,
@@ -385,6 +387,36 @@ impl Engine {
             .list_addresses(&filter)
             .map(table_dump)
             .map_err(|err| Failure::from_store("failed to list IP addresses", &err))
+    }
+
+    /// Usage of every network (or the one asked for) and family that has
+    /// non-Deleting blocks.
+    fn usage(&self, req: &UsageRequest, now_ms: i64) -> Result<UsageResponse, Failure> {
+        let families = match parse_family(&req.ip_family)? {
+            Some(family) => vec![family],
+            None => vec![Family::V4, Family::V6],
+        };
+        let failed = |err: StoreError| Failure::from_store("failed to compute usage", &err);
+        let mut usage = Vec::new();
+        for network in self.store.networks().map_err(failed)? {
+            if !req.network.is_empty() && req.network != network {
+                continue;
+            }
+            for &family in &families {
+                let counts = self.store.usage(&network, family, now_ms).map_err(failed)?;
+                if counts.total > 0 {
+                    usage.push(NetworkUsage {
+                        network: network.clone(),
+                        ip_family: family.as_str().to_string(),
+                        total: counts.total,
+                        allocated: counts.allocated,
+                        cooldown: counts.cooldown,
+                        draining: counts.draining,
+                    });
+                }
+            }
+        }
+        Ok(UsageResponse { usage })
     }
 }
 

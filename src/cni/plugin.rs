@@ -2,10 +2,10 @@
 //! exactly one JSON document (result or error) on stdout. Logs go to the
 //! configured log file, never to stdout.
 
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::{self, Read, Write};
 use std::net::IpAddr;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 
 use crate::cidr::{Cidr, Family};
@@ -127,7 +127,8 @@ fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
     Ok(input)
 }
 
-/// Appends to the plugin's log file; logging never fails the command.
+/// Appends to the plugin's log file, rotating it at
+/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command.
 fn open_log(path: &Path, cni_env: &CniEnv) {
     if let Some(dir) = path.parent() {
         let _ = fs::DirBuilder::new()
@@ -135,12 +136,12 @@ fn open_log(path: &Path, cni_env: &CniEnv) {
             .mode(0o755)
             .create(dir);
     }
-    if let Ok(file) = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o644)
-        .open(path)
-    {
+    // Every line of this invocation names its verb and container.
+    log::set_context(&[
+        ("verb", &cni_env.verb.as_str()),
+        ("container_id", &cni_env.container_id),
+    ]);
+    if let Ok(file) = log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644) {
         log::init(Box::new(file), 0);
         log::debug(
             "cni",

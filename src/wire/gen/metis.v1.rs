@@ -50,9 +50,45 @@ pub mod health_check_response {
         }
     }
 }
+/// Address usage per network and family over non-Deleting blocks, as
+/// upstream's GetIPUsage computes it (`metis admin usage`).
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct UsageRequest {
+    /// Empty means every network.
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    /// "ipv4" or "ipv6"; empty means both.
+    #[prost(string, tag = "2")]
+    pub ip_family: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NetworkUsage {
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub ip_family: ::prost::alloc::string::String,
+    /// Addresses in the blocks (Draining blocks included).
+    #[prost(int64, tag = "3")]
+    pub total: i64,
+    /// Allocated rows, reserved ones included.
+    #[prost(int64, tag = "4")]
+    pub allocated: i64,
+    /// Released addresses still resting before reuse.
+    #[prost(int64, tag = "5")]
+    pub cooldown: i64,
+    /// Addresses in Draining blocks.
+    #[prost(int64, tag = "6")]
+    pub draining: i64,
+}
+/// One entry per network and family that has blocks, sorted by network.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct UsageResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub usage: ::prost::alloc::vec::Vec<NetworkUsage>,
+}
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Request {
-    #[prost(oneof = "request::Kind", tags = "1, 2, 3, 4, 5, 6")]
+    #[prost(oneof = "request::Kind", tags = "1, 2, 3, 4, 5, 6, 9")]
     pub kind: ::core::option::Option<request::Kind>,
 }
 /// Nested message and enum types in `Request`.
@@ -71,6 +107,8 @@ pub mod request {
         ListIpAddresses(super::super::super::admin::v1::ListIpAddressesRequest),
         #[prost(message, tag = "6")]
         Health(super::HealthCheckRequest),
+        #[prost(message, tag = "9")]
+        Usage(super::UsageRequest),
     }
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -95,7 +133,7 @@ pub struct Status {
 pub struct Response {
     #[prost(message, optional, tag = "1")]
     pub status: ::core::option::Option<Status>,
-    #[prost(oneof = "response::Kind", tags = "2, 3, 4, 5, 6")]
+    #[prost(oneof = "response::Kind", tags = "2, 3, 4, 5, 6, 9")]
     pub kind: ::core::option::Option<response::Kind>,
 }
 /// Nested message and enum types in `Response`.
@@ -112,6 +150,8 @@ pub mod response {
         Table(super::super::super::admin::v1::AdminTableDumpResponse),
         #[prost(message, tag = "6")]
         Health(super::HealthCheckResponse),
+        #[prost(message, tag = "9")]
+        Usage(super::UsageResponse),
     }
 }
 /// Outcome of a request; the numbers follow gRPC status codes so logs read
