@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -232,6 +234,25 @@ fn the_daemonset_commands_parse_with_the_binarys_own_flags() {
     let probe = strings(&pod["containers"][0]["livenessProbe"]["exec"]["command"]);
     let probe_args: Vec<String> = probe[2..].iter().map(|arg| arg.to_string()).collect();
     metis::cli::health::parse(&probe_args).unwrap();
+    // The daemon's flags parse as they would in the pod, with a cluster
+    // configured and NODE_NAME from the downward API.
+    let dir = common::TestDir::new("deploy-daemon-flags");
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: http://127.0.0.1:1\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let config = metis::daemon::parse_config(&args(&pod["containers"][0]), &|name| match name {
+        "KUBECONFIG" => Some(kubeconfig.clone()),
+        "NODE_NAME" => Some("node-a".into()),
+        _ => None,
+    });
+    let config = config.unwrap_or_else(|err| panic!("daemon flags in the DaemonSet: {err}"));
+    let adaptive = config.adaptive.expect("a cluster source");
+    assert_eq!(adaptive.node_name, "node-a");
+    assert_eq!(adaptive.api.server, "http://127.0.0.1:1");
 }
 
 #[test]
