@@ -9,9 +9,11 @@ mod monitor;
 use std::fmt;
 use std::fs;
 use std::io;
+use std::net::SocketAddr;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::{SigSet, Signal};
@@ -23,6 +25,7 @@ use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
 use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
 use crate::log;
+use crate::metrics::{self, Metrics};
 use crate::store::{Durability, ReserveMode, Store, StoreError, StoreOptions};
 
 use adaptive::Adaptive;
@@ -153,6 +156,13 @@ const FLAGS: &[FlagSpec] = &[
                (keep it under the runtime's 10 s plugin timeout)",
     },
     FlagSpec {
+        name: "--metrics-addr",
+        value: Some("HOST:PORT"),
+        repeatable: false,
+        default: "off",
+        help: "serve Prometheus /metrics and /healthz here, e.g. 127.0.0.1:9153",
+    },
+    FlagSpec {
         name: "-v",
         value: Some("N"),
         repeatable: false,
@@ -174,6 +184,7 @@ pub struct Config {
     pub limits: Limits,
     pub allowed_uids: Vec<u32>,
     pub verbosity: u8,
+    pub metrics_addr: Option<SocketAddr>,
     /// `None` for static blocks only.
     pub adaptive: Option<AdaptiveSettings>,
 }
@@ -194,6 +205,7 @@ pub enum DaemonError {
     Socket { path: PathBuf, reason: String },
     Signals(nix::Error),
     Kube(String),
+    Metrics(String),
 }
 
 impl fmt::Display for DaemonError {
@@ -206,6 +218,7 @@ impl fmt::Display for DaemonError {
             }
             DaemonError::Signals(err) => write!(f, "cannot set up signal handling: {err}"),
             DaemonError::Kube(why) => write!(f, "cannot start the Kubernetes client: {why}"),
+            DaemonError::Metrics(why) => write!(f, "cannot serve metrics on {why}"),
         }
     }
 }
@@ -283,6 +296,17 @@ pub fn parse_config(
             .ok_or_else(|| FlagError::BadValue(name, "must be greater than zero".into()))
     };
     let adaptive = adaptive_settings(&parsed, lookup, &duration, &positive)?;
+    let metrics_addr = parsed
+        .get("--metrics-addr")
+        .map(|text| {
+            text.parse::<SocketAddr>().map_err(|_| {
+                FlagError::BadValue(
+                    "--metrics-addr",
+                    format!("{text:?} is not HOST:PORT, e.g. 127.0.0.1:9153"),
+                )
+            })
+        })
+        .transpose()?;
     Ok(Config {
         socket_path: absolute(&parsed, "--socket-path", DEFAULT_SOCKET_PATH)?,
         db_path: absolute(&parsed, "--db-path", DEFAULT_DB_PATH)?,
@@ -297,6 +321,7 @@ pub fn parse_config(
         },
         allowed_uids,
         verbosity,
+        metrics_addr,
         adaptive,
     })
 }
@@ -476,6 +501,12 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
 
     let listener = listen(&config.socket_path)?;
     let engine = Engine::new(store, config.release_cooldown_ms);
+    let metrics = Arc::new(Metrics::default());
+    if let Some(addr) = config.metrics_addr {
+        let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
+            .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
+        log::info("daemon", "metrics listening", &[("addr", &bound)]);
+    }
     let adaptive = match &config.adaptive {
         None => None,
         Some(settings) => {
@@ -496,6 +527,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             Some(Adaptive::new(
                 link,
                 settings.adaptive.clone(),
+                Arc::clone(&metrics),
                 std::time::Instant::now(),
             ))
         }
@@ -510,6 +542,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         signals,
         engine,
         adaptive,
+        metrics,
         config.limits,
         Admission {
             max_connections: config.max_connections,

@@ -10,6 +10,7 @@ mod admin;
 mod alloc;
 mod reserve;
 mod schema;
+mod stats;
 #[cfg(test)]
 mod tests;
 
@@ -383,6 +384,30 @@ impl Store {
         store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
         store.repair()?;
+        Ok(store)
+    }
+
+    /// Opens an existing database for reading only: no schema installation,
+    /// no repair, no settings written. Used by observers (metrics, checks)
+    /// that must never take the write lock from the daemon.
+    pub fn open_read_only(path: &Path) -> Result<Store, StoreError> {
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|e| StoreError::Open {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })?;
+        conn.busy_timeout(Duration::from_millis(5000))?;
+        let mut store = Store {
+            conn,
+            reserve: ReserveMode::EveryBlock,
+            warnings: Vec::new(),
+        };
+        if let Ok(Some(text)) = get_setting(&store.conn, schema::KEY_RESERVE_MODE) {
+            store.reserve = ReserveMode::parse(&text).unwrap_or_default();
+        }
         Ok(store)
     }
 
