@@ -40,6 +40,35 @@ pub fn call(socket: &Path, db_path: &Path, request: &Request) -> Result<Response
     }
 }
 
+/// Like [`call`] for requests that only read (STATUS): in direct mode the
+/// database is opened read-only, and `Ok(None)` means it does not exist yet
+/// (nothing to read; the first ADD will create it).
+pub fn call_read_only(
+    socket: &Path,
+    db_path: &Path,
+    request: &Request,
+) -> Result<Option<Response>, CniError> {
+    match call_daemon(socket, request) {
+        Ok(response) => Ok(Some(response)),
+        Err(err) if err.is_connect() => {
+            log::debug(
+                "cni",
+                "daemon unreachable, reading the database",
+                &[("error", &err), ("db", &db_path.display())],
+            );
+            let Some(store) = Store::open_read_only(db_path)
+                .map_err(|err| CniError::from_store_open(db_path, &err))?
+            else {
+                return Ok(None);
+            };
+            let cooldown_ms = store.release_cooldown().unwrap_or(0);
+            let mut engine = Engine::new(store, cooldown_ms);
+            Ok(Some(engine.handle(request.clone(), log::now_ms())))
+        }
+        Err(err) => Err(CniError::from_client(&err)),
+    }
+}
+
 fn call_daemon(socket: &Path, request: &Request) -> Result<Response, ClientError> {
     let mut attempt = 1;
     loop {

@@ -8,6 +8,7 @@
 
 mod admin;
 mod alloc;
+mod gc;
 mod reserve;
 mod schema;
 #[cfg(test)]
