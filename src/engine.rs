@@ -2,6 +2,7 @@
 //! The daemon runs it for every client; the plugin runs the very same code
 //! in-process in direct mode, so both paths share every rule.
 
+use std::collections::HashSet;
 use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
@@ -9,6 +10,7 @@ use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
 };
 use crate::wire::admin::v1 as admin;
+use crate::wire::envelope::v1 as envelope;
 use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
@@ -121,6 +123,10 @@ impl Engine {
                 detail: "Metis daemon is SERVING".to_string(),
             })),
             Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
+            Some(request::Kind::Gc(req)) => self.gc(&req, now_ms).map(response::Kind::Gc),
+            Some(request::Kind::NetworkStatus(req)) => self
+                .network_status(&req, now_ms)
+                .map(response::Kind::NetworkStatus),
             None => Err(Failure {
                 code: Code::Unimplemented,
                 reason: reason::UNKNOWN_REQUEST,
@@ -354,6 +360,87 @@ impl Engine {
         }
         Ok(ipam::CheckPodIpResponse {
             allocated: allocated.iter().map(pod_ip).collect(),
+        })
+    }
+
+    /// CNI GC: releases the network's allocations whose owners the runtime
+    /// no longer lists, sparing those younger than the grace period.
+    pub fn gc(
+        &mut self,
+        req: &envelope::GcRequest,
+        now_ms: i64,
+    ) -> Result<envelope::GcResponse, Failure> {
+        let network = network_or_default(&req.network);
+        if req.grace_period_ms < 0 {
+            return Err(Failure::invalid(format!(
+                "grace_period_ms {} is negative",
+                req.grace_period_ms
+            )));
+        }
+        let valid: HashSet<(&str, &str)> = req
+            .valid
+            .iter()
+            .map(|a| (a.container_id.as_str(), a.interface_name.as_str()))
+            .collect();
+        let released = self
+            .store
+            .gc(
+                network,
+                &valid,
+                now_ms.saturating_sub(req.grace_period_ms),
+                self.release_cooldown_ms,
+                now_ms,
+            )
+            .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
+        for allocation in &released {
+            crate::log::info(
+                "engine",
+                "GC released a stale allocation",
+                &[("network", &network), ("address", &allocation.address)],
+            );
+        }
+        Ok(envelope::GcResponse {
+            released: released.iter().map(pod_ip).collect(),
+        })
+    }
+
+    /// CNI STATUS: whether an ADD with these ranges could be served now.
+    /// Reads only, so it is cheap enough for a 5-second poll.
+    pub fn network_status(
+        &self,
+        req: &envelope::NetworkStatusRequest,
+        now_ms: i64,
+    ) -> Result<envelope::NetworkStatusResponse, Failure> {
+        let network = network_or_default(&req.network);
+        for (family, texts) in [
+            (Family::V4, &req.ipv4_ranges),
+            (Family::V6, &req.ipv6_ranges),
+        ] {
+            if texts.is_empty() {
+                continue;
+            }
+            let ranges = texts
+                .iter()
+                .map(|text| text.parse::<Cidr>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|err| Failure::invalid(format!("range: {err}")))?;
+            let context = format!("status of network {network:?}");
+            let can = self
+                .store
+                .can_allocate(network, family, &ranges, now_ms)
+                .map_err(|err| Failure::from_store(&context, &err))?;
+            if !can {
+                return Ok(envelope::NetworkStatusResponse {
+                    can_allocate: false,
+                    detail: format!(
+                        "no free {family} address in network {network:?}: every block is full or cooling down and every configured range is already added"
+                    ),
+                });
+            }
+        }
+        Ok(envelope::NetworkStatusResponse {
+            can_allocate: true,
+            detail: String::new(),
         })
     }
 

@@ -289,7 +289,7 @@ pub fn serve(
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
                 if store.is_none() {
-                    store = Store::open_read_only(&db_path).ok();
+                    store = Store::open_read_only(&db_path).ok().flatten();
                 }
                 if let Err(err) = answer(stream, &metrics, store.as_ref()) {
                     log::debug("metrics", "scrape failed", &[("error", &err)]);

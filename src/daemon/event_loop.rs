@@ -342,6 +342,8 @@ fn method_name(request: &Request) -> &'static str {
         Some(request::Kind::ListIpAddresses(_)) => "list_ip_addresses",
         Some(request::Kind::Health(_)) => "health",
         Some(request::Kind::Usage(_)) => "usage",
+        Some(request::Kind::Gc(_)) => "gc",
+        Some(request::Kind::NetworkStatus(_)) => "network_status",
         None => "unknown",
     }
 }

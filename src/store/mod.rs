@@ -8,6 +8,7 @@
 
 mod admin;
 mod alloc;
+mod gc;
 mod reserve;
 mod schema;
 mod stats;
@@ -388,9 +389,14 @@ impl Store {
     }
 
     /// Opens an existing database for reading only: no schema installation,
-    /// no repair, no settings written. Used by observers (metrics, checks)
-    /// that must never take the write lock from the daemon.
-    pub fn open_read_only(path: &Path) -> Result<Store, StoreError> {
+    /// no repair, no settings written, so observers (STATUS in direct mode,
+    /// metrics, checks) never create a database or take the write lock.
+    /// `Ok(None)` when there is nothing to read yet — no file, or no schema
+    /// installed — in which case the first ADD creates it.
+    pub fn open_read_only(path: &Path) -> Result<Option<Store>, StoreError> {
+        if !path.exists() {
+            return Ok(None);
+        }
         let conn = Connection::open_with_flags(
             path,
             rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -400,15 +406,21 @@ impl Store {
             source: Box::new(e),
         })?;
         conn.busy_timeout(Duration::from_millis(5000))?;
-        let mut store = Store {
-            conn,
-            reserve: ReserveMode::EveryBlock,
-            warnings: Vec::new(),
-        };
-        if let Ok(Some(text)) = get_setting(&store.conn, schema::KEY_RESERVE_MODE) {
-            store.reserve = ReserveMode::parse(&text).unwrap_or_default();
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version != SCHEMA_VERSION {
+            return Ok(None);
         }
-        Ok(store)
+        // Upstream databases have no settings table: default mode then.
+        let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
+            .ok()
+            .flatten()
+            .and_then(|text| ReserveMode::parse(&text))
+            .unwrap_or_default();
+        Ok(Some(Store {
+            conn,
+            reserve,
+            warnings: Vec::new(),
+        }))
     }
 
     /// The reservation mode in force.
