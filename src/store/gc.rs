@@ -7,6 +7,7 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
+use super::alloc::give_back;
 use super::reserve::block_reserved;
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
@@ -52,7 +53,14 @@ impl Store {
                 network,
                 &candidate.allocation.block,
             )?;
-            give_back(&tx, candidate, &reserved, release_at)?;
+            give_back(
+                &tx,
+                candidate.row_id,
+                candidate.block_id,
+                &candidate.allocation,
+                &reserved,
+                release_at,
+            )?;
         }
         tx.commit()?;
         Ok(stale.into_iter().map(|c| c.allocation).collect())
@@ -113,36 +121,6 @@ fn gc_candidates(
         });
     }
     Ok(out)
-}
-
-/// Frees one row as DEL does: into cooldown with its counter decremented,
-/// or — when a pod held a reserved position — back to the reservation.
-fn give_back(
-    conn: &Connection,
-    candidate: &Candidate,
-    reserved: &[u128],
-    release_at: Option<i64>,
-) -> Result<(), StoreError> {
-    let allocation = &candidate.allocation;
-    let at_reserved = allocation
-        .block
-        .offset_of(allocation.address)
-        .is_some_and(|offset| reserved.contains(&offset));
-    if at_reserved {
-        conn.prepare_cached(
-            "UPDATE ip_addresses SET container_id = '', interface_name = '', pod_name = NULL, \
-             pod_namespace = NULL, release_at = NULL WHERE id = ?1",
-        )?
-        .execute([candidate.row_id])?;
-        return Ok(());
-    }
-    conn.prepare_cached("UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1")?
-        .execute(params![candidate.row_id, release_at])?;
-    conn.prepare_cached(
-        "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1",
-    )?
-    .execute([candidate.block_id])?;
-    Ok(())
 }
 
 fn ready_block_has_free_row(

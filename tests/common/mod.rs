@@ -22,8 +22,10 @@ pub struct TestDir {
 impl TestDir {
     pub fn new(name: &str) -> TestDir {
         static NEXT: AtomicU32 = AtomicU32::new(0);
+        // Fixed-width numbers keep the path's length constant, so outputs
+        // that embed it (golden files, JSON column numbers) are stable.
         let path = std::env::temp_dir().join(format!(
-            "metis-{name}-{}-{}",
+            "metis-{name}-{:010}-{:04}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
