@@ -119,6 +119,12 @@ fn take_row(
     Ok(())
 }
 
+/// The lowest-id free, non-cooling row of block ?1 at time ?2.
+pub(super) const CLAIM_SQL: &str = "SELECT id, address FROM ip_addresses \
+     WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
+       AND (release_at IS NULL OR release_at <= ?2) \
+     ORDER BY id LIMIT 1";
+
 /// Claims the lowest-id free, non-cooling row of a block.
 fn claim(
     conn: &Connection,
@@ -128,12 +134,7 @@ fn claim(
     now_ms: i64,
 ) -> Result<Option<IpAddr>, StoreError> {
     let row: Option<(i64, String)> = conn
-        .prepare_cached(
-            "SELECT id, address FROM ip_addresses \
-             WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
-               AND (release_at IS NULL OR release_at <= ?2) \
-             ORDER BY id LIMIT 1",
-        )?
+        .prepare_cached(CLAIM_SQL)?
         .query_row(params![block_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?;
     let Some((row_id, text)) = row else {
