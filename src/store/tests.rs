@@ -1557,3 +1557,27 @@ fn cached_statements_are_not_reprepared() {
     let claim = store.conn.prepare_cached(super::alloc::CLAIM_SQL).unwrap();
     assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0);
 }
+
+#[test]
+fn allocation_path_never_scans_the_address_table() {
+    let dir = TempDir::new();
+    let store = open(&dir.db());
+    for sql in super::alloc::ALLOCATION_PATH {
+        let mut stmt = store
+            .conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .unwrap();
+        let nulls = std::iter::repeat_n(rusqlite::types::Null, stmt.parameter_count());
+        let plan: Vec<String> = stmt
+            .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        // `a` is ip_addresses in the joins; cidr_blocks has one row per block
+        // and upstream's schema gives it no index by network.
+        let scans_addresses = plan.iter().any(|step| {
+            step.starts_with("SCAN ip_addresses") || step == "SCAN a" || step.starts_with("SCAN a ")
+        });
+        assert!(!scans_addresses, "{sql}\n{plan:?}");
+    }
+}
