@@ -61,3 +61,14 @@ proto:
 
 clean:
 	$(CARGO) clean
+
+.PHONY: bench bench-smoke
+
+# Performance: Metis vs host-local vs the floor, written to bench/results.md
+# (a few minutes; needs /usr/lib/cni/host-local from containernetworking-plugins).
+bench:
+	$(CARGO) bench --locked --bench metis -- --out bench/results.md
+
+# A few cycles of every measurement, checking results are sane (never timings).
+bench-smoke:
+	$(CARGO) bench --locked --bench metis -- --smoke

@@ -1503,12 +1503,7 @@ fn claim_query_uses_partial_index() {
     let store = open(&dir.db());
     let plan: Vec<String> = store
         .conn
-        .prepare(
-            "EXPLAIN QUERY PLAN SELECT id, address FROM ip_addresses \
-             WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
-               AND (release_at IS NULL OR release_at <= ?2) \
-             ORDER BY id LIMIT 1",
-        )
+        .prepare(&format!("EXPLAIN QUERY PLAN {}", super::alloc::CLAIM_SQL))
         .unwrap()
         .query_map([1, 2], |r| r.get::<_, String>(3))
         .unwrap()
@@ -1518,4 +1513,43 @@ fn claim_query_uses_partial_index() {
         plan.iter().any(|p| p.contains("idx_available_ips")),
         "{plan:?}"
     );
+}
+
+#[test]
+fn cached_statements_are_not_reprepared() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store.add_cidr_block("default", &c("10.9.0.0/24")).unwrap();
+    store.add_cidr_block("default", &c("10.9.1.0/24")).unwrap();
+    for i in 0..5 {
+        let cid = format!("c{i}");
+        alloc(&mut store, "default", &cid, Family::V4, 1000 + i);
+        store.release("default", &cid, "eth0", 0, 1000 + i).unwrap();
+    }
+    let claim = store.conn.prepare_cached(super::alloc::CLAIM_SQL).unwrap();
+    assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0);
+}
+
+#[test]
+fn allocation_path_never_scans_the_address_table() {
+    let dir = TempDir::new();
+    let store = open(&dir.db());
+    for sql in super::alloc::ALLOCATION_PATH {
+        let mut stmt = store
+            .conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .unwrap();
+        let nulls = std::iter::repeat_n(rusqlite::types::Null, stmt.parameter_count());
+        let plan: Vec<String> = stmt
+            .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        // `a` is ip_addresses in the joins; cidr_blocks has one row per block
+        // and upstream's schema gives it no index by network.
+        let scans_addresses = plan.iter().any(|step| {
+            step.starts_with("SCAN ip_addresses") || step == "SCAN a" || step.starts_with("SCAN a ")
+        });
+        assert!(!scans_addresses, "{sql}\n{plan:?}");
+    }
 }

@@ -1,0 +1,212 @@
+//! Scale: allocation latency as the store grows, in-process (the engine the
+//! daemon runs, without the socket, so nothing dilutes the store's cost).
+//!
+//! IPv4 stores are built with the real `add_cidr_block` and then half of
+//! every block is marked allocated with one bulk `UPDATE` (the rows look as
+//! if pods held them); the measured network allocates and releases pods
+//! (cooldown 0) against that. IPv6 goes through the real allocation path for
+//! every one of its 100,000 allocations, lazy expansion included.
+
+use std::time::{Duration, Instant};
+
+use metis::cidr::Cidr;
+use metis::engine::Engine;
+use metis::store::{Store, StoreOptions};
+
+use crate::util::{Summary, TempDir, allocate_request, allocated, release_request, released};
+
+/// One store size and what allocating in it costs.
+pub struct Point {
+    pub label: String,
+    pub rows: u64,
+    pub setup: Duration,
+    pub latency: Summary,
+}
+
+/// A block of a network and the share of it to mark allocated.
+struct Block {
+    network: &'static str,
+    cidr: &'static str,
+    fill: f64,
+}
+
+const FILLER_NETWORKS: [&str; 7] = [
+    "fill-1", "fill-2", "fill-3", "fill-4", "fill-5", "fill-6", "fill-7",
+];
+
+/// The measured network's blocks, in order.
+fn bench_ranges(blocks: &[Block]) -> Vec<&'static str> {
+    blocks
+        .iter()
+        .filter(|b| b.network == "bench")
+        .map(|b| b.cidr)
+        .collect()
+}
+
+fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
+    let path = dir.join("metis.sqlite");
+    let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
+    for block in blocks {
+        store
+            .add_cidr_block(block.network, &block.cidr.parse::<Cidr>().unwrap())
+            .unwrap();
+    }
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+    for block in blocks {
+        let (id, first, rows): (i64, i64, i64) = conn
+            .query_row(
+                "SELECT b.id, MIN(a.id), COUNT(*) FROM cidr_blocks b \
+                 JOIN ip_addresses a ON a.cidr_block_id = b.id \
+                 WHERE b.network = ?1 AND b.cidr = ?2",
+                [block.network, block.cidr],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        let take = (rows as f64 * block.fill) as i64;
+        conn.execute(
+            "UPDATE ip_addresses SET is_allocated = 1, container_id = 'fill-' || id, \
+             interface_name = 'eth0', pod_name = 'fill', pod_namespace = 'bench', \
+             allocated_at = ?3 WHERE cidr_block_id = ?1 AND is_allocated = 0 AND id < ?2",
+            rusqlite::params![id, first + take, metis::log::now_ms()],
+        )
+        .unwrap();
+    }
+    conn.execute_batch(
+        "UPDATE cidr_blocks SET allocated_ips = (SELECT COUNT(*) FROM ip_addresses a \
+         WHERE a.cidr_block_id = cidr_blocks.id AND a.is_allocated = 1); COMMIT",
+    )
+    .unwrap();
+    let rows: i64 = conn
+        .query_row("SELECT COUNT(*) FROM ip_addresses", [], |r| r.get(0))
+        .unwrap();
+    drop(conn);
+    let store = Store::open(&path, &StoreOptions::default()).unwrap();
+    (Engine::new(store, 0), rows as u64)
+}
+
+/// `samples` allocate latencies, each followed by the release of the pod.
+fn pairs(engine: &mut Engine, ranges: &[&str], samples: usize, tag: &str) -> Summary {
+    let mut latencies = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let id = format!("bench-scale-{tag}-{i}");
+        let start = Instant::now();
+        let response = engine.handle(allocate_request(&id, ranges), metis::log::now_ms());
+        latencies.push(start.elapsed());
+        allocated(&response);
+        released(&engine.handle(release_request(&id), metis::log::now_ms()));
+    }
+    Summary::of(&latencies)
+}
+
+fn v4_point(label: &str, blocks: &[Block], samples: usize) -> Point {
+    let dir = TempDir::new("scale");
+    let start = Instant::now();
+    let (mut engine, rows) = build_v4(&dir, blocks);
+    let setup = start.elapsed();
+    let ranges = bench_ranges(blocks);
+    pairs(&mut engine, &ranges, samples / 10, "warm");
+    Point {
+        label: label.to_string(),
+        rows,
+        setup,
+        latency: pairs(&mut engine, &ranges, samples, "measured"),
+    }
+}
+
+/// The IPv4 points: 256, 65,536 and (unless `smoke`) 1,048,576 rows.
+pub fn v4(samples: usize, smoke: bool) -> Vec<Point> {
+    let mut points = vec![
+        v4_point(
+            "IPv4, 256 addresses (one /24, half allocated)",
+            &[Block {
+                network: "bench",
+                cidr: "198.18.0.0/24",
+                fill: 0.5,
+            }],
+            samples,
+        ),
+        v4_point(
+            "IPv4, 65,536 addresses (one /16, half allocated)",
+            &[Block {
+                network: "bench",
+                cidr: "198.18.0.0/16",
+                fill: 0.5,
+            }],
+            samples,
+        ),
+    ];
+    if !smoke {
+        // Sixteen /16 blocks: the measured network's first block full and
+        // its second half allocated; seven other networks hold the same two
+        // prefixes (blocks are per network), half allocated.
+        let mut blocks = vec![
+            Block {
+                network: "bench",
+                cidr: "198.18.0.0/16",
+                fill: 1.0,
+            },
+            Block {
+                network: "bench",
+                cidr: "198.19.0.0/16",
+                fill: 0.5,
+            },
+        ];
+        for network in FILLER_NETWORKS {
+            for cidr in ["198.18.0.0/16", "198.19.0.0/16"] {
+                blocks.push(Block {
+                    network,
+                    cidr,
+                    fill: 0.5,
+                });
+            }
+        }
+        points.push(v4_point(
+            "IPv4, 1,048,576 addresses (sixteen /16 blocks)",
+            &blocks,
+            samples,
+        ));
+    }
+    points
+}
+
+/// IPv6 in a /64 after `allocations` real allocations: the latency of
+/// allocate+release pairs, and of allocations that keep growing the block
+/// (one in 64 populates the next batch).
+pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
+    let dir = TempDir::new("scale-v6");
+    let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
+    let mut engine = Engine::new(store, 0);
+    let ranges = [crate::util::RANGE_V6];
+    let start = Instant::now();
+    for i in 0..allocations {
+        let id = format!("bench-v6-fill-{i}");
+        allocated(&engine.handle(allocate_request(&id, &ranges), metis::log::now_ms()));
+    }
+    let setup = start.elapsed();
+    let steady = pairs(&mut engine, &ranges, samples, "v6");
+    let mut growth = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let id = format!("bench-v6-grow-{i}");
+        let start = Instant::now();
+        let response = engine.handle(allocate_request(&id, &ranges), metis::log::now_ms());
+        growth.push(start.elapsed());
+        allocated(&response);
+    }
+    let rows = (allocations + samples) as u64;
+    (
+        Point {
+            label: format!("IPv6 /64 after {allocations} allocations, allocate+release"),
+            rows,
+            setup,
+            latency: steady,
+        },
+        Point {
+            label: format!("IPv6 /64 after {allocations} allocations, growing"),
+            rows,
+            setup,
+            latency: Summary::of(&growth),
+        },
+    )
+}
