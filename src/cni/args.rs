@@ -125,10 +125,10 @@ mod tests {
 
     #[test]
     fn parses_ip_forms() {
-        let args = parse("IP=10.0.0.5").unwrap();
-        assert_eq!(args.ips, vec![ip("10.0.0.5")]);
-        let args = parse("IP=10.0.0.5/24,2001:db8::5/64;K8S_POD_NAME=p").unwrap();
-        assert_eq!(args.ips, vec![ip("10.0.0.5"), ip("2001:db8::5")]);
+        let args = parse("IP=198.18.0.5").unwrap();
+        assert_eq!(args.ips, vec![ip("198.18.0.5")]);
+        let args = parse("IP=198.18.0.5/24,2001:db8::5/64;K8S_POD_NAME=p").unwrap();
+        assert_eq!(args.ips, vec![ip("198.18.0.5"), ip("2001:db8::5")]);
         assert_eq!(args.pod_name, "p");
     }
 
@@ -163,12 +163,12 @@ mod tests {
     fn bad_ips_name_the_pair() {
         for bad in [
             "IP=",
-            "IP=10.0.0",
-            "IP=10.0.0.5/33",
-            "IP=10.0.0.5/",
-            "IP=10.0.0.5,",
+            "IP=198.18.0",
+            "IP=198.18.0.5/33",
+            "IP=198.18.0.5/",
+            "IP=198.18.0.5,",
             "IP=2001:db8::1/129",
-            "IP=10.0.0.5/024",
+            "IP=198.18.0.5/024",
         ] {
             let err = parse(bad).unwrap_err();
             assert_eq!(err.code, INVALID_ENV, "{bad}");
@@ -192,15 +192,15 @@ mod tests {
     #[test]
     fn ip_with_prefix_helper() {
         assert_eq!(
-            parse_ip_maybe_prefix("10.1.2.3/24"),
-            Some((ip("10.1.2.3"), Some(24)))
+            parse_ip_maybe_prefix("198.18.102.3/24"),
+            Some((ip("198.18.102.3"), Some(24)))
         );
         assert_eq!(parse_ip_maybe_prefix("::1"), Some((ip("::1"), None)));
         assert_eq!(
             parse_ip_maybe_prefix("::1/128"),
             Some((ip("::1"), Some(128)))
         );
-        assert_eq!(parse_ip_maybe_prefix("10.1.2.3/+4"), None);
-        assert_eq!(parse_ip_maybe_prefix("10.1.2.3/24/1"), None);
+        assert_eq!(parse_ip_maybe_prefix("198.18.102.3/+4"), None);
+        assert_eq!(parse_ip_maybe_prefix("198.18.102.3/24/1"), None);
     }
 }

@@ -709,7 +709,7 @@ mod tests {
     fn upstream_test_config() {
         let conf = ok(json!({
             "cniVersion": "0.4.0", "name": "metis-network", "type": "metis",
-            "ipam": {"type": "metis", "ranges": [[{"subnet": "10.240.0.0/24"}]],
+            "ipam": {"type": "metis", "ranges": [[{"subnet": "198.19.0.0/24"}]],
                      "routes": [{"dst": "0.0.0.0/0"}]}
         }));
         assert_eq!(conf.cni_version, "0.4.0");
@@ -718,7 +718,7 @@ mod tests {
         assert_eq!(conf.ipam_type, "metis");
         assert!(!conf.delegated);
         assert_eq!(conf.network, "metis-network");
-        assert_eq!(conf.ipv4_ranges, vec![cidr("10.240.0.0/24")]);
+        assert_eq!(conf.ipv4_ranges, vec![cidr("198.19.0.0/24")]);
         assert!(conf.ipv6_ranges.is_empty());
         assert_eq!(
             conf.routes,
@@ -749,7 +749,7 @@ mod tests {
         let conf = ok(json!({
             "cniVersion": "1.1.0", "name": "k8s-pod-network", "type": "bridge", "bridge": "cni0",
             "ipam": {"type": "metis", "network": "pods",
-                     "ranges": [[{"subnet": "10.160.7.0/24"}, {"subnet": "10.160.9.0/24", "gateway": "10.160.9.1"}],
+                     "ranges": [[{"subnet": "198.19.167.0/24"}, {"subnet": "198.19.169.0/24", "gateway": "198.19.169.1"}],
                                 [{"subnet": "2600:1900:4040:ae7:0:7::/112"}]],
                      "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]}
         }));
@@ -757,7 +757,7 @@ mod tests {
         assert_eq!(conf.network, "pods");
         assert_eq!(
             conf.ipv4_ranges,
-            vec![cidr("10.160.7.0/24"), cidr("10.160.9.0/24")]
+            vec![cidr("198.19.167.0/24"), cidr("198.19.169.0/24")]
         );
         assert_eq!(conf.ipv6_ranges, vec![cidr("2600:1900:4040:ae7:0:7::/112")]);
         assert_eq!(conf.routes.len(), 2);
@@ -782,7 +782,7 @@ mod tests {
             r#"{"cniVersion": 1}"#,
             r#"{"ipam": {"ranges": {}}}"#,
             r#"{"ipam": {"routes": [{"dst": "0.0.0.0/0", "mtu": -1}]}}"#,
-            r#"{"runtimeConfig": {"ips": "10.0.0.1"}}"#,
+            r#"{"runtimeConfig": {"ips": "198.18.0.1"}}"#,
         ] {
             let e = parse(text.as_bytes()).unwrap_err();
             assert_eq!(e.code, DECODE_FAILURE, "{text}");
@@ -843,18 +843,18 @@ mod tests {
 
     #[test]
     fn subnet_with_host_bits_names_network() {
-        let e = err(ranges(json!([[{"subnet": "10.240.0.1/24"}]])));
+        let e = err(ranges(json!([[{"subnet": "198.19.0.1/24"}]])));
         assert_eq!(e.code, INVALID_CONFIG);
         assert_eq!(
             e.msg,
-            "invalid ipam.ranges[0][0].subnet: invalid CIDR \"10.240.0.1/24\": host bits set; the network address is 10.240.0.0/24"
+            "invalid ipam.ranges[0][0].subnet: invalid CIDR \"198.19.0.1/24\": host bits set; the network address is 198.19.0.0/24"
         );
     }
 
     #[test]
     fn unparseable_or_missing_subnet() {
         let e = err(ranges(
-            json!([[{"subnet": "10.240.0.0/24"}], [{"subnet": "nope"}]]),
+            json!([[{"subnet": "198.19.0.0/24"}], [{"subnet": "nope"}]]),
         ));
         assert_eq!(e.code, INVALID_CONFIG);
         assert!(
@@ -863,7 +863,7 @@ mod tests {
             "{}",
             e.msg
         );
-        let e = err(ranges(json!([[{"gateway": "10.0.0.1"}]])));
+        let e = err(ranges(json!([[{"gateway": "198.18.0.1"}]])));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (INVALID_CONFIG, "ipam.ranges[0][0]: missing subnet")
@@ -873,7 +873,7 @@ mod tests {
     #[test]
     fn mixed_family_set() {
         let e = err(ranges(
-            json!([[{"subnet": "10.0.0.0/24"}, {"subnet": "2001:db8::/64"}]]),
+            json!([[{"subnet": "198.18.0.0/24"}, {"subnet": "2001:db8::/64"}]]),
         ));
         assert_eq!(
             (e.code, e.msg.as_str()),
@@ -884,7 +884,7 @@ mod tests {
     #[test]
     fn two_sets_of_one_family() {
         let e = err(ranges(json!([
-            [{"subnet": "10.0.0.0/24"}], [{"subnet": "2001:db8::/64"}], [{"subnet": "10.1.0.0/24"}]
+            [{"subnet": "198.18.0.0/24"}], [{"subnet": "2001:db8::/64"}], [{"subnet": "198.18.100.0/24"}]
         ])));
         assert_eq!(
             (e.code, e.msg.as_str()),
@@ -898,13 +898,13 @@ mod tests {
     #[test]
     fn overlapping_subnets_are_both_named() {
         let e = err(ranges(
-            json!([[{"subnet": "10.0.0.0/16"}, {"subnet": "10.0.4.0/24"}]]),
+            json!([[{"subnet": "198.18.0.0/16"}, {"subnet": "198.18.4.0/24"}]]),
         ));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (
                 INVALID_CONFIG,
-                "ipam.ranges[0][0].subnet 10.0.0.0/16 overlaps ipam.ranges[0][1].subnet 10.0.4.0/24"
+                "ipam.ranges[0][0].subnet 198.18.0.0/16 overlaps ipam.ranges[0][1].subnet 198.18.4.0/24"
             )
         );
     }
@@ -916,7 +916,7 @@ mod tests {
             (e.code, e.msg.as_str()),
             (INVALID_CONFIG, "ipam.ranges is empty")
         );
-        let e = err(ranges(json!([[{"subnet": "10.0.0.0/24"}], []])));
+        let e = err(ranges(json!([[{"subnet": "198.18.0.0/24"}], []])));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (INVALID_CONFIG, "ipam.ranges[1] is an empty range set")
@@ -926,41 +926,43 @@ mod tests {
     #[test]
     fn range_start_and_end_are_unsupported() {
         let e = err(ranges(
-            json!([[{"subnet": "10.0.0.0/24", "rangeStart": "10.0.0.10"}]]),
+            json!([[{"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.10"}]]),
         ));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (
                 UNSUPPORTED_FIELD,
-                "unsupported field ipam.ranges[0][0].rangeStart = \"10.0.0.10\": metis allocates whole blocks"
+                "unsupported field ipam.ranges[0][0].rangeStart = \"198.18.0.10\": metis allocates whole blocks"
             )
         );
         let e = err(ranges(
-            json!([[{"subnet": "10.0.0.0/24", "rangeEnd": "10.0.0.20"}]]),
+            json!([[{"subnet": "198.18.0.0/24", "rangeEnd": "198.18.0.20"}]]),
         ));
         assert_eq!(e.code, UNSUPPORTED_FIELD);
-        assert!(e.msg.contains("rangeEnd = \"10.0.0.20\""), "{}", e.msg);
+        assert!(e.msg.contains("rangeEnd = \"198.18.0.20\""), "{}", e.msg);
     }
 
     #[test]
     fn gateway_must_match_computed() {
         ok(ranges(
-            json!([[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.1"}]]),
+            json!([[{"subnet": "198.18.0.0/24", "gateway": "198.18.0.1"}]]),
         ));
         ok(ranges(
-            json!([[{"subnet": "10.0.0.4/31", "gateway": "169.254.4.6"}]]),
+            json!([[{"subnet": "198.18.0.4/31", "gateway": "169.254.4.6"}]]),
         ));
         let e = err(ranges(
-            json!([[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.254"}]]),
+            json!([[{"subnet": "198.18.0.0/24", "gateway": "198.18.0.254"}]]),
         ));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (
                 UNSUPPORTED_FIELD,
-                "unsupported field ipam.ranges[0][0].gateway = \"10.0.0.254\": metis uses 10.0.0.1 for 10.0.0.0/24"
+                "unsupported field ipam.ranges[0][0].gateway = \"198.18.0.254\": metis uses 198.18.0.1 for 198.18.0.0/24"
             )
         );
-        let e = err(ranges(json!([[{"subnet": "10.0.0.0/24", "gateway": "x"}]])));
+        let e = err(ranges(
+            json!([[{"subnet": "198.18.0.0/24", "gateway": "x"}]]),
+        ));
         assert_eq!(
             (e.code, e.msg.as_str()),
             (
@@ -973,13 +975,13 @@ mod tests {
     #[test]
     fn route_fields() {
         let conf = ok(with_ipam(json!({"routes": [
-            {"dst": "10.0.0.0/8", "gw": "10.0.0.1", "mtu": 1400, "advmss": 0, "priority": 3, "table": 0, "scope": 253}
+            {"dst": "198.18.0.0/15", "gw": "198.18.0.1", "mtu": 1400, "advmss": 0, "priority": 3, "table": 0, "scope": 253}
         ]})));
         assert_eq!(
             conf.routes,
             vec![Route {
-                dst: cidr("10.0.0.0/8"),
-                gw: Some(ip("10.0.0.1")),
+                dst: cidr("198.18.0.0/15"),
+                gw: Some(ip("198.18.0.1")),
                 mtu: Some(1400),
                 advmss: None,
                 priority: Some(3),
@@ -993,17 +995,17 @@ mod tests {
     fn bad_routes_name_the_index() {
         let cases = [
             (
-                json!([{"dst": "0.0.0.0/0"}, {"dst": "10.0.0.1/8"}]),
-                "invalid ipam.routes[1].dst: invalid CIDR \"10.0.0.1/8\": host bits set; the network address is 10.0.0.0/8",
+                json!([{"dst": "0.0.0.0/0"}, {"dst": "198.18.0.1/15"}]),
+                "invalid ipam.routes[1].dst: invalid CIDR \"198.18.0.1/15\": host bits set; the network address is 198.18.0.0/15",
             ),
-            (json!([{"gw": "10.0.0.1"}]), "ipam.routes[0]: missing dst"),
+            (json!([{"gw": "198.18.0.1"}]), "ipam.routes[0]: missing dst"),
             (
                 json!([{"dst": "0.0.0.0/0", "gw": "bogus"}]),
                 "invalid ipam.routes[0].gw \"bogus\": not an IP address",
             ),
             (
-                json!([{"dst": "::/0", "gw": "10.0.0.1"}]),
-                "invalid ipam.routes[0].gw \"10.0.0.1\": not of the same family as dst ::/0",
+                json!([{"dst": "::/0", "gw": "198.18.0.1"}]),
+                "invalid ipam.routes[0].gw \"198.18.0.1\": not of the same family as dst ::/0",
             ),
         ];
         for (routes, msg) in cases {
@@ -1091,38 +1093,38 @@ mod tests {
 
     #[test]
     fn requested_ips_sources() {
-        let dual = json!([[{"subnet": "10.0.0.0/24"}], [{"subnet": "2001:db8::/64"}]]);
+        let dual = json!([[{"subnet": "198.18.0.0/24"}], [{"subnet": "2001:db8::/64"}]]);
         let mut value = ranges(dual.clone());
-        value["runtimeConfig"] = json!({"ips": ["10.0.0.5/24"]});
+        value["runtimeConfig"] = json!({"ips": ["198.18.0.5/24"]});
         let conf = ok(value.clone());
         let cni_args = CniArgs {
-            ips: vec![ip("2001:db8::9"), ip("10.0.0.5")],
+            ips: vec![ip("2001:db8::9"), ip("198.18.0.5")],
             ..CniArgs::default()
         };
         // CNI_ARGS used while args.cni.ips is absent; duplicates dropped.
         assert_eq!(
             conf.requested_addresses(&cni_args).unwrap(),
-            vec![ip("10.0.0.5"), ip("2001:db8::9")]
+            vec![ip("198.18.0.5"), ip("2001:db8::9")]
         );
         // args.cni.ips present (even empty) → CNI_ARGS ignored.
         value["args"] = json!({"cni": {"ips": []}});
         assert_eq!(
             ok(value.clone()).requested_addresses(&cni_args).unwrap(),
-            vec![ip("10.0.0.5")]
+            vec![ip("198.18.0.5")]
         );
         value["args"] = json!({"cni": {"ips": ["2001:db8::7/64"]}});
         let conf = ok(value);
         assert_eq!(conf.args_ips, Some(vec![ip("2001:db8::7")]));
         assert_eq!(
             conf.requested_addresses(&cni_args).unwrap(),
-            vec![ip("10.0.0.5"), ip("2001:db8::7")]
+            vec![ip("198.18.0.5"), ip("2001:db8::7")]
         );
     }
 
     #[test]
     fn requested_ips_errors() {
-        let mut value = ranges(json!([[{"subnet": "10.0.0.0/24"}]]));
-        value["runtimeConfig"] = json!({"ips": ["10.0.0.5", "10.0.0.6"]});
+        let mut value = ranges(json!([[{"subnet": "198.18.0.0/24"}]]));
+        value["runtimeConfig"] = json!({"ips": ["198.18.0.5", "198.18.0.6"]});
         let e = ok(value.clone())
             .requested_addresses(&CniArgs::default())
             .unwrap_err();
@@ -1130,7 +1132,7 @@ mod tests {
             (e.code, e.msg.as_str()),
             (
                 INVALID_CONFIG,
-                "metis allocates one address per family; IPv4 addresses requested: 10.0.0.5, 10.0.0.6"
+                "metis allocates one address per family; IPv4 addresses requested: 198.18.0.5, 198.18.0.6"
             )
         );
         value["runtimeConfig"] = json!({"ips": ["2001:db8::1"]});
@@ -1144,17 +1146,17 @@ mod tests {
                 "requested address 2001:db8::1 is IPv6 but no IPv6 range is configured"
             )
         );
-        value["runtimeConfig"] = json!({"ips": ["10.0.0.5/33"]});
+        value["runtimeConfig"] = json!({"ips": ["198.18.0.5/33"]});
         let e = err(value.clone());
         assert_eq!(
             (e.code, e.msg.as_str()),
             (
                 INVALID_CONFIG,
-                "invalid runtimeConfig.ips[0] \"10.0.0.5/33\": expected <ip>[/<prefix>]"
+                "invalid runtimeConfig.ips[0] \"198.18.0.5/33\": expected <ip>[/<prefix>]"
             )
         );
         value["runtimeConfig"] = json!({});
-        value["args"] = json!({"cni": {"ips": ["10.0.0.5", "nope"]}});
+        value["args"] = json!({"cni": {"ips": ["198.18.0.5", "nope"]}});
         let e = err(value);
         assert_eq!(
             (e.code, e.msg.as_str()),
@@ -1171,12 +1173,12 @@ mod tests {
         value["prevResult"] = json!({
             "cniVersion": "1.0.0",
             "interfaces": [{"name": "eth0", "sandbox": "/ns"}],
-            "ips": [{"interface": 0, "address": "10.240.0.5/24", "gateway": "10.240.0.1"},
+            "ips": [{"interface": 0, "address": "198.19.0.5/24", "gateway": "198.19.0.1"},
                     {"address": "2600:1900::5/112"}]
         });
         assert_eq!(
             ok(value).prev_result_ips().unwrap(),
-            vec![ip("10.240.0.5"), ip("2600:1900::5")]
+            vec![ip("198.19.0.5"), ip("2600:1900::5")]
         );
     }
 
@@ -1185,12 +1187,12 @@ mod tests {
         let mut value = with_ipam(json!({}));
         value["prevResult"] = json!({
             "cniVersion": "0.2.0",
-            "ip4": {"ip": "10.240.0.5/24", "gateway": "10.240.0.1"},
+            "ip4": {"ip": "198.19.0.5/24", "gateway": "198.19.0.1"},
             "ip6": {"ip": "2001:db8::5/64"}
         });
         assert_eq!(
             ok(value).prev_result_ips().unwrap(),
-            vec![ip("10.240.0.5"), ip("2001:db8::5")]
+            vec![ip("198.19.0.5"), ip("2001:db8::5")]
         );
     }
 
@@ -1216,11 +1218,11 @@ mod tests {
                 "invalid prevResult.ips: not a JSON array",
             ),
             (
-                json!({"ips": [{"address": "10.0.0.5"}]}),
-                "invalid prevResult.ips[0].address \"10.0.0.5\": expected \"<ip>/<prefix>\"",
+                json!({"ips": [{"address": "198.18.0.5"}]}),
+                "invalid prevResult.ips[0].address \"198.18.0.5\": expected \"<ip>/<prefix>\"",
             ),
             (
-                json!({"ips": [{"gateway": "10.0.0.1"}]}),
+                json!({"ips": [{"gateway": "198.18.0.1"}]}),
                 "invalid prevResult.ips[0].address (missing): expected \"<ip>/<prefix>\"",
             ),
             (

@@ -243,14 +243,14 @@ mod tests {
     #[test]
     fn prints_spec_error_object_in_key_order() {
         let err = CniError::invalid_config("invalid configuration")
-            .with_details("network 192.168.0.0/31 too small");
+            .with_details("network 198.19.0.0/31 too small");
         assert_eq!(
             err.to_json("1.1.0"),
             r#"{
     "cniVersion": "1.1.0",
     "code": 7,
     "msg": "invalid configuration",
-    "details": "network 192.168.0.0/31 too small"
+    "details": "network 198.19.0.0/31 too small"
 }"#
         );
     }

@@ -341,7 +341,7 @@ users:
         // KUBECONFIG wins over the in-cluster variables.
         let found = from_environment(&|k| match k {
             "KUBECONFIG" => Some(path.clone()),
-            "KUBERNETES_SERVICE_HOST" => Some("10.0.0.1".into()),
+            "KUBERNETES_SERVICE_HOST" => Some("198.18.0.1".into()),
             "KUBERNETES_SERVICE_PORT" => Some("443".into()),
             _ => None,
         })
@@ -356,8 +356,8 @@ users:
         let dir = std::env::temp_dir().join(format!("metis-sa-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join("ca.crt"), b"PEM").unwrap();
-        let config = in_cluster("fd00::1", "443", &dir).unwrap();
-        assert_eq!(config.server, "https://[fd00::1]:443");
+        let config = in_cluster("2001:db8::1", "443", &dir).unwrap();
+        assert_eq!(config.server, "https://[2001:db8::1]:443");
         assert_eq!(config.auth, Auth::TokenFile(dir.join("token")));
         assert_eq!(config.tls.ca.as_deref(), Some(&b"PEM"[..]));
         fs::remove_dir_all(&dir).unwrap();

@@ -234,6 +234,10 @@ impl Store {
         let n = tx
             .prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1 AND state = 'Deleting'")?
             .execute([id])?;
+        if n > 0 {
+            tx.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+                .execute([super::alloc::frontier_key(id)])?;
+        }
         tx.commit()?;
         Ok(n > 0)
     }

@@ -6,8 +6,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::reserve::{block_reserved, is_first_v4, reserved_offsets};
 use super::{
-    AddOutcome, Allocation, Owner, ReserveMode, Store, StoreError, parse_addr, parse_cidr,
-    total_ips, validate_owner,
+    AddOutcome, Allocation, Owner, ReserveMode, Store, StoreError, get_setting, parse_addr,
+    parse_cidr, schema, set_setting, total_ips, validate_owner,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -26,8 +26,10 @@ fn insert_rows(
     offsets: std::ops::Range<u128>,
     reserved: &[u128],
 ) -> Result<u64, StoreError> {
+    // OR IGNORE: a requested IPv6 address may already have its row, and
+    // another writer (upstream) may have populated ahead of our frontier.
     let mut insert = conn.prepare_cached(
-        "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+        "INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
          VALUES (?1, ?2, '', '', ?3)",
     )?;
     let mut inserted = 0u64;
@@ -37,7 +39,9 @@ fn insert_rows(
             break;
         };
         let is_reserved = reserved.contains(&offset);
-        insert.execute(params![addr.to_string(), block_id, is_reserved])?;
+        if insert.execute(params![addr.to_string(), block_id, is_reserved])? == 0 {
+            continue;
+        }
         inserted += 1;
         if is_reserved {
             reserved_count += 1;
@@ -165,10 +169,15 @@ const COUNT_RELEASED_SQL: &str =
 const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
      pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1";
 
+/// Reads every row of a block to find its highest address: run once per
+/// IPv6 block that has no recorded frontier (populated by upstream, or
+/// before Metis recorded frontiers), never on the allocation path.
+const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1";
+
 /// Every statement that runs for each allocation, release or check, for
 /// the query-plan test: none may scan `ip_addresses`, which holds every
-/// address of every block. (IPv6 batch expansion, once per 64 allocations,
-/// still reads all rows of its block: see README, Performance.)
+/// address of every block. (IPv6 growth continues from a frontier recorded
+/// in `metis_settings`, so it scans nothing either.)
 #[cfg(test)]
 pub(super) const ALLOCATION_PATH: [&str; 9] = [
     HELD_SQL,
@@ -232,31 +241,51 @@ fn expand_v6(
     if has_free {
         return Ok(0);
     }
-    let mut highest: Option<u128> = None;
-    {
-        let mut stmt =
-            conn.prepare_cached("SELECT address FROM ip_addresses WHERE cidr_block_id = ?1")?;
-        let mut rows = stmt.query([block_id])?;
-        while let Some(row) = rows.next()? {
-            let text: String = row.get(0)?;
-            if let Some(offset) = cidr.offset_of(parse_addr(&text)?) {
-                highest = Some(highest.map_or(offset, |h| h.max(offset)));
-            }
-        }
-    }
-    let start = match highest {
-        None => 0,
-        Some(h) => match h.checked_add(1) {
-            Some(s) => s,
-            None => return Ok(0),
+    let key = frontier_key(block_id);
+    let mut start = match get_setting(conn, &key)?.and_then(|text| text.parse::<u128>().ok()) {
+        Some(frontier) => frontier,
+        None => match highest_offset(conn, block_id, cidr)? {
+            None => 0,
+            Some(highest) => highest.saturating_add(1),
         },
     };
-    let end = start.saturating_add(IPV6_BATCH).min(cidr.size());
-    if start >= end {
-        return Ok(0);
-    }
     let reserved = block_reserved(conn, mode, block_id, network, cidr)?;
-    insert_rows(conn, block_id, cidr, start..end, &reserved)
+    // Batches already populated by someone else insert nothing: move on
+    // until one adds a row or the prefix ends.
+    while start < cidr.size() {
+        let end = start.saturating_add(IPV6_BATCH).min(cidr.size());
+        let inserted = insert_rows(conn, block_id, cidr, start..end, &reserved)?;
+        set_setting(conn, &key, &end.to_string())?;
+        if inserted > 0 {
+            return Ok(inserted);
+        }
+        start = end;
+    }
+    Ok(0)
+}
+
+/// The `metis_settings` key of an IPv6 block's population frontier.
+pub(super) fn frontier_key(block_id: i64) -> String {
+    format!("{}{block_id}", schema::KEY_IPV6_FRONTIER)
+}
+
+/// The highest populated offset of a block: a scan of its rows, done once
+/// per block (for blocks populated before the frontier was recorded).
+fn highest_offset(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+) -> Result<Option<u128>, StoreError> {
+    let mut highest: Option<u128> = None;
+    let mut stmt = conn.prepare_cached(HIGHEST_ROW_SCAN_SQL)?;
+    let mut rows = stmt.query([block_id])?;
+    while let Some(row) = rows.next()? {
+        let text: String = row.get(0)?;
+        if let Some(offset) = cidr.offset_of(parse_addr(&text)?) {
+            highest = Some(highest.map_or(offset, |h| h.max(offset)));
+        }
+    }
+    Ok(highest)
 }
 
 impl Store {
@@ -291,6 +320,9 @@ impl Store {
             Family::V6 => cidr.size().min(IPV6_BATCH),
         };
         insert_rows(&tx, id, cidr, 0..end, &reserved)?;
+        if cidr.family() == Family::V6 {
+            set_setting(&tx, &frontier_key(id), &end.to_string())?;
+        }
         tx.commit()?;
         Ok(AddOutcome::Added(id))
     }

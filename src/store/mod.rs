@@ -568,7 +568,7 @@ pub(crate) fn get_setting(conn: &Connection, key: &str) -> Result<Option<String>
         .optional()?)
 }
 
-fn set_setting(conn: &Connection, key: &str, value: &str) -> Result<(), StoreError> {
+pub(crate) fn set_setting(conn: &Connection, key: &str, value: &str) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO metis_settings (key, value) VALUES (?1, ?2) \
          ON CONFLICT(key) DO UPDATE SET value = excluded.value",

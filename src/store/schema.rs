@@ -72,3 +72,7 @@ pub const KEY_LAYOUT: &str = "reserve_layout";
 /// `metis_settings` key holding the daemon's release cooldown in
 /// milliseconds, read by the plugin in direct mode.
 pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
+
+/// `metis_settings` key prefix (then the block id) remembering the next
+/// IPv6 offset to populate, so growing a block never scans its rows.
+pub const KEY_IPV6_FRONTIER: &str = "ipv6_frontier/";

@@ -103,15 +103,24 @@ fn assert_counters(store: &Store) {
 fn reserved_offsets_rule() {
     let e = ReserveMode::EveryBlock;
     let f = ReserveMode::FirstBlock;
-    assert_eq!(reserved_offsets(&c("10.0.0.0/29"), e, false), vec![0, 1, 7]);
-    assert_eq!(reserved_offsets(&c("10.0.0.0/30"), e, false), vec![0, 1, 3]);
-    assert!(reserved_offsets(&c("10.0.0.0/31"), e, true).is_empty());
-    assert!(reserved_offsets(&c("10.0.0.0/32"), e, true).is_empty());
-    assert_eq!(reserved_offsets(&c("10.0.0.0/29"), f, true), vec![0, 1, 7]);
-    assert!(reserved_offsets(&c("10.0.0.0/29"), f, false).is_empty());
-    assert_eq!(reserved_offsets(&c("fd00::/64"), e, false), vec![0, 1]);
-    assert!(reserved_offsets(&c("fd00::/64"), f, true).is_empty());
-    assert!(reserved_offsets(&c("fd00::/127"), e, false).is_empty());
+    assert_eq!(
+        reserved_offsets(&c("198.18.0.0/29"), e, false),
+        vec![0, 1, 7]
+    );
+    assert_eq!(
+        reserved_offsets(&c("198.18.0.0/30"), e, false),
+        vec![0, 1, 3]
+    );
+    assert!(reserved_offsets(&c("198.18.0.0/31"), e, true).is_empty());
+    assert!(reserved_offsets(&c("198.18.0.0/32"), e, true).is_empty());
+    assert_eq!(
+        reserved_offsets(&c("198.18.0.0/29"), f, true),
+        vec![0, 1, 7]
+    );
+    assert!(reserved_offsets(&c("198.18.0.0/29"), f, false).is_empty());
+    assert_eq!(reserved_offsets(&c("2001:db8::/64"), e, false), vec![0, 1]);
+    assert!(reserved_offsets(&c("2001:db8::/64"), f, true).is_empty());
+    assert!(reserved_offsets(&c("2001:db8::/127"), e, false).is_empty());
 }
 
 #[test]
@@ -282,7 +291,9 @@ fn reopen_is_idempotent_and_keeps_data() {
     let a;
     {
         let mut store = open(&dir.db());
-        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+        store
+            .add_cidr_block("default", &c("198.18.1.0/29"))
+            .unwrap();
         a = alloc(&mut store, "default", "c1", Family::V4, NOW);
         schema_before = store
             .conn
@@ -315,12 +326,14 @@ fn reopen_is_idempotent_and_keeps_data() {
 fn every_block_29_reserves_and_allocates_in_order() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    let id = store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    let id = store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
     assert_eq!(id, AddOutcome::Added(1));
     assert_eq!(rows(&store, 1).len(), 8);
     assert_eq!(
         reserved_addrs(&store, 1),
-        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+        vec!["198.18.1.0", "198.18.1.1", "198.18.1.7"]
     );
     let b = block(&store, 1);
     assert_eq!(
@@ -331,7 +344,7 @@ fn every_block_29_reserves_and_allocates_in_order() {
     let got: Vec<IpAddr> = (0..5)
         .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
         .collect();
-    let want: Vec<IpAddr> = (2..=6).map(|i| ip(&format!("10.0.1.{i}"))).collect();
+    let want: Vec<IpAddr> = (2..=6).map(|i| ip(&format!("198.18.1.{i}"))).collect();
     assert_eq!(got, want);
     let err = store
         .allocate(&owner("default", "c9"), Family::V4, NOW)
@@ -343,18 +356,23 @@ fn every_block_29_reserves_and_allocates_in_order() {
     assert_counters(&store);
     // Adding it again changes nothing.
     assert_eq!(
-        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap(),
+        store
+            .add_cidr_block("default", &c("198.18.1.0/29"))
+            .unwrap(),
         AddOutcome::Exists(1)
     );
     assert_eq!(rows(&store, 1).len(), 8);
     assert_eq!(
-        store.find_block("default", &c("10.0.1.0/29")).unwrap(),
+        store.find_block("default", &c("198.18.1.0/29")).unwrap(),
         Some(1)
     );
-    assert_eq!(store.find_block("other", &c("10.0.1.0/29")).unwrap(), None);
+    assert_eq!(
+        store.find_block("other", &c("198.18.1.0/29")).unwrap(),
+        None
+    );
     // Same prefix in another network is a separate block.
     assert_eq!(
-        store.add_cidr_block("other", &c("10.0.1.0/29")).unwrap(),
+        store.add_cidr_block("other", &c("198.18.1.0/29")).unwrap(),
         AddOutcome::Added(2)
     );
 }
@@ -364,24 +382,34 @@ fn second_block_reservation_depends_on_mode() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-        store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+        store
+            .add_cidr_block("default", &c("198.18.1.0/29"))
+            .unwrap();
+        store
+            .add_cidr_block("default", &c("198.18.2.0/29"))
+            .unwrap();
         assert_eq!(
             reserved_addrs(&store, 2),
-            vec!["10.0.2.0", "10.0.2.1", "10.0.2.7"]
+            vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
         );
         assert_eq!(block(&store, 2).allocated_ips, 3);
     }
     let dir2 = TempDir::new();
     let mut store = open_mode(&dir2.db(), ReserveMode::FirstBlock);
     assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
-    store.add_cidr_block("default", &c("fd00::/120")).unwrap(); // v6 first: no effect on v4 rule
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/120"))
+        .unwrap(); // v6 first: no effect on v4 rule
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.2.0/29"))
+        .unwrap();
     assert!(reserved_addrs(&store, 1).is_empty());
     assert_eq!(
         reserved_addrs(&store, 2),
-        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+        vec!["198.18.1.0", "198.18.1.1", "198.18.1.7"]
     );
     assert!(reserved_addrs(&store, 3).is_empty());
     assert_eq!(block(&store, 3).allocated_ips, 0);
@@ -390,11 +418,11 @@ fn second_block_reservation_depends_on_mode() {
     }
     assert_eq!(
         alloc(&mut store, "default", "c5", Family::V4, NOW),
-        ip("10.0.2.0")
+        ip("198.18.2.0")
     );
     assert_eq!(
         alloc(&mut store, "default", "c6", Family::V6, NOW),
-        ip("fd00::")
+        ip("2001:db8::")
     );
     drop(store);
 
@@ -403,8 +431,8 @@ fn second_block_reservation_depends_on_mode() {
     assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
     drop(store);
     let store = open_mode(&dir2.db(), ReserveMode::EveryBlock);
-    assert_eq!(reserved_addrs(&store, 3), vec!["10.0.2.1", "10.0.2.7"]);
-    assert_eq!(reserved_addrs(&store, 1), vec!["fd00::1"]);
+    assert_eq!(reserved_addrs(&store, 3), vec!["198.18.2.1", "198.18.2.7"]);
+    assert_eq!(reserved_addrs(&store, 1), vec!["2001:db8::1"]);
     assert_eq!(
         store.open_warnings().len(),
         2,
@@ -415,13 +443,13 @@ fn second_block_reservation_depends_on_mode() {
         store
             .open_warnings()
             .iter()
-            .any(|w| w.contains("10.0.2.0") && w.contains("c5"))
+            .any(|w| w.contains("198.18.2.0") && w.contains("c5"))
     );
     assert!(
         store
             .open_warnings()
             .iter()
-            .any(|w| w.contains("fd00::") && w.contains("c6"))
+            .any(|w| w.contains("2001:db8::") && w.contains("c6"))
     );
     assert_counters(&store);
     drop(store);
@@ -433,7 +461,7 @@ fn second_block_reservation_depends_on_mode() {
     assert_counters(&store);
     assert_eq!(
         alloc(&mut store, "default", "c7", Family::V4, NOW),
-        ip("10.0.2.1")
+        ip("198.18.2.1")
     );
 }
 
@@ -441,15 +469,22 @@ fn second_block_reservation_depends_on_mode() {
 fn tiny_v4_blocks_reserve_nothing() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.0.0/31")).unwrap();
-    store.add_cidr_block("default", &c("10.0.0.9/32")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.0.0/31"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.0.9/32"))
+        .unwrap();
     assert_eq!(block(&store, 1).allocated_ips, 0);
     assert_eq!(block(&store, 2).allocated_ips, 0);
     assert_eq!(block(&store, 2).total_ips, 1);
     let got: Vec<IpAddr> = (0..3)
         .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
         .collect();
-    assert_eq!(got, vec![ip("10.0.0.0"), ip("10.0.0.1"), ip("10.0.0.9")]);
+    assert_eq!(
+        got,
+        vec![ip("198.18.0.0"), ip("198.18.0.1"), ip("198.18.0.9")]
+    );
     assert!(
         store
             .allocate(&owner("default", "c3"), Family::V4, NOW)
@@ -462,37 +497,41 @@ fn tiny_v4_blocks_reserve_nothing() {
 fn ipv6_reserves_base_and_gateway() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("fd00::/120")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/120"))
+        .unwrap();
     let b = block(&store, 1);
     assert_eq!(
         (b.family, b.total_ips, b.allocated_ips),
         (Family::V6, 256, 2)
     );
     assert_eq!(rows(&store, 1).len(), 64);
-    assert_eq!(reserved_addrs(&store, 1), vec!["fd00::", "fd00::1"]);
+    assert_eq!(reserved_addrs(&store, 1), vec!["2001:db8::", "2001:db8::1"]);
     let a = store
         .allocate(&owner("default", "c1"), Family::V6, NOW)
         .unwrap();
-    assert_eq!(a.address, ip("fd00::2"));
-    assert_eq!(a.block, c("fd00::/120"));
+    assert_eq!(a.address, ip("2001:db8::2"));
+    assert_eq!(a.block, c("2001:db8::/120"));
 }
 
 #[test]
 fn ipv6_expands_in_batches() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/64"))
+        .unwrap();
     assert_eq!(block(&store, 1).total_ips, i64::MAX);
     let mut seen = HashSet::new();
     for i in 0..100 {
         let a = alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
-        assert!(c("fd00::/64").contains(a));
+        assert!(c("2001:db8::/64").contains(a));
         assert!(seen.insert(a), "duplicate {a}");
     }
     let n = rows(&store, 1).len();
     assert!(n >= 128, "{n} rows");
     assert_eq!(n, 128);
-    assert!(seen.contains(&ip("fd00::41")));
+    assert!(seen.contains(&ip("2001:db8::41")));
     assert_eq!(block(&store, 1).allocated_ips, 102);
     assert_counters(&store);
 }
@@ -501,29 +540,33 @@ fn ipv6_expands_in_batches() {
 fn tiny_ipv6_blocks_stay_inside_prefix() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("fd00::/127")).unwrap();
-    store.add_cidr_block("other", &c("fd00::10/128")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/127"))
+        .unwrap();
+    store
+        .add_cidr_block("other", &c("2001:db8::10/128"))
+        .unwrap();
     assert_eq!(
         rows(&store, 1)
             .iter()
             .map(|r| r.0.clone())
             .collect::<Vec<_>>(),
-        vec!["fd00::", "fd00::1"]
+        vec!["2001:db8::", "2001:db8::1"]
     );
     assert_eq!(
         rows(&store, 2)
             .iter()
             .map(|r| r.0.clone())
             .collect::<Vec<_>>(),
-        vec!["fd00::10"]
+        vec!["2001:db8::10"]
     );
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V6, NOW),
-        ip("fd00::")
+        ip("2001:db8::")
     );
     assert_eq!(
         alloc(&mut store, "default", "b", Family::V6, NOW),
-        ip("fd00::1")
+        ip("2001:db8::1")
     );
     assert!(matches!(
         store.allocate(&owner("default", "c"), Family::V6, NOW),
@@ -537,7 +580,7 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
     ));
     assert_eq!(
         alloc(&mut store, "other", "x", Family::V6, NOW),
-        ip("fd00::10")
+        ip("2001:db8::10")
     );
     assert_eq!(rows(&store, 1).len(), 2);
     assert_eq!(rows(&store, 2).len(), 1);
@@ -547,15 +590,17 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
 fn fully_cooling_126_terminates() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("fd00::/126")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/126"))
+        .unwrap();
     assert_eq!(rows(&store, 1).len(), 4);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V6, NOW),
-        ip("fd00::2")
+        ip("2001:db8::2")
     );
     assert_eq!(
         alloc(&mut store, "default", "b", Family::V6, NOW),
-        ip("fd00::3")
+        ip("2001:db8::3")
     );
     store.release("default", "a", "eth0", 30_000, NOW).unwrap();
     store.release("default", "b", "eth0", 30_000, NOW).unwrap();
@@ -575,7 +620,7 @@ fn fully_cooling_126_terminates() {
     assert_eq!(rows(&store, 1).len(), 4);
     assert_eq!(
         alloc(&mut store, "default", "c", Family::V6, NOW + 30_000),
-        ip("fd00::2")
+        ip("2001:db8::2")
     );
     assert_counters(&store);
 }
@@ -584,24 +629,26 @@ fn fully_cooling_126_terminates() {
 fn cooldown_skips_then_reuses() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V4, NOW),
-        ip("10.0.1.2")
+        ip("198.18.1.2")
     );
     let released = store.release("default", "a", "eth0", 1000, NOW).unwrap();
     assert_eq!(
         released,
         vec![Allocation {
-            address: ip("10.0.1.2"),
-            block: c("10.0.1.0/29")
+            address: ip("198.18.1.2"),
+            block: c("198.18.1.0/29")
         }]
     );
     let r = rows(&store, 1);
     assert_eq!(
         r[2],
         (
-            "10.0.1.2".to_string(),
+            "198.18.1.2".to_string(),
             false,
             "a".to_string(),
             Some(NOW + 1000)
@@ -610,11 +657,11 @@ fn cooldown_skips_then_reuses() {
     assert_eq!(store.usage("default", Family::V4, NOW).unwrap().cooldown, 1);
     assert_eq!(
         alloc(&mut store, "default", "b", Family::V4, NOW + 999),
-        ip("10.0.1.3")
+        ip("198.18.1.3")
     );
     assert_eq!(
         alloc(&mut store, "default", "c", Family::V4, NOW + 1000),
-        ip("10.0.1.2")
+        ip("198.18.1.2")
     );
     assert_eq!(
         store
@@ -630,7 +677,7 @@ fn cooldown_skips_then_reuses() {
     assert_eq!(rows(&store, 1)[2].3, None);
     assert_eq!(
         alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
-        ip("10.0.1.2")
+        ip("198.18.1.2")
     );
     assert_counters(&store);
 }
@@ -639,28 +686,34 @@ fn cooldown_skips_then_reuses() {
 fn oldest_block_first() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.2.0/28")).unwrap();
-    store.add_cidr_block("default", &c("10.0.1.0/28")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.2.0/28"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/28"))
+        .unwrap();
     for i in 0..3 {
         let a = store
             .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
             .unwrap();
-        assert_eq!(a.block, c("10.0.2.0/28"));
+        assert_eq!(a.block, c("198.18.2.0/28"));
     }
     // A Draining block is skipped.
     store.drain_block(1, NOW).unwrap();
     let a = store
         .allocate(&owner("default", "d"), Family::V4, NOW)
         .unwrap();
-    assert_eq!(a.address, ip("10.0.1.2"));
+    assert_eq!(a.address, ip("198.18.1.2"));
 }
 
 #[test]
 fn allocate_is_idempotent_and_network_scoped() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("blue", &c("10.0.9.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
+    store.add_cidr_block("blue", &c("198.18.9.0/29")).unwrap();
     let a = store
         .allocate(&owner("default", "c1"), Family::V4, NOW)
         .unwrap();
@@ -676,7 +729,7 @@ fn allocate_is_idempotent_and_network_scoped() {
     let blue = store
         .allocate(&owner("blue", "c1"), Family::V4, NOW)
         .unwrap();
-    assert_eq!(blue.address, ip("10.0.9.2"));
+    assert_eq!(blue.address, ip("198.18.9.2"));
     assert_eq!(store.check("default", "c1", "eth0").unwrap(), vec![a]);
     assert_eq!(store.check("blue", "c1", "eth0").unwrap(), vec![blue]);
     // Another interface of the same container is another owner.
@@ -684,7 +737,7 @@ fn allocate_is_idempotent_and_network_scoped() {
     o.interface_name = "net1";
     assert_eq!(
         store.allocate(&o, Family::V4, NOW).unwrap().address,
-        ip("10.0.1.3")
+        ip("198.18.1.3")
     );
     // Empty owner fields are refused.
     let mut bad = owner("default", "");
@@ -709,8 +762,12 @@ fn allocate_is_idempotent_and_network_scoped() {
 fn release_is_idempotent_and_dual_stack() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/64"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
     let v6 = store
         .allocate(&owner("default", "c1"), Family::V6, NOW)
         .unwrap();
@@ -745,9 +802,15 @@ fn release_is_idempotent_and_dual_stack() {
 fn counters_match_rows_after_mixed_sequence() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/28")).unwrap();
-    store.add_cidr_block("default", &c("10.0.2.0/28")).unwrap();
-    store.add_cidr_block("default", &c("fd00::/120")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/28"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.2.0/28"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/120"))
+        .unwrap();
     for i in 0..70 {
         let cid = format!("c{i}");
         if i < 20 {
@@ -761,10 +824,10 @@ fn counters_match_rows_after_mixed_sequence() {
         }
     }
     store
-        .allocate_requested(&owner("default", "req"), ip("10.0.2.9"), NOW + 100)
+        .allocate_requested(&owner("default", "req"), ip("198.18.2.9"), NOW + 100)
         .unwrap();
     store
-        .allocate_requested(&owner("default", "req"), ip("fd00::f0"), NOW + 100)
+        .allocate_requested(&owner("default", "req"), ip("2001:db8::f0"), NOW + 100)
         .unwrap();
     store.drain_block(2, NOW).unwrap();
     store
@@ -780,21 +843,25 @@ fn counters_match_rows_after_mixed_sequence() {
 fn allocate_requested_cases() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/64"))
+        .unwrap();
     let a = store
-        .allocate_requested(&owner("default", "a"), ip("10.0.1.5"), NOW)
+        .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
         .unwrap();
     assert_eq!(
         a,
         Allocation {
-            address: ip("10.0.1.5"),
-            block: c("10.0.1.0/29")
+            address: ip("198.18.1.5"),
+            block: c("198.18.1.0/29")
         }
     );
     assert_eq!(
         store
-            .allocate_requested(&owner("default", "a"), ip("10.0.1.5"), NOW)
+            .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
             .unwrap(),
         a
     );
@@ -806,71 +873,71 @@ fn allocate_requested_cases() {
     };
     unavailable(
         store
-            .allocate_requested(&owner("default", "a"), ip("10.0.1.4"), NOW)
+            .allocate_requested(&owner("default", "a"), ip("198.18.1.4"), NOW)
             .unwrap_err(),
-        "already holds 10.0.1.5",
+        "already holds 198.18.1.5",
     );
     unavailable(
         store
-            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW)
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW)
             .unwrap_err(),
         "held by container \"a\"",
     );
     unavailable(
         store
-            .allocate_requested(&owner("default", "b"), ip("10.0.1.1"), NOW)
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.1"), NOW)
             .unwrap_err(),
         "reserved",
     );
     unavailable(
         store
-            .allocate_requested(&owner("default", "b"), ip("10.0.1.7"), NOW)
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.7"), NOW)
             .unwrap_err(),
         "reserved",
     );
     unavailable(
         store
-            .allocate_requested(&owner("default", "b"), ip("fd00::1"), NOW)
+            .allocate_requested(&owner("default", "b"), ip("2001:db8::1"), NOW)
             .unwrap_err(),
         "reserved",
     );
     store.release("default", "a", "eth0", 1000, NOW).unwrap();
     unavailable(
         store
-            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW + 10)
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
             .unwrap_err(),
         "cooldown",
     );
     assert!(matches!(
-        store.allocate_requested(&owner("default", "b"), ip("10.0.3.1"), NOW),
+        store.allocate_requested(&owner("default", "b"), ip("198.18.3.1"), NOW),
         Err(StoreError::RequestedIpOutsideBlocks { .. })
     ));
     assert!(matches!(
-        store.allocate_requested(&owner("blue", "b"), ip("10.0.1.3"), NOW),
+        store.allocate_requested(&owner("blue", "b"), ip("198.18.1.3"), NOW),
         Err(StoreError::RequestedIpOutsideBlocks { .. })
     ));
     assert_eq!(
         store
-            .allocate_requested(&owner("default", "b"), ip("10.0.1.5"), NOW + 1000)
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 1000)
             .unwrap()
             .address,
-        ip("10.0.1.5")
+        ip("198.18.1.5")
     );
     // IPv6 beyond the populated rows: just that row is added.
     let v6 = store
-        .allocate_requested(&owner("default", "b"), ip("fd00::1:0"), NOW)
+        .allocate_requested(&owner("default", "b"), ip("2001:db8::1:0"), NOW)
         .unwrap();
-    assert_eq!(v6.block, c("fd00::/64"));
+    assert_eq!(v6.block, c("2001:db8::/64"));
     assert_eq!(rows(&store, 2).len(), 65);
     assert_eq!(
         alloc(&mut store, "default", "c", Family::V6, NOW),
-        ip("fd00::2")
+        ip("2001:db8::2")
     );
     // Draining block: unavailable, not outside.
     store.drain_block(1, NOW).unwrap();
     unavailable(
         store
-            .allocate_requested(&owner("default", "d"), ip("10.0.1.3"), NOW)
+            .allocate_requested(&owner("default", "d"), ip("198.18.1.3"), NOW)
             .unwrap_err(),
         "Draining",
     );
@@ -881,16 +948,22 @@ fn allocate_requested_cases() {
 fn lifecycle_drain_undrain_expire_delete() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
-    store.add_cidr_block("default", &c("10.0.3.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.2.0/29"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.3.0/29"))
+        .unwrap();
     // Fill block 1 so the next lands in block 2.
     for i in 0..5 {
         alloc(&mut store, "default", &format!("f{i}"), Family::V4, NOW);
     }
     assert_eq!(
         alloc(&mut store, "default", "p", Family::V4, NOW),
-        ip("10.0.2.2")
+        ip("198.18.2.2")
     );
     assert!(store.drain_block(2, wall_ms()).unwrap());
     assert!(store.drain_block(3, wall_ms()).unwrap());
@@ -923,7 +996,7 @@ fn lifecycle_drain_undrain_expire_delete() {
         .unwrap();
     assert_eq!(expired.len(), 1);
     assert_eq!((expired[0].id, expired[0].state), (3, BlockState::Deleting));
-    assert_eq!(expired[0].cidr, "10.0.3.0/29");
+    assert_eq!(expired[0].cidr, "198.18.3.0/29");
     assert_eq!(
         store.deleting_blocks("default", Family::V4).unwrap(),
         expired
@@ -962,8 +1035,12 @@ fn lifecycle_drain_undrain_expire_delete() {
 fn usage_example_from_reference() {
     let dir = TempDir::new();
     let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
-    store.add_cidr_block("default", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("default", &c("10.0.2.0/29")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/29"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.2.0/29"))
+        .unwrap();
     alloc(&mut store, "default", "active", Family::V4, NOW);
     alloc(&mut store, "default", "cooling", Family::V4, NOW);
     store
@@ -1000,8 +1077,12 @@ fn usage_example_from_reference() {
         }
     );
     // Saturating totals.
-    store.add_cidr_block("default", &c("fd00::/64")).unwrap();
-    store.add_cidr_block("default", &c("fd01::/64")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/64"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8:1::/64"))
+        .unwrap();
     assert_eq!(
         store.usage("default", Family::V6, NOW).unwrap().total,
         i64::MAX
@@ -1012,11 +1093,11 @@ fn usage_example_from_reference() {
 fn networks_and_ready_blocks_order() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("zeta", &c("10.0.1.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("10.0.2.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("10.0.3.0/29")).unwrap();
-    store.add_cidr_block("gone", &c("10.0.4.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("10.0.5.0/29")).unwrap();
+    store.add_cidr_block("zeta", &c("198.18.1.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("198.18.2.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("198.18.3.0/29")).unwrap();
+    store.add_cidr_block("gone", &c("198.18.4.0/29")).unwrap();
+    store.add_cidr_block("alpha", &c("198.18.5.0/29")).unwrap();
     store
         .conn
         .execute("UPDATE cidr_blocks SET state = 'Deleting' WHERE id = 4", [])
@@ -1036,9 +1117,13 @@ fn networks_and_ready_blocks_order() {
 fn listings_honour_filters_and_bind_values() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/30")).unwrap();
-    store.add_cidr_block("blue", &c("10.0.2.0/30")).unwrap();
-    store.add_cidr_block("default", &c("fd00::/126")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/30"))
+        .unwrap();
+    store.add_cidr_block("blue", &c("198.18.2.0/30")).unwrap();
+    store
+        .add_cidr_block("default", &c("2001:db8::/126"))
+        .unwrap();
     alloc(&mut store, "default", "c1", Family::V4, NOW);
     alloc(&mut store, "blue", "c2", Family::V4, NOW);
     store.drain_block(2, NOW).unwrap();
@@ -1061,7 +1146,7 @@ fn listings_honour_filters_and_bind_values() {
     assert_eq!(all.rows.len(), 3);
     assert_eq!(
         &all.rows[0][..7],
-        &["1", "10.0.1.0/30", "default", "ipv4", "4", "4", "Ready"]
+        &["1", "198.18.1.0/30", "default", "ipv4", "4", "4", "Ready"]
     );
     let ids = |t: &Table| t.rows.iter().map(|r| r[0].clone()).collect::<Vec<_>>();
     let f = |n: Option<&str>, s: Option<BlockState>, fam: Option<Family>| BlockFilter {
@@ -1135,7 +1220,7 @@ fn listings_honour_filters_and_bind_values() {
     assert_eq!(
         &c1.rows[0][1..],
         &[
-            "10.0.1.2",
+            "198.18.1.2",
             "1",
             "c1",
             "pod",
@@ -1213,7 +1298,9 @@ fn two_stores_allocate_concurrently() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store.add_cidr_block("default", &c("10.1.0.0/24")).unwrap();
+        store
+            .add_cidr_block("default", &c("198.18.100.0/24"))
+            .unwrap();
     }
     let handles: Vec<_> = (0..2)
         .map(|t| {
@@ -1247,22 +1334,21 @@ fn two_stores_allocate_concurrently() {
 }
 
 #[test]
-fn adding_a_slash16_is_fast() {
+fn adding_a_slash16_enumerates_every_address() {
+    // How long this takes is measured by `make bench`, not asserted here.
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    let start = std::time::Instant::now();
-    store.add_cidr_block("default", &c("10.8.0.0/16")).unwrap();
-    let took = start.elapsed();
-    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    store
+        .add_cidr_block("default", &c("198.19.0.0/16"))
+        .unwrap();
     assert_eq!(block(&store, 1).total_ips, 65536);
+    assert_eq!(rows(&store, 1).len(), 65536);
     assert_eq!(
         reserved_addrs(&store, 1),
-        vec!["10.8.0.0", "10.8.0.1", "10.8.255.255"]
+        vec!["198.19.0.0", "198.19.0.1", "198.19.255.255"]
     );
-    let start = std::time::Instant::now();
     drop(store);
     let store = open(&dir.db());
-    assert!(start.elapsed() < std::time::Duration::from_secs(1));
     assert!(store.open_warnings().is_empty());
 }
 
@@ -1270,11 +1356,13 @@ fn adding_a_slash16_is_fast() {
 fn corrupt_rows_are_errors_not_panics() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.0.1.0/30")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.1.0/30"))
+        .unwrap();
     store
         .conn
         .execute(
-            "UPDATE ip_addresses SET address = 'garbage' WHERE address = '10.0.1.2'",
+            "UPDATE ip_addresses SET address = 'garbage' WHERE address = '198.18.1.2'",
             [],
         )
         .unwrap();
@@ -1372,7 +1460,7 @@ fn upstream_database_is_repaired_and_served() {
         conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
         // Block 1: upstream's first block, .0 .1 .7 reserved.
         conn.execute(
-            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('10.0.1.0/29', 'default', 'ipv4', 8, 3)",
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.1.0/29', 'default', 'ipv4', 8, 3)",
             [],
         )
         .unwrap();
@@ -1380,13 +1468,13 @@ fn upstream_database_is_repaired_and_served() {
             let reserved = i == 0 || i == 1 || i == 7;
             conn.execute(
                 "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 1, '', '', ?2)",
-                rusqlite::params![format!("10.0.1.{i}"), reserved],
+                rusqlite::params![format!("198.18.1.{i}"), reserved],
             )
             .unwrap();
         }
         // Block 2: unreserved; .1 held by a pod.
         conn.execute(
-            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('10.0.2.0/29', 'default', 'ipv4', 8, 1)",
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.2.0/29', 'default', 'ipv4', 8, 1)",
             [],
         )
         .unwrap();
@@ -1398,20 +1486,20 @@ fn upstream_database_is_repaired_and_served() {
             };
             conn.execute(
                 "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated, allocated_at) VALUES (?1, 2, ?2, ?3, ?4, ?5)",
-                rusqlite::params![format!("10.0.2.{i}"), cid, ifname, allocated, NOW],
+                rusqlite::params![format!("198.18.2.{i}"), cid, ifname, allocated, NOW],
             )
             .unwrap();
         }
         // Block 3: upstream's /127 with a full batch of 64 rows (62 out of prefix).
         conn.execute(
-            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('fd00::/127', 'default', 'ipv6', 2, 0)",
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('2001:db8::/127', 'default', 'ipv6', 2, 0)",
             [],
         )
         .unwrap();
         for i in 0..64u32 {
             conn.execute(
                 "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 3, '', '', 0)",
-                [std::net::Ipv6Addr::from(0xfd00_u128 << 112 | u128::from(i)).to_string()],
+                [std::net::Ipv6Addr::from(0x2001_0db8_u128 << 96 | u128::from(i)).to_string()],
             )
             .unwrap();
         }
@@ -1428,24 +1516,24 @@ fn upstream_database_is_repaired_and_served() {
     assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
     assert_eq!(
         reserved_addrs(&store, 1),
-        vec!["10.0.1.0", "10.0.1.1", "10.0.1.7"]
+        vec!["198.18.1.0", "198.18.1.1", "198.18.1.7"]
     );
-    assert_eq!(reserved_addrs(&store, 2), vec!["10.0.2.0", "10.0.2.7"]);
+    assert_eq!(reserved_addrs(&store, 2), vec!["198.18.2.0", "198.18.2.7"]);
     let held = &rows(&store, 2)[1];
     assert_eq!(
         (held.0.as_str(), held.1, held.2.as_str()),
-        ("10.0.2.1", true, "pod-x")
+        ("198.18.2.1", true, "pod-x")
     );
     assert_eq!(block(&store, 2).allocated_ips, 3);
     assert_eq!(store.open_warnings().len(), 1);
-    assert!(store.open_warnings()[0].contains("10.0.2.1"));
+    assert!(store.open_warnings()[0].contains("198.18.2.1"));
     assert!(store.open_warnings()[0].contains("pod-x"));
     assert_eq!(
         rows(&store, 3)
             .iter()
             .map(|r| r.0.clone())
             .collect::<Vec<_>>(),
-        vec!["fd00::", "fd00::1"]
+        vec!["2001:db8::", "2001:db8::1"]
     );
     assert_counters(&store);
     let tables_after: Vec<String> = store
@@ -1461,29 +1549,44 @@ fn upstream_database_is_repaired_and_served() {
     // Served: the held pod is recognised, new pods get non-reserved addresses.
     assert_eq!(
         store.check("default", "pod-x", "eth0").unwrap()[0].address,
-        ip("10.0.2.1")
+        ip("198.18.2.1")
     );
     let got: Vec<IpAddr> = (0..10)
         .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
         .collect();
-    let want: Vec<IpAddr> = ["10.0.1.2", "10.0.1.3", "10.0.1.4", "10.0.1.5", "10.0.1.6"]
-        .iter()
-        .chain(["10.0.2.2", "10.0.2.3", "10.0.2.4", "10.0.2.5", "10.0.2.6"].iter())
-        .map(|s| ip(s))
-        .collect();
+    let want: Vec<IpAddr> = [
+        "198.18.1.2",
+        "198.18.1.3",
+        "198.18.1.4",
+        "198.18.1.5",
+        "198.18.1.6",
+    ]
+    .iter()
+    .chain(
+        [
+            "198.18.2.2",
+            "198.18.2.3",
+            "198.18.2.4",
+            "198.18.2.5",
+            "198.18.2.6",
+        ]
+        .iter(),
+    )
+    .map(|s| ip(s))
+    .collect();
     assert_eq!(got, want);
     assert_eq!(
         alloc(&mut store, "default", "v6", Family::V6, NOW),
-        ip("fd00::")
+        ip("2001:db8::")
     );
     // Releasing the held reserved position returns it to the reservation.
     let released = store
         .release("default", "pod-x", "eth0", 30_000, NOW)
         .unwrap();
-    assert_eq!(released[0].address, ip("10.0.2.1"));
+    assert_eq!(released[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
-        vec!["10.0.2.0", "10.0.2.1", "10.0.2.7"]
+        vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
     );
     assert!(
         store
@@ -1519,8 +1622,12 @@ fn claim_query_uses_partial_index() {
 fn cached_statements_are_not_reprepared() {
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    store.add_cidr_block("default", &c("10.9.0.0/24")).unwrap();
-    store.add_cidr_block("default", &c("10.9.1.0/24")).unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.90.0/24"))
+        .unwrap();
+    store
+        .add_cidr_block("default", &c("198.18.91.0/24"))
+        .unwrap();
     for i in 0..5 {
         let cid = format!("c{i}");
         alloc(&mut store, "default", &cid, Family::V4, 1000 + i);
@@ -1552,4 +1659,54 @@ fn allocation_path_never_scans_the_address_table() {
         });
         assert!(!scans_addresses, "{sql}\n{plan:?}");
     }
+}
+
+#[test]
+fn ipv6_growth_continues_from_the_recorded_frontier() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store
+        .add_cidr_block("default", &c("2001:db8:6::/64"))
+        .unwrap();
+    // A requested address far ahead of the populated batches.
+    let ahead = store
+        .allocate_requested(&owner("default", "ahead"), ip("2001:db8:6::50"), NOW)
+        .unwrap();
+    assert_eq!(ahead.address, ip("2001:db8:6::50"));
+    let mut seen = HashSet::new();
+    for i in 0..150 {
+        let a = alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
+        assert!(seen.insert(a), "duplicate {a}");
+        assert_ne!(
+            a,
+            ip("2001:db8:6::50"),
+            "a held address was handed out again"
+        );
+    }
+    let frontier = store.setting("ipv6_frontier/1").unwrap();
+    assert_eq!(frontier.as_deref(), Some("192"));
+    // 192 rows: three batches, the requested row counted once.
+    assert_eq!(rows(&store, 1).len(), 192);
+    assert_counters(&store);
+}
+
+#[test]
+fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store
+        .add_cidr_block("default", &c("2001:db8:7::/120"))
+        .unwrap();
+    for i in 0..62 {
+        alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
+    }
+    // As a database populated by upstream: no frontier recorded.
+    store.put_setting("ipv6_frontier/1", None).unwrap();
+    let next = alloc(&mut store, "default", "next", Family::V6, NOW);
+    assert_eq!(next, ip("2001:db8:7::40"));
+    assert_eq!(
+        store.setting("ipv6_frontier/1").unwrap().as_deref(),
+        Some("128")
+    );
+    assert_counters(&store);
 }
