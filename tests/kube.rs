@@ -316,3 +316,37 @@ fn rotated_token_files_are_read_again() {
         s.tokens.iter().any(|t| t == "second-token")
     });
 }
+
+#[test]
+fn tls_failures_leave_the_daemon_serving_and_degraded() {
+    // The test API server speaks plain HTTP: an https client fails its
+    // handshake, which must surface as a degraded daemon, never a crash.
+    let dir = TestDir::new("kube-tls");
+    let api = ApiServer::start(NODE, &[], 64);
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    insecure-skip-tls-verify: true\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+            api.addr
+        ),
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &["--cidr-source", "nnc"],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    // The plain server never answers a ClientHello: the request deadline ends it.
+    wait_for("a TLS failure in the log", Duration::from_secs(30), || {
+        daemon.log().contains("API watch failed")
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "local").run(&config));
+    assert!(
+        api.state().nnc.is_none(),
+        "no plain-HTTP request may have succeeded"
+    );
+}

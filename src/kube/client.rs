@@ -220,6 +220,15 @@ fn json_body(
 }
 
 fn tls_config(config: &ApiConfig) -> Result<TlsConfig, KubeError> {
+    // No bundled public roots (they would cost every plugin run memory):
+    // an API server is verified against the CA its configuration names.
+    let https = config.server.starts_with("https://");
+    if https && config.tls.ca.is_none() && !config.tls.insecure {
+        return Err(KubeError::Config(format!(
+            "{} needs a CA: set certificate-authority(-data) in the kubeconfig",
+            config.server
+        )));
+    }
     let mut builder = TlsConfig::builder().disable_verification(config.tls.insecure);
     if let Some(ca) = &config.tls.ca {
         let certs = pem_certificates(ca)?;
@@ -277,5 +286,11 @@ mod tests {
             },
         };
         assert!(matches!(ApiClient::new(&config), Err(KubeError::Config(_))));
+        let no_ca = ApiConfig {
+            tls: Default::default(),
+            ..config
+        };
+        let err = ApiClient::new(&no_ca).err().unwrap();
+        assert!(err.to_string().contains("needs a CA"), "{err}");
     }
 }
