@@ -8,6 +8,8 @@
 
 mod admin;
 mod alloc;
+mod boot;
+mod check;
 mod reserve;
 mod schema;
 #[cfg(test)]
@@ -24,6 +26,8 @@ use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, pa
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
+pub use check::{Depth, Report, check_file};
 pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
@@ -495,26 +499,7 @@ impl Store {
     /// Blocks whose `allocated_ips` differs from their count of allocated
     /// rows: `(block id, allocated_ips, actual)`.
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT b.id, COALESCE(b.allocated_ips, 0), \
-                    (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
-             FROM cidr_blocks b ORDER BY b.id",
-        )?;
-        let rows = stmt.query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, i64>(1)?,
-                r.get::<_, i64>(2)?,
-            ))
-        })?;
-        let mut out = Vec::new();
-        for row in rows {
-            let (id, counter, actual) = row?;
-            if counter != actual {
-                out.push((id, counter, actual));
-            }
-        }
-        Ok(out)
+        check::counter_mismatches(&self.conn)
     }
 }
 
