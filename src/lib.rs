@@ -1,5 +1,6 @@
 //! Metis: a node-local adaptive IPAM for Kubernetes pods.
 pub mod cidr;
+pub mod cli;
 pub mod cni;
 pub mod daemon;
 pub mod engine;

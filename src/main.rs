@@ -5,13 +5,15 @@
 use std::process::ExitCode;
 
 use metis::flags::FlagError;
-use metis::{cni, daemon, log};
+use metis::{cli, cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
 
 Usage:
   metis                 run as a CNI IPAM plugin (CNI_COMMAND and friends set by the runtime)
   metis daemon [flags]  serve allocations for this node over a Unix socket
+  metis admin check [--db-path PATH]
+                        verify a database's invariants (read-only)
 
 Run `metis daemon --help` for the daemon's flags.";
 
@@ -40,6 +42,7 @@ fn main() -> ExitCode {
     };
     match command.as_str() {
         "daemon" => run_daemon(rest),
+        "admin" => run_admin(rest),
         "-h" | "--help" | "help" => {
             println!("{ABOUT}");
             ExitCode::SUCCESS
@@ -50,6 +53,20 @@ fn main() -> ExitCode {
         }
         other => {
             eprintln!("metis: unknown command {other:?}\n\n{ABOUT}");
+            ExitCode::from(USAGE_EXIT)
+        }
+    }
+}
+
+fn run_admin(args: &[String]) -> ExitCode {
+    match args.split_first() {
+        Some((sub, rest)) if sub == "check" => ExitCode::from(cli::check::run(
+            rest,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+        )),
+        _ => {
+            eprintln!("metis admin: expected a subcommand: check\n\n{ABOUT}");
             ExitCode::from(USAGE_EXIT)
         }
     }

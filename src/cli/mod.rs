@@ -1,0 +1,3 @@
+//! Subcommands for operators, besides `daemon`.
+
+pub mod check;
