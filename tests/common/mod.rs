@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod apiserver;
+pub mod rng;
 
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
 
