@@ -17,8 +17,8 @@ mod common;
 
 use std::collections::HashMap;
 use std::process::Command;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::rng::Rng;
@@ -57,7 +57,6 @@ struct Chaos {
 }
 
 struct Round<'a> {
-    dir: &'a TestDir,
     config: &'a str,
     expect: &'a Mutex<HashMap<String, Expect>>,
     failures: &'a Mutex<Vec<String>>,
@@ -136,9 +135,8 @@ fn chaos(
     done: &AtomicBool,
     mut rng: Rng,
 ) -> u64 {
-    let between = |rng: &mut Rng, (lo, hi): (u64, u64)| {
-        Duration::from_millis(lo + rng.below(hi - lo + 1))
-    };
+    let between =
+        |rng: &mut Rng, (lo, hi): (u64, u64)| Duration::from_millis(lo + rng.below(hi - lo + 1));
     let mut kills = 0;
     while !done.load(Ordering::Relaxed) {
         // Random timing is the point here, not synchronisation.
@@ -204,7 +202,11 @@ fn verify(dir: &TestDir, expect: &mut HashMap<String, Expect>, round: usize) {
         );
     }
     for (address, owners) in &owners_of {
-        assert_eq!(owners.len(), 1, "round {round}: {address} held by {owners:?}");
+        assert_eq!(
+            owners.len(),
+            1,
+            "round {round}: {address} held by {owners:?}"
+        );
     }
     for (owner, wanted) in expect.iter_mut() {
         let actual = held.get(owner).and_then(|a| a.first());
@@ -246,7 +248,6 @@ fn run_rounds(name: &str, chaos_plan: &Chaos) {
         let retryable = AtomicU64::new(0);
         let done = AtomicBool::new(false);
         let work = Round {
-            dir: &dir,
             config: &config,
             expect: &expect,
             failures: &failures,
@@ -301,7 +302,9 @@ fn run_rounds(name: &str, chaos_plan: &Chaos) {
         direct > 0 || !chaos_plan.direct,
         "no plugin ever ran in direct mode"
     );
-    eprintln!("{name}: {total_ok} ok, {total_retry} retryable, {total_kills} kills, {direct} direct-mode calls");
+    eprintln!(
+        "{name}: {total_ok} ok, {total_retry} retryable, {total_kills} kills, {direct} direct-mode calls"
+    );
 }
 
 #[test]

@@ -15,7 +15,7 @@ impl Rng {
             .unwrap_or_else(|| {
                 SystemTime::now()
                     .duration_since(UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
+                    .map(|d| d.as_secs() ^ u64::from(d.subsec_nanos()) << 20)
                     .unwrap_or(1)
             });
         eprintln!("{var}={seed}");
@@ -47,7 +47,7 @@ impl Rng {
 
     /// `len` random bytes.
     pub fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.next_u64() as u8).collect()
+        (0..len).map(|_| self.next_u64().to_le_bytes()[0]).collect()
     }
 
     /// An independent generator for another thread.
