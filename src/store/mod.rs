@@ -248,6 +248,20 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Whether SQLite found the file damaged or not a database at all.
+    pub fn is_corrupt(&self) -> bool {
+        match self {
+            StoreError::Corrupt(_) => true,
+            StoreError::Sqlite(e) => matches!(
+                e.sqlite_error_code(),
+                Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+            ),
+            _ => false,
+        }
+    }
+}
+
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -316,6 +330,8 @@ pub struct Store {
     conn: Connection,
     reserve: ReserveMode,
     warnings: Vec<String>,
+    /// The database file and its (device, inode) when opened.
+    file: (PathBuf, Option<(u64, u64)>),
 }
 
 impl fmt::Debug for Store {
@@ -383,11 +399,28 @@ impl Store {
             conn,
             reserve: ReserveMode::EveryBlock,
             warnings: Vec::new(),
+            file: (path.to_path_buf(), file_identity(path)),
         };
         store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
         store.repair()?;
         Ok(store)
+    }
+
+    /// Fails when the database file was deleted or replaced since it was
+    /// opened: what is written on would be lost at the next open, and a
+    /// plugin in direct mode would not see it.
+    pub fn ensure_file_unchanged(&self) -> Result<(), StoreError> {
+        let (path, opened) = &self.file;
+        if file_identity(path) == *opened {
+            return Ok(());
+        }
+        Err(StoreError::Open {
+            path: path.clone(),
+            source: "the database file was deleted or replaced while open; \
+                     restart the daemon to use the file now at this path"
+                .into(),
+        })
     }
 
     /// The reservation mode in force.
@@ -501,6 +534,12 @@ impl Store {
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
         check::counter_mismatches(&self.conn)
     }
+}
+
+/// (device, inode) of the file at `path`, if there is one.
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 pub(crate) fn get_setting(conn: &Connection, key: &str) -> Result<Option<String>, StoreError> {
