@@ -40,6 +40,12 @@ impl Rng {
         self.next_u64() % n
     }
 
+    /// Uniform in `0..n` (`n` > 0), as an index.
+    pub fn index(&mut self, n: usize) -> usize {
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        usize::try_from(self.below(n)).unwrap_or(0)
+    }
+
     /// True with probability `percent`/100.
     pub fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
