@@ -16,7 +16,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -175,11 +174,7 @@ fn held_by_owner(dir: &TestDir) -> HashMap<String, Vec<String>> {
 /// Compares the database with what the plugins were told; resolves the
 /// unknown outcomes from the database for the next round.
 fn verify(dir: &TestDir, expect: &mut HashMap<String, Expect>, round: usize) {
-    let check = Command::new(common::METIS)
-        .args(["admin", "check", "--db-path"])
-        .arg(dir.join("metis.sqlite"))
-        .output()
-        .unwrap();
+    let check = common::admin_check(&dir.join("metis.sqlite"));
     assert!(
         check.status.success(),
         "round {round}: metis admin check failed:\n{}{}",

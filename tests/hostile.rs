@@ -188,11 +188,7 @@ fn garbage_never_stops_the_daemon() {
     );
     assert!(!daemon.log().contains("panicked"), "{}", daemon.log());
     assert!(daemon.stop().success());
-    let check = std::process::Command::new(common::METIS)
-        .args(["admin", "check", "--db-path"])
-        .arg(dir.join("metis.sqlite"))
-        .output()
-        .unwrap();
+    let check = common::admin_check(&dir.join("metis.sqlite"));
     assert!(
         check.status.success(),
         "{}",

@@ -227,7 +227,11 @@ fn connection_cap_refuses_with_an_error_and_holds_no_descriptors() {
     assert_eq!(refusal.reason(), reason::TOO_MANY_CONNECTIONS);
     let message = refusal.status.unwrap().message;
     assert!(message.contains("limit of 20 connections"), "{message}");
-    assert!(closed_by_peer(&mut over));
+    wait_for(
+        "the refused connection to close",
+        Duration::from_secs(5),
+        || closed_by_peer(&mut over),
+    );
 
     // The plugin reports it as "try again later".
     let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/24"}]]"#, "");

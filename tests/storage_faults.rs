@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{Plugin, TestDaemon, TestDir, assert_ok, json};
+use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, json};
 
 /// A tmpfs mounted on a fresh directory, unmounted and removed on drop.
 struct Tmpfs {
@@ -98,9 +98,12 @@ fn held(db: &Path, container: &str) -> Vec<String> {
         .unwrap()
 }
 
-fn admin_check(db: &Path) -> Output {
+/// Runs a daemon on `db` to completion (it should refuse to start).
+fn daemon_output(socket: &Path, db: &Path) -> Output {
     Command::new(common::METIS)
-        .args(["admin", "check", "--db-path"])
+        .args(["daemon", "--socket-path"])
+        .arg(socket)
+        .arg("--db-path")
         .arg(db)
         .output()
         .unwrap()
@@ -170,13 +173,7 @@ fn a_read_only_database_is_an_error_naming_it() {
     fs.remount("ro");
 
     // The daemon refuses to start on it, naming the database.
-    let output = Command::new(common::METIS)
-        .args(["daemon", "--socket-path"])
-        .arg(dir.join("metis.sock"))
-        .arg("--db-path")
-        .arg(&db)
-        .output()
-        .unwrap();
+    let output = daemon_output(&dir.join("metis.sock"), &db);
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains(db.to_str().unwrap()), "{stderr}");
@@ -268,13 +265,7 @@ fn a_corrupt_database_is_refused_and_named() {
     // admin check names it; the daemon refuses it, naming the problem.
     let check = admin_check(&copy);
     assert_eq!(check.status.code(), Some(1));
-    let output = Command::new(common::METIS)
-        .args(["daemon", "--socket-path"])
-        .arg(dir.join("other.sock"))
-        .arg("--db-path")
-        .arg(&copy)
-        .output()
-        .unwrap();
+    let output = daemon_output(&dir.join("other.sock"), &copy);
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -147,20 +147,10 @@ impl Store {
 mod tests {
     use super::*;
     use crate::cidr::Family;
-    use crate::store::{Depth, Owner};
-    use crate::testutil::TempDir;
+    use crate::store::Depth;
+    use crate::testutil::{TempDir, owner};
 
     const NOW: i64 = 1_700_000_000_000;
-
-    fn owner(container_id: &str) -> Owner<'_> {
-        Owner {
-            network: "pods",
-            container_id,
-            interface_name: "eth0",
-            pod_name: "pod",
-            pod_namespace: "ns",
-        }
-    }
 
     fn store_with_pods(dir: &TempDir, pods: &[&str]) -> Store {
         let mut store = dir.store();

@@ -347,18 +347,7 @@ fn push_limited<T>(report: &mut Report, found: Vec<T>, describe: impl Fn(T) -> S
 mod tests {
     use super::*;
     use crate::cidr::Family;
-    use crate::store::Owner;
-    use crate::testutil::TempDir;
-
-    fn owner(container_id: &str) -> Owner<'_> {
-        Owner {
-            network: "pods",
-            container_id,
-            interface_name: "eth0",
-            pod_name: "pod",
-            pod_namespace: "ns",
-        }
-    }
+    use crate::testutil::{TempDir, owner};
 
     /// A store with a v4 and a v6 block and three pods.
     fn populated(dir: &TempDir) -> Store {

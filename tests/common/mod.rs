@@ -247,6 +247,15 @@ pub fn assert_ok(output: &Output) {
     );
 }
 
+/// Runs `metis admin check` on a database.
+pub fn admin_check(db: &Path) -> Output {
+    Command::new(METIS)
+        .args(["admin", "check", "--db-path"])
+        .arg(db)
+        .output()
+        .unwrap()
+}
+
 /// Opens the database read-only to assert on rows.
 pub fn db(path: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
