@@ -40,6 +40,21 @@ lint:
 unit:
 	$(CARGO) test --locked --all-targets
 
+# CNI conformance: libcni (built offline from Debian's source) drives Metis
+# as the top-level plugin and as the IPAM of the real bridge and ptp plugins
+# in network namespaces; GC and STATUS through the binary. Needs root; on
+# Debian it installs the packages it lacks. One line per check, then a total.
+.PHONY: conformance
+CONFORMANCE_PACKAGES := containernetworking-plugins golang-go golang-github-appc-cni-dev iproute2 iputils-ping sqlite3
+conformance: build
+	@if [ "$$(id -u)" != 0 ]; then echo "make conformance needs root (network namespaces)"; exit 1; fi
+	missing=$$(for p in $(CONFORMANCE_PACKAGES); do dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done)
+	if [ -n "$$missing" ]; then
+	  export DEBIAN_FRONTEND=noninteractive
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null
+	fi
+	tests/conformance/run.sh $(METIS)
+
 # Regenerate src/wire/gen/ from proto/ (pure Rust, no protoc needed).
 proto:
 	METIS_WRITE_PROTO=1 $(CARGO) test --locked --test proto_sync

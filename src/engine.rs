@@ -2,6 +2,7 @@
 //! The daemon runs it for every client; the plugin runs the very same code
 //! in-process in direct mode, so both paths share every rule.
 
+use std::collections::HashSet;
 use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
@@ -9,6 +10,8 @@ use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
 };
 use crate::wire::admin::v1 as admin;
+use crate::wire::envelope::v1 as envelope;
+use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
 
@@ -122,6 +125,11 @@ impl Engine {
                     as i32,
                 detail: "Metis daemon is SERVING".to_string(),
             })),
+            Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
+            Some(request::Kind::Gc(req)) => self.gc(&req, now_ms).map(response::Kind::Gc),
+            Some(request::Kind::NetworkStatus(req)) => self
+                .network_status(&req, now_ms)
+                .map(response::Kind::NetworkStatus),
             None => Err(Failure {
                 code: Code::Unimplemented,
                 reason: reason::UNKNOWN_REQUEST,
@@ -358,6 +366,87 @@ impl Engine {
         })
     }
 
+    /// CNI GC: releases the network's allocations whose owners the runtime
+    /// no longer lists, sparing those younger than the grace period.
+    pub fn gc(
+        &mut self,
+        req: &envelope::GcRequest,
+        now_ms: i64,
+    ) -> Result<envelope::GcResponse, Failure> {
+        let network = network_or_default(&req.network);
+        if req.grace_period_ms < 0 {
+            return Err(Failure::invalid(format!(
+                "grace_period_ms {} is negative",
+                req.grace_period_ms
+            )));
+        }
+        let valid: HashSet<(&str, &str)> = req
+            .valid
+            .iter()
+            .map(|a| (a.container_id.as_str(), a.interface_name.as_str()))
+            .collect();
+        let released = self
+            .store
+            .gc(
+                network,
+                &valid,
+                now_ms.saturating_sub(req.grace_period_ms),
+                self.release_cooldown_ms,
+                now_ms,
+            )
+            .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
+        for allocation in &released {
+            crate::log::info(
+                "engine",
+                "GC released a stale allocation",
+                &[("network", &network), ("address", &allocation.address)],
+            );
+        }
+        Ok(envelope::GcResponse {
+            released: released.iter().map(pod_ip).collect(),
+        })
+    }
+
+    /// CNI STATUS: whether an ADD with these ranges could be served now.
+    /// Reads only, so it is cheap enough for a 5-second poll.
+    pub fn network_status(
+        &self,
+        req: &envelope::NetworkStatusRequest,
+        now_ms: i64,
+    ) -> Result<envelope::NetworkStatusResponse, Failure> {
+        let network = network_or_default(&req.network);
+        for (family, texts) in [
+            (Family::V4, &req.ipv4_ranges),
+            (Family::V6, &req.ipv6_ranges),
+        ] {
+            if texts.is_empty() {
+                continue;
+            }
+            let ranges = texts
+                .iter()
+                .map(|text| text.parse::<Cidr>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|err| Failure::invalid(format!("range: {err}")))?;
+            let context = format!("status of network {network:?}");
+            let can = self
+                .store
+                .can_allocate(network, family, &ranges, now_ms)
+                .map_err(|err| Failure::from_store(&context, &err))?;
+            if !can {
+                return Ok(envelope::NetworkStatusResponse {
+                    can_allocate: false,
+                    detail: format!(
+                        "no free {family} address in network {network:?}: every block is full or cooling down and every configured range is already added"
+                    ),
+                });
+            }
+        }
+        Ok(envelope::NetworkStatusResponse {
+            can_allocate: true,
+            detail: String::new(),
+        })
+    }
+
     fn list_blocks(
         &self,
         req: &admin::ListCidrBlocksRequest,
@@ -388,6 +477,36 @@ impl Engine {
             .list_addresses(&filter)
             .map(table_dump)
             .map_err(|err| Failure::from_store("failed to list IP addresses", &err))
+    }
+
+    /// Usage of every network (or the one asked for) and family that has
+    /// non-Deleting blocks.
+    fn usage(&self, req: &UsageRequest, now_ms: i64) -> Result<UsageResponse, Failure> {
+        let families = match parse_family(&req.ip_family)? {
+            Some(family) => vec![family],
+            None => vec![Family::V4, Family::V6],
+        };
+        let failed = |err: StoreError| Failure::from_store("failed to compute usage", &err);
+        let mut usage = Vec::new();
+        for network in self.store.networks().map_err(failed)? {
+            if !req.network.is_empty() && req.network != network {
+                continue;
+            }
+            for &family in &families {
+                let counts = self.store.usage(&network, family, now_ms).map_err(failed)?;
+                if counts.total > 0 {
+                    usage.push(NetworkUsage {
+                        network: network.clone(),
+                        ip_family: family.as_str().to_string(),
+                        total: counts.total,
+                        allocated: counts.allocated,
+                        cooldown: counts.cooldown,
+                        draining: counts.draining,
+                    });
+                }
+            }
+        }
+        Ok(UsageResponse { usage })
     }
 }
 

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod flags;
 pub mod kube;
 pub mod log;
+pub mod metrics;
 pub mod policy;
 pub mod store;
 pub mod wire;

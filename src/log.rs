@@ -2,8 +2,12 @@
 //! key=value…`. The daemon logs to stderr; the plugin to its log file (its
 //! stdout belongs to the CNI result). No logging crate: this is all we need.
 
+use std::ffi::OsString;
 use std::fmt::{self, Display, Write as _};
-use std::io::Write;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -33,6 +37,11 @@ impl Level {
 
 static MAX_LEVEL: AtomicU8 = AtomicU8::new(Level::Info as u8);
 static SINK: Mutex<Option<Box<dyn Write + Send>>> = Mutex::new(None);
+/// `key=value` fields added to every line (see [`set_context`]).
+static CONTEXT: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+
+/// Size at which the plugin's log file is rotated: 10 MiB.
+pub const MAX_LOG_FILE_BYTES: u64 = 10 * 1024 * 1024;
 
 /// Sends log lines to `sink` (stderr if never called) and sets verbosity.
 pub fn init(sink: Box<dyn Write + Send>, verbosity: u8) {
@@ -60,17 +69,15 @@ pub fn log(level: Level, component: &str, message: &str, fields: &[(&str, &dyn D
         rfc3339_millis(now_ms()),
         level.label()
     );
-    for (key, value) in fields {
-        let value = value.to_string();
-        let plain = !value.is_empty()
-            && !value
-                .chars()
-                .any(|c| c.is_whitespace() || c == '"' || c == '=' || c.is_control());
-        if plain {
-            let _ = write!(line, " {key}={value}");
-        } else {
-            let _ = write!(line, " {key}={value:?}");
+    if let Ok(context) = CONTEXT.lock() {
+        for (key, value) in context.iter() {
+            if !fields.iter().any(|(named, _)| named == key) {
+                push_field(&mut line, key, value);
+            }
         }
+    }
+    for (key, value) in fields {
+        push_field(&mut line, key, &value.to_string());
     }
     line.push('\n');
     // A failed log write must never fail the operation being logged.
@@ -85,6 +92,68 @@ pub fn log(level: Level, component: &str, message: &str, fields: &[(&str, &dyn D
             }
         }
     }
+}
+
+/// Appends ` key=value`, quoting values with spaces, quotes, `=` or control
+/// characters so one event stays one line.
+fn push_field(line: &mut String, key: &str, value: &str) {
+    let plain = !value.is_empty()
+        && !value
+            .chars()
+            .any(|c| c.is_whitespace() || c == '"' || c == '=' || c.is_control());
+    if plain {
+        let _ = write!(line, " {key}={value}");
+    } else {
+        let _ = write!(line, " {key}={value:?}");
+    }
+}
+
+/// Adds `fields` to every following line that does not name the key itself:
+/// the plugin tags each line with its verb and container id this way.
+pub fn set_context(fields: &[(&str, &dyn Display)]) {
+    if let Ok(mut context) = CONTEXT.lock() {
+        *context = fields
+            .iter()
+            .map(|(key, value)| ((*key).to_string(), value.to_string()))
+            .collect();
+    }
+}
+
+/// Opens `path` for appending (created with `mode`). A file that has
+/// reached `max_bytes` is first renamed to `<path>.1`, replacing the previous
+/// one, so the log never holds much more than twice `max_bytes`. Concurrent
+/// openers serialise on an exclusive lock of the old file and rotate only if
+/// `path` still names it, so a rotation is never repeated over fresh lines.
+pub fn open_rotating(path: &Path, max_bytes: u64, mode: u32) -> io::Result<File> {
+    let file = open_append(path, mode)?;
+    if file.metadata()?.len() < max_bytes {
+        return Ok(file);
+    }
+    let locked = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, errno)| io::Error::from(errno))?;
+    let held = locked.metadata()?;
+    let still_current = fs::metadata(path)
+        .is_ok_and(|current| current.dev() == held.dev() && current.ino() == held.ino());
+    if still_current && held.len() >= max_bytes {
+        fs::rename(path, rotated_path(path))?;
+    }
+    drop(locked);
+    open_append(path, mode)
+}
+
+/// `<path>.1`: where [`open_rotating`] moves a full log file.
+pub fn rotated_path(path: &Path) -> PathBuf {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(".1");
+    PathBuf::from(name)
+}
+
+fn open_append(path: &Path, mode: u32) -> io::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(mode)
+        .open(path)
 }
 
 pub fn error(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
@@ -178,5 +247,53 @@ mod tests {
             "2000-02-29T00:00:00Z"
         );
         assert_eq!(rfc3339_seconds(-1000).to_string(), "1969-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn fields_that_could_break_a_line_are_quoted() {
+        let mut line = String::new();
+        push_field(&mut line, "error", "two\nlines");
+        push_field(&mut line, "id", "c1");
+        push_field(&mut line, "quote", "a\"b");
+        assert_eq!(line, r#" error="two\nlines" id=c1 quote="a\"b""#);
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("metis-log-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn rotates_a_full_file_and_keeps_one() {
+        let dir = scratch("rotate");
+        let path = dir.join("cni.log");
+        fs::write(&path, "old old\n").unwrap();
+        fs::write(rotated_path(&path), "older\n").unwrap();
+        let mut file = open_rotating(&path, 8, 0o644).unwrap();
+        file.write_all(b"new\n").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "new\n");
+        assert_eq!(
+            fs::read_to_string(rotated_path(&path)).unwrap(),
+            "old old\n"
+        );
+        // Below the limit: appended to, not rotated.
+        let mut again = open_rotating(&path, 8, 0o644).unwrap();
+        again.write_all(b"more\n").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "new\nmore\n");
+        assert_eq!(
+            fs::read_to_string(rotated_path(&path)).unwrap(),
+            "old old\n"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rotation_reports_a_missing_directory() {
+        let dir = scratch("missing");
+        let path = dir.join("absent").join("cni.log");
+        assert!(open_rotating(&path, 8, 0o644).is_err());
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

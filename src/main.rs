@@ -4,18 +4,22 @@
 
 use std::process::ExitCode;
 
+use metis::cli::{ArgsError, admin, health, install};
 use metis::flags::FlagError;
 use metis::{cli, cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
 
 Usage:
-  metis                 run as a CNI IPAM plugin (CNI_COMMAND and friends set by the runtime)
-  metis daemon [flags]  serve allocations for this node over a Unix socket
-  metis admin check [--db-path PATH]
-                        verify a database's invariants (read-only)
+  metis                  run as a CNI IPAM plugin (CNI_COMMAND and friends set by the runtime)
+  metis daemon [flags]   serve allocations for this node over a Unix socket
+  metis health [flags]   ask the daemon whether it is serving (exit 0 or 1; for liveness probes)
+  metis install [flags]  copy this binary (and a network config) into the node's CNI directories
+  metis admin LISTING    show cidr-blocks, ip-addresses or usage from the daemon
+  metis admin check      verify a database's invariants, read-only (exit 1 on a problem)
+  metis version          print the version
 
-Run `metis daemon --help` for the daemon's flags.";
+Run `metis COMMAND --help` for a command's flags.";
 
 /// Exit code for command-line misuse, as most Unix tools use.
 const USAGE_EXIT: u8 = 2;
@@ -42,6 +46,8 @@ fn main() -> ExitCode {
     };
     match command.as_str() {
         "daemon" => run_daemon(rest),
+        "health" => run_health(rest),
+        "install" => run_install(rest),
         "admin" => run_admin(rest),
         "-h" | "--help" | "help" => {
             println!("{ABOUT}");
@@ -53,20 +59,6 @@ fn main() -> ExitCode {
         }
         other => {
             eprintln!("metis: unknown command {other:?}\n\n{ABOUT}");
-            ExitCode::from(USAGE_EXIT)
-        }
-    }
-}
-
-fn run_admin(args: &[String]) -> ExitCode {
-    match args.split_first() {
-        Some((sub, rest)) if sub == "check" => ExitCode::from(cli::check::run(
-            rest,
-            &mut std::io::stdout(),
-            &mut std::io::stderr(),
-        )),
-        _ => {
-            eprintln!("metis admin: expected a subcommand: check\n\n{ABOUT}");
             ExitCode::from(USAGE_EXIT)
         }
     }
@@ -89,6 +81,85 @@ fn run_daemon(args: &[String]) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             log::error("daemon", "daemon failed to run", &[("error", &err)]);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Help goes to stdout (exit 0); misuse to stderr with the usage (exit 2).
+fn args_failure(command: &str, err: ArgsError) -> ExitCode {
+    match err {
+        ArgsError::Help(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        ArgsError::Usage { message, usage } => {
+            eprintln!("{command}: {message}\n\n{usage}");
+            ExitCode::from(USAGE_EXIT)
+        }
+    }
+}
+
+fn run_health(args: &[String]) -> ExitCode {
+    let options = match health::parse(args) {
+        Ok(options) => options,
+        Err(err) => return args_failure("metis health", err),
+    };
+    match health::check(&options) {
+        Ok(detail) => {
+            println!("Healthy: {detail}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("Unhealthy: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_install(args: &[String]) -> ExitCode {
+    let options = match install::parse(args, std::env::var("CNI_DIR").ok()) {
+        Ok(options) => options,
+        Err(err) => return args_failure("metis install", err),
+    };
+    let installed = std::env::current_exe()
+        .map_err(install::InstallError::Source)
+        .and_then(|binary| install::run(&options, &binary));
+    match installed {
+        Ok(paths) => {
+            for path in paths {
+                println!("installed {}", path.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("metis install: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_admin(args: &[String]) -> ExitCode {
+    if let Some((sub, rest)) = args.split_first()
+        && sub == "check"
+    {
+        return ExitCode::from(cli::check::run(
+            rest,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+        ));
+    }
+    let options = match admin::parse(args) {
+        Ok(options) => options,
+        Err(err) => return args_failure("metis admin", err),
+    };
+    match admin::run(&options) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("metis admin: {err}");
             ExitCode::FAILURE
         }
     }

@@ -262,3 +262,57 @@ fn cluster_source_without_cluster_is_a_usage_error() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("needs a cluster"));
 }
+
+#[test]
+fn released_addresses_wake_waiting_requests() {
+    // Upstream leaves a waiter parked until a new block arrives, even when
+    // a release freed an address meanwhile.
+    let dir = TestDir::new("kube-wake-on-release");
+    let api = ApiServer::start(NODE, &[], 4);
+    api.state().controller = false;
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--scale-up-wait", "30s"]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    let waiter = {
+        let config = config.clone();
+        std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
+    };
+    api.wait_until("a scale-up request", Duration::from_secs(10), |s| {
+        s.pods("default").unwrap_or(0) >= 5
+    });
+    assert_ok(&Plugin::new("DEL", "holder").run(&config));
+    let output = waiter.join().unwrap();
+    assert_ok(&output);
+    assert_eq!(common::json(&output)["ips"][0]["address"], "198.18.0.2/30");
+}
+
+#[test]
+fn rotated_token_files_are_read_again() {
+    let dir = TestDir::new("kube-token");
+    let api = ApiServer::start(NODE, &[], 64);
+    let token = dir.join("token");
+    std::fs::write(&token, "first-token\n").unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig_with_user(&kubeconfig, &format!("    tokenFile: {}", token.display()));
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut args = vec!["--cidr-source", "nnc"];
+    args.extend_from_slice(FAST);
+    let _daemon = TestDaemon::start_with_env(
+        &dir,
+        &args,
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    api.wait_until("the first token", Duration::from_secs(10), |s| {
+        s.tokens.iter().any(|t| t == "first-token")
+    });
+    std::fs::write(&token, "second-token\n").unwrap();
+    // Force new requests: a relist follows the compaction.
+    api.compact();
+    api.wait_until("the rotated token", Duration::from_secs(30), |s| {
+        s.tokens.iter().any(|t| t == "second-token")
+    });
+}

@@ -1,3 +1,108 @@
-//! Subcommands for operators, besides `daemon`.
+//! The operator's subcommands: `health` (an exec liveness probe), `install`
+//! (put the plugin and a network config on a node), `admin` (read the
+//! daemon's tables) and `admin check` (verify a database's invariants). Each parses its own flags with [`crate::flags`] and
+//! returns typed errors; `main` alone turns them into exit codes.
 
+pub mod admin;
 pub mod check;
+pub mod health;
+pub mod install;
+pub mod render;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::flags::{FlagError, Parsed};
+use crate::wire::client::{Client, ClientError};
+use crate::wire::{Code, Request, request, response};
+
+/// Why a subcommand's command line was not run.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ArgsError {
+    /// `--help` was given: this text belongs on stdout.
+    Help(String),
+    /// The command line is wrong: the message, then the usage text.
+    Usage { message: String, usage: String },
+}
+
+impl ArgsError {
+    /// Wraps a flag error with the usage text of the command it came from.
+    pub fn from_flags(err: FlagError, usage: String) -> ArgsError {
+        match err {
+            FlagError::Help => ArgsError::Help(usage),
+            other => ArgsError::Usage {
+                message: other.to_string(),
+                usage,
+            },
+        }
+    }
+}
+
+impl fmt::Display for ArgsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArgsError::Help(_) => f.write_str("help requested"),
+            ArgsError::Usage { message, .. } => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for ArgsError {}
+
+/// `--socket-path`, defaulting to the daemon's; an empty one is refused.
+pub fn socket_path(parsed: &Parsed) -> Result<PathBuf, FlagError> {
+    match parsed.get("--socket-path") {
+        None => Ok(PathBuf::from(DEFAULT_SOCKET_PATH)),
+        Some("") => Err(FlagError::BadValue(
+            "--socket-path",
+            "must not be empty".into(),
+        )),
+        Some(path) => Ok(PathBuf::from(path)),
+    }
+}
+
+/// Why a request to the daemon got no successful answer.
+#[derive(Debug)]
+pub enum CallError {
+    /// Not listening, or the exchange failed or timed out.
+    Unreachable(ClientError),
+    /// The daemon answered with an error status.
+    Refused { code: Code, message: String },
+}
+
+impl fmt::Display for CallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CallError::Unreachable(err) => write!(f, "{err}"),
+            CallError::Refused { code, message } => {
+                write!(f, "the daemon refused the request ({code:?}): {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CallError {}
+
+/// One request to the daemon at `socket`; the payload of an OK answer.
+pub fn call(
+    socket: &Path,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    kind: request::Kind,
+) -> Result<Option<response::Kind>, CallError> {
+    let mut client =
+        Client::connect(socket, connect_timeout, io_timeout).map_err(CallError::Unreachable)?;
+    let response = client
+        .call(&Request { kind: Some(kind) })
+        .map_err(CallError::Unreachable)?;
+    if response.code() == Code::Ok {
+        Ok(response.kind)
+    } else {
+        Err(CallError::Refused {
+            code: response.code(),
+            message: response.status.map(|s| s.message).unwrap_or_default(),
+        })
+    }
+}

@@ -4,6 +4,8 @@
 //! WAL, busy timeout and immediate transactions make the two safe together.
 
 use std::path::Path;
+
+use nix::unistd::{self, AccessFlags};
 use std::time::Duration;
 
 use crate::cni::error::CniError;
@@ -37,6 +39,49 @@ pub fn call(socket: &Path, db_path: &Path, request: &Request) -> Result<Response
             call_direct(db_path, request)
         }
         Err(err) => Err(CniError::from_client(&err)),
+    }
+}
+
+/// Like [`call`] for requests that only read (STATUS): in direct mode the
+/// database is opened read-only, and `Ok(None)` means it does not exist yet
+/// (nothing to read; the first ADD will create it).
+pub fn call_read_only(
+    socket: &Path,
+    db_path: &Path,
+    request: &Request,
+) -> Result<Option<Response>, CniError> {
+    match call_daemon(socket, request) {
+        Ok(response) => Ok(Some(response)),
+        Err(err) if err.is_connect() => {
+            log::debug(
+                "cni",
+                "daemon unreachable, reading the database",
+                &[("error", &err), ("db", &db_path.display())],
+            );
+            let Some(store) = Store::open_read_only(db_path)
+                .map_err(|err| CniError::from_store_open(db_path, &err))?
+            else {
+                return can_create(db_path).map(|()| None);
+            };
+            let cooldown_ms = store.release_cooldown().unwrap_or(0);
+            let mut engine = Engine::new(store, cooldown_ms);
+            Ok(Some(engine.handle(request.clone(), log::now_ms())))
+        }
+        Err(err) => Err(CniError::from_client(&err)),
+    }
+}
+
+/// Whether direct mode could create the database: its nearest existing
+/// ancestor must be a directory we may write to.
+fn can_create(db_path: &Path) -> Result<(), CniError> {
+    let existing = db_path.ancestors().skip(1).find(|dir| dir.exists());
+    let usable = existing.is_some_and(|dir| {
+        dir.is_dir() && unistd::access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
+    });
+    if usable {
+        Ok(())
+    } else {
+        Err(CniError::db_not_creatable(db_path))
     }
 }
 

@@ -194,6 +194,15 @@ impl CniError {
         }
     }
 
+    /// Direct mode has no database and could not create one (its directory
+    /// is missing or not writable): transient, an operator can fix it.
+    pub fn db_not_creatable(path: &Path) -> CniError {
+        CniError::try_again_later(format!(
+            "the metis daemon is unreachable and the database {} cannot be created",
+            path.display()
+        ))
+    }
+
     /// A response of the wrong kind for the request: a daemon bug or a
     /// version mismatch between plugin and daemon.
     pub fn unexpected_response(verb: &str) -> CniError {

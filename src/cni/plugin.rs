@@ -2,10 +2,10 @@
 //! exactly one JSON document (result or error) on stdout. Logs go to the
 //! configured log file, never to stdout.
 
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::{self, Read, Write};
 use std::net::IpAddr;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 
 use crate::cidr::{Cidr, Family};
@@ -16,7 +16,8 @@ use crate::cni::error::CniError;
 use crate::cni::result::{self, AllocatedIp};
 use crate::cni::{backend, version};
 use crate::log;
-use crate::wire::{self, Code, Request, Response, ipam, request, response};
+use crate::wire::envelope::v1 as envelope;
+use crate::wire::{Code, Request, Response, ipam, request, response};
 
 /// Largest network configuration accepted on stdin.
 const MAX_STDIN: usize = 1024 * 1024;
@@ -37,21 +38,29 @@ pub fn main() -> u8 {
     log::init(Box::new(io::sink()), 0);
     let stdin = io::stdin();
     let stdout = io::stdout();
+    let stderr = io::stderr();
     run(
         &|name| std::env::var(name).ok(),
         &mut stdin.lock(),
         &mut stdout.lock(),
+        &mut stderr.lock(),
     )
 }
 
-/// Runs one CNI invocation and returns the exit code.
+/// Runs one CNI invocation and returns the exit code. An empty
+/// `CNI_COMMAND` gets the "about" text on stderr and success, as skel does.
 pub fn run(
     lookup: &dyn Fn(&str) -> Option<String>,
     stdin: &mut dyn Read,
     stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
 ) -> u8 {
     let (output, code) = match execute(lookup, stdin) {
-        Ok(output) => (output, 0),
+        Ok(Reply::About) => {
+            let _ = writeln!(stderr, "{}", about());
+            return 0;
+        }
+        Ok(Reply::Stdout(output)) => (output, 0),
         Err((err, cni_version)) => {
             log::error(
                 "cni",
@@ -73,18 +82,26 @@ pub fn run(
     code
 }
 
+/// What a successful invocation prints.
+enum Reply {
+    /// This JSON document (if any) on stdout.
+    Stdout(Option<String>),
+    /// No command: the "about" text on stderr.
+    About,
+}
+
 /// Does the verb; on failure returns the error with the version to print it in.
 fn execute(
     lookup: &dyn Fn(&str) -> Option<String>,
     stdin: &mut dyn Read,
-) -> Result<Option<String>, (CniError, String)> {
+) -> Result<Reply, (CniError, String)> {
     let no_version = |err: CniError| (err, String::new());
-    let cni_env = env::from_lookup(lookup)
-        .map_err(no_version)?
-        .ok_or_else(|| no_version(CniError::invalid_env("CNI_COMMAND is empty")))?;
+    let Some(cni_env) = env::from_lookup(lookup).map_err(no_version)? else {
+        return Ok(Reply::About);
+    };
     let input = read_stdin(stdin).map_err(no_version)?;
     if cni_env.verb == Verb::Version {
-        return Ok(Some(version::version_reply(&input)));
+        return Ok(Reply::Stdout(Some(version::version_reply(&input))));
     }
     let net_conf = conf::parse(&input).map_err(no_version)?;
     let with_version = |err: CniError| (err, net_conf.cni_version.clone());
@@ -108,7 +125,7 @@ fn execute(
         Verb::Gc => gc(&net_conf).map(|()| None),
         Verb::Version => Ok(Some(version::version_reply(&input))),
     };
-    outcome.map_err(with_version)
+    outcome.map(Reply::Stdout).map_err(with_version)
 }
 
 fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
@@ -127,7 +144,8 @@ fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
     Ok(input)
 }
 
-/// Appends to the plugin's log file; logging never fails the command.
+/// Appends to the plugin's log file, rotating it at
+/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command.
 fn open_log(path: &Path, cni_env: &CniEnv) {
     if let Some(dir) = path.parent() {
         let _ = fs::DirBuilder::new()
@@ -135,12 +153,12 @@ fn open_log(path: &Path, cni_env: &CniEnv) {
             .mode(0o755)
             .create(dir);
     }
-    if let Ok(file) = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o644)
-        .open(path)
-    {
+    // Every line of this invocation names its verb and container.
+    log::set_context(&[
+        ("verb", &cni_env.verb.as_str()),
+        ("container_id", &cni_env.container_id),
+    ]);
+    if let Ok(file) = log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644) {
         log::init(Box::new(file), 0);
         log::debug(
             "cni",
@@ -252,17 +270,73 @@ fn check(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(),
     Ok(())
 }
 
+/// STATUS: 0 when an ADD could be served now, else code 50 with the reason.
+/// One read-only round trip (or read-only direct mode), so kubelet's
+/// 5-second poll costs nothing and never creates a database.
 fn status(net_conf: &NetConf) -> Result<(), CniError> {
     require_gc_and_status(net_conf, "STATUS")?;
-    let request = request::Kind::Health(wire::HealthCheckRequest {});
-    send(net_conf, request)
-        .map(|_| ())
-        .map_err(|err| CniError::plugin_not_available(err.msg))
+    net_conf.require_ranges()?;
+    let request = Request {
+        kind: Some(request::Kind::NetworkStatus(
+            envelope::NetworkStatusRequest {
+                network: net_conf.network.clone(),
+                ipv4_ranges: net_conf.ipv4_ranges.iter().map(Cidr::to_string).collect(),
+                ipv6_ranges: net_conf.ipv6_ranges.iter().map(Cidr::to_string).collect(),
+            },
+        )),
+    };
+    let unavailable = |err: CniError| CniError::plugin_not_available(err.to_string());
+    let response = backend::call_read_only(&net_conf.daemon_socket, &net_conf.db_path, &request)
+        .map_err(unavailable)?;
+    let Some(response) = response else {
+        return Ok(());
+    };
+    if response.code() != Code::Ok {
+        return Err(unavailable(CniError::from_status(response.status.as_ref())));
+    }
+    match response.kind {
+        Some(response::Kind::NetworkStatus(status)) if status.can_allocate => Ok(()),
+        Some(response::Kind::NetworkStatus(status)) => {
+            Err(CniError::plugin_not_available(status.detail))
+        }
+        _ => Err(unavailable(CniError::unexpected_response("status"))),
+    }
 }
 
+/// GC: releases this network's allocations that are not among the valid
+/// attachments (none valid when the key is absent, as libcni sends it) and
+/// older than `ipam.gcGracePeriod`. Prints nothing on success.
 fn gc(net_conf: &NetConf) -> Result<(), CniError> {
     require_gc_and_status(net_conf, "GC")?;
-    Err(CniError::daemon("GC is not implemented yet"))
+    let valid = net_conf
+        .valid_attachments
+        .iter()
+        .flatten()
+        .map(|a| envelope::Attachment {
+            container_id: a.container_id.clone(),
+            interface_name: a.ifname.clone(),
+        })
+        .collect();
+    let request = request::Kind::Gc(envelope::GcRequest {
+        network: net_conf.network.clone(),
+        valid,
+        grace_period_ms: net_conf.gc_grace_period_ms,
+    });
+    let response = send(net_conf, request)?;
+    let Some(response::Kind::Gc(collected)) = response.kind else {
+        return Err(CniError::unexpected_response("gc"));
+    };
+    for pod_ip in &collected.released {
+        log::info(
+            "cni",
+            "GC released",
+            &[
+                ("network", &net_conf.network),
+                ("address", &pod_ip.ip_address),
+            ],
+        );
+    }
+    Ok(())
 }
 
 fn require_gc_and_status(net_conf: &NetConf, verb: &str) -> Result<(), CniError> {

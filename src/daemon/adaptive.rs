@@ -3,7 +3,9 @@
 //! periodic monitor pass. Nothing here blocks: HTTP happens on the kube
 //! threads, and every store change happens here, on the loop.
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::monitor::{self, MonitorConfig};
@@ -12,6 +14,7 @@ use crate::engine::Engine;
 use crate::kube::nnc::{Kind, Nnc};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
+use crate::metrics::Metrics;
 use crate::wire::{Code, Request, Response, reason, request, response};
 
 /// Settings of the adaptive side.
@@ -38,11 +41,13 @@ struct Parked {
     conn_id: u64,
     request: Request,
     network: String,
+    parked_at: Instant,
     deadline: Instant,
 }
 
 pub struct Adaptive {
     link: KubeLink,
+    metrics: Arc<Metrics>,
     config: AdaptiveConfig,
     latest: Option<Nnc>,
     unreachable: Option<String>,
@@ -56,9 +61,15 @@ pub struct Adaptive {
 }
 
 impl Adaptive {
-    pub fn new(link: KubeLink, config: AdaptiveConfig, now: Instant) -> Adaptive {
+    pub fn new(
+        link: KubeLink,
+        config: AdaptiveConfig,
+        metrics: Arc<Metrics>,
+        now: Instant,
+    ) -> Adaptive {
         Adaptive {
             link,
+            metrics,
             config,
             latest: None,
             unreachable: None,
@@ -111,8 +122,10 @@ impl Adaptive {
                         conn_id,
                         request: request.clone(),
                         network: network.to_string(),
+                        parked_at: now,
                         deadline: now + self.config.pending_timeout,
                     });
+                    self.publish_parked();
                     self.next_pass = now;
                     return None;
                 }
@@ -156,7 +169,12 @@ impl Adaptive {
                 KubeEvent::Nnc(nnc) => {
                     self.unreachable = None;
                     match monitor::sync_blocks(engine.store_mut(), &nnc) {
-                        Ok(networks) => grown.extend(networks),
+                        Ok(synced) => {
+                            for network in &synced.deleted {
+                                self.metrics.monitor_action("delete", network);
+                            }
+                            grown.extend(synced.grown);
+                        }
                         Err(err) => log::error(
                             "daemon",
                             "syncing blocks from the NodeNetworkConfig failed",
@@ -179,7 +197,10 @@ impl Adaptive {
                         }
                     }
                 }
-                KubeEvent::Unreachable(why) => self.unreachable = Some(why),
+                KubeEvent::Unreachable(why) => {
+                    self.metrics.api_error();
+                    self.unreachable = Some(why);
+                }
                 KubeEvent::Patched => {
                     self.patching = None;
                     log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
@@ -190,6 +211,7 @@ impl Adaptive {
                     self.next_pass = now;
                 }
                 KubeEvent::PatchFailed(why) => {
+                    self.metrics.api_error();
                     self.patching = None;
                     log::warn(
                         "daemon",
@@ -231,7 +253,11 @@ impl Adaptive {
             .into_iter()
             .partition(|p| p.deadline <= now);
         self.parked = waiting;
+        if !expired.is_empty() {
+            self.publish_parked();
+        }
         for parked in expired {
+            self.observe(&parked, Code::ResourceExhausted, now);
             let message = format!(
                 "no available IPs in store for network {} (timed out waiting {} s for new blocks)",
                 parked.network,
@@ -251,7 +277,11 @@ impl Adaptive {
 
     /// Drops the parked requests of a connection that went away.
     pub fn forget(&mut self, conn_id: u64) {
+        let before = self.parked.len();
         self.parked.retain(|p| p.conn_id != conn_id);
+        if self.parked.len() != before {
+            self.publish_parked();
+        }
     }
 
     fn run_pass(&mut self, engine: &mut Engine, now: Instant) {
@@ -273,6 +303,9 @@ impl Adaptive {
         let version = nnc.resource_version.clone();
         match outcome {
             Ok(outcome) => {
+                for (action, network) in &outcome.actions {
+                    self.metrics.monitor_action(action, network);
+                }
                 if outcome.push_back {
                     self.next_pass = self.next_pass.min(now + PUSH_BACK_INTERVAL);
                 }
@@ -300,8 +333,28 @@ impl Adaptive {
                 break;
             }
             let parked = self.parked.remove(index);
+            self.observe(&parked, reply.code(), Instant::now());
             deliveries.push((parked.conn_id, reply));
         }
+        self.publish_parked();
         deliveries
+    }
+
+    /// Records a parked request's outcome, its latency including the wait.
+    fn observe(&self, parked: &Parked, code: Code, now: Instant) {
+        self.metrics.observe_request(
+            "allocate",
+            code.as_str_name(),
+            now.saturating_duration_since(parked.parked_at),
+        );
+    }
+
+    /// Publishes the parked counts per network for metrics.
+    fn publish_parked(&self) {
+        let mut counts: BTreeMap<String, i64> = BTreeMap::new();
+        for parked in &self.parked {
+            *counts.entry(parked.network.clone()).or_default() += 1;
+        }
+        self.metrics.set_parked(counts);
     }
 }

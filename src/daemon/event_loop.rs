@@ -7,6 +7,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixListener;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -18,7 +19,8 @@ use super::adaptive::{Adaptive, Delivery};
 use super::conn::{Conn, Limits, State};
 use crate::engine::Engine;
 use crate::log;
-use crate::wire::{Code, reason};
+use crate::metrics::Metrics;
+use crate::wire::{Code, Request, reason, request};
 
 /// Longest single `poll` wait, so deadlines are checked at least this often.
 const MAX_POLL_WAIT: Duration = Duration::from_secs(1);
@@ -44,6 +46,7 @@ pub struct EventLoop {
     signals: SignalFd,
     engine: Engine,
     adaptive: Option<Adaptive>,
+    metrics: Arc<Metrics>,
     conns: Vec<Conn>,
     next_conn_id: u64,
     limits: Limits,
@@ -56,6 +59,7 @@ impl EventLoop {
         signals: SignalFd,
         engine: Engine,
         adaptive: Option<Adaptive>,
+        metrics: Arc<Metrics>,
         limits: Limits,
         admission: Admission,
     ) -> EventLoop {
@@ -64,6 +68,7 @@ impl EventLoop {
             signals,
             engine,
             adaptive,
+            metrics,
             conns: Vec::new(),
             next_conn_id: 0,
             limits,
@@ -220,15 +225,25 @@ impl EventLoop {
         let EventLoop {
             engine,
             adaptive,
+            metrics,
             conns,
             ..
         } = self;
-        let mut handle = |conn_id: u64, request: crate::wire::Request| {
-            let Some(adaptive) = adaptive.as_mut() else {
-                return Some(engine.handle(request, log::now_ms()));
+        let mut handle = |conn_id: u64, request: Request| {
+            let started = Instant::now();
+            let method = method_name(&request);
+            let reply = match adaptive.as_mut() {
+                None => Some(engine.handle(request, log::now_ms())),
+                Some(adaptive) => {
+                    let reply = engine.handle(request.clone(), log::now_ms());
+                    adaptive.intercept(conn_id, &request, reply, now)
+                }
             };
-            let reply = engine.handle(request.clone(), log::now_ms());
-            adaptive.intercept(conn_id, &request, reply, now)
+            // A parked request is counted when it is finally answered.
+            if let Some(reply) = &reply {
+                metrics.observe_request(method, reply.code().as_str_name(), started.elapsed());
+            }
+            reply
         };
         let mut closed = Vec::new();
         let mut index = 0;
@@ -314,6 +329,22 @@ impl EventLoop {
             self.conns
                 .retain_mut(|conn| conn.flush(now) == State::Open && conn.wants_write());
         }
+    }
+}
+
+/// The metrics label of a request kind.
+fn method_name(request: &Request) -> &'static str {
+    match &request.kind {
+        Some(request::Kind::Allocate(_)) => "allocate",
+        Some(request::Kind::Deallocate(_)) => "deallocate",
+        Some(request::Kind::Check(_)) => "check",
+        Some(request::Kind::ListCidrBlocks(_)) => "list_cidr_blocks",
+        Some(request::Kind::ListIpAddresses(_)) => "list_ip_addresses",
+        Some(request::Kind::Health(_)) => "health",
+        Some(request::Kind::Usage(_)) => "usage",
+        Some(request::Kind::Gc(_)) => "gc",
+        Some(request::Kind::NetworkStatus(_)) => "network_status",
+        None => "unknown",
     }
 }
 

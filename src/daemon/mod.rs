@@ -9,9 +9,11 @@ mod monitor;
 use std::fmt;
 use std::fs;
 use std::io;
+use std::net::SocketAddr;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::{SigSet, Signal};
@@ -23,6 +25,7 @@ use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
 use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
 use crate::log;
+use crate::metrics::{self, Metrics};
 use crate::store::{BootRecovery, Depth, Durability, ReserveMode, Store, StoreError, StoreOptions};
 
 use adaptive::Adaptive;
@@ -167,6 +170,13 @@ const FLAGS: &[FlagSpec] = &[
                (keep it under the runtime's 10 s plugin timeout)",
     },
     FlagSpec {
+        name: "--metrics-addr",
+        value: Some("HOST:PORT"),
+        repeatable: false,
+        default: "off",
+        help: "serve Prometheus /metrics and /healthz here, e.g. 127.0.0.1:9153",
+    },
+    FlagSpec {
         name: "-v",
         value: Some("N"),
         repeatable: false,
@@ -194,6 +204,7 @@ pub struct Config {
     /// Where the kernel boot id is read (`METIS_BOOT_ID_FILE` overrides).
     pub boot_id_path: PathBuf,
     pub verbosity: u8,
+    pub metrics_addr: Option<SocketAddr>,
     /// `None` for static blocks only.
     pub adaptive: Option<AdaptiveSettings>,
 }
@@ -219,6 +230,7 @@ pub enum DaemonError {
     Kube(String),
     /// The database fails its invariant check; the report names the problems.
     Unsafe(String),
+    Metrics(String),
 }
 
 impl fmt::Display for DaemonError {
@@ -236,6 +248,7 @@ impl fmt::Display for DaemonError {
                 "refusing to serve a database that fails its checks (inspect it with \
                  `metis admin check`): {report}"
             ),
+            DaemonError::Metrics(why) => write!(f, "cannot serve metrics on {why}"),
         }
     }
 }
@@ -314,6 +327,17 @@ pub fn parse_config(
             .ok_or_else(|| FlagError::BadValue(name, "must be greater than zero".into()))
     };
     let adaptive = adaptive_settings(&parsed, lookup, &duration, &positive)?;
+    let metrics_addr = parsed
+        .get("--metrics-addr")
+        .map(|text| {
+            text.parse::<SocketAddr>().map_err(|_| {
+                FlagError::BadValue(
+                    "--metrics-addr",
+                    format!("{text:?} is not HOST:PORT, e.g. 127.0.0.1:9153"),
+                )
+            })
+        })
+        .transpose()?;
     Ok(Config {
         socket_path: absolute(&parsed, "--socket-path", DEFAULT_SOCKET_PATH)?,
         db_path: absolute(&parsed, "--db-path", DEFAULT_DB_PATH)?,
@@ -331,6 +355,7 @@ pub fn parse_config(
         boot_recovery: !parsed.has("--no-boot-recovery"),
         boot_id_path: crate::store::boot_id_path(lookup),
         verbosity,
+        metrics_addr,
         adaptive,
     })
 }
@@ -518,8 +543,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     store
         .set_release_cooldown(config.release_cooldown_ms)
         .map_err(DaemonError::Store)?;
-    // The count is also what metrics report as recovered at boot.
-    recover_after_reboot(&mut store, config)?;
+    let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     for (network, cidr) in &config.cidrs {
         let outcome = store
             .add_cidr_block(network, cidr)
@@ -537,6 +561,13 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
 
     let listener = listen(&config.socket_path, config.socket_group)?;
     let engine = Engine::new(store, config.release_cooldown_ms);
+    let metrics = Arc::new(Metrics::default());
+    metrics.recovered_at_boot(recovered_at_boot);
+    if let Some(addr) = config.metrics_addr {
+        let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
+            .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
+        log::info("daemon", "metrics listening", &[("addr", &bound)]);
+    }
     let adaptive = match &config.adaptive {
         None => None,
         Some(settings) => {
@@ -557,6 +588,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             Some(Adaptive::new(
                 link,
                 settings.adaptive.clone(),
+                Arc::clone(&metrics),
                 std::time::Instant::now(),
             ))
         }
@@ -571,6 +603,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         signals,
         engine,
         adaptive,
+        metrics,
         config.limits,
         Admission {
             max_connections: config.max_connections,

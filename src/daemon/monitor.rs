@@ -25,14 +25,24 @@ pub struct PassOutcome {
     pub patch: Option<Value>,
     /// Many addresses are cooling: look again shortly.
     pub push_back: bool,
+    /// (action, network) for metrics: scale_up, drain, release, delete.
+    pub actions: Vec<(&'static str, String)>,
+}
+
+/// What syncing the status changed locally.
+#[derive(Debug, Default, PartialEq)]
+pub struct Synced {
+    /// Networks that gained blocks (their waiters should be retried).
+    pub grown: Vec<String>,
+    /// Networks of released blocks deleted locally.
+    pub deleted: Vec<String>,
 }
 
 /// Brings local blocks in line with the status: Ready IPv4 pod CIDRs not
 /// stored yet are added (every network, also those only in the status),
-/// and Deleting blocks whose CIDR left the status are deleted. Returns the
-/// networks that gained blocks, so their waiters can be retried.
-pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Vec<String>, StoreError> {
-    let mut grown = Vec::new();
+/// and Deleting blocks whose CIDR left the status are deleted.
+pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
+    let mut synced = Synced::default();
     for entry in nnc.pod_cidrs.iter().filter(|entry| entry.ready) {
         let cidr = match entry.cidr.parse::<Cidr>() {
             Ok(cidr) if cidr.family() == Family::V4 => cidr,
@@ -55,8 +65,8 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Vec<String>, StoreErr
                 "Watcher adding new ready podCIDR to local DB",
                 &[("network", &entry.network), ("cidr", &cidr)],
             );
-            if !grown.contains(&entry.network) {
-                grown.push(entry.network.clone());
+            if !synced.grown.contains(&entry.network) {
+                synced.grown.push(entry.network.clone());
             }
         }
     }
@@ -74,9 +84,10 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Vec<String>, StoreErr
                 "released CIDR block left the status; deleted locally",
                 &[("network", &block.network), ("cidr", &block.cidr)],
             );
+            synced.deleted.push(block.network);
         }
     }
-    Ok(grown)
+    Ok(synced)
 }
 
 /// Adds a Node's `spec.podCIDRs` as blocks of `network`. Returns whether a
@@ -147,8 +158,18 @@ pub fn pass(
             }
             ScaleUp::Desired(desired) => desired,
         };
-        drain_if_idle(store, &network, load, config, now_ms)?;
-        let released = release_expired(store, nnc, &network, config, now_ms, &mut releasable)?;
+        for _ in 0..drain_if_idle(store, &network, load, config, now_ms)? {
+            outcome.actions.push(("drain", network.clone()));
+        }
+        let released = release_expired(
+            store,
+            nnc,
+            &network,
+            config,
+            now_ms,
+            &mut releasable,
+            &mut outcome.actions,
+        )?;
         let wanted = policy::final_pods(desired, released);
         match allocations.iter_mut().find(|(n, _)| *n == network) {
             Some((_, pods)) if *pods == wanted => {}
@@ -158,9 +179,15 @@ pub fn pass(
                     "Scale-up triggered: capacity expansion requested",
                     &[("network", &network), ("from", pods), ("to", &wanted)],
                 );
+                if wanted > *pods {
+                    outcome.actions.push(("scale_up", network.clone()));
+                }
                 *pods = wanted;
             }
-            None => allocations.push((network.clone(), wanted)),
+            None => {
+                outcome.actions.push(("scale_up", network.clone()));
+                allocations.push((network.clone(), wanted));
+            }
         }
     }
     if allocations != nnc.allocations || releasable != nnc.releasable {
@@ -175,18 +202,21 @@ pub fn pass(
 
 /// The drain step, with the low-utilisation start time kept in the store so
 /// a daemon restart does not reset the clock (upstream keeps it in memory).
+/// Returns how many blocks were drained.
 fn drain_if_idle(
     store: &mut Store,
     network: &str,
     load: Load,
     config: MonitorConfig,
     now_ms: i64,
-) -> Result<(), StoreError> {
+) -> Result<usize, StoreError> {
     let key = format!("low_utilization_since/{network}");
     let since = store.setting(&key)?.and_then(|text| text.parse().ok());
     match policy::low_utilization(load, since, now_ms, config.sustained_low_utilization_ms) {
-        LowUtilization::Clear => store.put_setting(&key, None),
-        LowUtilization::Since(since) => store.put_setting(&key, Some(&since.to_string())),
+        LowUtilization::Clear => store.put_setting(&key, None).map(|()| 0),
+        LowUtilization::Since(since) => store
+            .put_setting(&key, Some(&since.to_string()))
+            .map(|()| 0),
         LowUtilization::Drain => {
             let ready: Vec<BlockLoad> = store
                 .ready_blocks_newest_first(network, Family::V4)?
@@ -206,11 +236,10 @@ fn drain_if_idle(
                     &[("network", &network), ("block_id", id)],
                 );
             }
-            if drained.is_empty() {
-                Ok(())
-            } else {
-                store.put_setting(&key, None)
+            if !drained.is_empty() {
+                store.put_setting(&key, None)?;
             }
+            Ok(drained.len())
         }
     }
 }
@@ -225,10 +254,12 @@ fn release_expired(
     config: MonitorConfig,
     now_ms: i64,
     releasable: &mut Vec<Value>,
+    actions: &mut Vec<(&'static str, String)>,
 ) -> Result<i64, StoreError> {
     for block in
         store.expire_draining(network, Family::V4, config.draining_expiration_ms, now_ms)?
     {
+        actions.push(("release", network.to_string()));
         log::info(
             "monitor",
             "CIDR block is fully drained; requesting release by adding to releasableCIDRs list",
@@ -239,7 +270,9 @@ fn release_expired(
     for block in store.deleting_blocks(network, Family::V4)? {
         match status_entry(nnc, network, &block.cidr) {
             None => {
-                store.delete_block(block.id)?;
+                if store.delete_block(block.id)? {
+                    actions.push(("delete", network.to_string()));
+                }
             }
             Some(entry) => {
                 let already = nnc
@@ -324,12 +357,12 @@ mod tests {
         let mut snapshot = nnc("1", None, &["198.18.1.0/28", "2001:db8::/120"], &[]);
         snapshot.pod_cidrs[0].network = "only-in-status".into();
         assert_eq!(
-            sync_blocks(&mut store, &snapshot).unwrap(),
+            sync_blocks(&mut store, &snapshot).unwrap().grown,
             vec!["only-in-status".to_string()]
         );
         assert_eq!(
             sync_blocks(&mut store, &snapshot).unwrap(),
-            Vec::<String>::new()
+            Synced::default()
         );
         let blocks = store
             .blocks(&BlockFilter {
@@ -359,6 +392,7 @@ mod tests {
                         "spec": {"allocations": [{"network": "default", "pods": 35}], "releasableCIDRs": []}}))
         );
         assert!(!outcome.push_back);
+        assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
         // Nothing changed: no patch.
         let settled = nnc("6", Some(35), &[], &[]);
         let outcome = pass(&mut store, &settled, &|_| 10, CONFIG, crate::log::now_ms()).unwrap();

@@ -52,6 +52,39 @@ fn insert_rows(
     Ok(inserted)
 }
 
+/// Frees one allocated row: it rests until `release_at` (none if `None`)
+/// and the block's counter drops — unless the row sits at a position the
+/// block reserves (a pod left there by an upstream database), which goes
+/// back to the reservation and stays counted.
+pub(super) fn give_back(
+    conn: &Connection,
+    row_id: i64,
+    block_id: i64,
+    allocation: &Allocation,
+    reserved: &[u128],
+    release_at: Option<i64>,
+) -> Result<(), StoreError> {
+    let at_reserved = allocation
+        .block
+        .offset_of(allocation.address)
+        .is_some_and(|offset| reserved.contains(&offset));
+    if at_reserved {
+        conn.prepare_cached(
+            "UPDATE ip_addresses SET container_id = '', interface_name = '', pod_name = NULL, \
+             pod_namespace = NULL, release_at = NULL WHERE id = ?1",
+        )?
+        .execute([row_id])?;
+        return Ok(());
+    }
+    conn.prepare_cached("UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1")?
+        .execute(params![row_id, release_at])?;
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1",
+    )?
+    .execute([block_id])?;
+    Ok(())
+}
+
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
 fn held(
@@ -90,41 +123,6 @@ fn held(
         ));
     }
     Ok(out)
-}
-
-/// Frees row `row_id` of block `block_id` (in `network`), resting until
-/// `release_at`; a pod's row at a reserved position becomes reserved again.
-pub(super) fn release_row(
-    conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    row_id: i64,
-    block_id: i64,
-    allocation: &Allocation,
-    release_at: Option<i64>,
-) -> Result<(), StoreError> {
-    let reserved = block_reserved(conn, mode, block_id, network, &allocation.block)?;
-    let at_reserved = allocation
-        .block
-        .offset_of(allocation.address)
-        .is_some_and(|o| reserved.contains(&o));
-    if at_reserved {
-        conn.prepare_cached(
-            "UPDATE ip_addresses SET container_id = '', interface_name = '', \
-             pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1",
-        )?
-        .execute([row_id])?;
-    } else {
-        conn.prepare_cached(
-            "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1",
-        )?
-        .execute(params![row_id, release_at])?;
-        conn.prepare_cached(
-            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1",
-        )?
-        .execute([block_id])?;
-    }
-    Ok(())
 }
 
 /// Marks row `row_id` of block `block_id` allocated to `owner`.
@@ -465,15 +463,8 @@ impl Store {
         let rows = held(&tx, network, container_id, interface_name, None)?;
         let mut out = Vec::with_capacity(rows.len());
         for (row_id, block_id, allocation) in rows {
-            release_row(
-                &tx,
-                mode,
-                network,
-                row_id,
-                block_id,
-                &allocation,
-                release_at,
-            )?;
+            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
+            give_back(&tx, row_id, block_id, &allocation, &reserved, release_at)?;
             out.push(allocation);
         }
         tx.commit()?;

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::TransactionBehavior;
 
-use super::alloc::release_row;
+use super::alloc::give_back;
+use super::reserve::block_reserved;
 use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
 
 /// `metis_settings` key: the kernel boot id the database was last used under.
@@ -130,9 +131,9 @@ impl Store {
                     }
                 }
                 for (row_id, block_id, allocation, network) in &rows {
-                    release_row(
-                        &tx, mode, network, *row_id, *block_id, allocation, release_at,
-                    )?;
+                    let reserved =
+                        block_reserved(&tx, mode, *block_id, network, &allocation.block)?;
+                    give_back(&tx, *row_id, *block_id, allocation, &reserved, release_at)?;
                 }
                 BootRecovery::Released(u64::try_from(rows.len()).unwrap_or(u64::MAX))
             }

@@ -10,8 +10,10 @@ mod admin;
 mod alloc;
 mod boot;
 mod check;
+mod gc;
 mod reserve;
 mod schema;
+mod stats;
 #[cfg(test)]
 mod tests;
 
@@ -421,6 +423,42 @@ impl Store {
                      restart the daemon to use the file now at this path"
                 .into(),
         })
+    }
+
+    /// Opens an existing database for reading only: no schema installation,
+    /// no repair, no settings written, so observers (STATUS in direct mode,
+    /// metrics, checks) never create a database or take the write lock.
+    /// `Ok(None)` when there is nothing to read yet — no file, or no schema
+    /// installed — in which case the first ADD creates it.
+    pub fn open_read_only(path: &Path) -> Result<Option<Store>, StoreError> {
+        if !path.exists() {
+            return Ok(None);
+        }
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|e| StoreError::Open {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })?;
+        conn.busy_timeout(Duration::from_millis(5000))?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version != SCHEMA_VERSION {
+            return Ok(None);
+        }
+        // Upstream databases have no settings table: default mode then.
+        let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
+            .ok()
+            .flatten()
+            .and_then(|text| ReserveMode::parse(&text))
+            .unwrap_or_default();
+        Ok(Some(Store {
+            conn,
+            reserve,
+            warnings: Vec::new(),
+            file: (path.to_path_buf(), file_identity(path)),
+        }))
     }
 
     /// The reservation mode in force.

@@ -37,6 +37,8 @@ pub struct State {
     /// Pod CIDRs handed out so far by the simulated cloud controller.
     pub next_block: u32,
     pub controller: bool,
+    /// Bearer tokens seen, in order (deduplicated consecutive repeats).
+    pub tokens: Vec<String>,
 }
 
 struct Shared {
@@ -77,6 +79,7 @@ impl ApiServer {
                 base_capacity,
                 next_block: 0,
                 controller: true,
+                tokens: Vec::new(),
             }),
             changed: Condvar::new(),
         });
@@ -93,8 +96,13 @@ impl ApiServer {
 
     /// Writes a kubeconfig pointing at this server.
     pub fn kubeconfig(&self, path: &std::path::Path) {
+        self.kubeconfig_with_user(path, "    token: test-token");
+    }
+
+    /// Writes a kubeconfig whose user entry is `user` (indented YAML lines).
+    pub fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str) {
         let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user:\n    token: test-token\n",
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user:\n{user}\n",
             self.addr
         );
         std::fs::write(path, text).unwrap();
@@ -299,6 +307,7 @@ struct HttpRequest {
     method: String,
     path: String,
     query: String,
+    token: Option<String>,
     body: Vec<u8>,
 }
 
@@ -309,6 +318,7 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
     let method = parts.next()?.to_string();
     let target = parts.next()?.to_string();
     let mut length = 0usize;
+    let mut token = None;
     loop {
         let mut header = String::new();
         stream.read_line(&mut header).ok()?;
@@ -316,10 +326,12 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
         if header.is_empty() {
             break;
         }
-        if let Some((name, value)) = header.split_once(':')
-            && name.eq_ignore_ascii_case("content-length")
-        {
-            length = value.trim().parse().ok()?;
+        if let Some((name, value)) = header.split_once(':') {
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse().ok()?;
+            } else if name.eq_ignore_ascii_case("authorization") {
+                token = value.trim().strip_prefix("Bearer ").map(str::to_string);
+            }
         }
     }
     let mut body = vec![0; length];
@@ -332,6 +344,7 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
         method,
         path,
         query,
+        token,
         body,
     })
 }
@@ -376,6 +389,12 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     };
     if stop.load(Ordering::SeqCst) {
         return;
+    }
+    if let Some(token) = &request.token {
+        let mut state = shared.state.lock().unwrap();
+        if state.tokens.last() != Some(token) {
+            state.tokens.push(token.clone());
+        }
     }
     let kind = if request.path.starts_with(NNC_COLLECTION) {
         "nnc"

@@ -23,8 +23,10 @@ pub struct TestDir {
 impl TestDir {
     pub fn new(name: &str) -> TestDir {
         static NEXT: AtomicU32 = AtomicU32::new(0);
+        // Fixed-width numbers keep the path's length constant, so outputs
+        // that embed it (golden files, JSON column numbers) are stable.
         let path = std::env::temp_dir().join(format!(
-            "metis-{name}-{}-{}",
+            "metis-{name}-{:010}-{:04}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
@@ -68,12 +70,22 @@ pub struct TestDaemon {
 impl TestDaemon {
     /// Starts a daemon on `dir` and waits until its socket accepts.
     pub fn start(dir: &TestDir, extra: &[&str]) -> TestDaemon {
-        TestDaemon::start_with_env(dir, extra, &[])
+        TestDaemon::launch(Path::new(METIS), dir, extra, &[])
     }
 
-    /// Like `start`, with extra environment; any cluster settings of the
-    /// test's own environment are scrubbed first.
+    /// Like [`TestDaemon::start`], with extra environment; any cluster
+    /// settings of the test's own environment are scrubbed first.
     pub fn start_with_env(dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
+        TestDaemon::launch(Path::new(METIS), dir, extra, env)
+    }
+
+    /// Like [`TestDaemon::start`], running the daemon from another copy of
+    /// the binary.
+    pub fn start_from(binary: &Path, dir: &TestDir, extra: &[&str]) -> TestDaemon {
+        TestDaemon::launch(binary, dir, extra, &[])
+    }
+
+    fn launch(binary: &Path, dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
         let socket = dir.join("metis.sock");
         let db = dir.join("metis.sqlite");
         let stderr_path = dir.join("daemon.log");
@@ -82,7 +94,7 @@ impl TestDaemon {
             .append(true)
             .open(&stderr_path)
             .unwrap();
-        let mut command = Command::new(METIS);
+        let mut command = Command::new(binary);
         for name in [
             "KUBECONFIG",
             "KUBERNETES_SERVICE_HOST",
@@ -279,4 +291,23 @@ pub fn add_concurrently(config: &str, ids: std::ops::Range<usize>) -> Vec<String
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Runs `metis ARGS…` with no stdin and no CNI variables.
+pub fn metis(args: &[&str]) -> Output {
+    let mut command = Command::new(METIS);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("CNI_") {
+            command.env_remove(key);
+        }
+    }
+    command.args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+/// stdout and stderr as text.
+pub fn out_err(output: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }

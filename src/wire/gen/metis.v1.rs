@@ -50,14 +50,97 @@ pub mod health_check_response {
         }
     }
 }
+/// Address usage per network and family over non-Deleting blocks, as
+/// upstream's GetIPUsage computes it (`metis admin usage`).
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct UsageRequest {
+    /// Empty means every network.
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    /// "ipv4" or "ipv6"; empty means both.
+    #[prost(string, tag = "2")]
+    pub ip_family: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NetworkUsage {
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub ip_family: ::prost::alloc::string::String,
+    /// Addresses in the blocks (Draining blocks included).
+    #[prost(int64, tag = "3")]
+    pub total: i64,
+    /// Allocated rows, reserved ones included.
+    #[prost(int64, tag = "4")]
+    pub allocated: i64,
+    /// Released addresses still resting before reuse.
+    #[prost(int64, tag = "5")]
+    pub cooldown: i64,
+    /// Addresses in Draining blocks.
+    #[prost(int64, tag = "6")]
+    pub draining: i64,
+}
+/// One entry per network and family that has blocks, sorted by network.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct UsageResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub usage: ::prost::alloc::vec::Vec<NetworkUsage>,
+}
+/// One attachment a runtime still uses (CNI GC's `cni.dev/valid-attachments`).
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Attachment {
+    #[prost(string, tag = "1")]
+    pub container_id: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub interface_name: ::prost::alloc::string::String,
+}
+/// CNI GC (spec 1.1.0): release every allocation of `network` whose owner is
+/// not in `valid`, except those younger than the grace period (an ADD may
+/// still be in flight).
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct GcRequest {
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    #[prost(message, repeated, tag = "2")]
+    pub valid: ::prost::alloc::vec::Vec<Attachment>,
+    #[prost(int64, tag = "3")]
+    pub grace_period_ms: i64,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct GcResponse {
+    /// The addresses released by this call.
+    #[prost(message, repeated, tag = "1")]
+    pub released: ::prost::alloc::vec::Vec<super::super::adaptiveipam::v1::PodIp>,
+}
+/// CNI STATUS (spec 1.1.0): can an ADD on `network` with these ranges be
+/// served? Answered read-only.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NetworkStatusRequest {
+    #[prost(string, tag = "1")]
+    pub network: ::prost::alloc::string::String,
+    /// The configured CNI ranges per family; a family without ranges is not
+    /// asked about. A range not yet added as a block counts as room to grow.
+    #[prost(string, repeated, tag = "2")]
+    pub ipv4_ranges: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    #[prost(string, repeated, tag = "3")]
+    pub ipv6_ranges: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NetworkStatusResponse {
+    #[prost(bool, tag = "1")]
+    pub can_allocate: bool,
+    /// Why not, when `can_allocate` is false.
+    #[prost(string, tag = "2")]
+    pub detail: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Request {
-    #[prost(oneof = "request::Kind", tags = "1, 2, 3, 4, 5, 6")]
+    #[prost(oneof = "request::Kind", tags = "1, 2, 3, 4, 5, 6, 7, 8, 9")]
     pub kind: ::core::option::Option<request::Kind>,
 }
 /// Nested message and enum types in `Request`.
 pub mod request {
-    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
+    #[derive(Clone, PartialEq, ::prost::Oneof)]
     pub enum Kind {
         #[prost(message, tag = "1")]
         Allocate(super::super::super::adaptiveipam::v1::AllocatePodIpRequest),
@@ -71,6 +154,12 @@ pub mod request {
         ListIpAddresses(super::super::super::admin::v1::ListIpAddressesRequest),
         #[prost(message, tag = "6")]
         Health(super::HealthCheckRequest),
+        #[prost(message, tag = "7")]
+        Gc(super::GcRequest),
+        #[prost(message, tag = "8")]
+        NetworkStatus(super::NetworkStatusRequest),
+        #[prost(message, tag = "9")]
+        Usage(super::UsageRequest),
     }
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -95,7 +184,7 @@ pub struct Status {
 pub struct Response {
     #[prost(message, optional, tag = "1")]
     pub status: ::core::option::Option<Status>,
-    #[prost(oneof = "response::Kind", tags = "2, 3, 4, 5, 6")]
+    #[prost(oneof = "response::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9")]
     pub kind: ::core::option::Option<response::Kind>,
 }
 /// Nested message and enum types in `Response`.
@@ -112,6 +201,12 @@ pub mod response {
         Table(super::super::super::admin::v1::AdminTableDumpResponse),
         #[prost(message, tag = "6")]
         Health(super::HealthCheckResponse),
+        #[prost(message, tag = "7")]
+        Gc(super::GcResponse),
+        #[prost(message, tag = "8")]
+        NetworkStatus(super::NetworkStatusResponse),
+        #[prost(message, tag = "9")]
+        Usage(super::UsageResponse),
     }
 }
 /// Outcome of a request; the numbers follow gRPC status codes so logs read

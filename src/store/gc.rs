@@ -1,0 +1,417 @@
+//! What CNI 1.1.0 adds: GC (release what the runtime no longer knows) and
+//! the read-only questions STATUS asks (can an ADD on this network be
+//! served?), plus the read-only open STATUS needs in direct mode so that
+//! polling it never creates or modifies a database.
+
+use std::collections::HashSet;
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use super::alloc::give_back;
+use super::reserve::block_reserved;
+use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
+use crate::cidr::{Cidr, Family};
+
+/// An allocated row GC may release.
+struct Candidate {
+    row_id: i64,
+    block_id: i64,
+    container_id: String,
+    interface_name: String,
+    allocation: Allocation,
+}
+
+impl Store {
+    /// Releases, in one transaction, every address of `network` held by an
+    /// owner (container, interface) not in `valid` and allocated at or
+    /// before `allocated_until_ms` (younger ones may belong to an ADD still
+    /// in flight). Rows without `allocated_at` (never written by Metis)
+    /// count as old. Released addresses rest for `cooldown_ms` as on DEL;
+    /// reserved rows and other networks are never touched.
+    pub fn gc(
+        &mut self,
+        network: &str,
+        valid: &HashSet<(&str, &str)>,
+        allocated_until_ms: i64,
+        cooldown_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<Allocation>, StoreError> {
+        let mode = self.reserve;
+        let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let stale: Vec<Candidate> = gc_candidates(&tx, network, allocated_until_ms)?
+            .into_iter()
+            .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())))
+            .collect();
+        for candidate in &stale {
+            let reserved = block_reserved(
+                &tx,
+                mode,
+                candidate.block_id,
+                network,
+                &candidate.allocation.block,
+            )?;
+            give_back(
+                &tx,
+                candidate.row_id,
+                candidate.block_id,
+                &candidate.allocation,
+                &reserved,
+                release_at,
+            )?;
+        }
+        tx.commit()?;
+        Ok(stale.into_iter().map(|c| c.allocation).collect())
+    }
+
+    /// Whether an address of `family` can be allocated in `network` now
+    /// without adding anything but `ranges` (read-only): a configured range
+    /// not yet a block, a free non-cooling row in a Ready block, an IPv6
+    /// Ready block not yet populated to its end, or — IPv4 — a free row in
+    /// the Draining block an allocation would take back.
+    pub fn can_allocate(
+        &self,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        for range in ranges {
+            if self.find_block(network, range)?.is_none() {
+                return Ok(true);
+            }
+        }
+        if ready_block_has_free_row(&self.conn, network, family, now_ms)? {
+            return Ok(true);
+        }
+        match family {
+            Family::V6 => any_v6_block_can_grow(&self.conn, network),
+            Family::V4 => oldest_draining_has_free_row(&self.conn, network, now_ms),
+        }
+    }
+}
+
+/// Allocated, owned rows of `network` allocated at or before the cutoff.
+fn gc_candidates(
+    conn: &Connection,
+    network: &str,
+    allocated_until_ms: i64,
+) -> Result<Vec<Candidate>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT a.id, b.id, a.container_id, COALESCE(a.interface_name, ''), a.address, b.cidr \
+         FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+         WHERE b.network = ?1 AND a.is_allocated = 1 AND COALESCE(a.container_id, '') != '' \
+           AND (a.allocated_at IS NULL OR a.allocated_at <= ?2) \
+         ORDER BY b.ip_family, a.id",
+    )?;
+    let mut rows = stmt.query(params![network, allocated_until_ms])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push(Candidate {
+            row_id: row.get(0)?,
+            block_id: row.get(1)?,
+            container_id: row.get(2)?,
+            interface_name: row.get(3)?,
+            allocation: Allocation {
+                address: parse_addr(&row.get::<_, String>(4)?)?,
+                block: parse_cidr(&row.get::<_, String>(5)?)?,
+            },
+        });
+    }
+    Ok(out)
+}
+
+fn ready_block_has_free_row(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+    now_ms: i64,
+) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+             WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' AND a.is_allocated = FALSE \
+               AND (a.release_at IS NULL OR a.release_at <= ?3))",
+        )?
+        .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?)
+}
+
+/// IPv6 blocks are populated lazily after their highest row; one whose
+/// highest row is not its last address can still grow.
+fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv6' \
+         AND state = 'Ready' AND total_ips > COALESCE(allocated_ips, 0) ORDER BY id",
+    )?;
+    let mut blocks = stmt.query([network])?;
+    while let Some(block) = blocks.next()? {
+        let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
+        let highest = highest_offset(conn, block.get(0)?, &cidr)?;
+        if highest.is_none_or(|h| h.saturating_add(1) < cidr.size()) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+fn highest_offset(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+) -> Result<Option<u128>, StoreError> {
+    let mut stmt =
+        conn.prepare_cached("SELECT address FROM ip_addresses WHERE cidr_block_id = ?1")?;
+    let mut rows = stmt.query([block_id])?;
+    let mut highest = None;
+    while let Some(row) = rows.next()? {
+        let offset = cidr.offset_of(parse_addr(&row.get::<_, String>(0)?)?);
+        highest = highest.max(offset);
+    }
+    Ok(highest)
+}
+
+/// On IPv4 exhaustion an allocation takes back the oldest Draining block.
+fn oldest_draining_has_free_row(
+    conn: &Connection,
+    network: &str,
+    now_ms: i64,
+) -> Result<bool, StoreError> {
+    let oldest: Option<i64> = conn
+        .prepare_cached(
+            "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4' \
+             AND state = 'Draining' ORDER BY id LIMIT 1",
+        )?
+        .query_row([network], |r| r.get(0))
+        .optional()?;
+    let Some(id) = oldest else {
+        return Ok(false);
+    };
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
+             AND is_allocated = FALSE AND (release_at IS NULL OR release_at <= ?2))",
+        )?
+        .query_row(params![id, now_ms], |r| r.get(0))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Owner, StoreOptions};
+    use std::path::PathBuf;
+
+    const NOW: i64 = 1_700_000_000_000;
+
+    /// A database in a fresh private directory, removed on drop.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("metis-gc-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn db(&self) -> PathBuf {
+            self.0.join("metis.sqlite")
+        }
+
+        fn store(&self) -> Store {
+            Store::open(&self.db(), &StoreOptions::default()).unwrap()
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn cidr(text: &str) -> Cidr {
+        text.parse().unwrap()
+    }
+
+    fn take(
+        store: &mut Store,
+        network: &str,
+        container_id: &str,
+        family: Family,
+        at: i64,
+    ) -> String {
+        let owner = Owner {
+            network,
+            container_id,
+            interface_name: "eth0",
+            pod_name: "p",
+            pod_namespace: "ns",
+        };
+        store
+            .allocate(&owner, family, at)
+            .unwrap()
+            .address
+            .to_string()
+    }
+
+    fn owner_rows(store: &Store) -> Vec<(String, String, bool, Option<i64>)> {
+        let mut stmt = store
+            .conn
+            .prepare(
+                "SELECT address, COALESCE(container_id, ''), is_allocated, release_at \
+                 FROM ip_addresses WHERE COALESCE(container_id, '') != '' ORDER BY id",
+            )
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    #[test]
+    fn gc_releases_unlisted_old_allocations_of_this_network_only() {
+        let scratch = Scratch::new("scope");
+        let mut store = scratch.store();
+        store.add_cidr_block("net", &cidr("198.18.0.0/29")).unwrap();
+        store
+            .add_cidr_block("net", &cidr("2001:db8::/120"))
+            .unwrap();
+        store
+            .add_cidr_block("other", &cidr("198.18.1.0/29"))
+            .unwrap();
+        take(&mut store, "net", "kept", Family::V4, NOW - 600_000);
+        take(&mut store, "net", "stale", Family::V4, NOW - 600_000);
+        take(&mut store, "net", "stale", Family::V6, NOW - 600_000);
+        take(&mut store, "net", "young", Family::V4, NOW - 1_000);
+        take(&mut store, "other", "stale", Family::V4, NOW - 600_000);
+
+        let valid = HashSet::from([("kept", "eth0"), ("stale", "net1")]);
+        let released = store.gc("net", &valid, NOW - 300_000, 60_000, NOW).unwrap();
+
+        let addresses: Vec<String> = released.iter().map(|a| a.address.to_string()).collect();
+        assert_eq!(addresses, ["198.18.0.3", "2001:db8::2"]);
+        assert_eq!(
+            owner_rows(&store),
+            [
+                ("198.18.0.2".into(), "kept".into(), true, None),
+                (
+                    "198.18.0.3".into(),
+                    "stale".into(),
+                    false,
+                    Some(NOW + 60_000)
+                ),
+                ("198.18.0.4".into(), "young".into(), true, None),
+                (
+                    "2001:db8::2".into(),
+                    "stale".into(),
+                    false,
+                    Some(NOW + 60_000)
+                ),
+                ("198.18.1.2".into(), "stale".into(), true, None),
+            ]
+        );
+        assert_eq!(store.counter_mismatches().unwrap(), []);
+        // Once past the grace period the young allocation goes too.
+        assert_eq!(store.gc("net", &valid, NOW, 60_000, NOW).unwrap().len(), 1);
+        assert_eq!(store.counter_mismatches().unwrap(), []);
+    }
+
+    #[test]
+    fn gc_with_nothing_valid_and_no_grace_empties_the_network_but_keeps_reservations() {
+        let scratch = Scratch::new("all");
+        let mut store = scratch.store();
+        store.add_cidr_block("net", &cidr("198.18.0.0/30")).unwrap();
+        take(&mut store, "net", "a", Family::V4, NOW);
+        let released = store.gc("net", &HashSet::new(), NOW, 0, NOW).unwrap();
+        assert_eq!(released.len(), 1);
+        let reserved: i64 = store
+            .conn
+            .query_row(
+                "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(reserved, 3, "network, gateway and broadcast stay reserved");
+        assert_eq!(owner_rows(&store)[0].3, None, "no cooldown asked for");
+        assert_eq!(store.counter_mismatches().unwrap(), []);
+    }
+
+    #[test]
+    fn can_allocate_until_full_then_after_cooldown() {
+        let scratch = Scratch::new("status-v4");
+        let mut store = scratch.store();
+        let range = [cidr("198.18.0.0/30")];
+        assert!(
+            store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
+            "range not added yet"
+        );
+        store.add_cidr_block("net", &range[0]).unwrap();
+        assert!(store.can_allocate("net", Family::V4, &range, NOW).unwrap());
+        take(&mut store, "net", "a", Family::V4, NOW);
+        assert!(!store.can_allocate("net", Family::V4, &range, NOW).unwrap());
+        store.release("net", "a", "eth0", 60_000, NOW).unwrap();
+        assert!(
+            !store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
+            "cooling down"
+        );
+        assert!(
+            store
+                .can_allocate("net", Family::V4, &range, NOW + 60_000)
+                .unwrap()
+        );
+        let more = [range[0], cidr("198.18.0.4/30")];
+        assert!(
+            store.can_allocate("net", Family::V4, &more, NOW).unwrap(),
+            "a range left to add"
+        );
+    }
+
+    #[test]
+    fn can_allocate_v6_while_the_block_can_grow() {
+        let scratch = Scratch::new("status-v6");
+        let mut store = scratch.store();
+        // 128 addresses, 64 populated at first: full rows, but room to grow.
+        let range = [cidr("2001:db8::/121")];
+        store.add_cidr_block("net", &range[0]).unwrap();
+        for i in 0..62 {
+            take(&mut store, "net", &format!("c{i}"), Family::V6, NOW);
+        }
+        assert!(store.can_allocate("net", Family::V6, &range, NOW).unwrap());
+        for i in 62..126 {
+            take(&mut store, "net", &format!("c{i}"), Family::V6, NOW);
+        }
+        assert!(!store.can_allocate("net", Family::V6, &range, NOW).unwrap());
+    }
+
+    #[test]
+    fn read_only_open_never_creates_or_writes() {
+        let scratch = Scratch::new("read-only");
+        assert!(Store::open_read_only(&scratch.db()).unwrap().is_none());
+        assert!(!scratch.db().exists());
+        std::fs::write(scratch.db(), b"").unwrap();
+        assert!(
+            Store::open_read_only(&scratch.db()).unwrap().is_none(),
+            "no schema yet"
+        );
+        assert_eq!(std::fs::metadata(scratch.db()).unwrap().len(), 0);
+        std::fs::remove_file(scratch.db()).unwrap();
+
+        let mut store = scratch.store();
+        store.add_cidr_block("net", &cidr("198.18.0.0/29")).unwrap();
+        take(&mut store, "net", "a", Family::V4, NOW);
+        drop(store);
+        let mut read_only = Store::open_read_only(&scratch.db()).unwrap().unwrap();
+        let range = [cidr("198.18.0.0/29")];
+        assert!(
+            read_only
+                .can_allocate("net", Family::V4, &range, NOW)
+                .unwrap()
+        );
+        assert!(
+            read_only.gc("net", &HashSet::new(), NOW, 0, NOW).is_err(),
+            "cannot write"
+        );
+    }
+}

@@ -1,0 +1,275 @@
+//! `deploy/`: every manifest parses, the RBAC grants exactly the API calls
+//! the daemon makes, the DaemonSet wires up what the node needs, and every
+//! example config list passes the plugin's own config validation.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use metis::cli::install::validate_conflist;
+use yaml_rust2::{Yaml, YamlLoader};
+
+/// Every Kubernetes API call the daemon makes, as (API group, resource,
+/// verb), matching upstream: it reads its Node (for the owner reference),
+/// watches, creates and merge-patches its NodeNetworkConfig.
+const DAEMON_API_CALLS: &[(&str, &str, &str)] = &[
+    ("", "nodes", "get"),
+    ("", "nodes", "list"),
+    ("", "nodes", "watch"),
+    ("networking.gke.io", "nodenetworkconfigs", "get"),
+    ("networking.gke.io", "nodenetworkconfigs", "list"),
+    ("networking.gke.io", "nodenetworkconfigs", "watch"),
+    ("networking.gke.io", "nodenetworkconfigs", "create"),
+    ("networking.gke.io", "nodenetworkconfigs", "patch"),
+];
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+fn files_with_extension(dir: &Path, extension: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == extension))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Every YAML document in `deploy/`, with the file it came from.
+fn documents() -> Vec<(PathBuf, Yaml)> {
+    let files = files_with_extension(&deploy_dir(), "yaml");
+    assert!(files.len() >= 3, "{files:?}");
+    let mut all = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file).unwrap();
+        let docs = YamlLoader::load_from_str(&text)
+            .unwrap_or_else(|err| panic!("{} does not parse: {err}", file.display()));
+        for doc in docs {
+            all.push((file.clone(), doc));
+        }
+    }
+    all
+}
+
+fn of_kind(kind: &str) -> Vec<Yaml> {
+    documents()
+        .into_iter()
+        .map(|(_, doc)| doc)
+        .filter(|doc| doc["kind"].as_str() == Some(kind))
+        .collect()
+}
+
+fn one(kind: &str) -> Yaml {
+    let mut found = of_kind(kind);
+    assert_eq!(found.len(), 1, "expected one {kind}");
+    found.remove(0)
+}
+
+fn strings(list: &Yaml) -> Vec<&str> {
+    list.as_vec()
+        .map(|items| items.iter().filter_map(Yaml::as_str).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_manifest_is_a_kubernetes_object() {
+    for (file, doc) in documents() {
+        for key in ["apiVersion", "kind"] {
+            assert!(doc[key].as_str().is_some(), "{}: no {key}", file.display());
+        }
+        assert!(
+            doc["metadata"]["name"].as_str().is_some(),
+            "{}: no metadata.name",
+            file.display()
+        );
+    }
+}
+
+#[test]
+fn rbac_grants_exactly_the_daemons_api_calls() {
+    let role = one("ClusterRole");
+    let mut granted = Vec::new();
+    for rule in role["rules"].as_vec().unwrap() {
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                for verb in strings(&rule["verbs"]) {
+                    granted.push((group, resource, verb));
+                }
+            }
+        }
+    }
+    for call in DAEMON_API_CALLS {
+        assert!(granted.contains(call), "RBAC misses {call:?}");
+    }
+    for grant in &granted {
+        assert!(
+            DAEMON_API_CALLS.contains(grant),
+            "RBAC grants {grant:?}, which the daemon never needs"
+        );
+    }
+
+    let account = one("ServiceAccount");
+    let binding = one("ClusterRoleBinding");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    assert_eq!(binding["roleRef"]["kind"].as_str(), Some("ClusterRole"));
+    let subject = &binding["subjects"][0];
+    assert_eq!(subject["kind"].as_str(), Some("ServiceAccount"));
+    assert_eq!(subject["name"], account["metadata"]["name"]);
+    assert_eq!(subject["namespace"], account["metadata"]["namespace"]);
+    let daemonset = one("DaemonSet");
+    assert_eq!(
+        daemonset["spec"]["template"]["spec"]["serviceAccountName"],
+        account["metadata"]["name"]
+    );
+    assert_eq!(
+        daemonset["metadata"]["namespace"],
+        account["metadata"]["namespace"]
+    );
+}
+
+#[test]
+fn the_crd_is_the_cluster_scoped_node_network_config() {
+    let crd = one("CustomResourceDefinition");
+    let spec = &crd["spec"];
+    assert_eq!(
+        crd["metadata"]["name"].as_str(),
+        Some("nodenetworkconfigs.networking.gke.io")
+    );
+    assert_eq!(spec["group"].as_str(), Some("networking.gke.io"));
+    assert_eq!(spec["scope"].as_str(), Some("Cluster"));
+    assert_eq!(spec["names"]["kind"].as_str(), Some("NodeNetworkConfig"));
+    assert_eq!(strings(&spec["names"]["shortNames"]), ["nnc"]);
+    let version = &spec["versions"][0];
+    assert_eq!(version["name"].as_str(), Some("v1"));
+    assert!(version["subresources"]["status"].as_hash().is_some());
+    let schema = &version["schema"]["openAPIV3Schema"]["properties"];
+    let allocation = &schema["spec"]["properties"]["allocations"]["items"]["properties"];
+    assert_eq!(allocation["pods"]["minimum"].as_i64(), Some(0));
+    assert_eq!(allocation["network"]["default"].as_str(), Some("default"));
+    let releasable = &schema["spec"]["properties"]["releasableCIDRs"];
+    assert_eq!(strings(&releasable["x-kubernetes-list-map-keys"]), ["id"]);
+    let pod_cidr = &schema["status"]["properties"]["podCIDRs"]["items"]["properties"];
+    for field in ["id", "network", "cidr", "condition"] {
+        assert!(!pod_cidr[field].is_badvalue(), "status.podCIDRs[].{field}");
+    }
+    assert!(!schema["status"]["properties"]["conditions"].is_badvalue());
+}
+
+#[test]
+fn the_daemonset_wires_up_the_node() {
+    let daemonset = one("DaemonSet");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"].as_bool(), Some(true));
+    let host_paths: Vec<&str> = pod["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .filter_map(|volume| volume["hostPath"]["path"].as_str())
+        .collect();
+    for path in ["/var/lib/cni/metis", "/opt/cni/bin", "/etc/cni/net.d"] {
+        assert!(host_paths.contains(&path), "missing hostPath {path}");
+    }
+
+    let daemon = &pod["containers"][0];
+    let command = strings(&daemon["command"]);
+    assert_eq!(command[..2], ["metis", "daemon"]);
+    let source = command
+        .iter()
+        .position(|arg| *arg == "--cidr-source")
+        .unwrap();
+    assert_eq!(command[source + 1], "nnc");
+    let node_name = daemon["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|env| env["name"].as_str() == Some("NODE_NAME"))
+        .unwrap();
+    assert_eq!(
+        node_name["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        Some("spec.nodeName")
+    );
+    assert_eq!(
+        strings(&daemon["livenessProbe"]["exec"]["command"]),
+        ["metis", "health"]
+    );
+    let mounts: Vec<&str> = daemon["volumeMounts"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .filter_map(|mount| mount["mountPath"].as_str())
+        .collect();
+    assert!(mounts.contains(&"/var/lib/cni/metis"), "{mounts:?}");
+
+    let init = &pod["initContainers"][0];
+    let install = strings(&init["command"]);
+    assert_eq!(install[..2], ["metis", "install"]);
+    let cni_dir = install.iter().position(|arg| *arg == "--cni-dir").unwrap();
+    let bin = format!("{}/bin", install[cni_dir + 1]);
+    assert!(
+        init["volumeMounts"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .any(|mount| mount["mountPath"].as_str() == Some(bin.as_str())),
+        "the init container does not mount {bin}"
+    );
+}
+
+#[test]
+fn the_daemonset_commands_parse_with_the_binarys_own_flags() {
+    let daemonset = one("DaemonSet");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    let args = |container: &Yaml| -> Vec<String> {
+        strings(&container["command"])[2..]
+            .iter()
+            .map(|arg| arg.to_string())
+            .collect()
+    };
+    metis::cli::install::parse(&args(&pod["initContainers"][0]), None).unwrap();
+    let probe = strings(&pod["containers"][0]["livenessProbe"]["exec"]["command"]);
+    let probe_args: Vec<String> = probe[2..].iter().map(|arg| arg.to_string()).collect();
+    metis::cli::health::parse(&probe_args).unwrap();
+    // The daemon's flags parse as they would in the pod, with a cluster
+    // configured and NODE_NAME from the downward API.
+    let dir = common::TestDir::new("deploy-daemon-flags");
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: http://127.0.0.1:1\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let config = metis::daemon::parse_config(&args(&pod["containers"][0]), &|name| match name {
+        "KUBECONFIG" => Some(kubeconfig.clone()),
+        "NODE_NAME" => Some("node-a".into()),
+        _ => None,
+    });
+    let config = config.unwrap_or_else(|err| panic!("daemon flags in the DaemonSet: {err}"));
+    let adaptive = config.adaptive.expect("a cluster source");
+    assert_eq!(adaptive.node_name, "node-a");
+    assert_eq!(adaptive.api.server, "http://127.0.0.1:1");
+}
+
+#[test]
+fn every_example_conflist_passes_the_plugins_validation() {
+    let files = files_with_extension(&deploy_dir().join("conflists"), "conflist");
+    assert_eq!(files.len(), 3, "{files:?}");
+    let mut families = Vec::new();
+    for file in files {
+        let bytes = fs::read(&file).unwrap();
+        validate_conflist(&bytes).unwrap_or_else(|err| panic!("{}: {err}", file.display()));
+        let text = String::from_utf8(bytes).unwrap();
+        assert!(
+            text.contains("198.18.") || text.contains("2001:db8:"),
+            "{}: use documentation ranges",
+            file.display()
+        );
+        families.push((text.contains("198.18."), text.contains("2001:db8:")));
+    }
+    assert!(families.contains(&(true, true)), "no dual-stack example");
+}
