@@ -19,6 +19,10 @@ use metis::wire::{Code, Request, Response, ipam, reason, request};
 use prost::Message;
 
 const HOSTILE: usize = 200;
+
+/// The tests of this file run one at a time: a connection flood next door
+/// would skew the timing comparison.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const SAMPLES: usize = 60;
 /// Absolute slack on the 2x bound: an unloaded round trip is well under a
 /// millisecond, where 2x is within scheduler noise on a busy 2-core machine.
@@ -78,6 +82,7 @@ fn closed_by_peer(stream: &mut UnixStream) -> bool {
 
 #[test]
 fn hostile_connections_do_not_slow_a_normal_client() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = TestDir::new("stall");
     let timeout_s = 4;
     let daemon = TestDaemon::start(
@@ -184,6 +189,7 @@ fn hostile_connections_do_not_slow_a_normal_client() {
 
 #[test]
 fn connection_cap_refuses_with_an_error_and_holds_no_descriptors() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = TestDir::new("stall-cap");
     let cap = 20;
     let daemon = TestDaemon::start(&dir, &["--max-connections", &cap.to_string()]);
