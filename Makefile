@@ -5,7 +5,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 METIS := target/release/metis
 
-.PHONY: build demo test lint unit proto clean
+.PHONY: build demo test lint unit proto clean soak fuzz
 
 build:
 	$(CARGO) build --release --locked
@@ -72,3 +72,14 @@ bench:
 # A few cycles of every measurement, checking results are sane (never timings).
 bench-smoke:
 	$(CARGO) bench --locked --bench metis -- --smoke
+
+# Crash safety at full size: 20 rounds of 500 plugin operations with the
+# daemon SIGKILLed at random (METIS_CRASH_ROUNDS/OPS/SEED to change).
+soak:
+	METIS_CRASH_ROUNDS=$${METIS_CRASH_ROUNDS:-20} METIS_CRASH_OPS=$${METIS_CRASH_OPS:-500} \
+	  $(CARGO) test --locked --test crash -- --nocapture
+
+# Coverage-guided fuzzing on the stable toolchain: every target for
+# FUZZ_SECONDS (default 600) each; see fuzz/run.sh.
+fuzz:
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} fuzz/run.sh

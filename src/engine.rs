@@ -52,7 +52,7 @@ impl Failure {
             StoreError::EmptyOwner | StoreError::BadCidr(_) => {
                 (Code::InvalidArgument, reason::INVALID_REQUEST)
             }
-            StoreError::Corrupt(_) => (Code::Internal, reason::STORE_CORRUPT),
+            _ if err.is_corrupt() => (Code::Internal, reason::STORE_CORRUPT),
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };
         let scope = match err {
@@ -103,6 +103,9 @@ impl Engine {
     /// Handles one request at time `now_ms`. Never panics on input: every
     /// failure becomes an error status.
     pub fn handle(&mut self, request: Request, now_ms: i64) -> Response {
+        if let Err(err) = self.store.ensure_file_unchanged() {
+            return Failure::from_store("database", &err).into_response();
+        }
         let result = match request.kind {
             Some(request::Kind::Allocate(req)) => {
                 self.allocate(&req, now_ms).map(response::Kind::Allocate)

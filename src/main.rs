@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use metis::cli::{ArgsError, admin, health, install};
 use metis::flags::FlagError;
-use metis::{cni, daemon, log};
+use metis::{cli, cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
 
@@ -16,6 +16,7 @@ Usage:
   metis health [flags]   ask the daemon whether it is serving (exit 0 or 1; for liveness probes)
   metis install [flags]  copy this binary (and a network config) into the node's CNI directories
   metis admin LISTING    show cidr-blocks, ip-addresses or usage from the daemon
+  metis admin check      verify a database's invariants, read-only (exit 1 on a problem)
   metis version          print the version
 
 Run `metis COMMAND --help` for a command's flags.";
@@ -139,6 +140,15 @@ fn run_install(args: &[String]) -> ExitCode {
 }
 
 fn run_admin(args: &[String]) -> ExitCode {
+    if let Some((sub, rest)) = args.split_first()
+        && sub == "check"
+    {
+        return ExitCode::from(cli::check::run(
+            rest,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+        ));
+    }
     let options = match admin::parse(args) {
         Ok(options) => options,
         Err(err) => return args_failure("metis admin", err),

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::store::{Durability, Store, StoreOptions};
+use crate::store::{Durability, Owner, Store, StoreOptions};
 
 /// A unique directory under the system temp dir, removed on drop.
 pub struct TempDir(pub PathBuf);
@@ -44,5 +44,16 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Owner `container_id`/eth0 of a pod in network `pods`.
+pub fn owner(container_id: &str) -> Owner<'_> {
+    Owner {
+        network: "pods",
+        container_id,
+        interface_name: "eth0",
+        pod_name: "pod",
+        pod_namespace: "ns",
     }
 }

@@ -1,9 +1,10 @@
 //! The operator's subcommands: `health` (an exec liveness probe), `install`
-//! (put the plugin and a network config on a node) and `admin` (read the
-//! daemon's tables). Each parses its own flags with [`crate::flags`] and
+//! (put the plugin and a network config on a node), `admin` (read the
+//! daemon's tables) and `admin check` (verify a database's invariants). Each parses its own flags with [`crate::flags`] and
 //! returns typed errors; `main` alone turns them into exit codes.
 
 pub mod admin;
+pub mod check;
 pub mod health;
 pub mod install;
 pub mod render;

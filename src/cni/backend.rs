@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::cni::error::CniError;
 use crate::engine::Engine;
 use crate::log;
-use crate::store::{Store, StoreOptions};
+use crate::store::{self, Store, StoreOptions};
 use crate::wire::client::{Client, ClientError};
 use crate::wire::{Request, Response};
 
@@ -101,7 +101,7 @@ fn call_daemon(socket: &Path, request: &Request) -> Result<Response, ClientError
 }
 
 fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> {
-    let store = Store::open(
+    let mut store = Store::open(
         db_path,
         &StoreOptions {
             durability: crate::store::Durability::Normal,
@@ -111,6 +111,21 @@ fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> 
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
     // The daemon records its cooldown so direct-mode releases honour it too.
     let cooldown_ms = store.release_cooldown().unwrap_or(0);
+    // The first to use the database after a reboot releases the previous
+    // boot's allocations, before anything of this boot is allocated.
+    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
+    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
+        let recovered = store
+            .recover_after_reboot(&boot_id, None, cooldown_ms, log::now_ms())
+            .map_err(|err| CniError::from_store_open(db_path, &err))?;
+        if recovered.released() > 0 {
+            log::info(
+                "cni",
+                "new boot: released the allocations of the previous boot",
+                &[("released", &recovered.released())],
+            );
+        }
+    }
     let mut engine = Engine::new(store, cooldown_ms);
     Ok(engine.handle(request.clone(), log::now_ms()))
 }

@@ -26,7 +26,7 @@ use crate::flags::{self, FlagError, FlagSpec};
 use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
 use crate::log;
 use crate::metrics::{self, Metrics};
-use crate::store::{Durability, ReserveMode, Store, StoreError, StoreOptions};
+use crate::store::{BootRecovery, Depth, Durability, ReserveMode, Store, StoreError, StoreOptions};
 
 use adaptive::Adaptive;
 pub use adaptive::AdaptiveConfig;
@@ -112,6 +112,20 @@ const FLAGS: &[FlagSpec] = &[
         help: "another user allowed to connect (root and the daemon's user always are)",
     },
     FlagSpec {
+        name: "--socket-group",
+        value: Some("NAME|GID"),
+        repeatable: false,
+        default: "",
+        help: "make the socket 0660 and owned by this group (its members still need --allowed-uid)",
+    },
+    FlagSpec {
+        name: "--no-boot-recovery",
+        value: None,
+        repeatable: false,
+        default: "",
+        help: "keep allocations of an earlier boot instead of releasing them at start",
+    },
+    FlagSpec {
         name: "--cidr-source",
         value: Some("static|node|nnc"),
         repeatable: false,
@@ -183,6 +197,12 @@ pub struct Config {
     pub max_connections: usize,
     pub limits: Limits,
     pub allowed_uids: Vec<u32>,
+    /// Group given access to the socket (0660) with `--socket-group`.
+    pub socket_group: Option<u32>,
+    /// Release the previous boot's allocations at start.
+    pub boot_recovery: bool,
+    /// Where the kernel boot id is read (`METIS_BOOT_ID_FILE` overrides).
+    pub boot_id_path: PathBuf,
     pub verbosity: u8,
     pub metrics_addr: Option<SocketAddr>,
     /// `None` for static blocks only.
@@ -202,9 +222,14 @@ pub struct AdaptiveSettings {
 pub enum DaemonError {
     Usage(FlagError),
     Store(StoreError),
-    Socket { path: PathBuf, reason: String },
+    Socket {
+        path: PathBuf,
+        reason: String,
+    },
     Signals(nix::Error),
     Kube(String),
+    /// The database fails its invariant check; the report names the problems.
+    Unsafe(String),
     Metrics(String),
 }
 
@@ -218,6 +243,11 @@ impl fmt::Display for DaemonError {
             }
             DaemonError::Signals(err) => write!(f, "cannot set up signal handling: {err}"),
             DaemonError::Kube(why) => write!(f, "cannot start the Kubernetes client: {why}"),
+            DaemonError::Unsafe(report) => write!(
+                f,
+                "refusing to serve a database that fails its checks (inspect it with \
+                 `metis admin check`): {report}"
+            ),
             DaemonError::Metrics(why) => write!(f, "cannot serve metrics on {why}"),
         }
     }
@@ -287,6 +317,7 @@ pub fn parse_config(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let socket_group = parsed.get("--socket-group").map(parse_group).transpose()?;
     let positive = |name: &'static str, default: &str| -> Result<Duration, FlagError> {
         let ms = duration(name, default)?;
         u64::try_from(ms)
@@ -320,6 +351,9 @@ pub fn parse_config(
             request: positive("--request-timeout", "5s")?,
         },
         allowed_uids,
+        socket_group,
+        boot_recovery: !parsed.has("--no-boot-recovery"),
+        boot_id_path: crate::store::boot_id_path(lookup),
         verbosity,
         metrics_addr,
         adaptive,
@@ -426,6 +460,24 @@ fn absolute(
     }
 }
 
+/// A group name or numeric id for `--socket-group`.
+fn parse_group(text: &str) -> Result<u32, FlagError> {
+    if let Ok(gid) = text.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(text) {
+        Ok(Some(group)) => Ok(group.gid.as_raw()),
+        Ok(None) => Err(FlagError::BadValue(
+            "--socket-group",
+            format!("no group named {text:?}"),
+        )),
+        Err(err) => Err(FlagError::BadValue(
+            "--socket-group",
+            format!("cannot look up group {text:?}: {err}"),
+        )),
+    }
+}
+
 fn parse_network_cidr(text: &str) -> Result<(String, Cidr), FlagError> {
     let (network, cidr) = text
         .split_once('=')
@@ -481,9 +533,17 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     for warning in store.open_warnings() {
         log::warn("store", warning, &[]);
     }
+    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
+    if !report.is_ok() {
+        return Err(DaemonError::Unsafe(crate::cli::check::describe(
+            &config.db_path.display().to_string(),
+            &report,
+        )));
+    }
     store
         .set_release_cooldown(config.release_cooldown_ms)
         .map_err(DaemonError::Store)?;
+    let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     for (network, cidr) in &config.cidrs {
         let outcome = store
             .add_cidr_block(network, cidr)
@@ -499,9 +559,10 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         );
     }
 
-    let listener = listen(&config.socket_path)?;
+    let listener = listen(&config.socket_path, config.socket_group)?;
     let engine = Engine::new(store, config.release_cooldown_ms);
     let metrics = Arc::new(Metrics::default());
+    metrics.recovered_at_boot(recovered_at_boot);
     if let Some(addr) = config.metrics_addr {
         let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
             .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
@@ -557,10 +618,47 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// Releases the allocations of an earlier boot (see `store::boot`) before
+/// anything is served, and returns how many were released (for metrics).
+/// Without a readable boot id nothing is released.
+pub fn recover_after_reboot(store: &mut Store, config: &Config) -> Result<u64, DaemonError> {
+    let Some(boot_id) = crate::store::read_boot_id(&config.boot_id_path) else {
+        log::warn(
+            "daemon",
+            "cannot read the boot id; allocations of an earlier boot are not released",
+            &[("path", &config.boot_id_path.display())],
+        );
+        return Ok(0);
+    };
+    let outcome = store
+        .recover_after_reboot(
+            &boot_id,
+            Some(config.boot_recovery),
+            config.release_cooldown_ms,
+            log::now_ms(),
+        )
+        .map_err(DaemonError::Store)?;
+    match outcome {
+        BootRecovery::Released(count) => log::info(
+            "daemon",
+            "new boot: released the allocations of the previous boot",
+            &[("released", &count), ("boot_id", &boot_id)],
+        ),
+        BootRecovery::Disabled => log::info(
+            "daemon",
+            "new boot: keeping the previous boot's allocations (--no-boot-recovery)",
+            &[("boot_id", &boot_id)],
+        ),
+        BootRecovery::FirstRecord | BootRecovery::SameBoot => {}
+    }
+    Ok(outcome.released())
+}
+
 /// Binds the socket safely: its directory is created 0700 if missing and
 /// must not be writable by others; an existing path must be a stale socket
-/// (never a symlink or another kind of file); the socket is born 0600.
-fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
+/// (never a symlink or another kind of file); the socket is born 0600, or
+/// 0660 and owned by `group` when one is given.
+fn listen(path: &Path, group: Option<u32>) -> Result<UnixListener, DaemonError> {
     let fail = |reason: String| DaemonError::Socket {
         path: path.to_path_buf(),
         reason,
@@ -597,11 +695,19 @@ fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
     }
     // The umask makes the socket 0600 from birth: no window in which
     // another user could connect.
-    let previous = umask(Mode::from_bits_truncate(0o177));
+    let (mask, mode) = match group {
+        None => (0o177, 0o600),
+        Some(_) => (0o117, 0o660),
+    };
+    let previous = umask(Mode::from_bits_truncate(mask));
     let bound = UnixListener::bind(path);
     umask(previous);
     let listener = bound.map_err(|err| fail(err.to_string()))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+    if let Some(gid) = group {
+        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid)))
+            .map_err(|err| fail(format!("cannot give the socket to group {gid}: {err}")))?;
+    }
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
         .map_err(|err| fail(err.to_string()))?;
     listener
         .set_nonblocking(true)

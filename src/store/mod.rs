@@ -8,6 +8,8 @@
 
 mod admin;
 mod alloc;
+mod boot;
+mod check;
 mod gc;
 mod reserve;
 mod schema;
@@ -27,6 +29,8 @@ use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, pa
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
+pub use check::{Depth, Report, check_file};
 pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
@@ -247,6 +251,20 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Whether SQLite found the file damaged or not a database at all.
+    pub fn is_corrupt(&self) -> bool {
+        match self {
+            StoreError::Corrupt(_) => true,
+            StoreError::Sqlite(e) => matches!(
+                e.sqlite_error_code(),
+                Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+            ),
+            _ => false,
+        }
+    }
+}
+
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -315,6 +333,8 @@ pub struct Store {
     conn: Connection,
     reserve: ReserveMode,
     warnings: Vec<String>,
+    /// The database file and its (device, inode) when opened.
+    file: (PathBuf, Option<(u64, u64)>),
 }
 
 impl fmt::Debug for Store {
@@ -387,11 +407,28 @@ impl Store {
             conn,
             reserve: ReserveMode::EveryBlock,
             warnings: Vec::new(),
+            file: (path.to_path_buf(), file_identity(path)),
         };
         store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
         store.repair()?;
         Ok(store)
+    }
+
+    /// Fails when the database file was deleted or replaced since it was
+    /// opened: what is written on would be lost at the next open, and a
+    /// plugin in direct mode would not see it.
+    pub fn ensure_file_unchanged(&self) -> Result<(), StoreError> {
+        let (path, opened) = &self.file;
+        if file_identity(path) == *opened {
+            return Ok(());
+        }
+        Err(StoreError::Open {
+            path: path.clone(),
+            source: "the database file was deleted or replaced while open; \
+                     restart the daemon to use the file now at this path"
+                .into(),
+        })
     }
 
     /// Opens an existing database for reading only: no schema installation,
@@ -426,6 +463,7 @@ impl Store {
             conn,
             reserve,
             warnings: Vec::new(),
+            file: (path.to_path_buf(), file_identity(path)),
         }))
     }
 
@@ -538,27 +576,14 @@ impl Store {
     /// Blocks whose `allocated_ips` differs from their count of allocated
     /// rows: `(block id, allocated_ips, actual)`.
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT b.id, COALESCE(b.allocated_ips, 0), \
-                    (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
-             FROM cidr_blocks b ORDER BY b.id",
-        )?;
-        let rows = stmt.query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, i64>(1)?,
-                r.get::<_, i64>(2)?,
-            ))
-        })?;
-        let mut out = Vec::new();
-        for row in rows {
-            let (id, counter, actual) = row?;
-            if counter != actual {
-                out.push((id, counter, actual));
-            }
-        }
-        Ok(out)
+        check::counter_mismatches(&self.conn)
     }
+}
+
+/// (device, inode) of the file at `path`, if there is one.
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 pub(crate) fn get_setting(conn: &Connection, key: &str) -> Result<Option<String>, StoreError> {

@@ -107,14 +107,29 @@ impl Client {
             path: self.path.clone(),
             source,
         };
-        frame::write_frame(
+        let sent = frame::write_frame(
             &mut self.stream,
             &request.encode_to_vec(),
             MAX_REQUEST_FRAME,
-        )
-        .map_err(exchange_err)?;
-        let payload =
-            frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME).map_err(exchange_err)?;
+        );
+        let payload = match sent {
+            Ok(()) => {
+                frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME).map_err(exchange_err)?
+            }
+            // A daemon that refuses a connection (a user it does not admit,
+            // its connection cap) answers and closes before reading: the
+            // write fails, but the refusal is waiting to be read.
+            Err(FrameError::Io(err))
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME)
+                    .map_err(|_| exchange_err(FrameError::Io(err)))?
+            }
+            Err(err) => return Err(exchange_err(err)),
+        };
         Response::decode(payload.as_slice()).map_err(|source| ClientError::Decode {
             path: self.path.clone(),
             source,

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod apiserver;
+pub mod rng;
 
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
 
@@ -256,6 +257,15 @@ pub fn assert_ok(output: &Output) {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// Runs `metis admin check` on a database.
+pub fn admin_check(db: &Path) -> Output {
+    Command::new(METIS)
+        .args(["admin", "check", "--db-path"])
+        .arg(db)
+        .output()
+        .unwrap()
 }
 
 /// Opens the database read-only to assert on rows.

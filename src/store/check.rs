@@ -1,0 +1,471 @@
+//! Read-only verification of the invariants an IPAM database must keep:
+//! SQLite's own integrity, the schema version, block counters equal to
+//! their allocated rows, no address held twice, one allocation per owner,
+//! network and family, rows inside their block, and reservations in line
+//! with the reservation mode. Used by `metis admin check` on any database
+//! file and by the daemon before it serves.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rusqlite::{Connection, OpenFlags};
+
+use super::reserve::block_reserved;
+use super::{
+    ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
+    parse_family, parse_state, schema, total_ips,
+};
+use crate::cidr::Cidr;
+
+/// How much of SQLite's own verification to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// `PRAGMA quick_check`: structure only, linear in the file size.
+    Quick,
+    /// `PRAGMA integrity_check`: also every index against its table.
+    Full,
+}
+
+/// What a check found: each violated invariant in words, and what was
+/// looked at.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    pub problems: Vec<String>,
+    pub blocks: u64,
+    pub allocations: u64,
+}
+
+impl Report {
+    pub fn is_ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Most problems of one kind listed before the rest are only counted.
+const MAX_LISTED: usize = 20;
+
+impl Store {
+    /// Checks this store's database (see the module documentation).
+    pub fn verify(&self, depth: Depth) -> Result<Report, StoreError> {
+        check_connection(&self.conn, depth)
+    }
+}
+
+/// Opens the database at `path` read-only — nothing is created, repaired or
+/// migrated — and checks it.
+pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
+    if !path.is_file() {
+        return Err(StoreError::Open {
+            path: path.to_path_buf(),
+            source: format!("{} is not a file", path.display()).into(),
+        });
+    }
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| StoreError::Open {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    })?;
+    conn.busy_timeout(std::time::Duration::from_millis(5000))?;
+    check_connection(&conn, depth)
+}
+
+fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreError> {
+    let mut report = Report::default();
+    let pragma = match depth {
+        Depth::Quick => "quick_check",
+        Depth::Full => "integrity_check",
+    };
+    let mut stmt = conn.prepare(&format!("PRAGMA {pragma}"))?;
+    let verdicts = stmt
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    if verdicts != ["ok"] {
+        report.problems.extend(
+            verdicts
+                .into_iter()
+                .take(MAX_LISTED)
+                .map(|line| format!("sqlite {pragma}: {line}")),
+        );
+        // Nothing read from a damaged file can be trusted.
+        return Ok(report);
+    }
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    if version != SCHEMA_VERSION {
+        report.problems.push(format!(
+            "schema: user_version is {version}, expected {SCHEMA_VERSION}"
+        ));
+    }
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+        .query_map([], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    let missing: Vec<&str> = ["cidr_blocks", "ip_addresses"]
+        .into_iter()
+        .filter(|name| !tables.iter().any(|t| t == name))
+        .collect();
+    if !missing.is_empty() {
+        report
+            .problems
+            .push(format!("schema: missing tables {}", missing.join(", ")));
+        return Ok(report);
+    }
+    let mode = match tables.iter().any(|t| t == "metis_settings") {
+        true => get_setting(conn, schema::KEY_RESERVE_MODE)?
+            .and_then(|text| ReserveMode::parse(&text))
+            .unwrap_or_default(),
+        false => ReserveMode::default(),
+    };
+    let blocks = check_blocks(conn, mode, &mut report)?;
+    check_counters(conn, &mut report)?;
+    check_owners(conn, &mut report)?;
+    check_rows(conn, mode, &blocks, &mut report)?;
+    Ok(report)
+}
+
+/// A block as the row checks need it.
+struct Block {
+    cidr: Cidr,
+    network: String,
+    /// Reserved offsets under the mode in force; `None` for Deleting
+    /// blocks, which the repair leaves alone.
+    reserved: Option<Vec<u128>>,
+}
+
+fn check_blocks(
+    conn: &Connection,
+    mode: ReserveMode,
+    report: &mut Report,
+) -> Result<HashMap<i64, Block>, StoreError> {
+    let mut stmt = conn.prepare(
+        "SELECT id, cidr, network, ip_family, total_ips, COALESCE(allocated_ips, 0), state \
+         FROM cidr_blocks ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    let mut blocks = HashMap::new();
+    while let Some(row) = rows.next()? {
+        report.blocks += 1;
+        let id: i64 = row.get(0)?;
+        let cidr_text: String = row.get(1)?;
+        let network: String = row.get(2)?;
+        let family_text: String = row.get(3)?;
+        let total: i64 = row.get(4)?;
+        let allocated: i64 = row.get(5)?;
+        let state_text: String = row.get(6)?;
+        let mut fail = |what: String| report.problems.push(format!("block {id}: {what}"));
+        let parsed = (
+            parse_cidr(&cidr_text),
+            parse_family(&family_text),
+            parse_state(&state_text),
+        );
+        let (cidr, family, state) = match parsed {
+            (Ok(cidr), Ok(family), Ok(state)) => (cidr, family, state),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                fail(e.to_string());
+                continue;
+            }
+        };
+        if cidr.family() != family {
+            fail(format!("{cidr} is recorded as {family}"));
+        }
+        if total != total_ips(&cidr) {
+            fail(format!(
+                "total_ips is {total}, {cidr} has {}",
+                total_ips(&cidr)
+            ));
+        }
+        if allocated < 0 || allocated > total {
+            fail(format!("allocated_ips {allocated} is outside 0..={total}"));
+        }
+        let reserved = match state {
+            super::BlockState::Deleting => None,
+            _ => Some(block_reserved(conn, mode, id, &network, &cidr)?),
+        };
+        blocks.insert(
+            id,
+            Block {
+                cidr,
+                network,
+                reserved,
+            },
+        );
+    }
+    Ok(blocks)
+}
+
+fn check_counters(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
+    for (id, counter, actual) in counter_mismatches(conn)? {
+        report.problems.push(format!(
+            "block {id}: allocated_ips is {counter} but {actual} rows are allocated"
+        ));
+    }
+    Ok(())
+}
+
+/// Blocks whose `allocated_ips` differs from their count of allocated
+/// rows: `(block id, allocated_ips, actual)`.
+pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, COALESCE(b.allocated_ips, 0), \
+                (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
+         FROM cidr_blocks b ORDER BY b.id",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, counter, actual) = row?;
+        if counter != actual {
+            out.push((id, counter, actual));
+        }
+    }
+    Ok(out)
+}
+
+/// No address held by two pods of a network; no owner holding two
+/// addresses of one family in a network.
+fn check_owners(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
+    let listed = |sql: &str| -> Result<Vec<(String, String, i64)>, StoreError> {
+        let mut stmt = conn.prepare(sql)?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    };
+    const POD_ROW: &str = "a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''";
+    let shared = listed(&format!(
+        "SELECT b.network, a.address, COUNT(*) FROM ip_addresses a \
+         JOIN cidr_blocks b ON b.id = a.cidr_block_id WHERE {POD_ROW} \
+         GROUP BY b.network, a.address HAVING COUNT(*) > 1 ORDER BY b.network, a.address"
+    ))?;
+    push_limited(report, shared, |(network, address, n)| {
+        format!("network {network:?}: address {address} is allocated {n} times")
+    });
+    let doubled = listed(&format!(
+        "SELECT b.network, a.container_id || ' ' || COALESCE(a.interface_name, '') || ' ' || b.ip_family, \
+                COUNT(*) FROM ip_addresses a \
+         JOIN cidr_blocks b ON b.id = a.cidr_block_id WHERE {POD_ROW} \
+         GROUP BY b.network, b.ip_family, a.container_id, a.interface_name HAVING COUNT(*) > 1 \
+         ORDER BY 1, 2"
+    ))?;
+    push_limited(report, doubled, |(network, owner, n)| {
+        format!(
+            "network {network:?}: owner (container, interface, family) {owner} holds {n} addresses"
+        )
+    });
+    let total: i64 = conn.query_row(
+        &format!("SELECT COUNT(*) FROM ip_addresses a WHERE {POD_ROW}"),
+        [],
+        |r| r.get(0),
+    )?;
+    report.allocations = u64::try_from(total).unwrap_or_default();
+    Ok(())
+}
+
+/// Every row inside its block; reserved rows exactly at reserved offsets.
+fn check_rows(
+    conn: &Connection,
+    mode: ReserveMode,
+    blocks: &HashMap<i64, Block>,
+    report: &mut Report,
+) -> Result<(), StoreError> {
+    let mut stmt = conn.prepare(
+        "SELECT id, address, cidr_block_id, COALESCE(is_allocated, 0), COALESCE(container_id, '') \
+         FROM ip_addresses ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    let mut found = Vec::new();
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let address: String = row.get(1)?;
+        let block_id: i64 = row.get(2)?;
+        let allocated: bool = row.get(3)?;
+        let container: String = row.get(4)?;
+        let Some(block) = blocks.get(&block_id) else {
+            found.push(format!(
+                "address row {id} ({address}): block {block_id} is missing or unreadable"
+            ));
+            continue;
+        };
+        let offset = match parse_addr(&address) {
+            Ok(addr) => block.cidr.offset_of(addr),
+            Err(e) => {
+                found.push(format!("address row {id}: {e}"));
+                continue;
+            }
+        };
+        let Some(offset) = offset else {
+            found.push(format!(
+                "address row {id}: {address} is outside its block {} (network {:?})",
+                block.cidr, block.network
+            ));
+            continue;
+        };
+        let Some(reserved) = &block.reserved else {
+            continue;
+        };
+        let at_reserved = reserved.contains(&offset);
+        match (at_reserved, allocated, container.is_empty()) {
+            (true, false, _) => found.push(format!(
+                "address row {id}: {address} of block {} is free but reserved ({} mode)",
+                block.cidr,
+                mode.as_str()
+            )),
+            (false, true, true) => found.push(format!(
+                "address row {id}: {address} of block {} is held by no one but is not a reserved address ({} mode)",
+                block.cidr,
+                mode.as_str()
+            )),
+            // A pod at a reserved position is left alone and logged at open.
+            _ => {}
+        }
+    }
+    push_limited(report, found, |line| line);
+    Ok(())
+}
+
+fn push_limited<T>(report: &mut Report, found: Vec<T>, describe: impl Fn(T) -> String) {
+    let extra = found.len().saturating_sub(MAX_LISTED);
+    report
+        .problems
+        .extend(found.into_iter().take(MAX_LISTED).map(describe));
+    if extra > 0 {
+        report
+            .problems
+            .push(format!("… and {extra} more of the kind above"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cidr::Family;
+    use crate::testutil::{TempDir, owner};
+
+    /// A store with a v4 and a v6 block and three pods.
+    fn populated(dir: &TempDir) -> Store {
+        let mut store = dir.store();
+        for cidr in ["198.18.0.0/28", "2001:db8::/120"] {
+            store
+                .add_cidr_block("pods", &cidr.parse().unwrap())
+                .unwrap();
+        }
+        for pod in ["a", "b", "c"] {
+            store.allocate(&owner(pod), Family::V4, 1).unwrap();
+            store.allocate(&owner(pod), Family::V6, 1).unwrap();
+        }
+        store
+    }
+
+    fn problems_after(sql: &str) -> Vec<String> {
+        let dir = TempDir::new();
+        let store = populated(&dir);
+        assert_eq!(
+            store.verify(Depth::Full).unwrap().problems,
+            Vec::<String>::new()
+        );
+        store.conn.execute_batch(sql).unwrap();
+        let report = check_file(&dir.db(), Depth::Full).unwrap();
+        assert_eq!(report, store.verify(Depth::Full).unwrap());
+        report.problems
+    }
+
+    #[test]
+    fn a_healthy_database_passes_and_is_counted() {
+        let dir = TempDir::new();
+        let store = populated(&dir);
+        let report = store.verify(Depth::Full).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+        assert_eq!((report.blocks, report.allocations), (2, 6));
+    }
+
+    #[test]
+    fn each_broken_invariant_is_named() {
+        let cases = [
+            (
+                "UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE ip_family = 'ipv4'",
+                "allocated_ips is 7 but 6 rows are allocated",
+            ),
+            (
+                "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) \
+                 VALUES ('198.18.0.0/27', 'pods', 'ipv4', 32, 1); \
+                 INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+                 VALUES ('198.18.0.2', last_insert_rowid(), 'z', 'eth0', 1)",
+                "address 198.18.0.2 is allocated 2 times",
+            ),
+            (
+                "UPDATE ip_addresses SET container_id = 'a' WHERE container_id = 'b' AND address LIKE '198.%'",
+                "owner (container, interface, family) a eth0 ipv4 holds 2 addresses",
+            ),
+            (
+                "UPDATE ip_addresses SET address = '198.18.1.9' WHERE container_id = 'c' AND address LIKE '198.%'",
+                "198.18.1.9 is outside its block 198.18.0.0/28",
+            ),
+            (
+                "UPDATE ip_addresses SET is_allocated = 0 WHERE address = '198.18.0.15'; \
+                 UPDATE cidr_blocks SET allocated_ips = allocated_ips - 1 WHERE ip_family = 'ipv4'",
+                "198.18.0.15 of block 198.18.0.0/28 is free but reserved",
+            ),
+            (
+                "UPDATE ip_addresses SET is_allocated = 1 WHERE address = '198.18.0.9'; \
+                 UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE ip_family = 'ipv4'",
+                "198.18.0.9 of block 198.18.0.0/28 is held by no one",
+            ),
+            ("PRAGMA user_version = 7", "user_version is 7, expected 1"),
+            (
+                "UPDATE cidr_blocks SET total_ips = 3 WHERE ip_family = 'ipv4'",
+                "total_ips is 3, 198.18.0.0/28 has 16",
+            ),
+            (
+                "UPDATE cidr_blocks SET state = 'Gone' WHERE ip_family = 'ipv6'",
+                "unknown block state \"Gone\"",
+            ),
+        ];
+        for (sql, expected) in cases {
+            let problems = problems_after(sql);
+            assert!(
+                problems.iter().any(|p| p.contains(expected)),
+                "{sql}: {problems:?} lacks {expected:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn damaged_files_fail_sqlite_integrity_check() {
+        let dir = TempDir::new();
+        drop(populated(&dir));
+        {
+            // Fold the WAL in so the file alone holds the data.
+            let conn = Connection::open(dir.db()).unwrap();
+            conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+                .unwrap();
+        }
+        let mut bytes = std::fs::read(dir.db()).unwrap();
+        assert!(bytes.len() > 8192);
+        // Scribble over the second page (the first table's b-tree).
+        for byte in bytes.iter_mut().skip(4096).take(200) {
+            *byte = 0x5a;
+        }
+        let copy = dir.0.join("corrupt.sqlite");
+        std::fs::write(&copy, &bytes).unwrap();
+        let outcome = check_file(&copy, Depth::Quick);
+        match outcome {
+            Ok(report) => assert!(
+                report
+                    .problems
+                    .iter()
+                    .any(|p| p.starts_with("sqlite quick_check")),
+                "{report:?}"
+            ),
+            Err(err) => assert!(err.to_string().contains("malformed"), "{err}"),
+        }
+        assert!(check_file(&dir.0.join("missing.sqlite"), Depth::Quick).is_err());
+    }
+}

@@ -1,0 +1,327 @@
+//! Crash safety: the daemon is killed with SIGKILL at random moments while
+//! 8 plugin processes run a mix of ADD and DEL, then restarted; while it is
+//! down the plugins fall back to direct mode and write the database
+//! themselves. After every round the database must keep the IPAM's promise:
+//! every ADD that succeeded is still allocated to its owner unless a later
+//! DEL succeeded, no address has two owners, counters equal rows
+//! (`metis admin check`), and every plugin call ended in a result or a
+//! retryable error (code 11).
+//!
+//! `make test` runs a short version; `make soak` the full one (20 rounds of
+//! 500 operations): `METIS_CRASH_ROUNDS`, `METIS_CRASH_OPS` and
+//! `METIS_CRASH_SEED` override rounds, operations per round and the seed.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::rng::Rng;
+use common::{Plugin, TestDaemon, TestDir, conf, db, json};
+
+const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
+const WORKERS: usize = 8;
+/// Containers each worker cycles through: 48 in all, far below the /24, so
+/// exhaustion never masks a result.
+const IDS_PER_WORKER: usize = 6;
+
+/// What the plugin's answers say about one container's address.
+#[derive(Debug, Clone, PartialEq)]
+enum Expect {
+    Free,
+    Held(String),
+    /// A call failed with code 11 after (possibly) reaching the database.
+    Unknown,
+}
+
+fn env_number(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(default)
+}
+
+/// How the daemon is treated during a round.
+struct Chaos {
+    /// Time the daemon stays up between kills (ms, uniform).
+    up_ms: (u64, u64),
+    /// Time it stays down before the restart (ms, uniform).
+    down_ms: (u64, u64),
+    /// Down long enough that plugins must have used direct mode.
+    direct: bool,
+}
+
+struct Round<'a> {
+    config: &'a str,
+    expect: &'a Mutex<HashMap<String, Expect>>,
+    failures: &'a Mutex<Vec<String>>,
+    successes: &'a AtomicU64,
+    retryable: &'a AtomicU64,
+}
+
+impl Round<'_> {
+    /// One worker's share of the round: ADD or DEL on its own containers,
+    /// so the calls for one container are sequential and their outcomes
+    /// define what the database must hold.
+    fn work(&self, worker: usize, ops: usize, mut rng: Rng) {
+        for _ in 0..ops {
+            let id = format!("w{worker}-{}", rng.below(IDS_PER_WORKER as u64));
+            let before = self.expect.lock().unwrap().get(&id).cloned();
+            let before = before.unwrap_or(Expect::Free);
+            let add = match before {
+                Expect::Free => rng.chance(85),
+                Expect::Held(_) => rng.chance(25),
+                Expect::Unknown => rng.chance(50),
+            };
+            let verb = if add { "ADD" } else { "DEL" };
+            let output = Plugin::new(verb, &id).run(self.config);
+            let after = if output.status.success() {
+                self.successes.fetch_add(1, Ordering::Relaxed);
+                if add {
+                    let address = json(&output)["ips"][0]["address"]
+                        .as_str()
+                        .unwrap()
+                        .to_string();
+                    if let Expect::Held(held) = &before
+                        && *held != address
+                    {
+                        self.fail(format!(
+                            "repeated ADD of {id} returned {address}, it holds {held}"
+                        ));
+                    }
+                    Expect::Held(address)
+                } else {
+                    Expect::Free
+                }
+            } else {
+                let code = serde_json::from_slice::<serde_json::Value>(&output.stdout)
+                    .ok()
+                    .and_then(|v| v["code"].as_u64());
+                if code != Some(11) {
+                    self.fail(format!(
+                        "{verb} {id}: neither a result nor code 11: status {:?}, stdout {}, stderr {}",
+                        output.status,
+                        String::from_utf8_lossy(&output.stdout),
+                        String::from_utf8_lossy(&output.stderr)
+                    ));
+                }
+                self.retryable.fetch_add(1, Ordering::Relaxed);
+                match (add, before) {
+                    // A failed ADD never releases what the owner holds, and
+                    // a failed DEL of nothing leaves nothing.
+                    (true, held @ Expect::Held(_)) | (false, held @ Expect::Free) => held,
+                    _ => Expect::Unknown,
+                }
+            };
+            self.expect.lock().unwrap().insert(id, after);
+        }
+    }
+
+    fn fail(&self, what: String) {
+        self.failures.lock().unwrap().push(what);
+    }
+}
+
+/// Kills and restarts the daemon at random until `done`; returns the kills.
+fn chaos(
+    dir: &TestDir,
+    daemon: &Mutex<Option<TestDaemon>>,
+    chaos: &Chaos,
+    done: &AtomicBool,
+    mut rng: Rng,
+) -> u64 {
+    let between =
+        |rng: &mut Rng, (lo, hi): (u64, u64)| Duration::from_millis(lo + rng.below(hi - lo + 1));
+    let mut kills = 0;
+    while !done.load(Ordering::Relaxed) {
+        // Random timing is the point here, not synchronisation.
+        std::thread::sleep(between(&mut rng, chaos.up_ms));
+        if let Some(mut running) = daemon.lock().unwrap().take() {
+            running.child.kill().unwrap(); // SIGKILL
+            running.child.wait().unwrap();
+            kills += 1;
+        }
+        std::thread::sleep(between(&mut rng, chaos.down_ms));
+        *daemon.lock().unwrap() = Some(TestDaemon::start(dir, &["--release-cooldown", "0"]));
+    }
+    kills
+}
+
+/// Every container's rows as the database holds them.
+fn held_by_owner(dir: &TestDir) -> HashMap<String, Vec<String>> {
+    let conn = db(&dir.join("metis.sqlite"));
+    let mut stmt = conn
+        .prepare(
+            "SELECT container_id, address FROM ip_addresses \
+             WHERE is_allocated = 1 AND container_id != '' ORDER BY id",
+        )
+        .unwrap();
+    let mut held: HashMap<String, Vec<String>> = HashMap::new();
+    for row in stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+        .unwrap()
+    {
+        let (owner, address) = row.unwrap();
+        held.entry(owner).or_default().push(address);
+    }
+    held
+}
+
+/// Compares the database with what the plugins were told; resolves the
+/// unknown outcomes from the database for the next round.
+fn verify(dir: &TestDir, expect: &mut HashMap<String, Expect>, round: usize) {
+    let check = common::admin_check(&dir.join("metis.sqlite"));
+    assert!(
+        check.status.success(),
+        "round {round}: metis admin check failed:\n{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let held = held_by_owner(dir);
+    let mut owners_of: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (owner, addresses) in &held {
+        assert!(
+            addresses.len() <= 1,
+            "round {round}: {owner} holds {addresses:?}"
+        );
+        for address in addresses {
+            owners_of.entry(address).or_default().push(owner);
+        }
+        assert!(
+            expect.contains_key(owner),
+            "round {round}: {owner} holds {addresses:?} but no ADD for it was ever made"
+        );
+    }
+    for (address, owners) in &owners_of {
+        assert_eq!(
+            owners.len(),
+            1,
+            "round {round}: {address} held by {owners:?}"
+        );
+    }
+    for (owner, wanted) in expect.iter_mut() {
+        let actual = held.get(owner).and_then(|a| a.first());
+        match (&*wanted, actual) {
+            (Expect::Held(address), Some(found)) => assert_eq!(
+                address.split('/').next(),
+                Some(found.as_str()),
+                "round {round}: {owner} was given {address} but holds {found}"
+            ),
+            (Expect::Held(address), None) => {
+                panic!("round {round}: {owner} was given {address}, which is no longer allocated")
+            }
+            (Expect::Free, Some(found)) => {
+                panic!("round {round}: {owner} was released but still holds {found}")
+            }
+            (Expect::Free, None) => {}
+            (Expect::Unknown, found) => {
+                *wanted = match found {
+                    Some(found) => Expect::Held(format!("{found}/24")),
+                    None => Expect::Free,
+                };
+            }
+        }
+    }
+}
+
+fn run_rounds(name: &str, chaos_plan: &Chaos) {
+    let rounds = env_number("METIS_CRASH_ROUNDS", 3);
+    let ops = env_number("METIS_CRASH_OPS", 100);
+    let mut rng = Rng::from_env("METIS_CRASH_SEED");
+    let dir = TestDir::new(name);
+    let config = conf(&dir, "1.0.0", V4, "");
+    let daemon = Mutex::new(Some(TestDaemon::start(&dir, &["--release-cooldown", "0"])));
+    let expect = Mutex::new(HashMap::new());
+    let (mut total_kills, mut total_ok, mut total_retry) = (0, 0, 0);
+    for round in 0..rounds {
+        let failures = Mutex::new(Vec::new());
+        let successes = AtomicU64::new(0);
+        let retryable = AtomicU64::new(0);
+        let done = AtomicBool::new(false);
+        let work = Round {
+            config: &config,
+            expect: &expect,
+            failures: &failures,
+            successes: &successes,
+            retryable: &retryable,
+        };
+        let kills = std::thread::scope(|scope| {
+            let killer = {
+                let (dir, daemon, done, rng) = (&dir, &daemon, &done, rng.fork());
+                scope.spawn(move || chaos(dir, daemon, chaos_plan, done, rng))
+            };
+            let workers: Vec<_> = (0..WORKERS)
+                .map(|worker| {
+                    let (work, rng) = (&work, rng.fork());
+                    let share = ops / WORKERS + usize::from(worker < ops % WORKERS);
+                    scope.spawn(move || work.work(worker, share, rng))
+                })
+                .collect();
+            for worker in workers {
+                worker.join().unwrap();
+            }
+            done.store(true, Ordering::Relaxed);
+            killer.join().unwrap()
+        });
+        let failures = failures.into_inner().unwrap();
+        assert!(failures.is_empty(), "round {round}: {failures:#?}");
+        // A killed daemon leaves the database as the crash left it.
+        if let Some(mut running) = daemon.lock().unwrap().take() {
+            running.child.kill().unwrap();
+            running.child.wait().unwrap();
+        }
+        verify(&dir, &mut expect.lock().unwrap(), round);
+        eprintln!(
+            "round {round}: {} ok, {} retryable, {kills} kills",
+            successes.load(Ordering::Relaxed),
+            retryable.load(Ordering::Relaxed)
+        );
+        total_kills += kills;
+        total_ok += successes.load(Ordering::Relaxed);
+        total_retry += retryable.load(Ordering::Relaxed);
+        *daemon.lock().unwrap() = Some(TestDaemon::start(&dir, &["--release-cooldown", "0"]));
+    }
+    // The test must have exercised what it claims to.
+    assert!(total_kills >= rounds as u64, "only {total_kills} kills");
+    assert!(
+        total_ok > (rounds * ops / 2) as u64,
+        "{total_ok} successes, {total_retry} retryable"
+    );
+    let log = std::fs::read_to_string(dir.join("cni.log")).unwrap_or_default();
+    let direct = log.matches("using direct mode").count();
+    assert!(
+        direct > 0 || !chaos_plan.direct,
+        "no plugin ever ran in direct mode"
+    );
+    eprintln!(
+        "{name}: {total_ok} ok, {total_retry} retryable, {total_kills} kills, {direct} direct-mode calls"
+    );
+}
+
+#[test]
+fn sigkill_during_adds_and_dels_loses_and_duplicates_nothing() {
+    run_rounds(
+        "crash-daemon",
+        &Chaos {
+            up_ms: (5, 80),
+            down_ms: (0, 30),
+            direct: false,
+        },
+    );
+}
+
+#[test]
+fn direct_mode_writes_while_the_daemon_restarts() {
+    run_rounds(
+        "crash-direct",
+        &Chaos {
+            up_ms: (10, 150),
+            down_ms: (150, 600),
+            direct: true,
+        },
+    );
+}
