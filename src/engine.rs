@@ -49,7 +49,7 @@ impl Failure {
             | StoreError::RequestedIpOutsideBlocks { .. } => {
                 (Code::InvalidArgument, reason::REQUESTED_IP_UNAVAILABLE)
             }
-            StoreError::EmptyOwner | StoreError::BadCidr(_) => {
+            StoreError::EmptyOwner | StoreError::BadCidr(_) | StoreError::BlockTooLarge(_) => {
                 (Code::InvalidArgument, reason::INVALID_REQUEST)
             }
             _ if err.is_corrupt() => (Code::Internal, reason::STORE_CORRUPT),

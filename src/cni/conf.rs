@@ -344,6 +344,8 @@ fn parse_range(set: usize, index: usize, range: &RawRange) -> Result<Cidr, CniEr
     let subnet: Cidr = text
         .parse()
         .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
+    crate::store::check_block_size(&subnet)
+        .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
     for (field, value) in [
         ("rangeStart", &range.range_start),
         ("rangeEnd", &range.range_end),
@@ -848,6 +850,19 @@ mod tests {
         assert_eq!(
             e.msg,
             "invalid ipam.ranges[0][0].subnet: invalid CIDR \"198.19.0.1/24\": host bits set; the network address is 198.19.0.0/24"
+        );
+    }
+
+    #[test]
+    fn ipv4_subnet_larger_than_a_slash12_is_code_7() {
+        let e = err(ranges(json!([[{"subnet": "198.0.0.0/11"}]])));
+        assert_eq!(e.code, INVALID_CONFIG);
+        assert!(
+            e.msg.starts_with(
+                "invalid ipam.ranges[0][0].subnet: store: 198.0.0.0/11 has 2097152 addresses"
+            ),
+            "{}",
+            e.msg
         );
     }
 

@@ -491,6 +491,8 @@ fn parse_network_cidr(text: &str) -> Result<(String, Cidr), FlagError> {
     let cidr = cidr
         .parse::<Cidr>()
         .map_err(|err| FlagError::BadValue("--cidr", err.to_string()))?;
+    crate::store::check_block_size(&cidr)
+        .map_err(|err| FlagError::BadValue("--cidr", err.to_string()))?;
     Ok((network.to_string(), cidr))
 }
 

@@ -292,6 +292,7 @@ impl Store {
     /// Adds a block (Ready, its rows populated: every IPv4 address, the
     /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
     pub fn add_cidr_block(&mut self, network: &str, cidr: &Cidr) -> Result<AddOutcome, StoreError> {
+        super::check_block_size(cidr)?;
         let mode = self.reserve;
         let tx = self
             .conn

@@ -1710,3 +1710,19 @@ fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
     );
     assert_counters(&store);
 }
+
+#[test]
+fn ipv4_blocks_larger_than_a_slash12_are_refused() {
+    // 198.16.0.0/11 contains the test range 198.18.0.0/15; it is refused
+    // before a single row is written.
+    assert!(check_block_size(&c("198.16.0.0/12")).is_ok());
+    assert!(check_block_size(&c("2001:db8::/32")).is_ok());
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let err = store
+        .add_cidr_block("default", &c("198.0.0.0/11"))
+        .unwrap_err();
+    assert!(matches!(err, StoreError::BlockTooLarge(_)), "{err}");
+    assert!(err.to_string().contains("split the range"), "{err}");
+    assert!(store.blocks(&BlockFilter::default()).unwrap().is_empty());
+}
