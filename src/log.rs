@@ -172,6 +172,12 @@ pub fn debug(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
     log(Level::Debug, component, message, fields);
 }
 
+/// Periodic no-op events (a monitor pass that changed nothing, a watch
+/// resumed): shown only with `-v 4` or more.
+pub fn trace(component: &str, message: &str, fields: &[(&str, &dyn Display)]) {
+    log(Level::Trace, component, message, fields);
+}
+
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> i64 {
     SystemTime::now()

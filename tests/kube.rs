@@ -45,7 +45,7 @@ fn block_count(dir: &TestDir, state: &str) -> i64 {
 fn scale_up_parks_requests_until_new_blocks_arrive() {
     let dir = TestDir::new("kube-scale-up");
     let api = ApiServer::start(NODE, &[], 64);
-    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    let daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
@@ -82,6 +82,27 @@ fn scale_up_parks_requests_until_new_blocks_arrive() {
     assert!(state.count("PATCH", 200) >= 1);
     drop(state);
     assert!(block_count(&dir, "Ready") >= 3);
+    // Periodic no-op messages stay out of the default log level.
+    assert!(!daemon.log().contains("TRACE"), "{}", daemon.log());
+}
+
+#[test]
+fn high_verbosity_shows_periodic_no_op_messages() {
+    let dir = TestDir::new("kube-verbose");
+    let api = ApiServer::start(NODE, &[], 64);
+    let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    wait_for(
+        "a no-op monitor pass at -v 4",
+        Duration::from_secs(10),
+        || {
+            daemon
+                .log()
+                .contains("TRACE monitor: pass complete, nothing to change")
+        },
+    );
 }
 
 #[test]

@@ -309,9 +309,16 @@ impl Adaptive {
                 if outcome.push_back {
                     self.next_pass = self.next_pass.min(now + PUSH_BACK_INTERVAL);
                 }
-                if let Some(patch) = outcome.patch {
-                    self.patching = Some(version);
-                    self.link.patch(patch);
+                match outcome.patch {
+                    Some(patch) => {
+                        self.patching = Some(version);
+                        self.link.patch(patch);
+                    }
+                    None => log::trace(
+                        "monitor",
+                        "pass complete, nothing to change",
+                        &[("version", &version)],
+                    ),
                 }
             }
             Err(err) => log::error("daemon", "monitor pass failed", &[("error", &err)]),

@@ -202,6 +202,11 @@ fn watch_once(
             }
         }
         // The server ended the watch (timeoutSeconds): resume from `version`.
+        log::trace(
+            "kube",
+            "watch ended by the server, resuming",
+            &[("version", &version)],
+        );
     }
 }
 
