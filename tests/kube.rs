@@ -371,3 +371,36 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
         "no plain-HTTP request may have succeeded"
     );
 }
+
+#[test]
+fn shutdown_answers_waiting_requests() {
+    let dir = TestDir::new("kube-shutdown");
+    let api = ApiServer::start(NODE, &[], 4);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", &["--scale-up-wait", "60s"]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    let waiter = {
+        let config = config.clone();
+        std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
+    };
+    api.wait_until("a scale-up request", Duration::from_secs(10), |s| {
+        s.pods("default").unwrap_or(0) >= 5
+    });
+    assert!(daemon.stop().success());
+    let output = waiter.join().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let error = common::json(&output);
+    assert_eq!(error["code"], 11, "{error}");
+    assert!(
+        error["details"]
+            .as_str()
+            .unwrap()
+            .contains("daemon stopped while waiting"),
+        "{error}"
+    );
+}

@@ -248,31 +248,49 @@ impl Adaptive {
     /// Answers parked requests whose time is up, and runs the monitor pass
     /// when due.
     pub fn tick(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
-        let mut deliveries = Vec::new();
-        let (expired, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
-            .into_iter()
-            .partition(|p| p.deadline <= now);
-        self.parked = waiting;
-        if !expired.is_empty() {
-            self.publish_parked();
-        }
-        for parked in expired {
-            self.observe(&parked, Code::ResourceExhausted, now);
-            let message = format!(
-                "no available IPs in store for network {} (timed out waiting {} s for new blocks)",
-                parked.network,
-                self.config.pending_timeout.as_secs()
-            );
-            let reply =
-                Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
-                    .with_metadata(reason::META_NETWORK, &parked.network)
-                    .with_metadata(reason::META_IP_FAMILY, Family::V4.as_str());
-            deliveries.push((parked.conn_id, reply));
-        }
+        let deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
         if self.config.source == Kind::Nnc && now >= self.next_pass {
             self.run_pass(engine, now);
         }
         deliveries
+    }
+
+    /// Answers every parked request at shutdown, so its plugin reports a
+    /// clean "try again later" instead of a dropped connection.
+    pub fn shutdown(&mut self, now: Instant) -> Vec<Delivery> {
+        self.give_up(|_| true, "the daemon stopped while waiting", now)
+    }
+
+    /// Answers the parked requests matching `which` with exhaustion.
+    fn give_up(
+        &mut self,
+        which: impl Fn(&Parked) -> bool,
+        why: &str,
+        now: Instant,
+    ) -> Vec<Delivery> {
+        let (done, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| which(p));
+        self.parked = waiting;
+        if done.is_empty() {
+            return Vec::new();
+        }
+        self.publish_parked();
+        done.into_iter()
+            .map(|parked| {
+                self.observe(&parked, Code::ResourceExhausted, now);
+                let message = format!(
+                    "no available IPs in store for network {} ({why} {} s for new blocks)",
+                    parked.network,
+                    now.saturating_duration_since(parked.parked_at).as_secs()
+                );
+                let reply =
+                    Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
+                        .with_metadata(reason::META_NETWORK, &parked.network)
+                        .with_metadata(reason::META_IP_FAMILY, Family::V4.as_str());
+                (parked.conn_id, reply)
+            })
+            .collect()
     }
 
     /// Drops the parked requests of a connection that went away.

@@ -107,6 +107,11 @@ impl EventLoop {
             }
             self.expire(now);
         }
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            let now = Instant::now();
+            let deliveries = adaptive.shutdown(now);
+            self.deliver(deliveries, now);
+        }
         self.drain_on_shutdown();
     }
 
