@@ -284,27 +284,43 @@ fn cluster_source_without_cluster_is_a_usage_error() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("needs a cluster"));
 }
 
-#[test]
-fn released_addresses_wake_waiting_requests() {
-    // Upstream leaves a waiter parked until a new block arrives, even when
-    // a release freed an address meanwhile.
-    let dir = TestDir::new("kube-wake-on-release");
-    let api = ApiServer::start(NODE, &[], 4);
+/// A daemon whose /30 is full (its cluster never adds blocks) and a second
+/// ADD parked in it: the daemon, the config, and the parked plugin's thread.
+fn daemon_with_a_parked_add(
+    dir: &TestDir,
+    api: &ApiServer,
+    wait: &str,
+) -> (
+    TestDaemon,
+    String,
+    std::thread::JoinHandle<std::process::Output>,
+) {
     api.state().controller = false;
-    let _daemon = start_daemon(&dir, &api, "nnc", &["--scale-up-wait", "30s"]);
+    let daemon = start_daemon(dir, api, "nnc", &["--scale-up-wait", wait]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+    let config = conf(dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
         .replace(r#""name":"testnet""#, r#""name":"default""#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     let waiter = {
         let config = config.clone();
         std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
     };
+    // The monitor asks for more only once the waiter is parked.
     api.wait_until("a scale-up request", Duration::from_secs(10), |s| {
         s.pods("default").unwrap_or(0) >= 5
     });
+    (daemon, config, waiter)
+}
+
+#[test]
+fn released_addresses_wake_waiting_requests() {
+    // Upstream leaves a waiter parked until a new block arrives, even when
+    // a release freed an address meanwhile.
+    let dir = TestDir::new("kube-wake-on-release");
+    let api = ApiServer::start(NODE, &[], 4);
+    let (_daemon, config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
     assert_ok(&Plugin::new("DEL", "holder").run(&config));
     let output = waiter.join().unwrap();
     assert_ok(&output);
@@ -376,21 +392,7 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
 fn shutdown_answers_waiting_requests() {
     let dir = TestDir::new("kube-shutdown");
     let api = ApiServer::start(NODE, &[], 4);
-    api.state().controller = false;
-    let daemon = start_daemon(&dir, &api, "nnc", &["--scale-up-wait", "60s"]);
-    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
-    });
-    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
-    assert_ok(&Plugin::new("ADD", "holder").run(&config));
-    let waiter = {
-        let config = config.clone();
-        std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
-    };
-    api.wait_until("a scale-up request", Duration::from_secs(10), |s| {
-        s.pods("default").unwrap_or(0) >= 5
-    });
+    let (daemon, _config, waiter) = daemon_with_a_parked_add(&dir, &api, "60s");
     assert!(daemon.stop().success());
     let output = waiter.join().unwrap();
     assert_eq!(output.status.code(), Some(1));

@@ -871,36 +871,18 @@ fn allocate_requested_cases() {
         }
         other => panic!("unexpected {other}"),
     };
-    unavailable(
-        store
-            .allocate_requested(&owner("default", "a"), ip("198.18.1.4"), NOW)
-            .unwrap_err(),
-        "already holds 198.18.1.5",
-    );
-    unavailable(
-        store
-            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW)
-            .unwrap_err(),
-        "held by container \"a\"",
-    );
-    unavailable(
-        store
-            .allocate_requested(&owner("default", "b"), ip("198.18.1.1"), NOW)
-            .unwrap_err(),
-        "reserved",
-    );
-    unavailable(
-        store
-            .allocate_requested(&owner("default", "b"), ip("198.18.1.7"), NOW)
-            .unwrap_err(),
-        "reserved",
-    );
-    unavailable(
-        store
-            .allocate_requested(&owner("default", "b"), ip("2001:db8::1"), NOW)
-            .unwrap_err(),
-        "reserved",
-    );
+    for (container, address, needle) in [
+        ("a", "198.18.1.4", "already holds 198.18.1.5"),
+        ("b", "198.18.1.5", "held by container \"a\""),
+        ("b", "198.18.1.1", "reserved"),
+        ("b", "198.18.1.7", "reserved"),
+        ("b", "2001:db8::1", "reserved"),
+    ] {
+        let err = store
+            .allocate_requested(&owner("default", container), ip(address), NOW)
+            .unwrap_err();
+        unavailable(err, needle);
+    }
     store.release("default", "a", "eth0", 1000, NOW).unwrap();
     unavailable(
         store
