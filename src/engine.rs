@@ -438,12 +438,14 @@ impl Engine {
                     detail: format!(
                         "no free {family} address in network {network:?}: every block is full or cooling down and every configured range is already added"
                     ),
+                    ip_family: family.as_str().to_string(),
                 });
             }
         }
         Ok(envelope::NetworkStatusResponse {
             can_allocate: true,
             detail: String::new(),
+            ip_family: String::new(),
         })
     }
 

@@ -406,3 +406,40 @@ fn shutdown_answers_waiting_requests() {
         "{error}"
     );
 }
+
+#[test]
+fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
+    let dir = TestDir::new("kube-status");
+    let mut api = ApiServer::start(NODE, &[], 4);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config = conf(&dir, "1.1.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    // Full, but the cluster can add blocks: ADD can be served (it waits).
+    assert_ok(&Plugin::new("STATUS", "").run(&config));
+
+    api.stop();
+    let mut last = None;
+    wait_for(
+        "STATUS to report the unreachable API server",
+        Duration::from_secs(30),
+        || {
+            let output = Plugin::new("STATUS", "").run(&config);
+            let done = output.status.code() == Some(1);
+            last = Some(output);
+            done
+        },
+    );
+    let error = common::json(last.as_ref().unwrap());
+    assert_eq!(error["code"], 50, "{error}");
+    assert!(
+        error["msg"]
+            .as_str()
+            .unwrap()
+            .contains("API server is unreachable"),
+        "{error}"
+    );
+}

@@ -144,8 +144,37 @@ impl Adaptive {
                 Some(reply)
             }
             Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
+            Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
             _ => Some(reply),
         }
+    }
+
+    /// STATUS with the cluster in view: an exhausted IPv4 pool can still
+    /// grow while the API server answers (an ADD waits for the new block),
+    /// and cannot while it is unreachable — the degraded state, reported.
+    fn status_with_cluster(&self, mut reply: Response) -> Response {
+        if self.config.source != Kind::Nnc {
+            return reply;
+        }
+        if let Some(response::Kind::NetworkStatus(status)) = reply.kind.as_mut()
+            && !status.can_allocate
+            && status.ip_family == Family::V4.as_str()
+        {
+            match &self.unreachable {
+                None => {
+                    status.can_allocate = true;
+                    status.detail.clear();
+                    status.ip_family.clear();
+                }
+                Some(why) => {
+                    status.detail = format!(
+                        "{}; more cannot be requested: the API server is unreachable ({why})",
+                        status.detail
+                    );
+                }
+            }
+        }
+        reply
     }
 
     fn annotate_health(&self, mut reply: Response) -> Response {

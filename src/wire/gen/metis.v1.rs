@@ -132,6 +132,9 @@ pub struct NetworkStatusResponse {
     /// Why not, when `can_allocate` is false.
     #[prost(string, tag = "2")]
     pub detail: ::prost::alloc::string::String,
+    /// The family that cannot allocate ("ipv4" or "ipv6"), when one cannot.
+    #[prost(string, tag = "3")]
+    pub ip_family: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Request {
