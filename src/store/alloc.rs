@@ -118,6 +118,25 @@ fn held(
     Ok(out)
 }
 
+/// The address `owner` already holds in its network for `family`, if any
+/// (the idempotency check of both allocation paths).
+fn held_by_owner(
+    conn: &Connection,
+    owner: &Owner,
+    family: Family,
+) -> Result<Option<Allocation>, StoreError> {
+    Ok(held(
+        conn,
+        owner.network,
+        owner.container_id,
+        owner.interface_name,
+        Some(family),
+    )?
+    .into_iter()
+    .next()
+    .map(|(_, _, allocation)| allocation))
+}
+
 /// Marks row `row_id` of block `block_id` allocated to `owner`.
 fn take_row(
     conn: &Connection,
@@ -346,16 +365,7 @@ impl Store {
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        if let Some((_, _, existing)) = held(
-            &tx,
-            owner.network,
-            owner.container_id,
-            owner.interface_name,
-            Some(family),
-        )?
-        .into_iter()
-        .next()
-        {
+        if let Some(existing) = held_by_owner(&tx, owner, family)? {
             return Ok(existing);
         }
         let candidates = candidates(&tx, owner.network, family)?;
@@ -406,16 +416,7 @@ impl Store {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let unavailable = |reason: String| StoreError::RequestedIpUnavailable { address, reason };
-        if let Some((_, _, existing)) = held(
-            &tx,
-            owner.network,
-            owner.container_id,
-            owner.interface_name,
-            Some(family),
-        )?
-        .into_iter()
-        .next()
-        {
+        if let Some(existing) = held_by_owner(&tx, owner, family)? {
             if existing.address == address {
                 return Ok(existing);
             }
