@@ -163,29 +163,53 @@ impl Engine {
             )));
         }
         let mut reply = ipam::AllocatePodIpResponse::default();
-        let mut allocated_owner: Option<(String, String)> = None;
+        // Families this request newly took: only those are undone when a
+        // later family fails. What the owner held before (a repeated ADD)
+        // stays untouched, whatever this request's outcome.
+        let mut taken: Vec<(Family, &ipam::IpConfig)> = Vec::new();
         for (family, config) in configs {
             let Some(config) = config else { continue };
-            let outcome = self.allocate_family(network, family, config, req, now_ms);
-            match outcome {
+            let held_before = self.holds(network, family, config)?;
+            match self.allocate_family(network, family, config, req, now_ms) {
                 Ok(allocation) => {
                     let pod_ip = pod_ip(&allocation);
                     match family {
                         Family::V4 => reply.ipv4 = Some(pod_ip),
                         Family::V6 => reply.ipv6 = Some(pod_ip),
                     }
-                    allocated_owner =
-                        Some((config.container_id.clone(), config.interface_name.clone()));
+                    if !held_before {
+                        taken.push((family, config));
+                    }
                 }
                 Err(failure) => {
-                    if let Some((container_id, interface_name)) = allocated_owner {
-                        self.roll_back(network, &container_id, &interface_name, now_ms);
+                    for (family, config) in taken {
+                        self.roll_back(network, family, config);
                     }
                     return Err(failure);
                 }
             }
         }
         Ok(reply)
+    }
+
+    /// Whether the owner named by `config` already holds a `family` address
+    /// in `network` (one indexed read).
+    fn holds(
+        &self,
+        network: &str,
+        family: Family,
+        config: &ipam::IpConfig,
+    ) -> Result<bool, Failure> {
+        if config.container_id.is_empty() || config.interface_name.is_empty() {
+            return Ok(false);
+        }
+        let held = self
+            .store
+            .check(network, &config.container_id, &config.interface_name)
+            .map_err(|err| Failure::from_store("allocation lookup failed", &err))?;
+        Ok(held
+            .iter()
+            .any(|allocation| Family::of(allocation.address) == family))
     }
 
     fn allocate_family(
@@ -292,18 +316,21 @@ impl Engine {
         Ok(())
     }
 
-    fn roll_back(&mut self, network: &str, container_id: &str, interface_name: &str, now_ms: i64) {
-        // No cooldown: the address never reached a pod.
-        if let Err(err) = self
-            .store
-            .release(network, container_id, interface_name, 0, now_ms)
-        {
+    /// Undoes what this request took of `family`. No cooldown: the address
+    /// never reached a pod.
+    fn roll_back(&mut self, network: &str, family: Family, config: &ipam::IpConfig) {
+        if let Err(err) = self.store.undo_allocation(
+            network,
+            &config.container_id,
+            &config.interface_name,
+            family,
+        ) {
             crate::log::error(
                 "engine",
                 "failed to roll back a partial allocation",
                 &[
                     ("network", &network),
-                    ("container_id", &container_id),
+                    ("container_id", &config.container_id),
                     ("error", &err),
                 ],
             );
@@ -616,6 +643,78 @@ mod tests {
             .allocate(&request("c", "198.18.0.0/24", ""), now)
             .unwrap();
         assert_eq!(next.ipv4.unwrap().ip_address, "198.18.0.3");
+    }
+
+    #[test]
+    fn a_failed_repeat_add_keeps_what_the_owner_held() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 60_000);
+        let now = crate::log::now_ms();
+        let first = engine
+            .allocate(&request("a", "198.18.0.0/24", "2001:db8::/120"), now)
+            .unwrap();
+        // The same owner asks again, now for a v6 address it cannot have.
+        let mut repeat = request("a", "198.18.0.0/24", "2001:db8::/120");
+        if let Some(c) = repeat.ipv6_config.as_mut() {
+            c.requested_ip = "2001:db8:1::9".into();
+        }
+        let failure = engine.allocate(&repeat, now).unwrap_err();
+        assert_eq!(failure.reason, reason::REQUESTED_IP_UNAVAILABLE);
+        let held: Vec<String> = engine
+            .store()
+            .check("net", "a", "eth0")
+            .unwrap()
+            .iter()
+            .map(|a| a.address.to_string())
+            .collect();
+        assert_eq!(
+            held,
+            [
+                first.ipv4.unwrap().ip_address,
+                first.ipv6.unwrap().ip_address
+            ]
+        );
+        // Nothing was freed: the next pod gets fresh addresses.
+        let next = engine
+            .allocate(&request("b", "198.18.0.0/24", "2001:db8::/120"), now)
+            .unwrap();
+        assert_eq!(next.ipv4.unwrap().ip_address, "198.18.0.3");
+        assert_eq!(next.ipv6.unwrap().ip_address, "2001:db8::3");
+    }
+
+    #[test]
+    fn only_the_last_owner_takes_back_a_cooling_address() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 60_000);
+        let now = crate::log::now_ms();
+        let asking = |container: &str| {
+            let mut wanted = request(container, "198.18.0.0/24", "");
+            if let Some(c) = wanted.ipv4_config.as_mut() {
+                c.requested_ip = "198.18.0.2".into();
+            }
+            wanted
+        };
+        engine
+            .allocate(&request("a", "198.18.0.0/24", ""), now)
+            .unwrap();
+        engine
+            .deallocate(
+                &ipam::DeallocatePodIpRequest {
+                    network: "net".into(),
+                    container_id: "a".into(),
+                    interface_name: "eth0".into(),
+                    ..Default::default()
+                },
+                now,
+            )
+            .unwrap();
+        assert_eq!(
+            engine.allocate(&asking("b"), now).unwrap_err().reason,
+            reason::REQUESTED_IP_UNAVAILABLE,
+            "another container waits out the cooldown"
+        );
+        let back = engine.allocate(&asking("a"), now).unwrap();
+        assert_eq!(back.ipv4.unwrap().ip_address, "198.18.0.2");
     }
 
     #[test]

@@ -461,7 +461,8 @@ impl Store {
         let lookup = |conn: &Connection| -> Result<Option<RowState>, StoreError> {
             Ok(conn
                 .prepare_cached(
-                    "SELECT id, is_allocated, COALESCE(container_id, ''), release_at \
+                    "SELECT id, is_allocated, COALESCE(container_id, ''), \
+                     COALESCE(interface_name, ''), release_at \
                      FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
                 )?
                 .query_row(params![text, block_id], |r| {
@@ -469,7 +470,8 @@ impl Store {
                         id: r.get(0)?,
                         allocated: r.get(1)?,
                         container_id: r.get(2)?,
-                        release_at: r.get(3)?,
+                        interface_name: r.get(3)?,
+                        release_at: r.get(4)?,
                     })
                 })
                 .optional()?)
@@ -492,8 +494,14 @@ impl Store {
                 row.container_id
             )));
         }
+        // The cooldown protects a new owner from the old one's late traffic;
+        // the old owner itself (a runtime re-adding the same container and
+        // interface, e.g. `podman network reload`) may take its address back.
+        let last_owner =
+            row.container_id == owner.container_id && row.interface_name == owner.interface_name;
         if let Some(until) = row.release_at
             && until > now_ms
+            && !last_owner
         {
             return Err(unavailable(format!(
                 "it is in release cooldown until {until} (Unix ms)"
@@ -536,6 +544,30 @@ impl Store {
         Ok(out)
     }
 
+    /// Undoes an allocation of `family` that never reached a pod (the other
+    /// family of the same ADD failed): freed at once, no cooldown.
+    pub fn undo_allocation(
+        &mut self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+        family: Family,
+    ) -> Result<(), StoreError> {
+        validate_owner(container_id, interface_name)?;
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        for (row_id, block_id, allocation) in
+            held(&tx, network, container_id, interface_name, Some(family))?
+        {
+            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
+            give_back(&tx, row_id, block_id, &allocation, &reserved, None)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
     /// The addresses the owner holds in `network`, IPv4 first (empty: none).
     pub fn check(
         &self,
@@ -557,6 +589,7 @@ struct RowState {
     id: i64,
     allocated: bool,
     container_id: String,
+    interface_name: String,
     release_at: Option<i64>,
 }
 
