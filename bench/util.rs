@@ -195,6 +195,7 @@ pub fn allocate_request(container_id: &str, ranges: &[&str]) -> Request {
             ipv6_config: v6.then_some(config),
             pod_name: "pod".into(),
             pod_namespace: "bench".into(),
+            isolated: false,
         })),
     }
 }

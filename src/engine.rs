@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
 use crate::store::{
-    AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
+    AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
 };
 use crate::wire::admin::v1 as admin;
 use crate::wire::envelope::v1 as envelope;
@@ -49,9 +49,10 @@ impl Failure {
             | StoreError::RequestedIpOutsideBlocks { .. } => {
                 (Code::InvalidArgument, reason::REQUESTED_IP_UNAVAILABLE)
             }
-            StoreError::EmptyOwner | StoreError::BadCidr(_) | StoreError::BlockTooLarge(_) => {
-                (Code::InvalidArgument, reason::INVALID_REQUEST)
-            }
+            StoreError::EmptyOwner
+            | StoreError::BadCidr(_)
+            | StoreError::BlockTooLarge(_)
+            | StoreError::Overlap { .. } => (Code::InvalidArgument, reason::INVALID_REQUEST),
             _ if err.is_corrupt() => (Code::Internal, reason::STORE_CORRUPT),
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };
@@ -120,11 +121,7 @@ impl Engine {
             Some(request::Kind::ListIpAddresses(req)) => {
                 self.list_addresses(&req).map(response::Kind::Table)
             }
-            Some(request::Kind::Health(_)) => Ok(response::Kind::Health(HealthCheckResponse {
-                status: crate::wire::envelope::v1::health_check_response::ServingStatus::Serving
-                    as i32,
-                detail: "Metis daemon is SERVING".to_string(),
-            })),
+            Some(request::Kind::Health(_)) => self.health().map(response::Kind::Health),
             Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
             Some(request::Kind::Gc(req)) => self.gc(&req, now_ms).map(response::Kind::Gc),
             Some(request::Kind::NetworkStatus(req)) => self
@@ -141,6 +138,25 @@ impl Engine {
             Ok(kind) => Response::ok(kind),
             Err(failure) => failure.into_response(),
         }
+    }
+
+    /// Serving, and degraded while blocks are quarantined.
+    fn health(&self) -> Result<HealthCheckResponse, Failure> {
+        let quarantined = self
+            .store
+            .quarantined()
+            .map_err(|err| Failure::from_store("health", &err))?;
+        let mut detail = "Metis daemon is SERVING".to_string();
+        if !quarantined.is_empty() {
+            detail.push_str(&format!(
+                " (degraded: {} block(s) quarantined, nothing new is allocated from them; run `metis admin check`)",
+                quarantined.len()
+            ));
+        }
+        Ok(HealthCheckResponse {
+            status: crate::wire::envelope::v1::health_check_response::ServingStatus::Serving as i32,
+            detail,
+        })
     }
 
     /// Allocates one address per requested family, IPv4 first. If a later
@@ -225,7 +241,7 @@ impl Engine {
                 "container_id and interface_name must not be empty",
             ));
         }
-        self.ensure_initial_blocks(network, family, config)?;
+        self.ensure_initial_blocks(network, family, config, req.isolated, now_ms)?;
         let owner = Owner {
             network,
             container_id: &config.container_id,
@@ -277,41 +293,41 @@ impl Engine {
         }
     }
 
-    /// Adds the CNI ranges of a family as blocks of the network if the store
-    /// does not have them yet (reads first: this runs on every ADD).
+    /// Declares the request's CNI ranges of a family as the network's
+    /// ranges; the store grows, narrows, adds or retires blocks to match
+    /// (reads only when nothing changed: this runs on every ADD).
     fn ensure_initial_blocks(
         &mut self,
         network: &str,
         family: Family,
         config: &ipam::IpConfig,
+        isolated: bool,
+        now_ms: i64,
     ) -> Result<(), Failure> {
         let ranges = std::iter::once(&config.initial_pod_cidr)
             .filter(|cidr| !cidr.is_empty())
-            .chain(config.additional_pod_cidrs.iter());
-        for text in ranges {
-            let cidr: Cidr = text
-                .parse()
-                .map_err(|err| Failure::invalid(format!("initial pod CIDR: {err}")))?;
-            if cidr.family() != family {
-                return Err(Failure::invalid(format!(
-                    "initial pod CIDR {cidr} is not an {family} block"
-                )));
-            }
-            let context = format!("failed to add initial cidr block {cidr}");
-            let known = self
-                .store
-                .find_block(network, &cidr)
-                .map_err(|err| Failure::from_store(&context, &err))?;
-            if known.is_none() {
-                self.store
-                    .add_cidr_block(network, &cidr)
-                    .map_err(|err| Failure::from_store(&context, &err))?;
-                crate::log::info(
-                    "engine",
-                    "added initial CIDR block",
-                    &[("network", &network), ("cidr", &cidr)],
-                );
-            }
+            .chain(config.additional_pod_cidrs.iter())
+            .map(|text| {
+                let cidr: Cidr = text
+                    .parse()
+                    .map_err(|err| Failure::invalid(format!("initial pod CIDR: {err}")))?;
+                if cidr.family() != family {
+                    return Err(Failure::invalid(format!(
+                        "initial pod CIDR {cidr} is not an {family} block"
+                    )));
+                }
+                Ok(cidr)
+            })
+            .collect::<Result<Vec<Cidr>, Failure>>()?;
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let changes = self
+            .store
+            .configure(Source::Cni, network, family, &ranges, isolated, now_ms)
+            .map_err(|err| Failure::from_store(&format!("ranges of network {network:?}"), &err))?;
+        for line in &changes.lines {
+            crate::log::info("engine", line, &[("network", &network)]);
         }
         Ok(())
     }
@@ -619,6 +635,7 @@ mod tests {
             ipv6_config: (!v6.is_empty()).then(|| config(container, v6)).flatten(),
             pod_name: "p".into(),
             pod_namespace: "ns".into(),
+            isolated: false,
         }
     }
 

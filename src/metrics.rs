@@ -187,6 +187,34 @@ fn render_store(out: &mut String, store: &Store) {
             );
         }
     }
+    render_quarantined(out, store);
+}
+
+/// Blocks nothing new is allocated from because the database broke an
+/// invariant in them (`metis admin check` lists them).
+fn render_quarantined(out: &mut String, store: &Store) {
+    let quarantined = match store.quarantined() {
+        Ok(blocks) => blocks,
+        Err(err) => {
+            log::warn(
+                "metrics",
+                "reading quarantined blocks failed",
+                &[("error", &err)],
+            );
+            return;
+        }
+    };
+    family(
+        out,
+        "metis_local_store_quarantined_block_total",
+        "gauge",
+        "CIDR blocks quarantined: no new allocations until `metis admin check` passes.",
+    );
+    let _ = writeln!(
+        out,
+        "metis_local_store_quarantined_block_total {}",
+        quarantined.len()
+    );
 }
 
 fn family_label(family: Family) -> &'static str {

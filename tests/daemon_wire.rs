@@ -38,6 +38,7 @@ fn allocate(container: &str, cidr: &str) -> Request {
             ipv6_config: None,
             pod_name: "pod".into(),
             pod_namespace: "ns".into(),
+            isolated: false,
         })),
     }
 }

@@ -79,6 +79,7 @@ fn random_request(rng: &mut Rng) -> Request {
             ipv6_config: ip_config(rng),
             pod_name: text(rng),
             pod_namespace: text(rng),
+            isolated: rng.below(2) == 0,
         }),
         2 => request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
             network: text(rng),

@@ -241,6 +241,7 @@ fn the_engine_survives_hostile_requests_with_its_invariants() {
                     ipv6_config: v6,
                     pod_name: "p".into(),
                     pod_namespace: "n".into(),
+                    isolated: false,
                 }
             )),
         (text(), text(), text()).prop_map(|(network, container_id, interface_name)| {

@@ -41,6 +41,7 @@ fn allocate(container: &str) -> Request {
             ipv6_config: None,
             pod_name: "pod".into(),
             pod_namespace: "ns".into(),
+            isolated: false,
         })),
     }
 }

@@ -66,6 +66,9 @@ pub struct NetConf {
     pub delegated: bool,
     /// `ipam.network` if set, else `name`: allocations are scoped by it.
     pub network: String,
+    /// `ipam.isolated`: the network is a separate address space whose
+    /// blocks may overlap other networks' blocks.
+    pub isolated: bool,
     /// Every IPv4 subnet of `ipam.ranges`, in order.
     pub ipv4_ranges: Vec<Cidr>,
     /// Every IPv6 subnet of `ipam.ranges`, in order.
@@ -112,6 +115,7 @@ struct RawIpam {
     #[serde(rename = "type")]
     ipam_type: Option<String>,
     network: Option<String>,
+    isolated: Option<bool>,
     ranges: Option<Vec<Vec<RawRange>>>,
     routes: Option<Vec<RawRoute>>,
     #[serde(flatten)]
@@ -245,6 +249,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         ipam_type: ipam.ipam_type.unwrap_or_default(),
         delegated,
         network,
+        isolated: ipam.isolated.unwrap_or(false),
         ipv4_ranges,
         ipv6_ranges,
         gc_grace_period_ms,

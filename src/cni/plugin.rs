@@ -193,6 +193,7 @@ fn add(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<Strin
         ipv6_config: ip_config(Family::V6, &net_conf.ipv6_ranges),
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
+        isolated: net_conf.isolated,
     });
     let response = send(net_conf, request)?;
     let Some(response::Kind::Allocate(allocated)) = response.kind else {

@@ -26,7 +26,9 @@ use crate::flags::{self, FlagError, FlagSpec};
 use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
 use crate::log;
 use crate::metrics::{self, Metrics};
-use crate::store::{BootRecovery, Depth, Durability, ReserveMode, Store, StoreError, StoreOptions};
+use crate::store::{
+    BootRecovery, Depth, Durability, ReserveMode, Source, Store, StoreError, StoreOptions,
+};
 
 use adaptive::Adaptive;
 pub use adaptive::AdaptiveConfig;
@@ -535,31 +537,12 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     for warning in store.open_warnings() {
         log::warn("store", warning, &[]);
     }
-    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
-    if !report.is_ok() {
-        return Err(DaemonError::Unsafe(crate::cli::check::describe(
-            &config.db_path.display().to_string(),
-            &report,
-        )));
-    }
+    isolate_problems(&mut store, config)?;
     store
         .set_release_cooldown(config.release_cooldown_ms)
         .map_err(DaemonError::Store)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
-    for (network, cidr) in &config.cidrs {
-        let outcome = store
-            .add_cidr_block(network, cidr)
-            .map_err(DaemonError::Store)?;
-        log::info(
-            "daemon",
-            "static CIDR block",
-            &[
-                ("network", network),
-                ("cidr", cidr),
-                ("outcome", &format!("{outcome:?}")),
-            ],
-        );
-    }
+    apply_cidr_flags(&mut store, &config.cidrs)?;
 
     let listener = listen(&config.socket_path, config.socket_group)?;
     let engine = Engine::new(store, config.release_cooldown_ms);
@@ -617,6 +600,68 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         log::warn("daemon", "could not remove socket", &[("error", &err)]);
     }
     log::info("daemon", "metis daemon stopped", &[]);
+    Ok(())
+}
+
+/// Fail safe, not fail stop: a node whose IPAM refuses to start can start
+/// no pod. Only a database SQLite itself finds damaged is refused; every
+/// problem that can be pinned to blocks quarantines those blocks (no new
+/// allocations from them; their pods keep their addresses), loudly.
+fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
+    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
+    if report.damaged {
+        return Err(DaemonError::Unsafe(crate::cli::check::describe(
+            &config.db_path.display().to_string(),
+            &report,
+        )));
+    }
+    for problem in &report.problems {
+        log::warn("store", "database check", &[("problem", problem)]);
+    }
+    let isolation = store
+        .isolate_problems(&report.suspects, log::now_ms())
+        .map_err(DaemonError::Store)?;
+    for line in &isolation.deleted {
+        log::warn("store", line, &[]);
+    }
+    if isolation.recounted > 0 {
+        log::warn(
+            "store",
+            "recounted blocks whose allocated_ips did not match their rows",
+            &[("blocks", &isolation.recounted)],
+        );
+    }
+    for (id, cidr, network, why) in &isolation.quarantined {
+        log::error(
+            "store",
+            "block quarantined: nothing new is allocated from it; its pods keep their addresses; run `metis admin check` for details",
+            &[
+                ("block", id),
+                ("cidr", cidr),
+                ("network", network),
+                ("why", why),
+            ],
+        );
+    }
+    Ok(())
+}
+
+/// Lays out the `--cidr` blocks: flags added since the last start add
+/// blocks, flags removed retire theirs.
+fn apply_cidr_flags(store: &mut Store, cidrs: &[(String, Cidr)]) -> Result<(), DaemonError> {
+    let changes = store
+        .configure_all(Source::Flag, cidrs, log::now_ms())
+        .map_err(DaemonError::Store)?;
+    for line in &changes.lines {
+        log::info("daemon", line, &[]);
+    }
+    for (network, cidr) in cidrs {
+        log::info(
+            "daemon",
+            "static CIDR block",
+            &[("network", network), ("cidr", cidr)],
+        );
+    }
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc};
 use crate::log;
 use crate::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
-use crate::store::{AddOutcome, BlockFilter, BlockState, Store, StoreError};
+use crate::store::{AddOutcome, BlockFilter, BlockState, Source, Store, StoreError};
 
 /// Durations of the monitor, in milliseconds.
 #[derive(Debug, Clone, Copy)]
@@ -57,9 +57,10 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
                 continue;
             }
         };
-        if store.find_block(&entry.network, &cidr)?.is_none()
-            && let AddOutcome::Added(_) = store.add_cidr_block(&entry.network, &cidr)?
-        {
+        if store.find_block(&entry.network, &cidr)?.is_some() {
+            continue;
+        }
+        if was_added(store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms()))? {
             log::info(
                 "monitor",
                 "Watcher adding new ready podCIDR to local DB",
@@ -90,6 +91,25 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
     Ok(synced)
 }
 
+/// A granted block the store refuses (it overlaps a block of the node's
+/// address space, or is too large) is skipped and reported; the rest of
+/// the status is still synced.
+/// Whether a block was added.
+fn was_added(outcome: Result<AddOutcome, StoreError>) -> Result<bool, StoreError> {
+    match outcome {
+        Ok(outcome) => Ok(matches!(outcome, AddOutcome::Added(_))),
+        Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
+            log::warn(
+                "monitor",
+                "refusing a podCIDR from the cluster",
+                &[("error", &err)],
+            );
+            Ok(false)
+        }
+        Err(err) => Err(err),
+    }
+}
+
 /// Adds a Node's `spec.podCIDRs` as blocks of `network`. Returns whether a
 /// block was added.
 pub fn sync_node_cidrs(
@@ -110,7 +130,7 @@ pub fn sync_node_cidrs(
                 continue;
             }
         };
-        if let AddOutcome::Added(_) = store.add_cidr_block(network, &cidr)? {
+        if was_added(store.add_granted_block(Source::Node, network, &cidr, log::now_ms()))? {
             log::info(
                 "monitor",
                 "added node podCIDR",

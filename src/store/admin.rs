@@ -126,7 +126,8 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Returns the oldest Draining block of network+family to Ready.
+    /// Returns the oldest Draining block of network+family to Ready (never
+    /// one Metis retired or quarantined).
     pub fn undrain_one(
         &mut self,
         network: &str,
@@ -139,7 +140,9 @@ impl Store {
         let id: Option<i64> = tx
             .prepare_cached(
                 "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
-                 AND state = 'Draining' ORDER BY id LIMIT 1",
+                 AND state = 'Draining' AND id NOT IN \
+                   (SELECT block_id FROM metis_blocks WHERE retired = 1 OR quarantine IS NOT NULL) \
+                 ORDER BY id LIMIT 1",
             )?
             .query_row(params![network, family.as_str()], |r| r.get(0))
             .optional()?;
@@ -173,7 +176,8 @@ impl Store {
             &tx,
             &format!(
                 "SELECT {BLOCK_COLUMNS} FROM cidr_blocks b WHERE b.network = ?1 AND b.ip_family = ?2 \
-                 AND b.state = 'Draining' AND b.updated_at + ?3 <= ?4 ORDER BY b.id"
+                 AND b.state = 'Draining' AND b.updated_at + ?3 <= ?4 \
+                 AND b.id NOT IN (SELECT block_id FROM metis_blocks WHERE retired = 1) ORDER BY b.id"
             ),
             &[
                 Value::Text(network.to_string()),
@@ -235,8 +239,7 @@ impl Store {
             .prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1 AND state = 'Deleting'")?
             .execute([id])?;
         if n > 0 {
-            tx.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-                .execute([super::alloc::frontier_key(id)])?;
+            super::layout::forget_block(&tx, id)?;
         }
         tx.commit()?;
         Ok(n > 0)

@@ -19,7 +19,7 @@ const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Inserts the rows at `offsets` of a block, reserving those in `reserved`;
 /// bumps the block's counter by the number reserved. Returns rows inserted.
-fn insert_rows(
+pub(super) fn insert_rows(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
@@ -165,9 +165,11 @@ const HELD_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr FROM ip_addresses a
        AND b.network = ?3 AND (?4 IS NULL OR b.ip_family = ?4) \
      ORDER BY b.ip_family, a.id";
 
-/// Ready blocks of network ?1 and family ?2 with room, oldest first.
+/// Ready, unquarantined blocks of network ?1 and family ?2 with room,
+/// oldest first.
 const CANDIDATES_SQL: &str = "SELECT id, cidr FROM cidr_blocks \
      WHERE network = ?1 AND ip_family = ?2 AND state = 'Ready' AND total_ips > allocated_ips \
+       AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) \
      ORDER BY id";
 
 const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2";
@@ -307,44 +309,54 @@ fn highest_offset(
     Ok(highest)
 }
 
+/// Inserts a Ready block and its first rows (every IPv4 address, the
+/// first batch of IPv6), reserving what the mode reserves. Returns its id.
+pub(super) fn insert_block(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<i64, StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
+         VALUES (?1, ?2, ?3, ?4, 0, 'Ready')",
+    )?
+    .execute(params![
+        cidr.to_string(),
+        network,
+        cidr.family().as_str(),
+        total_ips(cidr)
+    ])?;
+    let id = conn.last_insert_rowid();
+    let first = mode == ReserveMode::FirstBlock
+        && cidr.family() == Family::V4
+        && is_first_v4(conn, network, id)?;
+    let reserved = reserved_offsets(cidr, mode, first);
+    let end = match cidr.family() {
+        Family::V4 => cidr.size(),
+        Family::V6 => cidr.size().min(IPV6_BATCH),
+    };
+    insert_rows(conn, id, cidr, 0..end, &reserved)?;
+    if cidr.family() == Family::V6 {
+        set_setting(conn, &frontier_key(id), &end.to_string())?;
+    }
+    Ok(id)
+}
+
 impl Store {
     /// Adds a block (Ready, its rows populated: every IPv4 address, the
     /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
+    /// A prefix overlapping another block of the node's address space is
+    /// refused ([`StoreError::Overlap`]).
     pub fn add_cidr_block(&mut self, network: &str, cidr: &Cidr) -> Result<AddOutcome, StoreError> {
         super::check_block_size(cidr)?;
         let mode = self.reserve;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let text = cidr.to_string();
-        if let Some(id) = find_block(&tx, network, &text)? {
-            return Ok(AddOutcome::Exists(id));
-        }
-        tx.prepare_cached(
-            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
-             VALUES (?1, ?2, ?3, ?4, 0, 'Ready')",
-        )?
-        .execute(params![
-            text,
-            network,
-            cidr.family().as_str(),
-            total_ips(cidr)
-        ])?;
-        let id = tx.last_insert_rowid();
-        let first = mode == ReserveMode::FirstBlock
-            && cidr.family() == Family::V4
-            && is_first_v4(&tx, network, id)?;
-        let reserved = reserved_offsets(cidr, mode, first);
-        let end = match cidr.family() {
-            Family::V4 => cidr.size(),
-            Family::V6 => cidr.size().min(IPV6_BATCH),
-        };
-        insert_rows(&tx, id, cidr, 0..end, &reserved)?;
-        if cidr.family() == Family::V6 {
-            set_setting(&tx, &frontier_key(id), &end.to_string())?;
-        }
+        let outcome = super::layout::add_block(&tx, mode, network, cidr, None, 0)?;
         tx.commit()?;
-        Ok(AddOutcome::Added(id))
+        Ok(outcome)
     }
 
     /// The id of the block (cidr, network), if any.
@@ -449,6 +461,11 @@ impl Store {
         };
         if state != "Ready" {
             return Err(unavailable(format!("block {cidr} is {state}")));
+        }
+        if is_quarantined(&tx, block_id)? {
+            return Err(unavailable(format!(
+                "block {cidr} is quarantined (see `metis admin check`)"
+            )));
         }
         let offset = cidr.offset_of(address).unwrap_or(0);
         let reserved = block_reserved(&tx, mode, block_id, owner.network, &cidr)?;
@@ -591,6 +608,14 @@ struct RowState {
     container_id: String,
     interface_name: String,
     release_at: Option<i64>,
+}
+
+fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM metis_blocks WHERE block_id = ?1 AND quarantine IS NOT NULL)",
+        )?
+        .query_row([block_id], |r| r.get(0))?)
 }
 
 fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64>, StoreError> {

@@ -5,7 +5,7 @@
 //! with the reservation mode. Used by `metis admin check` on any database
 //! file and by the daemon before it serves.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use rusqlite::{Connection, OpenFlags};
@@ -33,6 +33,12 @@ pub struct Report {
     pub problems: Vec<String>,
     pub blocks: u64,
     pub allocations: u64,
+    /// Blocks a problem was found in (id → the problem): what the daemon
+    /// quarantines instead of refusing to start.
+    pub suspects: BTreeMap<i64, String>,
+    /// SQLite's own check failed or upstream's tables are missing: nothing
+    /// read from the file can be trusted, so nothing can be isolated.
+    pub damaged: bool,
 }
 
 impl Report {
@@ -90,6 +96,7 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
                 .map(|line| format!("sqlite {pragma}: {line}")),
         );
         // Nothing read from a damaged file can be trusted.
+        report.damaged = true;
         return Ok(report);
     }
     let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -110,6 +117,7 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
         report
             .problems
             .push(format!("schema: missing tables {}", missing.join(", ")));
+        report.damaged = true;
         return Ok(report);
     }
     let mode = match tables.iter().any(|t| t == "metis_settings") {
@@ -118,10 +126,14 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
             .unwrap_or_default(),
         false => ReserveMode::default(),
     };
+    let has = |name: &str| tables.iter().any(|t| t == name);
     let blocks = check_blocks(conn, mode, &mut report)?;
     check_counters(conn, &mut report)?;
-    check_owners(conn, &mut report)?;
+    check_owners(conn, has("metis_settings"), &mut report)?;
     check_rows(conn, mode, &blocks, &mut report)?;
+    if has("metis_blocks") {
+        list_quarantined(conn, &mut report)?;
+    }
     Ok(report)
 }
 
@@ -154,7 +166,10 @@ fn check_blocks(
         let total: i64 = row.get(4)?;
         let allocated: i64 = row.get(5)?;
         let state_text: String = row.get(6)?;
-        let mut fail = |what: String| report.problems.push(format!("block {id}: {what}"));
+        let mut fail = |what: String| {
+            report.problems.push(format!("block {id}: {what}"));
+            report.suspects.entry(id).or_insert(what);
+        };
         let parsed = (
             parse_cidr(&cidr_text),
             parse_family(&family_text),
@@ -229,9 +244,14 @@ pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64
     Ok(out)
 }
 
-/// No address held by two pods of a network; no owner holding two
-/// addresses of one family in a network.
-fn check_owners(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
+/// No address held twice on the node (networks that are isolated are each
+/// an address space of their own); no owner holding two addresses of one
+/// family in a network.
+fn check_owners(
+    conn: &Connection,
+    has_settings: bool,
+    report: &mut Report,
+) -> Result<(), StoreError> {
     let listed = |sql: &str| -> Result<Vec<(String, String, i64)>, StoreError> {
         let mut stmt = conn.prepare(sql)?;
         let rows = stmt
@@ -240,13 +260,42 @@ fn check_owners(conn: &Connection, report: &mut Report) -> Result<(), StoreError
         Ok(rows)
     };
     const POD_ROW: &str = "a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''";
-    let shared = listed(&format!(
-        "SELECT b.network, a.address, COUNT(*) FROM ip_addresses a \
+    // An isolated network's space is its name; every other network shares ''.
+    let space = if has_settings {
+        "CASE WHEN EXISTS (SELECT 1 FROM metis_settings s WHERE s.key = 'isolated/' || b.network \
+         AND s.value = '1') THEN b.network ELSE '' END"
+    } else {
+        "''"
+    };
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {space} AS space, a.address, COUNT(*), group_concat(DISTINCT b.network), \
+                group_concat(b.id) FROM ip_addresses a \
          JOIN cidr_blocks b ON b.id = a.cidr_block_id WHERE {POD_ROW} \
-         GROUP BY b.network, a.address HAVING COUNT(*) > 1 ORDER BY b.network, a.address"
+         GROUP BY space, a.address HAVING COUNT(*) > 1 ORDER BY space, a.address"
     ))?;
-    push_limited(report, shared, |(network, address, n)| {
-        format!("network {network:?}: address {address} is allocated {n} times")
+    let shared = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, String>(4)?,
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    for (address, _, networks, ids) in &shared {
+        for id in ids.split(',').filter_map(|id| id.parse::<i64>().ok()) {
+            report.suspects.entry(id).or_insert_with(|| {
+                format!("address {address} is held twice (networks {networks})")
+            });
+        }
+    }
+    push_limited(report, shared, |(address, n, networks, _)| {
+        let networks: Vec<String> = networks.split(',').map(|n| format!("{n:?}")).collect();
+        format!(
+            "network {}: address {address} is allocated {n} times",
+            networks.join(", ")
+        )
     });
     let doubled = listed(&format!(
         "SELECT b.network, a.container_id || ' ' || COALESCE(a.interface_name, '') || ' ' || b.ip_family, \
@@ -306,6 +355,10 @@ fn check_rows(
                 "address row {id}: {address} is outside its block {} (network {:?})",
                 block.cidr, block.network
             ));
+            report
+                .suspects
+                .entry(block_id)
+                .or_insert_with(|| format!("row {address} lies outside the prefix"));
             continue;
         };
         let Some(reserved) = &block.reserved else {
@@ -327,6 +380,21 @@ fn check_rows(
             _ => {}
         }
     }
+    push_limited(report, found, |line| line);
+    Ok(())
+}
+
+/// Quarantined blocks are problems an operator must look at.
+fn list_quarantined(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
+    let found: Vec<String> = super::layout::quarantined(conn)?
+        .into_iter()
+        .map(|(id, cidr, network, why)| {
+            format!(
+                "block {id} ({cidr}, network {network:?}) is quarantined: {why}; nothing new is \
+                 allocated from it until the problem is gone and the daemon restarts"
+            )
+        })
+        .collect();
     push_limited(report, found, |line| line);
     Ok(())
 }

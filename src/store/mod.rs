@@ -11,6 +11,7 @@ mod alloc;
 mod boot;
 mod check;
 mod gc;
+mod layout;
 mod reserve;
 mod schema;
 mod stats;
@@ -31,6 +32,7 @@ use crate::cidr::{Cidr, CidrError, Family};
 
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
+pub use layout::{Isolation, LayoutChanges, Source};
 pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
@@ -229,6 +231,17 @@ pub enum StoreError {
     EmptyOwner,
     /// A row whose content does not parse.
     Corrupt(String),
+    /// A block would share addresses with another block: of the same
+    /// network, or of another network when neither is isolated.
+    Overlap {
+        cidr: Cidr,
+        network: String,
+        other_cidr: String,
+        other_network: String,
+        /// The other block is of another network (`ipam.isolated` would
+        /// allow it).
+        isolation_helps: bool,
+    },
 }
 
 /// Every IPv4 address of a block gets a row, so a block's size is bounded:
@@ -314,6 +327,31 @@ impl fmt::Display for StoreError {
                 f.write_str("store: container_id and interface_name must not be empty")
             }
             StoreError::Corrupt(what) => write!(f, "store: corrupt database content: {what}"),
+            StoreError::Overlap {
+                cidr,
+                network,
+                other_cidr,
+                other_network,
+                isolation_helps: true,
+            } => write!(
+                f,
+                "store: {cidr} of network {network:?} overlaps block {other_cidr} of network \
+                 {other_network:?}, and one address must have one owner on a node. If this \
+                 network replaces {other_network:?} (as after an upgrade from upstream Metis, \
+                 which keeps every pod under network \"default\"), set \"ipam\": {{\"network\": \
+                 {other_network:?}}}; if the two networks' pods can never reach each other \
+                 (separate VRFs or links), set \"ipam\": {{\"isolated\": true}}"
+            ),
+            StoreError::Overlap {
+                cidr,
+                network,
+                other_cidr,
+                ..
+            } => write!(
+                f,
+                "store: {cidr} of network {network:?} overlaps block {other_cidr} that the \
+                 cluster granted to the same network; use a range that does not overlap it"
+            ),
         }
     }
 }
@@ -509,17 +547,19 @@ impl Store {
             tx.execute_batch(SCHEMA)?;
             tx.commit()?;
         }
-        let has_settings: bool = self.conn.query_row(
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_settings')",
-            [],
-            |r| r.get(0),
-        )?;
-        if !has_settings {
-            let tx = self
-                .conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)?;
-            tx.execute(schema::SETTINGS, [])?;
-            tx.commit()?;
+        for (name, create) in schema::METIS_TABLES {
+            let exists: bool = self.conn.query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+                [name],
+                |r| r.get(0),
+            )?;
+            if !exists {
+                let tx = self
+                    .conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)?;
+                tx.execute(create, [])?;
+                tx.commit()?;
+            }
         }
         Ok(())
     }

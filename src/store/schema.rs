@@ -62,6 +62,25 @@ PRAGMA user_version = 1;
 pub const SETTINGS: &str =
     "CREATE TABLE IF NOT EXISTS metis_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
 
+/// Metis's record of each block: which sources want it (comma-separated:
+/// cni, flag, node, nnc), whether Metis retired it (Draining because no
+/// source wants it any more), and why it is quarantined, if it is.
+pub const BLOCKS: &str = "CREATE TABLE IF NOT EXISTS metis_blocks (\
+     block_id INTEGER PRIMARY KEY, sources TEXT NOT NULL DEFAULT '', \
+     retired INTEGER NOT NULL DEFAULT 0, quarantine TEXT)";
+
+/// The ranges each static source (cni, flag) wants, per network.
+pub const RANGES: &str = "CREATE TABLE IF NOT EXISTS metis_ranges (\
+     source TEXT NOT NULL, network TEXT NOT NULL, cidr TEXT NOT NULL, \
+     PRIMARY KEY (source, network, cidr))";
+
+/// Metis's own tables, created on every open if missing.
+pub const METIS_TABLES: [(&str, &str); 3] = [
+    ("metis_settings", SETTINGS),
+    ("metis_blocks", BLOCKS),
+    ("metis_ranges", RANGES),
+];
+
 /// `metis_settings` key holding the reservation mode.
 pub const KEY_RESERVE_MODE: &str = "reserve_mode";
 

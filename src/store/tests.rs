@@ -143,6 +143,8 @@ fn schema_objects_are_exact() {
         ("index", "idx_ip_idempotency"),
         ("table", "cidr_blocks"),
         ("table", "ip_addresses"),
+        ("table", "metis_blocks"),
+        ("table", "metis_ranges"),
         ("table", "metis_settings"),
         ("table", "sqlite_sequence"),
         ("trigger", "update_cidr_blocks_updated_at"),
@@ -370,10 +372,14 @@ fn every_block_29_reserves_and_allocates_in_order() {
         store.find_block("other", &c("198.18.1.0/29")).unwrap(),
         None
     );
-    // Same prefix in another network is a separate block.
-    assert_eq!(
-        store.add_cidr_block("other", &c("198.18.1.0/29")).unwrap(),
-        AddOutcome::Added(2)
+    // One address, one owner on the node: the same prefix in another
+    // network is refused, naming the network that has it.
+    let refused = store
+        .add_cidr_block("other", &c("198.18.1.0/29"))
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::Overlap { other_network, .. } if other_network == "default"),
+        "{refused}"
     );
 }
 

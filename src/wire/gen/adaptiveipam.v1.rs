@@ -31,6 +31,10 @@ pub struct AllocatePodIpRequest {
     pub pod_name: ::prost::alloc::string::String,
     #[prost(string, tag = "5")]
     pub pod_namespace: ::prost::alloc::string::String,
+    /// The network is a separate address space ("ipam": {"isolated": true}):
+    /// its blocks may overlap other networks' blocks. Metis addition.
+    #[prost(bool, tag = "16")]
+    pub isolated: bool,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PodIp {

@@ -1,0 +1,1289 @@
+//! One node, one address space: where blocks come from, how they follow
+//! configuration changes, and what is isolated when a database breaks the
+//! rules.
+//!
+//! Every source of blocks declares the ranges it wants: the CNI ranges of
+//! a network (the last ADD's configuration), the daemon's `--cidr` flags,
+//! the Node's `podCIDRs` and the NodeNetworkConfig's status. The static
+//! sources (CNI, flags) are recorded in `metis_ranges`; a network's blocks
+//! are then laid out from the union of what they want:
+//!
+//! - a wanted range that strictly contains blocks of the network *grows in
+//!   place*: the oldest of them takes the new prefix and the others' rows
+//!   (holders, cooling rows) move into it, in one transaction;
+//! - a wanted range inside a wider block of the network *narrows* it: the
+//!   block takes the range and the rest of its prefix becomes retired
+//!   pieces, so no address ever has two rows in one network;
+//! - a block no source wants any more is *retired*: Draining, no new
+//!   allocations, pods keep their addresses; it is deleted once no pod
+//!   holds an address in it and its cooldowns are over; a range that comes
+//!   back takes it back.
+//!
+//! Blocks of one network never overlap, and a block never overlaps a block
+//! of another network unless one of the two is *isolated* (its addresses
+//! are a separate address space). Blocks the layout cannot trust — an
+//! address held twice, rows outside their prefix, an overlap that holds
+//! pods on both sides — are *quarantined*: nothing new is allocated from
+//! them, their pods keep their addresses and DEL works.
+//!
+//! All of this lives in Metis's own tables (`metis_blocks`, `metis_ranges`)
+//! and settings; upstream's tables keep their meaning.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rusqlite::{Connection, TransactionBehavior, params};
+
+use super::alloc::{frontier_key, insert_block, insert_rows};
+use super::reserve::block_reserved;
+use super::{
+    BlockState, ReserveMode, Store, StoreError, check_block_size, get_setting, parse_addr,
+    parse_cidr, parse_family, parse_state, set_setting, total_ips,
+};
+use crate::cidr::{Cidr, Family};
+
+/// Where a block comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Source {
+    /// The `ranges` of a network's CNI configuration.
+    Cni,
+    /// The daemon's `--cidr NETWORK=CIDR` flags.
+    Flag,
+    /// The Node's `spec.podCIDRs`.
+    Node,
+    /// The NodeNetworkConfig's `status.podCIDRs`.
+    Nnc,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Cni => "cni",
+            Source::Flag => "flag",
+            Source::Node => "node",
+            Source::Nnc => "nnc",
+        }
+    }
+
+    /// Sources whose blocks Metis lays out from recorded ranges; the others
+    /// (the cluster's) are taken as the cluster gives them.
+    fn is_static(self) -> bool {
+        matches!(self, Source::Cni | Source::Flag)
+    }
+}
+
+/// `metis_settings` key prefix (then the network) marking an isolated network.
+const KEY_ISOLATED: &str = "isolated/";
+
+/// Adaptive source names as stored in `metis_blocks.sources`.
+const ADAPTIVE_SOURCES: [&str; 2] = ["node", "nnc"];
+
+/// A non-Deleting block as the layout sees it.
+#[derive(Debug, Clone)]
+struct Placed {
+    id: i64,
+    cidr: Cidr,
+    state: BlockState,
+    /// `None`: no Metis record (written by upstream or an older Metis).
+    sources: Option<BTreeSet<String>>,
+    retired: bool,
+    quarantined: bool,
+}
+
+impl Placed {
+    fn is_adaptive(&self) -> bool {
+        self.sources
+            .as_ref()
+            .is_some_and(|s| ADAPTIVE_SOURCES.iter().any(|a| s.contains(*a)))
+    }
+}
+
+/// What a layout pass changed, for the caller to log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayoutChanges {
+    pub lines: Vec<String>,
+}
+
+/// What [`Store::isolate_problems`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Isolation {
+    /// (block id, cidr, network, why) of every quarantined block.
+    pub quarantined: Vec<(i64, String, String, String)>,
+    /// Overlapping blocks without pods that were deleted, in words.
+    pub deleted: Vec<String>,
+    /// Blocks whose `allocated_ips` was recounted.
+    pub recounted: usize,
+}
+
+impl Store {
+    /// Declares the ranges `source` wants for `network` and `family` and
+    /// brings the network's blocks in line (see the module documentation).
+    /// Reads only when nothing changed, so it can run on every ADD.
+    pub fn configure(
+        &mut self,
+        source: Source,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        isolated: bool,
+        now_ms: i64,
+    ) -> Result<LayoutChanges, StoreError> {
+        // Ranges of the other family are the caller's mistake, ignored here.
+        let ranges: Vec<Cidr> = ranges
+            .iter()
+            .filter(|range| range.family() == family)
+            .copied()
+            .collect();
+        for range in &ranges {
+            check_block_size(range)?;
+        }
+        if self.configured_as(source, network, family, &ranges, isolated, now_ms)? {
+            return Ok(LayoutChanges::default());
+        }
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        set_isolated(&tx, network, isolated)?;
+        replace_wanted(&tx, source, network, family, &ranges)?;
+        let changes = relayout(&tx, mode, network, family, now_ms)?;
+        tx.commit()?;
+        Ok(changes)
+    }
+
+    /// Declares every range of `source` at once (the daemon's `--cidr`
+    /// flags at start): networks the source no longer names lose its blocks.
+    pub fn configure_all(
+        &mut self,
+        source: Source,
+        ranges: &[(String, Cidr)],
+        now_ms: i64,
+    ) -> Result<LayoutChanges, StoreError> {
+        let mut wanted: BTreeMap<(String, Family), Vec<Cidr>> = BTreeMap::new();
+        for (network, family) in wanted_networks(&self.conn, source)? {
+            wanted.entry((network, family)).or_default();
+        }
+        for (network, cidr) in ranges {
+            wanted
+                .entry((network.clone(), cidr.family()))
+                .or_default()
+                .push(*cidr);
+        }
+        let mut all = LayoutChanges::default();
+        for ((network, family), cidrs) in wanted {
+            let isolated = is_isolated(&self.conn, &network)?;
+            let changes = self.configure(source, &network, family, &cidrs, isolated, now_ms)?;
+            all.lines.extend(changes.lines);
+        }
+        Ok(all)
+    }
+
+    /// Adds a block the cluster granted (`source` Node or NNC). An existing
+    /// block of that prefix is adopted; a prefix overlapping another block
+    /// is refused with [`StoreError::Overlap`].
+    pub fn add_granted_block(
+        &mut self,
+        source: Source,
+        network: &str,
+        cidr: &Cidr,
+        now_ms: i64,
+    ) -> Result<super::AddOutcome, StoreError> {
+        check_block_size(cidr)?;
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let outcome = add_block(&tx, mode, network, cidr, Some(source), now_ms)?;
+        tx.commit()?;
+        Ok(outcome)
+    }
+
+    /// Whether an address of this network may be one another network also
+    /// hands out (the network opted in to a separate address space).
+    pub fn is_isolated(&self, network: &str) -> Result<bool, StoreError> {
+        is_isolated(&self.conn, network)
+    }
+
+    /// Quarantined blocks: (id, cidr, network, why). None in a database
+    /// Metis never wrote to (opened read-only, without Metis's tables).
+    pub fn quarantined(&self) -> Result<Vec<(i64, String, String, String)>, StoreError> {
+        let recorded: bool = self.conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_blocks')",
+            [],
+            |r| r.get(0),
+        )?;
+        if !recorded {
+            return Ok(Vec::new());
+        }
+        quarantined(&self.conn)
+    }
+
+    /// Fail safe instead of fail stop, run by the daemon at start and by
+    /// `admin check`'s caller: recounts wrong counters, deletes the pod-less
+    /// side of overlapping blocks, and quarantines every block it cannot
+    /// trust (`suspects` from a check, and overlaps with pods on both
+    /// sides). Quarantine is recomputed from scratch each time, so a block
+    /// whose problem is gone is served again.
+    pub fn isolate_problems(
+        &mut self,
+        suspects: &BTreeMap<i64, String>,
+        now_ms: i64,
+    ) -> Result<Isolation, StoreError> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut isolation = Isolation {
+            recounted: recount(&tx)?,
+            ..Isolation::default()
+        };
+        tx.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
+        let mut marks = suspects.clone();
+        resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
+        for (id, why) in &marks {
+            ensure_record(&tx, *id)?;
+            tx.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
+                .execute(params![id, why])?;
+        }
+        isolation.quarantined = quarantined(&tx)?;
+        tx.commit()?;
+        Ok(isolation)
+    }
+}
+
+impl Store {
+    /// The fast path of [`Store::configure`]: the recorded ranges, the
+    /// isolation and the blocks already match, and no retired block of
+    /// the network is ready to be deleted.
+    fn configured_as(
+        &self,
+        source: Source,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        isolated: bool,
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let conn = &self.conn;
+        let recorded: BTreeSet<String> = wanted(conn, Some(source), network, family)?
+            .into_iter()
+            .map(|(cidr, _)| cidr.to_string())
+            .collect();
+        if recorded != ranges.iter().map(Cidr::to_string).collect::<BTreeSet<_>>()
+            || is_isolated(conn, network)? != isolated
+        {
+            return Ok(false);
+        }
+        let blocks = placed(conn, network, family)?;
+        let served = |range: &Cidr| {
+            blocks.iter().any(|b| {
+                !b.retired && !b.quarantined && (b.cidr == *range || contains(&b.cidr, range))
+            })
+        };
+        if !ranges.iter().all(served) {
+            return Ok(false);
+        }
+        Ok(sweepable(conn, network, family, now_ms)?.is_empty())
+    }
+}
+
+/// Lays out the blocks of one network and family from every static
+/// source's wanted ranges, then retires what no source wants and deletes
+/// retired blocks that are empty.
+fn relayout(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    family: Family,
+    now_ms: i64,
+) -> Result<LayoutChanges, StoreError> {
+    let mut changes = LayoutChanges::default();
+    let wanted = wanted(conn, None, network, family)?;
+    let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
+    for target in maximal(&cidrs) {
+        let blocks = placed(conn, network, family)?;
+        if let Some(q) = blocks
+            .iter()
+            .find(|b| b.quarantined && b.cidr.overlaps(&target))
+        {
+            changes.lines.push(format!(
+                "range {target} of network {network:?} overlaps quarantined block {}; not served until `metis admin check` passes",
+                q.cidr
+            ));
+            continue;
+        }
+        let overlapping: Vec<&Placed> =
+            blocks.iter().filter(|b| b.cidr.overlaps(&target)).collect();
+        if overlapping.iter().any(|b| b.cidr == target) {
+            continue;
+        }
+        if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, &target)) {
+            if !wider.is_adaptive() {
+                narrow(conn, mode, network, wider, &target)?;
+                changes.lines.push(format!(
+                    "narrowed block {} of network {network:?} to {target}; the rest drains",
+                    wider.cidr
+                ));
+            }
+            continue;
+        }
+        if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
+            return Err(StoreError::Overlap {
+                cidr: target,
+                network: network.to_string(),
+                other_cidr: granted.cidr.to_string(),
+                other_network: network.to_string(),
+                isolation_helps: false,
+            });
+        }
+        check_other_networks(conn, network, &target)?;
+        if overlapping.is_empty() {
+            let id = insert_block(conn, mode, network, &target)?;
+            ensure_record(conn, id)?;
+            changes
+                .lines
+                .push(format!("added block {target} to network {network:?}"));
+        } else {
+            let inner: Vec<Placed> = overlapping.into_iter().cloned().collect();
+            grow(conn, mode, network, &inner, &target)?;
+            changes.lines.push(format!(
+                "grew {} block(s) of network {network:?} into {target} in place",
+                inner.len()
+            ));
+        }
+    }
+    record_sources(conn, network, family, &wanted, now_ms, &mut changes)?;
+    for (id, cidr) in sweepable(conn, network, family, now_ms)? {
+        delete_block(conn, id)?;
+        changes.lines.push(format!(
+            "deleted retired block {cidr} of network {network:?}: no pod holds an address in it"
+        ));
+    }
+    Ok(changes)
+}
+
+/// Writes which static sources want each block (adaptive sources are
+/// kept), retires blocks no one wants and takes back retired blocks that
+/// are wanted again. Blocks without a Metis record that nothing wants are
+/// left as they are: their origin is unknown.
+fn record_sources(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+    wanted: &[(Cidr, String)],
+    now_ms: i64,
+    changes: &mut LayoutChanges,
+) -> Result<(), StoreError> {
+    for block in placed(conn, network, family)? {
+        let mut sources: BTreeSet<String> = wanted
+            .iter()
+            .filter(|(cidr, _)| cidr.overlaps(&block.cidr))
+            .map(|(_, source)| source.clone())
+            .collect();
+        let Some(previous) = &block.sources else {
+            if !sources.is_empty() {
+                ensure_record(conn, block.id)?;
+                write_sources(conn, block.id, &sources)?;
+            }
+            continue;
+        };
+        sources.extend(
+            previous
+                .iter()
+                .filter(|s| ADAPTIVE_SOURCES.contains(&s.as_str()))
+                .cloned(),
+        );
+        if &sources != previous {
+            write_sources(conn, block.id, &sources)?;
+        }
+        if block.quarantined {
+            continue;
+        }
+        if sources.is_empty() && block.state == BlockState::Ready {
+            set_retired(conn, block.id, true, now_ms)?;
+            changes.lines.push(format!(
+                "retired block {} of network {network:?}: no longer configured; its pods keep their addresses",
+                block.cidr
+            ));
+        } else if !sources.is_empty() && block.retired {
+            set_retired(conn, block.id, false, now_ms)?;
+            changes.lines.push(format!(
+                "block {} of network {network:?} is configured again",
+                block.cidr
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Adds one block (the `--cidr`-less primitive behind
+/// [`Store::add_cidr_block`] and [`Store::add_granted_block`]).
+pub(super) fn add_block(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    cidr: &Cidr,
+    source: Option<Source>,
+    now_ms: i64,
+) -> Result<super::AddOutcome, StoreError> {
+    let blocks = placed(conn, network, cidr.family())?;
+    if let Some(same) = blocks.iter().find(|b| b.cidr == *cidr) {
+        if let Some(source) = source {
+            ensure_record(conn, same.id)?;
+            let mut sources = same.sources.clone().unwrap_or_default();
+            if sources.insert(source.as_str().to_string()) {
+                write_sources(conn, same.id, &sources)?;
+            }
+            if same.retired {
+                set_retired(conn, same.id, false, now_ms)?;
+            }
+        }
+        return Ok(super::AddOutcome::Exists(same.id));
+    }
+    if let Some(other) = blocks.iter().find(|b| b.cidr.overlaps(cidr)) {
+        return Err(StoreError::Overlap {
+            cidr: *cidr,
+            network: network.to_string(),
+            other_cidr: other.cidr.to_string(),
+            other_network: network.to_string(),
+            isolation_helps: false,
+        });
+    }
+    check_other_networks(conn, network, cidr)?;
+    let id = insert_block(conn, mode, network, cidr)?;
+    if let Some(source) = source {
+        ensure_record(conn, id)?;
+        write_sources(conn, id, &BTreeSet::from([source.as_str().to_string()]))?;
+    }
+    Ok(super::AddOutcome::Added(id))
+}
+
+/// Refuses a prefix that overlaps a block of another network, unless one
+/// of the two networks is isolated.
+fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result<(), StoreError> {
+    if is_isolated(conn, network)? {
+        return Ok(());
+    }
+    let mut stmt = conn.prepare_cached(
+        "SELECT cidr, network FROM cidr_blocks \
+         WHERE network != ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![network, cidr.family().as_str()])?;
+    while let Some(row) = rows.next()? {
+        let other_cidr: String = row.get(0)?;
+        let other_network: String = row.get(1)?;
+        let Ok(other) = other_cidr.parse::<Cidr>() else {
+            continue;
+        };
+        if other.overlaps(cidr) && !is_isolated(conn, &other_network)? {
+            return Err(StoreError::Overlap {
+                cidr: *cidr,
+                network: network.to_string(),
+                other_cidr,
+                other_network,
+                isolation_helps: true,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Grows `inner` (blocks of the network strictly inside `target`) into one
+/// block of prefix `target`: the oldest keeps its id and takes the prefix,
+/// the others' rows move into it, then missing rows are added and
+/// reservations and counters settled.
+fn grow(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    inner: &[Placed],
+    target: &Cidr,
+) -> Result<(), StoreError> {
+    let Some(keep) = inner.iter().min_by_key(|b| b.id) else {
+        return Ok(());
+    };
+    let ready = inner
+        .iter()
+        .any(|b| b.state == BlockState::Ready && !b.retired);
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4 WHERE id = ?1",
+    )?
+    .execute(params![
+        keep.id,
+        target.to_string(),
+        total_ips(target),
+        if ready { "Ready" } else { keep.state.as_str() }
+    ])?;
+    for other in inner.iter().filter(|b| b.id != keep.id) {
+        conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE cidr_block_id = ?1")?
+            .execute(params![other.id, keep.id])?;
+        delete_block(conn, other.id)?;
+    }
+    if ready {
+        ensure_record(conn, keep.id)?;
+        conn.prepare_cached("UPDATE metis_blocks SET retired = 0 WHERE block_id = ?1")?
+            .execute([keep.id])?;
+    }
+    settle(conn, mode, keep.id, network, target, true)
+}
+
+/// Narrows `wider` to `target` (inside it): rows outside `target` move to
+/// retired pieces covering the rest of the old prefix.
+fn narrow(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    wider: &Placed,
+    target: &Cidr,
+) -> Result<(), StoreError> {
+    let pieces = subtract(&wider.cidr, target);
+    conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
+        .execute(params![wider.id, target.to_string(), total_ips(target)])?;
+    let mut piece_ids = Vec::with_capacity(pieces.len());
+    for piece in &pieces {
+        conn.prepare_cached(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state, created_at) \
+             SELECT ?2, network, ip_family, ?3, 0, 'Draining', created_at FROM cidr_blocks WHERE id = ?1",
+        )?
+        .execute(params![wider.id, piece.to_string(), total_ips(piece)])?;
+        let id = conn.last_insert_rowid();
+        ensure_record(conn, id)?;
+        conn.prepare_cached("UPDATE metis_blocks SET retired = 1 WHERE block_id = ?1")?
+            .execute([id])?;
+        // Pieces only drain: never populate them further.
+        if piece.family() == Family::V6 {
+            set_setting(conn, &frontier_key(id), &piece.size().to_string())?;
+        }
+        piece_ids.push((id, *piece));
+    }
+    let rows: Vec<(i64, String)> = conn
+        .prepare_cached("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1")?
+        .query_map([wider.id], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    let mut move_row =
+        conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE id = ?1")?;
+    for (row_id, text) in rows {
+        let address = parse_addr(&text)?;
+        if target.contains(address) {
+            continue;
+        }
+        if let Some((piece_id, _)) = piece_ids.iter().find(|(_, p)| p.contains(address)) {
+            move_row.execute(params![row_id, piece_id])?;
+        }
+    }
+    settle(conn, mode, wider.id, network, target, false)?;
+    for (id, piece) in &piece_ids {
+        settle(conn, mode, *id, network, piece, false)?;
+    }
+    Ok(())
+}
+
+/// Brings a reshaped block's rows in line: every IPv4 address has a row
+/// (when `populate`), positions it reserves are reserved unless a pod holds
+/// them, reserved rows elsewhere are freed, and the counters are recounted.
+fn settle(
+    conn: &Connection,
+    mode: ReserveMode,
+    id: i64,
+    network: &str,
+    cidr: &Cidr,
+    populate: bool,
+) -> Result<(), StoreError> {
+    let reserved = block_reserved(conn, mode, id, network, cidr)?;
+    if populate {
+        match cidr.family() {
+            Family::V4 => {
+                insert_rows(conn, id, cidr, 0..cidr.size(), &reserved)?;
+            }
+            // Growth continues lazily from the start; existing rows are
+            // skipped by the insert.
+            Family::V6 => set_setting(conn, &frontier_key(id), "0")?,
+        }
+    }
+    let mut reserved_addresses = BTreeSet::new();
+    for offset in &reserved {
+        if let Some(address) = cidr.nth(*offset) {
+            reserved_addresses.insert(address.to_string());
+            conn.prepare_cached(
+                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
+                 pod_name = NULL, pod_namespace = NULL, release_at = NULL \
+                 WHERE cidr_block_id = ?1 AND address = ?2 AND is_allocated = FALSE",
+            )?
+            .execute(params![id, address.to_string()])?;
+        }
+    }
+    let held_by_no_one: Vec<(i64, String)> = conn
+        .prepare_cached(
+            "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 \
+             AND is_allocated = 1 AND COALESCE(container_id, '') = ''",
+        )?
+        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    for (row_id, address) in held_by_no_one {
+        if !reserved_addresses.contains(&address) {
+            conn.prepare_cached(
+                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL WHERE id = ?1",
+            )?
+            .execute([row_id])?;
+        }
+    }
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET allocated_ips = \
+         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1) \
+         WHERE id = ?1",
+    )?
+    .execute([id])?;
+    Ok(())
+}
+
+/// Retired blocks of the network that may go: no pod holds an address in
+/// them and no address is still cooling down.
+fn sweepable(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+    now_ms: i64,
+) -> Result<Vec<(i64, String)>, StoreError> {
+    let retired: Vec<(i64, String)> = conn
+        .prepare_cached(
+            "SELECT b.id, b.cidr FROM cidr_blocks b JOIN metis_blocks m ON m.block_id = b.id \
+             WHERE b.network = ?1 AND b.ip_family = ?2 AND m.retired = 1 \
+               AND m.quarantine IS NULL AND b.state = 'Draining' ORDER BY b.id",
+        )?
+        .query_map(params![network, family.as_str()], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for (id, cidr) in retired {
+        let busy: bool = conn
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
+                 AND ((is_allocated = 1 AND COALESCE(container_id, '') != '') \
+                      OR (is_allocated = FALSE AND release_at > ?2)))",
+            )?
+            .query_row(params![id, now_ms], |r| r.get(0))?;
+        if !busy {
+            out.push((id, cidr));
+        }
+    }
+    Ok(out)
+}
+
+/// Deletes a block, its rows and Metis's records of it.
+fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
+        .execute([id])?;
+    conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
+        .execute([id])?;
+    forget_block(conn, id)
+}
+
+/// Drops Metis's records of a deleted block.
+pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
+        .execute([id])?;
+    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+        .execute([frontier_key(id)])?;
+    Ok(())
+}
+
+fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result<(), StoreError> {
+    ensure_record(conn, id)?;
+    conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
+        .execute(params![id, retired])?;
+    conn.prepare_cached("UPDATE cidr_blocks SET state = ?2, updated_at = ?3 WHERE id = ?1")?
+        .execute(params![
+            id,
+            if retired { "Draining" } else { "Ready" },
+            now_ms
+        ])?;
+    Ok(())
+}
+
+fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("INSERT OR IGNORE INTO metis_blocks (block_id) VALUES (?1)")?
+        .execute([id])?;
+    Ok(())
+}
+
+fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<String>) -> Result<(), StoreError> {
+    let text = sources.iter().cloned().collect::<Vec<_>>().join(",");
+    conn.prepare_cached("UPDATE metis_blocks SET sources = ?2 WHERE block_id = ?1")?
+        .execute(params![id, text])?;
+    Ok(())
+}
+
+/// Non-Deleting blocks of a network and family, oldest first.
+fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, b.cidr, b.state, m.block_id IS NOT NULL, COALESCE(m.sources, ''), \
+                COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
+         FROM cidr_blocks b LEFT JOIN metis_blocks m ON m.block_id = b.id \
+         WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' ORDER BY b.id",
+    )?;
+    let mut rows = stmt.query(params![network, family.as_str()])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let recorded: bool = row.get(3)?;
+        let sources: String = row.get(4)?;
+        out.push(Placed {
+            id: row.get(0)?,
+            cidr: parse_cidr(&row.get::<_, String>(1)?)?,
+            state: parse_state(&row.get::<_, String>(2)?)?,
+            sources: recorded.then(|| {
+                sources
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            }),
+            retired: row.get(5)?,
+            quarantined: row.get(6)?,
+        });
+    }
+    Ok(out)
+}
+
+/// The ranges static sources want for a network and family (one source,
+/// or all): (range, source name).
+fn wanted(
+    conn: &Connection,
+    source: Option<Source>,
+    network: &str,
+    family: Family,
+) -> Result<Vec<(Cidr, String)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT cidr, source FROM metis_ranges WHERE network = ?1 AND (?2 IS NULL OR source = ?2) \
+         ORDER BY source, cidr",
+    )?;
+    let mut rows = stmt.query(params![network, source.map(Source::as_str)])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let cidr = parse_cidr(&row.get::<_, String>(0)?)?;
+        if cidr.family() == family {
+            out.push((cidr, row.get(1)?));
+        }
+    }
+    Ok(out)
+}
+
+/// (network, family) pairs a source has recorded ranges for.
+fn wanted_networks(
+    conn: &Connection,
+    source: Source,
+) -> Result<BTreeSet<(String, Family)>, StoreError> {
+    let mut stmt =
+        conn.prepare_cached("SELECT network, cidr FROM metis_ranges WHERE source = ?1")?;
+    let mut rows = stmt.query([source.as_str()])?;
+    let mut out = BTreeSet::new();
+    while let Some(row) = rows.next()? {
+        let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
+        out.insert((row.get(0)?, cidr.family()));
+    }
+    Ok(out)
+}
+
+fn replace_wanted(
+    conn: &Connection,
+    source: Source,
+    network: &str,
+    family: Family,
+    ranges: &[Cidr],
+) -> Result<(), StoreError> {
+    debug_assert!(source.is_static());
+    for (cidr, _) in wanted(conn, Some(source), network, family)? {
+        conn.prepare_cached(
+            "DELETE FROM metis_ranges WHERE source = ?1 AND network = ?2 AND cidr = ?3",
+        )?
+        .execute(params![source.as_str(), network, cidr.to_string()])?;
+    }
+    for cidr in ranges {
+        conn.prepare_cached(
+            "INSERT OR IGNORE INTO metis_ranges (source, network, cidr) VALUES (?1, ?2, ?3)",
+        )?
+        .execute(params![source.as_str(), network, cidr.to_string()])?;
+    }
+    Ok(())
+}
+
+fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
+    Ok(get_setting(conn, &format!("{KEY_ISOLATED}{network}"))?.as_deref() == Some("1"))
+}
+
+fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), StoreError> {
+    let key = format!("{KEY_ISOLATED}{network}");
+    if isolated {
+        set_setting(conn, &key, "1")
+    } else {
+        conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+            .execute([key])?;
+        Ok(())
+    }
+}
+
+pub(super) fn quarantined(
+    conn: &Connection,
+) -> Result<Vec<(i64, String, String, String)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
+         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
+    )?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Sets every block's `allocated_ips` to its count of allocated rows;
+/// returns how many were wrong.
+fn recount(conn: &Connection) -> Result<usize, StoreError> {
+    let wrong = super::check::counter_mismatches(conn)?;
+    for (id, _, actual) in &wrong {
+        conn.prepare_cached("UPDATE cidr_blocks SET allocated_ips = ?2 WHERE id = ?1")?
+            .execute(params![id, actual])?;
+    }
+    Ok(wrong.len())
+}
+
+/// Finds overlapping blocks that share an address space (the same network,
+/// or two networks neither of which is isolated). The side no pod uses is
+/// deleted (its addresses stay covered by the other); when both have pods,
+/// both are marked for quarantine.
+fn resolve_overlaps(
+    conn: &Connection,
+    marks: &mut BTreeMap<i64, String>,
+    deleted: &mut Vec<String>,
+    now_ms: i64,
+) -> Result<(), StoreError> {
+    struct Entry {
+        id: i64,
+        cidr: Cidr,
+        network: String,
+        isolated: bool,
+    }
+    let mut entries = Vec::new();
+    {
+        let mut stmt = conn.prepare(
+            "SELECT id, cidr, network, ip_family FROM cidr_blocks WHERE state != 'Deleting' ORDER BY id",
+        )?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let id: i64 = row.get(0)?;
+            let network: String = row.get(2)?;
+            let (Ok(cidr), Ok(_)) = (
+                parse_cidr(&row.get::<_, String>(1)?),
+                parse_family(&row.get::<_, String>(3)?),
+            ) else {
+                marks.insert(id, "its cidr or family cannot be read".to_string());
+                continue;
+            };
+            let isolated = is_isolated(conn, &network)?;
+            entries.push(Entry {
+                id,
+                cidr,
+                network,
+                isolated,
+            });
+        }
+    }
+    // Sorted by base address then widest first, overlaps are neighbours of
+    // the wider block's run.
+    entries.sort_by_key(|e| (crate::cidr::to_u128(e.cidr.base()), e.cidr.prefix_len()));
+    let mut gone = BTreeSet::new();
+    for (i, a) in entries.iter().enumerate() {
+        for b in entries.iter().skip(i + 1) {
+            if b.cidr.family() != a.cidr.family() {
+                continue;
+            }
+            if !a.cidr.overlaps(&b.cidr) {
+                break;
+            }
+            let shared = a.network == b.network || !(a.isolated || b.isolated);
+            if !shared || gone.contains(&a.id) || gone.contains(&b.id) {
+                continue;
+            }
+            let (a_used, b_used) = (in_use(conn, a.id, now_ms)?, in_use(conn, b.id, now_ms)?);
+            let pick = match (a_used, b_used) {
+                (false, _) => Some(a),
+                (true, false) => Some(b),
+                (true, true) => None,
+            };
+            match pick {
+                Some(victim) => {
+                    delete_block(conn, victim.id)?;
+                    gone.insert(victim.id);
+                    marks.remove(&victim.id);
+                    deleted.push(format!(
+                        "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
+                        victim.cidr, victim.network
+                    ));
+                }
+                None => {
+                    for (this, other) in [(a, b), (b, a)] {
+                        marks.entry(this.id).or_insert_with(|| {
+                            format!(
+                                "it overlaps block {} of network {:?} and both hold pods",
+                                other.cidr, other.network
+                            )
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether any pod holds an address in the block, or an address is cooling.
+fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
+             AND ((is_allocated = 1 AND COALESCE(container_id, '') != '') \
+                  OR (is_allocated = FALSE AND release_at > ?2)))",
+        )?
+        .query_row(params![id, now_ms], |r| r.get(0))?)
+}
+
+/// `outer` strictly contains `inner`.
+fn contains(outer: &Cidr, inner: &Cidr) -> bool {
+    outer.prefix_len() < inner.prefix_len() && outer.contains(inner.base())
+}
+
+/// The prefixes that are not contained in another of the list, deduplicated,
+/// in the list's order.
+fn maximal(cidrs: &[Cidr]) -> Vec<Cidr> {
+    let mut out: Vec<Cidr> = Vec::new();
+    for cidr in cidrs {
+        if out.contains(cidr) || cidrs.iter().any(|other| contains(other, cidr)) {
+            continue;
+        }
+        out.push(*cidr);
+    }
+    out
+}
+
+/// `outer` minus `inner` (inside it) as prefixes: one per bit between the
+/// two prefix lengths, the sibling of each half that holds `inner`.
+fn subtract(outer: &Cidr, inner: &Cidr) -> Vec<Cidr> {
+    let mut pieces = Vec::new();
+    let mut current = *outer;
+    while current.prefix_len() < inner.prefix_len() {
+        let len = current.prefix_len() + 1;
+        let half = 1u128 << (current.family().bits() - len);
+        let low = crate::cidr::to_u128(current.base());
+        let family = current.family();
+        let (Ok(lower), Ok(upper)) = (
+            Cidr::new(crate::cidr::from_u128(family, low), len),
+            Cidr::new(crate::cidr::from_u128(family, low + half), len),
+        ) else {
+            break;
+        };
+        let (keep, piece) = if lower.contains(inner.base()) {
+            (lower, upper)
+        } else {
+            (upper, lower)
+        };
+        pieces.push(piece);
+        current = keep;
+    }
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Depth, Owner};
+    use crate::testutil::{TempDir, owner};
+
+    const NOW: i64 = 1_000_000;
+    const COOLDOWN: i64 = 60_000;
+
+    fn cidr(text: &str) -> Cidr {
+        text.parse().unwrap()
+    }
+
+    fn configure(store: &mut Store, source: Source, network: &str, ranges: &[&str]) {
+        let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
+        let family = ranges.first().map_or(Family::V4, Cidr::family);
+        store
+            .configure(source, network, family, &ranges, false, NOW)
+            .unwrap();
+    }
+
+    fn take(store: &mut Store, who: &Owner) -> String {
+        store
+            .allocate(who, Family::V4, NOW)
+            .unwrap()
+            .address
+            .to_string()
+    }
+
+    fn in_network<'a>(network: &'a str, container_id: &'a str) -> Owner<'a> {
+        Owner {
+            network,
+            ..owner(container_id)
+        }
+    }
+
+    /// (cidr, state) of every block of a network.
+    fn layout(store: &Store, network: &str) -> Vec<(String, String)> {
+        placed(&store.conn, network, Family::V4)
+            .unwrap()
+            .into_iter()
+            .map(|b| (b.cidr.to_string(), b.state.as_str().to_string()))
+            .collect()
+    }
+
+    fn assert_sound(store: &Store) {
+        let report = store.verify(Depth::Full).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+    }
+
+    #[test]
+    fn a_widened_range_grows_in_place_and_pods_keep_their_addresses() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        configure(&mut store, Source::Cni, "pods", &["198.18.10.0/30"]);
+        assert_eq!(take(&mut store, &owner("a")), "198.18.10.2");
+        configure(&mut store, Source::Cni, "pods", &["198.18.10.0/29"]);
+        assert_eq!(
+            layout(&store, "pods"),
+            [("198.18.10.0/29".into(), "Ready".into())]
+        );
+        assert_eq!(
+            store.check("pods", "a", "eth0").unwrap()[0]
+                .address
+                .to_string(),
+            "198.18.10.2"
+        );
+        // The /30's broadcast is an ordinary address of the /29.
+        let next: Vec<String> = ["b", "c", "d", "e"]
+            .iter()
+            .map(|pod| take(&mut store, &owner(pod)))
+            .collect();
+        assert_eq!(
+            next,
+            ["198.18.10.3", "198.18.10.4", "198.18.10.5", "198.18.10.6"]
+        );
+        assert_sound(&store);
+        // Narrowed back: the pods outside the /30 keep theirs in a retired piece.
+        configure(&mut store, Source::Cni, "pods", &["198.18.10.0/30"]);
+        assert_eq!(
+            layout(&store, "pods"),
+            [
+                ("198.18.10.0/30".into(), "Ready".into()),
+                ("198.18.10.4/30".into(), "Draining".into())
+            ]
+        );
+        assert_eq!(
+            store.check("pods", "e", "eth0").unwrap()[0]
+                .address
+                .to_string(),
+            "198.18.10.6"
+        );
+        assert_sound(&store);
+    }
+
+    #[test]
+    fn a_flag_range_inside_a_cni_range_is_one_block() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        configure(&mut store, Source::Flag, "pods", &["198.18.11.0/29"]);
+        take(&mut store, &owner("a"));
+        configure(&mut store, Source::Cni, "pods", &["198.18.11.0/28"]);
+        assert_eq!(
+            layout(&store, "pods"),
+            [("198.18.11.0/28".into(), "Ready".into())]
+        );
+        let mut seen = BTreeSet::from(["198.18.11.2".to_string()]);
+        for pod in ["b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m"] {
+            assert!(
+                seen.insert(take(&mut store, &owner(pod))),
+                "handed out twice"
+            );
+        }
+        assert_sound(&store);
+        // The flag goes away: the CNI range still wants the block.
+        configure(&mut store, Source::Flag, "pods", &[]);
+        assert_eq!(
+            layout(&store, "pods"),
+            [("198.18.11.0/28".into(), "Ready".into())]
+        );
+    }
+
+    #[test]
+    fn another_network_over_the_same_subnet_is_refused_unless_isolated() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        configure(&mut store, Source::Cni, "default", &["198.18.12.0/24"]);
+        take(&mut store, &in_network("default", "a"));
+        let refused = store
+            .configure(
+                Source::Cni,
+                "k8s-pod-network",
+                Family::V4,
+                &[cidr("198.18.12.0/24")],
+                false,
+                NOW,
+            )
+            .unwrap_err();
+        let message = refused.to_string();
+        assert!(message.contains("network \"default\""), "{message}");
+        assert!(
+            message.contains("\"ipam\": {\"network\": \"default\"}"),
+            "{message}"
+        );
+        // Opting in to a separate address space allows it.
+        store
+            .configure(
+                Source::Cni,
+                "vrf-b",
+                Family::V4,
+                &[cidr("198.18.12.0/24")],
+                true,
+                NOW,
+            )
+            .unwrap();
+        assert_eq!(take(&mut store, &in_network("vrf-b", "x")), "198.18.12.2");
+        assert_sound(&store);
+    }
+
+    #[test]
+    fn a_moved_range_retires_the_old_block_until_its_pods_are_gone() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        configure(&mut store, Source::Cni, "pods", &["198.18.12.0/24"]);
+        assert_eq!(take(&mut store, &owner("a")), "198.18.12.2");
+        configure(&mut store, Source::Cni, "pods", &["198.18.13.0/24"]);
+        assert_eq!(take(&mut store, &owner("b")), "198.18.13.2");
+        assert_eq!(
+            layout(&store, "pods"),
+            [
+                ("198.18.12.0/24".into(), "Draining".into()),
+                ("198.18.13.0/24".into(), "Ready".into())
+            ]
+        );
+        // Exhaustion never takes a retired block back.
+        assert_eq!(store.undrain_one("pods", Family::V4, NOW).unwrap(), None);
+        store.release("pods", "a", "eth0", COOLDOWN, NOW).unwrap();
+        configure(&mut store, Source::Cni, "pods", &["198.18.13.0/24"]);
+        assert_eq!(
+            layout(&store, "pods").len(),
+            2,
+            "kept while its address cools down"
+        );
+        store
+            .configure(
+                Source::Cni,
+                "pods",
+                Family::V4,
+                &[cidr("198.18.13.0/24")],
+                false,
+                NOW + COOLDOWN,
+            )
+            .unwrap();
+        assert_eq!(
+            layout(&store, "pods"),
+            [("198.18.13.0/24".into(), "Ready".into())]
+        );
+        assert_sound(&store);
+    }
+
+    #[test]
+    fn a_range_that_comes_back_takes_its_retired_block_back() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        configure(&mut store, Source::Cni, "pods", &["198.18.12.0/24"]);
+        take(&mut store, &owner("a"));
+        configure(&mut store, Source::Cni, "pods", &["198.18.13.0/24"]);
+        configure(
+            &mut store,
+            Source::Cni,
+            "pods",
+            &["198.18.12.0/24", "198.18.13.0/24"],
+        );
+        assert_eq!(
+            layout(&store, "pods"),
+            [
+                ("198.18.12.0/24".into(), "Ready".into()),
+                ("198.18.13.0/24".into(), "Ready".into())
+            ]
+        );
+        assert_eq!(take(&mut store, &owner("b")), "198.18.12.3");
+    }
+
+    #[test]
+    fn overlapping_blocks_from_an_older_database_are_isolated_not_fatal() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        // What an older Metis wrote after a widened range: two blocks, one
+        // address held twice.
+        store.conn.execute_batch(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES \
+               ('198.18.10.0/30', 'pods', 'ipv4', 4, 3), ('198.18.10.0/29', 'pods', 'ipv4', 8, 4), \
+               ('198.18.20.0/30', 'pods', 'ipv4', 4, 3);
+             INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES \
+               ('198.18.10.0', 1, '', '', 1), ('198.18.10.1', 1, '', '', 1), ('198.18.10.2', 1, 'a', 'eth0', 1), \
+               ('198.18.10.3', 1, '', '', 1), \
+               ('198.18.10.0', 2, '', '', 1), ('198.18.10.1', 2, '', '', 1), ('198.18.10.2', 2, 'b', 'eth0', 1), \
+               ('198.18.10.7', 2, '', '', 1), ('198.18.10.3', 2, '', '', 0), \
+               ('198.18.20.0', 3, '', '', 1), ('198.18.20.3', 3, '', '', 1), ('198.18.20.1', 3, '', '', 1), \
+               ('198.18.20.2', 3, '', '', 0);",
+        ).unwrap();
+        let report = store.verify(Depth::Quick).unwrap();
+        assert!(!report.damaged);
+        let isolation = store.isolate_problems(&report.suspects, NOW).unwrap();
+        let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.0).collect();
+        assert_eq!(ids, [1, 2]);
+        assert!(isolation.recounted > 0, "the /30's counter was wrong");
+        // The healthy block still serves; the quarantined ones do not.
+        assert_eq!(take(&mut store, &owner("c")), "198.18.20.2");
+        let failure = store.allocate(&owner("d"), Family::V4, NOW).unwrap_err();
+        assert!(
+            matches!(failure, StoreError::NoAvailableIps { .. }),
+            "{failure}"
+        );
+        // Pod b leaves: the overlap no longer holds pods on both sides, so
+        // the next start deletes the pod-less block and lifts the quarantine.
+        store.release("pods", "b", "eth0", 0, NOW).unwrap();
+        let report = store.verify(Depth::Quick).unwrap();
+        let isolation = store.isolate_problems(&report.suspects, NOW).unwrap();
+        assert!(isolation.quarantined.is_empty(), "{isolation:?}");
+        assert_eq!(isolation.deleted.len(), 1, "{isolation:?}");
+        assert_eq!(
+            store.check("pods", "a", "eth0").unwrap()[0]
+                .address
+                .to_string(),
+            "198.18.10.2"
+        );
+    }
+
+    #[test]
+    fn subtract_leaves_one_piece_per_bit() {
+        let pieces: Vec<String> = subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.64/26"))
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
+        assert_eq!(pieces, ["198.18.0.128/25", "198.18.0.0/26"]);
+        assert!(subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.0/24")).is_empty());
+        let v6: Vec<String> = subtract(&cidr("2001:db8::/126"), &cidr("2001:db8::3/128"))
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
+        assert_eq!(v6, ["2001:db8::/127", "2001:db8::2/128"]);
+    }
+
+    #[test]
+    fn maximal_drops_contained_and_repeated_prefixes() {
+        let list = [
+            cidr("198.18.0.0/29"),
+            cidr("198.18.0.0/28"),
+            cidr("198.18.1.0/30"),
+            cidr("198.18.1.0/30"),
+        ];
+        assert_eq!(
+            maximal(&list),
+            [cidr("198.18.0.0/28"), cidr("198.18.1.0/30")]
+        );
+    }
+}
