@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod apiserver;
+pub mod node;
 pub mod rng;
+pub mod upstream;
 
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
 

@@ -1,0 +1,122 @@
+//! Databases written the way upstream Metis writes them: its schema
+//! (version 1), no `metis_settings`, rows populated in batches, and
+//! upstream's own bugs (an IPv6 /127 or /128 block handing out `::2`).
+
+use rusqlite::{Connection, params};
+
+use super::node::Block;
+
+/// Upstream's schema as upstream ships it (hand-written copy, so a change
+/// to Metis's copy cannot hide here).
+const UPSTREAM_SCHEMA: &str = r"
+CREATE TABLE IF NOT EXISTS cidr_blocks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    cidr TEXT NOT NULL,
+    network TEXT NOT NULL,
+    ip_family TEXT NOT NULL,
+    total_ips INTEGER NOT NULL,
+    allocated_ips INTEGER DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'Ready',
+    created_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    updated_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    UNIQUE(cidr, network)
+);
+CREATE TABLE IF NOT EXISTS ip_addresses (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    address TEXT NOT NULL,
+    cidr_block_id INTEGER NOT NULL,
+    container_id TEXT,
+    pod_name TEXT,
+    pod_namespace TEXT,
+    interface_name TEXT,
+    is_allocated BOOLEAN DEFAULT FALSE,
+    release_at INTEGER,
+    allocated_at INTEGER,
+    updated_at INTEGER DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    UNIQUE(address, cidr_block_id),
+    FOREIGN KEY (cidr_block_id) REFERENCES cidr_blocks(id) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS idx_available_ips ON ip_addresses(cidr_block_id, id) WHERE is_allocated = FALSE;
+CREATE INDEX IF NOT EXISTS idx_ip_idempotency ON ip_addresses(container_id, interface_name);
+CREATE TRIGGER IF NOT EXISTS update_cidr_blocks_updated_at AFTER UPDATE ON cidr_blocks FOR EACH ROW
+BEGIN UPDATE cidr_blocks SET updated_at = (CAST(unixepoch('subsec') * 1000 AS INTEGER)) WHERE id = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS update_ip_addresses_updated_at AFTER UPDATE ON ip_addresses FOR EACH ROW
+BEGIN UPDATE ip_addresses SET updated_at = (CAST(unixepoch('subsec') * 1000 AS INTEGER)) WHERE id = OLD.id; END;
+PRAGMA user_version = 1;
+";
+
+/// Upstream populates IPv6 blocks 64 rows at a time, whatever the prefix.
+const IPV6_BATCH: u128 = 64;
+
+/// An upstream database being written.
+pub struct Upstream {
+    conn: Connection,
+}
+
+impl Upstream {
+    /// Creates the file with upstream's schema.
+    pub fn create(path: &std::path::Path) -> Upstream {
+        let conn = Connection::open(path).unwrap();
+        conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
+        Upstream { conn }
+    }
+
+    /// Adds a block to `network` as upstream does: every IPv4 address as a
+    /// row with offsets 0, 1 and the last reserved (upstream reserves them
+    /// in the network's first block), IPv6 one batch of rows (past the
+    /// prefix when the block is smaller than the batch: upstream's bug).
+    /// Returns the block id.
+    pub fn block(&self, cidr: &str, network: &str, reserve: bool) -> i64 {
+        let block = Block::parse(cidr);
+        let family = if block.v6 { "ipv6" } else { "ipv4" };
+        let rows = if block.v6 { IPV6_BATCH } else { block.size() };
+        let reserved =
+            |offset: u128| reserve && !block.v6 && (offset < 2 || offset == block.size() - 1);
+        let reserved_count = (0..rows).filter(|o| reserved(*o)).count();
+        self.conn
+            .execute(
+                "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    cidr,
+                    network,
+                    family,
+                    i64::try_from(block.size().min(1 << 62)).unwrap(),
+                    i64::try_from(reserved_count).unwrap()
+                ],
+            )
+            .unwrap();
+        let id = self.conn.last_insert_rowid();
+        for offset in 0..rows {
+            self.conn
+                .execute(
+                    "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+                     VALUES (?1, ?2, '', '', ?3)",
+                    params![block.nth(offset).to_string(), id, reserved(offset)],
+                )
+                .unwrap();
+        }
+        id
+    }
+
+    /// Allocates `address` of block `id` to a pod, as upstream records it.
+    pub fn hold(&self, id: i64, address: &str, container: &str, ifname: &str) {
+        let changed = self
+            .conn
+            .execute(
+                "UPDATE ip_addresses SET container_id = ?3, interface_name = ?4, \
+                 pod_name = ?3, pod_namespace = 'default', is_allocated = 1, \
+                 allocated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) \
+                 WHERE cidr_block_id = ?1 AND address = ?2 AND is_allocated = 0",
+                params![id, address, container, ifname],
+            )
+            .unwrap();
+        assert_eq!(changed, 1, "{address} is not a free row of block {id}");
+        self.conn
+            .execute(
+                "UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE id = ?1",
+                [id],
+            )
+            .unwrap();
+    }
+}
