@@ -107,6 +107,16 @@ fn is_isolated(network: &str) -> bool {
     network == "iso"
 }
 
+/// The address space a network allocates in: its own when isolated, else
+/// the node's shared one.
+fn space(network: &str) -> String {
+    if is_isolated(network) {
+        network.to_string()
+    } else {
+        String::new()
+    }
+}
+
 /// Whether two networks share the node's address space.
 fn conflicts(a: &str, b: &str) -> bool {
     a == b || (!is_isolated(a) && !is_isolated(b))
@@ -200,7 +210,8 @@ struct Model {
     configs: Vec<NetConf>,
     held: BTreeMap<Owner, Vec<String>>,
     /// Released addresses resting in the cooldown, with their last owner.
-    cooling: BTreeMap<IpAddr, Owner>,
+    /// Cooling addresses by (address space, address): their last owner.
+    cooling: BTreeMap<(String, IpAddr), Owner>,
     /// Whether releases rest (`--release-cooldown 1h`) or not (`0`).
     cools: bool,
     /// The flags of the last daemon start (direct mode keeps its blocks).
@@ -284,8 +295,8 @@ impl Model {
             .any(|(o, ips)| conflicts(&o.0, network) && ips.iter().any(|a| strip_prefix(a) == ip));
         let cooling = self
             .cooling
-            .get(&ip)
-            .is_some_and(|last| conflicts(&last.0, network) && !(reclaim && last == owner));
+            .get(&(space(network), ip))
+            .is_some_and(|last| !(reclaim && last == owner));
         allowed.iter().any(|b| b.contains(ip)) && !reserved && !held && !cooling
     }
 
@@ -357,7 +368,7 @@ impl Model {
         let cooling: Vec<IpAddr> = self
             .cooling
             .keys()
-            .copied()
+            .map(|(_, ip)| *ip)
             .filter(|ip| blocks.iter().any(|b| b.contains(*ip)))
             .collect();
         let ip = if !cooling.is_empty() && rng.chance(40) {
@@ -537,16 +548,6 @@ impl Sequence {
         match outcome {
             Outcome::Ok(ips) => {
                 self.model.stats.adds_ok += 1;
-                if let Some(before) = before {
-                    let set =
-                        |v: &[String]| v.iter().map(|a| strip_prefix(a)).collect::<BTreeSet<_>>();
-                    if set(&ips) != set(&before) {
-                        return Err(format!(
-                            "repeat ADD returned {ips:?}, the owner holds {before:?}"
-                        ));
-                    }
-                    return Ok(());
-                }
                 let families = [false, true]
                     .iter()
                     .filter(|v6| conf.has_family(**v6))
@@ -554,22 +555,42 @@ impl Sequence {
                 if ips.len() != families {
                     return Err(format!("ADD returned {ips:?} for {families} families"));
                 }
-                let allowed = self.model.allowed(conf);
+                // A repeat ADD returns what the owner holds in the families
+                // the configuration asks for (the prefix may have grown);
+                // a family the configuration gained is a new allocation.
+                let before = before.unwrap_or_default();
+                let held_before: Vec<IpAddr> = before.iter().map(|a| strip_prefix(a)).collect();
                 for ip in &ips {
                     let ip = strip_prefix(ip);
+                    let same_family = held_before.iter().find(|h| h.is_ipv6() == ip.is_ipv6());
+                    if let Some(held) = same_family {
+                        if *held != ip {
+                            return Err(format!(
+                                "repeat ADD returned {ips:?}, the owner holds {before:?}"
+                            ));
+                        }
+                        continue;
+                    }
+                    let allowed = self.model.allowed(conf);
                     if !allowed.iter().any(|b| b.contains(ip)) {
                         let allowed: Vec<String> =
                             allowed.iter().map(ToString::to_string).collect();
                         return Err(format!("ADD returned {ip}, outside {allowed:?}"));
                     }
-                    self.model.cooling.remove(&ip);
+                    self.model.cooling.remove(&(space(&owner.0), ip));
                 }
                 if let Some(wanted) = request.address()
                     && !ips.iter().any(|ip| strip_prefix(ip) == wanted)
                 {
                     return Err(format!("ADD asked for {wanted} and returned {ips:?}"));
                 }
-                self.model.held.insert(owner, ips);
+                let kept: Vec<String> = before
+                    .into_iter()
+                    .filter(|a| !ips.iter().any(|b| strip_prefix(b) == strip_prefix(a)))
+                    .collect();
+                let mut held = ips;
+                held.extend(kept);
+                self.model.held.insert(owner, held);
                 Ok(())
             }
             Outcome::Error { code, msg } => {
@@ -579,9 +600,20 @@ impl Sequence {
                     7 => overlap,
                     11 => overlap || self.model.exhausted(&owner, conf, &db_blocks),
                     100 => {
+                        // A requested address that is not surely free, or an
+                        // owner that already holds another address of its
+                        // family (a repeat ADD may not move it).
+                        let holds_other = |ip: IpAddr| {
+                            self.model.held.get(&owner).is_some_and(|held| {
+                                held.iter()
+                                    .map(|a| strip_prefix(a))
+                                    .any(|h| h.is_ipv6() == ip.is_ipv6() && h != ip)
+                            })
+                        };
                         overlap
                             || request.address().is_some_and(|ip| {
-                                !self.model.surely_free(ip, &owner, conf, &db_blocks, true)
+                                holds_other(ip)
+                                    || !self.model.surely_free(ip, &owner, conf, &db_blocks, true)
                             })
                     }
                     _ => false,
@@ -606,7 +638,9 @@ impl Sequence {
         }
         for ip in self.model.held.remove(&owner).unwrap_or_default() {
             if self.model.cools {
-                self.model.cooling.insert(strip_prefix(&ip), owner.clone());
+                self.model
+                    .cooling
+                    .insert((space(&owner.0), strip_prefix(&ip)), owner.clone());
             }
         }
         Ok(())

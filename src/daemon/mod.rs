@@ -655,6 +655,13 @@ fn apply_cidr_flags(store: &mut Store, cidrs: &[(String, Cidr)]) -> Result<(), D
     for line in &changes.lines {
         log::info("daemon", line, &[]);
     }
+    for why in &changes.refused {
+        log::error(
+            "daemon",
+            "--cidr refused; serving everything else",
+            &[("error", why)],
+        );
+    }
     for (network, cidr) in cidrs {
         log::info(
             "daemon",

@@ -47,6 +47,9 @@ impl Report {
     }
 }
 
+/// Said of every problem the daemon isolates instead of refusing to start.
+const QUARANTINED: &str = "; the daemon quarantines the block(s) at start";
+
 /// Most problems of one kind listed before the rest are only counted.
 const MAX_LISTED: usize = 20;
 
@@ -167,7 +170,9 @@ fn check_blocks(
         let allocated: i64 = row.get(5)?;
         let state_text: String = row.get(6)?;
         let mut fail = |what: String| {
-            report.problems.push(format!("block {id}: {what}"));
+            report
+                .problems
+                .push(format!("block {id}: {what}{QUARANTINED}"));
             report.suspects.entry(id).or_insert(what);
         };
         let parsed = (
@@ -293,7 +298,7 @@ fn check_owners(
     push_limited(report, shared, |(address, n, networks, _)| {
         let networks: Vec<String> = networks.split(',').map(|n| format!("{n:?}")).collect();
         format!(
-            "network {}: address {address} is allocated {n} times",
+            "network {}: address {address} is allocated {n} times{QUARANTINED}",
             networks.join(", ")
         )
     });
@@ -352,7 +357,7 @@ fn check_rows(
         };
         let Some(offset) = offset else {
             found.push(format!(
-                "address row {id}: {address} is outside its block {} (network {:?})",
+                "address row {id}: {address} is outside its block {} (network {:?}){QUARANTINED}",
                 block.cidr, block.network
             ));
             report

@@ -101,6 +101,9 @@ impl Placed {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayoutChanges {
     pub lines: Vec<String>,
+    /// Ranges refused (they overlap another network's or a granted block),
+    /// in words; everything else was laid out.
+    pub refused: Vec<String>,
 }
 
 /// What [`Store::isolate_problems`] did.
@@ -152,6 +155,8 @@ impl Store {
 
     /// Declares every range of `source` at once (the daemon's `--cidr`
     /// flags at start): networks the source no longer names lose its blocks.
+    /// A network whose ranges cannot be laid out keeps its previous layout
+    /// and is reported in `refused`; the others are still laid out.
     pub fn configure_all(
         &mut self,
         source: Source,
@@ -171,8 +176,13 @@ impl Store {
         let mut all = LayoutChanges::default();
         for ((network, family), cidrs) in wanted {
             let isolated = is_isolated(&self.conn, &network)?;
-            let changes = self.configure(source, &network, family, &cidrs, isolated, now_ms)?;
-            all.lines.extend(changes.lines);
+            match self.configure(source, &network, family, &cidrs, isolated, now_ms) {
+                Ok(changes) => all.lines.extend(changes.lines),
+                Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
+                    all.refused.push(err.to_string());
+                }
+                Err(err) => return Err(err),
+            }
         }
         Ok(all)
     }
