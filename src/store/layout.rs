@@ -120,7 +120,9 @@ pub struct Isolation {
 impl Store {
     /// Declares the ranges `source` wants for `network` and `family` and
     /// brings the network's blocks in line (see the module documentation).
-    /// Reads only when nothing changed, so it can run on every ADD.
+    /// Reads only when nothing changed, so it can run on every ADD. A range
+    /// of `source` that cannot be laid out fails the call and changes
+    /// nothing; other sources' ranges that cannot are skipped and reported.
     pub fn configure(
         &mut self,
         source: Source,
@@ -128,6 +130,28 @@ impl Store {
         family: Family,
         ranges: &[Cidr],
         isolated: bool,
+        now_ms: i64,
+    ) -> Result<LayoutChanges, StoreError> {
+        self.lay_out(
+            source,
+            network,
+            family,
+            ranges,
+            isolated,
+            Some(source),
+            now_ms,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn lay_out(
+        &mut self,
+        source: Source,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        isolated: bool,
+        strict: Option<Source>,
         now_ms: i64,
     ) -> Result<LayoutChanges, StoreError> {
         // Ranges of the other family are the caller's mistake, ignored here.
@@ -148,15 +172,15 @@ impl Store {
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
-        let changes = relayout(&tx, mode, network, family, now_ms)?;
+        let changes = relayout(&tx, mode, network, family, strict, now_ms)?;
         tx.commit()?;
         Ok(changes)
     }
 
     /// Declares every range of `source` at once (the daemon's `--cidr`
     /// flags at start): networks the source no longer names lose its blocks.
-    /// A network whose ranges cannot be laid out keeps its previous layout
-    /// and is reported in `refused`; the others are still laid out.
+    /// A range that cannot be laid out (it overlaps another network's block)
+    /// is reported in `refused`; everything else is laid out.
     pub fn configure_all(
         &mut self,
         source: Source,
@@ -176,13 +200,19 @@ impl Store {
         let mut all = LayoutChanges::default();
         for ((network, family), cidrs) in wanted {
             let isolated = is_isolated(&self.conn, &network)?;
-            match self.configure(source, &network, family, &cidrs, isolated, now_ms) {
-                Ok(changes) => all.lines.extend(changes.lines),
-                Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
-                    all.refused.push(err.to_string());
-                }
-                Err(err) => return Err(err),
-            }
+            let cidrs: Vec<Cidr> = cidrs
+                .into_iter()
+                .filter(|cidr| match check_block_size(cidr) {
+                    Ok(()) => true,
+                    Err(err) => {
+                        all.refused.push(err.to_string());
+                        false
+                    }
+                })
+                .collect();
+            let changes = self.lay_out(source, &network, family, &cidrs, isolated, None, now_ms)?;
+            all.lines.extend(changes.lines);
+            all.refused.extend(changes.refused);
         }
         Ok(all)
     }
@@ -298,17 +328,34 @@ impl Store {
 /// Lays out the blocks of one network and family from every static
 /// source's wanted ranges, then retires what no source wants and deletes
 /// retired blocks that are empty.
+/// A target that overlaps a block it may not absorb fails the pass when
+/// the `strict` source wants it, and is skipped and reported otherwise.
 fn relayout(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     family: Family,
+    strict: Option<Source>,
     now_ms: i64,
 ) -> Result<LayoutChanges, StoreError> {
     let mut changes = LayoutChanges::default();
     let wanted = wanted(conn, None, network, family)?;
     let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
     for target in maximal(&cidrs) {
+        let strict_wants = |target: &Cidr| {
+            wanted.iter().any(|(cidr, source)| {
+                strict.is_some_and(|s| s.as_str() == source)
+                    && (cidr == target || contains(target, cidr))
+            })
+        };
+        let refuse = |err: StoreError, changes: &mut LayoutChanges| {
+            if strict_wants(&target) {
+                Err(err)
+            } else {
+                changes.refused.push(err.to_string());
+                Ok(())
+            }
+        };
         let blocks = placed(conn, network, family)?;
         if let Some(q) = blocks
             .iter()
@@ -336,15 +383,24 @@ fn relayout(
             continue;
         }
         if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
-            return Err(StoreError::Overlap {
+            let err = StoreError::Overlap {
                 cidr: target,
                 network: network.to_string(),
                 other_cidr: granted.cidr.to_string(),
                 other_network: network.to_string(),
                 isolation_helps: false,
-            });
+            };
+            refuse(err, &mut changes)?;
+            continue;
         }
-        check_other_networks(conn, network, &target)?;
+        match check_other_networks(conn, network, &target) {
+            Ok(()) => {}
+            Err(err @ StoreError::Overlap { .. }) => {
+                refuse(err, &mut changes)?;
+                continue;
+            }
+            Err(err) => return Err(err),
+        }
         if overlapping.is_empty() {
             let id = insert_block(conn, mode, network, &target)?;
             ensure_record(conn, id)?;
