@@ -9,9 +9,8 @@
 use super::args::{CniArgs, parse_ip_maybe_prefix};
 use super::env::{NAME_RULE, is_valid_name};
 use super::error::CniError;
-use super::result::gateway_for;
 use super::version;
-use crate::cidr::{Cidr, Family};
+use crate::cidr::{Cidr, Family, gateway_for};
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::path::PathBuf;
