@@ -65,7 +65,7 @@ pub fn call_read_only(
             };
             let cooldown_ms = store.release_cooldown().unwrap_or(0);
             let mut engine = Engine::new(store, cooldown_ms);
-            Ok(Some(engine.handle(request.clone(), log::now_ms())))
+            Ok(Some(engine.handle(request, log::now_ms()).into_response()))
         }
         Err(err) => Err(CniError::from_client(&err)),
     }
@@ -127,5 +127,5 @@ fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> 
         }
     }
     let mut engine = Engine::new(store, cooldown_ms);
-    Ok(engine.handle(request.clone(), log::now_ms()))
+    Ok(engine.handle(request, log::now_ms()).into_response())
 }
