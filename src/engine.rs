@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
+use crate::defaults::DEFAULT_NETWORK;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
 };
@@ -14,9 +15,6 @@ use crate::wire::envelope::v1 as envelope;
 use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
-
-/// Network used when a request names none (upstream's default pod network).
-pub const DEFAULT_NETWORK: &str = "default";
 
 /// A request-level failure: what the client is told.
 #[derive(Debug, PartialEq, Eq)]

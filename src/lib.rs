@@ -3,6 +3,8 @@ pub mod cidr;
 pub mod cli;
 pub mod cni;
 pub mod daemon;
+pub mod defaults;
+pub mod duration;
 pub mod engine;
 pub mod flags;
 pub mod kube;

@@ -13,7 +13,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{FlagError, Parsed};
 use crate::wire::client::{Client, ClientError};
 use crate::wire::{Code, Request, request, response};

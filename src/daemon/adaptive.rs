@@ -125,7 +125,7 @@ impl Adaptive {
                 let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
                 if released {
                     let network = if req.network.is_empty() {
-                        crate::engine::DEFAULT_NETWORK
+                        crate::defaults::DEFAULT_NETWORK
                     } else {
                         &req.network
                     };

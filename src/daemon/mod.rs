@@ -21,6 +21,8 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::stat::{Mode, umask};
 
 use crate::cidr::Cidr;
+use crate::defaults::{DEFAULT_DB_PATH, DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
+use crate::duration::parse_duration_ms;
 use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
 use crate::kube::{self, client::ApiClient, config::ApiConfig, nnc::Kind};
@@ -33,11 +35,6 @@ pub use adaptive::AdaptiveConfig;
 pub use conn::Limits;
 pub use event_loop::Admission;
 pub use monitor::MonitorConfig;
-
-/// Upstream's default socket path.
-pub const DEFAULT_SOCKET_PATH: &str = "/var/lib/cni/metis/metis-adaptive-ipam.sock";
-/// Upstream's default database path.
-pub const DEFAULT_DB_PATH: &str = "/var/lib/cni/metis/metis.sqlite";
 
 const FLAGS: &[FlagSpec] = &[
     FlagSpec {
@@ -265,7 +262,7 @@ pub fn parse_config(
     let parsed = flags::parse(FLAGS, args)?;
     let duration = |name: &'static str, default: &str| -> Result<i64, FlagError> {
         let text = parsed.get(name).unwrap_or(default);
-        crate::cni::conf::parse_duration_ms(text).ok_or_else(|| {
+        parse_duration_ms(text).ok_or_else(|| {
             FlagError::BadValue(
                 name,
                 format!("{text:?} is not a duration like 30s, 1m or 1h30m"),
@@ -401,9 +398,7 @@ fn adaptive_settings(
             ),
         ));
     }
-    let node_network = parsed
-        .get("--node-network")
-        .unwrap_or(crate::engine::DEFAULT_NETWORK);
+    let node_network = parsed.get("--node-network").unwrap_or(DEFAULT_NETWORK);
     if node_network.is_empty() {
         return Err(FlagError::BadValue(
             "--node-network",
@@ -537,10 +532,9 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     }
     let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
     if !report.is_ok() {
-        return Err(DaemonError::Unsafe(crate::cli::check::describe(
-            &config.db_path.display().to_string(),
-            &report,
-        )));
+        return Err(DaemonError::Unsafe(
+            report.describe(&config.db_path.display().to_string()),
+        ));
     }
     store
         .set_release_cooldown(config.release_cooldown_ms)

@@ -7,7 +7,7 @@
 use serde_json::{Value, json};
 
 use super::client::{ApiClient, KubeError, WATCH_SECONDS};
-use crate::engine::DEFAULT_NETWORK;
+use crate::defaults::DEFAULT_NETWORK;
 
 const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
 const NODE_PATH: &str = "/api/v1/nodes";
