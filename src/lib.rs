@@ -1,4 +1,5 @@
 //! Metis: a node-local adaptive IPAM for Kubernetes pods.
+pub mod adaptive;
 pub mod cidr;
 pub mod cli;
 pub mod cni;
@@ -10,7 +11,6 @@ pub mod flags;
 pub mod kube;
 pub mod log;
 pub mod metrics;
-pub mod policy;
 pub mod store;
 pub mod wire;
 

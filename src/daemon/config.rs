@@ -6,9 +6,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::AdaptiveConfig;
 use super::Limits;
-use super::MonitorConfig;
+use crate::adaptive::{AdaptiveConfig, MonitorConfig};
 use crate::cidr::Cidr;
 use crate::defaults::{DEFAULT_DB_PATH, DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
 use crate::duration::parse_duration_ms;

@@ -15,8 +15,8 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
-use super::adaptive::{Adaptive, Delivery};
 use super::conn::{Conn, Limits, State};
+use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;

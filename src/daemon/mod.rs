@@ -1,11 +1,9 @@
 //! `metis daemon`: owns the node's address blocks in SQLite and serves the
 //! plugin over a Unix socket from one single-threaded loop.
 
-mod adaptive;
 mod config;
 mod conn;
 mod event_loop;
-mod monitor;
 mod run;
 mod socket;
 
@@ -15,11 +13,9 @@ use std::path::PathBuf;
 use crate::flags::FlagError;
 use crate::store::StoreError;
 
-pub use adaptive::AdaptiveConfig;
 pub use config::{AdaptiveSettings, Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
-pub use monitor::MonitorConfig;
 pub use run::{recover_after_reboot, run};
 
 /// A failure that stops the daemon.

@@ -9,10 +9,10 @@ use std::time::Instant;
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
-use super::adaptive::Adaptive;
 use super::event_loop::{Admission, EventLoop};
 use super::socket::listen;
 use super::{AdaptiveSettings, Config, DaemonError};
+use crate::adaptive::Adaptive;
 use crate::engine::Engine;
 use crate::kube::{self, client::ApiClient};
 use crate::log;

@@ -1,4 +1,4 @@
-//! The daemon's adaptive side, run on the loop thread: parked requests
+//! The adaptive side as the daemon's loop runs it: parked requests
 //! waiting for addresses, events from the Kubernetes threads, and the
 //! periodic monitor pass. Nothing here blocks: HTTP happens on the kube
 //! threads, and every store change happens here, on the loop.

@@ -1,14 +1,14 @@
 //! The adaptive monitor's store side: turning a NodeNetworkConfig snapshot
 //! into local blocks, and one monitor pass (scale-up, drain, release) into
 //! store changes plus at most one patch. The decisions themselves are the
-//! pure functions of `crate::policy`.
+//! pure functions of [`super::policy`].
 
 use serde_json::Value;
 
+use super::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
 use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc};
 use crate::log;
-use crate::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
 use crate::store::{AddOutcome, BlockFilter, BlockState, Store, StoreError};
 
 /// Durations of the monitor, in milliseconds.
