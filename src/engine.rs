@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
+use crate::defaults::DEFAULT_NETWORK;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Store, StoreError, Table,
 };
@@ -14,9 +15,6 @@ use crate::wire::envelope::v1 as envelope;
 use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
-
-/// Network used when a request names none (upstream's default pod network).
-pub const DEFAULT_NETWORK: &str = "default";
 
 /// A request-level failure: what the client is told.
 #[derive(Debug, PartialEq, Eq)]
@@ -67,13 +65,44 @@ impl Failure {
         }
     }
 
-    fn into_response(self) -> Response {
-        let response = Response::error(self.code, self.reason, self.message);
+    fn into_outcome(self) -> Outcome {
         match self.scope {
-            Some((network, family)) => response
+            Some((network, family)) => Outcome::Exhausted {
+                network,
+                family,
+                message: self.message,
+            },
+            None => Outcome::Reply(Response::error(self.code, self.reason, self.message)),
+        }
+    }
+}
+
+/// What a request came to. Exhaustion stays typed so the daemon can park
+/// the request and wait for new blocks without reading the reply back.
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    Reply(Response),
+    /// No free address of `family` in the network's blocks.
+    Exhausted {
+        network: String,
+        family: Family,
+        message: String,
+    },
+}
+
+impl Outcome {
+    /// The response a client receives: the one place where exhaustion
+    /// becomes a wire status with its network and family metadata.
+    pub fn into_response(self) -> Response {
+        match self {
+            Outcome::Reply(response) => response,
+            Outcome::Exhausted {
+                network,
+                family,
+                message,
+            } => Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
                 .with_metadata(reason::META_NETWORK, &network)
                 .with_metadata(reason::META_IP_FAMILY, family.as_str()),
-            None => response,
         }
     }
 }
@@ -102,33 +131,33 @@ impl Engine {
 
     /// Handles one request at time `now_ms`. Never panics on input: every
     /// failure becomes an error status.
-    pub fn handle(&mut self, request: Request, now_ms: i64) -> Response {
+    pub fn handle(&mut self, request: &Request, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.ensure_file_unchanged() {
-            return Failure::from_store("database", &err).into_response();
+            return Failure::from_store("database", &err).into_outcome();
         }
-        let result = match request.kind {
+        let result = match &request.kind {
             Some(request::Kind::Allocate(req)) => {
-                self.allocate(&req, now_ms).map(response::Kind::Allocate)
+                self.allocate(req, now_ms).map(response::Kind::Allocate)
             }
-            Some(request::Kind::Deallocate(req)) => self
-                .deallocate(&req, now_ms)
-                .map(response::Kind::Deallocate),
-            Some(request::Kind::Check(req)) => self.check(&req).map(response::Kind::Check),
+            Some(request::Kind::Deallocate(req)) => {
+                self.deallocate(req, now_ms).map(response::Kind::Deallocate)
+            }
+            Some(request::Kind::Check(req)) => self.check(req).map(response::Kind::Check),
             Some(request::Kind::ListCidrBlocks(req)) => {
-                self.list_blocks(&req).map(response::Kind::Table)
+                self.list_blocks(req).map(response::Kind::Table)
             }
             Some(request::Kind::ListIpAddresses(req)) => {
-                self.list_addresses(&req).map(response::Kind::Table)
+                self.list_addresses(req).map(response::Kind::Table)
             }
             Some(request::Kind::Health(_)) => Ok(response::Kind::Health(HealthCheckResponse {
                 status: crate::wire::envelope::v1::health_check_response::ServingStatus::Serving
                     as i32,
                 detail: "Metis daemon is SERVING".to_string(),
             })),
-            Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
-            Some(request::Kind::Gc(req)) => self.gc(&req, now_ms).map(response::Kind::Gc),
+            Some(request::Kind::Usage(req)) => self.usage(req, now_ms).map(response::Kind::Usage),
+            Some(request::Kind::Gc(req)) => self.gc(req, now_ms).map(response::Kind::Gc),
             Some(request::Kind::NetworkStatus(req)) => self
-                .network_status(&req, now_ms)
+                .network_status(req, now_ms)
                 .map(response::Kind::NetworkStatus),
             None => Err(Failure {
                 code: Code::Unimplemented,
@@ -138,8 +167,8 @@ impl Engine {
             }),
         };
         match result {
-            Ok(kind) => Response::ok(kind),
-            Err(failure) => failure.into_response(),
+            Ok(kind) => Outcome::Reply(Response::ok(kind)),
+            Err(failure) => failure.into_outcome(),
         }
     }
 
@@ -643,6 +672,35 @@ mod tests {
             .unwrap_err();
         assert_eq!(failure.reason, reason::IP_POOL_EXHAUSTED);
         assert_eq!(failure.scope, Some(("net".to_string(), Family::V4)));
+    }
+
+    #[test]
+    fn exhaustion_stays_typed_until_encoded() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store(), 0);
+        let now = crate::log::now_ms();
+        let add = |container: &str| Request {
+            kind: Some(request::Kind::Allocate(request(
+                container,
+                "",
+                "2001:db8::1/128",
+            ))),
+        };
+        let first = engine.handle(&add("a"), now);
+        assert!(matches!(first, Outcome::Reply(_)), "{first:?}");
+        let outcome = engine.handle(&add("b"), now);
+        let Outcome::Exhausted {
+            network, family, ..
+        } = &outcome
+        else {
+            panic!("{outcome:?}")
+        };
+        assert_eq!((network.as_str(), *family), ("net", Family::V6));
+        let reply = outcome.into_response();
+        assert_eq!(reply.code(), Code::ResourceExhausted);
+        assert_eq!(reply.reason(), reason::IP_POOL_EXHAUSTED);
+        assert_eq!(reply.metadata(reason::META_NETWORK), Some("net"));
+        assert_eq!(reply.metadata(reason::META_IP_FAMILY), Some("ipv6"));
     }
 
     #[test]

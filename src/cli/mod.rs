@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cni::backend::{self, Daemon};
-use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{FlagError, Parsed};
 use crate::wire::client::ClientError;
 use crate::wire::{Code, Request, request, response};

@@ -200,5 +200,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
 
 /// Direct mode's one use of the engine, as the daemon would serve it.
 fn serve(store: Store, cooldown_ms: i64, request: Request) -> Response {
-    Engine::new(store, cooldown_ms).handle(request, log::now_ms())
+    Engine::new(store, cooldown_ms)
+        .handle(&request, log::now_ms())
+        .into_response()
 }

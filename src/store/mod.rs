@@ -538,6 +538,22 @@ impl Store {
         self.put_setting(schema::KEY_RELEASE_COOLDOWN, Some(&cooldown_ms.to_string()))
     }
 
+    /// Since when (ms) the monitor has seen the network's use low, if it has.
+    pub fn low_utilization_since(&self, network: &str) -> Result<Option<i64>, StoreError> {
+        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
+        Ok(self.setting(&key)?.and_then(|text| text.parse().ok()))
+    }
+
+    /// Records (or with `None` forgets) when low use of the network began.
+    pub fn set_low_utilization_since(
+        &mut self,
+        network: &str,
+        since_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
+        self.put_setting(&key, since_ms.map(|ms| ms.to_string()).as_deref())
+    }
+
     /// A value of Metis's own settings table.
     pub fn setting(&self, key: &str) -> Result<Option<String>, StoreError> {
         get_setting(&self.conn, key)

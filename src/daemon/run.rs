@@ -1,0 +1,192 @@
+//! Starting the daemon: the store opened and verified, static blocks
+//! added, the socket bound, the cluster followed, then the loop until a
+//! signal.
+
+use std::fs;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+
+use super::event_loop::{Admission, EventLoop};
+use super::socket::listen;
+use super::{AdaptiveSettings, Config, DaemonError};
+use crate::adaptive::Adaptive;
+use crate::engine::Engine;
+use crate::kube::{self, client::ApiClient};
+use crate::log;
+use crate::metrics::{self, Metrics};
+use crate::store::{BootRecovery, Depth, Store, StoreOptions};
+
+/// Runs the daemon until SIGTERM/SIGINT.
+pub fn run(config: &Config) -> Result<(), DaemonError> {
+    log::info(
+        "daemon",
+        "metis daemon is starting",
+        &[
+            ("socket", &config.socket_path.display()),
+            ("db", &config.db_path.display()),
+            ("release_cooldown_ms", &config.release_cooldown_ms),
+        ],
+    );
+    let signals = block_signals()?;
+    let mut store = open_store(config)?;
+    let recovered_at_boot = recover_after_reboot(&mut store, config)?;
+    add_static_cidrs(&mut store, config)?;
+
+    let listener = listen(&config.socket_path, config.socket_group)?;
+    let engine = Engine::new(store, config.release_cooldown_ms);
+    let metrics = Arc::new(Metrics::default());
+    metrics.recovered_at_boot(recovered_at_boot);
+    if let Some(addr) = config.metrics_addr {
+        let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
+            .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
+        log::info("daemon", "metrics listening", &[("addr", &bound)]);
+    }
+    let adaptive = config
+        .adaptive
+        .as_ref()
+        .map(|settings| follow_cluster(settings, &metrics))
+        .transpose()?;
+    log::info(
+        "daemon",
+        "listening",
+        &[("socket", &config.socket_path.display())],
+    );
+    EventLoop::new(
+        listener,
+        signals,
+        engine,
+        adaptive,
+        metrics,
+        config.limits,
+        Admission {
+            max_connections: config.max_connections,
+            allowed_uids: config.allowed_uids.clone(),
+        },
+    )
+    .run();
+    if let Err(err) = fs::remove_file(&config.socket_path) {
+        log::warn("daemon", "could not remove socket", &[("error", &err)]);
+    }
+    log::info("daemon", "metis daemon stopped", &[]);
+    Ok(())
+}
+
+/// Blocks SIGTERM and SIGINT before anything else, so they queue on the fd
+/// the loop polls.
+fn block_signals() -> Result<SignalFd, DaemonError> {
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGTERM);
+    mask.add(Signal::SIGINT);
+    mask.thread_block().map_err(DaemonError::Signals)?;
+    SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(DaemonError::Signals)
+}
+
+/// Opens the store, refuses one that fails its quick check, and records the
+/// release cooldown for direct mode.
+fn open_store(config: &Config) -> Result<Store, DaemonError> {
+    let mut store = Store::open(
+        &config.db_path,
+        &StoreOptions {
+            durability: config.durability,
+            reserve: Some(config.reserve),
+        },
+    )
+    .map_err(DaemonError::Store)?;
+    for warning in store.open_warnings() {
+        log::warn("store", warning, &[]);
+    }
+    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
+    if !report.is_ok() {
+        return Err(DaemonError::Unsafe(
+            report.describe(&config.db_path.display().to_string()),
+        ));
+    }
+    store
+        .set_release_cooldown(config.release_cooldown_ms)
+        .map_err(DaemonError::Store)?;
+    Ok(store)
+}
+
+/// Adds the `--cidr` blocks (a block already there is left as it is).
+fn add_static_cidrs(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
+    for (network, cidr) in &config.cidrs {
+        let outcome = store
+            .add_cidr_block(network, cidr)
+            .map_err(DaemonError::Store)?;
+        log::info(
+            "daemon",
+            "static CIDR block",
+            &[
+                ("network", network),
+                ("cidr", cidr),
+                ("outcome", &format!("{outcome:?}")),
+            ],
+        );
+    }
+    Ok(())
+}
+
+/// Starts the Kubernetes threads and the adaptive side that reads them.
+fn follow_cluster(
+    settings: &AdaptiveSettings,
+    metrics: &Arc<Metrics>,
+) -> Result<Adaptive, DaemonError> {
+    let client = ApiClient::new(&settings.api).map_err(|err| DaemonError::Kube(err.to_string()))?;
+    let link = kube::worker::spawn(client, settings.node_name.clone(), settings.adaptive.source)
+        .map_err(|err| DaemonError::Kube(err.to_string()))?;
+    log::info(
+        "daemon",
+        "following the cluster",
+        &[
+            ("server", &settings.api.server),
+            ("node", &settings.node_name),
+            ("source", &format!("{:?}", settings.adaptive.source)),
+        ],
+    );
+    Ok(Adaptive::new(
+        link,
+        settings.adaptive.clone(),
+        Arc::clone(metrics),
+        Instant::now(),
+    ))
+}
+
+/// Releases the allocations of an earlier boot (see `store::boot`) before
+/// anything is served, and returns how many were released (for metrics).
+/// Without a readable boot id nothing is released.
+pub fn recover_after_reboot(store: &mut Store, config: &Config) -> Result<u64, DaemonError> {
+    let Some(boot_id) = crate::store::read_boot_id(&config.boot_id_path) else {
+        log::warn(
+            "daemon",
+            "cannot read the boot id; allocations of an earlier boot are not released",
+            &[("path", &config.boot_id_path.display())],
+        );
+        return Ok(0);
+    };
+    let outcome = store
+        .recover_after_reboot(
+            &boot_id,
+            Some(config.boot_recovery),
+            config.release_cooldown_ms,
+            log::now_ms(),
+        )
+        .map_err(DaemonError::Store)?;
+    match outcome {
+        BootRecovery::Released(count) => log::info(
+            "daemon",
+            "new boot: released the allocations of the previous boot",
+            &[("released", &count), ("boot_id", &boot_id)],
+        ),
+        BootRecovery::Disabled => log::info(
+            "daemon",
+            "new boot: keeping the previous boot's allocations (--no-boot-recovery)",
+            &[("boot_id", &boot_id)],
+        ),
+        BootRecovery::FirstRecord | BootRecovery::SameBoot => {}
+    }
+    Ok(outcome.released())
+}
