@@ -63,8 +63,7 @@ pub fn call_read_only(
             else {
                 return can_create(db_path).map(|()| None);
             };
-            let cooldown_ms = store.release_cooldown().unwrap_or(0);
-            let mut engine = Engine::new(store, cooldown_ms);
+            let mut engine = Engine::new(store);
             Ok(Some(engine.handle(request.clone(), log::now_ms())))
         }
         Err(err) => Err(CniError::from_client(&err)),
@@ -106,17 +105,17 @@ fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> 
         &StoreOptions {
             durability: crate::store::Durability::Normal,
             reserve: None,
+            // The daemon's recorded cooldown, so direct-mode releases honour it too.
+            release_cooldown: None,
         },
     )
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
-    // The daemon records its cooldown so direct-mode releases honour it too.
-    let cooldown_ms = store.release_cooldown().unwrap_or(0);
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
     if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
         let recovered = store
-            .recover_after_reboot(&boot_id, None, cooldown_ms, log::now_ms())
+            .recover_after_reboot(&boot_id, None, log::now_ms())
             .map_err(|err| CniError::from_store_open(db_path, &err))?;
         if recovered.released() > 0 {
             log::info(
@@ -126,6 +125,6 @@ fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> 
             );
         }
     }
-    let mut engine = Engine::new(store, cooldown_ms);
+    let mut engine = Engine::new(store);
     Ok(engine.handle(request.clone(), log::now_ms()))
 }

@@ -529,6 +529,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         &StoreOptions {
             durability: config.durability,
             reserve: Some(config.reserve),
+            release_cooldown: Some(config.release_cooldown_ms),
         },
     )
     .map_err(DaemonError::Store)?;
@@ -542,9 +543,6 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             &report,
         )));
     }
-    store
-        .set_release_cooldown(config.release_cooldown_ms)
-        .map_err(DaemonError::Store)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     for (network, cidr) in &config.cidrs {
         let outcome = store
@@ -562,7 +560,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     }
 
     let listener = listen(&config.socket_path, config.socket_group)?;
-    let engine = Engine::new(store, config.release_cooldown_ms);
+    let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
     if let Some(addr) = config.metrics_addr {
@@ -633,12 +631,7 @@ pub fn recover_after_reboot(store: &mut Store, config: &Config) -> Result<u64, D
         return Ok(0);
     };
     let outcome = store
-        .recover_after_reboot(
-            &boot_id,
-            Some(config.boot_recovery),
-            config.release_cooldown_ms,
-            log::now_ms(),
-        )
+        .recover_after_reboot(&boot_id, Some(config.boot_recovery), log::now_ms())
         .map_err(DaemonError::Store)?;
     match outcome {
         BootRecovery::Released(count) => log::info(

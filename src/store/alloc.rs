@@ -56,31 +56,40 @@ fn insert_rows(
     Ok(inserted)
 }
 
-/// Frees one allocated row: it rests until `release_at` (none if `None`)
-/// and the block's counter drops — unless the row sits at a position the
-/// block reserves (a pod left there by an upstream database), which goes
-/// back to the reservation and stays counted.
+/// An allocated row: its id, its block's id, and what it holds.
+pub(super) struct HeldRow {
+    pub(super) row_id: i64,
+    pub(super) block_id: i64,
+    pub(super) allocation: Allocation,
+}
+
+/// Frees one allocated row of a block of `network`: it rests until
+/// `release_at` (none if `None`) and the block's counter drops — unless
+/// the row sits at a position the block reserves under `mode` (a pod left
+/// there by an upstream database), which goes back to the reservation and
+/// stays counted. Every release (DEL, GC, boot recovery) ends here.
 pub(super) fn give_back(
     conn: &Connection,
-    row_id: i64,
-    block_id: i64,
-    allocation: &Allocation,
-    reserved: &[u128],
+    mode: ReserveMode,
+    network: &str,
+    row: &HeldRow,
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
-    let at_reserved = allocation
+    let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
+    let at_reserved = row
+        .allocation
         .block
-        .offset_of(allocation.address)
+        .offset_of(row.allocation.address)
         .is_some_and(|offset| reserved.contains(&offset));
     if at_reserved {
         conn.prepare_cached(RETURN_RESERVED_SQL)?
-            .execute([row_id])?;
+            .execute([row.row_id])?;
         return Ok(());
     }
     conn.prepare_cached(RELEASE_ROW_SQL)?
-        .execute(params![row_id, release_at])?;
+        .execute(params![row.row_id, release_at])?;
     conn.prepare_cached(COUNT_RELEASED_SQL)?
-        .execute([block_id])?;
+        .execute([row.block_id])?;
     Ok(())
 }
 
@@ -92,7 +101,7 @@ fn held(
     container_id: &str,
     interface_name: &str,
     family: Option<Family>,
-) -> Result<Vec<(i64, i64, Allocation)>, StoreError> {
+) -> Result<Vec<HeldRow>, StoreError> {
     let mut stmt = conn.prepare_cached(HELD_SQL)?;
     let mut rows = stmt.query(params![
         container_id,
@@ -102,18 +111,16 @@ fn held(
     ])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
-        let row_id: i64 = row.get(0)?;
         let address: String = row.get(1)?;
-        let block_id: i64 = row.get(2)?;
         let cidr: String = row.get(3)?;
-        out.push((
-            row_id,
-            block_id,
-            Allocation {
+        out.push(HeldRow {
+            row_id: row.get(0)?,
+            block_id: row.get(2)?,
+            allocation: Allocation {
                 address: parse_addr(&address)?,
                 block: parse_cidr(&cidr)?,
             },
-        ));
+        });
     }
     Ok(out)
 }
@@ -134,7 +141,7 @@ fn held_by_owner(
     )?
     .into_iter()
     .next()
-    .map(|(_, _, allocation)| allocation))
+    .map(|row| row.allocation))
 }
 
 /// Marks row `row_id` of block `block_id` allocated to `owner`.
@@ -508,32 +515,49 @@ impl Store {
     }
 
     /// Releases every address the owner holds in `network` (all families,
-    /// any block state). Addresses enter cooldown until `now + cooldown_ms`
-    /// (none if `cooldown_ms <= 0`); the last owner stays recorded. A pod
-    /// that held a reserved position gives it back to the reservation.
+    /// any block state). Addresses rest for the store's release cooldown;
+    /// the last owner stays recorded. A pod that held a reserved position
+    /// gives it back to the reservation.
     pub fn release(
         &mut self,
         network: &str,
         container_id: &str,
         interface_name: &str,
-        cooldown_ms: i64,
         now_ms: i64,
+    ) -> Result<Vec<Allocation>, StoreError> {
+        let release_at = self.release_at(now_ms);
+        self.give_back_owner(network, container_id, interface_name, release_at)
+    }
+
+    /// Like [`Store::release`], but the addresses are free at once: for an
+    /// allocation undone before it reached a pod.
+    pub fn roll_back(
+        &mut self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+    ) -> Result<Vec<Allocation>, StoreError> {
+        self.give_back_owner(network, container_id, interface_name, None)
+    }
+
+    fn give_back_owner(
+        &mut self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+        release_at: Option<i64>,
     ) -> Result<Vec<Allocation>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
-        let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let rows = held(&tx, network, container_id, interface_name, None)?;
-        let mut out = Vec::with_capacity(rows.len());
-        for (row_id, block_id, allocation) in rows {
-            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
-            give_back(&tx, row_id, block_id, &allocation, &reserved, release_at)?;
-            out.push(allocation);
+        for row in &rows {
+            give_back(&tx, mode, network, row, release_at)?;
         }
         tx.commit()?;
-        Ok(out)
+        Ok(rows.into_iter().map(|row| row.allocation).collect())
     }
 
     /// The addresses the owner holds in `network`, IPv4 first (empty: none).
@@ -547,7 +571,7 @@ impl Store {
         Ok(
             held(&self.conn, network, container_id, interface_name, None)?
                 .into_iter()
-                .map(|(_, _, a)| a)
+                .map(|row| row.allocation)
                 .collect(),
         )
     }

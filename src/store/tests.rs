@@ -11,19 +11,25 @@ const NOW: i64 = 1_700_000_000_000;
 
 use crate::testutil::TempDir;
 
-fn opts(reserve: Option<ReserveMode>) -> StoreOptions {
+fn opts(reserve: Option<ReserveMode>, release_cooldown: Option<i64>) -> StoreOptions {
     StoreOptions {
         durability: Durability::Normal,
         reserve,
+        release_cooldown,
     }
 }
 
 fn open(path: &Path) -> Store {
-    Store::open(path, &opts(None)).unwrap()
+    Store::open(path, &opts(None, None)).unwrap()
 }
 
 fn open_mode(path: &Path, mode: ReserveMode) -> Store {
-    Store::open(path, &opts(Some(mode))).unwrap()
+    Store::open(path, &opts(Some(mode), None)).unwrap()
+}
+
+/// A store whose released addresses rest for `cooldown_ms`.
+fn open_cooling(path: &Path, cooldown_ms: i64) -> Store {
+    Store::open(path, &opts(None, Some(cooldown_ms))).unwrap()
 }
 
 fn c(text: &str) -> Cidr {
@@ -266,7 +272,7 @@ fn durability_full_sets_synchronous_full() {
         &dir.db(),
         &StoreOptions {
             durability: Durability::Full,
-            reserve: None,
+            ..StoreOptions::default()
         },
     )
     .unwrap();
@@ -279,7 +285,7 @@ fn durability_full_sets_synchronous_full() {
 
 #[test]
 fn empty_path_is_rejected() {
-    let err = Store::open(Path::new(""), &opts(None)).unwrap_err();
+    let err = Store::open(Path::new(""), &opts(None, None)).unwrap_err();
     assert!(matches!(err, StoreError::InvalidPath));
     assert!(err.to_string().starts_with("store: "));
 }
@@ -539,7 +545,7 @@ fn ipv6_expands_in_batches() {
 #[test]
 fn tiny_ipv6_blocks_stay_inside_prefix() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 60_000);
     store
         .add_cidr_block("default", &c("2001:db8::/127"))
         .unwrap();
@@ -573,7 +579,7 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
         Err(StoreError::NoAvailableIps { .. })
     ));
     // Released with cooldown: candidates exist but nothing can be claimed or grown.
-    store.release("default", "a", "eth0", 60_000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
     assert!(matches!(
         store.allocate(&owner("default", "c"), Family::V6, NOW),
         Err(StoreError::NoAvailableIps { .. })
@@ -589,7 +595,7 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
 #[test]
 fn fully_cooling_126_terminates() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 30_000);
     store
         .add_cidr_block("default", &c("2001:db8::/126"))
         .unwrap();
@@ -602,8 +608,8 @@ fn fully_cooling_126_terminates() {
         alloc(&mut store, "default", "b", Family::V6, NOW),
         ip("2001:db8::3")
     );
-    store.release("default", "a", "eth0", 30_000, NOW).unwrap();
-    store.release("default", "b", "eth0", 30_000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
+    store.release("default", "b", "eth0", NOW).unwrap();
     let err = store
         .allocate(&owner("default", "c"), Family::V6, NOW + 1)
         .unwrap_err();
@@ -628,7 +634,7 @@ fn fully_cooling_126_terminates() {
 #[test]
 fn cooldown_skips_then_reuses() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 1000);
     store
         .add_cidr_block("default", &c("198.18.1.0/29"))
         .unwrap();
@@ -636,7 +642,7 @@ fn cooldown_skips_then_reuses() {
         alloc(&mut store, "default", "a", Family::V4, NOW),
         ip("198.18.1.2")
     );
-    let released = store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    let released = store.release("default", "a", "eth0", NOW).unwrap();
     assert_eq!(
         released,
         vec![Allocation {
@@ -671,9 +677,8 @@ fn cooldown_skips_then_reuses() {
         0
     );
     // Cooldown 0 → release_at NULL, immediately reusable.
-    store
-        .release("default", "c", "eth0", 0, NOW + 2000)
-        .unwrap();
+    let mut store = open_cooling(&dir.db(), 0);
+    store.release("default", "c", "eth0", NOW + 2000).unwrap();
     assert_eq!(rows(&store, 1)[2].3, None);
     assert_eq!(
         alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
@@ -752,7 +757,7 @@ fn allocate_is_idempotent_and_network_scoped() {
         Err(StoreError::EmptyOwner)
     ));
     assert!(matches!(
-        store.release("default", "", "eth0", 0, NOW),
+        store.release("default", "", "eth0", NOW),
         Err(StoreError::EmptyOwner)
     ));
     assert_counters(&store);
@@ -761,7 +766,7 @@ fn allocate_is_idempotent_and_network_scoped() {
 #[test]
 fn release_is_idempotent_and_dual_stack() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 1000);
     store
         .add_cidr_block("default", &c("2001:db8::/64"))
         .unwrap();
@@ -778,17 +783,17 @@ fn release_is_idempotent_and_dual_stack() {
     assert!(store.check("other", "c1", "eth0").unwrap().is_empty());
     assert!(
         store
-            .release("other", "c1", "eth0", 0, NOW)
+            .release("other", "c1", "eth0", NOW)
             .unwrap()
             .is_empty()
     );
     assert_eq!(
-        store.release("default", "c1", "eth0", 1000, NOW).unwrap(),
+        store.release("default", "c1", "eth0", NOW).unwrap(),
         vec![v4, v6]
     );
     assert!(
         store
-            .release("default", "c1", "eth0", 1000, NOW)
+            .release("default", "c1", "eth0", NOW)
             .unwrap()
             .is_empty()
     );
@@ -801,7 +806,7 @@ fn release_is_idempotent_and_dual_stack() {
 #[test]
 fn counters_match_rows_after_mixed_sequence() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 500);
     store
         .add_cidr_block("default", &c("198.18.1.0/28"))
         .unwrap();
@@ -817,10 +822,10 @@ fn counters_match_rows_after_mixed_sequence() {
             alloc(&mut store, "default", &cid, Family::V4, NOW + i);
         }
         alloc(&mut store, "default", &cid, Family::V6, NOW + i);
-        if i % 3 == 0 {
-            store
-                .release("default", &cid, "eth0", i % 2 * 500, NOW + i)
-                .unwrap();
+        if i % 3 == 0 && i % 2 == 0 {
+            store.roll_back("default", &cid, "eth0").unwrap();
+        } else if i % 3 == 0 {
+            store.release("default", &cid, "eth0", NOW + i).unwrap();
         }
     }
     store
@@ -830,9 +835,7 @@ fn counters_match_rows_after_mixed_sequence() {
         .allocate_requested(&owner("default", "req"), ip("2001:db8::f0"), NOW + 100)
         .unwrap();
     store.drain_block(2, NOW).unwrap();
-    store
-        .release("default", "req", "eth0", 0, NOW + 200)
-        .unwrap();
+    store.roll_back("default", "req", "eth0").unwrap();
     assert_counters(&store);
     let usage = store.usage("default", Family::V6, NOW + 100).unwrap();
     assert_eq!(usage.total, 256);
@@ -842,7 +845,7 @@ fn counters_match_rows_after_mixed_sequence() {
 #[test]
 fn allocate_requested_cases() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = open_cooling(&dir.db(), 1000);
     store
         .add_cidr_block("default", &c("198.18.1.0/29"))
         .unwrap();
@@ -883,7 +886,7 @@ fn allocate_requested_cases() {
             .unwrap_err();
         unavailable(err, needle);
     }
-    store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
     unavailable(
         store
             .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
@@ -984,7 +987,7 @@ fn lifecycle_drain_undrain_expire_delete() {
         expired
     );
     // Release restarts the clock of block 2 (updated_at trigger).
-    store.release("default", "p", "eth0", 0, wall_ms()).unwrap();
+    store.release("default", "p", "eth0", wall_ms()).unwrap();
     assert!(
         store
             .expire_draining("default", Family::V4, exp, wall_ms() + exp - 5_000)
@@ -1016,7 +1019,8 @@ fn lifecycle_drain_undrain_expire_delete() {
 #[test]
 fn usage_example_from_reference() {
     let dir = TempDir::new();
-    let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+    let first_block = opts(Some(ReserveMode::FirstBlock), Some(30_000));
+    let mut store = Store::open(&dir.db(), &first_block).unwrap();
     store
         .add_cidr_block("default", &c("198.18.1.0/29"))
         .unwrap();
@@ -1025,9 +1029,7 @@ fn usage_example_from_reference() {
         .unwrap();
     alloc(&mut store, "default", "active", Family::V4, NOW);
     alloc(&mut store, "default", "cooling", Family::V4, NOW);
-    store
-        .release("default", "cooling", "eth0", 30_000, NOW)
-        .unwrap();
+    store.release("default", "cooling", "eth0", NOW).unwrap();
     store.drain_block(2, NOW).unwrap();
     let usage = store.usage("default", Family::V4, NOW + 1).unwrap();
     assert_eq!(
@@ -1494,7 +1496,7 @@ fn upstream_database_is_repaired_and_served() {
             .collect();
     }
 
-    let mut store = open(&path);
+    let mut store = open_cooling(&path, 30_000);
     assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
     assert_eq!(
         reserved_addrs(&store, 1),
@@ -1562,9 +1564,7 @@ fn upstream_database_is_repaired_and_served() {
         ip("2001:db8::")
     );
     // Releasing the held reserved position returns it to the reservation.
-    let released = store
-        .release("default", "pod-x", "eth0", 30_000, NOW)
-        .unwrap();
+    let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
     assert_eq!(released[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
@@ -1613,7 +1613,7 @@ fn cached_statements_are_not_reprepared() {
     for i in 0..5 {
         let cid = format!("c{i}");
         alloc(&mut store, "default", &cid, Family::V4, 1000 + i);
-        store.release("default", &cid, "eth0", 0, 1000 + i).unwrap();
+        store.release("default", &cid, "eth0", 1000 + i).unwrap();
     }
     let claim = store.conn.prepare_cached(super::alloc::CLAIM_SQL).unwrap();
     assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0);
@@ -1707,4 +1707,30 @@ fn ipv4_blocks_larger_than_a_slash12_are_refused() {
     assert!(matches!(err, StoreError::BlockTooLarge(_)), "{err}");
     assert!(err.to_string().contains("split the range"), "{err}");
     assert!(store.blocks(&BlockFilter::default()).unwrap().is_empty());
+}
+
+#[test]
+fn release_cooldown_is_settled_at_open() {
+    let dir = TempDir::new();
+    assert_eq!(open(&dir.db()).release_cooldown(), 0, "nothing recorded");
+    // The daemon's cooldown is recorded; direct mode (None) then uses it.
+    assert_eq!(open_cooling(&dir.db(), 45_000).release_cooldown(), 45_000);
+    assert_eq!(open(&dir.db()).release_cooldown(), 45_000);
+    assert_eq!(
+        Store::open_read_only(&dir.db())
+            .unwrap()
+            .unwrap()
+            .release_cooldown(),
+        45_000
+    );
+    let store = open_cooling(&dir.db(), 0);
+    assert_eq!(
+        store
+            .setting(schema::KEY_RELEASE_COOLDOWN)
+            .unwrap()
+            .as_deref(),
+        Some("0")
+    );
+    drop(store);
+    assert_eq!(open(&dir.db()).release_cooldown(), 0);
 }
