@@ -417,95 +417,23 @@ impl Store {
         now_ms: i64,
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
-        let family = Family::of(address);
         let mode = self.reserve;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let unavailable = |reason: String| StoreError::RequestedIpUnavailable { address, reason };
-        if let Some(existing) = held_by_owner(&tx, owner, family)? {
-            if existing.address == address {
-                return Ok(existing);
-            }
-            return Err(unavailable(format!(
-                "container {:?} interface {:?} already holds {} in network {:?}",
-                owner.container_id, owner.interface_name, existing.address, owner.network
-            )));
+        if let Some(existing) = held_by_owner(&tx, owner, Family::of(address))? {
+            return already_held(owner, existing, address);
         }
-        // The non-Deleting block of the network containing the address.
-        let mut found: Option<(i64, Cidr, String)> = None;
-        {
-            let mut stmt = tx.prepare_cached(
-                "SELECT id, cidr, state FROM cidr_blocks \
-                 WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
-            )?;
-            let mut rows = stmt.query(params![owner.network, family.as_str()])?;
-            while let Some(row) = rows.next()? {
-                let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
-                if cidr.contains(address) {
-                    found = Some((row.get(0)?, cidr, row.get(2)?));
-                    break;
-                }
-            }
-        }
-        let Some((block_id, cidr, state)) = found else {
-            return Err(StoreError::RequestedIpOutsideBlocks {
-                address,
-                network: owner.network.to_string(),
-            });
-        };
-        if state != "Ready" {
-            return Err(unavailable(format!("block {cidr} is {state}")));
-        }
+        let (block_id, cidr) = ready_block_containing(&tx, owner.network, address)?;
         let offset = cidr.offset_of(address).unwrap_or(0);
-        let reserved = block_reserved(&tx, mode, block_id, owner.network, &cidr)?;
-        if reserved.contains(&offset) {
-            return Err(unavailable(format!(
-                "it is reserved (network/gateway/broadcast) in block {cidr}"
-            )));
+        if block_reserved(&tx, mode, block_id, owner.network, &cidr)?.contains(&offset) {
+            return Err(unavailable(
+                address,
+                format!("it is reserved (network/gateway/broadcast) in block {cidr}"),
+            ));
         }
-        let text = address.to_string();
-        let lookup = |conn: &Connection| -> Result<Option<RowState>, StoreError> {
-            Ok(conn
-                .prepare_cached(
-                    "SELECT id, is_allocated, COALESCE(container_id, ''), release_at \
-                     FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
-                )?
-                .query_row(params![text, block_id], |r| {
-                    Ok(RowState {
-                        id: r.get(0)?,
-                        allocated: r.get(1)?,
-                        container_id: r.get(2)?,
-                        release_at: r.get(3)?,
-                    })
-                })
-                .optional()?)
-        };
-        let row = match lookup(&tx)? {
-            Some(row) => row,
-            None => {
-                insert_rows(&tx, block_id, &cidr, offset..offset + 1, &[])?;
-                lookup(&tx)?.ok_or_else(|| {
-                    StoreError::Corrupt(format!("row {text} vanished after insert"))
-                })?
-            }
-        };
-        if row.allocated {
-            if row.container_id.is_empty() {
-                return Err(unavailable(format!("it is reserved in block {cidr}")));
-            }
-            return Err(unavailable(format!(
-                "it is held by container {:?}",
-                row.container_id
-            )));
-        }
-        if let Some(until) = row.release_at
-            && until > now_ms
-        {
-            return Err(unavailable(format!(
-                "it is in release cooldown until {until} (Unix ms)"
-            )));
-        }
+        let row = requested_row(&tx, block_id, &cidr, address, offset)?;
+        row.ensure_free(&cidr, address, now_ms)?;
         take_row(&tx, row.id, block_id, owner, now_ms)?;
         tx.commit()?;
         Ok(Allocation {
@@ -577,11 +505,129 @@ impl Store {
     }
 }
 
+fn unavailable(address: IpAddr, reason: String) -> StoreError {
+    StoreError::RequestedIpUnavailable { address, reason }
+}
+
+/// The answer to a static request from an owner that already holds an
+/// address of that family: the same address again, else a refusal.
+fn already_held(
+    owner: &Owner,
+    existing: Allocation,
+    address: IpAddr,
+) -> Result<Allocation, StoreError> {
+    if existing.address == address {
+        return Ok(existing);
+    }
+    Err(unavailable(
+        address,
+        format!(
+            "container {:?} interface {:?} already holds {} in network {:?}",
+            owner.container_id, owner.interface_name, existing.address, owner.network
+        ),
+    ))
+}
+
+/// The non-Deleting block of `network` containing `address`, which must
+/// be Ready: (id, cidr).
+fn ready_block_containing(
+    conn: &Connection,
+    network: &str,
+    address: IpAddr,
+) -> Result<(i64, Cidr), StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, cidr, state FROM cidr_blocks \
+         WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![network, Family::of(address).as_str()])?;
+    while let Some(row) = rows.next()? {
+        let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
+        if !cidr.contains(address) {
+            continue;
+        }
+        let state: String = row.get(2)?;
+        if state != "Ready" {
+            return Err(unavailable(address, format!("block {cidr} is {state}")));
+        }
+        return Ok((row.get(0)?, cidr));
+    }
+    Err(StoreError::RequestedIpOutsideBlocks {
+        address,
+        network: network.to_string(),
+    })
+}
+
+/// The row of `address` (at `offset`) in block `block_id`, inserted first
+/// if the block has not been populated that far (IPv6).
+fn requested_row(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+    address: IpAddr,
+    offset: u128,
+) -> Result<RowState, StoreError> {
+    let text = address.to_string();
+    if let Some(row) = RowState::find(conn, &text, block_id)? {
+        return Ok(row);
+    }
+    insert_rows(conn, block_id, cidr, offset..offset + 1, &[])?;
+    RowState::find(conn, &text, block_id)?
+        .ok_or_else(|| StoreError::Corrupt(format!("row {text} vanished after insert")))
+}
+
 struct RowState {
     id: i64,
     allocated: bool,
     container_id: String,
     release_at: Option<i64>,
+}
+
+impl RowState {
+    fn find(
+        conn: &Connection,
+        address: &str,
+        block_id: i64,
+    ) -> Result<Option<RowState>, StoreError> {
+        Ok(conn
+            .prepare_cached(
+                "SELECT id, is_allocated, COALESCE(container_id, ''), release_at \
+                 FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+            )?
+            .query_row(params![address, block_id], |r| {
+                Ok(RowState {
+                    id: r.get(0)?,
+                    allocated: r.get(1)?,
+                    container_id: r.get(2)?,
+                    release_at: r.get(3)?,
+                })
+            })
+            .optional()?)
+    }
+
+    /// Refuses a row that is reserved, held, or still cooling at `now_ms`.
+    fn ensure_free(&self, cidr: &Cidr, address: IpAddr, now_ms: i64) -> Result<(), StoreError> {
+        if self.allocated {
+            if self.container_id.is_empty() {
+                return Err(unavailable(
+                    address,
+                    format!("it is reserved in block {cidr}"),
+                ));
+            }
+            return Err(unavailable(
+                address,
+                format!("it is held by container {:?}", self.container_id),
+            ));
+        }
+        if let Some(until) = self.release_at
+            && until > now_ms
+        {
+            return Err(unavailable(
+                address,
+                format!("it is in release cooldown until {until} (Unix ms)"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64>, StoreError> {
