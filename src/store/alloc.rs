@@ -296,8 +296,9 @@ pub(super) fn frontier_key(block_id: i64) -> String {
 }
 
 /// The highest populated offset of a block: a scan of its rows, done once
-/// per block (for blocks populated before the frontier was recorded).
-fn highest_offset(
+/// per block (for blocks populated before the frontier was recorded), and
+/// by STATUS's read-only question whether an IPv6 block can still grow.
+pub(super) fn highest_offset(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,

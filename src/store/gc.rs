@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::alloc::{HeldRow, give_back};
+use super::alloc::{HeldRow, give_back, highest_offset};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
@@ -138,22 +138,6 @@ fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, Store
         }
     }
     Ok(false)
-}
-
-fn highest_offset(
-    conn: &Connection,
-    block_id: i64,
-    cidr: &Cidr,
-) -> Result<Option<u128>, StoreError> {
-    let mut stmt =
-        conn.prepare_cached("SELECT address FROM ip_addresses WHERE cidr_block_id = ?1")?;
-    let mut rows = stmt.query([block_id])?;
-    let mut highest = None;
-    while let Some(row) = rows.next()? {
-        let offset = cidr.offset_of(parse_addr(&row.get::<_, String>(0)?)?);
-        highest = highest.max(offset);
-    }
-    Ok(highest)
 }
 
 /// On IPv4 exhaustion an allocation takes back the oldest Draining block.

@@ -32,6 +32,21 @@ fn open_cooling(path: &Path, cooldown_ms: i64) -> Store {
     Store::open(path, &opts(None, Some(cooldown_ms))).unwrap()
 }
 
+/// Adds blocks (network, cidr) in order: block ids 1, 2, … on a new store.
+fn add_blocks(store: &mut Store, blocks: &[(&str, &str)]) {
+    for (network, cidr) in blocks {
+        store.add_cidr_block(network, &c(cidr)).unwrap();
+    }
+}
+
+/// A new store (default options) holding `blocks`; keep the directory alive.
+fn store_with(blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    add_blocks(&mut store, blocks);
+    (dir, store)
+}
+
 fn c(text: &str) -> Cidr {
     text.parse().unwrap()
 }
@@ -107,26 +122,139 @@ fn assert_counters(store: &Store) {
 
 #[test]
 fn reserved_offsets_rule() {
-    let e = ReserveMode::EveryBlock;
-    let f = ReserveMode::FirstBlock;
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/29"), e, false),
-        vec![0, 1, 7]
-    );
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/30"), e, false),
-        vec![0, 1, 3]
-    );
-    assert!(reserved_offsets(&c("198.18.0.0/31"), e, true).is_empty());
-    assert!(reserved_offsets(&c("198.18.0.0/32"), e, true).is_empty());
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/29"), f, true),
-        vec![0, 1, 7]
-    );
-    assert!(reserved_offsets(&c("198.18.0.0/29"), f, false).is_empty());
-    assert_eq!(reserved_offsets(&c("2001:db8::/64"), e, false), vec![0, 1]);
-    assert!(reserved_offsets(&c("2001:db8::/64"), f, true).is_empty());
-    assert!(reserved_offsets(&c("2001:db8::/127"), e, false).is_empty());
+    use ReserveMode::{EveryBlock, FirstBlock};
+    // (case, block, mode, first IPv4 block of its network, offsets)
+    let cases: [(&str, &str, ReserveMode, bool, &[u128]); 9] = [
+        ("v4 /29", "198.18.0.0/29", EveryBlock, false, &[0, 1, 7]),
+        ("v4 /30", "198.18.0.0/30", EveryBlock, false, &[0, 1, 3]),
+        ("v4 /31 too small", "198.18.0.0/31", EveryBlock, true, &[]),
+        ("v4 /32 too small", "198.18.0.0/32", EveryBlock, true, &[]),
+        (
+            "first block, first",
+            "198.18.0.0/29",
+            FirstBlock,
+            true,
+            &[0, 1, 7],
+        ),
+        (
+            "first block, later",
+            "198.18.0.0/29",
+            FirstBlock,
+            false,
+            &[],
+        ),
+        ("v6 /64", "2001:db8::/64", EveryBlock, false, &[0, 1]),
+        (
+            "v6 under first block",
+            "2001:db8::/64",
+            FirstBlock,
+            true,
+            &[],
+        ),
+        (
+            "v6 /127 too small",
+            "2001:db8::/127",
+            EveryBlock,
+            false,
+            &[],
+        ),
+    ];
+    for (case, block, mode, first, want) in cases {
+        assert_eq!(reserved_offsets(&c(block), mode, first), want, "{case}");
+    }
+}
+
+/// A layout of blocks (network "default") and the order in which
+/// allocations of `family` take its addresses until it is exhausted.
+struct OrderCase {
+    name: &'static str,
+    blocks: &'static [&'static str],
+    family: Family,
+    /// Per block, in id order: total_ips and the reserved addresses.
+    totals: &'static [i64],
+    reserved: &'static [&'static [&'static str]],
+    order: &'static [&'static str],
+}
+
+const ORDER_CASES: [OrderCase; 5] = [
+    OrderCase {
+        name: "every block: a /29 keeps network, gateway, broadcast",
+        blocks: &["198.18.1.0/29"],
+        family: Family::V4,
+        totals: &[8],
+        reserved: &[&["198.18.1.0", "198.18.1.1", "198.18.1.7"]],
+        order: &[
+            "198.18.1.2",
+            "198.18.1.3",
+            "198.18.1.4",
+            "198.18.1.5",
+            "198.18.1.6",
+        ],
+    },
+    OrderCase {
+        name: "tiny IPv4 blocks reserve nothing",
+        blocks: &["198.18.0.0/31", "198.18.0.9/32"],
+        family: Family::V4,
+        totals: &[2, 1],
+        reserved: &[&[], &[]],
+        order: &["198.18.0.0", "198.18.0.1", "198.18.0.9"],
+    },
+    OrderCase {
+        name: "IPv6 /126 keeps base and gateway",
+        blocks: &["2001:db8::/126"],
+        family: Family::V6,
+        totals: &[4],
+        reserved: &[&["2001:db8::", "2001:db8::1"]],
+        order: &["2001:db8::2", "2001:db8::3"],
+    },
+    OrderCase {
+        name: "IPv6 /127 stays inside its prefix",
+        blocks: &["2001:db8::/127"],
+        family: Family::V6,
+        totals: &[2],
+        reserved: &[&[]],
+        order: &["2001:db8::", "2001:db8::1"],
+    },
+    OrderCase {
+        name: "IPv6 /128 has its one address",
+        blocks: &["2001:db8::10/128"],
+        family: Family::V6,
+        totals: &[1],
+        reserved: &[&[]],
+        order: &["2001:db8::10"],
+    },
+];
+
+#[test]
+fn allocation_order_until_exhausted() {
+    for case in &ORDER_CASES {
+        let name = case.name;
+        let blocks: Vec<(&str, &str)> = case.blocks.iter().map(|b| ("default", *b)).collect();
+        let (_dir, mut store) = store_with(&blocks);
+        for (id, (total, reserved)) in (1..).zip(case.totals.iter().zip(case.reserved)) {
+            assert_eq!(reserved_addrs(&store, id), *reserved, "{name}: block {id}");
+            let b = block(&store, id);
+            let counted = i64::try_from(reserved.len()).unwrap();
+            assert_eq!(
+                (b.total_ips, b.allocated_ips),
+                (*total, counted),
+                "{name}: block {id}"
+            );
+        }
+        let got: Vec<IpAddr> = (0..case.order.len())
+            .map(|i| alloc(&mut store, "default", &format!("c{i}"), case.family, NOW))
+            .collect();
+        let want: Vec<IpAddr> = case.order.iter().map(|a| ip(a)).collect();
+        assert_eq!(got, want, "{name}");
+        let err = store
+            .allocate(&owner("default", "one-more"), case.family, NOW)
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::NoAvailableIps { family, .. } if family == case.family),
+            "{name}: {err}"
+        );
+        assert_counters(&store);
+    }
 }
 
 #[test]
@@ -297,9 +425,7 @@ fn reopen_is_idempotent_and_keeps_data() {
     let a;
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.1.0/29"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
         a = alloc(&mut store, "default", "c1", Family::V4, NOW);
         schema_before = store
             .conn
@@ -388,12 +514,8 @@ fn second_block_reservation_depends_on_mode() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.1.0/29"))
-            .unwrap();
-        store
-            .add_cidr_block("default", &c("198.18.2.0/29"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
+        add_blocks(&mut store, &[("default", "198.18.2.0/29")]);
         assert_eq!(
             reserved_addrs(&store, 2),
             vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
@@ -406,12 +528,10 @@ fn second_block_reservation_depends_on_mode() {
     store
         .add_cidr_block("default", &c("2001:db8::/120"))
         .unwrap(); // v6 first: no effect on v4 rule
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "198.18.1.0/29"), ("default", "198.18.2.0/29")],
+    );
     assert!(reserved_addrs(&store, 1).is_empty());
     assert_eq!(
         reserved_addrs(&store, 2),
@@ -472,40 +592,8 @@ fn second_block_reservation_depends_on_mode() {
 }
 
 #[test]
-fn tiny_v4_blocks_reserve_nothing() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.0.0/31"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.0.9/32"))
-        .unwrap();
-    assert_eq!(block(&store, 1).allocated_ips, 0);
-    assert_eq!(block(&store, 2).allocated_ips, 0);
-    assert_eq!(block(&store, 2).total_ips, 1);
-    let got: Vec<IpAddr> = (0..3)
-        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
-        .collect();
-    assert_eq!(
-        got,
-        vec![ip("198.18.0.0"), ip("198.18.0.1"), ip("198.18.0.9")]
-    );
-    assert!(
-        store
-            .allocate(&owner("default", "c3"), Family::V4, NOW)
-            .is_err()
-    );
-    assert_counters(&store);
-}
-
-#[test]
 fn ipv6_reserves_base_and_gateway() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/120"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8::/120")]);
     let b = block(&store, 1);
     assert_eq!(
         (b.family, b.total_ips, b.allocated_ips),
@@ -522,11 +610,7 @@ fn ipv6_reserves_base_and_gateway() {
 
 #[test]
 fn ipv6_expands_in_batches() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8::/64")]);
     assert_eq!(block(&store, 1).total_ips, i64::MAX);
     let mut seen = HashSet::new();
     for i in 0..100 {
@@ -546,12 +630,10 @@ fn ipv6_expands_in_batches() {
 fn tiny_ipv6_blocks_stay_inside_prefix() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 60_000);
-    store
-        .add_cidr_block("default", &c("2001:db8::/127"))
-        .unwrap();
-    store
-        .add_cidr_block("other", &c("2001:db8::10/128"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "2001:db8::/127"), ("other", "2001:db8::10/128")],
+    );
     assert_eq!(
         rows(&store, 1)
             .iter()
@@ -596,9 +678,7 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
 fn fully_cooling_126_terminates() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 30_000);
-    store
-        .add_cidr_block("default", &c("2001:db8::/126"))
-        .unwrap();
+    add_blocks(&mut store, &[("default", "2001:db8::/126")]);
     assert_eq!(rows(&store, 1).len(), 4);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V6, NOW),
@@ -635,9 +715,7 @@ fn fully_cooling_126_terminates() {
 fn cooldown_skips_then_reuses() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 1000);
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
+    add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V4, NOW),
         ip("198.18.1.2")
@@ -689,14 +767,8 @@ fn cooldown_skips_then_reuses() {
 
 #[test]
 fn oldest_block_first() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.2.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.1.0/28"))
-        .unwrap();
+    let (_dir, mut store) =
+        store_with(&[("default", "198.18.2.0/28"), ("default", "198.18.1.0/28")]);
     for i in 0..3 {
         let a = store
             .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
@@ -713,12 +785,7 @@ fn oldest_block_first() {
 
 #[test]
 fn allocate_is_idempotent_and_network_scoped() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store.add_cidr_block("blue", &c("198.18.9.0/29")).unwrap();
+    let (_dir, mut store) = store_with(&[("default", "198.18.1.0/29"), ("blue", "198.18.9.0/29")]);
     let a = store
         .allocate(&owner("default", "c1"), Family::V4, NOW)
         .unwrap();
@@ -767,12 +834,10 @@ fn allocate_is_idempotent_and_network_scoped() {
 fn release_is_idempotent_and_dual_stack() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 1000);
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "2001:db8::/64"), ("default", "198.18.1.0/29")],
+    );
     let v6 = store
         .allocate(&owner("default", "c1"), Family::V6, NOW)
         .unwrap();
@@ -807,15 +872,14 @@ fn release_is_idempotent_and_dual_stack() {
 fn counters_match_rows_after_mixed_sequence() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 500);
-    store
-        .add_cidr_block("default", &c("198.18.1.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/120"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[
+            ("default", "198.18.1.0/28"),
+            ("default", "198.18.2.0/28"),
+            ("default", "2001:db8::/120"),
+        ],
+    );
     for i in 0..70 {
         let cid = format!("c{i}");
         if i < 20 {
@@ -846,12 +910,10 @@ fn counters_match_rows_after_mixed_sequence() {
 fn allocate_requested_cases() {
     let dir = TempDir::new();
     let mut store = open_cooling(&dir.db(), 1000);
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "198.18.1.0/29"), ("default", "2001:db8::/64")],
+    );
     let a = store
         .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
         .unwrap();
@@ -931,17 +993,11 @@ fn allocate_requested_cases() {
 
 #[test]
 fn lifecycle_drain_undrain_expire_delete() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.3.0/29"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[
+        ("default", "198.18.1.0/29"),
+        ("default", "198.18.2.0/29"),
+        ("default", "198.18.3.0/29"),
+    ]);
     // Fill block 1 so the next lands in block 2.
     for i in 0..5 {
         alloc(&mut store, "default", &format!("f{i}"), Family::V4, NOW);
@@ -1021,12 +1077,10 @@ fn usage_example_from_reference() {
     let dir = TempDir::new();
     let first_block = opts(Some(ReserveMode::FirstBlock), Some(30_000));
     let mut store = Store::open(&dir.db(), &first_block).unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "198.18.1.0/29"), ("default", "198.18.2.0/29")],
+    );
     alloc(&mut store, "default", "active", Family::V4, NOW);
     alloc(&mut store, "default", "cooling", Family::V4, NOW);
     store.release("default", "cooling", "eth0", NOW).unwrap();
@@ -1061,12 +1115,10 @@ fn usage_example_from_reference() {
         }
     );
     // Saturating totals.
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8:1::/64"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "2001:db8::/64"), ("default", "2001:db8:1::/64")],
+    );
     assert_eq!(
         store.usage("default", Family::V6, NOW).unwrap().total,
         i64::MAX
@@ -1075,13 +1127,13 @@ fn usage_example_from_reference() {
 
 #[test]
 fn networks_and_ready_blocks_order() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store.add_cidr_block("zeta", &c("198.18.1.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.2.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.3.0/29")).unwrap();
-    store.add_cidr_block("gone", &c("198.18.4.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.5.0/29")).unwrap();
+    let (_dir, mut store) = store_with(&[
+        ("zeta", "198.18.1.0/29"),
+        ("alpha", "198.18.2.0/29"),
+        ("alpha", "198.18.3.0/29"),
+        ("gone", "198.18.4.0/29"),
+        ("alpha", "198.18.5.0/29"),
+    ]);
     store
         .conn
         .execute("UPDATE cidr_blocks SET state = 'Deleting' WHERE id = 4", [])
@@ -1099,15 +1151,11 @@ fn networks_and_ready_blocks_order() {
 
 #[test]
 fn listings_honour_filters_and_bind_values() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/30"))
-        .unwrap();
-    store.add_cidr_block("blue", &c("198.18.2.0/30")).unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/126"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[
+        ("default", "198.18.1.0/30"),
+        ("blue", "198.18.2.0/30"),
+        ("default", "2001:db8::/126"),
+    ]);
     alloc(&mut store, "default", "c1", Family::V4, NOW);
     alloc(&mut store, "blue", "c2", Family::V4, NOW);
     store.drain_block(2, NOW).unwrap();
@@ -1282,9 +1330,7 @@ fn two_stores_allocate_concurrently() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.100.0/24"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.100.0/24")]);
     }
     let handles: Vec<_> = (0..2)
         .map(|t| {
@@ -1320,11 +1366,7 @@ fn two_stores_allocate_concurrently() {
 #[test]
 fn adding_a_slash16_enumerates_every_address() {
     // How long this takes is measured by `make bench`, not asserted here.
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.19.0.0/16"))
-        .unwrap();
+    let (dir, store) = store_with(&[("default", "198.19.0.0/16")]);
     assert_eq!(block(&store, 1).total_ips, 65536);
     assert_eq!(rows(&store, 1).len(), 65536);
     assert_eq!(
@@ -1338,11 +1380,7 @@ fn adding_a_slash16_enumerates_every_address() {
 
 #[test]
 fn corrupt_rows_are_errors_not_panics() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/30"))
-        .unwrap();
+    let (dir, mut store) = store_with(&[("default", "198.18.1.0/30")]);
     store
         .conn
         .execute(
@@ -1602,14 +1640,8 @@ fn claim_query_uses_partial_index() {
 
 #[test]
 fn cached_statements_are_not_reprepared() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.90.0/24"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.91.0/24"))
-        .unwrap();
+    let (_dir, mut store) =
+        store_with(&[("default", "198.18.90.0/24"), ("default", "198.18.91.0/24")]);
     for i in 0..5 {
         let cid = format!("c{i}");
         alloc(&mut store, "default", &cid, Family::V4, 1000 + i);
@@ -1645,11 +1677,7 @@ fn allocation_path_never_scans_the_address_table() {
 
 #[test]
 fn ipv6_growth_continues_from_the_recorded_frontier() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8:6::/64"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8:6::/64")]);
     // A requested address far ahead of the populated batches.
     let ahead = store
         .allocate_requested(&owner("default", "ahead"), ip("2001:db8:6::50"), NOW)
@@ -1674,11 +1702,7 @@ fn ipv6_growth_continues_from_the_recorded_frontier() {
 
 #[test]
 fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8:7::/120"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8:7::/120")]);
     for i in 0..62 {
         alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
     }
