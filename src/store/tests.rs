@@ -41,8 +41,13 @@ fn add_blocks(store: &mut Store, blocks: &[(&str, &str)]) {
 
 /// A new store (default options) holding `blocks`; keep the directory alive.
 fn store_with(blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    store_opts_with(&opts(None, None), blocks)
+}
+
+/// A new store opened with `opts`, holding `blocks`.
+fn store_opts_with(opts: &StoreOptions, blocks: &[(&str, &str)]) -> (TempDir, Store) {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = Store::open(&dir.db(), opts).unwrap();
     add_blocks(&mut store, blocks);
     (dir, store)
 }
@@ -360,26 +365,21 @@ fn schema_objects_are_exact() {
             col("updated_at", "INTEGER", false, now_default.as_deref(), 0),
         ]
     );
-    let version: i64 = conn
-        .pragma_query_value(None, "user_version", |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 1);
     let journal: String = conn
         .pragma_query_value(None, "journal_mode", |r| r.get(0))
         .unwrap();
     assert_eq!(journal, "wal");
-    let fk: i64 = conn
-        .pragma_query_value(None, "foreign_keys", |r| r.get(0))
-        .unwrap();
-    assert_eq!(fk, 1);
-    let sync: i64 = conn
-        .pragma_query_value(None, "synchronous", |r| r.get(0))
-        .unwrap();
-    assert_eq!(sync, 1);
-    let busy: i64 = conn
-        .pragma_query_value(None, "busy_timeout", |r| r.get(0))
-        .unwrap();
-    assert_eq!(busy, 5000);
+    // synchronous 1 is NORMAL.
+    let pragmas = [
+        ("user_version", 1),
+        ("foreign_keys", 1),
+        ("synchronous", 1),
+        ("busy_timeout", 5000),
+    ];
+    for (pragma, want) in pragmas {
+        let value: i64 = conn.pragma_query_value(None, pragma, |r| r.get(0)).unwrap();
+        assert_eq!(value, want, "{pragma}");
+    }
 
     let file_mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
     assert_eq!(file_mode, 0o600);
@@ -628,10 +628,8 @@ fn ipv6_expands_in_batches() {
 
 #[test]
 fn tiny_ipv6_blocks_stay_inside_prefix() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 60_000);
-    add_blocks(
-        &mut store,
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(60_000)),
         &[("default", "2001:db8::/127"), ("other", "2001:db8::10/128")],
     );
     assert_eq!(
@@ -676,9 +674,8 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
 
 #[test]
 fn fully_cooling_126_terminates() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 30_000);
-    add_blocks(&mut store, &[("default", "2001:db8::/126")]);
+    let (_dir, mut store) =
+        store_opts_with(&opts(None, Some(30_000)), &[("default", "2001:db8::/126")]);
     assert_eq!(rows(&store, 1).len(), 4);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V6, NOW),
@@ -713,9 +710,8 @@ fn fully_cooling_126_terminates() {
 
 #[test]
 fn cooldown_skips_then_reuses() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 1000);
-    add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
+    let (dir, mut store) =
+        store_opts_with(&opts(None, Some(1000)), &[("default", "198.18.1.0/29")]);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V4, NOW),
         ip("198.18.1.2")
@@ -832,10 +828,8 @@ fn allocate_is_idempotent_and_network_scoped() {
 
 #[test]
 fn release_is_idempotent_and_dual_stack() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 1000);
-    add_blocks(
-        &mut store,
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
         &[("default", "2001:db8::/64"), ("default", "198.18.1.0/29")],
     );
     let v6 = store
@@ -870,10 +864,8 @@ fn release_is_idempotent_and_dual_stack() {
 
 #[test]
 fn counters_match_rows_after_mixed_sequence() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 500);
-    add_blocks(
-        &mut store,
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(500)),
         &[
             ("default", "198.18.1.0/28"),
             ("default", "198.18.2.0/28"),
@@ -908,10 +900,8 @@ fn counters_match_rows_after_mixed_sequence() {
 
 #[test]
 fn allocate_requested_cases() {
-    let dir = TempDir::new();
-    let mut store = open_cooling(&dir.db(), 1000);
-    add_blocks(
-        &mut store,
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
         &[("default", "198.18.1.0/29"), ("default", "2001:db8::/64")],
     );
     let a = store
@@ -1074,11 +1064,9 @@ fn lifecycle_drain_undrain_expire_delete() {
 
 #[test]
 fn usage_example_from_reference() {
-    let dir = TempDir::new();
     let first_block = opts(Some(ReserveMode::FirstBlock), Some(30_000));
-    let mut store = Store::open(&dir.db(), &first_block).unwrap();
-    add_blocks(
-        &mut store,
+    let (_dir, mut store) = store_opts_with(
+        &first_block,
         &[("default", "198.18.1.0/29"), ("default", "198.18.2.0/29")],
     );
     alloc(&mut store, "default", "active", Family::V4, NOW);
@@ -1186,30 +1174,23 @@ fn listings_honour_filters_and_bind_values() {
         state: s,
         family: fam,
     };
-    assert_eq!(
-        ids(&store.list_blocks(&f(Some("default"), None, None)).unwrap()),
-        vec!["1", "3"]
-    );
-    assert_eq!(
-        ids(&store
-            .list_blocks(&f(None, Some(BlockState::Draining), None))
-            .unwrap()),
-        vec!["2"]
-    );
-    assert_eq!(
-        ids(&store.list_blocks(&f(None, None, Some(Family::V6))).unwrap()),
-        vec!["3"]
-    );
-    assert_eq!(
-        ids(&store
-            .list_blocks(&f(
-                Some("default"),
-                Some(BlockState::Ready),
-                Some(Family::V4)
-            ))
-            .unwrap()),
-        vec!["1"]
-    );
+    let block_cases = [
+        ("network", f(Some("default"), None, None), vec!["1", "3"]),
+        (
+            "state",
+            f(None, Some(BlockState::Draining), None),
+            vec!["2"],
+        ),
+        ("family", f(None, None, Some(Family::V6)), vec!["3"]),
+        (
+            "all three",
+            f(Some("default"), Some(BlockState::Ready), Some(Family::V4)),
+            vec!["1"],
+        ),
+    ];
+    for (case, filter, want) in block_cases {
+        assert_eq!(ids(&store.list_blocks(&filter).unwrap()), want, "{case}");
+    }
     let evil = "x' OR '1'='1";
     assert!(
         store
@@ -1264,65 +1245,81 @@ fn listings_honour_filters_and_bind_values() {
             &c1.rows[0][10]
         ]
     );
-    let count = |flt: AddressFilter| store.list_addresses(&flt).unwrap().rows.len();
-    assert_eq!(
-        count(AddressFilter {
-            allocated: Some(true),
-            ..Default::default()
-        }),
-        10
-    );
-    assert_eq!(
-        count(AddressFilter {
-            allocated: Some(false),
-            ..Default::default()
-        }),
-        2
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some("blue".into()),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            state: Some(BlockState::Draining),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            family: Some(Family::V6),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some("default".into()),
-            family: Some(Family::V6),
-            allocated: Some(false),
-            ..Default::default()
-        }),
-        2
-    );
-    assert_eq!(
-        count(AddressFilter {
-            container_id: Some(evil.into()),
-            ..Default::default()
-        }),
-        0
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some(evil.into()),
-            ..Default::default()
-        }),
-        0
-    );
+    let address_cases = [
+        (
+            "allocated",
+            AddressFilter {
+                allocated: Some(true),
+                ..Default::default()
+            },
+            10,
+        ),
+        (
+            "free",
+            AddressFilter {
+                allocated: Some(false),
+                ..Default::default()
+            },
+            2,
+        ),
+        (
+            "network",
+            AddressFilter {
+                network: Some("blue".into()),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "block state",
+            AddressFilter {
+                state: Some(BlockState::Draining),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "family",
+            AddressFilter {
+                family: Some(Family::V6),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "network, family and free",
+            AddressFilter {
+                network: Some("default".into()),
+                family: Some(Family::V6),
+                allocated: Some(false),
+                ..Default::default()
+            },
+            2,
+        ),
+        (
+            "hostile container id",
+            AddressFilter {
+                container_id: Some(evil.into()),
+                ..Default::default()
+            },
+            0,
+        ),
+        (
+            "hostile network",
+            AddressFilter {
+                network: Some(evil.into()),
+                ..Default::default()
+            },
+            0,
+        ),
+    ];
+    for (case, filter, want) in address_cases {
+        assert_eq!(
+            store.list_addresses(&filter).unwrap().rows.len(),
+            want,
+            "{case}"
+        );
+    }
 }
 
 #[test]
