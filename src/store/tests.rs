@@ -1128,9 +1128,10 @@ fn networks_and_ready_blocks_order() {
     assert_eq!(ids, vec![3, 2]);
 }
 
-#[test]
-fn listings_honour_filters_and_bind_values() {
-    let (_dir, mut store) = store_with(&[
+/// The listings' fixture: blocks 1 (default, v4, c1 holds .2), 2 (blue,
+/// v4, Draining, c2 holds .2) and 3 (default, v6).
+fn listing_store() -> (TempDir, Store) {
+    let (dir, mut store) = store_with(&[
         ("default", "198.18.1.0/30"),
         ("blue", "198.18.2.0/30"),
         ("default", "2001:db8::/126"),
@@ -1138,7 +1139,15 @@ fn listings_honour_filters_and_bind_values() {
     alloc(&mut store, "default", "c1", Family::V4, NOW);
     alloc(&mut store, "blue", "c2", Family::V4, NOW);
     store.drain_block(2, NOW).unwrap();
+    (dir, store)
+}
 
+/// A filter value that would match everything if pasted into SQL.
+const HOSTILE: &str = "x' OR '1'='1";
+
+#[test]
+fn block_listings_honour_filters_and_bind_values() {
+    let (_dir, store) = listing_store();
     let all = store.list_blocks(&BlockFilter::default()).unwrap();
     assert_eq!(
         all.headers,
@@ -1182,20 +1191,28 @@ fn listings_honour_filters_and_bind_values() {
     for (case, filter, want) in block_cases {
         assert_eq!(ids(&store.list_blocks(&filter).unwrap()), want, "{case}");
     }
-    let evil = "x' OR '1'='1";
     assert!(
         store
-            .list_blocks(&f(Some(evil), None, None))
+            .list_blocks(&f(Some(HOSTILE), None, None))
             .unwrap()
             .rows
             .is_empty()
     );
-    assert!(store.blocks(&f(Some(evil), None, None)).unwrap().is_empty());
+    assert!(
+        store
+            .blocks(&f(Some(HOSTILE), None, None))
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(
         store.blocks(&f(Some("blue"), None, None)).unwrap()[0].state,
         BlockState::Draining
     );
+}
 
+#[test]
+fn address_listings_honour_filters_and_bind_values() {
+    let (_dir, store) = listing_store();
     let addrs = store.list_addresses(&AddressFilter::default()).unwrap();
     assert_eq!(
         addrs.headers,
@@ -1290,7 +1307,7 @@ fn listings_honour_filters_and_bind_values() {
         (
             "hostile container id",
             AddressFilter {
-                container_id: Some(evil.into()),
+                container_id: Some(HOSTILE.into()),
                 ..Default::default()
             },
             0,
@@ -1298,7 +1315,7 @@ fn listings_honour_filters_and_bind_values() {
         (
             "hostile network",
             AddressFilter {
-                network: Some(evil.into()),
+                network: Some(HOSTILE.into()),
                 ..Default::default()
             },
             0,
