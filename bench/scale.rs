@@ -83,7 +83,7 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
         .unwrap();
     drop(conn);
     let store = Store::open(&path, &StoreOptions::default()).unwrap();
-    (Engine::new(store, 0), rows as u64)
+    (Engine::new(store), rows as u64)
 }
 
 /// `samples` allocate latencies, each followed by the release of the pod.
@@ -183,7 +183,7 @@ pub fn v4(samples: usize, smoke: bool) -> Vec<Point> {
 pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
     let dir = TempDir::new("scale-v6");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
-    let mut engine = Engine::new(store, 0);
+    let mut engine = Engine::new(store);
     let ranges = [crate::util::RANGE_V6];
     let start = Instant::now();
     for i in 0..allocations {

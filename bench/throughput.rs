@@ -71,7 +71,7 @@ pub fn daemon(threads: usize, duration: Duration) -> Rate {
 pub fn in_process(duration: Duration) -> Rate {
     let dir = TempDir::new("inproc");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
-    let mut engine = Engine::new(store, 0);
+    let mut engine = Engine::new(store);
     let mut pair = |id: &str| {
         allocated(
             &engine

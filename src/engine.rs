@@ -110,15 +110,11 @@ impl Outcome {
 /// Serves requests against one store.
 pub struct Engine {
     store: Store,
-    release_cooldown_ms: i64,
 }
 
 impl Engine {
-    pub fn new(store: Store, release_cooldown_ms: i64) -> Engine {
-        Engine {
-            store,
-            release_cooldown_ms,
-        }
+    pub fn new(store: Store) -> Engine {
+        Engine { store }
     }
 
     pub fn store(&self) -> &Store {
@@ -208,7 +204,7 @@ impl Engine {
                 }
                 Err(failure) => {
                     if let Some((container_id, interface_name)) = allocated_owner {
-                        self.roll_back(network, &container_id, &interface_name, now_ms);
+                        self.roll_back(network, &container_id, &interface_name);
                     }
                     return Err(failure);
                 }
@@ -321,12 +317,9 @@ impl Engine {
         Ok(())
     }
 
-    fn roll_back(&mut self, network: &str, container_id: &str, interface_name: &str, now_ms: i64) {
+    fn roll_back(&mut self, network: &str, container_id: &str, interface_name: &str) {
         // No cooldown: the address never reached a pod.
-        if let Err(err) = self
-            .store
-            .release(network, container_id, interface_name, 0, now_ms)
-        {
+        if let Err(err) = self.store.roll_back(network, container_id, interface_name) {
             crate::log::error(
                 "engine",
                 "failed to roll back a partial allocation",
@@ -348,13 +341,7 @@ impl Engine {
         require_owner(&req.container_id, &req.interface_name)?;
         let released = self
             .store
-            .release(
-                network,
-                &req.container_id,
-                &req.interface_name,
-                self.release_cooldown_ms,
-                now_ms,
-            )
+            .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
                     &format!(
@@ -420,7 +407,6 @@ impl Engine {
                 network,
                 &valid,
                 now_ms.saturating_sub(req.grace_period_ms),
-                self.release_cooldown_ms,
                 now_ms,
             )
             .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
@@ -627,7 +613,7 @@ mod tests {
     #[test]
     fn failed_second_family_releases_the_first() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 60_000);
+        let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
         // A /128 has one address: the first pod takes it.
         engine
@@ -650,7 +636,7 @@ mod tests {
     #[test]
     fn exhaustion_takes_back_a_draining_block_first() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 0);
+        let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
         engine
             .allocate(&request("a", "198.18.0.0/30", ""), now)
@@ -677,7 +663,7 @@ mod tests {
     #[test]
     fn exhaustion_stays_typed_until_encoded() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 0);
+        let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
         let add = |container: &str| Request {
             kind: Some(request::Kind::Allocate(request(
@@ -706,7 +692,7 @@ mod tests {
     #[test]
     fn requested_addresses_and_bad_requests() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 0);
+        let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
         let mut wanted = request("a", "198.18.0.0/24", "");
         if let Some(c) = wanted.ipv4_config.as_mut() {

@@ -148,8 +148,7 @@ impl Backend for Node {
                 else {
                     return can_create(db_path).map(|()| None);
                 };
-                let cooldown_ms = store.release_cooldown().unwrap_or(0);
-                Ok(Some(serve(store, cooldown_ms, request)))
+                Ok(Some(serve(store, request)))
             }
         }
     }
@@ -175,17 +174,17 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
         &StoreOptions {
             durability: crate::store::Durability::Normal,
             reserve: None,
+            // The daemon's recorded cooldown: direct-mode releases rest as long.
+            release_cooldown: None,
         },
     )
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
-    // The daemon records its cooldown so direct-mode releases honour it too.
-    let cooldown_ms = store.release_cooldown().unwrap_or(0);
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
     if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
         let recovered = store
-            .recover_after_reboot(&boot_id, None, cooldown_ms, log::now_ms())
+            .recover_after_reboot(&boot_id, None, log::now_ms())
             .map_err(|err| CniError::from_store_open(db_path, &err))?;
         if recovered.released() > 0 {
             log::info(
@@ -195,12 +194,12 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             );
         }
     }
-    Ok(serve(store, cooldown_ms, request))
+    Ok(serve(store, request))
 }
 
 /// Direct mode's one use of the engine, as the daemon would serve it.
-fn serve(store: Store, cooldown_ms: i64, request: Request) -> Response {
-    Engine::new(store, cooldown_ms)
+fn serve(store: Store, request: Request) -> Response {
+    Engine::new(store)
         .handle(&request, log::now_ms())
         .into_response()
 }

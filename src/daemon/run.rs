@@ -36,7 +36,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     add_static_cidrs(&mut store, config)?;
 
     let listener = listen(&config.socket_path, config.socket_group)?;
-    let engine = Engine::new(store, config.release_cooldown_ms);
+    let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
     if let Some(addr) = config.metrics_addr {
@@ -85,14 +85,15 @@ fn block_signals() -> Result<SignalFd, DaemonError> {
         .map_err(DaemonError::Signals)
 }
 
-/// Opens the store, refuses one that fails its quick check, and records the
-/// release cooldown for direct mode.
+/// Opens the store (which records the release cooldown for direct mode) and
+/// refuses one that fails its quick check.
 fn open_store(config: &Config) -> Result<Store, DaemonError> {
-    let mut store = Store::open(
+    let store = Store::open(
         &config.db_path,
         &StoreOptions {
             durability: config.durability,
             reserve: Some(config.reserve),
+            release_cooldown: Some(config.release_cooldown_ms),
         },
     )
     .map_err(DaemonError::Store)?;
@@ -105,9 +106,6 @@ fn open_store(config: &Config) -> Result<Store, DaemonError> {
             report.describe(&config.db_path.display().to_string()),
         ));
     }
-    store
-        .set_release_cooldown(config.release_cooldown_ms)
-        .map_err(DaemonError::Store)?;
     Ok(store)
 }
 
@@ -168,12 +166,7 @@ pub fn recover_after_reboot(store: &mut Store, config: &Config) -> Result<u64, D
         return Ok(0);
     };
     let outcome = store
-        .recover_after_reboot(
-            &boot_id,
-            Some(config.boot_recovery),
-            config.release_cooldown_ms,
-            log::now_ms(),
-        )
+        .recover_after_reboot(&boot_id, Some(config.boot_recovery), log::now_ms())
         .map_err(DaemonError::Store)?;
     match outcome {
         BootRecovery::Released(count) => log::info(
