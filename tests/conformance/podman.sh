@@ -234,7 +234,7 @@ else
     fail "podman network reload keeps the address ($p4_before) [issue 10 bug 6]" "$(tail -n 1 <<<"$out")"
 fi
 # A failed reload leaves p4 without a network: it leaves the next checks.
-podman rm -f -t 0 p4 >/dev/null
+podman rm -f -t 0 p4 >/dev/null 2>&1
 
 # --- the daemon SIGKILLed during a burst of starts ----------------------------
 burst=(k1 k2 k3 k4 k5 k6)
