@@ -151,15 +151,36 @@ fn row(
     }
 }
 
+/// What the run found: summary rows and the notes under them.
+#[derive(Default)]
+struct Report {
+    rows: Vec<Row>,
+    notes: Vec<String>,
+}
+
 fn run(plan: &Plan) -> String {
     let started = Instant::now();
     let tools = TempDir::new("tools");
     let floor = build_floor(&tools);
-    let mut rows = Vec::new();
-    let mut notes = Vec::new();
-
+    let mut report = Report::default();
     eprintln!("[1/6] ADD+DEL cycles: metis, host-local, floor");
-    let c = cni::cycles(&floor, plan.warmup, plan.cycles);
+    report_cycles(plan, &floor, &mut report);
+    eprintln!("[2/6] daemon throughput");
+    report_throughput(plan, &mut report);
+    eprintln!("[3/6] scale");
+    report_scale(plan, &mut report);
+    eprintln!("[4/6] memory");
+    report_memory(plan, &floor, &mut report);
+    report_binary_size(&mut report);
+    eprintln!("[5/6] burst");
+    report_burst(plan, &mut report);
+    eprintln!("[6/6] report");
+    render(plan, &report, started.elapsed())
+}
+
+/// ADD+DEL latency: Metis against host-local and the floor.
+fn report_cycles(plan: &Plan, floor: &Path, report: &mut Report) {
+    let c = cni::cycles(floor, plan.warmup, plan.cycles);
     let comparisons = [
         (
             "median",
@@ -174,7 +195,7 @@ fn run(plan: &Plan) -> String {
     ];
     for (stat, reference, ours, theirs, target) in comparisons {
         let r = ratio(ours, theirs);
-        rows.push(row(
+        report.rows.push(row(
             &format!("ADD+DEL {stat}, Metis vs {reference}"),
             ms(ours),
             ms(theirs),
@@ -183,7 +204,7 @@ fn run(plan: &Plan) -> String {
             target.map(|t| r <= t),
         ));
     }
-    rows.push(row(
+    report.rows.push(row(
         "ADD+DEL median, floor vs host-local (best possible)",
         ms(c.floor.median),
         ms(c.host_local.median),
@@ -191,7 +212,7 @@ fn run(plan: &Plan) -> String {
         "",
         None,
     ));
-    notes.push(format!(
+    report.notes.push(format!(
         "ADD+DEL: {} cycles each (after {} warm-up), interleaved Metis / host-local / floor with the \
          order rotating; Metis ADD alone median {} p99 {}, DEL alone median {} p99 {}.",
         c.metis.count,
@@ -201,8 +222,10 @@ fn run(plan: &Plan) -> String {
         ms(c.metis_del.median),
         ms(c.metis_del.p99),
     ));
+}
 
-    eprintln!("[2/6] daemon throughput");
+/// Daemon pairs per second by client count, against the engine in-process.
+fn report_throughput(plan: &Plan, report: &mut Report) {
     let inproc = throughput::in_process(plan.throughput_for);
     let mut daemon_rates = Vec::new();
     for threads in [1, 2, 8] {
@@ -218,7 +241,7 @@ fn run(plan: &Plan) -> String {
         } else {
             ("", None)
         };
-        rows.push(row(
+        report.rows.push(row(
             &format!("daemon pairs/s, {threads} client(s) vs in-process"),
             format!("{:.0}/s", rate.per_second()),
             format!("{:.0}/s", inproc.per_second()),
@@ -227,8 +250,10 @@ fn run(plan: &Plan) -> String {
             met,
         ));
     }
+}
 
-    eprintln!("[3/6] scale");
+/// Allocate latency as the tables grow, against the smallest point.
+fn report_scale(plan: &Plan, report: &mut Report) {
     let mut points = scale::v4(plan.scale_samples, plan.smoke);
     let (v6_steady, v6_growth) = scale::v6(plan.v6_allocations, plan.scale_samples);
     points.push(v6_steady);
@@ -236,7 +261,7 @@ fn run(plan: &Plan) -> String {
     let base = points[0].latency;
     for point in &points[1..] {
         let r = ratio(point.latency.median, base.median);
-        rows.push(row(
+        report.rows.push(row(
             &format!("allocate median, {}", point.label),
             us(point.latency.median),
             us(base.median),
@@ -246,7 +271,7 @@ fn run(plan: &Plan) -> String {
         ));
     }
     for point in &points {
-        notes.push(format!(
+        report.notes.push(format!(
             "scale: {}: {} rows, set up in {}, allocate median {} p99 {} over {} samples.",
             point.label,
             point.rows,
@@ -256,11 +281,13 @@ fn run(plan: &Plan) -> String {
             point.latency.count,
         ));
     }
+}
 
-    eprintln!("[4/6] memory");
-    let m = memory::measure(&floor, plan.memory_allocations);
+/// Peak RSS of the daemon (idle, loaded) and of one plugin ADD.
+fn report_memory(plan: &Plan, floor: &Path, report: &mut Report) {
+    let m = memory::measure(floor, plan.memory_allocations);
     let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
-    rows.push(row(
+    report.rows.push(row(
         "daemon peak RSS, idle",
         mib(m.daemon_idle_kib),
         String::new(),
@@ -268,7 +295,7 @@ fn run(plan: &Plan) -> String {
         "≤ 8 MB",
         Some(m.daemon_idle_kib * 1024 <= 8_000_000),
     ));
-    rows.push(row(
+    report.rows.push(row(
         &format!("daemon peak RSS, {} allocations", m.allocations),
         mib(m.daemon_loaded_kib),
         String::new(),
@@ -276,7 +303,7 @@ fn run(plan: &Plan) -> String {
         "≤ 16 MB",
         Some(m.daemon_loaded_kib * 1024 <= 16_000_000),
     ));
-    rows.push(row(
+    report.rows.push(row(
         "plugin peak RSS, one ADD, Metis vs host-local",
         mib(m.metis_add_kib),
         mib(m.host_local_add_kib),
@@ -287,10 +314,14 @@ fn run(plan: &Plan) -> String {
         "≤ 3 MB",
         Some(m.metis_add_kib * 1024 <= 3_000_000),
     ));
-    notes.push(format!(
+    report.notes.push(format!(
         "memory: the floor program's peak RSS is {}; MB targets are 10^6 bytes.",
         mib(m.floor_kib)
     ));
+}
+
+/// Binary size: Metis against host-local.
+fn report_binary_size(report: &mut Report) {
     let (metis_size, metis_stripped) = memory::binary(Path::new(METIS));
     let (host_size, host_stripped) = memory::binary(Path::new(HOST_LOCAL));
     let size = |bytes: u64, stripped: bool| {
@@ -300,7 +331,7 @@ fn run(plan: &Plan) -> String {
             if stripped { "" } else { " (not stripped)" }
         )
     };
-    rows.push(row(
+    report.rows.push(row(
         "binary size, Metis vs host-local",
         size(metis_size, metis_stripped),
         size(host_size, host_stripped),
@@ -308,12 +339,14 @@ fn run(plan: &Plan) -> String {
         "stripped",
         Some(metis_stripped),
     ));
+}
 
-    eprintln!("[5/6] burst");
+/// Concurrent ADDs: all succeed with distinct addresses.
+fn report_burst(plan: &Plan, report: &mut Report) {
     let b = cni::burst(plan.burst);
     assert_eq!(b.count, plan.burst);
     assert_eq!(b.distinct, plan.burst, "burst addresses must be distinct");
-    rows.push(row(
+    report.rows.push(row(
         &format!("burst: {} concurrent ADDs, wall time", b.count),
         ms(b.wall),
         String::new(),
@@ -321,7 +354,7 @@ fn run(plan: &Plan) -> String {
         "all succeed, distinct",
         Some(b.distinct == b.count),
     ));
-    rows.push(row(
+    report.rows.push(row(
         "burst: ADD latency median / p99",
         format!("{} / {}", ms(b.latency.median), ms(b.latency.p99)),
         String::new(),
@@ -329,13 +362,10 @@ fn run(plan: &Plan) -> String {
         "",
         None,
     ));
-    notes.push(format!(
+    report.notes.push(format!(
         "burst: {} of {} ADDs fell back to direct mode; {} distinct addresses.",
         b.direct_mode, b.count, b.distinct
     ));
-
-    eprintln!("[6/6] report");
-    render(plan, &rows, &notes, started.elapsed())
 }
 
 fn command_line(program: &str, args: &[&str]) -> String {
@@ -350,7 +380,7 @@ fn command_line(program: &str, args: &[&str]) -> String {
         )
 }
 
-fn render(plan: &Plan, rows: &[Row], notes: &[String], took: Duration) -> String {
+fn render(plan: &Plan, report: &Report, took: Duration) -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
@@ -413,7 +443,7 @@ fn render(plan: &Plan, rows: &[Row], notes: &[String], took: Duration) -> String
         "| measurement | Metis | reference | ratio | target | |"
     );
     let _ = writeln!(out, "|---|---|---|---|---|---|");
-    for r in rows {
+    for r in &report.rows {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} |",
@@ -421,7 +451,7 @@ fn render(plan: &Plan, rows: &[Row], notes: &[String], took: Duration) -> String
         );
     }
     let _ = writeln!(out);
-    for note in notes {
+    for note in &report.notes {
         let _ = writeln!(out, "- {note}");
     }
     out

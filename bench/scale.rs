@@ -83,7 +83,7 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
         .unwrap();
     drop(conn);
     let store = Store::open(&path, &StoreOptions::default()).unwrap();
-    (Engine::new(store, 0), rows as u64)
+    (Engine::new(store), rows as u64)
 }
 
 /// `samples` allocate latencies, each followed by the release of the pod.
@@ -92,10 +92,16 @@ fn pairs(engine: &mut Engine, ranges: &[&str], samples: usize, tag: &str) -> Sum
     for i in 0..samples {
         let id = format!("bench-scale-{tag}-{i}");
         let start = Instant::now();
-        let response = engine.handle(allocate_request(&id, ranges), metis::log::now_ms());
+        let response = engine
+            .handle(&allocate_request(&id, ranges), metis::log::now_ms())
+            .into_response();
         latencies.push(start.elapsed());
         allocated(&response);
-        released(&engine.handle(release_request(&id), metis::log::now_ms()));
+        released(
+            &engine
+                .handle(&release_request(&id), metis::log::now_ms())
+                .into_response(),
+        );
     }
     Summary::of(&latencies)
 }
@@ -177,12 +183,16 @@ pub fn v4(samples: usize, smoke: bool) -> Vec<Point> {
 pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
     let dir = TempDir::new("scale-v6");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
-    let mut engine = Engine::new(store, 0);
+    let mut engine = Engine::new(store);
     let ranges = [crate::util::RANGE_V6];
     let start = Instant::now();
     for i in 0..allocations {
         let id = format!("bench-v6-fill-{i}");
-        allocated(&engine.handle(allocate_request(&id, &ranges), metis::log::now_ms()));
+        allocated(
+            &engine
+                .handle(&allocate_request(&id, &ranges), metis::log::now_ms())
+                .into_response(),
+        );
     }
     let setup = start.elapsed();
     let steady = pairs(&mut engine, &ranges, samples, "v6");
@@ -190,7 +200,9 @@ pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
     for i in 0..samples {
         let id = format!("bench-v6-grow-{i}");
         let start = Instant::now();
-        let response = engine.handle(allocate_request(&id, &ranges), metis::log::now_ms());
+        let response = engine
+            .handle(&allocate_request(&id, &ranges), metis::log::now_ms())
+            .into_response();
         growth.push(start.elapsed());
         allocated(&response);
     }

@@ -71,10 +71,18 @@ pub fn daemon(threads: usize, duration: Duration) -> Rate {
 pub fn in_process(duration: Duration) -> Rate {
     let dir = TempDir::new("inproc");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
-    let mut engine = Engine::new(store, 0);
+    let mut engine = Engine::new(store);
     let mut pair = |id: &str| {
-        allocated(&engine.handle(allocate_request(id, &[RANGE_V4]), metis::log::now_ms()));
-        released(&engine.handle(release_request(id), metis::log::now_ms()));
+        allocated(
+            &engine
+                .handle(&allocate_request(id, &[RANGE_V4]), metis::log::now_ms())
+                .into_response(),
+        );
+        released(
+            &engine
+                .handle(&release_request(id), metis::log::now_ms())
+                .into_response(),
+        );
     };
     pair("bench-warm");
     let start = Instant::now();

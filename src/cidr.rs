@@ -1,6 +1,6 @@
-//! IP prefixes (CIDR blocks): strict parsing and the address arithmetic the
-//! store and the CNI result need. Addresses are handled as `u128` offsets so
-//! IPv4 and IPv6 share one code path.
+//! IP prefixes (CIDR blocks): strict parsing, the address arithmetic the
+//! store needs and the gateway the CNI result reports. Addresses are handled
+//! as `u128` offsets so IPv4 and IPv6 share one code path.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -199,6 +199,25 @@ impl fmt::Display for Cidr {
     }
 }
 
+/// Upstream's gateway for blocks too small to spare base + 1 (/31, /32,
+/// /127, /128): a link-local address the pod reaches on-link.
+pub const SMALL_BLOCK_GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 4, 6);
+/// The IPv6 counterpart of [`SMALL_BLOCK_GATEWAY_V4`].
+pub const SMALL_BLOCK_GATEWAY_V6: Ipv6Addr =
+    Ipv6Addr::new(0xfe80, 0, 0, 0, 0x8893, 0xb6ff, 0xfe2c, 0x7a0d);
+
+/// The gateway Metis reports for an address in `block`: base + 1, or the
+/// link-local gateway when the block has fewer than 2 host bits.
+pub fn gateway_for(block: &Cidr) -> IpAddr {
+    match (block.host_bits() >= 2).then(|| block.nth(1)).flatten() {
+        Some(gateway) => gateway,
+        None => match block.family() {
+            Family::V4 => IpAddr::V4(SMALL_BLOCK_GATEWAY_V4),
+            Family::V6 => IpAddr::V6(SMALL_BLOCK_GATEWAY_V6),
+        },
+    }
+}
+
 /// The address as an unsigned integer (IPv4 in the low 32 bits).
 pub fn to_u128(addr: IpAddr) -> u128 {
     match addr {
@@ -291,5 +310,20 @@ mod tests {
         assert!(cidr("198.18.0.0/16").overlaps(&cidr("198.18.4.0/24")));
         assert!(cidr("198.18.4.0/24").overlaps(&cidr("198.18.0.0/16")));
         assert!(!cidr("198.18.4.0/24").overlaps(&cidr("198.18.5.0/24")));
+    }
+
+    #[test]
+    fn gateway_table() {
+        for (block, gateway) in [
+            ("198.19.0.0/24", "198.19.0.1"),
+            ("198.19.0.0/30", "198.19.0.1"),
+            ("198.19.0.0/31", "169.254.4.6"),
+            ("198.19.0.7/32", "169.254.4.6"),
+            ("2600:1900:4040:ae7:0:7::/112", "2600:1900:4040:ae7:0:7:0:1"),
+            ("2001:db8::/127", "fe80::8893:b6ff:fe2c:7a0d"),
+            ("2001:db8::7/128", "fe80::8893:b6ff:fe2c:7a0d"),
+        ] {
+            assert_eq!(gateway_for(&cidr(block)).to_string(), gateway, "{block}");
+        }
     }
 }

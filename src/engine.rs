@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 
 use crate::cidr::{Cidr, Family};
+use crate::defaults::DEFAULT_NETWORK;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
 };
@@ -14,9 +15,6 @@ use crate::wire::envelope::v1 as envelope;
 use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
 use crate::wire::ipam;
 use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
-
-/// Network used when a request names none (upstream's default pod network).
-pub const DEFAULT_NETWORK: &str = "default";
 
 /// A request-level failure: what the client is told.
 #[derive(Debug, PartialEq, Eq)]
@@ -68,13 +66,44 @@ impl Failure {
         }
     }
 
-    fn into_response(self) -> Response {
-        let response = Response::error(self.code, self.reason, self.message);
+    fn into_outcome(self) -> Outcome {
         match self.scope {
-            Some((network, family)) => response
+            Some((network, family)) => Outcome::Exhausted {
+                network,
+                family,
+                message: self.message,
+            },
+            None => Outcome::Reply(Response::error(self.code, self.reason, self.message)),
+        }
+    }
+}
+
+/// What a request came to. Exhaustion stays typed so the daemon can park
+/// the request and wait for new blocks without reading the reply back.
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    Reply(Response),
+    /// No free address of `family` in the network's blocks.
+    Exhausted {
+        network: String,
+        family: Family,
+        message: String,
+    },
+}
+
+impl Outcome {
+    /// The response a client receives: the one place where exhaustion
+    /// becomes a wire status with its network and family metadata.
+    pub fn into_response(self) -> Response {
+        match self {
+            Outcome::Reply(response) => response,
+            Outcome::Exhausted {
+                network,
+                family,
+                message,
+            } => Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
                 .with_metadata(reason::META_NETWORK, &network)
                 .with_metadata(reason::META_IP_FAMILY, family.as_str()),
-            None => response,
         }
     }
 }
@@ -82,15 +111,11 @@ impl Failure {
 /// Serves requests against one store.
 pub struct Engine {
     store: Store,
-    release_cooldown_ms: i64,
 }
 
 impl Engine {
-    pub fn new(store: Store, release_cooldown_ms: i64) -> Engine {
-        Engine {
-            store,
-            release_cooldown_ms,
-        }
+    pub fn new(store: Store) -> Engine {
+        Engine { store }
     }
 
     pub fn store(&self) -> &Store {
@@ -103,29 +128,29 @@ impl Engine {
 
     /// Handles one request at time `now_ms`. Never panics on input: every
     /// failure becomes an error status.
-    pub fn handle(&mut self, request: Request, now_ms: i64) -> Response {
+    pub fn handle(&mut self, request: &Request, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.ensure_file_unchanged() {
-            return Failure::from_store("database", &err).into_response();
+            return Failure::from_store("database", &err).into_outcome();
         }
-        let result = match request.kind {
+        let result = match &request.kind {
             Some(request::Kind::Allocate(req)) => {
-                self.allocate(&req, now_ms).map(response::Kind::Allocate)
+                self.allocate(req, now_ms).map(response::Kind::Allocate)
             }
-            Some(request::Kind::Deallocate(req)) => self
-                .deallocate(&req, now_ms)
-                .map(response::Kind::Deallocate),
-            Some(request::Kind::Check(req)) => self.check(&req).map(response::Kind::Check),
+            Some(request::Kind::Deallocate(req)) => {
+                self.deallocate(req, now_ms).map(response::Kind::Deallocate)
+            }
+            Some(request::Kind::Check(req)) => self.check(req).map(response::Kind::Check),
             Some(request::Kind::ListCidrBlocks(req)) => {
-                self.list_blocks(&req).map(response::Kind::Table)
+                self.list_blocks(req).map(response::Kind::Table)
             }
             Some(request::Kind::ListIpAddresses(req)) => {
-                self.list_addresses(&req).map(response::Kind::Table)
+                self.list_addresses(req).map(response::Kind::Table)
             }
             Some(request::Kind::Health(_)) => self.health().map(response::Kind::Health),
-            Some(request::Kind::Usage(req)) => self.usage(&req, now_ms).map(response::Kind::Usage),
-            Some(request::Kind::Gc(req)) => self.gc(&req, now_ms).map(response::Kind::Gc),
+            Some(request::Kind::Usage(req)) => self.usage(req, now_ms).map(response::Kind::Usage),
+            Some(request::Kind::Gc(req)) => self.gc(req, now_ms).map(response::Kind::Gc),
             Some(request::Kind::NetworkStatus(req)) => self
-                .network_status(&req, now_ms)
+                .network_status(req, now_ms)
                 .map(response::Kind::NetworkStatus),
             None => Err(Failure {
                 code: Code::Unimplemented,
@@ -135,8 +160,8 @@ impl Engine {
             }),
         };
         match result {
-            Ok(kind) => Response::ok(kind),
-            Err(failure) => failure.into_response(),
+            Ok(kind) => Outcome::Reply(Response::ok(kind)),
+            Err(failure) => failure.into_outcome(),
         }
     }
 
@@ -335,7 +360,7 @@ impl Engine {
     /// Undoes what this request took of `family`. No cooldown: the address
     /// never reached a pod.
     fn roll_back(&mut self, network: &str, family: Family, config: &ipam::IpConfig) {
-        if let Err(err) = self.store.undo_allocation(
+        if let Err(err) = self.store.roll_back(
             network,
             &config.container_id,
             &config.interface_name,
@@ -362,13 +387,7 @@ impl Engine {
         require_owner(&req.container_id, &req.interface_name)?;
         let released = self
             .store
-            .release(
-                network,
-                &req.container_id,
-                &req.interface_name,
-                self.release_cooldown_ms,
-                now_ms,
-            )
+            .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
                     &format!(
@@ -434,7 +453,6 @@ impl Engine {
                 network,
                 &valid,
                 now_ms.saturating_sub(req.grace_period_ms),
-                self.release_cooldown_ms,
                 now_ms,
             )
             .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
@@ -642,7 +660,7 @@ mod tests {
     #[test]
     fn failed_second_family_releases_the_first() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 60_000);
+        let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
         // A /128 has one address: the first pod takes it.
         engine
@@ -665,7 +683,7 @@ mod tests {
     #[test]
     fn a_failed_repeat_add_keeps_what_the_owner_held() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 60_000);
+        let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
         let first = engine
             .allocate(&request("a", "198.18.0.0/24", "2001:db8::/120"), now)
@@ -702,7 +720,7 @@ mod tests {
     #[test]
     fn only_the_last_owner_takes_back_a_cooling_address() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 60_000);
+        let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
         let asking = |container: &str| {
             let mut wanted = request(container, "198.18.0.0/24", "");
@@ -737,7 +755,7 @@ mod tests {
     #[test]
     fn exhaustion_takes_back_a_draining_block_first() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 0);
+        let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
         engine
             .allocate(&request("a", "198.18.0.0/30", ""), now)
@@ -762,9 +780,38 @@ mod tests {
     }
 
     #[test]
+    fn exhaustion_stays_typed_until_encoded() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store());
+        let now = crate::log::now_ms();
+        let add = |container: &str| Request {
+            kind: Some(request::Kind::Allocate(request(
+                container,
+                "",
+                "2001:db8::1/128",
+            ))),
+        };
+        let first = engine.handle(&add("a"), now);
+        assert!(matches!(first, Outcome::Reply(_)), "{first:?}");
+        let outcome = engine.handle(&add("b"), now);
+        let Outcome::Exhausted {
+            network, family, ..
+        } = &outcome
+        else {
+            panic!("{outcome:?}")
+        };
+        assert_eq!((network.as_str(), *family), ("net", Family::V6));
+        let reply = outcome.into_response();
+        assert_eq!(reply.code(), Code::ResourceExhausted);
+        assert_eq!(reply.reason(), reason::IP_POOL_EXHAUSTED);
+        assert_eq!(reply.metadata(reason::META_NETWORK), Some("net"));
+        assert_eq!(reply.metadata(reason::META_IP_FAMILY), Some("ipv6"));
+    }
+
+    #[test]
     fn requested_addresses_and_bad_requests() {
         let dir = TempDir::new();
-        let mut engine = Engine::new(dir.store(), 0);
+        let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
         let mut wanted = request("a", "198.18.0.0/24", "");
         if let Some(c) = wanted.ipv4_config.as_mut() {

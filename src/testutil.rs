@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::store::{Durability, Owner, Store, StoreOptions};
+use crate::store::{Owner, Store, StoreOptions};
 
 /// A unique directory under the system temp dir, removed on drop.
 pub struct TempDir(pub PathBuf);
@@ -30,14 +30,17 @@ impl TempDir {
 
     /// A store on this directory's database, with default options.
     pub fn store(&self) -> Store {
-        Store::open(
-            &self.db(),
-            &StoreOptions {
-                durability: Durability::Normal,
-                reserve: None,
-            },
-        )
-        .unwrap()
+        Store::open(&self.db(), &StoreOptions::default()).unwrap()
+    }
+
+    /// A store on this directory's database whose released addresses rest
+    /// for `cooldown_ms`, as under a daemon started with that cooldown.
+    pub fn store_with_cooldown(&self, cooldown_ms: i64) -> Store {
+        let opts = StoreOptions {
+            release_cooldown: Some(cooldown_ms),
+            ..StoreOptions::default()
+        };
+        Store::open(&self.db(), &opts).unwrap()
     }
 }
 

@@ -215,7 +215,7 @@ proptest! {
 fn the_engine_survives_hostile_requests_with_its_invariants() {
     let dir = common::TestDir::new("prop-engine");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
-    let engine = std::cell::RefCell::new(Engine::new(store, 0));
+    let engine = std::cell::RefCell::new(Engine::new(store));
     let text = || {
         prop::string::string_regex(".{0,12}|198\\.18\\.[0-9]{1,3}\\.[0-9]{1,3}(/[0-9]{1,3})?|2001:db8::[0-9a-f]{0,4}(/[0-9]{1,3})?").unwrap()
     };
@@ -270,7 +270,8 @@ fn the_engine_survives_hostile_requests_with_its_invariants() {
         .run(&kind, |kind| {
             let response = engine
                 .borrow_mut()
-                .handle(Request { kind: Some(kind) }, 1_700_000_000_000);
+                .handle(&Request { kind: Some(kind) }, 1_700_000_000_000)
+                .into_response();
             prop_assert!(response.status.is_some() || response.kind.is_some());
             Ok(())
         })

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::render::{Cell, Rows};
 use super::{ArgsError, CallError, call, socket_path};
 use crate::cidr::Family;
-use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{self, FlagSpec, Parsed};
 use crate::store::BlockState;
 use crate::wire::admin::v1::{ListCidrBlocksRequest, ListIpAddressesRequest};

@@ -5,15 +5,16 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use crate::defaults::DEFAULT_DB_PATH;
 use crate::flags::{self, FlagError, FlagSpec};
-use crate::store::{self, Depth, Report};
+use crate::store::{self, Depth};
 
 const FLAGS: &[FlagSpec] = &[
     FlagSpec {
         name: "--db-path",
         value: Some("PATH"),
         repeatable: false,
-        default: crate::daemon::DEFAULT_DB_PATH,
+        default: DEFAULT_DB_PATH,
         help: "the database to check (opened read-only; nothing is changed)",
     },
     FlagSpec {
@@ -45,11 +46,7 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             return EXIT_USAGE;
         }
     };
-    let path = PathBuf::from(
-        parsed
-            .get("--db-path")
-            .unwrap_or(crate::daemon::DEFAULT_DB_PATH),
-    );
+    let path = PathBuf::from(parsed.get("--db-path").unwrap_or(DEFAULT_DB_PATH));
     let depth = if parsed.has("--quick") {
         Depth::Quick
     } else {
@@ -57,7 +54,7 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     };
     match store::check_file(&path, depth) {
         Ok(report) => {
-            let _ = write!(out, "{}", describe(&path.display().to_string(), &report));
+            let _ = write!(out, "{}", report.describe(&path.display().to_string()));
             if report.is_ok() {
                 EXIT_OK
             } else {
@@ -69,24 +66,6 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             EXIT_PROBLEMS
         }
     }
-}
-
-/// The report as the command prints it (and the daemon logs it).
-pub fn describe(path: &str, report: &Report) -> String {
-    let summary = format!(
-        "{path}: {} blocks, {} allocated addresses",
-        report.blocks, report.allocations
-    );
-    if report.is_ok() {
-        return format!("{summary}: ok, every invariant holds\n");
-    }
-    let mut text = format!("{summary}: {} problems\n", report.problems.len());
-    for problem in &report.problems {
-        text.push_str("  - ");
-        text.push_str(problem);
-        text.push('\n');
-    }
-    text
 }
 
 fn usage() -> String {

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use super::{ArgsError, CallError, call, socket_path};
-use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{self, FlagSpec};
 use crate::wire::envelope::v1::health_check_response::ServingStatus;
 use crate::wire::{HealthCheckRequest, request, response};

@@ -13,9 +13,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::daemon::DEFAULT_SOCKET_PATH;
+use crate::cni::backend::{self, Daemon};
+use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{FlagError, Parsed};
-use crate::wire::client::{Client, ClientError};
+use crate::wire::client::ClientError;
 use crate::wire::{Code, Request, request, response};
 
 /// Why a subcommand's command line was not run.
@@ -92,17 +93,17 @@ pub fn call(
     io_timeout: Duration,
     kind: request::Kind,
 ) -> Result<Option<response::Kind>, CallError> {
-    let mut client =
-        Client::connect(socket, connect_timeout, io_timeout).map_err(CallError::Unreachable)?;
-    let response = client
-        .call(&Request { kind: Some(kind) })
+    let daemon = Daemon {
+        socket: socket.to_path_buf(),
+        connect_timeout,
+        call_timeout: io_timeout,
+        attempts: 1,
+    };
+    let response = daemon
+        .exchange(&Request { kind: Some(kind) })
         .map_err(CallError::Unreachable)?;
-    if response.code() == Code::Ok {
-        Ok(response.kind)
-    } else {
-        Err(CallError::Refused {
-            code: response.code(),
-            message: response.status.map(|s| s.message).unwrap_or_default(),
-        })
-    }
+    backend::accepted(response, |refused| CallError::Refused {
+        code: refused.code(),
+        message: refused.status.map(|s| s.message).unwrap_or_default(),
+    })
 }

@@ -1,9 +1,11 @@
-//! Where the plugin's requests go: the daemon over its socket, or — when no
-//! daemon answers (before the DaemonSet is up, during a restart) — the same
-//! engine run in-process against the same database ("direct mode"). SQLite's
-//! WAL, busy timeout and immediate transactions make the two safe together.
+//! Where the plugin's requests go, behind the [`Backend`] seam: the daemon
+//! over its socket, or — when no daemon answers (before the DaemonSet is up,
+//! during a restart) — the same engine run in-process against the same
+//! database ("direct mode"). SQLite's WAL, busy timeout and immediate
+//! transactions make the two safe together. [`Daemon`] is the one way to
+//! exchange a request with the daemon, shared with the admin commands.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use nix::unistd::{self, AccessFlags};
 use std::time::Duration;
@@ -13,7 +15,7 @@ use crate::engine::Engine;
 use crate::log;
 use crate::store::{self, Store, StoreOptions};
 use crate::wire::client::{Client, ClientError};
-use crate::wire::{Request, Response};
+use crate::wire::{Code, Request, Response, response};
 
 /// Connection attempts before falling back to direct mode (upstream's 3).
 const CONNECT_ATTEMPTS: u32 = 3;
@@ -25,49 +27,130 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// below the 10 s runtimes commonly allow a plugin call... as upstream.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Sends `request` to the daemon at `socket`, or serves it in-process from
-/// `db_path` when the daemon cannot be reached at all.
-pub fn call(socket: &Path, db_path: &Path, request: &Request) -> Result<Response, CniError> {
-    match call_daemon(socket, request) {
-        Ok(response) => Ok(response),
-        Err(err) if err.is_connect() => {
-            log::info(
-                "cni",
-                "daemon unreachable, using direct mode",
-                &[("error", &err), ("db", &db_path.display())],
-            );
-            call_direct(db_path, request)
-        }
-        Err(err) => Err(CniError::from_client(&err)),
+/// What the plugin's verbs talk to; unit tests put a fake here.
+pub trait Backend {
+    /// Serves one request; an error status comes back as a [`Response`].
+    fn call(&mut self, request: Request) -> Result<Response, CniError>;
+
+    /// Like [`Backend::call`] for requests that only read (STATUS): `Ok(None)`
+    /// means there is nothing to read yet (no database; the first ADD will
+    /// create it).
+    fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError>;
+}
+
+/// The payload of an OK answer, or the error `refused` makes of a refusal.
+pub fn accepted<E>(
+    response: Response,
+    refused: impl FnOnce(Response) -> E,
+) -> Result<Option<response::Kind>, E> {
+    if response.code() == Code::Ok {
+        Ok(response.kind)
+    } else {
+        Err(refused(response))
     }
 }
 
-/// Like [`call`] for requests that only read (STATUS): in direct mode the
-/// database is opened read-only, and `Ok(None)` means it does not exist yet
-/// (nothing to read; the first ADD will create it).
-pub fn call_read_only(
-    socket: &Path,
-    db_path: &Path,
-    request: &Request,
-) -> Result<Option<Response>, CniError> {
-    match call_daemon(socket, request) {
-        Ok(response) => Ok(Some(response)),
-        Err(err) if err.is_connect() => {
-            log::debug(
-                "cni",
-                "daemon unreachable, reading the database",
-                &[("error", &err), ("db", &db_path.display())],
-            );
-            let Some(store) = Store::open_read_only(db_path)
-                .map_err(|err| CniError::from_store_open(db_path, &err))?
-            else {
-                return can_create(db_path).map(|()| None);
-            };
-            let cooldown_ms = store.release_cooldown().unwrap_or(0);
-            let mut engine = Engine::new(store, cooldown_ms);
-            Ok(Some(engine.handle(request.clone(), log::now_ms())))
+/// The daemon's socket and how patiently to reach it.
+pub struct Daemon {
+    pub socket: PathBuf,
+    pub connect_timeout: Duration,
+    pub call_timeout: Duration,
+    /// Connection attempts, [`CONNECT_RETRY_PAUSE`] apart.
+    pub attempts: u32,
+}
+
+impl Daemon {
+    /// One request, one response. A [`ClientError::is_connect`] error means
+    /// nothing was sent.
+    pub fn exchange(&self, request: &Request) -> Result<Response, ClientError> {
+        let mut attempt = 1;
+        loop {
+            match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
+                Ok(mut client) => return client.call(request),
+                Err(err) if attempt >= self.attempts => return Err(err),
+                Err(err) => {
+                    log::debug("cni", "connect failed, retrying", &[("error", &err)]);
+                    attempt += 1;
+                    std::thread::sleep(CONNECT_RETRY_PAUSE);
+                }
+            }
         }
-        Err(err) => Err(CniError::from_client(&err)),
+    }
+}
+
+/// The node's IPAM as the plugin reaches it: the daemon at its socket, else
+/// direct mode on the database.
+pub struct Node {
+    daemon: Daemon,
+    db_path: PathBuf,
+}
+
+impl Node {
+    /// The daemon at `socket` (with the plugin's retry policy), backed by the
+    /// database at `db_path`.
+    pub fn new(socket: &Path, db_path: &Path) -> Node {
+        Node {
+            daemon: Daemon {
+                socket: socket.to_path_buf(),
+                connect_timeout: CONNECT_TIMEOUT,
+                call_timeout: CALL_TIMEOUT,
+                attempts: CONNECT_ATTEMPTS,
+            },
+            db_path: db_path.to_path_buf(),
+        }
+    }
+
+    /// The daemon's answer, or the request back (nothing was sent) when the
+    /// daemon cannot be reached at all.
+    fn ask_daemon(&self, request: Request) -> Result<Reached, CniError> {
+        match self.daemon.exchange(&request) {
+            Ok(response) => Ok(Reached::Answered(response)),
+            Err(err) if err.is_connect() => Ok(Reached::Unreachable(request, err)),
+            Err(err) => Err(CniError::from_client(&err)),
+        }
+    }
+}
+
+/// How far a request got with the daemon.
+enum Reached {
+    Answered(Response),
+    Unreachable(Request, ClientError),
+}
+
+impl Backend for Node {
+    fn call(&mut self, request: Request) -> Result<Response, CniError> {
+        match self.ask_daemon(request)? {
+            Reached::Answered(response) => Ok(response),
+            Reached::Unreachable(request, err) => {
+                log::info(
+                    "cni",
+                    "daemon unreachable, using direct mode",
+                    &[("error", &err), ("db", &self.db_path.display())],
+                );
+                call_direct(&self.db_path, request)
+            }
+        }
+    }
+
+    /// In direct mode the database is opened read-only and never created.
+    fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError> {
+        match self.ask_daemon(request)? {
+            Reached::Answered(response) => Ok(Some(response)),
+            Reached::Unreachable(request, err) => {
+                log::debug(
+                    "cni",
+                    "daemon unreachable, reading the database",
+                    &[("error", &err), ("db", &self.db_path.display())],
+                );
+                let db_path = &self.db_path;
+                let Some(store) = Store::open_read_only(db_path)
+                    .map_err(|err| CniError::from_store_open(db_path, &err))?
+                else {
+                    return can_create(db_path).map(|()| None);
+                };
+                Ok(Some(serve(store, request)))
+            }
+        }
     }
 }
 
@@ -85,38 +168,23 @@ fn can_create(db_path: &Path) -> Result<(), CniError> {
     }
 }
 
-fn call_daemon(socket: &Path, request: &Request) -> Result<Response, ClientError> {
-    let mut attempt = 1;
-    loop {
-        match Client::connect(socket, CONNECT_TIMEOUT, CALL_TIMEOUT) {
-            Ok(mut client) => return client.call(request),
-            Err(err) if attempt >= CONNECT_ATTEMPTS => return Err(err),
-            Err(err) => {
-                log::debug("cni", "connect failed, retrying", &[("error", &err)]);
-                attempt += 1;
-                std::thread::sleep(CONNECT_RETRY_PAUSE);
-            }
-        }
-    }
-}
-
-fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> {
+fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     let mut store = Store::open(
         db_path,
         &StoreOptions {
             durability: crate::store::Durability::Normal,
             reserve: None,
+            // The daemon's recorded cooldown: direct-mode releases rest as long.
+            release_cooldown: None,
         },
     )
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
-    // The daemon records its cooldown so direct-mode releases honour it too.
-    let cooldown_ms = store.release_cooldown().unwrap_or(0);
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
     if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
         let recovered = store
-            .recover_after_reboot(&boot_id, None, cooldown_ms, log::now_ms())
+            .recover_after_reboot(&boot_id, None, log::now_ms())
             .map_err(|err| CniError::from_store_open(db_path, &err))?;
         if recovered.released() > 0 {
             log::info(
@@ -126,6 +194,12 @@ fn call_direct(db_path: &Path, request: &Request) -> Result<Response, CniError> 
             );
         }
     }
-    let mut engine = Engine::new(store, cooldown_ms);
-    Ok(engine.handle(request.clone(), log::now_ms()))
+    Ok(serve(store, request))
+}
+
+/// Direct mode's one use of the engine, as the daemon would serve it.
+fn serve(store: Store, request: Request) -> Response {
+    Engine::new(store)
+        .handle(&request, log::now_ms())
+        .into_response()
 }

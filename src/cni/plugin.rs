@@ -10,14 +10,15 @@ use std::path::Path;
 
 use crate::cidr::{Cidr, Family};
 use crate::cni::args::{self, CniArgs};
+use crate::cni::backend::{self, Backend, Node};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::env::{self, CniEnv, Verb};
 use crate::cni::error::CniError;
 use crate::cni::result::{self, AllocatedIp};
-use crate::cni::{backend, version};
+use crate::cni::version;
 use crate::log;
 use crate::wire::envelope::v1 as envelope;
-use crate::wire::{Code, Request, Response, ipam, request, response};
+use crate::wire::{Request, ipam, request, response};
 
 /// Largest network configuration accepted on stdin.
 const MAX_STDIN: usize = 1024 * 1024;
@@ -44,18 +45,21 @@ pub fn main() -> u8 {
         &mut stdin.lock(),
         &mut stdout.lock(),
         &mut stderr.lock(),
+        |net_conf| Node::new(&net_conf.daemon_socket, &net_conf.db_path),
     )
 }
 
-/// Runs one CNI invocation and returns the exit code. An empty
-/// `CNI_COMMAND` gets the "about" text on stderr and success, as skel does.
-pub fn run(
+/// Runs one CNI invocation against the backend `backend_for` makes from the
+/// network configuration, and returns the exit code. An empty `CNI_COMMAND`
+/// gets the "about" text on stderr and success, as skel does.
+pub fn run<B: Backend>(
     lookup: &dyn Fn(&str) -> Option<String>,
     stdin: &mut dyn Read,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
+    backend_for: impl FnOnce(&NetConf) -> B,
 ) -> u8 {
-    let (output, code) = match execute(lookup, stdin) {
+    let (output, code) = match execute(lookup, stdin, backend_for) {
         Ok(Reply::About) => {
             let _ = writeln!(stderr, "{}", about());
             return 0;
@@ -91,9 +95,10 @@ enum Reply {
 }
 
 /// Does the verb; on failure returns the error with the version to print it in.
-fn execute(
+fn execute<B: Backend>(
     lookup: &dyn Fn(&str) -> Option<String>,
     stdin: &mut dyn Read,
+    backend_for: impl FnOnce(&NetConf) -> B,
 ) -> Result<Reply, (CniError, String)> {
     let no_version = |err: CniError| (err, String::new());
     let Some(cni_env) = env::from_lookup(lookup).map_err(no_version)? else {
@@ -117,12 +122,13 @@ fn execute(
         ],
     );
     let cni_args = args::parse(&cni_env.args).map_err(with_version)?;
+    let backend = &mut backend_for(&net_conf);
     let outcome = match cni_env.verb {
-        Verb::Add => add(&net_conf, &cni_env, &cni_args).map(Some),
-        Verb::Del => del(&net_conf, &cni_env, &cni_args).map(|()| None),
-        Verb::Check => check(&net_conf, &cni_env, &cni_args).map(|()| None),
-        Verb::Status => status(&net_conf).map(|()| None),
-        Verb::Gc => gc(&net_conf).map(|()| None),
+        Verb::Add => add(backend, &net_conf, &cni_env, &cni_args).map(Some),
+        Verb::Del => del(backend, &net_conf, &cni_env, &cni_args).map(|()| None),
+        Verb::Check => check(backend, &net_conf, &cni_env, &cni_args).map(|()| None),
+        Verb::Status => status(backend, &net_conf).map(|()| None),
+        Verb::Gc => gc(backend, &net_conf).map(|()| None),
         Verb::Version => Ok(Some(version::version_reply(&input))),
     };
     outcome.map(Reply::Stdout).map_err(with_version)
@@ -170,7 +176,12 @@ fn open_log(path: &Path, cni_env: &CniEnv) {
     }
 }
 
-fn add(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<String, CniError> {
+fn add(
+    backend: &mut dyn Backend,
+    net_conf: &NetConf,
+    cni_env: &CniEnv,
+    cni_args: &CniArgs,
+) -> Result<String, CniError> {
     net_conf.require_ranges()?;
     let requested = net_conf.requested_addresses(cni_args)?;
     let ip_config = |family: Family, ranges: &[Cidr]| -> Option<ipam::IpConfig> {
@@ -195,8 +206,7 @@ fn add(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<Strin
         pod_namespace: cni_args.pod_namespace.clone(),
         isolated: net_conf.isolated,
     });
-    let response = send(net_conf, request)?;
-    let Some(response::Kind::Allocate(allocated)) = response.kind else {
+    let Some(response::Kind::Allocate(allocated)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("allocate"));
     };
     let ips = [allocated.ipv4, allocated.ipv6]
@@ -223,7 +233,12 @@ fn add(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<Strin
     ))
 }
 
-fn del(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(), CniError> {
+fn del(
+    backend: &mut dyn Backend,
+    net_conf: &NetConf,
+    cni_env: &CniEnv,
+    cni_args: &CniArgs,
+) -> Result<(), CniError> {
     let request = request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
         network: net_conf.network.clone(),
         interface_name: cni_env.ifname.clone(),
@@ -231,10 +246,15 @@ fn del(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(), C
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
     });
-    send(net_conf, request).map(|_| ())
+    send(backend, request).map(|_| ())
 }
 
-fn check(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(), CniError> {
+fn check(
+    backend: &mut dyn Backend,
+    net_conf: &NetConf,
+    cni_env: &CniEnv,
+    cni_args: &CniArgs,
+) -> Result<(), CniError> {
     if !version::has_check(&net_conf.cni_version) {
         return Err(CniError::incompatible_version(format!(
             "config version {} does not allow CHECK",
@@ -248,8 +268,7 @@ fn check(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(),
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
     });
-    let response = send(net_conf, request)?;
-    let Some(response::Kind::Check(checked)) = response.kind else {
+    let Some(response::Kind::Check(checked)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("check"));
     };
     let mut expected = net_conf.prev_result_ips()?;
@@ -274,7 +293,7 @@ fn check(net_conf: &NetConf, cni_env: &CniEnv, cni_args: &CniArgs) -> Result<(),
 /// STATUS: 0 when an ADD could be served now, else code 50 with the reason.
 /// One read-only round trip (or read-only direct mode), so kubelet's
 /// 5-second poll costs nothing and never creates a database.
-fn status(net_conf: &NetConf) -> Result<(), CniError> {
+fn status(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
     require_gc_and_status(net_conf, "STATUS")?;
     net_conf.require_ranges()?;
     let request = Request {
@@ -287,15 +306,13 @@ fn status(net_conf: &NetConf) -> Result<(), CniError> {
         )),
     };
     let unavailable = |err: CniError| CniError::plugin_not_available(err.to_string());
-    let response = backend::call_read_only(&net_conf.daemon_socket, &net_conf.db_path, &request)
-        .map_err(unavailable)?;
-    let Some(response) = response else {
+    let Some(response) = backend.call_read_only(request).map_err(unavailable)? else {
         return Ok(());
     };
-    if response.code() != Code::Ok {
-        return Err(unavailable(CniError::from_status(response.status.as_ref())));
-    }
-    match response.kind {
+    let kind = backend::accepted(response, |refused| {
+        unavailable(CniError::from_status(refused.status.as_ref()))
+    })?;
+    match kind {
         Some(response::Kind::NetworkStatus(status)) if status.can_allocate => Ok(()),
         Some(response::Kind::NetworkStatus(status)) => {
             Err(CniError::plugin_not_available(status.detail))
@@ -307,7 +324,7 @@ fn status(net_conf: &NetConf) -> Result<(), CniError> {
 /// GC: releases this network's allocations that are not among the valid
 /// attachments (none valid when the key is absent, as libcni sends it) and
 /// older than `ipam.gcGracePeriod`. Prints nothing on success.
-fn gc(net_conf: &NetConf) -> Result<(), CniError> {
+fn gc(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
     require_gc_and_status(net_conf, "GC")?;
     let valid = net_conf
         .valid_attachments
@@ -323,8 +340,7 @@ fn gc(net_conf: &NetConf) -> Result<(), CniError> {
         valid,
         grace_period_ms: net_conf.gc_grace_period_ms,
     });
-    let response = send(net_conf, request)?;
-    let Some(response::Kind::Gc(collected)) = response.kind else {
+    let Some(response::Kind::Gc(collected)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("gc"));
     };
     for pod_ip in &collected.released {
@@ -350,15 +366,16 @@ fn require_gc_and_status(net_conf: &NetConf, verb: &str) -> Result<(), CniError>
     )))
 }
 
-/// Sends a request and turns a non-OK status into the matching CNI error.
-fn send(net_conf: &NetConf, kind: request::Kind) -> Result<Response, CniError> {
-    let request = Request { kind: Some(kind) };
-    let response = backend::call(&net_conf.daemon_socket, &net_conf.db_path, &request)?;
-    if response.code() == Code::Ok {
-        Ok(response)
-    } else {
-        Err(CniError::from_status(response.status.as_ref()))
-    }
+/// Sends a request; the payload of an OK answer, else the CNI error its
+/// status maps to.
+fn send(
+    backend: &mut dyn Backend,
+    kind: request::Kind,
+) -> Result<Option<response::Kind>, CniError> {
+    let response = backend.call(Request { kind: Some(kind) })?;
+    backend::accepted(response, |refused| {
+        CniError::from_status(refused.status.as_ref())
+    })
 }
 
 fn allocated_ip(pod_ip: &ipam::PodIp) -> Result<AllocatedIp, CniError> {
@@ -371,4 +388,225 @@ fn allocated_ip(pod_ip: &ipam::PodIp) -> Result<AllocatedIp, CniError> {
         .parse()
         .map_err(|_| CniError::unexpected_response("allocate"))?;
     Ok(AllocatedIp { address, block })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::TempDir;
+    use crate::wire::{Code, Response, reason};
+    use serde_json::json;
+
+    /// Answers from a script and keeps what the plugin sent.
+    struct Fake<'a> {
+        replies: Vec<Result<Response, CniError>>,
+        sent: &'a mut Vec<Request>,
+    }
+
+    impl Backend for Fake<'_> {
+        fn call(&mut self, request: Request) -> Result<Response, CniError> {
+            self.sent.push(request);
+            self.replies.remove(0)
+        }
+
+        fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError> {
+            self.call(request).map(Some)
+        }
+    }
+
+    /// One invocation's exit code and stdout, and the requests it sent.
+    struct Invocation {
+        code: u8,
+        stdout: String,
+        sent: Vec<Request>,
+    }
+
+    impl Invocation {
+        fn json(&self) -> serde_json::Value {
+            serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("{e}: {}", self.stdout))
+        }
+    }
+
+    /// Runs `verb` for container `ctr-1` with `CNI_ARGS` `cni_args` on a
+    /// dual-stack 1.1.0 config (plus `extra` top-level keys) against `replies`.
+    fn invoke(
+        verb: &str,
+        cni_args: &str,
+        extra: &str,
+        replies: Vec<Result<Response, CniError>>,
+    ) -> Invocation {
+        let dir = TempDir::new();
+        let config = format!(
+            r#"{{"cniVersion":"1.1.0","name":"testnet","type":"metis","ipam":{{"type":"metis",
+                "ranges":[[{{"subnet":"198.18.0.0/24"}}],[{{"subnet":"2001:db8::/120"}}]],
+                "routes":[{{"dst":"0.0.0.0/0"}}],"logFile":"{}"}}{extra}}}"#,
+            dir.0.join("cni.log").display()
+        );
+        let env = [
+            ("CNI_COMMAND", verb),
+            ("CNI_CONTAINERID", "ctr-1"),
+            ("CNI_NETNS", "/var/run/netns/x"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_ARGS", cni_args),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ];
+        let lookup = |name: &str| {
+            env.iter()
+                .find(|(key, _)| *key == name)
+                .map(|(_, value)| value.to_string())
+        };
+        let (mut stdout, mut stderr, mut sent) = (Vec::new(), Vec::new(), Vec::new());
+        let code = run(
+            &lookup,
+            &mut config.as_bytes(),
+            &mut stdout,
+            &mut stderr,
+            |_| Fake {
+                replies,
+                sent: &mut sent,
+            },
+        );
+        Invocation {
+            code,
+            stdout: String::from_utf8(stdout).unwrap(),
+            sent,
+        }
+    }
+
+    fn pod_ip(address: &str, block: &str) -> ipam::PodIp {
+        ipam::PodIp {
+            ip_address: address.into(),
+            cidr: block.into(),
+        }
+    }
+
+    fn exhausted() -> Response {
+        Response::error(
+            Code::ResourceExhausted,
+            reason::IP_POOL_EXHAUSTED,
+            "no free address in network testnet",
+        )
+    }
+
+    #[test]
+    fn add_sends_the_attachment_and_prints_the_result() {
+        let reply = Response::ok(response::Kind::Allocate(ipam::AllocatePodIpResponse {
+            ipv4: Some(pod_ip("198.18.0.9", "198.18.0.0/26")),
+            ipv6: Some(pod_ip("2001:db8::9", "2001:db8::/120")),
+        }));
+        let add = invoke(
+            "ADD",
+            "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=pod;IP=198.18.0.9",
+            "",
+            vec![Ok(reply)],
+        );
+        assert_eq!(add.code, 0, "{}", add.stdout);
+        let config = |cidr: &str, requested: &str| ipam::IpConfig {
+            interface_name: "eth0".into(),
+            container_id: "ctr-1".into(),
+            initial_pod_cidr: cidr.into(),
+            additional_pod_cidrs: Vec::new(),
+            requested_ip: requested.into(),
+        };
+        let want = request::Kind::Allocate(ipam::AllocatePodIpRequest {
+            network: "testnet".into(),
+            ipv4_config: Some(config("198.18.0.0/24", "198.18.0.9")),
+            ipv6_config: Some(config("2001:db8::/120", "")),
+            pod_name: "pod".into(),
+            pod_namespace: "ns".into(),
+            isolated: false,
+        });
+        assert_eq!(add.sent, [Request { kind: Some(want) }]);
+        assert_eq!(
+            add.json(),
+            json!({
+                "cniVersion": "1.1.0",
+                "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}],
+                "ips": [
+                    {"interface": 0, "address": "198.18.0.9/26", "gateway": "198.18.0.1"},
+                    {"interface": 0, "address": "2001:db8::9/120", "gateway": "2001:db8::1"}
+                ],
+                "routes": [{"dst": "0.0.0.0/0", "gw": "198.18.0.1"}]
+            })
+        );
+    }
+
+    #[test]
+    fn failures_become_cni_error_codes() {
+        let daemon_down = CniError::try_again_later("no response from the metis daemon");
+        let mismatch = Response::ok(response::Kind::Check(ipam::CheckPodIpResponse {
+            allocated: vec![pod_ip("198.18.0.2", "198.18.0.0/24")],
+        }));
+        let prev = r#","prevResult":{"cniVersion":"1.1.0","ips":[{"address":"198.18.0.9/24"}]}"#;
+        let cannot_allocate = Response::ok(response::Kind::NetworkStatus(
+            envelope::NetworkStatusResponse {
+                can_allocate: false,
+                detail: "IPv4 pool exhausted".into(),
+                ..Default::default()
+            },
+        ));
+        for (verb, extra, reply, code, msg) in [
+            ("ADD", "", Ok(exhausted()), 11, "IP address pool exhausted"),
+            (
+                "ADD",
+                "",
+                Err(daemon_down),
+                11,
+                "no response from the metis daemon",
+            ),
+            ("CHECK", prev, Ok(mismatch), 102, ""),
+            ("STATUS", "", Ok(cannot_allocate), 50, "IPv4 pool exhausted"),
+            ("STATUS", "", Ok(exhausted()), 50, ""),
+        ] {
+            let failed = invoke(verb, "", extra, vec![reply]);
+            assert_eq!(failed.code, 1, "{verb}: {}", failed.stdout);
+            let error = failed.json();
+            assert_eq!(error["code"], code, "{verb}: {error}");
+            assert_eq!(error["cniVersion"], "1.1.0", "{verb}: {error}");
+            if !msg.is_empty() {
+                assert_eq!(error["msg"], msg, "{verb}: {error}");
+            }
+        }
+    }
+
+    #[test]
+    fn del_of_an_unknown_container_succeeds_silently() {
+        let nothing = Response::ok(response::Kind::Deallocate(
+            ipam::DeallocatePodIpResponse::default(),
+        ));
+        let del = invoke(
+            "DEL",
+            "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=pod",
+            "",
+            vec![Ok(nothing)],
+        );
+        assert_eq!((del.code, del.stdout.as_str()), (0, ""));
+        let want = request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
+            network: "testnet".into(),
+            interface_name: "eth0".into(),
+            container_id: "ctr-1".into(),
+            pod_name: "pod".into(),
+            pod_namespace: "ns".into(),
+        });
+        assert_eq!(del.sent, [Request { kind: Some(want) }]);
+    }
+
+    #[test]
+    fn gc_sends_the_valid_attachments() {
+        let collected = Response::ok(response::Kind::Gc(envelope::GcResponse {
+            released: vec![pod_ip("198.18.0.7", "198.18.0.0/24")],
+        }));
+        let valid = r#","cni.dev/valid-attachments":[{"containerID":"ctr-2","ifname":"net1"}]"#;
+        let gc = invoke("GC", "", valid, vec![Ok(collected)]);
+        assert_eq!((gc.code, gc.stdout.as_str()), (0, ""));
+        let want = request::Kind::Gc(envelope::GcRequest {
+            network: "testnet".into(),
+            valid: vec![envelope::Attachment {
+                container_id: "ctr-2".into(),
+                interface_name: "net1".into(),
+            }],
+            grace_period_ms: conf::DEFAULT_GC_GRACE_PERIOD_MS,
+        });
+        assert_eq!(gc.sent, [Request { kind: Some(want) }]);
+    }
 }

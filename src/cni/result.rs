@@ -5,16 +5,9 @@
 
 use super::conf::{NetConf, Route};
 use super::error::pretty_json;
-use crate::cidr::{Cidr, Family};
+use crate::cidr::{Cidr, Family, gateway_for};
 use serde::Serialize;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-
-/// Upstream's gateway for blocks too small to spare base + 1 (/31, /32,
-/// /127, /128): a link-local address the pod reaches on-link.
-pub const SMALL_BLOCK_GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 4, 6);
-/// The IPv6 counterpart of [`SMALL_BLOCK_GATEWAY_V4`].
-pub const SMALL_BLOCK_GATEWAY_V6: Ipv6Addr =
-    Ipv6Addr::new(0xfe80, 0, 0, 0, 0x8893, 0xb6ff, 0xfe2c, 0x7a0d);
+use std::net::IpAddr;
 
 /// An address the daemon handed out, with the block it came from (its prefix
 /// length goes into the result, not the configured range's).
@@ -22,18 +15,6 @@ pub const SMALL_BLOCK_GATEWAY_V6: Ipv6Addr =
 pub struct AllocatedIp {
     pub address: IpAddr,
     pub block: Cidr,
-}
-
-/// The gateway Metis reports for an address in `block`: base + 1, or the
-/// link-local gateway when the block has fewer than 2 host bits.
-pub fn gateway_for(block: &Cidr) -> IpAddr {
-    match (block.host_bits() >= 2).then(|| block.nth(1)).flatten() {
-        Some(gateway) => gateway,
-        None => match block.family() {
-            Family::V4 => IpAddr::V4(SMALL_BLOCK_GATEWAY_V4),
-            Family::V6 => IpAddr::V6(SMALL_BLOCK_GATEWAY_V6),
-        },
-    }
 }
 
 /// The result JSON for a successful ADD (4-space indent, no trailing
@@ -270,21 +251,6 @@ mod tests {
             "eth0",
             ips,
         )
-    }
-
-    #[test]
-    fn gateway_table() {
-        for (block, gateway) in [
-            ("198.19.0.0/24", "198.19.0.1"),
-            ("198.19.0.0/30", "198.19.0.1"),
-            ("198.19.0.0/31", "169.254.4.6"),
-            ("198.19.0.7/32", "169.254.4.6"),
-            ("2600:1900:4040:ae7:0:7::/112", "2600:1900:4040:ae7:0:7:0:1"),
-            ("2001:db8::/127", "fe80::8893:b6ff:fe2c:7a0d"),
-            ("2001:db8::7/128", "fe80::8893:b6ff:fe2c:7a0d"),
-        ] {
-            assert_eq!(gateway_for(&cidr(block)).to_string(), gateway, "{block}");
-        }
     }
 
     #[test]

@@ -15,8 +15,8 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
-use super::adaptive::{Adaptive, Delivery};
 use super::conn::{Conn, Limits, State};
+use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;
@@ -237,12 +237,10 @@ impl EventLoop {
         let mut handle = |conn_id: u64, request: Request| {
             let started = Instant::now();
             let method = method_name(&request);
+            let outcome = engine.handle(&request, log::now_ms());
             let reply = match adaptive.as_mut() {
-                None => Some(engine.handle(request, log::now_ms())),
-                Some(adaptive) => {
-                    let reply = engine.handle(request.clone(), log::now_ms());
-                    adaptive.intercept(conn_id, &request, reply, now)
-                }
+                None => Some(outcome.into_response()),
+                Some(adaptive) => adaptive.intercept(conn_id, request, outcome, now),
             };
             // A parked request is counted when it is finally answered.
             if let Some(reply) = &reply {

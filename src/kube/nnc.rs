@@ -7,7 +7,7 @@
 use serde_json::{Value, json};
 
 use super::client::{ApiClient, KubeError, WATCH_SECONDS};
-use crate::engine::DEFAULT_NETWORK;
+use crate::defaults::DEFAULT_NETWORK;
 
 const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
 const NODE_PATH: &str = "/api/v1/nodes";
@@ -54,7 +54,19 @@ pub struct StatusCidr {
     /// Ready unless a condition says otherwise (no condition = ready, as upstream).
     pub ready: bool,
     /// The whole object, echoed into `releasableCIDRs`.
-    pub raw: Value,
+    pub raw: PodCidr,
+}
+
+/// A PodCIDR object as the status published it, kept whole so the one
+/// given back in `releasableCIDRs` is exactly that object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodCidr(Value);
+
+impl PodCidr {
+    /// Its `cidr` field, as written.
+    pub fn cidr(&self) -> Option<&str> {
+        self.0["cidr"].as_str()
+    }
 }
 
 /// What Metis needs of a NodeNetworkConfig.
@@ -64,7 +76,7 @@ pub struct Nnc {
     /// `spec.allocations`: (network, pods).
     pub allocations: Vec<(String, i64)>,
     /// `spec.releasableCIDRs`, whole objects.
-    pub releasable: Vec<Value>,
+    pub releasable: Vec<PodCidr>,
     pub pod_cidrs: Vec<StatusCidr>,
 }
 
@@ -82,7 +94,10 @@ impl Nnc {
         let allocations = list(&value["spec"]["allocations"])
             .map(|entry| (network_of(entry), entry["pods"].as_i64().unwrap_or(0)))
             .collect();
-        let releasable = list(&value["spec"]["releasableCIDRs"]).cloned().collect();
+        let releasable = list(&value["spec"]["releasableCIDRs"])
+            .cloned()
+            .map(PodCidr)
+            .collect();
         let pod_cidrs = list(&value["status"]["podCIDRs"])
             .filter_map(|entry| {
                 let cidr = entry["cidr"].as_str()?.to_string();
@@ -92,7 +107,7 @@ impl Nnc {
                     network: network_of(entry),
                     cidr,
                     ready,
-                    raw: entry.clone(),
+                    raw: PodCidr(entry.clone()),
                 })
             })
             .collect();
@@ -170,21 +185,31 @@ pub fn ensure(client: &ApiClient, node: &str) -> Result<(), KubeError> {
     }
 }
 
-/// The merge patch of one monitor pass: the whole allocation list and
+/// The change of one monitor pass: the whole allocation list and
 /// releasable list, guarded by the resource version they were computed from.
-pub fn patch_body(
-    resource_version: &str,
-    allocations: &[(String, i64)],
-    releasable: &[Value],
-) -> Value {
-    let allocations: Vec<Value> = allocations
-        .iter()
-        .map(|(network, pods)| json!({"network": network, "pods": pods}))
-        .collect();
-    json!({
-        "metadata": {"resourceVersion": resource_version},
-        "spec": {"allocations": allocations, "releasableCIDRs": releasable},
-    })
+#[derive(Debug, Clone, PartialEq)]
+pub struct NncPatch {
+    pub resource_version: String,
+    /// `spec.allocations`: (network, pods).
+    pub allocations: Vec<(String, i64)>,
+    /// `spec.releasableCIDRs`.
+    pub releasable: Vec<PodCidr>,
+}
+
+impl NncPatch {
+    /// The JSON merge patch sent to the API server.
+    pub fn to_json(&self) -> Value {
+        let allocations: Vec<Value> = self
+            .allocations
+            .iter()
+            .map(|(network, pods)| json!({"network": network, "pods": pods}))
+            .collect();
+        let releasable: Vec<&Value> = self.releasable.iter().map(|cidr| &cidr.0).collect();
+        json!({
+            "metadata": {"resourceVersion": self.resource_version},
+            "spec": {"allocations": allocations, "releasableCIDRs": releasable},
+        })
+    }
 }
 
 #[cfg(test)]
@@ -254,9 +279,13 @@ mod tests {
 
     #[test]
     fn patch_carries_resource_version() {
-        let body = patch_body("9", &[("default".into(), 74)], &[json!({"id": "x"})]);
+        let patch = NncPatch {
+            resource_version: "9".into(),
+            allocations: vec![("default".into(), 74)],
+            releasable: vec![PodCidr(json!({"id": "x"}))],
+        };
         assert_eq!(
-            body,
+            patch.to_json(),
             json!({"metadata": {"resourceVersion": "9"},
                    "spec": {"allocations": [{"network": "default", "pods": 74}],
                             "releasableCIDRs": [{"id": "x"}]}})

@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::client::{ApiClient, KubeError};
-use super::nnc::{self, Kind, Nnc};
+use super::nnc::{self, Kind, Nnc, NncPatch};
 use crate::log;
 
 /// Pause after the first failure; doubles up to [`MAX_BACKOFF`].
@@ -72,15 +72,15 @@ pub fn drain_wakeups(read_end: &OwnedFd) {
 pub struct KubeLink {
     pub events: Receiver<KubeEvent>,
     pub wake_fd: OwnedFd,
-    patches: Sender<Value>,
+    patches: Sender<NncPatch>,
 }
 
 impl KubeLink {
-    /// Queues a merge patch of this node's NodeNetworkConfig.
-    pub fn patch(&self, body: Value) {
+    /// Queues a patch of this node's NodeNetworkConfig.
+    pub fn patch(&self, patch: NncPatch) {
         // The patcher lives as long as the process; a send error means it
         // is gone and the next pass will log the failure again.
-        let _ = self.patches.send(body);
+        let _ = self.patches.send(patch);
     }
 }
 
@@ -88,7 +88,7 @@ impl KubeLink {
 pub fn spawn(client: ApiClient, node: String, kind: Kind) -> std::io::Result<KubeLink> {
     let (waker, wake_fd) = Waker::new().map_err(std::io::Error::from)?;
     let (event_tx, events) = mpsc::channel();
-    let (patches, patch_rx) = mpsc::channel::<Value>();
+    let (patches, patch_rx) = mpsc::channel::<NncPatch>();
     let client = Arc::new(client);
     let send = Notifier {
         events: event_tx,
@@ -217,14 +217,14 @@ fn forward(kind: Kind, object: &Value, send: &Notifier) -> bool {
     }
 }
 
-fn patch_forever(client: &ApiClient, node: &str, patches: &Receiver<Value>, send: &Notifier) {
+fn patch_forever(client: &ApiClient, node: &str, patches: &Receiver<NncPatch>, send: &Notifier) {
     let path = Kind::Nnc.item_path(node);
-    while let Ok(mut body) = patches.recv() {
+    while let Ok(mut patch) = patches.recv() {
         // Only the newest queued patch matters: each carries the full lists.
         while let Ok(newer) = patches.try_recv() {
-            body = newer;
+            patch = newer;
         }
-        let event = match client.merge_patch(&path, &body) {
+        let event = match client.merge_patch(&path, &patch.to_json()) {
             Ok(_) => KubeEvent::Patched,
             Err(err) if err.is_status(409) => match client.get(&path) {
                 Ok(fresh) => {

@@ -56,31 +56,40 @@ pub(super) fn insert_rows(
     Ok(inserted)
 }
 
-/// Frees one allocated row: it rests until `release_at` (none if `None`)
-/// and the block's counter drops — unless the row sits at a position the
-/// block reserves (a pod left there by an upstream database), which goes
-/// back to the reservation and stays counted.
+/// An allocated row: its id, its block's id, and what it holds.
+pub(super) struct HeldRow {
+    pub(super) row_id: i64,
+    pub(super) block_id: i64,
+    pub(super) allocation: Allocation,
+}
+
+/// Frees one allocated row of a block of `network`: it rests until
+/// `release_at` (none if `None`) and the block's counter drops — unless
+/// the row sits at a position the block reserves under `mode` (a pod left
+/// there by an upstream database), which goes back to the reservation and
+/// stays counted. Every release (DEL, GC, boot recovery) ends here.
 pub(super) fn give_back(
     conn: &Connection,
-    row_id: i64,
-    block_id: i64,
-    allocation: &Allocation,
-    reserved: &[u128],
+    mode: ReserveMode,
+    network: &str,
+    row: &HeldRow,
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
-    let at_reserved = allocation
+    let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
+    let at_reserved = row
+        .allocation
         .block
-        .offset_of(allocation.address)
+        .offset_of(row.allocation.address)
         .is_some_and(|offset| reserved.contains(&offset));
     if at_reserved {
         conn.prepare_cached(RETURN_RESERVED_SQL)?
-            .execute([row_id])?;
+            .execute([row.row_id])?;
         return Ok(());
     }
     conn.prepare_cached(RELEASE_ROW_SQL)?
-        .execute(params![row_id, release_at])?;
+        .execute(params![row.row_id, release_at])?;
     conn.prepare_cached(COUNT_RELEASED_SQL)?
-        .execute([block_id])?;
+        .execute([row.block_id])?;
     Ok(())
 }
 
@@ -92,7 +101,7 @@ fn held(
     container_id: &str,
     interface_name: &str,
     family: Option<Family>,
-) -> Result<Vec<(i64, i64, Allocation)>, StoreError> {
+) -> Result<Vec<HeldRow>, StoreError> {
     let mut stmt = conn.prepare_cached(HELD_SQL)?;
     let mut rows = stmt.query(params![
         container_id,
@@ -102,18 +111,16 @@ fn held(
     ])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
-        let row_id: i64 = row.get(0)?;
         let address: String = row.get(1)?;
-        let block_id: i64 = row.get(2)?;
         let cidr: String = row.get(3)?;
-        out.push((
-            row_id,
-            block_id,
-            Allocation {
+        out.push(HeldRow {
+            row_id: row.get(0)?,
+            block_id: row.get(2)?,
+            allocation: Allocation {
                 address: parse_addr(&address)?,
                 block: parse_cidr(&cidr)?,
             },
-        ));
+        });
     }
     Ok(out)
 }
@@ -134,7 +141,7 @@ fn held_by_owner(
     )?
     .into_iter()
     .next()
-    .map(|(_, _, allocation)| allocation))
+    .map(|row| row.allocation))
 }
 
 /// Marks row `row_id` of block `block_id` allocated to `owner`.
@@ -291,8 +298,9 @@ pub(super) fn frontier_key(block_id: i64) -> String {
 }
 
 /// The highest populated offset of a block: a scan of its rows, done once
-/// per block (for blocks populated before the frontier was recorded).
-fn highest_offset(
+/// per block (for blocks populated before the frontier was recorded), and
+/// by STATUS's read-only question whether an IPv6 block can still grow.
+pub(super) fn highest_offset(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
@@ -422,108 +430,29 @@ impl Store {
         now_ms: i64,
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
-        let family = Family::of(address);
         let mode = self.reserve;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let unavailable = |reason: String| StoreError::RequestedIpUnavailable { address, reason };
-        if let Some(existing) = held_by_owner(&tx, owner, family)? {
-            if existing.address == address {
-                return Ok(existing);
-            }
-            return Err(unavailable(format!(
-                "container {:?} interface {:?} already holds {} in network {:?}",
-                owner.container_id, owner.interface_name, existing.address, owner.network
-            )));
+        if let Some(existing) = held_by_owner(&tx, owner, Family::of(address))? {
+            return already_held(owner, existing, address);
         }
-        // The non-Deleting block of the network containing the address.
-        let mut found: Option<(i64, Cidr, String)> = None;
-        {
-            let mut stmt = tx.prepare_cached(
-                "SELECT id, cidr, state FROM cidr_blocks \
-                 WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
-            )?;
-            let mut rows = stmt.query(params![owner.network, family.as_str()])?;
-            while let Some(row) = rows.next()? {
-                let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
-                if cidr.contains(address) {
-                    found = Some((row.get(0)?, cidr, row.get(2)?));
-                    break;
-                }
-            }
-        }
-        let Some((block_id, cidr, state)) = found else {
-            return Err(StoreError::RequestedIpOutsideBlocks {
+        let (block_id, cidr) = ready_block_containing(&tx, owner.network, address)?;
+        let offset = cidr.offset_of(address).unwrap_or(0);
+        if block_reserved(&tx, mode, block_id, owner.network, &cidr)?.contains(&offset) {
+            return Err(unavailable(
                 address,
-                network: owner.network.to_string(),
-            });
-        };
-        if state != "Ready" {
-            return Err(unavailable(format!("block {cidr} is {state}")));
+                format!("it is reserved (network/gateway/broadcast) in block {cidr}"),
+            ));
         }
         if is_quarantined(&tx, block_id)? {
-            return Err(unavailable(format!(
-                "block {cidr} is quarantined (see `metis admin check`)"
-            )));
+            return Err(unavailable(
+                address,
+                format!("block {cidr} is quarantined (see `metis admin check`)"),
+            ));
         }
-        let offset = cidr.offset_of(address).unwrap_or(0);
-        let reserved = block_reserved(&tx, mode, block_id, owner.network, &cidr)?;
-        if reserved.contains(&offset) {
-            return Err(unavailable(format!(
-                "it is reserved (network/gateway/broadcast) in block {cidr}"
-            )));
-        }
-        let text = address.to_string();
-        let lookup = |conn: &Connection| -> Result<Option<RowState>, StoreError> {
-            Ok(conn
-                .prepare_cached(
-                    "SELECT id, is_allocated, COALESCE(container_id, ''), \
-                     COALESCE(interface_name, ''), release_at \
-                     FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
-                )?
-                .query_row(params![text, block_id], |r| {
-                    Ok(RowState {
-                        id: r.get(0)?,
-                        allocated: r.get(1)?,
-                        container_id: r.get(2)?,
-                        interface_name: r.get(3)?,
-                        release_at: r.get(4)?,
-                    })
-                })
-                .optional()?)
-        };
-        let row = match lookup(&tx)? {
-            Some(row) => row,
-            None => {
-                insert_rows(&tx, block_id, &cidr, offset..offset + 1, &[])?;
-                lookup(&tx)?.ok_or_else(|| {
-                    StoreError::Corrupt(format!("row {text} vanished after insert"))
-                })?
-            }
-        };
-        if row.allocated {
-            if row.container_id.is_empty() {
-                return Err(unavailable(format!("it is reserved in block {cidr}")));
-            }
-            return Err(unavailable(format!(
-                "it is held by container {:?}",
-                row.container_id
-            )));
-        }
-        // The cooldown protects a new owner from the old one's late traffic;
-        // the old owner itself (a runtime re-adding the same container and
-        // interface, e.g. `podman network reload`) may take its address back.
-        let last_owner =
-            row.container_id == owner.container_id && row.interface_name == owner.interface_name;
-        if let Some(until) = row.release_at
-            && until > now_ms
-            && !last_owner
-        {
-            return Err(unavailable(format!(
-                "it is in release cooldown until {until} (Unix ms)"
-            )));
-        }
+        let row = requested_row(&tx, block_id, &cidr, address, offset)?;
+        row.ensure_free(owner, &cidr, address, now_ms)?;
         take_row(&tx, row.id, block_id, owner, now_ms)?;
         tx.commit()?;
         Ok(Allocation {
@@ -533,56 +462,51 @@ impl Store {
     }
 
     /// Releases every address the owner holds in `network` (all families,
-    /// any block state). Addresses enter cooldown until `now + cooldown_ms`
-    /// (none if `cooldown_ms <= 0`); the last owner stays recorded. A pod
-    /// that held a reserved position gives it back to the reservation.
+    /// any block state). Addresses rest for the store's release cooldown;
+    /// the last owner stays recorded. A pod that held a reserved position
+    /// gives it back to the reservation.
     pub fn release(
         &mut self,
         network: &str,
         container_id: &str,
         interface_name: &str,
-        cooldown_ms: i64,
         now_ms: i64,
     ) -> Result<Vec<Allocation>, StoreError> {
-        validate_owner(container_id, interface_name)?;
-        let mode = self.reserve;
-        let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let rows = held(&tx, network, container_id, interface_name, None)?;
-        let mut out = Vec::with_capacity(rows.len());
-        for (row_id, block_id, allocation) in rows {
-            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
-            give_back(&tx, row_id, block_id, &allocation, &reserved, release_at)?;
-            out.push(allocation);
-        }
-        tx.commit()?;
-        Ok(out)
+        let release_at = self.release_at(now_ms);
+        self.give_back_owner(network, container_id, interface_name, None, release_at)
     }
 
-    /// Undoes an allocation of `family` that never reached a pod (the other
-    /// family of the same ADD failed): freed at once, no cooldown.
-    pub fn undo_allocation(
+    /// Like [`Store::release`] for one family, but the address is free at once:
+    /// for an allocation undone before it reached a pod.
+    pub fn roll_back(
         &mut self,
         network: &str,
         container_id: &str,
         interface_name: &str,
         family: Family,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<Allocation>, StoreError> {
+        self.give_back_owner(network, container_id, interface_name, Some(family), None)
+    }
+
+    fn give_back_owner(
+        &mut self,
+        network: &str,
+        container_id: &str,
+        interface_name: &str,
+        family: Option<Family>,
+        release_at: Option<i64>,
+    ) -> Result<Vec<Allocation>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        for (row_id, block_id, allocation) in
-            held(&tx, network, container_id, interface_name, Some(family))?
-        {
-            let reserved = block_reserved(&tx, mode, block_id, network, &allocation.block)?;
-            give_back(&tx, row_id, block_id, &allocation, &reserved, None)?;
+        let rows = held(&tx, network, container_id, interface_name, family)?;
+        for row in &rows {
+            give_back(&tx, mode, network, row, release_at)?;
         }
         tx.commit()?;
-        Ok(())
+        Ok(rows.into_iter().map(|row| row.allocation).collect())
     }
 
     /// The addresses the owner holds in `network`, IPv4 first (empty: none).
@@ -596,10 +520,80 @@ impl Store {
         Ok(
             held(&self.conn, network, container_id, interface_name, None)?
                 .into_iter()
-                .map(|(_, _, a)| a)
+                .map(|row| row.allocation)
                 .collect(),
         )
     }
+}
+
+fn unavailable(address: IpAddr, reason: String) -> StoreError {
+    StoreError::RequestedIpUnavailable { address, reason }
+}
+
+/// The answer to a static request from an owner that already holds an
+/// address of that family: the same address again, else a refusal.
+fn already_held(
+    owner: &Owner,
+    existing: Allocation,
+    address: IpAddr,
+) -> Result<Allocation, StoreError> {
+    if existing.address == address {
+        return Ok(existing);
+    }
+    Err(unavailable(
+        address,
+        format!(
+            "container {:?} interface {:?} already holds {} in network {:?}",
+            owner.container_id, owner.interface_name, existing.address, owner.network
+        ),
+    ))
+}
+
+/// The non-Deleting block of `network` containing `address`, which must
+/// be Ready: (id, cidr).
+fn ready_block_containing(
+    conn: &Connection,
+    network: &str,
+    address: IpAddr,
+) -> Result<(i64, Cidr), StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, cidr, state FROM cidr_blocks \
+         WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting' ORDER BY id",
+    )?;
+    let mut rows = stmt.query(params![network, Family::of(address).as_str()])?;
+    while let Some(row) = rows.next()? {
+        let cidr = parse_cidr(&row.get::<_, String>(1)?)?;
+        if !cidr.contains(address) {
+            continue;
+        }
+        let state: String = row.get(2)?;
+        if state != "Ready" {
+            return Err(unavailable(address, format!("block {cidr} is {state}")));
+        }
+        return Ok((row.get(0)?, cidr));
+    }
+    Err(StoreError::RequestedIpOutsideBlocks {
+        address,
+        network: network.to_string(),
+    })
+}
+
+/// The row of `address` (at `offset`) in block `block_id`, inserted first
+/// if the block has not been populated that far (IPv6).
+fn requested_row(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+    address: IpAddr,
+    offset: u128,
+) -> Result<RowState, StoreError> {
+    let text = address.to_string();
+    if let Some(row) = RowState::find(conn, &text, block_id)? {
+        return Ok(row);
+    }
+    insert_rows(conn, block_id, cidr, offset..offset + 1, &[])?;
+    RowState::find(conn, &text, block_id)?
+        .ok_or_else(|| StoreError::Corrupt(format!("row {text} vanished after insert")))
 }
 
 struct RowState {
@@ -608,6 +602,69 @@ struct RowState {
     container_id: String,
     interface_name: String,
     release_at: Option<i64>,
+}
+
+impl RowState {
+    fn find(
+        conn: &Connection,
+        address: &str,
+        block_id: i64,
+    ) -> Result<Option<RowState>, StoreError> {
+        Ok(conn
+            .prepare_cached(
+                "SELECT id, is_allocated, COALESCE(container_id, ''), \
+                 COALESCE(interface_name, ''), release_at \
+                 FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+            )?
+            .query_row(params![address, block_id], |r| {
+                Ok(RowState {
+                    id: r.get(0)?,
+                    allocated: r.get(1)?,
+                    container_id: r.get(2)?,
+                    interface_name: r.get(3)?,
+                    release_at: r.get(4)?,
+                })
+            })
+            .optional()?)
+    }
+
+    /// Refuses a row that is reserved, held, or still cooling at `now_ms`
+    /// for anyone but its last owner: the cooldown protects a new owner
+    /// from the old one's late traffic, while the old owner itself (a
+    /// runtime re-adding the same container and interface, as `podman
+    /// network reload` does) may take its address back.
+    fn ensure_free(
+        &self,
+        owner: &Owner,
+        cidr: &Cidr,
+        address: IpAddr,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        if self.allocated {
+            if self.container_id.is_empty() {
+                return Err(unavailable(
+                    address,
+                    format!("it is reserved in block {cidr}"),
+                ));
+            }
+            return Err(unavailable(
+                address,
+                format!("it is held by container {:?}", self.container_id),
+            ));
+        }
+        let last_owner =
+            self.container_id == owner.container_id && self.interface_name == owner.interface_name;
+        if let Some(until) = self.release_at
+            && until > now_ms
+            && !last_owner
+        {
+            return Err(unavailable(
+                address,
+                format!("it is in release cooldown until {until} (Unix ms)"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::TransactionBehavior;
 
-use super::alloc::give_back;
-use super::reserve::block_reserved;
+use super::alloc::{HeldRow, give_back};
 use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
 
 /// `metis_settings` key: the kernel boot id the database was last used under.
@@ -69,7 +68,7 @@ impl BootRecovery {
 impl Store {
     /// Records `boot_id` as the current boot; if an earlier, different one
     /// was recorded and recovery is enabled, first releases every pod
-    /// allocation (resting `cooldown_ms`). One immediate transaction.
+    /// allocation (resting the release cooldown). One immediate transaction.
     /// `enabled`: `Some(e)` (the daemon) also records whether recovery is
     /// enabled, for plugins in direct mode; `None` (a plugin) follows the
     /// recorded choice.
@@ -77,7 +76,6 @@ impl Store {
         &mut self,
         boot_id: &str,
         enabled: Option<bool>,
-        cooldown_ms: i64,
         now_ms: i64,
     ) -> Result<BootRecovery, StoreError> {
         let stored = get_setting(&self.conn, KEY_BOOT_ID)?;
@@ -87,6 +85,7 @@ impl Store {
             return Ok(BootRecovery::SameBoot);
         }
         let mode = self.reserve;
+        let release_at = self.release_at(now_ms);
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -104,7 +103,6 @@ impl Store {
             None => BootRecovery::FirstRecord,
             Some(_) if !enabled => BootRecovery::Disabled,
             Some(_) => {
-                let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
                 let mut rows = Vec::new();
                 {
                     let mut stmt = tx.prepare(
@@ -117,23 +115,19 @@ impl Store {
                     while let Some(row) = query.next()? {
                         let address: String = row.get(1)?;
                         let cidr: String = row.get(3)?;
-                        let allocation = Allocation {
-                            address: parse_addr(&address)?,
-                            block: parse_cidr(&cidr)?,
+                        let held = HeldRow {
+                            row_id: row.get(0)?,
+                            block_id: row.get(2)?,
+                            allocation: Allocation {
+                                address: parse_addr(&address)?,
+                                block: parse_cidr(&cidr)?,
+                            },
                         };
-                        let network: String = row.get(4)?;
-                        rows.push((
-                            row.get::<_, i64>(0)?,
-                            row.get::<_, i64>(2)?,
-                            allocation,
-                            network,
-                        ));
+                        rows.push((held, row.get::<_, String>(4)?));
                     }
                 }
-                for (row_id, block_id, allocation, network) in &rows {
-                    let reserved =
-                        block_reserved(&tx, mode, *block_id, network, &allocation.block)?;
-                    give_back(&tx, *row_id, *block_id, allocation, &reserved, release_at)?;
+                for (row, network) in &rows {
+                    give_back(&tx, mode, network, row, release_at)?;
                 }
                 BootRecovery::Released(u64::try_from(rows.len()).unwrap_or(u64::MAX))
             }
@@ -153,8 +147,9 @@ mod tests {
 
     const NOW: i64 = 1_700_000_000_000;
 
+    /// A store (1 m release cooldown, the daemon's default) with `pods` allocated.
     fn store_with_pods(dir: &TempDir, pods: &[&str]) -> Store {
-        let mut store = dir.store();
+        let mut store = dir.store_with_cooldown(60_000);
         store
             .add_cidr_block("pods", &"198.18.0.0/28".parse().unwrap())
             .unwrap();
@@ -172,16 +167,16 @@ mod tests {
     fn a_new_boot_releases_the_previous_boots_allocations_once() {
         let dir = TempDir::new();
         let mut store = store_with_pods(&dir, &[]);
-        let first = store.recover_after_reboot("boot-1", Some(true), 60_000, NOW);
+        let first = store.recover_after_reboot("boot-1", Some(true), NOW);
         assert_eq!(first.unwrap(), BootRecovery::FirstRecord);
         for pod in ["a", "b"] {
             store.allocate(&owner(pod), Family::V4, NOW).unwrap();
         }
-        let same = store.recover_after_reboot("boot-1", Some(true), 60_000, NOW);
+        let same = store.recover_after_reboot("boot-1", Some(true), NOW);
         assert_eq!(same.unwrap(), BootRecovery::SameBoot);
         assert_eq!(held(&store, "a"), 1);
 
-        let next = store.recover_after_reboot("boot-2", Some(true), 60_000, NOW);
+        let next = store.recover_after_reboot("boot-2", Some(true), NOW);
         assert_eq!(next.unwrap(), BootRecovery::Released(2));
         assert_eq!((held(&store, "a"), held(&store, "b")), (0, 0));
         assert!(store.verify(Depth::Full).unwrap().is_ok());
@@ -197,7 +192,7 @@ mod tests {
         assert_eq!(cooling, 2);
         // A plugin in direct mode under the same boot releases nothing more.
         store.allocate(&owner("c"), Family::V4, NOW).unwrap();
-        let plugin = store.recover_after_reboot("boot-2", None, 0, NOW);
+        let plugin = store.recover_after_reboot("boot-2", None, NOW);
         assert_eq!(plugin.unwrap(), BootRecovery::SameBoot);
         assert_eq!(held(&store, "c"), 1);
     }
@@ -206,7 +201,7 @@ mod tests {
     fn an_unrecorded_boot_keeps_existing_allocations() {
         let dir = TempDir::new();
         let mut store = store_with_pods(&dir, &["a"]);
-        let outcome = store.recover_after_reboot("boot-1", None, 0, NOW).unwrap();
+        let outcome = store.recover_after_reboot("boot-1", None, NOW).unwrap();
         assert_eq!(outcome, BootRecovery::FirstRecord);
         assert_eq!(held(&store, "a"), 1);
     }
@@ -216,17 +211,17 @@ mod tests {
         let dir = TempDir::new();
         let mut store = store_with_pods(&dir, &[]);
         store
-            .recover_after_reboot("boot-1", Some(false), 0, NOW)
+            .recover_after_reboot("boot-1", Some(false), NOW)
             .unwrap();
         store.allocate(&owner("a"), Family::V4, NOW).unwrap();
-        let daemon = store.recover_after_reboot("boot-2", Some(false), 0, NOW);
+        let daemon = store.recover_after_reboot("boot-2", Some(false), NOW);
         assert_eq!(daemon.unwrap(), BootRecovery::Disabled);
         // A plugin under yet another boot follows the daemon's choice.
-        let plugin = store.recover_after_reboot("boot-3", None, 0, NOW);
+        let plugin = store.recover_after_reboot("boot-3", None, NOW);
         assert_eq!(plugin.unwrap(), BootRecovery::Disabled);
         assert_eq!(held(&store, "a"), 1);
         // Re-enabled under the same boot: the boot is not new, nothing goes.
-        let enabled = store.recover_after_reboot("boot-3", Some(true), 0, NOW);
+        let enabled = store.recover_after_reboot("boot-3", Some(true), NOW);
         assert_eq!(enabled.unwrap(), BootRecovery::SameBoot);
         assert_eq!(held(&store, "a"), 1);
     }

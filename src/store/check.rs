@@ -45,6 +45,24 @@ impl Report {
     pub fn is_ok(&self) -> bool {
         self.problems.is_empty()
     }
+
+    /// The report as `metis admin check` prints it (and the daemon logs it).
+    pub fn describe(&self, path: &str) -> String {
+        let summary = format!(
+            "{path}: {} blocks, {} allocated addresses",
+            self.blocks, self.allocations
+        );
+        if self.is_ok() {
+            return format!("{summary}: ok, every invariant holds\n");
+        }
+        let mut text = format!("{summary}: {} problems\n", self.problems.len());
+        for problem in &self.problems {
+            text.push_str("  - ");
+            text.push_str(problem);
+            text.push('\n');
+        }
+        text
+    }
 }
 
 /// Said of every problem the daemon isolates instead of refusing to start.

@@ -7,18 +7,15 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::alloc::give_back;
-use super::reserve::block_reserved;
+use super::alloc::{HeldRow, give_back, highest_offset};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
 /// An allocated row GC may release.
 struct Candidate {
-    row_id: i64,
-    block_id: i64,
     container_id: String,
     interface_name: String,
-    allocation: Allocation,
+    row: HeldRow,
 }
 
 impl Store {
@@ -26,18 +23,17 @@ impl Store {
     /// owner (container, interface) not in `valid` and allocated at or
     /// before `allocated_until_ms` (younger ones may belong to an ADD still
     /// in flight). Rows without `allocated_at` (never written by Metis)
-    /// count as old. Released addresses rest for `cooldown_ms` as on DEL;
-    /// reserved rows and other networks are never touched.
+    /// count as old. Released addresses rest for the release cooldown as on
+    /// DEL; reserved rows and other networks are never touched.
     pub fn gc(
         &mut self,
         network: &str,
         valid: &HashSet<(&str, &str)>,
         allocated_until_ms: i64,
-        cooldown_ms: i64,
         now_ms: i64,
     ) -> Result<Vec<Allocation>, StoreError> {
         let mode = self.reserve;
-        let release_at = (cooldown_ms > 0).then(|| now_ms.saturating_add(cooldown_ms));
+        let release_at = self.release_at(now_ms);
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -46,24 +42,10 @@ impl Store {
             .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())))
             .collect();
         for candidate in &stale {
-            let reserved = block_reserved(
-                &tx,
-                mode,
-                candidate.block_id,
-                network,
-                &candidate.allocation.block,
-            )?;
-            give_back(
-                &tx,
-                candidate.row_id,
-                candidate.block_id,
-                &candidate.allocation,
-                &reserved,
-                release_at,
-            )?;
+            give_back(&tx, mode, network, &candidate.row, release_at)?;
         }
         tx.commit()?;
-        Ok(stale.into_iter().map(|c| c.allocation).collect())
+        Ok(stale.into_iter().map(|c| c.row.allocation).collect())
     }
 
     /// Whether an address of `family` can be allocated in `network` now
@@ -110,13 +92,15 @@ fn gc_candidates(
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
         out.push(Candidate {
-            row_id: row.get(0)?,
-            block_id: row.get(1)?,
             container_id: row.get(2)?,
             interface_name: row.get(3)?,
-            allocation: Allocation {
-                address: parse_addr(&row.get::<_, String>(4)?)?,
-                block: parse_cidr(&row.get::<_, String>(5)?)?,
+            row: HeldRow {
+                row_id: row.get(0)?,
+                block_id: row.get(1)?,
+                allocation: Allocation {
+                    address: parse_addr(&row.get::<_, String>(4)?)?,
+                    block: parse_cidr(&row.get::<_, String>(5)?)?,
+                },
             },
         });
     }
@@ -156,22 +140,6 @@ fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, Store
     Ok(false)
 }
 
-fn highest_offset(
-    conn: &Connection,
-    block_id: i64,
-    cidr: &Cidr,
-) -> Result<Option<u128>, StoreError> {
-    let mut stmt =
-        conn.prepare_cached("SELECT address FROM ip_addresses WHERE cidr_block_id = ?1")?;
-    let mut rows = stmt.query([block_id])?;
-    let mut highest = None;
-    while let Some(row) = rows.next()? {
-        let offset = cidr.offset_of(parse_addr(&row.get::<_, String>(0)?)?);
-        highest = highest.max(offset);
-    }
-    Ok(highest)
-}
-
 /// On IPv4 exhaustion an allocation takes back the oldest Draining block.
 fn oldest_draining_has_free_row(
     conn: &Connection,
@@ -199,36 +167,10 @@ fn oldest_draining_has_free_row(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Owner, StoreOptions};
-    use std::path::PathBuf;
+    use crate::store::Owner;
+    use crate::testutil::TempDir;
 
     const NOW: i64 = 1_700_000_000_000;
-
-    /// A database in a fresh private directory, removed on drop.
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(name: &str) -> Scratch {
-            let dir = std::env::temp_dir().join(format!("metis-gc-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-
-        fn db(&self) -> PathBuf {
-            self.0.join("metis.sqlite")
-        }
-
-        fn store(&self) -> Store {
-            Store::open(&self.db(), &StoreOptions::default()).unwrap()
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 
     fn cidr(text: &str) -> Cidr {
         text.parse().unwrap()
@@ -271,8 +213,8 @@ mod tests {
 
     #[test]
     fn gc_releases_unlisted_old_allocations_of_this_network_only() {
-        let scratch = Scratch::new("scope");
-        let mut store = scratch.store();
+        let dir = TempDir::new();
+        let mut store = dir.store_with_cooldown(60_000);
         store.add_cidr_block("net", &cidr("198.18.0.0/29")).unwrap();
         store
             .add_cidr_block("net", &cidr("2001:db8::/120"))
@@ -287,7 +229,7 @@ mod tests {
         take(&mut store, "other", "stale", Family::V4, NOW - 600_000);
 
         let valid = HashSet::from([("kept", "eth0"), ("stale", "net1")]);
-        let released = store.gc("net", &valid, NOW - 300_000, 60_000, NOW).unwrap();
+        let released = store.gc("net", &valid, NOW - 300_000, NOW).unwrap();
 
         let addresses: Vec<String> = released.iter().map(|a| a.address.to_string()).collect();
         assert_eq!(addresses, ["198.18.0.3", "2001:db8::2"]);
@@ -313,17 +255,17 @@ mod tests {
         );
         assert_eq!(store.counter_mismatches().unwrap(), []);
         // Once past the grace period the young allocation goes too.
-        assert_eq!(store.gc("net", &valid, NOW, 60_000, NOW).unwrap().len(), 1);
+        assert_eq!(store.gc("net", &valid, NOW, NOW).unwrap().len(), 1);
         assert_eq!(store.counter_mismatches().unwrap(), []);
     }
 
     #[test]
     fn gc_with_nothing_valid_and_no_grace_empties_the_network_but_keeps_reservations() {
-        let scratch = Scratch::new("all");
-        let mut store = scratch.store();
+        let dir = TempDir::new();
+        let mut store = dir.store();
         store.add_cidr_block("net", &cidr("198.18.0.0/30")).unwrap();
         take(&mut store, "net", "a", Family::V4, NOW);
-        let released = store.gc("net", &HashSet::new(), NOW, 0, NOW).unwrap();
+        let released = store.gc("net", &HashSet::new(), NOW, NOW).unwrap();
         assert_eq!(released.len(), 1);
         let reserved: i64 = store
             .conn
@@ -340,8 +282,8 @@ mod tests {
 
     #[test]
     fn can_allocate_until_full_then_after_cooldown() {
-        let scratch = Scratch::new("status-v4");
-        let mut store = scratch.store();
+        let dir = TempDir::new();
+        let mut store = dir.store_with_cooldown(60_000);
         let range = [cidr("198.18.0.0/30")];
         assert!(
             store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
@@ -351,7 +293,7 @@ mod tests {
         assert!(store.can_allocate("net", Family::V4, &range, NOW).unwrap());
         take(&mut store, "net", "a", Family::V4, NOW);
         assert!(!store.can_allocate("net", Family::V4, &range, NOW).unwrap());
-        store.release("net", "a", "eth0", 60_000, NOW).unwrap();
+        store.release("net", "a", "eth0", NOW).unwrap();
         assert!(
             !store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
             "cooling down"
@@ -370,8 +312,8 @@ mod tests {
 
     #[test]
     fn can_allocate_v6_while_the_block_can_grow() {
-        let scratch = Scratch::new("status-v6");
-        let mut store = scratch.store();
+        let dir = TempDir::new();
+        let mut store = dir.store();
         // 128 addresses, 64 populated at first: full rows, but room to grow.
         let range = [cidr("2001:db8::/121")];
         store.add_cidr_block("net", &range[0]).unwrap();
@@ -387,22 +329,22 @@ mod tests {
 
     #[test]
     fn read_only_open_never_creates_or_writes() {
-        let scratch = Scratch::new("read-only");
-        assert!(Store::open_read_only(&scratch.db()).unwrap().is_none());
-        assert!(!scratch.db().exists());
-        std::fs::write(scratch.db(), b"").unwrap();
+        let dir = TempDir::new();
+        assert!(Store::open_read_only(&dir.db()).unwrap().is_none());
+        assert!(!dir.db().exists());
+        std::fs::write(dir.db(), b"").unwrap();
         assert!(
-            Store::open_read_only(&scratch.db()).unwrap().is_none(),
+            Store::open_read_only(&dir.db()).unwrap().is_none(),
             "no schema yet"
         );
-        assert_eq!(std::fs::metadata(scratch.db()).unwrap().len(), 0);
-        std::fs::remove_file(scratch.db()).unwrap();
+        assert_eq!(std::fs::metadata(dir.db()).unwrap().len(), 0);
+        std::fs::remove_file(dir.db()).unwrap();
 
-        let mut store = scratch.store();
+        let mut store = dir.store();
         store.add_cidr_block("net", &cidr("198.18.0.0/29")).unwrap();
         take(&mut store, "net", "a", Family::V4, NOW);
         drop(store);
-        let mut read_only = Store::open_read_only(&scratch.db()).unwrap().unwrap();
+        let mut read_only = Store::open_read_only(&dir.db()).unwrap().unwrap();
         let range = [cidr("198.18.0.0/29")];
         assert!(
             read_only
@@ -410,7 +352,7 @@ mod tests {
                 .unwrap()
         );
         assert!(
-            read_only.gc("net", &HashSet::new(), NOW, 0, NOW).is_err(),
+            read_only.gc("net", &HashSet::new(), NOW, NOW).is_err(),
             "cannot write"
         );
     }

@@ -1217,7 +1217,7 @@ mod tests {
     #[test]
     fn a_moved_range_retires_the_old_block_until_its_pods_are_gone() {
         let dir = TempDir::new();
-        let mut store = dir.store();
+        let mut store = dir.store_with_cooldown(COOLDOWN);
         configure(&mut store, Source::Cni, "pods", &["198.18.12.0/24"]);
         assert_eq!(take(&mut store, &owner("a")), "198.18.12.2");
         configure(&mut store, Source::Cni, "pods", &["198.18.13.0/24"]);
@@ -1231,7 +1231,7 @@ mod tests {
         );
         // Exhaustion never takes a retired block back.
         assert_eq!(store.undrain_one("pods", Family::V4, NOW).unwrap(), None);
-        store.release("pods", "a", "eth0", COOLDOWN, NOW).unwrap();
+        store.release("pods", "a", "eth0", NOW).unwrap();
         configure(&mut store, Source::Cni, "pods", &["198.18.13.0/24"]);
         assert_eq!(
             layout(&store, "pods").len(),
@@ -1311,7 +1311,7 @@ mod tests {
         );
         // Pod b leaves: the overlap no longer holds pods on both sides, so
         // the next start deletes the pod-less block and lifts the quarantine.
-        store.release("pods", "b", "eth0", 0, NOW).unwrap();
+        store.release("pods", "b", "eth0", NOW).unwrap();
         let report = store.verify(Depth::Quick).unwrap();
         let isolation = store.isolate_problems(&report.suspects, NOW).unwrap();
         assert!(isolation.quarantined.is_empty(), "{isolation:?}");

@@ -79,6 +79,11 @@ pub struct StoreOptions {
     /// `None`: use the mode stored in the database (default `EveryBlock`).
     /// `Some(m)`: store `m` (if different) and use it.
     pub reserve: Option<ReserveMode>,
+    /// How long released addresses rest before reuse, in milliseconds.
+    /// `None` (direct mode): the cooldown the daemon recorded, else 0, so
+    /// direct-mode releases rest as long as the daemon's would.
+    /// `Some(ms)` (the daemon): record `ms` (if different) and use it.
+    pub release_cooldown: Option<i64>,
 }
 
 /// Lifecycle state of a CIDR block (`cidr_blocks.state`).
@@ -390,6 +395,7 @@ impl From<CidrError> for StoreError {
 pub struct Store {
     conn: Connection,
     reserve: ReserveMode,
+    release_cooldown_ms: i64,
     warnings: Vec<String>,
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
@@ -399,6 +405,7 @@ impl fmt::Debug for Store {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Store")
             .field("reserve", &self.reserve)
+            .field("release_cooldown_ms", &self.release_cooldown_ms)
             .finish_non_exhaustive()
     }
 }
@@ -464,11 +471,13 @@ impl Store {
         let mut store = Store {
             conn,
             reserve: ReserveMode::EveryBlock,
+            release_cooldown_ms: 0,
             warnings: Vec::new(),
             file: (path.to_path_buf(), file_identity(path)),
         };
         store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
+        store.release_cooldown_ms = store.settle_release_cooldown(opts.release_cooldown)?;
         store.repair()?;
         Ok(store)
     }
@@ -517,9 +526,11 @@ impl Store {
             .flatten()
             .and_then(|text| ReserveMode::parse(&text))
             .unwrap_or_default();
+        let release_cooldown_ms = recorded_cooldown(&conn);
         Ok(Some(Store {
             conn,
             reserve,
+            release_cooldown_ms,
             warnings: Vec::new(),
             file: (path.to_path_buf(), file_identity(path)),
         }))
@@ -564,18 +575,46 @@ impl Store {
         Ok(())
     }
 
-    /// The daemon's release cooldown as it last recorded it, so direct-mode
-    /// releases rest as long as the daemon's would. `None` if never recorded.
-    pub fn release_cooldown(&self) -> Option<i64> {
-        self.setting(schema::KEY_RELEASE_COOLDOWN)
-            .ok()
-            .flatten()
-            .and_then(|text| text.parse().ok())
+    /// The release cooldown in force, in milliseconds (see
+    /// [`StoreOptions::release_cooldown`]).
+    pub fn release_cooldown(&self) -> i64 {
+        self.release_cooldown_ms
     }
 
-    /// Records the daemon's release cooldown (see [`Store::release_cooldown`]).
-    pub fn set_release_cooldown(&mut self, cooldown_ms: i64) -> Result<(), StoreError> {
-        self.put_setting(schema::KEY_RELEASE_COOLDOWN, Some(&cooldown_ms.to_string()))
+    /// When an address released at `now_ms` may be handed out again: `None`
+    /// (at once) without a cooldown. The one place release times are made,
+    /// for DEL, GC and boot recovery alike.
+    fn release_at(&self, now_ms: i64) -> Option<i64> {
+        let cooldown = self.release_cooldown_ms;
+        (cooldown > 0).then(|| now_ms.saturating_add(cooldown))
+    }
+
+    /// The cooldown in force: the one requested (recorded for direct mode
+    /// when it changed), else the one recorded, else none.
+    fn settle_release_cooldown(&mut self, requested: Option<i64>) -> Result<i64, StoreError> {
+        match requested {
+            Some(cooldown_ms) => {
+                self.put_setting(schema::KEY_RELEASE_COOLDOWN, Some(&cooldown_ms.to_string()))?;
+                Ok(cooldown_ms)
+            }
+            None => Ok(recorded_cooldown(&self.conn)),
+        }
+    }
+
+    /// Since when (ms) the monitor has seen the network's use low, if it has.
+    pub fn low_utilization_since(&self, network: &str) -> Result<Option<i64>, StoreError> {
+        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
+        Ok(self.setting(&key)?.and_then(|text| text.parse().ok()))
+    }
+
+    /// Records (or with `None` forgets) when low use of the network began.
+    pub fn set_low_utilization_since(
+        &mut self,
+        network: &str,
+        since_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
+        self.put_setting(&key, since_ms.map(|ms| ms.to_string()).as_deref())
     }
 
     /// A value of Metis's own settings table.
@@ -644,6 +683,16 @@ impl Store {
 fn file_identity(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The release cooldown the daemon last recorded; 0 when there is none
+/// (never recorded, an upstream database, or an unreadable value).
+fn recorded_cooldown(conn: &Connection) -> i64 {
+    get_setting(conn, schema::KEY_RELEASE_COOLDOWN)
+        .ok()
+        .flatten()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(0)
 }
 
 pub(crate) fn get_setting(conn: &Connection, key: &str) -> Result<Option<String>, StoreError> {

@@ -68,20 +68,38 @@ impl Plan {
     }
 }
 
+/// A block the repair looks at (not Deleting, parseable).
+struct RepairBlock {
+    id: i64,
+    cidr: Cidr,
+    network: String,
+}
+
+/// What the repair would change under `mode`; reads only.
 fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
     let mut plan = Plan::default();
     let layout = super::get_setting(conn, schema::KEY_LAYOUT)?;
-    let full = layout.as_deref() != Some(mode.as_str());
-    plan.mark = full;
-
-    struct Block {
-        id: i64,
-        cidr: Cidr,
-        network: String,
+    // The full part scans rows; it runs once per mode change.
+    plan.mark = layout.as_deref() != Some(mode.as_str());
+    let (blocks, first_v4) = plan.live_blocks(conn)?;
+    let expected = plan.reserve_positions(conn, mode, &blocks, &first_v4)?;
+    if plan.mark {
+        plan.free_stray_reservations(conn, &expected)?;
+        plan.delete_rows_outside_prefix(conn, &blocks)?;
     }
-    let mut blocks = Vec::new();
-    let mut first_v4: HashMap<String, i64> = HashMap::new();
-    {
+    Ok(plan)
+}
+
+impl Plan {
+    /// The blocks to repair, and the first IPv4 block id of each network
+    /// (Deleting blocks count for that, as the allocator counts them).
+    /// Unparseable blocks are warned about and skipped.
+    fn live_blocks(
+        &mut self,
+        conn: &Connection,
+    ) -> Result<(Vec<RepairBlock>, HashMap<String, i64>), StoreError> {
+        let mut blocks = Vec::new();
+        let mut first_v4: HashMap<String, i64> = HashMap::new();
         let mut stmt = conn.prepare_cached(
             "SELECT id, cidr, network, ip_family, state FROM cidr_blocks ORDER BY id",
         )?;
@@ -95,7 +113,7 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
             let (family, state) = match (parse_family(&family_text), parse_state(&state_text)) {
                 (Ok(f), Ok(s)) => (f, s),
                 (Err(e), _) | (_, Err(e)) => {
-                    plan.warnings.push(format!("block {id}: {e}; not repaired"));
+                    self.warnings.push(format!("block {id}: {e}; not repaired"));
                     continue;
                 }
             };
@@ -108,48 +126,65 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
             let cidr = match parse_cidr(&cidr_text) {
                 Ok(c) => c,
                 Err(e) => {
-                    plan.warnings.push(format!("block {id}: {e}; not repaired"));
+                    self.warnings.push(format!("block {id}: {e}; not repaired"));
                     continue;
                 }
             };
-            blocks.push(Block { id, cidr, network });
+            blocks.push(RepairBlock { id, cidr, network });
         }
+        Ok((blocks, first_v4))
     }
 
-    let mut lookup = conn.prepare_cached(
-        "SELECT id, is_allocated, COALESCE(container_id, ''), COALESCE(interface_name, '') \
-         FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
-    )?;
-    let mut expected: HashMap<i64, HashSet<String>> = HashMap::new();
-    for block in &blocks {
-        let first = first_v4.get(&block.network) == Some(&block.id);
-        let mut set = HashSet::new();
-        for offset in reserved_offsets(&block.cidr, mode, first) {
-            let Some(addr) = block.cidr.nth(offset) else {
-                continue;
-            };
-            let text = addr.to_string();
-            let row: Option<(i64, bool, String, String)> = lookup
-                .query_row(params![text, block.id], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-                })
-                .optional()?;
-            match row {
-                None => {} // IPv6 row not populated yet: reserved when inserted.
-                Some((row_id, false, _, _)) => plan.reserve.push((row_id, block.id)),
-                Some((_, true, cid, _)) if cid.is_empty() => {}
-                Some((_, true, cid, ifname)) => plan.warnings.push(format!(
-                    "store: block {} ({}, network {:?}): reserved address {addr} is held by container {cid:?} interface {ifname:?}; left alone until released",
-                    block.id, block.cidr, block.network
-                )),
+    /// Plans reserving the free rows at reserved positions; a pod holding
+    /// one is warned about and left alone. Returns each block's reserved
+    /// addresses.
+    fn reserve_positions(
+        &mut self,
+        conn: &Connection,
+        mode: ReserveMode,
+        blocks: &[RepairBlock],
+        first_v4: &HashMap<String, i64>,
+    ) -> Result<HashMap<i64, HashSet<String>>, StoreError> {
+        let mut lookup = conn.prepare_cached(
+            "SELECT id, is_allocated, COALESCE(container_id, ''), COALESCE(interface_name, '') \
+             FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+        )?;
+        let mut expected: HashMap<i64, HashSet<String>> = HashMap::new();
+        for block in blocks {
+            let first = first_v4.get(&block.network) == Some(&block.id);
+            let mut set = HashSet::new();
+            for offset in reserved_offsets(&block.cidr, mode, first) {
+                let Some(addr) = block.cidr.nth(offset) else {
+                    continue;
+                };
+                let text = addr.to_string();
+                let row: Option<(i64, bool, String, String)> = lookup
+                    .query_row(params![text, block.id], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                    })
+                    .optional()?;
+                match row {
+                    None => {} // IPv6 row not populated yet: reserved when inserted.
+                    Some((row_id, false, _, _)) => self.reserve.push((row_id, block.id)),
+                    Some((_, true, cid, _)) if cid.is_empty() => {}
+                    Some((_, true, cid, ifname)) => self.warnings.push(format!(
+                        "store: block {} ({}, network {:?}): reserved address {addr} is held by container {cid:?} interface {ifname:?}; left alone until released",
+                        block.id, block.cidr, block.network
+                    )),
+                }
+                set.insert(text);
             }
-            set.insert(text);
+            expected.insert(block.id, set);
         }
-        expected.insert(block.id, set);
+        Ok(expected)
     }
 
-    if full {
-        // Reserved rows at positions the mode does not reserve.
+    /// Plans freeing reserved rows at positions the mode does not reserve.
+    fn free_stray_reservations(
+        &mut self,
+        conn: &Connection,
+        expected: &HashMap<i64, HashSet<String>>,
+    ) -> Result<(), StoreError> {
         let mut stmt = conn.prepare_cached(
             "SELECT id, address, cidr_block_id FROM ip_addresses \
              WHERE container_id = '' AND is_allocated = 1",
@@ -162,11 +197,19 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
             if let Some(set) = expected.get(&block_id)
                 && !set.contains(&address)
             {
-                plan.free.push((row_id, block_id));
+                self.free.push((row_id, block_id));
             }
         }
-        // Free rows outside a small IPv6 block's prefix (upstream inserted
-        // a full batch of 64 even for /127 and /128).
+        Ok(())
+    }
+
+    /// Plans deleting free rows outside a small IPv6 block's prefix
+    /// (upstream inserted a full batch of 64 even for /127 and /128).
+    fn delete_rows_outside_prefix(
+        &mut self,
+        conn: &Connection,
+        blocks: &[RepairBlock],
+    ) -> Result<(), StoreError> {
         let mut stmt = conn.prepare_cached(
             "SELECT id, address, is_allocated FROM ip_addresses WHERE cidr_block_id = ?1",
         )?;
@@ -187,17 +230,17 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
                     continue;
                 }
                 if allocated {
-                    plan.warnings.push(format!(
+                    self.warnings.push(format!(
                         "store: block {} ({}): allocated row {address:?} lies outside the prefix; left alone",
                         block.id, block.cidr
                     ));
                 } else {
-                    plan.delete.push(row_id);
+                    self.delete.push(row_id);
                 }
             }
         }
+        Ok(())
     }
-    Ok(plan)
 }
 
 impl Store {

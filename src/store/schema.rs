@@ -92,6 +92,10 @@ pub const KEY_LAYOUT: &str = "reserve_layout";
 /// milliseconds, read by the plugin in direct mode.
 pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
 
+/// `metis_settings` key prefix (then the network) remembering since when
+/// the monitor has seen the network's IPv4 use low, across restarts.
+pub const KEY_LOW_UTILIZATION_SINCE: &str = "low_utilization_since/";
+
 /// `metis_settings` key prefix (then the block id) remembering the next
 /// IPv6 offset to populate, so growing a block never scans its rows.
 pub const KEY_IPV6_FRONTIER: &str = "ipv6_frontier/";

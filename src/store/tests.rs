@@ -11,19 +11,45 @@ const NOW: i64 = 1_700_000_000_000;
 
 use crate::testutil::TempDir;
 
-fn opts(reserve: Option<ReserveMode>) -> StoreOptions {
+fn opts(reserve: Option<ReserveMode>, release_cooldown: Option<i64>) -> StoreOptions {
     StoreOptions {
         durability: Durability::Normal,
         reserve,
+        release_cooldown,
     }
 }
 
 fn open(path: &Path) -> Store {
-    Store::open(path, &opts(None)).unwrap()
+    Store::open(path, &opts(None, None)).unwrap()
 }
 
 fn open_mode(path: &Path, mode: ReserveMode) -> Store {
-    Store::open(path, &opts(Some(mode))).unwrap()
+    Store::open(path, &opts(Some(mode), None)).unwrap()
+}
+
+/// A store whose released addresses rest for `cooldown_ms`.
+fn open_cooling(path: &Path, cooldown_ms: i64) -> Store {
+    Store::open(path, &opts(None, Some(cooldown_ms))).unwrap()
+}
+
+/// Adds blocks (network, cidr) in order: block ids 1, 2, … on a new store.
+fn add_blocks(store: &mut Store, blocks: &[(&str, &str)]) {
+    for (network, cidr) in blocks {
+        store.add_cidr_block(network, &c(cidr)).unwrap();
+    }
+}
+
+/// A new store (default options) holding `blocks`; keep the directory alive.
+fn store_with(blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    store_opts_with(&opts(None, None), blocks)
+}
+
+/// A new store opened with `opts`, holding `blocks`.
+fn store_opts_with(opts: &StoreOptions, blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    let dir = TempDir::new();
+    let mut store = Store::open(&dir.db(), opts).unwrap();
+    add_blocks(&mut store, blocks);
+    (dir, store)
 }
 
 fn c(text: &str) -> Cidr {
@@ -101,26 +127,151 @@ fn assert_counters(store: &Store) {
 
 #[test]
 fn reserved_offsets_rule() {
-    let e = ReserveMode::EveryBlock;
-    let f = ReserveMode::FirstBlock;
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/29"), e, false),
-        vec![0, 1, 7]
-    );
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/30"), e, false),
-        vec![0, 1, 3]
-    );
-    assert!(reserved_offsets(&c("198.18.0.0/31"), e, true).is_empty());
-    assert!(reserved_offsets(&c("198.18.0.0/32"), e, true).is_empty());
-    assert_eq!(
-        reserved_offsets(&c("198.18.0.0/29"), f, true),
-        vec![0, 1, 7]
-    );
-    assert!(reserved_offsets(&c("198.18.0.0/29"), f, false).is_empty());
-    assert_eq!(reserved_offsets(&c("2001:db8::/64"), e, false), vec![0, 1]);
-    assert!(reserved_offsets(&c("2001:db8::/64"), f, true).is_empty());
-    assert!(reserved_offsets(&c("2001:db8::/127"), e, false).is_empty());
+    use ReserveMode::{EveryBlock, FirstBlock};
+    // (case, block, mode, first IPv4 block of its network, offsets)
+    let cases: [(&str, &str, ReserveMode, bool, &[u128]); 9] = [
+        ("v4 /29", "198.18.0.0/29", EveryBlock, false, &[0, 1, 7]),
+        ("v4 /30", "198.18.0.0/30", EveryBlock, false, &[0, 1, 3]),
+        ("v4 /31 too small", "198.18.0.0/31", EveryBlock, true, &[]),
+        ("v4 /32 too small", "198.18.0.0/32", EveryBlock, true, &[]),
+        (
+            "first block, first",
+            "198.18.0.0/29",
+            FirstBlock,
+            true,
+            &[0, 1, 7],
+        ),
+        (
+            "first block, later",
+            "198.18.0.0/29",
+            FirstBlock,
+            false,
+            &[],
+        ),
+        ("v6 /64", "2001:db8::/64", EveryBlock, false, &[0, 1]),
+        (
+            "v6 under first block",
+            "2001:db8::/64",
+            FirstBlock,
+            true,
+            &[],
+        ),
+        (
+            "v6 /127 too small",
+            "2001:db8::/127",
+            EveryBlock,
+            false,
+            &[],
+        ),
+    ];
+    for (case, block, mode, first, want) in cases {
+        assert_eq!(reserved_offsets(&c(block), mode, first), want, "{case}");
+    }
+}
+
+/// A layout of blocks (network "default") and the order in which
+/// allocations of `family` take its addresses until it is exhausted.
+struct OrderCase {
+    name: &'static str,
+    blocks: &'static [&'static str],
+    family: Family,
+    /// Per block, in id order: total_ips and the reserved addresses.
+    totals: &'static [i64],
+    reserved: &'static [&'static [&'static str]],
+    order: &'static [&'static str],
+}
+
+const ORDER_CASES: [OrderCase; 5] = [
+    OrderCase {
+        name: "every block: a /29 keeps network, gateway, broadcast",
+        blocks: &["198.18.1.0/29"],
+        family: Family::V4,
+        totals: &[8],
+        reserved: &[&["198.18.1.0", "198.18.1.1", "198.18.1.7"]],
+        order: &[
+            "198.18.1.2",
+            "198.18.1.3",
+            "198.18.1.4",
+            "198.18.1.5",
+            "198.18.1.6",
+        ],
+    },
+    OrderCase {
+        name: "tiny IPv4 blocks reserve nothing",
+        blocks: &["198.18.0.0/31", "198.18.0.9/32"],
+        family: Family::V4,
+        totals: &[2, 1],
+        reserved: &[&[], &[]],
+        order: &["198.18.0.0", "198.18.0.1", "198.18.0.9"],
+    },
+    OrderCase {
+        name: "IPv6 /126 keeps base and gateway",
+        blocks: &["2001:db8::/126"],
+        family: Family::V6,
+        totals: &[4],
+        reserved: &[&["2001:db8::", "2001:db8::1"]],
+        order: &["2001:db8::2", "2001:db8::3"],
+    },
+    OrderCase {
+        name: "IPv6 /127 stays inside its prefix",
+        blocks: &["2001:db8::/127"],
+        family: Family::V6,
+        totals: &[2],
+        reserved: &[&[]],
+        order: &["2001:db8::", "2001:db8::1"],
+    },
+    OrderCase {
+        name: "IPv6 /128 has its one address",
+        blocks: &["2001:db8::10/128"],
+        family: Family::V6,
+        totals: &[1],
+        reserved: &[&[]],
+        order: &["2001:db8::10"],
+    },
+];
+
+#[test]
+fn allocation_order_until_exhausted() {
+    for case in &ORDER_CASES {
+        let name = case.name;
+        let blocks: Vec<(&str, &str)> = case.blocks.iter().map(|b| ("default", *b)).collect();
+        let (_dir, mut store) = store_with(&blocks);
+        for (id, (total, reserved)) in (1..).zip(case.totals.iter().zip(case.reserved)) {
+            assert_eq!(reserved_addrs(&store, id), *reserved, "{name}: block {id}");
+            let b = block(&store, id);
+            let counted = i64::try_from(reserved.len()).unwrap();
+            assert_eq!(
+                (b.total_ips, b.allocated_ips, b.family, b.state),
+                (*total, counted, case.family, BlockState::Ready),
+                "{name}: block {id}"
+            );
+        }
+        let got: Vec<IpAddr> = (0..case.order.len())
+            .map(|i| alloc(&mut store, "default", &format!("c{i}"), case.family, NOW))
+            .collect();
+        let want: Vec<IpAddr> = case.order.iter().map(|a| ip(a)).collect();
+        assert_eq!(got, want, "{name}");
+        let err = store
+            .allocate(&owner("default", "one-more"), case.family, NOW)
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::NoAvailableIps { family, .. } if family == case.family),
+            "{name}: {err}"
+        );
+        assert!(
+            err.to_string().contains("no available IPs in store"),
+            "{name}"
+        );
+        assert!(!err.is_transient(), "{name}");
+        for (id, total) in (1..).zip(case.totals) {
+            assert_eq!(
+                block(&store, id).allocated_ips,
+                *total,
+                "{name}: block {id} full"
+            );
+        }
+        assert_counters(&store);
+    }
 }
 
 #[test]
@@ -228,26 +379,21 @@ fn schema_objects_are_exact() {
             col("updated_at", "INTEGER", false, now_default.as_deref(), 0),
         ]
     );
-    let version: i64 = conn
-        .pragma_query_value(None, "user_version", |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 1);
     let journal: String = conn
         .pragma_query_value(None, "journal_mode", |r| r.get(0))
         .unwrap();
     assert_eq!(journal, "wal");
-    let fk: i64 = conn
-        .pragma_query_value(None, "foreign_keys", |r| r.get(0))
-        .unwrap();
-    assert_eq!(fk, 1);
-    let sync: i64 = conn
-        .pragma_query_value(None, "synchronous", |r| r.get(0))
-        .unwrap();
-    assert_eq!(sync, 1);
-    let busy: i64 = conn
-        .pragma_query_value(None, "busy_timeout", |r| r.get(0))
-        .unwrap();
-    assert_eq!(busy, 5000);
+    // synchronous 1 is NORMAL.
+    let pragmas = [
+        ("user_version", 1),
+        ("foreign_keys", 1),
+        ("synchronous", 1),
+        ("busy_timeout", 5000),
+    ];
+    for (pragma, want) in pragmas {
+        let value: i64 = conn.pragma_query_value(None, pragma, |r| r.get(0)).unwrap();
+        assert_eq!(value, want, "{pragma}");
+    }
 
     let file_mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
     assert_eq!(file_mode, 0o600);
@@ -268,7 +414,7 @@ fn durability_full_sets_synchronous_full() {
         &dir.db(),
         &StoreOptions {
             durability: Durability::Full,
-            reserve: None,
+            ..StoreOptions::default()
         },
     )
     .unwrap();
@@ -281,7 +427,7 @@ fn durability_full_sets_synchronous_full() {
 
 #[test]
 fn empty_path_is_rejected() {
-    let err = Store::open(Path::new(""), &opts(None)).unwrap_err();
+    let err = Store::open(Path::new(""), &opts(None, None)).unwrap_err();
     assert!(matches!(err, StoreError::InvalidPath));
     assert!(err.to_string().starts_with("store: "));
 }
@@ -293,9 +439,7 @@ fn reopen_is_idempotent_and_keeps_data() {
     let a;
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.1.0/29"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
         a = alloc(&mut store, "default", "c1", Family::V4, NOW);
         schema_before = store
             .conn
@@ -325,7 +469,8 @@ fn reopen_is_idempotent_and_keeps_data() {
 }
 
 #[test]
-fn every_block_29_reserves_and_allocates_in_order() {
+fn adding_a_block_again_changes_nothing() {
+    // Its reservations and allocation order: allocation_order_until_exhausted.
     let dir = TempDir::new();
     let mut store = open(&dir.db());
     let id = store
@@ -333,29 +478,7 @@ fn every_block_29_reserves_and_allocates_in_order() {
         .unwrap();
     assert_eq!(id, AddOutcome::Added(1));
     assert_eq!(rows(&store, 1).len(), 8);
-    assert_eq!(
-        reserved_addrs(&store, 1),
-        vec!["198.18.1.0", "198.18.1.1", "198.18.1.7"]
-    );
-    let b = block(&store, 1);
-    assert_eq!(
-        (b.total_ips, b.allocated_ips, b.state),
-        (8, 3, BlockState::Ready)
-    );
-    assert_eq!(b.family, Family::V4);
-    let got: Vec<IpAddr> = (0..5)
-        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
-        .collect();
-    let want: Vec<IpAddr> = (2..=6).map(|i| ip(&format!("198.18.1.{i}"))).collect();
-    assert_eq!(got, want);
-    let err = store
-        .allocate(&owner("default", "c9"), Family::V4, NOW)
-        .unwrap_err();
-    assert!(matches!(err, StoreError::NoAvailableIps { .. }), "{err}");
-    assert!(err.to_string().contains("no available IPs in store"));
-    assert!(!err.is_transient());
-    assert_eq!(block(&store, 1).allocated_ips, 8);
-    assert_counters(&store);
+    alloc(&mut store, "default", "c0", Family::V4, NOW);
     // Adding it again changes nothing.
     assert_eq!(
         store
@@ -388,12 +511,8 @@ fn second_block_reservation_depends_on_mode() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.1.0/29"))
-            .unwrap();
-        store
-            .add_cidr_block("default", &c("198.18.2.0/29"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.1.0/29")]);
+        add_blocks(&mut store, &[("default", "198.18.2.0/29")]);
         assert_eq!(
             reserved_addrs(&store, 2),
             vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
@@ -406,12 +525,10 @@ fn second_block_reservation_depends_on_mode() {
     store
         .add_cidr_block("default", &c("2001:db8::/120"))
         .unwrap(); // v6 first: no effect on v4 rule
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "198.18.1.0/29"), ("default", "198.18.2.0/29")],
+    );
     assert!(reserved_addrs(&store, 1).is_empty());
     assert_eq!(
         reserved_addrs(&store, 2),
@@ -472,40 +589,8 @@ fn second_block_reservation_depends_on_mode() {
 }
 
 #[test]
-fn tiny_v4_blocks_reserve_nothing() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.0.0/31"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.0.9/32"))
-        .unwrap();
-    assert_eq!(block(&store, 1).allocated_ips, 0);
-    assert_eq!(block(&store, 2).allocated_ips, 0);
-    assert_eq!(block(&store, 2).total_ips, 1);
-    let got: Vec<IpAddr> = (0..3)
-        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
-        .collect();
-    assert_eq!(
-        got,
-        vec![ip("198.18.0.0"), ip("198.18.0.1"), ip("198.18.0.9")]
-    );
-    assert!(
-        store
-            .allocate(&owner("default", "c3"), Family::V4, NOW)
-            .is_err()
-    );
-    assert_counters(&store);
-}
-
-#[test]
 fn ipv6_reserves_base_and_gateway() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/120"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8::/120")]);
     let b = block(&store, 1);
     assert_eq!(
         (b.family, b.total_ips, b.allocated_ips),
@@ -522,11 +607,7 @@ fn ipv6_reserves_base_and_gateway() {
 
 #[test]
 fn ipv6_expands_in_batches() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8::/64")]);
     assert_eq!(block(&store, 1).total_ips, i64::MAX);
     let mut seen = HashSet::new();
     for i in 0..100 {
@@ -544,14 +625,10 @@ fn ipv6_expands_in_batches() {
 
 #[test]
 fn tiny_ipv6_blocks_stay_inside_prefix() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/127"))
-        .unwrap();
-    store
-        .add_cidr_block("other", &c("2001:db8::10/128"))
-        .unwrap();
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(60_000)),
+        &[("default", "2001:db8::/127"), ("other", "2001:db8::10/128")],
+    );
     assert_eq!(
         rows(&store, 1)
             .iter()
@@ -579,7 +656,7 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
         Err(StoreError::NoAvailableIps { .. })
     ));
     // Released with cooldown: candidates exist but nothing can be claimed or grown.
-    store.release("default", "a", "eth0", 60_000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
     assert!(matches!(
         store.allocate(&owner("default", "c"), Family::V6, NOW),
         Err(StoreError::NoAvailableIps { .. })
@@ -594,11 +671,8 @@ fn tiny_ipv6_blocks_stay_inside_prefix() {
 
 #[test]
 fn fully_cooling_126_terminates() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/126"))
-        .unwrap();
+    let (_dir, mut store) =
+        store_opts_with(&opts(None, Some(30_000)), &[("default", "2001:db8::/126")]);
     assert_eq!(rows(&store, 1).len(), 4);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V6, NOW),
@@ -608,8 +682,8 @@ fn fully_cooling_126_terminates() {
         alloc(&mut store, "default", "b", Family::V6, NOW),
         ip("2001:db8::3")
     );
-    store.release("default", "a", "eth0", 30_000, NOW).unwrap();
-    store.release("default", "b", "eth0", 30_000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
+    store.release("default", "b", "eth0", NOW).unwrap();
     let err = store
         .allocate(&owner("default", "c"), Family::V6, NOW + 1)
         .unwrap_err();
@@ -633,16 +707,13 @@ fn fully_cooling_126_terminates() {
 
 #[test]
 fn cooldown_skips_then_reuses() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
+    let (dir, mut store) =
+        store_opts_with(&opts(None, Some(1000)), &[("default", "198.18.1.0/29")]);
     assert_eq!(
         alloc(&mut store, "default", "a", Family::V4, NOW),
         ip("198.18.1.2")
     );
-    let released = store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    let released = store.release("default", "a", "eth0", NOW).unwrap();
     assert_eq!(
         released,
         vec![Allocation {
@@ -677,9 +748,8 @@ fn cooldown_skips_then_reuses() {
         0
     );
     // Cooldown 0 → release_at NULL, immediately reusable.
-    store
-        .release("default", "c", "eth0", 0, NOW + 2000)
-        .unwrap();
+    let mut store = open_cooling(&dir.db(), 0);
+    store.release("default", "c", "eth0", NOW + 2000).unwrap();
     assert_eq!(rows(&store, 1)[2].3, None);
     assert_eq!(
         alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
@@ -690,14 +760,8 @@ fn cooldown_skips_then_reuses() {
 
 #[test]
 fn oldest_block_first() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.2.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.1.0/28"))
-        .unwrap();
+    let (_dir, mut store) =
+        store_with(&[("default", "198.18.2.0/28"), ("default", "198.18.1.0/28")]);
     for i in 0..3 {
         let a = store
             .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
@@ -714,12 +778,7 @@ fn oldest_block_first() {
 
 #[test]
 fn allocate_is_idempotent_and_network_scoped() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store.add_cidr_block("blue", &c("198.18.9.0/29")).unwrap();
+    let (_dir, mut store) = store_with(&[("default", "198.18.1.0/29"), ("blue", "198.18.9.0/29")]);
     let a = store
         .allocate(&owner("default", "c1"), Family::V4, NOW)
         .unwrap();
@@ -758,7 +817,7 @@ fn allocate_is_idempotent_and_network_scoped() {
         Err(StoreError::EmptyOwner)
     ));
     assert!(matches!(
-        store.release("default", "", "eth0", 0, NOW),
+        store.release("default", "", "eth0", NOW),
         Err(StoreError::EmptyOwner)
     ));
     assert_counters(&store);
@@ -766,14 +825,10 @@ fn allocate_is_idempotent_and_network_scoped() {
 
 #[test]
 fn release_is_idempotent_and_dual_stack() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
+        &[("default", "2001:db8::/64"), ("default", "198.18.1.0/29")],
+    );
     let v6 = store
         .allocate(&owner("default", "c1"), Family::V6, NOW)
         .unwrap();
@@ -784,17 +839,17 @@ fn release_is_idempotent_and_dual_stack() {
     assert!(store.check("other", "c1", "eth0").unwrap().is_empty());
     assert!(
         store
-            .release("other", "c1", "eth0", 0, NOW)
+            .release("other", "c1", "eth0", NOW)
             .unwrap()
             .is_empty()
     );
     assert_eq!(
-        store.release("default", "c1", "eth0", 1000, NOW).unwrap(),
+        store.release("default", "c1", "eth0", NOW).unwrap(),
         vec![v4, v6]
     );
     assert!(
         store
-            .release("default", "c1", "eth0", 1000, NOW)
+            .release("default", "c1", "eth0", NOW)
             .unwrap()
             .is_empty()
     );
@@ -806,27 +861,26 @@ fn release_is_idempotent_and_dual_stack() {
 
 #[test]
 fn counters_match_rows_after_mixed_sequence() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/28"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/120"))
-        .unwrap();
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(500)),
+        &[
+            ("default", "198.18.1.0/28"),
+            ("default", "198.18.2.0/28"),
+            ("default", "2001:db8::/120"),
+        ],
+    );
     for i in 0..70 {
         let cid = format!("c{i}");
         if i < 20 {
             alloc(&mut store, "default", &cid, Family::V4, NOW + i);
         }
         alloc(&mut store, "default", &cid, Family::V6, NOW + i);
-        if i % 3 == 0 {
-            store
-                .release("default", &cid, "eth0", i % 2 * 500, NOW + i)
-                .unwrap();
+        if i % 3 == 0 && i % 2 == 0 {
+            for family in [Family::V4, Family::V6] {
+                store.roll_back("default", &cid, "eth0", family).unwrap();
+            }
+        } else if i % 3 == 0 {
+            store.release("default", &cid, "eth0", NOW + i).unwrap();
         }
     }
     store
@@ -836,9 +890,9 @@ fn counters_match_rows_after_mixed_sequence() {
         .allocate_requested(&owner("default", "req"), ip("2001:db8::f0"), NOW + 100)
         .unwrap();
     store.drain_block(2, NOW).unwrap();
-    store
-        .release("default", "req", "eth0", 0, NOW + 200)
-        .unwrap();
+    for family in [Family::V4, Family::V6] {
+        store.roll_back("default", "req", "eth0", family).unwrap();
+    }
     assert_counters(&store);
     let usage = store.usage("default", Family::V6, NOW + 100).unwrap();
     assert_eq!(usage.total, 256);
@@ -847,14 +901,10 @@ fn counters_match_rows_after_mixed_sequence() {
 
 #[test]
 fn allocate_requested_cases() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
+        &[("default", "198.18.1.0/29"), ("default", "2001:db8::/64")],
+    );
     let a = store
         .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
         .unwrap();
@@ -889,7 +939,7 @@ fn allocate_requested_cases() {
             .unwrap_err();
         unavailable(err, needle);
     }
-    store.release("default", "a", "eth0", 1000, NOW).unwrap();
+    store.release("default", "a", "eth0", NOW).unwrap();
     unavailable(
         store
             .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
@@ -934,17 +984,11 @@ fn allocate_requested_cases() {
 
 #[test]
 fn lifecycle_drain_undrain_expire_delete() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.3.0/29"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[
+        ("default", "198.18.1.0/29"),
+        ("default", "198.18.2.0/29"),
+        ("default", "198.18.3.0/29"),
+    ]);
     // Fill block 1 so the next lands in block 2.
     for i in 0..5 {
         alloc(&mut store, "default", &format!("f{i}"), Family::V4, NOW);
@@ -990,7 +1034,7 @@ fn lifecycle_drain_undrain_expire_delete() {
         expired
     );
     // Release restarts the clock of block 2 (updated_at trigger).
-    store.release("default", "p", "eth0", 0, wall_ms()).unwrap();
+    store.release("default", "p", "eth0", wall_ms()).unwrap();
     assert!(
         store
             .expire_draining("default", Family::V4, exp, wall_ms() + exp - 5_000)
@@ -1021,19 +1065,14 @@ fn lifecycle_drain_undrain_expire_delete() {
 
 #[test]
 fn usage_example_from_reference() {
-    let dir = TempDir::new();
-    let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
-    store
-        .add_cidr_block("default", &c("198.18.1.0/29"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.2.0/29"))
-        .unwrap();
+    let first_block = opts(Some(ReserveMode::FirstBlock), Some(30_000));
+    let (_dir, mut store) = store_opts_with(
+        &first_block,
+        &[("default", "198.18.1.0/29"), ("default", "198.18.2.0/29")],
+    );
     alloc(&mut store, "default", "active", Family::V4, NOW);
     alloc(&mut store, "default", "cooling", Family::V4, NOW);
-    store
-        .release("default", "cooling", "eth0", 30_000, NOW)
-        .unwrap();
+    store.release("default", "cooling", "eth0", NOW).unwrap();
     store.drain_block(2, NOW).unwrap();
     let usage = store.usage("default", Family::V4, NOW + 1).unwrap();
     assert_eq!(
@@ -1065,12 +1104,10 @@ fn usage_example_from_reference() {
         }
     );
     // Saturating totals.
-    store
-        .add_cidr_block("default", &c("2001:db8::/64"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8:1::/64"))
-        .unwrap();
+    add_blocks(
+        &mut store,
+        &[("default", "2001:db8::/64"), ("default", "2001:db8:1::/64")],
+    );
     assert_eq!(
         store.usage("default", Family::V6, NOW).unwrap().total,
         i64::MAX
@@ -1079,13 +1116,13 @@ fn usage_example_from_reference() {
 
 #[test]
 fn networks_and_ready_blocks_order() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store.add_cidr_block("zeta", &c("198.18.1.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.2.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.3.0/29")).unwrap();
-    store.add_cidr_block("gone", &c("198.18.4.0/29")).unwrap();
-    store.add_cidr_block("alpha", &c("198.18.5.0/29")).unwrap();
+    let (_dir, mut store) = store_with(&[
+        ("zeta", "198.18.1.0/29"),
+        ("alpha", "198.18.2.0/29"),
+        ("alpha", "198.18.3.0/29"),
+        ("gone", "198.18.4.0/29"),
+        ("alpha", "198.18.5.0/29"),
+    ]);
     store
         .conn
         .execute("UPDATE cidr_blocks SET state = 'Deleting' WHERE id = 4", [])
@@ -1101,21 +1138,26 @@ fn networks_and_ready_blocks_order() {
     assert_eq!(ids, vec![3, 2]);
 }
 
-#[test]
-fn listings_honour_filters_and_bind_values() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/30"))
-        .unwrap();
-    store.add_cidr_block("blue", &c("198.18.2.0/30")).unwrap();
-    store
-        .add_cidr_block("default", &c("2001:db8::/126"))
-        .unwrap();
+/// The listings' fixture: blocks 1 (default, v4, c1 holds .2), 2 (blue,
+/// v4, Draining, c2 holds .2) and 3 (default, v6).
+fn listing_store() -> (TempDir, Store) {
+    let (dir, mut store) = store_with(&[
+        ("default", "198.18.1.0/30"),
+        ("blue", "198.18.2.0/30"),
+        ("default", "2001:db8::/126"),
+    ]);
     alloc(&mut store, "default", "c1", Family::V4, NOW);
     alloc(&mut store, "blue", "c2", Family::V4, NOW);
     store.drain_block(2, NOW).unwrap();
+    (dir, store)
+}
 
+/// A filter value that would match everything if pasted into SQL.
+const HOSTILE: &str = "x' OR '1'='1";
+
+#[test]
+fn block_listings_honour_filters_and_bind_values() {
+    let (_dir, store) = listing_store();
     let all = store.list_blocks(&BlockFilter::default()).unwrap();
     assert_eq!(
         all.headers,
@@ -1142,44 +1184,45 @@ fn listings_honour_filters_and_bind_values() {
         state: s,
         family: fam,
     };
-    assert_eq!(
-        ids(&store.list_blocks(&f(Some("default"), None, None)).unwrap()),
-        vec!["1", "3"]
-    );
-    assert_eq!(
-        ids(&store
-            .list_blocks(&f(None, Some(BlockState::Draining), None))
-            .unwrap()),
-        vec!["2"]
-    );
-    assert_eq!(
-        ids(&store.list_blocks(&f(None, None, Some(Family::V6))).unwrap()),
-        vec!["3"]
-    );
-    assert_eq!(
-        ids(&store
-            .list_blocks(&f(
-                Some("default"),
-                Some(BlockState::Ready),
-                Some(Family::V4)
-            ))
-            .unwrap()),
-        vec!["1"]
-    );
-    let evil = "x' OR '1'='1";
+    let block_cases = [
+        ("network", f(Some("default"), None, None), vec!["1", "3"]),
+        (
+            "state",
+            f(None, Some(BlockState::Draining), None),
+            vec!["2"],
+        ),
+        ("family", f(None, None, Some(Family::V6)), vec!["3"]),
+        (
+            "all three",
+            f(Some("default"), Some(BlockState::Ready), Some(Family::V4)),
+            vec!["1"],
+        ),
+    ];
+    for (case, filter, want) in block_cases {
+        assert_eq!(ids(&store.list_blocks(&filter).unwrap()), want, "{case}");
+    }
     assert!(
         store
-            .list_blocks(&f(Some(evil), None, None))
+            .list_blocks(&f(Some(HOSTILE), None, None))
             .unwrap()
             .rows
             .is_empty()
     );
-    assert!(store.blocks(&f(Some(evil), None, None)).unwrap().is_empty());
+    assert!(
+        store
+            .blocks(&f(Some(HOSTILE), None, None))
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(
         store.blocks(&f(Some("blue"), None, None)).unwrap()[0].state,
         BlockState::Draining
     );
+}
 
+#[test]
+fn address_listings_honour_filters_and_bind_values() {
+    let (_dir, store) = listing_store();
     let addrs = store.list_addresses(&AddressFilter::default()).unwrap();
     assert_eq!(
         addrs.headers,
@@ -1220,65 +1263,81 @@ fn listings_honour_filters_and_bind_values() {
             &c1.rows[0][10]
         ]
     );
-    let count = |flt: AddressFilter| store.list_addresses(&flt).unwrap().rows.len();
-    assert_eq!(
-        count(AddressFilter {
-            allocated: Some(true),
-            ..Default::default()
-        }),
-        10
-    );
-    assert_eq!(
-        count(AddressFilter {
-            allocated: Some(false),
-            ..Default::default()
-        }),
-        2
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some("blue".into()),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            state: Some(BlockState::Draining),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            family: Some(Family::V6),
-            ..Default::default()
-        }),
-        4
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some("default".into()),
-            family: Some(Family::V6),
-            allocated: Some(false),
-            ..Default::default()
-        }),
-        2
-    );
-    assert_eq!(
-        count(AddressFilter {
-            container_id: Some(evil.into()),
-            ..Default::default()
-        }),
-        0
-    );
-    assert_eq!(
-        count(AddressFilter {
-            network: Some(evil.into()),
-            ..Default::default()
-        }),
-        0
-    );
+    let address_cases = [
+        (
+            "allocated",
+            AddressFilter {
+                allocated: Some(true),
+                ..Default::default()
+            },
+            10,
+        ),
+        (
+            "free",
+            AddressFilter {
+                allocated: Some(false),
+                ..Default::default()
+            },
+            2,
+        ),
+        (
+            "network",
+            AddressFilter {
+                network: Some("blue".into()),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "block state",
+            AddressFilter {
+                state: Some(BlockState::Draining),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "family",
+            AddressFilter {
+                family: Some(Family::V6),
+                ..Default::default()
+            },
+            4,
+        ),
+        (
+            "network, family and free",
+            AddressFilter {
+                network: Some("default".into()),
+                family: Some(Family::V6),
+                allocated: Some(false),
+                ..Default::default()
+            },
+            2,
+        ),
+        (
+            "hostile container id",
+            AddressFilter {
+                container_id: Some(HOSTILE.into()),
+                ..Default::default()
+            },
+            0,
+        ),
+        (
+            "hostile network",
+            AddressFilter {
+                network: Some(HOSTILE.into()),
+                ..Default::default()
+            },
+            0,
+        ),
+    ];
+    for (case, filter, want) in address_cases {
+        assert_eq!(
+            store.list_addresses(&filter).unwrap().rows.len(),
+            want,
+            "{case}"
+        );
+    }
 }
 
 #[test]
@@ -1286,9 +1345,7 @@ fn two_stores_allocate_concurrently() {
     let dir = TempDir::new();
     {
         let mut store = open(&dir.db());
-        store
-            .add_cidr_block("default", &c("198.18.100.0/24"))
-            .unwrap();
+        add_blocks(&mut store, &[("default", "198.18.100.0/24")]);
     }
     let handles: Vec<_> = (0..2)
         .map(|t| {
@@ -1324,11 +1381,7 @@ fn two_stores_allocate_concurrently() {
 #[test]
 fn adding_a_slash16_enumerates_every_address() {
     // How long this takes is measured by `make bench`, not asserted here.
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.19.0.0/16"))
-        .unwrap();
+    let (dir, store) = store_with(&[("default", "198.19.0.0/16")]);
     assert_eq!(block(&store, 1).total_ips, 65536);
     assert_eq!(rows(&store, 1).len(), 65536);
     assert_eq!(
@@ -1342,11 +1395,7 @@ fn adding_a_slash16_enumerates_every_address() {
 
 #[test]
 fn corrupt_rows_are_errors_not_panics() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.1.0/30"))
-        .unwrap();
+    let (dir, mut store) = store_with(&[("default", "198.18.1.0/30")]);
     store
         .conn
         .execute(
@@ -1500,7 +1549,7 @@ fn upstream_database_is_repaired_and_served() {
             .collect();
     }
 
-    let mut store = open(&path);
+    let mut store = open_cooling(&path, 30_000);
     assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
     assert_eq!(
         reserved_addrs(&store, 1),
@@ -1568,9 +1617,7 @@ fn upstream_database_is_repaired_and_served() {
         ip("2001:db8::")
     );
     // Releasing the held reserved position returns it to the reservation.
-    let released = store
-        .release("default", "pod-x", "eth0", 30_000, NOW)
-        .unwrap();
+    let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
     assert_eq!(released[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
@@ -1608,18 +1655,12 @@ fn claim_query_uses_partial_index() {
 
 #[test]
 fn cached_statements_are_not_reprepared() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("198.18.90.0/24"))
-        .unwrap();
-    store
-        .add_cidr_block("default", &c("198.18.91.0/24"))
-        .unwrap();
+    let (_dir, mut store) =
+        store_with(&[("default", "198.18.90.0/24"), ("default", "198.18.91.0/24")]);
     for i in 0..5 {
         let cid = format!("c{i}");
         alloc(&mut store, "default", &cid, Family::V4, 1000 + i);
-        store.release("default", &cid, "eth0", 0, 1000 + i).unwrap();
+        store.release("default", &cid, "eth0", 1000 + i).unwrap();
     }
     let claim = store.conn.prepare_cached(super::alloc::CLAIM_SQL).unwrap();
     assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0);
@@ -1651,11 +1692,7 @@ fn allocation_path_never_scans_the_address_table() {
 
 #[test]
 fn ipv6_growth_continues_from_the_recorded_frontier() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8:6::/64"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8:6::/64")]);
     // A requested address far ahead of the populated batches.
     let ahead = store
         .allocate_requested(&owner("default", "ahead"), ip("2001:db8:6::50"), NOW)
@@ -1680,11 +1717,7 @@ fn ipv6_growth_continues_from_the_recorded_frontier() {
 
 #[test]
 fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
-    let dir = TempDir::new();
-    let mut store = open(&dir.db());
-    store
-        .add_cidr_block("default", &c("2001:db8:7::/120"))
-        .unwrap();
+    let (_dir, mut store) = store_with(&[("default", "2001:db8:7::/120")]);
     for i in 0..62 {
         alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
     }
@@ -1713,4 +1746,30 @@ fn ipv4_blocks_larger_than_a_slash12_are_refused() {
     assert!(matches!(err, StoreError::BlockTooLarge(_)), "{err}");
     assert!(err.to_string().contains("split the range"), "{err}");
     assert!(store.blocks(&BlockFilter::default()).unwrap().is_empty());
+}
+
+#[test]
+fn release_cooldown_is_settled_at_open() {
+    let dir = TempDir::new();
+    assert_eq!(open(&dir.db()).release_cooldown(), 0, "nothing recorded");
+    // The daemon's cooldown is recorded; direct mode (None) then uses it.
+    assert_eq!(open_cooling(&dir.db(), 45_000).release_cooldown(), 45_000);
+    assert_eq!(open(&dir.db()).release_cooldown(), 45_000);
+    assert_eq!(
+        Store::open_read_only(&dir.db())
+            .unwrap()
+            .unwrap()
+            .release_cooldown(),
+        45_000
+    );
+    let store = open_cooling(&dir.db(), 0);
+    assert_eq!(
+        store
+            .setting(schema::KEY_RELEASE_COOLDOWN)
+            .unwrap()
+            .as_deref(),
+        Some("0")
+    );
+    drop(store);
+    assert_eq!(open(&dir.db()).release_cooldown(), 0);
 }

@@ -1,4 +1,4 @@
-//! The daemon's adaptive side, run on the loop thread: parked requests
+//! The adaptive side as the daemon's loop runs it: parked requests
 //! waiting for addresses, events from the Kubernetes threads, and the
 //! periodic monitor pass. Nothing here blocks: HTTP happens on the kube
 //! threads, and every store change happens here, on the loop.
@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
-use crate::engine::Engine;
+use crate::engine::{Engine, Outcome};
 use crate::kube::nnc::{Kind, Nnc};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, Response, reason, request, response};
+use crate::wire::{Code, Request, Response, request, response};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -97,45 +97,35 @@ impl Adaptive {
         i64::try_from(count).unwrap_or(i64::MAX)
     }
 
-    /// Looks at a response before it is sent: an IPv4 exhaustion with a
+    /// Looks at an outcome before it is sent: an IPv4 exhaustion with a
     /// cluster that can add blocks parks the request (returns `None`); a
     /// successful release wakes waiters; health reports a degraded link.
     pub fn intercept(
         &mut self,
         conn_id: u64,
-        request: &Request,
-        reply: Response,
+        request: Request,
+        outcome: Outcome,
         now: Instant,
     ) -> Option<Response> {
-        match &request.kind {
-            Some(request::Kind::Allocate(_)) if self.config.source == Kind::Nnc => {
-                let exhausted_v4 = reply.reason() == reason::IP_POOL_EXHAUSTED
-                    && reply.metadata(reason::META_IP_FAMILY) == Some(Family::V4.as_str());
-                if let (true, Some(network)) = (exhausted_v4, reply.metadata(reason::META_NETWORK))
-                {
-                    log::info(
-                        "daemon",
-                        "Local store IP exhaustion detected, requesting scale up",
-                        &[("network", &network), ("conn", &conn_id)],
-                    );
-                    self.parked.push(Parked {
-                        conn_id,
-                        request: request.clone(),
-                        network: network.to_string(),
-                        parked_at: now,
-                        deadline: now + self.config.pending_timeout,
-                    });
-                    self.publish_parked();
-                    self.next_pass = now;
-                    return None;
-                }
-                Some(reply)
+        let parkable = self.config.source == Kind::Nnc
+            && matches!(request.kind, Some(request::Kind::Allocate(_)));
+        let reply = match outcome {
+            Outcome::Exhausted {
+                network,
+                family: Family::V4,
+                ..
+            } if parkable => {
+                self.park(conn_id, request, network, now);
+                return None;
             }
+            other => other.into_response(),
+        };
+        match &request.kind {
             Some(request::Kind::Deallocate(req)) => {
                 let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
                 if released {
                     let network = if req.network.is_empty() {
-                        crate::engine::DEFAULT_NETWORK
+                        crate::defaults::DEFAULT_NETWORK
                     } else {
                         &req.network
                     };
@@ -147,6 +137,23 @@ impl Adaptive {
             Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
             _ => Some(reply),
         }
+    }
+
+    fn park(&mut self, conn_id: u64, request: Request, network: String, now: Instant) {
+        log::info(
+            "daemon",
+            "Local store IP exhaustion detected, requesting scale up",
+            &[("network", &network), ("conn", &conn_id)],
+        );
+        self.parked.push(Parked {
+            conn_id,
+            request,
+            network,
+            parked_at: now,
+            deadline: now + self.config.pending_timeout,
+        });
+        self.publish_parked();
+        self.next_pass = now;
     }
 
     /// STATUS with the cluster in view: an exhausted IPv4 pool can still
@@ -313,10 +320,12 @@ impl Adaptive {
                     parked.network,
                     now.saturating_duration_since(parked.parked_at).as_secs()
                 );
-                let reply =
-                    Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
-                        .with_metadata(reason::META_NETWORK, &parked.network)
-                        .with_metadata(reason::META_IP_FAMILY, Family::V4.as_str());
+                let reply = Outcome::Exhausted {
+                    network: parked.network,
+                    family: Family::V4,
+                    message,
+                }
+                .into_response();
                 (parked.conn_id, reply)
             })
             .collect()
@@ -380,12 +389,14 @@ impl Adaptive {
             let Some(parked) = self.parked.get(index) else {
                 break;
             };
-            let reply = engine.handle(parked.request.clone(), log::now_ms());
-            if reply.reason() == reason::IP_POOL_EXHAUSTED
-                && reply.metadata(reason::META_IP_FAMILY) == Some(Family::V4.as_str())
+            let outcome = engine.handle(&parked.request, log::now_ms());
+            if let Outcome::Exhausted {
+                family: Family::V4, ..
+            } = outcome
             {
                 break;
             }
+            let reply = outcome.into_response();
             let parked = self.parked.remove(index);
             self.observe(&parked, reply.code(), Instant::now());
             deliveries.push((parked.conn_id, reply));

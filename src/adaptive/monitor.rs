@@ -1,14 +1,12 @@
 //! The adaptive monitor's store side: turning a NodeNetworkConfig snapshot
 //! into local blocks, and one monitor pass (scale-up, drain, release) into
 //! store changes plus at most one patch. The decisions themselves are the
-//! pure functions of `crate::policy`.
+//! pure functions of [`super::policy`].
 
-use serde_json::Value;
-
+use super::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
 use crate::cidr::{Cidr, Family};
-use crate::kube::nnc::{self, Nnc};
+use crate::kube::nnc::{self, Nnc, NncPatch, PodCidr};
 use crate::log;
-use crate::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
 use crate::store::{AddOutcome, BlockFilter, BlockState, Source, Store, StoreError};
 
 /// Durations of the monitor, in milliseconds.
@@ -21,8 +19,8 @@ pub struct MonitorConfig {
 /// What one pass decided besides its store changes.
 #[derive(Debug, Default, PartialEq)]
 pub struct PassOutcome {
-    /// The merge patch to send, if anything changed.
-    pub patch: Option<Value>,
+    /// The patch to send, if anything changed.
+    pub patch: Option<NncPatch>,
     /// Many addresses are cooling: look again shortly.
     pub push_back: bool,
     /// (action, network) for metrics: scale_up, drain, release, delete.
@@ -153,7 +151,7 @@ pub fn pass(
 ) -> Result<PassOutcome, StoreError> {
     let mut outcome = PassOutcome::default();
     let mut allocations = nnc.allocations.clone();
-    let mut releasable: Vec<Value> = Vec::new();
+    let mut releasable: Vec<PodCidr> = Vec::new();
     for network in store.networks()? {
         let usage = store.usage(&network, Family::V4, now_ms)?;
         let load = Load {
@@ -211,11 +209,11 @@ pub fn pass(
         }
     }
     if allocations != nnc.allocations || releasable != nnc.releasable {
-        outcome.patch = Some(nnc::patch_body(
-            &nnc.resource_version,
-            &allocations,
-            &releasable,
-        ));
+        outcome.patch = Some(NncPatch {
+            resource_version: nnc.resource_version.clone(),
+            allocations,
+            releasable,
+        });
     }
     Ok(outcome)
 }
@@ -230,12 +228,11 @@ fn drain_if_idle(
     config: MonitorConfig,
     now_ms: i64,
 ) -> Result<usize, StoreError> {
-    let key = format!("low_utilization_since/{network}");
-    let since = store.setting(&key)?.and_then(|text| text.parse().ok());
+    let since = store.low_utilization_since(network)?;
     match policy::low_utilization(load, since, now_ms, config.sustained_low_utilization_ms) {
-        LowUtilization::Clear => store.put_setting(&key, None).map(|()| 0),
+        LowUtilization::Clear => store.set_low_utilization_since(network, None).map(|()| 0),
         LowUtilization::Since(since) => store
-            .put_setting(&key, Some(&since.to_string()))
+            .set_low_utilization_since(network, Some(since))
             .map(|()| 0),
         LowUtilization::Drain => {
             let ready: Vec<BlockLoad> = store
@@ -257,7 +254,7 @@ fn drain_if_idle(
                 );
             }
             if !drained.is_empty() {
-                store.put_setting(&key, None)?;
+                store.set_low_utilization_since(network, None)?;
             }
             Ok(drained.len())
         }
@@ -273,7 +270,7 @@ fn release_expired(
     network: &str,
     config: MonitorConfig,
     now_ms: i64,
-    releasable: &mut Vec<Value>,
+    releasable: &mut Vec<PodCidr>,
     actions: &mut Vec<(&'static str, String)>,
 ) -> Result<i64, StoreError> {
     for block in
@@ -298,7 +295,7 @@ fn release_expired(
                 let already = nnc
                     .releasable
                     .iter()
-                    .any(|r| same_cidr(r["cidr"].as_str(), &block.cidr));
+                    .any(|r| same_cidr(r.cidr(), &block.cidr));
                 if !already {
                     released = released.saturating_add(block.total_ips);
                 }
@@ -408,8 +405,11 @@ mod tests {
         // 13 + 3 reserved + 10 waiting = 26 → ceil(26 / 0.75) = 35.
         assert_eq!(
             outcome.patch,
-            Some(json!({"metadata": {"resourceVersion": "5"},
-                        "spec": {"allocations": [{"network": "default", "pods": 35}], "releasableCIDRs": []}}))
+            Some(NncPatch {
+                resource_version: "5".into(),
+                allocations: vec![("default".into(), 35)],
+                releasable: Vec::new(),
+            })
         );
         assert!(!outcome.push_back);
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
@@ -444,9 +444,9 @@ mod tests {
         )
         .unwrap();
         let patch = outcome.patch.unwrap();
-        assert_eq!(patch["spec"]["releasableCIDRs"][0]["cidr"], "198.18.1.0/28");
+        assert_eq!(patch.releasable[0].cidr(), Some("198.18.1.0/28"));
         // 32 requested − 16 given back.
-        assert_eq!(patch["spec"]["allocations"][0]["pods"], 16);
+        assert_eq!(patch.allocations, vec![("default".into(), 16)]);
         // Already listed: not subtracted twice.
         let second = nnc("8", Some(16), &status, &["198.18.1.0/28"]);
         let outcome = pass(
@@ -468,7 +468,7 @@ mod tests {
             crate::log::now_ms() + 6 * HOUR,
         )
         .unwrap();
-        assert_eq!(outcome.patch.unwrap()["spec"]["releasableCIDRs"], json!([]));
+        assert!(outcome.patch.unwrap().releasable.is_empty());
         assert_eq!(
             store
                 .blocks(&BlockFilter {

@@ -1,0 +1,222 @@
+//! Starting the daemon: the store opened and verified, static blocks
+//! added, the socket bound, the cluster followed, then the loop until a
+//! signal.
+
+use std::fs;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+
+use super::event_loop::{Admission, EventLoop};
+use super::socket::listen;
+use super::{AdaptiveSettings, Config, DaemonError};
+use crate::adaptive::Adaptive;
+use crate::engine::Engine;
+use crate::kube::{self, client::ApiClient};
+use crate::log;
+use crate::metrics::{self, Metrics};
+use crate::store::{BootRecovery, Depth, Source, Store, StoreOptions};
+
+/// Runs the daemon until SIGTERM/SIGINT.
+pub fn run(config: &Config) -> Result<(), DaemonError> {
+    log::info(
+        "daemon",
+        "metis daemon is starting",
+        &[
+            ("socket", &config.socket_path.display()),
+            ("db", &config.db_path.display()),
+            ("release_cooldown_ms", &config.release_cooldown_ms),
+        ],
+    );
+    let signals = block_signals()?;
+    let mut store = open_store(config)?;
+    isolate_problems(&mut store, config)?;
+    let recovered_at_boot = recover_after_reboot(&mut store, config)?;
+    apply_cidr_flags(&mut store, config)?;
+
+    let listener = listen(&config.socket_path, config.socket_group)?;
+    let engine = Engine::new(store);
+    let metrics = Arc::new(Metrics::default());
+    metrics.recovered_at_boot(recovered_at_boot);
+    if let Some(addr) = config.metrics_addr {
+        let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
+            .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
+        log::info("daemon", "metrics listening", &[("addr", &bound)]);
+    }
+    let adaptive = config
+        .adaptive
+        .as_ref()
+        .map(|settings| follow_cluster(settings, &metrics))
+        .transpose()?;
+    log::info(
+        "daemon",
+        "listening",
+        &[("socket", &config.socket_path.display())],
+    );
+    EventLoop::new(
+        listener,
+        signals,
+        engine,
+        adaptive,
+        metrics,
+        config.limits,
+        Admission {
+            max_connections: config.max_connections,
+            allowed_uids: config.allowed_uids.clone(),
+        },
+    )
+    .run();
+    if let Err(err) = fs::remove_file(&config.socket_path) {
+        log::warn("daemon", "could not remove socket", &[("error", &err)]);
+    }
+    log::info("daemon", "metis daemon stopped", &[]);
+    Ok(())
+}
+
+/// Blocks SIGTERM and SIGINT before anything else, so they queue on the fd
+/// the loop polls.
+fn block_signals() -> Result<SignalFd, DaemonError> {
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGTERM);
+    mask.add(Signal::SIGINT);
+    mask.thread_block().map_err(DaemonError::Signals)?;
+    SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(DaemonError::Signals)
+}
+
+/// Opens the store (which records the release cooldown for direct mode).
+fn open_store(config: &Config) -> Result<Store, DaemonError> {
+    let store = Store::open(
+        &config.db_path,
+        &StoreOptions {
+            durability: config.durability,
+            reserve: Some(config.reserve),
+            release_cooldown: Some(config.release_cooldown_ms),
+        },
+    )
+    .map_err(DaemonError::Store)?;
+    for warning in store.open_warnings() {
+        log::warn("store", warning, &[]);
+    }
+    Ok(store)
+}
+
+/// Fail safe, not fail stop: a node whose IPAM refuses to start can start
+/// no pod. Only a database SQLite itself finds damaged is refused; every
+/// problem that can be pinned to blocks quarantines those blocks (no new
+/// allocations from them; their pods keep their addresses), loudly.
+fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
+    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
+    if report.damaged {
+        return Err(DaemonError::Unsafe(
+            report.describe(&config.db_path.display().to_string()),
+        ));
+    }
+    for problem in &report.problems {
+        log::warn("store", "database check", &[("problem", problem)]);
+    }
+    let isolation = store
+        .isolate_problems(&report.suspects, log::now_ms())
+        .map_err(DaemonError::Store)?;
+    for line in &isolation.deleted {
+        log::warn("store", line, &[]);
+    }
+    if isolation.recounted > 0 {
+        log::warn(
+            "store",
+            "recounted blocks whose allocated_ips did not match their rows",
+            &[("blocks", &isolation.recounted)],
+        );
+    }
+    for (id, cidr, network, why) in &isolation.quarantined {
+        log::error(
+            "store",
+            "block quarantined: nothing new is allocated from it; its pods keep their addresses; run `metis admin check` for details",
+            &[
+                ("block", id),
+                ("cidr", cidr),
+                ("network", network),
+                ("why", why),
+            ],
+        );
+    }
+    Ok(())
+}
+
+/// Lays out the `--cidr` blocks: flags added since the last start add
+/// blocks, flags removed retire theirs; a flag that overlaps another
+/// network's block is refused alone, loudly.
+fn apply_cidr_flags(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
+    let changes = store
+        .configure_all(Source::Flag, &config.cidrs, log::now_ms())
+        .map_err(DaemonError::Store)?;
+    for line in &changes.lines {
+        log::info("daemon", line, &[]);
+    }
+    for why in &changes.refused {
+        log::error(
+            "daemon",
+            "--cidr refused; serving everything else",
+            &[("error", why)],
+        );
+    }
+    Ok(())
+}
+
+/// Starts the Kubernetes threads and the adaptive side that reads them.
+fn follow_cluster(
+    settings: &AdaptiveSettings,
+    metrics: &Arc<Metrics>,
+) -> Result<Adaptive, DaemonError> {
+    let client = ApiClient::new(&settings.api).map_err(|err| DaemonError::Kube(err.to_string()))?;
+    let link = kube::worker::spawn(client, settings.node_name.clone(), settings.adaptive.source)
+        .map_err(|err| DaemonError::Kube(err.to_string()))?;
+    log::info(
+        "daemon",
+        "following the cluster",
+        &[
+            ("server", &settings.api.server),
+            ("node", &settings.node_name),
+            ("source", &format!("{:?}", settings.adaptive.source)),
+        ],
+    );
+    Ok(Adaptive::new(
+        link,
+        settings.adaptive.clone(),
+        Arc::clone(metrics),
+        Instant::now(),
+    ))
+}
+
+/// Releases the allocations of an earlier boot (see `store::boot`) before
+/// anything is served, and returns how many were released (for metrics).
+/// Without a readable boot id nothing is released.
+pub fn recover_after_reboot(store: &mut Store, config: &Config) -> Result<u64, DaemonError> {
+    let Some(boot_id) = crate::store::read_boot_id(&config.boot_id_path) else {
+        log::warn(
+            "daemon",
+            "cannot read the boot id; allocations of an earlier boot are not released",
+            &[("path", &config.boot_id_path.display())],
+        );
+        return Ok(0);
+    };
+    let outcome = store
+        .recover_after_reboot(&boot_id, Some(config.boot_recovery), log::now_ms())
+        .map_err(DaemonError::Store)?;
+    match outcome {
+        BootRecovery::Released(count) => log::info(
+            "daemon",
+            "new boot: released the allocations of the previous boot",
+            &[("released", &count), ("boot_id", &boot_id)],
+        ),
+        BootRecovery::Disabled => log::info(
+            "daemon",
+            "new boot: keeping the previous boot's allocations (--no-boot-recovery)",
+            &[("boot_id", &boot_id)],
+        ),
+        BootRecovery::FirstRecord | BootRecovery::SameBoot => {}
+    }
+    Ok(outcome.released())
+}
