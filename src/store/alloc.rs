@@ -6,8 +6,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::reserve::{block_reserved, is_first_v4, reserved_offsets};
 use super::{
-    AddOutcome, Allocation, Owner, ReserveMode, Store, StoreError, get_setting, parse_addr,
-    parse_cidr, schema, set_setting, total_ips, validate_owner,
+    Allocation, Owner, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, schema,
+    set_setting, total_ips, validate_owner,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -352,21 +352,6 @@ pub(super) fn insert_block(
 }
 
 impl Store {
-    /// Adds a block (Ready, its rows populated: every IPv4 address, the
-    /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
-    /// A prefix overlapping another block of the node's address space is
-    /// refused ([`StoreError::Overlap`]).
-    pub fn add_cidr_block(&mut self, network: &str, cidr: &Cidr) -> Result<AddOutcome, StoreError> {
-        super::check_block_size(cidr)?;
-        let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let outcome = super::layout::add_block(&tx, mode, network, cidr, None, 0)?;
-        tx.commit()?;
-        Ok(outcome)
-    }
-
     /// The id of the block (cidr, network), if any.
     pub fn find_block(&self, network: &str, cidr: &Cidr) -> Result<Option<i64>, StoreError> {
         find_block(&self.conn, network, &cidr.to_string())

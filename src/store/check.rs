@@ -409,7 +409,7 @@ fn check_rows(
 
 /// Quarantined blocks are problems an operator must look at.
 fn list_quarantined(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
-    let found: Vec<String> = super::layout::quarantined(conn)?
+    let found: Vec<String> = quarantined(conn)?
         .into_iter()
         .map(|(id, cidr, network, why)| {
             format!(
@@ -420,6 +420,20 @@ fn list_quarantined(conn: &Connection, report: &mut Report) -> Result<(), StoreE
         .collect();
     push_limited(report, found, |line| line);
     Ok(())
+}
+
+/// Quarantined blocks: (id, cidr, network, why).
+pub(super) fn quarantined(
+    conn: &Connection,
+) -> Result<Vec<(i64, String, String, String)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
+         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
+    )?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
 }
 
 fn push_limited<T>(report: &mut Report, found: Vec<T>, describe: impl Fn(T) -> String) {

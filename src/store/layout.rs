@@ -118,6 +118,25 @@ pub struct Isolation {
 }
 
 impl Store {
+    /// Adds a block (Ready, its rows populated: every IPv4 address, the
+    /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
+    /// A prefix overlapping another block of the node's address space is
+    /// refused ([`StoreError::Overlap`]).
+    pub fn add_cidr_block(
+        &mut self,
+        network: &str,
+        cidr: &Cidr,
+    ) -> Result<super::AddOutcome, StoreError> {
+        super::check_block_size(cidr)?;
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
+        tx.commit()?;
+        Ok(outcome)
+    }
+
     /// Declares the ranges `source` wants for `network` and `family` and
     /// brings the network's blocks in line (see the module documentation).
     /// Reads only when nothing changed, so it can run on every ADD. A range
@@ -254,7 +273,7 @@ impl Store {
         if !recorded {
             return Ok(Vec::new());
         }
-        quarantined(&self.conn)
+        super::check::quarantined(&self.conn)
     }
 
     /// Fail safe instead of fail stop, run by the daemon at start and by
@@ -283,7 +302,7 @@ impl Store {
             tx.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
                 .execute(params![id, why])?;
         }
-        isolation.quarantined = quarantined(&tx)?;
+        isolation.quarantined = super::check::quarantined(&tx)?;
         tx.commit()?;
         Ok(isolation)
     }
@@ -884,19 +903,6 @@ fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), 
             .execute([key])?;
         Ok(())
     }
-}
-
-pub(super) fn quarantined(
-    conn: &Connection,
-) -> Result<Vec<(i64, String, String, String)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
-         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
-    )?;
-    let rows = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
 }
 
 /// Sets every block's `allocated_ips` to its count of allocated rows;
