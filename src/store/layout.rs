@@ -97,6 +97,16 @@ impl Placed {
     }
 }
 
+/// What a source wants for one network and family.
+#[derive(Clone, Copy)]
+struct Wish<'a> {
+    source: Source,
+    network: &'a str,
+    family: Family,
+    ranges: &'a [Cidr],
+    isolated: bool,
+}
+
 /// What a layout pass changed, for the caller to log.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayoutChanges {
@@ -151,28 +161,31 @@ impl Store {
         isolated: bool,
         now_ms: i64,
     ) -> Result<LayoutChanges, StoreError> {
-        self.lay_out(
+        let wish = Wish {
             source,
             network,
             family,
             ranges,
             isolated,
-            Some(source),
-            now_ms,
-        )
+        };
+        self.lay_out(&wish, true, now_ms)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// [`Store::configure`]; with `strict`, a range of the wish's own source
+    /// that cannot be laid out fails the call.
     fn lay_out(
         &mut self,
-        source: Source,
-        network: &str,
-        family: Family,
-        ranges: &[Cidr],
-        isolated: bool,
-        strict: Option<Source>,
+        wish: &Wish,
+        strict: bool,
         now_ms: i64,
     ) -> Result<LayoutChanges, StoreError> {
+        let Wish {
+            source,
+            network,
+            family,
+            ranges,
+            isolated,
+        } = *wish;
         // Ranges of the other family are the caller's mistake, ignored here.
         let ranges: Vec<Cidr> = ranges
             .iter()
@@ -191,6 +204,7 @@ impl Store {
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
+        let strict = strict.then_some(source);
         let changes = relayout(&tx, mode, network, family, strict, now_ms)?;
         tx.commit()?;
         Ok(changes)
@@ -229,7 +243,14 @@ impl Store {
                     }
                 })
                 .collect();
-            let changes = self.lay_out(source, &network, family, &cidrs, isolated, None, now_ms)?;
+            let wish = Wish {
+                source,
+                network: &network,
+                family,
+                ranges: &cidrs,
+                isolated,
+            };
+            let changes = self.lay_out(&wish, false, now_ms)?;
             all.lines.extend(changes.lines);
             all.refused.extend(changes.refused);
         }
