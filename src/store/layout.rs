@@ -760,14 +760,7 @@ fn sweepable(
         .collect::<Result<_, _>>()?;
     let mut out = Vec::new();
     for (id, cidr) in retired {
-        let busy: bool = conn
-            .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-                 AND ((is_allocated = 1 AND COALESCE(container_id, '') != '') \
-                      OR (is_allocated = FALSE AND release_at > ?2)))",
-            )?
-            .query_row(params![id, now_ms], |r| r.get(0))?;
-        if !busy {
+        if !in_use(conn, id, now_ms)? {
             out.push((id, cidr));
         }
     }
