@@ -1,4 +1,9 @@
 //! Metis: a node-local adaptive IPAM for Kubernetes pods.
+//!
+//! The `kube` feature (on by default) builds the Kubernetes client and the
+//! adaptive side; without it (the edge build) blocks come from the CNI
+//! ranges and `--cidr` only, and no HTTP, TLS or YAML code is compiled.
+#[cfg(feature = "kube")]
 pub mod adaptive;
 pub mod cidr;
 pub mod cli;
@@ -8,6 +13,7 @@ pub mod defaults;
 pub mod duration;
 pub mod engine;
 pub mod flags;
+#[cfg(feature = "kube")]
 pub mod kube;
 pub mod log;
 pub mod metrics;

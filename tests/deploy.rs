@@ -249,10 +249,41 @@ fn the_daemonset_commands_parse_with_the_binarys_own_flags() {
         "NODE_NAME" => Some("node-a".into()),
         _ => None,
     });
-    let config = config.unwrap_or_else(|err| panic!("daemon flags in the DaemonSet: {err}"));
-    let adaptive = config.adaptive.expect("a cluster source");
-    assert_eq!(adaptive.node_name, "node-a");
-    assert_eq!(adaptive.api.server, "http://127.0.0.1:1");
+    #[cfg(feature = "kube")]
+    {
+        let config = config.unwrap_or_else(|err| panic!("daemon flags in the DaemonSet: {err}"));
+        let adaptive = config.adaptive.expect("a cluster source");
+        assert_eq!(adaptive.node_name, "node-a");
+        assert_eq!(adaptive.api.server, "http://127.0.0.1:1");
+    }
+    // The edge build cannot serve the DaemonSet's cluster source, and says so.
+    #[cfg(not(feature = "kube"))]
+    assert!(
+        config
+            .unwrap_err()
+            .to_string()
+            .contains("this build of metis does not have"),
+    );
+}
+
+/// Through the real binary: the edge build refuses a cluster source as a
+/// usage error (exit 2) that says how to get a build that has one.
+#[cfg(not(feature = "kube"))]
+#[test]
+fn the_edge_build_refuses_a_cluster_source_with_exit_2() {
+    let dir = common::TestDir::new("deploy-edge");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_metis"))
+        .args(["daemon", "--cidr-source", "nnc", "--socket-path"])
+        .arg(dir.join("metis.sock"))
+        .arg("--db-path")
+        .arg(dir.join("metis.sqlite"))
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("does not have"), "{stderr}");
+    assert!(stderr.contains("cargo build --release"), "{stderr}");
+    assert!(!dir.join("metis.sqlite").exists(), "nothing created");
 }
 
 #[test]

@@ -2,6 +2,8 @@
 //! scale-up with parked requests, drain and release, an API server that
 //! goes away, 409 races, 410 relists, and Node podCIDRs.
 
+// The edge build (no `kube` feature) has no Kubernetes side to test.
+#![cfg(feature = "kube")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
 mod common;

@@ -7,11 +7,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::Limits;
+#[cfg(feature = "kube")]
 use crate::adaptive::{AdaptiveConfig, MonitorConfig};
 use crate::cidr::Cidr;
 use crate::defaults::{DEFAULT_DB_PATH, DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
 use crate::duration::parse_duration_ms;
 use crate::flags::{self, FlagError, FlagSpec, Parsed};
+#[cfg(feature = "kube")]
 use crate::kube::{self, config::ApiConfig, nnc::Kind};
 use crate::store::{Durability, ReserveMode};
 
@@ -182,10 +184,12 @@ pub struct Config {
     pub verbosity: u8,
     pub metrics_addr: Option<SocketAddr>,
     /// `None` for static blocks only.
+    #[cfg(feature = "kube")]
     pub adaptive: Option<AdaptiveSettings>,
 }
 
 /// The Kubernetes side of the configuration.
+#[cfg(feature = "kube")]
 #[derive(Debug)]
 pub struct AdaptiveSettings {
     pub api: ApiConfig,
@@ -201,6 +205,8 @@ pub fn parse_config(
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, FlagError> {
     let parsed = flags::parse(FLAGS, args)?;
+    #[cfg(not(feature = "kube"))]
+    refuse_cluster_source(&parsed)?;
     Ok(Config {
         socket_path: absolute(&parsed, "--socket-path")?,
         db_path: absolute(&parsed, "--db-path")?,
@@ -238,6 +244,7 @@ pub fn parse_config(
         verbosity: u8::try_from(number(&parsed, "-v")?)
             .map_err(|_| FlagError::BadValue("-v", "must be at most 255".into()))?,
         metrics_addr: metrics_addr(&parsed)?,
+        #[cfg(feature = "kube")]
         adaptive: adaptive_settings(&parsed, lookup)?,
     })
 }
@@ -340,7 +347,29 @@ fn metrics_addr(parsed: &Parsed) -> Result<Option<SocketAddr>, FlagError> {
         .transpose()
 }
 
+/// The edge build serves static blocks only: a cluster source is a usage
+/// error that says how to get a build that has one.
+#[cfg(not(feature = "kube"))]
+fn refuse_cluster_source(parsed: &Parsed) -> Result<(), FlagError> {
+    match parsed.get("--cidr-source") {
+        None | Some("static") => Ok(()),
+        Some(source @ ("node" | "nnc")) => Err(FlagError::BadValue(
+            "--cidr-source",
+            format!(
+                "{source:?} needs Kubernetes support, which this build of metis does not have \
+                 (built with --no-default-features); use the full build \
+                 (cargo build --release, default features) or --cidr-source static"
+            ),
+        )),
+        Some(other) => Err(FlagError::BadValue(
+            "--cidr-source",
+            format!("{other:?} is not static, node or nnc"),
+        )),
+    }
+}
+
 /// Reads `--cidr-source` and, for a cluster source, the API server and node.
+#[cfg(feature = "kube")]
 fn adaptive_settings(
     parsed: &Parsed,
     lookup: &dyn Fn(&str) -> Option<String>,
@@ -391,6 +420,7 @@ fn adaptive_settings(
 }
 
 /// `NODE_NAME` (the downward API), else the hostname.
+#[cfg(feature = "kube")]
 fn node_name(lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, FlagError> {
     let node_name = match lookup("NODE_NAME").filter(|n| !n.is_empty()) {
         Some(name) => name,
@@ -411,6 +441,7 @@ fn node_name(lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, FlagErro
 }
 
 /// A Kubernetes object name (RFC 1123 subdomain): it is placed in URL paths.
+#[cfg(feature = "kube")]
 fn is_dns_subdomain(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
@@ -491,6 +522,7 @@ mod tests {
         assert!(config.boot_recovery);
         assert_eq!(config.verbosity, 0);
         assert_eq!(config.metrics_addr, None);
+        #[cfg(feature = "kube")]
         assert!(config.adaptive.is_none());
         let help = usage();
         for shown in [
@@ -552,6 +584,7 @@ mod tests {
         assert_eq!(config.verbosity, 4);
     }
 
+    #[cfg(feature = "kube")]
     #[test]
     fn cluster_flags_need_a_cluster() {
         assert!(parse(&["--cidr-source=static"]).unwrap().adaptive.is_none());
@@ -600,6 +633,21 @@ mod tests {
         );
     }
 
+    #[cfg(not(feature = "kube"))]
+    #[test]
+    fn the_edge_build_refuses_cluster_sources_as_a_usage_error() {
+        assert!(parse(&["--cidr-source=static"]).is_ok());
+        for source in ["node", "nnc"] {
+            let err = parse(&["--cidr-source", source]).unwrap_err();
+            assert!(
+                matches!(&err, FlagError::BadValue("--cidr-source", why)
+                    if why.contains("no Kubernetes support") || why.contains("does not have")),
+                "{source}: {err:?}"
+            );
+        }
+    }
+
+    #[cfg(feature = "kube")]
     #[test]
     fn node_names_must_be_kubernetes_names() {
         for good in ["node-a", "a.b-c.d", "n1"] {

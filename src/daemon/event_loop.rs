@@ -16,6 +16,9 @@ use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
 use super::conn::{Conn, Limits, State};
+#[cfg(not(feature = "kube"))]
+use super::no_cluster::{Adaptive, Delivery};
+#[cfg(feature = "kube")]
 use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::Engine;
 use crate::log;

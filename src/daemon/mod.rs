@@ -4,6 +4,8 @@
 mod config;
 mod conn;
 mod event_loop;
+#[cfg(not(feature = "kube"))]
+mod no_cluster;
 mod run;
 mod socket;
 
@@ -13,7 +15,9 @@ use std::path::PathBuf;
 use crate::flags::FlagError;
 use crate::store::StoreError;
 
-pub use config::{AdaptiveSettings, Config, parse_config, usage};
+#[cfg(feature = "kube")]
+pub use config::AdaptiveSettings;
+pub use config::{Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
 pub use run::{recover_after_reboot, run};

@@ -4,17 +4,14 @@
 
 use std::fs;
 use std::sync::Arc;
-use std::time::Instant;
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
 use super::socket::listen;
-use super::{AdaptiveSettings, Config, DaemonError};
-use crate::adaptive::Adaptive;
+use super::{Config, DaemonError};
 use crate::engine::Engine;
-use crate::kube::{self, client::ApiClient};
 use crate::log;
 use crate::metrics::{self, Metrics};
 use crate::store::{BootRecovery, Depth, Source, Store, StoreOptions};
@@ -45,11 +42,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
         log::info("daemon", "metrics listening", &[("addr", &bound)]);
     }
-    let adaptive = config
-        .adaptive
-        .as_ref()
-        .map(|settings| follow_cluster(settings, &metrics))
-        .transpose()?;
+    let adaptive = follow_cluster(config, &metrics)?;
     log::info(
         "daemon",
         "listening",
@@ -165,11 +158,17 @@ fn apply_cidr_flags(store: &mut Store, config: &Config) -> Result<(), DaemonErro
     Ok(())
 }
 
-/// Starts the Kubernetes threads and the adaptive side that reads them.
+/// Starts the Kubernetes threads and the adaptive side that reads them,
+/// when the configuration follows a cluster.
+#[cfg(feature = "kube")]
 fn follow_cluster(
-    settings: &AdaptiveSettings,
+    config: &Config,
     metrics: &Arc<Metrics>,
-) -> Result<Adaptive, DaemonError> {
+) -> Result<Option<crate::adaptive::Adaptive>, DaemonError> {
+    use crate::kube::{self, client::ApiClient};
+    let Some(settings) = &config.adaptive else {
+        return Ok(None);
+    };
     let client = ApiClient::new(&settings.api).map_err(|err| DaemonError::Kube(err.to_string()))?;
     let link = kube::worker::spawn(client, settings.node_name.clone(), settings.adaptive.source)
         .map_err(|err| DaemonError::Kube(err.to_string()))?;
@@ -182,12 +181,21 @@ fn follow_cluster(
             ("source", &format!("{:?}", settings.adaptive.source)),
         ],
     );
-    Ok(Adaptive::new(
+    Ok(Some(crate::adaptive::Adaptive::new(
         link,
         settings.adaptive.clone(),
         Arc::clone(metrics),
-        Instant::now(),
-    ))
+        std::time::Instant::now(),
+    )))
+}
+
+/// The edge build follows no cluster (its flags refuse a cluster source).
+#[cfg(not(feature = "kube"))]
+fn follow_cluster(
+    _config: &Config,
+    _metrics: &Arc<Metrics>,
+) -> Result<Option<super::no_cluster::Adaptive>, DaemonError> {
+    Ok(None)
 }
 
 /// Releases the allocations of an earlier boot (see `store::boot`) before
