@@ -12,6 +12,7 @@ use crate::cidr::{Cidr, Family};
 use crate::cni::args::{self, CniArgs};
 use crate::cni::backend::{self, Backend, Node};
 use crate::cni::conf::{self, NetConf};
+use crate::cni::dns::{Dns, MAX_RESOLV_CONF_BYTES};
 use crate::cni::env::{self, CniEnv, Verb};
 use crate::cni::error::CniError;
 use crate::cni::result::{self, AllocatedIp};
@@ -184,6 +185,10 @@ fn add(
 ) -> Result<String, CniError> {
     net_conf.require_ranges()?;
     let requested = net_conf.requested_addresses(cni_args)?;
+    let dns = match &net_conf.resolv_conf {
+        None => Dns::default(),
+        Some(path) => Dns::parse(&read_resolv_conf(path)?),
+    };
     let ip_config = |family: Family, ranges: &[Cidr]| -> Option<ipam::IpConfig> {
         let (first, rest) = ranges.split_first()?;
         Some(ipam::IpConfig {
@@ -196,6 +201,17 @@ fn add(
                 .find(|ip| Family::of(**ip) == family)
                 .map(IpAddr::to_string)
                 .unwrap_or_default(),
+            bounds: net_conf
+                .bounds
+                .iter()
+                .filter(|(subnet, _)| subnet.family() == family)
+                .map(|(subnet, bounds)| ipam::RangeBounds {
+                    subnet: subnet.to_string(),
+                    range_start: bounds.start.to_string(),
+                    range_end: bounds.end.to_string(),
+                    gateway: bounds.gateway.to_string(),
+                })
+                .collect(),
         })
     };
     let request = request::Kind::Allocate(ipam::AllocatePodIpRequest {
@@ -230,7 +246,32 @@ fn add(
         &cni_env.netns,
         &cni_env.ifname,
         &ips,
+        &dns,
     ))
+}
+
+/// Reads `ipam.resolvConf`, at most [`MAX_RESOLV_CONF_BYTES`], before
+/// anything is allocated (as host-local does): a failure fails the ADD
+/// with code 5 and holds nothing.
+fn read_resolv_conf(path: &std::path::Path) -> Result<String, CniError> {
+    use std::io::Read;
+    let failed = |err: &dyn std::fmt::Display| {
+        CniError::io(format!(
+            "failed to read ipam.resolvConf {}: {err}",
+            path.display()
+        ))
+    };
+    let file = std::fs::File::open(path).map_err(|e| failed(&e))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_RESOLV_CONF_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| failed(&e))?;
+    if bytes.len() as u64 > MAX_RESOLV_CONF_BYTES {
+        return Err(failed(&format!(
+            "larger than {MAX_RESOLV_CONF_BYTES} bytes"
+        )));
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 fn del(
@@ -507,6 +548,7 @@ mod tests {
             initial_pod_cidr: cidr.into(),
             additional_pod_cidrs: Vec::new(),
             requested_ip: requested.into(),
+            bounds: Vec::new(),
         };
         let want = request::Kind::Allocate(ipam::AllocatePodIpRequest {
             network: "testnet".into(),
