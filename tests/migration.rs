@@ -129,7 +129,11 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
     assert!(check.status.success(), "{:?}", out_err(&check));
     let del = run_ipam(METIS, "DEL", "hl-0", &metis_conf.to_string());
     assert!(del.status.success(), "{:?}", out_err(&del));
-    assert!(!rows(&dir).iter().any(|(_, c, _, allocated)| c == "hl-0" && *allocated));
+    assert!(
+        !rows(&dir)
+            .iter()
+            .any(|(_, c, _, allocated)| c == "hl-0" && *allocated)
+    );
 
     // An address host-local records for another owner than Metis's is a
     // conflict: refused, nothing written.
