@@ -253,3 +253,47 @@ fn misuse_and_hostile_directories_are_refused() {
         std::fs::remove_file(net.join(name)).unwrap();
     }
 }
+
+#[test]
+fn an_import_after_a_reboot_runs_boot_recovery_first_so_it_is_not_undone() {
+    let dir = TestDir::new("migration-boot");
+    let conf = plugin(&dir);
+    let config = dir.join("net.conf");
+    std::fs::write(&config, conf.to_string()).unwrap();
+    let boot = dir.join("boot_id");
+    let with_boot = |command: &mut std::process::Command| {
+        command.env("METIS_BOOT_ID_FILE", &boot);
+    };
+    std::fs::write(&boot, "boot-a\n").unwrap();
+    let mut add = std::process::Command::new(METIS);
+    with_boot(&mut add);
+    add.env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", "before-reboot")
+        .env("CNI_NETNS", "/var/run/netns/test")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin");
+    let output = common::run_with_stdin(add, &conf.to_string());
+    assert!(output.status.success(), "{:?}", out_err(&output));
+
+    std::fs::write(&boot, "boot-b\n").unwrap();
+    std::fs::create_dir_all(dir.join("networks/mig")).unwrap();
+    std::fs::write(dir.join("networks/mig/198.18.0.30"), "after-reboot\r\neth0").unwrap();
+    let mut import = std::process::Command::new(METIS);
+    with_boot(&mut import);
+    let output = import
+        .args(["import", "host-local", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (out, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(
+        out.contains("released 2 allocation(s) of the previous boot first"),
+        "{out}"
+    );
+    let held: Vec<String> = rows(&dir)
+        .into_iter()
+        .filter(|(_, c, _, allocated)| *allocated && !c.is_empty())
+        .map(|(a, c, _, _)| format!("{a} {c}"))
+        .collect();
+    assert_eq!(held, ["198.18.0.30 after-reboot"]);
+}

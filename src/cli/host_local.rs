@@ -19,7 +19,7 @@ use crate::cidr::{Cidr, Family};
 use crate::cni::conf::{self, NetConf};
 use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
-use crate::store::{AddressFilter, Source, Store, StoreOptions};
+use crate::store::{self, AddressFilter, Source, Store, StoreOptions};
 use crate::wire::ipam;
 
 const FLAGS: &[FlagSpec] = &[
@@ -310,9 +310,24 @@ impl Drop for Rehearsal {
 /// every conflict.
 fn apply(conf: &NetConf, owners: &ByOwner, db: &Path) -> Result<Lines, Lines> {
     let fail = |e: &dyn std::fmt::Display| vec![format!("{}: {e}", db.display())];
-    let store = Store::open(db, &StoreOptions::default()).map_err(|e| fail(&e))?;
-    let mut engine = Engine::new(store);
+    let mut store = Store::open(db, &StoreOptions::default()).map_err(|e| fail(&e))?;
     let now = crate::log::now_ms();
+    let mut done = Vec::new();
+    // As a plugin in direct mode does before allocating: were the boot's
+    // recovery left to the daemon, it would release what we record now.
+    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
+    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
+        let recovered = store
+            .recover_after_reboot(&boot_id, None, now)
+            .map_err(|e| fail(&e))?;
+        if recovered.released() > 0 {
+            done.push(format!(
+                "released {} allocation(s) of the previous boot first",
+                recovered.released()
+            ));
+        }
+    }
+    let mut engine = Engine::new(store);
     for family in [Family::V4, Family::V6] {
         let ranges = ranges_of(conf, family);
         if ranges.is_empty() {
@@ -333,7 +348,6 @@ fn apply(conf: &NetConf, owners: &ByOwner, db: &Path) -> Result<Lines, Lines> {
             .set_bounds(&conf.network, family, &conf.bounds)
             .map_err(|e| fail(&e))?;
     }
-    let mut done = Vec::new();
     let mut conflicts = Vec::new();
     for ((container, ifname), addresses) in owners {
         let held: Vec<IpAddr> = engine
