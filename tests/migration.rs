@@ -47,6 +47,20 @@ fn addresses(output: &Output) -> Vec<String> {
         .collect()
 }
 
+/// ADDs four pods `PREFIX-N` through `binary`; every address they got.
+fn add_pods(binary: &str, prefix: &str, conf: &Value) -> BTreeSet<String> {
+    (0..4)
+        .flat_map(|i| {
+            addresses(&run_ipam(
+                binary,
+                "ADD",
+                &format!("{prefix}-{i}"),
+                &conf.to_string(),
+            ))
+        })
+        .collect()
+}
+
 /// Every (address, container, interface) row of the database, reserved
 /// rows included: what "changes nothing" is measured against.
 fn rows(dir: &TestDir) -> Vec<(String, String, String, bool)> {
@@ -83,16 +97,7 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
     // host-local's state where the config's dataDir says.
     let mut hl_conf = with_host_local(&metis_conf, &dir);
     hl_conf["ipam"]["dataDir"] = json!(dir.join("networks"));
-    let mut held = BTreeSet::new();
-    for i in 0..4 {
-        let output = run_ipam(
-            host_local_bin,
-            "ADD",
-            &format!("hl-{i}"),
-            &hl_conf.to_string(),
-        );
-        held.extend(addresses(&output));
-    }
+    let held = add_pods(host_local_bin, "hl", &hl_conf);
     assert_eq!(held.len(), 8);
 
     // Dry run: says what it would do, creates nothing.
@@ -116,11 +121,7 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
     assert_eq!(rows(&dir), after_first, "a second import changes nothing");
 
     // Metis serves more pods (direct mode: no daemon) without overlap.
-    let mut served = BTreeSet::new();
-    for i in 0..4 {
-        let output = run_ipam(METIS, "ADD", &format!("m-{i}"), &metis_conf.to_string());
-        served.extend(addresses(&output));
-    }
+    let served = add_pods(METIS, "m", &metis_conf);
     assert_eq!(served.len(), 8);
     assert!(held.is_disjoint(&served), "{held:?} {served:?}");
 
@@ -153,29 +154,23 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
     // Back to host-local: export into a fresh data directory, then
     // host-local serves without touching any address Metis handed out.
     let back = dir.join("back");
-    let export = metis(&[
-        "export",
-        "host-local",
-        "--config",
-        config.to_str().unwrap(),
-        "--data-dir",
-        back.to_str().unwrap(),
-    ]);
+    let export_to_back = || {
+        metis(&[
+            "export",
+            "host-local",
+            "--config",
+            config.to_str().unwrap(),
+            "--data-dir",
+            back.to_str().unwrap(),
+        ])
+    };
+    let export = export_to_back();
     assert_eq!(export.status.code(), Some(0), "{:?}", out_err(&export));
     let exported = std::fs::read_to_string(back.join("mig/198.18.0.11")).unwrap();
     assert_eq!(exported, "hl-1\r\neth0");
     let mut hl_back = hl_conf.clone();
     hl_back["ipam"]["dataDir"] = json!(back);
-    let mut reissued = BTreeSet::new();
-    for i in 0..4 {
-        let output = run_ipam(
-            host_local_bin,
-            "ADD",
-            &format!("back-{i}"),
-            &hl_back.to_string(),
-        );
-        reissued.extend(addresses(&output));
-    }
+    let reissued = add_pods(host_local_bin, "back", &hl_back);
     let still_held: BTreeSet<String> = rows(&dir)
         .into_iter()
         .filter(|(_, c, _, allocated)| *allocated && !c.is_empty())
@@ -187,14 +182,7 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
         "{still_held:?} {reissued:?}"
     );
     // Exporting again writes nothing new.
-    let export = metis(&[
-        "export",
-        "host-local",
-        "--config",
-        config.to_str().unwrap(),
-        "--data-dir",
-        back.to_str().unwrap(),
-    ]);
+    let export = export_to_back();
     assert_eq!(export.status.code(), Some(0), "{:?}", out_err(&export));
     assert!(!out_err(&export).0.contains("wrote"));
 }

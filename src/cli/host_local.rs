@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use super::host_local_dir::{self, Held};
 use crate::cidr::{Cidr, Family};
 use crate::cni::conf::{self, NetConf};
+use crate::cni::plugin::ip_config;
 use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
 use crate::store::{self, AddressFilter, Source, Store, StoreOptions};
@@ -394,27 +395,12 @@ fn request(
     ifname: &str,
     addresses: &BTreeMap<Family, IpAddr>,
 ) -> ipam::AllocatePodIpRequest {
+    let wanted: Vec<IpAddr> = addresses.values().copied().collect();
     let config = |family: Family| {
-        let address = addresses.get(&family)?;
-        let (first, rest) = ranges_of(conf, family).split_first()?;
-        Some(ipam::IpConfig {
-            interface_name: ifname.to_string(),
-            container_id: container.to_string(),
-            initial_pod_cidr: first.to_string(),
-            additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
-            requested_ip: address.to_string(),
-            bounds: conf
-                .bounds
-                .iter()
-                .filter(|(subnet, _)| subnet.family() == family)
-                .map(|(subnet, bounds)| ipam::RangeBounds {
-                    subnet: subnet.to_string(),
-                    range_start: bounds.start.to_string(),
-                    range_end: bounds.end.to_string(),
-                    gateway: bounds.gateway.to_string(),
-                })
-                .collect(),
-        })
+        addresses
+            .contains_key(&family)
+            .then(|| ip_config(conf, family, container, ifname, &wanted))
+            .flatten()
     };
     ipam::AllocatePodIpRequest {
         network: conf.network.clone(),

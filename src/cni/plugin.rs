@@ -189,35 +189,22 @@ fn add(
         None => Dns::default(),
         Some(path) => Dns::parse(&read_resolv_conf(path)?),
     };
-    let ip_config = |family: Family, ranges: &[Cidr]| -> Option<ipam::IpConfig> {
-        let (first, rest) = ranges.split_first()?;
-        Some(ipam::IpConfig {
-            interface_name: cni_env.ifname.clone(),
-            container_id: cni_env.container_id.clone(),
-            initial_pod_cidr: first.to_string(),
-            additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
-            requested_ip: requested
-                .iter()
-                .find(|ip| Family::of(**ip) == family)
-                .map(IpAddr::to_string)
-                .unwrap_or_default(),
-            bounds: net_conf
-                .bounds
-                .iter()
-                .filter(|(subnet, _)| subnet.family() == family)
-                .map(|(subnet, bounds)| ipam::RangeBounds {
-                    subnet: subnet.to_string(),
-                    range_start: bounds.start.to_string(),
-                    range_end: bounds.end.to_string(),
-                    gateway: bounds.gateway.to_string(),
-                })
-                .collect(),
-        })
-    };
     let request = request::Kind::Allocate(ipam::AllocatePodIpRequest {
         network: net_conf.network.clone(),
-        ipv4_config: ip_config(Family::V4, &net_conf.ipv4_ranges),
-        ipv6_config: ip_config(Family::V6, &net_conf.ipv6_ranges),
+        ipv4_config: ip_config(
+            net_conf,
+            Family::V4,
+            &cni_env.container_id,
+            &cni_env.ifname,
+            &requested,
+        ),
+        ipv6_config: ip_config(
+            net_conf,
+            Family::V6,
+            &cni_env.container_id,
+            &cni_env.ifname,
+            &requested,
+        ),
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
         isolated: net_conf.isolated,
@@ -248,6 +235,45 @@ fn add(
         &ips,
         &dns,
     ))
+}
+
+/// The allocation request's part for one family: the configuration's
+/// ranges of that family with their host-local bounds, and the address of
+/// that family among `requested`, if any. `None` without ranges of it.
+pub fn ip_config(
+    net_conf: &NetConf,
+    family: Family,
+    container_id: &str,
+    ifname: &str,
+    requested: &[IpAddr],
+) -> Option<ipam::IpConfig> {
+    let ranges = match family {
+        Family::V4 => &net_conf.ipv4_ranges,
+        Family::V6 => &net_conf.ipv6_ranges,
+    };
+    let (first, rest) = ranges.split_first()?;
+    Some(ipam::IpConfig {
+        interface_name: ifname.to_string(),
+        container_id: container_id.to_string(),
+        initial_pod_cidr: first.to_string(),
+        additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
+        requested_ip: requested
+            .iter()
+            .find(|ip| Family::of(**ip) == family)
+            .map(IpAddr::to_string)
+            .unwrap_or_default(),
+        bounds: net_conf
+            .bounds
+            .iter()
+            .filter(|(subnet, _)| subnet.family() == family)
+            .map(|(subnet, bounds)| ipam::RangeBounds {
+                subnet: subnet.to_string(),
+                range_start: bounds.start.to_string(),
+                range_end: bounds.end.to_string(),
+                gateway: bounds.gateway.to_string(),
+            })
+            .collect(),
+    })
 }
 
 /// Reads `ipam.resolvConf`, at most [`MAX_RESOLV_CONF_BYTES`], before
