@@ -488,5 +488,9 @@ fn export(conf: &NetConf, data_dir: &Path, db: &Path) -> Result<Lines, Lines> {
             held.ifname
         ));
     }
+    // Durable before the operator swaps the conflist back.
+    if !to_write.is_empty() {
+        host_local_dir::sync(data_dir).map_err(|e| vec![e.0])?;
+    }
     Ok(lines)
 }
