@@ -186,6 +186,7 @@ pub fn allocate_request(container_id: &str, ranges: &[&str]) -> Request {
         initial_pod_cidr: ranges[0].into(),
         additional_pod_cidrs: ranges[1..].iter().map(|r| r.to_string()).collect(),
         requested_ip: String::new(),
+        bounds: Vec::new(),
     };
     let v6 = ranges[0].contains(':');
     Request {

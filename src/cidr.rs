@@ -218,6 +218,78 @@ pub fn gateway_for(block: &Cidr) -> IpAddr {
     }
 }
 
+/// host-local's `rangeStart`, `rangeEnd` and `gateway` of a block whose
+/// configuration departs from Metis's default reservation: addresses
+/// outside `start..=end` and the gateway (when inside the block) are never
+/// handed out, and the gateway is what results advertise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub start: IpAddr,
+    pub end: IpAddr,
+    pub gateway: IpAddr,
+}
+
+impl Bounds {
+    /// host-local's defaults for `block`: base + 1 up to the last address
+    /// (IPv4: the one before broadcast), gateway base + 1.
+    pub fn host_local_default(block: &Cidr) -> Bounds {
+        let last = block.size().saturating_sub(1);
+        let end = match block.family() {
+            Family::V4 => last.saturating_sub(1),
+            Family::V6 => last,
+        };
+        let at = |offset: u128| block.nth(offset).unwrap_or(block.base());
+        Bounds {
+            start: at(1),
+            end: at(end),
+            gateway: at(1),
+        }
+    }
+
+    /// host-local's canonicalisation: absent fields take their defaults,
+    /// `start` and `end` must lie in the block (the messages are
+    /// host-local's) and `start` must not come after `end`. A gateway may
+    /// lie anywhere, as in host-local; only one inside the block is
+    /// reserved.
+    pub fn new(
+        block: &Cidr,
+        start: Option<IpAddr>,
+        end: Option<IpAddr>,
+        gateway: Option<IpAddr>,
+    ) -> Result<Bounds, String> {
+        let default = Bounds::host_local_default(block);
+        let inside = |name: &str, addr: Option<IpAddr>, fallback: IpAddr| match addr {
+            None => Ok(fallback),
+            Some(addr) if block.contains(addr) => Ok(addr),
+            Some(addr) => Err(format!("{name} {addr} not in network {block}")),
+        };
+        let start = inside("RangeStart", start, default.start)?;
+        let end = inside("RangeEnd", end, default.end)?;
+        if to_u128(start) > to_u128(end) {
+            return Err(format!("RangeStart {start} is after RangeEnd {end}"));
+        }
+        let gateway = gateway.unwrap_or(default.gateway);
+        if Family::of(gateway) != block.family() {
+            return Err(format!("gateway {gateway} is not of the family of {block}"));
+        }
+        Ok(Bounds {
+            start,
+            end,
+            gateway,
+        })
+    }
+
+    /// The reserved offsets of `block` under these bounds, as
+    /// (gateway offset if inside, first usable offset, last usable offset).
+    pub fn offsets(&self, block: &Cidr) -> (Option<u128>, u128, u128) {
+        let start = block.offset_of(self.start).unwrap_or(0);
+        let end = block
+            .offset_of(self.end)
+            .unwrap_or(block.size().saturating_sub(1));
+        (block.offset_of(self.gateway), start, end)
+    }
+}
+
 /// The address as an unsigned integer (IPv4 in the low 32 bits).
 pub fn to_u128(addr: IpAddr) -> u128 {
     match addr {

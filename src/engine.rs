@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::net::IpAddr;
 
-use crate::cidr::{Cidr, Family};
+use crate::cidr::{Bounds, Cidr, Family};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
@@ -354,6 +354,18 @@ impl Engine {
         for line in &changes.lines {
             crate::log::info("engine", line, &[("network", &network)]);
         }
+        let bounds = range_bounds(family, &ranges, &config.bounds)?;
+        let rebounded = self
+            .store
+            .set_bounds(network, family, &bounds)
+            .map_err(|err| Failure::from_store(&format!("ranges of network {network:?}"), &err))?;
+        for cidr in &rebounded {
+            crate::log::info(
+                "engine",
+                "usable range or gateway of a block changed",
+                &[("network", &network), ("cidr", cidr)],
+            );
+        }
         Ok(())
     }
 
@@ -632,6 +644,43 @@ fn table_dump(table: Table) -> admin::AdminTableDumpResponse {
     }
 }
 
+/// The request's host-local bounds, each checked as the plugin checks it
+/// (the wire is not trusted): of a range of the request, canonical.
+fn range_bounds(
+    family: Family,
+    ranges: &[Cidr],
+    wire: &[ipam::RangeBounds],
+) -> Result<Vec<(Cidr, Bounds)>, Failure> {
+    wire.iter()
+        .map(|entry| {
+            let cidr: Cidr = entry
+                .subnet
+                .parse()
+                .map_err(|err| Failure::invalid(format!("range bounds: {err}")))?;
+            if cidr.family() != family || !ranges.contains(&cidr) {
+                return Err(Failure::invalid(format!(
+                    "range bounds of {cidr}: not an {family} range of the request"
+                )));
+            }
+            let ip = |text: &str| -> Result<IpAddr, Failure> {
+                text.parse().map_err(|_| {
+                    Failure::invalid(format!(
+                        "range bounds of {cidr}: {text:?} is not an address"
+                    ))
+                })
+            };
+            let bounds = Bounds::new(
+                &cidr,
+                Some(ip(&entry.range_start)?),
+                Some(ip(&entry.range_end)?),
+                Some(ip(&entry.gateway)?),
+            )
+            .map_err(|err| Failure::invalid(format!("range bounds of {cidr}: {err}")))?;
+            Ok((cidr, bounds))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -655,6 +704,57 @@ mod tests {
             pod_namespace: "ns".into(),
             isolated: false,
         }
+    }
+
+    #[test]
+    fn bounds_from_the_wire_are_checked_and_applied() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store_with_cooldown(60_000));
+        let now = crate::log::now_ms();
+        let bounded = |container: &str, subnet: &str, start: &str, end: &str, gateway: &str| {
+            let mut wanted = request(container, "198.18.0.0/24", "");
+            if let Some(c) = wanted.ipv4_config.as_mut() {
+                c.bounds = vec![ipam::RangeBounds {
+                    subnet: subnet.into(),
+                    range_start: start.into(),
+                    range_end: end.into(),
+                    gateway: gateway.into(),
+                }];
+            }
+            wanted
+        };
+        let hostile = [
+            ("198.18.9.0/24", "198.18.9.10", "198.18.9.20", "198.18.9.1"),
+            ("2001:db8::/64", "2001:db8::1", "2001:db8::2", "2001:db8::1"),
+            ("nope", "198.18.0.10", "198.18.0.20", "198.18.0.1"),
+            ("198.18.0.0/24", "", "198.18.0.20", "198.18.0.1"),
+            ("198.18.0.0/24", "198.18.0.30", "198.18.0.20", "198.18.0.1"),
+            ("198.18.0.0/24", "198.18.1.30", "198.18.0.20", "198.18.0.1"),
+            ("198.18.0.0/24", "198.18.0.10", "198.18.0.20", "2001:db8::1"),
+        ];
+        for (subnet, start, end, gateway) in hostile {
+            let failure = engine
+                .allocate(&bounded("h", subnet, start, end, gateway), now)
+                .unwrap_err();
+            assert_eq!(
+                failure.code,
+                Code::InvalidArgument,
+                "{subnet} {start} {end} {gateway}"
+            );
+        }
+        let got = engine
+            .allocate(
+                &bounded(
+                    "a",
+                    "198.18.0.0/24",
+                    "198.18.0.10",
+                    "198.18.0.20",
+                    "198.18.0.10",
+                ),
+                now,
+            )
+            .unwrap();
+        assert_eq!(got.ipv4.unwrap().ip_address, "198.18.0.11");
     }
 
     #[test]

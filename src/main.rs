@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use metis::cli::{ArgsError, admin, health, install};
+use metis::cli::{ArgsError, admin, health, host_local, install};
 use metis::flags::FlagError;
 use metis::{cli, cni, daemon, log};
 
@@ -17,6 +17,8 @@ Usage:
   metis install [flags]  copy this binary (and a network config) into the node's CNI directories
   metis admin LISTING    show cidr-blocks, ip-addresses or usage from the daemon
   metis admin check      verify a database's invariants, read-only (exit 1 on a problem)
+  metis import host-local  record host-local's allocations of a network in Metis's database
+  metis export host-local  write Metis's allocations of a network in host-local's format
   metis version          print the version
 
 Run `metis COMMAND --help` for a command's flags.";
@@ -49,6 +51,8 @@ fn main() -> ExitCode {
         "health" => run_health(rest),
         "install" => run_install(rest),
         "admin" => run_admin(rest),
+        "import" => run_host_local(host_local::Direction::Import, rest),
+        "export" => run_host_local(host_local::Direction::Export, rest),
         "-h" | "--help" | "help" => {
             println!("{ABOUT}");
             ExitCode::SUCCESS
@@ -137,6 +141,15 @@ fn run_install(args: &[String]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn run_host_local(direction: host_local::Direction, args: &[String]) -> ExitCode {
+    ExitCode::from(host_local::run(
+        direction,
+        args,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    ))
 }
 
 fn run_admin(args: &[String]) -> ExitCode {

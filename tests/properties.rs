@@ -219,14 +219,31 @@ fn the_engine_survives_hostile_requests_with_its_invariants() {
     let text = || {
         prop::string::string_regex(".{0,12}|198\\.18\\.[0-9]{1,3}\\.[0-9]{1,3}(/[0-9]{1,3})?|2001:db8::[0-9a-f]{0,4}(/[0-9]{1,3})?").unwrap()
     };
+    // host-local bounds from the wire: any text, often addresses.
+    let bounds = || {
+        prop::collection::vec(
+            (text(), text(), text(), text()).prop_map(|(subnet, start, end, gateway)| {
+                ipam::RangeBounds {
+                    subnet,
+                    range_start: start,
+                    range_end: end,
+                    gateway,
+                }
+            }),
+            0..2,
+        )
+    };
     let ip_config = || {
-        (text(), text(), text(), text()).prop_map(|(ifname, container, cidr, ip)| ipam::IpConfig {
-            interface_name: ifname,
-            container_id: container,
-            initial_pod_cidr: cidr,
-            requested_ip: ip,
-            ..Default::default()
-        })
+        (text(), text(), text(), text(), bounds()).prop_map(
+            |(ifname, container, cidr, ip, bounds)| ipam::IpConfig {
+                interface_name: ifname,
+                container_id: container,
+                initial_pod_cidr: cidr,
+                requested_ip: ip,
+                bounds,
+                ..Default::default()
+            },
+        )
     };
     let kind = prop_oneof![
         (

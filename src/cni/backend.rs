@@ -105,7 +105,7 @@ impl Node {
     fn ask_daemon(&self, request: Request) -> Result<Reached, CniError> {
         match self.daemon.exchange(&request) {
             Ok(response) => Ok(Reached::Answered(response)),
-            Err(err) if err.is_connect() => Ok(Reached::Unreachable(request, err)),
+            Err(err) if err.is_connect() => Ok(Reached::Unreachable(Box::new(request), err)),
             Err(err) => Err(CniError::from_client(&err)),
         }
     }
@@ -114,7 +114,8 @@ impl Node {
 /// How far a request got with the daemon.
 enum Reached {
     Answered(Response),
-    Unreachable(Request, ClientError),
+    /// Boxed: a request is much larger than a response.
+    Unreachable(Box<Request>, ClientError),
 }
 
 impl Backend for Node {
@@ -127,7 +128,7 @@ impl Backend for Node {
                     "daemon unreachable, using direct mode",
                     &[("error", &err), ("db", &self.db_path.display())],
                 );
-                call_direct(&self.db_path, request)
+                call_direct(&self.db_path, *request)
             }
         }
     }
@@ -148,7 +149,7 @@ impl Backend for Node {
                 else {
                     return can_create(db_path).map(|()| None);
                 };
-                Ok(Some(serve(store, request)))
+                Ok(Some(serve(store, *request)))
             }
         }
     }

@@ -10,7 +10,7 @@ use super::args::{CniArgs, parse_ip_maybe_prefix};
 use super::env::{NAME_RULE, is_valid_name};
 use super::error::CniError;
 use super::version;
-use crate::cidr::{Cidr, Family, gateway_for};
+use crate::cidr::{Bounds, Cidr, Family, gateway_for};
 use crate::duration::parse_duration_ms;
 use serde::Deserialize;
 use std::net::IpAddr;
@@ -23,6 +23,9 @@ pub const DEFAULT_DB_PATH: &str = crate::defaults::DEFAULT_DB_PATH;
 /// The plugin's log file unless `logFile` says otherwise (stdout is reserved
 /// for CNI JSON).
 pub const DEFAULT_LOG_FILE: &str = "/var/lib/cni/metis/metis-cni.log";
+/// host-local's directory of networks unless `ipam.dataDir` says otherwise;
+/// `metis import host-local` reads `<dataDir>/<name>`.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/cni/networks";
 /// How long an allocation missing from GC's valid set survives: 5 minutes.
 pub const DEFAULT_GC_GRACE_PERIOD_MS: i64 = 5 * 60 * 1000;
 
@@ -73,6 +76,13 @@ pub struct NetConf {
     pub ipv4_ranges: Vec<Cidr>,
     /// Every IPv6 subnet of `ipam.ranges`, in order.
     pub ipv6_ranges: Vec<Cidr>,
+    /// The subnets whose `rangeStart`/`rangeEnd`/`gateway` depart from
+    /// Metis's default reservation, with host-local's canonical bounds.
+    pub bounds: Vec<(Cidr, Bounds)>,
+    /// `ipam.resolvConf`: a resolv.conf whose DNS settings go in the result.
+    pub resolv_conf: Option<PathBuf>,
+    /// `ipam.dataDir`: host-local's directory of networks.
+    pub data_dir: PathBuf,
     pub routes: Vec<Route>,
     pub daemon_socket: PathBuf,
     pub db_path: PathBuf,
@@ -117,7 +127,14 @@ struct RawIpam {
     network: Option<String>,
     isolated: Option<bool>,
     ranges: Option<Vec<Vec<RawRange>>>,
+    /// host-local's older single-range form, directly under `ipam`.
+    #[serde(flatten)]
+    single: RawRange,
     routes: Option<Vec<RawRoute>>,
+    #[serde(rename = "resolvConf")]
+    resolv_conf: Option<String>,
+    #[serde(rename = "dataDir")]
+    data_dir: Option<String>,
     #[serde(flatten)]
     paths: RawPaths,
     #[serde(rename = "logLevel")]
@@ -137,7 +154,7 @@ struct RawPaths {
     log_file: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct RawRange {
     subnet: Option<String>,
     #[serde(rename = "rangeStart")]
@@ -193,8 +210,9 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         .as_ref()
         .and_then(|ipam| ipam.ipam_type.as_deref())
         .is_some_and(|ipam_type| !ipam_type.is_empty() && ipam_type != plugin_type);
-    let ipam = raw.ipam.unwrap_or_default();
-    let (ipv4_ranges, ipv6_ranges) = parse_ranges(ipam.ranges.as_deref())?;
+    let mut ipam = raw.ipam.unwrap_or_default();
+    let sets = with_single_range(ipam.ranges.take(), std::mem::take(&mut ipam.single));
+    let (ipv4_ranges, ipv6_ranges, bounds) = parse_ranges(sets.as_deref())?;
     let network = ipam
         .network
         .filter(|n| !n.is_empty())
@@ -227,6 +245,13 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             &raw.paths.log_file,
             DEFAULT_LOG_FILE,
         )?,
+        resolv_conf: ipam
+            .resolv_conf
+            .as_ref()
+            .filter(|p| !p.is_empty())
+            .map(|_| path_setting("resolvConf", &ipam.resolv_conf, &None, ""))
+            .transpose()?,
+        data_dir: path_setting("dataDir", &ipam.data_dir, &None, DEFAULT_DATA_DIR)?,
         log_level: ipam.log_level,
         runtime_config_ips: parse_ip_strings(
             "runtimeConfig.ips",
@@ -252,6 +277,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         isolated: ipam.isolated.unwrap_or(false),
         ipv4_ranges,
         ipv6_ranges,
+        bounds,
         gc_grace_period_ms,
     })
 }
@@ -269,9 +295,28 @@ fn family_name(family: Family) -> &'static str {
     }
 }
 
+/// host-local's older form (`subnet`, `rangeStart`, `rangeEnd`, `gateway`
+/// directly under `ipam`) is a range set of its own, before `ranges`, as
+/// host-local reads it; without a `subnet` it is ignored, as there.
+fn with_single_range(
+    sets: Option<Vec<Vec<RawRange>>>,
+    single: RawRange,
+) -> Option<Vec<Vec<RawRange>>> {
+    if single.subnet.as_deref().is_none_or(str::is_empty) {
+        return sets;
+    }
+    let mut all = vec![vec![single]];
+    all.extend(sets.unwrap_or_default());
+    Some(all)
+}
+
+/// IPv4 subnets, IPv6 subnets, and the bounds of those that have some.
+type ParsedRanges = (Vec<Cidr>, Vec<Cidr>, Vec<(Cidr, Bounds)>);
+
 /// A parsed subnet with where it came from, for messages.
 struct Placed {
     subnet: Cidr,
+    bounds: Option<Bounds>,
     set: usize,
     index: usize,
 }
@@ -286,9 +331,9 @@ impl Placed {
 /// one address per family), every subnet canonical, none overlapping.
 /// Absent ranges are fine here; [`NetConf::require_ranges`] enforces them
 /// for the verbs that allocate.
-fn parse_ranges(sets: Option<&[Vec<RawRange>]>) -> Result<(Vec<Cidr>, Vec<Cidr>), CniError> {
+fn parse_ranges(sets: Option<&[Vec<RawRange>]>) -> Result<ParsedRanges, CniError> {
     let Some(sets) = sets else {
-        return Ok((Vec::new(), Vec::new()));
+        return Ok((Vec::new(), Vec::new(), Vec::new()));
     };
     if sets.is_empty() {
         return Err(CniError::invalid_config("ipam.ranges is empty"));
@@ -313,7 +358,11 @@ fn parse_ranges(sets: Option<&[Vec<RawRange>]>) -> Result<(Vec<Cidr>, Vec<Cidr>)
             .map(|p| p.subnet)
             .collect()
     };
-    Ok((of(Family::V4), of(Family::V6)))
+    let bounds = placed
+        .iter()
+        .filter_map(|p| p.bounds.map(|b| (p.subnet, b)))
+        .collect();
+    Ok((of(Family::V4), of(Family::V6), bounds))
 }
 
 /// Parses one range set into `placed` and returns its single family.
@@ -324,8 +373,13 @@ fn parse_range_set(
 ) -> Result<Family, CniError> {
     let first = placed.len();
     for (index, range) in ranges.iter().enumerate() {
-        let subnet = parse_range(set, index, range)?;
-        placed.push(Placed { subnet, set, index });
+        let (subnet, bounds) = parse_range(set, index, range)?;
+        placed.push(Placed {
+            subnet,
+            bounds,
+            set,
+            index,
+        });
     }
     let mut families = placed.iter().skip(first).map(|p| p.subnet.family());
     let family = families.next().ok_or_else(|| {
@@ -339,7 +393,11 @@ fn parse_range_set(
     Ok(family)
 }
 
-fn parse_range(set: usize, index: usize, range: &RawRange) -> Result<Cidr, CniError> {
+fn parse_range(
+    set: usize,
+    index: usize,
+    range: &RawRange,
+) -> Result<(Cidr, Option<Bounds>), CniError> {
     let key = format!("ipam.ranges[{set}][{index}]");
     let text = range
         .subnet
@@ -351,36 +409,34 @@ fn parse_range(set: usize, index: usize, range: &RawRange) -> Result<Cidr, CniEr
         .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
     crate::store::check_block_size(&subnet)
         .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
-    for (field, value) in [
-        ("rangeStart", &range.range_start),
-        ("rangeEnd", &range.range_end),
-    ] {
-        if let Some(value) = value.as_deref().filter(|v| !v.is_empty()) {
-            return Err(CniError::unsupported_field(format!(
-                "unsupported field {key}.{field} = {value:?}: metis allocates whole blocks"
-            )));
+    let ip = |field: &str, value: &Option<String>| -> Result<Option<IpAddr>, CniError> {
+        match value.as_deref().filter(|v| !v.is_empty()) {
+            None => Ok(None),
+            Some(text) => text.parse().map(Some).map_err(|_| {
+                CniError::invalid_config(format!(
+                    "invalid {key}.{field} {text:?}: not an IP address"
+                ))
+            }),
         }
+    };
+    let start = ip("rangeStart", &range.range_start)?;
+    let end = ip("rangeEnd", &range.range_end)?;
+    let gateway = ip("gateway", &range.gateway)?;
+    // Metis's own reservation already is host-local's default; a gateway
+    // equal to the one Metis reports (the link-local one of a /31 too)
+    // changes nothing.
+    if start.is_none() && end.is_none() && gateway.is_none_or(|g| g == gateway_for(&subnet)) {
+        return Ok((subnet, None));
     }
-    if let Some(text) = range.gateway.as_deref().filter(|v| !v.is_empty()) {
-        check_gateway(&key, text, &subnet)?;
+    if subnet.size() < 4 {
+        return Err(CniError::invalid_config(format!(
+            "invalid {key}: network {subnet} too small for rangeStart, rangeEnd or gateway"
+        )));
     }
-    Ok(subnet)
-}
-
-/// A configured gateway is only accepted when it is the one Metis reports
-/// anyway, so configs copied from host-local keep working.
-fn check_gateway(key: &str, text: &str, subnet: &Cidr) -> Result<(), CniError> {
-    let gateway: IpAddr = text.parse().map_err(|_| {
-        CniError::invalid_config(format!("invalid {key}.gateway {text:?}: not an IP address"))
-    })?;
-    let computed = gateway_for(subnet);
-    if gateway == computed {
-        Ok(())
-    } else {
-        Err(CniError::unsupported_field(format!(
-            "unsupported field {key}.gateway = {text:?}: metis uses {computed} for {subnet}"
-        )))
-    }
+    let bounds = Bounds::new(&subnet, start, end, gateway)
+        .map_err(|e| CniError::invalid_config(format!("invalid {key}: {e}")))?;
+    let default = Bounds::host_local_default(&subnet);
+    Ok((subnet, (bounds != default).then_some(bounds)))
 }
 
 fn check_overlaps(placed: &[Placed]) -> Result<(), CniError> {
@@ -593,9 +649,7 @@ fn prev_address(value: Option<&serde_json::Value>, key: &str) -> Result<IpAddr, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cni::error::{
-        DECODE_FAILURE, INCOMPATIBLE_VERSION, INVALID_CONFIG, UNSUPPORTED_FIELD,
-    };
+    use crate::cni::error::{DECODE_FAILURE, INCOMPATIBLE_VERSION, INVALID_CONFIG};
     use serde_json::json;
 
     fn cidr(text: &str) -> Cidr {
@@ -868,52 +922,136 @@ mod tests {
         );
     }
 
-    #[test]
-    fn range_start_and_end_are_unsupported() {
-        let e = err(ranges(
-            json!([[{"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.10"}]]),
-        ));
-        assert_eq!(
-            (e.code, e.msg.as_str()),
-            (
-                UNSUPPORTED_FIELD,
-                "unsupported field ipam.ranges[0][0].rangeStart = \"198.18.0.10\": metis allocates whole blocks"
-            )
-        );
-        let e = err(ranges(
-            json!([[{"subnet": "198.18.0.0/24", "rangeEnd": "198.18.0.20"}]]),
-        ));
-        assert_eq!(e.code, UNSUPPORTED_FIELD);
-        assert!(e.msg.contains("rangeEnd = \"198.18.0.20\""), "{}", e.msg);
+    fn bounds(value: serde_json::Value) -> Vec<(Cidr, Bounds)> {
+        ok(value).bounds
+    }
+
+    fn b(start: &str, end: &str, gateway: &str) -> Bounds {
+        Bounds {
+            start: ip(start),
+            end: ip(end),
+            gateway: ip(gateway),
+        }
     }
 
     #[test]
-    fn gateway_must_match_computed() {
-        ok(ranges(
-            json!([[{"subnet": "198.18.0.0/24", "gateway": "198.18.0.1"}]]),
-        ));
-        ok(ranges(
-            json!([[{"subnet": "198.18.0.4/31", "gateway": "169.254.4.6"}]]),
-        ));
-        let e = err(ranges(
-            json!([[{"subnet": "198.18.0.0/24", "gateway": "198.18.0.254"}]]),
-        ));
+    fn range_start_end_and_gateway_take_host_local_defaults() {
+        let net = cidr("198.18.0.0/24");
         assert_eq!(
-            (e.code, e.msg.as_str()),
-            (
-                UNSUPPORTED_FIELD,
-                "unsupported field ipam.ranges[0][0].gateway = \"198.18.0.254\": metis uses 198.18.0.1 for 198.18.0.0/24"
-            )
+            bounds(ranges(
+                json!([[{"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.10"}]])
+            )),
+            vec![(net, b("198.18.0.10", "198.18.0.254", "198.18.0.1"))]
         );
-        let e = err(ranges(
-            json!([[{"subnet": "198.18.0.0/24", "gateway": "x"}]]),
-        ));
         assert_eq!(
-            (e.code, e.msg.as_str()),
+            bounds(ranges(
+                json!([[{"subnet": "198.18.0.0/24", "rangeEnd": "198.18.0.20", "gateway": "198.18.0.254"}]])
+            )),
+            vec![(net, b("198.18.0.1", "198.18.0.20", "198.18.0.254"))]
+        );
+        assert_eq!(
+            bounds(ranges(
+                json!([[{"subnet": "2001:db8::/64", "rangeStart": "2001:db8::100"}]])
+            )),
+            vec![(
+                cidr("2001:db8::/64"),
+                b(
+                    "2001:db8::100",
+                    "2001:db8::ffff:ffff:ffff:ffff",
+                    "2001:db8::1"
+                )
+            )]
+        );
+        // host-local's defaults spelled out, and Metis's own gateway (the
+        // link-local one of a /31 too), change nothing.
+        for same in [
+            json!([[{"subnet": "198.18.0.0/24", "gateway": "198.18.0.1"}]]),
+            json!([[{"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.1", "rangeEnd": "198.18.0.254"}]]),
+            json!([[{"subnet": "198.18.0.4/31", "gateway": "169.254.4.6"}]]),
+        ] {
+            assert!(bounds(ranges(same.clone())).is_empty(), "{same}");
+        }
+        // A gateway outside the subnet is advertised, as host-local does.
+        assert_eq!(
+            bounds(ranges(
+                json!([[{"subnet": "198.18.0.0/24", "gateway": "198.19.0.1"}]])
+            )),
+            vec![(net, b("198.18.0.1", "198.18.0.254", "198.19.0.1"))]
+        );
+    }
+
+    #[test]
+    fn single_range_form_is_a_range_set_before_ranges() {
+        let conf = ok(with_ipam(json!({
+            "subnet": "198.18.0.0/24", "rangeStart": "198.18.0.100", "gateway": "198.18.0.254",
+            "ranges": [[{"subnet": "2001:db8::/64"}]],
+            "resolvConf": "/etc/resolv.conf", "dataDir": "/run/cni/networks"
+        })));
+        assert_eq!(conf.ipv4_ranges, vec![cidr("198.18.0.0/24")]);
+        assert_eq!(conf.ipv6_ranges, vec![cidr("2001:db8::/64")]);
+        assert_eq!(
+            conf.bounds,
+            vec![(
+                cidr("198.18.0.0/24"),
+                b("198.18.0.100", "198.18.0.254", "198.18.0.254")
+            )]
+        );
+        assert_eq!(conf.resolv_conf, Some(PathBuf::from("/etc/resolv.conf")));
+        assert_eq!(conf.data_dir, PathBuf::from("/run/cni/networks"));
+        // Without a subnet the single-range keys are ignored, as there.
+        let conf = ok(with_ipam(json!({"rangeStart": "198.18.0.100"})));
+        assert!(conf.ipv4_ranges.is_empty() && conf.bounds.is_empty());
+        assert_eq!(conf.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
+        // Two IPv4 sets (single form + ranges) is one address too many.
+        let e = err(with_ipam(json!({
+            "subnet": "198.18.0.0/24", "ranges": [[{"subnet": "198.18.5.0/24"}]]
+        })));
+        assert_eq!(
+            e.msg,
+            "metis allocates one address per family; range sets 0 and 1 are both IPv4"
+        );
+    }
+
+    #[test]
+    fn bad_bounds_are_code_7_in_host_local_words() {
+        let cases = [
             (
-                INVALID_CONFIG,
-                "invalid ipam.ranges[0][0].gateway \"x\": not an IP address"
-            )
+                json!({"subnet": "198.18.0.0/24", "rangeStart": "198.18.1.20"}),
+                "invalid ipam.ranges[0][0]: RangeStart 198.18.1.20 not in network 198.18.0.0/24",
+            ),
+            (
+                json!({"subnet": "198.18.0.0/24", "rangeEnd": "2001:db8::1"}),
+                "invalid ipam.ranges[0][0]: RangeEnd 2001:db8::1 not in network 198.18.0.0/24",
+            ),
+            (
+                json!({"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.20", "rangeEnd": "198.18.0.10"}),
+                "invalid ipam.ranges[0][0]: RangeStart 198.18.0.20 is after RangeEnd 198.18.0.10",
+            ),
+            (
+                json!({"subnet": "198.18.0.0/24", "gateway": "2001:db8::1"}),
+                "invalid ipam.ranges[0][0]: gateway 2001:db8::1 is not of the family of 198.18.0.0/24",
+            ),
+            (
+                json!({"subnet": "198.18.0.0/24", "gateway": "x"}),
+                "invalid ipam.ranges[0][0].gateway \"x\": not an IP address",
+            ),
+            (
+                json!({"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.300"}),
+                "invalid ipam.ranges[0][0].rangeStart \"198.18.0.300\": not an IP address",
+            ),
+            (
+                json!({"subnet": "198.18.0.4/31", "rangeStart": "198.18.0.5"}),
+                "invalid ipam.ranges[0][0]: network 198.18.0.4/31 too small for rangeStart, rangeEnd or gateway",
+            ),
+        ];
+        for (range, msg) in cases {
+            let e = err(ranges(json!([[range]])));
+            assert_eq!((e.code, e.msg.as_str()), (INVALID_CONFIG, msg));
+        }
+        let e = err(with_ipam(json!({"resolvConf": "resolv.conf"})));
+        assert_eq!(
+            e.msg,
+            "invalid ipam.resolvConf \"resolv.conf\": must be an absolute path"
         );
     }
 

@@ -4,6 +4,7 @@
 pub mod args;
 pub mod backend;
 pub mod conf;
+pub mod dns;
 pub mod env;
 pub mod error;
 pub mod plugin;

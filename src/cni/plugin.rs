@@ -12,6 +12,7 @@ use crate::cidr::{Cidr, Family};
 use crate::cni::args::{self, CniArgs};
 use crate::cni::backend::{self, Backend, Node};
 use crate::cni::conf::{self, NetConf};
+use crate::cni::dns::{Dns, MAX_RESOLV_CONF_BYTES};
 use crate::cni::env::{self, CniEnv, Verb};
 use crate::cni::error::CniError;
 use crate::cni::result::{self, AllocatedIp};
@@ -184,24 +185,26 @@ fn add(
 ) -> Result<String, CniError> {
     net_conf.require_ranges()?;
     let requested = net_conf.requested_addresses(cni_args)?;
-    let ip_config = |family: Family, ranges: &[Cidr]| -> Option<ipam::IpConfig> {
-        let (first, rest) = ranges.split_first()?;
-        Some(ipam::IpConfig {
-            interface_name: cni_env.ifname.clone(),
-            container_id: cni_env.container_id.clone(),
-            initial_pod_cidr: first.to_string(),
-            additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
-            requested_ip: requested
-                .iter()
-                .find(|ip| Family::of(**ip) == family)
-                .map(IpAddr::to_string)
-                .unwrap_or_default(),
-        })
+    let dns = match &net_conf.resolv_conf {
+        None => Dns::default(),
+        Some(path) => Dns::parse(&read_resolv_conf(path)?),
     };
     let request = request::Kind::Allocate(ipam::AllocatePodIpRequest {
         network: net_conf.network.clone(),
-        ipv4_config: ip_config(Family::V4, &net_conf.ipv4_ranges),
-        ipv6_config: ip_config(Family::V6, &net_conf.ipv6_ranges),
+        ipv4_config: ip_config(
+            net_conf,
+            Family::V4,
+            &cni_env.container_id,
+            &cni_env.ifname,
+            &requested,
+        ),
+        ipv6_config: ip_config(
+            net_conf,
+            Family::V6,
+            &cni_env.container_id,
+            &cni_env.ifname,
+            &requested,
+        ),
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
         isolated: net_conf.isolated,
@@ -230,7 +233,71 @@ fn add(
         &cni_env.netns,
         &cni_env.ifname,
         &ips,
+        &dns,
     ))
+}
+
+/// The allocation request's part for one family: the configuration's
+/// ranges of that family with their host-local bounds, and the address of
+/// that family among `requested`, if any. `None` without ranges of it.
+pub fn ip_config(
+    net_conf: &NetConf,
+    family: Family,
+    container_id: &str,
+    ifname: &str,
+    requested: &[IpAddr],
+) -> Option<ipam::IpConfig> {
+    let ranges = match family {
+        Family::V4 => &net_conf.ipv4_ranges,
+        Family::V6 => &net_conf.ipv6_ranges,
+    };
+    let (first, rest) = ranges.split_first()?;
+    Some(ipam::IpConfig {
+        interface_name: ifname.to_string(),
+        container_id: container_id.to_string(),
+        initial_pod_cidr: first.to_string(),
+        additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
+        requested_ip: requested
+            .iter()
+            .find(|ip| Family::of(**ip) == family)
+            .map(IpAddr::to_string)
+            .unwrap_or_default(),
+        bounds: net_conf
+            .bounds
+            .iter()
+            .filter(|(subnet, _)| subnet.family() == family)
+            .map(|(subnet, bounds)| ipam::RangeBounds {
+                subnet: subnet.to_string(),
+                range_start: bounds.start.to_string(),
+                range_end: bounds.end.to_string(),
+                gateway: bounds.gateway.to_string(),
+            })
+            .collect(),
+    })
+}
+
+/// Reads `ipam.resolvConf`, at most [`MAX_RESOLV_CONF_BYTES`], before
+/// anything is allocated (as host-local does): a failure fails the ADD
+/// with code 5 and holds nothing.
+fn read_resolv_conf(path: &std::path::Path) -> Result<String, CniError> {
+    use std::io::Read;
+    let failed = |err: &dyn std::fmt::Display| {
+        CniError::io(format!(
+            "failed to read ipam.resolvConf {}: {err}",
+            path.display()
+        ))
+    };
+    let file = std::fs::File::open(path).map_err(|e| failed(&e))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_RESOLV_CONF_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| failed(&e))?;
+    if bytes.len() as u64 > MAX_RESOLV_CONF_BYTES {
+        return Err(failed(&format!(
+            "larger than {MAX_RESOLV_CONF_BYTES} bytes"
+        )));
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 fn del(
@@ -507,6 +574,7 @@ mod tests {
             initial_pod_cidr: cidr.into(),
             additional_pod_cidrs: Vec::new(),
             requested_ip: requested.into(),
+            bounds: Vec::new(),
         };
         let want = request::Kind::Allocate(ipam::AllocatePodIpRequest {
             network: "testnet".into(),

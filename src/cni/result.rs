@@ -4,6 +4,7 @@
 //! the output matches what reference plugins print.
 
 use super::conf::{NetConf, Route};
+use super::dns::Dns;
 use super::error::pretty_json;
 use crate::cidr::{Cidr, Family, gateway_for};
 use serde::Serialize;
@@ -23,16 +24,31 @@ pub struct AllocatedIp {
 /// reports `CNI_IFNAME` in `CNI_NETNS` as interface 0, only when there is at
 /// least one address (upstream behaviour). `conf.cni_version` was checked by
 /// `conf::parse`; an unknown one would get the 1.x shape.
-pub fn success(conf: &NetConf, netns: &str, ifname: &str, ips: &[AllocatedIp]) -> String {
+pub fn success(
+    conf: &NetConf,
+    netns: &str,
+    ifname: &str,
+    ips: &[AllocatedIp],
+    dns: &Dns,
+) -> String {
     let ips = v4_first(ips);
     let routes = result_routes(conf, &ips);
     match conf.cni_version.as_str() {
-        "0.1.0" | "0.2.0" => pretty_json(&legacy(conf, &ips, &routes)),
+        "0.1.0" | "0.2.0" => pretty_json(&legacy(conf, &ips, &routes, dns)),
         "0.3.0" | "0.3.1" | "0.4.0" => {
-            pretty_json(&current(conf, netns, ifname, &ips, routes, true))
+            pretty_json(&current(conf, netns, ifname, &ips, routes, dns, true))
         }
-        _ => pretty_json(&current(conf, netns, ifname, &ips, routes, false)),
+        _ => pretty_json(&current(conf, netns, ifname, &ips, routes, dns, false)),
     }
+}
+
+/// The gateway advertised for an address: the configured one of its
+/// block (host-local's `gateway`), else Metis's.
+fn gateway(conf: &NetConf, block: &Cidr) -> IpAddr {
+    conf.bounds
+        .iter()
+        .find(|(subnet, _)| subnet == block)
+        .map_or_else(|| gateway_for(block), |(_, bounds)| bounds.gateway)
 }
 
 /// IPv4 entries first, order otherwise kept.
@@ -52,6 +68,8 @@ struct ResultOut<'a> {
     ips: Vec<IpOut>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     routes: Vec<RouteOut>,
+    #[serde(skip_serializing_if = "Dns::is_empty")]
+    dns: &'a Dns,
 }
 
 #[derive(Serialize)]
@@ -98,6 +116,7 @@ fn current<'a>(
     ifname: &'a str,
     ips: &[AllocatedIp],
     routes: Vec<RouteOut>,
+    dns: &'a Dns,
     with_version: bool,
 ) -> ResultOut<'a> {
     let top_level = !conf.delegated && !ips.is_empty();
@@ -118,7 +137,7 @@ fn current<'a>(
             }),
             interface: top_level.then_some(0),
             address: address_with_prefix(ip),
-            gateway: gateway_for(&ip.block).to_string(),
+            gateway: gateway(conf, &ip.block).to_string(),
         })
         .collect();
     ResultOut {
@@ -126,6 +145,7 @@ fn current<'a>(
         interfaces,
         ips,
         routes,
+        dns,
     }
 }
 
@@ -140,16 +160,16 @@ fn result_routes(conf: &NetConf, ips: &[AllocatedIp]) -> Vec<RouteOut> {
     let has_v11_fields = conf.cni_version == "1.1.0";
     conf.routes
         .iter()
-        .map(|route| route_out(route, ips, has_v11_fields))
+        .map(|route| route_out(conf, route, ips, has_v11_fields))
         .collect()
 }
 
-fn route_out(route: &Route, ips: &[AllocatedIp], has_v11_fields: bool) -> RouteOut {
+fn route_out(conf: &NetConf, route: &Route, ips: &[AllocatedIp], has_v11_fields: bool) -> RouteOut {
     let family = route.dst.family();
     let gw = route.gw.or_else(|| {
         ips.iter()
             .find(|ip| Family::of(ip.address) == family)
-            .map(|ip| gateway_for(&ip.block))
+            .map(|ip| gateway(conf, &ip.block))
     });
     let v11 = |field: Option<u32>| field.filter(|_| has_v11_fields);
     RouteOut {
@@ -172,6 +192,8 @@ struct LegacyOut<'a> {
     ip4: Option<LegacyIpOut>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ip6: Option<LegacyIpOut>,
+    #[serde(skip_serializing_if = "Dns::is_empty")]
+    dns: &'a Dns,
 }
 
 #[derive(Serialize)]
@@ -184,13 +206,18 @@ struct LegacyIpOut {
 
 /// The 0.1.0/0.2.0 shape: only the first address of each family, with the
 /// routes whose destination is of that family.
-fn legacy<'a>(conf: &'a NetConf, ips: &[AllocatedIp], routes: &[RouteOut]) -> LegacyOut<'a> {
+fn legacy<'a>(
+    conf: &'a NetConf,
+    ips: &[AllocatedIp],
+    routes: &[RouteOut],
+    dns: &'a Dns,
+) -> LegacyOut<'a> {
     let per_family = |family: Family| {
         ips.iter()
             .find(|ip| Family::of(ip.address) == family)
             .map(|ip| LegacyIpOut {
                 ip: address_with_prefix(ip),
-                gateway: gateway_for(&ip.block).to_string(),
+                gateway: gateway(conf, &ip.block).to_string(),
                 routes: routes
                     .iter()
                     .filter(|r| r.family == Some(family))
@@ -202,6 +229,7 @@ fn legacy<'a>(conf: &'a NetConf, ips: &[AllocatedIp], routes: &[RouteOut]) -> Le
         cni_version: &conf.cni_version,
         ip4: per_family(Family::V4),
         ip6: per_family(Family::V6),
+        dns,
     }
 }
 
@@ -250,6 +278,7 @@ mod tests {
             "/var/run/netns/x",
             "eth0",
             ips,
+            &Dns::default(),
         )
     }
 
@@ -296,7 +325,13 @@ mod tests {
 
     #[test]
     fn v1_top_level_without_netns_omits_sandbox() {
-        let got = success(&netconf("1.0.0", false), "", "eth0", &[v4()]);
+        let got = success(
+            &netconf("1.0.0", false),
+            "",
+            "eth0",
+            &[v4()],
+            &Dns::default(),
+        );
         assert!(got.contains("\"name\": \"eth0\"\n        }"), "{got}");
         assert!(!got.contains("sandbox"));
     }
@@ -540,7 +575,7 @@ mod tests {
 
     #[test]
     fn route_gw_selection_and_v11_fields() {
-        let got = success(&route_conf("1.1.0"), "", "eth0", &[v4()]);
+        let got = success(&route_conf("1.1.0"), "", "eth0", &[v4()], &Dns::default());
         assert!(
             got.ends_with(
                 r#""routes": [
@@ -567,7 +602,7 @@ mod tests {
     #[test]
     fn v11_route_fields_dropped_before_1_1_0() {
         for version in ["1.0.0", "0.4.0", "0.3.1"] {
-            let got = success(&route_conf(version), "", "eth0", &[v4()]);
+            let got = success(&route_conf(version), "", "eth0", &[v4()], &Dns::default());
             assert!(
                 got.ends_with(
                     r#""routes": [
@@ -590,7 +625,13 @@ mod tests {
     #[test]
     fn no_addresses_no_interfaces() {
         assert_eq!(
-            success(&netconf("1.0.0", false), "/ns", "eth0", &[]),
+            success(
+                &netconf("1.0.0", false),
+                "/ns",
+                "eth0",
+                &[],
+                &Dns::default()
+            ),
             r#"{
     "cniVersion": "1.0.0",
     "routes": [

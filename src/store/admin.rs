@@ -190,7 +190,7 @@ impl Store {
         for block in draining {
             let cidr = parse_cidr(&block.cidr)?;
             let reserved = block_reserved(&tx, mode, block.id, network, &cidr)?;
-            let reserved_len = i64::try_from(reserved.len()).unwrap_or(i64::MAX);
+            let reserved_len = i64::try_from(reserved.count(cidr.size())).unwrap_or(i64::MAX);
             if block.allocated_ips > reserved_len {
                 continue;
             }

@@ -4,7 +4,7 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::reserve::{block_reserved, is_first_v4, reserved_offsets};
+use super::reserve::{Reserved, block_reserved};
 use super::{
     Allocation, Owner, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, schema,
     set_setting, total_ips, validate_owner,
@@ -24,7 +24,7 @@ pub(super) fn insert_rows(
     block_id: i64,
     cidr: &Cidr,
     offsets: std::ops::Range<u128>,
-    reserved: &[u128],
+    reserved: &Reserved,
 ) -> Result<u64, StoreError> {
     // OR IGNORE: a requested IPv6 address may already have its row, and
     // another writer (upstream) may have populated ahead of our frontier.
@@ -278,10 +278,14 @@ fn expand_v6(
         },
     };
     let reserved = block_reserved(conn, mode, block_id, network, cidr)?;
+    // Only the usable range is populated (host-local bounds): the rest of a
+    // /64 is reserved by description, never row by row.
+    let usable = reserved.usable(cidr.size());
+    start = start.max(usable.start);
     // Batches already populated by someone else insert nothing: move on
-    // until one adds a row or the prefix ends.
-    while start < cidr.size() {
-        let end = start.saturating_add(IPV6_BATCH).min(cidr.size());
+    // until one adds a row or the range ends.
+    while start < usable.end {
+        let end = start.saturating_add(IPV6_BATCH).min(usable.end);
         let inserted = insert_rows(conn, block_id, cidr, start..end, &reserved)?;
         set_setting(conn, &key, &end.to_string())?;
         if inserted > 0 {
@@ -336,10 +340,7 @@ pub(super) fn insert_block(
         total_ips(cidr)
     ])?;
     let id = conn.last_insert_rowid();
-    let first = mode == ReserveMode::FirstBlock
-        && cidr.family() == Family::V4
-        && is_first_v4(conn, network, id)?;
-    let reserved = reserved_offsets(cidr, mode, first);
+    let reserved = block_reserved(conn, mode, id, network, cidr)?;
     let end = match cidr.family() {
         Family::V4 => cidr.size(),
         Family::V6 => cidr.size().min(IPV6_BATCH),
@@ -576,7 +577,13 @@ fn requested_row(
     if let Some(row) = RowState::find(conn, &text, block_id)? {
         return Ok(row);
     }
-    insert_rows(conn, block_id, cidr, offset..offset + 1, &[])?;
+    insert_rows(
+        conn,
+        block_id,
+        cidr,
+        offset..offset + 1,
+        &Reserved::fixed(Vec::new()),
+    )?;
     RowState::find(conn, &text, block_id)?
         .ok_or_else(|| StoreError::Corrupt(format!("row {text} vanished after insert")))
 }

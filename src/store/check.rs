@@ -164,7 +164,7 @@ struct Block {
     network: String,
     /// Reserved offsets under the mode in force; `None` for Deleting
     /// blocks, which the repair leaves alone.
-    reserved: Option<Vec<u128>>,
+    reserved: Option<super::reserve::Reserved>,
 }
 
 fn check_blocks(

@@ -123,7 +123,7 @@ fn ready_block_has_free_row(
 }
 
 /// IPv6 blocks are populated lazily after their highest row; one whose
-/// highest row is not its last address can still grow.
+/// highest row is not its last usable address can still grow.
 fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv6' \
@@ -133,7 +133,10 @@ fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, Store
     while let Some(block) = blocks.next()? {
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
         let highest = highest_offset(conn, block.get(0)?, &cidr)?;
-        if highest.is_none_or(|h| h.saturating_add(1) < cidr.size()) {
+        // A bounded block grows only up to its rangeEnd.
+        let end = super::reserve::bounds_of(conn, network, &cidr)?
+            .map_or(cidr.size(), |b| b.offsets(&cidr).2.saturating_add(1));
+        if highest.is_none_or(|h| h.saturating_add(1) < end) {
             return Ok(true);
         }
     }

@@ -685,7 +685,7 @@ fn narrow(
 /// Brings a reshaped block's rows in line: every IPv4 address has a row
 /// (when `populate`), positions it reserves are reserved unless a pod holds
 /// them, reserved rows elsewhere are freed, and the counters are recounted.
-fn settle(
+pub(super) fn settle(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
@@ -704,32 +704,30 @@ fn settle(
             Family::V6 => set_setting(conn, &frontier_key(id), "0")?,
         }
     }
-    let mut reserved_addresses = BTreeSet::new();
-    for offset in &reserved {
-        if let Some(address) = cidr.nth(*offset) {
-            reserved_addresses.insert(address.to_string());
-            conn.prepare_cached(
-                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
-                 pod_name = NULL, pod_namespace = NULL, release_at = NULL \
-                 WHERE cidr_block_id = ?1 AND address = ?2 AND is_allocated = FALSE",
-            )?
-            .execute(params![id, address.to_string()])?;
-        }
-    }
-    let held_by_no_one: Vec<(i64, String)> = conn
+    // Row by row: a bounded block's reserved positions are a description,
+    // not a list.
+    let rows: Vec<(i64, String, bool, String)> = conn
         .prepare_cached(
-            "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND is_allocated = 1 AND COALESCE(container_id, '') = ''",
+            "SELECT id, address, is_allocated, COALESCE(container_id, '') \
+             FROM ip_addresses WHERE cidr_block_id = ?1",
         )?
-        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
         .collect::<Result<_, _>>()?;
-    for (row_id, address) in held_by_no_one {
-        if !reserved_addresses.contains(&address) {
-            conn.prepare_cached(
-                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL WHERE id = ?1",
-            )?
-            .execute([row_id])?;
-        }
+    for (row_id, address, allocated, container) in rows {
+        let at_reserved = cidr
+            .offset_of(parse_addr(&address)?)
+            .is_some_and(|offset| reserved.contains(&offset));
+        let sql = match (at_reserved, allocated, container.is_empty()) {
+            (true, false, _) => {
+                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
+                 pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1"
+            }
+            (false, true, true) => {
+                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL WHERE id = ?1"
+            }
+            _ => continue,
+        };
+        conn.prepare_cached(sql)?.execute([row_id])?;
     }
     conn.prepare_cached(
         "UPDATE cidr_blocks SET allocated_ips = \

@@ -536,6 +536,17 @@ impl Store {
         }))
     }
 
+    /// Writes a consistent copy of the database to `to` (which must not
+    /// exist): SQLite's `VACUUM INTO`, allowed on a read-only connection.
+    /// `metis import --dry-run` rehearses on such a copy.
+    pub fn copy_to(&self, to: &Path) -> Result<(), StoreError> {
+        let target = to
+            .to_str()
+            .ok_or_else(|| StoreError::Corrupt(format!("{} is not UTF-8", to.display())))?;
+        self.conn.execute("VACUUM INTO ?1", [target])?;
+        Ok(())
+    }
+
     /// The reservation mode in force.
     pub fn reserve_mode(&self) -> ReserveMode {
         self.reserve

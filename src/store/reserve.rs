@@ -6,8 +6,10 @@ use std::collections::{HashMap, HashSet};
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::{ReserveMode, Store, StoreError, parse_cidr, parse_family, parse_state, schema};
-use crate::cidr::{Cidr, Family};
+use super::{
+    ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, parse_state, schema,
+};
+use crate::cidr::{Bounds, Cidr, Family};
 
 /// The offsets (from the block base) a block reserves. Blocks with fewer
 /// than 4 addresses reserve nothing. `EveryBlock`: IPv4 0, 1, last; IPv6 0,
@@ -35,18 +37,106 @@ pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<b
     Ok(first == Some(id))
 }
 
-/// The reserved offsets of an existing block under `mode`.
+/// The positions a block keeps out of allocation: fixed offsets, and with
+/// host-local bounds everything outside the usable range too (described,
+/// never enumerated: an IPv6 block's outside may be 2^64 addresses).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    offsets: Vec<u128>,
+    /// Inclusive first and last usable offsets, when bounded.
+    usable: Option<(u128, u128)>,
+}
+
+impl Reserved {
+    /// Metis's rule (or upstream's, by mode): the fixed offsets only.
+    pub fn fixed(offsets: Vec<u128>) -> Reserved {
+        Reserved {
+            offsets,
+            usable: None,
+        }
+    }
+
+    /// host-local's rule: outside `start..=end`, and the gateway.
+    pub fn bounded(cidr: &Cidr, bounds: &Bounds) -> Reserved {
+        let (gateway, start, end) = bounds.offsets(cidr);
+        Reserved {
+            offsets: gateway.into_iter().collect(),
+            usable: Some((start, end)),
+        }
+    }
+
+    pub fn contains(&self, offset: &u128) -> bool {
+        self.offsets.contains(offset)
+            || self
+                .usable
+                .is_some_and(|(start, end)| *offset < start || *offset > end)
+    }
+
+    /// The offsets of a block of `size` addresses that may be handed out
+    /// at all: the usable range when bounded, else the whole block.
+    pub fn usable(&self, size: u128) -> std::ops::Range<u128> {
+        match self.usable {
+            Some((start, end)) => start..end.saturating_add(1).min(size),
+            None => 0..size,
+        }
+    }
+
+    /// How many of a block of `size` addresses are reserved.
+    pub fn count(&self, size: u128) -> u128 {
+        let Some((start, end)) = self.usable else {
+            return self.offsets.iter().filter(|o| **o < size).count() as u128;
+        };
+        let usable = end.saturating_sub(start).saturating_add(1).min(size);
+        let inside = self
+            .offsets
+            .iter()
+            .filter(|o| (start..=end).contains(*o))
+            .count() as u128;
+        size - usable + inside
+    }
+}
+
+/// The host-local bounds recorded for block `cidr` of `network`, if any.
+pub(super) fn bounds_of(
+    conn: &Connection,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<Option<Bounds>, StoreError> {
+    let row: Option<(String, String, String)> = conn
+        .prepare_cached(
+            "SELECT range_start, range_end, gateway FROM metis_bounds \
+             WHERE network = ?1 AND cidr = ?2",
+        )?
+        .query_row(params![network, cidr.to_string()], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()?;
+    row.map(|(start, end, gateway)| {
+        Ok(Bounds {
+            start: parse_addr(&start)?,
+            end: parse_addr(&end)?,
+            gateway: parse_addr(&gateway)?,
+        })
+    })
+    .transpose()
+}
+
+/// The reserved positions of an existing block under `mode`: its
+/// host-local bounds when it has some, else the mode's fixed offsets.
 pub(super) fn block_reserved(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
     network: &str,
     cidr: &Cidr,
-) -> Result<Vec<u128>, StoreError> {
+) -> Result<Reserved, StoreError> {
+    if let Some(bounds) = bounds_of(conn, network, cidr)? {
+        return Ok(Reserved::bounded(cidr, &bounds));
+    }
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
         && is_first_v4(conn, network, id)?;
-    Ok(reserved_offsets(cidr, mode, first))
+    Ok(Reserved::fixed(reserved_offsets(cidr, mode, first)))
 }
 
 #[derive(Default)]
@@ -60,6 +150,9 @@ struct Plan {
     warnings: Vec<String>,
     /// The full (expensive) part ran; record the layout marker.
     mark: bool,
+    /// Blocks with host-local bounds: their reserved rows outside the
+    /// usable range are not strays.
+    bounded: HashMap<i64, (Cidr, Reserved)>,
 }
 
 impl Plan {
@@ -152,8 +245,16 @@ impl Plan {
         let mut expected: HashMap<i64, HashSet<String>> = HashMap::new();
         for block in blocks {
             let first = first_v4.get(&block.network) == Some(&block.id);
+            let offsets = match bounds_of(conn, &block.network, &block.cidr)? {
+                Some(bounds) => {
+                    let reserved = Reserved::bounded(&block.cidr, &bounds);
+                    self.bounded.insert(block.id, (block.cidr, reserved));
+                    bounds.offsets(&block.cidr).0.into_iter().collect()
+                }
+                None => reserved_offsets(&block.cidr, mode, first),
+            };
             let mut set = HashSet::new();
-            for offset in reserved_offsets(&block.cidr, mode, first) {
+            for offset in offsets {
                 let Some(addr) = block.cidr.nth(offset) else {
                     continue;
                 };
@@ -194,8 +295,16 @@ impl Plan {
             let row_id: i64 = row.get(0)?;
             let address: String = row.get(1)?;
             let block_id: i64 = row.get(2)?;
+            let outside_bounds = self.bounded.get(&block_id).is_some_and(|(cidr, reserved)| {
+                address
+                    .parse()
+                    .ok()
+                    .and_then(|addr| cidr.offset_of(addr))
+                    .is_some_and(|offset| reserved.contains(&offset))
+            });
             if let Some(set) = expected.get(&block_id)
                 && !set.contains(&address)
+                && !outside_bounds
             {
                 self.free.push((row_id, block_id));
             }
@@ -243,7 +352,96 @@ impl Plan {
     }
 }
 
+/// A network's recorded bounds of one family, by block prefix.
+fn recorded_bounds(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<(String, Bounds)>, StoreError> {
+    let rows: Vec<String> = conn
+        .prepare_cached("SELECT cidr FROM metis_bounds WHERE network = ?1 ORDER BY cidr")?
+        .query_map([network], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    let mut recorded = Vec::new();
+    for text in rows {
+        let cidr = parse_cidr(&text)?;
+        if cidr.family() != family {
+            continue;
+        }
+        if let Some(bounds) = bounds_of(conn, network, &cidr)? {
+            recorded.push((text, bounds));
+        }
+    }
+    Ok(recorded)
+}
+
 impl Store {
+    /// Records the host-local bounds of `network`'s `family` blocks (the
+    /// CNI ranges that have some; the others lose theirs) and re-reserves
+    /// every block whose bounds changed, pods keeping their addresses.
+    /// Reads only when nothing changed, so it runs on every ADD. Returns
+    /// the prefixes whose reservation changed.
+    pub fn set_bounds(
+        &mut self,
+        network: &str,
+        family: Family,
+        wanted: &[(Cidr, Bounds)],
+    ) -> Result<Vec<String>, StoreError> {
+        let mut want: Vec<(String, Bounds)> = wanted
+            .iter()
+            .filter(|(cidr, _)| cidr.family() == family)
+            .map(|(cidr, bounds)| (cidr.to_string(), *bounds))
+            .collect();
+        want.sort_by(|a, b| a.0.cmp(&b.0));
+        let have = recorded_bounds(&self.conn, network, family)?;
+        if have == want {
+            return Ok(Vec::new());
+        }
+        let mut changed: Vec<String> = have
+            .iter()
+            .filter(|entry| !want.contains(entry))
+            .chain(want.iter().filter(|entry| !have.contains(entry)))
+            .map(|(cidr, _)| cidr.clone())
+            .collect();
+        changed.sort();
+        changed.dedup();
+        let mode = self.reserve;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        for (cidr, _) in &have {
+            tx.prepare_cached("DELETE FROM metis_bounds WHERE network = ?1 AND cidr = ?2")?
+                .execute(params![network, cidr])?;
+        }
+        for (cidr, bounds) in &want {
+            tx.prepare_cached(
+                "INSERT INTO metis_bounds (network, cidr, range_start, range_end, gateway) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?
+            .execute(params![
+                network,
+                cidr,
+                bounds.start.to_string(),
+                bounds.end.to_string(),
+                bounds.gateway.to_string()
+            ])?;
+        }
+        for text in &changed {
+            let block: Option<i64> = tx
+                .prepare_cached(
+                    "SELECT id FROM cidr_blocks WHERE network = ?1 AND cidr = ?2 \
+                     AND state != 'Deleting'",
+                )?
+                .query_row(params![network, text], |r| r.get(0))
+                .optional()?;
+            if let Some(id) = block {
+                super::layout::settle(&tx, mode, id, network, &parse_cidr(text)?, false)?;
+            }
+        }
+        tx.commit()?;
+        Ok(changed)
+    }
+
     /// Brings reservations in line with the mode. Read-only unless
     /// something must change.
     pub(super) fn repair(&mut self) -> Result<(), StoreError> {
@@ -294,5 +492,206 @@ impl Store {
         tx.commit()?;
         self.warnings.extend(plan.warnings);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Depth, Source};
+    use crate::testutil::{TempDir, owner};
+
+    const NOW: i64 = 1_000_000;
+
+    fn cidr(text: &str) -> Cidr {
+        text.parse().unwrap()
+    }
+
+    fn bounded(
+        store: &mut Store,
+        subnet: &str,
+        start: &str,
+        end: &str,
+        gateway: &str,
+    ) -> Vec<String> {
+        let net = cidr(subnet);
+        store
+            .configure(Source::Cni, "pods", net.family(), &[net], false, NOW)
+            .unwrap();
+        let bounds = Bounds::new(
+            &net,
+            Some(start.parse().unwrap()),
+            Some(end.parse().unwrap()),
+            Some(gateway.parse().unwrap()),
+        )
+        .unwrap();
+        store
+            .set_bounds("pods", net.family(), &[(net, bounds)])
+            .unwrap()
+    }
+
+    fn take_all(store: &mut Store, family: Family) -> Vec<String> {
+        (0..)
+            .map(|i| format!("c{i}"))
+            .map_while(|id| store.allocate(&owner(&id), family, NOW).ok())
+            .map(|a| a.address.to_string())
+            .collect()
+    }
+
+    fn assert_sound(store: &Store) {
+        let report = store.verify(Depth::Full).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+    }
+
+    #[test]
+    fn a_bounded_block_hands_out_only_its_range_and_never_its_gateway() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let changed = bounded(
+            &mut store,
+            "198.18.0.0/28",
+            "198.18.0.4",
+            "198.18.0.8",
+            "198.18.0.6",
+        );
+        assert_eq!(changed, ["198.18.0.0/28"]);
+        assert_eq!(
+            take_all(&mut store, Family::V4),
+            ["198.18.0.4", "198.18.0.5", "198.18.0.7", "198.18.0.8"]
+        );
+        assert_sound(&store);
+        // The same bounds again: nothing to do, nothing written.
+        assert!(
+            bounded(
+                &mut store,
+                "198.18.0.0/28",
+                "198.18.0.4",
+                "198.18.0.8",
+                "198.18.0.6"
+            )
+            .is_empty()
+        );
+        // A gateway outside the block reserves nothing in it.
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        bounded(
+            &mut store,
+            "198.18.1.0/29",
+            "198.18.1.0",
+            "198.18.1.7",
+            "198.19.0.1",
+        );
+        assert_eq!(take_all(&mut store, Family::V4).len(), 8);
+        assert_sound(&store);
+    }
+
+    #[test]
+    fn requested_addresses_outside_the_range_are_refused() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        bounded(
+            &mut store,
+            "198.18.0.0/28",
+            "198.18.0.4",
+            "198.18.0.8",
+            "198.18.0.6",
+        );
+        for refused in ["198.18.0.3", "198.18.0.6", "198.18.0.9"] {
+            let err = store
+                .allocate_requested(&owner("r"), refused.parse().unwrap(), NOW)
+                .unwrap_err();
+            assert!(
+                matches!(err, StoreError::RequestedIpUnavailable { .. }),
+                "{refused}: {err}"
+            );
+        }
+        let got = store
+            .allocate_requested(&owner("r"), "198.18.0.8".parse().unwrap(), NOW)
+            .unwrap();
+        assert_eq!(got.address.to_string(), "198.18.0.8");
+    }
+
+    #[test]
+    fn narrowing_the_range_keeps_pods_and_takes_back_their_addresses_on_release() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        bounded(
+            &mut store,
+            "198.18.0.0/28",
+            "198.18.0.2",
+            "198.18.0.14",
+            "198.18.0.1",
+        );
+        let first = store.allocate(&owner("a"), Family::V4, NOW).unwrap();
+        assert_eq!(first.address.to_string(), "198.18.0.2");
+        // .2 leaves the range while pod "a" holds it.
+        bounded(
+            &mut store,
+            "198.18.0.0/28",
+            "198.18.0.10",
+            "198.18.0.14",
+            "198.18.0.1",
+        );
+        assert_sound(&store);
+        assert_eq!(
+            take_all(&mut store, Family::V4),
+            [
+                "198.18.0.10",
+                "198.18.0.11",
+                "198.18.0.12",
+                "198.18.0.13",
+                "198.18.0.14"
+            ]
+        );
+        store.release("pods", "a", "eth0", NOW).unwrap();
+        assert_sound(&store);
+        assert!(store.allocate(&owner("late"), Family::V4, NOW).is_err());
+        // Bounds dropped: Metis's own reservation again (.2-.9 free).
+        let net = cidr("198.18.0.0/28");
+        assert_eq!(
+            store.set_bounds("pods", Family::V4, &[]).unwrap(),
+            ["198.18.0.0/28"]
+        );
+        assert_eq!(
+            store
+                .allocate(&owner("late"), Family::V4, NOW)
+                .unwrap()
+                .address
+                .to_string(),
+            "198.18.0.2"
+        );
+        assert_eq!(bounds_of(&store.conn, "pods", &net).unwrap(), None);
+        assert_sound(&store);
+    }
+
+    #[test]
+    fn a_bounded_ipv6_block_grows_lazily_inside_its_range() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        bounded(
+            &mut store,
+            "2001:db8::/64",
+            "2001:db8::ffff:ffff:ffff:fffe",
+            "2001:db8::ffff:ffff:ffff:ffff",
+            "2001:db8::1",
+        );
+        assert_eq!(
+            take_all(&mut store, Family::V6),
+            [
+                "2001:db8::ffff:ffff:ffff:fffe",
+                "2001:db8::ffff:ffff:ffff:ffff"
+            ]
+        );
+        let reserved = Reserved::bounded(
+            &cidr("2001:db8::/64"),
+            &Bounds::new(
+                &cidr("2001:db8::/64"),
+                None,
+                Some("2001:db8::ff".parse().unwrap()),
+                None,
+            )
+            .unwrap(),
+        );
+        assert_eq!(reserved.count(1 << 64), (1u128 << 64) - 255 + 1);
     }
 }

@@ -74,11 +74,21 @@ pub const RANGES: &str = "CREATE TABLE IF NOT EXISTS metis_ranges (\
      source TEXT NOT NULL, network TEXT NOT NULL, cidr TEXT NOT NULL, \
      PRIMARY KEY (source, network, cidr))";
 
+/// host-local's `rangeStart`, `rangeEnd` and `gateway` of a network's block
+/// (keyed by its prefix, so a block reshaped by the layout loses them) when
+/// they depart from Metis's default reservation. The addresses they keep
+/// out are reserved rows in `ip_addresses`, so upstream never hands them
+/// out either; this table only says why.
+pub const BOUNDS: &str = "CREATE TABLE IF NOT EXISTS metis_bounds (\
+     network TEXT NOT NULL, cidr TEXT NOT NULL, range_start TEXT NOT NULL, \
+     range_end TEXT NOT NULL, gateway TEXT NOT NULL, PRIMARY KEY (network, cidr))";
+
 /// Metis's own tables, created on every open if missing.
-pub const METIS_TABLES: [(&str, &str); 3] = [
+pub const METIS_TABLES: [(&str, &str); 4] = [
     ("metis_settings", SETTINGS),
     ("metis_blocks", BLOCKS),
     ("metis_ranges", RANGES),
+    ("metis_bounds", BOUNDS),
 ];
 
 /// `metis_settings` key holding the reservation mode.

@@ -295,6 +295,7 @@ fn schema_objects_are_exact() {
         ("table", "cidr_blocks"),
         ("table", "ip_addresses"),
         ("table", "metis_blocks"),
+        ("table", "metis_bounds"),
         ("table", "metis_ranges"),
         ("table", "metis_settings"),
         ("table", "sqlite_sequence"),

@@ -196,6 +196,74 @@ else
 fi
 for i in $(seq 0 99); do ip netns delete "$tag-burst-$i"; done
 
+# --- live migration: pods made by host-local keep pinging under Metis ---------
+# mig_list IPAM: the operator's bridge conflist, host-local syntax, with only
+# the IPAM type changing between the two. The route names its gateway:
+# host-local leaves `gw` out of the result, and bridge's CHECK then looks for
+# a gateway-less route that its own ADD never installed.
+mig_list() {
+    cat >"$work/conf/mig-$1.conflist" <<EOF
+{"cniVersion":"1.0.0","name":"mig","plugins":[{"type":"bridge","bridge":"$tag-bm","isGateway":true,"ipMasq":false,
+ "ipam":{"type":"$1","ranges":[[{"subnet":"198.18.210.0/24","rangeStart":"198.18.210.10"}]],
+ "routes":[{"dst":"198.18.0.0/15","gw":"198.18.210.1"}],"dataDir":"$work/hl",$paths_json}}]}
+EOF
+    echo "$work/conf/mig-$1.conflist"
+}
+hl_list=$(mig_list host-local)
+metis_list=$(mig_list metis)
+declare -A mig_addr
+for pod in p0 p1; do
+    ip netns add "$tag-mig-$pod"
+    if out=$(cniclient add "$hl_list" "/var/run/netns/$tag-mig-$pod" "mig-$pod" 2>&1); then
+        mig_addr[$pod]=$(head -n1 <<<"$out")
+    else
+        fail "migration: host-local ADD $pod" "$out"
+    fi
+done
+if out=$("$work/bin/metis" import host-local --config "$hl_list" 2>&1) &&
+    [ "$(held_by mig-p0)/$(held_by mig-p1)" = 1/1 ]; then
+    pass "migration: import host-local with the daemon running records ${mig_addr[p0]:-?} and ${mig_addr[p1]:-?}"
+else
+    fail "migration: import host-local" "$out"
+fi
+ip netns add "$tag-mig-p2"
+if out=$(cniclient add "$metis_list" "/var/run/netns/$tag-mig-p2" mig-p2 2>&1); then
+    mig_addr[p2]=$(head -n1 <<<"$out")
+    if [ "${mig_addr[p2]}" != "${mig_addr[p0]:-}" ] && [ "${mig_addr[p2]}" != "${mig_addr[p1]:-}" ]; then
+        pass "migration: Metis ADD after the swap gives a new address ${mig_addr[p2]}"
+    else
+        fail "migration: Metis ADD after the swap" "re-issued ${mig_addr[p2]}"
+    fi
+else
+    fail "migration: Metis ADD after the swap" "$out"
+fi
+for pod in p0 p1; do
+    target=${mig_addr[$pod]:-none}
+    if ping -c 1 -W 2 "${target%/*}" >/dev/null 2>&1 &&
+        ip netns exec "$tag-mig-p2" ping -c 1 -W 2 "${target%/*}" >/dev/null 2>&1; then
+        pass "migration: host and the new pod reach host-local-era $pod ${target%/*}"
+    else
+        fail "migration: $pod ${target%/*} reachable after the swap" "no reply"
+    fi
+done
+if out=$(cniclient check "$metis_list" "/var/run/netns/$tag-mig-p0" mig-p0 2>&1); then
+    pass "migration: Metis CHECK of a host-local-era pod"
+else
+    fail "migration: Metis CHECK of a host-local-era pod" "$out"
+fi
+if out=$(cniclient del "$metis_list" "/var/run/netns/$tag-mig-p0" mig-p0 2>&1) && [ "$(held_by mig-p0)" = 0 ]; then
+    pass "migration: Metis DEL releases a host-local-era pod"
+else
+    fail "migration: Metis DEL of a host-local-era pod" "$out"
+fi
+if out=$("$work/bin/metis" export host-local --config "$metis_list" --data-dir "$work/hl-back" 2>&1) &&
+    [ -f "$work/hl-back/mig/${mig_addr[p2]%/*}" ] && [ -f "$work/hl-back/mig/${mig_addr[p1]%/*}" ]; then
+    pass "migration: export host-local writes every pod's address back"
+else
+    fail "migration: export host-local" "$out"
+fi
+for pod in p0 p1 p2; do ip netns delete "$tag-mig-$pod" 2>/dev/null; done
+
 # --- GC and STATUS (1.1.0; Debian's libcni predates them): the binary itself --
 conf11() { # conf11 NAME SUBNET [EXTRA_TOP_LEVEL]
     printf '{"cniVersion":"1.1.0","name":"%s","type":"metis","ipam":{"type":"metis","ranges":[[{"subnet":"%s"}]],"gcGracePeriod":"0s",%s}%s}' \
