@@ -7,11 +7,11 @@
 //! valid but unsupported by Metis → 2, unsupported `cniVersion` → 1.
 
 use super::args::{CniArgs, parse_ip_maybe_prefix};
-use super::env::{NAME_RULE, is_valid_name};
 use super::error::CniError;
 use super::version;
 use crate::cidr::{Cidr, Family, gateway_for};
 use crate::duration::parse_duration_ms;
+use crate::names;
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -180,11 +180,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let cni_version = required(raw.cni_version, "cniVersion")?;
     version::check_supported(&cni_version)?;
     let name = required(raw.name, "name")?;
-    if !is_valid_name(&name) {
-        return Err(CniError::invalid_config(format!(
-            "invalid network name {name:?}: {NAME_RULE}"
-        )));
-    }
+    names::network(&name)
+        .map_err(|err| CniError::invalid_config(format!("invalid network name {err}")))?;
     let plugin_type = raw.plugin_type.unwrap_or_default();
     // A main plugin names itself in `type` and us in `ipam.type`; when we
     // are the top-level plugin the two agree (or `ipam.type` is absent).
@@ -199,6 +196,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         .network
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| name.clone());
+    names::network(&network)
+        .map_err(|err| CniError::invalid_config(format!("invalid ipam.network {err}")))?;
     let gc_grace_period_ms = match ipam.gc_grace_period.as_deref() {
         None => DEFAULT_GC_GRACE_PERIOD_MS,
         Some(text) => parse_duration_ms(text).ok_or_else(|| {

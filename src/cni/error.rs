@@ -177,8 +177,12 @@ impl CniError {
 
     /// The daemon was reached but no valid response came back: the outcome is
     /// unknown, and every verb is idempotent, so the runtime should retry.
+    /// A request too large to send is the exception: retrying cannot help.
     pub fn from_client(err: &ClientError) -> CniError {
-        CniError::try_again_later(err.to_string())
+        match err {
+            ClientError::TooLarge { .. } => CniError::invalid_config(err.to_string()),
+            _ => CniError::try_again_later(err.to_string()),
+        }
     }
 
     /// Direct mode could not open the database.

@@ -1773,3 +1773,33 @@ fn release_cooldown_is_settled_at_open() {
     drop(store);
     assert_eq!(open(&dir.db()).release_cooldown(), 0);
 }
+
+#[test]
+fn unknown_pod_names_are_stored_as_null_like_upstream() {
+    let (dir, mut store) = store_with(&[("n", "198.18.0.0/28")]);
+    let anonymous = Owner {
+        pod_name: "",
+        pod_namespace: "",
+        ..owner("n", "podman1")
+    };
+    store.allocate(&anonymous, Family::V4, NOW).unwrap();
+    store
+        .allocate(&owner("n", "k8s1"), Family::V4, NOW)
+        .unwrap();
+    drop(store);
+    let conn = Connection::open(dir.db()).unwrap();
+    let rows: Vec<(String, Option<String>, Option<String>)> = conn
+        .prepare("SELECT container_id, pod_name, pod_namespace FROM ip_addresses WHERE container_id != '' ORDER BY container_id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("k8s1".into(), Some("pod".into()), Some("ns".into())),
+            ("podman1".into(), None, None),
+        ]
+    );
+}
