@@ -302,6 +302,22 @@ mod tests {
     }
 
     #[test]
+    fn a_request_too_large_to_send_is_not_retryable() {
+        let too_large = ClientError::TooLarge {
+            len: 2_000_000,
+            max: 1_000_000,
+        };
+        let err = CniError::from_client(&too_large);
+        assert_eq!(err.code, INVALID_CONFIG);
+        assert!(err.msg.contains("2000000 bytes"), "{}", err.msg);
+        let lost = ClientError::Exchange {
+            path: "/run/metis.sock".into(),
+            source: crate::wire::frame::FrameError::Truncated,
+        };
+        assert_eq!(CniError::from_client(&lost).code, TRY_AGAIN_LATER);
+    }
+
+    #[test]
     fn display_joins_details() {
         assert_eq!(CniError::io("read stdin").to_string(), "read stdin");
         assert_eq!(
