@@ -271,23 +271,27 @@ fn check(
     let Some(response::Kind::Check(checked)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("check"));
     };
-    let mut expected = net_conf.prev_result_ips()?;
+    let listed = net_conf.prev_result_ips()?;
     if net_conf.prev_result.is_none() {
         return Ok(());
     }
-    let mut actual = checked
-        .allocated
-        .iter()
-        .map(|pod_ip| allocated_ip(pod_ip).map(|ip| ip.address))
-        .collect::<Result<Vec<_>, _>>()?;
-    expected.sort();
-    actual.sort();
-    if expected != actual {
-        return Err(CniError::allocation_differs(format!(
-            "prevResult lists {expected:?} but the allocation holds {actual:?}"
-        )));
+    // The spec lets later plugins in the chain add addresses and
+    // interfaces: only Metis's own allocation must be there, unchanged.
+    let mut missing = Vec::new();
+    for pod_ip in &checked.allocated {
+        let held = allocated_ip(pod_ip)?;
+        if !listed.contains(&(held.address, held.block.prefix_len())) {
+            missing.push(format!("{}/{}", held.address, held.block.prefix_len()));
+        }
     }
-    Ok(())
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::allocation_differs(format!(
+            "prevResult does not list the allocation's {}",
+            missing.join(", ")
+        )))
+    }
 }
 
 /// STATUS: 0 when an ADD could be served now, else code 50 with the reason.
