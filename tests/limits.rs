@@ -175,3 +175,98 @@ fn the_daemon_applies_the_same_bounds_over_the_socket() {
     );
     assert!(owners(&dir).is_empty());
 }
+
+fn listing(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// STATUS with the daemon down creates nothing, and is not ready when the
+/// database can be neither opened nor created.
+#[test]
+fn status_is_truthful_and_creates_nothing() {
+    let dir = TestDir::new("limits-status");
+    let nested = conf(&dir, "1.1.0", V4, "").replace(
+        dir.join("metis.sqlite").to_str().unwrap(),
+        dir.join("data/metis.sqlite").to_str().unwrap(),
+    );
+    let nested = nested.replace(
+        dir.join("cni.log").to_str().unwrap(),
+        dir.join("logs/cni.log").to_str().unwrap(),
+    );
+    assert_ok(&Plugin::new("STATUS", "").run(&nested));
+    assert!(listing(&dir.path).is_empty(), "{:?}", listing(&dir.path));
+
+    let impossible = nested.replace(
+        dir.join("data/metis.sqlite").to_str().unwrap(),
+        "/proc/metis-test/metis.sqlite",
+    );
+    let status = Plugin::new("STATUS", "").run(&impossible);
+    assert_eq!(status.status.code(), Some(1));
+    let error = json(&status);
+    assert_eq!(error["code"], 50, "{error}");
+    assert!(
+        error["msg"]
+            .as_str()
+            .unwrap()
+            .contains("/proc/metis-test/metis.sqlite cannot be created"),
+        "{error}"
+    );
+    assert!(!std::path::Path::new("/proc/metis-test").exists());
+    assert!(listing(&dir.path).is_empty());
+
+    // After a direct-mode ADD, STATUS reads the database and adds no file
+    // of its own. SQLite's read-only connection may leave the database's
+    // WAL companions (same mode; the next writer removes them).
+    assert_ok(&Plugin::new("ADD", "ctr-1").run(&nested));
+    let logs = listing(&dir.join("logs"));
+    assert_ok(&Plugin::new("STATUS", "").run(&nested));
+    assert_eq!(listing(&dir.join("logs")), logs);
+    let mut data = listing(&dir.join("data"));
+    data.retain(|name| !name.ends_with("-wal") && !name.ends_with("-shm"));
+    assert_eq!(data, vec!["metis.sqlite"]);
+}
+
+/// Files are as private as documented: directories the plugin creates are
+/// 0700, and a database that exists with mode 0644 is tightened to 0600.
+#[test]
+fn direct_mode_keeps_files_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode =
+        |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+    let dir = TestDir::new("limits-modes");
+    let nested = conf(&dir, "1.1.0", V4, "")
+        .replace(
+            dir.join("metis.sqlite").to_str().unwrap(),
+            dir.join("data/metis.sqlite").to_str().unwrap(),
+        )
+        .replace(
+            dir.join("cni.log").to_str().unwrap(),
+            dir.join("data/cni.log").to_str().unwrap(),
+        );
+    assert_ok(&Plugin::new("ADD", "ctr-1").run(&nested));
+    assert_eq!(mode(&dir.join("data")), 0o700);
+    let db_path = dir.join("data/metis.sqlite");
+    assert_eq!(mode(&db_path), 0o600);
+
+    std::fs::set_permissions(&db_path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_ok(&Plugin::new("ADD", "ctr-2").run(&nested));
+    assert_eq!(mode(&db_path), 0o600);
+    for companion in ["metis.sqlite-wal", "metis.sqlite-shm"] {
+        let path = dir.join("data").join(companion);
+        if path.exists() {
+            assert_eq!(mode(&path), 0o600, "{companion}");
+        }
+    }
+
+    // A shared directory is left alone but reported in the log.
+    std::fs::set_permissions(dir.join("data"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_ok(&Plugin::new("ADD", "ctr-3").run(&nested));
+    assert_eq!(mode(&dir.join("data")), 0o755);
+    let log = std::fs::read_to_string(dir.join("data/cni.log")).unwrap();
+    assert!(log.contains("has mode 0755"), "{log}");
+}

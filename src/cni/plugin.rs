@@ -151,20 +151,27 @@ fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
 }
 
 /// Appends to the plugin's log file, rotating it at
-/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command.
+/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command. Its
+/// directory is created 0700 (it is often the database's). STATUS, which
+/// must create nothing, only appends to a log file that already exists.
 fn open_log(path: &Path, cni_env: &CniEnv) {
-    if let Some(dir) = path.parent() {
-        let _ = fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir);
-    }
     // Every line of this invocation names its verb and container.
     log::set_context(&[
         ("verb", &cni_env.verb.as_str()),
         ("container_id", &cni_env.container_id),
     ]);
-    if let Ok(file) = log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644) {
+    let file = if cni_env.verb == Verb::Status {
+        fs::OpenOptions::new().append(true).open(path)
+    } else {
+        if let Some(dir) = path.parent() {
+            let _ = fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir);
+        }
+        log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644)
+    };
+    if let Ok(file) = file {
         log::init(Box::new(file), 0);
         log::debug(
             "cni",

@@ -10,6 +10,7 @@ mod admin;
 mod alloc;
 mod boot;
 mod check;
+mod files;
 mod gc;
 mod layout;
 mod reserve;
@@ -412,7 +413,8 @@ impl fmt::Debug for Store {
 
 impl Store {
     /// Opens (creating if needed) the database at `path`: parent directory
-    /// 0700, file 0600, WAL, foreign keys, 5 s busy timeout; installs the
+    /// 0700, file 0600 (an existing file is tightened to 0600; a shared
+    /// directory is only warned about, see [`files`]), WAL, foreign keys, 5 s busy timeout; installs the
     /// schema unless `user_version` is already 1; repairs reservations.
     pub fn open(path: &Path, opts: &StoreOptions) -> Result<Store, StoreError> {
         if path.as_os_str().is_empty() {
@@ -444,6 +446,7 @@ impl Store {
                 Err(e) => return Err(open_err(e)),
             }
         }
+        let file_warnings = files::tighten(path);
         let conn = Connection::open(path).map_err(|e| StoreError::Open {
             path: path.to_path_buf(),
             source: Box::new(e),
@@ -472,7 +475,7 @@ impl Store {
             conn,
             reserve: ReserveMode::EveryBlock,
             release_cooldown_ms: 0,
-            warnings: Vec::new(),
+            warnings: file_warnings,
             file: (path.to_path_buf(), file_identity(path)),
         };
         store.install_schema()?;
