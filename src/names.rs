@@ -177,7 +177,7 @@ mod tests {
             "eth/0",
             "eth:0",
             "eth 0",
-            "eth\00",
+            "eth\u{0}0",
             &"e".repeat(16),
         ] {
             assert!(interface(bad).is_err(), "{bad:?}");
