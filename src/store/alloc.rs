@@ -662,7 +662,10 @@ impl RowState {
         {
             return Err(unavailable(
                 address,
-                format!("it is in release cooldown until {until} (Unix ms)"),
+                format!(
+                    "it is in release cooldown until {}",
+                    crate::log::rfc3339_millis(until)
+                ),
             ));
         }
         Ok(())

@@ -944,7 +944,7 @@ fn allocate_requested_cases() {
         store
             .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
             .unwrap_err(),
-        "cooldown",
+        "it is in release cooldown until 2023-11-14T22:13:21.000Z",
     );
     assert!(matches!(
         store.allocate_requested(&owner("default", "b"), ip("198.18.3.1"), NOW),
