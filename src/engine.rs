@@ -563,6 +563,8 @@ impl Engine {
                         allocated: counts.allocated,
                         cooldown: counts.cooldown,
                         draining: counts.draining,
+                        reserved: counts.reserved,
+                        total_exact: counts.addresses.to_string(),
                     });
                 }
             }

@@ -276,7 +276,7 @@ fn admin_usage_counts_per_network_and_family() {
     assert_eq!(
         admin_json(&daemon, &["usage"]),
         json!([{"network": "testnet", "ip_family": "ipv4", "total": 256,
-                "allocated": 4, "cooldown": 1, "draining": 0}])
+                "allocated": 1, "reserved": 3, "cooldown": 1, "draining": 0}])
     );
     assert_eq!(
         admin_json(&daemon, &["usage", "--family", "ipv6"]),
@@ -290,8 +290,31 @@ fn admin_usage_counts_per_network_and_family() {
     assert_ok(&output);
     assert_eq!(
         out_err(&output).0,
-        "NETWORK  IP_FAMILY  TOTAL  ALLOCATED  COOLDOWN  DRAINING\n\
-         testnet  ipv4       256    4          1         0\n"
+        "NETWORK  IP_FAMILY  TOTAL  ALLOCATED  RESERVED  COOLDOWN  DRAINING\n\
+         testnet  ipv4       256    1          3         1         0\n"
+    );
+
+    // An IPv6 /64 shows its real size, 2^64, not upstream's saturated column.
+    let v6 =
+        conf(&dir, "1.0.0", r#"[[{"subnet":"2001:db8::/64"}]]"#, "").replace("testnet", "v6net");
+    assert_ok(&Plugin::new("ADD", "c6").run(&v6));
+    let usage = admin_json(&daemon, &["usage", "--network", "v6net"]);
+    assert_eq!(usage[0]["total"], json!("18446744073709551616"), "{usage}");
+    assert_eq!(usage[0]["allocated"], json!(1), "{usage}");
+    let output = metis(&[
+        "admin",
+        "usage",
+        "--network",
+        "v6net",
+        "--socket-path",
+        &socket_arg(&daemon),
+    ]);
+    assert!(
+        out_err(&output)
+            .0
+            .contains("v6net    ipv6       18446744073709551616  1 "),
+        "{}",
+        out_err(&output).0
     );
 }
 

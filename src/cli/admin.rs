@@ -292,6 +292,7 @@ fn usage_rows(usage: UsageResponse) -> Rows {
             "ip_family",
             "total",
             "allocated",
+            "reserved",
             "cooldown",
             "draining",
         ]
@@ -304,8 +305,12 @@ fn usage_rows(usage: UsageResponse) -> Rows {
                 vec![
                     Cell::Text(u.network),
                     Cell::Text(u.ip_family),
-                    Cell::Int(u.total),
+                    // A daemon older than `total_exact` sends only `total`.
+                    u.total_exact
+                        .parse::<u128>()
+                        .map_or(Cell::Int(u.total), Cell::Count),
                     Cell::Int(u.allocated),
+                    Cell::Int(u.reserved),
                     Cell::Int(u.cooldown),
                     Cell::Int(u.draining),
                 ]

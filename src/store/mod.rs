@@ -155,12 +155,16 @@ impl AddOutcome {
 /// Upstream's `GetIPUsage` over the non-Deleting blocks of a network+family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
-    /// Σ allocated_ips (reserved rows and Draining blocks included).
+    /// Rows allocated to pods (Draining blocks included, reserved rows not).
     pub allocated: i64,
+    /// Rows the reservation holds (network, gateway, broadcast addresses).
+    pub reserved: i64,
     /// Unallocated rows whose `release_at` is still in the future.
     pub cooldown: i64,
-    /// Σ total_ips (saturating).
+    /// Σ total_ips (saturating, as upstream's column holds it).
     pub total: i64,
+    /// The blocks' real size, from their CIDRs: an IPv6 /64 is 2^64.
+    pub addresses: u128,
     /// Σ total_ips of Draining blocks (saturating).
     pub draining: i64,
 }

@@ -1078,9 +1078,11 @@ fn usage_example_from_reference() {
     assert_eq!(
         usage,
         Usage {
-            allocated: 4,
+            allocated: 1,
+            reserved: 3,
             cooldown: 1,
             total: 16,
+            addresses: 16,
             draining: 8
         }
     );
@@ -1097,9 +1099,11 @@ fn usage_example_from_reference() {
     assert_eq!(
         usage,
         Usage {
-            allocated: 4,
+            allocated: 1,
+            reserved: 3,
             cooldown: 1,
             total: 8,
+            addresses: 8,
             draining: 0
         }
     );
@@ -1108,10 +1112,9 @@ fn usage_example_from_reference() {
         &mut store,
         &[("default", "2001:db8::/64"), ("default", "2001:db8:1::/64")],
     );
-    assert_eq!(
-        store.usage("default", Family::V6, NOW).unwrap().total,
-        i64::MAX
-    );
+    let v6 = store.usage("default", Family::V6, NOW).unwrap();
+    assert_eq!(v6.total, i64::MAX, "upstream's column saturates");
+    assert_eq!(v6.addresses, 2 << 64, "the real size does not");
 }
 
 #[test]
