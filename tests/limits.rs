@@ -174,6 +174,22 @@ fn the_daemon_applies_the_same_bounds_over_the_socket() {
         Code::InvalidArgument
     );
     assert!(owners(&dir).is_empty());
+
+    // An upstream admin client's raw SQL filter is refused, not ignored.
+    let filtered = Request {
+        kind: Some(request::Kind::ListCidrBlocks(
+            metis::wire::admin::v1::ListCidrBlocksRequest {
+                filter: "state = 'Ready'".into(),
+                ..Default::default()
+            },
+        )),
+    };
+    let reply = client.call(&filtered).unwrap();
+    assert_eq!(reply.code(), Code::InvalidArgument);
+    assert!(
+        reply.status.unwrap().message.contains("raw SQL `filter`"),
+        "refused with a reason"
+    );
 }
 
 fn listing(dir: &std::path::Path) -> Vec<String> {

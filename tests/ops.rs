@@ -120,6 +120,10 @@ fn subcommands_explain_themselves_and_reject_typos() {
         ),
         (&["admin", "cidr-blocks", "-o", "yaml"], "table or json"),
         (
+            &["admin", "cidr-blocks", "list", "--filter", "state='Ready'"],
+            "--filter (upstream's raw SQL WHERE clause) is not supported",
+        ),
+        (
             &["admin", "ip-addresses", "--allocated", "yes"],
             "true or false",
         ),
