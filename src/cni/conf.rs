@@ -173,11 +173,19 @@ struct RawArgsCni {
     ips: Option<Vec<String>>,
 }
 
+/// The version a configuration without `cniVersion` is read as.
+const LEGACY_CNI_VERSION: &str = "0.1.0";
+
 /// Parses and validates the configuration.
 pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let raw: RawConf = serde_json::from_slice(stdin)
         .map_err(|e| CniError::decode(format!("failed to parse network configuration: {e}")))?;
-    let cni_version = required(raw.cni_version, "cniVersion")?;
+    // libcni and host-local read a missing or empty cniVersion as 0.1.0,
+    // the version before the key existed.
+    let cni_version = raw
+        .cni_version
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| LEGACY_CNI_VERSION.to_string());
     version::check_supported(&cni_version)?;
     let name = required(raw.name, "name")?;
     names::network(&name)
@@ -739,12 +747,12 @@ mod tests {
     }
 
     #[test]
-    fn missing_version_or_name_is_code_7() {
-        let e = err(json!({"name": "n"}));
-        assert_eq!(
-            (e.code, e.msg.as_str()),
-            (INVALID_CONFIG, "missing required key \"cniVersion\"")
-        );
+    fn missing_version_reads_as_0_1_0_and_missing_name_is_code_7() {
+        for version in [json!(null), json!("")] {
+            let mut value = with_ipam(json!({}));
+            value["cniVersion"] = version;
+            assert_eq!(ok(value).cni_version, "0.1.0");
+        }
         let e = err(json!({"cniVersion": "1.0.0"}));
         assert_eq!(
             (e.code, e.msg.as_str()),
