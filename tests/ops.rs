@@ -372,3 +372,30 @@ fn plugin_log_names_verb_and_container_on_every_line_and_rotates() {
         "{text}"
     );
 }
+
+/// The Makefile finds the binary where cargo puts it: under
+/// CARGO_TARGET_DIR when that is set (a dry run; nothing is built).
+#[test]
+fn makefile_honours_cargo_target_dir() {
+    let dry_run = |target_dir: Option<&str>| {
+        let mut make = std::process::Command::new("make");
+        make.args(["-n", "demo"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("MAKEFLAGS");
+        if let Some(dir) = target_dir {
+            make.env("CARGO_TARGET_DIR", dir);
+        }
+        let output = make.output().expect("make is installed");
+        assert_ok(&output);
+        out_err(&output).0
+    };
+    let elsewhere = dry_run(Some("/srv/metis-build"));
+    assert!(
+        elsewhere.contains("/srv/metis-build/release/metis daemon"),
+        "{elsewhere}"
+    );
+    assert!(!elsewhere.contains("target/release"), "{elsewhere}");
+    let default = dry_run(None);
+    assert!(default.contains("target/release/metis daemon"), "{default}");
+}
