@@ -286,3 +286,19 @@ fn direct_mode_keeps_files_private() {
     let log = std::fs::read_to_string(dir.join("data/cni.log")).unwrap();
     assert!(log.contains("has mode 0755"), "{log}");
 }
+
+/// `--cidr NAME=` and `--node-network` follow the rule of `name`.
+#[test]
+fn daemon_flags_validate_network_names_like_name() {
+    for args in [
+        &["daemon", "--cidr", "my net=198.18.0.0/24"][..],
+        &["daemon", "--cidr", "-pods=198.18.0.0/24"],
+    ] {
+        let output = common::metis(args);
+        let (stdout, stderr) = common::out_err(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stdout, "");
+        assert!(stderr.contains("--cidr"), "{stderr}");
+        assert!(stderr.contains("network name"), "{stderr}");
+    }
+}
