@@ -192,6 +192,20 @@ fn the_daemon_applies_the_same_bounds_over_the_socket() {
     );
 }
 
+/// The test configuration with its database and log at paths below `dir`
+/// whose directories do not exist yet.
+fn conf_under(dir: &TestDir, db: &str, log: &str) -> String {
+    conf(dir, "1.1.0", V4, "")
+        .replace(
+            dir.join("metis.sqlite").to_str().unwrap(),
+            dir.join(db).to_str().unwrap(),
+        )
+        .replace(
+            dir.join("cni.log").to_str().unwrap(),
+            dir.join(log).to_str().unwrap(),
+        )
+}
+
 fn listing(dir: &std::path::Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -206,14 +220,7 @@ fn listing(dir: &std::path::Path) -> Vec<String> {
 #[test]
 fn status_is_truthful_and_creates_nothing() {
     let dir = TestDir::new("limits-status");
-    let nested = conf(&dir, "1.1.0", V4, "").replace(
-        dir.join("metis.sqlite").to_str().unwrap(),
-        dir.join("data/metis.sqlite").to_str().unwrap(),
-    );
-    let nested = nested.replace(
-        dir.join("cni.log").to_str().unwrap(),
-        dir.join("logs/cni.log").to_str().unwrap(),
-    );
+    let nested = conf_under(&dir, "data/metis.sqlite", "logs/cni.log");
     assert_ok(&Plugin::new("STATUS", "").run(&nested));
     assert!(listing(&dir.path).is_empty(), "{:?}", listing(&dir.path));
 
@@ -255,15 +262,7 @@ fn direct_mode_keeps_files_private() {
     let mode =
         |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
     let dir = TestDir::new("limits-modes");
-    let nested = conf(&dir, "1.1.0", V4, "")
-        .replace(
-            dir.join("metis.sqlite").to_str().unwrap(),
-            dir.join("data/metis.sqlite").to_str().unwrap(),
-        )
-        .replace(
-            dir.join("cni.log").to_str().unwrap(),
-            dir.join("data/cni.log").to_str().unwrap(),
-        );
+    let nested = conf_under(&dir, "data/metis.sqlite", "data/cni.log");
     assert_ok(&Plugin::new("ADD", "ctr-1").run(&nested));
     assert_eq!(mode(&dir.join("data")), 0o700);
     let db_path = dir.join("data/metis.sqlite");
