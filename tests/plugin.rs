@@ -227,7 +227,7 @@ fn check_accepts_a_result_later_plugins_extended() {
     prev["ips"].as_array_mut().unwrap().reverse();
     assert_ok(&check(&prev));
 
-    // Metis's IPv6 address dropped, or its prefix changed: code 102.
+    // Metis's IPv6 address dropped: code 102.
     let mut dropped = prev.clone();
     dropped["ips"]
         .as_array_mut()
@@ -237,11 +237,11 @@ fn check_accepts_a_result_later_plugins_extended() {
     assert_eq!(json(&failed)["code"], 102);
     assert_eq!(
         json(&failed)["msg"],
-        "prevResult does not list the allocation's 2001:db8::2/120"
+        "prevResult does not list the allocation's 2001:db8::2"
     );
-    let changed = serde_json::from_str::<serde_json::Value>(
-        &prev.to_string().replace("198.18.0.2/24", "198.18.0.2/25"),
+    let moved = serde_json::from_str::<serde_json::Value>(
+        &prev.to_string().replace("198.18.0.2/24", "198.18.0.3/24"),
     )
     .unwrap();
-    assert_eq!(json(&check(&changed))["code"], 102);
+    assert_eq!(json(&check(&moved))["code"], 102);
 }

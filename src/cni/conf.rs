@@ -553,7 +553,7 @@ impl NetConf {
 
     /// The addresses of `prevResult`: `ips[].address` (0.3.0 and later) or
     /// `ip4.ip`/`ip6.ip` (0.1.0, 0.2.0). Empty when there is no prevResult.
-    pub fn prev_result_ips(&self) -> Result<Vec<(IpAddr, u8)>, CniError> {
+    pub fn prev_result_ips(&self) -> Result<Vec<IpAddr>, CniError> {
         let Some(prev) = &self.prev_result else {
             return Ok(Vec::new());
         };
@@ -585,10 +585,10 @@ impl NetConf {
 }
 
 /// A result address is `<ip>/<prefix>`.
-fn prev_address(value: Option<&serde_json::Value>, key: &str) -> Result<(IpAddr, u8), CniError> {
+fn prev_address(value: Option<&serde_json::Value>, key: &str) -> Result<IpAddr, CniError> {
     let text = value.and_then(|v| v.as_str());
     text.and_then(parse_ip_maybe_prefix)
-        .and_then(|(ip, prefix)| prefix.map(|prefix| (ip, prefix)))
+        .and_then(|(ip, prefix)| prefix.map(|_| ip))
         .ok_or_else(|| {
             CniError::invalid_config(format!(
                 "invalid {key} {}: expected \"<ip>/<prefix>\"",
@@ -1130,7 +1130,7 @@ mod tests {
         });
         assert_eq!(
             ok(value).prev_result_ips().unwrap(),
-            vec![(ip("198.19.0.5"), 24), (ip("2600:1900::5"), 112)]
+            vec![ip("198.19.0.5"), ip("2600:1900::5")]
         );
     }
 
@@ -1144,7 +1144,7 @@ mod tests {
         });
         assert_eq!(
             ok(value).prev_result_ips().unwrap(),
-            vec![(ip("198.19.0.5"), 24), (ip("2001:db8::5"), 64)]
+            vec![ip("198.19.0.5"), ip("2001:db8::5")]
         );
     }
 

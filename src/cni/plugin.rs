@@ -283,12 +283,14 @@ fn check(
         return Ok(());
     }
     // The spec lets later plugins in the chain add addresses and
-    // interfaces: only Metis's own allocation must be there, unchanged.
+    // interfaces: only Metis's own addresses must be there. Prefixes are
+    // not compared: a block's prefix changes when its ranges are narrowed
+    // or retired while the address stays held.
     let mut missing = Vec::new();
     for pod_ip in &checked.allocated {
-        let held = allocated_ip(pod_ip)?;
-        if !listed.contains(&(held.address, held.block.prefix_len())) {
-            missing.push(format!("{}/{}", held.address, held.block.prefix_len()));
+        let held = allocated_ip(pod_ip)?.address;
+        if !listed.contains(&held) {
+            missing.push(held.to_string());
         }
     }
     if missing.is_empty() {
