@@ -3,7 +3,9 @@ SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
 CARGO ?= cargo
-METIS := target/release/metis
+# Where cargo puts its output: CARGO_TARGET_DIR when set, as cargo does.
+TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
+METIS := $(TARGET_DIR)/release/metis
 
 .PHONY: build edge demo test lint unit proto clean soak fuzz
 

@@ -21,7 +21,7 @@ cargo build --release --locked --target "$host" --bins
 for target in "${targets[@]}"; do
   mkdir -p "corpus/$target" "artifacts/$target"
   echo "== fuzzing $target for ${seconds}s"
-  "target/$host/release/$target" "corpus/$target" "seeds/$target" \
+  "${CARGO_TARGET_DIR:-target}/$host/release/$target" "corpus/$target" "seeds/$target" \
     -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
     -artifact_prefix="artifacts/$target/" -print_final_stats=1
 done

@@ -65,6 +65,9 @@ pub enum CidrError {
     BadPrefixLength(String),
     /// Bits below the prefix length are set; the canonical network is given.
     HostBitsSet { given: String, network: String },
+    /// An IPv4-mapped IPv6 address (`::ffff:a.b.c.d`): neither family's
+    /// block; host-local refuses it too.
+    V4Mapped(String),
 }
 
 impl fmt::Display for CidrError {
@@ -80,6 +83,10 @@ impl fmt::Display for CidrError {
             CidrError::HostBitsSet { given, network } => write!(
                 f,
                 "invalid CIDR {given:?}: host bits set; the network address is {network}"
+            ),
+            CidrError::V4Mapped(s) => write!(
+                f,
+                "invalid CIDR {s:?}: an IPv4-mapped IPv6 address; write the IPv4 subnet itself"
             ),
         }
     }
@@ -177,6 +184,11 @@ impl FromStr for Cidr {
         let base: IpAddr = addr
             .parse()
             .map_err(|_| CidrError::BadAddress(text.to_string()))?;
+        if let IpAddr::V6(v6) = base
+            && v6.to_ipv4_mapped().is_some()
+        {
+            return Err(CidrError::V4Mapped(text.to_string()));
+        }
         // Only plain decimal digits: "+24", " 24" and "024" are not prefixes.
         let valid_digits = !len.is_empty()
             && len.len() <= 3
@@ -371,6 +383,18 @@ mod tests {
             }
         );
         assert!(err.to_string().contains("198.18.0.0/24"));
+    }
+
+    #[test]
+    fn v4_mapped_subnets_are_refused_as_host_local_does() {
+        for text in ["::ffff:198.18.0.0/120", "::ffff:c612:0/120"] {
+            assert_eq!(
+                text.parse::<Cidr>(),
+                Err(CidrError::V4Mapped(text.into())),
+                "{text}"
+            );
+        }
+        assert!("2001:db8::ffff:198.18.0.0/120".parse::<Cidr>().is_ok());
     }
 
     #[test]

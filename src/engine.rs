@@ -7,6 +7,7 @@ use std::net::IpAddr;
 
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::defaults::DEFAULT_NETWORK;
+use crate::names;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
 };
@@ -192,17 +193,17 @@ impl Engine {
         req: &ipam::AllocatePodIpRequest,
         now_ms: i64,
     ) -> Result<ipam::AllocatePodIpResponse, Failure> {
-        let network = network_or_default(&req.network);
+        let network = network_or_default(&req.network)?;
         let configs = [
             (Family::V4, req.ipv4_config.as_ref()),
             (Family::V6, req.ipv6_config.as_ref()),
         ];
         if configs.iter().all(|(_, config)| config.is_none()) {
-            return Err(Failure::invalid(format!(
-                "both ipv4_config and ipv6_config are missing for pod {}/{}",
-                req.pod_namespace, req.pod_name
-            )));
+            return Err(Failure::invalid(
+                "both ipv4_config and ipv6_config are missing",
+            ));
         }
+        require_pod_fields(&req.pod_namespace, &req.pod_name)?;
         let mut reply = ipam::AllocatePodIpResponse::default();
         // Families this request newly took: only those are undone when a
         // later family fails. What the owner held before (a repeated ADD)
@@ -261,11 +262,7 @@ impl Engine {
         req: &ipam::AllocatePodIpRequest,
         now_ms: i64,
     ) -> Result<Allocation, Failure> {
-        if config.container_id.is_empty() || config.interface_name.is_empty() {
-            return Err(Failure::invalid(
-                "container_id and interface_name must not be empty",
-            ));
-        }
+        require_owner(&config.container_id, &config.interface_name)?;
         self.ensure_initial_blocks(network, family, config, req.isolated, now_ms)?;
         let owner = Owner {
             network,
@@ -275,8 +272,8 @@ impl Engine {
             pod_namespace: &req.pod_namespace,
         };
         let context = format!(
-            "failed to allocate {family} for pod {}/{}",
-            req.pod_namespace, req.pod_name
+            "failed to allocate {family} for {}",
+            names::describe_owner(&req.pod_namespace, &req.pod_name, &config.container_id)
         );
         if !config.requested_ip.is_empty() {
             let address: IpAddr = config.requested_ip.parse().map_err(|_| {
@@ -395,16 +392,17 @@ impl Engine {
         req: &ipam::DeallocatePodIpRequest,
         now_ms: i64,
     ) -> Result<ipam::DeallocatePodIpResponse, Failure> {
-        let network = network_or_default(&req.network);
+        let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
+        require_pod_fields(&req.pod_namespace, &req.pod_name)?;
         let released = self
             .store
             .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
                     &format!(
-                        "failed to deallocate ips for pod {}/{}",
-                        req.pod_namespace, req.pod_name
+                        "failed to deallocate ips for {}",
+                        names::describe_owner(&req.pod_namespace, &req.pod_name, &req.container_id)
                     ),
                     &err,
                 )
@@ -418,7 +416,7 @@ impl Engine {
         &self,
         req: &ipam::CheckPodIpRequest,
     ) -> Result<ipam::CheckPodIpResponse, Failure> {
-        let network = network_or_default(&req.network);
+        let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
         let allocated = self
             .store
@@ -447,7 +445,7 @@ impl Engine {
         req: &envelope::GcRequest,
         now_ms: i64,
     ) -> Result<envelope::GcResponse, Failure> {
-        let network = network_or_default(&req.network);
+        let network = network_or_default(&req.network)?;
         if req.grace_period_ms < 0 {
             return Err(Failure::invalid(format!(
                 "grace_period_ms {} is negative",
@@ -487,7 +485,7 @@ impl Engine {
         req: &envelope::NetworkStatusRequest,
         now_ms: i64,
     ) -> Result<envelope::NetworkStatusResponse, Failure> {
-        let network = network_or_default(&req.network);
+        let network = network_or_default(&req.network)?;
         for (family, texts) in [
             (Family::V4, &req.ipv4_ranges),
             (Family::V6, &req.ipv6_ranges),
@@ -526,6 +524,7 @@ impl Engine {
         &self,
         req: &admin::ListCidrBlocksRequest,
     ) -> Result<admin::AdminTableDumpResponse, Failure> {
+        refuse_sql_filter(&req.filter)?;
         let filter = BlockFilter {
             network: non_empty(&req.network),
             state: parse_state(&req.state)?,
@@ -541,6 +540,7 @@ impl Engine {
         &self,
         req: &admin::ListIpAddressesRequest,
     ) -> Result<admin::AdminTableDumpResponse, Failure> {
+        refuse_sql_filter(&req.filter)?;
         let filter = AddressFilter {
             network: non_empty(&req.network),
             state: parse_state(&req.state)?,
@@ -577,6 +577,8 @@ impl Engine {
                         allocated: counts.allocated,
                         cooldown: counts.cooldown,
                         draining: counts.draining,
+                        reserved: counts.reserved,
+                        total_exact: counts.addresses.to_string(),
                     });
                 }
             }
@@ -585,19 +587,30 @@ impl Engine {
     }
 }
 
-fn network_or_default(network: &str) -> &str {
+/// The request's network, or the default; refused unless it meets the
+/// bounds the plugin applies to `name` and `ipam.network` ([`names`]).
+fn network_or_default(network: &str) -> Result<&str, Failure> {
     if network.is_empty() {
-        DEFAULT_NETWORK
-    } else {
-        network
+        return Ok(DEFAULT_NETWORK);
     }
+    names::network(network).map_err(|err| Failure::invalid(format!("invalid network {err}")))?;
+    Ok(network)
 }
 
+/// The plugin's edge bounds ([`names`]), applied again here: a client that
+/// bypasses the plugin must not store an owner no DEL could name.
 fn require_owner(container_id: &str, interface_name: &str) -> Result<(), Failure> {
-    if container_id.is_empty() || interface_name.is_empty() {
-        return Err(Failure::invalid(
-            "container_id and interface_name must not be empty",
-        ));
+    names::container_id(container_id)
+        .map_err(|err| Failure::invalid(format!("invalid container_id {err}")))?;
+    names::interface(interface_name)
+        .map_err(|err| Failure::invalid(format!("invalid interface_name {err}")))
+}
+
+/// Pod name and namespace only label rows and messages; bounded all the same.
+fn require_pod_fields(namespace: &str, pod: &str) -> Result<(), Failure> {
+    for (field, value) in [("pod_namespace", namespace), ("pod_name", pod)] {
+        names::pod_field(value)
+            .map_err(|err| Failure::invalid(format!("invalid {field} {err}")))?;
     }
     Ok(())
 }
@@ -607,6 +620,19 @@ fn pod_ip(allocation: &Allocation) -> ipam::PodIp {
         ip_address: allocation.address.to_string(),
         cidr: allocation.block.to_string(),
     }
+}
+
+/// Upstream's admin requests carried a raw SQL WHERE clause. Metis never
+/// runs caller text as SQL; answering with the unfiltered table would look
+/// like an answer to the question asked, so the request is refused.
+fn refuse_sql_filter(filter: &str) -> Result<(), Failure> {
+    if filter.is_empty() {
+        return Ok(());
+    }
+    Err(Failure::invalid(
+        "the raw SQL `filter` of upstream's admin API is not supported; \
+         use the typed fields network, state, ip_family, container_id and allocated",
+    ))
 }
 
 fn non_empty(text: &str) -> Option<String> {

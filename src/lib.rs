@@ -17,6 +17,7 @@ pub mod flags;
 pub mod kube;
 pub mod log;
 pub mod metrics;
+pub mod names;
 pub mod store;
 pub mod wire;
 

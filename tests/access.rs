@@ -29,6 +29,18 @@ fn reachable_dir(name: &str) -> TestDir {
     dir
 }
 
+/// A copy of the plugin binary in `dir`, which `nobody` can reach: the
+/// checkout (and its target/) may live where other users cannot enter
+/// (root's home, a `mktemp -d` directory).
+fn binary_for_other_user(dir: &TestDir) -> std::path::PathBuf {
+    let copy = dir.join("metis-for-other-user");
+    if !copy.exists() {
+        std::fs::copy(common::METIS, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    copy
+}
+
 /// The plugin binary run as `nobody`, ADD against the daemon of `dir`.
 fn add_as_other_user(dir: &TestDir, container: &str) -> std::process::Output {
     let config = format!(
@@ -36,7 +48,7 @@ fn add_as_other_user(dir: &TestDir, container: &str) -> std::process::Output {
         dir.join("metis.sock").display(),
         dir.join("metis.sqlite").display(),
     );
-    let mut command = Command::new(common::METIS);
+    let mut command = Command::new(binary_for_other_user(dir));
     command
         .env_clear()
         .env("CNI_COMMAND", "ADD")

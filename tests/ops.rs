@@ -120,6 +120,10 @@ fn subcommands_explain_themselves_and_reject_typos() {
         ),
         (&["admin", "cidr-blocks", "-o", "yaml"], "table or json"),
         (
+            &["admin", "cidr-blocks", "list", "--filter", "state='Ready'"],
+            "--filter (upstream's raw SQL WHERE clause) is not supported",
+        ),
+        (
             &["admin", "ip-addresses", "--allocated", "yes"],
             "true or false",
         ),
@@ -276,7 +280,7 @@ fn admin_usage_counts_per_network_and_family() {
     assert_eq!(
         admin_json(&daemon, &["usage"]),
         json!([{"network": "testnet", "ip_family": "ipv4", "total": 256,
-                "allocated": 4, "cooldown": 1, "draining": 0}])
+                "allocated": 1, "reserved": 3, "cooldown": 1, "draining": 0}])
     );
     assert_eq!(
         admin_json(&daemon, &["usage", "--family", "ipv6"]),
@@ -290,8 +294,31 @@ fn admin_usage_counts_per_network_and_family() {
     assert_ok(&output);
     assert_eq!(
         out_err(&output).0,
-        "NETWORK  IP_FAMILY  TOTAL  ALLOCATED  COOLDOWN  DRAINING\n\
-         testnet  ipv4       256    4          1         0\n"
+        "NETWORK  IP_FAMILY  TOTAL  ALLOCATED  RESERVED  COOLDOWN  DRAINING\n\
+         testnet  ipv4       256    1          3         1         0\n"
+    );
+
+    // An IPv6 /64 shows its real size, 2^64, not upstream's saturated column.
+    let v6 =
+        conf(&dir, "1.0.0", r#"[[{"subnet":"2001:db8::/64"}]]"#, "").replace("testnet", "v6net");
+    assert_ok(&Plugin::new("ADD", "c6").run(&v6));
+    let usage = admin_json(&daemon, &["usage", "--network", "v6net"]);
+    assert_eq!(usage[0]["total"], json!("18446744073709551616"), "{usage}");
+    assert_eq!(usage[0]["allocated"], json!(1), "{usage}");
+    let output = metis(&[
+        "admin",
+        "usage",
+        "--network",
+        "v6net",
+        "--socket-path",
+        &socket_arg(&daemon),
+    ]);
+    assert!(
+        out_err(&output)
+            .0
+            .contains("v6net    ipv6       18446744073709551616  1 "),
+        "{}",
+        out_err(&output).0
     );
 }
 
@@ -344,4 +371,31 @@ fn plugin_log_names_verb_and_container_on_every_line_and_rotates() {
         text.contains("container_id=ctr-b") && text.contains("ERROR"),
         "{text}"
     );
+}
+
+/// The Makefile finds the binary where cargo puts it: under
+/// CARGO_TARGET_DIR when that is set (a dry run; nothing is built).
+#[test]
+fn makefile_honours_cargo_target_dir() {
+    let dry_run = |target_dir: Option<&str>| {
+        let mut make = std::process::Command::new("make");
+        make.args(["-n", "demo"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("MAKEFLAGS");
+        if let Some(dir) = target_dir {
+            make.env("CARGO_TARGET_DIR", dir);
+        }
+        let output = make.output().expect("make is installed");
+        assert_ok(&output);
+        out_err(&output).0
+    };
+    let elsewhere = dry_run(Some("/srv/metis-build"));
+    assert!(
+        elsewhere.contains("/srv/metis-build/release/metis daemon"),
+        "{elsewhere}"
+    );
+    assert!(!elsewhere.contains("target/release"), "{elsewhere}");
+    let default = dry_run(None);
+    assert!(default.contains("target/release/metis daemon"), "{default}");
 }

@@ -194,3 +194,54 @@ fn version_lists_supported_versions() {
         assert!(versions.contains(&json!(v)), "missing {v}");
     }
 }
+
+/// CHECK per spec: later plugins may add addresses and interfaces to the
+/// result; only Metis's own allocation must be present and unchanged.
+#[test]
+fn check_accepts_a_result_later_plugins_extended() {
+    let dir = TestDir::new("plugin-check-chain");
+    let _daemon = TestDaemon::start(&dir, &[]);
+    let config = conf(&dir, "1.1.0", DUAL, "");
+    let add = Plugin::new("ADD", "ctr-chain").run(&config);
+    assert_ok(&add);
+    let mut prev = json(&add);
+    prev["interfaces"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "veth-host", "mac": "02:00:00:00:00:01"}));
+    prev["ips"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"interface": 1, "address": "198.19.5.5/32"}));
+    let check = |prev: &serde_json::Value| {
+        Plugin::new("CHECK", "ctr-chain").run(&conf(
+            &dir,
+            "1.1.0",
+            DUAL,
+            &format!(r#","prevResult":{prev}"#),
+        ))
+    };
+    assert_ok(&check(&prev));
+
+    // Reordered entries are still the same allocation.
+    prev["ips"].as_array_mut().unwrap().reverse();
+    assert_ok(&check(&prev));
+
+    // Metis's IPv6 address dropped: code 102.
+    let mut dropped = prev.clone();
+    dropped["ips"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|ip| !ip["address"].as_str().unwrap().contains(':'));
+    let failed = check(&dropped);
+    assert_eq!(json(&failed)["code"], 102);
+    assert_eq!(
+        json(&failed)["msg"],
+        "prevResult does not list the allocation's 2001:db8::2"
+    );
+    let moved = serde_json::from_str::<serde_json::Value>(
+        &prev.to_string().replace("198.18.0.2/24", "198.18.0.3/24"),
+    )
+    .unwrap();
+    assert_eq!(json(&check(&moved))["code"], 102);
+}

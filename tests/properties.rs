@@ -154,8 +154,8 @@ proptest! {
 
     #[test]
     fn pod_identity_is_taken_verbatim(
-        name in "[^;=]{0,30}",
-        namespace in "[^;=]{0,30}",
+        name in "[^;=\\p{Cc}]{0,30}",
+        namespace in "[^;=\\p{Cc}]{0,30}",
         others in prop::collection::vec(("[A-Z_]{1,10}", "[^;]{0,10}"), 0..4),
         swap in any::<bool>(),
     ) {

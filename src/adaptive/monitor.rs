@@ -155,7 +155,8 @@ pub fn pass(
     for network in store.networks()? {
         let usage = store.usage(&network, Family::V4, now_ms)?;
         let load = Load {
-            allocated: usage.allocated,
+            // Reserved rows are as unusable as pods' (upstream's count).
+            allocated: usage.allocated.saturating_add(usage.reserved),
             pending: pending(&network),
             total: usage.total,
             cooldown: usage.cooldown,

@@ -179,6 +179,19 @@ pub fn parse(args: &[String]) -> Result<Options, ArgsError> {
         _ => rest,
     };
     let usage = || listing_usage(listing, specs);
+    // Upstream's CLI passed a raw SQL WHERE clause; say why it is gone
+    // rather than just "unknown flag".
+    if rest
+        .iter()
+        .any(|arg| arg == "--filter" || arg.starts_with("--filter="))
+    {
+        return Err(ArgsError::Usage {
+            message: "--filter (upstream's raw SQL WHERE clause) is not supported: \
+                      Metis never runs caller text as SQL; use the typed flags below"
+                .to_string(),
+            usage: usage(),
+        });
+    }
     let parsed = flags::parse(specs, rest).map_err(|err| ArgsError::from_flags(err, usage()))?;
     options(listing, &parsed).map_err(|err| ArgsError::from_flags(err, usage()))
 }
@@ -202,6 +215,7 @@ fn options(listing: &str, parsed: &Parsed) -> Result<Options, flags::FlagError> 
             network,
             state,
             ip_family,
+            filter: String::new(),
         }),
         "ip-addresses" => Listing::IpAddresses(ListIpAddressesRequest {
             network,
@@ -214,6 +228,7 @@ fn options(listing: &str, parsed: &Parsed) -> Result<Options, flags::FlagError> 
                 Some("false") => Some(false),
                 Some(other) => return Err(bad("--allocated", other, "true or false")),
             },
+            filter: String::new(),
         }),
         _ => Listing::Usage(UsageRequest { network, ip_family }),
     };
@@ -292,6 +307,7 @@ fn usage_rows(usage: UsageResponse) -> Rows {
             "ip_family",
             "total",
             "allocated",
+            "reserved",
             "cooldown",
             "draining",
         ]
@@ -304,8 +320,12 @@ fn usage_rows(usage: UsageResponse) -> Rows {
                 vec![
                     Cell::Text(u.network),
                     Cell::Text(u.ip_family),
-                    Cell::Int(u.total),
+                    // A daemon older than `total_exact` sends only `total`.
+                    u.total_exact
+                        .parse::<u128>()
+                        .map_or(Cell::Int(u.total), Cell::Count),
                     Cell::Int(u.allocated),
+                    Cell::Int(u.reserved),
                     Cell::Int(u.cooldown),
                     Cell::Int(u.draining),
                 ]
@@ -355,6 +375,7 @@ mod tests {
                 ip_family: "ipv6".into(),
                 container_id: "c1".into(),
                 allocated: Some(false),
+                filter: String::new(),
             })
         );
         assert_eq!(options.socket_path, PathBuf::from(DEFAULT_SOCKET_PATH));
@@ -369,6 +390,12 @@ mod tests {
         assert!(usage_error(&["cidr-block"]).contains("unknown listing"));
         assert!(usage_error(&["cidr-blocks", "--container-id", "c"]).contains("unknown flag"));
         assert!(usage_error(&["usage", "--state", "Ready"]).contains("unknown flag"));
+        for filter in [
+            &["cidr-blocks", "list", "--filter", "1=1"][..],
+            &["ip-addresses", "--filter=x"],
+        ] {
+            assert!(usage_error(filter).starts_with("--filter (upstream's raw SQL"));
+        }
         assert!(usage_error(&["cidr-blocks", "--state", "ready"]).contains("Ready, Draining"));
         assert!(usage_error(&["cidr-blocks", "--family", "v4"]).contains("ipv4 or ipv6"));
         assert!(usage_error(&["ip-addresses", "--allocated", "1"]).contains("true or false"));

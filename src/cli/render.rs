@@ -12,6 +12,8 @@ pub enum Cell {
     Null,
     Text(String),
     Int(i64),
+    /// A count that may exceed `i64` (an IPv6 block's size).
+    Count(u128),
     Bool(bool),
     /// Unix milliseconds.
     Time(i64),
@@ -54,6 +56,7 @@ impl Cell {
             Cell::Null => "NULL".to_string(),
             Cell::Text(text) => text.clone(),
             Cell::Int(n) => n.to_string(),
+            Cell::Count(n) => n.to_string(),
             Cell::Bool(b) => b.to_string(),
             Cell::Time(ms) => rfc3339_seconds(*ms).to_string(),
         }
@@ -66,6 +69,11 @@ impl Cell {
             Cell::Null => Value::Null,
             Cell::Text(text) => Value::from(text.as_str()),
             Cell::Int(n) => Value::from(*n),
+            // JSON numbers past 2^63 lose precision in most parsers: a
+            // larger count is its exact decimal text.
+            Cell::Count(n) => {
+                i64::try_from(*n).map_or_else(|_| Value::from(n.to_string()), Value::from)
+            }
             Cell::Bool(b) => Value::from(*b),
             Cell::Time(ms) => Value::from(rfc3339_millis(*ms).to_string()),
         }

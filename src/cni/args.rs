@@ -4,6 +4,7 @@
 
 use super::error::CniError;
 use crate::cidr::Family;
+use crate::names;
 use std::net::IpAddr;
 
 /// Longest `CNI_ARGS` accepted; real ones are a few hundred bytes, and the
@@ -45,6 +46,13 @@ pub fn parse(cni_args: &str) -> Result<CniArgs, CniError> {
             "IP" => args.ips = parse_ip_list(value).ok_or_else(|| bad_ip(pair))?,
             _ => {}
         }
+    }
+    for (key, value) in [
+        ("K8S_POD_NAME", &args.pod_name),
+        ("K8S_POD_NAMESPACE", &args.pod_namespace),
+    ] {
+        names::pod_field(value)
+            .map_err(|err| CniError::invalid_env(format!("invalid CNI_ARGS {key} {err}")))?;
     }
     Ok(args)
 }
@@ -187,6 +195,20 @@ mod tests {
             "{}",
             err.msg
         );
+    }
+
+    #[test]
+    fn pod_fields_are_bounded() {
+        let long = format!("K8S_POD_NAME={}", "p".repeat(254));
+        let err = parse(&long).unwrap_err();
+        assert_eq!(err.code, INVALID_ENV);
+        assert!(
+            err.msg.starts_with("invalid CNI_ARGS K8S_POD_NAME \""),
+            "{}",
+            err.msg
+        );
+        assert!(err.msg.ends_with("is 254 bytes, more than the 253 allowed"));
+        assert!(parse("K8S_POD_NAMESPACE=a\u{7}b").is_err());
     }
 
     #[test]

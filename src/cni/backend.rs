@@ -155,18 +155,43 @@ impl Backend for Node {
     }
 }
 
-/// Whether direct mode could create the database: its nearest existing
-/// ancestor must be a directory we may write to.
+/// Whether direct mode could create the database, judged without creating
+/// anything: its nearest existing ancestor must be a directory we may write
+/// to, on a filesystem that is mounted writable and stores regular files
+/// (root passes `access(2)` on `/proc` or `/sys`, where nothing can be made).
 fn can_create(db_path: &Path) -> Result<(), CniError> {
     let existing = db_path.ancestors().skip(1).find(|dir| dir.exists());
     let usable = existing.is_some_and(|dir| {
-        dir.is_dir() && unistd::access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
+        dir.is_dir()
+            && unistd::access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
+            && holds_files(dir)
     });
     if usable {
         Ok(())
     } else {
         Err(CniError::db_not_creatable(db_path))
     }
+}
+
+/// False for a read-only mount and for the kernel's virtual filesystems.
+fn holds_files(dir: &Path) -> bool {
+    use nix::sys::statfs::{self, FsType};
+    use nix::sys::statvfs::{self, FsFlags};
+    const VIRTUAL: [FsType; 10] = [
+        statfs::PROC_SUPER_MAGIC,
+        statfs::SYSFS_MAGIC,
+        statfs::CGROUP_SUPER_MAGIC,
+        statfs::CGROUP2_SUPER_MAGIC,
+        statfs::DEVPTS_SUPER_MAGIC,
+        statfs::DEBUGFS_MAGIC,
+        statfs::TRACEFS_MAGIC,
+        statfs::SECURITYFS_MAGIC,
+        statfs::BPF_FS_MAGIC,
+        statfs::NSFS_MAGIC,
+    ];
+    let writable = statvfs::statvfs(dir).is_ok_and(|vfs| !vfs.flags().contains(FsFlags::ST_RDONLY));
+    let real = statfs::statfs(dir).is_ok_and(|fs| !VIRTUAL.contains(&fs.filesystem_type()));
+    writable && real
 }
 
 fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
@@ -180,6 +205,9 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
         },
     )
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
+    for warning in store.open_warnings() {
+        log::warn("cni", "database", &[("warning", warning)]);
+    }
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());

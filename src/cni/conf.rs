@@ -7,11 +7,11 @@
 //! valid but unsupported by Metis → 2, unsupported `cniVersion` → 1.
 
 use super::args::{CniArgs, parse_ip_maybe_prefix};
-use super::env::{NAME_RULE, is_valid_name};
 use super::error::CniError;
 use super::version;
 use crate::cidr::{Bounds, Cidr, Family, gateway_for};
 use crate::duration::parse_duration_ms;
+use crate::names;
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -190,18 +190,23 @@ struct RawArgsCni {
     ips: Option<Vec<String>>,
 }
 
+/// The version a configuration without `cniVersion` is read as.
+const LEGACY_CNI_VERSION: &str = "0.1.0";
+
 /// Parses and validates the configuration.
 pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let raw: RawConf = serde_json::from_slice(stdin)
         .map_err(|e| CniError::decode(format!("failed to parse network configuration: {e}")))?;
-    let cni_version = required(raw.cni_version, "cniVersion")?;
+    // libcni and host-local read a missing or empty cniVersion as 0.1.0,
+    // the version before the key existed.
+    let cni_version = raw
+        .cni_version
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| LEGACY_CNI_VERSION.to_string());
     version::check_supported(&cni_version)?;
     let name = required(raw.name, "name")?;
-    if !is_valid_name(&name) {
-        return Err(CniError::invalid_config(format!(
-            "invalid network name {name:?}: {NAME_RULE}"
-        )));
-    }
+    names::network(&name)
+        .map_err(|err| CniError::invalid_config(format!("invalid network name {err}")))?;
     let plugin_type = raw.plugin_type.unwrap_or_default();
     // A main plugin names itself in `type` and us in `ipam.type`; when we
     // are the top-level plugin the two agree (or `ipam.type` is absent).
@@ -217,6 +222,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         .network
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| name.clone());
+    names::network(&network)
+        .map_err(|err| CniError::invalid_config(format!("invalid ipam.network {err}")))?;
     let gc_grace_period_ms = match ipam.gc_grace_period.as_deref() {
         None => DEFAULT_GC_GRACE_PERIOD_MS,
         Some(text) => parse_duration_ms(text).ok_or_else(|| {
@@ -794,12 +801,12 @@ mod tests {
     }
 
     #[test]
-    fn missing_version_or_name_is_code_7() {
-        let e = err(json!({"name": "n"}));
-        assert_eq!(
-            (e.code, e.msg.as_str()),
-            (INVALID_CONFIG, "missing required key \"cniVersion\"")
-        );
+    fn missing_version_reads_as_0_1_0_and_missing_name_is_code_7() {
+        for version in [json!(null), json!("")] {
+            let mut value = with_ipam(json!({}));
+            value["cniVersion"] = version;
+            assert_eq!(ok(value).cni_version, "0.1.0");
+        }
         let e = err(json!({"cniVersion": "1.0.0"}));
         assert_eq!(
             (e.code, e.msg.as_str()),

@@ -4,6 +4,7 @@
 //! follow it.
 
 use super::error::CniError;
+use crate::names;
 
 /// The operation requested by `CNI_COMMAND`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,9 +60,6 @@ const IFNAME: &str = "CNI_IFNAME";
 const ARGS: &str = "CNI_ARGS";
 const PATH: &str = "CNI_PATH";
 
-/// Linux `IFNAMSIZ` minus the terminating NUL.
-const MAX_IFNAME_LEN: usize = 15;
-
 /// The validated environment. Variables a verb does not require are passed
 /// through unvalidated (empty when unset).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,14 +114,13 @@ fn check_required(env: &CniEnv) -> Result<(), CniError> {
             missing.join(", ")
         )));
     }
-    if required.contains(&CONTAINER_ID) && !is_valid_name(&env.container_id) {
-        return Err(CniError::invalid_env(format!(
-            "invalid CNI_CONTAINERID {:?}: {NAME_RULE}",
-            env.container_id
-        )));
+    if required.contains(&CONTAINER_ID) {
+        names::container_id(&env.container_id)
+            .map_err(|err| CniError::invalid_env(format!("invalid CNI_CONTAINERID {err}")))?;
     }
     if required.contains(&IFNAME) {
-        validate_ifname(&env.ifname)?;
+        names::interface(&env.ifname)
+            .map_err(|err| CniError::invalid_env(format!("invalid CNI_IFNAME {err}")))?;
     }
     Ok(())
 }
@@ -134,46 +131,6 @@ fn value_of<'a>(env: &'a CniEnv, key: &str) -> &'a str {
         NETNS => &env.netns,
         IFNAME => &env.ifname,
         _ => "",
-    }
-}
-
-/// What [`is_valid_name`] accepts, for error messages.
-pub const NAME_RULE: &str =
-    "must start with a letter or digit and contain only letters, digits, '_', '.' and '-'";
-
-/// `^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$`: the spec's rule for container IDs, which
-/// skel also applies to the network `name`.
-pub fn is_valid_name(text: &str) -> bool {
-    let mut bytes = text.bytes();
-    match bytes.next() {
-        Some(first) if first.is_ascii_alphanumeric() => {
-            bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-        }
-        _ => false,
-    }
-}
-
-/// The reference library's interface-name rule: what the kernel accepts.
-fn validate_ifname(name: &str) -> Result<(), CniError> {
-    let problem = if name.is_empty() {
-        Some("is empty".to_string())
-    } else if name.len() > MAX_IFNAME_LEN {
-        Some(format!("is longer than {MAX_IFNAME_LEN} bytes"))
-    } else if name == "." || name == ".." {
-        Some("is not a valid interface name".to_string())
-    } else if name
-        .chars()
-        .any(|c| c == '/' || c == ':' || c.is_whitespace())
-    {
-        Some("contains '/', ':' or whitespace".to_string())
-    } else {
-        None
-    };
-    match problem {
-        Some(why) => Err(CniError::invalid_env(format!(
-            "invalid CNI_IFNAME {name:?}: {why}"
-        ))),
-        None => Ok(()),
     }
 }
 
@@ -330,6 +287,13 @@ mod tests {
             );
             assert!(err.msg.contains(&format!("{bad:?}")), "{}", err.msg);
         }
+        let long: &'static str = "a".repeat(70_000).leak();
+        let err = env_error(&with(full("DEL"), "CNI_CONTAINERID", long));
+        assert_eq!(err.code, INVALID_ENV);
+        assert!(
+            err.msg
+                .ends_with("is 70000 bytes, more than the 256 allowed")
+        );
         let err = env_error(&with(full("DEL"), "CNI_CONTAINERID", ""));
         assert_eq!(err.code, INVALID_ENV);
         assert!(err.msg.contains("CNI_CONTAINERID"));
@@ -338,9 +302,9 @@ mod tests {
     #[test]
     fn good_container_ids() {
         for good in ["a", "0", "abc-DEF_1.2", "9f86d081884c7d659a2feaa0c55ad015"] {
-            assert!(is_valid_name(good), "{good}");
+            assert!(names::container_id(good).is_ok(), "{good}");
         }
-        assert!(!is_valid_name(""));
+        assert!(names::container_id("").is_err());
     }
 
     #[test]
@@ -367,7 +331,7 @@ mod tests {
     #[test]
     fn good_ifnames() {
         for good in ["eth0", "net1", "fifteen-chars-x", "a.b", "..."] {
-            assert!(validate_ifname(good).is_ok(), "{good}");
+            assert!(names::interface(good).is_ok(), "{good}");
         }
     }
 

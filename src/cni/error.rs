@@ -177,8 +177,12 @@ impl CniError {
 
     /// The daemon was reached but no valid response came back: the outcome is
     /// unknown, and every verb is idempotent, so the runtime should retry.
+    /// A request too large to send is the exception: retrying cannot help.
     pub fn from_client(err: &ClientError) -> CniError {
-        CniError::try_again_later(err.to_string())
+        match err {
+            ClientError::TooLarge { .. } => CniError::invalid_config(err.to_string()),
+            _ => CniError::try_again_later(err.to_string()),
+        }
     }
 
     /// Direct mode could not open the database.
@@ -295,6 +299,22 @@ mod tests {
         for (err, code) in cases {
             assert_eq!(err.code, code, "{err:?}");
         }
+    }
+
+    #[test]
+    fn a_request_too_large_to_send_is_not_retryable() {
+        let too_large = ClientError::TooLarge {
+            len: 2_000_000,
+            max: 1_000_000,
+        };
+        let err = CniError::from_client(&too_large);
+        assert_eq!(err.code, INVALID_CONFIG);
+        assert!(err.msg.contains("2000000 bytes"), "{}", err.msg);
+        let lost = ClientError::Exchange {
+            path: "/run/metis.sock".into(),
+            source: crate::wire::frame::FrameError::Truncated,
+        };
+        assert_eq!(CniError::from_client(&lost).code, TRY_AGAIN_LATER);
     }
 
     #[test]

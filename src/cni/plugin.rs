@@ -152,20 +152,27 @@ fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
 }
 
 /// Appends to the plugin's log file, rotating it at
-/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command.
+/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command. Its
+/// directory is created 0700 (it is often the database's). STATUS, which
+/// must create nothing, only appends to a log file that already exists.
 fn open_log(path: &Path, cni_env: &CniEnv) {
-    if let Some(dir) = path.parent() {
-        let _ = fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir);
-    }
     // Every line of this invocation names its verb and container.
     log::set_context(&[
         ("verb", &cni_env.verb.as_str()),
         ("container_id", &cni_env.container_id),
     ]);
-    if let Ok(file) = log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644) {
+    let file = if cni_env.verb == Verb::Status {
+        fs::OpenOptions::new().append(true).open(path)
+    } else {
+        if let Some(dir) = path.parent() {
+            let _ = fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir);
+        }
+        log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644)
+    };
+    if let Ok(file) = file {
         log::init(Box::new(file), 0);
         log::debug(
             "cni",
@@ -338,23 +345,29 @@ fn check(
     let Some(response::Kind::Check(checked)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("check"));
     };
-    let mut expected = net_conf.prev_result_ips()?;
+    let listed = net_conf.prev_result_ips()?;
     if net_conf.prev_result.is_none() {
         return Ok(());
     }
-    let mut actual = checked
-        .allocated
-        .iter()
-        .map(|pod_ip| allocated_ip(pod_ip).map(|ip| ip.address))
-        .collect::<Result<Vec<_>, _>>()?;
-    expected.sort();
-    actual.sort();
-    if expected != actual {
-        return Err(CniError::allocation_differs(format!(
-            "prevResult lists {expected:?} but the allocation holds {actual:?}"
-        )));
+    // The spec lets later plugins in the chain add addresses and
+    // interfaces: only Metis's own addresses must be there. Prefixes are
+    // not compared: a block's prefix changes when its ranges are narrowed
+    // or retired while the address stays held.
+    let mut missing = Vec::new();
+    for pod_ip in &checked.allocated {
+        let held = allocated_ip(pod_ip)?.address;
+        if !listed.contains(&held) {
+            missing.push(held.to_string());
+        }
     }
-    Ok(())
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::allocation_differs(format!(
+            "prevResult does not list the allocation's {}",
+            missing.join(", ")
+        )))
+    }
 }
 
 /// STATUS: 0 when an ADD could be served now, else code 50 with the reason.

@@ -394,12 +394,8 @@ fn adaptive_settings(
         )
     })?;
     let node_network = value(parsed, "--node-network");
-    if node_network.is_empty() {
-        return Err(FlagError::BadValue(
-            "--node-network",
-            "must not be empty".into(),
-        ));
-    }
+    crate::names::network(node_network)
+        .map_err(|err| FlagError::BadValue("--node-network", err.to_string()))?;
     Ok(Some(AdaptiveSettings {
         api,
         node_name: node_name(lookup)?,
@@ -484,6 +480,8 @@ fn parse_network_cidr(text: &str) -> Result<(String, Cidr), FlagError> {
             format!("{text:?} names no network"),
         ));
     }
+    crate::names::network(network)
+        .map_err(|err| FlagError::BadValue("--cidr", format!("network name {err}")))?;
     let cidr = cidr
         .parse::<Cidr>()
         .map_err(|err| FlagError::BadValue("--cidr", err.to_string()))?;
@@ -608,6 +606,8 @@ mod tests {
             (&["--cidr==198.18.0.0/24"], "--cidr"),
             (&["--cidr=net=198.18.0.1/24"], "--cidr"),
             (&["--cidr=net=198.0.0.0/8"], "--cidr"),
+            (&["--cidr=my net=198.18.0.0/24"], "--cidr"),
+            (&["--cidr=-net=198.18.0.0/24"], "--cidr"),
             (&["--reserve=none"], "--reserve"),
             (&["--db-synchronous=off"], "--db-synchronous"),
             (&["--max-connections=0"], "--max-connections"),

@@ -245,12 +245,14 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Upstream's `GetIPUsage` over non-Deleting blocks of network+family.
+    /// Upstream's `GetIPUsage` over non-Deleting blocks of network+family,
+    /// with reserved rows counted apart from pods' and the exact size.
     pub fn usage(&self, network: &str, family: Family, now_ms: i64) -> Result<Usage, StoreError> {
         let mut usage = Usage::default();
+        let mut allocated_rows: i64 = 0;
         {
             let mut stmt = self.conn.prepare_cached(
-                "SELECT COALESCE(allocated_ips, 0), total_ips, state FROM cidr_blocks \
+                "SELECT COALESCE(allocated_ips, 0), total_ips, state, cidr FROM cidr_blocks \
                  WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting'",
             )?;
             let mut rows = stmt.query(params![network, family.as_str()])?;
@@ -258,21 +260,31 @@ impl Store {
                 let allocated: i64 = row.get(0)?;
                 let total: i64 = row.get(1)?;
                 let state = parse_state(&row.get::<_, String>(2)?)?;
-                usage.allocated = usage.allocated.saturating_add(allocated);
+                let cidr = parse_cidr(&row.get::<_, String>(3)?)?;
+                allocated_rows = allocated_rows.saturating_add(allocated);
                 usage.total = usage.total.saturating_add(total);
+                usage.addresses = usage.addresses.saturating_add(cidr.size());
                 if state == BlockState::Draining {
                     usage.draining = usage.draining.saturating_add(total);
                 }
             }
         }
-        usage.cooldown = self
-            .conn
-            .prepare_cached(
+        let count = |condition: &str, extra: Option<i64>| -> Result<i64, StoreError> {
+            let sql = format!(
                 "SELECT COUNT(*) FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' \
-                   AND a.is_allocated = FALSE AND a.release_at > ?3",
-            )?
-            .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?;
+                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' AND {condition}"
+            );
+            let mut stmt = self.conn.prepare_cached(&sql)?;
+            Ok(match extra {
+                Some(now) => {
+                    stmt.query_row(params![network, family.as_str(), now], |r| r.get(0))?
+                }
+                None => stmt.query_row(params![network, family.as_str()], |r| r.get(0))?,
+            })
+        };
+        usage.cooldown = count("a.is_allocated = FALSE AND a.release_at > ?3", Some(now_ms))?;
+        usage.reserved = count("a.is_allocated = TRUE AND a.container_id = ''", None)?;
+        usage.allocated = allocated_rows.saturating_sub(usage.reserved);
         Ok(usage)
     }
 

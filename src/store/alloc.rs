@@ -181,8 +181,10 @@ const CANDIDATES_SQL: &str = "SELECT id, cidr FROM cidr_blocks \
 
 const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2";
 
+/// An unknown pod name or namespace is stored as NULL, as upstream does.
 const TAKE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = ?2, interface_name = ?3, \
-     pod_name = ?4, pod_namespace = ?5, allocated_at = ?6, release_at = NULL WHERE id = ?1";
+     pod_name = NULLIF(?4, ''), pod_namespace = NULLIF(?5, ''), allocated_at = ?6, release_at = NULL \
+     WHERE id = ?1";
 
 const COUNT_TAKEN_SQL: &str =
     "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1 WHERE id = ?1";
@@ -652,7 +654,10 @@ impl RowState {
         {
             return Err(unavailable(
                 address,
-                format!("it is in release cooldown until {until} (Unix ms)"),
+                format!(
+                    "it is in release cooldown until {}",
+                    crate::log::rfc3339_millis(until)
+                ),
             ));
         }
         Ok(())

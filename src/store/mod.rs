@@ -10,6 +10,7 @@ mod admin;
 mod alloc;
 mod boot;
 mod check;
+mod files;
 mod gc;
 mod layout;
 mod reserve;
@@ -154,12 +155,16 @@ impl AddOutcome {
 /// Upstream's `GetIPUsage` over the non-Deleting blocks of a network+family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
-    /// Σ allocated_ips (reserved rows and Draining blocks included).
+    /// Rows allocated to pods (Draining blocks included, reserved rows not).
     pub allocated: i64,
+    /// Rows the reservation holds (network, gateway, broadcast addresses).
+    pub reserved: i64,
     /// Unallocated rows whose `release_at` is still in the future.
     pub cooldown: i64,
-    /// Σ total_ips (saturating).
+    /// Σ total_ips (saturating, as upstream's column holds it).
     pub total: i64,
+    /// The blocks' real size, from their CIDRs: an IPv6 /64 is 2^64.
+    pub addresses: u128,
     /// Σ total_ips of Draining blocks (saturating).
     pub draining: i64,
 }
@@ -412,7 +417,8 @@ impl fmt::Debug for Store {
 
 impl Store {
     /// Opens (creating if needed) the database at `path`: parent directory
-    /// 0700, file 0600, WAL, foreign keys, 5 s busy timeout; installs the
+    /// 0700, file 0600 (an existing file is tightened to 0600; a shared
+    /// directory is only warned about, see [`files`]), WAL, foreign keys, 5 s busy timeout; installs the
     /// schema unless `user_version` is already 1; repairs reservations.
     pub fn open(path: &Path, opts: &StoreOptions) -> Result<Store, StoreError> {
         if path.as_os_str().is_empty() {
@@ -444,6 +450,7 @@ impl Store {
                 Err(e) => return Err(open_err(e)),
             }
         }
+        let file_warnings = files::tighten(path);
         let conn = Connection::open(path).map_err(|e| StoreError::Open {
             path: path.to_path_buf(),
             source: Box::new(e),
@@ -472,7 +479,7 @@ impl Store {
             conn,
             reserve: ReserveMode::EveryBlock,
             release_cooldown_ms: 0,
-            warnings: Vec::new(),
+            warnings: file_warnings,
             file: (path.to_path_buf(), file_identity(path)),
         };
         store.install_schema()?;

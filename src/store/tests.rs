@@ -897,7 +897,10 @@ fn counters_match_rows_after_mixed_sequence() {
     assert_counters(&store);
     let usage = store.usage("default", Family::V6, NOW + 100).unwrap();
     assert_eq!(usage.total, 256);
-    assert_eq!(usage.allocated, block(&store, 3).allocated_ips);
+    assert_eq!(
+        usage.allocated + usage.reserved,
+        block(&store, 3).allocated_ips
+    );
 }
 
 #[test]
@@ -945,7 +948,7 @@ fn allocate_requested_cases() {
         store
             .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
             .unwrap_err(),
-        "cooldown",
+        "it is in release cooldown until 2023-11-14T22:13:21.000Z",
     );
     assert!(matches!(
         store.allocate_requested(&owner("default", "b"), ip("198.18.3.1"), NOW),
@@ -1079,9 +1082,11 @@ fn usage_example_from_reference() {
     assert_eq!(
         usage,
         Usage {
-            allocated: 4,
+            allocated: 1,
+            reserved: 3,
             cooldown: 1,
             total: 16,
+            addresses: 16,
             draining: 8
         }
     );
@@ -1098,9 +1103,11 @@ fn usage_example_from_reference() {
     assert_eq!(
         usage,
         Usage {
-            allocated: 4,
+            allocated: 1,
+            reserved: 3,
             cooldown: 1,
             total: 8,
+            addresses: 8,
             draining: 0
         }
     );
@@ -1109,10 +1116,9 @@ fn usage_example_from_reference() {
         &mut store,
         &[("default", "2001:db8::/64"), ("default", "2001:db8:1::/64")],
     );
-    assert_eq!(
-        store.usage("default", Family::V6, NOW).unwrap().total,
-        i64::MAX
-    );
+    let v6 = store.usage("default", Family::V6, NOW).unwrap();
+    assert_eq!(v6.total, i64::MAX, "upstream's column saturates");
+    assert_eq!(v6.addresses, 2 << 64, "the real size does not");
 }
 
 #[test]
@@ -1773,4 +1779,34 @@ fn release_cooldown_is_settled_at_open() {
     );
     drop(store);
     assert_eq!(open(&dir.db()).release_cooldown(), 0);
+}
+
+#[test]
+fn unknown_pod_names_are_stored_as_null_like_upstream() {
+    let (dir, mut store) = store_with(&[("n", "198.18.0.0/28")]);
+    let anonymous = Owner {
+        pod_name: "",
+        pod_namespace: "",
+        ..owner("n", "podman1")
+    };
+    store.allocate(&anonymous, Family::V4, NOW).unwrap();
+    store
+        .allocate(&owner("n", "k8s1"), Family::V4, NOW)
+        .unwrap();
+    drop(store);
+    let conn = Connection::open(dir.db()).unwrap();
+    let rows: Vec<(String, Option<String>, Option<String>)> = conn
+        .prepare("SELECT container_id, pod_name, pod_namespace FROM ip_addresses WHERE container_id != '' ORDER BY container_id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("k8s1".into(), Some("pod".into()), Some("ns".into())),
+            ("podman1".into(), None, None),
+        ]
+    );
 }

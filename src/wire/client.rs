@@ -20,6 +20,9 @@ pub enum ClientError {
     /// The daemon could not be reached at all: nothing was sent, so the
     /// caller may safely do the work another way (direct mode).
     Connect { path: PathBuf, source: io::Error },
+    /// The request is larger than the daemon accepts: nothing was sent,
+    /// and sending it again cannot help.
+    TooLarge { len: usize, max: usize },
     /// The request was (possibly) sent but no complete response came back.
     Exchange { path: PathBuf, source: FrameError },
     /// The response bytes are not a valid message.
@@ -46,6 +49,10 @@ impl fmt::Display for ClientError {
                     path.display()
                 )
             }
+            ClientError::TooLarge { len, max } => write!(
+                f,
+                "the request is {len} bytes, more than the {max} the metis daemon accepts; nothing was sent"
+            ),
             ClientError::Exchange { path, source } => {
                 write!(
                     f,
@@ -68,6 +75,7 @@ impl std::error::Error for ClientError {
             ClientError::Connect { source, .. } => Some(source),
             ClientError::Exchange { source, .. } => Some(source),
             ClientError::Decode { source, .. } => Some(source),
+            ClientError::TooLarge { .. } => None,
         }
     }
 }
@@ -107,11 +115,14 @@ impl Client {
             path: self.path.clone(),
             source,
         };
-        let sent = frame::write_frame(
-            &mut self.stream,
-            &request.encode_to_vec(),
-            MAX_REQUEST_FRAME,
-        );
+        let payload = request.encode_to_vec();
+        if payload.len() > MAX_REQUEST_FRAME {
+            return Err(ClientError::TooLarge {
+                len: payload.len(),
+                max: MAX_REQUEST_FRAME,
+            });
+        }
+        let sent = frame::write_frame(&mut self.stream, &payload, MAX_REQUEST_FRAME);
         let payload = match sent {
             Ok(()) => {
                 frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME).map_err(exchange_err)?

@@ -8,10 +8,14 @@ use std::io::{self, Read, Write};
 /// Bytes in the length prefix.
 pub const PREFIX_LEN: usize = 4;
 
-/// Largest request the daemon accepts. Real requests are a few hundred
-/// bytes; the limit leaves room for long names while keeping a hostile
-/// client from parking megabytes in the daemon's buffers.
-pub const MAX_REQUEST_FRAME: usize = 64 * 1024;
+/// Largest request the daemon accepts. Most requests are a few hundred
+/// bytes (every name is bounded, see `crate::names`); GC carries the
+/// runtime's whole attachment list, about 75 bytes per kubelet attachment.
+/// The plugin reads at most 1 MiB of configuration, whose attachments
+/// encode smaller than their JSON, so every GC it accepts (over 10,000
+/// attachments) fits; the cap still bounds what one connection can park in
+/// the daemon's buffers.
+pub const MAX_REQUEST_FRAME: usize = 1024 * 1024 + 64 * 1024;
 
 /// Largest response a client accepts. Admin listings of big blocks are the
 /// only large responses (a /16 of addresses is about 8 MiB).

@@ -67,10 +67,11 @@ pub struct NetworkUsage {
     pub network: ::prost::alloc::string::String,
     #[prost(string, tag = "2")]
     pub ip_family: ::prost::alloc::string::String,
-    /// Addresses in the blocks (Draining blocks included).
+    /// Addresses in the blocks (Draining blocks included), saturated at the
+    /// int64 maximum as upstream's total_ips column; see total_exact.
     #[prost(int64, tag = "3")]
     pub total: i64,
-    /// Allocated rows, reserved ones included.
+    /// Rows allocated to pods (reserved rows are counted in `reserved`).
     #[prost(int64, tag = "4")]
     pub allocated: i64,
     /// Released addresses still resting before reuse.
@@ -79,6 +80,12 @@ pub struct NetworkUsage {
     /// Addresses in Draining blocks.
     #[prost(int64, tag = "6")]
     pub draining: i64,
+    /// Rows the reservation holds (network, gateway, broadcast addresses).
+    #[prost(int64, tag = "7")]
+    pub reserved: i64,
+    /// The blocks' real size in decimal (an IPv6 /64 is 18446744073709551616).
+    #[prost(string, tag = "8")]
+    pub total_exact: ::prost::alloc::string::String,
 }
 /// One entry per network and family that has blocks, sorted by network.
 #[derive(Clone, PartialEq, ::prost::Message)]
