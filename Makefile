@@ -16,7 +16,9 @@ build:
 # reads too); push with `podman push $(IMAGE) REGISTRY/metis:VERSION`.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= localhost/metis:$(VERSION)
-IMAGE_TARGET := x86_64-unknown-linux-gnu
+# The host's triple given explicitly, so +crt-static reaches the binary but
+# not build scripts and proc macros (which cannot link statically).
+IMAGE_TARGET := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
 image:
 	@command -v podman >/dev/null || { echo "make image needs podman (apt-get install podman)"; exit 1; }
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release --locked --target $(IMAGE_TARGET)

@@ -50,7 +50,9 @@ export CONTAINERS_CONF="$work/containers.conf"
 
 cleanup() {
     set +e
-    podman rm -f -t 0 "$tag-daemon" >/dev/null 2>&1
+    # One name per call: podman 4.3's `rm -f` given a missing name removes none.
+    local name
+    for name in "$tag-daemon" "$tag-copy"; do podman rm -f -t 0 "$name" >/dev/null 2>&1; done
     ip netns delete "$tag-ns" 2>/dev/null
     ip link delete "$tag-br" 2>/dev/null
     rm -rf "$work"
@@ -86,26 +88,27 @@ locked=(--read-only --read-only-tmpfs=false --user 0 --network host)
 
 # --- the init container: metis install into the host's /opt/cni/bin ---------
 plugin="$cni_dir/bin/metis"
+# The image's own binary, to compare the installed copy with.
+podman create --name "$tag-copy" "$image" >/dev/null &&
+    podman cp "$tag-copy:/usr/local/bin/metis" "$work/from-image" &&
+    podman rm "$tag-copy" >/dev/null
 if out=$(podman run --rm "${locked[@]}" -v "$cni_dir/bin:/host/opt/cni/bin" "$image" \
     metis install --cni-dir /host/opt/cni 2>&1) && [ -x "$plugin" ] &&
-    [ "$("$plugin" version)" = "$(podman run --rm "${locked[@]}" "$image" metis version)" ]; then
-    pass "metis install from the image: the host runs the installed plugin ($("$plugin" version))"
+    cmp -s "$plugin" "$work/from-image" && version=$("$plugin" version); then
+    pass "metis install from the image: the host runs the installed plugin ($version)"
 else
     fail "metis install from the image" "$out"
     exit 1
 fi
 
 # --- the daemon container ------------------------------------------------------
-daemon_container() { # daemon_container podman-create-or-run-args...
-    podman "$@" --name "$tag-daemon" "${locked[@]}" --cap-drop ALL \
-        --security-opt no-new-privileges --stop-timeout 20 \
-        -e NODE_NAME="$tag-node" -e KUBECONFIG=/etc/kube/config -v "$work/kube:/etc/kube:ro" \
-        -v "$state:$in_pod" "$image" \
-        metis daemon --cidr-source nnc --socket-path "$in_pod/metis-adaptive-ipam.sock" \
-        --db-path "$in_pod/metis.sqlite"
-}
 probe() { podman exec "$tag-daemon" metis health; }
-if daemon_container run -d >/dev/null && wait_for 20 probe >/dev/null 2>&1; then
+if podman run -d --name "$tag-daemon" "${locked[@]}" --cap-drop ALL \
+    --security-opt no-new-privileges --stop-timeout 20 \
+    -e NODE_NAME="$tag-node" -e KUBECONFIG=/etc/kube/config -v "$work/kube:/etc/kube:ro" \
+    -v "$state:$in_pod" "$image" \
+    metis daemon --cidr-source nnc --socket-path "$in_pod/metis-adaptive-ipam.sock" \
+    --db-path "$in_pod/metis.sqlite" >/dev/null && wait_for 20 probe >/dev/null 2>&1; then
     pass "daemon container (read-only root, no capabilities) serves"
 else
     fail "daemon container serves" "$(podman logs "$tag-daemon" 2>&1 | tail -n 5)"
