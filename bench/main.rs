@@ -339,6 +339,39 @@ fn report_binary_size(report: &mut Report) {
         "stripped",
         Some(metis_stripped),
     ));
+    report_image_size(report, &size);
+}
+
+/// The image `make image` builds, when podman holds it: its size beside
+/// the binary's (the image's binary is the static build, not `METIS`).
+fn report_image_size(report: &mut Report, size: &dyn Fn(u64, bool) -> String) {
+    let image = format!("localhost/metis:{}", env!("CARGO_PKG_VERSION"));
+    let inspected = Command::new("podman")
+        .args(["image", "inspect", "--format", "{{.Size}}", &image])
+        .output();
+    let bytes = inspected
+        .ok()
+        .filter(|output| output.status.success())
+        .and_then(|output| {
+            String::from_utf8_lossy(&output.stdout)
+                .trim()
+                .parse::<u64>()
+                .ok()
+        });
+    let Some(bytes) = bytes else {
+        report.notes.push(format!(
+            "image: {image} not built (`make image`), its size not measured."
+        ));
+        return;
+    };
+    report.rows.push(row(
+        &format!("image size, {image} (static binary on scratch)"),
+        size(bytes, true),
+        String::new(),
+        String::new(),
+        "built offline",
+        None,
+    ));
 }
 
 /// Concurrent ADDs: all succeed with distinct addresses.

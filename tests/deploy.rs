@@ -220,6 +220,31 @@ fn the_daemonset_wires_up_the_node() {
     );
 }
 
+/// `make image` tags `localhost/metis:VERSION`; tests/conformance/image.sh
+/// runs that image with the daemon's restrictions pinned here.
+#[test]
+fn the_daemonset_runs_the_image_make_image_builds() {
+    let image = format!("localhost/metis:{}", env!("CARGO_PKG_VERSION"));
+    let makefile = fs::read_to_string(deploy_dir().join("../Makefile")).unwrap();
+    assert!(makefile.contains("IMAGE ?= localhost/metis:$(VERSION)"));
+    let daemonset = one("DaemonSet");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    let containers = pod["initContainers"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .chain(pod["containers"].as_vec().unwrap());
+    for container in containers {
+        assert_eq!(container["image"].as_str(), Some(image.as_str()));
+        let security = &container["securityContext"];
+        assert_eq!(security["runAsUser"].as_i64(), Some(0));
+        assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
+    }
+    let daemon = &pod["containers"][0]["securityContext"];
+    assert_eq!(strings(&daemon["capabilities"]["drop"]), ["ALL"]);
+    assert_eq!(daemon["allowPrivilegeEscalation"].as_bool(), Some(false));
+}
+
 #[test]
 fn the_daemonset_commands_parse_with_the_binarys_own_flags() {
     let daemonset = one("DaemonSet");

@@ -19,14 +19,7 @@
 #   is picked up by accident. The conflist must declare
 #   "capabilities":{"ips":true}, or podman's static addresses (and the old
 #   address on `network reload`) never reach the IPAM as runtimeConfig.ips.
-# - podman depends on "crun | runc": with --no-install-recommends apt picks
-#   crun unless runc is named, so runc is installed and runtime = "runc".
-# - cgroup_manager = "cgroupfs" (no systemd; this VM has cgroup v1 hybrid)
-#   and events_logger = "file" (no journald).
-# - As root podman raises each container's RLIMIT_NOFILE/NPROC to 1048576
-#   and beyond; without CAP_SYS_RESOURCE (this VM) runc then fails with
-#   "error setting rlimit type 7: operation not permitted". Even NPROC at
-#   the caller's hard limit was refused; lowering both to 1024 works.
+# - the engine settings in lib.sh (runc, cgroupfs, events file, ulimits).
 # - No image: `--rootfs DIR` runs a directory holding busybox-static, so
 #   nothing is pulled and the storage driver (vfs) mounts nothing.
 # - libcni's result cache is fixed at /var/lib/cni/results in podman 4.3
@@ -38,6 +31,8 @@
 #   address); `podman network reload` is DEL then ADD with the old address
 #   in runtimeConfig.ips.
 set -euo pipefail
+# shellcheck source=tests/conformance/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 metis_src=${1:?usage: podman.sh METIS_BINARY}
 tag="mp$$"                             # prefix of our bridge and network
@@ -52,9 +47,6 @@ passed=0
 failed=0
 cni_state_existed=false
 [ -d /var/lib/cni ] && cni_state_existed=true
-
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
 
 export CONTAINERS_CONF="$work/containers.conf" CONTAINERS_STORAGE_CONF="$work/storage.conf"
 podman() { command podman --root "$work/root" --runroot "$work/runroot" "$@"; }
@@ -87,16 +79,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# wait_for SECONDS CMD...: poll CMD until it succeeds or the deadline passes.
-wait_for() {
-    local deadline=$((SECONDS + $1))
-    shift
-    until "$@"; do
-        [ "$SECONDS" -lt "$deadline" ] || return 1
-        sleep 0.05
-    done
-}
-
 # --- setup: plugins, podman's own configuration, the daemon -------------------
 started_at=$SECONDS
 mkdir -p "$work/cni" "$work/net.d" "$work/tmp" "$work/rootfs/bin"
@@ -104,15 +86,7 @@ cp "$metis_src" "$work/cni/metis"
 for p in bridge host-local loopback; do cp /usr/lib/cni/$p "$work/cni/"; done
 cp /bin/busybox "$work/rootfs/bin/busybox"    # busybox-static: no libraries needed
 
-cat >"$work/containers.conf" <<EOF
-[containers]
-default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
-[engine]
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-events_logfile_path = "$work/events.log"
-runtime = "runc"
-tmp_dir = "$work/tmp"
+{ podman_engine_conf "$work"; cat <<EOF; } >"$work/containers.conf"
 [network]
 network_backend = "cni"
 cni_plugin_dirs = ["$work/cni"]

@@ -12,6 +12,8 @@
 # temporary file it creates is removed on exit, whatever happened.
 # Addresses: 198.18.0.0/15 and 2001:db8::/32 only.
 set -uo pipefail
+# shellcheck source=tests/conformance/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 metis_src=${1:?usage: run.sh METIS_BINARY}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -39,8 +41,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
 
 # --- setup: the binaries, the daemon ------------------------------------------
 mkdir -p "$work/bin" "$work/cache" "$work/conf" "$work/gopath"
@@ -60,7 +60,7 @@ fi
 
 "$work/bin/metis" daemon --socket-path "$socket" --db-path "$db" 2>"$work/daemon.log" &
 daemon_pid=$!
-for _ in $(seq 200); do [ -S "$socket" ] && break; sleep 0.05; done
+wait_for 10 test -S "$socket"
 if [ -S "$socket" ]; then pass "daemon listens"; else fail "daemon listens" "$(cat "$work/daemon.log")"; exit 1; fi
 
 cniclient() { "$work/bin/cniclient" -path "$work/bin:/usr/lib/cni" -cache "$work/cache" "$@"; }
