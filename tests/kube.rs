@@ -443,3 +443,147 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
         "{error}"
     );
 }
+
+fn blocks_in_db(dir: &TestDir) -> Vec<String> {
+    let conn = db(&dir.join("metis.sqlite"));
+    let mut stmt = conn
+        .prepare("SELECT cidr FROM cidr_blocks ORDER BY cidr")
+        .unwrap();
+    stmt.query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+fn status_entry(id: &str, cidr: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "network": "default", "cidr": cidr,
+        "condition": {"type": "Ready", "status": "True"}})
+}
+
+#[test]
+fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
+    let dir = TestDir::new("kube-overlap");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "first").run(&config));
+    // Overlapping the CNI range, overlapping each other, larger than a /12
+    // (refused before a row is written), and a valid entry after them all.
+    api.set_status(serde_json::json!([
+        status_entry("over-cni", "198.18.0.0/28"),
+        status_entry("wide", "198.19.4.0/27"),
+        status_entry("inside-wide", "198.19.4.0/28"),
+        status_entry("huge", "198.0.0.0/11"),
+        status_entry("last", "198.19.5.0/28"),
+    ]));
+    wait_for(
+        "the entry after the bad ones",
+        Duration::from_secs(10),
+        || blocks_in_db(&dir).contains(&"198.19.5.0/28".to_string()),
+    );
+    assert_eq!(
+        blocks_in_db(&dir),
+        vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
+    );
+    let log = daemon.log();
+    for refused in ["198.18.0.0/28", "198.19.4.0/28", "198.0.0.0/11"] {
+        assert!(
+            log.contains("refusing a podCIDR") && log.contains(refused),
+            "{refused} not reported: {log}"
+        );
+    }
+    // Every usable address once (61 + 29 + 13 = 103, one already taken).
+    let mut addresses = add_concurrently(&config, 0..102);
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 102, "an address was handed out twice");
+    // The node's address space is still one invariant: the daemon restarts.
+    drop(daemon);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    assert_ok(&Plugin::new("CHECK", "pod-7").run(&config));
+    assert_eq!(
+        blocks_in_db(&dir),
+        vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
+    );
+}
+
+#[test]
+fn a_late_event_never_resurrects_a_released_block() {
+    let dir = TestDir::new("kube-late-event");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(
+        &dir,
+        &api,
+        "nnc",
+        &[
+            "-v",
+            "1",
+            "--sustained-low-utilization-duration",
+            "200ms",
+            "--draining-expiration",
+            "200ms",
+        ],
+    );
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    add_concurrently(&config, 0..20);
+    let granted = api.state().status_cidrs();
+    assert!(!granted.is_empty(), "scale-up did not happen");
+    // The version that lists the blocks as Ready, kept for later.
+    let old = api.state().nnc.clone().unwrap();
+    for i in 0..20 {
+        assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
+    }
+    wait_for(
+        "released blocks to leave the database",
+        Duration::from_secs(30),
+        || {
+            let blocks = blocks_in_db(&dir);
+            granted.iter().all(|cidr| !blocks.contains(cidr))
+        },
+    );
+    api.deliver_late(old);
+    wait_for("the late event to be seen", Duration::from_secs(10), || {
+        daemon
+            .log()
+            .contains("ignoring an older NodeNetworkConfig version")
+    });
+    let blocks = blocks_in_db(&dir);
+    for cidr in &granted {
+        assert!(!blocks.contains(cidr), "{cidr} came back: {blocks:?}");
+    }
+}
+
+#[test]
+fn a_del_cancels_its_parked_add() {
+    let dir = TestDir::new("kube-del-cancels");
+    let api = ApiServer::start(NODE, &[], 4);
+    let (_daemon, config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
+    assert_ok(&Plugin::new("DEL", "waiter").run(&config));
+    let output = waiter.join().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let error = common::json(&output);
+    assert_eq!(error["code"], 11, "{error}");
+    assert!(
+        error["msg"]
+            .as_str()
+            .unwrap()
+            .contains("ADD cancelled: a DEL"),
+        "{error}"
+    );
+    // An address frees up: nothing is allocated to the deleted container.
+    assert_ok(&Plugin::new("DEL", "holder").run(&config));
+    let held: i64 = db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE container_id = 'waiter'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(held, 0);
+}

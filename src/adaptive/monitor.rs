@@ -34,6 +34,8 @@ pub struct Synced {
     pub grown: Vec<String>,
     /// Networks of released blocks deleted locally.
     pub deleted: Vec<String>,
+    /// Entries refused (overlapping another block, or too large), in words.
+    pub refused: Vec<String>,
 }
 
 /// Brings local blocks in line with the status: Ready IPv4 pod CIDRs not
@@ -58,7 +60,13 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
         if store.find_block(&entry.network, &cidr)?.is_some() {
             continue;
         }
-        if was_added(store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms()))? {
+        let outcome = store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms());
+        if let Some(why) = refusal(&outcome) {
+            synced
+                .refused
+                .push(format!("{cidr} ({}): {why}", entry.network));
+        }
+        if was_added(outcome)? {
             log::info(
                 "monitor",
                 "Watcher adding new ready podCIDR to local DB",
@@ -87,6 +95,16 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
         }
     }
     Ok(synced)
+}
+
+/// Why the store refused a granted block, if it did.
+fn refusal(outcome: &Result<AddOutcome, StoreError>) -> Option<String> {
+    match outcome {
+        Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
+            Some(err.to_string())
+        }
+        _ => None,
+    }
 }
 
 /// A granted block the store refuses (it overlaps a block of the node's

@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Outcome};
-use crate::kube::nnc::{Kind, Nnc};
+use crate::kube::nnc::{self, Kind, Nnc};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, Response, request, response};
+use crate::wire::adaptiveipam::v1::DeallocatePodIpRequest;
+use crate::wire::{Code, Request, Response, reason, request, response};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -54,6 +55,8 @@ pub struct Adaptive {
     parked: Vec<Parked>,
     /// Networks whose waiters should be retried (addresses were released).
     woken: Vec<String>,
+    /// Parked ADDs cancelled by a DEL of their owner, answered next round.
+    cancelled: Vec<Delivery>,
     next_pass: Instant,
     /// The resource version a patch is in flight for: no second patch is
     /// computed from the same version until the first one is answered.
@@ -75,6 +78,7 @@ impl Adaptive {
             unreachable: None,
             parked: Vec::new(),
             woken: Vec::new(),
+            cancelled: Vec::new(),
             next_pass: now,
             patching: None,
         }
@@ -122,20 +126,49 @@ impl Adaptive {
         };
         match &request.kind {
             Some(request::Kind::Deallocate(req)) => {
+                self.cancel_parked(req, now);
                 let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
                 if released {
-                    let network = if req.network.is_empty() {
-                        crate::defaults::DEFAULT_NETWORK
-                    } else {
-                        &req.network
-                    };
-                    self.woken.push(network.to_string());
+                    self.woken
+                        .push(network_or_default(&req.network).to_string());
                 }
                 Some(reply)
             }
             Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
             Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
             _ => Some(reply),
+        }
+    }
+
+    /// A DEL overtook its owner's parked ADD: the ADD must not allocate
+    /// after the DEL has returned, so it is taken out of the queue before
+    /// the DEL is answered and told why.
+    fn cancel_parked(&mut self, del: &DeallocatePodIpRequest, now: Instant) {
+        let network = network_or_default(&del.network);
+        let (cancelled, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| p.network == network && same_owner(&p.request, del));
+        self.parked = waiting;
+        if cancelled.is_empty() {
+            return;
+        }
+        self.publish_parked();
+        for parked in cancelled {
+            log::info(
+                "daemon",
+                "DEL arrived for a waiting ADD; cancelling the ADD",
+                &[("network", &network), ("container", &del.container_id)],
+            );
+            let reply = Response::error(
+                Code::Unavailable,
+                reason::ADD_CANCELLED,
+                format!(
+                    "ADD cancelled: a DEL for container {} arrived while it waited for addresses",
+                    del.container_id
+                ),
+            );
+            self.observe(&parked, reply.code(), now);
+            self.cancelled.push((parked.conn_id, reply));
         }
     }
 
@@ -202,10 +235,23 @@ impl Adaptive {
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
             match event {
+                KubeEvent::Nnc(nnc) if self.is_stale(&nnc) => {
+                    // A late watch event or a re-read that lost a race:
+                    // applying it could bring back a released block.
+                    self.metrics.stale_version();
+                    log::debug(
+                        "daemon",
+                        "ignoring an older NodeNetworkConfig version",
+                        &[("version", &nnc.resource_version)],
+                    );
+                }
                 KubeEvent::Nnc(nnc) => {
                     self.unreachable = None;
                     match monitor::sync_blocks(engine.store_mut(), &nnc) {
                         Ok(synced) => {
+                            self.metrics.refused_pod_cidrs(
+                                u64::try_from(synced.refused.len()).unwrap_or(u64::MAX),
+                            );
                             for network in &synced.deleted {
                                 self.metrics.monitor_action("delete", network);
                             }
@@ -270,15 +316,24 @@ impl Adaptive {
         deliveries
     }
 
+    /// Whether `nnc` is not newer than the version already applied.
+    fn is_stale(&self, nnc: &Nnc) -> bool {
+        self.latest
+            .as_ref()
+            .is_some_and(|latest| !nnc::is_newer(&nnc.resource_version, &latest.resource_version))
+    }
+
     /// Retries waiters of networks where addresses were just released
     /// (upstream leaves them waiting for a block that may never come).
+    /// Also answers the ADDs cancelled by a DEL.
     pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
+        let mut deliveries = std::mem::take(&mut self.cancelled);
         let mut networks = std::mem::take(&mut self.woken);
         networks.dedup();
-        networks
-            .iter()
-            .flat_map(|network| self.retry(network, engine))
-            .collect()
+        for network in &networks {
+            deliveries.extend(self.retry(network, engine));
+        }
+        deliveries
     }
 
     /// Answers parked requests whose time is up, and runs the monitor pass
@@ -422,4 +477,24 @@ impl Adaptive {
         }
         self.metrics.set_parked(counts);
     }
+}
+
+fn network_or_default(network: &str) -> &str {
+    if network.is_empty() {
+        crate::defaults::DEFAULT_NETWORK
+    } else {
+        network
+    }
+}
+
+/// Whether a parked request is an ADD of the DEL's owner (container and
+/// interface, either family).
+fn same_owner(parked: &Request, del: &DeallocatePodIpRequest) -> bool {
+    let Some(request::Kind::Allocate(add)) = &parked.kind else {
+        return false;
+    };
+    [&add.ipv4_config, &add.ipv6_config]
+        .into_iter()
+        .flatten()
+        .any(|c| c.container_id == del.container_id && c.interface_name == del.interface_name)
 }

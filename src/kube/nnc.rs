@@ -148,6 +148,17 @@ pub fn resource_version(value: &Value) -> String {
         .to_string()
 }
 
+/// Whether `candidate` is a later version of the object than `current`.
+/// Resource versions are etcd revisions (integers that only grow, across a
+/// delete and re-create too); a version that is not one cannot be ordered
+/// and counts as newer only if it differs.
+pub fn is_newer(candidate: &str, current: &str) -> bool {
+    match (candidate.parse::<u64>(), current.parse::<u64>()) {
+        (Ok(candidate), Ok(current)) => candidate > current,
+        _ => candidate != current,
+    }
+}
+
 fn list(value: &Value) -> impl Iterator<Item = &Value> {
     value.as_array().into_iter().flatten()
 }
@@ -275,6 +286,15 @@ mod tests {
             "/apis/networking.gke.io/v1/nodenetworkconfigs?fieldSelector=metadata.name%3Dn1&watch=true&allowWatchBookmarks=true&timeoutSeconds=60&resourceVersion=7"
         );
         assert_eq!(Kind::Node.item_path("n1"), "/api/v1/nodes/n1");
+    }
+
+    #[test]
+    fn versions_are_ordered_as_numbers() {
+        assert!(is_newer("10", "9"));
+        assert!(!is_newer("9", "10"), "a late event is stale");
+        assert!(!is_newer("10", "10"), "the same version is not news");
+        assert!(is_newer("1", ""), "anything beats no version");
+        assert!(is_newer("abc", "9") && !is_newer("abc", "abc"));
     }
 
     #[test]

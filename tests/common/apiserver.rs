@@ -145,6 +145,31 @@ impl ApiServer {
         self.serve(listener);
     }
 
+    /// Replaces `status.podCIDRs` (as a cloud controller would) and emits
+    /// the MODIFIED event. Returns the new resource version.
+    pub fn set_status(&self, pod_cidrs: Value) -> u64 {
+        let mut state = self.state();
+        if let Some(nnc) = state.nnc.as_mut() {
+            nnc["status"]["podCIDRs"] = pod_cidrs;
+        }
+        state.record_nnc("MODIFIED");
+        let version = state.version;
+        drop(state);
+        self.shared.changed.notify_all();
+        version
+    }
+
+    /// Delivers an old version of the object to open watches again, as a
+    /// late event would arrive (the stream position advances, the object's
+    /// `resourceVersion` stays old).
+    pub fn deliver_late(&self, object: Value) {
+        let mut state = self.state();
+        let position = state.bump();
+        state.events.push((position, "nnc", "MODIFIED", object));
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
     /// Forces watches from older versions to get 410 Gone.
     pub fn compact(&self) {
         let mut state = self.state();
