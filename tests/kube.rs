@@ -587,3 +587,40 @@ fn a_del_cancels_its_parked_add() {
         .unwrap();
     assert_eq!(held, 0);
 }
+
+#[test]
+fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
+    let dir = TestDir::new("kube-recreated");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    add_concurrently(&config, 0..30);
+    for i in 0..30 {
+        assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
+    }
+    let handed_out = api.state().next_block;
+    assert!(handed_out >= 2, "scale-up did not happen");
+    // Someone deletes the object; the daemon re-creates it and keeps its
+    // blocks, which the new status does not list.
+    api.delete_nnc();
+    api.wait_until(
+        "the re-created object's request",
+        Duration::from_secs(30),
+        |s| s.pods("default").is_some(),
+    );
+    // Twenty monitor passes with nothing to change.
+    let passes = |log: &str| log.matches("pass complete, nothing to change").count();
+    let before = passes(&daemon.log());
+    wait_for("twenty idle passes", Duration::from_secs(30), || {
+        passes(&daemon.log()) >= before + 20
+    });
+    let state = api.state();
+    assert_eq!(state.next_block, handed_out, "the cloud was asked for more");
+    assert!(state.status_cidrs().is_empty());
+    assert_eq!(
+        state.pods("default"),
+        Some(16),
+        "only the CNI range is granted"
+    );
+}

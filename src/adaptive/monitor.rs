@@ -176,6 +176,7 @@ pub fn pass(
             allocated: usage.allocated,
             pending: pending(&network),
             total: usage.total,
+            granted: usage.total.saturating_sub(ungranted(store, nnc, &network)?),
             cooldown: usage.cooldown,
         };
         if load.total == 0 {
@@ -234,6 +235,18 @@ pub fn pass(
         });
     }
     Ok(outcome)
+}
+
+/// Addresses of the network's blocks that came from a NodeNetworkConfig
+/// status which no longer lists them.
+fn ungranted(store: &Store, nnc: &Nnc, network: &str) -> Result<i64, StoreError> {
+    let mut sum = 0i64;
+    for (_, cidr) in store.nnc_only_blocks(network, Family::V4)? {
+        if status_entry(nnc, network, &cidr.to_string()).is_none() {
+            sum = sum.saturating_add(i64::try_from(cidr.size()).unwrap_or(i64::MAX));
+        }
+    }
+    Ok(sum)
 }
 
 /// The drain step, with the low-utilisation start time kept in the store so

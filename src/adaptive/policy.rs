@@ -14,6 +14,12 @@ pub struct Load {
     pub pending: i64,
     /// Addresses in non-Deleting blocks.
     pub total: i64,
+    /// The part of `total` the control plane accounts for: the node's own
+    /// ranges and the blocks its status lists. Local blocks the status no
+    /// longer lists (a deleted and re-created object) are left out, or the
+    /// request would always exceed what the status provides and the cloud
+    /// would add a block on every pass.
+    pub granted: i64,
     /// Free addresses still in release cooldown.
     pub cooldown: i64,
 }
@@ -32,8 +38,9 @@ pub enum ScaleUp {
 }
 
 /// Upstream's scale-up rule: ask for enough that everything held plus every
-/// waiter sits at 75 % utilisation, never less than what is held plus the
-/// waiters, and never less than the current request.
+/// waiter sits at 75 % utilisation, never less than what is granted plus
+/// the waiters, and never less than the current request. Upstream takes
+/// "held" from the local total; Metis from what the control plane granted.
 pub fn scale_up(load: Load, current_pods: i64) -> ScaleUp {
     if load.cooldown > COOLDOWN_PUSHBACK_THRESHOLD {
         return ScaleUp::PushBack;
@@ -41,7 +48,7 @@ pub fn scale_up(load: Load, current_pods: i64) -> ScaleUp {
     let used = load.allocated.saturating_add(load.pending).max(0);
     // ceil(used / 0.75) == ceil(4 * used / 3), exactly.
     let at_target = used.saturating_mul(4).saturating_add(2) / 3;
-    let held = load.total.saturating_add(load.pending);
+    let held = load.granted.saturating_add(load.pending);
     ScaleUp::Desired(at_target.max(held).max(current_pods))
 }
 
@@ -127,6 +134,7 @@ mod tests {
             allocated: 45,
             pending: 10,
             total: 48,
+            granted: 48,
             cooldown: 0,
         };
         assert_eq!(scale_up(load, 32), ScaleUp::Desired(74));
@@ -139,6 +147,7 @@ mod tests {
             allocated: 43,
             pending: 10,
             total: 80,
+            granted: 80,
             cooldown: 0,
         };
         assert_eq!(scale_up(load, 64), ScaleUp::Desired(90));
@@ -150,6 +159,7 @@ mod tests {
             allocated: 45,
             pending: 10,
             total: 48,
+            granted: 48,
             cooldown: 11,
         };
         assert_eq!(scale_up(load, 32), ScaleUp::PushBack);
@@ -166,6 +176,7 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 16,
+            granted: 16,
             cooldown: 0,
         };
         assert_eq!(scale_up(load, 100), ScaleUp::Desired(100));
@@ -179,6 +190,7 @@ mod tests {
                 allocated: used,
                 pending: 0,
                 total: 0,
+                granted: 0,
                 cooldown: 0,
             };
             let expected = (used * 4 + 2) / 3;
@@ -206,6 +218,7 @@ mod tests {
             allocated: 5,
             pending: 0,
             total: 48,
+            granted: 48,
             cooldown: 20,
         };
         assert_eq!(blocks_to_drain(&blocks, load), vec![2]);
@@ -228,6 +241,7 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 256,
+            granted: 256,
             cooldown: 0,
         };
         assert!(blocks_to_drain(&only, load).is_empty());
@@ -252,6 +266,7 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 48,
+            granted: 48,
             cooldown: 0,
         };
         // Both newer blocks drain (3 → 19 → 35 ≥ 24 would stop after two).
@@ -287,6 +302,7 @@ mod tests {
             allocated: 40,
             pending: 0,
             total: 112,
+            granted: 112,
             cooldown: 0,
         };
         assert_eq!(blocks_to_drain(&blocks, load), vec![4]);
@@ -298,6 +314,7 @@ mod tests {
             allocated: 5,
             pending: 0,
             total: 48,
+            granted: 48,
             cooldown: 0,
         };
         let high = Load {
@@ -332,6 +349,29 @@ mod tests {
             low_utilization(waiting, Some(0), 9 * hour, 8 * hour),
             LowUtilization::Clear
         );
+    }
+
+    #[test]
+    fn blocks_the_status_no_longer_lists_are_not_asked_for_again() {
+        // A re-created object: the local /28 CNI range is granted, three
+        // /28s from the old object are not. No pod runs.
+        let load = Load {
+            allocated: 3,
+            pending: 0,
+            total: 64,
+            granted: 16,
+            cooldown: 0,
+        };
+        assert_eq!(scale_up(load, 0), ScaleUp::Desired(16));
+        // Applied to the next pass (nothing changed): a fixed point, so
+        // the cloud is never asked for another block.
+        assert_eq!(scale_up(load, 16), ScaleUp::Desired(16));
+        // Pods on the old blocks still count as used.
+        let busy = Load {
+            allocated: 40,
+            ..load
+        };
+        assert_eq!(scale_up(busy, 16), ScaleUp::Desired(54));
     }
 
     #[test]

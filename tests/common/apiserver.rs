@@ -170,6 +170,18 @@ impl ApiServer {
         self.shared.changed.notify_all();
     }
 
+    /// Deletes the NodeNetworkConfig (someone else did), with its DELETED event.
+    pub fn delete_nnc(&self) {
+        let mut state = self.state();
+        if let Some(mut gone) = state.nnc.take() {
+            let version = state.bump();
+            gone["metadata"]["resourceVersion"] = json!(version.to_string());
+            state.events.push((version, "nnc", "DELETED", gone));
+        }
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
     /// Forces watches from older versions to get 410 Gone.
     pub fn compact(&self) {
         let mut state = self.state();
