@@ -225,9 +225,14 @@ fn stale_watch_versions_relist() {
     {
         let mut state = api.state();
         state.controller = false;
+        // A new version (as every change has) but no event: only a relist
+        // can show it.
+        state.version += 1;
+        let version = state.version.to_string();
         let nnc = state.nnc.as_mut().unwrap();
         nnc["status"]["podCIDRs"] =
             serde_json::json!([{"id": "x", "network": "default", "cidr": "198.19.200.0/28"}]);
+        nnc["metadata"]["resourceVersion"] = serde_json::json!(version);
     }
     api.wait_until("a relist", Duration::from_secs(90), |s| {
         s.log
@@ -622,5 +627,216 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
         state.pods("default"),
         Some(16),
         "only the CNI range is granted"
+    );
+}
+
+fn health_detail(daemon: &TestDaemon) -> String {
+    let health = metis::wire::client::Client::connect(
+        &daemon.socket,
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+    .call(&metis::wire::Request {
+        kind: Some(metis::wire::request::Kind::Health(Default::default())),
+    })
+    .unwrap();
+    match health.kind {
+        Some(metis::wire::response::Kind::Health(h)) => h.detail,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Every gap between consecutive `times` is at least `floor`: the pacing
+/// the daemon promises (load can only make gaps longer).
+fn assert_gaps_at_least(times: &[std::time::Instant], floor: Duration, what: &str) {
+    for pair in times.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= floor, "{what}: {gap:?} < {floor:?} in {times:?}");
+    }
+}
+
+#[test]
+fn a_failing_watch_backs_off_to_the_cap_without_relisting() {
+    let dir = TestDir::new("kube-watch-storm");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_watches = Some((500, None));
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    api.wait_until("eight failed watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 500) >= 8
+    });
+    let state = api.state();
+    // Listed (and created) once, then only watches: one request per
+    // failure, each after a pause of at least the cap (500 ms first step,
+    // capped at 300 ms).
+    let first_watch = state.log.iter().position(|(m, _, _)| m == "WATCH").unwrap();
+    assert!(
+        state.log[first_watch..]
+            .iter()
+            .all(|(m, _, _)| m == "WATCH"),
+        "{:?}",
+        state.log
+    );
+    let watches = state.times("WATCH", 500);
+    assert_gaps_at_least(&watches, Duration::from_millis(300), "watch retries");
+    drop(state);
+    let detail = health_detail(&daemon);
+    assert!(
+        detail.contains("degraded") && detail.contains("watch:"),
+        "{detail}"
+    );
+    assert!(daemon.log().contains("API watch failed, retrying"));
+    // Back: a watch opens and health is clean again.
+    api.state().fail_watches = None;
+    api.wait_until("a watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    wait_for("health to clear", Duration::from_secs(10), || {
+        !health_detail(&daemon).contains("degraded")
+    });
+}
+
+#[test]
+fn retry_after_is_honoured() {
+    let dir = TestDir::new("kube-retry-after");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_watches = Some((429, Some(1)));
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "50ms"]);
+    api.wait_until("three throttled watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 429) >= 3
+    });
+    let watches = api.state().times("WATCH", 429);
+    assert_gaps_at_least(&watches, Duration::from_secs(1), "Retry-After: 1");
+}
+
+#[test]
+fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
+    let dir = TestDir::new("kube-patch-403");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_patches = Some((403, None));
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    // A first block makes the monitor ask for its pods.
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    api.wait_until("four refused patches", Duration::from_secs(30), |s| {
+        s.count("PATCH", 403) >= 4
+    });
+    let patches = api.state().times("PATCH", 403);
+    // Monitor passes run every 100 ms; patches only after each pause.
+    assert_gaps_at_least(&patches, Duration::from_millis(300), "patch retries");
+    let detail = health_detail(&daemon);
+    assert!(
+        detail.contains("degraded") && detail.contains("patch:"),
+        "{detail}"
+    );
+    assert!(detail.contains("403"), "{detail}");
+    api.state().fail_patches = None;
+    api.wait_until("a patch", Duration::from_secs(10), |s| {
+        s.count("PATCH", 200) >= 1
+    });
+    wait_for("health to clear", Duration::from_secs(10), || {
+        !health_detail(&daemon).contains("degraded")
+    });
+}
+
+#[test]
+fn a_conflict_storm_is_paced_and_reported() {
+    let dir = TestDir::new("kube-409-storm");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().inject_conflicts = 1_000;
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    // A first block makes the monitor ask for its pods.
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    api.wait_until("six conflicts", Duration::from_secs(30), |s| {
+        s.count("PATCH", 409) >= 6
+    });
+    let state = api.state();
+    let conflicts = state.times("PATCH", 409);
+    assert_gaps_at_least(&conflicts, Duration::from_millis(300), "409 retries");
+    // Each conflict costs the patch and one re-read of the object.
+    let reads = state
+        .log
+        .iter()
+        .filter(|(m, p, s)| m == "GET" && p.ends_with(NODE) && *s == 200)
+        .count();
+    assert!(
+        reads <= conflicts.len() + 1,
+        "{reads} re-reads for {} conflicts",
+        conflicts.len()
+    );
+    drop(state);
+    let detail = health_detail(&daemon);
+    assert!(detail.contains("conflicts in a row"), "{detail}");
+    assert!(daemon.log().contains("patches keep conflicting"));
+}
+
+#[test]
+fn an_idle_node_sends_one_request_per_watch() {
+    let dir = TestDir::new("kube-idle");
+    let api = ApiServer::start(NODE, &[], 64);
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--api-watch-timeout", "1s"]);
+    api.wait_until("the first watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    let first = api.state().log.len() - 1;
+    api.wait_until("four more watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 200) >= 5
+    });
+    let state = api.state();
+    let since: Vec<_> = state.log[first..]
+        .iter()
+        .map(|(m, _, _)| m.as_str())
+        .collect();
+    // Idle, the only requests are watches, each lasting its timeout: with
+    // the default --api-watch-timeout (5m, so 5-10 min) that is at most
+    // 0.2 requests per minute.
+    assert!(since.iter().all(|m| *m == "WATCH"), "{since:?}");
+    let watches = state.times("WATCH", 200);
+    assert_gaps_at_least(&watches, Duration::from_secs(1), "idle watches");
+    for query in &state.queries[first..] {
+        assert!(
+            query.contains("timeoutSeconds=1&") || query.contains("timeoutSeconds=2&"),
+            "{query}"
+        );
+    }
+}
+
+#[test]
+fn a_malformed_ca_degrades_like_other_tls_failures() {
+    let dir = TestDir::new("kube-bad-ca");
+    let api = ApiServer::start(NODE, &[], 64);
+    let kubeconfig = dir.join("kubeconfig");
+    // "-----BEGIN" and nothing else: not a certificate bundle.
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    certificate-authority-data: LS0tLS1CRUdJTg==\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+            api.addr
+        ),
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &["--cidr-source", "nnc", "--api-max-backoff", "100ms"],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "local").run(&config));
+    wait_for(
+        "the daemon to report itself degraded",
+        Duration::from_secs(10),
+        || {
+            let detail = health_detail(&daemon);
+            detail.contains("degraded") && detail.contains("client setup")
+        },
+    );
+    assert!(
+        api.state().log.is_empty(),
+        "nothing may be sent without a CA"
     );
 }

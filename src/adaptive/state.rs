@@ -51,7 +51,12 @@ pub struct Adaptive {
     metrics: Arc<Metrics>,
     config: AdaptiveConfig,
     latest: Option<Nnc>,
-    unreachable: Option<String>,
+    /// Why changes from the cluster do not reach us (cleared when a watch
+    /// is open again, not by any one successful request).
+    watch_problem: Option<String>,
+    /// Why our requests for more addresses do not reach the cluster
+    /// (cleared by a patch that is applied).
+    patch_problem: Option<String>,
     parked: Vec<Parked>,
     /// Networks whose waiters should be retried (addresses were released).
     woken: Vec<String>,
@@ -75,7 +80,8 @@ impl Adaptive {
             metrics,
             config,
             latest: None,
-            unreachable: None,
+            watch_problem: None,
+            patch_problem: None,
             parked: Vec::new(),
             woken: Vec::new(),
             cancelled: Vec::new(),
@@ -200,7 +206,7 @@ impl Adaptive {
             && !status.can_allocate
             && status.ip_family == Family::V4.as_str()
         {
-            match &self.unreachable {
+            match self.problem() {
                 None => {
                     status.can_allocate = true;
                     status.detail.clear();
@@ -208,7 +214,7 @@ impl Adaptive {
                 }
                 Some(why) => {
                     status.detail = format!(
-                        "{}; more cannot be requested: the API server is unreachable ({why})",
+                        "{}; more cannot be requested: the API server is unreachable or refuses us ({why})",
                         status.detail
                     );
                 }
@@ -217,9 +223,18 @@ impl Adaptive {
         reply
     }
 
+    /// Every failure that stops the node from growing, in words.
+    fn problem(&self) -> Option<String> {
+        match (&self.watch_problem, &self.patch_problem) {
+            (None, None) => None,
+            (Some(one), None) | (None, Some(one)) => Some(one.clone()),
+            (Some(watch), Some(patch)) => Some(format!("{watch}; {patch}")),
+        }
+    }
+
     fn annotate_health(&self, mut reply: Response) -> Response {
         if let (Some(why), Some(response::Kind::Health(health))) =
-            (&self.unreachable, reply.kind.as_mut())
+            (self.problem(), reply.kind.as_mut())
         {
             health.detail = format!(
                 "{} (degraded: serving from local blocks; {why})",
@@ -246,7 +261,13 @@ impl Adaptive {
                     );
                 }
                 KubeEvent::Nnc(nnc) => {
-                    self.unreachable = None;
+                    if nnc.truncated {
+                        log::warn(
+                            "daemon",
+                            "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
+                            &[("max_entries", &nnc::MAX_ENTRIES)],
+                        );
+                    }
                     match monitor::sync_blocks(engine.store_mut(), &nnc) {
                         Ok(synced) => {
                             self.metrics.refused_pod_cidrs(
@@ -266,7 +287,6 @@ impl Adaptive {
                     self.latest = Some(nnc);
                 }
                 KubeEvent::NodePodCidrs(cidrs) => {
-                    self.unreachable = None;
                     match monitor::sync_node_cidrs(
                         engine.store_mut(),
                         &self.config.node_network,
@@ -281,25 +301,29 @@ impl Adaptive {
                 }
                 KubeEvent::Unreachable(why) => {
                     self.metrics.api_error();
-                    self.unreachable = Some(why);
+                    self.watch_problem = Some(format!("watch: {why}"));
                 }
+                KubeEvent::Watching => self.watch_problem = None,
                 KubeEvent::Patched => {
                     self.patching = None;
+                    self.patch_problem = None;
                     log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
                 }
-                KubeEvent::Conflict => {
-                    // A fresh object arrived just before this: recompute now.
+                KubeEvent::Conflict { streak } => {
+                    // A fresh object arrived just before this: recompute now
+                    // (the patcher paces what is sent).
                     self.patching = None;
                     self.next_pass = now;
+                    if streak >= worker::CONFLICT_STORM {
+                        self.metrics.api_error();
+                        self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
+                    }
                 }
                 KubeEvent::PatchFailed(why) => {
+                    // The patcher logged it and waits before the next one.
                     self.metrics.api_error();
                     self.patching = None;
-                    log::warn(
-                        "daemon",
-                        "patching the NodeNetworkConfig failed; retrying later",
-                        &[("error", &why)],
-                    );
+                    self.patch_problem = Some(format!("patch: {why}"));
                 }
             }
         }
