@@ -840,3 +840,39 @@ fn a_malformed_ca_degrades_like_other_tls_failures() {
         "nothing may be sent without a CA"
     );
 }
+
+#[test]
+fn the_shipped_conflist_grows_in_nnc_mode() {
+    let dir = TestDir::new("kube-deploy-conflist");
+    // The cloud counts the node's /24 as capacity already there.
+    let api = ApiServer::start(NODE, &[], 256);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy/conflists/10-metis-ptp.conflist"),
+    )
+    .unwrap();
+    let conflist: serde_json::Value = serde_json::from_str(&shipped).unwrap();
+    // What the runtime hands the ptp plugin (and it the IPAM plugin), with
+    // only the paths pointed at this test's daemon.
+    let mut plugin = conflist["plugins"][0].clone();
+    plugin["cniVersion"] = conflist["cniVersion"].clone();
+    plugin["name"] = conflist["name"].clone();
+    plugin["ipam"]["daemonSocket"] = dir.join("metis.sock").display().to_string().into();
+    plugin["ipam"]["dbPath"] = dir.join("metis.sqlite").display().to_string().into();
+    plugin["ipam"]["logFile"] = dir.join("cni.log").display().to_string().into();
+    let config = plugin.to_string();
+    // 253 usable addresses in the /24, then the cloud's blocks.
+    let mut addresses = add_concurrently(&config, 0..130);
+    addresses.extend(add_concurrently(&config, 130..270));
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 270, "duplicate addresses");
+    assert!(addresses.iter().any(|a| a.starts_with("198.19.")));
+    let state = api.state();
+    assert!(state.pods("default").unwrap() >= 270, "{:?}", state.nnc);
+    assert!(
+        state.pods("pods").is_none(),
+        "capacity asked for the wrong network"
+    );
+}
