@@ -876,3 +876,55 @@ fn the_shipped_conflist_grows_in_nnc_mode() {
         "capacity asked for the wrong network"
     );
 }
+
+/// The daemon's resident memory in KiB.
+fn rss_kib(daemon: &TestDaemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
+    let dir = TestDir::new("kube-huge");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "100ms"]);
+    api.wait_until("a watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "first").run(&config));
+    // 300 small entries: the first 256 are read, the rest reported.
+    let entries = |count: u32| {
+        (0..count)
+            .map(|i| {
+                status_entry(
+                    &format!("e{i}"),
+                    &format!("198.19.{}.{}/32", i / 256, i % 256),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    api.set_status(serde_json::Value::Array(entries(300)));
+    wait_for("the capped list", Duration::from_secs(60), || {
+        blocks_in_db(&dir).len() == 1 + 256
+    });
+    assert!(daemon.log().contains("lists more entries than Metis reads"));
+    // 25,000 entries (2.5 MB, over the 2 MiB cap; the issue's 50,000 are
+    // twice that): refused whole, the daemon degrades and keeps serving,
+    // and its memory stays far below the DaemonSet's 256Mi.
+    api.set_status(serde_json::Value::Array(entries(25_000)));
+    wait_for("the refusal", Duration::from_secs(30), || {
+        health_detail(&daemon).contains("degraded")
+    });
+    assert_ok(&Plugin::new("ADD", "second").run(&config));
+    assert!(daemon.log().contains("API watch failed"));
+    let rss = rss_kib(&daemon);
+    assert!(rss < 64 * 1024, "daemon RSS {rss} KiB");
+}

@@ -16,7 +16,7 @@ const NODE_PATH: &str = "/api/v1/nodes";
 /// `spec.releasableCIDRs`, `status.podCIDRs`); the rest is ignored and
 /// reported. A node holds at most a few hundred pods, so a status with
 /// more than this many blocks is broken, not big.
-pub const MAX_ENTRIES: usize = 1024;
+pub const MAX_ENTRIES: usize = 256;
 
 /// Which object a watch follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
