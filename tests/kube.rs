@@ -928,3 +928,55 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
     let rss = rss_kib(&daemon);
     assert!(rss < 64 * 1024, "daemon RSS {rss} KiB");
 }
+
+#[test]
+fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
+    let dir = TestDir::new("kube-cooling");
+    let api = ApiServer::start(NODE, &[], 4);
+    // No new blocks ever: only the cooling address can serve the waiter.
+    api.state().controller = false;
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &[
+            "-v",
+            "1",
+            "--cidr-source",
+            "nnc",
+            "--monitor-interval",
+            "100ms",
+            "--release-cooldown",
+            "1s",
+            "--scale-up-wait",
+            "30s",
+        ],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    api.wait_until("the first request", Duration::from_secs(10), |s| {
+        s.pods("default").is_some()
+    });
+    let requested = api.state().pods("default");
+    let patches = api.state().count("PATCH", 200);
+    assert_ok(&Plugin::new("DEL", "holder").run(&config));
+    // The only address cools for a second; the waiter parks meanwhile and
+    // is served when it comes free.
+    let output = Plugin::new("ADD", "waiter").run(&config);
+    assert_ok(&output);
+    assert!(
+        daemon
+            .log()
+            .contains("waiters retry when a cooling address comes free"),
+        "{}",
+        daemon.log()
+    );
+    assert_eq!(common::json(&output)["ips"][0]["address"], "198.18.0.2/30");
+    // The cooling address was enough: nothing more was asked for.
+    let state = api.state();
+    assert_eq!(state.pods("default"), requested);
+    assert_eq!(state.count("PATCH", 200), patches);
+}

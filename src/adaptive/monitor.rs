@@ -3,7 +3,7 @@
 //! store changes plus at most one patch. The decisions themselves are the
 //! pure functions of [`super::policy`].
 
-use super::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
+use super::policy::{self, BlockLoad, Load, LowUtilization};
 use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc, NncPatch, PodCidr};
 use crate::log;
@@ -14,6 +14,9 @@ use crate::store::{AddOutcome, BlockFilter, BlockState, Source, Store, StoreErro
 pub struct MonitorConfig {
     pub draining_expiration_ms: i64,
     pub sustained_low_utilization_ms: i64,
+    /// `--scale-up-wait`: cooling addresses that come free within it count
+    /// as capacity on its way.
+    pub scale_up_wait_ms: i64,
 }
 
 /// What one pass decided besides its store changes.
@@ -21,8 +24,6 @@ pub struct MonitorConfig {
 pub struct PassOutcome {
     /// The patch to send, if anything changed.
     pub patch: Option<NncPatch>,
-    /// Many addresses are cooling: look again shortly.
-    pub push_back: bool,
     /// (action, network) for metrics: scale_up, drain, release, delete.
     pub actions: Vec<(&'static str, String)>,
 }
@@ -172,29 +173,24 @@ pub fn pass(
     let mut releasable: Vec<PodCidr> = Vec::new();
     for network in store.networks()? {
         let usage = store.usage(&network, Family::V4, now_ms)?;
+        let cooling = store.cooling(
+            &network,
+            Family::V4,
+            now_ms,
+            now_ms.saturating_add(config.scale_up_wait_ms),
+        )?;
         let load = Load {
             allocated: usage.allocated,
             pending: pending(&network),
             total: usage.total,
             granted: usage.total.saturating_sub(ungranted(store, nnc, &network)?),
-            cooldown: usage.cooldown,
+            cooling_soon: cooling.by_then,
         };
         if load.total == 0 {
             continue;
         }
         let current = nnc.pods(&network).unwrap_or(0);
-        let desired = match policy::scale_up(load, current) {
-            ScaleUp::PushBack => {
-                log::debug(
-                    "monitor",
-                    "many addresses cooling; not scaling yet",
-                    &[("network", &network)],
-                );
-                outcome.push_back = true;
-                current
-            }
-            ScaleUp::Desired(desired) => desired,
-        };
+        let desired = policy::scale_up(load, current);
         for _ in 0..drain_if_idle(store, &network, load, config, now_ms)? {
             outcome.actions.push(("drain", network.clone()));
         }
@@ -365,6 +361,7 @@ mod tests {
     const CONFIG: MonitorConfig = MonitorConfig {
         draining_expiration_ms: 5 * HOUR,
         sustained_low_utilization_ms: 8 * 3_600_000,
+        scale_up_wait_ms: 9_000,
     };
 
     fn nnc(version: &str, pods: Option<i64>, status: &[&str], releasable: &[&str]) -> Nnc {
@@ -442,7 +439,6 @@ mod tests {
                 releasable: Vec::new(),
             })
         );
-        assert!(!outcome.push_back);
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
         // Nothing changed: no patch.
         let settled = nnc("6", Some(35), &[], &[]);

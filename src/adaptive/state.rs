@@ -32,8 +32,9 @@ pub struct AdaptiveConfig {
     pub pending_timeout: Duration,
 }
 
-/// Re-check soon after a push-back (many addresses cooling).
-const PUSH_BACK_INTERVAL: Duration = Duration::from_secs(2);
+/// Retry a little after a cooling address's release time, not before it
+/// (clock rounding would otherwise make the retry miss by a millisecond).
+const COOLED_MARGIN: Duration = Duration::from_millis(5);
 
 /// A response owed to a connection.
 pub type Delivery = (u64, Response);
@@ -60,6 +61,9 @@ pub struct Adaptive {
     parked: Vec<Parked>,
     /// Networks whose waiters should be retried (addresses were released).
     woken: Vec<String>,
+    /// When a cooling address of a network with waiters comes free: its
+    /// waiters are retried then, before any new block arrives.
+    cooling_wake: BTreeMap<String, Instant>,
     /// Parked ADDs cancelled by a DEL of their owner, answered next round.
     cancelled: Vec<Delivery>,
     next_pass: Instant,
@@ -84,6 +88,7 @@ impl Adaptive {
             patch_problem: None,
             parked: Vec::new(),
             woken: Vec::new(),
+            cooling_wake: BTreeMap::new(),
             cancelled: Vec::new(),
             next_pass: now,
             patching: None,
@@ -98,7 +103,8 @@ impl Adaptive {
     pub fn next_deadline(&self) -> Option<Instant> {
         let parked = self.parked.iter().map(|p| p.deadline).min();
         let pass = (self.config.source == Kind::Nnc).then_some(self.next_pass);
-        parked.into_iter().chain(pass).min()
+        let cooling = self.cooling_wake.values().min().copied();
+        parked.into_iter().chain(pass).chain(cooling).min()
     }
 
     /// Parked requests of a network (the monitor's "pending").
@@ -353,6 +359,7 @@ impl Adaptive {
     pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
         let mut deliveries = std::mem::take(&mut self.cancelled);
         let mut networks = std::mem::take(&mut self.woken);
+        networks.sort();
         networks.dedup();
         for network in &networks {
             deliveries.extend(self.retry(network, engine));
@@ -363,9 +370,61 @@ impl Adaptive {
     /// Answers parked requests whose time is up, and runs the monitor pass
     /// when due.
     pub fn tick(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
-        let deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
+        let mut deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
+        deliveries.extend(self.retry_cooled(engine, now));
         if self.config.source == Kind::Nnc && now >= self.next_pass {
             self.run_pass(engine, now);
+        }
+        deliveries
+    }
+
+    /// Retries the waiters of networks whose first cooling address is free
+    /// now, and schedules the next such retry for every network that still
+    /// has waiters.
+    fn retry_cooled(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
+        let due: Vec<String> = self
+            .cooling_wake
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(network, _)| network.clone())
+            .collect();
+        let mut deliveries = Vec::new();
+        for network in due {
+            self.cooling_wake.remove(&network);
+            deliveries.extend(self.retry(&network, engine));
+        }
+        // Read both clocks together: release times are wall-clock ms.
+        let (instant, now_ms) = (Instant::now(), log::now_ms());
+        let mut waiting: Vec<String> = self.parked.iter().map(|p| p.network.clone()).collect();
+        waiting.sort();
+        waiting.dedup();
+        self.cooling_wake
+            .retain(|network, _| waiting.contains(network));
+        for network in waiting {
+            if self.cooling_wake.contains_key(&network) {
+                continue;
+            }
+            match engine.store().cooling(&network, Family::V4, now_ms, now_ms) {
+                Ok(cooling) => {
+                    if let Some(first) = cooling.first_free_ms {
+                        let wait = u64::try_from(first.saturating_sub(now_ms)).unwrap_or(0);
+                        log::debug(
+                            "daemon",
+                            "waiters retry when a cooling address comes free",
+                            &[("network", &network), ("in_ms", &wait)],
+                        );
+                        self.cooling_wake.insert(
+                            network,
+                            instant + Duration::from_millis(wait) + COOLED_MARGIN,
+                        );
+                    }
+                }
+                Err(err) => log::warn(
+                    "daemon",
+                    "cannot read cooling addresses",
+                    &[("network", &network), ("error", &err)],
+                ),
+            }
         }
         deliveries
     }
@@ -421,6 +480,10 @@ impl Adaptive {
 
     fn run_pass(&mut self, engine: &mut Engine, now: Instant) {
         self.next_pass = now + self.config.monitor_interval;
+        // Waiters are also retried every pass, so none waits past a free
+        // address whatever freed it (a missed wake-up costs one interval).
+        self.woken
+            .extend(self.parked.iter().map(|p| p.network.clone()));
         let Some(nnc) = &self.latest else {
             return;
         };
@@ -440,9 +503,6 @@ impl Adaptive {
             Ok(outcome) => {
                 for (action, network) in &outcome.actions {
                     self.metrics.monitor_action(action, network);
-                }
-                if outcome.push_back {
-                    self.next_pass = self.next_pass.min(now + PUSH_BACK_INTERVAL);
                 }
                 match outcome.patch {
                     Some(patch) => {
@@ -473,6 +533,11 @@ impl Adaptive {
                 family: Family::V4, ..
             } = outcome
             {
+                log::debug(
+                    "daemon",
+                    "retried a waiting request; still no address",
+                    &[("network", &network)],
+                );
                 break;
             }
             let reply = outcome.into_response();

@@ -399,6 +399,7 @@ fn adaptive_settings(
             source,
             node_network: node_network.to_string(),
             monitor: MonitorConfig {
+                scale_up_wait_ms: duration(parsed, "--scale-up-wait")?,
                 draining_expiration_ms: duration(parsed, "--draining-expiration")?,
                 sustained_low_utilization_ms: duration(
                     parsed,
