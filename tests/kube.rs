@@ -916,11 +916,20 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
         blocks_in_db(&dir).len() == 1 + 256
     });
     assert!(daemon.log().contains("lists more entries than Metis reads"));
-    // 25,000 entries (2.5 MB, over the 2 MiB cap; the 50,000 are
-    // twice that): refused whole, the daemon degrades and keeps serving,
-    // and its memory stays far below the DaemonSet's 256Mi.
-    api.set_status(serde_json::Value::Array(entries(25_000)));
-    wait_for("the refusal", Duration::from_secs(30), || {
+    // An object over the 2 MiB cap (the 50,000 entries were 5 MB;
+    // here 300 entries padded to 8 KB each, cheap to build in a debug
+    // test): refused whole, the daemon degrades and keeps serving, and its
+    // memory stays far below the DaemonSet's 256Mi.
+    let padding = "x".repeat(8 * 1024);
+    let padded: Vec<serde_json::Value> = entries(300)
+        .into_iter()
+        .map(|mut entry| {
+            entry["padding"] = padding.clone().into();
+            entry
+        })
+        .collect();
+    api.set_status(serde_json::Value::Array(padded));
+    wait_for("the refusal", Duration::from_secs(60), || {
         health_detail(&daemon).contains("degraded")
     });
     assert_ok(&Plugin::new("ADD", "second").run(&config));
