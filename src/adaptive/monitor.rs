@@ -35,8 +35,9 @@ pub struct Synced {
     pub grown: Vec<String>,
     /// Networks of released blocks deleted locally.
     pub deleted: Vec<String>,
-    /// Entries refused (overlapping another block, or too large), in words.
-    pub refused: Vec<String>,
+    /// Entries refused (overlapping another block, or too large); each is
+    /// logged as a warning.
+    pub refused: u64,
 }
 
 /// Brings local blocks in line with the status: Ready IPv4 pod CIDRs not
@@ -62,10 +63,8 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
             continue;
         }
         let outcome = store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms());
-        if let Some(why) = refusal(&outcome) {
-            synced
-                .refused
-                .push(format!("{cidr} ({}): {why}", entry.network));
+        if is_refusal(&outcome) {
+            synced.refused += 1;
         }
         if was_added(outcome)? {
             log::info(
@@ -98,14 +97,12 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
     Ok(synced)
 }
 
-/// Why the store refused a granted block, if it did.
-fn refusal(outcome: &Result<AddOutcome, StoreError>) -> Option<String> {
-    match outcome {
-        Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
-            Some(err.to_string())
-        }
-        _ => None,
-    }
+/// Whether the store refused a granted block (see [`was_added`]).
+fn is_refusal(outcome: &Result<AddOutcome, StoreError>) -> bool {
+    matches!(
+        outcome,
+        Err(StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))
+    )
 }
 
 /// A granted block the store refuses (it overlaps a block of the node's
@@ -418,6 +415,33 @@ mod tests {
             .unwrap();
         assert_eq!(blocks.len(), 1, "IPv6 is not taken from the status");
         assert_eq!(blocks[0].network, "only-in-status");
+    }
+
+    #[test]
+    fn refused_entries_are_counted_and_the_rest_synced() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let snapshot = nnc(
+            "1",
+            None,
+            &[
+                "198.19.4.0/27",
+                "198.19.4.0/28",
+                "198.0.0.0/11",
+                "198.19.5.0/28",
+            ],
+            &[],
+        );
+        let synced = sync_blocks(&mut store, &snapshot).unwrap();
+        assert_eq!(synced.refused, 2);
+        assert_eq!(synced.grown, vec!["default".to_string()]);
+        let cidrs: Vec<String> = store
+            .blocks(&BlockFilter::default())
+            .unwrap()
+            .into_iter()
+            .map(|b| b.cidr)
+            .collect();
+        assert_eq!(cidrs, vec!["198.19.4.0/27", "198.19.5.0/28"]);
     }
 
     #[test]

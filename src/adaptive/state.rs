@@ -276,9 +276,7 @@ impl Adaptive {
                     }
                     match monitor::sync_blocks(engine.store_mut(), &nnc) {
                         Ok(synced) => {
-                            self.metrics.refused_pod_cidrs(
-                                u64::try_from(synced.refused.len()).unwrap_or(u64::MAX),
-                            );
+                            self.metrics.refused_pod_cidrs(synced.refused);
                             for network in &synced.deleted {
                                 self.metrics.monitor_action("delete", network);
                             }
