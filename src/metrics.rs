@@ -54,6 +54,10 @@ struct Counters {
     /// network → requests parked right now.
     parked: BTreeMap<String, i64>,
     api_errors: u64,
+    /// NodeNetworkConfig versions older than the one applied, ignored.
+    stale_versions: u64,
+    /// `status.podCIDRs` entries refused (overlapping, too large).
+    refused_pod_cidrs: u64,
     recovered_at_boot: u64,
 }
 
@@ -104,6 +108,14 @@ impl Metrics {
 
     pub fn api_error(&self) {
         self.with(|c| c.api_errors += 1);
+    }
+
+    pub fn stale_version(&self) {
+        self.with(|c| c.stale_versions += 1);
+    }
+
+    pub fn refused_pod_cidrs(&self, count: u64) {
+        self.with(|c| c.refused_pod_cidrs += count);
     }
 
     pub fn recovered_at_boot(&self, addresses: u64) {
@@ -288,6 +300,28 @@ fn render_counters(out: &mut String, c: &Counters) {
         "Failed Kubernetes API calls.",
     );
     let _ = writeln!(out, "metis_daemon_api_server_errors_total {}", c.api_errors);
+    family(
+        out,
+        "metis_daemon_nnc_stale_versions_total",
+        "counter",
+        "NodeNetworkConfig versions ignored because a newer one was applied.",
+    );
+    let _ = writeln!(
+        out,
+        "metis_daemon_nnc_stale_versions_total {}",
+        c.stale_versions
+    );
+    family(
+        out,
+        "metis_daemon_nnc_refused_pod_cidrs_total",
+        "counter",
+        "status.podCIDRs entries refused (overlapping another block, or too large).",
+    );
+    let _ = writeln!(
+        out,
+        "metis_daemon_nnc_refused_pod_cidrs_total {}",
+        c.refused_pod_cidrs
+    );
     family(
         out,
         "metis_daemon_boot_recovered_addresses_total",

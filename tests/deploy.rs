@@ -325,6 +325,16 @@ fn every_example_conflist_passes_the_plugins_validation() {
             "{}: use documentation ranges",
             file.display()
         );
+        // The cloud publishes NodeNetworkConfig blocks for network
+        // "default": a conflist allocating under another name (its
+        // `name`, without ipam.network) would ask for capacity it never gets.
+        let conflist: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            conflist["plugins"][0]["ipam"]["network"],
+            "default",
+            "{}",
+            file.display()
+        );
         families.push((text.contains("198.18."), text.contains("2001:db8:")));
     }
     assert!(families.contains(&(true, true)), "no dual-stack example");

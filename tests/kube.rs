@@ -227,9 +227,14 @@ fn stale_watch_versions_relist() {
     {
         let mut state = api.state();
         state.controller = false;
+        // A new version (as every change has) but no event: only a relist
+        // can show it.
+        state.version += 1;
+        let version = state.version.to_string();
         let nnc = state.nnc.as_mut().unwrap();
         nnc["status"]["podCIDRs"] =
             serde_json::json!([{"id": "x", "network": "default", "cidr": "198.19.200.0/28"}]);
+        nnc["metadata"]["resourceVersion"] = serde_json::json!(version);
     }
     api.wait_until("a relist", Duration::from_secs(90), |s| {
         s.log
@@ -444,4 +449,549 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
             .contains("API server is unreachable"),
         "{error}"
     );
+}
+
+fn blocks_in_db(dir: &TestDir) -> Vec<String> {
+    let conn = db(&dir.join("metis.sqlite"));
+    let mut stmt = conn
+        .prepare("SELECT cidr FROM cidr_blocks ORDER BY cidr")
+        .unwrap();
+    stmt.query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+fn status_entry(id: &str, cidr: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "network": "default", "cidr": cidr,
+        "condition": {"type": "Ready", "status": "True"}})
+}
+
+#[test]
+fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
+    let dir = TestDir::new("kube-overlap");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
+        s.nnc.is_some()
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "first").run(&config));
+    // Overlapping the CNI range, overlapping each other, larger than a /12
+    // (refused before a row is written), and a valid entry after them all.
+    api.set_status(serde_json::json!([
+        status_entry("over-cni", "198.18.0.0/28"),
+        status_entry("wide", "198.19.4.0/27"),
+        status_entry("inside-wide", "198.19.4.0/28"),
+        status_entry("huge", "198.0.0.0/11"),
+        status_entry("last", "198.19.5.0/28"),
+    ]));
+    wait_for(
+        "the entry after the bad ones",
+        Duration::from_secs(10),
+        || blocks_in_db(&dir).contains(&"198.19.5.0/28".to_string()),
+    );
+    assert_eq!(
+        blocks_in_db(&dir),
+        vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
+    );
+    let log = daemon.log();
+    for refused in ["198.18.0.0/28", "198.19.4.0/28", "198.0.0.0/11"] {
+        assert!(
+            log.contains("refusing a podCIDR") && log.contains(refused),
+            "{refused} not reported: {log}"
+        );
+    }
+    // Every usable address once (61 + 29 + 13 = 103, one already taken).
+    let mut addresses = add_concurrently(&config, 0..102);
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 102, "an address was handed out twice");
+    // The node's address space is still one invariant: the daemon restarts.
+    drop(daemon);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    assert_ok(&Plugin::new("CHECK", "pod-7").run(&config));
+    assert_eq!(
+        blocks_in_db(&dir),
+        vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
+    );
+}
+
+#[test]
+fn a_late_event_never_resurrects_a_released_block() {
+    let dir = TestDir::new("kube-late-event");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(
+        &dir,
+        &api,
+        "nnc",
+        &[
+            "-v",
+            "1",
+            "--sustained-low-utilization-duration",
+            "200ms",
+            "--draining-expiration",
+            "200ms",
+        ],
+    );
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    add_concurrently(&config, 0..20);
+    let granted = api.state().status_cidrs();
+    assert!(!granted.is_empty(), "scale-up did not happen");
+    // The version that lists the blocks as Ready, kept for later.
+    let old = api.state().nnc.clone().unwrap();
+    for i in 0..20 {
+        assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
+    }
+    wait_for(
+        "released blocks to leave the database",
+        Duration::from_secs(30),
+        || {
+            let blocks = blocks_in_db(&dir);
+            granted.iter().all(|cidr| !blocks.contains(cidr))
+        },
+    );
+    api.deliver_late(old);
+    wait_for("the late event to be seen", Duration::from_secs(10), || {
+        daemon
+            .log()
+            .contains("ignoring an older NodeNetworkConfig version")
+    });
+    let blocks = blocks_in_db(&dir);
+    for cidr in &granted {
+        assert!(!blocks.contains(cidr), "{cidr} came back: {blocks:?}");
+    }
+}
+
+#[test]
+fn a_del_cancels_its_parked_add() {
+    let dir = TestDir::new("kube-del-cancels");
+    let api = ApiServer::start(NODE, &[], 4);
+    let (_daemon, config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
+    assert_ok(&Plugin::new("DEL", "waiter").run(&config));
+    let output = waiter.join().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let error = common::json(&output);
+    assert_eq!(error["code"], 11, "{error}");
+    assert!(
+        error["msg"]
+            .as_str()
+            .unwrap()
+            .contains("ADD cancelled: a DEL"),
+        "{error}"
+    );
+    // An address frees up: nothing is allocated to the deleted container.
+    assert_ok(&Plugin::new("DEL", "holder").run(&config));
+    let held: i64 = db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE container_id = 'waiter'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(held, 0);
+}
+
+#[test]
+fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
+    let dir = TestDir::new("kube-recreated");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    add_concurrently(&config, 0..30);
+    for i in 0..30 {
+        assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
+    }
+    let handed_out = api.state().next_block;
+    assert!(handed_out >= 2, "scale-up did not happen");
+    // Someone deletes the object; the daemon re-creates it and keeps its
+    // blocks, which the new status does not list.
+    api.delete_nnc();
+    api.wait_until(
+        "the re-created object's request",
+        Duration::from_secs(30),
+        |s| s.pods("default").is_some(),
+    );
+    // Twenty monitor passes with nothing to change.
+    let passes = |log: &str| log.matches("pass complete, nothing to change").count();
+    let before = passes(&daemon.log());
+    wait_for("twenty idle passes", Duration::from_secs(30), || {
+        passes(&daemon.log()) >= before + 20
+    });
+    let state = api.state();
+    assert_eq!(state.next_block, handed_out, "the cloud was asked for more");
+    assert!(state.status_cidrs().is_empty());
+    assert_eq!(
+        state.pods("default"),
+        Some(16),
+        "only the CNI range is granted"
+    );
+}
+
+fn health_detail(daemon: &TestDaemon) -> String {
+    let health = metis::wire::client::Client::connect(
+        &daemon.socket,
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+    .call(&metis::wire::Request {
+        kind: Some(metis::wire::request::Kind::Health(Default::default())),
+    })
+    .unwrap();
+    match health.kind {
+        Some(metis::wire::response::Kind::Health(h)) => h.detail,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Every gap between consecutive `times` is at least `floor`: the pacing
+/// the daemon promises (load can only make gaps longer).
+fn assert_gaps_at_least(times: &[std::time::Instant], floor: Duration, what: &str) {
+    for pair in times.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= floor, "{what}: {gap:?} < {floor:?} in {times:?}");
+    }
+}
+
+#[test]
+fn a_failing_watch_backs_off_to_the_cap_without_relisting() {
+    let dir = TestDir::new("kube-watch-storm");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_watches = Some((500, None));
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    api.wait_until("eight failed watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 500) >= 8
+    });
+    let state = api.state();
+    // Listed (and created) once, then only watches: one request per
+    // failure, each after a pause of at least the cap (500 ms first step,
+    // capped at 300 ms).
+    let first_watch = state.log.iter().position(|(m, _, _)| m == "WATCH").unwrap();
+    assert!(
+        state.log[first_watch..]
+            .iter()
+            .all(|(m, _, _)| m == "WATCH"),
+        "{:?}",
+        state.log
+    );
+    let watches = state.times("WATCH", 500);
+    assert_gaps_at_least(&watches, Duration::from_millis(300), "watch retries");
+    drop(state);
+    let detail = health_detail(&daemon);
+    assert!(
+        detail.contains("degraded") && detail.contains("watch:"),
+        "{detail}"
+    );
+    assert!(daemon.log().contains("API watch failed, retrying"));
+    // Back: a watch opens and health is clean again.
+    api.state().fail_watches = None;
+    api.wait_until("a watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    wait_for("health to clear", Duration::from_secs(10), || {
+        !health_detail(&daemon).contains("degraded")
+    });
+}
+
+#[test]
+fn retry_after_is_honoured() {
+    let dir = TestDir::new("kube-retry-after");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_watches = Some((429, Some(1)));
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "50ms"]);
+    api.wait_until("three throttled watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 429) >= 3
+    });
+    let watches = api.state().times("WATCH", 429);
+    assert_gaps_at_least(&watches, Duration::from_secs(1), "Retry-After: 1");
+}
+
+#[test]
+fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
+    let dir = TestDir::new("kube-patch-403");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().fail_patches = Some((403, None));
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    // A first block makes the monitor ask for its pods.
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    api.wait_until("four refused patches", Duration::from_secs(30), |s| {
+        s.count("PATCH", 403) >= 4
+    });
+    let patches = api.state().times("PATCH", 403);
+    // Monitor passes run every 100 ms; patches only after each pause.
+    assert_gaps_at_least(&patches, Duration::from_millis(300), "patch retries");
+    let detail = health_detail(&daemon);
+    assert!(
+        detail.contains("degraded") && detail.contains("patch:"),
+        "{detail}"
+    );
+    assert!(detail.contains("403"), "{detail}");
+    api.state().fail_patches = None;
+    api.wait_until("a patch", Duration::from_secs(10), |s| {
+        s.count("PATCH", 200) >= 1
+    });
+    wait_for("health to clear", Duration::from_secs(10), || {
+        !health_detail(&daemon).contains("degraded")
+    });
+}
+
+#[test]
+fn a_conflict_storm_is_paced_and_reported() {
+    let dir = TestDir::new("kube-409-storm");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().inject_conflicts = 1_000;
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
+    // A first block makes the monitor ask for its pods.
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "one").run(&config));
+    api.wait_until("six conflicts", Duration::from_secs(30), |s| {
+        s.count("PATCH", 409) >= 6
+    });
+    let state = api.state();
+    let conflicts = state.times("PATCH", 409);
+    assert_gaps_at_least(&conflicts, Duration::from_millis(300), "409 retries");
+    // Each conflict costs the patch and one re-read of the object.
+    let reads = state
+        .log
+        .iter()
+        .filter(|(m, p, s)| m == "GET" && p.ends_with(NODE) && *s == 200)
+        .count();
+    assert!(
+        reads <= conflicts.len() + 1,
+        "{reads} re-reads for {} conflicts",
+        conflicts.len()
+    );
+    drop(state);
+    let detail = health_detail(&daemon);
+    assert!(detail.contains("conflicts in a row"), "{detail}");
+    assert!(daemon.log().contains("patches keep conflicting"));
+}
+
+#[test]
+fn an_idle_node_sends_one_request_per_watch() {
+    let dir = TestDir::new("kube-idle");
+    let api = ApiServer::start(NODE, &[], 64);
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--api-watch-timeout", "1s"]);
+    api.wait_until("the first watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    let first = api.state().log.len() - 1;
+    api.wait_until("four more watches", Duration::from_secs(30), |s| {
+        s.count("WATCH", 200) >= 5
+    });
+    let state = api.state();
+    let since: Vec<_> = state.log[first..]
+        .iter()
+        .map(|(m, _, _)| m.as_str())
+        .collect();
+    // Idle, the only requests are watches, each lasting its timeout: with
+    // the default --api-watch-timeout (5m, so 5-10 min) that is at most
+    // 0.2 requests per minute.
+    assert!(since.iter().all(|m| *m == "WATCH"), "{since:?}");
+    let watches = state.times("WATCH", 200);
+    assert_gaps_at_least(&watches, Duration::from_secs(1), "idle watches");
+    for query in &state.queries[first..] {
+        assert!(
+            query.contains("timeoutSeconds=1&") || query.contains("timeoutSeconds=2&"),
+            "{query}"
+        );
+    }
+}
+
+#[test]
+fn a_malformed_ca_degrades_like_other_tls_failures() {
+    let dir = TestDir::new("kube-bad-ca");
+    let api = ApiServer::start(NODE, &[], 64);
+    let kubeconfig = dir.join("kubeconfig");
+    // "-----BEGIN" and nothing else: not a certificate bundle.
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    certificate-authority-data: LS0tLS1CRUdJTg==\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+            api.addr
+        ),
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &["--cidr-source", "nnc", "--api-max-backoff", "100ms"],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "local").run(&config));
+    wait_for(
+        "the daemon to report itself degraded",
+        Duration::from_secs(10),
+        || {
+            let detail = health_detail(&daemon);
+            detail.contains("degraded") && detail.contains("client setup")
+        },
+    );
+    assert!(
+        api.state().log.is_empty(),
+        "nothing may be sent without a CA"
+    );
+}
+
+#[test]
+fn the_shipped_conflist_grows_in_nnc_mode() {
+    let dir = TestDir::new("kube-deploy-conflist");
+    // The cloud counts the node's /24 as capacity already there.
+    let api = ApiServer::start(NODE, &[], 256);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy/conflists/10-metis-ptp.conflist"),
+    )
+    .unwrap();
+    let conflist: serde_json::Value = serde_json::from_str(&shipped).unwrap();
+    // What the runtime hands the ptp plugin (and it the IPAM plugin), with
+    // only the paths pointed at this test's daemon.
+    let mut plugin = conflist["plugins"][0].clone();
+    plugin["cniVersion"] = conflist["cniVersion"].clone();
+    plugin["name"] = conflist["name"].clone();
+    plugin["ipam"]["daemonSocket"] = dir.join("metis.sock").display().to_string().into();
+    plugin["ipam"]["dbPath"] = dir.join("metis.sqlite").display().to_string().into();
+    plugin["ipam"]["logFile"] = dir.join("cni.log").display().to_string().into();
+    let config = plugin.to_string();
+    // 253 usable addresses in the /24, then the cloud's blocks; in batches
+    // of 30 so the other tests running alongside keep their CPU.
+    let mut addresses = Vec::new();
+    for start in (0..270).step_by(30) {
+        addresses.extend(add_concurrently(&config, start..start + 30));
+    }
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 270, "duplicate addresses");
+    assert!(addresses.iter().any(|a| a.starts_with("198.19.")));
+    let state = api.state();
+    assert!(state.pods("default").unwrap() >= 270, "{:?}", state.nnc);
+    assert!(
+        state.pods("pods").is_none(),
+        "capacity asked for the wrong network"
+    );
+}
+
+/// The daemon's resident memory in KiB.
+fn rss_kib(daemon: &TestDaemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
+    let dir = TestDir::new("kube-huge");
+    let api = ApiServer::start(NODE, &[], 64);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "100ms"]);
+    api.wait_until("a watch", Duration::from_secs(10), |s| {
+        s.count("WATCH", 200) >= 1
+    });
+    let config =
+        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "first").run(&config));
+    // 300 small entries: the first 256 are read, the rest reported.
+    let entries = |count: u32| {
+        (0..count)
+            .map(|i| {
+                status_entry(
+                    &format!("e{i}"),
+                    &format!("198.19.{}.{}/32", i / 256, i % 256),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    api.set_status(serde_json::Value::Array(entries(300)));
+    wait_for("the capped list", Duration::from_secs(60), || {
+        blocks_in_db(&dir).len() == 1 + 256
+    });
+    assert!(daemon.log().contains("lists more entries than Metis reads"));
+    // An object over the 2 MiB cap (the issue's 50,000 entries were 5 MB;
+    // here 300 entries padded to 8 KB each, cheap to build in a debug
+    // test): refused whole, the daemon degrades and keeps serving, and its
+    // memory stays far below the DaemonSet's 256Mi.
+    let padding = "x".repeat(8 * 1024);
+    let padded: Vec<serde_json::Value> = entries(300)
+        .into_iter()
+        .map(|mut entry| {
+            entry["padding"] = padding.clone().into();
+            entry
+        })
+        .collect();
+    api.set_status(serde_json::Value::Array(padded));
+    wait_for("the refusal", Duration::from_secs(60), || {
+        let detail = health_detail(&daemon);
+        detail.contains("degraded") && detail.contains("watch: ")
+    });
+    assert_ok(&Plugin::new("ADD", "second").run(&config));
+    assert!(daemon.log().contains("API watch failed"));
+    let rss = rss_kib(&daemon);
+    assert!(rss < 64 * 1024, "daemon RSS {rss} KiB");
+}
+
+#[test]
+fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
+    let dir = TestDir::new("kube-cooling");
+    let api = ApiServer::start(NODE, &[], 4);
+    // No new blocks ever: only the cooling address can serve the waiter.
+    api.state().controller = false;
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &[
+            "-v",
+            "1",
+            "--cidr-source",
+            "nnc",
+            "--monitor-interval",
+            "100ms",
+            "--release-cooldown",
+            "1s",
+            "--scale-up-wait",
+            "30s",
+        ],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    );
+    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
+        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    api.wait_until("the first request", Duration::from_secs(10), |s| {
+        s.pods("default").is_some()
+    });
+    let requested = api.state().pods("default");
+    let patches = api.state().count("PATCH", 200);
+    assert_ok(&Plugin::new("DEL", "holder").run(&config));
+    // The only address cools for a second; the waiter parks meanwhile and
+    // is served when it comes free.
+    let output = Plugin::new("ADD", "waiter").run(&config);
+    assert_ok(&output);
+    assert!(
+        daemon
+            .log()
+            .contains("waiters retry when a cooling address comes free"),
+        "{}",
+        daemon.log()
+    );
+    assert_eq!(common::json(&output)["ips"][0]["address"], "198.18.0.2/30");
+    // The cooling address was enough: nothing more was asked for.
+    let state = api.state();
+    assert_eq!(state.pods("default"), requested);
+    assert_eq!(state.count("PATCH", 200), patches);
 }

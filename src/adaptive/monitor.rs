@@ -3,7 +3,7 @@
 //! store changes plus at most one patch. The decisions themselves are the
 //! pure functions of [`super::policy`].
 
-use super::policy::{self, BlockLoad, Load, LowUtilization, ScaleUp};
+use super::policy::{self, BlockLoad, Load, LowUtilization};
 use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc, NncPatch, PodCidr};
 use crate::log;
@@ -14,6 +14,9 @@ use crate::store::{AddOutcome, BlockFilter, BlockState, Source, Store, StoreErro
 pub struct MonitorConfig {
     pub draining_expiration_ms: i64,
     pub sustained_low_utilization_ms: i64,
+    /// `--scale-up-wait`: cooling addresses that come free within it count
+    /// as capacity on its way.
+    pub scale_up_wait_ms: i64,
 }
 
 /// What one pass decided besides its store changes.
@@ -21,8 +24,6 @@ pub struct MonitorConfig {
 pub struct PassOutcome {
     /// The patch to send, if anything changed.
     pub patch: Option<NncPatch>,
-    /// Many addresses are cooling: look again shortly.
-    pub push_back: bool,
     /// (action, network) for metrics: scale_up, drain, release, delete.
     pub actions: Vec<(&'static str, String)>,
 }
@@ -34,6 +35,9 @@ pub struct Synced {
     pub grown: Vec<String>,
     /// Networks of released blocks deleted locally.
     pub deleted: Vec<String>,
+    /// Entries refused (overlapping another block, or too large); each is
+    /// logged as a warning.
+    pub refused: u64,
 }
 
 /// Brings local blocks in line with the status: Ready IPv4 pod CIDRs not
@@ -58,7 +62,11 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
         if store.find_block(&entry.network, &cidr)?.is_some() {
             continue;
         }
-        if was_added(store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms()))? {
+        let outcome = store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms());
+        if is_refusal(&outcome) {
+            synced.refused += 1;
+        }
+        if was_added(outcome)? {
             log::info(
                 "monitor",
                 "Watcher adding new ready podCIDR to local DB",
@@ -87,6 +95,14 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
         }
     }
     Ok(synced)
+}
+
+/// Whether the store refused a granted block (see [`was_added`]).
+fn is_refusal(outcome: &Result<AddOutcome, StoreError>) -> bool {
+    matches!(
+        outcome,
+        Err(StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))
+    )
 }
 
 /// A granted block the store refuses (it overlaps a block of the node's
@@ -154,29 +170,25 @@ pub fn pass(
     let mut releasable: Vec<PodCidr> = Vec::new();
     for network in store.networks()? {
         let usage = store.usage(&network, Family::V4, now_ms)?;
+        let cooling = store.cooling(
+            &network,
+            Family::V4,
+            now_ms,
+            now_ms.saturating_add(config.scale_up_wait_ms),
+        )?;
         let load = Load {
             // Reserved rows are as unusable as pods' (upstream's count).
             allocated: usage.allocated.saturating_add(usage.reserved),
             pending: pending(&network),
             total: usage.total,
-            cooldown: usage.cooldown,
+            granted: usage.total.saturating_sub(ungranted(store, nnc, &network)?),
+            cooling_soon: cooling.by_then,
         };
         if load.total == 0 {
             continue;
         }
         let current = nnc.pods(&network).unwrap_or(0);
-        let desired = match policy::scale_up(load, current) {
-            ScaleUp::PushBack => {
-                log::debug(
-                    "monitor",
-                    "many addresses cooling; not scaling yet",
-                    &[("network", &network)],
-                );
-                outcome.push_back = true;
-                current
-            }
-            ScaleUp::Desired(desired) => desired,
-        };
+        let desired = policy::scale_up(load, current);
         for _ in 0..drain_if_idle(store, &network, load, config, now_ms)? {
             outcome.actions.push(("drain", network.clone()));
         }
@@ -217,6 +229,18 @@ pub fn pass(
         });
     }
     Ok(outcome)
+}
+
+/// Addresses of the network's blocks that came from a NodeNetworkConfig
+/// status which no longer lists them.
+fn ungranted(store: &Store, nnc: &Nnc, network: &str) -> Result<i64, StoreError> {
+    let mut sum = 0i64;
+    for (_, cidr) in store.nnc_only_blocks(network, Family::V4)? {
+        if status_entry(nnc, network, &cidr.to_string()).is_none() {
+            sum = sum.saturating_add(i64::try_from(cidr.size()).unwrap_or(i64::MAX));
+        }
+    }
+    Ok(sum)
 }
 
 /// The drain step, with the low-utilisation start time kept in the store so
@@ -335,6 +359,7 @@ mod tests {
     const CONFIG: MonitorConfig = MonitorConfig {
         draining_expiration_ms: 5 * HOUR,
         sustained_low_utilization_ms: 8 * 3_600_000,
+        scale_up_wait_ms: 9_000,
     };
 
     fn nnc(version: &str, pods: Option<i64>, status: &[&str], releasable: &[&str]) -> Nnc {
@@ -394,6 +419,33 @@ mod tests {
     }
 
     #[test]
+    fn refused_entries_are_counted_and_the_rest_synced() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let snapshot = nnc(
+            "1",
+            None,
+            &[
+                "198.19.4.0/27",
+                "198.19.4.0/28",
+                "198.0.0.0/11",
+                "198.19.5.0/28",
+            ],
+            &[],
+        );
+        let synced = sync_blocks(&mut store, &snapshot).unwrap();
+        assert_eq!(synced.refused, 2);
+        assert_eq!(synced.grown, vec!["default".to_string()]);
+        let cidrs: Vec<String> = store
+            .blocks(&BlockFilter::default())
+            .unwrap()
+            .into_iter()
+            .map(|b| b.cidr)
+            .collect();
+        assert_eq!(cidrs, vec!["198.19.4.0/27", "198.19.5.0/28"]);
+    }
+
+    #[test]
     fn pass_asks_for_more_pods_when_busy() {
         let dir = TempDir::new();
         let mut store = dir.store();
@@ -412,7 +464,6 @@ mod tests {
                 releasable: Vec::new(),
             })
         );
-        assert!(!outcome.push_back);
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
         // Nothing changed: no patch.
         let settled = nnc("6", Some(35), &[], &[]);

@@ -1,9 +1,9 @@
 //! The adaptive policy: how many pod addresses to ask the cluster for, and
 //! which blocks to give back. Plain functions over plain numbers, so every
 //! rule is tested without a store, a clock or an API server. Thresholds are
-//! upstream's (0.75 target after scale-up, 0.50 low-utilisation mark, more
-//! than 10 cooling addresses pushes back); ratios are computed in exact
-//! integer arithmetic.
+//! upstream's (0.75 target after scale-up, 0.50 low-utilisation mark);
+//! cooling addresses count differently (see [`scale_up`]). Ratios are
+//! computed in exact integer arithmetic.
 
 /// Address counts of one network and family, as the monitor sees them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -14,35 +14,38 @@ pub struct Load {
     pub pending: i64,
     /// Addresses in non-Deleting blocks.
     pub total: i64,
-    /// Free addresses still in release cooldown.
-    pub cooldown: i64,
+    /// The part of `total` the control plane accounts for: the node's own
+    /// ranges and the blocks its status lists. Local blocks the status no
+    /// longer lists (a deleted and re-created object) are left out, or the
+    /// request would always exceed what the status provides and the cloud
+    /// would add a block on every pass.
+    pub granted: i64,
+    /// Free addresses of Ready blocks whose release cooldown ends within
+    /// `--scale-up-wait`: capacity that is coming for a waiter in time.
+    pub cooling_soon: i64,
 }
 
-/// More cooling addresses than this means "capacity is about to come back":
-/// do not ask for more yet, look again shortly.
-pub const COOLDOWN_PUSHBACK_THRESHOLD: i64 = 10;
-
-/// What the scale-up step decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScaleUp {
-    /// Keep the current request and re-run soon (cooling addresses pending).
-    PushBack,
-    /// Ask for this many pod addresses in total.
-    Desired(i64),
-}
-
-/// Upstream's scale-up rule: ask for enough that everything held plus every
-/// waiter sits at 75 % utilisation, never less than what is held plus the
-/// waiters, and never less than the current request.
-pub fn scale_up(load: Load, current_pods: i64) -> ScaleUp {
-    if load.cooldown > COOLDOWN_PUSHBACK_THRESHOLD {
-        return ScaleUp::PushBack;
-    }
-    let used = load.allocated.saturating_add(load.pending).max(0);
+/// The pod count to ask for. Upstream's rule: enough that everything held
+/// plus every waiter sits at 75 % utilisation, never less than what is
+/// held plus the waiters, never less than the current request. Two
+/// differences:
+///
+/// - "held" is what the control plane granted, not the local total (local
+///   leftovers would make the request exceed the status forever);
+/// - waiters that cooling addresses will serve within `--scale-up-wait`
+///   are not waiting for the cloud. Upstream instead asks for nothing at
+///   all while more than 10 addresses cool, however far off their release
+///   and however many wait: under churn, waiters then time out next to
+///   capacity that comes too late, and nothing new is asked for. Here each
+///   waiter is counted once, either against an address that frees in time
+///   or against the request.
+pub fn scale_up(load: Load, current_pods: i64) -> i64 {
+    let unserved = load.pending.saturating_sub(load.cooling_soon.max(0)).max(0);
+    let used = load.allocated.saturating_add(unserved).max(0);
     // ceil(used / 0.75) == ceil(4 * used / 3), exactly.
     let at_target = used.saturating_mul(4).saturating_add(2) / 3;
-    let held = load.total.saturating_add(load.pending);
-    ScaleUp::Desired(at_target.max(held).max(current_pods))
+    let held = load.granted.saturating_add(unserved);
+    at_target.max(held).max(current_pods)
 }
 
 /// Whether utilisation, (allocated + pending) / total, is below one half.
@@ -127,9 +130,10 @@ mod tests {
             allocated: 45,
             pending: 10,
             total: 48,
-            cooldown: 0,
+            granted: 48,
+            cooling_soon: 0,
         };
-        assert_eq!(scale_up(load, 32), ScaleUp::Desired(74));
+        assert_eq!(scale_up(load, 32), 74);
     }
 
     #[test]
@@ -139,25 +143,51 @@ mod tests {
             allocated: 43,
             pending: 10,
             total: 80,
-            cooldown: 0,
+            granted: 80,
+            cooling_soon: 0,
         };
-        assert_eq!(scale_up(load, 64), ScaleUp::Desired(90));
+        assert_eq!(scale_up(load, 64), 90);
     }
 
     #[test]
-    fn scale_up_pushes_back_when_many_addresses_cool() {
+    fn cooling_addresses_serve_waiters_before_the_cloud_does() {
+        // 45 held of 48, 10 waiting, current 32 (the worked example).
         let load = Load {
             allocated: 45,
             pending: 10,
             total: 48,
-            cooldown: 11,
+            granted: 48,
+            cooling_soon: 0,
         };
-        assert_eq!(scale_up(load, 32), ScaleUp::PushBack);
-        let at_threshold = Load {
-            cooldown: 10,
+        assert_eq!(scale_up(load, 32), 74);
+        // 11 addresses free up within the wait: upstream would ask for
+        // nothing at all; here no waiter needs the cloud, and only the 75 %
+        // headroom over what is held remains: ceil(45 / 0.75) = 60.
+        let soon = Load {
+            cooling_soon: 11,
             ..load
         };
-        assert_eq!(scale_up(at_threshold, 32), ScaleUp::Desired(74));
+        assert_eq!(scale_up(soon, 32), 60);
+        // 4 free up in time: the other 6 waiters count.
+        // ceil((45 + 6) / 0.75) = 68.
+        let some = Load {
+            cooling_soon: 4,
+            ..load
+        };
+        assert_eq!(scale_up(some, 32), 68);
+        // Addresses cooling for longer than the wait do not count at all
+        // (the caller leaves them out of `cooling_soon`): 74 as without any.
+        // The churn case of the issue: 48 addresses, 20 allocated, 28 cool
+        // for a minute, 10 waiters, a 9 s wait: upstream asks for nothing
+        // (28 > 10) and the waiters fail; here they are asked for.
+        let churn = Load {
+            allocated: 20,
+            pending: 10,
+            total: 48,
+            granted: 48,
+            cooling_soon: 0,
+        };
+        assert_eq!(scale_up(churn, 48), 58);
     }
 
     #[test]
@@ -166,10 +196,11 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 16,
-            cooldown: 0,
+            granted: 16,
+            cooling_soon: 0,
         };
-        assert_eq!(scale_up(load, 100), ScaleUp::Desired(100));
-        assert_eq!(scale_up(load, 0), ScaleUp::Desired(16));
+        assert_eq!(scale_up(load, 100), 100);
+        assert_eq!(scale_up(load, 0), 16);
     }
 
     #[test]
@@ -179,10 +210,11 @@ mod tests {
                 allocated: used,
                 pending: 0,
                 total: 0,
-                cooldown: 0,
+                granted: 0,
+                cooling_soon: 0,
             };
             let expected = (used * 4 + 2) / 3;
-            assert_eq!(scale_up(load, 0), ScaleUp::Desired(expected));
+            assert_eq!(scale_up(load, 0), expected);
             assert!(expected * 3 >= used * 4 && (expected - 1) * 3 < used * 4 || used == 0);
         }
     }
@@ -206,7 +238,8 @@ mod tests {
             allocated: 5,
             pending: 0,
             total: 48,
-            cooldown: 20,
+            granted: 48,
+            cooling_soon: 20,
         };
         assert_eq!(blocks_to_drain(&blocks, load), vec![2]);
         // 25 active + 3 reserved = 28 >= 24: nothing to drain.
@@ -228,7 +261,8 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 256,
-            cooldown: 0,
+            granted: 256,
+            cooling_soon: 0,
         };
         assert!(blocks_to_drain(&only, load).is_empty());
         let three = [
@@ -252,7 +286,8 @@ mod tests {
             allocated: 3,
             pending: 0,
             total: 48,
-            cooldown: 0,
+            granted: 48,
+            cooling_soon: 0,
         };
         // Both newer blocks drain (3 → 19 → 35 ≥ 24 would stop after two).
         assert_eq!(blocks_to_drain(&three, load), vec![3, 2]);
@@ -287,7 +322,8 @@ mod tests {
             allocated: 40,
             pending: 0,
             total: 112,
-            cooldown: 0,
+            granted: 112,
+            cooling_soon: 0,
         };
         assert_eq!(blocks_to_drain(&blocks, load), vec![4]);
     }
@@ -298,7 +334,8 @@ mod tests {
             allocated: 5,
             pending: 0,
             total: 48,
-            cooldown: 0,
+            granted: 48,
+            cooling_soon: 0,
         };
         let high = Load {
             allocated: 24,
@@ -332,6 +369,29 @@ mod tests {
             low_utilization(waiting, Some(0), 9 * hour, 8 * hour),
             LowUtilization::Clear
         );
+    }
+
+    #[test]
+    fn blocks_the_status_no_longer_lists_are_not_asked_for_again() {
+        // A re-created object: the local /28 CNI range is granted, three
+        // /28s from the old object are not. No pod runs.
+        let load = Load {
+            allocated: 3,
+            pending: 0,
+            total: 64,
+            granted: 16,
+            cooling_soon: 0,
+        };
+        assert_eq!(scale_up(load, 0), 16);
+        // Applied to the next pass (nothing changed): a fixed point, so
+        // the cloud is never asked for another block.
+        assert_eq!(scale_up(load, 16), 16);
+        // Pods on the old blocks still count as used.
+        let busy = Load {
+            allocated: 40,
+            ..load
+        };
+        assert_eq!(scale_up(busy, 16), 54);
     }
 
     #[test]

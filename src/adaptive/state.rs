@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Outcome};
-use crate::kube::nnc::{Kind, Nnc};
+use crate::kube::nnc::{self, Kind, Nnc};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, Response, request, response};
+use crate::wire::adaptiveipam::v1::DeallocatePodIpRequest;
+use crate::wire::{Code, Request, Response, reason, request, response};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -31,8 +32,9 @@ pub struct AdaptiveConfig {
     pub pending_timeout: Duration,
 }
 
-/// Re-check soon after a push-back (many addresses cooling).
-const PUSH_BACK_INTERVAL: Duration = Duration::from_secs(2);
+/// Retry a little after a cooling address's release time, not before it
+/// (clock rounding would otherwise make the retry miss by a millisecond).
+const COOLED_MARGIN: Duration = Duration::from_millis(5);
 
 /// A response owed to a connection.
 pub type Delivery = (u64, Response);
@@ -50,10 +52,20 @@ pub struct Adaptive {
     metrics: Arc<Metrics>,
     config: AdaptiveConfig,
     latest: Option<Nnc>,
-    unreachable: Option<String>,
+    /// Why changes from the cluster do not reach us (cleared when a watch
+    /// is open again, not by any one successful request).
+    watch_problem: Option<String>,
+    /// Why our requests for more addresses do not reach the cluster
+    /// (cleared by a patch that is applied).
+    patch_problem: Option<String>,
     parked: Vec<Parked>,
     /// Networks whose waiters should be retried (addresses were released).
     woken: Vec<String>,
+    /// When a cooling address of a network with waiters comes free: its
+    /// waiters are retried then, before any new block arrives.
+    cooling_wake: BTreeMap<String, Instant>,
+    /// Parked ADDs cancelled by a DEL of their owner, answered next round.
+    cancelled: Vec<Delivery>,
     next_pass: Instant,
     /// The resource version a patch is in flight for: no second patch is
     /// computed from the same version until the first one is answered.
@@ -72,9 +84,12 @@ impl Adaptive {
             metrics,
             config,
             latest: None,
-            unreachable: None,
+            watch_problem: None,
+            patch_problem: None,
             parked: Vec::new(),
             woken: Vec::new(),
+            cooling_wake: BTreeMap::new(),
+            cancelled: Vec::new(),
             next_pass: now,
             patching: None,
         }
@@ -88,7 +103,8 @@ impl Adaptive {
     pub fn next_deadline(&self) -> Option<Instant> {
         let parked = self.parked.iter().map(|p| p.deadline).min();
         let pass = (self.config.source == Kind::Nnc).then_some(self.next_pass);
-        parked.into_iter().chain(pass).min()
+        let cooling = self.cooling_wake.values().min().copied();
+        parked.into_iter().chain(pass).chain(cooling).min()
     }
 
     /// Parked requests of a network (the monitor's "pending").
@@ -122,20 +138,49 @@ impl Adaptive {
         };
         match &request.kind {
             Some(request::Kind::Deallocate(req)) => {
+                self.cancel_parked(req, now);
                 let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
                 if released {
-                    let network = if req.network.is_empty() {
-                        crate::defaults::DEFAULT_NETWORK
-                    } else {
-                        &req.network
-                    };
-                    self.woken.push(network.to_string());
+                    self.woken
+                        .push(network_or_default(&req.network).to_string());
                 }
                 Some(reply)
             }
             Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
             Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
             _ => Some(reply),
+        }
+    }
+
+    /// A DEL overtook its owner's parked ADD: the ADD must not allocate
+    /// after the DEL has returned, so it is taken out of the queue before
+    /// the DEL is answered and told why.
+    fn cancel_parked(&mut self, del: &DeallocatePodIpRequest, now: Instant) {
+        let network = network_or_default(&del.network);
+        let (cancelled, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| p.network == network && same_owner(&p.request, del));
+        self.parked = waiting;
+        if cancelled.is_empty() {
+            return;
+        }
+        self.publish_parked();
+        for parked in cancelled {
+            log::info(
+                "daemon",
+                "DEL arrived for a waiting ADD; cancelling the ADD",
+                &[("network", &network), ("container", &del.container_id)],
+            );
+            let reply = Response::error(
+                Code::Unavailable,
+                reason::ADD_CANCELLED,
+                format!(
+                    "ADD cancelled: a DEL for container {} arrived while it waited for addresses",
+                    del.container_id
+                ),
+            );
+            self.observe(&parked, reply.code(), now);
+            self.cancelled.push((parked.conn_id, reply));
         }
     }
 
@@ -167,7 +212,7 @@ impl Adaptive {
             && !status.can_allocate
             && status.ip_family == Family::V4.as_str()
         {
-            match &self.unreachable {
+            match self.problem() {
                 None => {
                     status.can_allocate = true;
                     status.detail.clear();
@@ -175,7 +220,7 @@ impl Adaptive {
                 }
                 Some(why) => {
                     status.detail = format!(
-                        "{}; more cannot be requested: the API server is unreachable ({why})",
+                        "{}; more cannot be requested: the API server is unreachable or refuses us ({why})",
                         status.detail
                     );
                 }
@@ -184,9 +229,18 @@ impl Adaptive {
         reply
     }
 
+    /// Every failure that stops the node from growing, in words.
+    fn problem(&self) -> Option<String> {
+        match (&self.watch_problem, &self.patch_problem) {
+            (None, None) => None,
+            (Some(one), None) | (None, Some(one)) => Some(one.clone()),
+            (Some(watch), Some(patch)) => Some(format!("{watch}; {patch}")),
+        }
+    }
+
     fn annotate_health(&self, mut reply: Response) -> Response {
         if let (Some(why), Some(response::Kind::Health(health))) =
-            (&self.unreachable, reply.kind.as_mut())
+            (self.problem(), reply.kind.as_mut())
         {
             health.detail = format!(
                 "{} (degraded: serving from local blocks; {why})",
@@ -202,10 +256,27 @@ impl Adaptive {
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
             match event {
+                KubeEvent::Nnc(nnc) if self.is_stale(&nnc) => {
+                    // A late watch event or a re-read that lost a race:
+                    // applying it could bring back a released block.
+                    self.metrics.stale_version();
+                    log::debug(
+                        "daemon",
+                        "ignoring an older NodeNetworkConfig version",
+                        &[("version", &nnc.resource_version)],
+                    );
+                }
                 KubeEvent::Nnc(nnc) => {
-                    self.unreachable = None;
+                    if nnc.truncated {
+                        log::warn(
+                            "daemon",
+                            "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
+                            &[("max_entries", &nnc::MAX_ENTRIES)],
+                        );
+                    }
                     match monitor::sync_blocks(engine.store_mut(), &nnc) {
                         Ok(synced) => {
+                            self.metrics.refused_pod_cidrs(synced.refused);
                             for network in &synced.deleted {
                                 self.metrics.monitor_action("delete", network);
                             }
@@ -220,7 +291,6 @@ impl Adaptive {
                     self.latest = Some(nnc);
                 }
                 KubeEvent::NodePodCidrs(cidrs) => {
-                    self.unreachable = None;
                     match monitor::sync_node_cidrs(
                         engine.store_mut(),
                         &self.config.node_network,
@@ -235,25 +305,29 @@ impl Adaptive {
                 }
                 KubeEvent::Unreachable(why) => {
                     self.metrics.api_error();
-                    self.unreachable = Some(why);
+                    self.watch_problem = Some(format!("watch: {why}"));
                 }
+                KubeEvent::Watching => self.watch_problem = None,
                 KubeEvent::Patched => {
                     self.patching = None;
+                    self.patch_problem = None;
                     log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
                 }
-                KubeEvent::Conflict => {
-                    // A fresh object arrived just before this: recompute now.
+                KubeEvent::Conflict { streak } => {
+                    // A fresh object arrived just before this: recompute now
+                    // (the patcher paces what is sent).
                     self.patching = None;
                     self.next_pass = now;
+                    if streak >= worker::CONFLICT_STORM {
+                        self.metrics.api_error();
+                        self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
+                    }
                 }
                 KubeEvent::PatchFailed(why) => {
+                    // The patcher logged it and waits before the next one.
                     self.metrics.api_error();
                     self.patching = None;
-                    log::warn(
-                        "daemon",
-                        "patching the NodeNetworkConfig failed; retrying later",
-                        &[("error", &why)],
-                    );
+                    self.patch_problem = Some(format!("patch: {why}"));
                 }
             }
         }
@@ -270,23 +344,85 @@ impl Adaptive {
         deliveries
     }
 
+    /// Whether `nnc` is not newer than the version already applied.
+    fn is_stale(&self, nnc: &Nnc) -> bool {
+        self.latest
+            .as_ref()
+            .is_some_and(|latest| !nnc::is_newer(&nnc.resource_version, &latest.resource_version))
+    }
+
     /// Retries waiters of networks where addresses were just released
     /// (upstream leaves them waiting for a block that may never come).
+    /// Also answers the ADDs cancelled by a DEL.
     pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
+        let mut deliveries = std::mem::take(&mut self.cancelled);
         let mut networks = std::mem::take(&mut self.woken);
+        networks.sort();
         networks.dedup();
-        networks
-            .iter()
-            .flat_map(|network| self.retry(network, engine))
-            .collect()
+        for network in &networks {
+            deliveries.extend(self.retry(network, engine));
+        }
+        deliveries
     }
 
     /// Answers parked requests whose time is up, and runs the monitor pass
     /// when due.
     pub fn tick(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
-        let deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
+        let mut deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
+        deliveries.extend(self.retry_cooled(engine, now));
         if self.config.source == Kind::Nnc && now >= self.next_pass {
             self.run_pass(engine, now);
+        }
+        deliveries
+    }
+
+    /// Retries the waiters of networks whose first cooling address is free
+    /// now, and schedules the next such retry for every network that still
+    /// has waiters.
+    fn retry_cooled(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
+        let due: Vec<String> = self
+            .cooling_wake
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(network, _)| network.clone())
+            .collect();
+        let mut deliveries = Vec::new();
+        for network in due {
+            self.cooling_wake.remove(&network);
+            deliveries.extend(self.retry(&network, engine));
+        }
+        // Read both clocks together: release times are wall-clock ms.
+        let (instant, now_ms) = (Instant::now(), log::now_ms());
+        let mut waiting: Vec<String> = self.parked.iter().map(|p| p.network.clone()).collect();
+        waiting.sort();
+        waiting.dedup();
+        self.cooling_wake
+            .retain(|network, _| waiting.contains(network));
+        for network in waiting {
+            if self.cooling_wake.contains_key(&network) {
+                continue;
+            }
+            match engine.store().cooling(&network, Family::V4, now_ms, now_ms) {
+                Ok(cooling) => {
+                    if let Some(first) = cooling.first_free_ms {
+                        let wait = u64::try_from(first.saturating_sub(now_ms)).unwrap_or(0);
+                        log::debug(
+                            "daemon",
+                            "waiters retry when a cooling address comes free",
+                            &[("network", &network), ("in_ms", &wait)],
+                        );
+                        self.cooling_wake.insert(
+                            network,
+                            instant + Duration::from_millis(wait) + COOLED_MARGIN,
+                        );
+                    }
+                }
+                Err(err) => log::warn(
+                    "daemon",
+                    "cannot read cooling addresses",
+                    &[("network", &network), ("error", &err)],
+                ),
+            }
         }
         deliveries
     }
@@ -342,6 +478,10 @@ impl Adaptive {
 
     fn run_pass(&mut self, engine: &mut Engine, now: Instant) {
         self.next_pass = now + self.config.monitor_interval;
+        // Waiters are also retried every pass, so none waits past a free
+        // address whatever freed it (a missed wake-up costs one interval).
+        self.woken
+            .extend(self.parked.iter().map(|p| p.network.clone()));
         let Some(nnc) = &self.latest else {
             return;
         };
@@ -361,9 +501,6 @@ impl Adaptive {
             Ok(outcome) => {
                 for (action, network) in &outcome.actions {
                     self.metrics.monitor_action(action, network);
-                }
-                if outcome.push_back {
-                    self.next_pass = self.next_pass.min(now + PUSH_BACK_INTERVAL);
                 }
                 match outcome.patch {
                     Some(patch) => {
@@ -394,6 +531,11 @@ impl Adaptive {
                 family: Family::V4, ..
             } = outcome
             {
+                log::debug(
+                    "daemon",
+                    "retried a waiting request; still no address",
+                    &[("network", &network)],
+                );
                 break;
             }
             let reply = outcome.into_response();
@@ -422,4 +564,24 @@ impl Adaptive {
         }
         self.metrics.set_parked(counts);
     }
+}
+
+fn network_or_default(network: &str) -> &str {
+    if network.is_empty() {
+        crate::defaults::DEFAULT_NETWORK
+    } else {
+        network
+    }
+}
+
+/// Whether a parked request is an ADD of the DEL's owner (container and
+/// interface, either family).
+fn same_owner(parked: &Request, del: &DeallocatePodIpRequest) -> bool {
+    let Some(request::Kind::Allocate(add)) = &parked.kind else {
+        return false;
+    };
+    [&add.ipv4_config, &add.ipv6_config]
+        .into_iter()
+        .flatten()
+        .any(|c| c.container_id == del.container_id && c.interface_name == del.interface_name)
 }

@@ -14,7 +14,7 @@ use crate::defaults::{DEFAULT_DB_PATH, DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
 use crate::duration::parse_duration_ms;
 use crate::flags::{self, FlagError, FlagSpec, Parsed};
 #[cfg(feature = "kube")]
-use crate::kube::{self, config::ApiConfig, nnc::Kind};
+use crate::kube::{self, backoff::ApiTiming, config::ApiConfig, nnc::Kind};
 use crate::store::{Durability, ReserveMode};
 
 const FLAGS: &[FlagSpec] = &[
@@ -126,6 +126,22 @@ const FLAGS: &[FlagSpec] = &[
         help: "how often the monitor re-evaluates scale-up, drain and release",
     },
     FlagSpec {
+        name: "--api-watch-timeout",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "5m",
+        help: "each watch of the API server lasts a random 1-2x this; an idle node sends one \
+               request per watch",
+    },
+    FlagSpec {
+        name: "--api-max-backoff",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "60s",
+        help: "longest pause between retries of failed API requests (plus up to half again \
+               as jitter; a longer Retry-After is honoured up to 5m)",
+    },
+    FlagSpec {
         name: "--draining-expiration",
         value: Some("DURATION"),
         repeatable: false,
@@ -194,6 +210,7 @@ pub struct Config {
 pub struct AdaptiveSettings {
     pub api: ApiConfig,
     pub node_name: String,
+    pub timing: ApiTiming,
     pub adaptive: AdaptiveConfig,
 }
 
@@ -399,10 +416,15 @@ fn adaptive_settings(
     Ok(Some(AdaptiveSettings {
         api,
         node_name: node_name(lookup)?,
+        timing: ApiTiming {
+            watch_timeout: positive(parsed, "--api-watch-timeout")?,
+            max_backoff: positive(parsed, "--api-max-backoff")?,
+        },
         adaptive: AdaptiveConfig {
             source,
             node_network: node_network.to_string(),
             monitor: MonitorConfig {
+                scale_up_wait_ms: duration(parsed, "--scale-up-wait")?,
                 draining_expiration_ms: duration(parsed, "--draining-expiration")?,
                 sustained_low_utilization_ms: duration(
                     parsed,

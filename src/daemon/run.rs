@@ -169,9 +169,16 @@ fn follow_cluster(
     let Some(settings) = &config.adaptive else {
         return Ok(None);
     };
-    let client = ApiClient::new(&settings.api).map_err(|err| DaemonError::Kube(err.to_string()))?;
-    let link = kube::worker::spawn(client, settings.node_name.clone(), settings.adaptive.source)
-        .map_err(|err| DaemonError::Kube(err.to_string()))?;
+    // The longest watch the server may be asked for (1–2× the timeout).
+    let longest_watch = settings.timing.watch_timeout.saturating_mul(2);
+    let client = ApiClient::new_or_broken(&settings.api, longest_watch);
+    let link = kube::worker::spawn(
+        client,
+        settings.node_name.clone(),
+        settings.adaptive.source,
+        settings.timing,
+    )
+    .map_err(|err| DaemonError::Kube(err.to_string()))?;
     log::info(
         "daemon",
         "following the cluster",

@@ -15,12 +15,11 @@ use super::config::{ApiConfig, Auth, read_file};
 
 /// Deadline for one ordinary request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the API server keeps one watch open (`timeoutSeconds`).
-pub const WATCH_SECONDS: u64 = 60;
-/// Largest JSON body accepted from the API server.
-const MAX_BODY: u64 = 16 * 1024 * 1024;
-/// Longest watch event line accepted.
-const MAX_EVENT_LINE: u64 = 4 * 1024 * 1024;
+/// Largest JSON body, and longest watch event line, accepted from the API
+/// server: etcd stores no object above 1.5 MiB, and a NodeNetworkConfig
+/// within the entry caps of `nnc` is far smaller. A larger answer is an
+/// error (the daemon degrades) rather than memory the DaemonSet lacks.
+pub const MAX_BODY: u64 = 2 * 1024 * 1024;
 
 /// A failed API call.
 #[derive(Debug)]
@@ -29,8 +28,13 @@ pub enum KubeError {
     Config(String),
     /// No HTTP response: connection refused, timeout, TLS failure.
     Transport(String),
-    /// The server answered with a non-success status.
-    Status { code: u16, body: String },
+    /// The server answered with a non-success status (and maybe a
+    /// `Retry-After`).
+    Status {
+        code: u16,
+        body: String,
+        retry_after: Option<Duration>,
+    },
     /// The body is not the JSON expected.
     Decode(String),
 }
@@ -39,6 +43,14 @@ impl KubeError {
     pub fn is_status(&self, code: u16) -> bool {
         matches!(self, KubeError::Status { code: c, .. } if *c == code)
     }
+
+    /// How long the server asked us to wait, if it did.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            KubeError::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
 }
 
 impl fmt::Display for KubeError {
@@ -46,7 +58,7 @@ impl fmt::Display for KubeError {
         match self {
             KubeError::Config(msg) => write!(f, "client setup: {msg}"),
             KubeError::Transport(msg) => write!(f, "API server unreachable: {msg}"),
-            KubeError::Status { code, body } => {
+            KubeError::Status { code, body, .. } => {
                 let body: String = body.chars().take(300).collect();
                 write!(f, "API server answered {code}: {body}")
             }
@@ -70,11 +82,43 @@ pub struct ApiClient {
     watch_agent: Agent,
     server: String,
     auth: Auth,
+    /// Why every request fails without being sent (bad TLS material).
+    broken: Option<String>,
 }
 
 impl ApiClient {
-    pub fn new(config: &ApiConfig) -> Result<ApiClient, KubeError> {
-        let tls = tls_config(config)?;
+    /// A client; `longest_watch` bounds how long one watch stream may last.
+    pub fn new(config: &ApiConfig, longest_watch: Duration) -> Result<ApiClient, KubeError> {
+        Ok(ApiClient::build(
+            config,
+            tls_config(config)?,
+            longest_watch,
+            None,
+        ))
+    }
+
+    /// Like [`ApiClient::new`], but bad client settings (a malformed CA,
+    /// key or certificate) give a client whose every request fails with
+    /// them: the daemon serves its local blocks and reports itself
+    /// degraded, as for any other TLS failure, instead of not starting.
+    pub fn new_or_broken(config: &ApiConfig, longest_watch: Duration) -> ApiClient {
+        match ApiClient::new(config, longest_watch) {
+            Ok(client) => client,
+            Err(err) => ApiClient::build(
+                config,
+                TlsConfig::builder().build(),
+                longest_watch,
+                Some(err.to_string()),
+            ),
+        }
+    }
+
+    fn build(
+        config: &ApiConfig,
+        tls: TlsConfig,
+        longest_watch: Duration,
+        broken: Option<String>,
+    ) -> ApiClient {
         let agent: Agent = Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(REQUEST_TIMEOUT))
@@ -85,25 +129,35 @@ impl ApiClient {
             .http_status_as_error(false)
             .timeout_connect(Some(REQUEST_TIMEOUT))
             .timeout_recv_response(Some(REQUEST_TIMEOUT))
-            .timeout_recv_body(Some(Duration::from_secs(WATCH_SECONDS + 30)))
+            .timeout_recv_body(Some(longest_watch.saturating_add(Duration::from_secs(30))))
             .tls_config(tls)
             .build()
             .into();
-        Ok(ApiClient {
+        ApiClient {
             agent,
             watch_agent,
             server: config.server.clone(),
             auth: config.auth.clone(),
-        })
+            broken,
+        }
+    }
+
+    fn usable(&self) -> Result<(), KubeError> {
+        match &self.broken {
+            Some(why) => Err(KubeError::Config(why.clone())),
+            None => Ok(()),
+        }
     }
 
     pub fn get(&self, path: &str) -> Result<Value, KubeError> {
+        self.usable()?;
         let request = self.agent.get(self.url(path));
         let response = with_auth(request, &self.auth)?.call();
         json_body(response)
     }
 
     pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        self.usable()?;
         let request = self
             .agent
             .post(self.url(path))
@@ -115,6 +169,7 @@ impl ApiClient {
     /// A JSON merge patch (RFC 7386); include `metadata.resourceVersion` for
     /// optimistic concurrency (a stale version answers 409).
     pub fn merge_patch(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        self.usable()?;
         let request = self
             .agent
             .patch(self.url(path))
@@ -126,19 +181,25 @@ impl ApiClient {
     /// Opens a watch; `path` must already carry `watch=true` and the
     /// resource version. Events are read lazily from the stream.
     pub fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
+        self.usable()?;
         let request = self.watch_agent.get(self.url(path));
         let response = with_auth(request, &self.auth)?
             .call()
             .map_err(|err| KubeError::Transport(err.to_string()))?;
         let status = response.status().as_u16();
         if !(200..300).contains(&status) {
+            let retry_after = retry_after(&response);
             let body = response
                 .into_body()
                 .with_config()
                 .limit(MAX_BODY)
                 .read_to_string()
                 .unwrap_or_default();
-            return Err(KubeError::Status { code: status, body });
+            return Err(KubeError::Status {
+                code: status,
+                body,
+                retry_after,
+            });
         }
         Ok(WatchStream {
             reader: BufReader::new(Box::new(response.into_body().into_reader())),
@@ -162,7 +223,7 @@ impl Iterator for WatchStream {
         loop {
             let mut line = Vec::new();
             let read = (&mut self.reader)
-                .take(MAX_EVENT_LINE)
+                .take(MAX_BODY)
                 .read_until(b'\n', &mut line);
             match read {
                 Ok(0) => return None,
@@ -207,6 +268,7 @@ fn json_body(
 ) -> Result<Value, KubeError> {
     let mut response = response.map_err(|err| KubeError::Transport(err.to_string()))?;
     let status = response.status().as_u16();
+    let retry_after = retry_after(&response);
     let body = response
         .body_mut()
         .with_config()
@@ -214,9 +276,19 @@ fn json_body(
         .read_to_string()
         .map_err(|err| KubeError::Transport(err.to_string()))?;
     if !(200..300).contains(&status) {
-        return Err(KubeError::Status { code: status, body });
+        return Err(KubeError::Status {
+            code: status,
+            body,
+            retry_after,
+        });
     }
     serde_json::from_str(&body).map_err(|err| KubeError::Decode(err.to_string()))
+}
+
+/// `Retry-After` in seconds (the API server never sends an HTTP date).
+fn retry_after<B>(response: &ureq::http::Response<B>) -> Option<Duration> {
+    let value = response.headers().get("retry-after")?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
 fn tls_config(config: &ApiConfig) -> Result<TlsConfig, KubeError> {
@@ -285,12 +357,24 @@ mod tests {
                 ..Default::default()
             },
         };
-        assert!(matches!(ApiClient::new(&config), Err(KubeError::Config(_))));
+        let watch = Duration::from_secs(60);
+        assert!(matches!(
+            ApiClient::new(&config, watch),
+            Err(KubeError::Config(_))
+        ));
+        // The daemon's client: every request fails with the reason, unsent.
+        let broken = ApiClient::new_or_broken(&config, watch);
+        let err = broken.get("/api/v1/nodes/n1").err().unwrap();
+        assert!(
+            err.to_string().contains("PEM") || err.to_string().contains("no certificate"),
+            "{err}"
+        );
+        assert!(broken.watch("/api/v1/nodes").is_err());
         let no_ca = ApiConfig {
             tls: Default::default(),
             ..config
         };
-        let err = ApiClient::new(&no_ca).err().unwrap();
+        let err = ApiClient::new(&no_ca, watch).err().unwrap();
         assert!(err.to_string().contains("needs a CA"), "{err}");
     }
 }

@@ -2,6 +2,7 @@
 //! threads of its own that never touch SQLite; they hand the daemon's loop
 //! typed events over a channel and wake it through a pipe.
 
+pub mod backoff;
 pub mod client;
 pub mod config;
 pub mod nnc;

@@ -6,11 +6,17 @@
 
 use serde_json::{Value, json};
 
-use super::client::{ApiClient, KubeError, WATCH_SECONDS};
+use super::client::{ApiClient, KubeError};
 use crate::defaults::DEFAULT_NETWORK;
 
 const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
 const NODE_PATH: &str = "/api/v1/nodes";
+
+/// Entries read from each list of the object (`spec.allocations`,
+/// `spec.releasableCIDRs`, `status.podCIDRs`); the rest is ignored and
+/// reported. A node holds at most a few hundred pods, so a status with
+/// more than this many blocks is broken, not big.
+pub const MAX_ENTRIES: usize = 256;
 
 /// Which object a watch follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,10 +43,11 @@ impl Kind {
         format!("{}?fieldSelector=metadata.name%3D{name}", self.collection())
     }
 
-    /// A watch of just this node's object from `resource_version`.
-    pub fn watch_path(self, name: &str, resource_version: &str) -> String {
+    /// A watch of just this node's object from `resource_version`, ended
+    /// by the server after `seconds`.
+    pub fn watch_path(self, name: &str, resource_version: &str, seconds: u64) -> String {
         format!(
-            "{}?fieldSelector=metadata.name%3D{name}&watch=true&allowWatchBookmarks=true&timeoutSeconds={WATCH_SECONDS}&resourceVersion={resource_version}",
+            "{}?fieldSelector=metadata.name%3D{name}&watch=true&allowWatchBookmarks=true&timeoutSeconds={seconds}&resourceVersion={resource_version}",
             self.collection()
         )
     }
@@ -78,6 +85,8 @@ pub struct Nnc {
     /// `spec.releasableCIDRs`, whole objects.
     pub releasable: Vec<PodCidr>,
     pub pod_cidrs: Vec<StatusCidr>,
+    /// A list held more than [`MAX_ENTRIES`]; only the first were read.
+    pub truncated: bool,
 }
 
 impl Nnc {
@@ -111,11 +120,19 @@ impl Nnc {
                 })
             })
             .collect();
+        let truncated = [
+            &value["spec"]["allocations"],
+            &value["spec"]["releasableCIDRs"],
+            &value["status"]["podCIDRs"],
+        ]
+        .iter()
+        .any(|l| l.as_array().is_some_and(|a| a.len() > MAX_ENTRIES));
         Nnc {
             resource_version: resource_version(value),
             allocations,
             releasable,
             pod_cidrs,
+            truncated,
         }
     }
 
@@ -148,8 +165,19 @@ pub fn resource_version(value: &Value) -> String {
         .to_string()
 }
 
+/// Whether `candidate` is a later version of the object than `current`.
+/// Resource versions are etcd revisions (integers that only grow, across a
+/// delete and re-create too); a version that is not one cannot be ordered
+/// and counts as newer only if it differs.
+pub fn is_newer(candidate: &str, current: &str) -> bool {
+    match (candidate.parse::<u64>(), current.parse::<u64>()) {
+        (Ok(candidate), Ok(current)) => candidate > current,
+        _ => candidate != current,
+    }
+}
+
 fn list(value: &Value) -> impl Iterator<Item = &Value> {
-    value.as_array().into_iter().flatten()
+    value.as_array().into_iter().flatten().take(MAX_ENTRIES)
 }
 
 /// Makes sure this node's NodeNetworkConfig exists, created with the Node
@@ -259,6 +287,17 @@ mod tests {
     }
 
     #[test]
+    fn lists_are_capped() {
+        let entries: Vec<Value> = (0..MAX_ENTRIES + 5)
+            .map(|i| json!({"cidr": format!("198.18.{}.{}/32", i / 256, i % 256)}))
+            .collect();
+        let nnc = Nnc::parse(&json!({"status": {"podCIDRs": entries}}));
+        assert_eq!(nnc.pod_cidrs.len(), MAX_ENTRIES);
+        assert!(nnc.truncated);
+        assert!(!Nnc::parse(&json!({"status": {"podCIDRs": []}})).truncated);
+    }
+
+    #[test]
     fn node_pod_cidrs_merge_both_fields() {
         let node = json!({"spec": {"podCIDR": "198.18.0.0/24", "podCIDRs": ["198.18.0.0/24", "2001:db8::/64"]}});
         assert_eq!(
@@ -271,10 +310,19 @@ mod tests {
     #[test]
     fn paths_select_only_this_node() {
         assert_eq!(
-            Kind::Nnc.watch_path("n1", "7"),
-            "/apis/networking.gke.io/v1/nodenetworkconfigs?fieldSelector=metadata.name%3Dn1&watch=true&allowWatchBookmarks=true&timeoutSeconds=60&resourceVersion=7"
+            Kind::Nnc.watch_path("n1", "7", 420),
+            "/apis/networking.gke.io/v1/nodenetworkconfigs?fieldSelector=metadata.name%3Dn1&watch=true&allowWatchBookmarks=true&timeoutSeconds=420&resourceVersion=7"
         );
         assert_eq!(Kind::Node.item_path("n1"), "/api/v1/nodes/n1");
+    }
+
+    #[test]
+    fn versions_are_ordered_as_numbers() {
+        assert!(is_newer("10", "9"));
+        assert!(!is_newer("9", "10"), "a late event is stale");
+        assert!(!is_newer("10", "10"), "the same version is not news");
+        assert!(is_newer("1", ""), "anything beats no version");
+        assert!(is_newer("abc", "9") && !is_newer("abc", "abc"));
     }
 
     #[test]

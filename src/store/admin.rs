@@ -6,8 +6,8 @@ use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params, 
 
 use super::reserve::block_reserved;
 use super::{
-    AddressFilter, BlockFilter, BlockInfo, BlockState, Store, StoreError, Table, Usage, parse_cidr,
-    parse_family, parse_state,
+    AddressFilter, BlockFilter, BlockInfo, BlockState, Cooling, Store, StoreError, Table, Usage,
+    parse_cidr, parse_family, parse_state,
 };
 use crate::cidr::Family;
 
@@ -286,6 +286,31 @@ impl Store {
         usage.reserved = count("a.is_allocated = TRUE AND a.container_id = ''", None)?;
         usage.allocated = allocated_rows.saturating_sub(usage.reserved);
         Ok(usage)
+    }
+
+    /// Cooling addresses of the network's Ready blocks (the ones a new
+    /// allocation can get once their cooldown ends): how many come free by
+    /// `until_ms`, and when the first does (Unix ms).
+    pub fn cooling(
+        &self,
+        network: &str,
+        family: Family,
+        now_ms: i64,
+        until_ms: i64,
+    ) -> Result<Cooling, StoreError> {
+        let (by_then, first_free_ms) = self
+            .conn
+            .prepare_cached(
+                "SELECT COUNT(CASE WHEN a.release_at <= ?4 THEN 1 END), MIN(a.release_at)                  FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id                  WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready'                    AND a.is_allocated = FALSE AND a.release_at > ?3",
+            )?
+            .query_row(
+                params![network, family.as_str(), now_ms, until_ms],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+        Ok(Cooling {
+            by_then,
+            first_free_ms,
+        })
     }
 
     /// Distinct networks of non-Deleting blocks, sorted.

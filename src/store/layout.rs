@@ -277,6 +277,25 @@ impl Store {
         Ok(outcome)
     }
 
+    /// The network's non-Deleting blocks that only the NodeNetworkConfig
+    /// accounts for (no static or Node source): (block id, CIDR).
+    pub fn nnc_only_blocks(
+        &self,
+        network: &str,
+        family: Family,
+    ) -> Result<Vec<(i64, Cidr)>, StoreError> {
+        let nnc = Source::Nnc.as_str();
+        Ok(placed(&self.conn, network, family)?
+            .into_iter()
+            .filter(|p| {
+                p.sources
+                    .as_ref()
+                    .is_some_and(|s| s.len() == 1 && s.contains(nnc))
+            })
+            .map(|p| (p.id, p.cidr))
+            .collect())
+    }
+
     /// Whether an address of this network may be one another network also
     /// hands out (the network opted in to a separate address space).
     pub fn is_isolated(&self, network: &str) -> Result<bool, StoreError> {

@@ -169,6 +169,15 @@ pub struct Usage {
     pub draining: i64,
 }
 
+/// Cooling addresses of a network's Ready blocks (see [`Store::cooling`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cooling {
+    /// How many come free by the time asked about.
+    pub by_then: i64,
+    /// When the first comes free (Unix ms), if any cools.
+    pub first_free_ms: Option<i64>,
+}
+
 /// One `cidr_blocks` row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockInfo {

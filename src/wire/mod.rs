@@ -58,6 +58,8 @@ pub mod reason {
     pub const META_NETWORK: &str = "network";
     /// Metadata key: the address family a status concerns (`ipv4`/`ipv6`).
     pub const META_IP_FAMILY: &str = "ip_family";
+    /// A parked ADD was answered because a DEL of the same owner arrived.
+    pub const ADD_CANCELLED: &str = "ADD_CANCELLED";
     /// The request kind is not served.
     pub const UNKNOWN_REQUEST: &str = "UNKNOWN_REQUEST";
 }

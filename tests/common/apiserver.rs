@@ -30,6 +30,14 @@ pub struct State {
     pub events: Vec<(u64, &'static str, &'static str, Value)>,
     /// (method, path, status) of every request answered.
     pub log: Vec<(String, String, u16)>,
+    /// When each `log` entry was answered (same index).
+    pub stamps: Vec<Instant>,
+    /// Query string of each `log` entry (same index).
+    pub queries: Vec<String>,
+    /// Watches are answered with this status (and `Retry-After` seconds).
+    pub fail_watches: Option<(u16, Option<u64>)>,
+    /// PATCHes are answered with this status (and `Retry-After` seconds).
+    pub fail_patches: Option<(u16, Option<u64>)>,
     /// The next this many PATCHes answer 409 whatever their version.
     pub inject_conflicts: u32,
     /// Capacity the node has besides status pod CIDRs (its CNI range).
@@ -75,6 +83,10 @@ impl ApiServer {
                 nnc: None,
                 events: vec![(1, "node", "ADDED", node)],
                 log: Vec::new(),
+                stamps: Vec::new(),
+                queries: Vec::new(),
+                fail_watches: None,
+                fail_patches: None,
                 inject_conflicts: 0,
                 base_capacity,
                 next_block: 0,
@@ -143,6 +155,43 @@ impl ApiServer {
             }
         };
         self.serve(listener);
+    }
+
+    /// Replaces `status.podCIDRs` (as a cloud controller would) and emits
+    /// the MODIFIED event. Returns the new resource version.
+    pub fn set_status(&self, pod_cidrs: Value) -> u64 {
+        let mut state = self.state();
+        if let Some(nnc) = state.nnc.as_mut() {
+            nnc["status"]["podCIDRs"] = pod_cidrs;
+        }
+        state.record_nnc("MODIFIED");
+        let version = state.version;
+        drop(state);
+        self.shared.changed.notify_all();
+        version
+    }
+
+    /// Delivers an old version of the object to open watches again, as a
+    /// late event would arrive (the stream position advances, the object's
+    /// `resourceVersion` stays old).
+    pub fn deliver_late(&self, object: Value) {
+        let mut state = self.state();
+        let position = state.bump();
+        state.events.push((position, "nnc", "MODIFIED", object));
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
+    /// Deletes the NodeNetworkConfig (someone else did), with its DELETED event.
+    pub fn delete_nnc(&self) {
+        let mut state = self.state();
+        if let Some(mut gone) = state.nnc.take() {
+            let version = state.bump();
+            gone["metadata"]["resourceVersion"] = json!(version.to_string());
+            state.events.push((version, "nnc", "DELETED", gone));
+        }
+        drop(state);
+        self.shared.changed.notify_all();
     }
 
     /// Forces watches from older versions to get 410 Gone.
@@ -235,6 +284,24 @@ impl State {
             .unwrap_or_default()
             .iter()
             .filter_map(|c| c["cidr"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// Records one answered request.
+    fn note(&mut self, method: &str, request: &HttpRequest, status: u16) {
+        self.log
+            .push((method.to_string(), request.path.clone(), status));
+        self.stamps.push(Instant::now());
+        self.queries.push(request.query.clone());
+    }
+
+    /// When the requests matching (method, status) were answered.
+    pub fn times(&self, method: &str, status: u16) -> Vec<Instant> {
+        self.log
+            .iter()
+            .zip(&self.stamps)
+            .filter(|((m, _, s), _)| m == method && *s == status)
+            .map(|(_, at)| *at)
             .collect()
     }
 
@@ -358,7 +425,15 @@ fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
 }
 
 fn respond(stream: &mut TcpStream, status: u16, body: &Value) {
+    respond_after(stream, status, body, None);
+}
+
+/// Answers with an optional `Retry-After` (seconds).
+fn respond_after(stream: &mut TcpStream, status: u16, body: &Value, retry_after: Option<u64>) {
     let text = body.to_string();
+    let retry = retry_after
+        .map(|s| format!("Retry-After: {s}\r\n"))
+        .unwrap_or_default();
     let reason = match status {
         200 => "OK",
         201 => "Created",
@@ -369,7 +444,7 @@ fn respond(stream: &mut TcpStream, status: u16, body: &Value) {
     };
     let _ = write!(
         stream,
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{retry}Content-Length: {}\r\nConnection: close\r\n\r\n{text}",
         text.len()
     );
 }
@@ -404,7 +479,32 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
         respond(&mut stream, 404, &status_body(404, "NotFound"));
         return;
     };
-    if request.method == "GET" && param(&request.query, "watch") == Some("true") {
+    let is_watch = request.method == "GET" && param(&request.query, "watch") == Some("true");
+    let fault = {
+        let mut state = shared.state.lock().unwrap();
+        let fault = match (is_watch, request.method.as_str()) {
+            (true, _) => state.fail_watches,
+            (false, "PATCH") => state.fail_patches,
+            _ => None,
+        };
+        if let Some((status, _)) = fault {
+            let method = if is_watch { "WATCH" } else { "PATCH" };
+            state.note(method, &request, status);
+        }
+        fault
+    };
+    if let Some((status, retry_after)) = fault {
+        shared.changed.notify_all();
+        respond_after(
+            &mut stream,
+            status,
+            &status_body(status, "Injected"),
+            retry_after,
+        );
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    if is_watch {
         watch(&mut stream, shared, stop, kind, &request);
         // The acceptor keeps a clone for `stop`: close explicitly.
         let _ = stream.shutdown(Shutdown::Both);
@@ -413,9 +513,7 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     let (status, body) = {
         let mut state = shared.state.lock().unwrap();
         let answer = answer(&mut state, kind, &request);
-        state
-            .log
-            .push((request.method.clone(), request.path.clone(), answer.0));
+        state.note(&request.method, &request, answer.0);
         answer
     };
     shared.changed.notify_all();
@@ -515,7 +613,7 @@ fn watch(
     let deadline = Instant::now() + Duration::from_secs(seconds);
     {
         let mut state = shared.state.lock().unwrap();
-        state.log.push(("WATCH".into(), request.path.clone(), 200));
+        state.note("WATCH", request, 200);
         if from < state.compacted_below {
             drop(state);
             shared.changed.notify_all();
