@@ -9,9 +9,9 @@
 
 use std::time::{Duration, Instant};
 
-use metis::cidr::Cidr;
+use metis::cidr::{Cidr, Family};
 use metis::engine::Engine;
-use metis::store::{Store, StoreOptions};
+use metis::store::{Source, Store, StoreOptions};
 
 use crate::util::{Summary, TempDir, allocate_request, allocated, release_request, released};
 
@@ -46,9 +46,25 @@ fn bench_ranges(blocks: &[Block]) -> Vec<&'static str> {
 fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
     let path = dir.join("metis.sqlite");
     let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
-    for block in blocks {
+    let mut networks: Vec<&str> = blocks.iter().map(|b| b.network).collect();
+    networks.dedup();
+    for network in networks {
+        let ranges: Vec<Cidr> = blocks
+            .iter()
+            .filter(|b| b.network == network)
+            .map(|b| b.cidr.parse().unwrap())
+            .collect();
+        // The other networks repeat the measured one's prefixes, so each is
+        // an isolated address space (one address, one owner otherwise).
         store
-            .add_cidr_block(block.network, &block.cidr.parse::<Cidr>().unwrap())
+            .configure(
+                Source::Cni,
+                network,
+                Family::V4,
+                &ranges,
+                network != "bench",
+                metis::log::now_ms(),
+            )
             .unwrap();
     }
     drop(store);
@@ -145,8 +161,8 @@ pub fn v4(samples: usize, smoke: bool) -> Vec<Point> {
     ];
     if !smoke {
         // Sixteen /16 blocks: the measured network's first block full and
-        // its second half allocated; seven other networks hold the same two
-        // prefixes (blocks are per network), half allocated.
+        // its second half allocated; seven other networks, each an isolated
+        // address space, hold the same two prefixes, half allocated.
         let mut blocks = vec![
             Block {
                 network: "bench",
