@@ -314,7 +314,18 @@ fn daemon_with_a_parked_add(
         let config = config.clone();
         std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
     };
-    // The monitor asks for more only once the waiter is parked.
+    // Parked: the daemon says so when it parks a request. (The pods asked
+    // for can grow before that — the full pool alone asks for more — so
+    // they do not tell.)
+    wait_for(
+        "the waiting ADD to be parked",
+        Duration::from_secs(10),
+        || {
+            daemon
+                .log()
+                .contains("Local store IP exhaustion detected, requesting scale up")
+        },
+    );
     api.wait_until("a scale-up request", Duration::from_secs(10), |s| {
         s.pods("default").unwrap_or(0) >= 5
     });
