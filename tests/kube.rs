@@ -33,6 +33,40 @@ fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) ->
     )
 }
 
+/// A daemon following `api` through an `https://` kubeconfig whose cluster
+/// entry also has `tls_line`. The test API server speaks plain HTTP, so
+/// every request fails in TLS.
+fn start_daemon_over_https(
+    dir: &TestDir,
+    api: &ApiServer,
+    tls_line: &str,
+    extra: &[&str],
+) -> TestDaemon {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    {tls_line}\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+            api.addr
+        ),
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut args = vec!["--cidr-source", "nnc"];
+    args.extend_from_slice(extra);
+    TestDaemon::start_with_env(
+        dir,
+        &args,
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    )
+}
+
+/// A network config for network `default`, the one the cloud publishes
+/// NodeNetworkConfig blocks for.
+fn default_conf(dir: &TestDir, version: &str, ranges: &str) -> String {
+    conf(dir, version, ranges, "").replace(r#""name":"testnet""#, r#""name":"default""#)
+}
+
 fn block_count(dir: &TestDir, state: &str) -> i64 {
     db(&dir.join("metis.sqlite"))
         .query_row(
@@ -62,8 +96,7 @@ fn scale_up_parks_requests_until_new_blocks_arrive() {
 
     // 80 pods against a /26 (61 usable addresses): the rest must wait for
     // the cluster, and every ADD must still succeed with its own address.
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     let mut addresses = add_concurrently(&config, 0..80);
     addresses.sort();
     addresses.dedup();
@@ -93,8 +126,7 @@ fn high_verbosity_shows_periodic_no_op_messages() {
     let dir = TestDir::new("kube-verbose");
     let api = ApiServer::start(NODE, &[], 64);
     let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
     wait_for(
         "a no-op monitor pass at -v 4",
@@ -122,8 +154,7 @@ fn idle_blocks_drain_expire_and_are_released_but_never_the_oldest() {
             "300ms",
         ],
     );
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     add_concurrently(&config, 0..90);
     let grown = api.state().status_cidrs().len();
     assert!(grown >= 2, "scale-up did not happen");
@@ -171,8 +202,7 @@ fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
 
     api.stop();
     // Local blocks keep serving while the API server is gone.
@@ -307,8 +337,7 @@ fn daemon_with_a_parked_add(
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config = conf(dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     let waiter = {
         let config = config.clone();
@@ -378,27 +407,12 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
     // handshake, which must surface as a degraded daemon, never a crash.
     let dir = TestDir::new("kube-tls");
     let api = ApiServer::start(NODE, &[], 64);
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    insecure-skip-tls-verify: true\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
-            api.addr
-        ),
-    )
-    .unwrap();
-    let kubeconfig = kubeconfig.display().to_string();
-    let daemon = TestDaemon::start_with_env(
-        &dir,
-        &["--cidr-source", "nnc"],
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
-    );
+    let daemon = start_daemon_over_https(&dir, &api, "insecure-skip-tls-verify: true", &[]);
     // The plain server never answers a ClientHello: the request deadline ends it.
     wait_for("a TLS failure in the log", Duration::from_secs(30), || {
         daemon.log().contains("API watch failed")
     });
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "local").run(&config));
     assert!(
         api.state().nnc.is_none(),
@@ -433,8 +447,7 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config = conf(&dir, "1.1.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.1.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     // Full, but the cluster can add blocks: ADD can be served (it waits).
     assert_ok(&Plugin::new("STATUS", "").run(&config));
@@ -487,8 +500,7 @@ fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "first").run(&config));
     // Overlapping the CNI range, overlapping each other, larger than a /12
     // (refused before a row is written), and a valid entry after them all.
@@ -547,8 +559,7 @@ fn a_late_event_never_resurrects_a_released_block() {
             "200ms",
         ],
     );
-    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     add_concurrently(&config, 0..20);
     let granted = api.state().status_cidrs();
     assert!(!granted.is_empty(), "scale-up did not happen");
@@ -611,8 +622,7 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
     let dir = TestDir::new("kube-recreated");
     let api = ApiServer::start(NODE, &[], 16);
     let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
-    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     add_concurrently(&config, 0..30);
     for i in 0..30 {
         assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
@@ -729,8 +739,7 @@ fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
     api.state().fail_patches = Some((403, None));
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
     // A first block makes the monitor ask for its pods.
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
     api.wait_until("four refused patches", Duration::from_secs(30), |s| {
         s.count("PATCH", 403) >= 4
@@ -760,8 +769,7 @@ fn a_conflict_storm_is_paced_and_reported() {
     api.state().inject_conflicts = 1_000;
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
     // A first block makes the monitor ask for its pods.
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
     api.wait_until("six conflicts", Duration::from_secs(30), |s| {
         s.count("PATCH", 409) >= 6
@@ -821,24 +829,14 @@ fn an_idle_node_sends_one_request_per_watch() {
 fn a_malformed_ca_degrades_like_other_tls_failures() {
     let dir = TestDir::new("kube-bad-ca");
     let api = ApiServer::start(NODE, &[], 64);
-    let kubeconfig = dir.join("kubeconfig");
     // "-----BEGIN" and nothing else: not a certificate bundle.
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    certificate-authority-data: LS0tLS1CRUdJTg==\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
-            api.addr
-        ),
-    )
-    .unwrap();
-    let kubeconfig = kubeconfig.display().to_string();
-    let daemon = TestDaemon::start_with_env(
+    let daemon = start_daemon_over_https(
         &dir,
-        &["--cidr-source", "nnc", "--api-max-backoff", "100ms"],
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+        &api,
+        "certificate-authority-data: LS0tLS1CRUdJTg==",
+        &["--api-max-backoff", "100ms"],
     );
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "local").run(&config));
     wait_for(
         "the daemon to report itself degraded",
@@ -913,8 +911,7 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
     api.wait_until("a watch", Duration::from_secs(10), |s| {
         s.count("WATCH", 200) >= 1
     });
-    let config =
-        conf(&dir, "1.0.0", INITIAL, "").replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "first").run(&config));
     // 300 small entries: the first 256 are read, the rest reported.
     let entries = |count: u32| {
@@ -980,8 +977,7 @@ fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
         ],
         &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
     );
-    let config = conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#, "")
-        .replace(r#""name":"testnet""#, r#""name":"default""#);
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     api.wait_until("the first request", Duration::from_secs(10), |s| {
         s.pods("default").is_some()
