@@ -122,43 +122,37 @@ pub fn final_pods(desired: i64, released: i64) -> i64 {
 mod tests {
     use super::*;
 
+    /// A load whose blocks are all granted and none of whose addresses
+    /// free up within the wait.
+    fn granted_load(allocated: i64, pending: i64, total: i64) -> Load {
+        Load {
+            allocated,
+            pending,
+            total,
+            granted: total,
+            cooling_soon: 0,
+        }
+    }
+
     // The worked examples of upstream's monitor tests (upstream-metis.md §6.1).
     #[test]
     fn scale_up_worked_example_74() {
         // /28 + /27 (total 48); 42 allocated + 3 reserved; 10 waiting; current 32.
-        let load = Load {
-            allocated: 45,
-            pending: 10,
-            total: 48,
-            granted: 48,
-            cooling_soon: 0,
-        };
+        let load = granted_load(45, 10, 48);
         assert_eq!(scale_up(load, 32), 74);
     }
 
     #[test]
     fn scale_up_worked_example_90_with_draining_block() {
         // + a draining /27 (total 80); 40 + 3 allocated; 10 waiting; current 64.
-        let load = Load {
-            allocated: 43,
-            pending: 10,
-            total: 80,
-            granted: 80,
-            cooling_soon: 0,
-        };
+        let load = granted_load(43, 10, 80);
         assert_eq!(scale_up(load, 64), 90);
     }
 
     #[test]
     fn cooling_addresses_serve_waiters_before_the_cloud_does() {
         // 45 held of 48, 10 waiting, current 32 (the worked example).
-        let load = Load {
-            allocated: 45,
-            pending: 10,
-            total: 48,
-            granted: 48,
-            cooling_soon: 0,
-        };
+        let load = granted_load(45, 10, 48);
         assert_eq!(scale_up(load, 32), 74);
         // 11 addresses free up within the wait: upstream would ask for
         // nothing at all; here no waiter needs the cloud, and only the 75 %
@@ -180,25 +174,13 @@ mod tests {
         // The churn case of the issue: 48 addresses, 20 allocated, 28 cool
         // for a minute, 10 waiters, a 9 s wait: upstream asks for nothing
         // (28 > 10) and the waiters fail; here they are asked for.
-        let churn = Load {
-            allocated: 20,
-            pending: 10,
-            total: 48,
-            granted: 48,
-            cooling_soon: 0,
-        };
+        let churn = granted_load(20, 10, 48);
         assert_eq!(scale_up(churn, 48), 58);
     }
 
     #[test]
     fn scale_up_never_lowers_the_request() {
-        let load = Load {
-            allocated: 3,
-            pending: 0,
-            total: 16,
-            granted: 16,
-            cooling_soon: 0,
-        };
+        let load = granted_load(3, 0, 16);
         assert_eq!(scale_up(load, 100), 100);
         assert_eq!(scale_up(load, 0), 16);
     }
@@ -206,13 +188,7 @@ mod tests {
     #[test]
     fn ceil_is_exact() {
         for used in 0..200 {
-            let load = Load {
-                allocated: used,
-                pending: 0,
-                total: 0,
-                granted: 0,
-                cooling_soon: 0,
-            };
+            let load = granted_load(used, 0, 0);
             let expected = (used * 4 + 2) / 3;
             assert_eq!(scale_up(load, 0), expected);
             assert!(expected * 3 >= used * 4 && (expected - 1) * 3 < used * 4 || used == 0);
@@ -257,13 +233,7 @@ mod tests {
             total: 256,
             allocated: 3,
         }];
-        let load = Load {
-            allocated: 3,
-            pending: 0,
-            total: 256,
-            granted: 256,
-            cooling_soon: 0,
-        };
+        let load = granted_load(3, 0, 256);
         assert!(blocks_to_drain(&only, load).is_empty());
         let three = [
             BlockLoad {
@@ -282,13 +252,7 @@ mod tests {
                 allocated: 3,
             },
         ];
-        let load = Load {
-            allocated: 3,
-            pending: 0,
-            total: 48,
-            granted: 48,
-            cooling_soon: 0,
-        };
+        let load = granted_load(3, 0, 48);
         // Both newer blocks drain (3 → 19 → 35 ≥ 24 would stop after two).
         assert_eq!(blocks_to_drain(&three, load), vec![3, 2]);
     }
@@ -318,25 +282,13 @@ mod tests {
             },
         ];
         // total 112, target 56; running 40 → 56 after one block: stop.
-        let load = Load {
-            allocated: 40,
-            pending: 0,
-            total: 112,
-            granted: 112,
-            cooling_soon: 0,
-        };
+        let load = granted_load(40, 0, 112);
         assert_eq!(blocks_to_drain(&blocks, load), vec![4]);
     }
 
     #[test]
     fn low_utilization_timer() {
-        let low = Load {
-            allocated: 5,
-            pending: 0,
-            total: 48,
-            granted: 48,
-            cooling_soon: 0,
-        };
+        let low = granted_load(5, 0, 48);
         let high = Load {
             allocated: 24,
             ..low
