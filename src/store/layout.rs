@@ -316,8 +316,8 @@ impl Store {
         super::check::quarantined(&self.conn)
     }
 
-    /// Fail safe instead of fail stop, run by the daemon at start and by
-    /// `admin check`'s caller: recounts wrong counters, deletes the pod-less
+    /// Fail safe instead of fail stop, run by the daemon at start (`admin
+    /// check` only reports): recounts wrong counters, deletes the pod-less
     /// side of overlapping blocks, and quarantines every block it cannot
     /// trust (`suspects` from a check, and overlaps with pods on both
     /// sides). Quarantine is recomputed from scratch each time, so a block
