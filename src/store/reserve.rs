@@ -57,6 +57,9 @@ struct Plan {
     free: Vec<(i64, i64)>,
     /// Free rows outside their block's prefix (upstream's /127, /128 bug).
     delete: Vec<i64>,
+    /// (block id, cidr, offset) of reserved positions beyond the block's
+    /// frontier (no row yet), inserted reserved so counters count them.
+    insert: Vec<(i64, Cidr, u128)>,
     warnings: Vec<String>,
     /// The full (expensive) part ran; record the layout marker.
     mark: bool,
@@ -64,7 +67,11 @@ struct Plan {
 
 impl Plan {
     fn changes(&self) -> bool {
-        !self.reserve.is_empty() || !self.free.is_empty() || !self.delete.is_empty() || self.mark
+        !self.reserve.is_empty()
+            || !self.free.is_empty()
+            || !self.delete.is_empty()
+            || !self.insert.is_empty()
+            || self.mark
     }
 }
 
@@ -164,7 +171,7 @@ impl Plan {
                     })
                     .optional()?;
                 match row {
-                    None => {} // IPv6 row not populated yet: reserved when inserted.
+                    None => self.insert.push((block.id, block.cidr, offset)),
                     Some((row_id, false, _, _)) => self.reserve.push((row_id, block.id)),
                     Some((_, true, cid, _)) if cid.is_empty() => {}
                     Some((_, true, cid, ifname)) => self.warnings.push(format!(
@@ -286,6 +293,9 @@ impl Store {
             }
             for &row_id in &plan.delete {
                 delete.execute([row_id])?;
+            }
+            for (block_id, cidr, offset) in &plan.insert {
+                super::alloc::insert_reserved_rows(&tx, *block_id, cidr, &[*offset])?;
             }
             if plan.mark {
                 super::set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;

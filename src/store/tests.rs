@@ -1807,3 +1807,27 @@ fn release_cooldown_is_settled_at_open() {
     drop(store);
     assert_eq!(open(&dir.db()).release_cooldown(), 0);
 }
+
+#[test]
+fn a_mode_change_reserves_the_unpopulated_end_of_a_lazy_block() {
+    // Under first-block the second /16 reserves nothing; switching to
+    // every-block must reserve its broadcast address, which has no row yet.
+    let dir = TempDir::new();
+    {
+        let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+        add_blocks(
+            &mut store,
+            &[("default", "198.18.0.0/16"), ("default", "198.19.0.0/16")],
+        );
+        assert_eq!(block(&store, 2).allocated_ips, 0);
+        assert_eq!(rows(&store, 2).len(), 64);
+    }
+    let store = open_mode(&dir.db(), ReserveMode::EveryBlock);
+    assert_eq!(
+        reserved_addrs(&store, 2),
+        vec!["198.19.0.0", "198.19.0.1", "198.19.255.255"]
+    );
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
+}
