@@ -1,17 +1,19 @@
 //! Scale: allocation latency as the store grows, in-process (the engine the
 //! daemon runs, without the socket, so nothing dilutes the store's cost).
 //!
-//! IPv4 stores are built with the real `add_cidr_block` and then half of
-//! every block is marked allocated with one bulk `UPDATE` (the rows look as
+//! IPv4 stores are built with the real `add_cidr_block`, every address then
+//! given a row (blocks grow lazily; this is their worst case, full) and half
+//! of every block marked allocated with one bulk `UPDATE` (the rows look as
 //! if pods held them); the measured network allocates and releases pods
 //! (cooldown 0) against that. IPv6 goes through the real allocation path for
 //! every one of its 100,000 allocations, lazy expansion included.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use metis::cidr::Cidr;
+use metis::cidr::{Cidr, Family};
 use metis::engine::Engine;
-use metis::store::{Store, StoreOptions};
+use metis::store::{Source, Store, StoreOptions};
 
 use crate::util::{Summary, TempDir, allocate_request, allocated, release_request, released};
 
@@ -46,30 +48,43 @@ fn bench_ranges(blocks: &[Block]) -> Vec<&'static str> {
 fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
     let path = dir.join("metis.sqlite");
     let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
+    let now = metis::log::now_ms();
+    let mut fillers: BTreeMap<&str, Vec<Cidr>> = BTreeMap::new();
     for block in blocks {
+        let cidr = block.cidr.parse::<Cidr>().unwrap();
+        if block.network == "bench" {
+            store.add_cidr_block(block.network, &cidr).unwrap();
+        } else {
+            fillers.entry(block.network).or_default().push(cidr);
+        }
+    }
+    // The other networks hold the measured network's prefixes again, so
+    // they are isolated (one address space each).
+    for (network, cidrs) in &fillers {
         store
-            .add_cidr_block(block.network, &block.cidr.parse::<Cidr>().unwrap())
+            .configure(Source::Cni, network, Family::V4, cidrs, true, now)
             .unwrap();
     }
     drop(store);
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch("BEGIN IMMEDIATE").unwrap();
     for block in blocks {
-        let (id, first, rows): (i64, i64, i64) = conn
+        let id: i64 = conn
             .query_row(
-                "SELECT b.id, MIN(a.id), COUNT(*) FROM cidr_blocks b \
-                 JOIN ip_addresses a ON a.cidr_block_id = b.id \
-                 WHERE b.network = ?1 AND b.cidr = ?2",
+                "SELECT id FROM cidr_blocks WHERE network = ?1 AND cidr = ?2",
                 [block.network, block.cidr],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                |r| r.get(0),
             )
             .unwrap();
-        let take = (rows as f64 * block.fill) as i64;
+        let cidr = block.cidr.parse::<Cidr>().unwrap();
+        populate(&conn, id, &cidr);
+        let take = (cidr.size() as f64 * block.fill) as i64;
         conn.execute(
             "UPDATE ip_addresses SET is_allocated = 1, container_id = 'fill-' || id, \
              interface_name = 'eth0', pod_name = 'fill', pod_namespace = 'bench', \
-             allocated_at = ?3 WHERE cidr_block_id = ?1 AND is_allocated = 0 AND id < ?2",
-            rusqlite::params![id, first + take, metis::log::now_ms()],
+             allocated_at = ?3 WHERE id IN (SELECT id FROM ip_addresses \
+             WHERE cidr_block_id = ?1 AND is_allocated = 0 ORDER BY id LIMIT ?2)",
+            rusqlite::params![id, take, now],
         )
         .unwrap();
     }
@@ -84,6 +99,27 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
     drop(conn);
     let store = Store::open(&path, &StoreOptions::default()).unwrap();
     (Engine::new(store), rows as u64)
+}
+
+/// Gives every address of IPv4 block `id` a row and moves its frontier to
+/// the end: the table holds every address, as when blocks were enumerated
+/// whole (the worst case for the allocation queries).
+fn populate(conn: &rusqlite::Connection, id: i64, cidr: &Cidr) {
+    let base = metis::cidr::to_u128(cidr.base()) as i64;
+    let size = cidr.size() as i64;
+    conn.execute(
+        "WITH RECURSIVE n(i) AS (SELECT ?3 UNION ALL SELECT i + 1 FROM n WHERE i < ?3 + ?2 - 1) \
+         INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+         SELECT (i >> 24) || '.' || ((i >> 16) & 255) || '.' || ((i >> 8) & 255) || '.' || (i & 255), \
+         ?1, '', '', 0 FROM n",
+        rusqlite::params![id, size, base],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE metis_settings SET value = ?2 WHERE key = ?1",
+        rusqlite::params![format!("ipv6_frontier/{id}"), size.to_string()],
+    )
+    .unwrap();
 }
 
 /// `samples` allocate latencies, each followed by the release of the pod.
