@@ -16,6 +16,9 @@ use crate::util::{Daemon, METIS, RANGE_V4, Summary, TempDir, allocate_request, a
 /// A /12: 1,048,576 addresses, the largest block the issue asks about.
 pub const BIG: &str = "198.16.0.0/12";
 
+/// How often the loading client adds a /12 (each in a new network).
+const BIG_ADD_EVERY: Duration = Duration::from_millis(10);
+
 /// A first ADD in network `network` (isolated, so every /12 may overlap
 /// the others) whose block is [`BIG`].
 fn big_add(network: &str) -> Request {
@@ -56,8 +59,9 @@ pub fn add_loop_time(count: usize) -> Summary {
 }
 
 /// Round trips of small ADDs (and their DELs, so the pool never drains),
-/// `samples` of them, unloaded and then while another client keeps adding
-/// /12s in fresh networks. Returns (unloaded, loaded, /12s added).
+/// `samples` of them, unloaded and then while another client adds a /12 in
+/// a fresh network every [`BIG_ADD_EVERY`]. Returns (unloaded, loaded,
+/// /12s added).
 pub fn small_add_under_big_adds(samples: usize) -> (Summary, Summary, usize) {
     let dir = TempDir::new("big-load");
     let daemon = Daemon::start(&dir, &["--release-cooldown", "0"]);
@@ -84,9 +88,13 @@ pub fn small_add_under_big_adds(samples: usize) -> (Summary, Summary, usize) {
         std::thread::spawn(move || {
             let mut added = 0usize;
             while !stop.load(Ordering::Relaxed) {
+                let next = Instant::now() + BIG_ADD_EVERY;
                 let reply = big.call(&big_add(&format!("load{added}"))).unwrap();
                 assert_eq!(reply.code(), Code::Ok, "{reply:?}");
                 added += 1;
+                // Pacing, not synchronisation: back to back, the daemon
+                // would serve the two clients in turn whatever they ask.
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
             }
             added
         })

@@ -211,7 +211,7 @@ fn report_big(plan: &Plan, report: &mut Report) {
     let (unloaded, loaded, added) = big::small_add_under_big_adds(plan.big_samples);
     let r = ratio(loaded.p99, unloaded.p99);
     report.rows.push(row(
-        "small ADD p99 while another network adds /12s, vs unloaded",
+        "small ADD p99 while another client adds a /12 every 10 ms, vs unloaded",
         ms(loaded.p99),
         ms(unloaded.p99),
         format!("{r:.2}×"),
