@@ -16,6 +16,7 @@
     clippy::cast_possible_wrap
 )] // bench code: a panic is a failure report; figures are approximate
 
+mod big;
 mod cni;
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -41,6 +42,13 @@ struct Plan {
     v6_allocations: usize,
     memory_allocations: usize,
     burst: usize,
+    /// First ADDs of a /12 timed in-process.
+    big_adds: usize,
+    /// Small ADDs timed unloaded, then again under /12 ADDs.
+    big_samples: usize,
+    /// Address rows of the start-to-healthy database, and restarts timed.
+    start_rows: u32,
+    restarts: usize,
 }
 
 const FULL: Plan = Plan {
@@ -52,6 +60,10 @@ const FULL: Plan = Plan {
     v6_allocations: 100_000,
     memory_allocations: 65_536,
     burst: 256,
+    big_adds: 50,
+    big_samples: 1000,
+    start_rows: 1 << 20,
+    restarts: 10,
 };
 
 const SMOKE: Plan = Plan {
@@ -63,6 +75,10 @@ const SMOKE: Plan = Plan {
     v6_allocations: 1_000,
     memory_allocations: 1_000,
     burst: 256,
+    big_adds: 3,
+    big_samples: 20,
+    start_rows: 4096,
+    restarts: 1,
 };
 
 fn main() {
@@ -163,19 +179,76 @@ fn run(plan: &Plan) -> String {
     let tools = TempDir::new("tools");
     let floor = build_floor(&tools);
     let mut report = Report::default();
-    eprintln!("[1/6] ADD+DEL cycles: metis, host-local, floor");
+    eprintln!("[1/7] big blocks");
+    report_big(plan, &mut report);
+    eprintln!("[2/7] ADD+DEL cycles: metis, host-local, floor");
     report_cycles(plan, &floor, &mut report);
-    eprintln!("[2/6] daemon throughput");
+    eprintln!("[3/7] daemon throughput");
     report_throughput(plan, &mut report);
-    eprintln!("[3/6] scale");
+    eprintln!("[4/7] scale");
     report_scale(plan, &mut report);
-    eprintln!("[4/6] memory");
+    eprintln!("[5/7] memory");
     report_memory(plan, &floor, &mut report);
     report_binary_size(&mut report);
-    eprintln!("[5/6] burst");
+    eprintln!("[6/7] burst");
     report_burst(plan, &mut report);
-    eprintln!("[6/6] report");
+    eprintln!("[7/7] report");
     render(plan, &report, started.elapsed())
+}
+
+/// Big blocks: loop time to add a /12, a small ADD's p99 while /12s are
+/// added next to it, start to healthy on a 1,048,576-row database.
+fn report_big(plan: &Plan, report: &mut Report) {
+    let adds = big::add_loop_time(plan.big_adds);
+    report.rows.push(row(
+        "loop time of a first ADD adding a /12 (max)",
+        ms(adds.p99),
+        String::new(),
+        String::new(),
+        "≤ 50 ms",
+        (!plan.smoke).then(|| adds.p99 <= Duration::from_millis(50)),
+    ));
+    let (unloaded, loaded, added) = big::small_add_under_big_adds(plan.big_samples);
+    let r = ratio(loaded.p99, unloaded.p99);
+    report.rows.push(row(
+        "small ADD p99 while another client adds a /12 every 10 ms, vs unloaded",
+        ms(loaded.p99),
+        ms(unloaded.p99),
+        format!("{r:.2}×"),
+        "≤ 2×",
+        (!plan.smoke).then_some(r <= 2.0),
+    ));
+    let (first, restarts) = big::start_to_healthy(plan.start_rows, plan.restarts);
+    report.rows.push(row(
+        &format!(
+            "daemon start to healthy, {} address rows, after a clean stop (median)",
+            plan.start_rows
+        ),
+        ms(restarts.median),
+        ms(first),
+        format!("{:.2}×", ratio(restarts.median, first)),
+        "≤ 200 ms",
+        (!plan.smoke).then(|| restarts.median <= Duration::from_millis(200)),
+    ));
+    report.notes.push(format!(
+        "big blocks: {} first ADDs of a /12 in-process: median {} max {}; {} small ADDs each \
+         unloaded (median {} p99 {}) and while {added} /12s were added next to them (median {} \
+         p99 {}); start to healthy over {} restarts after a clean stop: median {} p99 {}, \
+         against {} for the first start after the rows were written by another process (it \
+         reads every row).",
+        adds.count,
+        ms(adds.median),
+        ms(adds.p99),
+        plan.big_samples,
+        ms(unloaded.median),
+        ms(unloaded.p99),
+        ms(loaded.median),
+        ms(loaded.p99),
+        restarts.count,
+        ms(restarts.median),
+        ms(restarts.p99),
+        ms(first),
+    ));
 }
 
 /// ADD+DEL latency: Metis against host-local and the floor.

@@ -1,8 +1,9 @@
 //! Scale: allocation latency as the store grows, in-process (the engine the
 //! daemon runs, without the socket, so nothing dilutes the store's cost).
 //!
-//! IPv4 stores are built with the real `add_cidr_block` and then half of
-//! every block is marked allocated with one bulk `UPDATE` (the rows look as
+//! IPv4 stores are built with the real `add_cidr_block`, every address then
+//! given a row (blocks grow lazily; this is their worst case, full) and half
+//! of every block marked allocated with one bulk `UPDATE` (the rows look as
 //! if pods held them); the measured network allocates and releases pods
 //! (cooldown 0) against that. IPv6 goes through the real allocation path for
 //! every one of its 100,000 allocations, lazy expansion included.
@@ -71,21 +72,22 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch("BEGIN IMMEDIATE").unwrap();
     for block in blocks {
-        let (id, first, rows): (i64, i64, i64) = conn
+        let id: i64 = conn
             .query_row(
-                "SELECT b.id, MIN(a.id), COUNT(*) FROM cidr_blocks b \
-                 JOIN ip_addresses a ON a.cidr_block_id = b.id \
-                 WHERE b.network = ?1 AND b.cidr = ?2",
+                "SELECT id FROM cidr_blocks WHERE network = ?1 AND cidr = ?2",
                 [block.network, block.cidr],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                |r| r.get(0),
             )
             .unwrap();
-        let take = (rows as f64 * block.fill) as i64;
+        let cidr = block.cidr.parse::<Cidr>().unwrap();
+        populate(&conn, id, &cidr);
+        let take = (cidr.size() as f64 * block.fill) as i64;
         conn.execute(
             "UPDATE ip_addresses SET is_allocated = 1, container_id = 'fill-' || id, \
              interface_name = 'eth0', pod_name = 'fill', pod_namespace = 'bench', \
-             allocated_at = ?3 WHERE cidr_block_id = ?1 AND is_allocated = 0 AND id < ?2",
-            rusqlite::params![id, first + take, metis::log::now_ms()],
+             allocated_at = ?3 WHERE id IN (SELECT id FROM ip_addresses \
+             WHERE cidr_block_id = ?1 AND is_allocated = 0 ORDER BY id LIMIT ?2)",
+            rusqlite::params![id, take, metis::log::now_ms()],
         )
         .unwrap();
     }
@@ -100,6 +102,27 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
     drop(conn);
     let store = Store::open(&path, &StoreOptions::default()).unwrap();
     (Engine::new(store), rows as u64)
+}
+
+/// Gives every address of IPv4 block `id` a row and moves its frontier to
+/// the end: the table holds every address, as when blocks were enumerated
+/// whole (the worst case for the allocation queries).
+fn populate(conn: &rusqlite::Connection, id: i64, cidr: &Cidr) {
+    let base = metis::cidr::to_u128(cidr.base()) as i64;
+    let size = cidr.size() as i64;
+    conn.execute(
+        "WITH RECURSIVE n(i) AS (SELECT ?3 UNION ALL SELECT i + 1 FROM n WHERE i < ?3 + ?2 - 1) \
+         INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+         SELECT (i >> 24) || '.' || ((i >> 16) & 255) || '.' || ((i >> 8) & 255) || '.' || (i & 255), \
+         ?1, '', '', 0 FROM n",
+        rusqlite::params![id, size, base],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE metis_settings SET value = ?2 WHERE key = ?1",
+        rusqlite::params![format!("ipv6_frontier/{id}"), size.to_string()],
+    )
+    .unwrap();
 }
 
 /// `samples` allocate latencies, each followed by the release of the pod.

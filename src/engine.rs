@@ -48,10 +48,9 @@ impl Failure {
             | StoreError::RequestedIpOutsideBlocks { .. } => {
                 (Code::InvalidArgument, reason::REQUESTED_IP_UNAVAILABLE)
             }
-            StoreError::EmptyOwner
-            | StoreError::BadCidr(_)
-            | StoreError::BlockTooLarge(_)
-            | StoreError::Overlap { .. } => (Code::InvalidArgument, reason::INVALID_REQUEST),
+            StoreError::EmptyOwner | StoreError::BadCidr(_) | StoreError::Overlap { .. } => {
+                (Code::InvalidArgument, reason::INVALID_REQUEST)
+            }
             _ if err.is_corrupt() => (Code::Internal, reason::STORE_CORRUPT),
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };

@@ -99,20 +99,17 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
 
 /// Whether the store refused a granted block (see [`was_added`]).
 fn is_refusal(outcome: &Result<AddOutcome, StoreError>) -> bool {
-    matches!(
-        outcome,
-        Err(StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))
-    )
+    matches!(outcome, Err(StoreError::Overlap { .. }))
 }
 
 /// A granted block the store refuses (it overlaps a block of the node's
-/// address space, or is too large) is skipped and reported; the rest of
+/// address space) is skipped and reported; the rest of
 /// the status is still synced.
 /// Whether a block was added.
 fn was_added(outcome: Result<AddOutcome, StoreError>) -> Result<bool, StoreError> {
     match outcome {
         Ok(outcome) => Ok(matches!(outcome, AddOutcome::Added(_))),
-        Err(err @ (StoreError::Overlap { .. } | StoreError::BlockTooLarge(_))) => {
+        Err(err @ StoreError::Overlap { .. }) => {
             log::warn(
                 "monitor",
                 "refusing a podCIDR from the cluster",

@@ -414,8 +414,6 @@ fn parse_range(
     let subnet: Cidr = text
         .parse()
         .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
-    crate::store::check_block_size(&subnet)
-        .map_err(|e| CniError::invalid_config(format!("invalid {key}.subnet: {e}")))?;
     let ip = |field: &str, value: &Option<String>| -> Result<Option<IpAddr>, CniError> {
         match value.as_deref().filter(|v| !v.is_empty()) {
             None => Ok(None),
@@ -845,15 +843,12 @@ mod tests {
     }
 
     #[test]
-    fn ipv4_subnet_larger_than_a_slash12_is_code_7() {
-        let e = err(ranges(json!([[{"subnet": "198.0.0.0/11"}]])));
-        assert_eq!(e.code, INVALID_CONFIG);
-        assert!(
-            e.msg.starts_with(
-                "invalid ipam.ranges[0][0].subnet: store: 198.0.0.0/11 has 2097152 addresses"
-            ),
-            "{}",
-            e.msg
+    fn an_ipv4_subnet_of_any_size_is_a_range() {
+        // Blocks grow lazily, so size is no reason to refuse a subnet.
+        let conf = ok(ranges(json!([[{"subnet": "198.18.0.0/15"}]])));
+        assert_eq!(
+            conf.ipv4_ranges,
+            vec!["198.18.0.0/15".parse::<Cidr>().unwrap()]
         );
     }
 

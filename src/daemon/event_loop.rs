@@ -79,8 +79,9 @@ impl EventLoop {
         }
     }
 
-    /// Serves until SIGTERM or SIGINT, then drains queued responses.
-    pub fn run(mut self) {
+    /// Serves until SIGTERM or SIGINT, then drains queued responses; gives
+    /// the engine back for the last words to its store.
+    pub fn run(mut self) -> Engine {
         loop {
             let ready = match self.wait(Instant::now()) {
                 Ok(ready) => ready,
@@ -116,6 +117,7 @@ impl EventLoop {
             self.deliver(deliveries, now);
         }
         self.drain_on_shutdown();
+        self.engine
     }
 
     fn wait(&self, now: Instant) -> nix::Result<Ready> {

@@ -14,7 +14,7 @@ use super::{Config, DaemonError};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::{self, Metrics};
-use crate::store::{BootRecovery, Depth, Source, Store, StoreOptions};
+use crate::store::{BootRecovery, Source, Store, StoreOptions};
 
 /// Runs the daemon until SIGTERM/SIGINT.
 pub fn run(config: &Config) -> Result<(), DaemonError> {
@@ -48,7 +48,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         "listening",
         &[("socket", &config.socket_path.display())],
     );
-    EventLoop::new(
+    let mut engine = EventLoop::new(
         listener,
         signals,
         engine,
@@ -61,6 +61,14 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         },
     )
     .run();
+    // Lets the next start skip reading every row (see verify_at_start).
+    if let Err(err) = engine.store_mut().mark_clean_stop() {
+        log::warn(
+            "daemon",
+            "could not record the clean stop; the next start reads every row",
+            &[("error", &err)],
+        );
+    }
     if let Err(err) = fs::remove_file(&config.socket_path) {
         log::warn("daemon", "could not remove socket", &[("error", &err)]);
     }
@@ -101,7 +109,16 @@ fn open_store(config: &Config) -> Result<Store, DaemonError> {
 /// problem that can be pinned to blocks quarantines those blocks (no new
 /// allocations from them; their pods keep their addresses), loudly.
 fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
-    let report = store.verify(Depth::Quick).map_err(DaemonError::Store)?;
+    let report = store.verify_at_start().map_err(DaemonError::Store)?;
+    log::info(
+        "store",
+        "database checked",
+        &[
+            ("scope", &if report.row_level { "rows" } else { "blocks" }),
+            ("blocks", &report.blocks),
+            ("rows_read", &report.rows_read),
+        ],
+    );
     if report.damaged {
         return Err(DaemonError::Unsafe(
             report.describe(&config.db_path.display().to_string()),
@@ -111,7 +128,7 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
         log::warn("store", "database check", &[("problem", problem)]);
     }
     let isolation = store
-        .isolate_problems(&report.suspects, log::now_ms())
+        .isolate_problems(&report, log::now_ms())
         .map_err(DaemonError::Store)?;
     for line in &isolation.deleted {
         log::warn("store", line, &[]);

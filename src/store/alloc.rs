@@ -11,8 +11,9 @@ use super::{
 };
 use crate::cidr::{Cidr, Family};
 
-/// IPv6 rows are populated lazily, this many at a time.
-pub const IPV6_BATCH: u128 = 64;
+/// Rows are populated lazily, this many at a time, from a block's frontier
+/// (IPv4 and IPv6 alike), so adding a block of any size is O(1).
+pub const GROWTH_BATCH: u128 = 64;
 
 /// Bound on expand-then-claim rounds per block within one allocation.
 const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
@@ -206,8 +207,8 @@ const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_
 
 /// Every statement that runs for each allocation, release or check, for
 /// the query-plan test: none may scan `ip_addresses`, which holds every
-/// address of every block. (IPv6 growth continues from a frontier recorded
-/// in `metis_settings`, so it scans nothing either.)
+/// populated address of every block. (Growth continues from a frontier
+/// recorded in `metis_settings`, so it scans nothing either.)
 #[cfg(test)]
 pub(super) const ALLOCATION_PATH: [&str; 9] = [
     HELD_SQL,
@@ -252,9 +253,9 @@ fn claim(
     Ok(Some(address))
 }
 
-/// Populates the next batch of an IPv6 block after its highest row address.
-/// Returns rows inserted (0: has a free usable row already, or full).
-fn expand_v6(
+/// Populates the next batch of a block from its frontier. Returns rows
+/// inserted (0: has a free usable row already, or populated to its end).
+fn expand(
     conn: &Connection,
     mode: ReserveMode,
     block_id: i64,
@@ -272,22 +273,17 @@ fn expand_v6(
         return Ok(0);
     }
     let key = frontier_key(block_id);
-    let mut start = match get_setting(conn, &key)?.and_then(|text| text.parse::<u128>().ok()) {
-        Some(frontier) => frontier,
-        None => match highest_offset(conn, block_id, cidr)? {
-            None => 0,
-            Some(highest) => highest.saturating_add(1),
-        },
-    };
+    let mut start = frontier(conn, block_id, cidr)?;
     let reserved = block_reserved(conn, mode, block_id, network, cidr)?;
-    // Only the usable range is populated (host-local bounds): the rest of a
-    // /64 is reserved by description, never row by row.
+    // Only the usable range is populated (host-local bounds): the rest of
+    // the block is reserved by description, never row by row.
     let usable = reserved.usable(cidr.size());
     start = start.max(usable.start);
-    // Batches already populated by someone else insert nothing: move on
-    // until one adds a row or the range ends.
+    // Batches already populated by someone else (or rows moved in when
+    // the block grew) insert nothing: move on until one adds a row or the
+    // range ends. Each row is passed over once: the frontier is recorded.
     while start < usable.end {
-        let end = start.saturating_add(IPV6_BATCH).min(usable.end);
+        let end = start.saturating_add(GROWTH_BATCH).min(usable.end);
         let inserted = insert_rows(conn, block_id, cidr, start..end, &reserved)?;
         set_setting(conn, &key, &end.to_string())?;
         if inserted > 0 {
@@ -298,15 +294,34 @@ fn expand_v6(
     Ok(0)
 }
 
-/// The `metis_settings` key of an IPv6 block's population frontier.
+/// The next offset of a block to populate. Without a recorded frontier:
+/// an IPv4 block was populated whole when added (by upstream, or by Metis
+/// before IPv4 grew lazily); an IPv6 block continues after its highest row
+/// (a scan, once per block, as upstream records no frontier).
+pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
+    // A read-only look at an upstream database finds no settings table:
+    // no frontier recorded then.
+    let recorded = get_setting(conn, &frontier_key(block_id))
+        .ok()
+        .flatten()
+        .and_then(|text| text.parse().ok());
+    if let Some(frontier) = recorded {
+        return Ok(cidr.size().min(frontier));
+    }
+    match cidr.family() {
+        Family::V4 => Ok(cidr.size()),
+        Family::V6 => Ok(highest_offset(conn, block_id, cidr)?.map_or(0, |h| h.saturating_add(1))),
+    }
+}
+
+/// The `metis_settings` key of a block's population frontier.
 pub(super) fn frontier_key(block_id: i64) -> String {
-    format!("{}{block_id}", schema::KEY_IPV6_FRONTIER)
+    format!("{}{block_id}", schema::KEY_FRONTIER)
 }
 
 /// The highest populated offset of a block: a scan of its rows, done once
-/// per block (for blocks populated before the frontier was recorded), and
-/// by STATUS's read-only question whether an IPv6 block can still grow.
-pub(super) fn highest_offset(
+/// per IPv6 block that has no recorded frontier (populated by upstream).
+fn highest_offset(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
@@ -323,8 +338,9 @@ pub(super) fn highest_offset(
     Ok(highest)
 }
 
-/// Inserts a Ready block and its first rows (every IPv4 address, the
-/// first batch of IPv6), reserving what the mode reserves. Returns its id.
+/// Inserts a Ready block and its first batch of rows, plus its reserved
+/// rows (so counters count every reservation from the start), and records
+/// its frontier: O(1) whatever the block's size. Returns its id.
 pub(super) fn insert_block(
     conn: &Connection,
     mode: ReserveMode,
@@ -343,15 +359,29 @@ pub(super) fn insert_block(
     ])?;
     let id = conn.last_insert_rowid();
     let reserved = block_reserved(conn, mode, id, network, cidr)?;
-    let end = match cidr.family() {
-        Family::V4 => cidr.size(),
-        Family::V6 => cidr.size().min(IPV6_BATCH),
-    };
-    insert_rows(conn, id, cidr, 0..end, &reserved)?;
-    if cidr.family() == Family::V6 {
-        set_setting(conn, &frontier_key(id), &end.to_string())?;
-    }
+    // Only the usable range is ever populated (host-local bounds): what
+    // lies outside it is reserved by description, never row by row.
+    let usable = reserved.usable(cidr.size());
+    let end = usable.start.saturating_add(GROWTH_BATCH).min(usable.end);
+    insert_rows(conn, id, cidr, usable.start..end, &reserved)?;
+    insert_reserved_rows(conn, id, cidr, &reserved)?;
+    set_setting(conn, &frontier_key(id), &end.to_string())?;
     Ok(id)
+}
+
+/// Inserts the rows at a block's fixed reserved offsets that do not exist
+/// yet (beyond the frontier: an IPv4 block's last address), reserved, so
+/// the block's counter counts them from the start.
+pub(super) fn insert_reserved_rows(
+    conn: &Connection,
+    id: i64,
+    cidr: &Cidr,
+    reserved: &Reserved,
+) -> Result<(), StoreError> {
+    for offset in reserved.offsets() {
+        insert_rows(conn, id, cidr, *offset..offset.saturating_add(1), reserved)?;
+    }
+    Ok(())
 }
 
 impl Store {
@@ -386,24 +416,22 @@ impl Store {
                 });
             }
         }
-        if family == Family::V6 {
-            for (id, cidr) in &candidates {
-                for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
-                    if expand_v6(&tx, mode, *id, owner.network, cidr, now_ms)? == 0 {
-                        break;
-                    }
-                    if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
-                        tx.commit()?;
-                        return Ok(Allocation {
-                            address,
-                            block: *cidr,
-                        });
-                    }
+        for (id, cidr) in &candidates {
+            for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
+                if expand(&tx, mode, *id, owner.network, cidr, now_ms)? == 0 {
+                    break;
+                }
+                if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
+                    tx.commit()?;
+                    return Ok(Allocation {
+                        address,
+                        block: *cidr,
+                    });
                 }
             }
-            // Keep any rows populated on the way; they are valid.
-            tx.commit()?;
         }
+        // Keep any rows populated on the way; they are valid.
+        tx.commit()?;
         Err(StoreError::NoAvailableIps {
             network: owner.network.to_string(),
             family,
@@ -567,7 +595,7 @@ fn ready_block_containing(
 }
 
 /// The row of `address` (at `offset`) in block `block_id`, inserted first
-/// if the block has not been populated that far (IPv6).
+/// if the block has not been populated that far.
 fn requested_row(
     conn: &Connection,
     block_id: i64,

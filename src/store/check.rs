@@ -3,7 +3,9 @@
 //! their allocated rows, no address held twice, one allocation per owner,
 //! network and family, rows inside their block, and reservations in line
 //! with the reservation mode. Used by `metis admin check` on any database
-//! file and by the daemon before it serves.
+//! file and by the daemon before it serves — there in O(blocks) when the
+//! file is as the daemon left it at its last clean stop (see
+//! [`Store::verify_at_start`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -32,6 +34,7 @@ pub enum Depth {
 pub struct Report {
     pub problems: Vec<String>,
     pub blocks: u64,
+    /// Addresses pods hold (counted by a row-level check only).
     pub allocations: u64,
     /// Blocks a problem was found in (id → the problem): what the daemon
     /// quarantines instead of refusing to start.
@@ -39,6 +42,11 @@ pub struct Report {
     /// SQLite's own check failed or upstream's tables are missing: nothing
     /// read from the file can be trusted, so nothing can be isolated.
     pub damaged: bool,
+    /// The check read the address rows (counters recounted, owners and
+    /// reservations checked), not only the blocks.
+    pub row_level: bool,
+    /// Address rows the check read one by one.
+    pub rows_read: u64,
 }
 
 impl Report {
@@ -76,6 +84,122 @@ impl Store {
     pub fn verify(&self, depth: Depth) -> Result<Report, StoreError> {
         check_connection(&self.conn, depth)
     }
+
+    /// The daemon's check before it serves. When the file is exactly as
+    /// this daemon's last clean stop left it ([`Store::mark_clean_stop`]),
+    /// only what can be checked per block runs: SQLite's check of every
+    /// table but `ip_addresses`, and the block checks (parse, family,
+    /// total, counter within 0..=total). Otherwise — first start, a crash,
+    /// or any write since by another process (the plugin in direct mode,
+    /// upstream, a hand edit of `cidr_blocks`) — the whole
+    /// [`Depth::Quick`] check, which reads every row. The marker is
+    /// consumed either way: a crash from here on means a full check next.
+    pub fn verify_at_start(&mut self) -> Result<Report, StoreError> {
+        let recorded = get_setting(&self.conn, schema::KEY_CLEAN_STOP)?;
+        let as_left = recorded.is_some() && recorded == Some(fingerprint(&self.conn)?);
+        self.put_setting(schema::KEY_CLEAN_STOP, None)?;
+        if as_left {
+            check_blocks_only(&self.conn)
+        } else {
+            check_connection(&self.conn, Depth::Quick)
+        }
+    }
+
+    /// Records, as the daemon stops cleanly, what the file looks like, so
+    /// the next start can tell it was left alone.
+    pub fn mark_clean_stop(&mut self) -> Result<(), StoreError> {
+        // Written in two steps: writing the marker changes nothing the
+        // fingerprint covers (settings are not part of it).
+        let print = fingerprint(&self.conn)?;
+        self.put_setting(schema::KEY_CLEAN_STOP, Some(&print))
+    }
+}
+
+/// What any write to the file by anyone changes, read in O(blocks): the
+/// schema cookie (any schema change), the AUTOINCREMENT counters (any row
+/// or block inserted) and every block row — whose `updated_at` upstream's
+/// trigger bumps on each update, and whose counter every allocation and
+/// release moves. A hand edit of `ip_addresses` alone that inserts nothing
+/// is not seen; `metis admin check` reads every row.
+fn fingerprint(conn: &Connection) -> Result<String, StoreError> {
+    let mut hash = Fnv::default();
+    let cookie: i64 = conn.pragma_query_value(None, "schema_version", |r| r.get(0))?;
+    hash.add(&cookie.to_string());
+    let mut stmt = conn.prepare_cached("SELECT name, seq FROM sqlite_sequence ORDER BY name")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        hash.add(&row.get::<_, String>(0)?);
+        hash.add(&row.get::<_, i64>(1)?.to_string());
+    }
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, cidr, network, ip_family, total_ips, COALESCE(allocated_ips, -1), state, \
+         COALESCE(updated_at, -1) FROM cidr_blocks ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        for column in 0..8 {
+            let value: rusqlite::types::Value = row.get(column)?;
+            hash.add(&format!("{value:?}"));
+        }
+    }
+    Ok(format!("v1:{:016x}", hash.0))
+}
+
+/// FNV-1a (64 bits): stable across builds, unlike the standard hasher.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Fnv {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn add(&mut self, text: &str) {
+        // A separator keeps ("ab", "c") apart from ("a", "bc").
+        for byte in text.bytes().chain([0xff]) {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// The start check of a file as the daemon left it: no address row read.
+fn check_blocks_only(conn: &Connection) -> Result<Report, StoreError> {
+    let mut report = Report::default();
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'ip_addresses'")?
+        .query_map([], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    for table in &tables {
+        let verdicts = conn
+            .prepare(&format!(
+                "PRAGMA quick_check(\"{}\")",
+                table.replace('"', "\"\"")
+            ))?
+            .query_map([], |r| r.get::<_, String>(0))?
+            .collect::<Result<Vec<_>, _>>()?;
+        if verdicts != ["ok"] {
+            report.problems.extend(
+                verdicts
+                    .into_iter()
+                    .take(MAX_LISTED)
+                    .map(|line| format!("sqlite quick_check({table}): {line}")),
+            );
+            report.damaged = true;
+            return Ok(report);
+        }
+    }
+    let mode = get_setting(conn, schema::KEY_RESERVE_MODE)?
+        .and_then(|text| ReserveMode::parse(&text))
+        .unwrap_or_default();
+    check_blocks(conn, mode, &mut report)?;
+    // What a row-level check found stays quarantined: nothing has changed
+    // since (else the fingerprint would differ and the rows be read).
+    for (id, _, _, why) in quarantined(conn)? {
+        report.suspects.entry(id).or_insert(why);
+    }
+    list_quarantined(conn, &mut report)?;
+    Ok(report)
 }
 
 /// Opens the database at `path` read-only — nothing is created, repaired or
@@ -100,7 +224,10 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
 }
 
 fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreError> {
-    let mut report = Report::default();
+    let mut report = Report {
+        row_level: true,
+        ..Report::default()
+    };
     let pragma = match depth {
         Depth::Quick => "quick_check",
         Depth::Full => "integrity_check",
@@ -360,6 +487,7 @@ fn check_rows(
         let block_id: i64 = row.get(2)?;
         let allocated: bool = row.get(3)?;
         let container: String = row.get(4)?;
+        report.rows_read += 1;
         let Some(block) = blocks.get(&block_id) else {
             found.push(format!(
                 "address row {id} ({address}): block {block_id} is missing or unreadable"
@@ -540,6 +668,75 @@ mod tests {
                 "{sql}: {problems:?} lacks {expected:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_start_after_a_clean_stop_reads_no_address_row() {
+        let dir = TempDir::new();
+        let mut store = populated(&dir);
+        let rows: i64 = store
+            .conn
+            .query_row("SELECT COUNT(*) FROM ip_addresses", [], |r| r.get(0))
+            .unwrap();
+        // No marker (first start, or after a crash): every row is read.
+        let first = store.verify_at_start().unwrap();
+        assert!(first.row_level && first.is_ok(), "{first:?}");
+        assert_eq!(i64::try_from(first.rows_read).unwrap(), rows);
+        // As the daemon left it: blocks only.
+        store.mark_clean_stop().unwrap();
+        let quick = store.verify_at_start().unwrap();
+        assert!(!quick.row_level && quick.is_ok(), "{quick:?}");
+        assert_eq!((quick.rows_read, quick.blocks), (0, 2));
+        // The marker is consumed: a crash now means a full check next.
+        assert!(store.verify_at_start().unwrap().row_level);
+    }
+
+    #[test]
+    fn any_write_behind_the_daemons_back_brings_the_row_check_back() {
+        let writes = [
+            // upstream allocating: the counter moves, the trigger stamps
+            "UPDATE ip_addresses SET is_allocated = 1, container_id = 'x', interface_name = 'eth0' \
+             WHERE address = '198.18.0.9'; \
+             UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE ip_family = 'ipv4'",
+            // a row inserted by hand
+            "INSERT INTO ip_addresses (address, cidr_block_id, is_allocated) VALUES ('198.18.0.77', 1, 1)",
+            // a block edited by hand
+            "UPDATE cidr_blocks SET state = 'Draining' WHERE id = 1",
+            // the schema touched
+            "CREATE INDEX extra ON ip_addresses(pod_name)",
+        ];
+        for sql in writes {
+            let dir = TempDir::new();
+            let mut store = populated(&dir);
+            store.mark_clean_stop().unwrap();
+            Connection::open(dir.db())
+                .unwrap()
+                .execute_batch(sql)
+                .unwrap();
+            let report = store.verify_at_start().unwrap();
+            assert!(report.row_level, "{sql}: {report:?}");
+        }
+    }
+
+    #[test]
+    fn a_quarantine_survives_a_start_that_reads_no_row() {
+        let dir = TempDir::new();
+        let mut store = populated(&dir);
+        store
+            .conn
+            .execute_batch(
+                "UPDATE ip_addresses SET address = '198.18.1.9' \
+                 WHERE container_id = 'c' AND address LIKE '198.%'",
+            )
+            .unwrap();
+        let full = store.verify_at_start().unwrap();
+        store.isolate_problems(&full, 1).unwrap();
+        assert_eq!(store.quarantined().unwrap().len(), 1);
+        store.mark_clean_stop().unwrap();
+        let quick = store.verify_at_start().unwrap();
+        assert!(!quick.row_level);
+        store.isolate_problems(&quick, 1).unwrap();
+        assert_eq!(store.quarantined().unwrap().len(), 1);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::alloc::{HeldRow, give_back, highest_offset};
+use super::alloc::{HeldRow, frontier, give_back};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
@@ -50,9 +50,9 @@ impl Store {
 
     /// Whether an address of `family` can be allocated in `network` now
     /// without adding anything but `ranges` (read-only): a configured range
-    /// not yet a block, a free non-cooling row in a Ready block, an IPv6
-    /// Ready block not yet populated to its end, or — IPv4 — a free row in
-    /// the Draining block an allocation would take back.
+    /// not yet a block, a free non-cooling row in a Ready block, a Ready
+    /// block not yet populated to its end, or — IPv4 — a free row in the
+    /// Draining block an allocation would take back.
     pub fn can_allocate(
         &self,
         network: &str,
@@ -68,8 +68,11 @@ impl Store {
         if ready_block_has_free_row(&self.conn, network, family, now_ms)? {
             return Ok(true);
         }
+        if any_block_can_grow(&self.conn, network, family)? {
+            return Ok(true);
+        }
         match family {
-            Family::V6 => any_v6_block_can_grow(&self.conn, network),
+            Family::V6 => Ok(false),
             Family::V4 => oldest_draining_has_free_row(&self.conn, network, now_ms),
         }
     }
@@ -122,21 +125,24 @@ fn ready_block_has_free_row(
         .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?)
 }
 
-/// IPv6 blocks are populated lazily after their highest row; one whose
-/// highest row is not its last usable address can still grow.
-fn any_v6_block_can_grow(conn: &Connection, network: &str) -> Result<bool, StoreError> {
+/// Blocks are populated lazily from their frontier; a Ready one not
+/// populated to its end can still grow.
+fn any_block_can_grow(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<bool, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv6' \
+        "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
          AND state = 'Ready' AND total_ips > COALESCE(allocated_ips, 0) ORDER BY id",
     )?;
-    let mut blocks = stmt.query([network])?;
+    let mut blocks = stmt.query(params![network, family.as_str()])?;
     while let Some(block) = blocks.next()? {
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
-        let highest = highest_offset(conn, block.get(0)?, &cidr)?;
         // A bounded block grows only up to its rangeEnd.
         let end = super::reserve::bounds_of(conn, network, &cidr)?
             .map_or(cidr.size(), |b| b.offsets(&cidr).2.saturating_add(1));
-        if highest.is_none_or(|h| h.saturating_add(1) < end) {
+        if frontier(conn, block.get(0)?, &cidr)? < end {
             return Ok(true);
         }
     }

@@ -33,11 +33,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rusqlite::{Connection, TransactionBehavior, params};
 
-use super::alloc::{frontier_key, insert_block, insert_rows};
+use super::alloc::{frontier, frontier_key, insert_block, insert_reserved_rows};
 use super::reserve::block_reserved;
 use super::{
-    BlockState, ReserveMode, Store, StoreError, check_block_size, get_setting, parse_addr,
-    parse_cidr, parse_family, parse_state, set_setting, total_ips,
+    BlockState, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, parse_family,
+    parse_state, set_setting, total_ips,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -128,8 +128,9 @@ pub struct Isolation {
 }
 
 impl Store {
-    /// Adds a block (Ready, its rows populated: every IPv4 address, the
-    /// first 64 IPv6 addresses). An existing (cidr, network) is left as is.
+    /// Adds a block (Ready, its first 64 rows and its reserved rows
+    /// populated; the rest grows on demand). An existing (cidr, network)
+    /// is left as is.
     /// A prefix overlapping another block of the node's address space is
     /// refused ([`StoreError::Overlap`]).
     pub fn add_cidr_block(
@@ -137,7 +138,6 @@ impl Store {
         network: &str,
         cidr: &Cidr,
     ) -> Result<super::AddOutcome, StoreError> {
-        super::check_block_size(cidr)?;
         let mode = self.reserve;
         let tx = self
             .conn
@@ -192,9 +192,6 @@ impl Store {
             .filter(|range| range.family() == family)
             .copied()
             .collect();
-        for range in &ranges {
-            check_block_size(range)?;
-        }
         if self.configured_as(source, network, family, &ranges, isolated, now_ms)? {
             return Ok(LayoutChanges::default());
         }
@@ -233,16 +230,6 @@ impl Store {
         let mut all = LayoutChanges::default();
         for ((network, family), cidrs) in wanted {
             let isolated = is_isolated(&self.conn, &network)?;
-            let cidrs: Vec<Cidr> = cidrs
-                .into_iter()
-                .filter(|cidr| match check_block_size(cidr) {
-                    Ok(()) => true,
-                    Err(err) => {
-                        all.refused.push(err.to_string());
-                        false
-                    }
-                })
-                .collect();
             let wish = Wish {
                 source,
                 network: &network,
@@ -267,7 +254,6 @@ impl Store {
         cidr: &Cidr,
         now_ms: i64,
     ) -> Result<super::AddOutcome, StoreError> {
-        check_block_size(cidr)?;
         let mode = self.reserve;
         let tx = self
             .conn
@@ -317,25 +303,29 @@ impl Store {
     }
 
     /// Fail safe instead of fail stop, run by the daemon at start (`admin
-    /// check` only reports): recounts wrong counters, deletes the pod-less
-    /// side of overlapping blocks, and quarantines every block it cannot
-    /// trust (`suspects` from a check, and overlaps with pods on both
-    /// sides). Quarantine is recomputed from scratch each time, so a block
-    /// whose problem is gone is served again.
+    /// check` only reports): after a row-level check recounts wrong
+    /// counters; deletes the pod-less side of overlapping blocks, and
+    /// quarantines every block it cannot trust (`suspects` from a check,
+    /// and overlaps with pods on both sides). Quarantine is recomputed from
+    /// scratch each time, so a block whose problem is gone is served again.
     pub fn isolate_problems(
         &mut self,
-        suspects: &BTreeMap<i64, String>,
+        report: &super::Report,
         now_ms: i64,
     ) -> Result<Isolation, StoreError> {
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let mut isolation = Isolation {
-            recounted: recount(&tx)?,
+            // Counting rows reads every row: only after a check that did.
+            recounted: match report.row_level {
+                true => recount(&tx)?,
+                false => 0,
+            },
             ..Isolation::default()
         };
         tx.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
-        let mut marks = suspects.clone();
+        let mut marks = report.suspects.clone();
         resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
         for (id, why) in &marks {
             ensure_record(&tx, *id)?;
@@ -613,8 +603,10 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
 
 /// Grows `inner` (blocks of the network strictly inside `target`) into one
 /// block of prefix `target`: the oldest keeps its id and takes the prefix,
-/// the others' rows move into it, then missing rows are added and
-/// reservations and counters settled.
+/// the others' rows move into it, then reservations and counters are
+/// settled. The rest of the prefix is populated lazily like a new block's:
+/// from the kept block's frontier when both start at the same address,
+/// else from the start (rows already there are passed over once).
 fn grow(
     conn: &Connection,
     mode: ReserveMode,
@@ -628,6 +620,11 @@ fn grow(
     let ready = inner
         .iter()
         .any(|b| b.state == BlockState::Ready && !b.retired);
+    let next = match keep.cidr.base() == target.base() {
+        true => frontier(conn, keep.id, &keep.cidr)?,
+        false => 0,
+    };
+    set_setting(conn, &frontier_key(keep.id), &next.to_string())?;
     conn.prepare_cached(
         "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4 WHERE id = ?1",
     )?
@@ -647,7 +644,7 @@ fn grow(
         conn.prepare_cached("UPDATE metis_blocks SET retired = 0 WHERE block_id = ?1")?
             .execute([keep.id])?;
     }
-    settle(conn, mode, keep.id, network, target, true)
+    settle(conn, mode, keep.id, network, target)
 }
 
 /// Narrows `wider` to `target` (inside it): rows outside `target` move to
@@ -660,6 +657,15 @@ fn narrow(
     target: &Cidr,
 ) -> Result<(), StoreError> {
     let pieces = subtract(&wider.cidr, target);
+    // Rows below the frontier exist; the part of them inside `target`
+    // starts `shift` addresses into the old prefix.
+    let shift = crate::cidr::to_u128(target.base()) - crate::cidr::to_u128(wider.cidr.base());
+    let next = frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift);
+    set_setting(
+        conn,
+        &frontier_key(wider.id),
+        &next.min(target.size()).to_string(),
+    )?;
     conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
         .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
@@ -674,9 +680,7 @@ fn narrow(
         conn.prepare_cached("UPDATE metis_blocks SET retired = 1 WHERE block_id = ?1")?
             .execute([id])?;
         // Pieces only drain: never populate them further.
-        if piece.family() == Family::V6 {
-            set_setting(conn, &frontier_key(id), &piece.size().to_string())?;
-        }
+        set_setting(conn, &frontier_key(id), &piece.size().to_string())?;
         piece_ids.push((id, *piece));
     }
     let rows: Vec<(i64, String)> = conn
@@ -694,35 +698,25 @@ fn narrow(
             move_row.execute(params![row_id, piece_id])?;
         }
     }
-    settle(conn, mode, wider.id, network, target, false)?;
+    settle(conn, mode, wider.id, network, target)?;
     for (id, piece) in &piece_ids {
-        settle(conn, mode, *id, network, piece, false)?;
+        settle(conn, mode, *id, network, piece)?;
     }
     Ok(())
 }
 
-/// Brings a reshaped block's rows in line: every IPv4 address has a row
-/// (when `populate`), positions it reserves are reserved unless a pod holds
-/// them, reserved rows elsewhere are freed, and the counters are recounted.
+/// Brings a reshaped block's rows in line: its fixed reserved positions
+/// have rows, positions it reserves are reserved unless a pod holds them,
+/// reserved rows elsewhere are freed, and the counters are recounted.
 pub(super) fn settle(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
     network: &str,
     cidr: &Cidr,
-    populate: bool,
 ) -> Result<(), StoreError> {
     let reserved = block_reserved(conn, mode, id, network, cidr)?;
-    if populate {
-        match cidr.family() {
-            Family::V4 => {
-                insert_rows(conn, id, cidr, 0..cidr.size(), &reserved)?;
-            }
-            // Growth continues lazily from the start; existing rows are
-            // skipped by the insert.
-            Family::V6 => set_setting(conn, &frontier_key(id), "0")?,
-        }
-    }
+    insert_reserved_rows(conn, id, cidr, &reserved)?;
     // Row by row: a bounded block's reserved positions are a description,
     // not a list.
     let rows: Vec<(i64, String, bool, String)> = conn
@@ -1335,7 +1329,7 @@ mod tests {
         ).unwrap();
         let report = store.verify(Depth::Quick).unwrap();
         assert!(!report.damaged);
-        let isolation = store.isolate_problems(&report.suspects, NOW).unwrap();
+        let isolation = store.isolate_problems(&report, NOW).unwrap();
         let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.0).collect();
         assert_eq!(ids, [1, 2]);
         assert!(isolation.recounted > 0, "the /30's counter was wrong");
@@ -1350,7 +1344,7 @@ mod tests {
         // the next start deletes the pod-less block and lifts the quarantine.
         store.release("pods", "b", "eth0", NOW).unwrap();
         let report = store.verify(Depth::Quick).unwrap();
-        let isolation = store.isolate_problems(&report.suspects, NOW).unwrap();
+        let isolation = store.isolate_problems(&report, NOW).unwrap();
         assert!(isolation.quarantined.is_empty(), "{isolation:?}");
         assert_eq!(isolation.deleted.len(), 1, "{isolation:?}");
         assert_eq!(

@@ -244,8 +244,6 @@ pub enum StoreError {
         address: IpAddr,
         network: String,
     },
-    /// An IPv4 block larger than [`MAX_IPV4_BLOCK_ADDRESSES`].
-    BlockTooLarge(String),
     /// container_id or interface_name is empty.
     EmptyOwner,
     /// A row whose content does not parse.
@@ -261,23 +259,6 @@ pub enum StoreError {
         /// allow it).
         isolation_helps: bool,
     },
-}
-
-/// Every IPv4 address of a block gets a row, so a block's size is bounded:
-/// a /12 is 1,048,576 rows (about 60 MB); a /8 would be sixteen times that.
-pub const MAX_IPV4_BLOCK_ADDRESSES: u128 = 1 << 20;
-
-/// Refuses IPv4 blocks too large to enumerate (IPv6 blocks are populated
-/// lazily and have no limit).
-pub fn check_block_size(cidr: &Cidr) -> Result<(), StoreError> {
-    if cidr.family() == Family::V4 && cidr.size() > MAX_IPV4_BLOCK_ADDRESSES {
-        return Err(StoreError::BlockTooLarge(format!(
-            "{cidr} has {} addresses; Metis stores every IPv4 address, so an IPv4 block \
-             may hold at most {MAX_IPV4_BLOCK_ADDRESSES} (a /12): split the range",
-            cidr.size()
-        )));
-    }
-    Ok(())
 }
 
 impl StoreError {
@@ -341,7 +322,6 @@ impl fmt::Display for StoreError {
                 f,
                 "store: requested IP {address} is not inside any block of network {network:?}"
             ),
-            StoreError::BlockTooLarge(why) => write!(f, "store: {why}"),
             StoreError::EmptyOwner => {
                 f.write_str("store: container_id and interface_name must not be empty")
             }

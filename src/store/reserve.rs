@@ -65,6 +65,12 @@ impl Reserved {
         }
     }
 
+    /// The fixed offsets (network, gateway, broadcast), every one of which
+    /// has a reserved row from the block's start.
+    pub fn offsets(&self) -> &[u128] {
+        &self.offsets
+    }
+
     pub fn contains(&self, offset: &u128) -> bool {
         self.offsets.contains(offset)
             || self
@@ -121,6 +127,25 @@ pub(super) fn bounds_of(
     .transpose()
 }
 
+/// After a block's bounds changed: rows exist from the old range start up
+/// to the frontier, so a range that now starts lower needs growth from its
+/// new start (rows already there are passed over once, at the next growth).
+fn rewind_frontier(
+    conn: &Connection,
+    mode: ReserveMode,
+    id: i64,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    let start = block_reserved(conn, mode, id, network, cidr)?
+        .usable(cidr.size())
+        .start;
+    if start < super::alloc::frontier(conn, id, cidr)? {
+        super::set_setting(conn, &super::alloc::frontier_key(id), &start.to_string())?;
+    }
+    Ok(())
+}
+
 /// The reserved positions of an existing block under `mode`: its
 /// host-local bounds when it has some, else the mode's fixed offsets.
 pub(super) fn block_reserved(
@@ -147,6 +172,9 @@ struct Plan {
     free: Vec<(i64, i64)>,
     /// Free rows outside their block's prefix (upstream's /127, /128 bug).
     delete: Vec<i64>,
+    /// (block id, cidr, offset) of reserved positions beyond the block's
+    /// frontier (no row yet), inserted reserved so counters count them.
+    insert: Vec<(i64, Cidr, u128)>,
     warnings: Vec<String>,
     /// The full (expensive) part ran; record the layout marker.
     mark: bool,
@@ -157,7 +185,11 @@ struct Plan {
 
 impl Plan {
     fn changes(&self) -> bool {
-        !self.reserve.is_empty() || !self.free.is_empty() || !self.delete.is_empty() || self.mark
+        !self.reserve.is_empty()
+            || !self.free.is_empty()
+            || !self.delete.is_empty()
+            || !self.insert.is_empty()
+            || self.mark
     }
 }
 
@@ -265,7 +297,7 @@ impl Plan {
                     })
                     .optional()?;
                 match row {
-                    None => {} // IPv6 row not populated yet: reserved when inserted.
+                    None => self.insert.push((block.id, block.cidr, offset)),
                     Some((row_id, false, _, _)) => self.reserve.push((row_id, block.id)),
                     Some((_, true, cid, _)) if cid.is_empty() => {}
                     Some((_, true, cid, ifname)) => self.warnings.push(format!(
@@ -435,7 +467,9 @@ impl Store {
                 .query_row(params![network, text], |r| r.get(0))
                 .optional()?;
             if let Some(id) = block {
-                super::layout::settle(&tx, mode, id, network, &parse_cidr(text)?, false)?;
+                let cidr = parse_cidr(text)?;
+                rewind_frontier(&tx, mode, id, network, &cidr)?;
+                super::layout::settle(&tx, mode, id, network, &cidr)?;
             }
         }
         tx.commit()?;
@@ -484,6 +518,10 @@ impl Store {
             }
             for &row_id in &plan.delete {
                 delete.execute([row_id])?;
+            }
+            for (block_id, cidr, offset) in &plan.insert {
+                let at = *offset..offset.saturating_add(1);
+                super::alloc::insert_rows(&tx, *block_id, cidr, at, &Reserved::fixed(vec![*offset]))?;
             }
             if plan.mark {
                 super::set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;

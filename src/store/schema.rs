@@ -106,6 +106,12 @@ pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
 /// the monitor has seen the network's IPv4 use low, across restarts.
 pub const KEY_LOW_UTILIZATION_SINCE: &str = "low_utilization_since/";
 
+/// `metis_settings` key holding the fingerprint of the file as the daemon
+/// left it at its last clean stop (absent while a daemon runs).
+pub const KEY_CLEAN_STOP: &str = "clean_stop";
+
 /// `metis_settings` key prefix (then the block id) remembering the next
-/// IPv6 offset to populate, so growing a block never scans its rows.
-pub const KEY_IPV6_FRONTIER: &str = "ipv6_frontier/";
+/// offset of a block to populate, so growing a block never scans its rows.
+/// Named when only IPv6 blocks grew lazily; IPv4 blocks use it too, and
+/// the name stays so databases keep the frontiers they recorded.
+pub const KEY_FRONTIER: &str = "ipv6_frontier/";

@@ -1386,11 +1386,11 @@ fn two_stores_allocate_concurrently() {
 }
 
 #[test]
-fn adding_a_slash16_enumerates_every_address() {
-    // How long this takes is measured by `make bench`, not asserted here.
+fn adding_a_slash16_populates_one_batch_and_its_reservations() {
+    // How long growth takes is measured by `make bench`, not asserted here.
     let (dir, store) = store_with(&[("default", "198.19.0.0/16")]);
     assert_eq!(block(&store, 1).total_ips, 65536);
-    assert_eq!(rows(&store, 1).len(), 65536);
+    assert_eq!(rows(&store, 1).len(), 65);
     assert_eq!(
         reserved_addrs(&store, 1),
         vec!["198.19.0.0", "198.19.0.1", "198.19.255.255"]
@@ -1740,19 +1740,53 @@ fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
 }
 
 #[test]
-fn ipv4_blocks_larger_than_a_slash12_are_refused() {
-    // 198.16.0.0/11 contains the test range 198.18.0.0/15; it is refused
-    // before a single row is written.
-    assert!(check_block_size(&c("198.16.0.0/12")).is_ok());
-    assert!(check_block_size(&c("2001:db8::/32")).is_ok());
+fn an_ipv4_block_of_any_size_is_added_in_constant_work() {
+    // A /15 gets its first batch and its reserved last address, no more;
+    // the rest grows from the frontier as addresses are taken.
     let dir = TempDir::new();
     let mut store = open(&dir.db());
-    let err = store
-        .add_cidr_block("default", &c("198.0.0.0/11"))
-        .unwrap_err();
-    assert!(matches!(err, StoreError::BlockTooLarge(_)), "{err}");
-    assert!(err.to_string().contains("split the range"), "{err}");
-    assert!(store.blocks(&BlockFilter::default()).unwrap().is_empty());
+    let id = store
+        .add_cidr_block("default", &c("198.18.0.0/15"))
+        .unwrap()
+        .id();
+    let rows = |store: &Store| -> i64 {
+        store
+            .conn
+            .query_row(
+                "SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1",
+                [id],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    assert_eq!(rows(&store), 65);
+    let last: String = store
+        .conn
+        .query_row(
+            "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1 \
+             ORDER BY id DESC LIMIT 1",
+            [id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(last, "198.19.255.255");
+    let block = &store.blocks(&BlockFilter::default()).unwrap()[0];
+    assert_eq!((block.total_ips, block.allocated_ips), (131_072, 3));
+    let mut got = Vec::new();
+    for pod in 0..70 {
+        let who = format!("pod{pod}");
+        got.push(
+            store
+                .allocate(&owner("default", &who), Family::V4, 1)
+                .unwrap()
+                .address,
+        );
+    }
+    assert_eq!(got[0].to_string(), "198.18.0.2");
+    assert_eq!(got[69].to_string(), "198.18.0.71");
+    assert_eq!(rows(&store), 129);
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
 }
 
 #[test]
@@ -1809,4 +1843,28 @@ fn unknown_pod_names_are_stored_as_null_like_upstream() {
             ("podman1".into(), None, None),
         ]
     );
+}
+
+#[test]
+fn a_mode_change_reserves_the_unpopulated_end_of_a_lazy_block() {
+    // Under first-block the second /16 reserves nothing; switching to
+    // every-block must reserve its broadcast address, which has no row yet.
+    let dir = TempDir::new();
+    {
+        let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+        add_blocks(
+            &mut store,
+            &[("default", "198.18.0.0/16"), ("default", "198.19.0.0/16")],
+        );
+        assert_eq!(block(&store, 2).allocated_ips, 0);
+        assert_eq!(rows(&store, 2).len(), 64);
+    }
+    let store = open_mode(&dir.db(), ReserveMode::EveryBlock);
+    assert_eq!(
+        reserved_addrs(&store, 2),
+        vec!["198.19.0.0", "198.19.0.1", "198.19.255.255"]
+    );
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
 }

@@ -1,0 +1,168 @@
+//! Big blocks: the loop time of a first ADD that adds a /12, a small ADD's
+//! latency while other networks add /12s, and the daemon's start to
+//! healthy on a database holding 1,048,576 address rows.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use metis::engine::Engine;
+use metis::store::{Store, StoreOptions};
+use metis::wire::{Code, Request, ipam, request};
+
+use crate::util::{Daemon, METIS, RANGE_V4, Summary, TempDir, allocate_request, allocated, client};
+
+/// A /12: 1,048,576 addresses, the largest block the issue asks about.
+pub const BIG: &str = "198.16.0.0/12";
+
+/// How often the loading client adds a /12 (each in a new network).
+const BIG_ADD_EVERY: Duration = Duration::from_millis(10);
+
+/// A first ADD in network `network` (isolated, so every /12 may overlap
+/// the others) whose block is [`BIG`].
+fn big_add(network: &str) -> Request {
+    Request {
+        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
+            network: network.into(),
+            ipv4_config: Some(ipam::IpConfig {
+                interface_name: "eth0".into(),
+                container_id: format!("{network}-first"),
+                initial_pod_cidr: BIG.into(),
+                ..Default::default()
+            }),
+            ipv6_config: None,
+            pod_name: "pod".into(),
+            pod_namespace: "bench".into(),
+            isolated: true,
+        })),
+    }
+}
+
+/// Engine time of `count` first ADDs, each adding a /12 in a new network:
+/// what one such request holds the daemon's loop for.
+pub fn add_loop_time(count: usize) -> Summary {
+    let dir = TempDir::new("big-loop");
+    let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
+    let mut engine = Engine::new(store);
+    let samples: Vec<Duration> = (0..count)
+        .map(|n| {
+            let request = big_add(&format!("big{n}"));
+            let started = Instant::now();
+            let outcome = engine.handle(&request, metis::log::now_ms());
+            let took = started.elapsed();
+            assert_eq!(allocated(&outcome.into_response()), "198.16.0.2");
+            took
+        })
+        .collect();
+    Summary::of(&samples)
+}
+
+/// Round trips of small ADDs (and their DELs, so the pool never drains),
+/// `samples` of them, unloaded and then while another client adds a /12 in
+/// a fresh network every [`BIG_ADD_EVERY`]. Returns (unloaded, loaded,
+/// /12s added).
+pub fn small_add_under_big_adds(samples: usize) -> (Summary, Summary, usize) {
+    let dir = TempDir::new("big-load");
+    let daemon = Daemon::start(&dir, &["--release-cooldown", "0"]);
+    let mut small = client(&daemon);
+    let mut measure = |tag: &str| -> Summary {
+        let times: Vec<Duration> = (0..samples)
+            .map(|n| {
+                let id = format!("small-{tag}-{n}");
+                let started = Instant::now();
+                allocated(&small.call(&allocate_request(&id, &[RANGE_V4])).unwrap());
+                let took = started.elapsed();
+                crate::util::released(&small.call(&crate::util::release_request(&id)).unwrap());
+                took
+            })
+            .collect();
+        Summary::of(&times)
+    };
+    measure("warm");
+    let unloaded = measure("unloaded");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut big = client(&daemon);
+    let adder = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut added = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let next = Instant::now() + BIG_ADD_EVERY;
+                let reply = big.call(&big_add(&format!("load{added}"))).unwrap();
+                assert_eq!(reply.code(), Code::Ok, "{reply:?}");
+                added += 1;
+                // Pacing, not synchronisation: back to back, the daemon
+                // would serve the two clients in turn whatever they ask.
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+            }
+            added
+        })
+    };
+    let loaded = measure("loaded");
+    stop.store(true, Ordering::Relaxed);
+    let added = adder.join().unwrap();
+    assert!(daemon.stop().success());
+    (unloaded, loaded, added)
+}
+
+/// Start to healthy of a daemon on a database whose /12 has its first
+/// `rows` address rows (all 1,048,576: as upstream or an older Metis wrote
+/// it): (first start, which reads every row as someone else wrote the
+/// file; starts after a clean stop, `restarts` of them).
+pub fn start_to_healthy(rows: u32, restarts: usize) -> (Duration, Summary) {
+    let dir = TempDir::new("big-start");
+    let flags = ["--cidr", &format!("pods={BIG}")];
+    let daemon = Daemon::start(&dir, &flags);
+    assert!(daemon.stop().success());
+    fill_rows(&dir.join("metis.sqlite"), rows);
+    let first = timed_start(&dir, &flags);
+    let samples: Vec<Duration> = (0..restarts).map(|_| timed_start(&dir, &flags)).collect();
+    (first, Summary::of(&samples))
+}
+
+/// Populates the /12 up to offset `rows` (its first 64 rows and its last,
+/// reserved, exist already) and moves its frontier there.
+fn fill_rows(db: &std::path::Path, rows: u32) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.execute_batch(&format!(
+        "BEGIN; \
+         WITH RECURSIVE n(i) AS (SELECT 64 UNION ALL SELECT i + 1 FROM n WHERE i < {last}) \
+         INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+         SELECT '198.' || (16 + (i >> 16)) || '.' || ((i >> 8) & 255) || '.' || (i & 255), 1, '', '', 0 FROM n; \
+         UPDATE metis_settings SET value = '{rows}' WHERE key = 'ipv6_frontier/1'; \
+         COMMIT;",
+        last = rows - 1,
+    ))
+    .unwrap();
+    let count: i64 = conn
+        .query_row("SELECT COUNT(*) FROM ip_addresses", [], |r| r.get(0))
+        .unwrap();
+    // The last, reserved row exists whatever `rows` is.
+    assert!(
+        count == i64::from(rows) || count == i64::from(rows) + 1,
+        "{count}"
+    );
+}
+
+/// Spawn to a `metis health` that answers healthy, then a clean stop.
+fn timed_start(dir: &TempDir, flags: &[&str]) -> Duration {
+    let socket = dir.join("metis.sock");
+    let started = Instant::now();
+    let daemon = Daemon::start(dir, flags);
+    let deadline = started + Duration::from_secs(60);
+    loop {
+        let health = Command::new(METIS)
+            .args(["health", "--socket-path"])
+            .arg(&socket)
+            .output()
+            .unwrap();
+        if health.status.success() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "daemon never healthy");
+    }
+    let took = started.elapsed();
+    assert!(daemon.stop().success());
+    took
+}
