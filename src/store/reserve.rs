@@ -521,7 +521,13 @@ impl Store {
             }
             for (block_id, cidr, offset) in &plan.insert {
                 let at = *offset..offset.saturating_add(1);
-                super::alloc::insert_rows(&tx, *block_id, cidr, at, &Reserved::fixed(vec![*offset]))?;
+                super::alloc::insert_rows(
+                    &tx,
+                    *block_id,
+                    cidr,
+                    at,
+                    &Reserved::fixed(vec![*offset]),
+                )?;
             }
             if plan.mark {
                 super::set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;
@@ -699,6 +705,65 @@ mod tests {
             "198.18.0.2"
         );
         assert_eq!(bounds_of(&store.conn, "pods", &net).unwrap(), None);
+        assert_sound(&store);
+    }
+
+    fn row_count(store: &Store) -> i64 {
+        store
+            .conn
+            .query_row("SELECT COUNT(*) FROM ip_addresses", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_bounded_big_ipv4_block_writes_rows_only_inside_its_range() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        bounded(
+            &mut store,
+            "198.16.0.0/12",
+            "198.16.1.0",
+            "198.16.1.9",
+            "198.16.1.1",
+        );
+        let first = take_all(&mut store, Family::V4);
+        assert_eq!(first.len(), 9);
+        assert_eq!(first[0], "198.16.1.0");
+        assert!(!first.contains(&"198.16.1.1".to_string()));
+        // The first batch, the broadcast and the range: never the /12.
+        assert!(row_count(&store) < 200, "{}", row_count(&store));
+        assert!(!store.can_allocate("pods", Family::V4, &[], NOW).unwrap());
+        assert_sound(&store);
+
+        // A range that now starts lower grows from its new start.
+        let net = cidr("198.16.0.0/12");
+        let lower = Bounds::new(
+            &net,
+            Some("198.16.0.250".parse().unwrap()),
+            Some("198.16.1.9".parse().unwrap()),
+            Some("198.16.1.1".parse().unwrap()),
+        )
+        .unwrap();
+        store
+            .set_bounds("pods", Family::V4, &[(net, lower)])
+            .unwrap();
+        assert!(store.can_allocate("pods", Family::V4, &[], NOW).unwrap());
+        let more: Vec<String> = (0..)
+            .map(|i| format!("d{i}"))
+            .map_while(|id| store.allocate(&owner(&id), Family::V4, NOW).ok())
+            .map(|a| a.address.to_string())
+            .collect();
+        assert_eq!(
+            more,
+            [
+                "198.16.0.250",
+                "198.16.0.251",
+                "198.16.0.252",
+                "198.16.0.253",
+                "198.16.0.254",
+                "198.16.0.255"
+            ]
+        );
         assert_sound(&store);
     }
 
