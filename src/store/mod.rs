@@ -261,6 +261,11 @@ pub enum StoreError {
     },
 }
 
+/// Prepared statements kept per connection. rusqlite keeps 16 by default,
+/// fewer than the distinct statements one ADD runs (layout, bounds,
+/// allocation), so every request re-parsed SQL; this holds them all.
+const STATEMENT_CACHE: usize = 256;
+
 impl StoreError {
     /// Whether the caller should report "try again later" (lock contention,
     /// I/O, full disk, unopenable or read-only database).
@@ -445,6 +450,7 @@ impl Store {
             source: Box::new(e),
         })?;
         conn.busy_timeout(Duration::from_millis(5000))?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         let mode: String =
             conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -512,6 +518,7 @@ impl Store {
             source: Box::new(e),
         })?;
         conn.busy_timeout(Duration::from_millis(5000))?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         if version != SCHEMA_VERSION {
             return Ok(None);
