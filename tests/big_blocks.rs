@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use common::{Plugin, TestDaemon, TestDir, assert_ok, db, json, metis, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME};
-use metis::wire::{Request, ipam, request};
 use prost::Message;
 
 /// A configuration of network `name` over one IPv4 subnet.
@@ -84,21 +83,7 @@ fn small_adds_in_another_network_succeed_while_big_blocks_are_added() {
 /// An ADD sent straight to the daemon by a client that hangs up before
 /// reading the answer, as a plugin whose deadline passed does.
 fn add_and_hang_up(daemon: &TestDaemon, container: &str) {
-    let request = Request {
-        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
-            network: "late".into(),
-            ipv4_config: Some(ipam::IpConfig {
-                interface_name: "eth0".into(),
-                container_id: container.into(),
-                initial_pod_cidr: "198.18.0.0/24".into(),
-                ..Default::default()
-            }),
-            ipv6_config: None,
-            pod_name: "pod".into(),
-            pod_namespace: "default".into(),
-            isolated: false,
-        })),
-    };
+    let request = common::v4_add_request("late", container, "198.18.0.0/24");
     let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
     frame::write_frame(&mut stream, &request.encode_to_vec(), MAX_REQUEST_FRAME).unwrap();
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::{Plugin, TestDaemon, TestDir, conf, json, wait_for};
 use metis::wire::client::Client;
 use metis::wire::frame::{self, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, ipam, reason, request};
+use metis::wire::{Code, Request, Response, reason, request};
 use prost::Message;
 
 const HOSTILE: usize = 200;
@@ -29,21 +29,7 @@ const SAMPLES: usize = 60;
 const FLOOR: Duration = Duration::from_millis(5);
 
 fn allocate(container: &str) -> Request {
-    Request {
-        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
-            network: "stall".into(),
-            ipv4_config: Some(ipam::IpConfig {
-                interface_name: "eth0".into(),
-                container_id: container.into(),
-                initial_pod_cidr: "198.18.0.0/24".into(),
-                ..Default::default()
-            }),
-            ipv6_config: None,
-            pod_name: "pod".into(),
-            pod_namespace: "ns".into(),
-            isolated: false,
-        })),
-    }
+    common::v4_add_request("stall", container, "198.18.0.0/24")
 }
 
 /// Connect, ADD, read the answer, as the plugin does; returns the time.

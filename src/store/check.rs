@@ -171,21 +171,8 @@ fn check_blocks_only(conn: &Connection) -> Result<Report, StoreError> {
         .query_map([], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for table in &tables {
-        let verdicts = conn
-            .prepare(&format!(
-                "PRAGMA quick_check(\"{}\")",
-                table.replace('"', "\"\"")
-            ))?
-            .query_map([], |r| r.get::<_, String>(0))?
-            .collect::<Result<Vec<_>, _>>()?;
-        if verdicts != ["ok"] {
-            report.problems.extend(
-                verdicts
-                    .into_iter()
-                    .take(MAX_LISTED)
-                    .map(|line| format!("sqlite quick_check({table}): {line}")),
-            );
-            report.damaged = true;
+        let pragma = format!("quick_check(\"{}\")", table.replace('"', "\"\""));
+        if !sqlite_verdict(conn, &pragma, &format!("quick_check({table})"), &mut report)? {
             return Ok(report);
         }
     }
@@ -200,6 +187,32 @@ fn check_blocks_only(conn: &Connection) -> Result<Report, StoreError> {
     }
     list_quarantined(conn, &mut report)?;
     Ok(report)
+}
+
+/// Runs SQLite's own check `PRAGMA {pragma}`; false when it finds damage,
+/// which is then in `report` (named `label`), marked damaged: nothing read
+/// from a damaged file can be trusted.
+fn sqlite_verdict(
+    conn: &Connection,
+    pragma: &str,
+    label: &str,
+    report: &mut Report,
+) -> Result<bool, StoreError> {
+    let verdicts = conn
+        .prepare(&format!("PRAGMA {pragma}"))?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    if verdicts == ["ok"] {
+        return Ok(true);
+    }
+    report.problems.extend(
+        verdicts
+            .into_iter()
+            .take(MAX_LISTED)
+            .map(|line| format!("sqlite {label}: {line}")),
+    );
+    report.damaged = true;
+    Ok(false)
 }
 
 /// Opens the database at `path` read-only — nothing is created, repaired or
@@ -232,19 +245,7 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
         Depth::Quick => "quick_check",
         Depth::Full => "integrity_check",
     };
-    let mut stmt = conn.prepare(&format!("PRAGMA {pragma}"))?;
-    let verdicts = stmt
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<Result<Vec<_>, _>>()?;
-    if verdicts != ["ok"] {
-        report.problems.extend(
-            verdicts
-                .into_iter()
-                .take(MAX_LISTED)
-                .map(|line| format!("sqlite {pragma}: {line}")),
-        );
-        // Nothing read from a damaged file can be trusted.
-        report.damaged = true;
+    if !sqlite_verdict(conn, pragma, pragma, &mut report)? {
         return Ok(report);
     }
     let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;

@@ -314,3 +314,24 @@ pub fn out_err(output: &Output) -> (String, String) {
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
 }
+
+/// A daemon ADD (wire request) of interface `eth0` of `container` in
+/// `network`, IPv4 range `cidr`, as the plugin sends it.
+pub fn v4_add_request(network: &str, container: &str, cidr: &str) -> metis::wire::Request {
+    use metis::wire::{ipam, request};
+    metis::wire::Request {
+        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
+            network: network.into(),
+            ipv4_config: Some(ipam::IpConfig {
+                interface_name: "eth0".into(),
+                container_id: container.into(),
+                initial_pod_cidr: cidr.into(),
+                ..Default::default()
+            }),
+            ipv6_config: None,
+            pod_name: "pod".into(),
+            pod_namespace: "default".into(),
+            isolated: false,
+        })),
+    }
+}
