@@ -123,6 +123,16 @@ fn header(out: &mut String, builds: &[Build], took: Duration) {
         ("CPU".to_string(), cpu),
         ("kernel".to_string(), kernel.trim().to_string()),
         (
+            // Others' load on a shared machine: the figures' context.
+            "load average at the end (1, 5, 15 min)".to_string(),
+            std::fs::read_to_string("/proc/loadavg")
+                .unwrap_or_default()
+                .split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        (
             "durability".to_string(),
             format!(
                 "SQLite WAL, synchronous=NORMAL (the default) unless a row says FULL, \
