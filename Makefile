@@ -6,6 +6,7 @@ CARGO ?= cargo
 # Where cargo puts its output: CARGO_TARGET_DIR when set, as cargo does.
 TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 METIS := $(TARGET_DIR)/release/metis
+EDGE := $(TARGET_DIR)/edge/release/metis
 
 .PHONY: build edge demo test lint unit proto clean soak fuzz image
 
@@ -100,14 +101,16 @@ clean:
 
 .PHONY: bench bench-smoke
 
-# Performance: Metis vs host-local vs the floor, written to bench/results.md
+# Performance of both builds (the full one cargo bench builds, the edge one
+# from `make edge`) vs host-local vs the floor, written to bench/results.md
 # (a few minutes; needs /usr/lib/cni/host-local from containernetworking-plugins).
-bench:
-	$(CARGO) bench --locked --bench metis -- --out bench/results.md
+bench: edge
+	$(CARGO) bench --locked --bench metis -- --edge $(EDGE) --out bench/results.md
 
-# A few cycles of every measurement, checking results are sane (never timings).
-bench-smoke:
-	$(CARGO) bench --locked --bench metis -- --smoke
+# A few cycles of every measurement for both builds, checking results are
+# sane (never timings).
+bench-smoke: edge
+	$(CARGO) bench --locked --bench metis -- --edge $(EDGE) --smoke
 
 # Crash safety at full size: 20 rounds of 500 plugin operations with the
 # daemon SIGKILLed at random (METIS_CRASH_ROUNDS/OPS/SEED to change), then

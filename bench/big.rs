@@ -11,7 +11,11 @@ use metis::engine::Engine;
 use metis::store::{Store, StoreOptions};
 use metis::wire::{Code, Request, ipam, request};
 
-use crate::util::{Daemon, METIS, RANGE_V4, Summary, TempDir, allocate_request, allocated, client};
+use crate::Bench;
+use crate::report::{Report, Row};
+use crate::util::{
+    Daemon, METIS, RANGE_V4, Summary, TempDir, allocate_request, allocated, client, ms, ratio,
+};
 
 /// A /12: 1,048,576 addresses, the largest block the issue asks about.
 pub const BIG: &str = "198.16.0.0/12";
@@ -165,4 +169,66 @@ fn timed_start(dir: &TempDir, flags: &[&str]) -> Duration {
     let took = started.elapsed();
     assert!(daemon.stop().success());
     took
+}
+
+/// Big blocks (full build: the engine is the same in both): loop time to
+/// add a /12, a small ADD's p99 while /12s are added next to it, start to
+/// healthy on a 1,048,576-row database.
+pub fn report(bench: &Bench, report: &mut Report) {
+    let plan = &bench.plan;
+    let adds = add_loop_time(plan.big_adds);
+    let mut loop_row = Row::plain(
+        "loop time of a first ADD adding a /12 (p99)",
+        "full",
+        ms(adds.p99),
+    );
+    if !plan.smoke {
+        loop_row = loop_row.target("≤ 50 ms", adds.p99 <= Duration::from_millis(50));
+    }
+    report.rows.push(loop_row);
+    let (unloaded, loaded, added) = small_add_under_big_adds(plan.big_samples);
+    let r = ratio(loaded.p99, unloaded.p99);
+    let mut under_load = Row::plain(
+        "small ADD p99 while another client adds a /12 every 10 ms, vs unloaded",
+        "full",
+        ms(loaded.p99),
+    )
+    .against(ms(unloaded.p99), r);
+    if !plan.smoke {
+        under_load = under_load.target("≤ 2×", r <= 2.0);
+    }
+    report.rows.push(under_load);
+    let (first, restarts) = start_to_healthy(plan.start_rows, plan.restarts);
+    let mut start = Row::plain(
+        format!(
+            "daemon start to healthy, {} address rows, after a clean stop (median), vs the first start",
+            plan.start_rows
+        ),
+        "full",
+        ms(restarts.median),
+    )
+    .against(ms(first), ratio(restarts.median, first));
+    if !plan.smoke {
+        start = start.target("≤ 200 ms", restarts.median <= Duration::from_millis(200));
+    }
+    report.rows.push(start);
+    report.notes.push(format!(
+        "big blocks: {} first ADDs of a /12 in-process: median {} p99 {}; {} small ADDs each \
+         unloaded (median {} p99 {}) and while {added} /12s were added next to them (median {} \
+         p99 {}); start to healthy over {} restarts after a clean stop: median {} p99 {}, \
+         against {} for the first start after the rows were written by another process (it \
+         reads every row).",
+        adds.count,
+        ms(adds.median),
+        ms(adds.p99),
+        plan.big_samples,
+        ms(unloaded.median),
+        ms(unloaded.p99),
+        ms(loaded.median),
+        ms(loaded.p99),
+        restarts.count,
+        ms(restarts.median),
+        ms(restarts.p99),
+        ms(first),
+    ));
 }

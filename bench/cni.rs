@@ -1,25 +1,33 @@
-//! Measurements through real processes: ADD+DEL cycles of Metis (with its
-//! daemon), Debian's host-local and the floor program, interleaved; and a
-//! burst of concurrent ADDs against one daemon.
+//! Measurements through real processes: ADD+DEL cycles of each build of
+//! Metis (with its daemon), Debian's host-local and the floor program,
+//! interleaved; and a burst of concurrent ADDs against one daemon per build.
 
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use crate::Bench;
+use crate::report::{Report, Row};
 use crate::util::{
-    Daemon, HOST_LOCAL, Invocation, METIS, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
-    result_address, with_prev_result,
+    Build, Daemon, HOST_LOCAL, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
+    ms, ratio, result_address, with_prev_result,
 };
 
-/// ADD+DEL latency of the three programs, measured side by side.
+/// ADD+DEL latency of one program: the pair, ADD alone, DEL alone.
+pub struct Timing {
+    pub total: Summary,
+    pub add: Summary,
+    pub del: Summary,
+}
+
+/// ADD+DEL latency of every build, host-local and the floor, measured
+/// side by side.
 pub struct Cycles {
-    pub metis: Summary,
+    /// In the order of the builds given.
+    pub builds: Vec<Timing>,
     pub host_local: Summary,
     pub floor: Summary,
-    /// Metis ADD alone and DEL alone (medians are what the runtime waits).
-    pub metis_add: Summary,
-    pub metis_del: Summary,
 }
 
 /// One program under test: how to run it and what it is fed.
@@ -79,19 +87,41 @@ impl<'a> Subject<'a> {
             self.total.push(add + del);
         }
     }
+
+    fn timing(&self) -> Timing {
+        Timing {
+            total: Summary::of(&self.total),
+            add: Summary::of(&self.add),
+            del: Summary::of(&self.del),
+        }
+    }
 }
 
 /// `cycles` measured rounds (after `warmup` unrecorded ones), each running
-/// Metis, host-local and the floor once, the order rotating every round.
-pub fn cycles(floor: &Path, warmup: usize, cycles: usize) -> Cycles {
-    let dir = TempDir::new("cycles");
-    let _daemon = Daemon::start(&dir, &[]);
-    let metis = Path::new(METIS);
-    let mut subjects = [
-        Subject::new(metis, metis_conf(&dir, RANGE_V4), true),
-        Subject::new(Path::new(HOST_LOCAL), host_local_conf(&dir, RANGE_V4), true),
-        Subject::new(floor, metis_conf(&dir, RANGE_V4), false),
-    ];
+/// every build (each with its own daemon), host-local and the floor once,
+/// the order rotating every round.
+pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> Cycles {
+    let dirs: Vec<TempDir> = builds
+        .iter()
+        .map(|b| TempDir::new(&format!("cycles-{}", b.name())))
+        .collect();
+    let _daemons: Vec<Daemon> = builds
+        .iter()
+        .zip(&dirs)
+        .map(|(build, dir)| build.daemon(dir, &[]))
+        .collect();
+    let mut subjects: Vec<Subject> = builds
+        .iter()
+        .zip(&dirs)
+        .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true))
+        .collect();
+    let host_local_dir = TempDir::new("cycles-host-local");
+    subjects.push(Subject::new(
+        Path::new(HOST_LOCAL),
+        host_local_conf(&host_local_dir, RANGE_V4),
+        true,
+    ));
+    subjects.push(Subject::new(floor, metis_conf(&dirs[0], RANGE_V4), false));
     for round in 0..warmup + cycles {
         let container_id = format!("bench-cycle-{round:06}");
         for k in 0..subjects.len() {
@@ -99,16 +129,67 @@ pub fn cycles(floor: &Path, warmup: usize, cycles: usize) -> Cycles {
             subjects[index].cycle(&container_id, round >= warmup);
         }
     }
-    let [metis, host_local, floor] = subjects;
-    assert_eq!(metis.addresses.len(), warmup + cycles);
-    assert_eq!(host_local.addresses.len(), warmup + cycles);
+    let floor = subjects.pop().unwrap();
+    let host_local = subjects.pop().unwrap();
+    for subject in subjects.iter().chain([&host_local]) {
+        assert_eq!(subject.addresses.len(), warmup + cycles);
+    }
     Cycles {
-        metis: Summary::of(&metis.total),
+        builds: subjects.iter().map(Subject::timing).collect(),
         host_local: Summary::of(&host_local.total),
         floor: Summary::of(&floor.total),
-        metis_add: Summary::of(&metis.add),
-        metis_del: Summary::of(&metis.del),
     }
+}
+
+/// ADD+DEL rows: each build against the floor and host-local.
+pub fn report_cycles(bench: &Bench, report: &mut Report) {
+    let plan = &bench.plan;
+    let c = cycles(&bench.builds, &bench.floor, plan.warmup, plan.cycles);
+    for (build, t) in bench.builds.iter().zip(&c.builds) {
+        for (reference, theirs, target) in [
+            ("trivial-binary floor", c.floor.median, 1.25),
+            ("host-local", c.host_local.median, 0.45),
+        ] {
+            let r = ratio(t.total.median, theirs);
+            report.rows.push(
+                Row::plain(
+                    format!("ADD+DEL median through the binary / {reference}"),
+                    build.name(),
+                    ms(t.total.median),
+                )
+                .against(ms(theirs), r)
+                .target(format!("≤ {target}×"), r <= target),
+            );
+        }
+        report.notes.push(format!(
+            "ADD+DEL, {} build: ADD alone median {} p99 {}, DEL alone median {} p99 {}, \
+             the pair p99 {} (floor p99 {}, host-local p99 {}).",
+            build.name(),
+            ms(t.add.median),
+            ms(t.add.p99),
+            ms(t.del.median),
+            ms(t.del.p99),
+            ms(t.total.p99),
+            ms(c.floor.p99),
+            ms(c.host_local.p99),
+        ));
+    }
+    report.rows.push(
+        Row::plain(
+            "ADD+DEL median, floor / host-local (the best possible)",
+            "",
+            ms(c.floor.median),
+        )
+        .against(
+            ms(c.host_local.median),
+            ratio(c.floor.median, c.host_local.median),
+        ),
+    );
+    report.notes.push(format!(
+        "ADD+DEL: {} cycles each (after {} warm-up), interleaved: every round runs each build \
+         (against its own daemon), host-local and the floor program, the order rotating.",
+        plan.cycles, plan.warmup,
+    ));
 }
 
 /// `n` plugin ADDs started at once against one daemon.
@@ -121,56 +202,85 @@ pub struct Burst {
     pub direct_mode: usize,
 }
 
-pub fn burst(n: usize) -> Burst {
-    let dir = TempDir::new("burst");
-    let _daemon = Daemon::start(&dir, &[]);
+pub fn burst(build: &Build, n: usize) -> Burst {
+    let dir = TempDir::new(&format!("burst-{}", build.name()));
+    let _daemon = build.daemon(&dir, &[]);
     let conf = Arc::new(metis_conf(&dir, RANGE_V4));
     // Create the block first: the burst measures allocations, not the
     // one-time population of a /16.
     Invocation {
-        program: Path::new(METIS),
+        program: &build.binary,
         command: "ADD",
         container_id: "bench-burst-first",
         stdin: &conf,
     }
     .run();
-    let barrier = Arc::new(Barrier::new(n + 1));
+    // The wall time runs from the first thread let go to the last ADD's
+    // end, both taken by the ADD threads: the main thread may be scheduled
+    // late on a loaded machine.
+    let barrier = Arc::new(Barrier::new(n));
     let threads: Vec<_> = (0..n)
         .map(|i| {
             let barrier = Arc::clone(&barrier);
             let conf = Arc::clone(&conf);
+            let program = build.binary.clone();
             std::thread::spawn(move || {
                 let container_id = format!("bench-burst-{i:04}");
                 barrier.wait();
+                let released = Instant::now();
                 let (result, took) = Invocation {
-                    program: Path::new(METIS),
+                    program: &program,
                     command: "ADD",
                     container_id: &container_id,
                     stdin: &conf,
                 }
                 .run();
-                (result_address(&result), took, Instant::now())
+                (result_address(&result), took, released, Instant::now())
             })
         })
         .collect();
-    barrier.wait();
-    let start = Instant::now();
-    let mut latencies = Vec::with_capacity(n);
-    let mut addresses = HashSet::new();
-    let mut last = start;
-    for thread in threads {
-        let (address, took, done) = thread.join().unwrap();
-        addresses.insert(address);
-        latencies.push(took);
-        last = last.max(done);
-    }
+    let runs: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let first = runs.iter().map(|run| run.2).min().unwrap();
+    let last = runs.iter().map(|run| run.3).max().unwrap();
+    let latencies: Vec<Duration> = runs.iter().map(|run| run.1).collect();
+    let addresses: HashSet<&String> = runs.iter().map(|run| &run.0).collect();
     let log = std::fs::read_to_string(dir.join("cni.log")).unwrap_or_default();
     let direct_mode = log.matches("using direct mode").count();
     Burst {
         count: latencies.len(),
-        wall: last - start,
+        wall: last - first,
         latency: Summary::of(&latencies),
         distinct: addresses.len(),
         direct_mode,
+    }
+}
+
+/// Concurrent ADDs per build: all succeed with distinct addresses.
+pub fn report_burst(bench: &Bench, report: &mut Report) {
+    let n = bench.plan.burst;
+    for build in &bench.builds {
+        let b = burst(build, n);
+        assert_eq!(b.count, n);
+        assert_eq!(b.distinct, n, "burst addresses must be distinct");
+        report.rows.push(
+            Row::plain(
+                format!("burst: {n} concurrent ADDs, wall time"),
+                build.name(),
+                ms(b.wall),
+            )
+            .target("all succeed, distinct", b.distinct == b.count),
+        );
+        report.rows.push(Row::plain(
+            "burst: ADD latency median / p99",
+            build.name(),
+            format!("{} / {}", ms(b.latency.median), ms(b.latency.p99)),
+        ));
+        report.notes.push(format!(
+            "burst, {} build: {} of {} ADDs fell back to direct mode; {} distinct addresses.",
+            build.name(),
+            b.direct_mode,
+            b.count,
+            b.distinct
+        ));
     }
 }

@@ -14,7 +14,11 @@ use metis::cidr::{Cidr, Family};
 use metis::engine::Engine;
 use metis::store::{Source, Store, StoreOptions};
 
-use crate::util::{Summary, TempDir, allocate_request, allocated, release_request, released};
+use crate::Bench;
+use crate::report::{Report, Row};
+use crate::util::{
+    Summary, TempDir, allocate_request, allocated, ms, ratio, release_request, released, us,
+};
 
 /// One store size and what allocating in it costs.
 pub struct Point {
@@ -260,4 +264,37 @@ pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
             latency: Summary::of(&growth),
         },
     )
+}
+
+/// Allocate latency as the tables grow, against the smallest point.
+pub fn report(bench: &Bench, report: &mut Report) {
+    let plan = &bench.plan;
+    let mut points = v4(plan.scale_samples, plan.smoke);
+    let (v6_steady, v6_growth) = v6(plan.v6_allocations, plan.scale_samples);
+    points.push(v6_steady);
+    points.push(v6_growth);
+    let base = points[0].latency;
+    for point in &points[1..] {
+        let r = ratio(point.latency.median, base.median);
+        report.rows.push(
+            Row::plain(
+                format!("allocate median in-process, {}", point.label),
+                "",
+                us(point.latency.median),
+            )
+            .against(us(base.median), r)
+            .target("≤ 1.3×", r <= 1.3),
+        );
+    }
+    for point in &points {
+        report.notes.push(format!(
+            "scale: {}: {} rows, set up in {}, allocate median {} p99 {} over {} samples.",
+            point.label,
+            point.rows,
+            ms(point.setup),
+            us(point.latency.median),
+            us(point.latency.p99),
+            point.latency.count,
+        ));
+    }
 }

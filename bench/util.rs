@@ -4,7 +4,7 @@
 //! measurement (a panic) still cleans up.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,43 @@ pub const RANGE_V4_SECOND: &str = "198.19.0.0/16";
 pub const RANGE_V6: &str = "2001:db8::/64";
 
 pub use crate::common::{TestDaemon as Daemon, TestDir as TempDir};
+
+/// The two builds of Metis every per-build figure is taken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavour {
+    /// Default features: the Kubernetes client included.
+    Full,
+    /// `--no-default-features`: no HTTP client, TLS or YAML.
+    Edge,
+}
+
+/// A build of Metis under measurement: which one, and its binary.
+#[derive(Debug, Clone)]
+pub struct Build {
+    pub flavour: Flavour,
+    pub binary: PathBuf,
+}
+
+impl Build {
+    pub fn name(&self) -> &'static str {
+        match self.flavour {
+            Flavour::Full => "full",
+            Flavour::Edge => "edge",
+        }
+    }
+
+    pub fn features(&self) -> &'static str {
+        match self.flavour {
+            Flavour::Full => "default features (kube), built by `cargo bench`",
+            Flavour::Edge => "--no-default-features, built by `make edge`",
+        }
+    }
+
+    /// Starts this build's daemon on `dir`.
+    pub fn daemon(&self, dir: &TempDir, extra: &[&str]) -> Daemon {
+        Daemon::start_from(&self.binary, dir, extra)
+    }
+}
 
 /// A client connection to `daemon`.
 pub fn client(daemon: &Daemon) -> Client {
