@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use metis::store::Durability;
 use util::{HOST_LOCAL, METIS, TempDir, ms, ratio, us};
 
 /// How much of everything to do.
@@ -226,10 +227,13 @@ fn report_cycles(plan: &Plan, floor: &Path, report: &mut Report) {
 
 /// Daemon pairs per second by client count, against the engine in-process.
 fn report_throughput(plan: &Plan, report: &mut Report) {
-    let inproc = throughput::in_process(plan.throughput_for);
+    let inproc = throughput::in_process(plan.throughput_for, Durability::Normal);
     let mut daemon_rates = Vec::new();
     for threads in [1, 2, 8] {
-        daemon_rates.push((threads, throughput::daemon(threads, plan.throughput_for)));
+        daemon_rates.push((
+            threads,
+            throughput::daemon(threads, plan.throughput_for, Durability::Normal),
+        ));
     }
     for (threads, rate) in &daemon_rates {
         let share = rate.per_second() / inproc.per_second();

@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use metis::engine::Engine;
-use metis::store::{Store, StoreOptions};
+use metis::store::{Durability, Store, StoreOptions};
 
 use crate::util::{
     Daemon, RANGE_V4, TempDir, allocate_request, allocated, client, release_request, released,
@@ -27,10 +27,15 @@ impl Rate {
 }
 
 /// Pairs/s over the daemon's socket with `threads` clients, each on its own
-/// connection, running until `duration` has passed.
-pub fn daemon(threads: usize, duration: Duration) -> Rate {
+/// connection, running until `duration` has passed, with the daemon's
+/// `--db-synchronous` set to `durability`.
+pub fn daemon(threads: usize, duration: Duration, durability: Durability) -> Rate {
     let dir = TempDir::new("throughput");
-    let daemon = Daemon::start(&dir, &["--release-cooldown", "0"]);
+    let sync = match durability {
+        Durability::Normal => "normal",
+        Durability::Full => "full",
+    };
+    let daemon = Daemon::start(&dir, &["--release-cooldown", "0", "--db-synchronous", sync]);
     // Populate the block before timing.
     let mut warm = client(&daemon);
     allocated(
@@ -68,9 +73,13 @@ pub fn daemon(threads: usize, duration: Duration) -> Rate {
 }
 
 /// Pairs/s of the same requests handed straight to the engine.
-pub fn in_process(duration: Duration) -> Rate {
+pub fn in_process(duration: Duration, durability: Durability) -> Rate {
     let dir = TempDir::new("inproc");
-    let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
+    let options = StoreOptions {
+        durability,
+        ..StoreOptions::default()
+    };
+    let store = Store::open(&dir.join("metis.sqlite"), &options).unwrap();
     let mut engine = Engine::new(store);
     let mut pair = |id: &str| {
         allocated(
