@@ -166,6 +166,34 @@ impl Engine {
         }
     }
 
+    /// Handles one request of the daemon's group commit: in a savepoint of
+    /// the batch's transaction, kept only when the request succeeded, so a
+    /// failed request leaves nothing and never undoes another. Nothing is
+    /// durable, so nothing may be answered, before [`Engine::commit_batch`].
+    pub fn handle_in_batch(&mut self, request: &Request, now_ms: i64) -> Outcome {
+        if let Err(err) = self.store.begin_request() {
+            return Failure::from_store("database", &err).into_outcome();
+        }
+        let outcome = self.handle(request, now_ms);
+        let succeeded = matches!(&outcome, Outcome::Reply(reply) if reply.code() == Code::Ok);
+        match self.store.end_request(succeeded) {
+            Ok(()) => outcome,
+            Err(err) => Failure::from_store("database", &err).into_outcome(),
+        }
+    }
+
+    /// Commits the requests [`Engine::handle_in_batch`] ran since the last
+    /// commit. On failure, returns the reply every one of them gets instead
+    /// of its own: the one a request alone gets when its commit fails.
+    pub fn commit_batch(&mut self) -> Option<Response> {
+        let err = self.store.commit_batch().err()?;
+        Some(
+            Failure::from_store("commit", &err)
+                .into_outcome()
+                .into_response(),
+        )
+    }
+
     /// Serving, and degraded while blocks are quarantined.
     fn health(&self) -> Result<HealthCheckResponse, Failure> {
         let quarantined = self

@@ -31,7 +31,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rusqlite::{Connection, TransactionBehavior, params};
+use rusqlite::{Connection, params};
 
 use super::alloc::{frontier_key, insert_block, insert_rows};
 use super::reserve::block_reserved;
@@ -139,9 +139,7 @@ impl Store {
     ) -> Result<super::AddOutcome, StoreError> {
         super::check_block_size(cidr)?;
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
         tx.commit()?;
         Ok(outcome)
@@ -199,9 +197,7 @@ impl Store {
             return Ok(LayoutChanges::default());
         }
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
         let strict = strict.then_some(source);
@@ -269,9 +265,7 @@ impl Store {
     ) -> Result<super::AddOutcome, StoreError> {
         check_block_size(cidr)?;
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, Some(source), now_ms)?;
         tx.commit()?;
         Ok(outcome)
@@ -327,9 +321,7 @@ impl Store {
         suspects: &BTreeMap<i64, String>,
         now_ms: i64,
     ) -> Result<Isolation, StoreError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let mut isolation = Isolation {
             recounted: recount(&tx)?,
             ..Isolation::default()
