@@ -1010,4 +1010,35 @@ mod tests {
             Code::InvalidArgument
         );
     }
+
+    #[test]
+    fn a_failed_request_of_a_batch_leaves_nothing_and_keeps_the_others() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store());
+        let now = crate::log::now_ms();
+        let add = |req| Request {
+            kind: Some(request::Kind::Allocate(req)),
+        };
+        let first = engine.handle_in_batch(&add(request("a", "198.18.0.0/24", "")), now);
+        assert_eq!(first.into_response().code(), Code::Ok);
+        // Its IPv6 range is new, so this request adds that block before its
+        // requested address turns out to lie outside it.
+        let mut failing = request("b", "198.18.0.0/24", "2001:db8::/64");
+        if let Some(config) = failing.ipv6_config.as_mut() {
+            config.requested_ip = "2001:db8:1::1".into();
+        }
+        let failed = engine.handle_in_batch(&add(failing), now).into_response();
+        assert_eq!(failed.code(), Code::InvalidArgument, "{failed:?}");
+        assert_eq!(failed.reason(), reason::REQUESTED_IP_UNAVAILABLE);
+        assert_eq!(engine.commit_batch(), None);
+
+        let v6_blocks = BlockFilter {
+            family: Some(Family::V6),
+            ..BlockFilter::default()
+        };
+        assert!(engine.store().blocks(&v6_blocks).unwrap().is_empty());
+        assert!(engine.store().check("net", "b", "eth0").unwrap().is_empty());
+        let held = engine.store().check("net", "a", "eth0").unwrap();
+        assert_eq!(held.len(), 1, "{held:?}");
+    }
 }
