@@ -171,6 +171,16 @@ impl Engine {
     /// failed request leaves nothing and never undoes another. Nothing is
     /// durable, so nothing may be answered, before [`Engine::commit_batch`].
     pub fn handle_in_batch(&mut self, request: &Request, now_ms: i64) -> Outcome {
+        // Reads take no write lock, as alone: a health probe never waits
+        // for another process's writer. In an open batch they see its
+        // writes, which is why their answers wait for the commit too.
+        let writes = matches!(
+            request.kind,
+            Some(request::Kind::Allocate(_) | request::Kind::Deallocate(_) | request::Kind::Gc(_))
+        );
+        if !writes {
+            return self.handle(request, now_ms);
+        }
         if let Err(err) = self.store.begin_request() {
             return Failure::from_store("database", &err).into_outcome();
         }

@@ -205,3 +205,28 @@ fn a_failed_commit_fails_every_request_of_its_batch_and_keeps_none() {
     assert_eq!(held(&daemon, "innocent-2"), [allocated_v4(&replies[1])]);
     assert!(held(&daemon, "poison").is_empty());
 }
+
+#[test]
+fn reads_are_served_while_another_process_holds_the_write_lock() {
+    let dir = TestDir::new("batch-reads");
+    let daemon = TestDaemon::start(&dir, &[]);
+    let (_stream, warm) = pipeline(&daemon, &frame_of(&allocate("", "warm", RANGE, "")), 1);
+    let warm = allocated_v4(&warm[0]);
+    // Another process holds the write lock beyond the daemon's busy timeout.
+    let holder = rusqlite::Connection::open(&daemon.db).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let health = Request {
+        kind: Some(request::Kind::Health(Default::default())),
+    };
+    let mut bytes = frame_of(&health);
+    bytes.extend(frame_of(&allocate("", "blocked", RANGE, "")));
+    let (_stream, replies) = pipeline(&daemon, &bytes, 2);
+    assert_eq!(replies[0].code(), Code::Ok, "{:?}", replies[0]);
+    assert_eq!(replies[1].code(), Code::Unavailable, "{:?}", replies[1]);
+    assert_eq!(replies[1].reason(), reason::STORE_UNAVAILABLE);
+
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(held(&daemon, "warm"), [warm]);
+    assert!(held(&daemon, "blocked").is_empty());
+}
