@@ -243,8 +243,9 @@ impl EventLoop {
             conns,
             ..
         } = self;
-        // Every request of the turn, parked ones included, ran in the batch;
-        // the answered ones are counted once the commit decided their code.
+        // Every request of the turn counts towards the bound, parked ones
+        // included; the answered ones are counted in the metrics once the
+        // commit decided their code.
         let mut handled = 0;
         let mut answered: Vec<(&'static str, Instant, Code)> = Vec::new();
         let mut deferred = None;
