@@ -165,6 +165,44 @@ impl Engine {
         }
     }
 
+    /// Handles one request of the daemon's group commit: in a savepoint of
+    /// the batch's transaction, kept only when the request succeeded, so a
+    /// failed request leaves nothing and never undoes another. Nothing is
+    /// durable, so nothing may be answered, before [`Engine::commit_batch`].
+    pub fn handle_in_batch(&mut self, request: &Request, now_ms: i64) -> Outcome {
+        // Reads take no write lock, as alone: a health probe never waits
+        // for another process's writer. In an open batch they see its
+        // writes, which is why their answers wait for the commit too.
+        let writes = matches!(
+            request.kind,
+            Some(request::Kind::Allocate(_) | request::Kind::Deallocate(_) | request::Kind::Gc(_))
+        );
+        if !writes {
+            return self.handle(request, now_ms);
+        }
+        if let Err(err) = self.store.begin_request() {
+            return Failure::from_store("database", &err).into_outcome();
+        }
+        let outcome = self.handle(request, now_ms);
+        let succeeded = matches!(&outcome, Outcome::Reply(reply) if reply.code() == Code::Ok);
+        match self.store.end_request(succeeded) {
+            Ok(()) => outcome,
+            Err(err) => Failure::from_store("database", &err).into_outcome(),
+        }
+    }
+
+    /// Commits the requests [`Engine::handle_in_batch`] ran since the last
+    /// commit. On failure, returns the reply every one of them gets instead
+    /// of its own: the one a request alone gets when its commit fails.
+    pub fn commit_batch(&mut self) -> Option<Response> {
+        let err = self.store.commit_batch().err()?;
+        Some(
+            Failure::from_store("commit", &err)
+                .into_outcome()
+                .into_response(),
+        )
+    }
+
     /// Serving, and degraded while blocks are quarantined.
     fn health(&self) -> Result<HealthCheckResponse, Failure> {
         let quarantined = self
@@ -980,5 +1018,36 @@ mod tests {
             engine.allocate(&host_bits, now).unwrap_err().code,
             Code::InvalidArgument
         );
+    }
+
+    #[test]
+    fn a_failed_request_of_a_batch_leaves_nothing_and_keeps_the_others() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store());
+        let now = crate::log::now_ms();
+        let add = |req| Request {
+            kind: Some(request::Kind::Allocate(req)),
+        };
+        let first = engine.handle_in_batch(&add(request("a", "198.18.0.0/24", "")), now);
+        assert_eq!(first.into_response().code(), Code::Ok);
+        // Its IPv6 range is new, so this request adds that block before its
+        // requested address turns out to lie outside it.
+        let mut failing = request("b", "198.18.0.0/24", "2001:db8::/64");
+        if let Some(config) = failing.ipv6_config.as_mut() {
+            config.requested_ip = "2001:db8:1::1".into();
+        }
+        let failed = engine.handle_in_batch(&add(failing), now).into_response();
+        assert_eq!(failed.code(), Code::InvalidArgument, "{failed:?}");
+        assert_eq!(failed.reason(), reason::REQUESTED_IP_UNAVAILABLE);
+        assert_eq!(engine.commit_batch(), None);
+
+        let v6_blocks = BlockFilter {
+            family: Some(Family::V6),
+            ..BlockFilter::default()
+        };
+        assert!(engine.store().blocks(&v6_blocks).unwrap().is_empty());
+        assert!(engine.store().check("net", "b", "eth0").unwrap().is_empty());
+        let held = engine.store().check("net", "a", "eth0").unwrap();
+        assert_eq!(held.len(), 1, "{held:?}");
     }
 }

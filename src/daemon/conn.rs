@@ -1,5 +1,6 @@
 //! One client connection of the daemon: non-blocking buffers and deadlines,
-//! so no client can hold the single-threaded loop.
+//! so no client can hold the single-threaded loop. Replies of a loop turn
+//! are held until the loop has committed the turn's requests.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -23,8 +24,18 @@ pub struct Limits {
     pub request: Duration,
 }
 
-/// Answers one request of a connection (by id); `None` parks it.
-pub type Handler<'a> = dyn FnMut(u64, Request) -> Option<Response> + 'a;
+/// What became of one request handed to the loop.
+pub enum Answer {
+    /// Its reply, to be sent once the loop's batch is committed.
+    Reply(Response),
+    /// Parked: the reply comes later through [`Conn::deliver`].
+    Parked,
+    /// The batch is full: the request stays buffered for the next turn.
+    Later,
+}
+
+/// Answers one request of a connection (by id).
+pub type Handler<'a> = dyn FnMut(u64, Request) -> Answer + 'a;
 
 /// What the loop should do with a connection after an event.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
@@ -55,6 +66,10 @@ pub struct Conn {
     /// A request of this connection is parked; nothing more is processed
     /// until its response is delivered.
     awaiting: bool,
+    /// Replies of this turn, in request order, not sent before the loop's
+    /// commit: `true` marks those of the batch, which a failed commit
+    /// replaces; protocol errors (`false`) stand either way.
+    held: Vec<(Response, bool)>,
 }
 
 impl Conn {
@@ -72,6 +87,7 @@ impl Conn {
             closing: false,
             peer_closed: false,
             awaiting: false,
+            held: Vec::new(),
         }
     }
 
@@ -140,36 +156,46 @@ impl Conn {
         self.flush(now)
     }
 
-    /// Answers the complete requests already buffered.
+    /// Answers the complete requests already buffered, until the batch is
+    /// full; the replies are held until [`Conn::release`].
     pub fn process(&mut self, now: Instant, handle: &mut Handler<'_>) -> State {
         while !self.closing && !self.awaiting {
             match frame::split(&self.input, MAX_REQUEST_FRAME) {
                 Ok(Some((payload, used))) => {
                     let decoded = self.input.get(payload).map(Request::decode);
-                    let reply = match decoded {
+                    let answer = match decoded {
                         Some(Ok(request)) => handle(self.id, request),
-                        Some(Err(err)) => Some(Response::error(
-                            Code::InvalidArgument,
-                            reason::MALFORMED_REQUEST,
-                            format!("undecodable request: {err}"),
-                        )),
+                        Some(Err(err)) => {
+                            self.held.push((
+                                Response::error(
+                                    Code::InvalidArgument,
+                                    reason::MALFORMED_REQUEST,
+                                    format!("undecodable request: {err}"),
+                                ),
+                                false,
+                            ));
+                            self.input.drain(..used);
+                            continue;
+                        }
                         None => break,
                     };
-                    self.input.drain(..used);
-                    match reply {
-                        Some(reply) => self.queue(&reply, now),
-                        None => self.awaiting = true,
+                    match answer {
+                        Answer::Reply(reply) => self.held.push((reply, true)),
+                        Answer::Parked => self.awaiting = true,
+                        Answer::Later => break,
                     }
+                    self.input.drain(..used);
                 }
                 Ok(None) => break,
                 Err(err) => {
                     self.input.clear();
-                    return self.refuse(
+                    let refusal = Response::error(
                         Code::InvalidArgument,
                         reason::MALFORMED_REQUEST,
                         err.to_string(),
-                        now,
                     );
+                    self.held.push((refusal, false));
+                    self.closing = true;
                 }
             }
         }
@@ -181,8 +207,30 @@ impl Conn {
         self.flush(now)
     }
 
-    /// Writes queued response bytes until the socket would block.
+    /// Whether replies wait for the loop's commit.
+    pub fn holds_replies(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// Sends the held replies once the loop's commit is decided: with
+    /// `failure`, each reply of the batch is replaced by it, since nothing
+    /// the request did was kept.
+    pub fn release(&mut self, failure: Option<&Response>, now: Instant) -> State {
+        for (reply, batched) in std::mem::take(&mut self.held) {
+            match failure {
+                Some(failure) if batched => self.queue(failure, now),
+                _ => self.queue(&reply, now),
+            }
+        }
+        self.flush(now)
+    }
+
+    /// Writes queued response bytes until the socket would block; nothing
+    /// while replies are held, so no reply overtakes an earlier one.
     pub fn flush(&mut self, now: Instant) -> State {
+        if self.holds_replies() {
+            return State::Open;
+        }
         while self.wants_write() {
             let pending = self.output.get(self.written..).unwrap_or_default();
             match self.stream.write(pending) {

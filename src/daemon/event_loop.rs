@@ -3,7 +3,9 @@
 //! Each request is handled to completion in turn — that serialisation is
 //! what keeps the store simple — while slow or hostile clients only ever
 //! cost a non-blocking read or write, and a request waiting for new blocks
-//! is parked instead of holding the loop.
+//! is parked instead of holding the loop. The requests ready in one turn
+//! are committed together (group commit), and answered only after that
+//! commit.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixListener;
@@ -15,7 +17,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
-use super::conn::{Conn, Limits, State};
+use super::conn::{Answer, Conn, Limits, State};
 #[cfg(not(feature = "kube"))]
 use super::no_cluster::{Adaptive, Delivery};
 #[cfg(feature = "kube")]
@@ -23,10 +25,14 @@ use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, reason, request};
+use crate::wire::{Code, Request, Response, reason, request};
 
 /// Longest single `poll` wait, so deadlines are checked at least this often.
 const MAX_POLL_WAIT: Duration = Duration::from_secs(1);
+
+/// Most requests committed together: bounds how long the first of a turn
+/// waits for its answer. The rest wait, buffered, for the next turn.
+const MAX_BATCH: usize = 64;
 
 /// How long shutdown waits for queued responses to drain.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
@@ -239,19 +245,32 @@ impl EventLoop {
             conns,
             ..
         } = self;
+        // Every request of the turn counts towards the bound, parked ones
+        // included; the answered ones are counted in the metrics once the
+        // commit decided their code.
+        let mut handled = 0;
+        let mut answered: Vec<(&'static str, Instant, Code)> = Vec::new();
+        let mut deferred = None;
         let mut handle = |conn_id: u64, request: Request| {
+            if handled >= MAX_BATCH {
+                deferred.get_or_insert(conn_id);
+                return Answer::Later;
+            }
+            handled += 1;
             let started = Instant::now();
             let method = method_name(&request);
-            let outcome = engine.handle(&request, log::now_ms());
+            let outcome = engine.handle_in_batch(&request, log::now_ms());
             let reply = match adaptive.as_mut() {
                 None => Some(outcome.into_response()),
                 Some(adaptive) => adaptive.intercept(conn_id, request, outcome, now),
             };
-            // A parked request is counted when it is finally answered.
-            if let Some(reply) = &reply {
-                metrics.observe_request(method, reply.code().as_str_name(), started.elapsed());
+            match reply {
+                Some(reply) => {
+                    answered.push((method, started, reply.code()));
+                    Answer::Reply(reply)
+                }
+                None => Answer::Parked,
             }
-            reply
         };
         let mut closed = Vec::new();
         let mut index = 0;
@@ -272,6 +291,35 @@ impl EventLoop {
             }
             state == State::Open
         });
+        let failure = engine.commit_batch();
+        if let Some(failure) = &failure {
+            log::error(
+                "daemon",
+                "committing a batch of requests failed; each is answered with the error",
+                &[
+                    ("requests", &handled),
+                    (
+                        "error",
+                        &failure.status.as_ref().map_or("", |s| s.message.as_str()),
+                    ),
+                ],
+            );
+        }
+        for (method, started, code) in answered {
+            let code = failure.as_ref().map_or(code, Response::code);
+            metrics.observe_request(method, code.as_str_name(), started.elapsed());
+        }
+        conns.retain_mut(|conn| {
+            if !conn.holds_replies() || conn.release(failure.as_ref(), now) == State::Open {
+                return true;
+            }
+            closed.push(conn.id());
+            false
+        });
+        // The connection the full batch turned away goes first next turn.
+        if let Some(at) = deferred.and_then(|id| conns.iter().position(|conn| conn.id() == id)) {
+            conns.rotate_left(at);
+        }
         self.forget(&closed);
     }
 

@@ -2,7 +2,7 @@
 //! queries.
 
 use rusqlite::types::{Value, ValueRef};
-use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params, params_from_iter};
+use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
 use super::reserve::block_reserved;
 use super::{
@@ -114,9 +114,7 @@ impl Store {
     /// Marks a block Draining (no state guard, like upstream). False if no
     /// such block.
     pub fn drain_block(&mut self, id: i64, now_ms: i64) -> Result<bool, StoreError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let n = tx
             .prepare_cached(
                 "UPDATE cidr_blocks SET state = 'Draining', updated_at = ?2 WHERE id = ?1",
@@ -134,9 +132,7 @@ impl Store {
         family: Family,
         now_ms: i64,
     ) -> Result<Option<i64>, StoreError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let id: Option<i64> = tx
             .prepare_cached(
                 "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
@@ -169,9 +165,7 @@ impl Store {
         now_ms: i64,
     ) -> Result<Vec<BlockInfo>, StoreError> {
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let draining = query_blocks(
             &tx,
             &format!(
@@ -232,9 +226,7 @@ impl Store {
 
     /// Deletes a block (and, by cascade, its rows) only if it is Deleting.
     pub fn delete_block(&mut self, id: i64) -> Result<bool, StoreError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let n = tx
             .prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1 AND state = 'Deleting'")?
             .execute([id])?;

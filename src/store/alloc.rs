@@ -2,7 +2,7 @@
 
 use std::net::IpAddr;
 
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::reserve::{Reserved, block_reserved};
 use super::{
@@ -400,9 +400,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         if let Some(existing) = held_by_owner(&tx, owner, family)? {
             return Ok(existing);
         }
@@ -447,9 +445,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         if let Some(existing) = held_by_owner(&tx, owner, Family::of(address))? {
             return already_held(owner, existing, address);
         }
@@ -514,9 +510,7 @@ impl Store {
     ) -> Result<Vec<Allocation>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let rows = held(&tx, network, container_id, interface_name, family)?;
         for row in &rows {
             give_back(&tx, mode, network, row, release_at)?;

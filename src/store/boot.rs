@@ -9,8 +9,6 @@
 
 use std::path::{Path, PathBuf};
 
-use rusqlite::TransactionBehavior;
-
 use super::alloc::{HeldRow, give_back};
 use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
 
@@ -86,9 +84,7 @@ impl Store {
         }
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         // Re-read under the write lock: another process may have recovered.
         let stored = get_setting(&tx, KEY_BOOT_ID)?;
         let enabled = match enabled {

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::alloc::{HeldRow, frontier, give_back};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
@@ -34,9 +34,7 @@ impl Store {
     ) -> Result<Vec<Allocation>, StoreError> {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let stale: Vec<Candidate> = gc_candidates(&tx, network, allocated_until_ms)?
             .into_iter()
             .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())))

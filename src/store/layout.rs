@@ -31,7 +31,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rusqlite::{Connection, TransactionBehavior, params};
+use rusqlite::{Connection, params};
 
 use super::alloc::{frontier, frontier_key, insert_block, insert_reserved_rows};
 use super::reserve::block_reserved;
@@ -139,9 +139,7 @@ impl Store {
         cidr: &Cidr,
     ) -> Result<super::AddOutcome, StoreError> {
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
         tx.commit()?;
         Ok(outcome)
@@ -196,9 +194,7 @@ impl Store {
             return Ok(LayoutChanges::default());
         }
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
         let strict = strict.then_some(source);
@@ -255,9 +251,7 @@ impl Store {
         now_ms: i64,
     ) -> Result<super::AddOutcome, StoreError> {
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, Some(source), now_ms)?;
         tx.commit()?;
         Ok(outcome)
@@ -313,9 +307,7 @@ impl Store {
         report: &super::Report,
         now_ms: i64,
     ) -> Result<Isolation, StoreError> {
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         let mut isolation = Isolation {
             // Counting rows reads every row: only after a check that did.
             recounted: match report.row_level {

@@ -4,7 +4,10 @@
 //!
 //! Every write is one short `BEGIN IMMEDIATE` transaction; the daemon and the
 //! CNI plugin (direct mode) may open the same file concurrently (WAL + busy
-//! timeout). Timestamps are Unix milliseconds passed in by the caller.
+//! timeout). The daemon's loop may instead group the requests of one turn
+//! in one transaction (see [`Store::begin_request`]); every write then runs
+//! in a savepoint of it. Timestamps are Unix milliseconds passed in by the
+//! caller.
 
 mod admin;
 mod alloc;
@@ -27,7 +30,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rusqlite::config::DbConfig;
-use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{
+    Connection, ErrorCode, OptionalExtension, Savepoint, Transaction, TransactionBehavior, params,
+};
 
 use crate::cidr::{Cidr, CidrError, Family};
 
@@ -231,6 +236,9 @@ pub enum StoreError {
     Sqlite(rusqlite::Error),
     /// SQLITE_BUSY / SQLITE_LOCKED beyond the busy timeout.
     Busy(rusqlite::Error),
+    /// SQLite rolled back the transaction of a group commit on its own (an
+    /// I/O error, a full disk): nothing of the batch was kept.
+    BatchAborted,
     BadCidr(CidrError),
     NoAvailableIps {
         network: String,
@@ -271,7 +279,7 @@ impl StoreError {
     /// I/O, full disk, unopenable or read-only database).
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Busy(_) | StoreError::Open { .. } => true,
+            StoreError::Busy(_) | StoreError::Open { .. } | StoreError::BatchAborted => true,
             StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
                 e.code,
                 ErrorCode::DatabaseBusy
@@ -315,6 +323,10 @@ impl fmt::Display for StoreError {
             }
             StoreError::Sqlite(e) => write!(f, "store: sqlite: {e}"),
             StoreError::Busy(e) => write!(f, "store: database is busy: {e}"),
+            StoreError::BatchAborted => f.write_str(
+                "store: SQLite rolled back the transaction this request was grouped in \
+                 (an I/O error or a full disk); nothing of it was kept, retry",
+            ),
             StoreError::BadCidr(e) => write!(f, "store: {e}"),
             StoreError::NoAvailableIps { network, family } => write!(
                 f,
@@ -398,6 +410,60 @@ pub struct Store {
     warnings: Vec<String>,
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
+    batch: Batch,
+}
+
+/// The group commit the daemon's loop may hold open (see
+/// [`Store::begin_request`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Batch {
+    /// Every write is its own `BEGIN IMMEDIATE` transaction.
+    None,
+    /// A transaction is open; writes are savepoints inside it.
+    Open,
+    /// SQLite rolled the batch's transaction back: nothing may be written
+    /// until [`Store::commit_batch`] reports it and ends the batch.
+    Lost,
+}
+
+/// One write: its own immediate transaction, or a savepoint of the batch.
+/// Dropped without [`Write::commit`], it rolls back either way.
+pub(crate) enum Write<'c> {
+    Alone(Transaction<'c>),
+    InBatch(Savepoint<'c>),
+}
+
+impl std::ops::Deref for Write<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        match self {
+            Write::Alone(tx) => tx,
+            Write::InBatch(sp) => sp,
+        }
+    }
+}
+
+impl Write<'_> {
+    pub(crate) fn commit(self) -> Result<(), rusqlite::Error> {
+        match self {
+            Write::Alone(tx) => tx.commit(),
+            Write::InBatch(sp) => sp.commit(),
+        }
+    }
+}
+
+/// Starts a write on `conn`. Inside a batch whose transaction SQLite
+/// already rolled back, writing on would commit on its own, outside the
+/// batch, so that is refused.
+pub(crate) fn write(conn: &mut Connection, batch: Batch) -> Result<Write<'_>, StoreError> {
+    match batch {
+        Batch::None => Ok(Write::Alone(
+            conn.transaction_with_behavior(TransactionBehavior::Immediate)?,
+        )),
+        Batch::Open if !conn.is_autocommit() => Ok(Write::InBatch(conn.savepoint()?)),
+        Batch::Open | Batch::Lost => Err(StoreError::BatchAborted),
+    }
 }
 
 impl fmt::Debug for Store {
@@ -476,6 +542,7 @@ impl Store {
             release_cooldown_ms: 0,
             warnings: file_warnings,
             file: (path.to_path_buf(), file_identity(path)),
+            batch: Batch::None,
         };
         store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
@@ -498,6 +565,63 @@ impl Store {
                      restart the daemon to use the file now at this path"
                 .into(),
         })
+    }
+
+    /// Starts one request of a group commit: opens the batch's transaction
+    /// (`BEGIN IMMEDIATE`) if none is open, then a savepoint for the
+    /// request, so that [`Store::end_request`] can undo this request alone.
+    pub fn begin_request(&mut self) -> Result<(), StoreError> {
+        if self.batch == Batch::None {
+            self.conn.execute_batch("BEGIN IMMEDIATE")?;
+            self.batch = Batch::Open;
+        }
+        self.ensure_batch()?;
+        self.conn.execute_batch("SAVEPOINT request")?;
+        Ok(())
+    }
+
+    /// Ends the request [`Store::begin_request`] started: keeps what it
+    /// wrote (`RELEASE`) or undoes it (`ROLLBACK TO`). Nothing is durable
+    /// before [`Store::commit_batch`].
+    pub fn end_request(&mut self, keep: bool) -> Result<(), StoreError> {
+        self.ensure_batch()?;
+        let sql = if keep {
+            "RELEASE request"
+        } else {
+            "ROLLBACK TO request; RELEASE request"
+        };
+        self.conn.execute_batch(sql).map_err(|err| {
+            self.batch = Batch::Lost;
+            StoreError::from(err)
+        })
+    }
+
+    /// Commits the batch's requests together (nothing to do without a
+    /// batch). On failure the whole batch is rolled back: none of its
+    /// requests left anything.
+    pub fn commit_batch(&mut self) -> Result<(), StoreError> {
+        let result = match std::mem::replace(&mut self.batch, Batch::None) {
+            Batch::None => return Ok(()),
+            Batch::Open => self.conn.execute_batch("COMMIT").map_err(StoreError::from),
+            Batch::Lost => Err(StoreError::BatchAborted),
+        };
+        // A failed COMMIT may leave the transaction open (SQLITE_BUSY,
+        // a deferred constraint): end it, so the next batch starts clean.
+        if result.is_err() && !self.conn.is_autocommit() {
+            self.conn.execute_batch("ROLLBACK")?;
+        }
+        result
+    }
+
+    /// Fails once SQLite has rolled the batch's transaction back by itself.
+    fn ensure_batch(&mut self) -> Result<(), StoreError> {
+        if self.batch == Batch::Open && self.conn.is_autocommit() {
+            self.batch = Batch::Lost;
+        }
+        match self.batch {
+            Batch::Lost => Err(StoreError::BatchAborted),
+            Batch::None | Batch::Open => Ok(()),
+        }
     }
 
     /// Opens an existing database for reading only: no schema installation,
@@ -536,6 +660,7 @@ impl Store {
             release_cooldown_ms,
             warnings: Vec::new(),
             file: (path.to_path_buf(), file_identity(path)),
+            batch: Batch::None,
         }))
     }
 
@@ -641,9 +766,7 @@ impl Store {
         if get_setting(&self.conn, key)?.as_deref() == value {
             return Ok(());
         }
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = write(&mut self.conn, self.batch)?;
         match value {
             Some(value) => set_setting(&tx, key, value)?,
             None => {

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::{
     ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, parse_state, schema,
@@ -438,9 +438,7 @@ impl Store {
         changed.sort();
         changed.dedup();
         let mode = self.reserve;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         for (cidr, _) in &have {
             tx.prepare_cached("DELETE FROM metis_bounds WHERE network = ?1 AND cidr = ?2")?
                 .execute(params![network, cidr])?;
@@ -485,9 +483,7 @@ impl Store {
             self.warnings.extend(first.warnings);
             return Ok(());
         }
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = super::write(&mut self.conn, self.batch)?;
         // Re-plan under the write lock: another process may have repaired.
         let plan = plan(&tx, mode)?;
         {

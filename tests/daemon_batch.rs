@@ -1,0 +1,232 @@
+//! Group commit in the daemon: requests that arrive together share one
+//! transaction, each in its own savepoint. Requests are pipelined in one
+//! write on one connection, so the daemon reads them in one loop turn.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::{TestDaemon, TestDir, db};
+use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
+use metis::wire::{Code, Request, Response, ipam, reason, request, response};
+use prost::Message;
+
+const RANGE: &str = "198.18.0.0/24";
+
+fn allocate(network: &str, container: &str, cidr: &str, requested: &str) -> Request {
+    Request {
+        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
+            network: network.into(),
+            ipv4_config: Some(ipam::IpConfig {
+                interface_name: "eth0".into(),
+                container_id: container.into(),
+                initial_pod_cidr: cidr.into(),
+                requested_ip: requested.into(),
+                ..Default::default()
+            }),
+            ipv6_config: None,
+            pod_name: "pod".into(),
+            pod_namespace: "ns".into(),
+            isolated: false,
+        })),
+    }
+}
+
+fn frame_of(request: &Request) -> Vec<u8> {
+    frame::encode(&request.encode_to_vec(), MAX_REQUEST_FRAME).unwrap()
+}
+
+/// Writes `bytes` in one write and reads `replies` responses, in order.
+fn pipeline(daemon: &TestDaemon, bytes: &[u8], replies: usize) -> (UnixStream, Vec<Response>) {
+    let mut stream = UnixStream::connect(&daemon.socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(bytes).unwrap();
+    let responses = (0..replies)
+        .map(|_| {
+            let payload = frame::read_frame(&mut stream, MAX_RESPONSE_FRAME).unwrap();
+            Response::decode(payload.as_slice()).unwrap()
+        })
+        .collect();
+    (stream, responses)
+}
+
+fn allocated_v4(response: &Response) -> String {
+    assert_eq!(response.code(), Code::Ok, "{response:?}");
+    match &response.kind {
+        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
+/// The addresses a container holds, from the database.
+fn held(daemon: &TestDaemon, container: &str) -> Vec<String> {
+    let conn = db(&daemon.db);
+    let mut statement = conn
+        .prepare(
+            "SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated \
+             ORDER BY address",
+        )
+        .unwrap();
+    statement
+        .query_map([container], |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+fn blocks_of(daemon: &TestDaemon, network: &str) -> i64 {
+    db(&daemon.db)
+        .query_row(
+            "SELECT COUNT(*) FROM cidr_blocks WHERE network = ?1",
+            [network],
+            |row| row.get(0),
+        )
+        .unwrap()
+}
+
+#[test]
+fn a_failed_request_leaves_nothing_and_undoes_no_other() {
+    let dir = TestDir::new("batch-mixed");
+    let daemon = TestDaemon::start(&dir, &[]);
+    let mut bytes = Vec::new();
+    for request in [
+        allocate("", "first", RANGE, "198.18.0.10"),
+        // The same address again: refused, whatever came before it.
+        allocate("", "duplicate", RANGE, "198.18.0.10"),
+        // A new network whose block this request itself adds, then an
+        // address outside it: the block goes with the failed request.
+        allocate("other", "outside", "198.19.0.0/24", "198.19.1.5"),
+        allocate("", "last", RANGE, ""),
+    ] {
+        bytes.extend(frame_of(&request));
+    }
+    // A frame longer than any request: refused, then the connection ends.
+    bytes.extend(u32::try_from(MAX_REQUEST_FRAME + 1).unwrap().to_be_bytes());
+    let (_stream, replies) = pipeline(&daemon, &bytes, 5);
+
+    assert_eq!(allocated_v4(&replies[0]), "198.18.0.10");
+    assert_eq!(replies[1].code(), Code::InvalidArgument, "{:?}", replies[1]);
+    assert_eq!(replies[1].reason(), reason::REQUESTED_IP_UNAVAILABLE);
+    assert_eq!(replies[2].code(), Code::InvalidArgument, "{:?}", replies[2]);
+    assert_eq!(replies[2].reason(), reason::REQUESTED_IP_UNAVAILABLE);
+    let last = allocated_v4(&replies[3]);
+    assert_eq!(replies[4].reason(), reason::MALFORMED_REQUEST);
+
+    assert_eq!(held(&daemon, "first"), ["198.18.0.10"]);
+    assert_eq!(held(&daemon, "last"), [last]);
+    assert!(held(&daemon, "duplicate").is_empty());
+    assert!(held(&daemon, "outside").is_empty());
+    assert_eq!(blocks_of(&daemon, "other"), 0);
+    assert_eq!(blocks_of(&daemon, "default"), 1);
+}
+
+#[test]
+fn more_requests_than_one_batch_are_all_answered_in_order() {
+    let dir = TestDir::new("batch-many");
+    let daemon = TestDaemon::start(&dir, &[]);
+    // Beyond the loop's batch bound (64): the rest wait for the next turns.
+    let ids: Vec<String> = (0..150).map(|n| format!("pod-{n}")).collect();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|id| frame_of(&allocate("", id, RANGE, "")))
+        .collect();
+    let (_stream, replies) = pipeline(&daemon, &bytes, ids.len());
+    let mut seen = std::collections::HashSet::new();
+    for (id, reply) in ids.iter().zip(&replies) {
+        let address = allocated_v4(reply);
+        assert_eq!(held(&daemon, id), std::slice::from_ref(&address));
+        assert!(seen.insert(address), "address handed out twice");
+    }
+}
+
+/// A deferred foreign key is only checked at COMMIT: a row a trigger adds
+/// for container `poison` makes the commit of its batch fail.
+fn poison_commits(daemon: &TestDaemon) {
+    let conn = rusqlite::Connection::open(&daemon.db).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE test_parent (id INTEGER PRIMARY KEY);
+         CREATE TABLE test_blocker (parent INTEGER
+             REFERENCES test_parent(id) DEFERRABLE INITIALLY DEFERRED);
+         CREATE TRIGGER test_poison_update AFTER UPDATE ON ip_addresses
+             WHEN NEW.container_id = 'poison'
+             BEGIN INSERT INTO test_blocker VALUES (1); END;
+         CREATE TRIGGER test_poison_insert AFTER INSERT ON ip_addresses
+             WHEN NEW.container_id = 'poison'
+             BEGIN INSERT INTO test_blocker VALUES (1); END;",
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_failed_commit_fails_every_request_of_its_batch_and_keeps_none() {
+    let dir = TestDir::new("batch-commit");
+    let daemon = TestDaemon::start(&dir, &[]);
+    let (_stream, warm) = pipeline(&daemon, &frame_of(&allocate("", "warm", RANGE, "")), 1);
+    allocated_v4(&warm[0]);
+    poison_commits(&daemon);
+
+    let mut bytes = Vec::new();
+    bytes.extend(frame_of(&allocate("", "innocent-1", RANGE, "")));
+    bytes.extend(frame_of(&allocate("", "poison", RANGE, "")));
+    // Not a request at all: its answer does not depend on the commit.
+    bytes.extend(frame::encode(&[0xff, 0xff, 0xff], MAX_REQUEST_FRAME).unwrap());
+    bytes.extend(frame_of(&allocate("", "innocent-2", RANGE, "")));
+    let (_stream, replies) = pipeline(&daemon, &bytes, 4);
+
+    for at in [0, 1, 3] {
+        assert_eq!(replies[at].code(), Code::Unavailable, "{:?}", replies[at]);
+        assert_eq!(replies[at].reason(), reason::STORE_UNAVAILABLE);
+    }
+    assert_eq!(replies[2].code(), Code::InvalidArgument);
+    assert_eq!(replies[2].reason(), reason::MALFORMED_REQUEST);
+    for container in ["innocent-1", "poison", "innocent-2"] {
+        assert!(
+            held(&daemon, container).is_empty(),
+            "{container} kept a row"
+        );
+    }
+    assert!(
+        daemon
+            .log()
+            .contains("committing a batch of requests failed")
+    );
+
+    // The next batch starts clean: the innocent requests, retried, succeed.
+    let mut bytes = frame_of(&allocate("", "innocent-1", RANGE, ""));
+    bytes.extend(frame_of(&allocate("", "innocent-2", RANGE, "")));
+    let (_stream, replies) = pipeline(&daemon, &bytes, 2);
+    assert_eq!(held(&daemon, "innocent-1"), [allocated_v4(&replies[0])]);
+    assert_eq!(held(&daemon, "innocent-2"), [allocated_v4(&replies[1])]);
+    assert!(held(&daemon, "poison").is_empty());
+}
+
+#[test]
+fn reads_are_served_while_another_process_holds_the_write_lock() {
+    let dir = TestDir::new("batch-reads");
+    let daemon = TestDaemon::start(&dir, &[]);
+    let (_stream, warm) = pipeline(&daemon, &frame_of(&allocate("", "warm", RANGE, "")), 1);
+    let warm = allocated_v4(&warm[0]);
+    // Another process holds the write lock beyond the daemon's busy timeout.
+    let holder = rusqlite::Connection::open(&daemon.db).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let health = Request {
+        kind: Some(request::Kind::Health(Default::default())),
+    };
+    let mut bytes = frame_of(&health);
+    bytes.extend(frame_of(&allocate("", "blocked", RANGE, "")));
+    let (_stream, replies) = pipeline(&daemon, &bytes, 2);
+    assert_eq!(replies[0].code(), Code::Ok, "{:?}", replies[0]);
+    assert_eq!(replies[1].code(), Code::Unavailable, "{:?}", replies[1]);
+    assert_eq!(replies[1].reason(), reason::STORE_UNAVAILABLE);
+
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(held(&daemon, "warm"), [warm]);
+    assert!(held(&daemon, "blocked").is_empty());
+}
