@@ -10,7 +10,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, db};
+use common::{TestDaemon, TestDir, db, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
 use metis::wire::{Code, Request, Response, ipam, reason, request, response};
 use prost::Message;
@@ -229,4 +229,42 @@ fn reads_are_served_while_another_process_holds_the_write_lock() {
     holder.execute_batch("ROLLBACK").unwrap();
     assert_eq!(held(&daemon, "warm"), [warm]);
     assert!(held(&daemon, "blocked").is_empty());
+}
+
+/// Allocated rows as the database file alone holds them, WAL ignored.
+fn allocated_in_file(path: &std::path::Path) -> i64 {
+    let uri = format!("file:{}?immutable=1", path.display());
+    rusqlite::Connection::open_with_flags(
+        uri,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_URI,
+    )
+    .and_then(|conn| {
+        conn.query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE container_id != ''",
+            [],
+            |r| r.get(0),
+        )
+    })
+    .unwrap_or(0)
+}
+
+#[test]
+fn commits_reach_the_database_file_while_the_daemon_runs_without_a_request_checkpointing() {
+    let dir = TestDir::new("batch-checkpoint");
+    let daemon = TestDaemon::start(&dir, &[]);
+    let ids: Vec<String> = (0..20).map(|n| format!("pod-{n}")).collect();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|id| frame_of(&allocate("", id, RANGE, "")))
+        .collect();
+    let (_stream, replies) = pipeline(&daemon, &bytes, ids.len());
+    assert!(replies.iter().all(|r| r.code() == Code::Ok));
+    // A few pages of WAL: far below any threshold a commit checkpoints at,
+    // so only the daemon's checkpoint thread copies them into the file.
+    wait_for(
+        "the allocations in the database file",
+        Duration::from_secs(20),
+        || allocated_in_file(&daemon.db) == 20,
+    );
+    assert!(daemon.stop().success());
 }

@@ -14,7 +14,7 @@ use super::{Config, DaemonError};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::{self, Metrics};
-use crate::store::{BootRecovery, Source, Store, StoreOptions};
+use crate::store::{BootRecovery, Checkpointer, Source, Store, StoreOptions};
 
 /// Runs the daemon until SIGTERM/SIGINT.
 pub fn run(config: &Config) -> Result<(), DaemonError> {
@@ -32,6 +32,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     isolate_problems(&mut store, config)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     apply_cidr_flags(&mut store, config)?;
+    let checkpointer = defer_checkpoints(&store, config);
 
     let listener = listen(&config.socket_path, config.socket_group)?;
     let engine = Engine::new(store);
@@ -61,6 +62,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         },
     )
     .run();
+    drop(checkpointer);
     // Lets the next start skip reading every row (see verify_at_start).
     if let Err(err) = engine.store_mut().mark_clean_stop() {
         log::warn(
@@ -102,6 +104,30 @@ fn open_store(config: &Config) -> Result<Store, DaemonError> {
         log::warn("store", warning, &[]);
     }
     Ok(store)
+}
+
+/// Moves WAL checkpoints off the loop (see `store::checkpoint`). Without
+/// the thread, SQLite's own checkpoints in the loop go on, as in direct mode.
+fn defer_checkpoints(store: &Store, config: &Config) -> Option<Checkpointer> {
+    let checkpointer = match Checkpointer::start(&config.db_path) {
+        Ok(checkpointer) => checkpointer,
+        Err(err) => {
+            log::warn(
+                "daemon",
+                "no checkpoint thread; requests checkpoint the WAL themselves",
+                &[("error", &err)],
+            );
+            return None;
+        }
+    };
+    if let Err(err) = store.defer_checkpoints() {
+        log::warn(
+            "daemon",
+            "could not raise the loop's checkpoint threshold",
+            &[("error", &err)],
+        );
+    }
+    Some(checkpointer)
 }
 
 /// Fail safe, not fail stop: a node whose IPAM refuses to start can start

@@ -13,6 +13,7 @@ mod admin;
 mod alloc;
 mod boot;
 mod check;
+mod checkpoint;
 mod files;
 mod gc;
 mod layout;
@@ -38,6 +39,7 @@ use crate::cidr::{Cidr, CidrError, Family};
 
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
+pub use checkpoint::Checkpointer;
 pub use layout::{Isolation, LayoutChanges, Source};
 pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
