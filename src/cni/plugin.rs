@@ -75,10 +75,11 @@ pub fn run<B: Backend>(
             (Some(err.to_json(&cni_version)), 1)
         }
     };
-    if let Some(text) = output {
+    if let Some(mut text) = output {
+        // One write(2): the document and its newline together.
+        text.push('\n');
         let written = stdout
             .write_all(text.as_bytes())
-            .and_then(|()| stdout.write_all(b"\n"))
             .and_then(|()| stdout.flush());
         if written.is_err() {
             return 1;
@@ -152,7 +153,7 @@ fn read_stdin(stdin: &mut dyn Read) -> Result<Vec<u8>, CniError> {
 }
 
 /// Appends to the plugin's log file, rotating it at
-/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command. Its
+/// [`log::MAX_LOG_FILE_BYTES`]; logging never fails the command. A missing
 /// directory is created 0700 (it is often the database's). STATUS, which
 /// must create nothing, only appends to a log file that already exists.
 fn open_log(path: &Path, cni_env: &CniEnv) {
@@ -164,13 +165,7 @@ fn open_log(path: &Path, cni_env: &CniEnv) {
     let file = if cni_env.verb == Verb::Status {
         fs::OpenOptions::new().append(true).open(path)
     } else {
-        if let Some(dir) = path.parent() {
-            let _ = fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir);
-        }
-        log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644)
+        open_log_creating_dir(path)
     };
     if let Ok(file) = file {
         log::init(Box::new(file), 0);
@@ -181,6 +176,24 @@ fn open_log(path: &Path, cni_env: &CniEnv) {
         );
     } else {
         log::init(Box::new(io::sink()), 0);
+    }
+}
+
+/// The log file opened for appending; its directory is made only when the
+/// open finds it missing, so the usual call (directory there) costs one open.
+fn open_log_creating_dir(path: &Path) -> io::Result<fs::File> {
+    let open = || log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o644);
+    match open() {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {
+            if let Some(dir) = path.parent() {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)?;
+            }
+            open()
+        }
+        opened => opened,
     }
 }
 
@@ -670,6 +683,33 @@ mod tests {
             pod_namespace: "ns".into(),
         });
         assert_eq!(del.sent, [Request { kind: Some(want) }]);
+    }
+
+    #[test]
+    fn the_log_directory_is_made_only_when_missing() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new();
+        let nested = dir.0.join("a/b/cni.log");
+        let mut file = open_log_creating_dir(&nested).unwrap();
+        writeln!(file, "one").unwrap();
+        let mode = fs::metadata(dir.0.join("a/b"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+        // An existing directory keeps its mode; the file is appended to.
+        fs::set_permissions(dir.0.join("a/b"), fs::Permissions::from_mode(0o755)).unwrap();
+        writeln!(open_log_creating_dir(&nested).unwrap(), "two").unwrap();
+        let mode = fs::metadata(dir.0.join("a/b"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o755);
+        assert_eq!(fs::read_to_string(&nested).unwrap(), "one\ntwo\n");
+        // A parent that is a file: an error, nothing made.
+        let under_file = nested.join("cni.log");
+        let err = open_log_creating_dir(&under_file).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotADirectory, "{err}");
     }
 
     #[test]

@@ -474,22 +474,46 @@ fn is_dns_subdomain(name: &str) -> bool {
         })
 }
 
-/// A group name or numeric id for `--socket-group`.
+/// Where `--socket-group NAME` is looked up.
+const GROUP_FILE: &str = "/etc/group";
+
+/// A group name or numeric id for `--socket-group`. Names come from
+/// [`GROUP_FILE`] itself, not through NSS: the release binary is linked
+/// statically, and static glibc's NSS loads the host's shared modules
+/// (`group: files systemd`), which crashes it.
 fn parse_group(text: &str) -> Result<u32, FlagError> {
     if let Ok(gid) = text.parse::<u32>() {
         return Ok(gid);
     }
-    match nix::unistd::Group::from_name(text) {
-        Ok(Some(group)) => Ok(group.gid.as_raw()),
-        Ok(None) => Err(FlagError::BadValue(
+    let groups = match std::fs::read_to_string(GROUP_FILE) {
+        Ok(groups) => groups,
+        // No group file (a scratch image): no group has a name.
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(err) => {
+            return Err(FlagError::BadValue(
+                "--socket-group",
+                format!("cannot look up group {text:?} in {GROUP_FILE}: {err}"),
+            ));
+        }
+    };
+    group_id(&groups, text).ok_or_else(|| {
+        FlagError::BadValue(
             "--socket-group",
-            format!("no group named {text:?}"),
-        )),
-        Err(err) => Err(FlagError::BadValue(
-            "--socket-group",
-            format!("cannot look up group {text:?}: {err}"),
-        )),
-    }
+            format!("no group named {text:?} in {GROUP_FILE}"),
+        )
+    })
+}
+
+/// The id of group `name` in `group(5)` text (`name:password:gid:members`);
+/// malformed lines are skipped, as glibc's `files` module skips them.
+fn group_id(groups: &str, name: &str) -> Option<u32> {
+    groups.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        if fields.next()? != name {
+            return None;
+        }
+        fields.nth(1)?.parse().ok()
+    })
 }
 
 fn parse_network_cidr(text: &str) -> Result<(String, Cidr), FlagError> {
@@ -521,6 +545,22 @@ mod tests {
     /// No cluster in the environment, so the source defaults to static.
     fn parse(list: &[&str]) -> Result<Config, FlagError> {
         parse_config(&args(list), &|_| None)
+    }
+
+    #[test]
+    fn group_names_are_read_from_the_group_file() {
+        let groups = "root:x:0:\n\nbroken line\nnogid:x::a\nbig:x:99999999999:\n\
+                      metis:x:4242:alice,bob\nmetis:x:7:\n";
+        assert_eq!(group_id(groups, "root"), Some(0));
+        assert_eq!(
+            group_id(groups, "metis"),
+            Some(4242),
+            "the first entry wins"
+        );
+        for name in ["nogid", "big", "broken line", "", "x", "absent"] {
+            assert_eq!(group_id(groups, name), None, "{name:?}");
+        }
+        assert_eq!(group_id("", "root"), None);
     }
 
     #[test]
