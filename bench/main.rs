@@ -37,7 +37,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use report::Report;
-use util::{Build, Flavour, HOST_LOCAL, METIS, TempDir};
+use util::{Build, Flavour, HOST_LOCAL, TempDir};
 
 /// How much of everything to do.
 pub struct Plan {
@@ -128,9 +128,11 @@ fn main() {
         })
     };
     let out = value("--out");
+    let full = value("--full").expect("--full BINARY is required (`make bench` passes it)");
     let edge = value("--edge").expect("--edge EDGE_BINARY is required (`make bench` passes it)");
-    // The bench measures its own binary as the full build; under
-    // `--no-default-features` it still compiles (`make test`) but must not run.
+    // The in-process figures run the engine compiled into the bench, with
+    // the full build's features; under `--no-default-features` it still
+    // compiles (`make test`) but must not run.
     if !cfg!(feature = "kube") {
         panic!("run the bench with default features (`make bench`)");
     }
@@ -146,7 +148,8 @@ fn main() {
     let builds = vec![
         Build {
             flavour: Flavour::Full,
-            binary: PathBuf::from(METIS),
+            binary: std::fs::canonicalize(&full)
+                .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", full.display())),
         },
         Build {
             flavour: Flavour::Edge,

@@ -48,8 +48,8 @@ impl Build {
 
     pub fn features(&self) -> &'static str {
         match self.flavour {
-            Flavour::Full => "default features (kube), built by `cargo bench`",
-            Flavour::Edge => "--no-default-features, built by `make edge`",
+            Flavour::Full => "default features (kube), statically linked by `make build`",
+            Flavour::Edge => "--no-default-features, statically linked by `make edge`",
         }
     }
 
