@@ -392,12 +392,24 @@ fn makefile_honours_cargo_target_dir() {
         assert_ok(&output);
         out_err(&output).0
     };
+    // Release binaries are built for the host's triple, named explicitly.
+    let rustc = std::process::Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("rustc is installed");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|line| line.strip_prefix("host: ").map(str::to_string))
+        .expect("rustc names its host");
     let elsewhere = dry_run(Some("/srv/metis-build"));
     assert!(
-        elsewhere.contains("/srv/metis-build/release/metis daemon"),
+        elsewhere.contains(&format!("/srv/metis-build/{host}/release/metis daemon")),
         "{elsewhere}"
     );
-    assert!(!elsewhere.contains("target/release"), "{elsewhere}");
+    assert!(!elsewhere.contains("target/"), "{elsewhere}");
     let default = dry_run(None);
-    assert!(default.contains("target/release/metis daemon"), "{default}");
+    assert!(
+        default.contains(&format!("target/{host}/release/metis daemon")),
+        "{default}"
+    );
 }
