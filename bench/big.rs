@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use metis::engine::Engine;
-use metis::store::{Store, StoreOptions};
+use metis::store::{Checkpointer, Store, StoreOptions};
 use metis::wire::{Code, Request, ipam, request};
 
 use crate::Bench;
@@ -48,6 +48,9 @@ fn big_add(network: &str) -> Request {
 pub fn add_loop_time(count: usize) -> Summary {
     let dir = TempDir::new("big-loop");
     let store = Store::open(&dir.join("metis.sqlite"), &StoreOptions::default()).unwrap();
+    // As in the daemon: WAL checkpoints run on their own thread.
+    store.defer_checkpoints().unwrap();
+    let _checkpointer = Checkpointer::start(&dir.join("metis.sqlite")).unwrap();
     let mut engine = Engine::new(store);
     let samples: Vec<Duration> = (0..count)
         .map(|n| {

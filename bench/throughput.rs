@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use metis::engine::Engine;
-use metis::store::{Durability, Store, StoreOptions};
+use metis::store::{Checkpointer, Durability, Store, StoreOptions};
 use metis::wire::client::Client;
 
 use crate::Bench;
@@ -45,6 +45,8 @@ fn durability_flag(durability: Durability) -> &'static str {
 enum Route {
     InProcess {
         engine: Box<Engine>,
+        /// Stopped before the directory goes.
+        _checkpointer: Checkpointer,
         _dir: TempDir,
     },
     Daemon {
@@ -92,6 +94,9 @@ impl Figure {
             ..StoreOptions::default()
         };
         let store = Store::open(&dir.join("metis.sqlite"), &options).unwrap();
+        // WAL checkpoints on their own thread, as in the daemon.
+        store.defer_checkpoints().unwrap();
+        let checkpointer = Checkpointer::start(&dir.join("metis.sqlite")).unwrap();
         let mut engine = Engine::new(store);
         // Populate the block before timing.
         engine_pair(&mut engine, "bench-warm");
@@ -100,6 +105,7 @@ impl Figure {
             build: None,
             route: Route::InProcess {
                 engine: Box::new(engine),
+                _checkpointer: checkpointer,
                 _dir: dir,
             },
             pairs: 0,

@@ -35,8 +35,7 @@ fn reachable_dir(name: &str) -> TestDir {
 fn binary_for_other_user(dir: &TestDir) -> std::path::PathBuf {
     let copy = dir.join("metis-for-other-user");
     if !copy.exists() {
-        std::fs::copy(common::METIS, &copy).unwrap();
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        common::copy_binary(&copy, 0o755);
     }
     copy
 }

@@ -12,28 +12,13 @@ use std::time::Duration;
 
 use common::{TestDaemon, TestDir, db, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, ipam, reason, request, response};
+use metis::wire::{Code, Request, Response, reason, request, response};
 use prost::Message;
 
 const RANGE: &str = "198.18.0.0/24";
 
 fn allocate(network: &str, container: &str, cidr: &str, requested: &str) -> Request {
-    Request {
-        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
-            network: network.into(),
-            ipv4_config: Some(ipam::IpConfig {
-                interface_name: "eth0".into(),
-                container_id: container.into(),
-                initial_pod_cidr: cidr.into(),
-                requested_ip: requested.into(),
-                ..Default::default()
-            }),
-            ipv6_config: None,
-            pod_name: "pod".into(),
-            pod_namespace: "ns".into(),
-            isolated: false,
-        })),
-    }
+    common::v4_add_requesting(network, container, cidr, requested)
 }
 
 fn frame_of(request: &Request) -> Vec<u8> {

@@ -26,21 +26,7 @@ fn client(daemon: &TestDaemon) -> Client {
 }
 
 fn allocate(container: &str, cidr: &str) -> Request {
-    Request {
-        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
-            network: String::new(),
-            ipv4_config: Some(ipam::IpConfig {
-                interface_name: "eth0".into(),
-                container_id: container.into(),
-                initial_pod_cidr: cidr.into(),
-                ..Default::default()
-            }),
-            ipv6_config: None,
-            pod_name: "pod".into(),
-            pod_namespace: "ns".into(),
-            isolated: false,
-        })),
-    }
+    common::v4_add_request("", container, cidr)
 }
 
 fn allocated_v4(response: &Response) -> String {

@@ -104,8 +104,7 @@ fn keeps_the_mode_and_leaves_no_temp_files() {
         let source_dir = dir.join(&format!("src-{mode:o}"));
         fs::create_dir(&source_dir).unwrap();
         let source = source_dir.join("metis");
-        fs::copy(METIS, &source).unwrap();
-        fs::set_permissions(&source, fs::Permissions::from_mode(mode)).unwrap();
+        common::copy_binary(&source, mode);
         let cni = dir.join(&format!("cni-{mode:o}"));
         fs::create_dir(&cni).unwrap();
         assert_ok(&install(&source, None, &["--cni-dir", &path_arg(&cni)]));
@@ -121,8 +120,7 @@ fn replaces_a_running_plugin_without_disturbing_it() {
     let cni = dir.join("cni");
     fs::create_dir_all(cni.join("bin")).unwrap();
     let old = cni.join("bin/metis");
-    fs::copy(METIS, &old).unwrap();
-    fs::set_permissions(&old, fs::Permissions::from_mode(0o755)).unwrap();
+    common::copy_binary(&old, 0o755);
     // The old copy runs (as a daemon) while the new one is installed over it:
     // writing into the executing file would fail with ETXTBSY.
     let daemon = TestDaemon::start_from(&old, &dir, &[]);

@@ -318,6 +318,16 @@ pub fn out_err(output: &Output) -> (String, String) {
 /// A daemon ADD (wire request) of interface `eth0` of `container` in
 /// `network`, IPv4 range `cidr`, as the plugin sends it.
 pub fn v4_add_request(network: &str, container: &str, cidr: &str) -> metis::wire::Request {
+    v4_add_requesting(network, container, cidr, "")
+}
+
+/// [`v4_add_request`] asking for address `requested` (`""`: any).
+pub fn v4_add_requesting(
+    network: &str,
+    container: &str,
+    cidr: &str,
+    requested: &str,
+) -> metis::wire::Request {
     use metis::wire::{ipam, request};
     metis::wire::Request {
         kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
@@ -326,6 +336,7 @@ pub fn v4_add_request(network: &str, container: &str, cidr: &str) -> metis::wire
                 interface_name: "eth0".into(),
                 container_id: container.into(),
                 initial_pod_cidr: cidr.into(),
+                requested_ip: requested.into(),
                 ..Default::default()
             }),
             ipv6_config: None,
@@ -334,4 +345,19 @@ pub fn v4_add_request(network: &str, container: &str, cidr: &str) -> metis::wire
             isolated: false,
         })),
     }
+}
+
+/// Copies the metis binary to `to` with `mode`, by a `cp` child: a copy
+/// written by this multi-threaded test process could be held open for
+/// writing by a child another test thread forks at that moment, and
+/// running it would then fail with ETXTBSY ("Text file busy").
+pub fn copy_binary(to: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    let status = Command::new("cp")
+        .arg(METIS)
+        .arg(to)
+        .status()
+        .expect("cp runs");
+    assert!(status.success(), "cp {METIS} {}: {status}", to.display());
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode)).unwrap();
 }
