@@ -88,6 +88,20 @@ fn configs() -> Vec<NetConf> {
             ..NetConf::new("iso", &["198.18.20.0/30"])
         },
         NetConf::new("other", &["198.18.22.0/30"]),
+        // host-local bounds over a prefix other configurations use whole.
+        NetConf {
+            bounds: Some(("198.18.20.2", "198.18.20.3")),
+            ..NetConf::new("pods", &["198.18.20.0/29", "2001:db8:20::/126"])
+        },
+        NetConf {
+            bounds: Some(("198.18.20.9", "198.18.20.10")),
+            ..NetConf::new("pods", &["198.18.20.0/28"])
+        },
+        // Bounds where `--cidr other=198.18.22.0/29` may merge its block.
+        NetConf {
+            bounds: Some(("198.18.22.2", "198.18.22.3")),
+            ..NetConf::new("other", &["198.18.22.0/29"])
+        },
     ]
 }
 
@@ -169,13 +183,16 @@ impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let conf = |c: &NetConf| {
             format!(
-                "{}{}{} {:?}",
+                "{}{}{} {:?}{}",
                 c.name,
                 c.network
                     .map(|n| format!("(network {n})"))
                     .unwrap_or_default(),
                 if c.isolated { "(isolated)" } else { "" },
-                c.ranges
+                c.ranges,
+                c.bounds
+                    .map(|(start, end)| format!(" range {start}-{end}"))
+                    .unwrap_or_default()
             )
         };
         match self {
@@ -297,7 +314,11 @@ impl Model {
             .cooling
             .get(&(space(network), ip))
             .is_some_and(|last| !(reclaim && last == owner));
-        allowed.iter().any(|b| b.contains(ip)) && !reserved && !held && !cooling
+        allowed.iter().any(|b| b.contains(ip))
+            && conf.in_bounds(ip)
+            && !reserved
+            && !held
+            && !cooling
     }
 
     /// Some family of `conf` has no surely free address.
@@ -576,6 +597,16 @@ impl Sequence {
                         let allowed: Vec<String> =
                             allowed.iter().map(ToString::to_string).collect();
                         return Err(format!("ADD returned {ip}, outside {allowed:?}"));
+                    }
+                    // Outside `--cidr` blocks (whose layout may merge with
+                    // the range), a bounded range hands out only its bounds.
+                    let in_flag_block = self
+                        .model
+                        .flag_blocks()
+                        .iter()
+                        .any(|(network, b)| network == conf.network() && b.contains(ip));
+                    if !in_flag_block && !conf.in_bounds(ip) {
+                        return Err(format!("ADD returned {ip}, outside {:?}", conf.bounds));
                     }
                     self.model.cooling.remove(&(space(&owner.0), ip));
                 }

@@ -593,6 +593,17 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
     Ok(())
 }
 
+/// Whether any of `blocks` has host-local bounds: its rows were written
+/// only inside its range, whatever its frontier says.
+fn had_bounds(conn: &Connection, network: &str, blocks: &[Placed]) -> Result<bool, StoreError> {
+    for block in blocks {
+        if super::reserve::bounds_of(conn, network, &block.cidr)?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Grows `inner` (blocks of the network strictly inside `target`) into one
 /// block of prefix `target`: the oldest keeps its id and takes the prefix,
 /// the others' rows move into it, then reservations and counters are
@@ -612,7 +623,9 @@ fn grow(
     let ready = inner
         .iter()
         .any(|b| b.state == BlockState::Ready && !b.retired);
-    let next = match keep.cidr.base() == target.base() {
+    // Rows exist below the frontier only inside a bounded block's range, so
+    // a block that had bounds starts over (passing over its rows once).
+    let next = match keep.cidr.base() == target.base() && !had_bounds(conn, network, inner)? {
         true => frontier(conn, keep.id, &keep.cidr)?,
         false => 0,
     };
@@ -649,10 +662,14 @@ fn narrow(
     target: &Cidr,
 ) -> Result<(), StoreError> {
     let pieces = subtract(&wider.cidr, target);
-    // Rows below the frontier exist; the part of them inside `target`
-    // starts `shift` addresses into the old prefix.
+    // Rows below the frontier exist (inside the range only, when bounded:
+    // then it starts over); the part of them inside `target` starts `shift`
+    // addresses into the old prefix.
     let shift = crate::cidr::to_u128(target.base()) - crate::cidr::to_u128(wider.cidr.base());
-    let next = frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift);
+    let next = match had_bounds(conn, network, std::slice::from_ref(wider))? {
+        true => 0,
+        false => frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift),
+    };
     set_setting(
         conn,
         &frontier_key(wider.id),

@@ -764,6 +764,35 @@ mod tests {
     }
 
     #[test]
+    fn a_block_narrowed_out_of_its_bounds_grows_every_address_it_skipped() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        // Rows: the first batch, then the range far beyond it.
+        bounded(
+            &mut store,
+            "198.18.0.0/24",
+            "198.18.0.100",
+            "198.18.0.101",
+            "198.18.0.1",
+        );
+        assert_eq!(take_all(&mut store, Family::V4).len(), 2);
+        let half = cidr("198.18.0.0/25");
+        store
+            .configure(Source::Cni, "pods", Family::V4, &[half], false, NOW)
+            .unwrap();
+        store.set_bounds("pods", Family::V4, &[]).unwrap();
+        let rest: Vec<String> = (0..)
+            .map(|i| format!("d{i}"))
+            .map_while(|id| store.allocate(&owner(&id), Family::V4, NOW).ok())
+            .map(|a| a.address.to_string())
+            .collect();
+        // 128 addresses: network, gateway, broadcast reserved, two held.
+        assert_eq!(rest.len(), 128 - 3 - 2, "{rest:?}");
+        assert!(rest.contains(&"198.18.0.64".to_string()));
+        assert_sound(&store);
+    }
+
+    #[test]
     fn a_bounded_ipv6_block_grows_lazily_inside_its_range() {
         let dir = TempDir::new();
         let mut store = dir.store();

@@ -104,6 +104,8 @@ pub struct NetConf {
     /// `ipam.isolated`: the opt-in of issue 10 for networks that may reuse
     /// addresses of other networks.
     pub isolated: bool,
+    /// host-local's `rangeStart` and `rangeEnd` of the IPv4 range, when set.
+    pub bounds: Option<(&'static str, &'static str)>,
 }
 
 impl NetConf {
@@ -113,6 +115,20 @@ impl NetConf {
             network: None,
             ranges: ranges.to_vec(),
             isolated: false,
+            bounds: None,
+        }
+    }
+
+    /// Whether `ip` lies inside the IPv4 range's bounds (always, without
+    /// bounds or for IPv6).
+    pub fn in_bounds(&self, ip: IpAddr) -> bool {
+        match (self.bounds, ip) {
+            (Some((start, end)), IpAddr::V4(v4)) => {
+                let start: std::net::Ipv4Addr = start.parse().unwrap();
+                let end: std::net::Ipv4Addr = end.parse().unwrap();
+                (start..=end).contains(&v4)
+            }
+            _ => true,
         }
     }
 
@@ -137,7 +153,12 @@ impl NetConf {
             self.blocks()
                 .iter()
                 .filter(|b| b.v6 == v6)
-                .map(|b| json!({"subnet": b.to_string()}))
+                .map(|b| match (self.bounds, b.v6) {
+                    (Some((start, end)), false) => {
+                        json!({"subnet": b.to_string(), "rangeStart": start, "rangeEnd": end})
+                    }
+                    _ => json!({"subnet": b.to_string()}),
+                })
                 .collect()
         };
         let ranges: Vec<Value> = [set(false), set(true)]
