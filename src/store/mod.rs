@@ -519,6 +519,11 @@ impl Store {
         })?;
         conn.busy_timeout(Duration::from_millis(5000))?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        // Savepoints (the daemon's group commit) keep their undo in a
+        // sub-journal: in memory, as a read-only root filesystem (the
+        // DaemonSet's) has no temporary directory SQLite could use, and
+        // every grouped commit would fail with an I/O error.
+        conn.pragma_update(None, "temp_store", "MEMORY")?;
         let mode: String =
             conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {

@@ -390,6 +390,8 @@ fn schema_objects_are_exact() {
         ("foreign_keys", 1),
         ("synchronous", 1),
         ("busy_timeout", 5000),
+        // temp_store 2 is MEMORY: savepoint sub-journals need no temp directory.
+        ("temp_store", 2),
     ];
     for (pragma, want) in pragmas {
         let value: i64 = conn.pragma_query_value(None, pragma, |r| r.get(0)).unwrap();
