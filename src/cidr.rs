@@ -334,10 +334,7 @@ fn mask(family: Family, prefix_len: u8) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
-    }
+    use crate::testutil::cidr;
 
     #[test]
     fn parses_canonical_prefixes() {

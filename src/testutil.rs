@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::store::{Owner, Store, StoreOptions};
+use crate::cidr::Cidr;
+use crate::store::{Depth, Owner, Store, StoreOptions};
 
 /// A unique directory under the system temp dir, removed on drop.
 pub struct TempDir(pub PathBuf);
@@ -62,4 +63,15 @@ pub fn owner(container_id: &str) -> Owner<'_> {
         pod_name: "pod",
         pod_namespace: "ns",
     }
+}
+
+/// A prefix from its text, naming it on failure.
+pub fn cidr(text: &str) -> Cidr {
+    text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+}
+
+/// The full `admin check` finds nothing wrong with `store`.
+pub fn assert_sound(store: &Store) {
+    let report = store.verify(Depth::Full).unwrap();
+    assert!(report.is_ok(), "{report:?}");
 }

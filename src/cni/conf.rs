@@ -655,11 +655,8 @@ fn prev_address(value: Option<&serde_json::Value>, key: &str) -> Result<IpAddr, 
 mod tests {
     use super::*;
     use crate::cni::error::{DECODE_FAILURE, INCOMPATIBLE_VERSION, INVALID_CONFIG};
+    use crate::testutil::cidr;
     use serde_json::json;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap()
-    }
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()

@@ -237,10 +237,7 @@ fn legacy<'a>(
 mod tests {
     use super::*;
     use crate::cni::conf;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap()
-    }
+    use crate::testutil::cidr;
 
     fn alloc(address: &str, block: &str) -> AllocatedIp {
         AllocatedIp {

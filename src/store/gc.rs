@@ -138,8 +138,11 @@ fn any_block_can_grow(
     while let Some(block) = blocks.next()? {
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
         // A bounded block grows only up to its rangeEnd.
-        let end = super::reserve::bounds_of(conn, network, &cidr)?
-            .map_or(cidr.size(), |b| b.offsets(&cidr).2.saturating_add(1));
+        let end = super::reserve::bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
+            super::reserve::Reserved::bounded(&cidr, &b)
+                .usable(cidr.size())
+                .end
+        });
         if frontier(conn, block.get(0)?, &cidr)? < end {
             return Ok(true);
         }
@@ -175,13 +178,9 @@ fn oldest_draining_has_free_row(
 mod tests {
     use super::*;
     use crate::store::Owner;
-    use crate::testutil::TempDir;
+    use crate::testutil::{TempDir, cidr};
 
     const NOW: i64 = 1_700_000_000_000;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap()
-    }
 
     fn take(
         store: &mut Store,

@@ -1099,14 +1099,10 @@ fn subtract(outer: &Cidr, inner: &Cidr) -> Vec<Cidr> {
 mod tests {
     use super::*;
     use crate::store::{Depth, Owner};
-    use crate::testutil::{TempDir, owner};
+    use crate::testutil::{TempDir, assert_sound, cidr, owner};
 
     const NOW: i64 = 1_000_000;
     const COOLDOWN: i64 = 60_000;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap()
-    }
 
     fn configure(store: &mut Store, source: Source, network: &str, ranges: &[&str]) {
         let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
@@ -1138,11 +1134,6 @@ mod tests {
             .into_iter()
             .map(|b| (b.cidr.to_string(), b.state.as_str().to_string()))
             .collect()
-    }
-
-    fn assert_sound(store: &Store) {
-        let report = store.verify(Depth::Full).unwrap();
-        assert!(report.is_ok(), "{report:?}");
     }
 
     #[test]

@@ -538,14 +538,10 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Depth, Source};
-    use crate::testutil::{TempDir, owner};
+    use crate::store::Source;
+    use crate::testutil::{TempDir, assert_sound, cidr, owner};
 
     const NOW: i64 = 1_000_000;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().unwrap()
-    }
 
     fn bounded(
         store: &mut Store,
@@ -576,11 +572,6 @@ mod tests {
             .map_while(|id| store.allocate(&owner(&id), family, NOW).ok())
             .map(|a| a.address.to_string())
             .collect()
-    }
-
-    fn assert_sound(store: &Store) {
-        let report = store.verify(Depth::Full).unwrap();
-        assert!(report.is_ok(), "{report:?}");
     }
 
     #[test]
