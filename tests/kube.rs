@@ -670,6 +670,17 @@ fn health_detail(daemon: &TestDaemon) -> String {
     }
 }
 
+/// Once the API server answers `method` again: one succeeds and the
+/// daemon's health is no longer degraded.
+fn clears_after_a_success(api: &ApiServer, daemon: &TestDaemon, method: &str) {
+    api.wait_until(&format!("a {method}"), Duration::from_secs(10), |s| {
+        s.count(method, 200) >= 1
+    });
+    wait_for("health to clear", Duration::from_secs(10), || {
+        !health_detail(daemon).contains("degraded")
+    });
+}
+
 /// Every gap between consecutive `times` is at least `floor`: the pacing
 /// the daemon promises (load can only make gaps longer).
 fn assert_gaps_at_least(times: &[std::time::Instant], floor: Duration, what: &str) {
@@ -711,12 +722,7 @@ fn a_failing_watch_backs_off_to_the_cap_without_relisting() {
     assert!(daemon.log().contains("API watch failed, retrying"));
     // Back: a watch opens and health is clean again.
     api.state().fail_watches = None;
-    api.wait_until("a watch", Duration::from_secs(10), |s| {
-        s.count("WATCH", 200) >= 1
-    });
-    wait_for("health to clear", Duration::from_secs(10), || {
-        !health_detail(&daemon).contains("degraded")
-    });
+    clears_after_a_success(&api, &daemon, "WATCH");
 }
 
 #[test]
@@ -754,12 +760,7 @@ fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
     );
     assert!(detail.contains("403"), "{detail}");
     api.state().fail_patches = None;
-    api.wait_until("a patch", Duration::from_secs(10), |s| {
-        s.count("PATCH", 200) >= 1
-    });
-    wait_for("health to clear", Duration::from_secs(10), || {
-        !health_detail(&daemon).contains("degraded")
-    });
+    clears_after_a_success(&api, &daemon, "PATCH");
 }
 
 #[test]
