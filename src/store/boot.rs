@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::alloc::{HeldRow, give_back};
+use super::block::{HeldRow, give_back};
 use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
 
 /// `metis_settings` key: the kernel boot id the database was last used under.

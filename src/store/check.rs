@@ -12,7 +12,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::reserve::block_reserved;
+use super::block::{Reserved, block_reserved, counter_mismatches, quarantined};
 use super::{
     ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
     parse_family, parse_state, schema, total_ips,
@@ -182,8 +182,8 @@ fn check_blocks_only(conn: &Connection) -> Result<Report, StoreError> {
     check_blocks(conn, mode, &mut report)?;
     // What a row-level check found stays quarantined: nothing has changed
     // since (else the fingerprint would differ and the rows be read).
-    for (id, _, _, why) in quarantined(conn)? {
-        report.suspects.entry(id).or_insert(why);
+    for q in quarantined(conn)? {
+        report.suspects.entry(q.block_id).or_insert(q.why);
     }
     list_quarantined(conn, &mut report)?;
     Ok(report)
@@ -292,7 +292,7 @@ struct Block {
     network: String,
     /// Reserved offsets under the mode in force; `None` for Deleting
     /// blocks, which the repair leaves alone.
-    reserved: Option<super::reserve::Reserved>,
+    reserved: Option<Reserved>,
 }
 
 fn check_blocks(
@@ -368,31 +368,6 @@ fn check_counters(conn: &Connection, report: &mut Report) -> Result<(), StoreErr
         ));
     }
     Ok(())
-}
-
-/// Blocks whose `allocated_ips` differs from their count of allocated
-/// rows: `(block id, allocated_ips, actual)`.
-pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, COALESCE(b.allocated_ips, 0), \
-                (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
-         FROM cidr_blocks b ORDER BY b.id",
-    )?;
-    let rows = stmt.query_map([], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, i64>(1)?,
-            r.get::<_, i64>(2)?,
-        ))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (id, counter, actual) = row?;
-        if counter != actual {
-            out.push((id, counter, actual));
-        }
-    }
-    Ok(out)
 }
 
 /// No address held twice on the node (networks that are isolated are each
@@ -540,29 +515,16 @@ fn check_rows(
 fn list_quarantined(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
     let found: Vec<String> = quarantined(conn)?
         .into_iter()
-        .map(|(id, cidr, network, why)| {
+        .map(|q| {
             format!(
-                "block {id} ({cidr}, network {network:?}) is quarantined: {why}; nothing new is \
-                 allocated from it until the problem is gone and the daemon restarts"
+                "block {} ({}, network {:?}) is quarantined: {}; nothing new is \
+                 allocated from it until the problem is gone and the daemon restarts",
+                q.block_id, q.cidr, q.network, q.why
             )
         })
         .collect();
     push_limited(report, found, |line| line);
     Ok(())
-}
-
-/// Quarantined blocks: (id, cidr, network, why).
-pub(super) fn quarantined(
-    conn: &Connection,
-) -> Result<Vec<(i64, String, String, String)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
-         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
-    )?;
-    let rows = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
 }
 
 fn push_limited<T>(report: &mut Report, found: Vec<T>, describe: impl Fn(T) -> String) {

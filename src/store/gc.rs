@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::alloc::{HeldRow, frontier, give_back};
+use super::block::{HeldRow, Reserved, bounds_of, frontier, give_back};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
@@ -138,10 +138,8 @@ fn any_block_can_grow(
     while let Some(block) = blocks.next()? {
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
         // A bounded block grows only up to its rangeEnd.
-        let end = super::reserve::bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
-            super::reserve::Reserved::bounded(&cidr, &b)
-                .usable(cidr.size())
-                .end
+        let end = bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
+            Reserved::bounded(&cidr, &b).usable(cidr.size()).end
         });
         if frontier(conn, block.get(0)?, &cidr)? < end {
             return Ok(true);

@@ -33,8 +33,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rusqlite::{Connection, params};
 
-use super::alloc::{frontier, frontier_key, insert_block, insert_reserved_rows};
-use super::reserve::block_reserved;
+use super::block::{
+    Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
+    quarantine, quarantined, recount, set_frontier, settle,
+};
 use super::{
     BlockState, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, parse_family,
     parse_state, set_setting, total_ips,
@@ -119,8 +121,8 @@ pub struct LayoutChanges {
 /// What [`Store::isolate_problems`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Isolation {
-    /// (block id, cidr, network, why) of every quarantined block.
-    pub quarantined: Vec<(i64, String, String, String)>,
+    /// Every quarantined block.
+    pub quarantined: Vec<Quarantined>,
     /// Overlapping blocks without pods that were deleted, in words.
     pub deleted: Vec<String>,
     /// Blocks whose `allocated_ips` was recounted.
@@ -282,9 +284,9 @@ impl Store {
         is_isolated(&self.conn, network)
     }
 
-    /// Quarantined blocks: (id, cidr, network, why). None in a database
-    /// Metis never wrote to (opened read-only, without Metis's tables).
-    pub fn quarantined(&self) -> Result<Vec<(i64, String, String, String)>, StoreError> {
+    /// Quarantined blocks. None in a database Metis never wrote to (opened
+    /// read-only, without Metis's tables).
+    pub fn quarantined(&self) -> Result<Vec<Quarantined>, StoreError> {
         let recorded: bool = self.conn.query_row(
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_blocks')",
             [],
@@ -293,7 +295,7 @@ impl Store {
         if !recorded {
             return Ok(Vec::new());
         }
-        super::check::quarantined(&self.conn)
+        quarantined(&self.conn)
     }
 
     /// Fail safe instead of fail stop, run by the daemon at start (`admin
@@ -316,15 +318,13 @@ impl Store {
             },
             ..Isolation::default()
         };
-        tx.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
+        clear_quarantines(&tx)?;
         let mut marks = report.suspects.clone();
         resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
         for (id, why) in &marks {
-            ensure_record(&tx, *id)?;
-            tx.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
-                .execute(params![id, why])?;
+            quarantine(&tx, *id, why)?;
         }
-        isolation.quarantined = super::check::quarantined(&tx)?;
+        isolation.quarantined = quarantined(&tx)?;
         tx.commit()?;
         Ok(isolation)
     }
@@ -597,7 +597,7 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
 /// only inside its range, whatever its frontier says.
 fn had_bounds(conn: &Connection, network: &str, blocks: &[Placed]) -> Result<bool, StoreError> {
     for block in blocks {
-        if super::reserve::bounds_of(conn, network, &block.cidr)?.is_some() {
+        if bounds_of(conn, network, &block.cidr)?.is_some() {
             return Ok(true);
         }
     }
@@ -629,7 +629,7 @@ fn grow(
         true => frontier(conn, keep.id, &keep.cidr)?,
         false => 0,
     };
-    set_setting(conn, &frontier_key(keep.id), &next.to_string())?;
+    set_frontier(conn, keep.id, next)?;
     conn.prepare_cached(
         "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4 WHERE id = ?1",
     )?
@@ -670,11 +670,7 @@ fn narrow(
         true => 0,
         false => frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift),
     };
-    set_setting(
-        conn,
-        &frontier_key(wider.id),
-        &next.min(target.size()).to_string(),
-    )?;
+    set_frontier(conn, wider.id, next.min(target.size()))?;
     conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
         .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
@@ -689,7 +685,7 @@ fn narrow(
         conn.prepare_cached("UPDATE metis_blocks SET retired = 1 WHERE block_id = ?1")?
             .execute([id])?;
         // Pieces only drain: never populate them further.
-        set_setting(conn, &frontier_key(id), &piece.size().to_string())?;
+        set_frontier(conn, id, piece.size())?;
         piece_ids.push((id, *piece));
     }
     let rows: Vec<(i64, String)> = conn
@@ -711,52 +707,6 @@ fn narrow(
     for (id, piece) in &piece_ids {
         settle(conn, mode, *id, network, piece)?;
     }
-    Ok(())
-}
-
-/// Brings a reshaped block's rows in line: its fixed reserved positions
-/// have rows, positions it reserves are reserved unless a pod holds them,
-/// reserved rows elsewhere are freed, and the counters are recounted.
-pub(super) fn settle(
-    conn: &Connection,
-    mode: ReserveMode,
-    id: i64,
-    network: &str,
-    cidr: &Cidr,
-) -> Result<(), StoreError> {
-    let reserved = block_reserved(conn, mode, id, network, cidr)?;
-    insert_reserved_rows(conn, id, cidr, &reserved)?;
-    // Row by row: a bounded block's reserved positions are a description,
-    // not a list.
-    let rows: Vec<(i64, String, bool, String)> = conn
-        .prepare_cached(
-            "SELECT id, address, is_allocated, COALESCE(container_id, '') \
-             FROM ip_addresses WHERE cidr_block_id = ?1",
-        )?
-        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<Result<_, _>>()?;
-    for (row_id, address, allocated, container) in rows {
-        let at_reserved = cidr
-            .offset_of(parse_addr(&address)?)
-            .is_some_and(|offset| reserved.contains(&offset));
-        let sql = match (at_reserved, allocated, container.is_empty()) {
-            (true, false, _) => {
-                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
-                 pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1"
-            }
-            (false, true, true) => {
-                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL WHERE id = ?1"
-            }
-            _ => continue,
-        };
-        conn.prepare_cached(sql)?.execute([row_id])?;
-    }
-    conn.prepare_cached(
-        "UPDATE cidr_blocks SET allocated_ips = \
-         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1) \
-         WHERE id = ?1",
-    )?
-    .execute([id])?;
     Ok(())
 }
 
@@ -787,24 +737,6 @@ fn sweepable(
     Ok(out)
 }
 
-/// Deletes a block, its rows and Metis's records of it.
-fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
-        .execute([id])?;
-    conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
-        .execute([id])?;
-    forget_block(conn, id)
-}
-
-/// Drops Metis's records of a deleted block.
-pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
-        .execute([id])?;
-    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-        .execute([frontier_key(id)])?;
-    Ok(())
-}
-
 fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result<(), StoreError> {
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
@@ -815,12 +747,6 @@ fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result
             if retired { "Draining" } else { "Ready" },
             now_ms
         ])?;
-    Ok(())
-}
-
-fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("INSERT OR IGNORE INTO metis_blocks (block_id) VALUES (?1)")?
-        .execute([id])?;
     Ok(())
 }
 
@@ -937,17 +863,6 @@ fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), 
             .execute([key])?;
         Ok(())
     }
-}
-
-/// Sets every block's `allocated_ips` to its count of allocated rows;
-/// returns how many were wrong.
-fn recount(conn: &Connection) -> Result<usize, StoreError> {
-    let wrong = super::check::counter_mismatches(conn)?;
-    for (id, _, actual) in &wrong {
-        conn.prepare_cached("UPDATE cidr_blocks SET allocated_ips = ?2 WHERE id = ?1")?
-            .execute(params![id, actual])?;
-    }
-    Ok(wrong.len())
 }
 
 /// Finds overlapping blocks that share an address space (the same network,
@@ -1330,7 +1245,7 @@ mod tests {
         let report = store.verify(Depth::Quick).unwrap();
         assert!(!report.damaged);
         let isolation = store.isolate_problems(&report, NOW).unwrap();
-        let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.0).collect();
+        let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.block_id).collect();
         assert_eq!(ids, [1, 2]);
         assert!(isolation.recounted > 0, "the /30's counter was wrong");
         // The healthy block still serves; the quarantined ones do not.

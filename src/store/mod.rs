@@ -9,15 +9,18 @@
 //! in a savepoint of it. Timestamps are Unix milliseconds passed in by the
 //! caller.
 
-mod admin;
 mod alloc;
+mod block;
 mod boot;
+mod bounds;
 mod check;
 mod checkpoint;
 mod files;
 mod gc;
 mod layout;
-mod reserve;
+mod lifecycle;
+mod listings;
+mod repair;
 mod schema;
 mod stats;
 #[cfg(test)]
@@ -37,11 +40,11 @@ use rusqlite::{
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
 pub use checkpoint::Checkpointer;
 pub use layout::{Isolation, LayoutChanges, Source};
-pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
 /// How hard SQLite syncs: `synchronous=NORMAL` (default, safe with WAL
@@ -819,7 +822,7 @@ impl Store {
     /// Blocks whose `allocated_ips` differs from their count of allocated
     /// rows: `(block id, allocated_ips, actual)`.
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-        check::counter_mismatches(&self.conn)
+        block::counter_mismatches(&self.conn)
     }
 }
 

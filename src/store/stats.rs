@@ -1,11 +1,12 @@
-//! Aggregate counts for monitoring: addresses by type and blocks by state,
-//! per network and family, in two grouped queries.
+//! Aggregate counts: addresses by type and blocks by state per network and
+//! family (monitoring, in two grouped queries), upstream's `GetIPUsage`,
+//! and the cooling addresses the monitor waits for.
 
 use std::collections::BTreeMap;
 
 use rusqlite::params;
 
-use super::{BlockState, Store, StoreError, parse_family, parse_state};
+use super::{BlockState, Cooling, Store, StoreError, Usage, parse_cidr, parse_family, parse_state};
 use crate::cidr::Family;
 
 /// Counts of one network and family.
@@ -89,5 +90,73 @@ impl Store {
             }
         }
         Ok(out)
+    }
+
+    /// Upstream's `GetIPUsage` over non-Deleting blocks of network+family,
+    /// with reserved rows counted apart from pods' and the exact size.
+    pub fn usage(&self, network: &str, family: Family, now_ms: i64) -> Result<Usage, StoreError> {
+        let mut usage = Usage::default();
+        let mut allocated_rows: i64 = 0;
+        {
+            let mut stmt = self.conn.prepare_cached(
+                "SELECT COALESCE(allocated_ips, 0), total_ips, state, cidr FROM cidr_blocks \
+                 WHERE network = ?1 AND ip_family = ?2 AND state != 'Deleting'",
+            )?;
+            let mut rows = stmt.query(params![network, family.as_str()])?;
+            while let Some(row) = rows.next()? {
+                let allocated: i64 = row.get(0)?;
+                let total: i64 = row.get(1)?;
+                let state = parse_state(&row.get::<_, String>(2)?)?;
+                let cidr = parse_cidr(&row.get::<_, String>(3)?)?;
+                allocated_rows = allocated_rows.saturating_add(allocated);
+                usage.total = usage.total.saturating_add(total);
+                usage.addresses = usage.addresses.saturating_add(cidr.size());
+                if state == BlockState::Draining {
+                    usage.draining = usage.draining.saturating_add(total);
+                }
+            }
+        }
+        let count = |condition: &str, extra: Option<i64>| -> Result<i64, StoreError> {
+            let sql = format!(
+                "SELECT COUNT(*) FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' AND {condition}"
+            );
+            let mut stmt = self.conn.prepare_cached(&sql)?;
+            Ok(match extra {
+                Some(now) => {
+                    stmt.query_row(params![network, family.as_str(), now], |r| r.get(0))?
+                }
+                None => stmt.query_row(params![network, family.as_str()], |r| r.get(0))?,
+            })
+        };
+        usage.cooldown = count("a.is_allocated = FALSE AND a.release_at > ?3", Some(now_ms))?;
+        usage.reserved = count("a.is_allocated = TRUE AND a.container_id = ''", None)?;
+        usage.allocated = allocated_rows.saturating_sub(usage.reserved);
+        Ok(usage)
+    }
+
+    /// Cooling addresses of the network's Ready blocks (the ones a new
+    /// allocation can get once their cooldown ends): how many come free by
+    /// `until_ms`, and when the first does (Unix ms).
+    pub fn cooling(
+        &self,
+        network: &str,
+        family: Family,
+        now_ms: i64,
+        until_ms: i64,
+    ) -> Result<Cooling, StoreError> {
+        let (by_then, first_free_ms) = self
+            .conn
+            .prepare_cached(
+                "SELECT COUNT(CASE WHEN a.release_at <= ?4 THEN 1 END), MIN(a.release_at)                  FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id                  WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready'                    AND a.is_allocated = FALSE AND a.release_at > ?3",
+            )?
+            .query_row(
+                params![network, family.as_str(), now_ms, until_ms],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+        Ok(Cooling {
+            by_then,
+            first_free_ms,
+        })
     }
 }
