@@ -1,4 +1,4 @@
-//! Adding blocks, allocating, releasing and checking addresses.
+//! Allocating, releasing and checking addresses.
 
 use std::net::IpAddr;
 
@@ -8,8 +8,10 @@ use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
     is_quarantined, set_frontier,
 };
+use super::free::{RowView, Taken, availability, free_now};
 use super::{
-    Allocation, Owner, ReserveMode, Store, StoreError, parse_addr, parse_cidr, validate_owner,
+    Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
+    parse_cidr, parse_state, validate_owner,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -130,10 +132,18 @@ pub(super) const ALLOCATION_PATH: [&str; 9] = [
 ];
 
 /// The lowest-id free, non-cooling row of block ?1 at time ?2.
-pub(super) const CLAIM_SQL: &str = "SELECT id, address FROM ip_addresses \
-     WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
-       AND (release_at IS NULL OR release_at <= ?2) \
-     ORDER BY id LIMIT 1";
+pub(super) const CLAIM_SQL: &str = concat!(
+    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    free_now!("", "?2"),
+    " ORDER BY id LIMIT 1"
+);
+
+/// Whether block ?1 has a row free at time ?2.
+pub(super) const HAS_FREE_SQL: &str = concat!(
+    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    free_now!("", "?2"),
+    ")"
+);
 
 /// Claims the lowest-id free, non-cooling row of a block.
 fn claim(
@@ -171,10 +181,7 @@ fn expand(
     now_ms: i64,
 ) -> Result<u64, StoreError> {
     let has_free: bool = conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND is_allocated = FALSE AND (release_at IS NULL OR release_at <= ?2))",
-        )?
+        .prepare_cached(HAS_FREE_SQL)?
         .query_row(params![block_id, now_ms], |r| r.get(0))?;
     if has_free {
         return Ok(0);
@@ -270,18 +277,18 @@ impl Store {
         if block_reserved(&tx, mode, block_id, owner.network, &cidr)?.contains(&offset) {
             return Err(unavailable(
                 address,
-                format!("it is reserved (network/gateway/broadcast) in block {cidr}"),
+                Unavailable::ReservedPosition { block: cidr },
             ));
         }
         if is_quarantined(&tx, block_id)? {
             return Err(unavailable(
                 address,
-                format!("block {cidr} is quarantined (see `metis admin check`)"),
+                Unavailable::Quarantined { block: cidr },
             ));
         }
-        let row = requested_row(&tx, block_id, &cidr, address, offset)?;
-        row.ensure_free(owner, &cidr, address, now_ms)?;
-        take_row(&tx, row.id, block_id, owner, now_ms)?;
+        let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
+        ensure_free(&row, owner, &cidr, address, now_ms)?;
+        take_row(&tx, row_id, block_id, owner, now_ms)?;
         tx.commit()?;
         Ok(Allocation {
             address,
@@ -352,7 +359,7 @@ impl Store {
     }
 }
 
-fn unavailable(address: IpAddr, reason: String) -> StoreError {
+fn unavailable(address: IpAddr, reason: Unavailable) -> StoreError {
     StoreError::RequestedIpUnavailable { address, reason }
 }
 
@@ -368,10 +375,12 @@ fn already_held(
     }
     Err(unavailable(
         address,
-        format!(
-            "container {:?} interface {:?} already holds {} in network {:?}",
-            owner.container_id, owner.interface_name, existing.address, owner.network
-        ),
+        Unavailable::OwnerHolds {
+            container_id: owner.container_id.to_string(),
+            interface_name: owner.interface_name.to_string(),
+            held: existing.address,
+            network: owner.network.to_string(),
+        },
     ))
 }
 
@@ -392,9 +401,12 @@ fn ready_block_containing(
         if !cidr.contains(address) {
             continue;
         }
-        let state: String = row.get(2)?;
-        if state != "Ready" {
-            return Err(unavailable(address, format!("block {cidr} is {state}")));
+        let state = parse_state(&row.get::<_, String>(2)?)?;
+        if state != BlockState::Ready {
+            return Err(unavailable(
+                address,
+                Unavailable::BlockNotReady { block: cidr, state },
+            ));
         }
         return Ok((row.get(0)?, cidr));
     }
@@ -405,16 +417,16 @@ fn ready_block_containing(
 }
 
 /// The row of `address` (at `offset`) in block `block_id`, inserted first
-/// if the block has not been populated that far.
+/// if the block has not been populated that far: (row id, what it holds).
 fn requested_row(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
     address: IpAddr,
     offset: u128,
-) -> Result<RowState, StoreError> {
+) -> Result<(i64, RowView), StoreError> {
     let text = address.to_string();
-    if let Some(row) = RowState::find(conn, &text, block_id)? {
+    if let Some(row) = find_row(conn, &text, block_id)? {
         return Ok(row);
     }
     insert_rows(
@@ -424,82 +436,51 @@ fn requested_row(
         offset..offset + 1,
         &Reserved::fixed(Vec::new()),
     )?;
-    RowState::find(conn, &text, block_id)?
+    find_row(conn, &text, block_id)?
         .ok_or_else(|| StoreError::Corrupt(format!("row {text} vanished after insert")))
 }
 
-struct RowState {
-    id: i64,
-    allocated: bool,
-    container_id: String,
-    interface_name: String,
-    release_at: Option<i64>,
-}
-
-impl RowState {
-    fn find(
-        conn: &Connection,
-        address: &str,
-        block_id: i64,
-    ) -> Result<Option<RowState>, StoreError> {
-        Ok(conn
-            .prepare_cached(
-                "SELECT id, is_allocated, COALESCE(container_id, ''), \
-                 COALESCE(interface_name, ''), release_at \
-                 FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
-            )?
-            .query_row(params![address, block_id], |r| {
-                Ok(RowState {
-                    id: r.get(0)?,
+fn find_row(
+    conn: &Connection,
+    address: &str,
+    block_id: i64,
+) -> Result<Option<(i64, RowView)>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT id, is_allocated, COALESCE(container_id, ''), \
+             COALESCE(interface_name, ''), release_at \
+             FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+        )?
+        .query_row(params![address, block_id], |r| {
+            Ok((
+                r.get(0)?,
+                RowView {
                     allocated: r.get(1)?,
                     container_id: r.get(2)?,
                     interface_name: r.get(3)?,
                     release_at: r.get(4)?,
-                })
-            })
-            .optional()?)
-    }
+                },
+            ))
+        })
+        .optional()?)
+}
 
-    /// Refuses a row that is reserved, held, or still cooling at `now_ms`
-    /// for anyone but its last owner: the cooldown protects a new owner
-    /// from the old one's late traffic, while the old owner itself (a
-    /// runtime re-adding the same container and interface, as `podman
-    /// network reload` does) may take its address back.
-    fn ensure_free(
-        &self,
-        owner: &Owner,
-        cidr: &Cidr,
-        address: IpAddr,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
-        if self.allocated {
-            if self.container_id.is_empty() {
-                return Err(unavailable(
-                    address,
-                    format!("it is reserved in block {cidr}"),
-                ));
-            }
-            return Err(unavailable(
-                address,
-                format!("it is held by container {:?}", self.container_id),
-            ));
-        }
-        let last_owner =
-            self.container_id == owner.container_id && self.interface_name == owner.interface_name;
-        if let Some(until) = self.release_at
-            && until > now_ms
-            && !last_owner
-        {
-            return Err(unavailable(
-                address,
-                format!(
-                    "it is in release cooldown until {}",
-                    crate::log::rfc3339_millis(until)
-                ),
-            ));
-        }
-        Ok(())
-    }
+/// Refuses a row that is not free now for `owner` (see [`availability`]).
+fn ensure_free(
+    row: &RowView,
+    owner: &Owner,
+    cidr: &Cidr,
+    address: IpAddr,
+    now_ms: i64,
+) -> Result<(), StoreError> {
+    availability(row, owner.container_id, owner.interface_name, now_ms).map_err(|taken| {
+        let reason = match taken {
+            Taken::Reserved => Unavailable::ReservedRow { block: *cidr },
+            Taken::Held { container_id } => Unavailable::Held { container_id },
+            Taken::Cooling { until_ms } => Unavailable::Cooling { until_ms },
+        };
+        unavailable(address, reason)
+    })
 }
 
 fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64>, StoreError> {

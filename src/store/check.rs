@@ -13,6 +13,7 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags};
 
 use super::block::{Reserved, block_reserved, counter_mismatches, quarantined};
+use super::free::pod_held;
 use super::{
     ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
     parse_family, parse_state, schema, total_ips,
@@ -385,7 +386,7 @@ fn check_owners(
             .collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
     };
-    const POD_ROW: &str = "a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''";
+    const POD_ROW: &str = pod_held!("a.");
     // An isolated network's space is its name; every other network shares ''.
     let space = if has_settings {
         "CASE WHEN EXISTS (SELECT 1 FROM metis_settings s WHERE s.key = 'isolated/' || b.network \

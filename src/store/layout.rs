@@ -37,6 +37,7 @@ use super::block::{
     Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
     quarantine, quarantined, recount, set_frontier, settle,
 };
+use super::free::{cooling, pod_held};
 use super::{
     BlockState, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, parse_family,
     parse_state, set_setting, total_ips,
@@ -957,11 +958,13 @@ fn resolve_overlaps(
 /// Whether any pod holds an address in the block, or an address is cooling.
 fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
     Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND ((is_allocated = 1 AND COALESCE(container_id, '') != '') \
-                  OR (is_allocated = FALSE AND release_at > ?2)))",
-        )?
+        .prepare_cached(concat!(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND (",
+            pod_held!(""),
+            " OR ",
+            cooling!("", "?2"),
+            "))"
+        ))?
         .query_row(params![id, now_ms], |r| r.get(0))?)
 }
 

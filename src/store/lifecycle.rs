@@ -5,6 +5,7 @@ use rusqlite::types::Value;
 use rusqlite::{OptionalExtension, params};
 
 use super::block::{BLOCK_COLUMNS, block_reserved, forget_block, query_blocks};
+use super::free::pod_held;
 use super::{BlockFilter, BlockInfo, BlockState, Store, StoreError, parse_cidr};
 use crate::cidr::Family;
 
@@ -87,10 +88,11 @@ impl Store {
                 continue;
             }
             let pod_held: bool = tx
-                .prepare_cached(
-                    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-                     AND is_allocated = 1 AND COALESCE(container_id, '') != '')",
-                )?
+                .prepare_cached(concat!(
+                    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+                    pod_held!(""),
+                    ")"
+                ))?
                 .query_row([block.id], |r| r.get(0))?;
             if pod_held {
                 continue;

@@ -16,6 +16,7 @@ mod bounds;
 mod check;
 mod checkpoint;
 mod files;
+mod free;
 mod gc;
 mod layout;
 mod lifecycle;
@@ -227,6 +228,64 @@ pub struct AddressFilter {
     pub allocated: Option<bool>,
 }
 
+/// Why a requested address cannot be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unavailable {
+    /// The block reserves the position (network, gateway, broadcast, or
+    /// outside host-local bounds).
+    ReservedPosition { block: Cidr },
+    /// The row is reserved (allocated without an owner).
+    ReservedRow { block: Cidr },
+    /// A pod holds it.
+    Held { container_id: String },
+    /// Released, resting until `until_ms` (Unix ms).
+    Cooling { until_ms: i64 },
+    /// Its block is quarantined.
+    Quarantined { block: Cidr },
+    /// Its block is Draining (or otherwise not Ready).
+    BlockNotReady { block: Cidr, state: BlockState },
+    /// The requesting owner already holds another address of the family.
+    OwnerHolds {
+        container_id: String,
+        interface_name: String,
+        held: IpAddr,
+        network: String,
+    },
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unavailable::ReservedPosition { block } => write!(
+                f,
+                "it is reserved (network/gateway/broadcast) in block {block}"
+            ),
+            Unavailable::ReservedRow { block } => write!(f, "it is reserved in block {block}"),
+            Unavailable::Held { container_id } => {
+                write!(f, "it is held by container {container_id:?}")
+            }
+            Unavailable::Cooling { until_ms } => write!(
+                f,
+                "it is in release cooldown until {}",
+                crate::log::rfc3339_millis(*until_ms)
+            ),
+            Unavailable::Quarantined { block } => {
+                write!(f, "block {block} is quarantined (see `metis admin check`)")
+            }
+            Unavailable::BlockNotReady { block, state } => write!(f, "block {block} is {state}"),
+            Unavailable::OwnerHolds {
+                container_id,
+                interface_name,
+                held,
+                network,
+            } => write!(
+                f,
+                "container {container_id:?} interface {interface_name:?} already holds {held} in network {network:?}"
+            ),
+        }
+    }
+}
+
 /// Errors of the store. `Display` starts with `store: `.
 #[derive(Debug)]
 pub enum StoreError {
@@ -251,7 +310,7 @@ pub enum StoreError {
     },
     RequestedIpUnavailable {
         address: IpAddr,
-        reason: String,
+        reason: Unavailable,
     },
     RequestedIpOutsideBlocks {
         address: IpAddr,

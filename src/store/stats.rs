@@ -6,8 +6,27 @@ use std::collections::BTreeMap;
 
 use rusqlite::params;
 
+use super::free::cooling;
 use super::{BlockState, Cooling, Store, StoreError, Usage, parse_cidr, parse_family, parse_state};
 use crate::cidr::Family;
+
+/// Counts the rows of the non-Deleting blocks of network ?1 and family ?2
+/// that meet a condition, appended.
+macro_rules! usage_rows {
+    () => {
+        "SELECT COUNT(*) FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+         WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' AND "
+    };
+}
+
+/// Cooling rows at ?3.
+const USAGE_COOLING_SQL: &str = concat!(usage_rows!(), cooling!("a.", "?3"));
+
+/// Reserved rows (allocated, no owner).
+const USAGE_RESERVED_SQL: &str = concat!(
+    usage_rows!(),
+    "a.is_allocated = TRUE AND a.container_id = ''"
+);
 
 /// Counts of one network and family.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -69,12 +88,12 @@ impl Store {
             entry.total = entry.total.saturating_add(total);
             entry.allocated = entry.allocated.saturating_add(allocated);
         }
-        let mut cooling = self.conn.prepare_cached(
+        let mut cooling = self.conn.prepare_cached(concat!(
             "SELECT b.network, b.ip_family, b.state, COUNT(*) FROM ip_addresses a \
-             JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-             WHERE a.is_allocated = FALSE AND a.release_at > ?1 AND b.state != 'Deleting' \
-             GROUP BY b.network, b.ip_family, b.state",
-        )?;
+                 JOIN cidr_blocks b ON b.id = a.cidr_block_id WHERE ",
+            cooling!("a.", "?1"),
+            " AND b.state != 'Deleting' GROUP BY b.network, b.ip_family, b.state"
+        ))?;
         let mut rows = cooling.query(params![now_ms])?;
         while let Some(row) = rows.next()? {
             let key = (
@@ -116,21 +135,14 @@ impl Store {
                 }
             }
         }
-        let count = |condition: &str, extra: Option<i64>| -> Result<i64, StoreError> {
-            let sql = format!(
-                "SELECT COUNT(*) FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' AND {condition}"
-            );
-            let mut stmt = self.conn.prepare_cached(&sql)?;
-            Ok(match extra {
-                Some(now) => {
-                    stmt.query_row(params![network, family.as_str(), now], |r| r.get(0))?
-                }
-                None => stmt.query_row(params![network, family.as_str()], |r| r.get(0))?,
-            })
-        };
-        usage.cooldown = count("a.is_allocated = FALSE AND a.release_at > ?3", Some(now_ms))?;
-        usage.reserved = count("a.is_allocated = TRUE AND a.container_id = ''", None)?;
+        usage.cooldown = self
+            .conn
+            .prepare_cached(USAGE_COOLING_SQL)?
+            .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?;
+        usage.reserved = self
+            .conn
+            .prepare_cached(USAGE_RESERVED_SQL)?
+            .query_row(params![network, family.as_str()], |r| r.get(0))?;
         usage.allocated = allocated_rows.saturating_sub(usage.reserved);
         Ok(usage)
     }
@@ -147,13 +159,15 @@ impl Store {
     ) -> Result<Cooling, StoreError> {
         let (by_then, first_free_ms) = self
             .conn
-            .prepare_cached(
-                "SELECT COUNT(CASE WHEN a.release_at <= ?4 THEN 1 END), MIN(a.release_at)                  FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id                  WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready'                    AND a.is_allocated = FALSE AND a.release_at > ?3",
-            )?
-            .query_row(
-                params![network, family.as_str(), now_ms, until_ms],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )?;
+            .prepare_cached(concat!(
+                "SELECT COUNT(CASE WHEN a.release_at <= ?4 THEN 1 END), MIN(a.release_at) \
+                     FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+                     WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' AND ",
+                cooling!("a.", "?3")
+            ))?
+            .query_row(params![network, family.as_str(), now_ms, until_ms], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?;
         Ok(Cooling {
             by_then,
             first_free_ms,

@@ -929,7 +929,10 @@ fn allocate_requested_cases() {
     );
     let unavailable = |e: StoreError, needle: &str| match e {
         StoreError::RequestedIpUnavailable { reason, .. } => {
-            assert!(reason.contains(needle), "{reason:?} lacks {needle:?}")
+            assert!(
+                reason.to_string().contains(needle),
+                "{reason:?} lacks {needle:?}"
+            )
         }
         other => panic!("unexpected {other}"),
     };
