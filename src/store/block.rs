@@ -10,8 +10,8 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
 use super::{
-    Allocation, BlockInfo, ReserveMode, StoreError, get_setting, parse_addr, parse_family,
-    parse_state, schema, set_setting, total_ips,
+    Allocation, BlockInfo, ReserveMode, StoreError, parse_addr, parse_family, parse_state,
+    total_ips,
 };
 use crate::cidr::{Bounds, Cidr, Family};
 
@@ -248,12 +248,18 @@ const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_
 /// before IPv4 grew lazily); an IPv6 block continues after its highest row
 /// (a scan, once per block, as upstream records no frontier).
 pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
-    // A read-only look at an upstream database finds no settings table:
-    // no frontier recorded then.
-    let recorded = get_setting(conn, &frontier_key(block_id))
+    // A read-only look at an upstream database finds no Metis table: no
+    // frontier recorded then.
+    let recorded = conn
+        .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")
+        .and_then(|mut stmt| {
+            stmt.query_row([block_id], |r| r.get::<_, Option<String>>(0))
+                .optional()
+        })
         .ok()
         .flatten()
-        .and_then(|text| text.parse().ok());
+        .flatten()
+        .and_then(|text| text.parse::<u128>().ok());
     if let Some(frontier) = recorded {
         return Ok(cidr.size().min(frontier));
     }
@@ -263,14 +269,15 @@ pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<
     }
 }
 
-/// Records the next offset of a block to populate.
+/// Records the next offset of a block to populate (a Metis record of the
+/// block without one of its sources, if it had none).
 pub(super) fn set_frontier(conn: &Connection, block_id: i64, next: u128) -> Result<(), StoreError> {
-    set_setting(conn, &frontier_key(block_id), &next.to_string())
-}
-
-/// The `metis_settings` key of a block's population frontier.
-fn frontier_key(block_id: i64) -> String {
-    format!("{}{block_id}", schema::KEY_FRONTIER)
+    conn.prepare_cached(
+        "INSERT INTO metis_blocks (block_id, frontier) VALUES (?1, ?2) \
+         ON CONFLICT(block_id) DO UPDATE SET frontier = excluded.frontier",
+    )?
+    .execute(params![block_id, next.to_string()])?;
+    Ok(())
 }
 
 /// The highest populated offset of a block: a scan of its rows, done once
@@ -402,8 +409,6 @@ pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError>
 pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
     conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
         .execute([id])?;
-    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-        .execute([frontier_key(id)])?;
     Ok(())
 }
 
@@ -443,10 +448,13 @@ pub(super) fn recount(conn: &Connection) -> Result<usize, StoreError> {
     Ok(wrong.len())
 }
 
-/// Gives a block a Metis record (`metis_blocks`) if it has none.
+/// Gives a block a Metis record of its sources (none yet) if it has none.
 pub(super) fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("INSERT OR IGNORE INTO metis_blocks (block_id) VALUES (?1)")?
-        .execute([id])?;
+    conn.prepare_cached(
+        "INSERT INTO metis_blocks (block_id, sources) VALUES (?1, '') \
+         ON CONFLICT(block_id) DO UPDATE SET sources = COALESCE(sources, '')",
+    )?
+    .execute([id])?;
     Ok(())
 }
 

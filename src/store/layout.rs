@@ -31,7 +31,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
@@ -39,8 +39,8 @@ use super::block::{
 };
 use super::free::{cooling, pod_held};
 use super::{
-    BlockState, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, parse_family,
-    parse_state, set_setting, total_ips,
+    BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, parse_state,
+    total_ips,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -67,18 +67,26 @@ impl Source {
         }
     }
 
+    /// The source a name stored in `metis_ranges` or `metis_blocks` stands
+    /// for.
+    pub fn parse(text: &str) -> Option<Source> {
+        [Source::Cni, Source::Flag, Source::Node, Source::Nnc]
+            .into_iter()
+            .find(|source| source.as_str() == text)
+    }
+
     /// Sources whose blocks Metis lays out from recorded ranges; the others
-    /// (the cluster's) are taken as the cluster gives them.
+    /// (the cluster's, adaptive) are taken as the cluster gives them.
     fn is_static(self) -> bool {
         matches!(self, Source::Cni | Source::Flag)
     }
 }
 
-/// `metis_settings` key prefix (then the network) marking an isolated network.
-const KEY_ISOLATED: &str = "isolated/";
-
-/// Adaptive source names as stored in `metis_blocks.sources`.
-const ADAPTIVE_SOURCES: [&str; 2] = ["node", "nnc"];
+/// A block's sources as `metis_blocks.sources` stores them: names, comma
+/// separated. A name no release wrote is skipped.
+fn parse_sources(text: &str) -> BTreeSet<Source> {
+    text.split(',').filter_map(Source::parse).collect()
+}
 
 /// A non-Deleting block as the layout sees it.
 #[derive(Debug, Clone)]
@@ -86,8 +94,9 @@ struct Placed {
     id: i64,
     cidr: Cidr,
     state: BlockState,
-    /// `None`: no Metis record (written by upstream or an older Metis).
-    sources: Option<BTreeSet<String>>,
+    /// `None`: no Metis record of its sources (written by upstream or an
+    /// older Metis, or added without a source).
+    sources: Option<BTreeSet<Source>>,
     retired: bool,
     quarantined: bool,
 }
@@ -96,7 +105,7 @@ impl Placed {
     fn is_adaptive(&self) -> bool {
         self.sources
             .as_ref()
-            .is_some_and(|s| ADAPTIVE_SOURCES.iter().any(|a| s.contains(*a)))
+            .is_some_and(|s| s.iter().any(|source| !source.is_static()))
     }
 }
 
@@ -267,13 +276,12 @@ impl Store {
         network: &str,
         family: Family,
     ) -> Result<Vec<(i64, Cidr)>, StoreError> {
-        let nnc = Source::Nnc.as_str();
         Ok(placed(&self.conn, network, family)?
             .into_iter()
             .filter(|p| {
                 p.sources
                     .as_ref()
-                    .is_some_and(|s| s.len() == 1 && s.contains(nnc))
+                    .is_some_and(|s| s.len() == 1 && s.contains(&Source::Nnc))
             })
             .map(|p| (p.id, p.cidr))
             .collect())
@@ -386,8 +394,7 @@ fn relayout(
     for target in maximal(&cidrs) {
         let strict_wants = |target: &Cidr| {
             wanted.iter().any(|(cidr, source)| {
-                strict.is_some_and(|s| s.as_str() == source)
-                    && (cidr == target || contains(target, cidr))
+                strict == Some(*source) && (cidr == target || contains(target, cidr))
             })
         };
         let refuse = |err: StoreError, changes: &mut LayoutChanges| {
@@ -476,15 +483,15 @@ fn record_sources(
     conn: &Connection,
     network: &str,
     family: Family,
-    wanted: &[(Cidr, String)],
+    wanted: &[(Cidr, Source)],
     now_ms: i64,
     changes: &mut LayoutChanges,
 ) -> Result<(), StoreError> {
     for block in placed(conn, network, family)? {
-        let mut sources: BTreeSet<String> = wanted
+        let mut sources: BTreeSet<Source> = wanted
             .iter()
             .filter(|(cidr, _)| cidr.overlaps(&block.cidr))
-            .map(|(_, source)| source.clone())
+            .map(|(_, source)| *source)
             .collect();
         let Some(previous) = &block.sources else {
             if !sources.is_empty() {
@@ -496,8 +503,8 @@ fn record_sources(
         sources.extend(
             previous
                 .iter()
-                .filter(|s| ADAPTIVE_SOURCES.contains(&s.as_str()))
-                .cloned(),
+                .filter(|source| !source.is_static())
+                .copied(),
         );
         if &sources != previous {
             write_sources(conn, block.id, &sources)?;
@@ -537,7 +544,7 @@ pub(super) fn add_block(
         if let Some(source) = source {
             ensure_record(conn, same.id)?;
             let mut sources = same.sources.clone().unwrap_or_default();
-            if sources.insert(source.as_str().to_string()) {
+            if sources.insert(source) {
                 write_sources(conn, same.id, &sources)?;
             }
             if same.retired {
@@ -559,7 +566,7 @@ pub(super) fn add_block(
     let id = insert_block(conn, mode, network, cidr)?;
     if let Some(source) = source {
         ensure_record(conn, id)?;
-        write_sources(conn, id, &BTreeSet::from([source.as_str().to_string()]))?;
+        write_sources(conn, id, &BTreeSet::from([source]))?;
     }
     Ok(super::AddOutcome::Added(id))
 }
@@ -751,8 +758,9 @@ fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result
     Ok(())
 }
 
-fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<String>) -> Result<(), StoreError> {
-    let text = sources.iter().cloned().collect::<Vec<_>>().join(",");
+fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<Source>) -> Result<(), StoreError> {
+    let names: Vec<&str> = sources.iter().map(|source| source.as_str()).collect();
+    let text = names.join(",");
     conn.prepare_cached("UPDATE metis_blocks SET sources = ?2 WHERE block_id = ?1")?
         .execute(params![id, text])?;
     Ok(())
@@ -761,7 +769,7 @@ fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<String>) -> Resu
 /// Non-Deleting blocks of a network and family, oldest first.
 fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed>, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.state, m.block_id IS NOT NULL, COALESCE(m.sources, ''), \
+        "SELECT b.id, b.cidr, b.state, m.sources IS NOT NULL, COALESCE(m.sources, ''), \
                 COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
          FROM cidr_blocks b LEFT JOIN metis_blocks m ON m.block_id = b.id \
          WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' ORDER BY b.id",
@@ -775,13 +783,7 @@ fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed
             id: row.get(0)?,
             cidr: parse_cidr(&row.get::<_, String>(1)?)?,
             state: parse_state(&row.get::<_, String>(2)?)?,
-            sources: recorded.then(|| {
-                sources
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            }),
+            sources: recorded.then(|| parse_sources(&sources)),
             retired: row.get(5)?,
             quarantined: row.get(6)?,
         });
@@ -790,13 +792,13 @@ fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed
 }
 
 /// The ranges static sources want for a network and family (one source,
-/// or all): (range, source name).
+/// or all): (range, source). A source name no release wrote is skipped.
 fn wanted(
     conn: &Connection,
     source: Option<Source>,
     network: &str,
     family: Family,
-) -> Result<Vec<(Cidr, String)>, StoreError> {
+) -> Result<Vec<(Cidr, Source)>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT cidr, source FROM metis_ranges WHERE network = ?1 AND (?2 IS NULL OR source = ?2) \
          ORDER BY source, cidr",
@@ -805,8 +807,9 @@ fn wanted(
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
         let cidr = parse_cidr(&row.get::<_, String>(0)?)?;
-        if cidr.family() == family {
-            out.push((cidr, row.get(1)?));
+        let source = Source::parse(&row.get::<_, String>(1)?);
+        if let (true, Some(source)) = (cidr.family() == family, source) {
+            out.push((cidr, source));
         }
     }
     Ok(out)
@@ -852,18 +855,20 @@ fn replace_wanted(
 }
 
 fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
-    Ok(get_setting(conn, &format!("{KEY_ISOLATED}{network}"))?.as_deref() == Some("1"))
+    Ok(conn
+        .prepare_cached("SELECT isolated FROM metis_networks WHERE network = ?1")?
+        .query_row([network], |r| r.get(0))
+        .optional()?
+        .unwrap_or(false))
 }
 
 fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), StoreError> {
-    let key = format!("{KEY_ISOLATED}{network}");
-    if isolated {
-        set_setting(conn, &key, "1")
-    } else {
-        conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-            .execute([key])?;
-        Ok(())
-    }
+    conn.prepare_cached(
+        "INSERT INTO metis_networks (network, isolated) VALUES (?1, ?2) \
+         ON CONFLICT(network) DO UPDATE SET isolated = excluded.isolated",
+    )?
+    .execute(params![network, isolated])?;
+    Ok(())
 }
 
 /// Finds overlapping blocks that share an address space (the same network,

@@ -21,6 +21,7 @@ mod gc;
 mod layout;
 mod lifecycle;
 mod listings;
+mod migrate;
 mod repair;
 mod schema;
 mod stats;
@@ -780,6 +781,13 @@ impl Store {
                 tx.commit()?;
             }
         }
+        if !migrate::leftovers(&self.conn)?.is_empty() {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            migrate::migrate(&tx)?;
+            tx.commit()?;
+        }
         Ok(())
     }
 
@@ -811,18 +819,32 @@ impl Store {
 
     /// Since when (ms) the monitor has seen the network's use low, if it has.
     pub fn low_utilization_since(&self, network: &str) -> Result<Option<i64>, StoreError> {
-        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
-        Ok(self.setting(&key)?.and_then(|text| text.parse().ok()))
+        Ok(self
+            .conn
+            .prepare_cached("SELECT low_utilization_since FROM metis_networks WHERE network = ?1")?
+            .query_row([network], |r| r.get(0))
+            .optional()?
+            .flatten())
     }
 
-    /// Records (or with `None` forgets) when low use of the network began.
+    /// Records (or with `None` forgets) when low use of the network began;
+    /// writes only on a change.
     pub fn set_low_utilization_since(
         &mut self,
         network: &str,
         since_ms: Option<i64>,
     ) -> Result<(), StoreError> {
-        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
-        self.put_setting(&key, since_ms.map(|ms| ms.to_string()).as_deref())
+        if self.low_utilization_since(network)? == since_ms {
+            return Ok(());
+        }
+        let tx = write(&mut self.conn, self.batch)?;
+        tx.prepare_cached(
+            "INSERT INTO metis_networks (network, low_utilization_since) VALUES (?1, ?2) \
+             ON CONFLICT(network) DO UPDATE SET low_utilization_since = excluded.low_utilization_since",
+        )?
+        .execute(params![network, since_ms])?;
+        tx.commit()?;
+        Ok(())
     }
 
     /// A value of Metis's own settings table.

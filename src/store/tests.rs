@@ -296,6 +296,7 @@ fn schema_objects_are_exact() {
         ("table", "ip_addresses"),
         ("table", "metis_blocks"),
         ("table", "metis_bounds"),
+        ("table", "metis_networks"),
         ("table", "metis_ranges"),
         ("table", "metis_settings"),
         ("table", "sqlite_sequence"),
@@ -1702,6 +1703,18 @@ fn allocation_path_never_scans_the_address_table() {
     }
 }
 
+/// The frontier recorded for a block, as stored.
+fn recorded_frontier(store: &Store, block_id: i64) -> Option<String> {
+    store
+        .conn
+        .query_row(
+            "SELECT frontier FROM metis_blocks WHERE block_id = ?1",
+            [block_id],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
 #[test]
 fn ipv6_growth_continues_from_the_recorded_frontier() {
     let (_dir, mut store) = store_with(&[("default", "2001:db8:6::/64")]);
@@ -1720,7 +1733,7 @@ fn ipv6_growth_continues_from_the_recorded_frontier() {
             "a held address was handed out again"
         );
     }
-    let frontier = store.setting("ipv6_frontier/1").unwrap();
+    let frontier = recorded_frontier(&store, 1);
     assert_eq!(frontier.as_deref(), Some("192"));
     // 192 rows: three batches, the requested row counted once.
     assert_eq!(rows(&store, 1).len(), 192);
@@ -1734,13 +1747,16 @@ fn ipv6_block_without_frontier_resumes_after_its_highest_row() {
         alloc(&mut store, "default", &format!("c{i}"), Family::V6, NOW);
     }
     // As a database populated by upstream: no frontier recorded.
-    store.put_setting("ipv6_frontier/1", None).unwrap();
+    store
+        .conn
+        .execute(
+            "UPDATE metis_blocks SET frontier = NULL WHERE block_id = 1",
+            [],
+        )
+        .unwrap();
     let next = alloc(&mut store, "default", "next", Family::V6, NOW);
     assert_eq!(next, ip("2001:db8:7::40"));
-    assert_eq!(
-        store.setting("ipv6_frontier/1").unwrap().as_deref(),
-        Some("128")
-    );
+    assert_eq!(recorded_frontier(&store, 1).as_deref(), Some("128"));
     assert_counters(&store);
 }
 
