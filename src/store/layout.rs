@@ -89,7 +89,7 @@ fn parse_sources(text: &str) -> BTreeSet<Source> {
 }
 
 /// A non-Deleting block as the layout sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Placed {
     id: i64,
     cidr: Cidr,
@@ -392,78 +392,18 @@ fn relayout(
     let wanted = wanted(conn, None, network, family)?;
     let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
     for target in maximal(&cidrs) {
-        let strict_wants = |target: &Cidr| {
-            wanted.iter().any(|(cidr, source)| {
-                strict == Some(*source) && (cidr == target || contains(target, cidr))
-            })
+        // Each placement reshapes blocks: the next one sees them anew.
+        let decided = placement(&target, &placed(conn, network, family)?);
+        let Some(refusal) = place(conn, mode, network, &target, decided, &mut changes)? else {
+            continue;
         };
-        let refuse = |err: StoreError, changes: &mut LayoutChanges| {
-            if strict_wants(&target) {
-                Err(err)
-            } else {
-                changes.refused.push(err.to_string());
-                Ok(())
-            }
-        };
-        let blocks = placed(conn, network, family)?;
-        if let Some(q) = blocks
-            .iter()
-            .find(|b| b.quarantined && b.cidr.overlaps(&target))
-        {
-            changes.lines.push(format!(
-                "range {target} of network {network:?} overlaps quarantined block {}; not served until `metis admin check` passes",
-                q.cidr
-            ));
-            continue;
+        let strict_wants = wanted.iter().any(|(cidr, source)| {
+            strict == Some(*source) && (*cidr == target || contains(&target, cidr))
+        });
+        if strict_wants {
+            return Err(refusal);
         }
-        let overlapping: Vec<&Placed> =
-            blocks.iter().filter(|b| b.cidr.overlaps(&target)).collect();
-        if overlapping.iter().any(|b| b.cidr == target) {
-            continue;
-        }
-        if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, &target)) {
-            if !wider.is_adaptive() {
-                narrow(conn, mode, network, wider, &target)?;
-                changes.lines.push(format!(
-                    "narrowed block {} of network {network:?} to {target}; the rest drains",
-                    wider.cidr
-                ));
-            }
-            continue;
-        }
-        if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
-            let err = StoreError::Overlap {
-                cidr: target,
-                network: network.to_string(),
-                other_cidr: granted.cidr.to_string(),
-                other_network: network.to_string(),
-                isolation_helps: false,
-            };
-            refuse(err, &mut changes)?;
-            continue;
-        }
-        match check_other_networks(conn, network, &target) {
-            Ok(()) => {}
-            Err(err @ StoreError::Overlap { .. }) => {
-                refuse(err, &mut changes)?;
-                continue;
-            }
-            Err(err) => return Err(err),
-        }
-        if overlapping.is_empty() {
-            let id = insert_block(conn, mode, network, &target)?;
-            ensure_record(conn, id)?;
-            changes
-                .lines
-                .push(format!("added block {target} to network {network:?}"));
-        } else {
-            let inner: Vec<Placed> = overlapping.into_iter().cloned().collect();
-            grow(conn, mode, network, &inner, &target)?;
-            changes.lines.push(format!(
-                "grew {} block(s) of network {network:?} into {target} in place",
-                inner.len()
-            ));
-        }
+        changes.refused.push(refusal.to_string());
     }
     record_sources(conn, network, family, &wanted, now_ms, &mut changes)?;
     for (id, cidr) in sweepable(conn, network, family, now_ms)? {
@@ -473,6 +413,116 @@ fn relayout(
         ));
     }
     Ok(changes)
+}
+
+/// What one wanted range needs, decided from the network's blocks alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Placement {
+    /// It overlaps this quarantined block: not served until that is solved.
+    Quarantined(Cidr),
+    /// A block has this prefix, or a granted block contains it.
+    Served,
+    /// This wider block (not granted) contains it: narrow the block to it.
+    Narrow(Placed),
+    /// It overlaps this block the cluster granted: refused.
+    Granted(Cidr),
+    /// No block of the network overlaps it: a new block.
+    Add,
+    /// It strictly contains these blocks: grow them into it in place.
+    Grow(Vec<Placed>),
+}
+
+/// Where `target` goes among `blocks` (the network's, of its family).
+fn placement(target: &Cidr, blocks: &[Placed]) -> Placement {
+    if let Some(q) = blocks
+        .iter()
+        .find(|b| b.quarantined && b.cidr.overlaps(target))
+    {
+        return Placement::Quarantined(q.cidr);
+    }
+    let overlapping: Vec<&Placed> = blocks.iter().filter(|b| b.cidr.overlaps(target)).collect();
+    if overlapping.iter().any(|b| b.cidr == *target) {
+        return Placement::Served;
+    }
+    if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, target)) {
+        return match wider.is_adaptive() {
+            true => Placement::Served,
+            false => Placement::Narrow((*wider).clone()),
+        };
+    }
+    if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
+        return Placement::Granted(granted.cidr);
+    }
+    match overlapping.is_empty() {
+        true => Placement::Add,
+        false => Placement::Grow(overlapping.into_iter().cloned().collect()),
+    }
+}
+
+/// Carries out a placement of `target`; returns the refusal when it
+/// overlaps a block it may not take (a granted one, or another network's).
+fn place(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    target: &Cidr,
+    decided: Placement,
+    changes: &mut LayoutChanges,
+) -> Result<Option<StoreError>, StoreError> {
+    let overlap = |other: &Cidr| StoreError::Overlap {
+        cidr: *target,
+        network: network.to_string(),
+        other_cidr: other.to_string(),
+        other_network: network.to_string(),
+        isolation_helps: false,
+    };
+    let line = match decided {
+        Placement::Served => return Ok(None),
+        Placement::Granted(granted) => return Ok(Some(overlap(&granted))),
+        Placement::Quarantined(q) => format!(
+            "range {target} of network {network:?} overlaps quarantined block {q}; not served until `metis admin check` passes"
+        ),
+        Placement::Narrow(wider) => {
+            narrow(conn, mode, network, &wider, target)?;
+            format!(
+                "narrowed block {} of network {network:?} to {target}; the rest drains",
+                wider.cidr
+            )
+        }
+        Placement::Add => {
+            if let Some(refusal) = other_network_refusal(conn, network, target)? {
+                return Ok(Some(refusal));
+            }
+            let id = insert_block(conn, mode, network, target)?;
+            ensure_record(conn, id)?;
+            format!("added block {target} to network {network:?}")
+        }
+        Placement::Grow(inner) => {
+            if let Some(refusal) = other_network_refusal(conn, network, target)? {
+                return Ok(Some(refusal));
+            }
+            grow(conn, mode, network, &inner, target)?;
+            format!(
+                "grew {} block(s) of network {network:?} into {target} in place",
+                inner.len()
+            )
+        }
+    };
+    changes.lines.push(line);
+    Ok(None)
+}
+
+/// [`check_other_networks`], its refusal as a value.
+fn other_network_refusal(
+    conn: &Connection,
+    network: &str,
+    target: &Cidr,
+) -> Result<Option<StoreError>, StoreError> {
+    match check_other_networks(conn, network, target) {
+        Ok(()) => Ok(None),
+        Err(err @ StoreError::Overlap { .. }) => Ok(Some(err)),
+        Err(err) => Err(err),
+    }
 }
 
 /// Writes which static sources want each block (adaptive sources are
@@ -645,7 +695,11 @@ fn grow(
         keep.id,
         target.to_string(),
         total_ips(target),
-        if ready { "Ready" } else { keep.state.as_str() }
+        match ready {
+            true => BlockState::Ready,
+            false => keep.state,
+        }
+        .as_str()
     ])?;
     for other in inner.iter().filter(|b| b.id != keep.id) {
         conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE cidr_block_id = ?1")?
@@ -752,7 +806,11 @@ fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result
     conn.prepare_cached("UPDATE cidr_blocks SET state = ?2, updated_at = ?3 WHERE id = ?1")?
         .execute(params![
             id,
-            if retired { "Draining" } else { "Ready" },
+            match retired {
+                true => BlockState::Draining,
+                false => BlockState::Ready,
+            }
+            .as_str(),
             now_ms
         ])?;
     Ok(())
@@ -881,40 +939,87 @@ fn resolve_overlaps(
     deleted: &mut Vec<String>,
     now_ms: i64,
 ) -> Result<(), StoreError> {
-    struct Entry {
-        id: i64,
-        cidr: Cidr,
-        network: String,
-        isolated: bool,
-    }
-    let mut entries = Vec::new();
-    {
-        let mut stmt = conn.prepare(
-            "SELECT id, cidr, network, ip_family FROM cidr_blocks WHERE state != 'Deleting' ORDER BY id",
-        )?;
-        let mut rows = stmt.query([])?;
-        while let Some(row) = rows.next()? {
-            let id: i64 = row.get(0)?;
-            let network: String = row.get(2)?;
-            let (Ok(cidr), Ok(_)) = (
-                parse_cidr(&row.get::<_, String>(1)?),
-                parse_family(&row.get::<_, String>(3)?),
-            ) else {
-                marks.insert(id, "its cidr or family cannot be read".to_string());
-                continue;
-            };
-            let isolated = is_isolated(conn, &network)?;
-            entries.push(Entry {
-                id,
-                cidr,
-                network,
-                isolated,
-            });
+    let entries = overlap_entries(conn, marks, now_ms)?;
+    for verdict in overlap_verdicts(&entries) {
+        match verdict {
+            Verdict::Delete(victim) => {
+                delete_block(conn, victim.id)?;
+                marks.remove(&victim.id);
+                deleted.push(format!(
+                    "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
+                    victim.cidr, victim.network
+                ));
+            }
+            Verdict::Quarantine { id, why } => {
+                marks.entry(id).or_insert(why);
+            }
         }
     }
-    // Sorted by base address then widest first, overlaps are neighbours of
-    // the wider block's run.
+    Ok(())
+}
+
+/// A non-Deleting block as the overlap resolution sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    id: i64,
+    cidr: Cidr,
+    network: String,
+    isolated: bool,
+    /// A pod holds an address in it, or an address is cooling.
+    in_use: bool,
+}
+
+/// What to do about blocks that overlap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    /// Delete it: no pod uses it, and the other block covers its addresses.
+    Delete(Entry),
+    /// Quarantine block `id` (unless already marked for another reason).
+    Quarantine { id: i64, why: String },
+}
+
+/// Every non-Deleting block, sorted by base address then widest first, so
+/// that overlaps are neighbours of the wider block's run. A block whose
+/// prefix or family cannot be read is marked instead.
+fn overlap_entries(
+    conn: &Connection,
+    marks: &mut BTreeMap<i64, String>,
+    now_ms: i64,
+) -> Result<Vec<Entry>, StoreError> {
+    let mut entries = Vec::new();
+    let mut stmt = conn.prepare(
+        "SELECT id, cidr, network, ip_family FROM cidr_blocks WHERE state != 'Deleting' ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let network: String = row.get(2)?;
+        let (Ok(cidr), Ok(_)) = (
+            parse_cidr(&row.get::<_, String>(1)?),
+            parse_family(&row.get::<_, String>(3)?),
+        ) else {
+            marks.insert(id, "its cidr or family cannot be read".to_string());
+            continue;
+        };
+        entries.push(Entry {
+            id,
+            cidr,
+            isolated: is_isolated(conn, &network)?,
+            in_use: in_use(conn, id, now_ms)?,
+            network,
+        });
+    }
     entries.sort_by_key(|e| (crate::cidr::to_u128(e.cidr.base()), e.cidr.prefix_len()));
+    Ok(entries)
+}
+
+/// The verdicts on `entries` (as [`overlap_entries`] sorts them), in the
+/// order they are to be carried out: of each overlapping pair that shares
+/// an address space, the side no pod uses goes (the first if neither is
+/// used), and when both are used both are quarantined. A block deleted
+/// takes no further part.
+fn overlap_verdicts(entries: &[Entry]) -> Vec<Verdict> {
+    let mut verdicts = Vec::new();
     let mut gone = BTreeSet::new();
     for (i, a) in entries.iter().enumerate() {
         for b in entries.iter().skip(i + 1) {
@@ -928,36 +1033,25 @@ fn resolve_overlaps(
             if !shared || gone.contains(&a.id) || gone.contains(&b.id) {
                 continue;
             }
-            let (a_used, b_used) = (in_use(conn, a.id, now_ms)?, in_use(conn, b.id, now_ms)?);
-            let pick = match (a_used, b_used) {
-                (false, _) => Some(a),
-                (true, false) => Some(b),
-                (true, true) => None,
+            let victim = match (a.in_use, b.in_use) {
+                (false, _) => a,
+                (true, false) => b,
+                (true, true) => {
+                    verdicts.extend([(a, b), (b, a)].map(|(this, other)| Verdict::Quarantine {
+                        id: this.id,
+                        why: format!(
+                            "it overlaps block {} of network {:?} and both hold pods",
+                            other.cidr, other.network
+                        ),
+                    }));
+                    continue;
+                }
             };
-            match pick {
-                Some(victim) => {
-                    delete_block(conn, victim.id)?;
-                    gone.insert(victim.id);
-                    marks.remove(&victim.id);
-                    deleted.push(format!(
-                        "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
-                        victim.cidr, victim.network
-                    ));
-                }
-                None => {
-                    for (this, other) in [(a, b), (b, a)] {
-                        marks.entry(this.id).or_insert_with(|| {
-                            format!(
-                                "it overlaps block {} of network {:?} and both hold pods",
-                                other.cidr, other.network
-                            )
-                        });
-                    }
-                }
-            }
+            gone.insert(victim.id);
+            verdicts.push(Verdict::Delete(victim.clone()));
         }
     }
-    Ok(())
+    verdicts
 }
 
 /// Whether any pod holds an address in the block, or an address is cooling.
@@ -1276,6 +1370,83 @@ mod tests {
                 .to_string(),
             "198.18.10.2"
         );
+    }
+
+    fn placed_block(id: i64, prefix: &str, sources: &[Source], quarantined: bool) -> Placed {
+        Placed {
+            id,
+            cidr: cidr(prefix),
+            state: BlockState::Ready,
+            sources: Some(sources.iter().copied().collect()),
+            retired: false,
+            quarantined,
+        }
+    }
+
+    #[test]
+    fn placement_decides_from_the_blocks_alone() {
+        let cni = placed_block(1, "198.18.0.0/24", &[Source::Cni], false);
+        let granted = placed_block(2, "198.18.4.0/22", &[Source::Nnc], false);
+        let sick = placed_block(3, "198.18.8.0/24", &[Source::Cni], true);
+        let blocks = [cni.clone(), granted.clone(), sick];
+        let cases = [
+            ("198.18.0.0/24", Placement::Served),
+            ("198.18.5.0/24", Placement::Served),
+            ("198.18.0.0/25", Placement::Narrow(cni.clone())),
+            ("198.18.0.0/23", Placement::Grow(vec![cni])),
+            ("198.18.0.0/21", Placement::Granted(granted.cidr)),
+            (
+                "198.18.8.0/23",
+                Placement::Quarantined(cidr("198.18.8.0/24")),
+            ),
+            ("198.18.16.0/24", Placement::Add),
+        ];
+        for (target, expected) in cases {
+            assert_eq!(placement(&cidr(target), &blocks), expected, "{target}");
+        }
+    }
+
+    fn entry(id: i64, prefix: &str, network: &str, isolated: bool, in_use: bool) -> Entry {
+        Entry {
+            id,
+            cidr: cidr(prefix),
+            network: network.to_string(),
+            isolated,
+            in_use,
+        }
+    }
+
+    #[test]
+    fn overlap_verdicts_delete_the_unused_side_and_quarantine_when_both_hold_pods() {
+        // Sorted as overlap_entries sorts: base, then widest first.
+        let wide = entry(1, "198.18.0.0/23", "a", false, true);
+        let unused = entry(2, "198.18.0.0/24", "a", false, false);
+        let used = entry(3, "198.18.1.0/24", "b", false, true);
+        let apart = entry(4, "198.18.1.0/25", "c", true, true);
+        let verdicts = overlap_verdicts(&[wide, unused.clone(), used, apart]);
+        assert_eq!(
+            verdicts,
+            [
+                Verdict::Delete(unused),
+                Verdict::Quarantine {
+                    id: 1,
+                    why: "it overlaps block 198.18.1.0/24 of network \"b\" and both hold pods"
+                        .to_string()
+                },
+                Verdict::Quarantine {
+                    id: 3,
+                    why: "it overlaps block 198.18.0.0/23 of network \"a\" and both hold pods"
+                        .to_string()
+                },
+            ]
+        );
+        // Neither used: the first goes, and the pair is settled.
+        let pair = [
+            entry(1, "198.18.0.0/24", "a", false, false),
+            entry(2, "198.18.0.0/25", "a", false, false),
+        ];
+        assert_eq!(overlap_verdicts(&pair), [Verdict::Delete(pair[0].clone())]);
+        assert!(overlap_verdicts(&[entry(1, "2001:db8::/64", "a", false, true)]).is_empty());
     }
 
     #[test]
