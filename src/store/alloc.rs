@@ -8,7 +8,7 @@ use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
     is_quarantined, set_frontier,
 };
-use super::free::{RowView, Taken, availability, free_now};
+use super::free::{HAS_FREE_SQL, RowView, Taken, availability, free_now};
 use super::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
     parse_cidr, parse_state, validate_owner,
@@ -136,13 +136,6 @@ pub(super) const CLAIM_SQL: &str = concat!(
     "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
     free_now!("", "?2"),
     " ORDER BY id LIMIT 1"
-);
-
-/// Whether block ?1 has a row free at time ?2.
-pub(super) const HAS_FREE_SQL: &str = concat!(
-    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
-    free_now!("", "?2"),
-    ")"
 );
 
 /// Claims the lowest-id free, non-cooling row of a block.

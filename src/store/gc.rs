@@ -7,9 +7,8 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::alloc::HAS_FREE_SQL;
 use super::block::{HeldRow, Reserved, bounds_of, frontier, give_back};
-use super::free::{free_now, pod_held};
+use super::free::{HAS_FREE_SQL, free_now, pod_held};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
