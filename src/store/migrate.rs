@@ -27,6 +27,21 @@ pub(super) fn leftovers(conn: &Connection) -> Result<Vec<String>, StoreError> {
     Ok(left)
 }
 
+/// Whether anything is left to move: one query, as every open asks (the
+/// plugin in direct mode opens the store for each request).
+pub(super) fn needed(conn: &Connection) -> Result<bool, StoreError> {
+    let keys: Vec<String> = schema::LEGACY_KEYS
+        .iter()
+        .map(|prefix| format!("(key >= '{prefix}' AND key < '{}')", key_range_end(prefix)))
+        .collect();
+    let sql = format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM pragma_table_info('metis_blocks') WHERE name = 'frontier') \
+         OR EXISTS (SELECT 1 FROM metis_settings WHERE {})",
+        keys.join(" OR ")
+    );
+    Ok(conn.prepare_cached(&sql)?.query_row([], |r| r.get(0))?)
+}
+
 /// Moves every legacy key into its typed column and drops it; rebuilds
 /// `metis_blocks` with a frontier column first if it has none. Runs inside
 /// the caller's write transaction.
@@ -212,8 +227,10 @@ mod tests {
             .collect();
         assert_eq!(left.len(), 4, "{:?}", report.problems);
         assert!(left[0].contains("no frontier column"), "{left:?}");
+        assert!(super::needed(&Connection::open(dir.db()).unwrap()).unwrap());
 
         let mut store = dir.store();
+        assert!(!super::needed(&store.conn).unwrap());
         assert_eq!(records(&store), before, "sources and frontiers kept");
         assert!(
             settings(&store).iter().all(|key| !key.contains('/')),

@@ -781,7 +781,7 @@ impl Store {
                 tx.commit()?;
             }
         }
-        if !migrate::leftovers(&self.conn)?.is_empty() {
+        if migrate::needed(&self.conn)? {
             let tx = self
                 .conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)?;
