@@ -228,6 +228,14 @@ mod tests {
         assert_eq!(left.len(), 4, "{:?}", report.problems);
         assert!(left[0].contains("no frontier column"), "{left:?}");
         assert!(super::needed(&Connection::open(dir.db()).unwrap()).unwrap());
+        // A read-only look (STATUS in direct mode) before any open moved
+        // them finds the frontiers where the earlier release kept them.
+        let read_only = Store::open_read_only(&dir.db()).unwrap().unwrap();
+        for (id, _, recorded) in [&before[0], &before[2]] {
+            let next = crate::store::block::frontier(&read_only.conn, *id, &cidr("198.18.0.0/24"));
+            assert_eq!(Some(next.unwrap().to_string()), *recorded, "block {id}");
+        }
+        drop(read_only);
 
         let mut store = dir.store();
         assert!(!super::needed(&store.conn).unwrap());
