@@ -166,15 +166,15 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
             &[("blocks", &isolation.recounted)],
         );
     }
-    for (id, cidr, network, why) in &isolation.quarantined {
+    for q in &isolation.quarantined {
         log::error(
             "store",
             "block quarantined: nothing new is allocated from it; its pods keep their addresses; run `metis admin check` for details",
             &[
-                ("block", id),
-                ("cidr", cidr),
-                ("network", network),
-                ("why", why),
+                ("block", &q.block_id),
+                ("cidr", &q.cidr),
+                ("network", &q.network),
+                ("why", &q.why),
             ],
         );
     }
