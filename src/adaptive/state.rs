@@ -250,86 +250,13 @@ impl Adaptive {
         reply
     }
 
-    /// Handles everything the kube threads sent since the last wake-up.
+    /// Handles everything the kube threads sent since the last wake-up,
+    /// then retries the waiters of every network that gained blocks.
     pub fn on_wake(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
         worker::drain_wakeups(&self.link.wake_fd);
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
-            match event {
-                KubeEvent::Nnc(nnc) if self.is_stale(&nnc) => {
-                    // A late watch event or a re-read that lost a race:
-                    // applying it could bring back a released block.
-                    self.metrics.stale_version();
-                    log::debug(
-                        "daemon",
-                        "ignoring an older NodeNetworkConfig version",
-                        &[("version", &nnc.resource_version)],
-                    );
-                }
-                KubeEvent::Nnc(nnc) => {
-                    if nnc.truncated {
-                        log::warn(
-                            "daemon",
-                            "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
-                            &[("max_entries", &nnc::MAX_ENTRIES)],
-                        );
-                    }
-                    match monitor::sync_blocks(engine.store_mut(), &nnc) {
-                        Ok(synced) => {
-                            self.metrics.refused_pod_cidrs(synced.refused);
-                            for network in &synced.deleted {
-                                self.metrics.monitor_action("delete", network);
-                            }
-                            grown.extend(synced.grown);
-                        }
-                        Err(err) => log::error(
-                            "daemon",
-                            "syncing blocks from the NodeNetworkConfig failed",
-                            &[("error", &err)],
-                        ),
-                    }
-                    self.latest = Some(nnc);
-                }
-                KubeEvent::NodePodCidrs(cidrs) => {
-                    match monitor::sync_node_cidrs(
-                        engine.store_mut(),
-                        &self.config.node_network,
-                        &cidrs,
-                    ) {
-                        Ok(true) => grown.push(self.config.node_network.clone()),
-                        Ok(false) => {}
-                        Err(err) => {
-                            log::error("daemon", "adding node podCIDRs failed", &[("error", &err)])
-                        }
-                    }
-                }
-                KubeEvent::Unreachable(why) => {
-                    self.metrics.api_error();
-                    self.watch_problem = Some(format!("watch: {why}"));
-                }
-                KubeEvent::Watching => self.watch_problem = None,
-                KubeEvent::Patched => {
-                    self.patching = None;
-                    self.patch_problem = None;
-                    log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                }
-                KubeEvent::Conflict { streak } => {
-                    // A fresh object arrived just before this: recompute now
-                    // (the patcher paces what is sent).
-                    self.patching = None;
-                    self.next_pass = now;
-                    if streak >= worker::CONFLICT_STORM {
-                        self.metrics.api_error();
-                        self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
-                    }
-                }
-                KubeEvent::PatchFailed(why) => {
-                    // The patcher logged it and waits before the next one.
-                    self.metrics.api_error();
-                    self.patching = None;
-                    self.patch_problem = Some(format!("patch: {why}"));
-                }
-            }
+            grown.extend(self.on_event(event, engine, now));
         }
         grown.dedup();
         let mut deliveries = Vec::new();
@@ -342,6 +269,99 @@ impl Adaptive {
             deliveries.extend(self.retry(&network, engine));
         }
         deliveries
+    }
+
+    /// One event of the kube threads; returns the networks that gained
+    /// blocks.
+    fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
+        match event {
+            KubeEvent::Nnc(nnc) => return self.on_nnc(nnc, engine),
+            KubeEvent::NodePodCidrs(cidrs) => return self.on_node_pod_cidrs(&cidrs, engine),
+            KubeEvent::Unreachable(why) => {
+                self.metrics.api_error();
+                self.watch_problem = Some(format!("watch: {why}"));
+            }
+            KubeEvent::Watching => self.watch_problem = None,
+            KubeEvent::Patched => {
+                self.patching = None;
+                self.patch_problem = None;
+                log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+            }
+            KubeEvent::Conflict { streak } => self.on_conflict(streak, now),
+            KubeEvent::PatchFailed(why) => {
+                // The patcher logged it and waits before the next one.
+                self.metrics.api_error();
+                self.patching = None;
+                self.patch_problem = Some(format!("patch: {why}"));
+            }
+        }
+        Vec::new()
+    }
+
+    /// A NodeNetworkConfig version: its blocks are synced unless it is
+    /// older than the one applied.
+    fn on_nnc(&mut self, nnc: Nnc, engine: &mut Engine) -> Vec<String> {
+        if self.is_stale(&nnc) {
+            // A late watch event or a re-read that lost a race: applying it
+            // could bring back a released block.
+            self.metrics.stale_version();
+            log::debug(
+                "daemon",
+                "ignoring an older NodeNetworkConfig version",
+                &[("version", &nnc.resource_version)],
+            );
+            return Vec::new();
+        }
+        if nnc.truncated {
+            log::warn(
+                "daemon",
+                "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
+                &[("max_entries", &nnc::MAX_ENTRIES)],
+            );
+        }
+        let grown = match monitor::sync_blocks(engine.store_mut(), &nnc) {
+            Ok(synced) => {
+                self.metrics.refused_pod_cidrs(synced.refused);
+                for network in &synced.deleted {
+                    self.metrics.monitor_action("delete", network);
+                }
+                synced.grown
+            }
+            Err(err) => {
+                log::error(
+                    "daemon",
+                    "syncing blocks from the NodeNetworkConfig failed",
+                    &[("error", &err)],
+                );
+                Vec::new()
+            }
+        };
+        self.latest = Some(nnc);
+        grown
+    }
+
+    /// The Node's podCIDRs (the fixed source): added to the node network.
+    fn on_node_pod_cidrs(&mut self, cidrs: &[String], engine: &mut Engine) -> Vec<String> {
+        let network = &self.config.node_network;
+        match monitor::sync_node_cidrs(engine.store_mut(), network, cidrs) {
+            Ok(true) => vec![network.clone()],
+            Ok(false) => Vec::new(),
+            Err(err) => {
+                log::error("daemon", "adding node podCIDRs failed", &[("error", &err)]);
+                Vec::new()
+            }
+        }
+    }
+
+    /// A patch lost a race: a fresh object arrived just before this, so the
+    /// patch is recomputed now (the patcher paces what is sent).
+    fn on_conflict(&mut self, streak: u32, now: Instant) {
+        self.patching = None;
+        self.next_pass = now;
+        if streak >= worker::CONFLICT_STORM {
+            self.metrics.api_error();
+            self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
+        }
     }
 
     /// Whether `nnc` is not newer than the version already applied.
