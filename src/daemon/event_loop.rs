@@ -22,10 +22,10 @@ use super::conn::{Answer, Conn, Limits, State};
 use super::no_cluster::{Adaptive, Delivery};
 #[cfg(feature = "kube")]
 use crate::adaptive::{Adaptive, Delivery};
-use crate::engine::Engine;
+use crate::engine::{Engine, Outcome};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, Response, reason, request};
+use crate::wire::{Code, Request, reason};
 
 /// Longest single `poll` wait, so deadlines are checked at least this often.
 const MAX_POLL_WAIT: Duration = Duration::from_secs(1);
@@ -258,16 +258,16 @@ impl EventLoop {
             }
             handled += 1;
             let started = Instant::now();
-            let method = method_name(&request);
+            let method = request.method();
             let outcome = engine.handle_in_batch(&request, log::now_ms());
-            let reply = match adaptive.as_mut() {
-                None => Some(outcome.into_response()),
+            let outcome = match adaptive.as_mut() {
+                None => Some(outcome),
                 Some(adaptive) => adaptive.intercept(conn_id, request, outcome, now),
             };
-            match reply {
-                Some(reply) => {
-                    answered.push((method, started, reply.code()));
-                    Answer::Reply(reply)
+            match outcome {
+                Some(outcome) => {
+                    answered.push((method, started, outcome.code()));
+                    Answer::Reply(outcome.into_response())
                 }
                 None => Answer::Parked,
             }
@@ -296,19 +296,14 @@ impl EventLoop {
             log::error(
                 "daemon",
                 "committing a batch of requests failed; each is answered with the error",
-                &[
-                    ("requests", &handled),
-                    (
-                        "error",
-                        &failure.status.as_ref().map_or("", |s| s.message.as_str()),
-                    ),
-                ],
+                &[("requests", &handled), ("error", &failure.message)],
             );
         }
         for (method, started, code) in answered {
-            let code = failure.as_ref().map_or(code, Response::code);
+            let code = failure.as_ref().map_or(code, |failure| failure.code);
             metrics.observe_request(method, code.as_str_name(), started.elapsed());
         }
+        let failure = failure.map(|failure| Outcome::from(failure).into_response());
         conns.retain_mut(|conn| {
             if !conn.holds_replies() || conn.release(failure.as_ref(), now) == State::Open {
                 return true;
@@ -326,9 +321,9 @@ impl EventLoop {
     /// Sends responses of parked requests to their connections.
     fn deliver(&mut self, deliveries: Vec<Delivery>, now: Instant) {
         let mut closed = Vec::new();
-        for (conn_id, reply) in deliveries {
+        for (conn_id, outcome) in deliveries {
             if let Some(conn) = self.conns.iter_mut().find(|conn| conn.id() == conn_id)
-                && conn.deliver(&reply, now) == State::Closed
+                && conn.deliver(&outcome.into_response(), now) == State::Closed
             {
                 closed.push(conn_id);
             }
@@ -385,22 +380,6 @@ impl EventLoop {
             self.conns
                 .retain_mut(|conn| conn.flush(now) == State::Open && conn.wants_write());
         }
-    }
-}
-
-/// The metrics label of a request kind.
-fn method_name(request: &Request) -> &'static str {
-    match &request.kind {
-        Some(request::Kind::Allocate(_)) => "allocate",
-        Some(request::Kind::Deallocate(_)) => "deallocate",
-        Some(request::Kind::Check(_)) => "check",
-        Some(request::Kind::ListCidrBlocks(_)) => "list_cidr_blocks",
-        Some(request::Kind::ListIpAddresses(_)) => "list_ip_addresses",
-        Some(request::Kind::Health(_)) => "health",
-        Some(request::Kind::Usage(_)) => "usage",
-        Some(request::Kind::Gc(_)) => "gc",
-        Some(request::Kind::NetworkStatus(_)) => "network_status",
-        None => "unknown",
     }
 }
 
