@@ -10,7 +10,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, db, wait_for};
+use common::{TestDaemon, TestDir, node, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
 use metis::wire::{Code, Request, Response, reason, request, response};
 use prost::Message;
@@ -51,28 +51,14 @@ fn allocated_v4(response: &Response) -> String {
 
 /// The addresses a container holds, from the database.
 fn held(daemon: &TestDaemon, container: &str) -> Vec<String> {
-    let conn = db(&daemon.db);
-    let mut statement = conn
-        .prepare(
-            "SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated \
-             ORDER BY address",
-        )
-        .unwrap();
-    statement
-        .query_map([container], |row| row.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
+    node::held(&daemon.db, container)
 }
 
-fn blocks_of(daemon: &TestDaemon, network: &str) -> i64 {
-    db(&daemon.db)
-        .query_row(
-            "SELECT COUNT(*) FROM cidr_blocks WHERE network = ?1",
-            [network],
-            |row| row.get(0),
-        )
-        .unwrap()
+fn blocks_of(daemon: &TestDaemon, network: &str) -> usize {
+    node::blocks(&daemon.db)
+        .iter()
+        .filter(|block| block.network == network)
+        .count()
 }
 
 #[test]

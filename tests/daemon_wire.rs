@@ -10,7 +10,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, db};
+use common::node::holdings;
+use common::{TestDaemon, TestDir};
 use metis::wire::client::Client;
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
 use metis::wire::{Code, Request, Response, ipam, reason, request, response};
@@ -73,13 +74,7 @@ fn socket_is_private_and_serves_allocations() {
         "198.18.0.2"
     );
 
-    let rows: i64 = db(&daemon.db)
-        .query_row(
-            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
-            [],
-            |row| row.get(0),
-        )
-        .unwrap();
+    let rows = holdings(&daemon.db).len();
     assert_eq!(rows, 2);
 }
 
