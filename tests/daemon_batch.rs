@@ -10,9 +10,9 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, node, wait_for};
+use common::{TestDaemon, TestDir, allocated_v4, node, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, reason, request, response};
+use metis::wire::{Code, Request, Response, reason, request};
 use prost::Message;
 
 const RANGE: &str = "198.18.0.0/24";
@@ -39,14 +39,6 @@ fn pipeline(daemon: &TestDaemon, bytes: &[u8], replies: usize) -> (UnixStream, V
         })
         .collect();
     (stream, responses)
-}
-
-fn allocated_v4(response: &Response) -> String {
-    assert_eq!(response.code(), Code::Ok, "{response:?}");
-    match &response.kind {
-        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
-        other => panic!("unexpected reply {other:?}"),
-    }
 }
 
 /// The addresses a container holds, from the database.

@@ -11,10 +11,10 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use common::node::holdings;
-use common::{TestDaemon, TestDir};
+use common::{TestDaemon, TestDir, allocated_v4};
 use metis::wire::client::Client;
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, ipam, reason, request, response};
+use metis::wire::{Code, Request, Response, ipam, reason, request};
 use prost::Message;
 
 fn client(daemon: &TestDaemon) -> Client {
@@ -28,14 +28,6 @@ fn client(daemon: &TestDaemon) -> Client {
 
 fn allocate(container: &str, cidr: &str) -> Request {
     common::v4_add_request("", container, cidr)
-}
-
-fn allocated_v4(response: &Response) -> String {
-    assert_eq!(response.code(), Code::Ok, "{response:?}");
-    match &response.kind {
-        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
-        other => panic!("unexpected reply {other:?}"),
-    }
 }
 
 fn raw_exchange(daemon: &TestDaemon, bytes: &[u8]) -> Option<Response> {

@@ -347,6 +347,16 @@ pub fn v4_add_requesting(
     }
 }
 
+/// The IPv4 address of a successful ADD reply.
+pub fn allocated_v4(response: &metis::wire::Response) -> String {
+    use metis::wire::{Code, response};
+    assert_eq!(response.code(), Code::Ok, "{response:?}");
+    match &response.kind {
+        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
 /// Copies the metis binary to `to` with `mode`, by a `cp` child: a copy
 /// written by this multi-threaded test process could be held open for
 /// writing by a child another test thread forks at that moment, and
