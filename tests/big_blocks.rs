@@ -3,9 +3,7 @@
 //! and a restart after a clean stop checks blocks, not every address row.
 //! How long each takes is measured by `make bench`, not asserted here.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -11,9 +11,7 @@
 //! 500 operations): `METIS_CRASH_ROUNDS`, `METIS_CRASH_OPS` and
 //! `METIS_CRASH_SEED` override rounds, operations per round and the seed.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

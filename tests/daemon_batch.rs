@@ -2,9 +2,7 @@
 //! transaction, each in its own savepoint. Requests are pipelined in one
 //! write on one connection, so the daemon reads them in one loop turn.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;

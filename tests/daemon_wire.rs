@@ -1,9 +1,7 @@
 //! The daemon over a real socket: framing abuse, unknown messages, the
 //! request rules, concurrency, and shutdown.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;

@@ -4,9 +4,7 @@
 //! imported ones, and after `metis export host-local` host-local serves
 //! again without re-issuing an address Metis handed out.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::Output;

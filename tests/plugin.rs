@@ -1,9 +1,7 @@
 //! The real plugin binary, executed with CNI environment and stdin, against
 //! a running daemon and in direct mode.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use common::node::holdings;
 use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, json};

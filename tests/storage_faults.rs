@@ -6,9 +6,7 @@
 //! reason — never a panic, and never loses an allocation that existed.
 //! Mounting needs root, as these tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,6 +1,5 @@
 //! Shared harness for the integration tests: private temp dirs, a real
 //! daemon process, and the real plugin binary run with CNI env and stdin.
-#![allow(dead_code)] // each test crate uses a different part of the harness
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
 use std::io::Write;
@@ -10,6 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "kube")]
 pub mod apiserver;
 pub mod host_local;
 pub mod node;
