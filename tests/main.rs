@@ -30,3 +30,28 @@ mod properties;
 mod proto_sync;
 mod reconcile;
 mod storage_faults;
+
+/// With `autotests = false`, a file of `tests/` that is neither a module
+/// here nor a `[[test]]` of its own in Cargo.toml would never be compiled,
+/// and its tests would pass unseen.
+#[test]
+fn every_test_file_is_compiled() {
+    let this = include_str!("main.rs");
+    let manifest = include_str!("../Cargo.toml");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let Some(module) = name.strip_suffix(".rs") else {
+            continue;
+        };
+        assert!(
+            module == "main"
+                || this.contains(&format!("\nmod {module};\n"))
+                || manifest.contains(&format!("path = \"tests/{name}\"")),
+            "tests/{name} is not compiled: add `mod {module};` to tests/main.rs"
+        );
+    }
+}
