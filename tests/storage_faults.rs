@@ -6,14 +6,13 @@
 //! reason — never a panic, and never loses an allocation that existed.
 //! Mounting needs root, as these tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use common::node::held;
 use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, json};
 
 /// A tmpfs mounted on a fresh directory, unmounted and removed on drop.
@@ -84,18 +83,6 @@ fn assert_error(output: &Output, code: u64, reason: &str) {
         !String::from_utf8_lossy(&output.stderr).contains("panicked"),
         "{output:?}"
     );
-}
-
-/// The addresses `container` holds, read from the database.
-fn held(db: &Path, container: &str) -> Vec<String> {
-    let conn = common::db(db);
-    let mut stmt = conn
-        .prepare("SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated = 1")
-        .unwrap();
-    stmt.query_map([container], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
 }
 
 /// Runs a daemon on `db` to completion (it should refuse to start).

@@ -1,6 +1,5 @@
 //! Shared harness for the integration tests: private temp dirs, a real
 //! daemon process, and the real plugin binary run with CNI env and stdin.
-#![allow(dead_code)] // each test crate uses a different part of the harness
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
 use std::io::Write;
@@ -10,6 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "kube")]
 pub mod apiserver;
 pub mod host_local;
 pub mod node;
@@ -344,6 +344,16 @@ pub fn v4_add_requesting(
             pod_namespace: "default".into(),
             isolated: false,
         })),
+    }
+}
+
+/// The IPv4 address of a successful ADD reply.
+pub fn allocated_v4(response: &metis::wire::Response) -> String {
+    use metis::wire::{Code, response};
+    assert_eq!(response.code(), Code::Ok, "{response:?}");
+    match &response.kind {
+        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
+        other => panic!("unexpected reply {other:?}"),
     }
 }
 
