@@ -8,7 +8,6 @@
 //! commit.
 
 use std::os::fd::AsFd;
-use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,6 +17,7 @@ use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
 use super::conn::{Answer, Conn, Limits, State};
+use super::handover::Served;
 #[cfg(not(feature = "kube"))]
 use super::no_cluster::{Adaptive, Delivery};
 #[cfg(feature = "kube")]
@@ -37,6 +37,11 @@ const MAX_BATCH: usize = 64;
 /// How long shutdown waits for queued responses to drain.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 
+/// How long a stopping daemon goes on serving the connections it has
+/// (a client that connected just before the stop still sends its
+/// request), well inside the DaemonSet's 30 s termination grace period.
+const STOP_DRAIN: Duration = Duration::from_secs(10);
+
 /// Who may connect and how many at once.
 pub struct Admission {
     pub max_connections: usize,
@@ -51,7 +56,7 @@ impl Admission {
 }
 
 pub struct EventLoop {
-    listener: UnixListener,
+    listener: Served,
     signals: SignalFd,
     engine: Engine,
     adaptive: Option<Adaptive>,
@@ -64,7 +69,7 @@ pub struct EventLoop {
 
 impl EventLoop {
     pub fn new(
-        listener: UnixListener,
+        listener: Served,
         signals: SignalFd,
         engine: Engine,
         adaptive: Option<Adaptive>,
@@ -85,9 +90,11 @@ impl EventLoop {
         }
     }
 
-    /// Serves until SIGTERM or SIGINT, then drains queued responses; gives
-    /// the engine back for the last words to its store.
+    /// Serves until SIGTERM or SIGINT, then stops taking connections and
+    /// answers every one it has (see [`EventLoop::begin_stop`]); gives the
+    /// engine back for the last words to its store.
     pub fn run(mut self) -> Engine {
+        let mut stop_by: Option<Instant> = None;
         loop {
             let ready = match self.wait(Instant::now()) {
                 Ok(ready) => ready,
@@ -97,8 +104,8 @@ impl EventLoop {
                 }
             };
             let now = Instant::now();
-            if ready.signal && self.take_signal() {
-                break;
+            if ready.signal && self.take_signal() && stop_by.is_none() {
+                stop_by = Some(self.begin_stop(now));
             }
             if ready.wake
                 && let Some(adaptive) = self.adaptive.as_mut()
@@ -116,11 +123,11 @@ impl EventLoop {
                 self.deliver(deliveries, now);
             }
             self.expire(now);
-        }
-        if let Some(adaptive) = self.adaptive.as_mut() {
-            let now = Instant::now();
-            let deliveries = adaptive.shutdown(now);
-            self.deliver(deliveries, now);
+            if let Some(deadline) = stop_by
+                && self.drained(now, deadline)
+            {
+                break;
+            }
         }
         self.drain_on_shutdown();
         self.engine
@@ -166,6 +173,43 @@ impl EventLoop {
             wake: first_conn == 3 && fds.get(2).is_some_and(fired),
             conns: fds.iter().skip(first_conn).map(fired).collect(),
         })
+    }
+
+    /// The stop: the socket path goes to a successor or away (see
+    /// `handover`), so no new connection can reach this daemon; those
+    /// already in the backlog are accepted and served like the rest.
+    /// Returns when the drain gives up.
+    fn begin_stop(&mut self, now: Instant) -> Instant {
+        self.listener.retire();
+        self.accept_all(now);
+        log::info(
+            "daemon",
+            "no longer accepting; answering the connections already made",
+            &[("connections", &self.conns.len())],
+        );
+        now + STOP_DRAIN
+    }
+
+    /// Whether a stopping daemon is done: every connection answered (parked
+    /// requests are answered now: no new blocks are waited for while
+    /// stopping), or the drain's time is up.
+    fn drained(&mut self, now: Instant, deadline: Instant) -> bool {
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            let deliveries = adaptive.shutdown(now);
+            self.deliver(deliveries, now);
+        }
+        if now < deadline && !self.conns.iter().all(Conn::is_settled) {
+            return false;
+        }
+        let unsettled = self.conns.iter().filter(|c| !c.is_settled()).count();
+        if unsettled > 0 {
+            log::warn(
+                "daemon",
+                "stopping with connections that sent no complete request in time",
+                &[("connections", &unsettled)],
+            );
+        }
+        true
     }
 
     /// True when a shutdown signal arrived.

@@ -2,15 +2,13 @@
 //! added, the socket bound, the cluster followed, then the loop until a
 //! signal.
 
-use std::fs;
 use std::sync::Arc;
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
-use super::socket::listen;
-use super::{Config, DaemonError};
+use super::{Config, DaemonError, handover, ownership};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::{self, Metrics};
@@ -28,13 +26,21 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         ],
     );
     let signals = block_signals()?;
+    let claim = ownership::claim(&config.db_path)?;
+    // Bound before the wait, so that a daemon stopping meanwhile can hand
+    // its socket over (see `handover`).
+    let pending = handover::prepare(&config.socket_path, config.socket_group)?;
+    let Some(ownership) = claim.take(&signals)? else {
+        log::info("daemon", "metis daemon stopped before serving", &[]);
+        return Ok(());
+    };
     let mut store = open_store(config)?;
     isolate_problems(&mut store, config)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     apply_cidr_flags(&mut store, config)?;
     let checkpointer = defer_checkpoints(&store, config);
 
-    let listener = listen(&config.socket_path, config.socket_group)?;
+    let listener = pending.install()?;
     let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
@@ -71,9 +77,8 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             &[("error", &err)],
         );
     }
-    if let Err(err) = fs::remove_file(&config.socket_path) {
-        log::warn("daemon", "could not remove socket", &[("error", &err)]);
-    }
+    // Only now may the next daemon write (the socket went at SIGTERM).
+    drop(ownership);
     log::info("daemon", "metis daemon stopped", &[]);
     Ok(())
 }
