@@ -8,12 +8,13 @@ mod common;
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use common::tmpfs::Tmpfs;
 use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, conf, db, metis, wait_for};
 
 /// Room for 20 plugins' pods with a release cooldown of zero.
@@ -324,13 +325,19 @@ fn a_lock_file_that_is_a_symbolic_link_is_refused() {
 #[test]
 fn a_database_directory_the_daemon_cannot_write_is_refused() {
     let dir = TestDir::new("handover-unwritable");
+    let fs = Tmpfs::mount("handover-ro", "1m");
+    fs.remount("ro");
+    let output = daemon_exit(&dir, &fs.dir.join("metis.sqlite"));
+    let lock = fs.dir.join("metis.sqlite.lock");
+    assert_refused(&output, &[lock.to_str().unwrap(), "Read-only file system"]);
+    assert!(!dir.join("metis.sock").exists());
+    assert!(!dir.join("metis.sock.next").exists());
+
     // A regular file where the database's directory should be.
     let file = dir.join("not-a-dir");
     std::fs::write(&file, "").unwrap();
-    let db: PathBuf = file.join("metis.sqlite");
-    let output = daemon_exit(&dir, &db);
+    let output = daemon_exit(&dir, &file.join("metis.sqlite"));
     assert_refused(&output, &["metis.sqlite.lock", "Not a directory"]);
-    assert!(!dir.join("metis.sock").exists());
 }
 
 #[test]

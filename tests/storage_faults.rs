@@ -14,51 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use common::tmpfs::Tmpfs;
 use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, json};
-
-/// A tmpfs mounted on a fresh directory, unmounted and removed on drop.
-struct Tmpfs {
-    dir: TestDir,
-}
-
-impl Tmpfs {
-    fn mount(name: &str, size: &str) -> Tmpfs {
-        let dir = TestDir::new(name);
-        let status = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(&dir.path)
-            .status()
-            .unwrap();
-        assert!(status.success(), "mount tmpfs (these tests need root)");
-        Tmpfs { dir }
-    }
-
-    fn remount(&self, option: &str) {
-        let status = Command::new("mount")
-            .args(["-o", &format!("remount,{option}")])
-            .arg(&self.dir.path)
-            .status()
-            .unwrap();
-        assert!(status.success(), "remount {option}");
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // Lazy, so a process still holding a file cannot keep it mounted;
-        // the TestDir then removes the directory.
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(&self.dir.path)
-            .status();
-    }
-}
 
 /// A configuration on `dir` for network `network` with `range`.
 fn config(dir: &TestDir, network: &str, range: &str) -> String {

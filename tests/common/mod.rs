@@ -14,6 +14,7 @@ pub mod apiserver;
 pub mod host_local;
 pub mod node;
 pub mod rng;
+pub mod tmpfs;
 pub mod upstream;
 
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
