@@ -59,6 +59,9 @@ struct Counters {
     /// `status.podCIDRs` entries refused (overlapping, too large).
     refused_pod_cidrs: u64,
     recovered_at_boot: u64,
+    /// Times the database file was put back at its path (see
+    /// `daemon::restore`).
+    database_restored: u64,
 }
 
 /// Shared between the loop (writer) and the HTTP thread (reader).
@@ -116,6 +119,10 @@ impl Metrics {
 
     pub fn refused_pod_cidrs(&self, count: u64) {
         self.with(|c| c.refused_pod_cidrs += count);
+    }
+
+    pub fn database_restored(&self) {
+        self.with(|c| c.database_restored += 1);
     }
 
     pub fn recovered_at_boot(&self, addresses: u64) {
@@ -332,6 +339,17 @@ fn render_counters(out: &mut String, c: &Counters) {
         out,
         "metis_daemon_boot_recovered_addresses_total {}",
         c.recovered_at_boot
+    );
+    family(
+        out,
+        "metis_daemon_database_restored_total",
+        "counter",
+        "Times the database file, deleted or replaced under the daemon, was put back at its path.",
+    );
+    let _ = writeln!(
+        out,
+        "metis_daemon_database_restored_total {}",
+        c.database_restored
     );
 }
 

@@ -195,6 +195,16 @@ fn holds_files(dir: &Path) -> bool {
 }
 
 fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+    // Missing while its daemon runs, the database was deleted, not never
+    // made: the daemon puts it back from its open copy within a second
+    // (`daemon::restore`), and an empty one made here would hand its pods'
+    // addresses out again.
+    if !db_path.exists() && crate::daemon::database_owned(db_path) {
+        return Err(CniError::try_again_later(format!(
+            "the database {} is missing while its daemon runs; the daemon restores it, retry",
+            db_path.display()
+        )));
+    }
     let mut store = Store::open(
         db_path,
         &StoreOptions {

@@ -20,6 +20,7 @@ use super::conn::{Answer, Conn, Limits, State};
 use super::handover::Served;
 #[cfg(not(feature = "kube"))]
 use super::no_cluster::{Adaptive, Delivery};
+use super::restore::Keeper;
 #[cfg(feature = "kube")]
 use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::Engine;
@@ -42,9 +43,10 @@ const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 /// request), well inside the DaemonSet's 30 s termination grace period.
 const STOP_DRAIN: Duration = Duration::from_secs(10);
 
-/// Who may connect and how many at once.
+/// Who may connect, how many at once, and for how long.
 pub struct Admission {
     pub max_connections: usize,
+    pub limits: Limits,
     /// Users besides root and the daemon's own user.
     pub allowed_uids: Vec<u32>,
 }
@@ -59,11 +61,13 @@ pub struct EventLoop {
     listener: Served,
     signals: SignalFd,
     engine: Engine,
+    /// Puts the database back at its path if it goes (and owns the
+    /// checkpoint thread, dropped with the loop before the last words).
+    keeper: Keeper,
     adaptive: Option<Adaptive>,
     metrics: Arc<Metrics>,
     conns: Vec<Conn>,
     next_conn_id: u64,
-    limits: Limits,
     admission: Admission,
 }
 
@@ -72,20 +76,20 @@ impl EventLoop {
         listener: Served,
         signals: SignalFd,
         engine: Engine,
+        keeper: Keeper,
         adaptive: Option<Adaptive>,
         metrics: Arc<Metrics>,
-        limits: Limits,
         admission: Admission,
     ) -> EventLoop {
         EventLoop {
             listener,
             signals,
             engine,
+            keeper,
             adaptive,
             metrics,
             conns: Vec::new(),
             next_conn_id: 0,
-            limits,
             admission,
         }
     }
@@ -104,6 +108,8 @@ impl EventLoop {
                 }
             };
             let now = Instant::now();
+            // Before anything touches the store this turn.
+            self.keeper.keep(&mut self.engine);
             if ready.signal && self.take_signal() && stop_by.is_none() {
                 stop_by = Some(self.begin_stop(now));
             }
@@ -248,7 +254,7 @@ impl EventLoop {
             }
             let peer_uid = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
             self.next_conn_id += 1;
-            let mut conn = Conn::new(self.next_conn_id, stream, self.limits, now);
+            let mut conn = Conn::new(self.next_conn_id, stream, self.admission.limits, now);
             let refusal = match peer_uid {
                 _ if self.conns.len() >= self.admission.max_connections => Some((
                     Code::Unavailable,

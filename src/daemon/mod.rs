@@ -8,6 +8,7 @@ mod handover;
 #[cfg(not(feature = "kube"))]
 mod no_cluster;
 mod ownership;
+mod restore;
 mod run;
 mod socket;
 
@@ -22,6 +23,7 @@ pub use config::AdaptiveSettings;
 pub use config::{Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
+pub use ownership::database_owned;
 pub use run::{recover_after_reboot, run};
 
 /// A failure that stops the daemon.

@@ -26,6 +26,21 @@ pub fn lock_path(db: &Path) -> PathBuf {
     PathBuf::from(path)
 }
 
+/// Whether a daemon owns the database at `db` right now (its lock is
+/// held). Anything else — no lock file, no access, a symbolic link — is
+/// "no".
+pub fn database_owned(db: &Path) -> bool {
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(lock_path(db))
+    else {
+        return false;
+    };
+    // Closing the file drops the shared lock a free one gives us.
+    matches!(file.try_lock_shared(), Err(fs::TryLockError::WouldBlock))
+}
+
 /// Held while the daemon owns its database; dropping it (or exiting) lets
 /// the next daemon take over.
 #[derive(Debug)]
@@ -216,6 +231,19 @@ mod tests {
         let other = dir.0.join("other.sqlite");
         std::fs::create_dir(lock_path(&other)).unwrap();
         assert!(open_lock_file(&lock_path(&other)).is_err());
+    }
+
+    #[test]
+    fn owned_only_while_the_lock_is_held() {
+        let dir = crate::testutil::TempDir::new();
+        let db = dir.db();
+        assert!(!database_owned(&db), "no lock file");
+        let held = claim(&db).unwrap();
+        assert!(!database_owned(&db), "opened, not locked");
+        held.file.try_lock().unwrap();
+        assert!(database_owned(&db));
+        drop(held);
+        assert!(!database_owned(&db), "a lock file left behind");
     }
 
     #[test]
