@@ -301,6 +301,41 @@ fn a_database_replaced_under_the_daemon_is_put_back_and_the_other_file_kept() {
 }
 
 #[test]
+fn a_restore_cut_short_is_finished_at_the_next_start() {
+    let dir = TestDir::new("fault-interrupted");
+    let db = dir.join("metis.sqlite");
+    let conf = config(&dir, "pods", "198.18.0.0/24");
+    let daemon = daemon_with_pods(&dir, &conf);
+    assert!(daemon.stop().success());
+    // The clean-stop mark is the next start's to consume.
+    let kept = |rows: Vec<String>| -> Vec<String> {
+        rows.into_iter()
+            .filter(|row| !row.contains("clean_stop"))
+            .collect()
+    };
+    let before = kept(dump(&db));
+    // What a daemon leaves when it stops between writing its copy of a
+    // deleted database and putting it in place.
+    std::fs::rename(&db, dir.join("metis.sqlite.restoring")).unwrap();
+    // Direct mode does not make an empty database instead.
+    let refused = Plugin::new("ADD", "early").run(&conf);
+    assert_error(&refused, 11, "restore of it was interrupted");
+    assert!(!db.exists());
+    let daemon = TestDaemon::start(&dir, &[]);
+    assert!(
+        daemon
+            .log()
+            .contains("put back the copy an interrupted restore made")
+    );
+    assert_eq!(dump(&db), before);
+    assert!(!dir.join("metis.sqlite.restoring").exists());
+    let add = Plugin::new("ADD", "new").run(&conf);
+    assert_ok(&add);
+    assert_eq!(json(&add)["ips"][0]["address"], "198.18.0.14/24");
+    assert!(daemon.stop().success());
+}
+
+#[test]
 fn direct_mode_creates_no_database_while_a_daemon_owns_it() {
     let dir = TestDir::new("fault-owned");
     let db = dir.join("metis.sqlite");

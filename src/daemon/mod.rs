@@ -24,6 +24,7 @@ pub use config::{Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
 pub use ownership::database_owned;
+pub use restore::restore_interrupted;
 pub use run::{recover_after_reboot, run};
 
 /// A failure that stops the daemon.

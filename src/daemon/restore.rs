@@ -45,6 +45,8 @@ pub struct Keeper {
 
 /// The stand-in's file, beside the database (see [`Keeper::stand_in`]).
 const STAND_IN: &str = ".stand-in";
+/// The copy a restore writes, beside the database, until it is in place.
+const RESTORING: &str = ".restoring";
 
 /// `DB` + `suffix`, beside the database.
 fn beside(db: &Path, suffix: &str) -> PathBuf {
@@ -75,6 +77,44 @@ fn remove_if_there(path: &Path) -> io::Result<()> {
     match fs::remove_file(path) {
         Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
         _ => Ok(()),
+    }
+}
+
+/// Whether the database is missing beside the copy an unfinished restore
+/// wrote: only a daemon may put it back (see
+/// [`finish_interrupted_restore`]), never an empty one be made instead.
+pub fn restore_interrupted(db: &Path) -> bool {
+    identity(db).is_none() && identity(&beside(db, RESTORING)).is_some()
+}
+
+/// At start, before the database is opened: a database missing at its path
+/// beside the copy an unfinished restore wrote (the daemon stopped or died
+/// between the copy and its install) is put back from that copy instead of
+/// being created empty.
+pub fn finish_interrupted_restore(db: &Path) {
+    if !restore_interrupted(db) {
+        return;
+    }
+    let copy = beside(db, RESTORING);
+    let installed = remove_companions(db)
+        .and_then(|()| fs::hard_link(&copy, db))
+        .and_then(|()| fs::remove_file(&copy));
+    match installed {
+        Ok(()) => log::error(
+            "store",
+            "the database was missing; put back the copy an interrupted restore made",
+            &[("db", &db.display())],
+        ),
+        Err(err) => log::error(
+            "store",
+            "the database is missing and the copy an interrupted restore made could not \
+             be put back",
+            &[
+                ("db", &db.display()),
+                ("copy", &copy.display()),
+                ("error", &err),
+            ],
+        ),
     }
 }
 
@@ -135,7 +175,7 @@ impl Keeper {
     }
 
     fn restore(&mut self, engine: &mut Engine) -> Result<Option<PathBuf>, String> {
-        let copy = beside(&self.db, ".restoring");
+        let copy = beside(&self.db, RESTORING);
         if !self.copied {
             // Step 1.
             remove_with_companions(&copy).map_err(|err| format!("clearing {copy:?}: {err}"))?;

@@ -9,7 +9,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
-use super::restore::Keeper;
+use super::restore::{self, Keeper};
 use super::{Config, DaemonError, handover, ownership};
 use crate::engine::Engine;
 use crate::log;
@@ -36,6 +36,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         log::info("daemon", "metis daemon stopped before serving", &[]);
         return Ok(());
     };
+    restore::finish_interrupted_restore(&config.db_path);
     let mut store = open_store(config)?;
     isolate_problems(&mut store, config)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
