@@ -356,3 +356,16 @@ fn a_stale_lock_file_of_a_dead_daemon_does_not_stop_a_start() {
     );
     assert!(daemon.stop().success());
 }
+
+#[test]
+fn a_socket_path_that_is_a_symbolic_link_is_refused_before_any_wait() {
+    let dir = TestDir::new("handover-socket-link");
+    let target = dir.join("elsewhere");
+    std::fs::write(&target, "keep").unwrap();
+    std::os::unix::fs::symlink(&target, dir.join("metis.sock")).unwrap();
+    let output = daemon_exit(&dir, &dir.join("metis.sqlite"));
+    assert_refused(&output, &["metis.sock", "symbolic link"]);
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+    assert!(!dir.join("metis.sqlite").exists());
+    assert!(!dir.join("metis.sock.next").exists());
+}

@@ -60,6 +60,8 @@ pub struct Pending {
 /// stopping daemon hands over to: this start then has the short window of
 /// a plain restart).
 pub fn prepare(socket: &Path, group: Option<u32>) -> Result<Pending, DaemonError> {
+    // Refused before the wait, not after it.
+    replaceable(socket)?;
     let next = successor_path(socket);
     let bound_at = if listens(&next) {
         log::warn(
@@ -81,6 +83,26 @@ pub fn prepare(socket: &Path, group: Option<u32>) -> Result<Pending, DaemonError
         id,
         group,
     })
+}
+
+/// A socket path may be replaced only when nothing or a socket is there:
+/// never a symbolic link or another kind of file.
+fn replaceable(socket: &Path) -> Result<(), DaemonError> {
+    let fail = |reason: String| DaemonError::Socket {
+        path: socket.to_path_buf(),
+        reason,
+    };
+    match fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            Err(fail("the path is a symbolic link".into()))
+        }
+        Ok(meta) if !meta.file_type().is_socket() => {
+            Err(fail("the path exists and is not a socket".into()))
+        }
+        Ok(_) => Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(err) => Err(fail(err.to_string())),
+    }
 }
 
 fn bind(path: &Path, group: Option<u32>) -> Result<(UnixListener, Identity), DaemonError> {
@@ -109,17 +131,7 @@ impl Pending {
                 &[("socket", &self.socket.display())],
             );
         } else {
-            match fs::symlink_metadata(&self.socket) {
-                Ok(meta) if meta.file_type().is_symlink() => {
-                    return Err(fail("the path is a symbolic link".into()));
-                }
-                Ok(meta) if !meta.file_type().is_socket() => {
-                    return Err(fail("the path exists and is not a socket".into()));
-                }
-                Ok(_) => {}
-                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                Err(err) => return Err(fail(err.to_string())),
-            }
+            replaceable(&self.socket)?;
             if identity(&self.bound_at) != Some(self.id) {
                 // Someone removed it while this daemon waited: bind anew.
                 let (listener, id) = bind(&self.bound_at, self.group)?;
