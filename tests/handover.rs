@@ -160,31 +160,43 @@ fn health(dir: &TestDir) -> std::process::Output {
     metis(&["health", "--socket-path", socket.to_str().unwrap()])
 }
 
+/// Three surge updates in a row.
+const SURGES: usize = 3;
+
 #[test]
-fn a_surge_update_under_load_loses_nothing_and_keeps_the_socket_served() {
+fn surge_updates_under_load_lose_nothing_and_keep_the_socket_served() {
     let dir = TestDir::new("handover-surge");
     let config = conf(&dir, "1.0.0", RANGE, "");
     let socket = dir.join("metis.sock");
+    let db_path = dir.join("metis.sqlite");
     let mut old = TestDaemon::start(&dir, DAEMON_ARGS);
     let load = Load::start(&config, 20);
     let probe = Probe::start(&socket);
-    load.run_for(100);
+    for surge in 0..SURGES {
+        load.run_for(100);
+        // The new pod's daemon starts while the old one serves: it listens
+        // beside the socket and waits for the database.
+        let mut new = TestDaemon::spawn(&dir, DAEMON_ARGS, &format!("new-{surge}.log"));
+        new.wait_for_log(WAITING, PATIENCE);
+        let successor = socket_identity(&dir.join("metis.sock.next"));
+        load.run_for(100);
+        // Only the old daemon writes: the new one has not even opened the
+        // file.
+        assert!(!has_open(new.child.id(), &db_path));
+        assert!(!new.log().contains("database checked"), "{}", new.log());
+        assert!(has_open(old.child.id(), &db_path));
 
-    // The new pod's daemon starts while the old one serves: it listens
-    // beside the socket and waits for the database.
-    let mut new = TestDaemon::spawn(&dir, DAEMON_ARGS, "new.log");
-    new.wait_for_log(WAITING, PATIENCE);
-    let successor = socket_identity(&dir.join("metis.sock.next"));
-    load.run_for(100);
-    // Only the old daemon writes: the new one has not even opened the file.
-    assert!(!has_open(new.child.id(), &dir.join("metis.sqlite")));
-    assert!(!new.log().contains("database checked"), "{}", new.log());
-    assert!(has_open(old.child.id(), &dir.join("metis.sqlite")));
-
-    // The old pod is deleted.
-    old.terminate();
-    assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
-    new.wait_for_log("listening", PATIENCE);
+        // The old pod is deleted.
+        old.terminate();
+        assert!(old.wait_exit(PATIENCE).success(), "{}", old.log());
+        new.wait_for_log("listening", PATIENCE);
+        // It handed its socket over and did not unlink it.
+        let handed = old.log().matches("handed the socket over").count();
+        assert_eq!(handed, 1, "{}", old.log());
+        assert_eq!(socket_identity(&socket), successor);
+        assert!(!dir.join("metis.sock.next").exists());
+        old = new;
+    }
     load.run_for(100);
     let (ops, failures) = load.finish();
     let (connects, refused) = probe.finish();
@@ -195,22 +207,16 @@ fn a_surge_update_under_load_loses_nothing_and_keeps_the_socket_served() {
         failures.len()
     );
     assert!(refused.is_empty(), "{refused:?} of {connects} connects");
-    eprintln!("surge update: {ops} operations, none failed; {connects} connects, none refused");
+    eprintln!(
+        "{SURGES} surge updates: {ops} operations, none failed; {connects} connects, none refused"
+    );
     let log = plugin_log(&dir);
     assert_eq!(log.matches(DIRECT_MODE).count(), 0, "{log}");
-    // The old daemon handed its socket over and did not unlink it.
-    assert!(
-        old.log().contains("handed the socket over"),
-        "{}",
-        old.log()
-    );
-    assert_eq!(socket_identity(&socket), successor);
-    assert!(!dir.join("metis.sock.next").exists());
     let answer = health(&dir);
     assert!(answer.status.success(), "{answer:?}");
     assert_eq!(held_rows(&dir), 0);
-    assert_ok(&admin_check(&dir.join("metis.sqlite")));
-    assert!(new.stop().success());
+    assert_ok(&admin_check(&db_path));
+    assert!(old.stop().success());
     assert!(!socket.exists());
 }
 
