@@ -135,6 +135,9 @@ impl EventLoop {
                 break;
             }
         }
+        // A file deleted during the last turn is not left to a successor
+        // to create empty.
+        self.keeper.keep(&mut self.engine);
         self.drain_on_shutdown();
         self.engine
     }
