@@ -58,6 +58,9 @@ struct Counters {
     /// `status.podCIDRs` entries refused (overlapping, too large).
     refused_pod_cidrs: u64,
     recovered_at_boot: u64,
+    /// Times the database file was put back at its path (see
+    /// `daemon::restore`).
+    database_restored: u64,
 }
 
 /// Shared between the loop (writer) and the HTTP thread (reader).
@@ -115,6 +118,10 @@ impl Metrics {
 
     pub fn refused_pod_cidrs(&self, count: u64) {
         self.with(|c| c.refused_pod_cidrs += count);
+    }
+
+    pub fn database_restored(&self) {
+        self.with(|c| c.database_restored += 1);
     }
 
     pub fn recovered_at_boot(&self, addresses: u64) {
@@ -238,9 +245,15 @@ const RECOVERED_AT_BOOT: Metric = Metric::new(
     &[],
     "Allocations of a previous boot released at start.",
 );
+const DATABASE_RESTORED: Metric = Metric::new(
+    "metis_daemon_database_restored_total",
+    Type::Counter,
+    &[],
+    "Times the database file, deleted or replaced under the daemon, was put back at its path.",
+);
 
 /// Every metric, in the order a scrape shows them.
-pub const METRICS: [&Metric; 12] = [
+pub const METRICS: [&Metric; 13] = [
     &BUILD_INFO,
     &IP_TOTAL,
     &BLOCK_TOTAL,
@@ -253,6 +266,7 @@ pub const METRICS: [&Metric; 12] = [
     &STALE_VERSIONS,
     &REFUSED_POD_CIDRS,
     &RECOVERED_AT_BOOT,
+    &DATABASE_RESTORED,
 ];
 
 impl Metric {
@@ -390,6 +404,7 @@ fn render_counters(out: &mut String, c: &Counters) {
         (&STALE_VERSIONS, c.stale_versions),
         (&REFUSED_POD_CIDRS, c.refused_pod_cidrs),
         (&RECOVERED_AT_BOOT, c.recovered_at_boot),
+        (&DATABASE_RESTORED, c.database_restored),
     ];
     for (metric, value) in totals {
         metric.header(out);

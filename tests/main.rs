@@ -16,6 +16,7 @@ mod daemon_batch;
 mod daemon_wire;
 mod deploy;
 mod golden;
+mod handover;
 mod host_local;
 mod hostile;
 mod install;

@@ -8,7 +8,6 @@
 //! commit.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,8 +17,10 @@ use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
 use super::conn::{Answer, Conn, Limits, State};
+use super::handover::Served;
 #[cfg(not(feature = "kube"))]
 use super::no_cluster::{Adaptive, Delivery};
+use super::restore::Keeper;
 #[cfg(feature = "kube")]
 use crate::adaptive::{Adaptive, Delivery};
 use crate::engine::{Engine, Outcome};
@@ -37,9 +38,15 @@ const MAX_BATCH: usize = 64;
 /// How long shutdown waits for queued responses to drain.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 
-/// Who may connect and how many at once.
+/// How long a stopping daemon goes on serving the connections it has
+/// (a client that connected just before the stop still sends its
+/// request), well inside the DaemonSet's 30 s termination grace period.
+const STOP_DRAIN: Duration = Duration::from_secs(10);
+
+/// Who may connect, how many at once, and for how long.
 pub struct Admission {
     pub max_connections: usize,
+    pub limits: Limits,
     /// Users besides root and the daemon's own user.
     pub allowed_uids: Vec<u32>,
 }
@@ -51,43 +58,47 @@ impl Admission {
 }
 
 pub struct EventLoop {
-    listener: UnixListener,
+    listener: Served,
     signals: SignalFd,
     engine: Engine,
+    /// Puts the database back at its path if it goes (and owns the
+    /// checkpoint thread, dropped with the loop before the last words).
+    keeper: Keeper,
     adaptive: Option<Adaptive>,
     metrics: Arc<Metrics>,
     conns: Vec<Conn>,
     next_conn_id: u64,
-    limits: Limits,
     admission: Admission,
 }
 
 impl EventLoop {
     pub fn new(
-        listener: UnixListener,
+        listener: Served,
         signals: SignalFd,
         engine: Engine,
+        keeper: Keeper,
         adaptive: Option<Adaptive>,
         metrics: Arc<Metrics>,
-        limits: Limits,
         admission: Admission,
     ) -> EventLoop {
         EventLoop {
             listener,
             signals,
             engine,
+            keeper,
             adaptive,
             metrics,
             conns: Vec::new(),
             next_conn_id: 0,
-            limits,
             admission,
         }
     }
 
-    /// Serves until SIGTERM or SIGINT, then drains queued responses; gives
-    /// the engine back for the last words to its store.
+    /// Serves until SIGTERM or SIGINT, then stops taking connections and
+    /// answers every one it has (see [`EventLoop::begin_stop`]); gives the
+    /// engine back for the last words to its store.
     pub fn run(mut self) -> Engine {
+        let mut stop_by: Option<Instant> = None;
         loop {
             let ready = match self.wait(Instant::now()) {
                 Ok(ready) => ready,
@@ -97,8 +108,10 @@ impl EventLoop {
                 }
             };
             let now = Instant::now();
-            if ready.signal && self.take_signal() {
-                break;
+            // Before anything touches the store this turn.
+            self.keeper.keep(&mut self.engine);
+            if ready.signal && self.take_signal() && stop_by.is_none() {
+                stop_by = Some(self.begin_stop(now));
             }
             if ready.wake
                 && let Some(adaptive) = self.adaptive.as_mut()
@@ -116,12 +129,15 @@ impl EventLoop {
                 self.deliver(deliveries, now);
             }
             self.expire(now);
+            if let Some(deadline) = stop_by
+                && self.drained(now, deadline)
+            {
+                break;
+            }
         }
-        if let Some(adaptive) = self.adaptive.as_mut() {
-            let now = Instant::now();
-            let deliveries = adaptive.shutdown(now);
-            self.deliver(deliveries, now);
-        }
+        // A file deleted during the last turn is not left to a successor
+        // to create empty.
+        self.keeper.keep(&mut self.engine);
         self.drain_on_shutdown();
         self.engine
     }
@@ -151,6 +167,43 @@ impl EventLoop {
             Err(err) => return Err(err),
         }
         Ok(slots.ready())
+    }
+
+    /// The stop: the socket path goes to a successor or away (see
+    /// `handover`), so no new connection can reach this daemon; those
+    /// already in the backlog are accepted and served like the rest.
+    /// Returns when the drain gives up.
+    fn begin_stop(&mut self, now: Instant) -> Instant {
+        self.listener.retire();
+        self.accept_all(now);
+        log::info(
+            "daemon",
+            "no longer accepting; answering the connections already made",
+            &[("connections", &self.conns.len())],
+        );
+        now + STOP_DRAIN
+    }
+
+    /// Whether a stopping daemon is done: every connection answered (parked
+    /// requests are answered now: no new blocks are waited for while
+    /// stopping), or the drain's time is up.
+    fn drained(&mut self, now: Instant, deadline: Instant) -> bool {
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            let deliveries = adaptive.shutdown(now);
+            self.deliver(deliveries, now);
+        }
+        if now < deadline && !self.conns.iter().all(Conn::is_settled) {
+            return false;
+        }
+        let unsettled = self.conns.iter().filter(|c| !c.is_settled()).count();
+        if unsettled > 0 {
+            log::warn(
+                "daemon",
+                "stopping with connections that sent no complete request in time",
+                &[("connections", &unsettled)],
+            );
+        }
+        true
     }
 
     /// True when a shutdown signal arrived.
@@ -189,7 +242,7 @@ impl EventLoop {
             }
             let peer_uid = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
             self.next_conn_id += 1;
-            let mut conn = Conn::new(self.next_conn_id, stream, self.limits, now);
+            let mut conn = Conn::new(self.next_conn_id, stream, self.admission.limits, now);
             let refusal = match peer_uid {
                 _ if self.conns.len() >= self.admission.max_connections => Some((
                     Code::Unavailable,

@@ -632,7 +632,7 @@ impl Store {
         Err(StoreError::Open {
             path: path.clone(),
             source: "the database file was deleted or replaced while open; \
-                     restart the daemon to use the file now at this path"
+                     the daemon puts it back from its open copy, retry"
                 .into(),
         })
     }
