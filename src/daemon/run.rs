@@ -9,7 +9,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
-use super::socket::listen;
+use super::socket::{announce_start, listen};
 use super::{Config, DaemonError};
 use crate::engine::Engine;
 use crate::log;
@@ -28,6 +28,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         ],
     );
     let signals = block_signals()?;
+    let starting = announce_start(&config.socket_path)?;
     let mut store = open_store(config)?;
     isolate_problems(&mut store, config)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
@@ -35,6 +36,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     let checkpointer = defer_checkpoints(&store, config);
 
     let listener = listen(&config.socket_path, config.socket_group)?;
+    drop(starting);
     let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
