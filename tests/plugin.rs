@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, json, wait_for};
+use metis::store::ONE_REQUEST_WAL_LIMIT;
 use metis::wire::starting::Starting;
 use serde_json::json;
 
@@ -162,6 +163,35 @@ fn a_starting_daemon_is_waited_for() {
         .expect("direct mode after the wait");
     assert!(waited < direct, "{log}");
     assert_eq!(log.matches("waiting for the daemon").count(), 1, "{log}");
+}
+
+#[test]
+fn direct_mode_keeps_the_wal_short() {
+    let dir = TestDir::new("plugin-direct-wal");
+    let config = conf(&dir, "1.0.0", V4, "");
+    let wal = dir.join("metis.sqlite-wal");
+    let mut largest = 0;
+    let mut checkpointed = false;
+    for n in 0..40 {
+        let id = format!("wal-{n}");
+        let add = Plugin::new("ADD", &id).run(&config);
+        assert_ok(&add);
+        let prev = String::from_utf8(add.stdout.clone()).unwrap();
+        let del = conf(&dir, "1.0.0", V4, &format!(r#","prevResult":{prev}"#));
+        assert_ok(&Plugin::new("DEL", &id).run(&del));
+        let size = std::fs::metadata(&wal).map_or(0, |meta| meta.len());
+        checkpointed |= size == 0;
+        largest = largest.max(size);
+    }
+    // A process checkpoints once the WAL passes the limit: it never grows
+    // by more than one request's frames beyond it.
+    assert!(
+        largest < ONE_REQUEST_WAL_LIMIT + 16 * 4120,
+        "WAL reached {largest} bytes"
+    );
+    assert!(checkpointed, "the WAL was never truncated");
+    assert_eq!(allocated_count(&dir), 0);
+    assert_ok(&common::admin_check(&dir.join("metis.sqlite")));
 }
 
 #[test]

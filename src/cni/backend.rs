@@ -222,6 +222,13 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     for warning in store.open_warnings() {
         log::warn("cni", "database", &[("warning", warning)]);
     }
+    if let Err(err) = store.leave_wal_on_close() {
+        log::warn(
+            "cni",
+            "closing checkpoints the database",
+            &[("error", &err)],
+        );
+    }
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
@@ -237,10 +244,16 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             );
         }
     }
-    Ok(serve(store, request))
+    let mut engine = Engine::new(store);
+    let response = engine.handle(&request, log::now_ms()).into_response();
+    // After the answer is settled: a failed checkpoint loses nothing.
+    if let Err(err) = engine.store().trim_wal() {
+        log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
+    }
+    Ok(response)
 }
 
-/// Direct mode's one use of the engine, as the daemon would serve it.
+/// The engine run on a read-only store, as the daemon would serve it.
 fn serve(store: Store, request: Request) -> Response {
     Engine::new(store)
         .handle(&request, log::now_ms())
