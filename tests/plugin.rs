@@ -172,16 +172,20 @@ fn direct_mode_keeps_the_wal_short() {
     let wal = dir.join("metis.sqlite-wal");
     let mut largest = 0;
     let mut checkpointed = false;
+    let mut measure = || {
+        let size = std::fs::metadata(&wal).map_or(0, |meta| meta.len());
+        checkpointed |= size == 0;
+        largest = largest.max(size);
+    };
     for n in 0..40 {
         let id = format!("wal-{n}");
         let add = Plugin::new("ADD", &id).run(&config);
         assert_ok(&add);
+        measure();
         let prev = String::from_utf8(add.stdout.clone()).unwrap();
         let del = conf(&dir, "1.0.0", V4, &format!(r#","prevResult":{prev}"#));
         assert_ok(&Plugin::new("DEL", &id).run(&del));
-        let size = std::fs::metadata(&wal).map_or(0, |meta| meta.len());
-        checkpointed |= size == 0;
-        largest = largest.max(size);
+        measure();
     }
     // A process checkpoints once the WAL passes the limit: it never grows
     // by more than one request's frames beyond it.
