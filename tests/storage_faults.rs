@@ -53,10 +53,11 @@ fn daemon_output(socket: &Path, db: &Path) -> Output {
         .unwrap()
 }
 
-/// Fills the file system holding `dir` until a write fails with ENOSPC.
-fn fill(dir: &TestDir) -> PathBuf {
+/// Fills the file system holding `dir` until a write fails with ENOSPC,
+/// with the file `name`.
+fn fill(dir: &TestDir, name: &str) -> PathBuf {
     use std::io::Write;
-    let path = dir.join("filler");
+    let path = dir.join(name);
     let mut file = std::fs::File::create(&path).unwrap();
     let chunk = vec![0u8; 64 * 1024];
     loop {
@@ -82,7 +83,7 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let daemon = TestDaemon::start(dir, &[]);
     assert_ok(&Plugin::new("ADD", "keep").run(&config(dir, "small", "198.18.0.0/24")));
     let kept = held(&db, "keep");
-    let filler = fill(dir);
+    let filler = fill(dir, "filler");
 
     // A new network of 4096 addresses needs pages the disk does not have.
     let big = config(dir, "big", "198.18.16.0/20");
@@ -92,12 +93,15 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let status = daemon.stop();
     assert!(status.success(), "daemon exit {status:?}");
 
-    // Direct mode, with the disk still full.
+    // Direct mode, with the disk still full (the daemon's stop may have
+    // freed the pages of its WAL).
+    let more = fill(dir, "filler-2");
     let direct = Plugin::new("ADD", "new").run(&big);
     assert_error(&direct, 11, "full");
 
     // Space again: nothing was lost, and everything works.
     std::fs::remove_file(filler).unwrap();
+    std::fs::remove_file(more).unwrap();
     assert_eq!(held(&db, "keep"), kept);
     assert!(held(&db, "new").is_empty());
     assert_ok(&admin_check(&db));

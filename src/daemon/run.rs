@@ -10,6 +10,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
 use super::restore::{self, Keeper};
+use super::socket::announce_start;
 use super::{Config, DaemonError, handover, ownership};
 use crate::engine::Engine;
 use crate::log;
@@ -28,6 +29,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         ],
     );
     let signals = block_signals()?;
+    let starting = announce_start(&config.socket_path)?;
     let claim = ownership::claim(&config.db_path)?;
     // Bound before the wait, so that a daemon stopping meanwhile can hand
     // its socket over (see `handover`).
@@ -44,6 +46,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     let checkpointer = defer_checkpoints(&store, &config.db_path);
 
     let listener = pending.install()?;
+    drop(starting);
     let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);

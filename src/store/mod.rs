@@ -45,7 +45,7 @@ use crate::cidr::{Cidr, CidrError, Family};
 pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
-pub use checkpoint::Checkpointer;
+pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
 pub use layout::{Isolation, LayoutChanges, Source};
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
@@ -767,13 +767,15 @@ impl Store {
             tx.execute_batch(SCHEMA)?;
             tx.commit()?;
         }
+        // One read for Metis's four tables: every statement costs a parse in
+        // a process that opens the database for one request (direct mode).
+        let present: Vec<String> = self
+            .conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+            .query_map([], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
         for (name, create) in schema::METIS_TABLES {
-            let exists: bool = self.conn.query_row(
-                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
-                [name],
-                |r| r.get(0),
-            )?;
-            if !exists {
+            if !present.iter().any(|table| table == name) {
                 let tx = self
                     .conn
                     .transaction_with_behavior(TransactionBehavior::Immediate)?;

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod frame;
+pub mod starting;
 
 /// Upstream's allocation messages (`proto/adaptiveipam/v1`).
 pub mod adaptiveipam {
