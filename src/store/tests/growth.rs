@@ -220,9 +220,6 @@ fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
     let dir = TempDir::new();
     let mut store = dir.store();
     let wide = cidr("198.18.20.0/28");
-    store
-        .configure(Source::Cni, "pods", Family::V4, &[wide], false, NOW)
-        .unwrap();
     let bounds = Bounds::new(
         &wide,
         Some(ip("198.18.20.9")),
@@ -230,8 +227,13 @@ fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
         None,
     )
     .unwrap();
+    // Bounds recorded first, as ADD does: the block is populated only
+    // inside its range.
     store
         .set_bounds("pods", Family::V4, &[(wide, bounds)])
+        .unwrap();
+    store
+        .configure(Source::Cni, "pods", Family::V4, &[wide], false, NOW)
         .unwrap();
     // Rows exist only inside the range: a pod holds its first address.
     assert_eq!(
