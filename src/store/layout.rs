@@ -724,15 +724,20 @@ fn narrow(
     target: &Cidr,
 ) -> Result<(), StoreError> {
     let pieces = subtract(&wider.cidr, target);
-    // Rows below the frontier exist (inside the range only, when bounded:
-    // then it starts over); the part of them inside `target` starts `shift`
-    // addresses into the old prefix.
-    let shift = crate::cidr::to_u128(target.base()) - crate::cidr::to_u128(wider.cidr.base());
-    let next = match had_bounds(conn, network, std::slice::from_ref(wider))? {
-        true => 0,
-        false => frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift),
+    // Rows exist below the wider block's frontier (inside its range only,
+    // when bounded: then every part starts over). Each part, `target` and
+    // the pieces alike, keeps the share of them that falls inside it: a
+    // piece drains now but may be taken back, and its growth then starts
+    // where its rows end.
+    let populated = match had_bounds(conn, network, std::slice::from_ref(wider))? {
+        true => None,
+        false => Some(frontier(conn, wider.id, &wider.cidr)?),
     };
-    set_frontier(conn, wider.id, next.min(target.size()))?;
+    let frontier_of = |part: &Cidr| {
+        let shift = crate::cidr::to_u128(part.base()) - crate::cidr::to_u128(wider.cidr.base());
+        populated.map_or(0, |next| next.saturating_sub(shift).min(part.size()))
+    };
+    set_frontier(conn, wider.id, frontier_of(target))?;
     conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
         .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
@@ -746,8 +751,7 @@ fn narrow(
         ensure_record(conn, id)?;
         conn.prepare_cached("UPDATE metis_blocks SET retired = 1 WHERE block_id = ?1")?
             .execute([id])?;
-        // Pieces only drain: never populate them further.
-        set_frontier(conn, id, piece.size())?;
+        set_frontier(conn, id, frontier_of(piece))?;
         piece_ids.push((id, *piece));
     }
     let rows: Vec<(i64, String)> = conn

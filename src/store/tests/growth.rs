@@ -1,6 +1,7 @@
 //! Lazy population: blocks grow in batches from their recorded frontier.
 
 use super::*;
+use crate::cidr::Bounds;
 
 #[test]
 fn ipv6_expands_in_batches() {
@@ -169,6 +170,106 @@ fn an_ipv4_block_of_any_size_is_added_in_constant_work() {
     assert_eq!(got[0].to_string(), "198.18.0.2");
     assert_eq!(got[69].to_string(), "198.18.0.71");
     assert_eq!(rows(&store), 129);
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
+}
+
+/// Every address of `network` and `family` the store hands out before it
+/// reports exhaustion, in order.
+fn take_all(store: &mut Store, network: &str, family: Family) -> Vec<IpAddr> {
+    (0..)
+        .map(|i| format!("all{i}"))
+        .map_while(|id| store.allocate(&owner(network, &id), family, NOW).ok())
+        .map(|a| a.address)
+        .collect()
+}
+
+#[test]
+fn a_narrowed_off_part_taken_back_grows_the_addresses_it_never_populated() {
+    let dir = TempDir::new();
+    let mut store = dir.store();
+    let configure = |store: &mut Store, ranges: &[&str]| {
+        let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
+        store
+            .configure(Source::Cni, "pods", Family::V4, &ranges, false, NOW)
+            .unwrap();
+    };
+    // A /24 populated as far as its first batch, and a pod beyond it.
+    configure(&mut store, &["198.18.12.0/24"]);
+    alloc(&mut store, "pods", "a", Family::V4, NOW);
+    store
+        .allocate_requested(&owner("pods", "b"), ip("198.18.12.200"), NOW)
+        .unwrap();
+    // Narrowed to its lower half: the upper half drains (kept for its pod)
+    // with no row but the pod's and its reserved ones.
+    configure(&mut store, &["198.18.12.0/25"]);
+    // The upper half comes back (a --cidr flag or a range naming it).
+    configure(&mut store, &["198.18.12.0/25", "198.18.12.128/25"]);
+    let got = take_all(&mut store, "pods", Family::V4);
+    // Each /25 keeps back its network, gateway and broadcast addresses;
+    // the two pods hold one each.
+    assert_eq!(got.len(), 2 * (128 - 3) - 2, "{got:?}");
+    assert!(got.contains(&ip("198.18.12.130")), "{got:?}");
+    assert!(got.contains(&ip("198.18.12.254")), "{got:?}");
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
+}
+
+#[test]
+fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
+    let dir = TempDir::new();
+    let mut store = dir.store();
+    let wide = cidr("198.18.20.0/28");
+    let bounds = Bounds::new(
+        &wide,
+        Some(ip("198.18.20.9")),
+        Some(ip("198.18.20.10")),
+        None,
+    )
+    .unwrap();
+    // Bounds recorded first, as ADD does: the block is populated only
+    // inside its range.
+    store
+        .set_bounds("pods", Family::V4, &[(wide, bounds)])
+        .unwrap();
+    store
+        .configure(Source::Cni, "pods", Family::V4, &[wide], false, NOW)
+        .unwrap();
+    // Rows exist only inside the range: a pod holds its first address.
+    assert_eq!(
+        alloc(&mut store, "pods", "a", Family::V4, NOW),
+        ip("198.18.20.9")
+    );
+    // Narrowed to the lower half, then the upper half comes back (as a
+    // `--cidr` flag naming it) without the bounds.
+    store
+        .configure(
+            Source::Cni,
+            "pods",
+            Family::V4,
+            &[cidr("198.18.20.0/29")],
+            false,
+            NOW,
+        )
+        .unwrap();
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    store
+        .configure(
+            Source::Flag,
+            "pods",
+            Family::V4,
+            &[cidr("198.18.20.8/29")],
+            false,
+            NOW,
+        )
+        .unwrap();
+    let upper: Vec<IpAddr> = take_all(&mut store, "pods", Family::V4)
+        .into_iter()
+        .filter(|a| cidr("198.18.20.8/29").contains(*a))
+        .collect();
+    // .8, .9 (the pod's, at the gateway's offset) and .15 stay out.
+    let want: Vec<IpAddr> = (10..15).map(|i| ip(&format!("198.18.20.{i}"))).collect();
+    assert_eq!(upper, want);
     assert_counters(&store);
     assert!(store.verify(Depth::Full).unwrap().is_ok());
 }
