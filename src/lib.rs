@@ -13,6 +13,7 @@ pub mod defaults;
 pub mod duration;
 pub mod engine;
 pub mod flags;
+pub mod host_local_lock;
 #[cfg(feature = "kube")]
 pub mod kube;
 pub mod log;

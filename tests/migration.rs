@@ -136,20 +136,32 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
             .any(|(_, c, _, allocated)| c == "hl-0" && *allocated)
     );
 
-    // An address host-local records for another owner than Metis's is a
-    // conflict: refused, nothing written.
-    let before = rows(&dir);
-    std::fs::write(dir.join("networks/mig/198.18.0.14"), "intruder\r\neth0").unwrap();
-    let refused = import(&config, &[]);
-    let (_, err) = out_err(&refused);
-    assert_eq!(refused.status.code(), Some(1), "{err}");
+    // Metis co-writes host-local's directory: its pods have files there,
+    // so host-local (still run by a runtime mid-switch) never hands their
+    // addresses out; its DEL removed hl-0's.
+    let net = dir.join("networks/mig");
+    for address in &served {
+        assert!(net.join(address).is_file(), "{address}");
+    }
+    assert!(!net.join("198.18.0.10").exists());
+    // A pod deleted through host-local after the import is released by
+    // the next import.
+    let del = run_ipam(host_local_bin, "DEL", "hl-1", &hl_conf.to_string());
+    assert!(del.status.success(), "{:?}", out_err(&del));
+    let again = import(&config, &[]);
+    let (out, err) = out_err(&again);
+    assert_eq!(again.status.code(), Some(0), "{err}");
     assert!(
-        err.contains("198.18.0.14 of container \"intruder\" interface \"eth0\""),
-        "{err}"
+        out.contains(
+            "released 198.18.0.11 of container \"hl-1\" interface \"eth0\": host-local released it"
+        ),
+        "{out}"
     );
-    assert!(err.contains("nothing was imported"), "{err}");
-    assert_eq!(rows(&dir), before);
-    std::fs::remove_file(dir.join("networks/mig/198.18.0.14")).unwrap();
+    assert!(
+        !rows(&dir)
+            .iter()
+            .any(|(_, c, _, allocated)| c == "hl-1" && *allocated)
+    );
 
     // Back to host-local: export into a fresh data directory, then
     // host-local serves without touching any address Metis handed out.
@@ -166,8 +178,8 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
     };
     let export = export_to_back();
     assert_eq!(export.status.code(), Some(0), "{:?}", out_err(&export));
-    let exported = std::fs::read_to_string(back.join("mig/198.18.0.11")).unwrap();
-    assert_eq!(exported, "hl-1\r\neth0");
+    let exported = std::fs::read_to_string(back.join("mig/198.18.0.12")).unwrap();
+    assert_eq!(exported, "hl-2\r\neth0");
     let mut hl_back = hl_conf.clone();
     hl_back["ipam"]["dataDir"] = json!(back);
     let reissued = add_pods(host_local_bin, "back", &hl_back);
@@ -176,7 +188,7 @@ fn a_node_moves_to_metis_and_back_without_reissuing_an_address() {
         .filter(|(_, c, _, allocated)| *allocated && !c.is_empty())
         .map(|(a, _, _, _)| a)
         .collect();
-    assert_eq!(still_held.len(), 14);
+    assert_eq!(still_held.len(), 12);
     assert!(
         still_held.is_disjoint(&reissued),
         "{still_held:?} {reissued:?}"
@@ -225,7 +237,11 @@ fn misuse_and_hostile_directories_are_refused() {
             "c\r\neth0",
             "198.18.1.5 (container \"c\") is outside every range",
         ),
-        ("198.18.0.20", "", "198.18.0.20: expected"),
+        (
+            "198.18.0.20",
+            "",
+            "198.18.0.20: not host-local's \"CONTAINER\\r\\nIFNAME\" (0 bytes, content not shown)",
+        ),
         (
             "not-an-ip",
             "c",

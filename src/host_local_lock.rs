@@ -1,0 +1,183 @@
+//! Metis as a co-writer of host-local's directory during a migration.
+//!
+//! While a network's host-local directory (`<dataDir>/<name>/`) exists and
+//! `metis import|export host-local` registered it, both plugins may serve
+//! the network (the runtime runs whichever the conflist names at that
+//! moment). Each address then has one record both plugins honour: its
+//! host-local file, created exclusively under host-local's own lock. So,
+//! inside the write transaction that takes a row, the store calls
+//! [`before_take`]: if host-local's file names someone else, the row is
+//! recorded for that owner instead (host-local holds it) and the next
+//! address is tried; otherwise Metis creates the file for its owner, so
+//! host-local never hands the address out. Every release of a row calls
+//! [`before_give_back`], which removes the file if it still names the
+//! owner, so host-local can serve the address again; a DEL also removes
+//! the owner's files of pods host-local served ([`before_release`]).
+//!
+//! Removing the directory (the migration is over) ends the registration
+//! at the next allocation; a directory created again later is another one
+//! (its inode differs) and is not co-written until imported again.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::cidr::Family;
+use crate::cli::host_local_dir::{self, DirError, Held, Lock};
+use crate::store::{Store, StoreError, get_setting};
+
+/// `metis_settings` key prefix (then the network) of the registered
+/// directory: `DEV:INODE:PATH`.
+const KEY_PREFIX: &str = "host_local_dir/";
+
+fn key(network: &str) -> String {
+    format!("{KEY_PREFIX}{network}")
+}
+
+fn store_error(err: DirError) -> StoreError {
+    StoreError::Open {
+        path: PathBuf::from("host-local"),
+        source: err.0.into(),
+    }
+}
+
+/// A registration's directory and its recorded identity.
+fn parse_registration(value: &str) -> Option<(PathBuf, (u64, u64))> {
+    let mut parts = value.splitn(3, ':');
+    let dev = parts.next()?.parse().ok()?;
+    let ino = parts.next()?.parse().ok()?;
+    Some((PathBuf::from(parts.next()?), (dev, ino)))
+}
+
+/// The directory a registration names, if it is still that very
+/// directory (neither gone nor replaced).
+fn current(value: &str) -> Result<Option<PathBuf>, StoreError> {
+    let Some((dir, registered)) = parse_registration(value) else {
+        return Err(StoreError::Corrupt(format!(
+            "metis_settings {KEY_PREFIX}…: unreadable value {value:?}"
+        )));
+    };
+    let now = host_local_dir::identity(&dir).map_err(store_error)?;
+    Ok((now == Some(registered)).then_some(dir))
+}
+
+/// The directory `network` is co-written in now, if any. A registered one
+/// that is gone or was replaced ends the registration (recorded in the
+/// caller's transaction).
+fn co_written(conn: &Connection, network: &str) -> Result<Option<PathBuf>, StoreError> {
+    let Some(value) = get_setting(conn, &key(network))? else {
+        return Ok(None);
+    };
+    if let Some(dir) = current(&value)? {
+        return Ok(Some(dir));
+    }
+    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+        .execute([key(network)])?;
+    crate::log::warn(
+        "host-local",
+        "host-local's directory is gone or was replaced: no longer co-written",
+        &[("network", &network), ("registration", &value)],
+    );
+    Ok(None)
+}
+
+/// Whether `network` is co-written in `dir` now: registered by an earlier
+/// import or export, and still that very directory.
+pub fn is_registered(store: &Store, network: &str, dir: &Path) -> Result<bool, StoreError> {
+    let Some(value) = store.setting(&key(network))? else {
+        return Ok(false);
+    };
+    Ok(current(&value)?.is_some_and(|d| d == dir))
+}
+
+/// Registers `dir` (when it exists) as `network`'s host-local directory:
+/// from now on the network is co-written there.
+pub fn register(store: &mut Store, network: &str, dir: &Path) -> Result<(), StoreError> {
+    let Some((dev, ino)) = host_local_dir::identity(dir).map_err(store_error)? else {
+        return Ok(());
+    };
+    let path = dir
+        .to_str()
+        .ok_or_else(|| StoreError::Corrupt(format!("{} is not UTF-8", dir.display())))?;
+    store.put_setting(&key(network), Some(&format!("{dev}:{ino}:{path}")))
+}
+
+/// Ends `network`'s registration: its directory is no longer co-written.
+pub fn unregister(store: &mut Store, network: &str) -> Result<(), StoreError> {
+    store.put_setting(&key(network), None)
+}
+
+/// Called inside the write transaction before a row of `network` becomes
+/// `container_id`/`ifname`'s: `None` when the owner may take it (its
+/// host-local file now exists, or the network is not co-written), else
+/// the owner host-local's file records, who holds it.
+pub fn before_take(
+    conn: &Connection,
+    network: &str,
+    address: IpAddr,
+    container_id: &str,
+    ifname: &str,
+) -> Result<Option<Held>, StoreError> {
+    let Some(dir) = co_written(conn, network)? else {
+        return Ok(None);
+    };
+    let _lock = Lock::take(&dir).map_err(store_error)?;
+    let wanted = Held {
+        address,
+        container_id: container_id.to_string(),
+        ifname: ifname.to_string(),
+    };
+    if host_local_dir::write(&dir, &wanted).map_err(store_error)? {
+        return Ok(None);
+    }
+    match host_local_dir::read_address(&dir, address).map_err(store_error)? {
+        Some(held) if !held.names(container_id, ifname) => Ok(Some(held)),
+        _ => Ok(None),
+    }
+}
+
+/// Called inside the write transaction before row `row_id` (holding
+/// `address`) of `network` is released: removes host-local's file if it
+/// names the row's owner.
+pub fn before_give_back(
+    conn: &Connection,
+    network: &str,
+    row_id: i64,
+    address: IpAddr,
+) -> Result<(), StoreError> {
+    let Some(dir) = co_written(conn, network)? else {
+        return Ok(());
+    };
+    let owner: Option<(String, String)> = conn
+        .prepare_cached(
+            "SELECT COALESCE(container_id, ''), COALESCE(interface_name, '') FROM ip_addresses WHERE id = ?1",
+        )?
+        .query_row([row_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    let Some((container_id, ifname)) = owner.filter(|(c, _)| !c.is_empty()) else {
+        return Ok(());
+    };
+    let _lock = Lock::take(&dir).map_err(store_error)?;
+    host_local_dir::remove_owned(&dir, address, &container_id, &ifname).map_err(store_error)?;
+    Ok(())
+}
+
+/// Called inside the write transaction of a DEL (or the undo of one
+/// family of a failed ADD) of `container_id`/`ifname` in `network`: removes
+/// every host-local file naming the owner, as host-local's DEL would, also
+/// of a pod host-local served and Metis never recorded.
+pub fn before_release(
+    conn: &Connection,
+    network: &str,
+    container_id: &str,
+    ifname: &str,
+    family: Option<Family>,
+) -> Result<(), StoreError> {
+    let Some(dir) = co_written(conn, network)? else {
+        return Ok(());
+    };
+    let _lock = Lock::take(&dir).map_err(store_error)?;
+    host_local_dir::remove_all_owned(&dir, container_id, ifname, family).map_err(store_error)?;
+    Ok(())
+}
