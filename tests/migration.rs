@@ -301,3 +301,242 @@ fn an_import_after_a_reboot_runs_boot_recovery_first_so_it_is_not_undone() {
         .collect();
     assert_eq!(held, ["198.18.0.30 after-reboot"]);
 }
+
+/// `metis ARGS…` that must end within a deadline (an import must never
+/// hang on a FIFO): killed and failed otherwise.
+fn metis_within(args: &[&str], deadline: std::time::Duration) -> Output {
+    let mut child = std::process::Command::new(METIS)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{args:?} still running after {deadline:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn links_fifos_devices_directories_and_odd_names_are_refused_unread() {
+    let dir = TestDir::new("migration-odd");
+    let config = dir.join("net.conf");
+    std::fs::write(&config, plugin(&dir).to_string()).unwrap();
+    let config = config.to_str().unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "root:TOPSECRET-hash:19000:0:99999:7:::\n").unwrap();
+    let net = dir.join("networks/mig");
+    std::fs::create_dir_all(&net).unwrap();
+    type Make<'a> = Box<dyn Fn(&std::path::Path) + 'a>;
+    let cases: Vec<(&str, Make<'_>, &str)> = vec![
+        (
+            "198.18.0.21",
+            Box::new(|p| std::os::unix::fs::symlink(&secret, p).unwrap()),
+            "is a symbolic link, not an address file of host-local; not read or followed",
+        ),
+        (
+            "198.18.0.22",
+            Box::new(|p| {
+                nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
+            }),
+            "is a FIFO, not an address file",
+        ),
+        (
+            "198.18.0.23",
+            Box::new(|p| {
+                nix::sys::stat::mknod(
+                    p,
+                    nix::sys::stat::SFlag::S_IFCHR,
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                    nix::sys::stat::makedev(1, 3),
+                )
+                .unwrap()
+            }),
+            "is a device, not an address file",
+        ),
+        (
+            "198.18.0.24",
+            Box::new(|p| std::fs::create_dir(p).unwrap()),
+            "is a directory, not an address file",
+        ),
+        (
+            "198.18.0.25",
+            Box::new(|p| std::fs::hard_link(&secret, p).unwrap()),
+            "is a file with several hard links",
+        ),
+        (
+            "2001:DB8::5",
+            Box::new(|p| std::fs::write(p, "c5\r\neth0").unwrap()),
+            "2001:DB8::5: not host-local's spelling of 2001:db8::5: host-local names it \"2001:db8::5\"",
+        ),
+    ];
+    for (name, make, needle) in cases {
+        let path = net.join(name);
+        make(&path);
+        let output = metis_within(
+            &["import", "host-local", "--config", config],
+            std::time::Duration::from_secs(20),
+        );
+        let (out, err) = out_err(&output);
+        assert_eq!(output.status.code(), Some(1), "{name}: {out}{err}");
+        assert!(err.contains(needle), "{name}: {err}");
+        assert!(
+            !err.contains("TOPSECRET") && !out.contains("TOPSECRET"),
+            "{name}: {err}"
+        );
+        assert!(
+            !dir.join("db/metis.sqlite").exists(),
+            "{name}: nothing recorded"
+        );
+        if std::fs::symlink_metadata(&path).unwrap().is_dir() {
+            std::fs::remove_dir(&path).unwrap();
+        } else {
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+    assert_eq!(
+        std::fs::read_to_string(&secret).unwrap(),
+        "root:TOPSECRET-hash:19000:0:99999:7:::\n"
+    );
+
+    // A network directory that is a link is neither read nor written.
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("198.18.0.30"), "c30\r\neth0").unwrap();
+    std::fs::remove_dir(&net).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &net).unwrap();
+    let output = import(std::path::Path::new(config), &[]);
+    let (_, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("mig: is a symbolic link"), "{err}");
+    assert!(!dir.join("db/metis.sqlite").exists());
+    // Export: a database with a pod, a planted link where the directory goes.
+    let add = run_ipam(METIS, "ADD", "m-0", &plugin(&dir).to_string());
+    assert!(add.status.success(), "{:?}", out_err(&add));
+    let output = metis(&["export", "host-local", "--config", config]);
+    let (_, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("mig: is a symbolic link"), "{err}");
+    let names: Vec<_> = std::fs::read_dir(&elsewhere)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["198.18.0.30"], "nothing written through the link");
+}
+
+#[test]
+fn a_dry_run_creates_nothing_next_to_the_database() {
+    let dir = TestDir::new("migration-dry");
+    let conf = plugin(&dir);
+    let config = dir.join("net.conf");
+    std::fs::write(&config, conf.to_string()).unwrap();
+    // A database Metis used and closed: no -wal or -shm beside it.
+    let add = run_ipam(METIS, "ADD", "m-0", &conf.to_string());
+    assert!(add.status.success(), "{:?}", out_err(&add));
+    let db = dir.join("db/metis.sqlite");
+    let beside = |suffix: &str| dir.join(&format!("db/metis.sqlite{suffix}"));
+    assert!(!beside("-wal").exists() && !beside("-shm").exists());
+    let before = std::fs::read(&db).unwrap();
+    std::fs::create_dir_all(dir.join("networks/mig")).unwrap();
+    std::fs::write(dir.join("networks/mig/198.18.0.30"), "hl-0\r\neth0").unwrap();
+    let dry = import(&config, &["--dry-run"]);
+    let (out, err) = out_err(&dry);
+    assert_eq!(dry.status.code(), Some(0), "{err}");
+    assert!(
+        out.contains("would: recorded 198.18.0.30 for container \"hl-0\""),
+        "{out}"
+    );
+    assert!(!beside("-wal").exists(), "dry run created -wal");
+    assert!(!beside("-shm").exists(), "dry run created -shm");
+    assert_eq!(std::fs::read(&db).unwrap(), before);
+    let names: Vec<_> = std::fs::read_dir(dir.join("networks/mig"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["198.18.0.30"], "host-local's directory untouched");
+}
+
+#[test]
+fn bounds_dead_containers_chains_and_range_sets() {
+    let dir = TestDir::new("migration-smaller");
+    let net = dir.join("networks/mig");
+    std::fs::create_dir_all(&net).unwrap();
+    let mut conf = plugin(&dir);
+    // The chain: the first plugin with an ipam object is not host-local's.
+    let list = |conf: &Value| {
+        json!({"cniVersion": "1.0.0", "name": "mig", "plugins": [
+            {"type": "macvlan", "ipam": {"type": "dhcp"}},
+            conf, {"type": "portmap"}]})
+    };
+    conf["ipam"]["type"] = json!("host-local");
+    let config = dir.join("10-mig.conflist");
+    std::fs::write(&config, list(&conf).to_string()).unwrap();
+
+    // Inside the subnet, outside rangeStart..rangeEnd.
+    std::fs::write(net.join("198.18.0.5"), "low\r\neth0").unwrap();
+    let output = import(&config, &[]);
+    let (_, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("198.18.0.5 (container \"low\") is outside rangeStart 198.18.0.10..rangeEnd 198.18.0.40 of subnet 198.18.0.0/24"),
+        "{err}"
+    );
+    std::fs::remove_file(net.join("198.18.0.5")).unwrap();
+
+    // A file from before this boot: imported, with a warning.
+    let old = net.join("198.18.0.30");
+    std::fs::write(&old, "old\r\neth0").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&old)
+        .unwrap()
+        .set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000))
+        .unwrap();
+    let output = import(&config, &[]);
+    let (out, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(
+        out.contains("recorded 198.18.0.30 for container \"old\""),
+        "{out}"
+    );
+    assert!(
+        out.contains("warning: 198.18.0.30 of container \"old\" was written before this boot"),
+        "{out}"
+    );
+
+    // Two IPv4 range sets (host-local gives one address of each): read as
+    // host-local reads them, served as one, with a note.
+    let mut two = conf.clone();
+    two["ipam"]["ranges"] = json!([[{"subnet": "198.18.0.0/24", "rangeStart": "198.18.0.10", "rangeEnd": "198.18.0.40"}],
+                                   [{"subnet": "198.18.2.0/24"}], [{"subnet": "2001:db8::/120"}]]);
+    std::fs::write(&config, list(&two).to_string()).unwrap();
+    std::fs::write(net.join("198.18.2.7"), "second\r\neth0").unwrap();
+    let output = import(&config, &[]);
+    let (out, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("note: range sets [0, 1] are all ipv4"),
+        "{err}"
+    );
+    assert!(
+        out.contains("recorded 198.18.2.7 for container \"second\""),
+        "{out}"
+    );
+    let mut old_version = list(&two);
+    old_version["cniVersion"] = json!("0.2.0");
+    std::fs::write(&config, old_version.to_string()).unwrap();
+    let output = import(&config, &[]);
+    let (_, err) = out_err(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("CNI version 0.2.0 does not support more than 1 address per family"),
+        "{err}"
+    );
+}

@@ -440,9 +440,11 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         // The private copy must not act on host-local's directory.
         host_local_lock::unregister(engine.store_mut(), network).map_err(|e| fail(&e))?;
     }
-    let _lock = host_local_dir::exists(dir)
-        .and_then(|exists| exists.then(|| Lock::take(dir)).transpose())
-        .map_err(|e| fail(&e))?;
+    let _lock = match (host_local_dir::exists(dir).map_err(|e| fail(&e))?, run) {
+        (false, _) => None,
+        (true, Run::Real) => Some(Lock::take(dir).map_err(|e| fail(&e))?),
+        (true, Run::Dry) => Lock::take_if_present(dir).map_err(|e| fail(&e))?,
+    };
     let held = host_local_dir::read(dir).map_err(|e| fail(&e))?;
     let owners = by_owner(conf, &held)?;
     let mut done = vec![format!(
@@ -481,7 +483,13 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
     }
     let in_metis = pod_rows(engine.store(), network).map_err(|e| fail(&e))?;
     if co_written {
-        done.extend(release_gone(engine, network, &held, &in_metis, dir)?);
+        done.extend(release_gone(
+            engine.store_mut(),
+            network,
+            &held,
+            &in_metis,
+            dir,
+        )?);
     }
     done.extend(record(engine, conf, &owners, now)?);
     done.extend(dead_containers(&held, dir));
@@ -529,7 +537,7 @@ fn pod_rows(store: &Store, network: &str) -> Result<Vec<Held>, store::StoreError
 /// another owner: the directory was co-written since the last import, so
 /// host-local released those pods (its DEL removed the file).
 fn release_gone(
-    engine: &mut Engine,
+    store: &mut Store,
     network: &str,
     files: &[Held],
     in_metis: &[Held],
@@ -540,8 +548,7 @@ fn release_gone(
         if files.contains(row) {
             continue;
         }
-        engine
-            .store_mut()
+        store
             .roll_back(
                 network,
                 &row.container_id,
@@ -766,20 +773,27 @@ fn export(conf: &NetConf, dir: &Path, db: &Path) -> Result<Lines, Lines> {
 
 /// Writes every pod allocation of the network as a host-local file, under
 /// host-local's lock, and registers the directory so Metis keeps
-/// co-writing it until it is removed. A file recording another owner, or
-/// an allocation host-local could not hold, is refused by name; every
-/// other address is written even then, so switching back anyway cannot
-/// hand out an address twice. Files of addresses Metis does not hold are
-/// reported with the command that removes them. Returns what was done and
-/// the problems.
+/// co-writing it until it is removed. When it was co-written already,
+/// every live allocation has its file, and one whose file is gone or names
+/// another owner was released by host-local: it is released first, as an
+/// import does. A file recording another owner, or an allocation
+/// host-local could not hold, is refused by name; every other address is
+/// written even then, so switching back anyway cannot hand out an address
+/// twice. Files of addresses Metis does not hold are reported with the
+/// command that removes them. Returns what was done and the problems.
 fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Lines), Lines> {
     let fail = |e: &dyn std::fmt::Display| vec![e.to_string()];
     let network = conf.network.as_str();
-    let in_metis = pod_rows(store, network).map_err(|e| fail(&e))?;
     host_local_dir::write_dir(dir).map_err(|e| fail(&e))?;
+    let co_written = host_local_lock::is_registered(store, network, dir).map_err(|e| fail(&e))?;
     let _lock = Lock::take(dir).map_err(|e| fail(&e))?;
+    let mut in_metis = pod_rows(store, network).map_err(|e| fail(&e))?;
     let files = host_local_dir::read(dir).map_err(|e| fail(&e))?;
     let mut lines = Vec::new();
+    if co_written {
+        lines = release_gone(store, network, &files, &in_metis, dir)?;
+        in_metis.retain(|row| files.contains(row));
+    }
     let mut problems = Vec::new();
     for held in &in_metis {
         let address = held.address;

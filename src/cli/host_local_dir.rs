@@ -456,6 +456,18 @@ impl Lock {
     }
 }
 
+impl Lock {
+    /// Takes the lock of `dir` only if host-local's lock file is there
+    /// (creating nothing): for a run that only reads.
+    pub fn take_if_present(dir: &Path) -> Result<Option<Lock>, DirError> {
+        let path = dir.join(LOCK_NAME);
+        match std::fs::symlink_metadata(&path) {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            _ => Lock::take(dir).map(Some),
+        }
+    }
+}
+
 impl Drop for Lock {
     fn drop(&mut self) {
         if let Some((dir, _)) = &self.held {
