@@ -540,3 +540,308 @@ fn bounds_dead_containers_chains_and_range_sets() {
         "{err}"
     );
 }
+
+/// What the runtime believes: every live container's addresses, and those
+/// whose DEL is under way (they may have released already).
+#[derive(Default)]
+struct Pods {
+    live: std::collections::BTreeMap<String, Vec<String>>,
+    deleting: BTreeSet<String>,
+    next: usize,
+    violations: Vec<String>,
+}
+
+impl Pods {
+    /// Records an ADD's result, first checking that no other live pod
+    /// holds one of its addresses.
+    fn added(&mut self, id: &str, by: &str, addresses: Vec<String>) {
+        for address in &addresses {
+            for (other, held) in &self.live {
+                if held.contains(address) && !self.deleting.contains(other) {
+                    self.violations.push(format!(
+                        "{by} gave {address} to {id} while {other} holds it"
+                    ));
+                }
+            }
+        }
+        self.live.insert(id.to_string(), addresses);
+    }
+}
+
+/// Both plugins on one network, as during a switch: the runtime runs
+/// whichever the conflist names at that moment.
+struct Live {
+    metis: Value,
+    host_local: Value,
+    pods: std::sync::Mutex<Pods>,
+    /// Percent of operations run through Metis.
+    metis_share: std::sync::atomic::AtomicU64,
+    ops: std::sync::atomic::AtomicUsize,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Live {
+    fn plugin(&self, rng: &mut common::rng::Rng) -> (&'static str, &Value) {
+        let share = self.metis_share.load(std::sync::atomic::Ordering::SeqCst);
+        if rng.chance(share) {
+            (METIS, &self.metis)
+        } else {
+            (common::host_local::HOST_LOCAL, &self.host_local)
+        }
+    }
+
+    fn del(&self, id: &str, rng: &mut common::rng::Rng) {
+        let (binary, conf) = self.plugin(rng);
+        let output = run_ipam(binary, "DEL", id, &conf.to_string());
+        let mut pods = self.pods.lock().unwrap();
+        if !output.status.success() {
+            pods.violations
+                .push(format!("{binary} DEL {id} failed: {:?}", out_err(&output)));
+        }
+        pods.live.remove(id);
+        pods.deleting.remove(id);
+    }
+
+    /// One random ADD or DEL through a random plugin; a failed ADD is
+    /// followed by its DEL, as the runtime does.
+    fn step(&self, rng: &mut common::rng::Rng) {
+        let victim = {
+            let mut pods = self.pods.lock().unwrap();
+            let candidates: Vec<String> = pods
+                .live
+                .keys()
+                .filter(|id| !pods.deleting.contains(*id))
+                .cloned()
+                .collect();
+            if !candidates.is_empty() && (candidates.len() >= 12 || rng.chance(40)) {
+                let id = candidates[rng.index(candidates.len())].clone();
+                pods.deleting.insert(id.clone());
+                Err(id)
+            } else {
+                pods.next += 1;
+                Ok(format!("p{}", pods.next))
+            }
+        };
+        match victim {
+            Err(id) => self.del(&id, rng),
+            Ok(id) => {
+                let (binary, conf) = self.plugin(rng);
+                let output = run_ipam(binary, "ADD", &id, &conf.to_string());
+                if output.status.success() {
+                    let got = addresses(&output);
+                    self.pods.lock().unwrap().added(&id, binary, got);
+                } else {
+                    let text = String::from_utf8_lossy(&output.stdout);
+                    // Exhaustion or a busy database: the runtime retries.
+                    let transient = text.contains("\"code\": 11")
+                        || text.contains("\"code\":11")
+                        || text.contains("no IP addresses available");
+                    if !transient {
+                        self.pods
+                            .lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("{binary} ADD {id} failed: {:?}", out_err(&output)));
+                    }
+                    self.pods.lock().unwrap().deleting.insert(id.clone());
+                    self.del(&id, rng);
+                }
+            }
+        }
+        self.ops.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Lets the burst run `more` further operations.
+    fn run_for(&self, more: usize) {
+        let target = self.ops.load(std::sync::atomic::Ordering::SeqCst) + more;
+        common::wait_for("the burst", std::time::Duration::from_secs(300), || {
+            self.ops.load(std::sync::atomic::Ordering::SeqCst) >= target
+        });
+    }
+}
+
+/// Every (address, container) host-local's files and Metis's rows record
+/// for network `live`, read under host-local's lock (which also holds off
+/// Metis's allocations in the co-written directory).
+fn records(dir: &TestDir) -> Vec<(String, String)> {
+    let net = dir.join("networks/live");
+    let lock = std::fs::File::options()
+        .read(true)
+        .append(true)
+        .create(true)
+        .open(net.join("lock"))
+        .unwrap();
+    let _locked = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&net).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        if name == "lock" || name.starts_with("last_reserved_ip.") {
+            continue;
+        }
+        let content = std::fs::read_to_string(entry.path()).unwrap();
+        let container = content.split("\r\n").next().unwrap().trim().to_string();
+        out.push((name, container));
+    }
+    let db = dir.join("db/metis.sqlite");
+    if db.exists() {
+        let db = common::db(&db);
+        let mut stmt = db
+            .prepare(
+                "SELECT a.address, a.container_id FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+                 WHERE b.network = 'live' AND a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''",
+            )
+            .unwrap();
+        out.extend(
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap()
+                .map(Result::unwrap),
+        );
+    }
+    out
+}
+
+/// No address recorded for two live pods across both plugins' records,
+/// and no earlier violation.
+fn assert_one_owner(live: &Live, dir: &TestDir, step: &str) {
+    let records = records(dir);
+    let pods = live.pods.lock().unwrap();
+    let mut owners: std::collections::BTreeMap<&str, BTreeSet<&str>> = Default::default();
+    for (address, container) in &records {
+        if pods.live.contains_key(container) && !pods.deleting.contains(container) {
+            owners.entry(address).or_default().insert(container);
+        }
+    }
+    let shared: Vec<_> = owners.iter().filter(|(_, o)| o.len() > 1).collect();
+    assert!(shared.is_empty(), "after {step}: {shared:?}");
+    assert!(
+        pods.violations.is_empty(),
+        "by {step}: {:?}",
+        pods.violations
+    );
+}
+
+fn live_round(seed: u64) {
+    let dir = TestDir::new("migration-live");
+    let metis_conf = json!({"cniVersion": "1.0.0", "name": "live", "type": "bridge",
+        "ipam": {"type": "metis",
+                 "ranges": [[{"subnet": "198.18.8.0/27"}], [{"subnet": "2001:db8:8::/123"}]],
+                 "dataDir": dir.join("networks"),
+                 "dbPath": dir.join("db/metis.sqlite"),
+                 "daemonSocket": dir.join("metis.sock"),
+                 "logFile": dir.join("cni.log")}});
+    let mut host_local_conf = metis_conf.clone();
+    host_local_conf["ipam"]["type"] = json!("host-local");
+    let config = dir.join("10-live.conf");
+    std::fs::write(&config, metis_conf.to_string()).unwrap();
+    let live = Live {
+        metis: metis_conf,
+        host_local: host_local_conf,
+        pods: Default::default(),
+        metis_share: 0.into(),
+        ops: 0.into(),
+        stop: false.into(),
+    };
+    let mut rng = common::rng::Rng::new(seed);
+    let share = |percent: u64| {
+        live.metis_share
+            .store(percent, std::sync::atomic::Ordering::SeqCst)
+    };
+    let import_ok = |step: &str| {
+        let output = import(&config, &[]);
+        let (out, err) = out_err(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{step} (seed {seed}): {out}{err}"
+        );
+        assert_one_owner(&live, &dir, step);
+        out
+    };
+    let export_ok = |step: &str| {
+        let output = metis(&["export", "host-local", "--config", config.to_str().unwrap()]);
+        let (out, err) = out_err(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{step} (seed {seed}): {out}{err}"
+        );
+        assert_one_owner(&live, &dir, step);
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..3 {
+            let mut rng = rng.fork();
+            let live = &live;
+            scope.spawn(move || {
+                while !live.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    live.step(&mut rng);
+                }
+            });
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            live.run_for(15);
+            assert_one_owner(&live, &dir, "host-local alone");
+            import_ok("the import");
+            share(50); // the switch under way: either plugin runs
+            live.run_for(30);
+            import_ok("a re-import while both serve");
+            live.run_for(20);
+            share(100); // switched
+            import_ok("the re-import after the switch");
+            live.run_for(20);
+            let again = import_ok("one more re-import");
+            assert!(
+                !again.contains("released") && !again.contains("recorded"),
+                "nothing left to repair once Metis alone serves (seed {seed}): {again}"
+            );
+            export_ok("the export");
+            share(50); // switching back
+            live.run_for(30);
+            export_ok("a re-export while both serve");
+            share(0);
+            live.run_for(20);
+            assert_one_owner(&live, &dir, "host-local alone again");
+        }));
+        live.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    // Drain: every pod goes, through either plugin; then nothing is held.
+    share(50);
+    let ids: Vec<String> = live.pods.lock().unwrap().live.keys().cloned().collect();
+    for id in ids {
+        live.del(&id, &mut rng);
+    }
+    assert_one_owner(&live, &dir, "the drain");
+    import_ok("the import after the drain");
+    let left = records(&dir);
+    assert!(
+        left.is_empty(),
+        "leaked after the drain (seed {seed}): {left:?}"
+    );
+}
+
+#[test]
+fn both_plugins_live_through_the_switch_and_back_never_share_an_address() {
+    if host_local().is_none() {
+        return;
+    }
+    let seconds: u64 = std::env::var("METIS_MIGRATION_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    let mut seeds = common::rng::Rng::from_env("METIS_MIGRATION_SEED");
+    let mut rounds = 0;
+    loop {
+        let seed = seeds.next_u64();
+        eprintln!("round {rounds}: seed {seed}");
+        live_round(seed);
+        rounds += 1;
+        if std::time::Instant::now() >= deadline {
+            break;
+        }
+    }
+    eprintln!("{rounds} round(s)");
+}
