@@ -11,7 +11,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::process::Output;
 
-use common::host_local::{host_local, run_ipam, with_host_local};
+use common::host_local::{HOST_LOCAL, host_local, run_ipam, with_host_local};
 use common::{METIS, TestDir, metis, out_err};
 use serde_json::{Value, json};
 
@@ -576,23 +576,43 @@ struct Live {
     pods: std::sync::Mutex<Pods>,
     /// Percent of operations run through Metis.
     metis_share: std::sync::atomic::AtomicU64,
+    host_local_running: std::sync::atomic::AtomicUsize,
     ops: std::sync::atomic::AtomicUsize,
     stop: std::sync::atomic::AtomicBool,
 }
 
 impl Live {
-    fn plugin(&self, rng: &mut common::rng::Rng) -> (&'static str, &Value) {
-        let share = self.metis_share.load(std::sync::atomic::Ordering::SeqCst);
-        if rng.chance(share) {
-            (METIS, &self.metis)
+    /// Runs `command` for `id` through a plugin drawn by the current share.
+    fn run(&self, rng: &mut common::rng::Rng, command: &str, id: &str) -> (&'static str, Output) {
+        use std::sync::atomic::Ordering::SeqCst;
+        // Counted before the share is read, so a switch can wait for every
+        // host-local run that may have drawn the old share.
+        self.host_local_running.fetch_add(1, SeqCst);
+        let output = if rng.chance(self.metis_share.load(SeqCst)) {
+            self.host_local_running.fetch_sub(1, SeqCst);
+            return (METIS, run_ipam(METIS, command, id, &self.metis.to_string()));
         } else {
-            (common::host_local::HOST_LOCAL, &self.host_local)
+            run_ipam(HOST_LOCAL, command, id, &self.host_local.to_string())
+        };
+        self.host_local_running.fetch_sub(1, SeqCst);
+        (HOST_LOCAL, output)
+    }
+
+    /// Sets the share of Metis; at 100, waits until no host-local run is left.
+    fn share(&self, percent: u64) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.metis_share.store(percent, SeqCst);
+        if percent == 100 {
+            common::wait_for(
+                "host-local runs to end",
+                std::time::Duration::from_secs(60),
+                || self.host_local_running.load(SeqCst) == 0,
+            );
         }
     }
 
     fn del(&self, id: &str, rng: &mut common::rng::Rng) {
-        let (binary, conf) = self.plugin(rng);
-        let output = run_ipam(binary, "DEL", id, &conf.to_string());
+        let (binary, output) = self.run(rng, "DEL", id);
         let mut pods = self.pods.lock().unwrap();
         if !output.status.success() {
             pods.violations
@@ -625,8 +645,7 @@ impl Live {
         match victim {
             Err(id) => self.del(&id, rng),
             Ok(id) => {
-                let (binary, conf) = self.plugin(rng);
-                let output = run_ipam(binary, "ADD", &id, &conf.to_string());
+                let (binary, output) = self.run(rng, "ADD", &id);
                 if output.status.success() {
                     let got = addresses(&output);
                     self.pods.lock().unwrap().added(&id, binary, got);
@@ -739,14 +758,12 @@ fn live_round(seed: u64) {
         host_local: host_local_conf,
         pods: Default::default(),
         metis_share: 0.into(),
+        host_local_running: 0.into(),
         ops: 0.into(),
         stop: false.into(),
     };
     let mut rng = common::rng::Rng::new(seed);
-    let share = |percent: u64| {
-        live.metis_share
-            .store(percent, std::sync::atomic::Ordering::SeqCst)
-    };
+    let share = |percent: u64| live.share(percent);
     let import_ok = |step: &str| {
         let output = import(&config, &[]);
         let (out, err) = out_err(&output);

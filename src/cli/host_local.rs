@@ -2,12 +2,15 @@
 //! node's allocations from host-local's directory into Metis's database
 //! and back, so no pod's address is ever handed out twice.
 //!
-//! Both write directly: import through the same engine a plugin in direct
-//! mode uses (SQLite's WAL, the 5 s busy timeout and `BEGIN IMMEDIATE`
-//! make that safe while the daemon runs, exactly as direct mode is), export
-//! by reading the database read-only. Going through the daemon would add a
-//! wire message for a one-off operation and fail when the daemon is down,
-//! which is exactly when an operator may want to import.
+//! Both write directly, each in one write transaction of the database
+//! (SQLite's WAL, the 5 s busy timeout and `BEGIN IMMEDIATE` make that safe
+//! while the daemon runs, exactly as direct mode is) and under host-local's
+//! lock, through the same engine a plugin in direct mode uses. Both
+//! register host-local's directory, which makes Metis co-write it while it
+//! exists (see [`crate::host_local_lock`]): so either plugin may serve the
+//! network during the switch. Going through the daemon would add a wire
+//! message for a one-off operation and fail when the daemon is down, which
+//! is exactly when an operator may want to import.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -165,21 +168,23 @@ fn usage(direction: Direction) -> String {
         Direction::Import => {
             "Record every address host-local holds for the config's network in Metis's database \
              (creating the config's blocks), so Metis never hands them out and DEL/CHECK work for \
-             those pods. Refuses, writing nothing, when an address is held by another owner in \
-             Metis. Running it again changes nothing."
+             those pods, and release the pods host-local released since the last import. From \
+             then on, while host-local's directory exists, Metis co-writes it under host-local's \
+             lock, so either plugin may serve the network. One transaction: refuses, writing \
+             nothing, when an address is held by another owner in Metis."
         }
         Direction::Export => {
             "Write Metis's allocations of the config's network in host-local's format, so \
-             host-local can serve the node again without re-issuing a held address. Refuses, \
-             writing nothing, when host-local's directory already records an address for another \
-             owner."
+             host-local can serve the node again without re-issuing a held address, and keep \
+             co-writing host-local's directory while it exists. Exits 1 naming each address \
+             host-local's directory records for another owner (every other one is written)."
         }
     };
     flags::usage(direction.command(), about, FLAGS)
 }
 
-/// Failure lines, each one problem.
-type Lines = Vec<String>;
+/// Output lines, each one thing done or one problem.
+pub type Lines = Vec<String>;
 
 /// The plugin configuration of `value` (a network config, or a list) that
 /// host-local or Metis serves: in a chain, the plugin whose `ipam.type` is
@@ -281,8 +286,7 @@ fn merge_range_sets(plugin: &mut serde_json::Value) -> Result<Lines, String> {
     Ok(notes)
 }
 
-/// The config, validated as the plugin validates it once its range sets
-/// are merged, with notes on what was merged.
+/// The config file, validated as [`parse_config`] does.
 fn load_config(path: &Path) -> Result<(NetConf, Lines), Lines> {
     use std::io::Read;
     let fail = |e: &dyn std::fmt::Display| vec![format!("{}: {e}", path.display())];
@@ -294,11 +298,19 @@ fn load_config(path: &Path) -> Result<(NetConf, Lines), Lines> {
     if bytes.len() as u64 > MAX_CONFIG_BYTES {
         return Err(fail(&format!("larger than {MAX_CONFIG_BYTES} bytes")));
     }
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| fail(&e))?;
-    let mut plugin = served_plugin(&value).map_err(|e| fail(&e))?;
-    let notes = merge_range_sets(&mut plugin).map_err(|e| fail(&e))?;
-    let conf = conf::parse(plugin.to_string().as_bytes()).map_err(|e| fail(&e.msg))?;
-    conf.require_ranges().map_err(|e| fail(&e.msg))?;
+    parse_config(&bytes).map_err(|e| fail(&e))
+}
+
+/// A network config or config list as host-local reads it: the plugin
+/// host-local (or Metis) serves, its range sets merged into the one per
+/// family Metis serves, then validated as the plugin validates it.
+/// Returns the config and a note for each merge.
+pub fn parse_config(bytes: &[u8]) -> Result<(NetConf, Lines), String> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let mut plugin = served_plugin(&value)?;
+    let notes = merge_range_sets(&mut plugin)?;
+    let conf = conf::parse(plugin.to_string().as_bytes()).map_err(|e| e.msg)?;
+    conf.require_ranges().map_err(|e| e.msg)?;
     Ok((conf, notes))
 }
 
