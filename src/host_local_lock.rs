@@ -181,3 +181,91 @@ pub fn before_release(
     host_local_dir::remove_all_owned(&dir, container_id, ifname, family).map_err(store_error)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Source;
+    use crate::testutil::{TempDir, cidr, owner};
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn file(dir: &Path, address: &str) -> Option<String> {
+        std::fs::read_to_string(dir.join(address)).ok()
+    }
+
+    #[test]
+    fn a_co_written_network_shares_one_record_per_address_with_host_local() {
+        let tmp = TempDir::new();
+        let dir = tmp.0.join("networks/pods");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut store = tmp.store();
+        store
+            .configure(
+                Source::Cni,
+                "pods",
+                Family::V4,
+                &[cidr("198.18.3.0/29")],
+                false,
+                0,
+            )
+            .unwrap();
+        // Not registered: host-local's directory is not touched.
+        assert_eq!(
+            store.allocate(&owner("m0"), Family::V4, 0).unwrap().address,
+            ip("198.18.3.2")
+        );
+        assert_eq!(file(&dir, "198.18.3.2"), None);
+        register(&mut store, "pods", &dir).unwrap();
+        assert!(is_registered(&store, "pods", &dir).unwrap());
+        // host-local holds .2: recorded for its pod, Metis's gets .3 and
+        // its file.
+        std::fs::write(dir.join("198.18.3.3"), "h1\r\neth0").unwrap();
+        assert_eq!(
+            store.allocate(&owner("m1"), Family::V4, 0).unwrap().address,
+            ip("198.18.3.4")
+        );
+        assert_eq!(file(&dir, "198.18.3.4").as_deref(), Some("m1\r\neth0"));
+        let h1 = store.check("pods", "h1", "eth0").unwrap();
+        assert_eq!(
+            h1.iter().map(|a| a.address).collect::<Vec<_>>(),
+            [ip("198.18.3.3")]
+        );
+        // A requested address host-local holds is refused.
+        let err = store
+            .allocate_requested(&owner("m2"), ip("198.18.3.3"), 0)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("held by container \"h1\""),
+            "{err}"
+        );
+        std::fs::write(dir.join("198.18.3.5"), "h2\r\neth0").unwrap();
+        let err = store
+            .allocate_requested(&owner("m2"), ip("198.18.3.5"), 0)
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("host-local's file records another owner"),
+            "{err}"
+        );
+        // A DEL removes the owner's files, also of a pod Metis never recorded.
+        store.release("pods", "m1", "eth0", 0).unwrap();
+        assert_eq!(file(&dir, "198.18.3.4"), None);
+        std::fs::write(dir.join("198.18.3.6"), "h3\r\neth0").unwrap();
+        store.release("pods", "h3", "eth0", 0).unwrap();
+        assert_eq!(file(&dir, "198.18.3.6"), None);
+        assert_eq!(file(&dir, "198.18.3.5").as_deref(), Some("h2\r\neth0"));
+        // The directory removed (the migration over): no longer co-written.
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(store.allocate(&owner("m3"), Family::V4, 0).is_ok());
+        assert!(!dir.exists());
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(
+            !is_registered(&store, "pods", &dir).unwrap(),
+            "a new directory is another one"
+        );
+        crate::testutil::assert_sound(&store);
+    }
+}

@@ -862,3 +862,64 @@ fn both_plugins_live_through_the_switch_and_back_never_share_an_address() {
     }
     eprintln!("{rounds} round(s)");
 }
+
+#[test]
+fn a_refused_import_writes_nothing_and_a_refused_export_writes_the_rest() {
+    let dir = TestDir::new("migration-refused");
+    let conf = plugin(&dir);
+    let config = dir.join("net.conf");
+    std::fs::write(&config, conf.to_string()).unwrap();
+    // Metis served before any import: its pod's address has no file.
+    let add = run_ipam(METIS, "ADD", "m-0", &conf.to_string());
+    assert_eq!(addresses(&add), ["198.18.0.10", "2001:db8::2"]);
+    let net = dir.join("networks/mig");
+    std::fs::create_dir_all(&net).unwrap();
+    for (name, owner) in [
+        ("198.18.0.20", "a1"),
+        ("198.18.0.21", "a2"),
+        ("198.18.0.10", "intruder"),
+    ] {
+        std::fs::write(net.join(name), format!("{owner}\r\neth0")).unwrap();
+    }
+    let before = rows(&dir);
+    let refused = import(&config, &[]);
+    let (out, err) = out_err(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{out}{err}");
+    assert!(
+        err.contains("198.18.0.10 of container \"intruder\" interface \"eth0\": ")
+            && err.contains("held by container \"m-0\""),
+        "{err}"
+    );
+    assert!(err.contains("nothing was imported"), "{err}");
+    assert_eq!(
+        rows(&dir),
+        before,
+        "one transaction: a1 and a2 not recorded either"
+    );
+    assert!(
+        !net.join("2001:db8::2").exists(),
+        "nothing written to host-local's directory"
+    );
+
+    // Export with the same conflict: refused by name, every other address
+    // written, and the file of a container Metis does not hold reported.
+    let export = metis(&["export", "host-local", "--config", config.to_str().unwrap()]);
+    let (out, err) = out_err(&export);
+    assert_eq!(export.status.code(), Some(1), "{out}{err}");
+    assert!(
+        err.contains("198.18.0.10: host-local records container \"intruder\" interface \"eth0\", metis container \"m-0\""),
+        "{err}"
+    );
+    assert!(err.contains("every other address was written"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(net.join("2001:db8::2")).unwrap(),
+        "m-0\r\neth0"
+    );
+    assert!(
+        err.contains(&format!(
+            "198.18.0.20 names container \"a1\", which metis does not hold: host-local keeps the address until that container's DEL; if the container is gone: rm {}",
+            net.join("198.18.0.20").display()
+        )),
+        "{err}"
+    );
+}
