@@ -702,8 +702,10 @@ fn records(dir: &TestDir) -> Vec<(String, String)> {
         let container = content.split("\r\n").next().unwrap().trim().to_string();
         out.push((name, container));
     }
-    let db = dir.join("db/metis.sqlite");
-    if db.exists() {
+    let db = [dir.join("metis.sqlite"), dir.join("db/metis.sqlite")]
+        .into_iter()
+        .find(|db| db.exists());
+    if let Some(db) = db {
         let db = common::db(&db);
         let mut stmt = db
             .prepare(
@@ -740,13 +742,22 @@ fn assert_one_owner(live: &Live, dir: &TestDir, step: &str) {
     );
 }
 
-fn live_round(seed: u64) {
+/// One round: Metis in direct mode, or (`daemon`) behind a daemon.
+fn live_round(seed: u64, daemon: bool) {
     let dir = TestDir::new("migration-live");
+    // The daemon's database is the test daemon's; direct mode's as the
+    // other tests have it.
+    let db = if daemon {
+        dir.join("metis.sqlite")
+    } else {
+        dir.join("db/metis.sqlite")
+    };
+    let _daemon = daemon.then(|| common::TestDaemon::start(&dir, &["--release-cooldown", "0"]));
     let metis_conf = json!({"cniVersion": "1.0.0", "name": "live", "type": "bridge",
         "ipam": {"type": "metis",
                  "ranges": [[{"subnet": "198.18.8.0/27"}], [{"subnet": "2001:db8:8::/123"}]],
                  "dataDir": dir.join("networks"),
-                 "dbPath": dir.join("db/metis.sqlite"),
+                 "dbPath": db,
                  "daemonSocket": dir.join("metis.sock"),
                  "logFile": dir.join("cni.log")}});
     let mut host_local_conf = metis_conf.clone();
@@ -853,10 +864,12 @@ fn both_plugins_live_through_the_switch_and_back_never_share_an_address() {
     let mut rounds = 0;
     loop {
         let seed = seeds.next_u64();
-        eprintln!("round {rounds}: seed {seed}");
-        live_round(seed);
+        let daemon = rounds % 2 == 1;
+        eprintln!("round {rounds}: seed {seed}, daemon {daemon}");
+        live_round(seed, daemon);
         rounds += 1;
-        if std::time::Instant::now() >= deadline {
+        // At least one round of each mode.
+        if rounds >= 2 && std::time::Instant::now() >= deadline {
             break;
         }
     }
