@@ -36,10 +36,7 @@ fn key(network: &str) -> String {
 }
 
 fn store_error(err: DirError) -> StoreError {
-    StoreError::Open {
-        path: PathBuf::from("host-local"),
-        source: err.0.into(),
-    }
+    StoreError::HostLocal(err.0)
 }
 
 /// A registration's directory and its recorded identity.

@@ -217,7 +217,12 @@ fn merge_range_sets(plugin: &mut serde_json::Value) -> Result<Lines, String> {
     let Some(ipam) = plugin.get_mut("ipam").and_then(Value::as_object_mut) else {
         return Ok(Vec::new());
     };
-    let mut sets: Vec<Value> = Vec::new();
+    let mut sets: Vec<Value> = match ipam.get("ranges") {
+        Some(Value::Array(sets)) => sets.clone(),
+        None => Vec::new(),
+        // Not host-local's syntax: left as written, for conf::parse's message.
+        Some(_) => return Ok(Vec::new()),
+    };
     if ipam
         .get("subnet")
         .and_then(Value::as_str)
@@ -229,12 +234,10 @@ fn merge_range_sets(plugin: &mut serde_json::Value) -> Result<Lines, String> {
                 single.insert(key.to_string(), v);
             }
         }
-        sets.push(Value::Array(vec![Value::Object(single)]));
+        sets.insert(0, Value::Array(vec![Value::Object(single)]));
     }
-    match ipam.get("ranges") {
-        Some(Value::Array(more)) => sets.extend(more.iter().cloned()),
-        Some(_) | None if sets.is_empty() => return Ok(Vec::new()),
-        _ => {}
+    if sets.is_empty() {
+        return Ok(Vec::new());
     }
     // The family of a set is its first subnet's; a set conf::parse would
     // refuse anyway is left as written, for its message.
@@ -846,4 +849,93 @@ fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Li
     host_local_dir::sync(dir).map_err(|e| fail(&e))?;
     host_local_lock::register(store, network, dir).map_err(|e| fail(&e))?;
     Ok((lines, problems))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(value: serde_json::Value) -> Result<(NetConf, Lines), String> {
+        parse_config(value.to_string().as_bytes())
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn the_served_plugin_of_a_chain_and_host_locals_range_sets() {
+        let hl = |ranges: serde_json::Value| json!({"type": "bridge", "ipam": {"type": "host-local", "ranges": ranges}});
+        let list = |version: &str, plugin: serde_json::Value| {
+            json!({"cniVersion": version, "name": "n", "plugins": [
+                {"type": "macvlan", "ipam": {"type": "dhcp"}}, plugin]})
+        };
+        let (conf, notes) =
+            parse(list("1.0.0", hl(json!([[{"subnet": "198.18.0.0/24"}]])))).unwrap();
+        assert_eq!(conf.ipv4_ranges.len(), 1);
+        assert!(notes.is_empty());
+        assert_eq!(
+            parse(json!({"cniVersion": "1.0.0", "name": "n", "plugins": [{"type": "macvlan", "ipam": {"type": "dhcp"}}]})).unwrap_err(),
+            "no plugin of the list has an ipam object of type \"host-local\" or \"metis\""
+        );
+        // The single-range form is a set before `ranges`; IPv4 sets merge.
+        let mut single = hl(json!([[{"subnet": "198.18.2.0/24"}], [{"subnet": "2001:db8::/64"}]]));
+        single["ipam"]["subnet"] = json!("198.18.0.0/24");
+        single["ipam"]["rangeStart"] = json!("198.18.0.10");
+        let (conf, notes) = parse(list("0.3.0", single.clone())).unwrap();
+        assert_eq!(
+            conf.ipv4_ranges
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["198.18.0.0/24", "198.18.2.0/24"]
+        );
+        assert_eq!(conf.ipv6_ranges.len(), 1);
+        assert_eq!(notes.len(), 1);
+        assert!(
+            notes[0].starts_with("note: range sets [0, 1] are all ipv4"),
+            "{notes:?}"
+        );
+        assert_eq!(conf.bounds.len(), 1, "rangeStart kept with its subnet");
+        assert_eq!(
+            parse(list("0.2.0", single)).unwrap_err(),
+            "CNI version 0.2.0 does not support more than 1 address per family"
+        );
+        // Overlaps stay refused, and syntax that is not host-local's is
+        // left to the plugin's own message.
+        let overlap = hl(json!([[{"subnet": "198.18.0.0/24"}], [{"subnet": "198.18.0.0/25"}]]));
+        assert!(
+            parse(list("1.0.0", overlap))
+                .unwrap_err()
+                .contains("overlaps")
+        );
+        assert!(parse(list("1.0.0", hl(json!("198.18.0.0/24")))).is_err());
+    }
+
+    #[test]
+    fn addresses_outside_the_bounds_are_named_as_such() {
+        let (conf, _) = parse(json!({"cniVersion": "1.0.0", "name": "n", "type": "bridge",
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": "198.18.0.0/24",
+                "rangeStart": "198.18.0.10", "rangeEnd": "198.18.0.40", "gateway": "198.18.0.50"}]]}}))
+        .unwrap();
+        assert_eq!(outside(&conf, ip("198.18.0.20")), None);
+        assert_eq!(
+            outside(&conf, ip("198.18.0.5")).as_deref(),
+            Some("is outside rangeStart 198.18.0.10..rangeEnd 198.18.0.40 of subnet 198.18.0.0/24")
+        );
+        assert!(
+            outside(&conf, ip("198.18.1.5"))
+                .unwrap()
+                .starts_with("is outside every range")
+        );
+        let (conf, _) = parse(json!({"cniVersion": "1.0.0", "name": "n", "type": "bridge",
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": "198.18.0.0/24"}]]}}))
+        .unwrap();
+        assert_eq!(
+            outside(&conf, ip("198.18.0.1")).as_deref(),
+            Some("is the gateway of subnet 198.18.0.0/24")
+        );
+        assert!(outside(&conf, ip("198.18.0.255")).is_some(), "broadcast");
+    }
 }

@@ -258,6 +258,10 @@ pub enum StoreError {
     EmptyOwner,
     /// A row whose content does not parse.
     Corrupt(String),
+    /// host-local's directory, co-written during a migration, could not be
+    /// used (its lock, an entry that is not host-local's, an I/O error):
+    /// nothing is allocated in that network meanwhile.
+    HostLocal(String),
     /// A block would share addresses with another block: of the same
     /// network, or of another network when neither is isolated.
     Overlap {
@@ -281,7 +285,10 @@ impl StoreError {
     /// I/O, full disk, unopenable or read-only database).
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Busy(_) | StoreError::Open { .. } | StoreError::BatchAborted => true,
+            StoreError::Busy(_)
+            | StoreError::Open { .. }
+            | StoreError::BatchAborted
+            | StoreError::HostLocal(_) => true,
             StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
                 e.code,
                 ErrorCode::DatabaseBusy
@@ -345,6 +352,7 @@ impl fmt::Display for StoreError {
                 f.write_str("store: container_id and interface_name must not be empty")
             }
             StoreError::Corrupt(what) => write!(f, "store: corrupt database content: {what}"),
+            StoreError::HostLocal(what) => write!(f, "store: host-local's directory: {what}"),
             StoreError::Overlap {
                 cidr,
                 network,
