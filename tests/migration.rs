@@ -886,6 +886,10 @@ fn a_refused_import_writes_nothing_and_a_refused_export_writes_the_rest() {
     let add = run_ipam(METIS, "ADD", "m-0", &conf.to_string());
     assert_eq!(addresses(&add), ["198.18.0.10", "2001:db8::2"]);
     let net = dir.join("networks/mig");
+    // No host-local directory: nothing to import, and none is created.
+    let nothing = import(&config, &[]);
+    assert_eq!(nothing.status.code(), Some(0), "{:?}", out_err(&nothing));
+    assert!(!net.exists());
     std::fs::create_dir_all(&net).unwrap();
     for (name, owner) in [
         ("198.18.0.20", "a1"),

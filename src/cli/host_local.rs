@@ -455,7 +455,8 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         // The private copy must not act on host-local's directory.
         host_local_lock::unregister(engine.store_mut(), network).map_err(|e| fail(&e))?;
     }
-    let _lock = match (host_local_dir::exists(dir).map_err(|e| fail(&e))?, run) {
+    let exists = host_local_dir::exists(dir).map_err(|e| fail(&e))?;
+    let _lock = match (exists, run) {
         (false, _) => None,
         (true, Run::Real) => Some(Lock::take(dir).map_err(|e| fail(&e))?),
         (true, Run::Dry) => Lock::take_if_present(dir).map_err(|e| fail(&e))?,
@@ -508,10 +509,12 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
     }
     done.extend(record(engine, conf, &owners, now)?);
     done.extend(dead_containers(&held, dir));
-    if !co_written {
+    // Without host-local's directory there is no co-writer to protect
+    // from, and none is created.
+    if exists && !co_written {
         done.extend(write_missing(&held, &in_metis, dir, run)?);
     }
-    if run == Run::Real {
+    if exists && run == Run::Real {
         host_local_lock::register(engine.store_mut(), network, dir).map_err(|e| fail(&e))?;
     }
     Ok(done)
