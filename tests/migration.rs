@@ -940,3 +940,39 @@ fn a_refused_import_writes_nothing_and_a_refused_export_writes_the_rest() {
         "{err}"
     );
 }
+
+#[test]
+fn a_container_host_local_gave_another_address_moves_with_its_file_kept() {
+    let dir = TestDir::new("migration-moved");
+    let config = dir.join("net.conf");
+    std::fs::write(&config, plugin(&dir).to_string()).unwrap();
+    let net = dir.join("networks/mig");
+    std::fs::create_dir_all(&net).unwrap();
+    std::fs::write(net.join("198.18.0.20"), "c\r\neth0").unwrap();
+    let first = import(&config, &[]);
+    assert_eq!(first.status.code(), Some(0), "{:?}", out_err(&first));
+    // host-local released c's address and gave it another (a re-ADD).
+    std::fs::remove_file(net.join("198.18.0.20")).unwrap();
+    std::fs::write(net.join("198.18.0.21"), "c\r\neth0").unwrap();
+    let again = import(&config, &[]);
+    let (out, err) = out_err(&again);
+    assert_eq!(again.status.code(), Some(0), "{err}");
+    assert!(
+        out.contains("released 198.18.0.20 of container \"c\""),
+        "{out}"
+    );
+    assert!(
+        out.contains("recorded 198.18.0.21 for container \"c\""),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(net.join("198.18.0.21")).unwrap(),
+        "c\r\neth0"
+    );
+    let held: Vec<String> = rows(&dir)
+        .into_iter()
+        .filter(|(_, c, _, allocated)| *allocated && c == "c")
+        .map(|(a, _, _, _)| a)
+        .collect();
+    assert_eq!(held, ["198.18.0.21"]);
+}

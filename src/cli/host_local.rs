@@ -505,6 +505,7 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
             &held,
             &in_metis,
             dir,
+            run,
         )?);
     }
     done.extend(record(engine, conf, &owners, now)?);
@@ -553,27 +554,33 @@ fn pod_rows(store: &Store, network: &str) -> Result<Vec<Held>, store::StoreError
 
 /// Releases every allocation whose host-local file is gone or names
 /// another owner: the directory was co-written since the last import, so
-/// host-local released those pods (its DEL removed the file).
+/// host-local released those pods (its DEL removed the file). The release
+/// removes the owner's files of that family, as a DEL does; one the owner
+/// holds now (host-local gave the container another address) is put back.
 fn release_gone(
     store: &mut Store,
     network: &str,
     files: &[Held],
     in_metis: &[Held],
     dir: &Path,
+    run: Run,
 ) -> Result<Lines, Lines> {
+    let fail = |e: &dyn std::fmt::Display| vec![e.to_string()];
     let mut lines = Vec::new();
     for row in in_metis {
         if files.contains(row) {
             continue;
         }
+        let family = Family::of(row.address);
         store
-            .roll_back(
-                network,
-                &row.container_id,
-                &row.ifname,
-                Family::of(row.address),
-            )
-            .map_err(|e| vec![e.to_string()])?;
+            .roll_back(network, &row.container_id, &row.ifname, family)
+            .map_err(|e| fail(&e))?;
+        let current = files
+            .iter()
+            .filter(|f| f.names(&row.container_id, &row.ifname) && Family::of(f.address) == family);
+        for file in current.filter(|_| run == Run::Real) {
+            host_local_dir::write(dir, file).map_err(|e| fail(&e))?;
+        }
         crate::log::info(
             "host-local",
             "released an allocation host-local released",
@@ -809,7 +816,7 @@ fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Li
     let files = host_local_dir::read(dir).map_err(|e| fail(&e))?;
     let mut lines = Vec::new();
     if co_written {
-        lines = release_gone(store, network, &files, &in_metis, dir)?;
+        lines = release_gone(store, network, &files, &in_metis, dir, Run::Real)?;
         in_metis.retain(|row| files.contains(row));
     }
     let mut problems = Vec::new();
