@@ -130,6 +130,8 @@ pub fn run(direction: Direction, args: &[String], out: &mut dyn Write, err: &mut
             .get("--data-dir")
             .map_or_else(|| conf.data_dir.clone(), PathBuf::from)
             .join(&conf.name);
+        // Registered for the daemon, whose working directory is another.
+        let data_dir = std::path::absolute(&data_dir).unwrap_or(data_dir);
         let db = parsed
             .get("--db-path")
             .map_or_else(|| conf.db_path.clone(), PathBuf::from);
