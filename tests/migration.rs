@@ -752,7 +752,8 @@ fn live_round(seed: u64, daemon: bool) {
     } else {
         dir.join("db/metis.sqlite")
     };
-    let _daemon = daemon.then(|| common::TestDaemon::start(&dir, &["--release-cooldown", "0"]));
+    // A short cooldown: addresses cool down, and come back, within a round.
+    let _daemon = daemon.then(|| common::TestDaemon::start(&dir, &["--release-cooldown", "2s"]));
     let metis_conf = json!({"cniVersion": "1.0.0", "name": "live", "type": "bridge",
         "ipam": {"type": "metis",
                  "ranges": [[{"subnet": "198.18.8.0/27"}], [{"subnet": "2001:db8:8::/123"}]],
@@ -818,8 +819,11 @@ fn live_round(seed: u64, daemon: bool) {
             import_ok("the re-import after the switch");
             live.run_for(20);
             let again = import_ok("one more re-import");
+            // Deferred addresses (cooling down in Metis) wait, not repairs.
             assert!(
-                !again.contains("released") && !again.contains("recorded"),
+                !again
+                    .lines()
+                    .any(|l| l.starts_with("released ") || l.starts_with("recorded ")),
                 "nothing left to repair once Metis alone serves (seed {seed}): {again}"
             );
             export_ok("the export");
@@ -975,4 +979,48 @@ fn a_container_host_local_gave_another_address_moves_with_its_file_kept() {
         .map(|(a, _, _, _)| a)
         .collect();
     assert_eq!(held, ["198.18.0.21"]);
+}
+
+#[test]
+fn an_address_metis_cools_down_that_host_local_reissued_is_deferred_not_refused() {
+    let dir = TestDir::new("migration-cooling");
+    let _daemon = common::TestDaemon::start(&dir, &["--release-cooldown", "1h"]);
+    let mut conf = plugin(&dir);
+    conf["ipam"]["dbPath"] = json!(dir.join("metis.sqlite"));
+    let config = dir.join("net.conf");
+    std::fs::write(&config, conf.to_string()).unwrap();
+    let net = dir.join("networks/mig");
+    std::fs::create_dir_all(&net).unwrap();
+    let first = import(&config, &[]);
+    assert_eq!(first.status.code(), Some(0), "{:?}", out_err(&first));
+    // A Metis pod comes and goes: its address cools down, its file is gone.
+    let add = run_ipam(METIS, "ADD", "m-0", &conf.to_string());
+    assert_eq!(addresses(&add)[0], "198.18.0.10");
+    assert!(net.join("198.18.0.10").exists());
+    let del = run_ipam(METIS, "DEL", "m-0", &conf.to_string());
+    assert!(del.status.success(), "{:?}", out_err(&del));
+    assert!(!net.join("198.18.0.10").exists());
+    // host-local hands it out meanwhile, and another address.
+    std::fs::write(net.join("198.18.0.10"), "h1\r\neth0").unwrap();
+    std::fs::write(net.join("198.18.0.20"), "h2\r\neth0").unwrap();
+    let again = import(&config, &[]);
+    let (out, err) = out_err(&again);
+    assert_eq!(again.status.code(), Some(0), "{err}");
+    assert!(
+        out.contains("recorded 198.18.0.20 for container \"h2\""),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "deferred 198.18.0.10 of container \"h1\" interface \"eth0\": metis cools it down until"
+        ),
+        "{out}"
+    );
+    // Metis hands out neither.
+    let next = run_ipam(METIS, "ADD", "m-1", &conf.to_string());
+    let got = addresses(&next);
+    assert!(
+        !got.contains(&"198.18.0.10".to_string()) && !got.contains(&"198.18.0.20".to_string()),
+        "{got:?}"
+    );
 }

@@ -464,7 +464,7 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         (true, Run::Dry) => Lock::take_if_present(dir).map_err(|e| fail(&e))?,
     };
     let held = host_local_dir::read(dir).map_err(|e| fail(&e))?;
-    let owners = by_owner(conf, &held)?;
+    let mut owners = by_owner(conf, &held)?;
     let mut done = vec![format!(
         "{} address(es) of {} pod(s) in {} for network {network:?}",
         held.len(),
@@ -510,6 +510,8 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
             run,
         )?);
     }
+    let cooling = cooling(engine.store(), network, now).map_err(|e| fail(&e))?;
+    done.extend(defer_cooling(&mut owners, &cooling));
     done.extend(record(engine, conf, &owners, now)?);
     done.extend(dead_containers(&held, dir));
     // Without host-local's directory there is no co-writer to protect
@@ -552,6 +554,77 @@ fn pod_rows(store: &Store, network: &str) -> Result<Vec<Held>, store::StoreError
         });
     }
     Ok(held)
+}
+
+/// Addresses of `network` Metis is cooling down at `now` (released, not
+/// yet to be handed out again): their last owner and until when.
+fn cooling(
+    store: &Store,
+    network: &str,
+    now: i64,
+) -> Result<BTreeMap<IpAddr, (Held, i64)>, store::StoreError> {
+    let table = store.list_addresses(&AddressFilter {
+        network: Some(network.to_string()),
+        allocated: Some(false),
+        ..AddressFilter::default()
+    })?;
+    let column = |name: &str| table.headers.iter().position(|h| h == name);
+    let (Some(address_at), Some(container_at), Some(ifname_at), Some(until_at)) = (
+        column("address"),
+        column("container_id"),
+        column("interface_name"),
+        column("release_at"),
+    ) else {
+        return Err(store::StoreError::Corrupt(
+            "ip_addresses lacks address, container_id, interface_name or release_at".to_string(),
+        ));
+    };
+    let mut cooling = BTreeMap::new();
+    for row in &table.rows {
+        let Ok(until) = row[until_at].parse::<i64>() else {
+            continue; // free, never released
+        };
+        if until <= now {
+            continue;
+        }
+        let address = store::parse_addr(&row[address_at])?;
+        let last = Held {
+            address,
+            container_id: row[container_at].clone(),
+            ifname: row[ifname_at].clone(),
+        };
+        cooling.insert(address, (last, until));
+    }
+    Ok(cooling)
+}
+
+/// Leaves out, with a note each, the addresses Metis is cooling down that
+/// host-local handed to another pod since Metis released them: recording
+/// them now would be refused, yet nothing is at risk, since Metis hands an
+/// address out neither while it cools nor afterwards while host-local's
+/// file names another pod. An import after the cooldown records them.
+fn defer_cooling(owners: &mut ByOwner, cooling: &BTreeMap<IpAddr, (Held, i64)>) -> Lines {
+    let mut notes = Vec::new();
+    for ((container, ifname), addresses) in owners.iter_mut() {
+        addresses.retain(|_, address| {
+            let Some((last, until)) = cooling.get(address) else {
+                return true;
+            };
+            if last.names(container, ifname) {
+                return true; // its last owner may take it back
+            }
+            notes.push(format!(
+                "deferred {address} of container {container:?} interface {ifname:?}: metis cools it down until {} \
+                 (last held by container {:?}), and host-local handed it out since; metis does not hand it out, \
+                 and an import after that time records it",
+                crate::log::rfc3339_millis(*until),
+                last.container_id
+            ));
+            false
+        });
+    }
+    owners.retain(|_, addresses| !addresses.is_empty());
+    notes
 }
 
 /// Releases every allocation whose host-local file is gone or names
