@@ -17,7 +17,7 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use super::host_local_dir::{self, Held, Lock};
+use super::host_local_dir::{self, DirError, Held, Lock};
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::plugin::ip_config;
@@ -393,12 +393,16 @@ enum Run {
 }
 
 fn import(conf: &NetConf, data_dir: &Path, db: &Path, run: Run) -> Result<Lines, Lines> {
-    // What the directory alone refuses is refused before the database is
-    // opened (or created); the import reads it again under the lock.
-    by_owner(
-        conf,
-        &host_local_dir::read(data_dir).map_err(|e| vec![e.0])?,
-    )?;
+    // Without a database, what the directory alone refuses is refused
+    // before one is created; the import reads it again in its transaction.
+    if !db.exists() {
+        let fail = |e: DirError| vec![e.0];
+        let _lock = match host_local_dir::exists(data_dir).map_err(fail)? {
+            true => Lock::take_if_present(data_dir).map_err(fail)?,
+            false => None,
+        };
+        by_owner(conf, &host_local_dir::read(data_dir).map_err(fail)?)?;
+    }
     match run {
         Run::Real => in_one_transaction(db, |engine| import_in(engine, conf, data_dir, run)),
         Run::Dry => {
