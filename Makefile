@@ -99,7 +99,7 @@ conformance: build
 
 # Regenerate src/wire/gen/ from proto/ (pure Rust, no protoc needed).
 proto:
-	METIS_WRITE_PROTO=1 $(CARGO) test --locked --test proto_sync
+	METIS_WRITE_PROTO=1 $(CARGO) test --locked --test integration proto_sync::
 
 clean:
 	$(CARGO) clean
@@ -123,9 +123,9 @@ bench-smoke: build edge
 # (METIS_MODEL_SEQUENCES/STEPS/SEED).
 soak:
 	METIS_CRASH_ROUNDS=$${METIS_CRASH_ROUNDS:-20} METIS_CRASH_OPS=$${METIS_CRASH_OPS:-500} \
-	  $(CARGO) test --locked --test crash -- --nocapture
+	  $(CARGO) test --locked --test integration crash:: -- --nocapture
 	METIS_MODEL_SEQUENCES=$${METIS_MODEL_SEQUENCES:-200} METIS_MODEL_STEPS=$${METIS_MODEL_STEPS:-60} \
-	  $(CARGO) test --locked --test model -- --nocapture
+	  $(CARGO) test --locked --test integration model:: -- --nocapture
 
 # Coverage-guided fuzzing on the stable toolchain: every target for
 # FUZZ_SECONDS (default 600) each; see fuzz/run.sh.

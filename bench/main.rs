@@ -24,6 +24,7 @@
 
 mod big;
 mod cni;
+#[allow(dead_code)] // the tests' harness: the bench uses a part of it
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod memory;

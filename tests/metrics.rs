@@ -1,8 +1,6 @@
 //! Prometheus metrics scraped over real HTTP after known operations.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

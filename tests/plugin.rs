@@ -1,24 +1,18 @@
 //! The real plugin binary, executed with CNI environment and stdin, against
 //! a running daemon and in direct mode.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+use crate::common;
 
-mod common;
-
-use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, json};
+use common::node::holdings;
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, json};
 use serde_json::json;
 
 const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
 const DUAL: &str = r#"[[{"subnet":"198.18.0.0/24"}],[{"subnet":"2001:db8::/120"}]]"#;
 
-fn allocated_count(dir: &TestDir) -> i64 {
-    db(&dir.join("metis.sqlite"))
-        .query_row(
-            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
-            [],
-            |row| row.get(0),
-        )
-        .unwrap()
+/// Allocated rows with an owner in the test directory's database.
+fn allocated_count(dir: &TestDir) -> usize {
+    holdings(&dir.join("metis.sqlite")).len()
 }
 
 #[test]

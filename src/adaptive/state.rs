@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
-use crate::engine::{Engine, Outcome};
+use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
 use crate::kube::nnc::{self, Kind, Nnc};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
 use crate::wire::adaptiveipam::v1::DeallocatePodIpRequest;
-use crate::wire::{Code, Request, Response, reason, request, response};
+use crate::wire::{Code, Request, reason, request};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -36,8 +36,8 @@ pub struct AdaptiveConfig {
 /// (clock rounding would otherwise make the retry miss by a millisecond).
 const COOLED_MARGIN: Duration = Duration::from_millis(5);
 
-/// A response owed to a connection.
-pub type Delivery = (u64, Response);
+/// An outcome owed to a connection.
+pub type Delivery = (u64, Outcome);
 
 struct Parked {
     conn_id: u64,
@@ -115,40 +115,47 @@ impl Adaptive {
 
     /// Looks at an outcome before it is sent: an IPv4 exhaustion with a
     /// cluster that can add blocks parks the request (returns `None`); a
-    /// successful release wakes waiters; health reports a degraded link.
+    /// successful release wakes waiters; health and STATUS report what the
+    /// cluster link allows. Every request kind is named (no wildcard): a new
+    /// one decides here whether the adaptive side must see it.
     pub fn intercept(
         &mut self,
         conn_id: u64,
         request: Request,
         outcome: Outcome,
         now: Instant,
-    ) -> Option<Response> {
-        let parkable = self.config.source == Kind::Nnc
-            && matches!(request.kind, Some(request::Kind::Allocate(_)));
-        let reply = match outcome {
-            Outcome::Exhausted {
-                network,
-                family: Family::V4,
-                ..
-            } if parkable => {
-                self.park(conn_id, request, network, now);
-                return None;
-            }
-            other => other.into_response(),
+    ) -> Option<Outcome> {
+        let Some(kind) = &request.kind else {
+            return Some(outcome);
         };
-        match &request.kind {
-            Some(request::Kind::Deallocate(req)) => {
+        match kind {
+            request::Kind::Allocate(_) => match outcome {
+                Outcome::Exhausted {
+                    network,
+                    family: Family::V4,
+                    ..
+                } if self.config.source == Kind::Nnc => {
+                    self.park(conn_id, request, network, now);
+                    None
+                }
+                other => Some(other),
+            },
+            request::Kind::Deallocate(req) => {
                 self.cancel_parked(req, now);
-                let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
-                if released {
+                if matches!(&outcome, Outcome::Done(Reply::Released(released)) if !released.is_empty())
+                {
                     self.woken
                         .push(network_or_default(&req.network).to_string());
                 }
-                Some(reply)
+                Some(outcome)
             }
-            Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
-            Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
-            _ => Some(reply),
+            request::Kind::Health(_) => Some(self.annotate_health(outcome)),
+            request::Kind::NetworkStatus(_) => Some(self.status_with_cluster(outcome)),
+            request::Kind::Check(_)
+            | request::Kind::ListCidrBlocks(_)
+            | request::Kind::ListIpAddresses(_)
+            | request::Kind::Usage(_)
+            | request::Kind::Gc(_) => Some(outcome),
         }
     }
 
@@ -171,14 +178,15 @@ impl Adaptive {
                 "DEL arrived for a waiting ADD; cancelling the ADD",
                 &[("network", &network), ("container", &del.container_id)],
             );
-            let reply = Response::error(
-                Code::Unavailable,
-                reason::ADD_CANCELLED,
-                format!(
+            let reply = Outcome::Failed(Failure {
+                code: Code::Unavailable,
+                reason: reason::ADD_CANCELLED,
+                message: format!(
                     "ADD cancelled: a DEL for container {} arrived while it waited for addresses",
                     del.container_id
                 ),
-            );
+                scope: None,
+            });
             self.observe(&parked, reply.code(), now);
             self.cancelled.push((parked.conn_id, reply));
         }
@@ -204,29 +212,23 @@ impl Adaptive {
     /// STATUS with the cluster in view: an exhausted IPv4 pool can still
     /// grow while the API server answers (an ADD waits for the new block),
     /// and cannot while it is unreachable — the degraded state, reported.
-    fn status_with_cluster(&self, mut reply: Response) -> Response {
+    fn status_with_cluster(&self, mut outcome: Outcome) -> Outcome {
         if self.config.source != Kind::Nnc {
-            return reply;
+            return outcome;
         }
-        if let Some(response::Kind::NetworkStatus(status)) = reply.kind.as_mut()
-            && !status.can_allocate
-            && status.ip_family == Family::V4.as_str()
+        if let Outcome::Done(Reply::Readiness(readiness)) = &mut outcome
+            && let Readiness::Full {
+                family: Family::V4,
+                cluster_problem,
+                ..
+            } = readiness
         {
             match self.problem() {
-                None => {
-                    status.can_allocate = true;
-                    status.detail.clear();
-                    status.ip_family.clear();
-                }
-                Some(why) => {
-                    status.detail = format!(
-                        "{}; more cannot be requested: the API server is unreachable or refuses us ({why})",
-                        status.detail
-                    );
-                }
+                None => *readiness = Readiness::Ready,
+                Some(why) => *cluster_problem = Some(why),
             }
         }
-        reply
+        outcome
     }
 
     /// Every failure that stops the node from growing, in words.
@@ -238,98 +240,20 @@ impl Adaptive {
         }
     }
 
-    fn annotate_health(&self, mut reply: Response) -> Response {
-        if let (Some(why), Some(response::Kind::Health(health))) =
-            (self.problem(), reply.kind.as_mut())
-        {
-            health.detail = format!(
-                "{} (degraded: serving from local blocks; {why})",
-                health.detail
-            );
+    fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
+        if let Outcome::Done(Reply::Health(health)) = &mut outcome {
+            health.cluster_problem = self.problem();
         }
-        reply
+        outcome
     }
 
-    /// Handles everything the kube threads sent since the last wake-up.
+    /// Handles everything the kube threads sent since the last wake-up,
+    /// then retries the waiters of every network that gained blocks.
     pub fn on_wake(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
         worker::drain_wakeups(&self.link.wake_fd);
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
-            match event {
-                KubeEvent::Nnc(nnc) if self.is_stale(&nnc) => {
-                    // A late watch event or a re-read that lost a race:
-                    // applying it could bring back a released block.
-                    self.metrics.stale_version();
-                    log::debug(
-                        "daemon",
-                        "ignoring an older NodeNetworkConfig version",
-                        &[("version", &nnc.resource_version)],
-                    );
-                }
-                KubeEvent::Nnc(nnc) => {
-                    if nnc.truncated {
-                        log::warn(
-                            "daemon",
-                            "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
-                            &[("max_entries", &nnc::MAX_ENTRIES)],
-                        );
-                    }
-                    match monitor::sync_blocks(engine.store_mut(), &nnc) {
-                        Ok(synced) => {
-                            self.metrics.refused_pod_cidrs(synced.refused);
-                            for network in &synced.deleted {
-                                self.metrics.monitor_action("delete", network);
-                            }
-                            grown.extend(synced.grown);
-                        }
-                        Err(err) => log::error(
-                            "daemon",
-                            "syncing blocks from the NodeNetworkConfig failed",
-                            &[("error", &err)],
-                        ),
-                    }
-                    self.latest = Some(nnc);
-                }
-                KubeEvent::NodePodCidrs(cidrs) => {
-                    match monitor::sync_node_cidrs(
-                        engine.store_mut(),
-                        &self.config.node_network,
-                        &cidrs,
-                    ) {
-                        Ok(true) => grown.push(self.config.node_network.clone()),
-                        Ok(false) => {}
-                        Err(err) => {
-                            log::error("daemon", "adding node podCIDRs failed", &[("error", &err)])
-                        }
-                    }
-                }
-                KubeEvent::Unreachable(why) => {
-                    self.metrics.api_error();
-                    self.watch_problem = Some(format!("watch: {why}"));
-                }
-                KubeEvent::Watching => self.watch_problem = None,
-                KubeEvent::Patched => {
-                    self.patching = None;
-                    self.patch_problem = None;
-                    log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                }
-                KubeEvent::Conflict { streak } => {
-                    // A fresh object arrived just before this: recompute now
-                    // (the patcher paces what is sent).
-                    self.patching = None;
-                    self.next_pass = now;
-                    if streak >= worker::CONFLICT_STORM {
-                        self.metrics.api_error();
-                        self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
-                    }
-                }
-                KubeEvent::PatchFailed(why) => {
-                    // The patcher logged it and waits before the next one.
-                    self.metrics.api_error();
-                    self.patching = None;
-                    self.patch_problem = Some(format!("patch: {why}"));
-                }
-            }
+            grown.extend(self.on_event(event, engine, now));
         }
         grown.dedup();
         let mut deliveries = Vec::new();
@@ -342,6 +266,99 @@ impl Adaptive {
             deliveries.extend(self.retry(&network, engine));
         }
         deliveries
+    }
+
+    /// One event of the kube threads; returns the networks that gained
+    /// blocks.
+    fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
+        match event {
+            KubeEvent::Nnc(nnc) => return self.on_nnc(nnc, engine),
+            KubeEvent::NodePodCidrs(cidrs) => return self.on_node_pod_cidrs(&cidrs, engine),
+            KubeEvent::Unreachable(why) => {
+                self.metrics.api_error();
+                self.watch_problem = Some(format!("watch: {why}"));
+            }
+            KubeEvent::Watching => self.watch_problem = None,
+            KubeEvent::Patched => {
+                self.patching = None;
+                self.patch_problem = None;
+                log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+            }
+            KubeEvent::Conflict { streak } => self.on_conflict(streak, now),
+            KubeEvent::PatchFailed(why) => {
+                // The patcher logged it and waits before the next one.
+                self.metrics.api_error();
+                self.patching = None;
+                self.patch_problem = Some(format!("patch: {why}"));
+            }
+        }
+        Vec::new()
+    }
+
+    /// A NodeNetworkConfig version: its blocks are synced unless it is
+    /// older than the one applied.
+    fn on_nnc(&mut self, nnc: Nnc, engine: &mut Engine) -> Vec<String> {
+        if self.is_stale(&nnc) {
+            // A late watch event or a re-read that lost a race: applying it
+            // could bring back a released block.
+            self.metrics.stale_version();
+            log::debug(
+                "daemon",
+                "ignoring an older NodeNetworkConfig version",
+                &[("version", &nnc.resource_version)],
+            );
+            return Vec::new();
+        }
+        if nnc.truncated {
+            log::warn(
+                "daemon",
+                "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
+                &[("max_entries", &nnc::MAX_ENTRIES)],
+            );
+        }
+        let grown = match monitor::sync_blocks(engine.store_mut(), &nnc) {
+            Ok(synced) => {
+                self.metrics.refused_pod_cidrs(synced.refused);
+                for network in &synced.deleted {
+                    self.metrics.monitor_action("delete", network);
+                }
+                synced.grown
+            }
+            Err(err) => {
+                log::error(
+                    "daemon",
+                    "syncing blocks from the NodeNetworkConfig failed",
+                    &[("error", &err)],
+                );
+                Vec::new()
+            }
+        };
+        self.latest = Some(nnc);
+        grown
+    }
+
+    /// The Node's podCIDRs (the fixed source): added to the node network.
+    fn on_node_pod_cidrs(&mut self, cidrs: &[String], engine: &mut Engine) -> Vec<String> {
+        let network = &self.config.node_network;
+        match monitor::sync_node_cidrs(engine.store_mut(), network, cidrs) {
+            Ok(true) => vec![network.clone()],
+            Ok(false) => Vec::new(),
+            Err(err) => {
+                log::error("daemon", "adding node podCIDRs failed", &[("error", &err)]);
+                Vec::new()
+            }
+        }
+    }
+
+    /// A patch lost a race: a fresh object arrived just before this, so the
+    /// patch is recomputed now (the patcher paces what is sent).
+    fn on_conflict(&mut self, streak: u32, now: Instant) {
+        self.patching = None;
+        self.next_pass = now;
+        if streak >= worker::CONFLICT_STORM {
+            self.metrics.api_error();
+            self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
+        }
     }
 
     /// Whether `nnc` is not newer than the version already applied.
@@ -460,8 +477,7 @@ impl Adaptive {
                     network: parked.network,
                     family: Family::V4,
                     message,
-                }
-                .into_response();
+                };
                 (parked.conn_id, reply)
             })
             .collect()
@@ -538,10 +554,9 @@ impl Adaptive {
                 );
                 break;
             }
-            let reply = outcome.into_response();
             let parked = self.parked.remove(index);
-            self.observe(&parked, reply.code(), Instant::now());
-            deliveries.push((parked.conn_id, reply));
+            self.observe(&parked, outcome.code(), Instant::now());
+            deliveries.push((parked.conn_id, outcome));
         }
         self.publish_parked();
         deliveries

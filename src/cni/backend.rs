@@ -195,6 +195,23 @@ fn holds_files(dir: &Path) -> bool {
 }
 
 fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+    // Missing while its daemon runs (or beside the copy a restore left), the
+    // database was deleted, not never made: the daemon puts it back
+    // (`daemon::restore`), and an empty one made here would hand its pods'
+    // addresses out again.
+    if !db_path.exists() && crate::daemon::database_owned(db_path) {
+        return Err(CniError::try_again_later(format!(
+            "the database {} is missing while its daemon runs; the daemon restores it, retry",
+            db_path.display()
+        )));
+    }
+    if crate::daemon::restore_interrupted(db_path) {
+        return Err(CniError::try_again_later(format!(
+            "the database {} is missing and a restore of it was interrupted; start the \
+             daemon to finish it",
+            db_path.display()
+        )));
+    }
     let mut store = Store::open(
         db_path,
         &StoreOptions {

@@ -41,13 +41,15 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// Starts checkpointing the database at `path` (opened lazily, reopened
-    /// after an error).
+    /// after an error) — only the file that is there now: one put at the
+    /// path later would take this database's WAL for its own.
     pub fn start(path: &Path) -> std::io::Result<Checkpointer> {
         let (stop, stopped) = mpsc::channel::<()>();
         let path = path.to_path_buf();
+        let file = super::file_identity(&path);
         let thread = std::thread::Builder::new()
             .name("metis-checkpoint".into())
-            .spawn(move || run(&path, &stopped))?;
+            .spawn(move || run(&path, file, &stopped))?;
         Ok(Checkpointer {
             stop: Some(stop),
             thread: Some(thread),
@@ -79,7 +81,7 @@ impl Store {
 
 /// The thread: a pass, then a wait that is short while the WAL moves and
 /// doubles up to [`IDLE_INTERVAL`] while it does not.
-fn run(path: &Path, stopped: &mpsc::Receiver<()>) {
+fn run(path: &Path, file: Option<(u64, u64)>, stopped: &mpsc::Receiver<()>) {
     let mut conn: Option<Connection> = None;
     let mut wait = BUSY_INTERVAL;
     let mut last: Option<WalState> = None;
@@ -89,7 +91,7 @@ fn run(path: &Path, stopped: &mpsc::Receiver<()>) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
         }
-        match pass(&mut conn, path) {
+        match pass(&mut conn, path, file) {
             Ok(state) => {
                 failing = false;
                 wait = match Some(state) == last && state.done() {
@@ -130,13 +132,26 @@ impl WalState {
     }
 }
 
-fn pass(conn: &mut Option<Connection>, path: &Path) -> Result<WalState, rusqlite::Error> {
+fn pass(
+    conn: &mut Option<Connection>,
+    path: &Path,
+    file: Option<(u64, u64)>,
+) -> Result<WalState, rusqlite::Error> {
     let conn = match conn {
         Some(conn) => conn,
-        None => conn.insert(Connection::open_with_flags(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )?),
+        None => {
+            let opened = Connection::open_with_flags(
+                path,
+                OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )?;
+            if super::file_identity(path) != file {
+                return Err(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
+                    Some("the file at the path is no longer the daemon's database".into()),
+                ));
+            }
+            conn.insert(opened)
+        }
     };
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
         Ok(WalState {
@@ -201,8 +216,25 @@ mod tests {
     fn a_missing_database_is_an_error_and_is_not_created() {
         let dir = TempDir::new();
         let mut conn = None;
-        assert!(pass(&mut conn, &dir.db()).is_err());
+        assert!(pass(&mut conn, &dir.db(), None).is_err());
         assert!(conn.is_none());
         assert!(!dir.db().exists());
+    }
+
+    #[test]
+    fn another_file_put_at_the_path_is_not_checkpointed() {
+        let dir = TempDir::new();
+        drop(dir.store());
+        let daemons = super::super::file_identity(&dir.db());
+        let other = dir.0.join("other.sqlite");
+        Connection::open(&other)
+            .unwrap()
+            .execute_batch("CREATE TABLE mine (x)")
+            .unwrap();
+        std::fs::rename(&other, dir.db()).unwrap();
+        let mut conn = None;
+        let err = pass(&mut conn, &dir.db(), daemons).unwrap_err();
+        assert!(err.to_string().contains("no longer the daemon's"), "{err}");
+        assert!(conn.is_none());
     }
 }
