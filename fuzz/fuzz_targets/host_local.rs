@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use libfuzzer_sys::fuzz_target;
 use metis::cli::host_local::parse_config;
-use metis::cli::host_local_dir::{file_name, parse_entry, parse_name};
+use metis::host_local_dir::{file_name, parse_entry, parse_name};
 
 fuzz_target!(|data: (&str, [u8; 16], &[u8])| {
     let (name, raw, bytes) = data;

@@ -7,7 +7,7 @@
 //! while the daemon runs, exactly as direct mode is) and under host-local's
 //! lock, through the same engine a plugin in direct mode uses. Both
 //! register host-local's directory, which makes Metis co-write it while it
-//! exists (see [`crate::host_local_lock`]): so either plugin may serve the
+//! exists (see [`crate::store::co_writer`]): so either plugin may serve the
 //! network during the switch. Going through the daemon would add a wire
 //! message for a one-off operation and fail when the daemon is down, which
 //! is exactly when an operator may want to import.
@@ -17,14 +17,13 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use super::host_local_dir::{self, DirError, Held, Lock};
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::plugin::ip_config;
 use crate::engine::Engine;
 use crate::flags::{self, FlagError, FlagSpec};
-use crate::host_local_lock;
-use crate::store::{self, AddressFilter, Source, Store, StoreOptions};
+use crate::host_local_dir::{self, DirError, Held, Lock};
+use crate::store::{self, AddressFilter, Source, Store, StoreOptions, co_writer};
 use crate::wire::ipam;
 
 const FLAGS: &[FlagSpec] = &[
@@ -456,10 +455,10 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
     let now = crate::log::now_ms();
     let network = conf.network.as_str();
     let co_written =
-        host_local_lock::is_registered(engine.store(), network, dir).map_err(|e| fail(&e))?;
+        co_writer::is_registered(engine.store(), network, dir).map_err(|e| fail(&e))?;
     if run == Run::Dry {
         // The private copy must not act on host-local's directory.
-        host_local_lock::unregister(engine.store_mut(), network).map_err(|e| fail(&e))?;
+        co_writer::unregister(engine.store_mut(), network).map_err(|e| fail(&e))?;
     }
     let exists = host_local_dir::exists(dir).map_err(|e| fail(&e))?;
     let _lock = match (exists, run) {
@@ -524,7 +523,7 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         done.extend(write_missing(&held, &in_metis, dir, run)?);
     }
     if exists && run == Run::Real {
-        host_local_lock::register(engine.store_mut(), network, dir).map_err(|e| fail(&e))?;
+        co_writer::register(engine.store_mut(), network, dir).map_err(|e| fail(&e))?;
     }
     Ok(done)
 }
@@ -889,7 +888,7 @@ fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Li
     let fail = |e: &dyn std::fmt::Display| vec![e.to_string()];
     let network = conf.network.as_str();
     host_local_dir::write_dir(dir).map_err(|e| fail(&e))?;
-    let co_written = host_local_lock::is_registered(store, network, dir).map_err(|e| fail(&e))?;
+    let co_written = co_writer::is_registered(store, network, dir).map_err(|e| fail(&e))?;
     let _lock = Lock::take(dir).map_err(|e| fail(&e))?;
     let mut in_metis = pod_rows(store, network).map_err(|e| fail(&e))?;
     let files = host_local_dir::read(dir).map_err(|e| fail(&e))?;
@@ -936,7 +935,7 @@ fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Li
     }
     // Durable before the operator swaps the conflist back.
     host_local_dir::sync(dir).map_err(|e| fail(&e))?;
-    host_local_lock::register(store, network, dir).map_err(|e| fail(&e))?;
+    co_writer::register(store, network, dir).map_err(|e| fail(&e))?;
     Ok((lines, problems))
 }
 

@@ -80,7 +80,7 @@ fn take_row(
     owner: &Owner,
     now_ms: i64,
 ) -> Result<bool, StoreError> {
-    let host_local = crate::host_local_lock::before_take(
+    let host_local = super::co_writer::before_take(
         conn,
         owner.network,
         address,
@@ -352,7 +352,7 @@ impl Store {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        crate::host_local_lock::before_release(&tx, network, container_id, interface_name, family)?;
+        super::co_writer::before_release(&tx, network, container_id, interface_name, family)?;
         let rows = held(&tx, network, container_id, interface_name, family)?;
         for row in &rows {
             give_back(&tx, mode, network, row, release_at)?;

@@ -15,6 +15,7 @@ mod boot;
 mod bounds;
 mod check;
 mod checkpoint;
+pub mod co_writer;
 mod files;
 mod free;
 mod gc;

@@ -14,6 +14,10 @@
 //! owner, so host-local can serve the address again; a DEL also removes
 //! the owner's files of pods host-local served ([`before_release`]).
 //!
+//! The registration is typed state of the network: `metis_networks`'
+//! `host_local_dir` (the absolute path) and `host_local_dir_identity`
+//! (`DEV:INODE` of the directory when it was registered).
+//!
 //! Removing the directory (the migration is over) ends the registration
 //! at the next allocation; a directory created again later is another one
 //! (its inode differs) and is not co-written until imported again.
@@ -21,60 +25,79 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, OptionalExtension};
+use rusqlite::{Connection, OptionalExtension, params};
 
+use super::{Store, StoreError, write};
 use crate::cidr::Family;
-use crate::cli::host_local_dir::{self, DirError, Held, Lock};
-use crate::store::{Store, StoreError, get_setting};
-
-/// `metis_settings` key prefix (then the network) of the registered
-/// directory: `DEV:INODE:PATH`.
-const KEY_PREFIX: &str = "host_local_dir/";
-
-fn key(network: &str) -> String {
-    format!("{KEY_PREFIX}{network}")
-}
+use crate::host_local_dir::{self, DirError, Held, Lock};
 
 fn store_error(err: DirError) -> StoreError {
     StoreError::HostLocal(err.0)
 }
 
-/// A registration's directory and its recorded identity.
-fn parse_registration(value: &str) -> Option<(PathBuf, (u64, u64))> {
-    let mut parts = value.splitn(3, ':');
-    let dev = parts.next()?.parse().ok()?;
-    let ino = parts.next()?.parse().ok()?;
-    Some((PathBuf::from(parts.next()?), (dev, ino)))
+/// A directory's identity as recorded: `DEV:INODE`.
+fn identity_text((dev, ino): (u64, u64)) -> String {
+    format!("{dev}:{ino}")
 }
 
-/// The directory a registration names, if it is still that very
-/// directory (neither gone nor replaced).
-fn current(value: &str) -> Result<Option<PathBuf>, StoreError> {
-    let Some((dir, registered)) = parse_registration(value) else {
-        return Err(StoreError::Corrupt(format!(
-            "metis_settings {KEY_PREFIX}…: unreadable value {value:?}"
-        )));
-    };
-    let now = host_local_dir::identity(&dir).map_err(store_error)?;
-    Ok((now == Some(registered)).then_some(dir))
+/// The directory `network` is registered with (`metis_networks`), and
+/// its identity then, if any.
+fn registration(conn: &Connection, network: &str) -> Result<Option<(PathBuf, String)>, StoreError> {
+    let row: Option<(Option<String>, Option<String>)> = conn
+        .prepare_cached(
+            "SELECT host_local_dir, host_local_dir_identity FROM metis_networks WHERE network = ?1",
+        )?
+        .query_row([network], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    Ok(match row {
+        Some((Some(dir), Some(identity))) => Some((PathBuf::from(dir), identity)),
+        _ => None,
+    })
+}
+
+/// Records (or with `None` ends) `network`'s registration.
+fn set_registration(
+    conn: &Connection,
+    network: &str,
+    registered: Option<(&str, &str)>,
+) -> Result<(), StoreError> {
+    let (dir, identity) = registered.unzip();
+    conn.prepare_cached(
+        "INSERT INTO metis_networks (network, host_local_dir, host_local_dir_identity) \
+         VALUES (?1, ?2, ?3) ON CONFLICT(network) DO UPDATE SET \
+         host_local_dir = excluded.host_local_dir, \
+         host_local_dir_identity = excluded.host_local_dir_identity",
+    )?
+    .execute(params![network, dir, identity])?;
+    Ok(())
+}
+
+/// Whether `dir` is still the very directory registered (neither gone
+/// nor replaced).
+fn is_current(dir: &Path, registered: &str) -> Result<bool, StoreError> {
+    let now = host_local_dir::identity(dir).map_err(store_error)?;
+    Ok(now.map(identity_text).as_deref() == Some(registered))
 }
 
 /// The directory `network` is co-written in now, if any. A registered one
 /// that is gone or was replaced ends the registration (recorded in the
 /// caller's transaction).
 fn co_written(conn: &Connection, network: &str) -> Result<Option<PathBuf>, StoreError> {
-    let Some(value) = get_setting(conn, &key(network))? else {
+    let Some((dir, identity)) = registration(conn, network)? else {
         return Ok(None);
     };
-    if let Some(dir) = current(&value)? {
+    if is_current(&dir, &identity)? {
         return Ok(Some(dir));
     }
-    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-        .execute([key(network)])?;
+    set_registration(conn, network, None)?;
     crate::log::warn(
         "host-local",
         "host-local's directory is gone or was replaced: no longer co-written",
-        &[("network", &network), ("registration", &value)],
+        &[
+            ("network", &network),
+            ("dir", &dir.display()),
+            ("identity", &identity),
+        ],
     );
     Ok(None)
 }
@@ -82,34 +105,55 @@ fn co_written(conn: &Connection, network: &str) -> Result<Option<PathBuf>, Store
 /// Whether `network` is co-written in `dir` now: registered by an earlier
 /// import or export, and still that very directory.
 pub fn is_registered(store: &Store, network: &str, dir: &Path) -> Result<bool, StoreError> {
-    let Some(value) = store.setting(&key(network))? else {
+    let Some((registered, identity)) = registration(&store.conn, network)? else {
         return Ok(false);
     };
-    Ok(current(&value)?.is_some_and(|d| d == dir))
+    Ok(registered == dir && is_current(dir, &identity)?)
 }
 
 /// Registers `dir` (when it exists) as `network`'s host-local directory:
 /// from now on the network is co-written there.
 pub fn register(store: &mut Store, network: &str, dir: &Path) -> Result<(), StoreError> {
-    let Some((dev, ino)) = host_local_dir::identity(dir).map_err(store_error)? else {
+    let Some(identity) = host_local_dir::identity(dir).map_err(store_error)? else {
         return Ok(());
     };
     let path = dir
         .to_str()
         .ok_or_else(|| StoreError::Corrupt(format!("{} is not UTF-8", dir.display())))?;
-    store.put_setting(&key(network), Some(&format!("{dev}:{ino}:{path}")))
+    store.put_registration(network, Some((path, &identity_text(identity))))
 }
 
 /// Ends `network`'s registration: its directory is no longer co-written.
 pub fn unregister(store: &mut Store, network: &str) -> Result<(), StoreError> {
-    store.put_setting(&key(network), None)
+    store.put_registration(network, None)
+}
+
+impl Store {
+    /// Records `network`'s registration; writes only on a change.
+    fn put_registration(
+        &mut self,
+        network: &str,
+        registered: Option<(&str, &str)>,
+    ) -> Result<(), StoreError> {
+        let now = registration(&self.conn, network)?;
+        let now = now
+            .as_ref()
+            .and_then(|(dir, identity)| Some((dir.to_str()?, identity.as_str())));
+        if now == registered {
+            return Ok(());
+        }
+        let tx = write(&mut self.conn, self.batch)?;
+        set_registration(&tx, network, registered)?;
+        tx.commit()?;
+        Ok(())
+    }
 }
 
 /// Called inside the write transaction before a row of `network` becomes
 /// `container_id`/`ifname`'s: `None` when the owner may take it (its
 /// host-local file now exists, or the network is not co-written), else
 /// the owner host-local's file records, who holds it.
-pub fn before_take(
+pub(super) fn before_take(
     conn: &Connection,
     network: &str,
     address: IpAddr,
@@ -137,7 +181,7 @@ pub fn before_take(
 /// Called inside the write transaction before row `row_id` (holding
 /// `address`) of `network` is released: removes host-local's file if it
 /// names the row's owner.
-pub fn before_give_back(
+pub(super) fn before_give_back(
     conn: &Connection,
     network: &str,
     row_id: i64,
@@ -164,7 +208,7 @@ pub fn before_give_back(
 /// family of a failed ADD) of `container_id`/`ifname` in `network`: removes
 /// every host-local file naming the owner, as host-local's DEL would, also
 /// of a pod host-local served and Metis never recorded.
-pub fn before_release(
+pub(super) fn before_release(
     conn: &Connection,
     network: &str,
     container_id: &str,
@@ -217,6 +261,9 @@ mod tests {
         assert_eq!(file(&dir, "198.18.3.2"), None);
         register(&mut store, "pods", &dir).unwrap();
         assert!(is_registered(&store, "pods", &dir).unwrap());
+        // Typed state of the network, not a settings key.
+        let (recorded, _) = registration(&store.conn, "pods").unwrap().unwrap();
+        assert_eq!(recorded, dir);
         // host-local holds .2: recorded for its pod, Metis's gets .3 and
         // its file.
         std::fs::write(dir.join("198.18.3.3"), "h1\r\neth0").unwrap();
