@@ -14,6 +14,7 @@ pub mod duration;
 pub mod encode;
 pub mod engine;
 pub mod flags;
+pub mod host_local_dir;
 #[cfg(feature = "kube")]
 pub mod kube;
 pub mod log;

@@ -202,6 +202,8 @@ fn the_daemonset_wires_up_the_node() {
         .filter_map(|mount| mount["mountPath"].as_str())
         .collect();
     assert!(mounts.contains(&"/var/lib/cni/metis"), "{mounts:?}");
+    // Co-writing host-local's directory during a migration needs it.
+    assert!(mounts.contains(&"/var/lib/cni/networks"), "{mounts:?}");
 
     let init = &pod["initContainers"][0];
     let install = strings(&init["command"]);

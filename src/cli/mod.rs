@@ -8,7 +8,6 @@ pub mod admin;
 pub mod check;
 pub mod health;
 pub mod host_local;
-pub mod host_local_dir;
 pub mod install;
 pub mod render;
 

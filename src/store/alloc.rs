@@ -69,24 +69,43 @@ fn held_by_owner(
     .map(|row| row.allocation))
 }
 
-/// Marks row `row_id` of block `block_id` allocated to `owner`.
+/// Marks row `row_id` (holding `address`) of block `block_id` allocated to
+/// `owner` and returns true; or, when host-local's co-written directory
+/// records another owner for the address, to that owner, returning false.
 fn take_row(
     conn: &Connection,
     row_id: i64,
     block_id: i64,
+    address: IpAddr,
     owner: &Owner,
     now_ms: i64,
-) -> Result<(), StoreError> {
-    conn.prepare_cached(TAKE_ROW_SQL)?.execute(params![
-        row_id,
+) -> Result<bool, StoreError> {
+    let host_local = super::co_writer::before_take(
+        conn,
+        owner.network,
+        address,
         owner.container_id,
         owner.interface_name,
-        owner.pod_name,
-        owner.pod_namespace,
+    )?;
+    let (container_id, interface_name, pod_name, pod_namespace) = match &host_local {
+        None => (
+            owner.container_id,
+            owner.interface_name,
+            owner.pod_name,
+            owner.pod_namespace,
+        ),
+        Some(held) => (held.container_id.as_str(), held.ifname.as_str(), "", ""),
+    };
+    conn.prepare_cached(TAKE_ROW_SQL)?.execute(params![
+        row_id,
+        container_id,
+        interface_name,
+        pod_name,
+        pod_namespace,
         now_ms
     ])?;
     conn.prepare_cached(COUNT_TAKEN_SQL)?.execute([block_id])?;
-    Ok(())
+    Ok(host_local.is_none())
 }
 
 /// Allocated rows of owner (?1 container, ?2 interface) in network ?3,
@@ -138,7 +157,8 @@ pub(super) const CLAIM_SQL: &str = concat!(
     " ORDER BY id LIMIT 1"
 );
 
-/// Claims the lowest-id free, non-cooling row of a block.
+/// Claims the lowest-id free, non-cooling row of a block (passing over
+/// those host-local turns out to hold: each is recorded for its holder).
 fn claim(
     conn: &Connection,
     block_id: i64,
@@ -146,21 +166,24 @@ fn claim(
     owner: &Owner,
     now_ms: i64,
 ) -> Result<Option<IpAddr>, StoreError> {
-    let row: Option<(i64, String)> = conn
-        .prepare_cached(CLAIM_SQL)?
-        .query_row(params![block_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()?;
-    let Some((row_id, text)) = row else {
-        return Ok(None);
-    };
-    let address = parse_addr(&text)?;
-    if !cidr.contains(address) {
-        return Err(StoreError::Corrupt(format!(
-            "free row {text:?} of block {block_id} lies outside {cidr}"
-        )));
+    loop {
+        let row: Option<(i64, String)> = conn
+            .prepare_cached(CLAIM_SQL)?
+            .query_row(params![block_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let Some((row_id, text)) = row else {
+            return Ok(None);
+        };
+        let address = parse_addr(&text)?;
+        if !cidr.contains(address) {
+            return Err(StoreError::Corrupt(format!(
+                "free row {text:?} of block {block_id} lies outside {cidr}"
+            )));
+        }
+        if take_row(conn, row_id, block_id, address, owner, now_ms)? {
+            return Ok(Some(address));
+        }
     }
-    take_row(conn, row_id, block_id, owner, now_ms)?;
-    Ok(Some(address))
 }
 
 /// Populates the next batch of a block from its frontier. Returns rows
@@ -281,7 +304,9 @@ impl Store {
         }
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;
-        take_row(&tx, row_id, block_id, owner, now_ms)?;
+        if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
+            return Err(unavailable(address, Unavailable::HeldByHostLocal));
+        }
         tx.commit()?;
         Ok(Allocation {
             address,
@@ -327,6 +352,7 @@ impl Store {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
+        super::co_writer::before_release(&tx, network, container_id, interface_name, family)?;
         let rows = held(&tx, network, container_id, interface_name, family)?;
         for row in &rows {
             give_back(&tx, mode, network, row, release_at)?;

@@ -332,6 +332,7 @@ pub(super) fn give_back(
     row: &HeldRow,
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
+    super::co_writer::before_give_back(conn, network, row.row_id, row.allocation.address)?;
     let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
     let at_reserved = row
         .allocation

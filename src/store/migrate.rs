@@ -1,7 +1,8 @@
 //! The one-time move of Metis's per-block and per-network state from text
 //! keys in `metis_settings` into typed columns: a block's frontier into
 //! `metis_blocks.frontier`, a network's isolation and low-use clock into
-//! `metis_networks`. Run at every writable open and idempotent: it finds
+//! `metis_networks` (and the columns that table gained since, added to
+//! one created without them). Run at every writable open and idempotent: it finds
 //! nothing to do on a database it already moved (two cheap reads), and
 //! moves again whatever an older Metis (a plugin of the previous release
 //! in direct mode, during an upgrade) wrote since. Upstream's tables are
@@ -17,6 +18,12 @@ pub(super) fn leftovers(conn: &Connection) -> Result<Vec<String>, StoreError> {
     let mut left = Vec::new();
     if !has_frontier_column(conn)? {
         left.push("metis_blocks has no frontier column".to_string());
+    }
+    // A database without the table gets it whole at the next open.
+    if has_networks_table(conn)? {
+        for (column, _) in missing_network_columns(conn)? {
+            left.push(format!("metis_networks has no {column} column"));
+        }
     }
     for prefix in schema::LEGACY_KEYS {
         let count = legacy(conn, prefix)?.len();
@@ -36,7 +43,10 @@ pub(super) fn needed(conn: &Connection) -> Result<bool, StoreError> {
         .collect();
     let sql = format!(
         "SELECT NOT EXISTS (SELECT 1 FROM pragma_table_info('metis_blocks') WHERE name = 'frontier') \
+         OR (SELECT COUNT(*) FROM pragma_table_info('metis_networks') WHERE name IN ({})) < {} \
          OR EXISTS (SELECT 1 FROM metis_settings WHERE {})",
+        added_columns_list(),
+        schema::NETWORKS_ADDED.len(),
         keys.join(" OR ")
     );
     Ok(conn.prepare_cached(&sql)?.query_row([], |r| r.get(0))?)
@@ -48,6 +58,11 @@ pub(super) fn needed(conn: &Connection) -> Result<bool, StoreError> {
 pub(super) fn migrate(conn: &Connection) -> Result<(), StoreError> {
     if !has_frontier_column(conn)? {
         rebuild_blocks(conn)?;
+    }
+    for (column, kind) in missing_network_columns(conn)? {
+        conn.execute_batch(&format!(
+            "ALTER TABLE metis_networks ADD COLUMN {column} {kind}"
+        ))?;
     }
     let [frontier, isolated, low_since] = schema::LEGACY_KEYS;
     for (id, value) in legacy(conn, frontier)? {
@@ -97,6 +112,41 @@ fn rebuild_blocks(conn: &Connection) -> Result<(), StoreError> {
          DROP TABLE metis_blocks_old;",
     )?;
     Ok(())
+}
+
+/// `'host_local_dir', …`: the names of [`schema::NETWORKS_ADDED`] as SQL.
+fn added_columns_list() -> String {
+    let names: Vec<String> = schema::NETWORKS_ADDED
+        .iter()
+        .map(|(name, _)| format!("'{name}'"))
+        .collect();
+    names.join(", ")
+}
+
+fn has_networks_table(conn: &Connection) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_networks')",
+        )?
+        .query_row([], |r| r.get(0))?)
+}
+
+/// The columns of [`schema::NETWORKS_ADDED`] `metis_networks` lacks.
+fn missing_network_columns(
+    conn: &Connection,
+) -> Result<Vec<(&'static str, &'static str)>, StoreError> {
+    let mut missing = Vec::new();
+    for (name, kind) in schema::NETWORKS_ADDED {
+        let exists: bool = conn
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM pragma_table_info('metis_networks') WHERE name = ?1)",
+            )?
+            .query_row([name], |r| r.get(0))?;
+        if !exists {
+            missing.push((name, kind));
+        }
+    }
+    Ok(missing)
 }
 
 fn has_frontier_column(conn: &Connection) -> Result<bool, StoreError> {
@@ -191,6 +241,16 @@ mod tests {
             .collect()
     }
 
+    /// What `admin check` says is left to move.
+    fn left_to_move(path: &std::path::Path) -> Vec<String> {
+        let report = check_file(path, Depth::Quick).unwrap();
+        report
+            .problems
+            .into_iter()
+            .filter(|p| p.starts_with("metis tables:"))
+            .collect()
+    }
+
     #[test]
     fn an_old_database_moves_its_keys_into_typed_columns_once() {
         let dir = TempDir::new();
@@ -219,13 +279,8 @@ mod tests {
         age(&dir.db());
 
         // `admin check` names what is left to move, and moves nothing.
-        let report = check_file(&dir.db(), Depth::Quick).unwrap();
-        let left: Vec<&String> = report
-            .problems
-            .iter()
-            .filter(|p| p.starts_with("metis tables:"))
-            .collect();
-        assert_eq!(left.len(), 4, "{:?}", report.problems);
+        let left = left_to_move(&dir.db());
+        assert_eq!(left.len(), 4, "{left:?}");
         assert!(left[0].contains("no frontier column"), "{left:?}");
         assert!(super::needed(&Connection::open(dir.db()).unwrap()).unwrap());
         // A read-only look (STATUS in direct mode) before any open moved
@@ -257,6 +312,43 @@ mod tests {
         // Once moved, an open finds nothing to do.
         let store = dir.store();
         assert_eq!(records(&store).len(), 3);
+        assert!(check_file(&dir.db(), Depth::Quick).unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_networks_table_of_the_first_typed_release_gains_the_host_local_columns() {
+        let dir = TempDir::new();
+        {
+            let mut store = dir.store();
+            let v4 = cidr("198.18.0.0/24");
+            store
+                .configure(Source::Cni, "vrf-b", Family::V4, &[v4], true, NOW)
+                .unwrap();
+        }
+        // metis_networks as the release that introduced it created it.
+        Connection::open(dir.db())
+            .unwrap()
+            .execute_batch(
+                "BEGIN;
+                 CREATE TABLE metis_networks_old (network TEXT PRIMARY KEY, \
+                   isolated INTEGER NOT NULL DEFAULT 0, low_utilization_since INTEGER);
+                 INSERT INTO metis_networks_old SELECT network, isolated, low_utilization_since \
+                   FROM metis_networks;
+                 DROP TABLE metis_networks;
+                 ALTER TABLE metis_networks_old RENAME TO metis_networks;
+                 COMMIT;",
+            )
+            .unwrap();
+        let left = left_to_move(&dir.db());
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(left[0].contains("no host_local_dir column"), "{left:?}");
+        assert!(super::needed(&Connection::open(dir.db()).unwrap()).unwrap());
+
+        let store = dir.store();
+        assert!(!super::needed(&store.conn).unwrap());
+        assert!(store.is_isolated("vrf-b").unwrap(), "rows kept");
+        assert_eq!(super::missing_network_columns(&store.conn).unwrap(), []);
+        drop(store);
         assert!(check_file(&dir.db(), Depth::Quick).unwrap().is_ok());
     }
 }

@@ -15,6 +15,7 @@ mod boot;
 mod bounds;
 mod check;
 mod checkpoint;
+pub mod co_writer;
 mod files;
 mod free;
 mod gc;
@@ -243,6 +244,9 @@ pub enum Unavailable {
     Cooling { until_ms: i64 },
     /// Its block is quarantined.
     Quarantined { block: Cidr },
+    /// host-local's co-written directory has a file for it naming another
+    /// owner (host-local handed it out).
+    HeldByHostLocal,
     /// Its block is Draining (or otherwise not Ready).
     BlockNotReady { block: Cidr, state: BlockState },
     /// The requesting owner already holds another address of the family.
@@ -272,6 +276,9 @@ impl fmt::Display for Unavailable {
             ),
             Unavailable::Quarantined { block } => {
                 write!(f, "block {block} is quarantined (see `metis admin check`)")
+            }
+            Unavailable::HeldByHostLocal => {
+                f.write_str("host-local's file records another owner for it")
             }
             Unavailable::BlockNotReady { block, state } => write!(f, "block {block} is {state}"),
             Unavailable::OwnerHolds {
@@ -321,6 +328,10 @@ pub enum StoreError {
     EmptyOwner,
     /// A row whose content does not parse.
     Corrupt(String),
+    /// host-local's directory, co-written during a migration, could not be
+    /// used (its lock, an entry that is not host-local's, an I/O error):
+    /// nothing is allocated in that network meanwhile.
+    HostLocal(String),
     /// A block would share addresses with another block: of the same
     /// network, or of another network when neither is isolated.
     Overlap {
@@ -344,7 +355,10 @@ impl StoreError {
     /// I/O, full disk, unopenable or read-only database).
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Busy(_) | StoreError::Open { .. } | StoreError::BatchAborted => true,
+            StoreError::Busy(_)
+            | StoreError::Open { .. }
+            | StoreError::BatchAborted
+            | StoreError::HostLocal(_) => true,
             StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
                 e.code,
                 ErrorCode::DatabaseBusy
@@ -408,6 +422,7 @@ impl fmt::Display for StoreError {
                 f.write_str("store: container_id and interface_name must not be empty")
             }
             StoreError::Corrupt(what) => write!(f, "store: corrupt database content: {what}"),
+            StoreError::HostLocal(what) => write!(f, "store: host-local's directory: {what}"),
             StoreError::Overlap {
                 cidr,
                 network,

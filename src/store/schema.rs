@@ -75,11 +75,19 @@ pub const BLOCKS: &str = "CREATE TABLE IF NOT EXISTS metis_blocks (\
      retired INTEGER NOT NULL DEFAULT 0, quarantine TEXT, frontier TEXT)";
 
 /// Metis's record of each network: whether it is isolated (an address
-/// space of its own, `ipam.isolated`) and since when (Unix ms) the
-/// monitor has seen its IPv4 use low, across restarts.
+/// space of its own, `ipam.isolated`), since when (Unix ms) the monitor
+/// has seen its IPv4 use low, across restarts, and the host-local
+/// directory Metis co-writes during a migration (`store::co_writer`).
 pub const NETWORKS: &str = "CREATE TABLE IF NOT EXISTS metis_networks (\
      network TEXT PRIMARY KEY, isolated INTEGER NOT NULL DEFAULT 0, \
-     low_utilization_since INTEGER)";
+     low_utilization_since INTEGER, host_local_dir TEXT, host_local_dir_identity TEXT)";
+
+/// The columns `metis_networks` gained after its first release, added to
+/// a table created without them by [`super::migrate`].
+pub const NETWORKS_ADDED: [(&str, &str); 2] = [
+    ("host_local_dir", "TEXT"),
+    ("host_local_dir_identity", "TEXT"),
+];
 
 /// The ranges each static source (cni, flag) wants, per network.
 pub const RANGES: &str = "CREATE TABLE IF NOT EXISTS metis_ranges (\
