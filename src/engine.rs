@@ -58,7 +58,9 @@ impl Failure {
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };
         let scope = match err {
-            StoreError::NoAvailableIps { network, family } => Some((network.clone(), *family)),
+            StoreError::NoAvailableIps {
+                network, family, ..
+            } => Some((network.clone(), *family)),
             _ => None,
         };
         Failure {

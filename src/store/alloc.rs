@@ -6,7 +6,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
-    is_quarantined, set_frontier,
+    is_quarantined, quarantined_in, set_frontier,
 };
 use super::free::{HAS_FREE_SQL, RowView, Taken, availability, free_now};
 use super::{
@@ -244,11 +244,13 @@ impl Store {
                 }
             }
         }
+        let quarantined = quarantined_in(&tx, owner.network, family)?;
         // Keep any rows populated on the way; they are valid.
         tx.commit()?;
         Err(StoreError::NoAvailableIps {
             network: owner.network.to_string(),
             family,
+            quarantined,
         })
     }
 

@@ -490,6 +490,21 @@ pub(super) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreEr
     Ok(rows)
 }
 
+/// The quarantined blocks of `network` and `family`, in words.
+pub(super) fn quarantined_in(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<String>, StoreError> {
+    Ok(quarantined(conn)?
+        .into_iter()
+        .filter(|q| {
+            q.network == network && q.cidr.parse::<Cidr>().is_ok_and(|c| c.family() == family)
+        })
+        .map(|q| format!("block {} ({})", q.cidr, q.why))
+        .collect())
+}
+
 /// Whether block `block_id` is quarantined.
 pub(super) fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
     Ok(conn

@@ -308,6 +308,9 @@ pub enum StoreError {
     NoAvailableIps {
         network: String,
         family: Family,
+        /// The network's quarantined blocks of that family, in words: why
+        /// it may be exhausted although it has addresses.
+        quarantined: Vec<String>,
     },
     RequestedIpUnavailable {
         address: IpAddr,
@@ -393,10 +396,25 @@ impl fmt::Display for StoreError {
                  (an I/O error or a full disk); nothing of it was kept, retry",
             ),
             StoreError::BadCidr(e) => write!(f, "store: {e}"),
-            StoreError::NoAvailableIps { network, family } => write!(
-                f,
-                "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
-            ),
+            StoreError::NoAvailableIps {
+                network,
+                family,
+                quarantined,
+            } => {
+                write!(
+                    f,
+                    "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
+                )?;
+                match quarantined.is_empty() {
+                    true => Ok(()),
+                    false => write!(
+                        f,
+                        "; quarantined, so not served until the problem is solved and the daemon restarted \
+                         (see `metis admin check`): {}",
+                        quarantined.join("; ")
+                    ),
+                }
+            }
             StoreError::RequestedIpUnavailable { address, reason } => {
                 write!(f, "store: requested IP {address} is unavailable: {reason}")
             }
