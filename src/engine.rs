@@ -154,6 +154,9 @@ pub enum Readiness {
     Full {
         network: String,
         family: Family,
+        /// Why some of the network's addresses cannot be served, in words:
+        /// quarantined blocks, bounds that leave no address.
+        blocked: Vec<String>,
         /// Why the cluster cannot add blocks either, when the adaptive side
         /// knows it could otherwise.
         cluster_problem: Option<String>,
@@ -563,15 +566,22 @@ impl Engine {
                 .map(|text| text.parse::<Cidr>())
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|err| Failure::invalid(format!("range: {err}")))?;
+            let bounds = range_bounds(family, &ranges, &req.bounds)?;
             let context = format!("status of network {network:?}");
+            let failed = |err: StoreError| Failure::from_store(&context, &err);
             let can = self
                 .store
-                .can_allocate(network, family, &ranges, now_ms)
-                .map_err(|err| Failure::from_store(&context, &err))?;
+                .can_allocate(network, family, &ranges, &bounds, req.isolated, now_ms)
+                .map_err(failed)?;
             if !can {
+                let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
+                blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
+                    |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
+                ));
                 return Ok(Readiness::Full {
                     network: network.to_string(),
                     family,
+                    blocked,
                     cluster_problem: None,
                 });
             }

@@ -347,6 +347,38 @@ impl Store {
 }
 
 impl Store {
+    /// What [`Store::configure`] of the CNI `ranges` with `isolated` would
+    /// do, read only (STATUS): the refusal an ADD would get, else the
+    /// ranges that would become new room (a block added or grown, not
+    /// quarantined).
+    pub(super) fn would_lay_out(
+        &self,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        isolated: bool,
+    ) -> Result<Vec<Cidr>, StoreError> {
+        let conn = &self.conn;
+        if is_isolated(conn, network)? && !isolated {
+            check_joins_shared_space(conn, network)?;
+        }
+        let blocks = placed(conn, network, family)?;
+        let mut room = Vec::new();
+        for range in ranges.iter().filter(|range| range.family() == family) {
+            match placement(range, &blocks) {
+                Placement::Served | Placement::Narrow(_) | Placement::Quarantined(_) => {}
+                Placement::Granted(granted) => {
+                    return Err(granted_overlap(network, range, &granted));
+                }
+                Placement::Add | Placement::Grow(_) => {
+                    check_other_networks_as(conn, network, isolated, range)?;
+                    room.push(*range);
+                }
+            }
+        }
+        Ok(room)
+    }
+
     /// The fast path of [`Store::configure`]: the recorded ranges, the
     /// isolation and the blocks already match, and no retired block of
     /// the network is ready to be deleted.
@@ -476,16 +508,9 @@ fn place(
     decided: Placement,
     changes: &mut LayoutChanges,
 ) -> Result<Option<StoreError>, StoreError> {
-    let overlap = |other: &Cidr| StoreError::Overlap {
-        cidr: *target,
-        network: network.to_string(),
-        other_cidr: other.to_string(),
-        other_network: network.to_string(),
-        isolation_helps: false,
-    };
     let line = match decided {
         Placement::Served => return Ok(None),
-        Placement::Granted(granted) => return Ok(Some(overlap(&granted))),
+        Placement::Granted(granted) => return Ok(Some(granted_overlap(network, target, &granted))),
         Placement::Quarantined(q) => format!(
             "range {target} of network {network:?} overlaps quarantined block {q}; not served until `metis admin check` passes"
         ),
@@ -520,6 +545,18 @@ fn place(
 }
 
 /// [`check_other_networks`], its refusal as a value.
+/// The refusal of a range overlapping a block of its own network that
+/// the cluster granted.
+fn granted_overlap(network: &str, target: &Cidr, granted: &Cidr) -> StoreError {
+    StoreError::Overlap {
+        cidr: *target,
+        network: network.to_string(),
+        other_cidr: granted.to_string(),
+        other_network: network.to_string(),
+        isolation_helps: false,
+    }
+}
+
 fn other_network_refusal(
     conn: &Connection,
     network: &str,
@@ -629,9 +666,19 @@ pub(super) fn add_block(
 }
 
 /// Refuses a prefix that overlaps a block of another network, unless one
-/// of the two networks is isolated.
+/// of the two networks is isolated (`network` as recorded).
 fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result<(), StoreError> {
-    if is_isolated(conn, network)? {
+    check_other_networks_as(conn, network, is_isolated(conn, network)?, cidr)
+}
+
+/// [`check_other_networks`] with `network`'s isolation given.
+fn check_other_networks_as(
+    conn: &Connection,
+    network: &str,
+    isolated: bool,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    if isolated {
         return Ok(());
     }
     let mut stmt = conn.prepare_cached(
@@ -664,7 +711,7 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
 fn check_joins_shared_space(conn: &Connection, network: &str) -> Result<(), StoreError> {
     for family in [Family::V4, Family::V6] {
         for block in placed(conn, network, family)? {
-            check_other_networks(conn, network, &block.cidr)?;
+            check_other_networks_as(conn, network, false, &block.cidr)?;
         }
     }
     Ok(())

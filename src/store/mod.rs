@@ -409,7 +409,7 @@ impl fmt::Display for StoreError {
                     true => Ok(()),
                     false => write!(
                         f,
-                        "; quarantined, so not served until the problem is solved and the daemon restarted \
+                        "; not served until the problem is solved and the daemon restarted \
                          (see `metis admin check`): {}",
                         quarantined.join("; ")
                     ),
