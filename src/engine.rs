@@ -474,7 +474,8 @@ impl Engine {
         let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
         require_pod_fields(&req.pod_namespace, &req.pod_name)?;
-        self.store
+        let released = self
+            .store
             .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
@@ -484,7 +485,20 @@ impl Engine {
                     ),
                     &err,
                 )
-            })
+            })?;
+        for held_in in &released.elsewhere {
+            crate::log::warn(
+                "engine",
+                "DEL released what another network held for this container and interface (the configuration's ipam.network was renamed under the pod)",
+                &[
+                    ("network", &network),
+                    ("held_in", held_in),
+                    ("container_id", &req.container_id),
+                    ("interface_name", &req.interface_name),
+                ],
+            );
+        }
+        Ok(released.addresses)
     }
 
     pub fn check(&self, req: &ipam::CheckPodIpRequest) -> Result<Vec<Allocation>, Failure> {

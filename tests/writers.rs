@@ -174,3 +174,47 @@ fn a_quarantined_network_says_so_in_add_and_status() {
         ["198.18.74.2".parse::<std::net::IpAddr>().unwrap()]
     );
 }
+
+/// `ipam.network` renamed under a pod: DEL under the new name releases
+/// the old network's allocation for that container and interface (and
+/// logs it), in daemon and in direct mode; other pods keep theirs.
+#[test]
+fn del_under_a_renamed_network_strands_nothing() {
+    for daemon in [true, false] {
+        let mut node = Node::new("writers-rename", "1m");
+        if daemon {
+            node.start(&[]);
+        }
+        let before = NetConf::new("pods-a", &["198.18.76.0/29"]);
+        let after = NetConf::new("pods-b", &["198.18.77.0/29"]);
+        assert!(matches!(
+            node.add(&before, "pod-1", Request::None),
+            Outcome::Ok(_)
+        ));
+        assert!(matches!(
+            node.add(&before, "pod-2", Request::None),
+            Outcome::Ok(_)
+        ));
+        assert!(matches!(
+            node.add(&after, "pod-3", Request::None),
+            Outcome::Ok(_)
+        ));
+        let kept = node.held_by("pods-a", "pod-2");
+        assert_eq!(node.del(&after, "pod-1"), Outcome::Ok(Vec::new()));
+        assert!(
+            node.held_by("pods-a", "pod-1").is_empty(),
+            "daemon {daemon}: stranded"
+        );
+        assert_eq!(node.held_by("pods-a", "pod-2"), kept);
+        assert_eq!(node.held_by("pods-b", "pod-3").len(), 1);
+        let log = match daemon {
+            true => node.log(),
+            false => std::fs::read_to_string(node.dir.join("cni.log")).unwrap_or_default(),
+        };
+        assert!(
+            log.contains("another network held"),
+            "daemon {daemon}: {log}"
+        );
+        assert!(log.contains("pods-a"), "{log}");
+    }
+}

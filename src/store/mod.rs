@@ -42,6 +42,7 @@ use rusqlite::{
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use alloc::Released;
 pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};

@@ -137,7 +137,7 @@ fn upstream_database_is_repaired_and_served() {
     );
     // Releasing the held reserved position returns it to the reservation.
     let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
-    assert_eq!(released[0].address, ip("198.18.2.1"));
+    assert_eq!(released.addresses[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
         vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
