@@ -218,3 +218,34 @@ fn del_under_a_renamed_network_strands_nothing() {
         assert!(log.contains("pods-a"), "{log}");
     }
 }
+
+/// `metis admin check --db-path` vets a node before the upgrade: on a
+/// database only upstream has written it reports, exits 0, and writes
+/// nothing (the file's bytes and mtime, and no file beside it).
+#[test]
+fn admin_check_vets_an_upstream_only_database_without_writing() {
+    let dir = common::TestDir::new("writers-vet");
+    let path = dir.join("metis.sqlite");
+    let upstream = Upstream::create(&path);
+    let id = upstream.block("198.18.78.0/28", "default", true);
+    upstream.hold(id, "198.18.78.2", "old-pod", "eth0");
+    drop(upstream);
+    let bytes = std::fs::read(&path).unwrap();
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let beside = |dir: &common::TestDir| {
+        let mut names: Vec<_> = std::fs::read_dir(dir.join(""))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let files = beside(&dir);
+    let output = common::admin_check(&path);
+    assert!(output.status.success(), "{output:?}");
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("ok") || report.contains("OK"), "{report}");
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "the file was written");
+    assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), mtime);
+    assert_eq!(beside(&dir), files, "a file was created beside it");
+}

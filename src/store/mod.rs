@@ -633,9 +633,14 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
         };
-        store.install_schema()?;
+        let upstream_only = store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
-        store.release_cooldown_ms = store.settle_release_cooldown(opts.release_cooldown)?;
+        // Upstream released with its daemon's cooldown: a first open
+        // without one asked for (direct mode) keeps that, not none.
+        let cooldown = opts
+            .release_cooldown
+            .or(upstream_only.then_some(crate::defaults::DEFAULT_RELEASE_COOLDOWN_MS));
+        store.release_cooldown_ms = store.settle_release_cooldown(cooldown)?;
         store.repair()?;
         Ok(store)
     }
@@ -736,6 +741,7 @@ impl Store {
         if version != SCHEMA_VERSION {
             return Ok(None);
         }
+        schema::shadow_missing_tables(&conn)?;
         // Upstream databases have no settings table: default mode then.
         let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
             .ok()
@@ -775,7 +781,10 @@ impl Store {
         &self.warnings
     }
 
-    fn install_schema(&mut self) -> Result<(), StoreError> {
+    /// Installs upstream's schema and Metis's tables where missing; true
+    /// when the file had upstream's schema but none of Metis's settings (a
+    /// database only upstream has written).
+    fn install_schema(&mut self) -> Result<bool, StoreError> {
         let version: i64 = self
             .conn
             .pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -793,6 +802,8 @@ impl Store {
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
             .query_map([], |r| r.get(0))?
             .collect::<Result<_, _>>()?;
+        let upstream_only =
+            version == SCHEMA_VERSION && !present.iter().any(|table| table == "metis_settings");
         for (name, create) in schema::METIS_TABLES {
             if !present.iter().any(|table| table == name) {
                 let tx = self
@@ -809,7 +820,7 @@ impl Store {
             migrate::migrate(&tx)?;
             tx.commit()?;
         }
-        Ok(())
+        Ok(upstream_only)
     }
 
     /// The release cooldown in force, in milliseconds (see
