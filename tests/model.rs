@@ -13,7 +13,9 @@
 //! - no address is held by two owners (networks that opt in with
 //!   `"ipam": {"isolated": true}` only among their own pods);
 //! - the database's allocated rows are exactly the model's holdings, so a
-//!   failed ADD left the owner's allocation untouched and a DEL released it;
+//!   failed ADD left the owner's allocation untouched and a DEL released it
+//!   (or, when its network held nothing for the container and interface,
+//!   what other networks held for exactly that pair);
 //! - an ADD that succeeds for a new owner returns one address per configured
 //!   family, inside the request's ranges or the daemon's `--cidr` blocks of
 //!   that network, and the requested address when one was asked for; a
@@ -665,11 +667,26 @@ impl Sequence {
         if outcome != Outcome::Ok(Vec::new()) {
             return Err(format!("DEL: {outcome:?}"));
         }
-        for ip in self.model.held.remove(&owner).unwrap_or_default() {
-            if self.model.cools {
-                self.model
-                    .cooling
-                    .insert((space(&owner.0), strip_prefix(&ip)), owner.clone());
+        // Nothing held in the named network: what another network holds
+        // for exactly this container and interface is released instead
+        // (a network renamed under its pod).
+        let released: Vec<Owner> = match self.model.held.contains_key(&owner) {
+            true => vec![owner],
+            false => self
+                .model
+                .held
+                .keys()
+                .filter(|(_, c, i)| c == container && i == ifname)
+                .cloned()
+                .collect(),
+        };
+        for who in released {
+            for ip in self.model.held.remove(&who).unwrap_or_default() {
+                if self.model.cools {
+                    self.model
+                        .cooling
+                        .insert((space(&who.0), strip_prefix(&ip)), who.clone());
+                }
             }
         }
         Ok(())
