@@ -291,6 +291,13 @@ impl Bounds {
         })
     }
 
+    /// Whether no address of `block` may be handed out under these bounds:
+    /// the one address of `rangeStart`..`rangeEnd` is the gateway.
+    pub fn leaves_no_address(&self, block: &Cidr) -> bool {
+        let (gateway, start, end) = self.offsets(block);
+        end < start || (start == end && gateway == Some(start))
+    }
+
     /// The reserved offsets of `block` under these bounds, as
     /// (gateway offset if inside, first usable offset, last usable offset).
     pub fn offsets(&self, block: &Cidr) -> (Option<u128>, u128, u128) {

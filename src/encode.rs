@@ -110,19 +110,28 @@ fn status_response(readiness: &Readiness) -> envelope::NetworkStatusResponse {
         Readiness::Full {
             network,
             family,
+            blocked,
             cluster_problem,
         } => envelope::NetworkStatusResponse {
             can_allocate: false,
-            detail: full_detail(network, *family, cluster_problem.as_deref()),
+            detail: full_detail(network, *family, blocked, cluster_problem.as_deref()),
             ip_family: family.as_str().to_string(),
         },
     }
 }
 
-fn full_detail(network: &str, family: Family, cluster_problem: Option<&str>) -> String {
+fn full_detail(
+    network: &str,
+    family: Family,
+    blocked: &[String],
+    cluster_problem: Option<&str>,
+) -> String {
     let mut detail = format!(
         "no free {family} address in network {network:?}: every block is full or cooling down and every configured range is already added"
     );
+    if !blocked.is_empty() {
+        detail.push_str(&format!("; not served: {}", blocked.join("; ")));
+    }
     if let Some(why) = cluster_problem {
         detail.push_str(&format!(
             "; more cannot be requested: the API server is unreachable or refuses us ({why})"
@@ -174,6 +183,7 @@ mod tests {
         let full = |cluster_problem: Option<&str>| Readiness::Full {
             network: "net".into(),
             family: Family::V4,
+            blocked: Vec::new(),
             cluster_problem: cluster_problem.map(str::to_string),
         };
         let Some(response::Kind::NetworkStatus(alone)) = encoded(Reply::Readiness(full(None)))

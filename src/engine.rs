@@ -58,7 +58,9 @@ impl Failure {
             _ => (Code::Unavailable, reason::STORE_UNAVAILABLE),
         };
         let scope = match err {
-            StoreError::NoAvailableIps { network, family } => Some((network.clone(), *family)),
+            StoreError::NoAvailableIps {
+                network, family, ..
+            } => Some((network.clone(), *family)),
             _ => None,
         };
         Failure {
@@ -152,6 +154,9 @@ pub enum Readiness {
     Full {
         network: String,
         family: Family,
+        /// Why some of the network's addresses cannot be served, in words:
+        /// quarantined blocks, bounds that leave no address.
+        blocked: Vec<String>,
         /// Why the cluster cannot add blocks either, when the adaptive side
         /// knows it could otherwise.
         cluster_problem: Option<String>,
@@ -469,7 +474,8 @@ impl Engine {
         let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
         require_pod_fields(&req.pod_namespace, &req.pod_name)?;
-        self.store
+        let released = self
+            .store
             .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
@@ -479,7 +485,20 @@ impl Engine {
                     ),
                     &err,
                 )
-            })
+            })?;
+        for held_in in &released.elsewhere {
+            crate::log::warn(
+                "engine",
+                "DEL released what another network held for this container and interface (the configuration's ipam.network was renamed under the pod)",
+                &[
+                    ("network", &network),
+                    ("held_in", held_in),
+                    ("container_id", &req.container_id),
+                    ("interface_name", &req.interface_name),
+                ],
+            );
+        }
+        Ok(released.addresses)
     }
 
     pub fn check(&self, req: &ipam::CheckPodIpRequest) -> Result<Vec<Allocation>, Failure> {
@@ -561,15 +580,22 @@ impl Engine {
                 .map(|text| text.parse::<Cidr>())
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|err| Failure::invalid(format!("range: {err}")))?;
+            let bounds = range_bounds(family, &ranges, &req.bounds)?;
             let context = format!("status of network {network:?}");
+            let failed = |err: StoreError| Failure::from_store(&context, &err);
             let can = self
                 .store
-                .can_allocate(network, family, &ranges, now_ms)
-                .map_err(|err| Failure::from_store(&context, &err))?;
+                .can_allocate(network, family, &ranges, &bounds, req.isolated, now_ms)
+                .map_err(failed)?;
             if !can {
+                let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
+                blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
+                    |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
+                ));
                 return Ok(Readiness::Full {
                     network: network.to_string(),
                     family,
+                    blocked,
                     cluster_problem: None,
                 });
             }

@@ -31,6 +31,7 @@ mod properties;
 mod proto_sync;
 mod reconcile;
 mod storage_faults;
+mod writers;
 
 /// With `autotests = false`, a file of `tests/` that is neither a module
 /// here nor a `[[test]]` of its own in Cargo.toml would never be compiled,

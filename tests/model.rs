@@ -13,13 +13,16 @@
 //! - no address is held by two owners (networks that opt in with
 //!   `"ipam": {"isolated": true}` only among their own pods);
 //! - the database's allocated rows are exactly the model's holdings, so a
-//!   failed ADD left the owner's allocation untouched and a DEL released it;
+//!   failed ADD left the owner's allocation untouched and a DEL released it
+//!   (or, when its network held nothing for the container and interface,
+//!   what other networks held for exactly that pair);
 //! - an ADD that succeeds for a new owner returns one address per configured
 //!   family, inside the request's ranges or the daemon's `--cidr` blocks of
 //!   that network, and the requested address when one was asked for; a
 //!   repeat ADD returns what the owner holds;
 //! - refusals are the fixed Metis's legitimate ones only: code 7 when a
-//!   block of another (non-isolated) network overlaps the request, code 11
+//!   block of another (non-isolated) network overlaps the request or, for a
+//!   configuration dropping `isolated`, one of the network's blocks, code 11
 //!   when the model finds no address surely free in some family, code 100
 //!   when the requested address is not surely free (held, cooling for
 //!   someone other than its last owner, reserved, or outside the ranges);
@@ -85,6 +88,8 @@ fn configs() -> Vec<NetConf> {
             isolated: true,
             ..NetConf::new("iso", &["198.18.20.0/30"])
         },
+        // Its conflist drops `isolated`: refused while its blocks overlap.
+        NetConf::new("iso", &["198.18.20.0/30"]),
         NetConf::new("other", &["198.18.22.0/30"]),
         // host-local bounds over a prefix other configurations use whole.
         NetConf {
@@ -115,14 +120,17 @@ const CIDR_FLAGS: &[Flags] = &[
     &["pods=198.18.23.0/30", "other=198.18.22.0/30"],
 ];
 
-fn is_isolated(network: &str) -> bool {
-    network == "iso"
+/// Whether `network` is an address space of its own: "iso" while Metis
+/// records it isolated (`iso_shared` false; a configuration of it without
+/// `isolated` may turn that off).
+fn is_isolated(network: &str, iso_shared: bool) -> bool {
+    network == "iso" && !iso_shared
 }
 
 /// The address space a network allocates in: its own when isolated, else
 /// the node's shared one.
-fn space(network: &str) -> String {
-    if is_isolated(network) {
+fn space(network: &str, iso_shared: bool) -> String {
+    if is_isolated(network, iso_shared) {
         network.to_string()
     } else {
         String::new()
@@ -130,8 +138,8 @@ fn space(network: &str) -> String {
 }
 
 /// Whether two networks share the node's address space.
-fn conflicts(a: &str, b: &str) -> bool {
-    a == b || (!is_isolated(a) && !is_isolated(b))
+fn conflicts(a: &str, b: &str, iso_shared: bool) -> bool {
+    a == b || (!is_isolated(a, iso_shared) && !is_isolated(b, iso_shared))
 }
 
 fn env_number(name: &str, default: u64) -> u64 {
@@ -229,6 +237,9 @@ struct Model {
     cooling: BTreeMap<(String, IpAddr), Owner>,
     /// Whether releases rest (`--release-cooldown 1h`) or not (`0`).
     cools: bool,
+    /// Whether Metis records network "iso" as not isolated (read back
+    /// after each of its ADDs).
+    iso_shared: bool,
     /// The flags of the last daemon start (direct mode keeps its blocks).
     cidrs: Flags,
     /// The flag sets restarts draw from.
@@ -275,13 +286,22 @@ impl Model {
     /// request: the fixed Metis refuses with code 7.
     fn cross_network_overlap(&self, conf: &NetConf, db_blocks: &[(String, Block)]) -> bool {
         let network = conf.network();
+        // The request's isolation is the one Metis lays out with.
+        let shared = self.iso_shared || !conf.isolated;
         let mut others = db_blocks.to_vec();
         others.extend(self.flag_blocks());
-        others.iter().any(|(other, block)| {
-            other != network
-                && conflicts(other, network)
-                && self.allowed(conf).iter().any(|mine| mine.overlaps(*block))
-        })
+        let over = |mine: Block| {
+            others.iter().any(|(other, block)| {
+                other != network && conflicts(other, network, shared) && mine.overlaps(*block)
+            })
+        };
+        // Leaving isolation is refused while any block it has overlaps.
+        let leaving = is_isolated(network, self.iso_shared) && !conf.isolated;
+        self.allowed(conf).into_iter().any(over)
+            || (leaving
+                && db_blocks
+                    .iter()
+                    .any(|(mine, block)| mine == network && over(*block)))
     }
 
     /// Whether `owner` surely gets `ip` from `conf`: inside its blocks,
@@ -304,13 +324,12 @@ impl Model {
             .chain(db_blocks.iter().map(|(_, b)| *b))
             .chain(self.flag_blocks().into_iter().map(|(_, b)| b));
         let reserved = every_block.clone().any(|b| b.reserves(ip));
-        let held = self
-            .held
-            .iter()
-            .any(|(o, ips)| conflicts(&o.0, network) && ips.iter().any(|a| strip_prefix(a) == ip));
+        let held = self.held.iter().any(|(o, ips)| {
+            conflicts(&o.0, network, self.iso_shared) && ips.iter().any(|a| strip_prefix(a) == ip)
+        });
         let cooling = self
             .cooling
-            .get(&(space(network), ip))
+            .get(&(space(network, self.iso_shared), ip))
             .is_some_and(|last| !(reclaim && last == owner));
         allowed.iter().any(|b| b.contains(ip))
             && conf.in_bounds(ip)
@@ -455,6 +474,7 @@ impl Sequence {
         let mut model = Model {
             configs: (world.configs)(),
             held: BTreeMap::new(),
+            iso_shared: false,
             cooling: BTreeMap::new(),
             cools: cooldown != "0",
             cidrs: &[],
@@ -551,7 +571,29 @@ impl Sequence {
         )
     }
 
+    /// An ADD, then what Metis now records of "iso"'s isolation.
     fn add(
+        &mut self,
+        conf: &NetConf,
+        container: &str,
+        ifname: &str,
+        request: Request,
+    ) -> Result<(), String> {
+        let result = self.add_judged(conf, container, ifname, request);
+        if conf.network() == "iso" {
+            let recorded: Option<bool> = common::db(&self.node.db_path())
+                .query_row(
+                    "SELECT isolated FROM metis_networks WHERE network = 'iso'",
+                    [],
+                    |r| r.get(0),
+                )
+                .ok();
+            self.model.iso_shared = recorded == Some(false);
+        }
+        result
+    }
+
+    fn add_judged(
         &mut self,
         conf: &NetConf,
         container: &str,
@@ -606,7 +648,9 @@ impl Sequence {
                     if !in_flag_block && !conf.in_bounds(ip) {
                         return Err(format!("ADD returned {ip}, outside {:?}", conf.bounds));
                     }
-                    self.model.cooling.remove(&(space(&owner.0), ip));
+                    self.model
+                        .cooling
+                        .remove(&(space(&owner.0, self.model.iso_shared), ip));
                 }
                 if let Some(wanted) = request.address()
                     && !ips.iter().any(|ip| strip_prefix(ip) == wanted)
@@ -665,11 +709,27 @@ impl Sequence {
         if outcome != Outcome::Ok(Vec::new()) {
             return Err(format!("DEL: {outcome:?}"));
         }
-        for ip in self.model.held.remove(&owner).unwrap_or_default() {
-            if self.model.cools {
-                self.model
-                    .cooling
-                    .insert((space(&owner.0), strip_prefix(&ip)), owner.clone());
+        // Nothing held in the named network: what another network holds
+        // for exactly this container and interface is released instead
+        // (a network renamed under its pod).
+        let released: Vec<Owner> = match self.model.held.contains_key(&owner) {
+            true => vec![owner],
+            false => self
+                .model
+                .held
+                .keys()
+                .filter(|(_, c, i)| c == container && i == ifname)
+                .cloned()
+                .collect(),
+        };
+        for who in released {
+            for ip in self.model.held.remove(&who).unwrap_or_default() {
+                if self.model.cools {
+                    self.model.cooling.insert(
+                        (space(&who.0, self.model.iso_shared), strip_prefix(&ip)),
+                        who.clone(),
+                    );
+                }
             }
         }
         Ok(())
@@ -696,7 +756,7 @@ impl Sequence {
     /// The invariants every step must leave true.
     fn verify(&self) -> Result<(), String> {
         let rows = self.node.holdings();
-        let mut twice = held_twice(&rows, |h| !is_isolated(&h.network));
+        let mut twice = held_twice(&rows, |h| !is_isolated(&h.network, self.model.iso_shared));
         twice.extend(held_twice(&rows, |h| h.network == "iso"));
         if !twice.is_empty() {
             return Err(format!("addresses held twice: {twice:?}"));

@@ -282,18 +282,24 @@ pub fn ip_config(
             .find(|ip| Family::of(**ip) == family)
             .map(IpAddr::to_string)
             .unwrap_or_default(),
-        bounds: net_conf
-            .bounds
-            .iter()
-            .filter(|(subnet, _)| subnet.family() == family)
-            .map(|(subnet, bounds)| ipam::RangeBounds {
-                subnet: subnet.to_string(),
-                range_start: bounds.start.to_string(),
-                range_end: bounds.end.to_string(),
-                gateway: bounds.gateway.to_string(),
-            })
-            .collect(),
+        bounds: range_bounds(net_conf, family),
     })
+}
+
+/// The host-local bounds of the configuration's `family` ranges that have
+/// them, as the wire carries them.
+fn range_bounds(net_conf: &NetConf, family: Family) -> Vec<ipam::RangeBounds> {
+    net_conf
+        .bounds
+        .iter()
+        .filter(|(subnet, _)| subnet.family() == family)
+        .map(|(subnet, bounds)| ipam::RangeBounds {
+            subnet: subnet.to_string(),
+            range_start: bounds.start.to_string(),
+            range_end: bounds.end.to_string(),
+            gateway: bounds.gateway.to_string(),
+        })
+        .collect()
 }
 
 /// Reads `ipam.resolvConf`, at most [`MAX_RESOLV_CONF_BYTES`], before
@@ -395,6 +401,11 @@ fn status(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError>
                 network: net_conf.network.clone(),
                 ipv4_ranges: net_conf.ipv4_ranges.iter().map(Cidr::to_string).collect(),
                 ipv6_ranges: net_conf.ipv6_ranges.iter().map(Cidr::to_string).collect(),
+                isolated: net_conf.isolated,
+                bounds: [Family::V4, Family::V6]
+                    .into_iter()
+                    .flat_map(|family| range_bounds(net_conf, family))
+                    .collect(),
             },
         )),
     };

@@ -6,7 +6,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
-    is_quarantined, set_frontier,
+    is_quarantined, quarantined_in, set_frontier,
 };
 use super::free::{HAS_FREE_SQL, RowView, Taken, availability, free_now};
 use super::{
@@ -46,6 +46,41 @@ fn held(
                 block: parse_cidr(&cidr)?,
             },
         });
+    }
+    Ok(out)
+}
+
+/// What a DEL released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    pub addresses: Vec<Allocation>,
+    /// The networks other than the one asked that held them (renamed under
+    /// the pod); empty when the network asked held them.
+    pub elsewhere: Vec<String>,
+}
+
+/// Allocated rows of owner (container, interface) in every network:
+/// (network, row), network order.
+fn held_in_any_network(
+    conn: &Connection,
+    container_id: &str,
+    interface_name: &str,
+) -> Result<Vec<(String, HeldRow)>, StoreError> {
+    let mut stmt = conn.prepare_cached(HELD_ANYWHERE_SQL)?;
+    let mut rows = stmt.query(params![container_id, interface_name])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push((
+            row.get(4)?,
+            HeldRow {
+                row_id: row.get(0)?,
+                block_id: row.get(2)?,
+                allocation: Allocation {
+                    address: parse_addr(&row.get::<_, String>(1)?)?,
+                    block: parse_cidr(&row.get::<_, String>(3)?)?,
+                },
+            },
+        ));
     }
     Ok(out)
 }
@@ -110,6 +145,12 @@ fn take_row(
 
 /// Allocated rows of owner (?1 container, ?2 interface) in network ?3,
 /// of family ?4 (NULL: any).
+/// [`HELD_SQL`] in every network, with the network.
+const HELD_ANYWHERE_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr, b.network FROM ip_addresses a \
+     JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+     WHERE a.container_id = ?1 AND a.interface_name = ?2 AND a.is_allocated = 1 \
+     ORDER BY b.network, b.ip_family, a.id";
+
 const HELD_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr FROM ip_addresses a \
      JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE a.container_id = ?1 AND a.interface_name = ?2 AND a.is_allocated = 1 \
@@ -267,11 +308,13 @@ impl Store {
                 }
             }
         }
+        let quarantined = quarantined_in(&tx, owner.network, family)?;
         // Keep any rows populated on the way; they are valid.
         tx.commit()?;
         Err(StoreError::NoAvailableIps {
             network: owner.network.to_string(),
             family,
+            quarantined,
         })
     }
 
@@ -314,22 +357,54 @@ impl Store {
         })
     }
 
-    /// Releases every address the owner holds in `network` (all families,
-    /// any block state). Addresses rest for the store's release cooldown;
-    /// the last owner stays recorded. A pod that held a reserved position
-    /// gives it back to the reservation.
+    /// DEL: releases every address the owner holds in `network` (all
+    /// families, any block state). Addresses rest for the store's release
+    /// cooldown; the last owner stays recorded. A pod that held a reserved
+    /// position gives it back to the reservation. When `network` holds
+    /// nothing for the owner, what other networks hold for
+    /// exactly (`container_id`, `interface_name`) is released instead — the
+    /// allocation of a network renamed under its pod (`ipam.network`
+    /// changed), which no DEL under the new name could reach otherwise. An
+    /// interface of a container has one IPAM configuration, so that key is
+    /// the same attachment. Returns the addresses and the networks they were
+    /// released from when not `network`.
     pub fn release(
         &mut self,
         network: &str,
         container_id: &str,
         interface_name: &str,
         now_ms: i64,
-    ) -> Result<Vec<Allocation>, StoreError> {
+    ) -> Result<Released, StoreError> {
+        validate_owner(container_id, interface_name)?;
+        let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        self.give_back_owner(network, container_id, interface_name, None, release_at)
+        let tx = super::write(&mut self.conn, self.batch)?;
+        let mut rows: Vec<(String, HeldRow)> =
+            held(&tx, network, container_id, interface_name, None)?
+                .into_iter()
+                .map(|row| (network.to_string(), row))
+                .collect();
+        if rows.is_empty() {
+            rows = held_in_any_network(&tx, container_id, interface_name)?;
+        }
+        for (held_in, row) in &rows {
+            give_back(&tx, mode, held_in, row, release_at)?;
+        }
+        tx.commit()?;
+        let mut elsewhere: Vec<String> = rows
+            .iter()
+            .filter(|(held_in, _)| held_in != network)
+            .map(|(held_in, _)| held_in.clone())
+            .collect();
+        elsewhere.dedup();
+        Ok(Released {
+            addresses: rows.into_iter().map(|(_, row)| row.allocation).collect(),
+            elsewhere,
+        })
     }
 
-    /// Like [`Store::release`] for one family, but the address is free at once:
+    /// Like [`Store::release`] of `network` alone for one family, but the
+    /// address is free at once:
     /// for an allocation undone before it reached a pod.
     pub fn roll_back(
         &mut self,

@@ -491,6 +491,28 @@ pub(super) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreEr
     Ok(rows)
 }
 
+/// The quarantined blocks of `network` and `family`, in words.
+pub(super) fn quarantined_in(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<String>, StoreError> {
+    Ok(quarantined(conn)?
+        .into_iter()
+        .filter(|q| {
+            q.network == network && q.cidr.parse::<Cidr>().is_ok_and(|c| c.family() == family)
+        })
+        .map(|q| format!("quarantined block {} ({})", q.cidr, q.why))
+        .collect())
+}
+
+/// The Draining block of network ?1 and family ?2 that exhaustion takes
+/// back: the oldest one Metis neither retired nor quarantined.
+pub(super) const UNDRAINABLE_SQL: &str = "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
+     AND state = 'Draining' AND id NOT IN \
+       (SELECT block_id FROM metis_blocks WHERE retired = 1 OR quarantine IS NOT NULL) \
+     ORDER BY id LIMIT 1";
+
 /// Whether block `block_id` is quarantined.
 pub(super) fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
     Ok(conn

@@ -302,7 +302,11 @@ mod tests {
         assert!(!first.contains(&"198.16.1.1".to_string()));
         // The first batch, the broadcast and the range: never the /12.
         assert!(row_count(&store) < 200, "{}", row_count(&store));
-        assert!(!store.can_allocate("pods", Family::V4, &[], NOW).unwrap());
+        assert!(
+            !store
+                .can_allocate("pods", Family::V4, &[], &[], false, NOW)
+                .unwrap()
+        );
         assert_sound(&store);
 
         // A range that now starts lower grows from its new start.
@@ -317,7 +321,11 @@ mod tests {
         store
             .set_bounds("pods", Family::V4, &[(net, lower)])
             .unwrap();
-        assert!(store.can_allocate("pods", Family::V4, &[], NOW).unwrap());
+        assert!(
+            store
+                .can_allocate("pods", Family::V4, &[], &[], false, NOW)
+                .unwrap()
+        );
         let more: Vec<String> = (0..)
             .map(|i| format!("d{i}"))
             .map_while(|id| store.allocate(&owner(&id), Family::V4, NOW).ok())

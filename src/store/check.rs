@@ -234,6 +234,7 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
         source: Box::new(e),
     })?;
     conn.busy_timeout(std::time::Duration::from_millis(5000))?;
+    super::schema::shadow_missing_tables(&conn)?;
     check_connection(&conn, depth)
 }
 

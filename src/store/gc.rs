@@ -7,10 +7,12 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{HeldRow, Reserved, bounds_of, frontier, give_back};
+use super::block::{
+    HeldRow, Reserved, UNDRAINABLE_SQL, bounds_of, frontier, give_back, quarantined_in,
+};
 use super::free::{HAS_FREE_SQL, free_now, pod_held};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
-use crate::cidr::{Cidr, Family};
+use crate::cidr::{Bounds, Cidr, Family};
 
 /// An allocated row GC may release.
 struct Candidate {
@@ -47,20 +49,42 @@ impl Store {
         Ok(stale.into_iter().map(|c| c.row.allocation).collect())
     }
 
-    /// Whether an address of `family` can be allocated in `network` now
-    /// without adding anything but `ranges` (read-only): a configured range
-    /// not yet a block, a free non-cooling row in a Ready block, a Ready
-    /// block not yet populated to its end, or — IPv4 — a free row in the
-    /// Draining block an allocation would take back.
+    /// Whether an ADD of `ranges` (with their host-local `bounds` and
+    /// `isolated`) could get an address of `family` in `network` now,
+    /// read-only: a configured range the ADD would add or grow into (not
+    /// quarantined, with an address its bounds leave) or re-bound, a free
+    /// non-cooling row in a Ready block, a Ready block not yet populated to
+    /// its end, or — IPv4 — a free row in the Draining block an allocation
+    /// would take back. Quarantined blocks count for nothing. An ADD the layout
+    /// would refuse is that refusal ([`StoreError::Overlap`]).
     pub fn can_allocate(
         &self,
         network: &str,
         family: Family,
         ranges: &[Cidr],
+        bounds: &[(Cidr, Bounds)],
+        isolated: bool,
         now_ms: i64,
     ) -> Result<bool, StoreError> {
-        for range in ranges {
-            if self.find_block(network, range)?.is_none() {
+        let leaves_an_address = |range: &Cidr| {
+            bounds
+                .iter()
+                .all(|(cidr, b)| cidr != range || !b.leaves_no_address(range))
+        };
+        let new_room = self.would_lay_out(network, family, ranges, isolated)?;
+        if new_room.iter().any(leaves_an_address) {
+            return Ok(true);
+        }
+        // The ADD re-bounds a block whose bounds the configuration changed:
+        // counted as room, as a range not yet added is.
+        for range in ranges.iter().filter(|range| leaves_an_address(range)) {
+            let asked = bounds
+                .iter()
+                .find(|(cidr, _)| cidr == range)
+                .map(|(_, b)| *b);
+            if self.find_block(network, range)?.is_some()
+                && bounds_of(&self.conn, network, range)? != asked
+            {
                 return Ok(true);
             }
         }
@@ -74,6 +98,11 @@ impl Store {
             Family::V6 => Ok(false),
             Family::V4 => oldest_draining_has_free_row(&self.conn, network, now_ms),
         }
+    }
+
+    /// The network's quarantined blocks of `family`, in words.
+    pub fn quarantined_in(&self, network: &str, family: Family) -> Result<Vec<String>, StoreError> {
+        quarantined_in(&self.conn, network, family)
     }
 }
 
@@ -119,7 +148,8 @@ fn ready_block_has_free_row(
         .prepare_cached(
             concat!(
                 "SELECT EXISTS (SELECT 1 FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' AND ",
+                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' \
+                   AND b.id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) AND ",
                 free_now!("a.", "?3"),
                 ")"
             ),
@@ -136,7 +166,8 @@ fn any_block_can_grow(
 ) -> Result<bool, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
-         AND state = 'Ready' AND total_ips > COALESCE(allocated_ips, 0) ORDER BY id",
+         AND state = 'Ready' AND total_ips > COALESCE(allocated_ips, 0) \
+         AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) ORDER BY id",
     )?;
     let mut blocks = stmt.query(params![network, family.as_str()])?;
     while let Some(block) = blocks.next()? {
@@ -159,11 +190,8 @@ fn oldest_draining_has_free_row(
     now_ms: i64,
 ) -> Result<bool, StoreError> {
     let oldest: Option<i64> = conn
-        .prepare_cached(
-            "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4' \
-             AND state = 'Draining' ORDER BY id LIMIT 1",
-        )?
-        .query_row([network], |r| r.get(0))
+        .prepare_cached(UNDRAINABLE_SQL)?
+        .query_row(params![network, Family::V4.as_str()], |r| r.get(0))
         .optional()?;
     let Some(id) = oldest else {
         return Ok(false);
@@ -176,7 +204,7 @@ fn oldest_draining_has_free_row(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Owner;
+    use crate::store::{Owner, Source};
     use crate::testutil::{TempDir, cidr};
 
     const NOW: i64 = 1_700_000_000_000;
@@ -291,28 +319,101 @@ mod tests {
         let mut store = dir.store_with_cooldown(60_000);
         let range = [cidr("198.18.0.0/30")];
         assert!(
-            store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
+            store
+                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .unwrap(),
             "range not added yet"
         );
         store.add_cidr_block("net", &range[0]).unwrap();
-        assert!(store.can_allocate("net", Family::V4, &range, NOW).unwrap());
+        assert!(
+            store
+                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .unwrap()
+        );
         take(&mut store, "net", "a", Family::V4, NOW);
-        assert!(!store.can_allocate("net", Family::V4, &range, NOW).unwrap());
+        assert!(
+            !store
+                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .unwrap()
+        );
         store.release("net", "a", "eth0", NOW).unwrap();
         assert!(
-            !store.can_allocate("net", Family::V4, &range, NOW).unwrap(),
+            !store
+                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .unwrap(),
             "cooling down"
         );
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, NOW + 60_000)
+                .can_allocate("net", Family::V4, &range, &[], false, NOW + 60_000)
                 .unwrap()
         );
         let more = [range[0], cidr("198.18.0.4/30")];
         assert!(
-            store.can_allocate("net", Family::V4, &more, NOW).unwrap(),
+            store
+                .can_allocate("net", Family::V4, &more, &[], false, NOW)
+                .unwrap(),
             "a range left to add"
         );
+    }
+
+    #[test]
+    fn can_allocate_is_false_or_the_refusal_whenever_an_add_would_fail() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let range = [cidr("198.18.70.0/28")];
+        let can = |store: &Store, network, isolated, bounds: &[(Cidr, Bounds)]| {
+            store.can_allocate(network, Family::V4, &range, bounds, isolated, NOW)
+        };
+        store
+            .configure(Source::Cni, "net-y", Family::V4, &range, false, NOW)
+            .unwrap();
+        // Another network over Y's block: ADD gets code 7, so does STATUS.
+        let refused = can(&store, "net-x", false, &[]);
+        assert!(
+            matches!(refused, Err(StoreError::Overlap { .. })),
+            "{refused:?}"
+        );
+        assert!(can(&store, "net-x", true, &[]).unwrap(), "isolated, it may");
+        // Isolated, then the conflist drops `isolated`: refused likewise.
+        store
+            .configure(Source::Cni, "net-x", Family::V4, &range, true, NOW)
+            .unwrap();
+        let refused = can(&store, "net-x", false, &[]);
+        assert!(
+            matches!(refused, Err(StoreError::Overlap { .. })),
+            "{refused:?}"
+        );
+        assert!(can(&store, "net-x", true, &[]).unwrap());
+        // Every block quarantined: nothing to hand out, and it is named.
+        let id = store.find_block("net-y", &range[0]).unwrap().unwrap();
+        super::super::block::quarantine(&store.conn, id, "a test said so").unwrap();
+        assert!(!can(&store, "net-y", false, &[]).unwrap());
+        let named = store.quarantined_in("net-y", Family::V4).unwrap();
+        assert_eq!(named, ["quarantined block 198.18.70.0/28 (a test said so)"]);
+        assert!(
+            store
+                .quarantined_in("net-y", Family::V6)
+                .unwrap()
+                .is_empty()
+        );
+        // A range not yet a block whose bounds leave only the gateway.
+        let small = cidr("198.18.72.0/29");
+        let gateway = "198.18.72.1".parse().unwrap();
+        let empty = Bounds::new(&small, Some(gateway), Some(gateway), Some(gateway)).unwrap();
+        let fine = Bounds::new(&small, Some(gateway), None, Some(gateway)).unwrap();
+        let status = |bounds: Bounds| {
+            store.can_allocate(
+                "net-z",
+                Family::V4,
+                &[small],
+                &[(small, bounds)],
+                false,
+                NOW,
+            )
+        };
+        assert!(!status(empty).unwrap());
+        assert!(status(fine).unwrap());
     }
 
     #[test]
@@ -325,11 +426,19 @@ mod tests {
         for i in 0..62 {
             take(&mut store, "net", &format!("c{i}"), Family::V6, NOW);
         }
-        assert!(store.can_allocate("net", Family::V6, &range, NOW).unwrap());
+        assert!(
+            store
+                .can_allocate("net", Family::V6, &range, &[], false, NOW)
+                .unwrap()
+        );
         for i in 62..126 {
             take(&mut store, "net", &format!("c{i}"), Family::V6, NOW);
         }
-        assert!(!store.can_allocate("net", Family::V6, &range, NOW).unwrap());
+        assert!(
+            !store
+                .can_allocate("net", Family::V6, &range, &[], false, NOW)
+                .unwrap()
+        );
     }
 
     #[test]
@@ -353,7 +462,7 @@ mod tests {
         let range = [cidr("198.18.0.0/29")];
         assert!(
             read_only
-                .can_allocate("net", Family::V4, &range, NOW)
+                .can_allocate("net", Family::V4, &range, &[], false, NOW)
                 .unwrap()
         );
         assert!(

@@ -207,10 +207,17 @@ impl Store {
         }
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
+        let was_isolated = is_isolated(&tx, network)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
         let strict = strict.then_some(source);
         let changes = relayout(&tx, mode, network, family, strict, now_ms)?;
+        if was_isolated && !isolated {
+            // Its blocks were checked against nobody: joining the shared
+            // address space over another network's block would hand out
+            // that network's addresses a second time.
+            check_joins_shared_space(&tx, network)?;
+        }
         tx.commit()?;
         Ok(changes)
     }
@@ -340,6 +347,38 @@ impl Store {
 }
 
 impl Store {
+    /// What [`Store::configure`] of the CNI `ranges` with `isolated` would
+    /// do, read only (STATUS): the refusal an ADD would get, else the
+    /// ranges that would become new room (a block added or grown, not
+    /// quarantined).
+    pub(super) fn would_lay_out(
+        &self,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        isolated: bool,
+    ) -> Result<Vec<Cidr>, StoreError> {
+        let conn = &self.conn;
+        if is_isolated(conn, network)? && !isolated {
+            check_joins_shared_space(conn, network)?;
+        }
+        let blocks = placed(conn, network, family)?;
+        let mut room = Vec::new();
+        for range in ranges.iter().filter(|range| range.family() == family) {
+            match placement(range, &blocks) {
+                Placement::Served | Placement::Narrow(_) | Placement::Quarantined(_) => {}
+                Placement::Granted(granted) => {
+                    return Err(granted_overlap(network, range, &granted));
+                }
+                Placement::Add | Placement::Grow(_) => {
+                    check_other_networks_as(conn, network, isolated, range)?;
+                    room.push(*range);
+                }
+            }
+        }
+        Ok(room)
+    }
+
     /// The fast path of [`Store::configure`]: the recorded ranges, the
     /// isolation and the blocks already match, and no retired block of
     /// the network is ready to be deleted.
@@ -469,16 +508,9 @@ fn place(
     decided: Placement,
     changes: &mut LayoutChanges,
 ) -> Result<Option<StoreError>, StoreError> {
-    let overlap = |other: &Cidr| StoreError::Overlap {
-        cidr: *target,
-        network: network.to_string(),
-        other_cidr: other.to_string(),
-        other_network: network.to_string(),
-        isolation_helps: false,
-    };
     let line = match decided {
         Placement::Served => return Ok(None),
-        Placement::Granted(granted) => return Ok(Some(overlap(&granted))),
+        Placement::Granted(granted) => return Ok(Some(granted_overlap(network, target, &granted))),
         Placement::Quarantined(q) => format!(
             "range {target} of network {network:?} overlaps quarantined block {q}; not served until `metis admin check` passes"
         ),
@@ -513,6 +545,18 @@ fn place(
 }
 
 /// [`check_other_networks`], its refusal as a value.
+/// The refusal of a range overlapping a block of its own network that
+/// the cluster granted.
+fn granted_overlap(network: &str, target: &Cidr, granted: &Cidr) -> StoreError {
+    StoreError::Overlap {
+        cidr: *target,
+        network: network.to_string(),
+        other_cidr: granted.to_string(),
+        other_network: network.to_string(),
+        isolation_helps: false,
+    }
+}
+
 fn other_network_refusal(
     conn: &Connection,
     network: &str,
@@ -622,9 +666,19 @@ pub(super) fn add_block(
 }
 
 /// Refuses a prefix that overlaps a block of another network, unless one
-/// of the two networks is isolated.
+/// of the two networks is isolated (`network` as recorded).
 fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result<(), StoreError> {
-    if is_isolated(conn, network)? {
+    check_other_networks_as(conn, network, is_isolated(conn, network)?, cidr)
+}
+
+/// [`check_other_networks`] with `network`'s isolation given.
+fn check_other_networks_as(
+    conn: &Connection,
+    network: &str,
+    isolated: bool,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    if isolated {
         return Ok(());
     }
     let mut stmt = conn.prepare_cached(
@@ -646,6 +700,18 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
                 other_network,
                 isolation_helps: true,
             });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses (with the first overlap) a network leaving isolation while any
+/// of its blocks, of either family and in any state but Deleting, overlaps
+/// a block of another network that is not isolated.
+fn check_joins_shared_space(conn: &Connection, network: &str) -> Result<(), StoreError> {
+    for family in [Family::V4, Family::V6] {
+        for block in placed(conn, network, family)? {
+            check_other_networks_as(conn, network, false, &block.cidr)?;
         }
     }
     Ok(())
@@ -1267,6 +1333,57 @@ mod tests {
     }
 
     #[test]
+    fn leaving_isolation_over_another_networks_block_is_refused_and_changes_nothing() {
+        let dir = TempDir::new();
+        let mut store = dir.store_with_cooldown(0);
+        configure(&mut store, Source::Cni, "net-y", &["198.18.70.0/28"]);
+        assert_eq!(take(&mut store, &in_network("net-y", "y1")), "198.18.70.2");
+        let ranges = [cidr("198.18.70.0/28")];
+        let (source, network, family, ranges) = (Source::Cni, "net-x", Family::V4, &ranges[..]);
+        store
+            .configure(source, network, family, ranges, true, NOW)
+            .unwrap();
+        assert_eq!(take(&mut store, &in_network("net-x", "x1")), "198.18.70.2");
+        let before = layout(&store, "net-x");
+        // The conflist drops `isolated`: refused, with the way out named.
+        let refused = store
+            .configure(source, network, family, ranges, false, NOW)
+            .unwrap_err();
+        assert!(matches!(refused, StoreError::Overlap { .. }), "{refused}");
+        let message = refused.to_string();
+        assert!(message.contains("network \"net-y\""), "{message}");
+        assert!(message.contains("\"isolated\": true"), "{message}");
+        assert!(store.is_isolated("net-x").unwrap(), "isolation was kept");
+        assert_eq!(layout(&store, "net-x"), before);
+        // Also when the other family is the one asked about, and when the
+        // ranges move at the same time (the old block keeps its pod).
+        let v6 = [cidr("2001:db8:70::/120")];
+        let refused = store.configure(source, network, Family::V6, &v6, false, NOW);
+        assert!(
+            matches!(refused, Err(StoreError::Overlap { .. })),
+            "{refused:?}"
+        );
+        let moved = [cidr("198.18.71.0/28")];
+        let refused = store.configure(source, network, family, &moved, false, NOW);
+        assert!(
+            matches!(refused, Err(StoreError::Overlap { .. })),
+            "{refused:?}"
+        );
+        assert!(store.is_isolated("net-x").unwrap());
+        assert_eq!(layout(&store, "net-x"), before);
+        // Both networks go on serving their own address spaces.
+        assert_eq!(take(&mut store, &in_network("net-y", "y2")), "198.18.70.3");
+        assert_eq!(take(&mut store, &in_network("net-x", "x2")), "198.18.70.3");
+        // Once x's pods and block are gone, leaving isolation is allowed.
+        store.release("net-x", "x1", "eth0", NOW).unwrap();
+        store.release("net-x", "x2", "eth0", NOW).unwrap();
+        store
+            .configure(source, network, family, &moved, false, NOW)
+            .unwrap();
+        assert!(!store.is_isolated("net-x").unwrap());
+    }
+
+    #[test]
     fn a_moved_range_retires_the_old_block_until_its_pods_are_gone() {
         let dir = TempDir::new();
         let mut store = dir.store_with_cooldown(COOLDOWN);
@@ -1360,6 +1477,12 @@ mod tests {
         assert!(
             matches!(failure, StoreError::NoAvailableIps { .. }),
             "{failure}"
+        );
+        // Exhaustion names the quarantine, which is why there is no room.
+        let message = failure.to_string();
+        assert!(
+            message.contains("quarantined") && message.contains("block 198.18.10.0/30"),
+            "{message}"
         );
         // Pod b leaves: the overlap no longer holds pods on both sides, so
         // the next start deletes the pod-less block and lifts the quarantine.

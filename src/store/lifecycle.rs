@@ -4,7 +4,7 @@
 use rusqlite::types::Value;
 use rusqlite::{OptionalExtension, params};
 
-use super::block::{BLOCK_COLUMNS, block_reserved, forget_block, query_blocks};
+use super::block::{BLOCK_COLUMNS, UNDRAINABLE_SQL, block_reserved, forget_block, query_blocks};
 use super::free::pod_held;
 use super::{BlockFilter, BlockInfo, BlockState, Store, StoreError, parse_cidr};
 use crate::cidr::Family;
@@ -33,12 +33,7 @@ impl Store {
     ) -> Result<Option<i64>, StoreError> {
         let tx = super::write(&mut self.conn, self.batch)?;
         let id: Option<i64> = tx
-            .prepare_cached(
-                "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
-                 AND state = 'Draining' AND id NOT IN \
-                   (SELECT block_id FROM metis_blocks WHERE retired = 1 OR quarantine IS NOT NULL) \
-                 ORDER BY id LIMIT 1",
-            )?
+            .prepare_cached(UNDRAINABLE_SQL)?
             .query_row(params![network, family.as_str()], |r| r.get(0))
             .optional()?;
         if let Some(id) = id {

@@ -43,6 +43,7 @@ use rusqlite::{
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use alloc::Released;
 pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
@@ -315,6 +316,9 @@ pub enum StoreError {
     NoAvailableIps {
         network: String,
         family: Family,
+        /// The network's quarantined blocks of that family, in words: why
+        /// it may be exhausted although it has addresses.
+        quarantined: Vec<String>,
     },
     RequestedIpUnavailable {
         address: IpAddr,
@@ -407,10 +411,25 @@ impl fmt::Display for StoreError {
                  (an I/O error or a full disk); nothing of it was kept, retry",
             ),
             StoreError::BadCidr(e) => write!(f, "store: {e}"),
-            StoreError::NoAvailableIps { network, family } => write!(
-                f,
-                "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
-            ),
+            StoreError::NoAvailableIps {
+                network,
+                family,
+                quarantined,
+            } => {
+                write!(
+                    f,
+                    "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
+                )?;
+                match quarantined.is_empty() {
+                    true => Ok(()),
+                    false => write!(
+                        f,
+                        "; not served until the problem is solved and the daemon restarted \
+                         (see `metis admin check`): {}",
+                        quarantined.join("; ")
+                    ),
+                }
+            }
             StoreError::RequestedIpUnavailable { address, reason } => {
                 write!(f, "store: requested IP {address} is unavailable: {reason}")
             }
@@ -629,9 +648,14 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
         };
-        store.install_schema()?;
+        let upstream_only = store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
-        store.release_cooldown_ms = store.settle_release_cooldown(opts.release_cooldown)?;
+        // Upstream released with its daemon's cooldown: a first open
+        // without one asked for (direct mode) keeps that, not none.
+        let cooldown = opts
+            .release_cooldown
+            .or(upstream_only.then_some(crate::defaults::DEFAULT_RELEASE_COOLDOWN_MS));
+        store.release_cooldown_ms = store.settle_release_cooldown(cooldown)?;
         store.repair()?;
         Ok(store)
     }
@@ -732,6 +756,7 @@ impl Store {
         if version != SCHEMA_VERSION {
             return Ok(None);
         }
+        schema::shadow_missing_tables(&conn)?;
         // Upstream databases have no settings table: default mode then.
         let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
             .ok()
@@ -771,7 +796,10 @@ impl Store {
         &self.warnings
     }
 
-    fn install_schema(&mut self) -> Result<(), StoreError> {
+    /// Installs upstream's schema and Metis's tables where missing; true
+    /// when the file had upstream's schema but none of Metis's settings (a
+    /// database only upstream has written).
+    fn install_schema(&mut self) -> Result<bool, StoreError> {
         let version: i64 = self
             .conn
             .pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -789,6 +817,8 @@ impl Store {
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
             .query_map([], |r| r.get(0))?
             .collect::<Result<_, _>>()?;
+        let upstream_only =
+            version == SCHEMA_VERSION && !present.iter().any(|table| table == "metis_settings");
         for (name, create) in schema::METIS_TABLES {
             if !present.iter().any(|table| table == name) {
                 let tx = self
@@ -805,7 +835,7 @@ impl Store {
             migrate::migrate(&tx)?;
             tx.commit()?;
         }
-        Ok(())
+        Ok(upstream_only)
     }
 
     /// The release cooldown in force, in milliseconds (see

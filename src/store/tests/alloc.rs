@@ -192,7 +192,7 @@ fn cooldown_skips_then_reuses() {
     );
     let released = store.release("default", "a", "eth0", NOW).unwrap();
     assert_eq!(
-        released,
+        released.addresses,
         vec![Allocation {
             address: ip("198.18.1.2"),
             block: cidr("198.18.1.0/29")
@@ -316,20 +316,20 @@ fn release_is_idempotent_and_dual_stack() {
     assert!(store.check("other", "c1", "eth0").unwrap().is_empty());
     assert!(
         store
-            .release("other", "c1", "eth0", NOW)
+            .release("other", "c2", "eth0", NOW)
             .unwrap()
+            .addresses
             .is_empty()
     );
     assert_eq!(
-        store.release("default", "c1", "eth0", NOW).unwrap(),
-        vec![v4, v6]
-    );
-    assert!(
         store
             .release("default", "c1", "eth0", NOW)
             .unwrap()
-            .is_empty()
+            .addresses,
+        vec![v4, v6]
     );
+    let again = store.release("default", "c1", "eth0", NOW).unwrap();
+    assert!(again.addresses.is_empty() && again.elsewhere.is_empty());
     assert!(store.check("default", "c1", "eth0").unwrap().is_empty());
     assert_eq!(block(&store, 1).allocated_ips, 2);
     assert_eq!(block(&store, 2).allocated_ips, 3);
@@ -493,4 +493,44 @@ fn unknown_pod_names_are_stored_as_null_like_upstream() {
             ("podman1".into(), None, None),
         ]
     );
+}
+
+/// A network renamed under its pod (`ipam.network` changed): DEL under the
+/// new name finds nothing there and releases what another network holds
+/// for exactly that container and interface, naming it; another interface
+/// of the container, and other containers, keep theirs.
+#[test]
+fn del_under_a_renamed_network_releases_the_old_networks_allocation() {
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
+        &[("old-name", "198.18.1.0/29"), ("net2", "198.18.2.0/29")],
+    );
+    let held = store
+        .allocate(&owner("old-name", "c1"), Family::V4, NOW)
+        .unwrap();
+    let other_if = Owner {
+        interface_name: "net1",
+        ..owner("net2", "c1")
+    };
+    let kept = store.allocate(&other_if, Family::V4, NOW).unwrap();
+    let neighbour = store
+        .allocate(&owner("old-name", "c2"), Family::V4, NOW)
+        .unwrap();
+    let released = store.release("new-name", "c1", "eth0", NOW).unwrap();
+    assert_eq!(released.addresses, vec![held]);
+    assert_eq!(released.elsewhere, ["old-name"]);
+    assert!(store.check("old-name", "c1", "eth0").unwrap().is_empty());
+    assert_eq!(store.check("net2", "c1", "net1").unwrap(), vec![kept]);
+    assert_eq!(
+        store.check("old-name", "c2", "eth0").unwrap(),
+        vec![neighbour]
+    );
+    // The address cools as after any DEL, and a repeat DEL is a no-op.
+    let c3 = store
+        .allocate(&owner("old-name", "c3"), Family::V4, NOW)
+        .unwrap();
+    assert_ne!(c3.address, held.address);
+    let again = store.release("new-name", "c1", "eth0", NOW).unwrap();
+    assert!(again.addresses.is_empty() && again.elsewhere.is_empty());
+    assert_counters(&store);
 }

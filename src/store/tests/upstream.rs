@@ -6,28 +6,34 @@ use super::*;
 /// Metis's own, so a change to Metis's copy cannot hide here).
 const UPSTREAM_SCHEMA: &str = include_str!("../../../testdata/upstream-schema-v1.sql");
 
+/// A file with upstream's schema and its first block as upstream writes
+/// it: 198.18.1.0/29 of network default, every row, .0 .1 .7 reserved.
+fn upstream_with_first_block(path: &Path) -> Connection {
+    let conn = Connection::open(path).unwrap();
+    conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
+    conn.execute(
+        "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.1.0/29', 'default', 'ipv4', 8, 3)",
+        [],
+    )
+    .unwrap();
+    for i in 0..8 {
+        let reserved = i == 0 || i == 1 || i == 7;
+        conn.execute(
+            "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 1, '', '', ?2)",
+            rusqlite::params![format!("198.18.1.{i}"), reserved],
+        )
+        .unwrap();
+    }
+    conn
+}
+
 #[test]
 fn upstream_database_is_repaired_and_served() {
     let dir = TempDir::new();
     let path = dir.db();
     let upstream_tables: Vec<String>;
     {
-        let conn = Connection::open(&path).unwrap();
-        conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
-        // Block 1: upstream's first block, .0 .1 .7 reserved.
-        conn.execute(
-            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.1.0/29', 'default', 'ipv4', 8, 3)",
-            [],
-        )
-        .unwrap();
-        for i in 0..8 {
-            let reserved = i == 0 || i == 1 || i == 7;
-            conn.execute(
-                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 1, '', '', ?2)",
-                rusqlite::params![format!("198.18.1.{i}"), reserved],
-            )
-            .unwrap();
-        }
+        let conn = upstream_with_first_block(&path);
         // Block 2: unreserved; .1 held by a pod.
         conn.execute(
             "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.2.0/29', 'default', 'ipv4', 8, 1)",
@@ -137,7 +143,7 @@ fn upstream_database_is_repaired_and_served() {
     );
     // Releasing the held reserved position returns it to the reservation.
     let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
-    assert_eq!(released[0].address, ip("198.18.2.1"));
+    assert_eq!(released.addresses[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
         vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
@@ -152,4 +158,41 @@ fn upstream_database_is_repaired_and_served() {
     // Reopening finds nothing left to do.
     let store = open(&path);
     assert!(store.open_warnings().is_empty());
+}
+
+/// Direct mode (no cooldown asked for) on a database only upstream has
+/// written keeps upstream's 1-minute cooldown and records it; a database
+/// Metis creates, or a cooldown asked for, is as before. A read-only look
+/// at such a file reads Metis's tables as empty and writes nothing.
+#[test]
+fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
+    let dir = TempDir::new();
+    let path = dir.db();
+    let conn = upstream_with_first_block(&path);
+    drop(conn);
+    let bytes = std::fs::read(&path).unwrap();
+    let read_only = Store::open_read_only(&path).unwrap().unwrap();
+    assert!(read_only.quarantined().unwrap().is_empty());
+    assert!(!read_only.is_isolated("default").unwrap());
+    let range = [cidr("198.18.1.0/29")];
+    assert!(
+        read_only
+            .can_allocate("default", Family::V4, &range, &[], false, NOW)
+            .unwrap()
+    );
+    drop(read_only);
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        bytes,
+        "a read-only look wrote"
+    );
+
+    let store = open(&path);
+    assert_eq!(store.release_cooldown(), 60_000);
+    drop(store);
+    assert_eq!(open(&path).release_cooldown(), 60_000, "recorded");
+    assert_eq!(open_cooling(&path, 5_000).release_cooldown(), 5_000);
+
+    let fresh = TempDir::new();
+    assert_eq!(open(&fresh.db()).release_cooldown(), 0, "Metis's own file");
 }

@@ -121,7 +121,7 @@ pub struct GcResponse {
 }
 /// CNI STATUS (spec 1.1.0): can an ADD on `network` with these ranges be
 /// served? Answered read-only.
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct NetworkStatusRequest {
     #[prost(string, tag = "1")]
     pub network: ::prost::alloc::string::String,
@@ -131,6 +131,14 @@ pub struct NetworkStatusRequest {
     pub ipv4_ranges: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     #[prost(string, repeated, tag = "3")]
     pub ipv6_ranges: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// `ipam.isolated` of the configuration: an ADD that would turn isolation
+    /// off over another network's block is refused, so STATUS says so.
+    #[prost(bool, tag = "4")]
+    pub isolated: bool,
+    /// The host-local bounds of the ranges that have them (as in IPConfig): a
+    /// range whose bounds leave no address brings no room.
+    #[prost(message, repeated, tag = "5")]
+    pub bounds: ::prost::alloc::vec::Vec<super::super::adaptiveipam::v1::RangeBounds>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct NetworkStatusResponse {

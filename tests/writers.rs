@@ -1,0 +1,251 @@
+//! Issue 21 through the real binary, in daemon and in direct mode: a
+//! configuration change that would give one address two owners is refused
+//! and changes nothing, and STATUS fails whenever ADD must.
+
+use crate::common;
+
+use common::Plugin;
+use common::node::{NetConf, Node, Outcome, Request, held_twice};
+use common::upstream::Upstream;
+
+/// CNI STATUS of `conf` (as CNI 1.1.0): the exit status and, on failure,
+/// the error's code and message.
+fn status(node: &Node, conf: &NetConf) -> Result<(), (u64, String)> {
+    let mut config: serde_json::Value =
+        serde_json::from_str(&conf.render(&node.dir, &[], None)).unwrap();
+    config["cniVersion"] = "1.1.0".into();
+    let output = Plugin::new("STATUS", "").run(&config.to_string());
+    if output.status.success() {
+        assert!(output.stdout.is_empty(), "{output:?}");
+        return Ok(());
+    }
+    let error: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    Err((error["code"].as_u64().unwrap(), error["msg"].to_string()))
+}
+
+/// The code of a STATUS that must fail, after checking its message names
+/// `what`.
+fn status_fails(node: &Node, conf: &NetConf, what: &str) -> u64 {
+    match status(node, conf) {
+        Err((code, msg)) if msg.contains(what) => code,
+        other => panic!("STATUS should fail naming {what:?}: {other:?}"),
+    }
+}
+
+/// A node (its daemon started when `daemon`) and three configurations over
+/// one /28: network Y, network X isolated, and X without `isolated`.
+fn over_one_block(name: &str, daemon: bool) -> (Node, [NetConf; 3]) {
+    let mut node = Node::new(name, "1m");
+    if daemon {
+        node.start(&[]);
+    }
+    let y = NetConf::new("net-y", &["198.18.70.0/28"]);
+    let x = NetConf {
+        isolated: true,
+        ..NetConf::new("net-x", &["198.18.70.0/28"])
+    };
+    let plain_x = NetConf {
+        isolated: false,
+        ..x.clone()
+    };
+    (node, [y, x, plain_x])
+}
+
+/// Network Y holds a /28; an isolated network X reuses it; X's conflist
+/// then drops `isolated`: X's ADD is refused with code 7 naming Y and the
+/// way out, X stays isolated, and Y never gets an address X holds.
+#[test]
+fn isolation_turned_off_over_a_live_overlap_is_refused() {
+    for daemon in [true, false] {
+        let (mut node, [y, x, plain_x]) = over_one_block("writers-isolation", daemon);
+        assert!(matches!(node.add(&y, "y1", Request::None), Outcome::Ok(_)));
+        assert!(matches!(node.add(&x, "x1", Request::None), Outcome::Ok(_)));
+        let before = node.holdings();
+        match node.add(&plain_x, "x2", Request::None) {
+            Outcome::Error { code: 7, msg } => {
+                assert!(msg.contains("net-y") && msg.contains("isolated"), "{msg}");
+            }
+            other => panic!("daemon {daemon}: expected code 7, got {other:?}"),
+        }
+        assert_eq!(
+            node.holdings(),
+            before,
+            "daemon {daemon}: the refusal changed rows"
+        );
+        // Y goes on serving addresses only Y holds; X keeps its own space.
+        for pod in ["y2", "y3"] {
+            assert!(matches!(node.add(&y, pod, Request::None), Outcome::Ok(_)));
+        }
+        assert!(matches!(node.add(&x, "x3", Request::None), Outcome::Ok(_)));
+        let twice = held_twice(&node.holdings(), |h| h.network != "net-x");
+        assert!(twice.is_empty(), "daemon {daemon}: {twice:#?}");
+        // A restart finds nothing to quarantine: isolation was never lost.
+        if daemon {
+            node.stop();
+            node.start(&[]);
+        }
+        assert!(matches!(node.add(&y, "y4", Request::None), Outcome::Ok(_)));
+        assert!(
+            !node.log().contains("block quarantined"),
+            "daemon {daemon}: {}",
+            node.log()
+        );
+    }
+}
+
+/// STATUS exits 50 whenever an ADD of that configuration cannot succeed:
+/// a range over another network's block (ADD: code 7 every time), turning
+/// isolation off over it, bounds that leave no address; and it says ready
+/// again once the ADD could.
+#[test]
+fn status_fails_whenever_add_must() {
+    for daemon in [true, false] {
+        let (node, [y, x, plain_x]) = over_one_block("writers-status", daemon);
+        assert!(matches!(node.add(&y, "y1", Request::None), Outcome::Ok(_)));
+        assert_eq!(status(&node, &y), Ok(()));
+        // X over Y's block, not isolated: ADD is refused, and STATUS too.
+        assert_eq!(
+            status_fails(&node, &plain_x, "net-y"),
+            50,
+            "daemon {daemon}"
+        );
+        assert_eq!(node.add(&plain_x, "x1", Request::None).code(), Some(7));
+        // Isolated it may; turning isolation off is refused again.
+        assert_eq!(status(&node, &x), Ok(()));
+        assert!(matches!(node.add(&x, "x1", Request::None), Outcome::Ok(_)));
+        assert_eq!(status_fails(&node, &plain_x, "isolated"), 50);
+        assert_eq!(node.add(&plain_x, "x2", Request::None).code(), Some(7));
+        // Bounds whose one address is the gateway.
+        let z = NetConf {
+            bounds: Some(("198.18.72.1", "198.18.72.1")),
+            ..NetConf::new("net-z", &["198.18.72.0/29"])
+        };
+        assert_eq!(status_fails(&node, &z, "leaves no address"), 50);
+        assert!(node.add(&z, "z1", Request::None).code().is_some());
+        assert_eq!(status_fails(&node, &z, "leaves no address"), 50);
+        let roomy = NetConf {
+            bounds: Some(("198.18.72.2", "198.18.72.6")),
+            ..z.clone()
+        };
+        assert_eq!(status(&node, &roomy), Ok(()));
+        assert!(matches!(
+            node.add(&roomy, "z1", Request::None),
+            Outcome::Ok(_)
+        ));
+    }
+}
+
+/// Every block of a network quarantined (an upstream database with a /29
+/// held in two networks): ADD answers code 11 naming the quarantine, and
+/// STATUS fails naming it, under the daemon and in direct mode after it.
+#[test]
+fn a_quarantined_network_says_so_in_add_and_status() {
+    let mut node = Node::new("writers-quarantine", "1m");
+    let upstream = Upstream::create(&node.db_path());
+    let a = upstream.block("198.18.74.0/29", "default", true);
+    upstream.hold(a, "198.18.74.2", "pod-a", "eth0");
+    let b = upstream.block("198.18.74.0/29", "other", true);
+    upstream.hold(b, "198.18.74.3", "pod-b", "eth0");
+    drop(upstream);
+    let conf = NetConf {
+        network: Some("default"),
+        ..NetConf::new("k8s-pod-network", &["198.18.74.0/29"])
+    };
+    node.start(&[]);
+    for daemon in [true, false] {
+        match node.add(&conf, "pod-c", Request::None) {
+            Outcome::Error { code: 11, msg } => {
+                assert!(
+                    msg.contains("quarantined") && msg.contains("198.18.74.0/29"),
+                    "{msg}"
+                );
+            }
+            other => panic!("daemon {daemon}: expected code 11, got {other:?}"),
+        }
+        assert_eq!(
+            status_fails(&node, &conf, "quarantined"),
+            50,
+            "daemon {daemon}"
+        );
+        node.stop();
+    }
+    assert_eq!(
+        node.held_by("default", "pod-a"),
+        ["198.18.74.2".parse::<std::net::IpAddr>().unwrap()]
+    );
+}
+
+/// `ipam.network` renamed under a pod: DEL under the new name releases
+/// the old network's allocation for that container and interface (and
+/// logs it), in daemon and in direct mode; other pods keep theirs.
+#[test]
+fn del_under_a_renamed_network_strands_nothing() {
+    for daemon in [true, false] {
+        let mut node = Node::new("writers-rename", "1m");
+        if daemon {
+            node.start(&[]);
+        }
+        let before = NetConf::new("pods-a", &["198.18.76.0/29"]);
+        let after = NetConf::new("pods-b", &["198.18.77.0/29"]);
+        assert!(matches!(
+            node.add(&before, "pod-1", Request::None),
+            Outcome::Ok(_)
+        ));
+        assert!(matches!(
+            node.add(&before, "pod-2", Request::None),
+            Outcome::Ok(_)
+        ));
+        assert!(matches!(
+            node.add(&after, "pod-3", Request::None),
+            Outcome::Ok(_)
+        ));
+        let kept = node.held_by("pods-a", "pod-2");
+        assert_eq!(node.del(&after, "pod-1"), Outcome::Ok(Vec::new()));
+        assert!(
+            node.held_by("pods-a", "pod-1").is_empty(),
+            "daemon {daemon}: stranded"
+        );
+        assert_eq!(node.held_by("pods-a", "pod-2"), kept);
+        assert_eq!(node.held_by("pods-b", "pod-3").len(), 1);
+        let log = match daemon {
+            true => node.log(),
+            false => std::fs::read_to_string(node.dir.join("cni.log")).unwrap_or_default(),
+        };
+        assert!(
+            log.contains("another network held"),
+            "daemon {daemon}: {log}"
+        );
+        assert!(log.contains("pods-a"), "{log}");
+    }
+}
+
+/// `metis admin check --db-path` vets a node before the upgrade: on a
+/// database only upstream has written it reports, exits 0, and writes
+/// nothing (the file's bytes and mtime, and no file beside it).
+#[test]
+fn admin_check_vets_an_upstream_only_database_without_writing() {
+    let dir = common::TestDir::new("writers-vet");
+    let path = dir.join("metis.sqlite");
+    let upstream = Upstream::create(&path);
+    let id = upstream.block("198.18.78.0/28", "default", true);
+    upstream.hold(id, "198.18.78.2", "old-pod", "eth0");
+    drop(upstream);
+    let bytes = std::fs::read(&path).unwrap();
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let beside = |dir: &common::TestDir| {
+        let mut names: Vec<_> = std::fs::read_dir(dir.join(""))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let files = beside(&dir);
+    let output = common::admin_check(&path);
+    assert!(output.status.success(), "{output:?}");
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("ok") || report.contains("OK"), "{report}");
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "the file was written");
+    assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), mtime);
+    assert_eq!(beside(&dir), files, "a file was created beside it");
+}
