@@ -200,6 +200,42 @@ fn render_store(out: &mut String, store: &Store) {
         }
     }
     render_quarantined(out, store);
+    render_taken_back(out, store);
+}
+
+/// Blocks the cluster no longer grants, kept while pods hold addresses in
+/// them (nothing new is allocated from them).
+fn render_taken_back(out: &mut String, store: &Store) {
+    let blocks = match store.taken_back() {
+        Ok(blocks) => blocks,
+        Err(err) => {
+            log::warn(
+                "metrics",
+                "reading blocks the cluster took back failed",
+                &[("error", &err)],
+            );
+            return;
+        }
+    };
+    family(
+        out,
+        "metis_local_store_not_granted_block_total",
+        "gauge",
+        "CIDR blocks the cluster no longer grants, kept until their last pod is gone.",
+    );
+    let _ = writeln!(
+        out,
+        "metis_local_store_not_granted_block_total {}",
+        blocks.len()
+    );
+    family(
+        out,
+        "metis_local_store_not_granted_ip_allocated",
+        "gauge",
+        "Pod addresses in blocks the cluster no longer grants.",
+    );
+    let pods: i64 = blocks.iter().map(|b| b.pods).sum();
+    let _ = writeln!(out, "metis_local_store_not_granted_ip_allocated {pods}");
 }
 
 /// Blocks nothing new is allocated from because the database broke an

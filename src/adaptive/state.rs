@@ -8,10 +8,11 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Outcome};
-use crate::kube::nnc::{self, Kind, Nnc};
+use crate::kube::nnc::Kind;
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
@@ -51,7 +52,8 @@ pub struct Adaptive {
     link: KubeLink,
     metrics: Arc<Metrics>,
     config: AdaptiveConfig,
-    latest: Option<Nnc>,
+    /// What the cluster grants, as last applied.
+    cluster: Cluster,
     /// Why changes from the cluster do not reach us (cleared when a watch
     /// is open again, not by any one successful request).
     watch_problem: Option<String>,
@@ -82,8 +84,8 @@ impl Adaptive {
         Adaptive {
             link,
             metrics,
+            cluster: Cluster::new(config.source, &config.node_network),
             config,
-            latest: None,
             watch_problem: None,
             patch_problem: None,
             parked: Vec::new(),
@@ -239,9 +241,11 @@ impl Adaptive {
     }
 
     fn annotate_health(&self, mut reply: Response) -> Response {
-        if let (Some(why), Some(response::Kind::Health(health))) =
-            (self.problem(), reply.kind.as_mut())
-        {
+        let why = match (self.problem(), self.cluster.problem()) {
+            (Some(link), Some(blocks)) => Some(format!("{link}; {blocks}")),
+            (link, blocks) => link.or(blocks),
+        };
+        if let (Some(why), Some(response::Kind::Health(health))) = (why, reply.kind.as_mut()) {
             health.detail = format!(
                 "{} (degraded: serving from local blocks; {why})",
                 health.detail
@@ -256,62 +260,38 @@ impl Adaptive {
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
             match event {
-                KubeEvent::Nnc(nnc) if self.is_stale(&nnc) => {
-                    // A late watch event or a re-read that lost a race:
-                    // applying it could bring back a released block.
-                    self.metrics.stale_version();
-                    log::debug(
-                        "daemon",
-                        "ignoring an older NodeNetworkConfig version",
-                        &[("version", &nnc.resource_version)],
-                    );
+                KubeEvent::Nnc { nnc, epoch } => {
+                    let applied =
+                        self.cluster
+                            .on_nnc(engine.store_mut(), &self.metrics, nnc, epoch);
+                    self.take(applied, &mut grown);
                 }
-                KubeEvent::Nnc(nnc) => {
-                    if nnc.truncated {
-                        log::warn(
-                            "daemon",
-                            "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
-                            &[("max_entries", &nnc::MAX_ENTRIES)],
-                        );
-                    }
-                    match monitor::sync_blocks(engine.store_mut(), &nnc) {
-                        Ok(synced) => {
-                            self.metrics.refused_pod_cidrs(synced.refused);
-                            for network in &synced.deleted {
-                                self.metrics.monitor_action("delete", network);
-                            }
-                            grown.extend(synced.grown);
-                        }
-                        Err(err) => log::error(
-                            "daemon",
-                            "syncing blocks from the NodeNetworkConfig failed",
-                            &[("error", &err)],
-                        ),
-                    }
-                    self.latest = Some(nnc);
+                KubeEvent::Node { node, epoch } => {
+                    let applied =
+                        self.cluster
+                            .on_node(engine.store_mut(), &self.metrics, node, epoch);
+                    self.take(applied, &mut grown);
                 }
-                KubeEvent::NodePodCidrs(cidrs) => {
-                    match monitor::sync_node_cidrs(
-                        engine.store_mut(),
-                        &self.config.node_network,
-                        &cidrs,
-                    ) {
-                        Ok(true) => grown.push(self.config.node_network.clone()),
-                        Ok(false) => {}
-                        Err(err) => {
-                            log::error("daemon", "adding node podCIDRs failed", &[("error", &err)])
-                        }
-                    }
+                KubeEvent::Gone { epoch } => {
+                    let applied = self
+                        .cluster
+                        .on_gone(engine.store_mut(), &self.metrics, epoch);
+                    self.take(applied, &mut grown);
                 }
+                KubeEvent::Replayed => self.metrics.stale_version(),
                 KubeEvent::Unreachable(why) => {
                     self.metrics.api_error();
                     self.watch_problem = Some(format!("watch: {why}"));
                 }
                 KubeEvent::Watching => self.watch_problem = None,
-                KubeEvent::Patched => {
+                KubeEvent::Patched { base, nnc } => {
                     self.patching = None;
                     self.patch_problem = None;
                     log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                    let applied =
+                        self.cluster
+                            .on_patched(engine.store_mut(), &self.metrics, &base, *nnc);
+                    self.take(applied, &mut grown);
                 }
                 KubeEvent::Conflict { streak } => {
                     // A fresh object arrived just before this: recompute now
@@ -344,11 +324,13 @@ impl Adaptive {
         deliveries
     }
 
-    /// Whether `nnc` is not newer than the version already applied.
-    fn is_stale(&self, nnc: &Nnc) -> bool {
-        self.latest
-            .as_ref()
-            .is_some_and(|latest| !nnc::is_newer(&nnc.resource_version, &latest.resource_version))
+    /// Takes in what applying a copy did: networks to retry, and a new
+    /// object, from which no in-flight patch was computed.
+    fn take(&mut self, applied: Applied, grown: &mut Vec<String>) {
+        if applied.new_object {
+            self.patching = None;
+        }
+        grown.extend(applied.grown);
     }
 
     /// Retries waiters of networks where addresses were just released
@@ -356,6 +338,10 @@ impl Adaptive {
     /// Also answers the ADDs cancelled by a DEL.
     pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
         let mut deliveries = std::mem::take(&mut self.cancelled);
+        if !self.woken.is_empty() {
+            // A DEL may have freed the last address of a taken-back block.
+            self.cluster.refresh(engine.store_mut(), &self.metrics);
+        }
         let mut networks = std::mem::take(&mut self.woken);
         networks.sort();
         networks.dedup();
@@ -482,10 +468,11 @@ impl Adaptive {
         // address whatever freed it (a missed wake-up costs one interval).
         self.woken
             .extend(self.parked.iter().map(|p| p.network.clone()));
-        let Some(nnc) = &self.latest else {
+        self.cluster.refresh(engine.store_mut(), &self.metrics);
+        let Some(nnc) = self.cluster.latest() else {
             return;
         };
-        if self.patching.as_deref() == Some(nnc.resource_version.as_str()) {
+        if self.patching.as_deref() == Some(nnc.meta.resource_version.as_str()) {
             return;
         }
         let pending = |network: &str| self.pending(network);
@@ -496,7 +483,7 @@ impl Adaptive {
             self.config.monitor,
             log::now_ms(),
         );
-        let version = nnc.resource_version.clone();
+        let version = nnc.meta.resource_version.clone();
         match outcome {
             Ok(outcome) => {
                 for (action, network) in &outcome.actions {

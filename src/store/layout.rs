@@ -79,14 +79,14 @@ const ADAPTIVE_SOURCES: [&str; 2] = ["node", "nnc"];
 
 /// A non-Deleting block as the layout sees it.
 #[derive(Debug, Clone)]
-struct Placed {
-    id: i64,
-    cidr: Cidr,
-    state: BlockState,
+pub(super) struct Placed {
+    pub(super) id: i64,
+    pub(super) cidr: Cidr,
+    pub(super) state: BlockState,
     /// `None`: no Metis record (written by upstream or an older Metis).
-    sources: Option<BTreeSet<String>>,
-    retired: bool,
-    quarantined: bool,
+    pub(super) sources: Option<BTreeSet<String>>,
+    pub(super) retired: bool,
+    pub(super) quarantined: bool,
 }
 
 impl Placed {
@@ -788,7 +788,7 @@ fn sweepable(
 }
 
 /// Deletes a block, its rows and Metis's records of it.
-fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
     conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
         .execute([id])?;
     conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
@@ -805,7 +805,12 @@ pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError>
     Ok(())
 }
 
-fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result<(), StoreError> {
+pub(super) fn set_retired(
+    conn: &Connection,
+    id: i64,
+    retired: bool,
+    now_ms: i64,
+) -> Result<(), StoreError> {
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
         .execute(params![id, retired])?;
@@ -824,7 +829,11 @@ fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<String>) -> Result<(), StoreError> {
+pub(super) fn write_sources(
+    conn: &Connection,
+    id: i64,
+    sources: &BTreeSet<String>,
+) -> Result<(), StoreError> {
     let text = sources.iter().cloned().collect::<Vec<_>>().join(",");
     conn.prepare_cached("UPDATE metis_blocks SET sources = ?2 WHERE block_id = ?1")?
         .execute(params![id, text])?;
@@ -832,7 +841,11 @@ fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<String>) -> Resu
 }
 
 /// Non-Deleting blocks of a network and family, oldest first.
-fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed>, StoreError> {
+pub(super) fn placed(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<Placed>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, b.cidr, b.state, m.block_id IS NOT NULL, COALESCE(m.sources, ''), \
                 COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
@@ -1040,7 +1053,7 @@ fn resolve_overlaps(
 }
 
 /// Whether any pod holds an address in the block, or an address is cooling.
-fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
+pub(super) fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached(
             "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \

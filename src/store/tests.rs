@@ -297,7 +297,9 @@ fn schema_objects_are_exact() {
         ("table", "metis_blocks"),
         ("table", "metis_bounds"),
         ("table", "metis_ranges"),
+        ("table", "metis_released"),
         ("table", "metis_settings"),
+        ("table", "metis_taken_back"),
         ("table", "sqlite_sequence"),
         ("trigger", "update_cidr_blocks_updated_at"),
         ("trigger", "update_ip_addresses_updated_at"),
@@ -1179,7 +1181,8 @@ fn block_listings_honour_filters_and_bind_values() {
             "allocated_ips",
             "state",
             "created_at",
-            "updated_at"
+            "updated_at",
+            "note"
         ]
     );
     assert_eq!(all.rows.len(), 3);
