@@ -11,27 +11,12 @@ mod common;
 use std::time::Duration;
 
 use common::apiserver::ApiServer;
-use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, wait_for};
+use common::cluster::{
+    FAST, NODE, blocks_in_db, default_conf, health_detail, start_daemon, status_entry,
+};
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, db, wait_for};
 
-const NODE: &str = "edge-node-1";
 const INITIAL: &str = r#"[[{"subnet":"198.18.0.0/26"}]]"#;
-
-/// Fast monitor settings so the adaptive loop runs in test time.
-const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown", "0"];
-
-fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
-    let kubeconfig = dir.join("kubeconfig");
-    api.kubeconfig(&kubeconfig);
-    let kubeconfig = kubeconfig.display().to_string();
-    let mut args = vec!["--cidr-source", source];
-    args.extend_from_slice(FAST);
-    args.extend_from_slice(extra);
-    TestDaemon::start_with_env(
-        dir,
-        &args,
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
-    )
-}
 
 /// A daemon following `api` through an `https://` kubeconfig whose cluster
 /// entry also has `tls_line`. The test API server speaks plain HTTP, so
@@ -59,12 +44,6 @@ fn start_daemon_over_https(
         &args,
         &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
     )
-}
-
-/// A network config for network `default`, the one the cloud publishes
-/// NodeNetworkConfig blocks for.
-fn default_conf(dir: &TestDir, version: &str, ranges: &str) -> String {
-    conf(dir, version, ranges, "").replace(r#""name":"testnet""#, r#""name":"default""#)
 }
 
 fn block_count(dir: &TestDir, state: &str) -> i64 {
@@ -262,8 +241,7 @@ fn stale_watch_versions_relist() {
         state.version += 1;
         let version = state.version.to_string();
         let nnc = state.nnc.as_mut().unwrap();
-        nnc["status"]["podCIDRs"] =
-            serde_json::json!([{"id": "x", "network": "default", "cidr": "198.19.200.0/28"}]);
+        nnc["status"]["podCIDRs"] = serde_json::json!([status_entry("x", "198.19.200.0/28")]);
         nnc["metadata"]["resourceVersion"] = serde_json::json!(version);
     }
     api.wait_until("a relist", Duration::from_secs(90), |s| {
@@ -475,22 +453,6 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
     );
 }
 
-fn blocks_in_db(dir: &TestDir) -> Vec<String> {
-    let conn = db(&dir.join("metis.sqlite"));
-    let mut stmt = conn
-        .prepare("SELECT cidr FROM cidr_blocks ORDER BY cidr")
-        .unwrap();
-    stmt.query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-}
-
-fn status_entry(id: &str, cidr: &str) -> serde_json::Value {
-    serde_json::json!({"id": id, "network": "default", "cidr": cidr,
-        "condition": {"type": "Ready", "status": "True"}})
-}
-
 #[test]
 fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
     let dir = TestDir::new("kube-overlap");
@@ -651,23 +613,6 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
         Some(16),
         "only the CNI range is granted"
     );
-}
-
-fn health_detail(daemon: &TestDaemon) -> String {
-    let health = metis::wire::client::Client::connect(
-        &daemon.socket,
-        Duration::from_secs(2),
-        Duration::from_secs(5),
-    )
-    .unwrap()
-    .call(&metis::wire::Request {
-        kind: Some(metis::wire::request::Kind::Health(Default::default())),
-    })
-    .unwrap();
-    match health.kind {
-        Some(metis::wire::response::Kind::Health(h)) => h.detail,
-        other => panic!("{other:?}"),
-    }
 }
 
 /// Once the API server answers `method` again: one succeeds and the

@@ -104,14 +104,18 @@ pub fn in_cluster(host: &str, port: &str, account_dir: &Path) -> Result<ApiConfi
 pub fn from_kubeconfig(path: &Path) -> Result<ApiConfig, ConfigError> {
     let text = String::from_utf8(read_file(path)?)
         .map_err(|_| ConfigError(format!("{} is not UTF-8", path.display())))?;
-    let docs = YamlLoader::load_from_str(&text)
-        .map_err(|err| ConfigError(format!("{}: {err}", path.display())))?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    kubeconfig_from_text(&text, base)
+        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
+}
+
+/// Reads a kubeconfig's text; files it names are relative to `base`.
+pub fn kubeconfig_from_text(text: &str, base: &Path) -> Result<ApiConfig, ConfigError> {
+    let docs = YamlLoader::load_from_str(text).map_err(|err| ConfigError(err.to_string()))?;
     let doc = docs
         .first()
-        .ok_or_else(|| ConfigError(format!("{} is empty", path.display())))?;
-    let base = path.parent().unwrap_or(Path::new("."));
+        .ok_or_else(|| ConfigError("the kubeconfig is empty".into()))?;
     parse_kubeconfig(doc, base)
-        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
 }
 
 fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
@@ -143,6 +147,7 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
         None => Auth::None,
         Some(user_name) => {
             let user = named(doc, "users", user_name, "user")?;
+            refuse_plugins(user, user_name)?;
             tls.client_cert = material(user, "client-certificate", base)?;
             tls.client_key = material(user, "client-key", base)?;
             if tls.client_cert.is_some() != tls.client_key.is_some() {
@@ -158,6 +163,25 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
         }
     };
     Ok(ApiConfig { server, auth, tls })
+}
+
+/// Credential plugins (`exec`, `auth-provider`) are refused: Metis runs
+/// no other program (the DaemonSet's service account needs none), and
+/// requests without their credentials would only be refused one by one.
+fn refuse_plugins(user: &Yaml, user_name: &str) -> Result<(), ConfigError> {
+    for (key, what) in [
+        ("exec", "an exec credential plugin"),
+        ("auth-provider", "an auth-provider plugin"),
+    ] {
+        if !matches!(user[key], Yaml::BadValue | Yaml::Null) {
+            return Err(ConfigError(format!(
+                "user {user_name:?} authenticates with {what} (`{key}`), which is not supported: \
+                 Metis runs no credential plugin; give it a token, a tokenFile or a client \
+                 certificate (in a cluster, its service account)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The `inner` object of the entry named `name` in the list `list`.
@@ -318,6 +342,17 @@ users:
             (
                 KUBECTL_STYLE.replace("LS0tLS1CRUdJTg==", "not*base64"),
                 "not valid base64",
+            ),
+            (
+                KUBECTL_STYLE.replace(
+                    "    token: s3cret",
+                    "    exec:\n      command: gke-gcloud-auth-plugin",
+                ),
+                "exec credential plugin (`exec`), which is not supported",
+            ),
+            (
+                KUBECTL_STYLE.replace("    token: s3cret", "    auth-provider:\n      name: gcp"),
+                "(`auth-provider`), which is not supported",
             ),
         ] {
             let err = parse(&broken).unwrap_err();

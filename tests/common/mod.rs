@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod apiserver;
+pub mod cluster;
 pub mod host_local;
 pub mod node;
 pub mod rng;

@@ -1,0 +1,119 @@
+//! A daemon following the test API server, and what tests read back from
+//! it: blocks in its database, its health, its metrics.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use super::apiserver::ApiServer;
+use super::{TestDaemon, TestDir, conf, db, wait_for};
+
+pub const NODE: &str = "edge-node-1";
+
+/// Fast monitor settings so the adaptive loop runs in test time.
+pub const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown", "0"];
+
+pub fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut args = vec!["--cidr-source", source];
+    args.extend_from_slice(FAST);
+    args.extend_from_slice(extra);
+    TestDaemon::start_with_env(
+        dir,
+        &args,
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    )
+}
+
+/// A network config for network `default`, the one the cloud publishes
+/// NodeNetworkConfig blocks for.
+pub fn default_conf(dir: &TestDir, version: &str, ranges: &str) -> String {
+    conf(dir, version, ranges, "").replace(r#""name":"testnet""#, r#""name":"default""#)
+}
+
+pub fn blocks_in_db(dir: &TestDir) -> Vec<String> {
+    let conn = db(&dir.join("metis.sqlite"));
+    let mut stmt = conn
+        .prepare("SELECT cidr FROM cidr_blocks ORDER BY cidr")
+        .unwrap();
+    stmt.query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// The state of block `cidr` (`None`: no such block).
+pub fn block_state(dir: &TestDir, cidr: &str) -> Option<String> {
+    use rusqlite::OptionalExtension;
+    db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT state FROM cidr_blocks WHERE cidr = ?1",
+            [cidr],
+            |r| r.get(0),
+        )
+        .optional()
+        .unwrap()
+}
+
+/// A Ready `status.podCIDRs` entry of network `default`.
+pub fn status_entry(id: &str, cidr: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "network": "default", "cidr": cidr,
+        "condition": {"type": "Ready", "status": "True"}})
+}
+
+pub fn health_detail(daemon: &TestDaemon) -> String {
+    let health = metis::wire::client::Client::connect(
+        &daemon.socket,
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+    .call(&metis::wire::Request {
+        kind: Some(metis::wire::request::Kind::Health(Default::default())),
+    })
+    .unwrap();
+    match health.kind {
+        Some(metis::wire::response::Kind::Health(h)) => h.detail,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The address the daemon's metrics listener bound (from its log).
+pub fn metrics_addr(daemon: &TestDaemon) -> String {
+    let mut addr = String::new();
+    wait_for("the metrics listener", Duration::from_secs(10), || {
+        let log = daemon.log();
+        match log.lines().find(|l| l.contains("metrics listening")) {
+            Some(line) => {
+                addr = line.rsplit("addr=").next().unwrap().trim().to_string();
+                true
+            }
+            None => false,
+        }
+    });
+    addr
+}
+
+/// One HTTP GET: (status line, body).
+pub fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: metis\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// The value of one series in a metrics body.
+pub fn series(body: &str, series: &str) -> f64 {
+    body.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no series {series} in:\n{body}"))
+        .parse()
+        .unwrap()
+}
