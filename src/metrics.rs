@@ -54,7 +54,7 @@ struct Counters {
     /// network → requests parked right now.
     parked: BTreeMap<String, i64>,
     api_errors: u64,
-    /// NodeNetworkConfig versions older than the one applied, ignored.
+    /// Versions a watch delivered twice (ignored; the object is listed again).
     stale_versions: u64,
     /// `status.podCIDRs` entries refused (overlapping, too large).
     refused_pod_cidrs: u64,
@@ -340,7 +340,7 @@ fn render_counters(out: &mut String, c: &Counters) {
         out,
         "metis_daemon_nnc_stale_versions_total",
         "counter",
-        "NodeNetworkConfig versions ignored because a newer one was applied.",
+        "Versions a watch delivered twice, ignored (the object is listed again).",
     );
     let _ = writeln!(
         out,

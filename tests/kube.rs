@@ -482,6 +482,10 @@ fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
         blocks_in_db(&dir),
         vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
     );
+    // Refusals are logged once the sync is committed.
+    wait_for("the refusals in the log", Duration::from_secs(10), || {
+        daemon.log().matches("refusing a podCIDR").count() >= 3
+    });
     let log = daemon.log();
     for refused in ["198.18.0.0/28", "198.19.4.0/28", "198.0.0.0/11"] {
         assert!(

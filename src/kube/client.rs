@@ -235,7 +235,8 @@ impl Iterator for WatchStream {
     }
 }
 
-fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
+/// One line of a watch stream: `{"type": ..., "object": ...}`.
+pub fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
     let value: Value = serde_json::from_slice(line)
         .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
     let kind = value["type"]
