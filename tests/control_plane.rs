@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::apiserver::ApiServer;
 use common::cluster::{
     NODE, block_state, blocks_in_db, default_conf, health_detail, http_get, metrics_addr, series,
-    start_daemon, status_entry,
+    start_daemon, start_daemon_over_https, status_entry,
 };
 use common::{Plugin, TestDir, assert_ok, json, metis, wait_for};
 use serde_json::{Value, json};
@@ -520,6 +520,35 @@ fn item6_with_a_lagging_watch_growth_follows_the_patch_answers() {
     drop(state);
     assert_eq!(reads(&api), reads_before);
     assert!(!health_detail(&daemon).contains("degraded"));
+}
+
+/// A self-signed CA certificate (P-256), only ever parsed.
+const TEST_CA: &str = include_str!("../testdata/kube/test-ca.pem");
+
+#[test]
+fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
+    let dir = TestDir::new("cp-ca-rotation");
+    let api = ApiServer::start(NODE, &[], 16);
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, "-----BEGIN").unwrap();
+    let daemon = start_daemon_over_https(
+        &dir,
+        &api,
+        &format!("certificate-authority: {}", ca.display()),
+        &["--api-max-backoff", "100ms"],
+    );
+    wait_for("the broken CA to be reported", WAIT, || {
+        health_detail(&daemon).contains("client setup")
+    });
+    // The CA is rotated on disk: the daemon uses it at its next attempt,
+    // which now gets as far as the TLS handshake (the test server speaks
+    // plain HTTP, so that fails differently).
+    std::fs::write(&ca, TEST_CA).unwrap();
+    wait_for("the new CA to be used", WAIT, || {
+        let detail = health_detail(&daemon);
+        detail.contains("degraded") && !detail.contains("client setup")
+    });
+    assert!(daemon.log().contains("TLS material changed on disk"));
 }
 
 #[test]

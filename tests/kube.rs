@@ -12,39 +12,12 @@ use std::time::Duration;
 
 use common::apiserver::ApiServer;
 use common::cluster::{
-    FAST, NODE, blocks_in_db, default_conf, health_detail, start_daemon, status_entry,
+    FAST, NODE, blocks_in_db, default_conf, health_detail, start_daemon, start_daemon_over_https,
+    status_entry,
 };
 use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, db, wait_for};
 
 const INITIAL: &str = r#"[[{"subnet":"198.18.0.0/26"}]]"#;
-
-/// A daemon following `api` through an `https://` kubeconfig whose cluster
-/// entry also has `tls_line`. The test API server speaks plain HTTP, so
-/// every request fails in TLS.
-fn start_daemon_over_https(
-    dir: &TestDir,
-    api: &ApiServer,
-    tls_line: &str,
-    extra: &[&str],
-) -> TestDaemon {
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    {tls_line}\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
-            api.addr
-        ),
-    )
-    .unwrap();
-    let kubeconfig = kubeconfig.display().to_string();
-    let mut args = vec!["--cidr-source", "nnc"];
-    args.extend_from_slice(extra);
-    TestDaemon::start_with_env(
-        dir,
-        &args,
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
-    )
-}
 
 fn block_count(dir: &TestDir, state: &str) -> i64 {
     db(&dir.join("metis.sqlite"))

@@ -30,6 +30,42 @@ pub struct Tls {
     pub client_cert: Option<Vec<u8>>,
     pub client_key: Option<Vec<u8>>,
     pub insecure: bool,
+    /// The files the material was read from (not inline `-data`): read
+    /// again when they change, so rotated credentials are used.
+    pub files: TlsFiles,
+}
+
+/// Where each piece of TLS material lives on disk, if it does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    pub fn all(&self) -> impl Iterator<Item = &PathBuf> {
+        [&self.ca, &self.client_cert, &self.client_key]
+            .into_iter()
+            .flatten()
+    }
+}
+
+impl Tls {
+    /// The same settings with every file-backed piece read again.
+    pub fn reread(&self) -> Result<Tls, ConfigError> {
+        let read = |file: &Option<PathBuf>, current: &Option<Vec<u8>>| match file {
+            Some(path) => read_file(path).map(Some),
+            None => Ok(current.clone()),
+        };
+        Ok(Tls {
+            ca: read(&self.files.ca, &self.ca)?,
+            client_cert: read(&self.files.client_cert, &self.client_cert)?,
+            client_key: read(&self.files.client_key, &self.client_key)?,
+            insecure: self.insecure,
+            files: self.files.clone(),
+        })
+    }
 }
 
 /// Everything needed to reach the API server.
@@ -95,6 +131,10 @@ pub fn in_cluster(host: &str, port: &str, account_dir: &Path) -> Result<ApiConfi
         auth: Auth::TokenFile(account_dir.join("token")),
         tls: Tls {
             ca: Some(read_file(&ca_path)?),
+            files: TlsFiles {
+                ca: Some(ca_path),
+                ..TlsFiles::default()
+            },
             ..Tls::default()
         },
     })
@@ -136,11 +176,16 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
             "server {server:?} is not an http(s) URL"
         )));
     }
+    let (ca, ca_file) = material(cluster, "certificate-authority", base)?;
     let mut tls = Tls {
-        ca: material(cluster, "certificate-authority", base)?,
+        ca,
         insecure: cluster["insecure-skip-tls-verify"]
             .as_bool()
             .unwrap_or(false),
+        files: TlsFiles {
+            ca: ca_file,
+            ..TlsFiles::default()
+        },
         ..Tls::default()
     };
     let auth = match text(context, "user") {
@@ -148,8 +193,8 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
         Some(user_name) => {
             let user = named(doc, "users", user_name, "user")?;
             refuse_plugins(user, user_name)?;
-            tls.client_cert = material(user, "client-certificate", base)?;
-            tls.client_key = material(user, "client-key", base)?;
+            (tls.client_cert, tls.files.client_cert) = material(user, "client-certificate", base)?;
+            (tls.client_key, tls.files.client_key) = material(user, "client-key", base)?;
             if tls.client_cert.is_some() != tls.client_key.is_some() {
                 return Err(ConfigError(format!(
                     "user {user_name} needs both a client certificate and a client key"
@@ -202,16 +247,23 @@ fn text<'a>(node: &'a Yaml, key: &str) -> Option<&'a str> {
     node[key].as_str().filter(|s| !s.is_empty())
 }
 
+/// A piece of PEM material and the file it came from, if any.
+type Material = (Option<Vec<u8>>, Option<PathBuf>);
+
 /// PEM from `KEY-data` (base64) or the file `KEY` (relative to the kubeconfig).
-fn material(node: &Yaml, key: &str, base: &Path) -> Result<Option<Vec<u8>>, ConfigError> {
+fn material(node: &Yaml, key: &str, base: &Path) -> Result<Material, ConfigError> {
     if let Some(data) = text(node, &format!("{key}-data")) {
         return base64_decode(data)
-            .map(Some)
+            .map(|pem| (Some(pem), None))
             .ok_or_else(|| ConfigError(format!("{key}-data is not valid base64")));
     }
-    text(node, key)
-        .map(|file| read_file(&resolve(base, file)))
-        .transpose()
+    match text(node, key) {
+        None => Ok((None, None)),
+        Some(file) => {
+            let path = resolve(base, file);
+            Ok((Some(read_file(&path)?), Some(path)))
+        }
+    }
 }
 
 fn resolve(base: &Path, file: &str) -> PathBuf {

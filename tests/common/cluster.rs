@@ -27,6 +27,34 @@ pub fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]
     )
 }
 
+/// A daemon following `api` through an `https://` kubeconfig whose cluster
+/// entry also has `tls_line`. The test API server speaks plain HTTP, so
+/// every request fails in TLS.
+pub fn start_daemon_over_https(
+    dir: &TestDir,
+    api: &ApiServer,
+    tls_line: &str,
+    extra: &[&str],
+) -> TestDaemon {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    {tls_line}\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+            api.addr
+        ),
+    )
+    .unwrap();
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut args = vec!["--cidr-source", "nnc"];
+    args.extend_from_slice(extra);
+    TestDaemon::start_with_env(
+        dir,
+        &args,
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
+    )
+}
+
 /// A network config for network `default`, the one the cloud publishes
 /// NodeNetworkConfig blocks for.
 pub fn default_conf(dir: &TestDir, version: &str, ranges: &str) -> String {
