@@ -240,23 +240,6 @@ impl Store {
         Ok(all)
     }
 
-    /// Adds a block the cluster granted (`source` Node or NNC). An existing
-    /// block of that prefix is adopted; a prefix overlapping another block
-    /// is refused with [`StoreError::Overlap`].
-    pub fn add_granted_block(
-        &mut self,
-        source: Source,
-        network: &str,
-        cidr: &Cidr,
-        now_ms: i64,
-    ) -> Result<super::AddOutcome, StoreError> {
-        let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
-        let outcome = add_block(&tx, mode, network, cidr, Some(source), now_ms)?;
-        tx.commit()?;
-        Ok(outcome)
-    }
-
     /// The network's non-Deleting blocks that only the NodeNetworkConfig
     /// accounts for (no static or Node source): (block id, CIDR).
     pub fn nnc_only_blocks(
@@ -522,7 +505,7 @@ fn record_sources(
 }
 
 /// Adds one block (the `--cidr`-less primitive behind
-/// [`Store::add_cidr_block`] and [`Store::add_granted_block`]).
+/// [`Store::add_cidr_block`] and [`Store::follow_grants`]).
 pub(super) fn add_block(
     conn: &Connection,
     mode: ReserveMode,
