@@ -294,8 +294,8 @@ impl Adaptive {
                     self.take(applied, &mut grown);
                 }
                 KubeEvent::Conflict { streak } => {
-                    // A fresh object arrived just before this: recompute now
-                    // (the patcher paces what is sent).
+                    // The watch brings the newer version; recompute now
+                    // from the copy there is (the patcher paces what is sent).
                     self.patching = None;
                     self.next_pass = now;
                     if streak >= worker::CONFLICT_STORM {
