@@ -285,6 +285,7 @@ fn run(seed: u64, steps: usize) {
         next_pod: 0,
         backups: Vec::new(),
     };
+    let mut dearest = 0;
     for step in 0..steps {
         let requests_before = api.state().log.len();
         let action = model.rng.below(100);
@@ -309,7 +310,7 @@ fn run(seed: u64, steps: usize) {
         );
     }
     eprintln!(
-        "seed {seed}: {steps} steps, {} requests, {} pods live, {} blocks released ({} NonReusable)",
+        "seed {seed}: {steps} steps, {} requests (at most {dearest} in a step), {} pods live, {} blocks released ({} NonReusable)",
         api.state().log.len(),
         model.pods.len(),
         model.released_ever.len(),
