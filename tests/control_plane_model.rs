@@ -308,6 +308,7 @@ fn run(seed: u64, steps: usize) {
             cost <= STEP_BUDGET,
             "step {step} ({what}) cost {cost} requests"
         );
+        dearest = dearest.max(cost);
     }
     eprintln!(
         "seed {seed}: {steps} steps, {} requests (at most {dearest} in a step), {} pods live, {} blocks released ({} NonReusable)",
