@@ -56,6 +56,11 @@ impl Cluster {
         self.latest.as_ref()
     }
 
+    /// A patch computed from the latest copy went out.
+    pub fn patch_sent(&mut self, base: &str) {
+        self.follower.patch_sent(base);
+    }
+
     /// A NodeNetworkConfig copy from the stream.
     pub fn on_nnc(
         &mut self,

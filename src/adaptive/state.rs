@@ -491,6 +491,7 @@ impl Adaptive {
                 }
                 match outcome.patch {
                     Some(patch) => {
+                        self.cluster.patch_sent(&version);
                         self.patching = Some(version);
                         self.link.patch(patch);
                     }

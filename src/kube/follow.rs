@@ -135,6 +135,8 @@ pub struct Follower {
     uid: Option<String>,
     version: Option<String>,
     epoch: u64,
+    /// The version (and its epoch) the patch in flight was computed from.
+    sent: Option<(String, u64)>,
 }
 
 impl Follower {
@@ -146,12 +148,23 @@ impl Follower {
         self.adopt_uid(&meta.uid)
     }
 
+    /// A patch computed from the current copy went out.
+    pub fn patch_sent(&mut self, base: &str) {
+        self.sent = Some((base.to_string(), self.epoch));
+    }
+
     /// The object a successful PATCH returned. It is the direct successor
     /// of `base` (the patch's precondition), so it is news exactly when the
-    /// copy is still `base`; otherwise the stream delivered it, or later.
+    /// copy is still `base` of the same epoch; otherwise the stream
+    /// delivered it, or later. (After a relist the same version may name
+    /// another object: an etcd restore hands out old versions again.)
     pub fn patched(&mut self, base: &str, meta: &Meta) -> Verdict {
+        let sent = self.sent.take();
         let same_object = self.uid.as_deref().is_none_or(|uid| uid == meta.uid);
-        if self.version.as_deref() != Some(base) || !same_object {
+        let from_this_copy = sent.as_ref().is_some_and(|(version, epoch)| {
+            version == base && *epoch == self.epoch && self.version.as_deref() == Some(base)
+        });
+        if !from_this_copy || !same_object {
             return Verdict::Ignore;
         }
         self.version = Some(meta.resource_version.clone());
@@ -250,22 +263,38 @@ mod tests {
     fn a_patch_answer_is_news_only_as_the_successor_of_the_copy() {
         let mut follower = Follower::default();
         follower.stream(1, &meta("n", "u1", "10"));
+        follower.patch_sent("10");
         assert_eq!(
             follower.patched("10", &meta("n", "u1", "11")),
             Verdict::Apply
         );
         assert_eq!(follower.version(), Some("11"));
         // The stream moved on before the answer was handled: ignored.
+        follower.patch_sent("11");
         follower.stream(1, &meta("n", "u1", "12"));
         assert_eq!(
             follower.patched("11", &meta("n", "u1", "13")),
             Verdict::Ignore
         );
         // Another object's answer is never adopted.
+        follower.patch_sent("12");
         assert_eq!(
             follower.patched("12", &meta("n", "u9", "14")),
             Verdict::Ignore
         );
         assert_eq!(follower.version(), Some("12"));
+        // An etcd restore: a relist brings the same version back, naming
+        // another object; an answer to a patch of the old one is stale.
+        follower.patch_sent("12");
+        follower.stream(2, &meta("n", "u1", "12"));
+        assert_eq!(
+            follower.patched("12", &meta("n", "u1", "13")),
+            Verdict::Ignore
+        );
+        // A patch nobody sent (or answered twice) is not adopted either.
+        assert_eq!(
+            follower.patched("12", &meta("n", "u1", "13")),
+            Verdict::Ignore
+        );
     }
 }
