@@ -163,6 +163,9 @@ fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, 
         match cycle.run(&mut backoff, &mut stream, &mut resume) {
             Ok(Flow::Stop) => return,
             Ok(Flow::Again) => {}
+            // Paced like a failure: a server that deletes the object or
+            // replays versions on every watch gets no list storm.
+            Ok(Flow::Relist) => thread::sleep(backoff.next(None)),
             Err(err) => {
                 let pause = backoff.next(err.retry_after());
                 log::warn(
@@ -188,6 +191,8 @@ fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, 
 /// Whether the watch thread goes on.
 enum Flow {
     Again,
+    /// List again, after the backoff.
+    Relist,
     Stop,
 }
 
@@ -298,7 +303,7 @@ impl Cycle<'_> {
     /// Tells the loop `event` and ends the cycle so that the next lists.
     fn relisting(&self, event: KubeEvent) -> Flow {
         match self.send.send(event) {
-            true => Flow::Again,
+            true => Flow::Relist,
             false => Flow::Stop,
         }
     }
