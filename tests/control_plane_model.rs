@@ -27,7 +27,7 @@ use std::time::Duration;
 use common::apiserver::ApiServer;
 use common::cluster::{NODE, start_daemon};
 use common::rng::Rng;
-use common::{TestDaemon, TestDir, db, v4_add_request, wait_for};
+use common::{TestDaemon, TestDir, db, v4_add_request};
 use metis::wire::{Code, Request, ipam, request, response};
 use serde_json::{Value, json};
 
@@ -231,6 +231,31 @@ fn followed(model: &Model, node: &Node) -> bool {
     !unwanted && !missing
 }
 
+/// Waits until the daemon has followed the model; says what differs if it
+/// does not in time.
+fn wait_followed(model: &Model, node: &Node, api: &ApiServer, step: usize, what: &str) {
+    let deadline = std::time::Instant::now() + SYNC;
+    while !followed(model, node) {
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "step {step} ({what}) not followed in {SYNC:?}\nstatus: {:?}\nnever again: {:?}\n\
+                 released ever: {:?}\nblocks: {:?}\nremembered: {:?}\nserver: {}\nlog:\n{}",
+                model.status,
+                model.never_again,
+                model.released_ever,
+                node.blocks(),
+                node.released(),
+                api.state().nnc.clone().unwrap_or_default(),
+                node.daemon
+                    .as_ref()
+                    .map(TestDaemon::log)
+                    .unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The releases the daemon asked for: (cidr, reusable).
 fn releasable(api: &ApiServer) -> Vec<(String, bool)> {
     let state = api.state();
@@ -296,11 +321,7 @@ fn run(seed: u64, steps: usize) {
         if model.rng.chance(60) {
             honour_releases(&mut model, &api);
         }
-        wait_for(
-            &format!("step {step} ({what}) to be followed"),
-            SYNC,
-            || followed(&model, &node),
-        );
+        wait_followed(&model, &node, &api, step, &what);
         pods_step(&mut model, &node);
         check(&model, &node, step, &what);
         let cost = api.state().log.len() - requests_before;
