@@ -166,6 +166,14 @@ fn synced_from(changes: GrantChanges, object: &str) -> Synced {
         );
         synced.deleted.push(network.clone());
     }
+    synced
+        .notices
+        .extend(changes.releasing.iter().map(|(network, cidr)| Notice {
+        refusal: false,
+        text: format!(
+            "podCIDR {cidr} of network {network:?} is not allocated from: this node is releasing it"
+        ),
+    }));
     synced.notices.extend(changes.refused.iter().map(|r| Notice {
         refusal: true,
         text: format!(

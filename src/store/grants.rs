@@ -39,6 +39,9 @@ pub struct GrantChanges {
     pub taken_back: Vec<(String, Cidr)>,
     /// Taken-back blocks deleted: no pod held an address in them.
     pub deleted: Vec<(String, Cidr)>,
+    /// Granted blocks this node is releasing (Deleting): left so until
+    /// the status drops them.
+    pub releasing: Vec<(String, Cidr)>,
     pub refused: Vec<Refusal>,
 }
 
@@ -106,6 +109,10 @@ impl Store {
             }
         }
         for (network, cidr) in granted {
+            if is_deleting(&tx, network, cidr)? {
+                changes.releasing.push((network.clone(), *cidr));
+                continue;
+            }
             let before = layout::placed(&tx, network, cidr.family())?;
             let was_retired = before
                 .iter()
@@ -268,6 +275,16 @@ fn sweep(conn: &Connection, now_ms: i64) -> Result<Vec<(String, Cidr)>, StoreErr
     Ok(deleted)
 }
 
+/// Whether the block `cidr` of `network` is Deleting (being released).
+fn is_deleting(conn: &Connection, network: &str, cidr: &Cidr) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM cidr_blocks WHERE network = ?1 AND cidr = ?2 \
+             AND state = 'Deleting')",
+        )?
+        .query_row(params![network, cidr.to_string()], |r| r.get(0))?)
+}
+
 /// Who the block `cidr` of `network` belongs to, in words.
 fn owner_of(conn: &Connection, network: &str, cidr: &str) -> Result<String, StoreError> {
     let Ok(parsed) = cidr.parse::<Cidr>() else {
@@ -423,6 +440,34 @@ mod tests {
             .unwrap();
         assert_eq!(changes, GrantChanges::default());
         assert!(take(&mut store, "a").starts_with("198.19.0."));
+    }
+
+    #[test]
+    fn a_granted_block_being_released_stays_deleting() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let v4 = [Family::V4];
+        let granted = grants(&["198.19.0.0/28"]);
+        store
+            .follow_grants(Source::Nnc, &v4, &granted, NOW)
+            .unwrap();
+        let id = store.blocks(&crate::store::BlockFilter::default()).unwrap()[0].id;
+        store.drain_block(id, NOW).unwrap();
+        // The trigger stamps updated_at with the real clock.
+        let later = i64::MAX / 2;
+        let expired = store
+            .expire_draining("default", Family::V4, 0, later)
+            .unwrap();
+        assert_eq!(expired.len(), 1);
+        // Granted again while this node releases it (a re-created object
+        // still lists it): neither an error nor served.
+        let changes = store
+            .follow_grants(Source::Nnc, &v4, &granted, NOW)
+            .unwrap();
+        assert_eq!(changes.releasing, granted);
+        let blocks = store.blocks(&crate::store::BlockFilter::default()).unwrap();
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(blocks[0].state, crate::store::BlockState::Deleting);
     }
 
     #[test]
