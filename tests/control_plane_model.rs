@@ -6,7 +6,9 @@
 //! loopback API server. After every step, once the daemon has followed:
 //!
 //! - no address handed out since lies outside the blocks granted now (plus
-//!   the static ranges);
+//!   the static ranges; after a lagging watch, also those of the versions
+//!   it still delivers in order, which the daemon may not have reached —
+//!   the next step's check catches a block it keeps serving);
 //! - no released NonReusable block is ever used again;
 //! - every pod keeps its address until its DEL, take-backs included;
 //! - no address is held twice;
@@ -84,6 +86,10 @@ struct Model {
     next_pod: u64,
     /// Copies of the object kept for a restore.
     backups: Vec<(Value, Vec<Entry>)>,
+    /// Entries Ready in a version between the last step's and this one's
+    /// (a lagging watch delivers them after the model has moved on, in
+    /// order): the daemon may serve them until it reaches the last.
+    transient: Vec<Entry>,
 }
 
 impl Model {
@@ -96,7 +102,7 @@ impl Model {
     fn allowed(&self, address: &str) -> bool {
         let static_ok = in_block(address, CNI) || in_block(address, FLAG);
         static_ok
-            || self.status.iter().any(|e| {
+            || self.status.iter().chain(&self.transient).any(|e| {
                 e.ready && !self.never_again.contains(&e.cidr) && in_block(address, &e.cidr)
             })
     }
@@ -309,11 +315,13 @@ fn run(seed: u64, steps: usize) {
         pods: BTreeMap::new(),
         next_pod: 0,
         backups: Vec::new(),
+        transient: Vec::new(),
     };
     let mut dearest = 0;
     for step in 0..steps {
         let requests_before = api.state().log.len();
         let action = model.rng.below(100);
+        model.transient.clear();
         let what = control_step(action, &mut model, &api, &mut node, &dir, &flags);
         eprintln!("step {step}: {what}");
         // Releases the daemon asked for are taken by the cluster at once
@@ -430,6 +438,7 @@ fn control_step(
                     }),
                 }
                 api.set_status(model.status_json());
+                model.transient.extend(model.status.iter().cloned());
             }
             api.with_state(|s| s.hold_watches = false);
             "three changes through a lagging watch".into()
