@@ -204,7 +204,14 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
     wait_state(&dir, "198.19.5.0/28", None);
     wait_state(&dir, "198.19.4.0/28", None);
     assert!(!health_detail(&daemon).contains("degraded"));
-    // Lists: the first, and one after each DELETED.
+    // Lists: the first, and one after each DELETED (after the backoff).
+    api.wait_until("the list after the second delete", WAIT, |s| {
+        s.log
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodes"))
+            .count()
+            >= 3
+    });
     assert_eq!(requests(&api, "GET", "nodes"), 3);
 }
 
