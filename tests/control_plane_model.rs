@@ -417,7 +417,24 @@ fn control_step(
                 .into_iter()
                 .filter(|e| !model.released_ever.contains(&e.cidr))
                 .collect();
+            let lists = |api: &ApiServer| {
+                api.state()
+                    .log
+                    .iter()
+                    .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
+                    .count()
+            };
+            let before = lists(api);
             api.restore(backup);
+            // Writes resume once the API servers restarted on the restored
+            // store; a node past the restored version lists first (its
+            // watch is answered ResourceVersionTooLarge). Without that
+            // pause the same version could name two contents on a silent
+            // stream, which no client can tell apart (docs/design.md).
+            let deadline = std::time::Instant::now() + Duration::from_secs(3);
+            while lists(api) == before && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             api.set_status(model.status_json());
             "etcd restore".into()
         }
