@@ -16,6 +16,8 @@ HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
 STATIC := RUSTFLAGS="-C target-feature=+crt-static"
 METIS := $(TARGET_DIR)/$(HOST)/release/metis
 EDGE := $(TARGET_DIR)/edge/$(HOST)/release/metis
+# The bench's floor, linked by `make build` exactly as $(METIS) (Cargo.toml).
+FLOOR := $(TARGET_DIR)/$(HOST)/release/metis-floor
 
 .PHONY: build edge demo test lint unit proto clean soak fuzz image
 
@@ -99,7 +101,7 @@ conformance: build
 
 # Regenerate src/wire/gen/ from proto/ (pure Rust, no protoc needed).
 proto:
-	METIS_WRITE_PROTO=1 $(CARGO) test --locked --test proto_sync
+	METIS_WRITE_PROTO=1 $(CARGO) test --locked --test integration proto_sync::
 
 clean:
 	$(CARGO) clean
@@ -110,12 +112,12 @@ clean:
 # host-local vs the floor, written to bench/results.md (a few minutes; needs
 # /usr/lib/cni/host-local from containernetworking-plugins).
 bench: build edge
-	$(CARGO) bench --locked --bench metis -- --full $(METIS) --edge $(EDGE) --out bench/results.md
+	$(CARGO) bench --locked --bench metis -- --full $(METIS) --edge $(EDGE) --floor $(FLOOR) --out bench/results.md
 
 # A few cycles of every measurement for both builds, checking results are
 # sane (never timings).
 bench-smoke: build edge
-	$(CARGO) bench --locked --bench metis -- --full $(METIS) --edge $(EDGE) --smoke
+	$(CARGO) bench --locked --bench metis -- --full $(METIS) --edge $(EDGE) --floor $(FLOOR) --smoke
 
 # Crash safety at full size: 20 rounds of 500 plugin operations with the
 # daemon SIGKILLed at random (METIS_CRASH_ROUNDS/OPS/SEED to change), then
@@ -123,9 +125,9 @@ bench-smoke: build edge
 # (METIS_MODEL_SEQUENCES/STEPS/SEED).
 soak:
 	METIS_CRASH_ROUNDS=$${METIS_CRASH_ROUNDS:-20} METIS_CRASH_OPS=$${METIS_CRASH_OPS:-500} \
-	  $(CARGO) test --locked --test crash -- --nocapture
+	  $(CARGO) test --locked --test integration crash:: -- --nocapture
 	METIS_MODEL_SEQUENCES=$${METIS_MODEL_SEQUENCES:-200} METIS_MODEL_STEPS=$${METIS_MODEL_STEPS:-60} \
-	  $(CARGO) test --locked --test model -- --nocapture
+	  $(CARGO) test --locked --test integration model:: -- --nocapture
 
 # Coverage-guided fuzzing on the stable toolchain: every target for
 # FUZZ_SECONDS (default 600) each; see fuzz/run.sh.

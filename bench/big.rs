@@ -137,7 +137,7 @@ fn fill_rows(db: &std::path::Path, rows: u32) {
          WITH RECURSIVE n(i) AS (SELECT 64 UNION ALL SELECT i + 1 FROM n WHERE i < {last}) \
          INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
          SELECT '198.' || (16 + (i >> 16)) || '.' || ((i >> 8) & 255) || '.' || (i & 255), 1, '', '', 0 FROM n; \
-         UPDATE metis_settings SET value = '{rows}' WHERE key = 'ipv6_frontier/1'; \
+         UPDATE metis_blocks SET frontier = '{rows}' WHERE block_id = 1; \
          COMMIT;",
         last = rows - 1,
     ))

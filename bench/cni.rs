@@ -26,6 +26,8 @@ pub struct Timing {
 pub struct Cycles {
     /// In the order of the builds given.
     pub builds: Vec<Timing>,
+    /// The same builds with no daemon: direct mode.
+    pub direct: Vec<Timing>,
     pub host_local: Summary,
     pub floor: Summary,
 }
@@ -115,6 +117,23 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
         .zip(&dirs)
         .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true))
         .collect();
+    // No daemon on these: every exec finds no socket and serves itself. A
+    // daemon started and stopped once records its release cooldown, which
+    // direct mode keeps too (released addresses rest, as with the daemon).
+    let direct_dirs: Vec<TempDir> = builds
+        .iter()
+        .map(|build| {
+            let dir = TempDir::new(&format!("cycles-direct-{}", build.name()));
+            assert!(build.daemon(&dir, &[]).stop().success());
+            dir
+        })
+        .collect();
+    subjects.extend(
+        builds
+            .iter()
+            .zip(&direct_dirs)
+            .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true)),
+    );
     let host_local_dir = TempDir::new("cycles-host-local");
     subjects.push(Subject::new(
         Path::new(HOST_LOCAL),
@@ -134,8 +153,10 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
     for subject in subjects.iter().chain([&host_local]) {
         assert_eq!(subject.addresses.len(), warmup + cycles);
     }
+    let direct = subjects.split_off(builds.len());
     Cycles {
         builds: subjects.iter().map(Subject::timing).collect(),
+        direct: direct.iter().map(Subject::timing).collect(),
         host_local: Summary::of(&host_local.total),
         floor: Summary::of(&floor.total),
     }
@@ -174,6 +195,28 @@ pub fn report_cycles(bench: &Bench, report: &mut Report) {
             ms(c.host_local.p99),
         ));
     }
+    for (build, t) in bench.builds.iter().zip(&c.direct) {
+        let r = ratio(t.total.median, c.host_local.median);
+        report.rows.push(
+            Row::plain(
+                "ADD+DEL median in direct mode (no daemon) / host-local",
+                build.name(),
+                ms(t.total.median),
+            )
+            .against(ms(c.host_local.median), r)
+            .target("≤ 0.6×", r <= 0.6),
+        );
+        report.notes.push(format!(
+            "ADD+DEL in direct mode, {} build: ADD alone median {} p99 {}, DEL alone median {} \
+             p99 {}, the pair p99 {}.",
+            build.name(),
+            ms(t.add.median),
+            ms(t.add.p99),
+            ms(t.del.median),
+            ms(t.del.p99),
+            ms(t.total.p99),
+        ));
+    }
     report.rows.push(
         Row::plain(
             "ADD+DEL median, floor / host-local (the best possible)",
@@ -187,7 +230,8 @@ pub fn report_cycles(bench: &Bench, report: &mut Report) {
     );
     report.notes.push(format!(
         "ADD+DEL: {} cycles each (after {} warm-up), interleaved: every round runs each build \
-         (against its own daemon), host-local and the floor program, the order rotating.",
+         (against its own daemon), each build in direct mode (no daemon, its own database), \
+         host-local and the floor program, the order rotating.",
         plan.cycles, plan.warmup,
     ));
 }

@@ -2,8 +2,10 @@
 //! what a CNI plugin can cost, every figure taken in the same run and
 //! reported as a ratio next to its target (README, "Performance").
 //!
-//! `cargo bench --bench metis -- --edge EDGE_BINARY [--smoke] [--out FILE]`
-//! (`make bench` builds the edge binary and passes it). Every per-build
+//! `cargo bench --bench metis -- --full BINARY --edge EDGE_BINARY --floor
+//! FLOOR_BINARY [--smoke] [--out FILE]` (`make bench` builds all three and
+//! passes them; the floor is the `metis-floor` binary `make build` links
+//! beside `metis`). Every per-build
 //! figure is taken for the full build (the binary `cargo bench` built with
 //! default features) and for the edge build (`--no-default-features`).
 //! `--smoke` runs a few cycles of every measurement and checks the results
@@ -24,8 +26,10 @@
 
 mod big;
 mod cni;
+#[allow(dead_code)] // the tests' harness: the bench uses a part of it
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod instructions;
 mod memory;
 mod report;
 mod scale;
@@ -88,7 +92,8 @@ const SMOKE: Plan = Plan {
     restarts: 1,
 };
 
-/// What every section gets: the plan, the builds, the floor program.
+/// What every section gets: the plan, the builds, the floor program (linked
+/// as the full build is).
 pub struct Bench {
     pub plan: Plan,
     pub builds: Vec<Build>,
@@ -104,6 +109,7 @@ const SECTIONS: &[(&str, Section)] = &[
         "ADD+DEL cycles: each build, host-local, floor",
         cni::report_cycles,
     ),
+    ("instructions per exec (callgrind)", instructions::report),
     ("daemon throughput", throughput::report),
     ("scale", scale::report),
     ("memory", memory::report),
@@ -159,18 +165,25 @@ fn main() {
     ];
     check_edge(&builds[1]);
     let started = Instant::now();
-    let tools = TempDir::new("tools");
+    let floor = value("--floor").expect("--floor BINARY is required (`make bench` passes it)");
     let bench = Bench {
         plan,
         builds,
-        floor: build_floor(&tools),
+        floor: std::fs::canonicalize(&floor)
+            .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", floor.display())),
     };
     let mut report = Report::default();
     for (i, (name, section)) in SECTIONS.iter().enumerate() {
         eprintln!("[{}/{}] {name}", i + 1, SECTIONS.len());
         section(&bench, &mut report);
     }
-    let text = report::render(&bench.plan, &bench.builds, &report, started.elapsed());
+    let text = report::render(
+        &bench.plan,
+        &bench.builds,
+        &bench.floor,
+        &report,
+        started.elapsed(),
+    );
     print!("{text}");
     if let Some(out) = out {
         std::fs::write(&out, &text).unwrap();
@@ -201,26 +214,4 @@ fn check_edge(edge: &Build) {
         edge.binary.display(),
         output.status
     );
-}
-
-/// Compiles the floor program with the release profile's settings.
-fn build_floor(dir: &TempDir) -> PathBuf {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/floor.rs");
-    let binary = dir.join("floor");
-    let status = Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
-        .args([
-            "--edition",
-            "2021",
-            "-C",
-            "opt-level=3",
-            "-C",
-            "panic=abort",
-        ])
-        .args(["-C", "codegen-units=1", "-C", "strip=symbols", "-o"])
-        .arg(&binary)
-        .arg(&source)
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the floor program failed");
-    binary
 }

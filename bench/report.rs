@@ -98,7 +98,7 @@ fn release_profile() -> String {
     }
 }
 
-fn header(out: &mut String, builds: &[Build], took: Duration) {
+fn header(out: &mut String, builds: &[Build], floor: &Path, took: Duration) {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
@@ -164,6 +164,11 @@ fn header(out: &mut String, builds: &[Build], took: Duration) {
     }
     let _ = writeln!(
         out,
+        "| floor | `{}`, bench/floor.rs, built and linked by `make build` as the full build |",
+        floor.display()
+    );
+    let _ = writeln!(
+        out,
         "| host-local | `{HOST_LOCAL}`, containernetworking-plugins {} |",
         command_line(
             "dpkg-query",
@@ -173,7 +178,13 @@ fn header(out: &mut String, builds: &[Build], took: Duration) {
     let _ = writeln!(out, "| run time | {:.0} s |\n", took.as_secs_f64());
 }
 
-pub fn render(plan: &Plan, builds: &[Build], report: &Report, took: Duration) -> String {
+pub fn render(
+    plan: &Plan,
+    builds: &[Build],
+    floor: &Path,
+    report: &Report,
+    took: Duration,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -184,7 +195,7 @@ pub fn render(plan: &Plan, builds: &[Build], report: &Report, took: Duration) ->
             ""
         }
     );
-    header(&mut out, builds, took);
+    header(&mut out, builds, floor, took);
     let _ = writeln!(
         out,
         "| measurement | build | Metis | reference | ratio | target | |"

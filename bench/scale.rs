@@ -123,8 +123,8 @@ fn populate(conn: &rusqlite::Connection, id: i64, cidr: &Cidr) {
     )
     .unwrap();
     conn.execute(
-        "UPDATE metis_settings SET value = ?2 WHERE key = ?1",
-        rusqlite::params![format!("ipv6_frontier/{id}"), size.to_string()],
+        "UPDATE metis_blocks SET frontier = ?2 WHERE block_id = ?1",
+        rusqlite::params![id, size.to_string()],
     )
     .unwrap();
 }

@@ -94,7 +94,20 @@ pub struct Invocation<'a> {
 
 impl Invocation<'_> {
     pub fn command(&self) -> Command {
-        let mut command = Command::new(self.program);
+        self.command_under(&[])
+    }
+
+    /// The invocation run by `wrapper` (a program and its arguments, the
+    /// plugin appended), or directly when `wrapper` is empty.
+    fn command_under(&self, wrapper: &[String]) -> Command {
+        let mut command = match wrapper.split_first() {
+            None => Command::new(self.program),
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(self.program);
+                command
+            }
+        };
         command
             .env_clear()
             .env("CNI_COMMAND", self.command)
@@ -115,8 +128,13 @@ impl Invocation<'_> {
     /// Runs once; returns stdout and the time from spawn to exit. Panics
     /// with the output when the plugin fails.
     pub fn run(&self) -> (String, Duration) {
+        self.run_under(&[])
+    }
+
+    /// Like [`Invocation::run`], the plugin run by `wrapper` (valgrind).
+    pub fn run_under(&self, wrapper: &[String]) -> (String, Duration) {
         let start = Instant::now();
-        let mut child = self.command().spawn().unwrap();
+        let mut child = self.command_under(wrapper).spawn().unwrap();
         // Configurations are far below a pipe's capacity: no deadlock.
         child
             .stdin

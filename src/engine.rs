@@ -1,6 +1,8 @@
-//! The IPAM engine: one request in, one response out, against the store.
+//! The IPAM engine: one request in, one outcome out, against the store.
 //! The daemon runs it for every client; the plugin runs the very same code
-//! in-process in direct mode, so both paths share every rule.
+//! in-process in direct mode, so both paths share every rule. Outcomes are
+//! domain values; `crate::encode` turns them into wire responses at the
+//! edge, so the adaptive side can amend them without parsing text.
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -8,14 +10,15 @@ use std::net::IpAddr;
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::names;
+use crate::store::Usage;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
 };
 use crate::wire::admin::v1 as admin;
 use crate::wire::envelope::v1 as envelope;
-use crate::wire::envelope::v1::{NetworkUsage, UsageRequest, UsageResponse};
+use crate::wire::envelope::v1::UsageRequest;
 use crate::wire::ipam;
-use crate::wire::{Code, HealthCheckResponse, Request, Response, reason, request, response};
+use crate::wire::{Code, Request, reason, request};
 
 /// A request-level failure: what the client is told.
 #[derive(Debug, PartialEq, Eq)]
@@ -65,15 +68,17 @@ impl Failure {
             scope,
         }
     }
+}
 
-    fn into_outcome(self) -> Outcome {
-        match self.scope {
+impl From<Failure> for Outcome {
+    fn from(failure: Failure) -> Outcome {
+        match failure.scope {
             Some((network, family)) => Outcome::Exhausted {
                 network,
                 family,
-                message: self.message,
+                message: failure.message,
             },
-            None => Outcome::Reply(Response::error(self.code, self.reason, self.message)),
+            None => Outcome::Failed(failure),
         }
     }
 }
@@ -82,7 +87,8 @@ impl Failure {
 /// the request and wait for new blocks without reading the reply back.
 #[derive(Debug, PartialEq)]
 pub enum Outcome {
-    Reply(Response),
+    Done(Reply),
+    Failed(Failure),
     /// No free address of `family` in the network's blocks.
     Exhausted {
         network: String,
@@ -92,20 +98,72 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// The response a client receives: the one place where exhaustion
-    /// becomes a wire status with its network and family metadata.
-    pub fn into_response(self) -> Response {
+    /// The status code the client is told.
+    pub fn code(&self) -> Code {
         match self {
-            Outcome::Reply(response) => response,
-            Outcome::Exhausted {
-                network,
-                family,
-                message,
-            } => Response::error(Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED, message)
-                .with_metadata(reason::META_NETWORK, &network)
-                .with_metadata(reason::META_IP_FAMILY, family.as_str()),
+            Outcome::Done(_) => Code::Ok,
+            Outcome::Failed(failure) => failure.code,
+            Outcome::Exhausted { .. } => Code::ResourceExhausted,
         }
     }
+}
+
+/// What a successful request returned.
+#[derive(Debug, PartialEq)]
+pub enum Reply {
+    /// ADD: the address of each requested family.
+    Allocated(Allocated),
+    /// DEL: the addresses released.
+    Released(Vec<Allocation>),
+    /// CHECK: what the owner holds (never empty).
+    Held(Vec<Allocation>),
+    /// An admin listing of blocks or addresses.
+    Table(Table),
+    Health(Health),
+    Usage(Vec<NetworkUsage>),
+    /// GC: the stale allocations released.
+    Collected(Vec<Allocation>),
+    /// STATUS.
+    Readiness(Readiness),
+}
+
+/// An ADD's addresses, one per requested family.
+#[derive(Debug, Default, PartialEq)]
+pub struct Allocated {
+    pub ipv4: Option<Allocation>,
+    pub ipv6: Option<Allocation>,
+}
+
+/// The daemon serves; these say what limits it.
+#[derive(Debug, PartialEq)]
+pub struct Health {
+    /// Blocks nothing new is allocated from.
+    pub quarantined: usize,
+    /// Why the node cannot grow through the cluster, when it cannot (the
+    /// adaptive side knows; the engine leaves it empty).
+    pub cluster_problem: Option<String>,
+}
+
+/// Whether an ADD with a STATUS request's ranges could be served now.
+#[derive(Debug, PartialEq)]
+pub enum Readiness {
+    Ready,
+    /// No free `family` address, and every configured range is added.
+    Full {
+        network: String,
+        family: Family,
+        /// Why the cluster cannot add blocks either, when the adaptive side
+        /// knows it could otherwise.
+        cluster_problem: Option<String>,
+    },
+}
+
+/// One network and family's usage.
+#[derive(Debug, PartialEq)]
+pub struct NetworkUsage {
+    pub network: String,
+    pub family: Family,
+    pub usage: Usage,
 }
 
 /// Serves requests against one store.
@@ -130,28 +188,22 @@ impl Engine {
     /// failure becomes an error status.
     pub fn handle(&mut self, request: &Request, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.ensure_file_unchanged() {
-            return Failure::from_store("database", &err).into_outcome();
+            return Failure::from_store("database", &err).into();
         }
         let result = match &request.kind {
-            Some(request::Kind::Allocate(req)) => {
-                self.allocate(req, now_ms).map(response::Kind::Allocate)
-            }
+            Some(request::Kind::Allocate(req)) => self.allocate(req, now_ms).map(Reply::Allocated),
             Some(request::Kind::Deallocate(req)) => {
-                self.deallocate(req, now_ms).map(response::Kind::Deallocate)
+                self.deallocate(req, now_ms).map(Reply::Released)
             }
-            Some(request::Kind::Check(req)) => self.check(req).map(response::Kind::Check),
-            Some(request::Kind::ListCidrBlocks(req)) => {
-                self.list_blocks(req).map(response::Kind::Table)
+            Some(request::Kind::Check(req)) => self.check(req).map(Reply::Held),
+            Some(request::Kind::ListCidrBlocks(req)) => self.list_blocks(req).map(Reply::Table),
+            Some(request::Kind::ListIpAddresses(req)) => self.list_addresses(req).map(Reply::Table),
+            Some(request::Kind::Health(_)) => self.health().map(Reply::Health),
+            Some(request::Kind::Usage(req)) => self.usage(req, now_ms).map(Reply::Usage),
+            Some(request::Kind::Gc(req)) => self.gc(req, now_ms).map(Reply::Collected),
+            Some(request::Kind::NetworkStatus(req)) => {
+                self.network_status(req, now_ms).map(Reply::Readiness)
             }
-            Some(request::Kind::ListIpAddresses(req)) => {
-                self.list_addresses(req).map(response::Kind::Table)
-            }
-            Some(request::Kind::Health(_)) => self.health().map(response::Kind::Health),
-            Some(request::Kind::Usage(req)) => self.usage(req, now_ms).map(response::Kind::Usage),
-            Some(request::Kind::Gc(req)) => self.gc(req, now_ms).map(response::Kind::Gc),
-            Some(request::Kind::NetworkStatus(req)) => self
-                .network_status(req, now_ms)
-                .map(response::Kind::NetworkStatus),
             None => Err(Failure {
                 code: Code::Unimplemented,
                 reason: reason::UNKNOWN_REQUEST,
@@ -160,8 +212,8 @@ impl Engine {
             }),
         };
         match result {
-            Ok(kind) => Outcome::Reply(Response::ok(kind)),
-            Err(failure) => failure.into_outcome(),
+            Ok(reply) => Outcome::Done(reply),
+            Err(failure) => failure.into(),
         }
     }
 
@@ -173,52 +225,38 @@ impl Engine {
         // Reads take no write lock, as alone: a health probe never waits
         // for another process's writer. In an open batch they see its
         // writes, which is why their answers wait for the commit too.
-        let writes = matches!(
-            request.kind,
-            Some(request::Kind::Allocate(_) | request::Kind::Deallocate(_) | request::Kind::Gc(_))
-        );
-        if !writes {
+        if !request.writes() {
             return self.handle(request, now_ms);
         }
         if let Err(err) = self.store.begin_request() {
-            return Failure::from_store("database", &err).into_outcome();
+            return Failure::from_store("database", &err).into();
         }
         let outcome = self.handle(request, now_ms);
-        let succeeded = matches!(&outcome, Outcome::Reply(reply) if reply.code() == Code::Ok);
+        let succeeded = matches!(outcome, Outcome::Done(_));
         match self.store.end_request(succeeded) {
             Ok(()) => outcome,
-            Err(err) => Failure::from_store("database", &err).into_outcome(),
+            Err(err) => Failure::from_store("database", &err).into(),
         }
     }
 
     /// Commits the requests [`Engine::handle_in_batch`] ran since the last
-    /// commit. On failure, returns the reply every one of them gets instead
-    /// of its own: the one a request alone gets when its commit fails.
-    pub fn commit_batch(&mut self) -> Option<Response> {
+    /// commit. On failure, returns what every one of them is told instead
+    /// of its own outcome: what a request alone is told when its commit
+    /// fails.
+    pub fn commit_batch(&mut self) -> Option<Failure> {
         let err = self.store.commit_batch().err()?;
-        Some(
-            Failure::from_store("commit", &err)
-                .into_outcome()
-                .into_response(),
-        )
+        Some(Failure::from_store("commit", &err))
     }
 
     /// Serving, and degraded while blocks are quarantined.
-    fn health(&self) -> Result<HealthCheckResponse, Failure> {
+    fn health(&self) -> Result<Health, Failure> {
         let quarantined = self
             .store
             .quarantined()
             .map_err(|err| Failure::from_store("health", &err))?;
-        let mut detail = "Metis daemon is SERVING".to_string();
-        if !quarantined.is_empty() {
-            detail.push_str(&format!(
-                " (degraded: {} block(s) quarantined, nothing new is allocated from them; run `metis admin check`)",
-                quarantined.len()
-            ));
-        }
-        Ok(HealthCheckResponse {
-            status: crate::wire::envelope::v1::health_check_response::ServingStatus::Serving as i32,
-            detail,
+        Ok(Health {
+            quarantined: quarantined.len(),
+            cluster_problem: None,
         })
     }
 
@@ -229,7 +267,7 @@ impl Engine {
         &mut self,
         req: &ipam::AllocatePodIpRequest,
         now_ms: i64,
-    ) -> Result<ipam::AllocatePodIpResponse, Failure> {
+    ) -> Result<Allocated, Failure> {
         let network = network_or_default(&req.network)?;
         let configs = [
             (Family::V4, req.ipv4_config.as_ref()),
@@ -241,7 +279,7 @@ impl Engine {
             ));
         }
         require_pod_fields(&req.pod_namespace, &req.pod_name)?;
-        let mut reply = ipam::AllocatePodIpResponse::default();
+        let mut reply = Allocated::default();
         // Families this request newly took: only those are undone when a
         // later family fails. What the owner held before (a repeated ADD)
         // stays untouched, whatever this request's outcome.
@@ -251,10 +289,9 @@ impl Engine {
             let held_before = self.holds(network, family, config)?;
             match self.allocate_family(network, family, config, req, now_ms) {
                 Ok(allocation) => {
-                    let pod_ip = pod_ip(&allocation);
                     match family {
-                        Family::V4 => reply.ipv4 = Some(pod_ip),
-                        Family::V6 => reply.ipv6 = Some(pod_ip),
+                        Family::V4 => reply.ipv4 = Some(allocation),
+                        Family::V6 => reply.ipv6 = Some(allocation),
                     }
                     if !held_before {
                         taken.push((family, config));
@@ -428,12 +465,11 @@ impl Engine {
         &mut self,
         req: &ipam::DeallocatePodIpRequest,
         now_ms: i64,
-    ) -> Result<ipam::DeallocatePodIpResponse, Failure> {
+    ) -> Result<Vec<Allocation>, Failure> {
         let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
         require_pod_fields(&req.pod_namespace, &req.pod_name)?;
-        let released = self
-            .store
+        self.store
             .release(network, &req.container_id, &req.interface_name, now_ms)
             .map_err(|err| {
                 Failure::from_store(
@@ -443,16 +479,10 @@ impl Engine {
                     ),
                     &err,
                 )
-            })?;
-        Ok(ipam::DeallocatePodIpResponse {
-            released: released.iter().map(pod_ip).collect(),
-        })
+            })
     }
 
-    pub fn check(
-        &self,
-        req: &ipam::CheckPodIpRequest,
-    ) -> Result<ipam::CheckPodIpResponse, Failure> {
+    pub fn check(&self, req: &ipam::CheckPodIpRequest) -> Result<Vec<Allocation>, Failure> {
         let network = network_or_default(&req.network)?;
         require_owner(&req.container_id, &req.interface_name)?;
         let allocated = self
@@ -470,9 +500,7 @@ impl Engine {
                 scope: None,
             });
         }
-        Ok(ipam::CheckPodIpResponse {
-            allocated: allocated.iter().map(pod_ip).collect(),
-        })
+        Ok(allocated)
     }
 
     /// CNI GC: releases the network's allocations whose owners the runtime
@@ -481,7 +509,7 @@ impl Engine {
         &mut self,
         req: &envelope::GcRequest,
         now_ms: i64,
-    ) -> Result<envelope::GcResponse, Failure> {
+    ) -> Result<Vec<Allocation>, Failure> {
         let network = network_or_default(&req.network)?;
         if req.grace_period_ms < 0 {
             return Err(Failure::invalid(format!(
@@ -510,9 +538,7 @@ impl Engine {
                 &[("network", &network), ("address", &allocation.address)],
             );
         }
-        Ok(envelope::GcResponse {
-            released: released.iter().map(pod_ip).collect(),
-        })
+        Ok(released)
     }
 
     /// CNI STATUS: whether an ADD with these ranges could be served now.
@@ -521,7 +547,7 @@ impl Engine {
         &self,
         req: &envelope::NetworkStatusRequest,
         now_ms: i64,
-    ) -> Result<envelope::NetworkStatusResponse, Failure> {
+    ) -> Result<Readiness, Failure> {
         let network = network_or_default(&req.network)?;
         for (family, texts) in [
             (Family::V4, &req.ipv4_ranges),
@@ -541,26 +567,17 @@ impl Engine {
                 .can_allocate(network, family, &ranges, now_ms)
                 .map_err(|err| Failure::from_store(&context, &err))?;
             if !can {
-                return Ok(envelope::NetworkStatusResponse {
-                    can_allocate: false,
-                    detail: format!(
-                        "no free {family} address in network {network:?}: every block is full or cooling down and every configured range is already added"
-                    ),
-                    ip_family: family.as_str().to_string(),
+                return Ok(Readiness::Full {
+                    network: network.to_string(),
+                    family,
+                    cluster_problem: None,
                 });
             }
         }
-        Ok(envelope::NetworkStatusResponse {
-            can_allocate: true,
-            detail: String::new(),
-            ip_family: String::new(),
-        })
+        Ok(Readiness::Ready)
     }
 
-    fn list_blocks(
-        &self,
-        req: &admin::ListCidrBlocksRequest,
-    ) -> Result<admin::AdminTableDumpResponse, Failure> {
+    fn list_blocks(&self, req: &admin::ListCidrBlocksRequest) -> Result<Table, Failure> {
         refuse_sql_filter(&req.filter)?;
         let filter = BlockFilter {
             network: non_empty(&req.network),
@@ -569,14 +586,10 @@ impl Engine {
         };
         self.store
             .list_blocks(&filter)
-            .map(table_dump)
             .map_err(|err| Failure::from_store("failed to list CIDR blocks", &err))
     }
 
-    fn list_addresses(
-        &self,
-        req: &admin::ListIpAddressesRequest,
-    ) -> Result<admin::AdminTableDumpResponse, Failure> {
+    fn list_addresses(&self, req: &admin::ListIpAddressesRequest) -> Result<Table, Failure> {
         refuse_sql_filter(&req.filter)?;
         let filter = AddressFilter {
             network: non_empty(&req.network),
@@ -587,13 +600,12 @@ impl Engine {
         };
         self.store
             .list_addresses(&filter)
-            .map(table_dump)
             .map_err(|err| Failure::from_store("failed to list IP addresses", &err))
     }
 
     /// Usage of every network (or the one asked for) and family that has
     /// non-Deleting blocks.
-    fn usage(&self, req: &UsageRequest, now_ms: i64) -> Result<UsageResponse, Failure> {
+    fn usage(&self, req: &UsageRequest, now_ms: i64) -> Result<Vec<NetworkUsage>, Failure> {
         let families = match parse_family(&req.ip_family)? {
             Some(family) => vec![family],
             None => vec![Family::V4, Family::V6],
@@ -609,18 +621,13 @@ impl Engine {
                 if counts.total > 0 {
                     usage.push(NetworkUsage {
                         network: network.clone(),
-                        ip_family: family.as_str().to_string(),
-                        total: counts.total,
-                        allocated: counts.allocated,
-                        cooldown: counts.cooldown,
-                        draining: counts.draining,
-                        reserved: counts.reserved,
-                        total_exact: counts.addresses.to_string(),
+                        family,
+                        usage: counts,
                     });
                 }
             }
         }
-        Ok(UsageResponse { usage })
+        Ok(usage)
     }
 }
 
@@ -650,13 +657,6 @@ fn require_pod_fields(namespace: &str, pod: &str) -> Result<(), Failure> {
             .map_err(|err| Failure::invalid(format!("invalid {field} {err}")))?;
     }
     Ok(())
-}
-
-fn pod_ip(allocation: &Allocation) -> ipam::PodIp {
-    ipam::PodIp {
-        ip_address: allocation.address.to_string(),
-        cidr: allocation.block.to_string(),
-    }
 }
 
 /// Upstream's admin requests carried a raw SQL WHERE clause. Metis never
@@ -694,17 +694,6 @@ fn parse_family(text: &str) -> Result<Option<Family>, Failure> {
     Family::parse(text)
         .map(Some)
         .ok_or_else(|| Failure::invalid(format!("unknown IP family {text:?} (ipv4 or ipv6)")))
-}
-
-fn table_dump(table: Table) -> admin::AdminTableDumpResponse {
-    admin::AdminTableDumpResponse {
-        headers: table.headers,
-        rows: table
-            .rows
-            .into_iter()
-            .map(|values| admin::Row { values })
-            .collect(),
-    }
 }
 
 /// The request's host-local bounds, each checked as the plugin checks it
@@ -817,7 +806,7 @@ mod tests {
                 now,
             )
             .unwrap();
-        assert_eq!(got.ipv4.unwrap().ip_address, "198.18.0.11");
+        assert_eq!(got.ipv4.unwrap().address.to_string(), "198.18.0.11");
     }
 
     #[test]
@@ -840,7 +829,7 @@ mod tests {
         let next = engine
             .allocate(&request("c", "198.18.0.0/24", ""), now)
             .unwrap();
-        assert_eq!(next.ipv4.unwrap().ip_address, "198.18.0.3");
+        assert_eq!(next.ipv4.unwrap().address.to_string(), "198.18.0.3");
     }
 
     #[test]
@@ -868,16 +857,16 @@ mod tests {
         assert_eq!(
             held,
             [
-                first.ipv4.unwrap().ip_address,
-                first.ipv6.unwrap().ip_address
+                first.ipv4.unwrap().address.to_string(),
+                first.ipv6.unwrap().address.to_string()
             ]
         );
         // Nothing was freed: the next pod gets fresh addresses.
         let next = engine
             .allocate(&request("b", "198.18.0.0/24", "2001:db8::/120"), now)
             .unwrap();
-        assert_eq!(next.ipv4.unwrap().ip_address, "198.18.0.3");
-        assert_eq!(next.ipv6.unwrap().ip_address, "2001:db8::3");
+        assert_eq!(next.ipv4.unwrap().address.to_string(), "198.18.0.3");
+        assert_eq!(next.ipv6.unwrap().address.to_string(), "2001:db8::3");
     }
 
     #[test]
@@ -912,7 +901,7 @@ mod tests {
             "another container waits out the cooldown"
         );
         let back = engine.allocate(&asking("a"), now).unwrap();
-        assert_eq!(back.ipv4.unwrap().ip_address, "198.18.0.2");
+        assert_eq!(back.ipv4.unwrap().address.to_string(), "198.18.0.2");
     }
 
     #[test]
@@ -934,7 +923,7 @@ mod tests {
         let reply = engine
             .allocate(&request("b", "198.18.0.0/30", ""), now)
             .unwrap();
-        assert_eq!(reply.ipv4.unwrap().ip_address, "198.18.1.2");
+        assert_eq!(reply.ipv4.unwrap().address.to_string(), "198.18.1.2");
         let failure = engine
             .allocate(&request("c", "198.18.0.0/30", ""), now)
             .unwrap_err();
@@ -955,7 +944,7 @@ mod tests {
             ))),
         };
         let first = engine.handle(&add("a"), now);
-        assert!(matches!(first, Outcome::Reply(_)), "{first:?}");
+        assert!(matches!(first, Outcome::Done(_)), "{first:?}");
         let outcome = engine.handle(&add("b"), now);
         let Outcome::Exhausted {
             network, family, ..
@@ -986,7 +975,8 @@ mod tests {
                 .unwrap()
                 .ipv4
                 .unwrap()
-                .ip_address,
+                .address
+                .to_string(),
             "198.18.0.77"
         );
         let mut taken = request("b", "198.18.0.0/24", "");

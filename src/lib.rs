@@ -11,6 +11,7 @@ pub mod cni;
 pub mod daemon;
 pub mod defaults;
 pub mod duration;
+pub mod encode;
 pub mod engine;
 pub mod flags;
 #[cfg(feature = "kube")]

@@ -5,7 +5,7 @@
 //! networks, methods and statuses.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::fmt::{Display, Write as _};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
 
-use crate::cidr::Family;
 use crate::log;
 use crate::store::Store;
 
@@ -59,6 +58,9 @@ struct Counters {
     /// `status.podCIDRs` entries refused (overlapping, too large).
     refused_pod_cidrs: u64,
     recovered_at_boot: u64,
+    /// Times the database file was put back at its path (see
+    /// `daemon::restore`).
+    database_restored: u64,
 }
 
 /// Shared between the loop (writer) and the HTTP thread (reader).
@@ -118,6 +120,10 @@ impl Metrics {
         self.with(|c| c.refused_pod_cidrs += count);
     }
 
+    pub fn database_restored(&self) {
+        self.with(|c| c.database_restored += 1);
+    }
+
     pub fn recovered_at_boot(&self, addresses: u64) {
         self.with(|c| c.recovered_at_boot += addresses);
     }
@@ -125,12 +131,8 @@ impl Metrics {
     /// The Prometheus text exposition of the counters and of `store`'s gauges.
     pub fn render(&self, store: Option<&Store>) -> String {
         let mut out = String::new();
-        family(&mut out, "metis_build_info", "gauge", "Build information.");
-        let _ = writeln!(
-            out,
-            "metis_build_info{{version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
+        BUILD_INFO.header(&mut out);
+        BUILD_INFO.sample(&mut out, &[env!("CARGO_PKG_VERSION")], 1);
         if let Some(store) = store {
             render_store(&mut out, store);
         }
@@ -139,8 +141,205 @@ impl Metrics {
     }
 }
 
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+/// A metric's Prometheus type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Type {
+    Gauge,
+    Counter,
+    Histogram,
+}
+
+impl Type {
+    fn as_str(self) -> &'static str {
+        match self {
+            Type::Gauge => "gauge",
+            Type::Counter => "counter",
+            Type::Histogram => "histogram",
+        }
+    }
+}
+
+/// One metric: the one place its name, type, labels and help are written.
+/// [`METRICS`] lists them all; docs/operations.md documents each (a test
+/// checks).
+#[derive(Debug)]
+pub struct Metric {
+    pub name: &'static str,
+    kind: Type,
+    /// Label names, in the order samples give their values.
+    pub labels: &'static [&'static str],
+    help: &'static str,
+}
+
+const BUILD_INFO: Metric = Metric::new(
+    "metis_build_info",
+    Type::Gauge,
+    &["version"],
+    "Build information.",
+);
+const IP_TOTAL: Metric = Metric::new(
+    "metis_local_store_ip_total",
+    Type::Gauge,
+    &["network", "ip_family", "type"],
+    "Addresses in the local store by type.",
+);
+const BLOCK_TOTAL: Metric = Metric::new(
+    "metis_local_store_cidr_block_total",
+    Type::Gauge,
+    &["network", "ip_family", "status"],
+    "CIDR blocks in the local store by state.",
+);
+/// Blocks nothing new is allocated from because the database broke an
+/// invariant in them (`metis admin check` lists them).
+const QUARANTINED: Metric = Metric::new(
+    "metis_local_store_quarantined_block_total",
+    Type::Gauge,
+    &[],
+    "CIDR blocks quarantined: no new allocations until `metis admin check` passes.",
+);
+/// Blocks the cluster no longer grants, kept while pods hold addresses in
+/// them (nothing new is allocated from them).
+const NOT_GRANTED_BLOCKS: Metric = Metric::new(
+    "metis_local_store_not_granted_block_total",
+    Type::Gauge,
+    &[],
+    "CIDR blocks the cluster no longer grants, kept until their last pod is gone.",
+);
+const NOT_GRANTED_PODS: Metric = Metric::new(
+    "metis_local_store_not_granted_ip_allocated",
+    Type::Gauge,
+    &[],
+    "Pod addresses in blocks the cluster no longer grants.",
+);
+const PENDING: Metric = Metric::new(
+    "metis_daemon_pending_dynamic_request_total",
+    Type::Gauge,
+    &["network"],
+    "Allocations parked waiting for new blocks.",
+);
+const MONITOR_ACTIONS: Metric = Metric::new(
+    "metis_daemon_monitor_action_count",
+    Type::Counter,
+    &["action", "network"],
+    "Monitor actions taken.",
+);
+const REQUESTS: Metric = Metric::new(
+    "metis_daemon_requests_handled_total",
+    Type::Counter,
+    &["method", "status"],
+    "Requests handled by method and status.",
+);
+const LATENCY: Metric = Metric::new(
+    "metis_daemon_request_latency_seconds",
+    Type::Histogram,
+    &["method"],
+    "Request latency by method.",
+);
+const API_ERRORS: Metric = Metric::new(
+    "metis_daemon_api_server_errors_total",
+    Type::Counter,
+    &[],
+    "Failed Kubernetes API calls.",
+);
+const STALE_VERSIONS: Metric = Metric::new(
+    "metis_daemon_nnc_stale_versions_total",
+    Type::Counter,
+    &[],
+    "Versions a watch delivered twice, ignored (the object is listed again).",
+);
+const REFUSED_POD_CIDRS: Metric = Metric::new(
+    "metis_daemon_nnc_refused_pod_cidrs_total",
+    Type::Counter,
+    &[],
+    "status.podCIDRs entries refused (overlapping another block, or too large).",
+);
+const RECOVERED_AT_BOOT: Metric = Metric::new(
+    "metis_daemon_boot_recovered_addresses_total",
+    Type::Counter,
+    &[],
+    "Allocations of a previous boot released at start.",
+);
+const DATABASE_RESTORED: Metric = Metric::new(
+    "metis_daemon_database_restored_total",
+    Type::Counter,
+    &[],
+    "Times the database file, deleted or replaced under the daemon, was put back at its path.",
+);
+
+/// Every metric, in the order a scrape shows them.
+pub const METRICS: [&Metric; 15] = [
+    &BUILD_INFO,
+    &IP_TOTAL,
+    &BLOCK_TOTAL,
+    &QUARANTINED,
+    &NOT_GRANTED_BLOCKS,
+    &NOT_GRANTED_PODS,
+    &PENDING,
+    &MONITOR_ACTIONS,
+    &REQUESTS,
+    &LATENCY,
+    &API_ERRORS,
+    &STALE_VERSIONS,
+    &REFUSED_POD_CIDRS,
+    &RECOVERED_AT_BOOT,
+    &DATABASE_RESTORED,
+];
+
+impl Metric {
+    const fn new(
+        name: &'static str,
+        kind: Type,
+        labels: &'static [&'static str],
+        help: &'static str,
+    ) -> Metric {
+        Metric {
+            name,
+            kind,
+            labels,
+            help,
+        }
+    }
+
+    fn header(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {}\n# TYPE {name} {}",
+            self.help,
+            self.kind.as_str(),
+            name = self.name
+        );
+    }
+
+    /// One series: `values` for the metric's labels, in their order.
+    fn sample(&self, out: &mut String, values: &[&str], value: impl Display) {
+        self.series(out, "", values, None, value);
+    }
+
+    /// One series of the metric's `suffix` (`_bucket`, `_sum`), with one
+    /// more label when `extra` says so (a bucket's `le`).
+    fn series(
+        &self,
+        out: &mut String,
+        suffix: &str,
+        values: &[&str],
+        extra: Option<(&str, &str)>,
+        value: impl Display,
+    ) {
+        let pairs: Vec<String> = self
+            .labels
+            .iter()
+            .zip(values)
+            .map(|(name, value)| (*name, *value))
+            .chain(extra)
+            .map(|(name, value)| format!("{name}=\"{}\"", label(value)))
+            .collect();
+        let labels = if pairs.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", pairs.join(","))
+        };
+        let _ = writeln!(out, "{}{suffix}{labels} {value}", self.name);
+    }
 }
 
 /// Escapes a label value (network names are caller-chosen text).
@@ -159,12 +358,7 @@ fn render_store(out: &mut String, store: &Store) {
             return;
         }
     };
-    family(
-        out,
-        "metis_local_store_ip_total",
-        "gauge",
-        "Addresses in the local store by type.",
-    );
+    IP_TOTAL.header(out);
     for ((network, ip_family), s) in &stats {
         let types = [
             ("available", s.available),
@@ -175,200 +369,77 @@ fn render_store(out: &mut String, store: &Store) {
             ("total", s.total),
         ];
         for (kind, value) in types {
-            let _ = writeln!(
-                out,
-                "metis_local_store_ip_total{{network=\"{}\",ip_family=\"{}\",type=\"{kind}\"}} {value}",
-                label(network),
-                family_label(*ip_family)
-            );
+            IP_TOTAL.sample(out, &[network, ip_family.as_str(), kind], value);
         }
     }
-    family(
-        out,
-        "metis_local_store_cidr_block_total",
-        "gauge",
-        "CIDR blocks in the local store by state.",
-    );
+    BLOCK_TOTAL.header(out);
     for ((network, ip_family), s) in &stats {
         for (state, value) in ["ready", "draining", "deleting"].iter().zip(s.blocks) {
-            let _ = writeln!(
-                out,
-                "metis_local_store_cidr_block_total{{network=\"{}\",ip_family=\"{}\",status=\"{state}\"}} {value}",
-                label(network),
-                family_label(*ip_family)
-            );
+            BLOCK_TOTAL.sample(out, &[network, ip_family.as_str(), state], value);
         }
     }
-    render_quarantined(out, store);
-    render_taken_back(out, store);
-}
-
-/// Blocks the cluster no longer grants, kept while pods hold addresses in
-/// them (nothing new is allocated from them).
-fn render_taken_back(out: &mut String, store: &Store) {
-    let blocks = match store.taken_back() {
-        Ok(blocks) => blocks,
-        Err(err) => {
-            log::warn(
-                "metrics",
-                "reading blocks the cluster took back failed",
-                &[("error", &err)],
-            );
-            return;
+    match store.quarantined() {
+        Ok(blocks) => {
+            QUARANTINED.header(out);
+            QUARANTINED.sample(out, &[], blocks.len());
         }
-    };
-    family(
-        out,
-        "metis_local_store_not_granted_block_total",
-        "gauge",
-        "CIDR blocks the cluster no longer grants, kept until their last pod is gone.",
-    );
-    let _ = writeln!(
-        out,
-        "metis_local_store_not_granted_block_total {}",
-        blocks.len()
-    );
-    family(
-        out,
-        "metis_local_store_not_granted_ip_allocated",
-        "gauge",
-        "Pod addresses in blocks the cluster no longer grants.",
-    );
-    let pods: i64 = blocks.iter().map(|b| b.pods).sum();
-    let _ = writeln!(out, "metis_local_store_not_granted_ip_allocated {pods}");
-}
-
-/// Blocks nothing new is allocated from because the database broke an
-/// invariant in them (`metis admin check` lists them).
-fn render_quarantined(out: &mut String, store: &Store) {
-    let quarantined = match store.quarantined() {
-        Ok(blocks) => blocks,
-        Err(err) => {
-            log::warn(
-                "metrics",
-                "reading quarantined blocks failed",
-                &[("error", &err)],
-            );
-            return;
+        Err(err) => log::warn(
+            "metrics",
+            "reading quarantined blocks failed",
+            &[("error", &err)],
+        ),
+    }
+    match store.taken_back() {
+        Ok(blocks) => {
+            NOT_GRANTED_BLOCKS.header(out);
+            NOT_GRANTED_BLOCKS.sample(out, &[], blocks.len());
+            NOT_GRANTED_PODS.header(out);
+            let pods: i64 = blocks.iter().map(|b| b.pods).sum();
+            NOT_GRANTED_PODS.sample(out, &[], pods);
         }
-    };
-    family(
-        out,
-        "metis_local_store_quarantined_block_total",
-        "gauge",
-        "CIDR blocks quarantined: no new allocations until `metis admin check` passes.",
-    );
-    let _ = writeln!(
-        out,
-        "metis_local_store_quarantined_block_total {}",
-        quarantined.len()
-    );
-}
-
-fn family_label(family: Family) -> &'static str {
-    family.as_str()
+        Err(err) => log::warn(
+            "metrics",
+            "reading blocks the cluster took back failed",
+            &[("error", &err)],
+        ),
+    }
 }
 
 fn render_counters(out: &mut String, c: &Counters) {
-    family(
-        out,
-        "metis_daemon_pending_dynamic_request_total",
-        "gauge",
-        "Allocations parked waiting for new blocks.",
-    );
+    PENDING.header(out);
     for (network, count) in &c.parked {
-        let _ = writeln!(
-            out,
-            "metis_daemon_pending_dynamic_request_total{{network=\"{}\"}} {count}",
-            label(network)
-        );
+        PENDING.sample(out, &[network], count);
     }
-    family(
-        out,
-        "metis_daemon_monitor_action_count",
-        "counter",
-        "Monitor actions taken.",
-    );
+    MONITOR_ACTIONS.header(out);
     for ((action, network), count) in &c.monitor_actions {
-        let _ = writeln!(
-            out,
-            "metis_daemon_monitor_action_count{{action=\"{action}\",network=\"{}\"}} {count}",
-            label(network)
-        );
+        MONITOR_ACTIONS.sample(out, &[action, network], count);
     }
-    family(
-        out,
-        "metis_daemon_requests_handled_total",
-        "counter",
-        "Requests handled by method and status.",
-    );
+    REQUESTS.header(out);
     for ((method, status), count) in &c.requests {
-        let _ = writeln!(
-            out,
-            "metis_daemon_requests_handled_total{{method=\"{method}\",status=\"{status}\"}} {count}"
-        );
+        REQUESTS.sample(out, &[method, status], count);
     }
-    family(
-        out,
-        "metis_daemon_request_latency_seconds",
-        "histogram",
-        "Request latency by method.",
-    );
+    LATENCY.header(out);
     for (method, histogram) in &c.latency {
         for (bound, count) in LATENCY_BUCKETS.iter().zip(histogram.buckets) {
-            let _ = writeln!(
-                out,
-                "metis_daemon_request_latency_seconds_bucket{{method=\"{method}\",le=\"{bound}\"}} {count}"
-            );
+            let le = bound.to_string();
+            LATENCY.series(out, "_bucket", &[method], Some(("le", &le)), count);
         }
-        let _ = writeln!(
-            out,
-            "metis_daemon_request_latency_seconds_bucket{{method=\"{method}\",le=\"+Inf\"}} {}\n\
-             metis_daemon_request_latency_seconds_sum{{method=\"{method}\"}} {}\n\
-             metis_daemon_request_latency_seconds_count{{method=\"{method}\"}} {}",
-            histogram.count, histogram.sum, histogram.count
-        );
+        let total = histogram.count;
+        LATENCY.series(out, "_bucket", &[method], Some(("le", "+Inf")), total);
+        LATENCY.series(out, "_sum", &[method], None, histogram.sum);
+        LATENCY.series(out, "_count", &[method], None, total);
     }
-    family(
-        out,
-        "metis_daemon_api_server_errors_total",
-        "counter",
-        "Failed Kubernetes API calls.",
-    );
-    let _ = writeln!(out, "metis_daemon_api_server_errors_total {}", c.api_errors);
-    family(
-        out,
-        "metis_daemon_nnc_stale_versions_total",
-        "counter",
-        "Versions a watch delivered twice, ignored (the object is listed again).",
-    );
-    let _ = writeln!(
-        out,
-        "metis_daemon_nnc_stale_versions_total {}",
-        c.stale_versions
-    );
-    family(
-        out,
-        "metis_daemon_nnc_refused_pod_cidrs_total",
-        "counter",
-        "status.podCIDRs entries refused (overlapping another block, or too large).",
-    );
-    let _ = writeln!(
-        out,
-        "metis_daemon_nnc_refused_pod_cidrs_total {}",
-        c.refused_pod_cidrs
-    );
-    family(
-        out,
-        "metis_daemon_boot_recovered_addresses_total",
-        "counter",
-        "Allocations of a previous boot released at start.",
-    );
-    let _ = writeln!(
-        out,
-        "metis_daemon_boot_recovered_addresses_total {}",
-        c.recovered_at_boot
-    );
+    let totals = [
+        (&API_ERRORS, c.api_errors),
+        (&STALE_VERSIONS, c.stale_versions),
+        (&REFUSED_POD_CIDRS, c.refused_pod_cidrs),
+        (&RECOVERED_AT_BOOT, c.recovered_at_boot),
+        (&DATABASE_RESTORED, c.database_restored),
+    ];
+    for (metric, value) in totals {
+        metric.header(out);
+        metric.sample(out, &[], value);
+    }
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` from a thread of its own.
@@ -464,6 +535,63 @@ mod tests {
         );
         assert!(text.contains("metis_daemon_api_server_errors_total 1\n"));
         assert!(text.contains("# TYPE metis_daemon_request_latency_seconds histogram\n"));
+    }
+
+    /// The metrics table of docs/operations.md: (name, labels cell) per row.
+    fn documented() -> Vec<(String, String)> {
+        let docs = include_str!("../docs/operations.md");
+        docs.lines()
+            .filter_map(|line| {
+                let mut cells = line.strip_prefix("| `metis_")?.split(" | ");
+                let name = format!("metis_{}", cells.next()?.strip_suffix('`')?);
+                Some((name, cells.next()?.to_string()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn docs_list_every_metric_with_its_labels_and_nothing_else() {
+        let documented = documented();
+        for metric in METRICS {
+            let Some((_, labels)) = documented.iter().find(|(name, _)| name == metric.name) else {
+                panic!("docs/operations.md does not list {}", metric.name)
+            };
+            for label in metric.labels {
+                assert!(
+                    labels.contains(&format!("`{label}`")),
+                    "docs/operations.md: {} lacks label {label}",
+                    metric.name
+                );
+            }
+        }
+        for (name, _) in &documented {
+            assert!(
+                METRICS.iter().any(|metric| metric.name == name),
+                "docs/operations.md lists {name}, which no scrape shows"
+            );
+        }
+    }
+
+    #[test]
+    fn a_scrape_shows_every_metric() {
+        let dir = crate::testutil::TempDir::new();
+        let store = dir.store();
+        let text = Metrics::default().render(Some(&store));
+        for metric in METRICS {
+            assert!(
+                text.contains(&format!(
+                    "# TYPE {} {}\n",
+                    metric.name,
+                    metric.kind.as_str()
+                )),
+                "{} missing from:\n{text}",
+                metric.name
+            );
+        }
+        assert!(
+            text.contains("metis_local_store_quarantined_block_total 0\n"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -4,9 +4,7 @@
 //! unsafe places refused. The tests run as root, as the daemon does, and
 //! use `nobody` (65534) as the other user.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;

@@ -3,13 +3,11 @@
 //! and a restart after a clean stop checks blocks, not every address row.
 //! How long each takes is measured by `make bench`, not asserted here.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::{Plugin, TestDaemon, TestDir, assert_ok, db, json, metis, wait_for};
+use common::{Plugin, TestDaemon, TestDir, assert_ok, db, json, metis, node, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME};
 use prost::Message;
 
@@ -88,14 +86,9 @@ fn add_and_hang_up(daemon: &TestDaemon, container: &str) {
     frame::write_frame(&mut stream, &request.encode_to_vec(), MAX_REQUEST_FRAME).unwrap();
 }
 
+/// The first address `container` holds, from the database.
 fn held(daemon: &TestDaemon, container: &str) -> Option<String> {
-    db(&daemon.db)
-        .query_row(
-            "SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated = 1",
-            [container],
-            |r| r.get(0),
-        )
-        .ok()
+    node::held(&daemon.db, container).into_iter().next()
 }
 
 #[test]

@@ -3,9 +3,7 @@
 //! boot's allocations (with the cooldown) before serving, once;
 //! `--no-boot-recovery` keeps them.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use common::{Plugin, TestDaemon, TestDir, assert_ok, conf, db, json};
 

@@ -7,17 +7,17 @@
 
 // The edge build (no `kube` feature) has no Kubernetes side to test.
 #![cfg(feature = "kube")]
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
 use common::apiserver::ApiServer;
 use common::cluster::{
-    NODE, block_state, blocks_in_db, default_conf, health_detail, http_get, metrics_addr, series,
-    start_daemon, start_daemon_over_https, status_entry,
+    NODE, block_state, blocks_in_db, default_conf, health_detail, start_daemon,
+    start_daemon_over_https, status_entry,
 };
+use common::scrape::{http_get, metrics_addr, series};
 use common::{Plugin, TestDir, assert_ok, json, metis, wait_for};
 use serde_json::{Value, json};
 

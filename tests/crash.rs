@@ -11,17 +11,16 @@
 //! 500 operations): `METIS_CRASH_ROUNDS`, `METIS_CRASH_OPS` and
 //! `METIS_CRASH_SEED` override rounds, operations per round and the seed.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::node::holdings;
 use common::rng::Rng;
-use common::{Plugin, TestDaemon, TestDir, conf, db, json};
+use common::{Plugin, TestDaemon, TestDir, conf, json};
 
 const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
 const WORKERS: usize = 8;
@@ -153,20 +152,11 @@ fn chaos(
 
 /// Every container's rows as the database holds them.
 fn held_by_owner(dir: &TestDir) -> HashMap<String, Vec<String>> {
-    let conn = db(&dir.join("metis.sqlite"));
-    let mut stmt = conn
-        .prepare(
-            "SELECT container_id, address FROM ip_addresses \
-             WHERE is_allocated = 1 AND container_id != '' ORDER BY id",
-        )
-        .unwrap();
     let mut held: HashMap<String, Vec<String>> = HashMap::new();
-    for row in stmt
-        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-        .unwrap()
-    {
-        let (owner, address) = row.unwrap();
-        held.entry(owner).or_default().push(address);
+    for holding in holdings(&dir.join("metis.sqlite")) {
+        held.entry(holding.container)
+            .or_default()
+            .push(holding.address.to_string());
     }
     held
 }

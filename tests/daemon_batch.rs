@@ -2,17 +2,15 @@
 //! transaction, each in its own savepoint. Requests are pipelined in one
 //! write on one connection, so the daemon reads them in one loop turn.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, db, wait_for};
+use common::{TestDaemon, TestDir, allocated_v4, node, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, reason, request, response};
+use metis::wire::{Code, Request, Response, reason, request};
 use prost::Message;
 
 const RANGE: &str = "198.18.0.0/24";
@@ -41,38 +39,16 @@ fn pipeline(daemon: &TestDaemon, bytes: &[u8], replies: usize) -> (UnixStream, V
     (stream, responses)
 }
 
-fn allocated_v4(response: &Response) -> String {
-    assert_eq!(response.code(), Code::Ok, "{response:?}");
-    match &response.kind {
-        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
-        other => panic!("unexpected reply {other:?}"),
-    }
-}
-
 /// The addresses a container holds, from the database.
 fn held(daemon: &TestDaemon, container: &str) -> Vec<String> {
-    let conn = db(&daemon.db);
-    let mut statement = conn
-        .prepare(
-            "SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated \
-             ORDER BY address",
-        )
-        .unwrap();
-    statement
-        .query_map([container], |row| row.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
+    node::held(&daemon.db, container)
 }
 
-fn blocks_of(daemon: &TestDaemon, network: &str) -> i64 {
-    db(&daemon.db)
-        .query_row(
-            "SELECT COUNT(*) FROM cidr_blocks WHERE network = ?1",
-            [network],
-            |row| row.get(0),
-        )
-        .unwrap()
+fn blocks_of(daemon: &TestDaemon, network: &str) -> usize {
+    node::blocks(&daemon.db)
+        .iter()
+        .filter(|block| block.network == network)
+        .count()
 }
 
 #[test]

@@ -1,19 +1,18 @@
 //! The daemon over a real socket: framing abuse, unknown messages, the
 //! request rules, concurrency, and shutdown.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{TestDaemon, TestDir, db};
+use common::node::holdings;
+use common::{TestDaemon, TestDir, allocated_v4};
 use metis::wire::client::Client;
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use metis::wire::{Code, Request, Response, ipam, reason, request, response};
+use metis::wire::{Code, Request, Response, ipam, reason, request};
 use prost::Message;
 
 fn client(daemon: &TestDaemon) -> Client {
@@ -27,14 +26,6 @@ fn client(daemon: &TestDaemon) -> Client {
 
 fn allocate(container: &str, cidr: &str) -> Request {
     common::v4_add_request("", container, cidr)
-}
-
-fn allocated_v4(response: &Response) -> String {
-    assert_eq!(response.code(), Code::Ok, "{response:?}");
-    match &response.kind {
-        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
-        other => panic!("unexpected reply {other:?}"),
-    }
 }
 
 fn raw_exchange(daemon: &TestDaemon, bytes: &[u8]) -> Option<Response> {
@@ -73,13 +64,7 @@ fn socket_is_private_and_serves_allocations() {
         "198.18.0.2"
     );
 
-    let rows: i64 = db(&daemon.db)
-        .query_row(
-            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
-            [],
-            |row| row.get(0),
-        )
-        .unwrap();
+    let rows = holdings(&daemon.db).len();
     assert_eq!(rows, 2);
 }
 

@@ -2,9 +2,7 @@
 //! the daemon makes, the DaemonSet wires up what the node needs, and every
 //! example config list passes the plugin's own config validation.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::{Path, PathBuf};

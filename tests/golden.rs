@@ -22,12 +22,10 @@
 //! database `@DIR@/metis.sqlite`) and `@VERSION@` for the crate version, in
 //! the case and in the expected output.
 //!
-//! `METIS_BLESS=1 cargo test --test golden` rewrites the `.out` files from
+//! `METIS_BLESS=1 cargo test --test integration golden::` rewrites the `.out` files from
 //! the actual output; review the diff before committing it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

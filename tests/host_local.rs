@@ -6,9 +6,7 @@
 //! with its message. The real-world conflists of `testdata/conflists/`
 //! must each be accepted and serve ADD.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use common::host_local::{essence, host_local, run_ipam, with_host_local, with_metis};
 use common::{METIS, TestDaemon, TestDir};

@@ -4,9 +4,7 @@
 //! normal client, never logs a panic, and its database keeps every
 //! invariant. `METIS_HOSTILE_SEED` replays a run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

@@ -1,9 +1,7 @@
 //! `metis install` with the real binary: where it installs, atomic
 //! replacement under a running plugin, modes, and config lists.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -4,9 +4,8 @@
 
 // The edge build (no `kube` feature) has no Kubernetes side to test.
 #![cfg(feature = "kube")]
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,9 +2,7 @@
 //! with the same rules, oversize requests get a non-retryable code, and GC
 //! works for thousands of attachments. All through the real binary.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

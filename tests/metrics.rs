@@ -1,10 +1,8 @@
 //! Prometheus metrics scraped over real HTTP after known operations.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+use crate::common;
 
-mod common;
-
-use common::cluster::{http_get as get, metrics_addr, series as value};
+use common::scrape::{http_get as get, metrics_addr, series as value};
 use common::{Plugin, TestDaemon, TestDir, assert_ok, conf};
 
 #[test]

@@ -37,12 +37,10 @@
 //! from (printed), `METIS_MODEL_FIRST` the first sequence run. A failure
 //! prints the command that replays the failing sequence alone and the
 //! steps so far. For a soak, e.g.
-//! `METIS_MODEL_SEQUENCES=200 METIS_MODEL_STEPS=200 cargo test --test model`
+//! `METIS_MODEL_SEQUENCES=200 METIS_MODEL_STEPS=200 cargo test --test integration model::`
 //! (the `make soak` target is to run that).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -824,7 +822,7 @@ fn run_world(world: &World, test: &str) {
             "sequence {i} failed after {} steps: {failure}\n\
              replay: METIS_MODEL_SEED=<printed above> METIS_MODEL_FIRST={i} METIS_MODEL_SEQUENCES=1 \
              METIS_MODEL_STEPS={steps} \
-             cargo test --locked --test model {test}\nsteps:\n  {}",
+             cargo test --locked --test integration model::{test}\nsteps:\n  {}",
             trace.len().saturating_sub(2),
             trace.join("\n  ")
         );

@@ -1,9 +1,7 @@
 //! The operator's subcommands against a real daemon: `metis health`,
 //! `metis admin`, usage errors, and the plugin's log file.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};

@@ -1,24 +1,22 @@
 //! The real plugin binary, executed with CNI environment and stdin, against
 //! a running daemon and in direct mode.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
+use crate::common;
 
-mod common;
+use std::time::Duration;
 
-use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, json};
+use common::node::holdings;
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, json, wait_for};
+use metis::store::ONE_REQUEST_WAL_LIMIT;
+use metis::wire::starting::Starting;
 use serde_json::json;
 
 const V4: &str = r#"[[{"subnet":"198.18.0.0/24"}]]"#;
 const DUAL: &str = r#"[[{"subnet":"198.18.0.0/24"}],[{"subnet":"2001:db8::/120"}]]"#;
 
-fn allocated_count(dir: &TestDir) -> i64 {
-    db(&dir.join("metis.sqlite"))
-        .query_row(
-            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
-            [],
-            |row| row.get(0),
-        )
-        .unwrap()
+/// Allocated rows with an owner in the test directory's database.
+fn allocated_count(dir: &TestDir) -> usize {
+    holdings(&dir.join("metis.sqlite")).len()
 }
 
 #[test]
@@ -106,6 +104,92 @@ fn direct_mode_without_daemon_then_daemon_on_same_database() {
     // Daemon gone again: DEL still succeeds in direct mode.
     assert_ok(&Plugin::new("DEL", "late").run(&config));
     assert_eq!(allocated_count(&dir), 0);
+}
+
+/// The plugin's log so far (empty before its first line).
+fn cni_log(dir: &TestDir) -> String {
+    std::fs::read_to_string(dir.join("cni.log")).unwrap_or_default()
+}
+
+#[test]
+fn no_daemon_means_direct_mode_at_once() {
+    let dir = TestDir::new("plugin-no-daemon");
+    // Debug: every connection attempt that is retried says so.
+    let config =
+        conf(&dir, "1.0.0", V4, "").replace(r#""logFile""#, r#""logLevel":"debug","logFile""#);
+    // No socket file at all.
+    assert_ok(&Plugin::new("ADD", "no-socket").run(&config));
+    // A socket a daemon left behind: the connection is refused.
+    drop(std::os::unix::net::UnixListener::bind(dir.join("metis.sock")).unwrap());
+    assert_ok(&Plugin::new("ADD", "stale-socket").run(&config));
+    // A marker a daemon left behind, its lock released.
+    drop(Starting::announce(&dir.join("metis.sock")).unwrap());
+    assert_ok(&Plugin::new("DEL", "stale-socket").run(&config));
+    let log = cni_log(&dir);
+    assert_eq!(log.matches("using direct mode").count(), 3, "{log}");
+    assert!(!log.contains("retrying"), "{log}");
+    assert_eq!(allocated_count(&dir), 1);
+}
+
+#[test]
+fn a_starting_daemon_is_waited_for() {
+    let dir = TestDir::new("plugin-daemon-starting");
+    let config = conf(&dir, "1.0.0", V4, "");
+    // What a daemon holds from before it opens the database until its
+    // socket is bound.
+    let starting = Starting::announce(&dir.join("metis.sock")).unwrap();
+    let plugin = {
+        let config = config.clone();
+        std::thread::spawn(move || Plugin::new("ADD", "patient").run(&config))
+    };
+    wait_for("the plugin to wait", Duration::from_secs(30), || {
+        cni_log(&dir).contains("waiting for the daemon")
+    });
+    // The start failed: the lock goes, and the plugin stops waiting.
+    drop(starting);
+    let add = plugin.join().unwrap();
+    assert_ok(&add);
+    assert_eq!(json(&add)["ips"][0]["address"], "198.18.0.2/24");
+    let log = cni_log(&dir);
+    let waited = log.find("waiting for the daemon").unwrap();
+    let direct = log
+        .find("using direct mode")
+        .expect("direct mode after the wait");
+    assert!(waited < direct, "{log}");
+    assert_eq!(log.matches("waiting for the daemon").count(), 1, "{log}");
+}
+
+#[test]
+fn direct_mode_keeps_the_wal_short() {
+    let dir = TestDir::new("plugin-direct-wal");
+    let config = conf(&dir, "1.0.0", V4, "");
+    let wal = dir.join("metis.sqlite-wal");
+    let mut largest = 0;
+    let mut checkpointed = false;
+    let mut measure = || {
+        let size = std::fs::metadata(&wal).map_or(0, |meta| meta.len());
+        checkpointed |= size == 0;
+        largest = largest.max(size);
+    };
+    for n in 0..40 {
+        let id = format!("wal-{n}");
+        let add = Plugin::new("ADD", &id).run(&config);
+        assert_ok(&add);
+        measure();
+        let prev = String::from_utf8(add.stdout.clone()).unwrap();
+        let del = conf(&dir, "1.0.0", V4, &format!(r#","prevResult":{prev}"#));
+        assert_ok(&Plugin::new("DEL", &id).run(&del));
+        measure();
+    }
+    // A process checkpoints once the WAL passes the limit: it never grows
+    // by more than one request's frames beyond it.
+    assert!(
+        largest < ONE_REQUEST_WAL_LIMIT + 16 * 4120,
+        "WAL reached {largest} bytes"
+    );
+    assert!(checkpointed, "the WAL was never truncated");
+    assert_eq!(allocated_count(&dir), 0);
+    assert_ok(&common::admin_check(&dir.join("metis.sqlite")));
 }
 
 #[test]

@@ -5,9 +5,7 @@
 //! generated valid input. The same parsers have coverage-guided fuzz
 //! targets in `fuzz/` (`make fuzz`).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 

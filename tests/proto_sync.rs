@@ -3,8 +3,6 @@
 //! This test regenerates them with a pure-Rust protobuf compiler and fails if
 //! the committed files differ; `make proto` (METIS_WRITE_PROTO=1) rewrites them.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
 use std::fs;
 use std::path::Path;
 

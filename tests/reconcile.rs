@@ -5,9 +5,7 @@
 //! owner reclaiming its cooling address, and a daemon that starts on any
 //! database it can read.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::net::IpAddr;
 

@@ -3,9 +3,14 @@
 //! 2x its unloaded time; hostile and idle connections are closed at their
 //! deadlines; the connection cap answers with an error instead of running
 //! the daemon out of file descriptors.
+//!
+//! Its own test crate, not a module of `tests/main.rs`: it compares round
+//! trips with and without hostile load, and other tests' daemons on the
+//! same cores would be load it did not make.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
+#[allow(dead_code)] // the shared harness: this crate uses a part of it
 mod common;
 
 use std::io::{ErrorKind, Read, Write};

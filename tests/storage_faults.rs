@@ -6,59 +6,15 @@
 //! reason — never a panic, and never loses an allocation that existed.
 //! Mounting needs root, as these tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, json};
-
-/// A tmpfs mounted on a fresh directory, unmounted and removed on drop.
-struct Tmpfs {
-    dir: TestDir,
-}
-
-impl Tmpfs {
-    fn mount(name: &str, size: &str) -> Tmpfs {
-        let dir = TestDir::new(name);
-        let status = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(&dir.path)
-            .status()
-            .unwrap();
-        assert!(status.success(), "mount tmpfs (these tests need root)");
-        Tmpfs { dir }
-    }
-
-    fn remount(&self, option: &str) {
-        let status = Command::new("mount")
-            .args(["-o", &format!("remount,{option}")])
-            .arg(&self.dir.path)
-            .status()
-            .unwrap();
-        assert!(status.success(), "remount {option}");
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // Lazy, so a process still holding a file cannot keep it mounted;
-        // the TestDir then removes the directory.
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(&self.dir.path)
-            .status();
-    }
-}
+use common::node::held;
+use common::tmpfs::Tmpfs;
+use common::{Plugin, TestDaemon, TestDir, admin_check, assert_ok, json, wait_for};
 
 /// A configuration on `dir` for network `network` with `range`.
 fn config(dir: &TestDir, network: &str, range: &str) -> String {
@@ -86,18 +42,6 @@ fn assert_error(output: &Output, code: u64, reason: &str) {
     );
 }
 
-/// The addresses `container` holds, read from the database.
-fn held(db: &Path, container: &str) -> Vec<String> {
-    let conn = common::db(db);
-    let mut stmt = conn
-        .prepare("SELECT address FROM ip_addresses WHERE container_id = ?1 AND is_allocated = 1")
-        .unwrap();
-    stmt.query_map([container], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
-}
-
 /// Runs a daemon on `db` to completion (it should refuse to start).
 fn daemon_output(socket: &Path, db: &Path) -> Output {
     Command::new(common::METIS)
@@ -109,10 +53,11 @@ fn daemon_output(socket: &Path, db: &Path) -> Output {
         .unwrap()
 }
 
-/// Fills the file system holding `dir` until a write fails with ENOSPC.
-fn fill(dir: &TestDir) -> PathBuf {
+/// Fills the file system holding `dir` until a write fails with ENOSPC,
+/// with the file `name`.
+fn fill(dir: &TestDir, name: &str) -> PathBuf {
     use std::io::Write;
-    let path = dir.join("filler");
+    let path = dir.join(name);
     let mut file = std::fs::File::create(&path).unwrap();
     let chunk = vec![0u8; 64 * 1024];
     loop {
@@ -138,7 +83,7 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let daemon = TestDaemon::start(dir, &[]);
     assert_ok(&Plugin::new("ADD", "keep").run(&config(dir, "small", "198.18.0.0/24")));
     let kept = held(&db, "keep");
-    let filler = fill(dir);
+    let filler = fill(dir, "filler");
 
     // A new network of 4096 addresses needs pages the disk does not have.
     let big = config(dir, "big", "198.18.16.0/20");
@@ -148,12 +93,15 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let status = daemon.stop();
     assert!(status.success(), "daemon exit {status:?}");
 
-    // Direct mode, with the disk still full.
+    // Direct mode, with the disk still full (the daemon's stop may have
+    // freed the pages of its WAL).
+    let more = fill(dir, "filler-2");
     let direct = Plugin::new("ADD", "new").run(&big);
     assert_error(&direct, 11, "full");
 
     // Space again: nothing was lost, and everything works.
     std::fs::remove_file(filler).unwrap();
+    std::fs::remove_file(more).unwrap();
     assert_eq!(held(&db, "keep"), kept);
     assert!(held(&db, "new").is_empty());
     assert_ok(&admin_check(&db));
@@ -189,31 +137,211 @@ fn a_read_only_database_is_an_error_naming_it() {
     assert_ok(&admin_check(&db));
 }
 
+/// Every row of every table, in order, as text: what a restore must keep.
+fn dump(db: &Path) -> Vec<String> {
+    // Closed before returning: a connection left open on a file deleted
+    // later would be one more writer of its WAL.
+    let conn = common::db(db);
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let mut rows = Vec::new();
+    for table in tables {
+        let mut stmt = conn
+            .prepare(&format!("SELECT * FROM \"{table}\" ORDER BY 1"))
+            .unwrap();
+        let columns = stmt.column_count();
+        let mut query = stmt.query([]).unwrap();
+        while let Some(row) = query.next().unwrap() {
+            let values: Vec<String> = (0..columns)
+                .map(|i| format!("{:?}", row.get::<_, rusqlite::types::Value>(i).unwrap()))
+                .collect();
+            rows.push(format!("{table}: {}", values.join(", ")));
+        }
+    }
+    rows
+}
+
+/// Addresses held by pods (reservations excluded).
+fn live_addresses(db: &Path) -> Vec<String> {
+    let conn = common::db(db);
+    let mut stmt = conn
+        .prepare(
+            "SELECT address FROM ip_addresses WHERE is_allocated = 1 \
+             AND COALESCE(container_id, '') != '' ORDER BY address",
+        )
+        .unwrap();
+    stmt.query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// A daemon on `dir` with pods `p0`..`p11`, `p3` and `p7` deleted again.
+fn daemon_with_pods(dir: &TestDir, conf: &str) -> TestDaemon {
+    let daemon = TestDaemon::start(dir, &[]);
+    for pod in 0..12 {
+        assert_ok(&Plugin::new("ADD", &format!("p{pod}")).run(conf));
+    }
+    for pod in [3, 7] {
+        assert_ok(&Plugin::new("DEL", &format!("p{pod}")).run(conf));
+    }
+    daemon
+}
+
+/// Waits for the daemon to say it restored the database, without sending
+/// it anything: it notices by itself.
+fn wait_for_restore(daemon: &TestDaemon) {
+    wait_for(
+        "the database to be restored",
+        Duration::from_secs(30),
+        || daemon.log().contains("database restored at its path"),
+    );
+}
+
 #[test]
-fn a_database_deleted_under_the_daemon_is_refused_not_written() {
+fn a_database_deleted_under_the_daemon_is_restored_with_every_allocation() {
     let dir = TestDir::new("fault-deleted");
     let db = dir.join("metis.sqlite");
     let conf = config(&dir, "pods", "198.18.0.0/24");
-    let mut daemon = TestDaemon::start(&dir, &[]);
-    assert_ok(&Plugin::new("ADD", "keep").run(&conf));
+    let mut daemon = daemon_with_pods(&dir, &conf);
+    let before = dump(&db);
+    let live = live_addresses(&db);
+    assert_eq!(live.len(), 10);
     for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+        std::fs::remove_file(format!("{}{suffix}", db.display())).unwrap();
     }
-    for verb in ["ADD", "DEL"] {
-        let output = Plugin::new(verb, "keep").run(&conf);
-        assert_error(&output, 11, "deleted or replaced");
-    }
-    // Still running, and nothing was written to a file no one will open
-    // again.
+    wait_for_restore(&daemon);
+    assert!(
+        daemon
+            .log()
+            .contains("deleted or replaced under the daemon")
+    );
+    assert_eq!(dump(&db), before, "the restored database differs");
+    let health = common::metis(&[
+        "health",
+        "--socket-path",
+        dir.join("metis.sock").to_str().unwrap(),
+    ]);
+    assert!(health.status.success(), "{health:?}");
+
+    // Served from the restored file: nothing live is handed out again.
+    let add = Plugin::new("ADD", "new").run(&conf);
+    assert_ok(&add);
+    let address = json(&add)["ips"][0]["address"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let address = address.split('/').next().unwrap().to_string();
+    assert!(!live.contains(&address), "{address} is live: {live:?}");
+    assert_eq!(live_addresses(&db).len(), 11);
+    assert_ok(&Plugin::new("DEL", "p0").run(&conf));
+    assert_ok(&admin_check(&db));
     assert!(
         daemon.child.try_wait().unwrap().is_none(),
         "{}",
         daemon.log()
     );
+
+    // What a restart finds is the same file.
+    assert!(daemon.stop().success());
+    let held_after = live_addresses(&db);
+    let restarted = TestDaemon::start(&dir, &[]);
+    assert_eq!(live_addresses(&db), held_after);
+    assert!(restarted.stop().success());
+    let left: Vec<String> = std::fs::read_dir(&dir.path)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains("restoring") || name.contains("stand-in"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}
+
+#[test]
+fn a_database_replaced_under_the_daemon_is_put_back_and_the_other_file_kept() {
+    let dir = TestDir::new("fault-replaced");
+    let db = dir.join("metis.sqlite");
+    let conf = config(&dir, "pods", "198.18.0.0/24");
+    let daemon = daemon_with_pods(&dir, &conf);
+    let before = dump(&db);
+    // Another (empty) database moved over the path.
+    let other = dir.join("other.sqlite");
+    rusqlite::Connection::open(&other)
+        .unwrap()
+        .execute_batch("CREATE TABLE mine (x); INSERT INTO mine VALUES (42);")
+        .unwrap();
+    std::fs::rename(&other, &db).unwrap();
+    wait_for_restore(&daemon);
+    assert_eq!(dump(&db), before);
+    let kept: Vec<PathBuf> = std::fs::read_dir(&dir.path)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.to_string_lossy().contains("metis.sqlite.replaced-"))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let x: i64 = common::db(&kept[0])
+        .query_row("SELECT x FROM mine", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(x, 42);
+    assert_ok(&Plugin::new("ADD", "new").run(&conf));
+    assert_ok(&admin_check(&db));
+}
+
+#[test]
+fn a_restore_cut_short_is_finished_at_the_next_start() {
+    let dir = TestDir::new("fault-interrupted");
+    let db = dir.join("metis.sqlite");
+    let conf = config(&dir, "pods", "198.18.0.0/24");
+    let daemon = daemon_with_pods(&dir, &conf);
+    assert!(daemon.stop().success());
+    // The clean-stop mark is the next start's to consume.
+    let kept = |rows: Vec<String>| -> Vec<String> {
+        rows.into_iter()
+            .filter(|row| !row.contains("clean_stop"))
+            .collect()
+    };
+    let before = kept(dump(&db));
+    // What a daemon leaves when it stops between writing its copy of a
+    // deleted database and putting it in place.
+    std::fs::rename(&db, dir.join("metis.sqlite.restoring")).unwrap();
+    // Direct mode does not make an empty database instead.
+    let refused = Plugin::new("ADD", "early").run(&conf);
+    assert_error(&refused, 11, "restore of it was interrupted");
+    assert!(!db.exists());
+    let daemon = TestDaemon::start(&dir, &[]);
     assert!(
-        !db.exists(),
-        "the daemon must not recreate the file behind its own back"
+        daemon
+            .log()
+            .contains("put back the copy an interrupted restore made")
     );
+    assert_eq!(dump(&db), before);
+    assert!(!dir.join("metis.sqlite.restoring").exists());
+    let add = Plugin::new("ADD", "new").run(&conf);
+    assert_ok(&add);
+    assert_eq!(json(&add)["ips"][0]["address"], "198.18.0.14/24");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn direct_mode_creates_no_database_while_a_daemon_owns_it() {
+    let dir = TestDir::new("fault-owned");
+    let db = dir.join("metis.sqlite");
+    let conf = config(&dir, "pods", "198.18.0.0/24");
+    // What a running daemon holds: the lock beside its database. No socket,
+    // so the plugin goes to direct mode and finds no database.
+    let lock = std::fs::File::create(dir.join("metis.sqlite.lock")).unwrap();
+    lock.lock().unwrap();
+    let refused = Plugin::new("ADD", "pod").run(&conf);
+    assert_error(&refused, 11, "missing while its daemon runs");
+    assert!(!db.exists());
+    // No daemon: a missing database is a new node's.
+    drop(lock);
+    assert_ok(&Plugin::new("ADD", "pod").run(&conf));
+    assert_eq!(held(&db, "pod").len(), 1);
 }
 
 #[test]

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
-use crate::engine::{Engine, Outcome};
+use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
 use crate::kube::nnc::Kind;
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
 use crate::wire::adaptiveipam::v1::DeallocatePodIpRequest;
-use crate::wire::{Code, Request, Response, reason, request, response};
+use crate::wire::{Code, Request, reason, request};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -37,8 +37,8 @@ pub struct AdaptiveConfig {
 /// (clock rounding would otherwise make the retry miss by a millisecond).
 const COOLED_MARGIN: Duration = Duration::from_millis(5);
 
-/// A response owed to a connection.
-pub type Delivery = (u64, Response);
+/// An outcome owed to a connection.
+pub type Delivery = (u64, Outcome);
 
 struct Parked {
     conn_id: u64,
@@ -117,40 +117,47 @@ impl Adaptive {
 
     /// Looks at an outcome before it is sent: an IPv4 exhaustion with a
     /// cluster that can add blocks parks the request (returns `None`); a
-    /// successful release wakes waiters; health reports a degraded link.
+    /// successful release wakes waiters; health and STATUS report what the
+    /// cluster link allows. Every request kind is named (no wildcard): a new
+    /// one decides here whether the adaptive side must see it.
     pub fn intercept(
         &mut self,
         conn_id: u64,
         request: Request,
         outcome: Outcome,
         now: Instant,
-    ) -> Option<Response> {
-        let parkable = self.config.source == Kind::Nnc
-            && matches!(request.kind, Some(request::Kind::Allocate(_)));
-        let reply = match outcome {
-            Outcome::Exhausted {
-                network,
-                family: Family::V4,
-                ..
-            } if parkable => {
-                self.park(conn_id, request, network, now);
-                return None;
-            }
-            other => other.into_response(),
+    ) -> Option<Outcome> {
+        let Some(kind) = &request.kind else {
+            return Some(outcome);
         };
-        match &request.kind {
-            Some(request::Kind::Deallocate(req)) => {
+        match kind {
+            request::Kind::Allocate(_) => match outcome {
+                Outcome::Exhausted {
+                    network,
+                    family: Family::V4,
+                    ..
+                } if self.config.source == Kind::Nnc => {
+                    self.park(conn_id, request, network, now);
+                    None
+                }
+                other => Some(other),
+            },
+            request::Kind::Deallocate(req) => {
                 self.cancel_parked(req, now);
-                let released = matches!(&reply.kind, Some(response::Kind::Deallocate(r)) if !r.released.is_empty());
-                if released {
+                if matches!(&outcome, Outcome::Done(Reply::Released(released)) if !released.is_empty())
+                {
                     self.woken
                         .push(network_or_default(&req.network).to_string());
                 }
-                Some(reply)
+                Some(outcome)
             }
-            Some(request::Kind::Health(_)) => Some(self.annotate_health(reply)),
-            Some(request::Kind::NetworkStatus(_)) => Some(self.status_with_cluster(reply)),
-            _ => Some(reply),
+            request::Kind::Health(_) => Some(self.annotate_health(outcome)),
+            request::Kind::NetworkStatus(_) => Some(self.status_with_cluster(outcome)),
+            request::Kind::Check(_)
+            | request::Kind::ListCidrBlocks(_)
+            | request::Kind::ListIpAddresses(_)
+            | request::Kind::Usage(_)
+            | request::Kind::Gc(_) => Some(outcome),
         }
     }
 
@@ -173,14 +180,15 @@ impl Adaptive {
                 "DEL arrived for a waiting ADD; cancelling the ADD",
                 &[("network", &network), ("container", &del.container_id)],
             );
-            let reply = Response::error(
-                Code::Unavailable,
-                reason::ADD_CANCELLED,
-                format!(
+            let reply = Outcome::Failed(Failure {
+                code: Code::Unavailable,
+                reason: reason::ADD_CANCELLED,
+                message: format!(
                     "ADD cancelled: a DEL for container {} arrived while it waited for addresses",
                     del.container_id
                 ),
-            );
+                scope: None,
+            });
             self.observe(&parked, reply.code(), now);
             self.cancelled.push((parked.conn_id, reply));
         }
@@ -206,29 +214,23 @@ impl Adaptive {
     /// STATUS with the cluster in view: an exhausted IPv4 pool can still
     /// grow while the API server answers (an ADD waits for the new block),
     /// and cannot while it is unreachable — the degraded state, reported.
-    fn status_with_cluster(&self, mut reply: Response) -> Response {
+    fn status_with_cluster(&self, mut outcome: Outcome) -> Outcome {
         if self.config.source != Kind::Nnc {
-            return reply;
+            return outcome;
         }
-        if let Some(response::Kind::NetworkStatus(status)) = reply.kind.as_mut()
-            && !status.can_allocate
-            && status.ip_family == Family::V4.as_str()
+        if let Outcome::Done(Reply::Readiness(readiness)) = &mut outcome
+            && let Readiness::Full {
+                family: Family::V4,
+                cluster_problem,
+                ..
+            } = readiness
         {
             match self.problem() {
-                None => {
-                    status.can_allocate = true;
-                    status.detail.clear();
-                    status.ip_family.clear();
-                }
-                Some(why) => {
-                    status.detail = format!(
-                        "{}; more cannot be requested: the API server is unreachable or refuses us ({why})",
-                        status.detail
-                    );
-                }
+                None => *readiness = Readiness::Ready,
+                Some(why) => *cluster_problem = Some(why),
             }
         }
-        reply
+        outcome
     }
 
     /// Every failure that stops the node from growing, in words.
@@ -240,76 +242,23 @@ impl Adaptive {
         }
     }
 
-    fn annotate_health(&self, mut reply: Response) -> Response {
-        let why = match (self.problem(), self.cluster.problem()) {
-            (Some(link), Some(blocks)) => Some(format!("{link}; {blocks}")),
-            (link, blocks) => link.or(blocks),
-        };
-        if let (Some(why), Some(response::Kind::Health(health))) = (why, reply.kind.as_mut()) {
-            health.detail = format!(
-                "{} (degraded: serving from local blocks; {why})",
-                health.detail
-            );
+    fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
+        if let Outcome::Done(Reply::Health(health)) = &mut outcome {
+            health.cluster_problem = match (self.problem(), self.cluster.problem()) {
+                (Some(link), Some(blocks)) => Some(format!("{link}; {blocks}")),
+                (link, blocks) => link.or(blocks),
+            };
         }
-        reply
+        outcome
     }
 
-    /// Handles everything the kube threads sent since the last wake-up.
+    /// Handles everything the kube threads sent since the last wake-up,
+    /// then retries the waiters of every network that gained blocks.
     pub fn on_wake(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
         worker::drain_wakeups(&self.link.wake_fd);
         let mut grown = Vec::new();
         while let Ok(event) = self.link.events.try_recv() {
-            match event {
-                KubeEvent::Nnc { nnc, epoch } => {
-                    let applied =
-                        self.cluster
-                            .on_nnc(engine.store_mut(), &self.metrics, nnc, epoch);
-                    self.take(applied, &mut grown);
-                }
-                KubeEvent::Node { node, epoch } => {
-                    let applied =
-                        self.cluster
-                            .on_node(engine.store_mut(), &self.metrics, node, epoch);
-                    self.take(applied, &mut grown);
-                }
-                KubeEvent::Gone { epoch } => {
-                    let applied = self
-                        .cluster
-                        .on_gone(engine.store_mut(), &self.metrics, epoch);
-                    self.take(applied, &mut grown);
-                }
-                KubeEvent::Replayed => self.metrics.stale_version(),
-                KubeEvent::Unreachable(why) => {
-                    self.metrics.api_error();
-                    self.watch_problem = Some(format!("watch: {why}"));
-                }
-                KubeEvent::Watching => self.watch_problem = None,
-                KubeEvent::Patched { base, nnc } => {
-                    self.patching = None;
-                    self.patch_problem = None;
-                    log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                    let applied =
-                        self.cluster
-                            .on_patched(engine.store_mut(), &self.metrics, &base, *nnc);
-                    self.take(applied, &mut grown);
-                }
-                KubeEvent::Conflict { streak } => {
-                    // The watch brings the newer version; recompute now
-                    // from the copy there is (the patcher paces what is sent).
-                    self.patching = None;
-                    self.next_pass = now;
-                    if streak >= worker::CONFLICT_STORM {
-                        self.metrics.api_error();
-                        self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
-                    }
-                }
-                KubeEvent::PatchFailed(why) => {
-                    // The patcher logged it and waits before the next one.
-                    self.metrics.api_error();
-                    self.patching = None;
-                    self.patch_problem = Some(format!("patch: {why}"));
-                }
-            }
+            grown.extend(self.on_event(event, engine, now));
         }
         grown.dedup();
         let mut deliveries = Vec::new();
@@ -324,13 +273,69 @@ impl Adaptive {
         deliveries
     }
 
-    /// Takes in what applying a copy did: networks to retry, and a new
-    /// object, from which no in-flight patch was computed.
-    fn take(&mut self, applied: Applied, grown: &mut Vec<String>) {
+    /// One event of the kube threads; returns the networks that gained
+    /// blocks.
+    fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
+        let store = engine.store_mut();
+        let applied = match event {
+            KubeEvent::Nnc { nnc, epoch } => self.cluster.on_nnc(store, &self.metrics, nnc, epoch),
+            KubeEvent::Node { node, epoch } => {
+                self.cluster.on_node(store, &self.metrics, node, epoch)
+            }
+            KubeEvent::Gone { epoch } => self.cluster.on_gone(store, &self.metrics, epoch),
+            KubeEvent::Patched { base, nnc } => {
+                self.patching = None;
+                self.patch_problem = None;
+                log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                self.cluster.on_patched(store, &self.metrics, &base, *nnc)
+            }
+            KubeEvent::Replayed => {
+                self.metrics.stale_version();
+                return Vec::new();
+            }
+            KubeEvent::Unreachable(why) => {
+                self.metrics.api_error();
+                self.watch_problem = Some(format!("watch: {why}"));
+                return Vec::new();
+            }
+            KubeEvent::Watching => {
+                self.watch_problem = None;
+                return Vec::new();
+            }
+            KubeEvent::Conflict { streak } => {
+                self.on_conflict(streak, now);
+                return Vec::new();
+            }
+            KubeEvent::PatchFailed(why) => {
+                // The patcher logged it and waits before the next one.
+                self.metrics.api_error();
+                self.patching = None;
+                self.patch_problem = Some(format!("patch: {why}"));
+                return Vec::new();
+            }
+        };
+        self.take(applied)
+    }
+
+    /// Takes in what applying a copy did: a new object, from which no
+    /// in-flight patch was computed; returns the networks to retry.
+    fn take(&mut self, applied: Applied) -> Vec<String> {
         if applied.new_object {
             self.patching = None;
         }
-        grown.extend(applied.grown);
+        applied.grown
+    }
+
+    /// A patch lost a race: the watch brings the newer version, so the
+    /// patch is recomputed now from the copy there is (the patcher paces
+    /// what is sent).
+    fn on_conflict(&mut self, streak: u32, now: Instant) {
+        self.patching = None;
+        self.next_pass = now;
+        if streak >= worker::CONFLICT_STORM {
+            self.metrics.api_error();
+            self.patch_problem = Some(format!("patch: {streak} conflicts in a row"));
+        }
     }
 
     /// Retries waiters of networks where addresses were just released
@@ -446,8 +451,7 @@ impl Adaptive {
                     network: parked.network,
                     family: Family::V4,
                     message,
-                }
-                .into_response();
+                };
                 (parked.conn_id, reply)
             })
             .collect()
@@ -526,10 +530,9 @@ impl Adaptive {
                 );
                 break;
             }
-            let reply = outcome.into_response();
             let parked = self.parked.remove(index);
-            self.observe(&parked, reply.code(), Instant::now());
-            deliveries.push((parked.conn_id, reply));
+            self.observe(&parked, outcome.code(), Instant::now());
+            deliveries.push((parked.conn_id, outcome));
         }
         self.publish_parked();
         deliveries

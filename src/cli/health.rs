@@ -9,7 +9,9 @@ use std::time::Duration;
 use super::{ArgsError, CallError, call, socket_path};
 use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{self, FlagSpec};
+use crate::wire::client::ClientError;
 use crate::wire::envelope::v1::health_check_response::ServingStatus;
+use crate::wire::frame::FrameError;
 use crate::wire::{HealthCheckRequest, request, response};
 
 /// The whole check (connect, send, answer) must finish within this.
@@ -87,12 +89,30 @@ pub fn check(options: &Options) -> Result<String, HealthError> {
 
 fn round_trip(socket_path: &Path) -> Result<String, HealthError> {
     let kind = request::Kind::Health(HealthCheckRequest {});
-    match call(socket_path, DEADLINE, DEADLINE, kind).map_err(HealthError::Call)? {
+    match call(socket_path, DEADLINE, DEADLINE, kind).map_err(from_call)? {
         Some(response::Kind::Health(health)) if health.status == ServingStatus::Serving as i32 => {
             Ok(health.detail)
         }
         Some(response::Kind::Health(health)) => Err(HealthError::NotServing(health.detail)),
         _ => Err(HealthError::Unexpected),
+    }
+}
+
+/// A read that timed out is the deadline passing, whichever of the two
+/// clocks (the socket's or [`check`]'s) noticed first.
+fn from_call(err: CallError) -> HealthError {
+    match &err {
+        CallError::Unreachable(ClientError::Exchange {
+            source: FrameError::Io(io),
+            ..
+        }) if matches!(
+            io.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) =>
+        {
+            HealthError::TimedOut
+        }
+        _ => HealthError::Call(err),
     }
 }
 

@@ -100,7 +100,7 @@ pub fn call(
         socket: socket.to_path_buf(),
         connect_timeout,
         call_timeout: io_timeout,
-        attempts: 1,
+        wait: Duration::ZERO,
     };
     let response = daemon
         .exchange(&Request { kind: Some(kind) })

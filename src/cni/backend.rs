@@ -8,19 +8,25 @@
 use std::path::{Path, PathBuf};
 
 use nix::unistd::{self, AccessFlags};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cni::error::CniError;
 use crate::engine::Engine;
 use crate::log;
 use crate::store::{self, Store, StoreOptions};
 use crate::wire::client::{Client, ClientError};
+use crate::wire::starting;
 use crate::wire::{Code, Request, Response, response};
 
-/// Connection attempts before falling back to direct mode (upstream's 3).
-const CONNECT_ATTEMPTS: u32 = 3;
-/// Pause between connection attempts (upstream's 100 ms).
-const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// How long the plugin waits for a daemon that is there but cannot take the
+/// connection yet: one that is starting (its marker is locked, see
+/// `wire::starting`) or one whose backlog is full. With no daemon at all (no
+/// socket, or a refused one, and no start under way) it does not wait:
+/// direct mode at once. Above a start's usual duration, far below a CNI
+/// call's 10 s.
+const WAIT_FOR_DAEMON: Duration = Duration::from_secs(1);
+/// Pause between connection attempts while waiting.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(10);
 /// Bound on one connect; a live daemon accepts in microseconds.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bound on one exchange: above the daemon's 9 s wait for new blocks and
@@ -55,25 +61,33 @@ pub struct Daemon {
     pub socket: PathBuf,
     pub connect_timeout: Duration,
     pub call_timeout: Duration,
-    /// Connection attempts, [`CONNECT_RETRY_PAUSE`] apart.
-    pub attempts: u32,
+    /// How long to keep trying while a daemon is there but not accepting
+    /// yet (zero: one attempt).
+    pub wait: Duration,
 }
 
 impl Daemon {
     /// One request, one response. A [`ClientError::is_connect`] error means
     /// nothing was sent.
     pub fn exchange(&self, request: &Request) -> Result<Response, ClientError> {
-        let mut attempt = 1;
+        let deadline = Instant::now() + self.wait;
+        let mut waiting = false;
         loop {
-            match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
+            let err = match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
                 Ok(mut client) => return client.call(request),
-                Err(err) if attempt >= self.attempts => return Err(err),
-                Err(err) => {
-                    log::debug("cni", "connect failed, retrying", &[("error", &err)]);
-                    attempt += 1;
-                    std::thread::sleep(CONNECT_RETRY_PAUSE);
-                }
+                Err(err) => err,
+            };
+            let may_answer_soon = err.listener_busy()
+                || (err.nothing_listens() && starting::daemon_starting(&self.socket));
+            if !may_answer_soon || Instant::now() >= deadline {
+                return Err(err);
             }
+            if !waiting {
+                waiting = true;
+                log::info("cni", "waiting for the daemon", &[("error", &err)]);
+            }
+            log::debug("cni", "connect failed, retrying", &[("error", &err)]);
+            std::thread::sleep(CONNECT_RETRY_PAUSE);
         }
     }
 }
@@ -94,7 +108,7 @@ impl Node {
                 socket: socket.to_path_buf(),
                 connect_timeout: CONNECT_TIMEOUT,
                 call_timeout: CALL_TIMEOUT,
-                attempts: CONNECT_ATTEMPTS,
+                wait: WAIT_FOR_DAEMON,
             },
             db_path: db_path.to_path_buf(),
         }
@@ -195,6 +209,23 @@ fn holds_files(dir: &Path) -> bool {
 }
 
 fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+    // Missing while its daemon runs (or beside the copy a restore left), the
+    // database was deleted, not never made: the daemon puts it back
+    // (`daemon::restore`), and an empty one made here would hand its pods'
+    // addresses out again.
+    if !db_path.exists() && crate::daemon::database_owned(db_path) {
+        return Err(CniError::try_again_later(format!(
+            "the database {} is missing while its daemon runs; the daemon restores it, retry",
+            db_path.display()
+        )));
+    }
+    if crate::daemon::restore_interrupted(db_path) {
+        return Err(CniError::try_again_later(format!(
+            "the database {} is missing and a restore of it was interrupted; start the \
+             daemon to finish it",
+            db_path.display()
+        )));
+    }
     let mut store = Store::open(
         db_path,
         &StoreOptions {
@@ -207,6 +238,13 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
     for warning in store.open_warnings() {
         log::warn("cni", "database", &[("warning", warning)]);
+    }
+    if let Err(err) = store.leave_wal_on_close() {
+        log::warn(
+            "cni",
+            "closing checkpoints the database",
+            &[("error", &err)],
+        );
     }
     // The first to use the database after a reboot releases the previous
     // boot's allocations, before anything of this boot is allocated.
@@ -223,10 +261,16 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             );
         }
     }
-    Ok(serve(store, request))
+    let mut engine = Engine::new(store);
+    let response = engine.handle(&request, log::now_ms()).into_response();
+    // After the answer is settled: a failed checkpoint loses nothing.
+    if let Err(err) = engine.store().trim_wal() {
+        log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
+    }
+    Ok(response)
 }
 
-/// Direct mode's one use of the engine, as the daemon would serve it.
+/// The engine run on a read-only store, as the daemon would serve it.
 fn serve(store: Store, request: Request) -> Response {
     Engine::new(store)
         .handle(&request, log::now_ms())

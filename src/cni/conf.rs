@@ -4,7 +4,8 @@
 //! IPAM sees the main plugin's whole object.
 //!
 //! Codes: unreadable JSON or wrong JSON types → 6, semantically invalid → 7,
-//! valid but unsupported by Metis → 2, unsupported `cniVersion` → 1.
+//! unsupported `cniVersion` → 1. Nothing is refused as unsupported (the
+//! spec's 2): unknown keys are ignored, and a known key's bad value is 7.
 
 use super::args::{CniArgs, parse_ip_maybe_prefix};
 use super::error::CniError;

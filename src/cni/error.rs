@@ -1,6 +1,12 @@
 //! The CNI error object and the codes Metis reports. Codes below 100 are the
 //! spec's well-known ones; 100 and up are Metis-specific (the spec reserves
-//! 0–99 and leaves 100+ to plugins).
+//! 0–99 and leaves 100+ to plugins). Of the spec's codes, Metis never
+//! returns 2 (unsupported field: unknown keys are ignored, as a delegated
+//! IPAM must, and a known key's bad value is 7), 3 (unknown container: DEL
+//! of one succeeds, CHECK of one is 101) or 51 (limited connectivity: an
+//! IPAM's state never limits existing containers), so they have no constant
+//! here. docs/cni.md's code table lists exactly these constants (a test
+//! checks).
 
 use serde::Serialize;
 use std::fmt;
@@ -12,10 +18,6 @@ use crate::wire::{Code, Status, reason};
 
 /// Incompatible CNI version.
 pub const INCOMPATIBLE_VERSION: u32 = 1;
-/// Unsupported field in the network configuration; the message names key and value.
-pub const UNSUPPORTED_FIELD: u32 = 2;
-/// Container unknown or does not exist.
-pub const UNKNOWN_CONTAINER: u32 = 3;
 /// Invalid necessary environment variables; the message names them.
 pub const INVALID_ENV: u32 = 4;
 /// I/O failure, e.g. reading the configuration from stdin.
@@ -28,8 +30,6 @@ pub const INVALID_CONFIG: u32 = 7;
 pub const TRY_AGAIN_LATER: u32 = 11;
 /// STATUS: the plugin cannot service ADD.
 pub const PLUGIN_NOT_AVAILABLE: u32 = 50;
-/// STATUS: existing containers may have limited connectivity.
-pub const LIMITED_CONNECTIVITY: u32 = 51;
 /// Metis: the address requested via `runtimeConfig.ips`, `args.cni.ips` or
 /// `CNI_ARGS` `IP` is taken or outside every block of the network.
 pub const ADDRESS_UNAVAILABLE: u32 = 100;
@@ -69,14 +69,6 @@ impl CniError {
         CniError::new(INCOMPATIBLE_VERSION, msg)
     }
 
-    pub fn unsupported_field(msg: impl Into<String>) -> CniError {
-        CniError::new(UNSUPPORTED_FIELD, msg)
-    }
-
-    pub fn unknown_container(msg: impl Into<String>) -> CniError {
-        CniError::new(UNKNOWN_CONTAINER, msg)
-    }
-
     pub fn invalid_env(msg: impl Into<String>) -> CniError {
         CniError::new(INVALID_ENV, msg)
     }
@@ -99,10 +91,6 @@ impl CniError {
 
     pub fn plugin_not_available(msg: impl Into<String>) -> CniError {
         CniError::new(PLUGIN_NOT_AVAILABLE, msg)
-    }
-
-    pub fn limited_connectivity(msg: impl Into<String>) -> CniError {
-        CniError::new(LIMITED_CONNECTIVITY, msg)
     }
 
     pub fn address_unavailable(msg: impl Into<String>) -> CniError {
@@ -281,15 +269,12 @@ mod tests {
     fn constructors_pick_codes() {
         let cases = [
             (CniError::incompatible_version("x"), 1),
-            (CniError::unsupported_field("x"), 2),
-            (CniError::unknown_container("x"), 3),
             (CniError::invalid_env("x"), 4),
             (CniError::io("x"), 5),
             (CniError::decode("x"), 6),
             (CniError::invalid_config("x"), 7),
             (CniError::try_again_later("x"), 11),
             (CniError::plugin_not_available("x"), 50),
-            (CniError::limited_connectivity("x"), 51),
             (CniError::address_unavailable("x"), 100),
             (CniError::no_allocation("x"), 101),
             (CniError::allocation_differs("x"), 102),
@@ -299,6 +284,37 @@ mod tests {
         for (err, code) in cases {
             assert_eq!(err.code, code, "{err:?}");
         }
+    }
+
+    /// The codes this file defines, from its `pub const NAME: u32 = N;` lines.
+    fn defined_codes() -> Vec<u32> {
+        include_str!("error.rs")
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix("pub const ")?;
+                let (_, value) = rest.split_once(": u32 = ")?;
+                value.strip_suffix(';')?.parse().ok()
+            })
+            .collect()
+    }
+
+    /// The codes of docs/cni.md's table, from its `| N | when |` rows.
+    fn documented_codes() -> Vec<u32> {
+        include_str!("../../docs/cni.md")
+            .lines()
+            .filter_map(|line| line.strip_prefix("| ")?.split(" | ").next()?.parse().ok())
+            .collect()
+    }
+
+    #[test]
+    fn docs_list_exactly_the_codes_metis_returns() {
+        let defined = defined_codes();
+        assert!(defined.contains(&INCOMPATIBLE_VERSION) && defined.contains(&STORE_FAILURE));
+        assert_eq!(
+            documented_codes(),
+            defined,
+            "docs/cni.md's code table vs src/cni/error.rs"
+        );
     }
 
     #[test]

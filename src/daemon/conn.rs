@@ -62,6 +62,8 @@ pub struct Conn {
     write_since: Option<Instant>,
     /// Set after a fatal protocol error: flush the reply, then close.
     closing: bool,
+    /// A response was queued: the client has had an answer.
+    answered: bool,
     peer_closed: bool,
     /// A request of this connection is parked; nothing more is processed
     /// until its response is delivered.
@@ -85,6 +87,7 @@ impl Conn {
             partial_since: None,
             write_since: None,
             closing: false,
+            answered: false,
             peer_closed: false,
             awaiting: false,
             held: Vec::new(),
@@ -207,6 +210,18 @@ impl Conn {
         self.flush(now)
     }
 
+    /// Whether a stopping daemon may close the connection: nothing
+    /// received, held, parked or unsent, and the client has had its answer
+    /// (or hung up). One that connected but has not sent its request yet is
+    /// waited for.
+    pub fn is_settled(&self) -> bool {
+        self.input.is_empty()
+            && !self.wants_write()
+            && self.held.is_empty()
+            && !self.awaiting
+            && (self.answered || self.peer_closed)
+    }
+
     /// Whether replies wait for the loop's commit.
     pub fn holds_replies(&self) -> bool {
         !self.held.is_empty()
@@ -288,6 +303,7 @@ impl Conn {
         if let Ok(frame) = frame {
             self.output.extend_from_slice(&frame);
             self.write_since.get_or_insert(now);
+            self.answered = true;
         }
     }
 }

@@ -7,8 +7,7 @@
 //! are committed together (group commit), and answered only after that
 //! commit.
 
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixListener;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,14 +17,16 @@ use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::Uid;
 
 use super::conn::{Answer, Conn, Limits, State};
+use super::handover::Served;
 #[cfg(not(feature = "kube"))]
 use super::no_cluster::{Adaptive, Delivery};
+use super::restore::Keeper;
 #[cfg(feature = "kube")]
 use crate::adaptive::{Adaptive, Delivery};
-use crate::engine::Engine;
+use crate::engine::{Engine, Outcome};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::{Code, Request, Response, reason, request};
+use crate::wire::{Code, Request, Response, reason};
 
 /// Longest single `poll` wait, so deadlines are checked at least this often.
 const MAX_POLL_WAIT: Duration = Duration::from_secs(1);
@@ -37,9 +38,15 @@ const MAX_BATCH: usize = 64;
 /// How long shutdown waits for queued responses to drain.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 
-/// Who may connect and how many at once.
+/// How long a stopping daemon goes on serving the connections it has
+/// (a client that connected just before the stop still sends its
+/// request), well inside the DaemonSet's 30 s termination grace period.
+const STOP_DRAIN: Duration = Duration::from_secs(10);
+
+/// Who may connect, how many at once, and for how long.
 pub struct Admission {
     pub max_connections: usize,
+    pub limits: Limits,
     /// Users besides root and the daemon's own user.
     pub allowed_uids: Vec<u32>,
 }
@@ -51,43 +58,47 @@ impl Admission {
 }
 
 pub struct EventLoop {
-    listener: UnixListener,
+    listener: Served,
     signals: SignalFd,
     engine: Engine,
+    /// Puts the database back at its path if it goes (and owns the
+    /// checkpoint thread, dropped with the loop before the last words).
+    keeper: Keeper,
     adaptive: Option<Adaptive>,
     metrics: Arc<Metrics>,
     conns: Vec<Conn>,
     next_conn_id: u64,
-    limits: Limits,
     admission: Admission,
 }
 
 impl EventLoop {
     pub fn new(
-        listener: UnixListener,
+        listener: Served,
         signals: SignalFd,
         engine: Engine,
+        keeper: Keeper,
         adaptive: Option<Adaptive>,
         metrics: Arc<Metrics>,
-        limits: Limits,
         admission: Admission,
     ) -> EventLoop {
         EventLoop {
             listener,
             signals,
             engine,
+            keeper,
             adaptive,
             metrics,
             conns: Vec::new(),
             next_conn_id: 0,
-            limits,
             admission,
         }
     }
 
-    /// Serves until SIGTERM or SIGINT, then drains queued responses; gives
-    /// the engine back for the last words to its store.
+    /// Serves until SIGTERM or SIGINT, then stops taking connections and
+    /// answers every one it has (see [`EventLoop::begin_stop`]); gives the
+    /// engine back for the last words to its store.
     pub fn run(mut self) -> Engine {
+        let mut stop_by: Option<Instant> = None;
         loop {
             let ready = match self.wait(Instant::now()) {
                 Ok(ready) => ready,
@@ -97,8 +108,10 @@ impl EventLoop {
                 }
             };
             let now = Instant::now();
-            if ready.signal && self.take_signal() {
-                break;
+            // Before anything touches the store this turn.
+            self.keeper.keep(&mut self.engine);
+            if ready.signal && self.take_signal() && stop_by.is_none() {
+                stop_by = Some(self.begin_stop(now));
             }
             if ready.wake
                 && let Some(adaptive) = self.adaptive.as_mut()
@@ -116,32 +129,26 @@ impl EventLoop {
                 self.deliver(deliveries, now);
             }
             self.expire(now);
+            if let Some(deadline) = stop_by
+                && self.drained(now, deadline)
+            {
+                break;
+            }
         }
-        if let Some(adaptive) = self.adaptive.as_mut() {
-            let now = Instant::now();
-            let deliveries = adaptive.shutdown(now);
-            self.deliver(deliveries, now);
-        }
+        // A file deleted during the last turn is not left to a successor
+        // to create empty.
+        self.keeper.keep(&mut self.engine);
         self.drain_on_shutdown();
         self.engine
     }
 
     fn wait(&self, now: Instant) -> nix::Result<Ready> {
-        let mut fds = Vec::with_capacity(3 + self.conns.len());
-        fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
-        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
-        if let Some(adaptive) = &self.adaptive {
-            fds.push(PollFd::new(adaptive.wake_fd(), PollFlags::POLLIN));
-        }
-        let first_conn = fds.len();
-        for conn in &self.conns {
-            let interest = if conn.wants_write() {
-                PollFlags::POLLOUT
-            } else {
-                PollFlags::POLLIN
-            };
-            fds.push(PollFd::new(conn.stream().as_fd(), interest));
-        }
+        let mut slots = PollSlots::new(
+            self.signals.as_fd(),
+            self.listener.as_fd(),
+            self.adaptive.as_ref().map(Adaptive::wake_fd),
+            &self.conns,
+        );
         let buffered = self.conns.iter().any(Conn::has_buffered_request);
         let next_deadline = self
             .conns
@@ -155,17 +162,48 @@ impl EventLoop {
             (false, None) => MAX_POLL_WAIT,
         };
         let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::ZERO);
-        match poll(&mut fds, timeout) {
+        match poll(&mut slots.fds, timeout) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(err) => return Err(err),
         }
-        let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
-        Ok(Ready {
-            signal: fds.first().is_some_and(fired),
-            listener: fds.get(1).is_some_and(fired),
-            wake: first_conn == 3 && fds.get(2).is_some_and(fired),
-            conns: fds.iter().skip(first_conn).map(fired).collect(),
-        })
+        Ok(slots.ready())
+    }
+
+    /// The stop: the socket path goes to a successor or away (see
+    /// `handover`), so no new connection can reach this daemon; those
+    /// already in the backlog are accepted and served like the rest.
+    /// Returns when the drain gives up.
+    fn begin_stop(&mut self, now: Instant) -> Instant {
+        self.listener.retire();
+        self.accept_all(now);
+        log::info(
+            "daemon",
+            "no longer accepting; answering the connections already made",
+            &[("connections", &self.conns.len())],
+        );
+        now + STOP_DRAIN
+    }
+
+    /// Whether a stopping daemon is done: every connection answered (parked
+    /// requests are answered now: no new blocks are waited for while
+    /// stopping), or the drain's time is up.
+    fn drained(&mut self, now: Instant, deadline: Instant) -> bool {
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            let deliveries = adaptive.shutdown(now);
+            self.deliver(deliveries, now);
+        }
+        if now < deadline && !self.conns.iter().all(Conn::is_settled) {
+            return false;
+        }
+        let unsettled = self.conns.iter().filter(|c| !c.is_settled()).count();
+        if unsettled > 0 {
+            log::warn(
+                "daemon",
+                "stopping with connections that sent no complete request in time",
+                &[("connections", &unsettled)],
+            );
+        }
+        true
     }
 
     /// True when a shutdown signal arrived.
@@ -204,7 +242,7 @@ impl EventLoop {
             }
             let peer_uid = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
             self.next_conn_id += 1;
-            let mut conn = Conn::new(self.next_conn_id, stream, self.limits, now);
+            let mut conn = Conn::new(self.next_conn_id, stream, self.admission.limits, now);
             let refusal = match peer_uid {
                 _ if self.conns.len() >= self.admission.max_connections => Some((
                     Code::Unavailable,
@@ -237,6 +275,9 @@ impl EventLoop {
         }
     }
 
+    /// One turn's requests: every connection with something to do is
+    /// served into the batch, the batch is committed, and only then are
+    /// the held replies released.
     fn serve(&mut self, fired: &[bool], now: Instant) {
         let EventLoop {
             engine,
@@ -245,70 +286,30 @@ impl EventLoop {
             conns,
             ..
         } = self;
-        // Every request of the turn counts towards the bound, parked ones
-        // included; the answered ones are counted in the metrics once the
-        // commit decided their code.
-        let mut handled = 0;
-        let mut answered: Vec<(&'static str, Instant, Code)> = Vec::new();
-        let mut deferred = None;
-        let mut handle = |conn_id: u64, request: Request| {
-            if handled >= MAX_BATCH {
-                deferred.get_or_insert(conn_id);
-                return Answer::Later;
-            }
-            handled += 1;
-            let started = Instant::now();
-            let method = method_name(&request);
-            let outcome = engine.handle_in_batch(&request, log::now_ms());
-            let reply = match adaptive.as_mut() {
-                None => Some(outcome.into_response()),
-                Some(adaptive) => adaptive.intercept(conn_id, request, outcome, now),
-            };
-            match reply {
-                Some(reply) => {
-                    answered.push((method, started, reply.code()));
-                    Answer::Reply(reply)
-                }
-                None => Answer::Parked,
-            }
+        let mut batch = Batch {
+            engine,
+            adaptive: adaptive.as_mut(),
+            handled: 0,
+            answered: Vec::new(),
+            deferred: None,
+            now,
         };
         let mut closed = Vec::new();
         let mut index = 0;
         conns.retain_mut(|conn| {
             let active = fired.get(index).copied().unwrap_or(false);
             index += 1;
-            let state = if conn.has_buffered_request() {
-                conn.process(now, &mut handle)
-            } else if !active {
-                return true;
-            } else if conn.wants_write() {
-                conn.flush(now)
-            } else {
-                conn.on_readable(now, &mut handle)
+            let state = match batch.serve_conn(conn, active) {
+                None => return true,
+                Some(state) => state,
             };
             if state == State::Closed {
                 closed.push(conn.id());
             }
             state == State::Open
         });
-        let failure = engine.commit_batch();
-        if let Some(failure) = &failure {
-            log::error(
-                "daemon",
-                "committing a batch of requests failed; each is answered with the error",
-                &[
-                    ("requests", &handled),
-                    (
-                        "error",
-                        &failure.status.as_ref().map_or("", |s| s.message.as_str()),
-                    ),
-                ],
-            );
-        }
-        for (method, started, code) in answered {
-            let code = failure.as_ref().map_or(code, Response::code);
-            metrics.observe_request(method, code.as_str_name(), started.elapsed());
-        }
+        let deferred = batch.deferred;
+        let failure = batch.commit(metrics);
         conns.retain_mut(|conn| {
             if !conn.holds_replies() || conn.release(failure.as_ref(), now) == State::Open {
                 return true;
@@ -326,9 +327,9 @@ impl EventLoop {
     /// Sends responses of parked requests to their connections.
     fn deliver(&mut self, deliveries: Vec<Delivery>, now: Instant) {
         let mut closed = Vec::new();
-        for (conn_id, reply) in deliveries {
+        for (conn_id, outcome) in deliveries {
             if let Some(conn) = self.conns.iter_mut().find(|conn| conn.id() == conn_id)
-                && conn.deliver(&reply, now) == State::Closed
+                && conn.deliver(&outcome.into_response(), now) == State::Closed
             {
                 closed.push(conn_id);
             }
@@ -388,25 +389,144 @@ impl EventLoop {
     }
 }
 
-/// The metrics label of a request kind.
-fn method_name(request: &Request) -> &'static str {
-    match &request.kind {
-        Some(request::Kind::Allocate(_)) => "allocate",
-        Some(request::Kind::Deallocate(_)) => "deallocate",
-        Some(request::Kind::Check(_)) => "check",
-        Some(request::Kind::ListCidrBlocks(_)) => "list_cidr_blocks",
-        Some(request::Kind::ListIpAddresses(_)) => "list_ip_addresses",
-        Some(request::Kind::Health(_)) => "health",
-        Some(request::Kind::Usage(_)) => "usage",
-        Some(request::Kind::Gc(_)) => "gc",
-        Some(request::Kind::NetworkStatus(_)) => "network_status",
-        None => "unknown",
-    }
-}
-
 struct Ready {
     signal: bool,
     listener: bool,
     wake: bool,
     conns: Vec<bool>,
+}
+
+/// The poll set: the signal fd, the listener and (with a cluster) the
+/// wake pipe in slots of their own, then one slot per connection, in the
+/// order of `EventLoop::conns`.
+struct PollSlots<'fd> {
+    fds: Vec<PollFd<'fd>>,
+    signal: usize,
+    listener: usize,
+    wake: Option<usize>,
+    first_conn: usize,
+}
+
+impl<'fd> PollSlots<'fd> {
+    fn new(
+        signals: BorrowedFd<'fd>,
+        listener: BorrowedFd<'fd>,
+        wake: Option<BorrowedFd<'fd>>,
+        conns: &'fd [Conn],
+    ) -> PollSlots<'fd> {
+        let mut fds = Vec::with_capacity(3 + conns.len());
+        let mut slot = |fd: BorrowedFd<'fd>, interest: PollFlags| {
+            fds.push(PollFd::new(fd, interest));
+            fds.len() - 1
+        };
+        let signal = slot(signals, PollFlags::POLLIN);
+        let listener = slot(listener, PollFlags::POLLIN);
+        let wake = wake.map(|fd| slot(fd, PollFlags::POLLIN));
+        let first_conn = fds.len();
+        for conn in conns {
+            let interest = if conn.wants_write() {
+                PollFlags::POLLOUT
+            } else {
+                PollFlags::POLLIN
+            };
+            fds.push(PollFd::new(conn.stream().as_fd(), interest));
+        }
+        PollSlots {
+            fds,
+            signal,
+            listener,
+            wake,
+            first_conn,
+        }
+    }
+
+    /// What `poll` reported, slot by slot.
+    fn ready(&self) -> Ready {
+        let fired = |slot: usize| {
+            self.fds
+                .get(slot)
+                .and_then(PollFd::revents)
+                .is_some_and(|events| !events.is_empty())
+        };
+        Ready {
+            signal: fired(self.signal),
+            listener: fired(self.listener),
+            wake: self.wake.is_some_and(fired),
+            conns: (self.first_conn..self.fds.len()).map(fired).collect(),
+        }
+    }
+}
+
+/// The requests of one loop turn, run in the engine's open batch.
+struct Batch<'a> {
+    engine: &'a mut Engine,
+    adaptive: Option<&'a mut Adaptive>,
+    /// Every request of the turn counts towards [`MAX_BATCH`], parked ones
+    /// included.
+    handled: usize,
+    /// The answered ones, counted in the metrics once the commit decided
+    /// their code.
+    answered: Vec<(&'static str, Instant, Code)>,
+    /// The connection whose request the full batch turned away.
+    deferred: Option<u64>,
+    now: Instant,
+}
+
+impl Batch<'_> {
+    /// Serves what a connection has: its buffered requests first, else what
+    /// `poll` reported for it. `None` when it had nothing to do.
+    fn serve_conn(&mut self, conn: &mut Conn, active: bool) -> Option<State> {
+        let now = self.now;
+        if conn.has_buffered_request() {
+            Some(conn.process(now, &mut |id, request| self.answer(id, request)))
+        } else if !active {
+            None
+        } else if conn.wants_write() {
+            Some(conn.flush(now))
+        } else {
+            Some(conn.on_readable(now, &mut |id, request| self.answer(id, request)))
+        }
+    }
+
+    /// Runs one request in the batch, unless the batch is full; the
+    /// adaptive side may park it.
+    fn answer(&mut self, conn_id: u64, request: Request) -> Answer {
+        if self.handled >= MAX_BATCH {
+            self.deferred.get_or_insert(conn_id);
+            return Answer::Later;
+        }
+        self.handled += 1;
+        let started = Instant::now();
+        let method = request.method();
+        let outcome = self.engine.handle_in_batch(&request, log::now_ms());
+        let outcome = match self.adaptive.as_deref_mut() {
+            None => Some(outcome),
+            Some(adaptive) => adaptive.intercept(conn_id, request, outcome, self.now),
+        };
+        match outcome {
+            Some(outcome) => {
+                self.answered.push((method, started, outcome.code()));
+                Answer::Reply(outcome.into_response())
+            }
+            None => Answer::Parked,
+        }
+    }
+
+    /// Commits the batch and counts its answered requests; on failure,
+    /// returns the reply each of them gets instead of its own.
+    fn commit(self, metrics: &Metrics) -> Option<Response> {
+        let failure = self.engine.commit_batch();
+        if let Some(failure) = &failure {
+            log::error(
+                "daemon",
+                "committing a batch of requests failed; each is answered with the error",
+                &[("requests", &self.handled), ("error", &failure.message)],
+            );
+        }
+        for (method, started, code) in self.answered {
+            let code = failure.as_ref().map_or(code, |failure| failure.code);
+            metrics.observe_request(method, code.as_str_name(), started.elapsed());
+        }
+        failure.map(|failure| Outcome::from(failure).into_response())
+    }
 }

@@ -4,8 +4,11 @@
 mod config;
 mod conn;
 mod event_loop;
+mod handover;
 #[cfg(not(feature = "kube"))]
 mod no_cluster;
+mod ownership;
+mod restore;
 mod run;
 mod socket;
 
@@ -20,6 +23,8 @@ pub use config::AdaptiveSettings;
 pub use config::{Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
+pub use ownership::database_owned;
+pub use restore::restore_interrupted;
 pub use run::{recover_after_reboot, run};
 
 /// A failure that stops the daemon.
@@ -32,6 +37,11 @@ pub enum DaemonError {
         reason: String,
     },
     Signals(nix::Error),
+    /// The lock that makes this daemon the database's only one.
+    Ownership {
+        path: PathBuf,
+        reason: String,
+    },
     Kube(String),
     /// The database fails its invariant check; the report names the problems.
     Unsafe(String),
@@ -47,6 +57,11 @@ impl fmt::Display for DaemonError {
                 write!(f, "cannot listen on {}: {reason}", path.display())
             }
             DaemonError::Signals(err) => write!(f, "cannot set up signal handling: {err}"),
+            DaemonError::Ownership { path, reason } => write!(
+                f,
+                "cannot take the database's lock file {}: {reason}",
+                path.display()
+            ),
             DaemonError::Kube(why) => write!(f, "cannot start the Kubernetes client: {why}"),
             DaemonError::Unsafe(report) => write!(
                 f,

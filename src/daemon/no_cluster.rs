@@ -7,10 +7,10 @@ use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
 use crate::engine::{Engine, Outcome};
-use crate::wire::{Request, Response};
+use crate::wire::Request;
 
-/// A parked request's answer for its connection.
-pub type Delivery = (u64, Response);
+/// A parked request's outcome for its connection.
+pub type Delivery = (u64, Outcome);
 
 /// No value of this type exists.
 pub enum Adaptive {}
@@ -30,7 +30,7 @@ impl Adaptive {
         _request: Request,
         _outcome: Outcome,
         _now: Instant,
-    ) -> Option<Response> {
+    ) -> Option<Outcome> {
         match *self {}
     }
 

@@ -2,15 +2,16 @@
 //! added, the socket bound, the cluster followed, then the loop until a
 //! signal.
 
-use std::fs;
+use std::path::Path;
 use std::sync::Arc;
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::event_loop::{Admission, EventLoop};
-use super::socket::listen;
-use super::{Config, DaemonError};
+use super::restore::{self, Keeper};
+use super::socket::announce_start;
+use super::{Config, DaemonError, handover, ownership};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::{self, Metrics};
@@ -28,16 +29,33 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         ],
     );
     let signals = block_signals()?;
+    let starting = announce_start(&config.socket_path)?;
+    let claim = ownership::claim(&config.db_path)?;
+    // Bound before the wait, so that a daemon stopping meanwhile can hand
+    // its socket over (see `handover`).
+    let pending = handover::prepare(&config.socket_path, config.socket_group)?;
+    let Some(ownership) = claim.take(&signals)? else {
+        log::info("daemon", "metis daemon stopped before serving", &[]);
+        return Ok(());
+    };
+    restore::finish_interrupted_restore(&config.db_path);
     let mut store = open_store(config)?;
     isolate_problems(&mut store, config)?;
     let recovered_at_boot = recover_after_reboot(&mut store, config)?;
     apply_cidr_flags(&mut store, config)?;
-    let checkpointer = defer_checkpoints(&store, config);
+    let checkpointer = defer_checkpoints(&store, &config.db_path);
 
-    let listener = listen(&config.socket_path, config.socket_group)?;
+    let listener = pending.install()?;
+    drop(starting);
     let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
+    let keeper = Keeper::new(
+        &config.db_path,
+        store_options(config),
+        checkpointer,
+        Arc::clone(&metrics),
+    );
     if let Some(addr) = config.metrics_addr {
         let bound = metrics::serve(addr, Arc::clone(&metrics), config.db_path.clone())
             .map_err(|err| DaemonError::Metrics(format!("{addr}: {err}")))?;
@@ -53,16 +71,16 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         listener,
         signals,
         engine,
+        keeper,
         adaptive,
         metrics,
-        config.limits,
         Admission {
             max_connections: config.max_connections,
+            limits: config.limits,
             allowed_uids: config.allowed_uids.clone(),
         },
     )
     .run();
-    drop(checkpointer);
     // Lets the next start skip reading every row (see verify_at_start).
     if let Err(err) = engine.store_mut().mark_clean_stop() {
         log::warn(
@@ -71,9 +89,8 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
             &[("error", &err)],
         );
     }
-    if let Err(err) = fs::remove_file(&config.socket_path) {
-        log::warn("daemon", "could not remove socket", &[("error", &err)]);
-    }
+    // Only now may the next daemon write (the socket went at SIGTERM).
+    drop(ownership);
     log::info("daemon", "metis daemon stopped", &[]);
     Ok(())
 }
@@ -91,25 +108,25 @@ fn block_signals() -> Result<SignalFd, DaemonError> {
 
 /// Opens the store (which records the release cooldown for direct mode).
 fn open_store(config: &Config) -> Result<Store, DaemonError> {
-    let store = Store::open(
-        &config.db_path,
-        &StoreOptions {
-            durability: config.durability,
-            reserve: Some(config.reserve),
-            release_cooldown: Some(config.release_cooldown_ms),
-        },
-    )
-    .map_err(DaemonError::Store)?;
+    let store = Store::open(&config.db_path, &store_options(config)).map_err(DaemonError::Store)?;
     for warning in store.open_warnings() {
         log::warn("store", warning, &[]);
     }
     Ok(store)
 }
 
+fn store_options(config: &Config) -> StoreOptions {
+    StoreOptions {
+        durability: config.durability,
+        reserve: Some(config.reserve),
+        release_cooldown: Some(config.release_cooldown_ms),
+    }
+}
+
 /// Moves WAL checkpoints off the loop (see `store::checkpoint`). Without
 /// the thread, SQLite's own checkpoints in the loop go on, as in direct mode.
-fn defer_checkpoints(store: &Store, config: &Config) -> Option<Checkpointer> {
-    let checkpointer = match Checkpointer::start(&config.db_path) {
+pub(super) fn defer_checkpoints(store: &Store, db_path: &Path) -> Option<Checkpointer> {
+    let checkpointer = match Checkpointer::start(db_path) {
         Ok(checkpointer) => checkpointer,
         Err(err) => {
             log::warn(
@@ -166,15 +183,15 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
             &[("blocks", &isolation.recounted)],
         );
     }
-    for (id, cidr, network, why) in &isolation.quarantined {
+    for q in &isolation.quarantined {
         log::error(
             "store",
             "block quarantined: nothing new is allocated from it; its pods keep their addresses; run `metis admin check` for details",
             &[
-                ("block", id),
-                ("cidr", cidr),
-                ("network", network),
-                ("why", why),
+                ("block", &q.block_id),
+                ("cidr", &q.cidr),
+                ("network", &q.network),
+                ("why", &q.why),
             ],
         );
     }

@@ -1,98 +1,22 @@
-//! Adding blocks, allocating, releasing and checking addresses.
+//! Allocating, releasing and checking addresses.
 
 use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::reserve::{Reserved, block_reserved};
+use super::block::{
+    GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
+    is_quarantined, set_frontier,
+};
+use super::free::{HAS_FREE_SQL, RowView, Taken, availability, free_now};
 use super::{
-    Allocation, Owner, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, schema,
-    set_setting, total_ips, validate_owner,
+    Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
+    parse_cidr, parse_state, validate_owner,
 };
 use crate::cidr::{Cidr, Family};
 
-/// Rows are populated lazily, this many at a time, from a block's frontier
-/// (IPv4 and IPv6 alike), so adding a block of any size is O(1).
-pub const GROWTH_BATCH: u128 = 64;
-
 /// Bound on expand-then-claim rounds per block within one allocation.
 const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
-
-/// Inserts the rows at `offsets` of a block, reserving those in `reserved`;
-/// bumps the block's counter by the number reserved. Returns rows inserted.
-pub(super) fn insert_rows(
-    conn: &Connection,
-    block_id: i64,
-    cidr: &Cidr,
-    offsets: std::ops::Range<u128>,
-    reserved: &Reserved,
-) -> Result<u64, StoreError> {
-    // OR IGNORE: a requested IPv6 address may already have its row, and
-    // another writer (upstream) may have populated ahead of our frontier.
-    let mut insert = conn.prepare_cached(
-        "INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
-         VALUES (?1, ?2, '', '', ?3)",
-    )?;
-    let mut inserted = 0u64;
-    let mut reserved_count = 0i64;
-    for offset in offsets {
-        let Some(addr) = cidr.nth(offset) else {
-            break;
-        };
-        let is_reserved = reserved.contains(&offset);
-        if insert.execute(params![addr.to_string(), block_id, is_reserved])? == 0 {
-            continue;
-        }
-        inserted += 1;
-        if is_reserved {
-            reserved_count += 1;
-        }
-    }
-    if reserved_count > 0 {
-        conn.prepare_cached(
-            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
-        )?
-        .execute(params![block_id, reserved_count])?;
-    }
-    Ok(inserted)
-}
-
-/// An allocated row: its id, its block's id, and what it holds.
-pub(super) struct HeldRow {
-    pub(super) row_id: i64,
-    pub(super) block_id: i64,
-    pub(super) allocation: Allocation,
-}
-
-/// Frees one allocated row of a block of `network`: it rests until
-/// `release_at` (none if `None`) and the block's counter drops — unless
-/// the row sits at a position the block reserves under `mode` (a pod left
-/// there by an upstream database), which goes back to the reservation and
-/// stays counted. Every release (DEL, GC, boot recovery) ends here.
-pub(super) fn give_back(
-    conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    row: &HeldRow,
-    release_at: Option<i64>,
-) -> Result<(), StoreError> {
-    let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
-    let at_reserved = row
-        .allocation
-        .block
-        .offset_of(row.allocation.address)
-        .is_some_and(|offset| reserved.contains(&offset));
-    if at_reserved {
-        conn.prepare_cached(RETURN_RESERVED_SQL)?
-            .execute([row.row_id])?;
-        return Ok(());
-    }
-    conn.prepare_cached(RELEASE_ROW_SQL)?
-        .execute(params![row.row_id, release_at])?;
-    conn.prepare_cached(COUNT_RELEASED_SQL)?
-        .execute([row.block_id])?;
-    Ok(())
-}
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
@@ -190,25 +114,10 @@ const TAKE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_
 const COUNT_TAKEN_SQL: &str =
     "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1 WHERE id = ?1";
 
-const RELEASE_ROW_SQL: &str =
-    "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1";
-
-const COUNT_RELEASED_SQL: &str =
-    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1";
-
-/// A pod gives a reserved position back to the reservation.
-const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
-     pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1";
-
-/// Reads every row of a block to find its highest address: run once per
-/// IPv6 block that has no recorded frontier (populated by upstream, or
-/// before Metis recorded frontiers), never on the allocation path.
-const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1";
-
 /// Every statement that runs for each allocation, release or check, for
 /// the query-plan test: none may scan `ip_addresses`, which holds every
 /// populated address of every block. (Growth continues from a frontier
-/// recorded in `metis_settings`, so it scans nothing either.)
+/// recorded per block, so it scans nothing either.)
 #[cfg(test)]
 pub(super) const ALLOCATION_PATH: [&str; 9] = [
     HELD_SQL,
@@ -217,16 +126,17 @@ pub(super) const ALLOCATION_PATH: [&str; 9] = [
     CLAIM_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
-    RELEASE_ROW_SQL,
-    COUNT_RELEASED_SQL,
-    RETURN_RESERVED_SQL,
+    super::block::RELEASE_ROW_SQL,
+    super::block::COUNT_RELEASED_SQL,
+    super::block::RETURN_RESERVED_SQL,
 ];
 
 /// The lowest-id free, non-cooling row of block ?1 at time ?2.
-pub(super) const CLAIM_SQL: &str = "SELECT id, address FROM ip_addresses \
-     WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
-       AND (release_at IS NULL OR release_at <= ?2) \
-     ORDER BY id LIMIT 1";
+pub(super) const CLAIM_SQL: &str = concat!(
+    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    free_now!("", "?2"),
+    " ORDER BY id LIMIT 1"
+);
 
 /// Claims the lowest-id free, non-cooling row of a block.
 fn claim(
@@ -264,15 +174,11 @@ fn expand(
     now_ms: i64,
 ) -> Result<u64, StoreError> {
     let has_free: bool = conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND is_allocated = FALSE AND (release_at IS NULL OR release_at <= ?2))",
-        )?
+        .prepare_cached(HAS_FREE_SQL)?
         .query_row(params![block_id, now_ms], |r| r.get(0))?;
     if has_free {
         return Ok(0);
     }
-    let key = frontier_key(block_id);
     let mut start = frontier(conn, block_id, cidr)?;
     let reserved = block_reserved(conn, mode, block_id, network, cidr)?;
     // Only the usable range is populated (host-local bounds): the rest of
@@ -285,103 +191,13 @@ fn expand(
     while start < usable.end {
         let end = start.saturating_add(GROWTH_BATCH).min(usable.end);
         let inserted = insert_rows(conn, block_id, cidr, start..end, &reserved)?;
-        set_setting(conn, &key, &end.to_string())?;
+        set_frontier(conn, block_id, end)?;
         if inserted > 0 {
             return Ok(inserted);
         }
         start = end;
     }
     Ok(0)
-}
-
-/// The next offset of a block to populate. Without a recorded frontier:
-/// an IPv4 block was populated whole when added (by upstream, or by Metis
-/// before IPv4 grew lazily); an IPv6 block continues after its highest row
-/// (a scan, once per block, as upstream records no frontier).
-pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
-    // A read-only look at an upstream database finds no settings table:
-    // no frontier recorded then.
-    let recorded = get_setting(conn, &frontier_key(block_id))
-        .ok()
-        .flatten()
-        .and_then(|text| text.parse().ok());
-    if let Some(frontier) = recorded {
-        return Ok(cidr.size().min(frontier));
-    }
-    match cidr.family() {
-        Family::V4 => Ok(cidr.size()),
-        Family::V6 => Ok(highest_offset(conn, block_id, cidr)?.map_or(0, |h| h.saturating_add(1))),
-    }
-}
-
-/// The `metis_settings` key of a block's population frontier.
-pub(super) fn frontier_key(block_id: i64) -> String {
-    format!("{}{block_id}", schema::KEY_FRONTIER)
-}
-
-/// The highest populated offset of a block: a scan of its rows, done once
-/// per IPv6 block that has no recorded frontier (populated by upstream).
-fn highest_offset(
-    conn: &Connection,
-    block_id: i64,
-    cidr: &Cidr,
-) -> Result<Option<u128>, StoreError> {
-    let mut highest: Option<u128> = None;
-    let mut stmt = conn.prepare_cached(HIGHEST_ROW_SCAN_SQL)?;
-    let mut rows = stmt.query([block_id])?;
-    while let Some(row) = rows.next()? {
-        let text: String = row.get(0)?;
-        if let Some(offset) = cidr.offset_of(parse_addr(&text)?) {
-            highest = Some(highest.map_or(offset, |h| h.max(offset)));
-        }
-    }
-    Ok(highest)
-}
-
-/// Inserts a Ready block and its first batch of rows, plus its reserved
-/// rows (so counters count every reservation from the start), and records
-/// its frontier: O(1) whatever the block's size. Returns its id.
-pub(super) fn insert_block(
-    conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    cidr: &Cidr,
-) -> Result<i64, StoreError> {
-    conn.prepare_cached(
-        "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
-         VALUES (?1, ?2, ?3, ?4, 0, 'Ready')",
-    )?
-    .execute(params![
-        cidr.to_string(),
-        network,
-        cidr.family().as_str(),
-        total_ips(cidr)
-    ])?;
-    let id = conn.last_insert_rowid();
-    let reserved = block_reserved(conn, mode, id, network, cidr)?;
-    // Only the usable range is ever populated (host-local bounds): what
-    // lies outside it is reserved by description, never row by row.
-    let usable = reserved.usable(cidr.size());
-    let end = usable.start.saturating_add(GROWTH_BATCH).min(usable.end);
-    insert_rows(conn, id, cidr, usable.start..end, &reserved)?;
-    insert_reserved_rows(conn, id, cidr, &reserved)?;
-    set_setting(conn, &frontier_key(id), &end.to_string())?;
-    Ok(id)
-}
-
-/// Inserts the rows at a block's fixed reserved offsets that do not exist
-/// yet (beyond the frontier: an IPv4 block's last address), reserved, so
-/// the block's counter counts them from the start.
-pub(super) fn insert_reserved_rows(
-    conn: &Connection,
-    id: i64,
-    cidr: &Cidr,
-    reserved: &Reserved,
-) -> Result<(), StoreError> {
-    for offset in reserved.offsets() {
-        insert_rows(conn, id, cidr, *offset..offset.saturating_add(1), reserved)?;
-    }
-    Ok(())
 }
 
 impl Store {
@@ -454,18 +270,18 @@ impl Store {
         if block_reserved(&tx, mode, block_id, owner.network, &cidr)?.contains(&offset) {
             return Err(unavailable(
                 address,
-                format!("it is reserved (network/gateway/broadcast) in block {cidr}"),
+                Unavailable::ReservedPosition { block: cidr },
             ));
         }
         if is_quarantined(&tx, block_id)? {
             return Err(unavailable(
                 address,
-                format!("block {cidr} is quarantined (see `metis admin check`)"),
+                Unavailable::Quarantined { block: cidr },
             ));
         }
-        let row = requested_row(&tx, block_id, &cidr, address, offset)?;
-        row.ensure_free(owner, &cidr, address, now_ms)?;
-        take_row(&tx, row.id, block_id, owner, now_ms)?;
+        let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
+        ensure_free(&row, owner, &cidr, address, now_ms)?;
+        take_row(&tx, row_id, block_id, owner, now_ms)?;
         tx.commit()?;
         Ok(Allocation {
             address,
@@ -536,7 +352,7 @@ impl Store {
     }
 }
 
-fn unavailable(address: IpAddr, reason: String) -> StoreError {
+fn unavailable(address: IpAddr, reason: Unavailable) -> StoreError {
     StoreError::RequestedIpUnavailable { address, reason }
 }
 
@@ -552,10 +368,12 @@ fn already_held(
     }
     Err(unavailable(
         address,
-        format!(
-            "container {:?} interface {:?} already holds {} in network {:?}",
-            owner.container_id, owner.interface_name, existing.address, owner.network
-        ),
+        Unavailable::OwnerHolds {
+            container_id: owner.container_id.to_string(),
+            interface_name: owner.interface_name.to_string(),
+            held: existing.address,
+            network: owner.network.to_string(),
+        },
     ))
 }
 
@@ -576,9 +394,12 @@ fn ready_block_containing(
         if !cidr.contains(address) {
             continue;
         }
-        let state: String = row.get(2)?;
-        if state != "Ready" {
-            return Err(unavailable(address, format!("block {cidr} is {state}")));
+        let state = parse_state(&row.get::<_, String>(2)?)?;
+        if state != BlockState::Ready {
+            return Err(unavailable(
+                address,
+                Unavailable::BlockNotReady { block: cidr, state },
+            ));
         }
         return Ok((row.get(0)?, cidr));
     }
@@ -589,16 +410,16 @@ fn ready_block_containing(
 }
 
 /// The row of `address` (at `offset`) in block `block_id`, inserted first
-/// if the block has not been populated that far.
+/// if the block has not been populated that far: (row id, what it holds).
 fn requested_row(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
     address: IpAddr,
     offset: u128,
-) -> Result<RowState, StoreError> {
+) -> Result<(i64, RowView), StoreError> {
     let text = address.to_string();
-    if let Some(row) = RowState::find(conn, &text, block_id)? {
+    if let Some(row) = find_row(conn, &text, block_id)? {
         return Ok(row);
     }
     insert_rows(
@@ -608,90 +429,51 @@ fn requested_row(
         offset..offset + 1,
         &Reserved::fixed(Vec::new()),
     )?;
-    RowState::find(conn, &text, block_id)?
+    find_row(conn, &text, block_id)?
         .ok_or_else(|| StoreError::Corrupt(format!("row {text} vanished after insert")))
 }
 
-struct RowState {
-    id: i64,
-    allocated: bool,
-    container_id: String,
-    interface_name: String,
-    release_at: Option<i64>,
-}
-
-impl RowState {
-    fn find(
-        conn: &Connection,
-        address: &str,
-        block_id: i64,
-    ) -> Result<Option<RowState>, StoreError> {
-        Ok(conn
-            .prepare_cached(
-                "SELECT id, is_allocated, COALESCE(container_id, ''), \
-                 COALESCE(interface_name, ''), release_at \
-                 FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
-            )?
-            .query_row(params![address, block_id], |r| {
-                Ok(RowState {
-                    id: r.get(0)?,
+fn find_row(
+    conn: &Connection,
+    address: &str,
+    block_id: i64,
+) -> Result<Option<(i64, RowView)>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT id, is_allocated, COALESCE(container_id, ''), \
+             COALESCE(interface_name, ''), release_at \
+             FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+        )?
+        .query_row(params![address, block_id], |r| {
+            Ok((
+                r.get(0)?,
+                RowView {
                     allocated: r.get(1)?,
                     container_id: r.get(2)?,
                     interface_name: r.get(3)?,
                     release_at: r.get(4)?,
-                })
-            })
-            .optional()?)
-    }
-
-    /// Refuses a row that is reserved, held, or still cooling at `now_ms`
-    /// for anyone but its last owner: the cooldown protects a new owner
-    /// from the old one's late traffic, while the old owner itself (a
-    /// runtime re-adding the same container and interface, as `podman
-    /// network reload` does) may take its address back.
-    fn ensure_free(
-        &self,
-        owner: &Owner,
-        cidr: &Cidr,
-        address: IpAddr,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
-        if self.allocated {
-            if self.container_id.is_empty() {
-                return Err(unavailable(
-                    address,
-                    format!("it is reserved in block {cidr}"),
-                ));
-            }
-            return Err(unavailable(
-                address,
-                format!("it is held by container {:?}", self.container_id),
-            ));
-        }
-        let last_owner =
-            self.container_id == owner.container_id && self.interface_name == owner.interface_name;
-        if let Some(until) = self.release_at
-            && until > now_ms
-            && !last_owner
-        {
-            return Err(unavailable(
-                address,
-                format!(
-                    "it is in release cooldown until {}",
-                    crate::log::rfc3339_millis(until)
-                ),
-            ));
-        }
-        Ok(())
-    }
+                },
+            ))
+        })
+        .optional()?)
 }
 
-fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM metis_blocks WHERE block_id = ?1 AND quarantine IS NOT NULL)",
-        )?
-        .query_row([block_id], |r| r.get(0))?)
+/// Refuses a row that is not free now for `owner` (see [`availability`]).
+fn ensure_free(
+    row: &RowView,
+    owner: &Owner,
+    cidr: &Cidr,
+    address: IpAddr,
+    now_ms: i64,
+) -> Result<(), StoreError> {
+    availability(row, owner.container_id, owner.interface_name, now_ms).map_err(|taken| {
+        let reason = match taken {
+            Taken::Reserved => Unavailable::ReservedRow { block: *cidr },
+            Taken::Held { container_id } => Unavailable::Held { container_id },
+            Taken::Cooling { until_ms } => Unavailable::Cooling { until_ms },
+        };
+        unavailable(address, reason)
+    })
 }
 
 fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64>, StoreError> {

@@ -9,7 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use super::alloc::{HeldRow, give_back};
+use super::block::{HeldRow, give_back};
+use super::free::pod_held;
 use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
 
 /// `metis_settings` key: the kernel boot id the database was last used under.
@@ -101,12 +102,12 @@ impl Store {
             Some(_) => {
                 let mut rows = Vec::new();
                 {
-                    let mut stmt = tx.prepare(
+                    let mut stmt = tx.prepare(concat!(
                         "SELECT a.id, a.address, b.id, b.cidr, b.network FROM ip_addresses a \
-                         JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-                         WHERE a.is_allocated = 1 AND COALESCE(a.container_id, '') != '' \
-                         ORDER BY a.id",
-                    )?;
+                             JOIN cidr_blocks b ON b.id = a.cidr_block_id WHERE ",
+                        pod_held!("a."),
+                        " ORDER BY a.id"
+                    ))?;
                     let mut query = stmt.query([])?;
                     while let Some(row) = query.next()? {
                         let address: String = row.get(1)?;

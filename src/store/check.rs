@@ -12,7 +12,8 @@ use std::path::Path;
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::reserve::block_reserved;
+use super::block::{Reserved, block_reserved, counter_mismatches, quarantined};
+use super::free::pod_held;
 use super::{
     ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
     parse_family, parse_state, schema, total_ips,
@@ -182,8 +183,8 @@ fn check_blocks_only(conn: &Connection) -> Result<Report, StoreError> {
     check_blocks(conn, mode, &mut report)?;
     // What a row-level check found stays quarantined: nothing has changed
     // since (else the fingerprint would differ and the rows be read).
-    for (id, _, _, why) in quarantined(conn)? {
-        report.suspects.entry(id).or_insert(why);
+    for q in quarantined(conn)? {
+        report.suspects.entry(q.block_id).or_insert(q.why);
     }
     list_quarantined(conn, &mut report)?;
     Ok(report)
@@ -269,21 +270,55 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
         report.damaged = true;
         return Ok(report);
     }
-    let mode = match tables.iter().any(|t| t == "metis_settings") {
+    let has = |name: &str| tables.iter().any(|t| t == name);
+    let mode = match has("metis_settings") {
         true => get_setting(conn, schema::KEY_RESERVE_MODE)?
             .and_then(|text| ReserveMode::parse(&text))
             .unwrap_or_default(),
         false => ReserveMode::default(),
     };
-    let has = |name: &str| tables.iter().any(|t| t == name);
     let blocks = check_blocks(conn, mode, &mut report)?;
     check_counters(conn, &mut report)?;
-    check_owners(conn, has("metis_settings"), &mut report)?;
+    check_owners(conn, isolation_space(&has), &mut report)?;
     check_rows(conn, mode, &blocks, &mut report)?;
-    if has("metis_blocks") {
-        list_quarantined(conn, &mut report)?;
-    }
+    check_metis_tables(conn, &has, &mut report)?;
     Ok(report)
+}
+
+/// Metis's own tables: the state of an earlier release not yet moved into
+/// typed columns (see `migrate`), and the quarantined blocks.
+fn check_metis_tables(
+    conn: &Connection,
+    has: &dyn Fn(&str) -> bool,
+    report: &mut Report,
+) -> Result<(), StoreError> {
+    if has("metis_settings") && has("metis_blocks") {
+        for left in super::migrate::leftovers(conn)? {
+            report.problems.push(format!(
+                "metis tables: {left} (state of an earlier release, not yet moved into typed \
+                 columns); the next open by the daemon or the plugin moves it"
+            ));
+        }
+    }
+    if has("metis_blocks") {
+        list_quarantined(conn, report)?;
+    }
+    Ok(())
+}
+
+/// SQL naming the address space of block `b`'s network: its name when the
+/// network is isolated, else '' (shared by every other network). A
+/// database of an earlier release keeps isolation in `metis_settings`.
+fn isolation_space(has: &dyn Fn(&str) -> bool) -> &'static str {
+    if has("metis_networks") {
+        "CASE WHEN EXISTS (SELECT 1 FROM metis_networks n WHERE n.network = b.network \
+         AND n.isolated = 1) THEN b.network ELSE '' END"
+    } else if has("metis_settings") {
+        "CASE WHEN EXISTS (SELECT 1 FROM metis_settings s WHERE s.key = 'isolated/' || b.network \
+         AND s.value = '1') THEN b.network ELSE '' END"
+    } else {
+        "''"
+    }
 }
 
 /// A block as the row checks need it.
@@ -292,7 +327,7 @@ struct Block {
     network: String,
     /// Reserved offsets under the mode in force; `None` for Deleting
     /// blocks, which the repair leaves alone.
-    reserved: Option<super::reserve::Reserved>,
+    reserved: Option<Reserved>,
 }
 
 fn check_blocks(
@@ -370,39 +405,10 @@ fn check_counters(conn: &Connection, report: &mut Report) -> Result<(), StoreErr
     Ok(())
 }
 
-/// Blocks whose `allocated_ips` differs from their count of allocated
-/// rows: `(block id, allocated_ips, actual)`.
-pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, COALESCE(b.allocated_ips, 0), \
-                (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
-         FROM cidr_blocks b ORDER BY b.id",
-    )?;
-    let rows = stmt.query_map([], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, i64>(1)?,
-            r.get::<_, i64>(2)?,
-        ))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (id, counter, actual) = row?;
-        if counter != actual {
-            out.push((id, counter, actual));
-        }
-    }
-    Ok(out)
-}
-
 /// No address held twice on the node (networks that are isolated are each
 /// an address space of their own); no owner holding two addresses of one
 /// family in a network.
-fn check_owners(
-    conn: &Connection,
-    has_settings: bool,
-    report: &mut Report,
-) -> Result<(), StoreError> {
+fn check_owners(conn: &Connection, space: &str, report: &mut Report) -> Result<(), StoreError> {
     let listed = |sql: &str| -> Result<Vec<(String, String, i64)>, StoreError> {
         let mut stmt = conn.prepare(sql)?;
         let rows = stmt
@@ -410,14 +416,7 @@ fn check_owners(
             .collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
     };
-    const POD_ROW: &str = "a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''";
-    // An isolated network's space is its name; every other network shares ''.
-    let space = if has_settings {
-        "CASE WHEN EXISTS (SELECT 1 FROM metis_settings s WHERE s.key = 'isolated/' || b.network \
-         AND s.value = '1') THEN b.network ELSE '' END"
-    } else {
-        "''"
-    };
+    const POD_ROW: &str = pod_held!("a.");
     let mut stmt = conn.prepare(&format!(
         "SELECT {space} AS space, a.address, COUNT(*), group_concat(DISTINCT b.network), \
                 group_concat(b.id) FROM ip_addresses a \
@@ -540,29 +539,16 @@ fn check_rows(
 fn list_quarantined(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
     let found: Vec<String> = quarantined(conn)?
         .into_iter()
-        .map(|(id, cidr, network, why)| {
+        .map(|q| {
             format!(
-                "block {id} ({cidr}, network {network:?}) is quarantined: {why}; nothing new is \
-                 allocated from it until the problem is gone and the daemon restarts"
+                "block {} ({}, network {:?}) is quarantined: {}; nothing new is \
+                 allocated from it until the problem is gone and the daemon restarts",
+                q.block_id, q.cidr, q.network, q.why
             )
         })
         .collect();
     push_limited(report, found, |line| line);
     Ok(())
-}
-
-/// Quarantined blocks: (id, cidr, network, why).
-pub(super) fn quarantined(
-    conn: &Connection,
-) -> Result<Vec<(i64, String, String, String)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
-         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
-    )?;
-    let rows = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
 }
 
 fn push_limited<T>(report: &mut Report, found: Vec<T>, describe: impl Fn(T) -> String) {

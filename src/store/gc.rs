@@ -7,7 +7,8 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::alloc::{HeldRow, frontier, give_back};
+use super::block::{HeldRow, Reserved, bounds_of, frontier, give_back};
+use super::free::{HAS_FREE_SQL, free_now, pod_held};
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Cidr, Family};
 
@@ -82,13 +83,13 @@ fn gc_candidates(
     network: &str,
     allocated_until_ms: i64,
 ) -> Result<Vec<Candidate>, StoreError> {
-    let mut stmt = conn.prepare_cached(
+    let mut stmt = conn.prepare_cached(concat!(
         "SELECT a.id, b.id, a.container_id, COALESCE(a.interface_name, ''), a.address, b.cidr \
-         FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-         WHERE b.network = ?1 AND a.is_allocated = 1 AND COALESCE(a.container_id, '') != '' \
-           AND (a.allocated_at IS NULL OR a.allocated_at <= ?2) \
-         ORDER BY b.ip_family, a.id",
-    )?;
+             FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+             WHERE b.network = ?1 AND ",
+        pod_held!("a."),
+        " AND (a.allocated_at IS NULL OR a.allocated_at <= ?2) ORDER BY b.ip_family, a.id"
+    ))?;
     let mut rows = stmt.query(params![network, allocated_until_ms])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
@@ -116,9 +117,12 @@ fn ready_block_has_free_row(
 ) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-             WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' AND a.is_allocated = FALSE \
-               AND (a.release_at IS NULL OR a.release_at <= ?3))",
+            concat!(
+                "SELECT EXISTS (SELECT 1 FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' AND ",
+                free_now!("a.", "?3"),
+                ")"
+            ),
         )?
         .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?)
 }
@@ -138,10 +142,8 @@ fn any_block_can_grow(
     while let Some(block) = blocks.next()? {
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
         // A bounded block grows only up to its rangeEnd.
-        let end = super::reserve::bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
-            super::reserve::Reserved::bounded(&cidr, &b)
-                .usable(cidr.size())
-                .end
+        let end = bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
+            Reserved::bounded(&cidr, &b).usable(cidr.size()).end
         });
         if frontier(conn, block.get(0)?, &cidr)? < end {
             return Ok(true);
@@ -167,10 +169,7 @@ fn oldest_draining_has_free_row(
         return Ok(false);
     };
     Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND is_allocated = FALSE AND (release_at IS NULL OR release_at <= ?2))",
-        )?
+        .prepare_cached(HAS_FREE_SQL)?
         .query_row(params![id, now_ms], |r| r.get(0))?)
 }
 

@@ -7,8 +7,6 @@
 //! Static sources' blocks are never touched. Also the memory of what this
 //! node released, which no grant may override for a `NonReusable` block.
 
-use std::collections::BTreeSet;
-
 use rusqlite::{Connection, params};
 
 use super::layout::{self, Placed, Source};
@@ -91,11 +89,11 @@ impl Store {
                 let wanted = granted
                     .iter()
                     .any(|(n, c)| *n == network && *c == block.cidr);
-                if wanted || !sources.contains(name) {
+                if wanted || !sources.contains(&source) {
                     continue;
                 }
-                let mut left: BTreeSet<String> = sources.clone();
-                left.remove(name);
+                let mut left = sources.clone();
+                left.remove(&source);
                 layout::write_sources(&tx, block.id, &left)?;
                 if left.is_empty() && !block.quarantined {
                     layout::set_retired(&tx, block.id, true, now_ms)?;
@@ -267,7 +265,7 @@ fn sweep(conn: &Connection, now_ms: i64) -> Result<Vec<(String, Cidr)>, StoreErr
         if layout::in_use(conn, id, now_ms)? {
             continue;
         }
-        layout::delete_block(conn, id)?;
+        super::block::delete_block(conn, id)?;
         conn.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
             .execute([id])?;
         deleted.push((network, parse_cidr(&cidr)?));
@@ -309,12 +307,11 @@ fn owner_of(conn: &Connection, network: &str, cidr: &str) -> Result<String, Stor
     };
     let words: Vec<String> = sources
         .iter()
-        .map(|source| match source.as_str() {
-            "flag" => "the daemon's --cidr flag".to_string(),
-            "cni" => format!("the CNI configuration (conflist) of network {network:?}"),
-            "node" => "the cluster (the Node's podCIDRs)".to_string(),
-            "nnc" => "the cluster (the NodeNetworkConfig's status)".to_string(),
-            other => format!("source {other:?}"),
+        .map(|source| match source {
+            Source::Flag => "the daemon's --cidr flag".to_string(),
+            Source::Cni => format!("the CNI configuration (conflist) of network {network:?}"),
+            Source::Node => "the cluster (the Node's podCIDRs)".to_string(),
+            Source::Nnc => "the cluster (the NodeNetworkConfig's status)".to_string(),
         })
         .collect();
     Ok(match words.is_empty() {

@@ -31,13 +31,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
-use super::alloc::{frontier, frontier_key, insert_block, insert_reserved_rows};
-use super::reserve::block_reserved;
+use super::block::{
+    Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
+    quarantine, quarantined, recount, set_frontier, settle,
+};
+use super::free::{cooling, pod_held};
 use super::{
-    BlockState, ReserveMode, Store, StoreError, get_setting, parse_addr, parse_cidr, parse_family,
-    parse_state, set_setting, total_ips,
+    BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, parse_state,
+    total_ips,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -64,27 +67,36 @@ impl Source {
         }
     }
 
+    /// The source a name stored in `metis_ranges` or `metis_blocks` stands
+    /// for.
+    pub fn parse(text: &str) -> Option<Source> {
+        [Source::Cni, Source::Flag, Source::Node, Source::Nnc]
+            .into_iter()
+            .find(|source| source.as_str() == text)
+    }
+
     /// Sources whose blocks Metis lays out from recorded ranges; the others
-    /// (the cluster's) are taken as the cluster gives them.
+    /// (the cluster's, adaptive) are taken as the cluster gives them.
     fn is_static(self) -> bool {
         matches!(self, Source::Cni | Source::Flag)
     }
 }
 
-/// `metis_settings` key prefix (then the network) marking an isolated network.
-const KEY_ISOLATED: &str = "isolated/";
-
-/// Adaptive source names as stored in `metis_blocks.sources`.
-const ADAPTIVE_SOURCES: [&str; 2] = ["node", "nnc"];
+/// A block's sources as `metis_blocks.sources` stores them: names, comma
+/// separated. A name no release wrote is skipped.
+fn parse_sources(text: &str) -> BTreeSet<Source> {
+    text.split(',').filter_map(Source::parse).collect()
+}
 
 /// A non-Deleting block as the layout sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Placed {
     pub(super) id: i64,
     pub(super) cidr: Cidr,
     pub(super) state: BlockState,
-    /// `None`: no Metis record (written by upstream or an older Metis).
-    pub(super) sources: Option<BTreeSet<String>>,
+    /// `None`: no Metis record of its sources (written by upstream or an
+    /// older Metis, or added without a source).
+    pub(super) sources: Option<BTreeSet<Source>>,
     pub(super) retired: bool,
     pub(super) quarantined: bool,
 }
@@ -93,7 +105,7 @@ impl Placed {
     fn is_adaptive(&self) -> bool {
         self.sources
             .as_ref()
-            .is_some_and(|s| ADAPTIVE_SOURCES.iter().any(|a| s.contains(*a)))
+            .is_some_and(|s| s.iter().any(|source| !source.is_static()))
     }
 }
 
@@ -119,8 +131,8 @@ pub struct LayoutChanges {
 /// What [`Store::isolate_problems`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Isolation {
-    /// (block id, cidr, network, why) of every quarantined block.
-    pub quarantined: Vec<(i64, String, String, String)>,
+    /// Every quarantined block.
+    pub quarantined: Vec<Quarantined>,
     /// Overlapping blocks without pods that were deleted, in words.
     pub deleted: Vec<String>,
     /// Blocks whose `allocated_ips` was recounted.
@@ -247,13 +259,12 @@ impl Store {
         network: &str,
         family: Family,
     ) -> Result<Vec<(i64, Cidr)>, StoreError> {
-        let nnc = Source::Nnc.as_str();
         Ok(placed(&self.conn, network, family)?
             .into_iter()
             .filter(|p| {
                 p.sources
                     .as_ref()
-                    .is_some_and(|s| s.len() == 1 && s.contains(nnc))
+                    .is_some_and(|s| s.len() == 1 && s.contains(&Source::Nnc))
             })
             .map(|p| (p.id, p.cidr))
             .collect())
@@ -265,9 +276,9 @@ impl Store {
         is_isolated(&self.conn, network)
     }
 
-    /// Quarantined blocks: (id, cidr, network, why). None in a database
-    /// Metis never wrote to (opened read-only, without Metis's tables).
-    pub fn quarantined(&self) -> Result<Vec<(i64, String, String, String)>, StoreError> {
+    /// Quarantined blocks. None in a database Metis never wrote to (opened
+    /// read-only, without Metis's tables).
+    pub fn quarantined(&self) -> Result<Vec<Quarantined>, StoreError> {
         let recorded: bool = self.conn.query_row(
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_blocks')",
             [],
@@ -276,7 +287,7 @@ impl Store {
         if !recorded {
             return Ok(Vec::new());
         }
-        super::check::quarantined(&self.conn)
+        quarantined(&self.conn)
     }
 
     /// Fail safe instead of fail stop, run by the daemon at start (`admin
@@ -299,15 +310,13 @@ impl Store {
             },
             ..Isolation::default()
         };
-        tx.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
+        clear_quarantines(&tx)?;
         let mut marks = report.suspects.clone();
         resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
         for (id, why) in &marks {
-            ensure_record(&tx, *id)?;
-            tx.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
-                .execute(params![id, why])?;
+            quarantine(&tx, *id, why)?;
         }
-        isolation.quarantined = super::check::quarantined(&tx)?;
+        isolation.quarantined = quarantined(&tx)?;
         tx.commit()?;
         Ok(isolation)
     }
@@ -366,79 +375,18 @@ fn relayout(
     let wanted = wanted(conn, None, network, family)?;
     let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
     for target in maximal(&cidrs) {
-        let strict_wants = |target: &Cidr| {
-            wanted.iter().any(|(cidr, source)| {
-                strict.is_some_and(|s| s.as_str() == source)
-                    && (cidr == target || contains(target, cidr))
-            })
+        // Each placement reshapes blocks: the next one sees them anew.
+        let decided = placement(&target, &placed(conn, network, family)?);
+        let Some(refusal) = place(conn, mode, network, &target, decided, &mut changes)? else {
+            continue;
         };
-        let refuse = |err: StoreError, changes: &mut LayoutChanges| {
-            if strict_wants(&target) {
-                Err(err)
-            } else {
-                changes.refused.push(err.to_string());
-                Ok(())
-            }
-        };
-        let blocks = placed(conn, network, family)?;
-        if let Some(q) = blocks
-            .iter()
-            .find(|b| b.quarantined && b.cidr.overlaps(&target))
-        {
-            changes.lines.push(format!(
-                "range {target} of network {network:?} overlaps quarantined block {}; not served until `metis admin check` passes",
-                q.cidr
-            ));
-            continue;
+        let strict_wants = wanted.iter().any(|(cidr, source)| {
+            strict == Some(*source) && (*cidr == target || contains(&target, cidr))
+        });
+        if strict_wants {
+            return Err(refusal);
         }
-        let overlapping: Vec<&Placed> =
-            blocks.iter().filter(|b| b.cidr.overlaps(&target)).collect();
-        if overlapping.iter().any(|b| b.cidr == target) {
-            continue;
-        }
-        if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, &target)) {
-            if !wider.is_adaptive() {
-                narrow(conn, mode, network, wider, &target)?;
-                changes.lines.push(format!(
-                    "narrowed block {} of network {network:?} to {target}; the rest drains",
-                    wider.cidr
-                ));
-            }
-            continue;
-        }
-        if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
-            let err = StoreError::Overlap {
-                cidr: target,
-                network: network.to_string(),
-                other_cidr: granted.cidr.to_string(),
-                other_network: network.to_string(),
-                isolation_helps: false,
-            };
-            refuse(err, &mut changes)?;
-            continue;
-        }
-        match check_other_networks(conn, network, &target) {
-            Ok(()) => {}
-            Err(err @ StoreError::Overlap { .. }) => {
-                refuse(err, &mut changes)?;
-                continue;
-            }
-            Err(err) => return Err(err),
-        }
-        if overlapping.is_empty() {
-            let id = insert_block(conn, mode, network, &target)?;
-            ensure_record(conn, id)?;
-            changes
-                .lines
-                .push(format!("added block {target} to network {network:?}"));
-        } else {
-            let inner: Vec<Placed> = overlapping.into_iter().cloned().collect();
-            grow(conn, mode, network, &inner, &target)?;
-            changes.lines.push(format!(
-                "grew {} block(s) of network {network:?} into {target} in place",
-                inner.len()
-            ));
-        }
+        changes.refused.push(refusal.to_string());
     }
     record_sources(conn, network, family, &wanted, now_ms, &mut changes)?;
     for (id, cidr) in sweepable(conn, network, family, now_ms)? {
@@ -450,6 +398,116 @@ fn relayout(
     Ok(changes)
 }
 
+/// What one wanted range needs, decided from the network's blocks alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Placement {
+    /// It overlaps this quarantined block: not served until that is solved.
+    Quarantined(Cidr),
+    /// A block has this prefix, or a granted block contains it.
+    Served,
+    /// This wider block (not granted) contains it: narrow the block to it.
+    Narrow(Placed),
+    /// It overlaps this block the cluster granted: refused.
+    Granted(Cidr),
+    /// No block of the network overlaps it: a new block.
+    Add,
+    /// It strictly contains these blocks: grow them into it in place.
+    Grow(Vec<Placed>),
+}
+
+/// Where `target` goes among `blocks` (the network's, of its family).
+fn placement(target: &Cidr, blocks: &[Placed]) -> Placement {
+    if let Some(q) = blocks
+        .iter()
+        .find(|b| b.quarantined && b.cidr.overlaps(target))
+    {
+        return Placement::Quarantined(q.cidr);
+    }
+    let overlapping: Vec<&Placed> = blocks.iter().filter(|b| b.cidr.overlaps(target)).collect();
+    if overlapping.iter().any(|b| b.cidr == *target) {
+        return Placement::Served;
+    }
+    if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, target)) {
+        return match wider.is_adaptive() {
+            true => Placement::Served,
+            false => Placement::Narrow((*wider).clone()),
+        };
+    }
+    if let Some(granted) = overlapping.iter().find(|b| b.is_adaptive()) {
+        return Placement::Granted(granted.cidr);
+    }
+    match overlapping.is_empty() {
+        true => Placement::Add,
+        false => Placement::Grow(overlapping.into_iter().cloned().collect()),
+    }
+}
+
+/// Carries out a placement of `target`; returns the refusal when it
+/// overlaps a block it may not take (a granted one, or another network's).
+fn place(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    target: &Cidr,
+    decided: Placement,
+    changes: &mut LayoutChanges,
+) -> Result<Option<StoreError>, StoreError> {
+    let overlap = |other: &Cidr| StoreError::Overlap {
+        cidr: *target,
+        network: network.to_string(),
+        other_cidr: other.to_string(),
+        other_network: network.to_string(),
+        isolation_helps: false,
+    };
+    let line = match decided {
+        Placement::Served => return Ok(None),
+        Placement::Granted(granted) => return Ok(Some(overlap(&granted))),
+        Placement::Quarantined(q) => format!(
+            "range {target} of network {network:?} overlaps quarantined block {q}; not served until `metis admin check` passes"
+        ),
+        Placement::Narrow(wider) => {
+            narrow(conn, mode, network, &wider, target)?;
+            format!(
+                "narrowed block {} of network {network:?} to {target}; the rest drains",
+                wider.cidr
+            )
+        }
+        Placement::Add => {
+            if let Some(refusal) = other_network_refusal(conn, network, target)? {
+                return Ok(Some(refusal));
+            }
+            let id = insert_block(conn, mode, network, target)?;
+            ensure_record(conn, id)?;
+            format!("added block {target} to network {network:?}")
+        }
+        Placement::Grow(inner) => {
+            if let Some(refusal) = other_network_refusal(conn, network, target)? {
+                return Ok(Some(refusal));
+            }
+            grow(conn, mode, network, &inner, target)?;
+            format!(
+                "grew {} block(s) of network {network:?} into {target} in place",
+                inner.len()
+            )
+        }
+    };
+    changes.lines.push(line);
+    Ok(None)
+}
+
+/// [`check_other_networks`], its refusal as a value.
+fn other_network_refusal(
+    conn: &Connection,
+    network: &str,
+    target: &Cidr,
+) -> Result<Option<StoreError>, StoreError> {
+    match check_other_networks(conn, network, target) {
+        Ok(()) => Ok(None),
+        Err(err @ StoreError::Overlap { .. }) => Ok(Some(err)),
+        Err(err) => Err(err),
+    }
+}
+
 /// Writes which static sources want each block (adaptive sources are
 /// kept), retires blocks no one wants and takes back retired blocks that
 /// are wanted again. Blocks without a Metis record that nothing wants are
@@ -458,15 +516,15 @@ fn record_sources(
     conn: &Connection,
     network: &str,
     family: Family,
-    wanted: &[(Cidr, String)],
+    wanted: &[(Cidr, Source)],
     now_ms: i64,
     changes: &mut LayoutChanges,
 ) -> Result<(), StoreError> {
     for block in placed(conn, network, family)? {
-        let mut sources: BTreeSet<String> = wanted
+        let mut sources: BTreeSet<Source> = wanted
             .iter()
             .filter(|(cidr, _)| cidr.overlaps(&block.cidr))
-            .map(|(_, source)| source.clone())
+            .map(|(_, source)| *source)
             .collect();
         let Some(previous) = &block.sources else {
             if !sources.is_empty() {
@@ -478,8 +536,8 @@ fn record_sources(
         sources.extend(
             previous
                 .iter()
-                .filter(|s| ADAPTIVE_SOURCES.contains(&s.as_str()))
-                .cloned(),
+                .filter(|source| !source.is_static())
+                .copied(),
         );
         if &sources != previous {
             write_sources(conn, block.id, &sources)?;
@@ -519,7 +577,7 @@ pub(super) fn add_block(
         if let Some(source) = source {
             ensure_record(conn, same.id)?;
             let mut sources = same.sources.clone().unwrap_or_default();
-            if sources.insert(source.as_str().to_string()) {
+            if sources.insert(source) {
                 write_sources(conn, same.id, &sources)?;
             }
             if same.retired {
@@ -541,7 +599,7 @@ pub(super) fn add_block(
     let id = insert_block(conn, mode, network, cidr)?;
     if let Some(source) = source {
         ensure_record(conn, id)?;
-        write_sources(conn, id, &BTreeSet::from([source.as_str().to_string()]))?;
+        write_sources(conn, id, &BTreeSet::from([source]))?;
     }
     Ok(super::AddOutcome::Added(id))
 }
@@ -580,7 +638,7 @@ fn check_other_networks(conn: &Connection, network: &str, cidr: &Cidr) -> Result
 /// only inside its range, whatever its frontier says.
 fn had_bounds(conn: &Connection, network: &str, blocks: &[Placed]) -> Result<bool, StoreError> {
     for block in blocks {
-        if super::reserve::bounds_of(conn, network, &block.cidr)?.is_some() {
+        if bounds_of(conn, network, &block.cidr)?.is_some() {
             return Ok(true);
         }
     }
@@ -612,7 +670,7 @@ fn grow(
         true => frontier(conn, keep.id, &keep.cidr)?,
         false => 0,
     };
-    set_setting(conn, &frontier_key(keep.id), &next.to_string())?;
+    set_frontier(conn, keep.id, next)?;
     conn.prepare_cached(
         "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4 WHERE id = ?1",
     )?
@@ -620,7 +678,11 @@ fn grow(
         keep.id,
         target.to_string(),
         total_ips(target),
-        if ready { "Ready" } else { keep.state.as_str() }
+        match ready {
+            true => BlockState::Ready,
+            false => keep.state,
+        }
+        .as_str()
     ])?;
     for other in inner.iter().filter(|b| b.id != keep.id) {
         conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE cidr_block_id = ?1")?
@@ -653,11 +715,7 @@ fn narrow(
         true => 0,
         false => frontier(conn, wider.id, &wider.cidr)?.saturating_sub(shift),
     };
-    set_setting(
-        conn,
-        &frontier_key(wider.id),
-        &next.min(target.size()).to_string(),
-    )?;
+    set_frontier(conn, wider.id, next.min(target.size()))?;
     conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
         .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
@@ -672,7 +730,7 @@ fn narrow(
         conn.prepare_cached("UPDATE metis_blocks SET retired = 1 WHERE block_id = ?1")?
             .execute([id])?;
         // Pieces only drain: never populate them further.
-        set_setting(conn, &frontier_key(id), &piece.size().to_string())?;
+        set_frontier(conn, id, piece.size())?;
         piece_ids.push((id, *piece));
     }
     let rows: Vec<(i64, String)> = conn
@@ -694,52 +752,6 @@ fn narrow(
     for (id, piece) in &piece_ids {
         settle(conn, mode, *id, network, piece)?;
     }
-    Ok(())
-}
-
-/// Brings a reshaped block's rows in line: its fixed reserved positions
-/// have rows, positions it reserves are reserved unless a pod holds them,
-/// reserved rows elsewhere are freed, and the counters are recounted.
-pub(super) fn settle(
-    conn: &Connection,
-    mode: ReserveMode,
-    id: i64,
-    network: &str,
-    cidr: &Cidr,
-) -> Result<(), StoreError> {
-    let reserved = block_reserved(conn, mode, id, network, cidr)?;
-    insert_reserved_rows(conn, id, cidr, &reserved)?;
-    // Row by row: a bounded block's reserved positions are a description,
-    // not a list.
-    let rows: Vec<(i64, String, bool, String)> = conn
-        .prepare_cached(
-            "SELECT id, address, is_allocated, COALESCE(container_id, '') \
-             FROM ip_addresses WHERE cidr_block_id = ?1",
-        )?
-        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<Result<_, _>>()?;
-    for (row_id, address, allocated, container) in rows {
-        let at_reserved = cidr
-            .offset_of(parse_addr(&address)?)
-            .is_some_and(|offset| reserved.contains(&offset));
-        let sql = match (at_reserved, allocated, container.is_empty()) {
-            (true, false, _) => {
-                "UPDATE ip_addresses SET is_allocated = 1, container_id = '', interface_name = '', \
-                 pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1"
-            }
-            (false, true, true) => {
-                "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL WHERE id = ?1"
-            }
-            _ => continue,
-        };
-        conn.prepare_cached(sql)?.execute([row_id])?;
-    }
-    conn.prepare_cached(
-        "UPDATE cidr_blocks SET allocated_ips = \
-         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1) \
-         WHERE id = ?1",
-    )?
-    .execute([id])?;
     Ok(())
 }
 
@@ -770,24 +782,6 @@ fn sweepable(
     Ok(out)
 }
 
-/// Deletes a block, its rows and Metis's records of it.
-pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
-        .execute([id])?;
-    conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
-        .execute([id])?;
-    forget_block(conn, id)
-}
-
-/// Drops Metis's records of a deleted block.
-pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
-        .execute([id])?;
-    conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-        .execute([frontier_key(id)])?;
-    Ok(())
-}
-
 pub(super) fn set_retired(
     conn: &Connection,
     id: i64,
@@ -800,24 +794,23 @@ pub(super) fn set_retired(
     conn.prepare_cached("UPDATE cidr_blocks SET state = ?2, updated_at = ?3 WHERE id = ?1")?
         .execute(params![
             id,
-            if retired { "Draining" } else { "Ready" },
+            match retired {
+                true => BlockState::Draining,
+                false => BlockState::Ready,
+            }
+            .as_str(),
             now_ms
         ])?;
-    Ok(())
-}
-
-fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("INSERT OR IGNORE INTO metis_blocks (block_id) VALUES (?1)")?
-        .execute([id])?;
     Ok(())
 }
 
 pub(super) fn write_sources(
     conn: &Connection,
     id: i64,
-    sources: &BTreeSet<String>,
+    sources: &BTreeSet<Source>,
 ) -> Result<(), StoreError> {
-    let text = sources.iter().cloned().collect::<Vec<_>>().join(",");
+    let names: Vec<&str> = sources.iter().map(|source| source.as_str()).collect();
+    let text = names.join(",");
     conn.prepare_cached("UPDATE metis_blocks SET sources = ?2 WHERE block_id = ?1")?
         .execute(params![id, text])?;
     Ok(())
@@ -830,7 +823,7 @@ pub(super) fn placed(
     family: Family,
 ) -> Result<Vec<Placed>, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.state, m.block_id IS NOT NULL, COALESCE(m.sources, ''), \
+        "SELECT b.id, b.cidr, b.state, m.sources IS NOT NULL, COALESCE(m.sources, ''), \
                 COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
          FROM cidr_blocks b LEFT JOIN metis_blocks m ON m.block_id = b.id \
          WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' ORDER BY b.id",
@@ -844,13 +837,7 @@ pub(super) fn placed(
             id: row.get(0)?,
             cidr: parse_cidr(&row.get::<_, String>(1)?)?,
             state: parse_state(&row.get::<_, String>(2)?)?,
-            sources: recorded.then(|| {
-                sources
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            }),
+            sources: recorded.then(|| parse_sources(&sources)),
             retired: row.get(5)?,
             quarantined: row.get(6)?,
         });
@@ -859,13 +846,13 @@ pub(super) fn placed(
 }
 
 /// The ranges static sources want for a network and family (one source,
-/// or all): (range, source name).
+/// or all): (range, source). A source name no release wrote is skipped.
 fn wanted(
     conn: &Connection,
     source: Option<Source>,
     network: &str,
     family: Family,
-) -> Result<Vec<(Cidr, String)>, StoreError> {
+) -> Result<Vec<(Cidr, Source)>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT cidr, source FROM metis_ranges WHERE network = ?1 AND (?2 IS NULL OR source = ?2) \
          ORDER BY source, cidr",
@@ -874,8 +861,9 @@ fn wanted(
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
         let cidr = parse_cidr(&row.get::<_, String>(0)?)?;
-        if cidr.family() == family {
-            out.push((cidr, row.get(1)?));
+        let source = Source::parse(&row.get::<_, String>(1)?);
+        if let (true, Some(source)) = (cidr.family() == family, source) {
+            out.push((cidr, source));
         }
     }
     Ok(out)
@@ -921,29 +909,20 @@ fn replace_wanted(
 }
 
 fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
-    Ok(get_setting(conn, &format!("{KEY_ISOLATED}{network}"))?.as_deref() == Some("1"))
+    Ok(conn
+        .prepare_cached("SELECT isolated FROM metis_networks WHERE network = ?1")?
+        .query_row([network], |r| r.get(0))
+        .optional()?
+        .unwrap_or(false))
 }
 
 fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), StoreError> {
-    let key = format!("{KEY_ISOLATED}{network}");
-    if isolated {
-        set_setting(conn, &key, "1")
-    } else {
-        conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-            .execute([key])?;
-        Ok(())
-    }
-}
-
-/// Sets every block's `allocated_ips` to its count of allocated rows;
-/// returns how many were wrong.
-fn recount(conn: &Connection) -> Result<usize, StoreError> {
-    let wrong = super::check::counter_mismatches(conn)?;
-    for (id, _, actual) in &wrong {
-        conn.prepare_cached("UPDATE cidr_blocks SET allocated_ips = ?2 WHERE id = ?1")?
-            .execute(params![id, actual])?;
-    }
-    Ok(wrong.len())
+    conn.prepare_cached(
+        "INSERT INTO metis_networks (network, isolated) VALUES (?1, ?2) \
+         ON CONFLICT(network) DO UPDATE SET isolated = excluded.isolated",
+    )?
+    .execute(params![network, isolated])?;
+    Ok(())
 }
 
 /// Finds overlapping blocks that share an address space (the same network,
@@ -956,40 +935,87 @@ fn resolve_overlaps(
     deleted: &mut Vec<String>,
     now_ms: i64,
 ) -> Result<(), StoreError> {
-    struct Entry {
-        id: i64,
-        cidr: Cidr,
-        network: String,
-        isolated: bool,
-    }
-    let mut entries = Vec::new();
-    {
-        let mut stmt = conn.prepare(
-            "SELECT id, cidr, network, ip_family FROM cidr_blocks WHERE state != 'Deleting' ORDER BY id",
-        )?;
-        let mut rows = stmt.query([])?;
-        while let Some(row) = rows.next()? {
-            let id: i64 = row.get(0)?;
-            let network: String = row.get(2)?;
-            let (Ok(cidr), Ok(_)) = (
-                parse_cidr(&row.get::<_, String>(1)?),
-                parse_family(&row.get::<_, String>(3)?),
-            ) else {
-                marks.insert(id, "its cidr or family cannot be read".to_string());
-                continue;
-            };
-            let isolated = is_isolated(conn, &network)?;
-            entries.push(Entry {
-                id,
-                cidr,
-                network,
-                isolated,
-            });
+    let entries = overlap_entries(conn, marks, now_ms)?;
+    for verdict in overlap_verdicts(&entries) {
+        match verdict {
+            Verdict::Delete(victim) => {
+                delete_block(conn, victim.id)?;
+                marks.remove(&victim.id);
+                deleted.push(format!(
+                    "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
+                    victim.cidr, victim.network
+                ));
+            }
+            Verdict::Quarantine { id, why } => {
+                marks.entry(id).or_insert(why);
+            }
         }
     }
-    // Sorted by base address then widest first, overlaps are neighbours of
-    // the wider block's run.
+    Ok(())
+}
+
+/// A non-Deleting block as the overlap resolution sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    id: i64,
+    cidr: Cidr,
+    network: String,
+    isolated: bool,
+    /// A pod holds an address in it, or an address is cooling.
+    in_use: bool,
+}
+
+/// What to do about blocks that overlap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    /// Delete it: no pod uses it, and the other block covers its addresses.
+    Delete(Entry),
+    /// Quarantine block `id` (unless already marked for another reason).
+    Quarantine { id: i64, why: String },
+}
+
+/// Every non-Deleting block, sorted by base address then widest first, so
+/// that overlaps are neighbours of the wider block's run. A block whose
+/// prefix or family cannot be read is marked instead.
+fn overlap_entries(
+    conn: &Connection,
+    marks: &mut BTreeMap<i64, String>,
+    now_ms: i64,
+) -> Result<Vec<Entry>, StoreError> {
+    let mut entries = Vec::new();
+    let mut stmt = conn.prepare(
+        "SELECT id, cidr, network, ip_family FROM cidr_blocks WHERE state != 'Deleting' ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let network: String = row.get(2)?;
+        let (Ok(cidr), Ok(_)) = (
+            parse_cidr(&row.get::<_, String>(1)?),
+            parse_family(&row.get::<_, String>(3)?),
+        ) else {
+            marks.insert(id, "its cidr or family cannot be read".to_string());
+            continue;
+        };
+        entries.push(Entry {
+            id,
+            cidr,
+            isolated: is_isolated(conn, &network)?,
+            in_use: in_use(conn, id, now_ms)?,
+            network,
+        });
+    }
     entries.sort_by_key(|e| (crate::cidr::to_u128(e.cidr.base()), e.cidr.prefix_len()));
+    Ok(entries)
+}
+
+/// The verdicts on `entries` (as [`overlap_entries`] sorts them), in the
+/// order they are to be carried out: of each overlapping pair that shares
+/// an address space, the side no pod uses goes (the first if neither is
+/// used), and when both are used both are quarantined. A block deleted
+/// takes no further part.
+fn overlap_verdicts(entries: &[Entry]) -> Vec<Verdict> {
+    let mut verdicts = Vec::new();
     let mut gone = BTreeSet::new();
     for (i, a) in entries.iter().enumerate() {
         for b in entries.iter().skip(i + 1) {
@@ -1003,46 +1029,37 @@ fn resolve_overlaps(
             if !shared || gone.contains(&a.id) || gone.contains(&b.id) {
                 continue;
             }
-            let (a_used, b_used) = (in_use(conn, a.id, now_ms)?, in_use(conn, b.id, now_ms)?);
-            let pick = match (a_used, b_used) {
-                (false, _) => Some(a),
-                (true, false) => Some(b),
-                (true, true) => None,
+            let victim = match (a.in_use, b.in_use) {
+                (false, _) => a,
+                (true, false) => b,
+                (true, true) => {
+                    verdicts.extend([(a, b), (b, a)].map(|(this, other)| Verdict::Quarantine {
+                        id: this.id,
+                        why: format!(
+                            "it overlaps block {} of network {:?} and both hold pods",
+                            other.cidr, other.network
+                        ),
+                    }));
+                    continue;
+                }
             };
-            match pick {
-                Some(victim) => {
-                    delete_block(conn, victim.id)?;
-                    gone.insert(victim.id);
-                    marks.remove(&victim.id);
-                    deleted.push(format!(
-                        "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
-                        victim.cidr, victim.network
-                    ));
-                }
-                None => {
-                    for (this, other) in [(a, b), (b, a)] {
-                        marks.entry(this.id).or_insert_with(|| {
-                            format!(
-                                "it overlaps block {} of network {:?} and both hold pods",
-                                other.cidr, other.network
-                            )
-                        });
-                    }
-                }
-            }
+            gone.insert(victim.id);
+            verdicts.push(Verdict::Delete(victim.clone()));
         }
     }
-    Ok(())
+    verdicts
 }
 
 /// Whether any pod holds an address in the block, or an address is cooling.
 pub(super) fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
     Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 \
-             AND ((is_allocated = 1 AND COALESCE(container_id, '') != '') \
-                  OR (is_allocated = FALSE AND release_at > ?2)))",
-        )?
+        .prepare_cached(concat!(
+            "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND (",
+            pod_held!(""),
+            " OR ",
+            cooling!("", "?2"),
+            "))"
+        ))?
         .query_row(params![id, now_ms], |r| r.get(0))?)
 }
 
@@ -1326,7 +1343,7 @@ mod tests {
         let report = store.verify(Depth::Quick).unwrap();
         assert!(!report.damaged);
         let isolation = store.isolate_problems(&report, NOW).unwrap();
-        let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.0).collect();
+        let ids: Vec<i64> = isolation.quarantined.iter().map(|q| q.block_id).collect();
         assert_eq!(ids, [1, 2]);
         assert!(isolation.recounted > 0, "the /30's counter was wrong");
         // The healthy block still serves; the quarantined ones do not.
@@ -1349,6 +1366,83 @@ mod tests {
                 .to_string(),
             "198.18.10.2"
         );
+    }
+
+    fn placed_block(id: i64, prefix: &str, sources: &[Source], quarantined: bool) -> Placed {
+        Placed {
+            id,
+            cidr: cidr(prefix),
+            state: BlockState::Ready,
+            sources: Some(sources.iter().copied().collect()),
+            retired: false,
+            quarantined,
+        }
+    }
+
+    #[test]
+    fn placement_decides_from_the_blocks_alone() {
+        let cni = placed_block(1, "198.18.0.0/24", &[Source::Cni], false);
+        let granted = placed_block(2, "198.18.4.0/22", &[Source::Nnc], false);
+        let sick = placed_block(3, "198.18.8.0/24", &[Source::Cni], true);
+        let blocks = [cni.clone(), granted.clone(), sick];
+        let cases = [
+            ("198.18.0.0/24", Placement::Served),
+            ("198.18.5.0/24", Placement::Served),
+            ("198.18.0.0/25", Placement::Narrow(cni.clone())),
+            ("198.18.0.0/23", Placement::Grow(vec![cni])),
+            ("198.18.0.0/21", Placement::Granted(granted.cidr)),
+            (
+                "198.18.8.0/23",
+                Placement::Quarantined(cidr("198.18.8.0/24")),
+            ),
+            ("198.18.16.0/24", Placement::Add),
+        ];
+        for (target, expected) in cases {
+            assert_eq!(placement(&cidr(target), &blocks), expected, "{target}");
+        }
+    }
+
+    fn entry(id: i64, prefix: &str, network: &str, isolated: bool, in_use: bool) -> Entry {
+        Entry {
+            id,
+            cidr: cidr(prefix),
+            network: network.to_string(),
+            isolated,
+            in_use,
+        }
+    }
+
+    #[test]
+    fn overlap_verdicts_delete_the_unused_side_and_quarantine_when_both_hold_pods() {
+        // Sorted as overlap_entries sorts: base, then widest first.
+        let wide = entry(1, "198.18.0.0/23", "a", false, true);
+        let unused = entry(2, "198.18.0.0/24", "a", false, false);
+        let used = entry(3, "198.18.1.0/24", "b", false, true);
+        let apart = entry(4, "198.18.1.0/25", "c", true, true);
+        let verdicts = overlap_verdicts(&[wide, unused.clone(), used, apart]);
+        assert_eq!(
+            verdicts,
+            [
+                Verdict::Delete(unused),
+                Verdict::Quarantine {
+                    id: 1,
+                    why: "it overlaps block 198.18.1.0/24 of network \"b\" and both hold pods"
+                        .to_string()
+                },
+                Verdict::Quarantine {
+                    id: 3,
+                    why: "it overlaps block 198.18.0.0/23 of network \"a\" and both hold pods"
+                        .to_string()
+                },
+            ]
+        );
+        // Neither used: the first goes, and the pair is settled.
+        let pair = [
+            entry(1, "198.18.0.0/24", "a", false, false),
+            entry(2, "198.18.0.0/25", "a", false, false),
+        ];
+        assert_eq!(overlap_verdicts(&pair), [Verdict::Delete(pair[0].clone())]);
+        assert!(overlap_verdicts(&[entry(1, "2001:db8::/64", "a", false, true)]).is_empty());
     }
 
     #[test]

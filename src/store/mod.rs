@@ -9,16 +9,21 @@
 //! in a savepoint of it. Timestamps are Unix milliseconds passed in by the
 //! caller.
 
-mod admin;
 mod alloc;
+mod block;
 mod boot;
+mod bounds;
 mod check;
 mod checkpoint;
 mod files;
+mod free;
 mod gc;
 mod grants;
 mod layout;
-mod reserve;
+mod lifecycle;
+mod listings;
+mod migrate;
+mod repair;
 mod schema;
 mod stats;
 #[cfg(test)]
@@ -38,12 +43,12 @@ use rusqlite::{
 
 use crate::cidr::{Cidr, CidrError, Family};
 
+pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
-pub use checkpoint::Checkpointer;
+pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
 pub use grants::{GrantChanges, Refusal, Released, TakenBack};
 pub use layout::{Isolation, LayoutChanges, Source};
-pub use reserve::reserved_offsets;
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
 /// How hard SQLite syncs: `synchronous=NORMAL` (default, safe with WAL
@@ -226,6 +231,64 @@ pub struct AddressFilter {
     pub allocated: Option<bool>,
 }
 
+/// Why a requested address cannot be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unavailable {
+    /// The block reserves the position (network, gateway, broadcast, or
+    /// outside host-local bounds).
+    ReservedPosition { block: Cidr },
+    /// The row is reserved (allocated without an owner).
+    ReservedRow { block: Cidr },
+    /// A pod holds it.
+    Held { container_id: String },
+    /// Released, resting until `until_ms` (Unix ms).
+    Cooling { until_ms: i64 },
+    /// Its block is quarantined.
+    Quarantined { block: Cidr },
+    /// Its block is Draining (or otherwise not Ready).
+    BlockNotReady { block: Cidr, state: BlockState },
+    /// The requesting owner already holds another address of the family.
+    OwnerHolds {
+        container_id: String,
+        interface_name: String,
+        held: IpAddr,
+        network: String,
+    },
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unavailable::ReservedPosition { block } => write!(
+                f,
+                "it is reserved (network/gateway/broadcast) in block {block}"
+            ),
+            Unavailable::ReservedRow { block } => write!(f, "it is reserved in block {block}"),
+            Unavailable::Held { container_id } => {
+                write!(f, "it is held by container {container_id:?}")
+            }
+            Unavailable::Cooling { until_ms } => write!(
+                f,
+                "it is in release cooldown until {}",
+                crate::log::rfc3339_millis(*until_ms)
+            ),
+            Unavailable::Quarantined { block } => {
+                write!(f, "block {block} is quarantined (see `metis admin check`)")
+            }
+            Unavailable::BlockNotReady { block, state } => write!(f, "block {block} is {state}"),
+            Unavailable::OwnerHolds {
+                container_id,
+                interface_name,
+                held,
+                network,
+            } => write!(
+                f,
+                "container {container_id:?} interface {interface_name:?} already holds {held} in network {network:?}"
+            ),
+        }
+    }
+}
+
 /// Errors of the store. `Display` starts with `store: `.
 #[derive(Debug)]
 pub enum StoreError {
@@ -250,7 +313,7 @@ pub enum StoreError {
     },
     RequestedIpUnavailable {
         address: IpAddr,
-        reason: String,
+        reason: Unavailable,
     },
     RequestedIpOutsideBlocks {
         address: IpAddr,
@@ -571,7 +634,7 @@ impl Store {
         Err(StoreError::Open {
             path: path.clone(),
             source: "the database file was deleted or replaced while open; \
-                     restart the daemon to use the file now at this path"
+                     the daemon puts it back from its open copy, retry"
                 .into(),
         })
     }
@@ -706,19 +769,28 @@ impl Store {
             tx.execute_batch(SCHEMA)?;
             tx.commit()?;
         }
+        // One read for Metis's four tables: every statement costs a parse in
+        // a process that opens the database for one request (direct mode).
+        let present: Vec<String> = self
+            .conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+            .query_map([], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
         for (name, create) in schema::METIS_TABLES {
-            let exists: bool = self.conn.query_row(
-                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
-                [name],
-                |r| r.get(0),
-            )?;
-            if !exists {
+            if !present.iter().any(|table| table == name) {
                 let tx = self
                     .conn
                     .transaction_with_behavior(TransactionBehavior::Immediate)?;
                 tx.execute(create, [])?;
                 tx.commit()?;
             }
+        }
+        if migrate::needed(&self.conn)? {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            migrate::migrate(&tx)?;
+            tx.commit()?;
         }
         Ok(())
     }
@@ -751,18 +823,32 @@ impl Store {
 
     /// Since when (ms) the monitor has seen the network's use low, if it has.
     pub fn low_utilization_since(&self, network: &str) -> Result<Option<i64>, StoreError> {
-        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
-        Ok(self.setting(&key)?.and_then(|text| text.parse().ok()))
+        Ok(self
+            .conn
+            .prepare_cached("SELECT low_utilization_since FROM metis_networks WHERE network = ?1")?
+            .query_row([network], |r| r.get(0))
+            .optional()?
+            .flatten())
     }
 
-    /// Records (or with `None` forgets) when low use of the network began.
+    /// Records (or with `None` forgets) when low use of the network began;
+    /// writes only on a change.
     pub fn set_low_utilization_since(
         &mut self,
         network: &str,
         since_ms: Option<i64>,
     ) -> Result<(), StoreError> {
-        let key = format!("{}{network}", schema::KEY_LOW_UTILIZATION_SINCE);
-        self.put_setting(&key, since_ms.map(|ms| ms.to_string()).as_deref())
+        if self.low_utilization_since(network)? == since_ms {
+            return Ok(());
+        }
+        let tx = write(&mut self.conn, self.batch)?;
+        tx.prepare_cached(
+            "INSERT INTO metis_networks (network, low_utilization_since) VALUES (?1, ?2) \
+             ON CONFLICT(network) DO UPDATE SET low_utilization_since = excluded.low_utilization_since",
+        )?
+        .execute(params![network, since_ms])?;
+        tx.commit()?;
+        Ok(())
     }
 
     /// A value of Metis's own settings table.
@@ -821,7 +907,7 @@ impl Store {
     /// Blocks whose `allocated_ips` differs from their count of allocated
     /// rows: `(block id, allocated_ips, actual)`.
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-        check::counter_mismatches(&self.conn)
+        block::counter_mismatches(&self.conn)
     }
 }
 

@@ -63,11 +63,23 @@ pub const SETTINGS: &str =
     "CREATE TABLE IF NOT EXISTS metis_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
 
 /// Metis's record of each block: which sources want it (comma-separated:
-/// cni, flag, node, nnc), whether Metis retired it (Draining because no
-/// source wants it any more), and why it is quarantined, if it is.
+/// cni, flag, node, nnc; NULL while Metis has no record of where the block
+/// comes from — written by upstream, or added without a source), whether
+/// Metis retired it (Draining because no source wants it any more), why it
+/// is quarantined, if it is, and its population frontier: the next offset
+/// to give a row, as decimal text because an IPv6 offset (up to 2^128)
+/// does not fit SQLite's 64-bit INTEGER. No frontier: see
+/// `block::frontier`.
 pub const BLOCKS: &str = "CREATE TABLE IF NOT EXISTS metis_blocks (\
-     block_id INTEGER PRIMARY KEY, sources TEXT NOT NULL DEFAULT '', \
-     retired INTEGER NOT NULL DEFAULT 0, quarantine TEXT)";
+     block_id INTEGER PRIMARY KEY, sources TEXT, \
+     retired INTEGER NOT NULL DEFAULT 0, quarantine TEXT, frontier TEXT)";
+
+/// Metis's record of each network: whether it is isolated (an address
+/// space of its own, `ipam.isolated`) and since when (Unix ms) the
+/// monitor has seen its IPv4 use low, across restarts.
+pub const NETWORKS: &str = "CREATE TABLE IF NOT EXISTS metis_networks (\
+     network TEXT PRIMARY KEY, isolated INTEGER NOT NULL DEFAULT 0, \
+     low_utilization_since INTEGER)";
 
 /// The ranges each static source (cni, flag) wants, per network.
 pub const RANGES: &str = "CREATE TABLE IF NOT EXISTS metis_ranges (\
@@ -96,9 +108,10 @@ pub const RELEASED: &str = "CREATE TABLE IF NOT EXISTS metis_released (\
      released_at INTEGER NOT NULL, PRIMARY KEY (network, cidr))";
 
 /// Metis's own tables, created on every open if missing.
-pub const METIS_TABLES: [(&str, &str); 6] = [
+pub const METIS_TABLES: [(&str, &str); 7] = [
     ("metis_settings", SETTINGS),
     ("metis_blocks", BLOCKS),
+    ("metis_networks", NETWORKS),
     ("metis_ranges", RANGES),
     ("metis_bounds", BOUNDS),
     ("metis_taken_back", TAKEN_BACK),
@@ -116,16 +129,14 @@ pub const KEY_LAYOUT: &str = "reserve_layout";
 /// milliseconds, read by the plugin in direct mode.
 pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
 
-/// `metis_settings` key prefix (then the network) remembering since when
-/// the monitor has seen the network's IPv4 use low, across restarts.
-pub const KEY_LOW_UTILIZATION_SINCE: &str = "low_utilization_since/";
-
 /// `metis_settings` key holding the fingerprint of the file as the daemon
 /// left it at its last clean stop (absent while a daemon runs).
 pub const KEY_CLEAN_STOP: &str = "clean_stop";
 
-/// `metis_settings` key prefix (then the block id) remembering the next
-/// offset of a block to populate, so growing a block never scans its rows.
-/// Named when only IPv6 blocks grew lazily; IPv4 blocks use it too, and
-/// the name stays so databases keep the frontiers they recorded.
-pub const KEY_FRONTIER: &str = "ipv6_frontier/";
+/// Keys earlier versions kept per block or per network in
+/// `metis_settings`, each a prefix followed by the block id or the network:
+/// the population frontier (named when only IPv6 blocks grew lazily),
+/// isolation, and the start of low use. The typed tables replaced them;
+/// [`super::migrate`] moves what it finds. Upstream reads none of them (it
+/// knows no Metis table), so nothing needs to stay behind.
+pub const LEGACY_KEYS: [&str; 3] = ["ipv6_frontier/", "isolated/", "low_utilization_since/"];

@@ -37,6 +37,23 @@ impl ClientError {
     pub fn is_connect(&self) -> bool {
         matches!(self, ClientError::Connect { .. })
     }
+
+    /// True when nothing listens on the socket (no file there, or a socket
+    /// left by a daemon that is gone): waiting helps only if a daemon is
+    /// starting (see [`super::starting`]).
+    pub fn nothing_listens(&self) -> bool {
+        self.connect_failed_with(&[io::ErrorKind::NotFound, io::ErrorKind::ConnectionRefused])
+    }
+
+    /// True when a daemon listens but its backlog stayed full for the whole
+    /// connect timeout.
+    pub fn listener_busy(&self) -> bool {
+        self.connect_failed_with(&[io::ErrorKind::WouldBlock, io::ErrorKind::TimedOut])
+    }
+
+    fn connect_failed_with(&self, kinds: &[io::ErrorKind]) -> bool {
+        matches!(self, ClientError::Connect { source, .. } if kinds.contains(&source.kind()))
+    }
 }
 
 impl fmt::Display for ClientError {

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod frame;
+pub mod starting;
 
 /// Upstream's allocation messages (`proto/adaptiveipam/v1`).
 pub mod adaptiveipam {
@@ -62,6 +63,54 @@ pub mod reason {
     pub const ADD_CANCELLED: &str = "ADD_CANCELLED";
     /// The request kind is not served.
     pub const UNKNOWN_REQUEST: &str = "UNKNOWN_REQUEST";
+}
+
+impl request::Kind {
+    /// Whether serving the request may change the store. Every kind says
+    /// so here (no wildcard): the daemon runs writes in a savepoint of its
+    /// group commit and reads without the write lock, so a new kind must
+    /// decide which it is before it compiles.
+    pub fn writes(&self) -> bool {
+        match self {
+            request::Kind::Allocate(_) | request::Kind::Deallocate(_) | request::Kind::Gc(_) => {
+                true
+            }
+            request::Kind::Check(_)
+            | request::Kind::ListCidrBlocks(_)
+            | request::Kind::ListIpAddresses(_)
+            | request::Kind::Health(_)
+            | request::Kind::Usage(_)
+            | request::Kind::NetworkStatus(_) => false,
+        }
+    }
+
+    /// The kind's name in metrics and logs.
+    pub fn method(&self) -> &'static str {
+        match self {
+            request::Kind::Allocate(_) => "allocate",
+            request::Kind::Deallocate(_) => "deallocate",
+            request::Kind::Check(_) => "check",
+            request::Kind::ListCidrBlocks(_) => "list_cidr_blocks",
+            request::Kind::ListIpAddresses(_) => "list_ip_addresses",
+            request::Kind::Health(_) => "health",
+            request::Kind::Usage(_) => "usage",
+            request::Kind::Gc(_) => "gc",
+            request::Kind::NetworkStatus(_) => "network_status",
+        }
+    }
+}
+
+impl Request {
+    /// Whether the request may change the store (one without a known kind
+    /// changes nothing).
+    pub fn writes(&self) -> bool {
+        self.kind.as_ref().is_some_and(request::Kind::writes)
+    }
+
+    /// The request's name in metrics and logs.
+    pub fn method(&self) -> &'static str {
+        self.kind.as_ref().map_or("unknown", request::Kind::method)
+    }
 }
 
 impl Response {

@@ -251,14 +251,6 @@ impl ApiServer {
         });
     }
 
-    /// Replaces the Node's `spec.podCIDRs` (MODIFIED).
-    pub fn set_node_cidrs(&self, cidrs: &[&str]) {
-        self.with_state(|state| {
-            state.node["spec"]["podCIDRs"] = json!(cidrs);
-            state.record_node("MODIFIED");
-        });
-    }
-
     /// Deletes the Node (DELETED); `recreate_node` brings one back.
     pub fn delete_node(&self) {
         self.with_state(|state| {

@@ -1,12 +1,10 @@
 //! A daemon following the test API server, and what tests read back from
-//! it: blocks in its database, its health, its metrics.
+//! it: blocks in its database, its health (its metrics: `scrape`).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use super::apiserver::ApiServer;
-use super::{TestDaemon, TestDir, conf, db, wait_for};
+use super::{TestDaemon, TestDir, conf, db};
 
 pub const NODE: &str = "edge-node-1";
 
@@ -106,42 +104,4 @@ pub fn health_detail(daemon: &TestDaemon) -> String {
         Some(metis::wire::response::Kind::Health(h)) => h.detail,
         other => panic!("{other:?}"),
     }
-}
-
-/// The address the daemon's metrics listener bound (from its log).
-pub fn metrics_addr(daemon: &TestDaemon) -> String {
-    let mut addr = String::new();
-    wait_for("the metrics listener", Duration::from_secs(10), || {
-        let log = daemon.log();
-        match log.lines().find(|l| l.contains("metrics listening")) {
-            Some(line) => {
-                addr = line.rsplit("addr=").next().unwrap().trim().to_string();
-                true
-            }
-            None => false,
-        }
-    });
-    addr
-}
-
-/// One HTTP GET: (status line, body).
-pub fn http_get(addr: &str, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: metis\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (head.lines().next().unwrap().to_string(), body.to_string())
-}
-
-/// The value of one series in a metrics body.
-pub fn series(body: &str, series: &str) -> f64 {
-    body.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no series {series} in:\n{body}"))
-        .parse()
-        .unwrap()
 }

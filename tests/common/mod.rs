@@ -1,6 +1,5 @@
 //! Shared harness for the integration tests: private temp dirs, a real
 //! daemon process, and the real plugin binary run with CNI env and stdin.
-#![allow(dead_code)] // each test crate uses a different part of the harness
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure report
 
 use std::io::Write;
@@ -10,11 +9,15 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "kube")]
 pub mod apiserver;
+#[cfg(feature = "kube")]
 pub mod cluster;
 pub mod host_local;
 pub mod node;
 pub mod rng;
+pub mod scrape;
+pub mod tmpfs;
 pub mod upstream;
 
 pub const METIS: &str = env!("CARGO_BIN_EXE_metis");
@@ -90,9 +93,40 @@ impl TestDaemon {
     }
 
     fn launch(binary: &Path, dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
+        let mut daemon = TestDaemon::spawn_logging(binary, dir, extra, env, "daemon.log");
+        let socket = daemon.socket.clone();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while UnixStream::connect(&socket).is_err() {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("daemon exited with {status}: {}", daemon.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not listen: {}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        daemon
+    }
+
+    /// Starts a daemon on `dir` logging to `log_name` in it, without
+    /// waiting for anything (a second daemon on the same socket and
+    /// database, for instance).
+    pub fn spawn(dir: &TestDir, extra: &[&str], log_name: &str) -> TestDaemon {
+        TestDaemon::spawn_logging(Path::new(METIS), dir, extra, &[], log_name)
+    }
+
+    fn spawn_logging(
+        binary: &Path,
+        dir: &TestDir,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log_name: &str,
+    ) -> TestDaemon {
         let socket = dir.join("metis.sock");
         let db = dir.join("metis.sqlite");
-        let stderr_path = dir.join("daemon.log");
+        let stderr_path = dir.join(log_name);
         let stderr = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -120,26 +154,54 @@ impl TestDaemon {
             .stderr(stderr)
             .spawn()
             .unwrap();
-        let mut daemon = TestDaemon {
+        TestDaemon {
             child,
             socket,
             db,
             stderr_path,
-        };
-        let socket = daemon.socket.clone();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while UnixStream::connect(&socket).is_err() {
-            if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!("daemon exited with {status}: {}", daemon.log());
+        }
+    }
+
+    /// Waits until the daemon's log contains `text`; panics with the log
+    /// if it exits first or `timeout` passes.
+    pub fn wait_for_log(&mut self, text: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(text) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "daemon exited with {status} before {text:?}: {}",
+                    self.log()
+                );
             }
             assert!(
                 Instant::now() < deadline,
-                "daemon did not listen: {}",
-                daemon.log()
+                "daemon did not log {text:?}: {}",
+                self.log()
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        daemon
+    }
+
+    /// Sends SIGTERM and returns at once.
+    pub fn terminate(&self) {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    }
+
+    /// Waits for the exit status (after [`TestDaemon::terminate`]).
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not exit: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     pub fn log(&self) -> String {
@@ -148,16 +210,8 @@ impl TestDaemon {
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop(mut self) -> std::process::ExitStatus {
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "daemon ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        self.terminate();
+        self.wait_exit(Duration::from_secs(10))
     }
 }
 
@@ -345,6 +399,16 @@ pub fn v4_add_requesting(
             pod_namespace: "default".into(),
             isolated: false,
         })),
+    }
+}
+
+/// The IPv4 address of a successful ADD reply.
+pub fn allocated_v4(response: &metis::wire::Response) -> String {
+    use metis::wire::{Code, response};
+    assert_eq!(response.code(), Code::Ok, "{response:?}");
+    match &response.kind {
+        Some(response::Kind::Allocate(reply)) => reply.ipv4.as_ref().unwrap().ip_address.clone(),
+        other => panic!("unexpected reply {other:?}"),
     }
 }
 

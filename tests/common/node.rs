@@ -2,10 +2,11 @@
 //! tests (issue 10): network configurations with chosen names, ranges and
 //! requested addresses; a daemon restarted with changing `--cidr` flags,
 //! SIGKILLed or left down (direct mode); and read-only views of what the
-//! database holds.
+//! database holds, which every test crate shares.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::Path;
 use std::process::Output;
 
 use serde_json::{Value, json};
@@ -397,29 +398,7 @@ impl Node {
 
     /// Every allocated row that has an owner (reservations excluded).
     pub fn holdings(&self) -> Vec<Holding> {
-        if !self.db_path().exists() {
-            return Vec::new();
-        }
-        let conn = db(&self.db_path());
-        let mut stmt = conn
-            .prepare(
-                "SELECT b.network, a.container_id, COALESCE(a.interface_name, ''), a.address \
-                 FROM ip_addresses a JOIN cidr_blocks b ON a.cidr_block_id = b.id \
-                 WHERE a.is_allocated = 1 AND COALESCE(a.container_id, '') != '' \
-                 ORDER BY a.id",
-            )
-            .unwrap();
-        stmt.query_map([], |r| {
-            Ok(Holding {
-                network: r.get(0)?,
-                container: r.get(1)?,
-                ifname: r.get(2)?,
-                address: r.get::<_, String>(3)?.parse().unwrap(),
-            })
-        })
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+        holdings(&self.db_path())
     }
 
     /// The addresses `container` holds on `eth0` in `network`.
@@ -433,24 +412,68 @@ impl Node {
 
     /// Every `cidr_blocks` row.
     pub fn blocks(&self) -> Vec<BlockRow> {
-        if !self.db_path().exists() {
-            return Vec::new();
-        }
-        let conn = db(&self.db_path());
-        let mut stmt = conn
-            .prepare("SELECT network, cidr, state FROM cidr_blocks ORDER BY id")
-            .unwrap();
-        stmt.query_map([], |r| {
-            Ok(BlockRow {
-                network: r.get(0)?,
-                block: Block::parse(&r.get::<_, String>(1)?),
-                state: r.get(2)?,
-            })
-        })
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+        blocks(&self.db_path())
     }
+}
+
+/// Every allocated row that has an owner (reservations excluded) of the
+/// database at `path`, in row order; none when there is no database yet.
+pub fn holdings(path: &Path) -> Vec<Holding> {
+    if !path.exists() {
+        return Vec::new();
+    }
+    let conn = db(path);
+    let mut stmt = conn
+        .prepare(
+            "SELECT b.network, a.container_id, COALESCE(a.interface_name, ''), a.address \
+             FROM ip_addresses a JOIN cidr_blocks b ON a.cidr_block_id = b.id \
+             WHERE a.is_allocated = 1 AND COALESCE(a.container_id, '') != '' \
+             ORDER BY a.id",
+        )
+        .unwrap();
+    stmt.query_map([], |r| {
+        Ok(Holding {
+            network: r.get(0)?,
+            container: r.get(1)?,
+            ifname: r.get(2)?,
+            address: r.get::<_, String>(3)?.parse().unwrap(),
+        })
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// The addresses `container` holds (any network and interface) in the
+/// database at `path`, as text, in row order.
+pub fn held(path: &Path, container: &str) -> Vec<String> {
+    holdings(path)
+        .into_iter()
+        .filter(|h| h.container == container)
+        .map(|h| h.address.to_string())
+        .collect()
+}
+
+/// Every `cidr_blocks` row of the database at `path`; none when there is
+/// no database yet.
+pub fn blocks(path: &Path) -> Vec<BlockRow> {
+    if !path.exists() {
+        return Vec::new();
+    }
+    let conn = db(path);
+    let mut stmt = conn
+        .prepare("SELECT network, cidr, state FROM cidr_blocks ORDER BY id")
+        .unwrap();
+    stmt.query_map([], |r| {
+        Ok(BlockRow {
+            network: r.get(0)?,
+            block: Block::parse(&r.get::<_, String>(1)?),
+            state: r.get(2)?,
+        })
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
 }
 
 /// Addresses held by more than one owner, among rows `counts` selects.

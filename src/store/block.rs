@@ -1,0 +1,547 @@
+//! One block's rows: what a block reserves (network, gateway, broadcast,
+//! host-local bounds), how far it is populated (its frontier), inserting
+//! and settling its rows, giving a row back, recounting its counter,
+//! deleting it, and Metis's record of it (sources, retirement,
+//! quarantine). Every verb of the store — allocation, layout, repair,
+//! checks, lifecycle — is built from these; this layer imports only the
+//! store's base.
+
+use rusqlite::types::Value;
+use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
+
+use super::{
+    Allocation, BlockInfo, ReserveMode, StoreError, get_setting, parse_addr, parse_family,
+    parse_state, schema, total_ips,
+};
+use crate::cidr::{Bounds, Cidr, Family};
+
+/// Rows are populated lazily, this many at a time, from a block's frontier
+/// (IPv4 and IPv6 alike), so adding a block of any size is O(1).
+pub const GROWTH_BATCH: u128 = 64;
+
+/// The offsets (from the block base) a block reserves. Blocks with fewer
+/// than 4 addresses reserve nothing. `EveryBlock`: IPv4 0, 1, last; IPv6 0,
+/// 1. `FirstBlock`: IPv4 0, 1, last only for the network's first IPv4 block.
+pub fn reserved_offsets(cidr: &Cidr, mode: ReserveMode, first_v4_block: bool) -> Vec<u128> {
+    let size = cidr.size();
+    if size < 4 {
+        return Vec::new();
+    }
+    match (cidr.family(), mode) {
+        (Family::V4, ReserveMode::EveryBlock) => vec![0, 1, size - 1],
+        (Family::V4, ReserveMode::FirstBlock) if first_v4_block => vec![0, 1, size - 1],
+        (Family::V6, ReserveMode::EveryBlock) => vec![0, 1],
+        _ => Vec::new(),
+    }
+}
+
+/// Whether block `id` is the lowest-id IPv4 block of `network`.
+fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<bool, StoreError> {
+    let first: Option<i64> = conn
+        .prepare_cached(
+            "SELECT MIN(id) FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4'",
+        )?
+        .query_row([network], |r| r.get(0))?;
+    Ok(first == Some(id))
+}
+
+/// The positions a block keeps out of allocation: fixed offsets, and with
+/// host-local bounds everything outside the usable range too (described,
+/// never enumerated: an IPv6 block's outside may be 2^64 addresses).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    offsets: Vec<u128>,
+    /// Inclusive first and last usable offsets, when bounded.
+    usable: Option<(u128, u128)>,
+}
+
+impl Reserved {
+    /// Metis's rule (or upstream's, by mode): the fixed offsets only.
+    pub fn fixed(offsets: Vec<u128>) -> Reserved {
+        Reserved {
+            offsets,
+            usable: None,
+        }
+    }
+
+    /// host-local's rule: outside `start..=end`, and the gateway.
+    pub fn bounded(cidr: &Cidr, bounds: &Bounds) -> Reserved {
+        let (gateway, start, end) = bounds.offsets(cidr);
+        Reserved {
+            offsets: gateway.into_iter().collect(),
+            usable: Some((start, end)),
+        }
+    }
+
+    /// The fixed offsets (network, gateway, broadcast), every one of which
+    /// has a reserved row from the block's start.
+    pub fn offsets(&self) -> &[u128] {
+        &self.offsets
+    }
+
+    pub fn contains(&self, offset: &u128) -> bool {
+        self.offsets.contains(offset)
+            || self
+                .usable
+                .is_some_and(|(start, end)| *offset < start || *offset > end)
+    }
+
+    /// The offsets of a block of `size` addresses that may be handed out
+    /// at all: the usable range when bounded, else the whole block.
+    pub fn usable(&self, size: u128) -> std::ops::Range<u128> {
+        match self.usable {
+            Some((start, end)) => start..end.saturating_add(1).min(size),
+            None => 0..size,
+        }
+    }
+
+    /// How many of a block of `size` addresses are reserved.
+    pub fn count(&self, size: u128) -> u128 {
+        let Some((start, end)) = self.usable else {
+            return self.offsets.iter().filter(|o| **o < size).count() as u128;
+        };
+        let usable = end.saturating_sub(start).saturating_add(1).min(size);
+        let inside = self
+            .offsets
+            .iter()
+            .filter(|o| (start..=end).contains(*o))
+            .count() as u128;
+        size - usable + inside
+    }
+}
+
+/// The host-local bounds recorded for block `cidr` of `network`, if any.
+pub(super) fn bounds_of(
+    conn: &Connection,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<Option<Bounds>, StoreError> {
+    let row: Option<(String, String, String)> = conn
+        .prepare_cached(
+            "SELECT range_start, range_end, gateway FROM metis_bounds \
+             WHERE network = ?1 AND cidr = ?2",
+        )?
+        .query_row(params![network, cidr.to_string()], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()?;
+    row.map(|(start, end, gateway)| {
+        Ok(Bounds {
+            start: parse_addr(&start)?,
+            end: parse_addr(&end)?,
+            gateway: parse_addr(&gateway)?,
+        })
+    })
+    .transpose()
+}
+
+/// The reserved positions of an existing block under `mode`: its
+/// host-local bounds when it has some, else the mode's fixed offsets.
+pub(super) fn block_reserved(
+    conn: &Connection,
+    mode: ReserveMode,
+    id: i64,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<Reserved, StoreError> {
+    if let Some(bounds) = bounds_of(conn, network, cidr)? {
+        return Ok(Reserved::bounded(cidr, &bounds));
+    }
+    let first = mode == ReserveMode::FirstBlock
+        && cidr.family() == Family::V4
+        && is_first_v4(conn, network, id)?;
+    Ok(Reserved::fixed(reserved_offsets(cidr, mode, first)))
+}
+
+/// Inserts the rows at `offsets` of a block, reserving those in `reserved`;
+/// bumps the block's counter by the number reserved. Returns rows inserted.
+pub(super) fn insert_rows(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+    offsets: std::ops::Range<u128>,
+    reserved: &Reserved,
+) -> Result<u64, StoreError> {
+    // OR IGNORE: a requested IPv6 address may already have its row, and
+    // another writer (upstream) may have populated ahead of our frontier.
+    let mut insert = conn.prepare_cached(
+        "INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+         VALUES (?1, ?2, '', '', ?3)",
+    )?;
+    let mut inserted = 0u64;
+    let mut reserved_count = 0i64;
+    for offset in offsets {
+        let Some(addr) = cidr.nth(offset) else {
+            break;
+        };
+        let is_reserved = reserved.contains(&offset);
+        if insert.execute(params![addr.to_string(), block_id, is_reserved])? == 0 {
+            continue;
+        }
+        inserted += 1;
+        if is_reserved {
+            reserved_count += 1;
+        }
+    }
+    if reserved_count > 0 {
+        conn.prepare_cached(
+            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
+        )?
+        .execute(params![block_id, reserved_count])?;
+    }
+    Ok(inserted)
+}
+
+/// Inserts the rows at a block's fixed reserved offsets that do not exist
+/// yet (beyond the frontier: an IPv4 block's last address), reserved, so
+/// the block's counter counts them from the start.
+pub(super) fn insert_reserved_rows(
+    conn: &Connection,
+    id: i64,
+    cidr: &Cidr,
+    reserved: &Reserved,
+) -> Result<(), StoreError> {
+    for offset in reserved.offsets() {
+        insert_rows(conn, id, cidr, *offset..offset.saturating_add(1), reserved)?;
+    }
+    Ok(())
+}
+
+/// Inserts a Ready block and its first batch of rows, plus its reserved
+/// rows (so counters count every reservation from the start), and records
+/// its frontier: O(1) whatever the block's size. Returns its id.
+pub(super) fn insert_block(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<i64, StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
+         VALUES (?1, ?2, ?3, ?4, 0, 'Ready')",
+    )?
+    .execute(params![
+        cidr.to_string(),
+        network,
+        cidr.family().as_str(),
+        total_ips(cidr)
+    ])?;
+    let id = conn.last_insert_rowid();
+    let reserved = block_reserved(conn, mode, id, network, cidr)?;
+    // Only the usable range is ever populated (host-local bounds): what
+    // lies outside it is reserved by description, never row by row.
+    let usable = reserved.usable(cidr.size());
+    let end = usable.start.saturating_add(GROWTH_BATCH).min(usable.end);
+    insert_rows(conn, id, cidr, usable.start..end, &reserved)?;
+    insert_reserved_rows(conn, id, cidr, &reserved)?;
+    set_frontier(conn, id, end)?;
+    Ok(id)
+}
+
+/// Reads every row of a block to find its highest address: run once per
+/// IPv6 block that has no recorded frontier (populated by upstream, or
+/// before Metis recorded frontiers), never on the allocation path.
+const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1";
+
+/// The next offset of a block to populate. Without a recorded frontier:
+/// an IPv4 block was populated whole when added (by upstream, or by Metis
+/// before IPv4 grew lazily); an IPv6 block continues after its highest row
+/// (a scan, once per block, as upstream records no frontier).
+pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
+    let recorded = match conn
+        .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")
+        .and_then(|mut stmt| {
+            stmt.query_row([block_id], |r| r.get::<_, Option<String>>(0))
+                .optional()
+        }) {
+        Ok(row) => row.flatten(),
+        // Only a read-only look can find Metis's tables in an earlier
+        // shape (every open that may write moves them first): a database
+        // of an earlier release keeps the frontier as a settings key, an
+        // upstream one keeps none.
+        Err(_) => get_setting(conn, &format!("{}{block_id}", schema::LEGACY_KEYS[0]))
+            .ok()
+            .flatten(),
+    }
+    .and_then(|text| text.parse::<u128>().ok());
+    if let Some(frontier) = recorded {
+        return Ok(cidr.size().min(frontier));
+    }
+    match cidr.family() {
+        Family::V4 => Ok(cidr.size()),
+        Family::V6 => Ok(highest_offset(conn, block_id, cidr)?.map_or(0, |h| h.saturating_add(1))),
+    }
+}
+
+/// Records the next offset of a block to populate (a Metis record of the
+/// block without one of its sources, if it had none).
+pub(super) fn set_frontier(conn: &Connection, block_id: i64, next: u128) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO metis_blocks (block_id, frontier) VALUES (?1, ?2) \
+         ON CONFLICT(block_id) DO UPDATE SET frontier = excluded.frontier",
+    )?
+    .execute(params![block_id, next.to_string()])?;
+    Ok(())
+}
+
+/// The highest populated offset of a block: a scan of its rows, done once
+/// per IPv6 block that has no recorded frontier (populated by upstream).
+fn highest_offset(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+) -> Result<Option<u128>, StoreError> {
+    let mut highest: Option<u128> = None;
+    let mut stmt = conn.prepare_cached(HIGHEST_ROW_SCAN_SQL)?;
+    let mut rows = stmt.query([block_id])?;
+    while let Some(row) = rows.next()? {
+        let text: String = row.get(0)?;
+        if let Some(offset) = cidr.offset_of(parse_addr(&text)?) {
+            highest = Some(highest.map_or(offset, |h| h.max(offset)));
+        }
+    }
+    Ok(highest)
+}
+
+/// An allocated row: its id, its block's id, and what it holds.
+pub(super) struct HeldRow {
+    pub(super) row_id: i64,
+    pub(super) block_id: i64,
+    pub(super) allocation: Allocation,
+}
+
+pub(super) const RELEASE_ROW_SQL: &str =
+    "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1";
+
+pub(super) const COUNT_RELEASED_SQL: &str =
+    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1";
+
+/// A pod gives a reserved position back to the reservation.
+pub(super) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
+     pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1";
+
+/// Frees one allocated row of a block of `network`: it rests until
+/// `release_at` (none if `None`) and the block's counter drops — unless
+/// the row sits at a position the block reserves under `mode` (a pod left
+/// there by an upstream database), which goes back to the reservation and
+/// stays counted. Every release (DEL, GC, boot recovery) ends here.
+pub(super) fn give_back(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    row: &HeldRow,
+    release_at: Option<i64>,
+) -> Result<(), StoreError> {
+    let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
+    let at_reserved = row
+        .allocation
+        .block
+        .offset_of(row.allocation.address)
+        .is_some_and(|offset| reserved.contains(&offset));
+    if at_reserved {
+        conn.prepare_cached(RETURN_RESERVED_SQL)?
+            .execute([row.row_id])?;
+        return Ok(());
+    }
+    conn.prepare_cached(RELEASE_ROW_SQL)?
+        .execute(params![row.row_id, release_at])?;
+    conn.prepare_cached(COUNT_RELEASED_SQL)?
+        .execute([row.block_id])?;
+    Ok(())
+}
+
+/// Brings a reshaped block's rows in line: its fixed reserved positions
+/// have rows, positions it reserves are reserved unless a pod holds them,
+/// reserved rows elsewhere are freed, and the counters are recounted.
+pub(super) fn settle(
+    conn: &Connection,
+    mode: ReserveMode,
+    id: i64,
+    network: &str,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    let reserved = block_reserved(conn, mode, id, network, cidr)?;
+    insert_reserved_rows(conn, id, cidr, &reserved)?;
+    // Row by row: a bounded block's reserved positions are a description,
+    // not a list.
+    let rows: Vec<(i64, String, bool, String)> = conn
+        .prepare_cached(
+            "SELECT id, address, is_allocated, COALESCE(container_id, '') \
+             FROM ip_addresses WHERE cidr_block_id = ?1",
+        )?
+        .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<Result<_, _>>()?;
+    for (row_id, address, allocated, container) in rows {
+        let at_reserved = cidr
+            .offset_of(parse_addr(&address)?)
+            .is_some_and(|offset| reserved.contains(&offset));
+        let sql = match (at_reserved, allocated, container.is_empty()) {
+            (true, false, _) => RESERVE_ROW_SQL,
+            (false, true, true) => FREE_RESERVED_ROW_SQL,
+            _ => continue,
+        };
+        conn.prepare_cached(sql)?.execute([row_id])?;
+    }
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET allocated_ips = \
+         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1) \
+         WHERE id = ?1",
+    )?
+    .execute([id])?;
+    Ok(())
+}
+
+/// Reserves a free row (no owner, no cooldown); touches nothing else.
+pub(super) const RESERVE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = '', \
+     interface_name = '', pod_name = NULL, pod_namespace = NULL, release_at = NULL \
+     WHERE id = ?1 AND is_allocated = FALSE";
+
+/// Frees a reserved row (allocated, no owner) at once.
+pub(super) const FREE_RESERVED_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL \
+     WHERE id = ?1 AND is_allocated = 1 AND COALESCE(container_id, '') = ''";
+
+/// Deletes a block, its rows and Metis's records of it.
+pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
+        .execute([id])?;
+    conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
+        .execute([id])?;
+    forget_block(conn, id)
+}
+
+/// Drops Metis's records of a deleted block.
+pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
+        .execute([id])?;
+    Ok(())
+}
+
+/// Blocks whose `allocated_ips` differs from their count of allocated
+/// rows: `(block id, allocated_ips, actual)`.
+pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, COALESCE(b.allocated_ips, 0), \
+                (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
+         FROM cidr_blocks b ORDER BY b.id",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, counter, actual) = row?;
+        if counter != actual {
+            out.push((id, counter, actual));
+        }
+    }
+    Ok(out)
+}
+
+/// Sets every block's `allocated_ips` to its count of allocated rows;
+/// returns how many were wrong.
+pub(super) fn recount(conn: &Connection) -> Result<usize, StoreError> {
+    let wrong = counter_mismatches(conn)?;
+    for (id, _, actual) in &wrong {
+        conn.prepare_cached("UPDATE cidr_blocks SET allocated_ips = ?2 WHERE id = ?1")?
+            .execute(params![id, actual])?;
+    }
+    Ok(wrong.len())
+}
+
+/// Gives a block a Metis record of its sources (none yet) if it has none.
+pub(super) fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO metis_blocks (block_id, sources) VALUES (?1, '') \
+         ON CONFLICT(block_id) DO UPDATE SET sources = COALESCE(sources, '')",
+    )?
+    .execute([id])?;
+    Ok(())
+}
+
+/// A block nothing new is allocated from, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Quarantined {
+    pub block_id: i64,
+    pub cidr: String,
+    pub network: String,
+    pub why: String,
+}
+
+/// Quarantined blocks, id order.
+pub(super) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
+         JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
+    )?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok(Quarantined {
+                block_id: r.get(0)?,
+                cidr: r.get(1)?,
+                network: r.get(2)?,
+                why: r.get(3)?,
+            })
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Whether block `block_id` is quarantined.
+pub(super) fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM metis_blocks WHERE block_id = ?1 AND quarantine IS NOT NULL)",
+        )?
+        .query_row([block_id], |r| r.get(0))?)
+}
+
+/// Lifts every quarantine (before it is recomputed from scratch).
+pub(super) fn clear_quarantines(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
+    Ok(())
+}
+
+/// Quarantines block `id`, saying why.
+pub(super) fn quarantine(conn: &Connection, id: i64, why: &str) -> Result<(), StoreError> {
+    ensure_record(conn, id)?;
+    conn.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
+        .execute(params![id, why])?;
+    Ok(())
+}
+
+/// The columns [`block_info`] reads, of `cidr_blocks b`.
+pub(super) const BLOCK_COLUMNS: &str = "b.id, b.cidr, b.network, b.ip_family, b.total_ips, \
+     COALESCE(b.allocated_ips, 0), b.state, COALESCE(b.created_at, 0), COALESCE(b.updated_at, 0)";
+
+fn block_info(row: &Row) -> Result<BlockInfo, StoreError> {
+    Ok(BlockInfo {
+        id: row.get(0)?,
+        cidr: row.get(1)?,
+        network: row.get(2)?,
+        family: parse_family(&row.get::<_, String>(3)?)?,
+        total_ips: row.get(4)?,
+        allocated_ips: row.get(5)?,
+        state: parse_state(&row.get::<_, String>(6)?)?,
+        created_at: row.get(7)?,
+        updated_at: row.get(8)?,
+    })
+}
+
+/// The blocks a query selecting [`BLOCK_COLUMNS`] finds.
+pub(super) fn query_blocks(
+    conn: &Connection,
+    sql: &str,
+    params: &[Value],
+) -> Result<Vec<BlockInfo>, StoreError> {
+    let mut stmt = conn.prepare_cached(sql)?;
+    let mut rows = stmt.query(params_from_iter(params.iter()))?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push(block_info(row)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,285 @@
+//! The repair run at open: brings any database — including one written
+//! by upstream — in line with the reservation mode in force (reserved rows
+//! where the mode reserves, none elsewhere, no row outside its prefix).
+
+use std::collections::{HashMap, HashSet};
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use super::block::{
+    FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
+};
+use super::{
+    BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
+    schema, set_setting,
+};
+use crate::cidr::{Cidr, Family};
+
+#[derive(Default)]
+struct Plan {
+    /// (row id, block id) of free rows to reserve.
+    reserve: Vec<(i64, i64)>,
+    /// (row id, block id) of reserved rows to free.
+    free: Vec<(i64, i64)>,
+    /// Free rows outside their block's prefix (upstream's /127, /128 bug).
+    delete: Vec<i64>,
+    /// (block id, cidr, offset) of reserved positions beyond the block's
+    /// frontier (no row yet), inserted reserved so counters count them.
+    insert: Vec<(i64, Cidr, u128)>,
+    warnings: Vec<String>,
+    /// The full (expensive) part ran; record the layout marker.
+    mark: bool,
+    /// Blocks with host-local bounds: their reserved rows outside the
+    /// usable range are not strays.
+    bounded: HashMap<i64, (Cidr, Reserved)>,
+}
+
+impl Plan {
+    fn changes(&self) -> bool {
+        !self.reserve.is_empty()
+            || !self.free.is_empty()
+            || !self.delete.is_empty()
+            || !self.insert.is_empty()
+            || self.mark
+    }
+}
+
+/// A block the repair looks at (not Deleting, parseable).
+struct RepairBlock {
+    id: i64,
+    cidr: Cidr,
+    network: String,
+}
+
+/// What the repair would change under `mode`; reads only.
+fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
+    let mut plan = Plan::default();
+    let layout = get_setting(conn, schema::KEY_LAYOUT)?;
+    // The full part scans rows; it runs once per mode change.
+    plan.mark = layout.as_deref() != Some(mode.as_str());
+    let (blocks, first_v4) = plan.live_blocks(conn)?;
+    let expected = plan.reserve_positions(conn, mode, &blocks, &first_v4)?;
+    if plan.mark {
+        plan.free_stray_reservations(conn, &expected)?;
+        plan.delete_rows_outside_prefix(conn, &blocks)?;
+    }
+    Ok(plan)
+}
+
+impl Plan {
+    /// The blocks to repair, and the first IPv4 block id of each network
+    /// (Deleting blocks count for that, as the allocator counts them).
+    /// Unparseable blocks are warned about and skipped.
+    fn live_blocks(
+        &mut self,
+        conn: &Connection,
+    ) -> Result<(Vec<RepairBlock>, HashMap<String, i64>), StoreError> {
+        let mut blocks = Vec::new();
+        let mut first_v4: HashMap<String, i64> = HashMap::new();
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, cidr, network, ip_family, state FROM cidr_blocks ORDER BY id",
+        )?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let id: i64 = row.get(0)?;
+            let cidr_text: String = row.get(1)?;
+            let network: String = row.get(2)?;
+            let family_text: String = row.get(3)?;
+            let state_text: String = row.get(4)?;
+            let (family, state) = match (parse_family(&family_text), parse_state(&state_text)) {
+                (Ok(f), Ok(s)) => (f, s),
+                (Err(e), _) | (_, Err(e)) => {
+                    self.warnings.push(format!("block {id}: {e}; not repaired"));
+                    continue;
+                }
+            };
+            if family == Family::V4 {
+                first_v4.entry(network.clone()).or_insert(id);
+            }
+            if state == BlockState::Deleting {
+                continue;
+            }
+            let cidr = match parse_cidr(&cidr_text) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.warnings.push(format!("block {id}: {e}; not repaired"));
+                    continue;
+                }
+            };
+            blocks.push(RepairBlock { id, cidr, network });
+        }
+        Ok((blocks, first_v4))
+    }
+
+    /// Plans reserving the free rows at reserved positions; a pod holding
+    /// one is warned about and left alone. Returns each block's reserved
+    /// addresses.
+    fn reserve_positions(
+        &mut self,
+        conn: &Connection,
+        mode: ReserveMode,
+        blocks: &[RepairBlock],
+        first_v4: &HashMap<String, i64>,
+    ) -> Result<HashMap<i64, HashSet<String>>, StoreError> {
+        let mut lookup = conn.prepare_cached(
+            "SELECT id, is_allocated, COALESCE(container_id, ''), COALESCE(interface_name, '') \
+             FROM ip_addresses WHERE address = ?1 AND cidr_block_id = ?2",
+        )?;
+        let mut expected: HashMap<i64, HashSet<String>> = HashMap::new();
+        for block in blocks {
+            let first = first_v4.get(&block.network) == Some(&block.id);
+            let offsets = match bounds_of(conn, &block.network, &block.cidr)? {
+                Some(bounds) => {
+                    let reserved = Reserved::bounded(&block.cidr, &bounds);
+                    self.bounded.insert(block.id, (block.cidr, reserved));
+                    bounds.offsets(&block.cidr).0.into_iter().collect()
+                }
+                None => reserved_offsets(&block.cidr, mode, first),
+            };
+            let mut set = HashSet::new();
+            for offset in offsets {
+                let Some(addr) = block.cidr.nth(offset) else {
+                    continue;
+                };
+                let text = addr.to_string();
+                let row: Option<(i64, bool, String, String)> = lookup
+                    .query_row(params![text, block.id], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                    })
+                    .optional()?;
+                match row {
+                    None => self.insert.push((block.id, block.cidr, offset)),
+                    Some((row_id, false, _, _)) => self.reserve.push((row_id, block.id)),
+                    Some((_, true, cid, _)) if cid.is_empty() => {}
+                    Some((_, true, cid, ifname)) => self.warnings.push(format!(
+                        "store: block {} ({}, network {:?}): reserved address {addr} is held by container {cid:?} interface {ifname:?}; left alone until released",
+                        block.id, block.cidr, block.network
+                    )),
+                }
+                set.insert(text);
+            }
+            expected.insert(block.id, set);
+        }
+        Ok(expected)
+    }
+
+    /// Plans freeing reserved rows at positions the mode does not reserve.
+    fn free_stray_reservations(
+        &mut self,
+        conn: &Connection,
+        expected: &HashMap<i64, HashSet<String>>,
+    ) -> Result<(), StoreError> {
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, address, cidr_block_id FROM ip_addresses \
+             WHERE container_id = '' AND is_allocated = 1",
+        )?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let row_id: i64 = row.get(0)?;
+            let address: String = row.get(1)?;
+            let block_id: i64 = row.get(2)?;
+            let outside_bounds = self.bounded.get(&block_id).is_some_and(|(cidr, reserved)| {
+                address
+                    .parse()
+                    .ok()
+                    .and_then(|addr| cidr.offset_of(addr))
+                    .is_some_and(|offset| reserved.contains(&offset))
+            });
+            if let Some(set) = expected.get(&block_id)
+                && !set.contains(&address)
+                && !outside_bounds
+            {
+                self.free.push((row_id, block_id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans deleting free rows outside a small IPv6 block's prefix
+    /// (upstream inserted a full batch of 64 even for /127 and /128).
+    fn delete_rows_outside_prefix(
+        &mut self,
+        conn: &Connection,
+        blocks: &[RepairBlock],
+    ) -> Result<(), StoreError> {
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, address, is_allocated FROM ip_addresses WHERE cidr_block_id = ?1",
+        )?;
+        for block in blocks
+            .iter()
+            .filter(|b| b.cidr.family() == Family::V6 && b.cidr.size() < 64)
+        {
+            let mut rows = stmt.query([block.id])?;
+            while let Some(row) = rows.next()? {
+                let row_id: i64 = row.get(0)?;
+                let address: String = row.get(1)?;
+                let allocated: bool = row.get(2)?;
+                let inside = address
+                    .parse()
+                    .map(|a| block.cidr.contains(a))
+                    .unwrap_or(false);
+                if inside {
+                    continue;
+                }
+                if allocated {
+                    self.warnings.push(format!(
+                        "store: block {} ({}): allocated row {address:?} lies outside the prefix; left alone",
+                        block.id, block.cidr
+                    ));
+                } else {
+                    self.delete.push(row_id);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Brings reservations in line with the mode. Read-only unless
+    /// something must change.
+    pub(super) fn repair(&mut self) -> Result<(), StoreError> {
+        let mode = self.reserve;
+        let first = plan(&self.conn, mode)?;
+        if !first.changes() {
+            self.warnings.extend(first.warnings);
+            return Ok(());
+        }
+        let tx = super::write(&mut self.conn, self.batch)?;
+        // Re-plan under the write lock: another process may have repaired.
+        let plan = plan(&tx, mode)?;
+        {
+            let mut reserve = tx.prepare_cached(RESERVE_ROW_SQL)?;
+            let mut free = tx.prepare_cached(FREE_RESERVED_ROW_SQL)?;
+            let mut delete = tx.prepare_cached(
+                "DELETE FROM ip_addresses WHERE id = ?1 AND is_allocated = FALSE",
+            )?;
+            let mut bump = tx.prepare_cached(
+                "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
+            )?;
+            for &(row_id, block_id) in &plan.reserve {
+                if reserve.execute([row_id])? > 0 {
+                    bump.execute([block_id, 1])?;
+                }
+            }
+            for &(row_id, block_id) in &plan.free {
+                if free.execute([row_id])? > 0 {
+                    bump.execute([block_id, -1])?;
+                }
+            }
+            for &row_id in &plan.delete {
+                delete.execute([row_id])?;
+            }
+            for (block_id, cidr, offset) in &plan.insert {
+                let at = *offset..offset.saturating_add(1);
+                insert_rows(&tx, *block_id, cidr, at, &Reserved::fixed(vec![*offset]))?;
+            }
+            if plan.mark {
+                set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;
+            }
+        }
+        tx.commit()?;
+        self.warnings.extend(plan.warnings);
+        Ok(())
+    }
+}

@@ -1,0 +1,496 @@
+//! Allocation order, idempotency, release, requested addresses and the
+//! release cooldown.
+
+use super::*;
+
+/// A layout of blocks (network "default") and the order in which
+/// allocations of `family` take its addresses until it is exhausted.
+struct OrderCase {
+    name: &'static str,
+    blocks: &'static [&'static str],
+    family: Family,
+    /// Per block, in id order: total_ips and the reserved addresses.
+    totals: &'static [i64],
+    reserved: &'static [&'static [&'static str]],
+    order: &'static [&'static str],
+}
+
+const ORDER_CASES: [OrderCase; 5] = [
+    OrderCase {
+        name: "every block: a /29 keeps network, gateway, broadcast",
+        blocks: &["198.18.1.0/29"],
+        family: Family::V4,
+        totals: &[8],
+        reserved: &[&["198.18.1.0", "198.18.1.1", "198.18.1.7"]],
+        order: &[
+            "198.18.1.2",
+            "198.18.1.3",
+            "198.18.1.4",
+            "198.18.1.5",
+            "198.18.1.6",
+        ],
+    },
+    OrderCase {
+        name: "tiny IPv4 blocks reserve nothing",
+        blocks: &["198.18.0.0/31", "198.18.0.9/32"],
+        family: Family::V4,
+        totals: &[2, 1],
+        reserved: &[&[], &[]],
+        order: &["198.18.0.0", "198.18.0.1", "198.18.0.9"],
+    },
+    OrderCase {
+        name: "IPv6 /126 keeps base and gateway",
+        blocks: &["2001:db8::/126"],
+        family: Family::V6,
+        totals: &[4],
+        reserved: &[&["2001:db8::", "2001:db8::1"]],
+        order: &["2001:db8::2", "2001:db8::3"],
+    },
+    OrderCase {
+        name: "IPv6 /127 stays inside its prefix",
+        blocks: &["2001:db8::/127"],
+        family: Family::V6,
+        totals: &[2],
+        reserved: &[&[]],
+        order: &["2001:db8::", "2001:db8::1"],
+    },
+    OrderCase {
+        name: "IPv6 /128 has its one address",
+        blocks: &["2001:db8::10/128"],
+        family: Family::V6,
+        totals: &[1],
+        reserved: &[&[]],
+        order: &["2001:db8::10"],
+    },
+];
+
+#[test]
+fn allocation_order_until_exhausted() {
+    for case in &ORDER_CASES {
+        let name = case.name;
+        let blocks: Vec<(&str, &str)> = case.blocks.iter().map(|b| ("default", *b)).collect();
+        let (_dir, mut store) = store_with(&blocks);
+        for (id, (total, reserved)) in (1..).zip(case.totals.iter().zip(case.reserved)) {
+            assert_eq!(reserved_addrs(&store, id), *reserved, "{name}: block {id}");
+            let b = block(&store, id);
+            let counted = i64::try_from(reserved.len()).unwrap();
+            assert_eq!(
+                (b.total_ips, b.allocated_ips, b.family, b.state),
+                (*total, counted, case.family, BlockState::Ready),
+                "{name}: block {id}"
+            );
+        }
+        let got: Vec<IpAddr> = (0..case.order.len())
+            .map(|i| alloc(&mut store, "default", &format!("c{i}"), case.family, NOW))
+            .collect();
+        let want: Vec<IpAddr> = case.order.iter().map(|a| ip(a)).collect();
+        assert_eq!(got, want, "{name}");
+        let err = store
+            .allocate(&owner("default", "one-more"), case.family, NOW)
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::NoAvailableIps { family, .. } if family == case.family),
+            "{name}: {err}"
+        );
+        assert!(
+            err.to_string().contains("no available IPs in store"),
+            "{name}"
+        );
+        assert!(!err.is_transient(), "{name}");
+        for (id, total) in (1..).zip(case.totals) {
+            assert_eq!(
+                block(&store, id).allocated_ips,
+                *total,
+                "{name}: block {id} full"
+            );
+        }
+        assert_counters(&store);
+    }
+}
+
+#[test]
+fn adding_a_block_again_changes_nothing() {
+    // Its reservations and allocation order: allocation_order_until_exhausted.
+    let dir = TempDir::new();
+    let mut store = dir.store();
+    let id = store
+        .add_cidr_block("default", &cidr("198.18.1.0/29"))
+        .unwrap();
+    assert_eq!(id, AddOutcome::Added(1));
+    assert_eq!(rows(&store, 1).len(), 8);
+    alloc(&mut store, "default", "c0", Family::V4, NOW);
+    // Adding it again changes nothing.
+    assert_eq!(
+        store
+            .add_cidr_block("default", &cidr("198.18.1.0/29"))
+            .unwrap(),
+        AddOutcome::Exists(1)
+    );
+    assert_eq!(rows(&store, 1).len(), 8);
+    assert_eq!(
+        store.find_block("default", &cidr("198.18.1.0/29")).unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        store.find_block("other", &cidr("198.18.1.0/29")).unwrap(),
+        None
+    );
+    // One address, one owner on the node: the same prefix in another
+    // network is refused, naming the network that has it.
+    let refused = store
+        .add_cidr_block("other", &cidr("198.18.1.0/29"))
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::Overlap { other_network, .. } if other_network == "default"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn fully_cooling_126_terminates() {
+    let (_dir, mut store) =
+        store_opts_with(&opts(None, Some(30_000)), &[("default", "2001:db8::/126")]);
+    assert_eq!(rows(&store, 1).len(), 4);
+    assert_eq!(
+        alloc(&mut store, "default", "a", Family::V6, NOW),
+        ip("2001:db8::2")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "b", Family::V6, NOW),
+        ip("2001:db8::3")
+    );
+    store.release("default", "a", "eth0", NOW).unwrap();
+    store.release("default", "b", "eth0", NOW).unwrap();
+    let err = store
+        .allocate(&owner("default", "c"), Family::V6, NOW + 1)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::NoAvailableIps {
+                family: Family::V6,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(rows(&store, 1).len(), 4);
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V6, NOW + 30_000),
+        ip("2001:db8::2")
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn cooldown_skips_then_reuses() {
+    let (dir, mut store) =
+        store_opts_with(&opts(None, Some(1000)), &[("default", "198.18.1.0/29")]);
+    assert_eq!(
+        alloc(&mut store, "default", "a", Family::V4, NOW),
+        ip("198.18.1.2")
+    );
+    let released = store.release("default", "a", "eth0", NOW).unwrap();
+    assert_eq!(
+        released,
+        vec![Allocation {
+            address: ip("198.18.1.2"),
+            block: cidr("198.18.1.0/29")
+        }]
+    );
+    let r = rows(&store, 1);
+    assert_eq!(
+        r[2],
+        (
+            "198.18.1.2".to_string(),
+            false,
+            "a".to_string(),
+            Some(NOW + 1000)
+        )
+    );
+    assert_eq!(store.usage("default", Family::V4, NOW).unwrap().cooldown, 1);
+    assert_eq!(
+        alloc(&mut store, "default", "b", Family::V4, NOW + 999),
+        ip("198.18.1.3")
+    );
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V4, NOW + 1000),
+        ip("198.18.1.2")
+    );
+    assert_eq!(
+        store
+            .usage("default", Family::V4, NOW + 1000)
+            .unwrap()
+            .cooldown,
+        0
+    );
+    // Cooldown 0 → release_at NULL, immediately reusable.
+    let mut store = dir.store_with_cooldown(0);
+    store.release("default", "c", "eth0", NOW + 2000).unwrap();
+    assert_eq!(rows(&store, 1)[2].3, None);
+    assert_eq!(
+        alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
+        ip("198.18.1.2")
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn oldest_block_first() {
+    let (_dir, mut store) =
+        store_with(&[("default", "198.18.2.0/28"), ("default", "198.18.1.0/28")]);
+    for i in 0..3 {
+        let a = store
+            .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
+            .unwrap();
+        assert_eq!(a.block, cidr("198.18.2.0/28"));
+    }
+    // A Draining block is skipped.
+    store.drain_block(1, NOW).unwrap();
+    let a = store
+        .allocate(&owner("default", "d"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(a.address, ip("198.18.1.2"));
+}
+
+#[test]
+fn allocate_is_idempotent_and_network_scoped() {
+    let (_dir, mut store) = store_with(&[("default", "198.18.1.0/29"), ("blue", "198.18.9.0/29")]);
+    let a = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW)
+        .unwrap();
+    let before = store.blocks(&BlockFilter::default()).unwrap();
+    let again = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW + 5)
+        .unwrap();
+    assert_eq!(a, again);
+    assert_eq!(
+        store.blocks(&BlockFilter::default()).unwrap()[0].allocated_ips,
+        before[0].allocated_ips
+    );
+    let blue = store
+        .allocate(&owner("blue", "c1"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(blue.address, ip("198.18.9.2"));
+    assert_eq!(store.check("default", "c1", "eth0").unwrap(), vec![a]);
+    assert_eq!(store.check("blue", "c1", "eth0").unwrap(), vec![blue]);
+    // Another interface of the same container is another owner.
+    let mut o = owner("default", "c1");
+    o.interface_name = "net1";
+    assert_eq!(
+        store.allocate(&o, Family::V4, NOW).unwrap().address,
+        ip("198.18.1.3")
+    );
+    // Empty owner fields are refused.
+    let mut bad = owner("default", "");
+    assert!(matches!(
+        store.allocate(&bad, Family::V4, NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    bad.container_id = "x";
+    bad.interface_name = "";
+    assert!(matches!(
+        store.allocate(&bad, Family::V4, NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    assert!(matches!(
+        store.release("default", "", "eth0", NOW),
+        Err(StoreError::EmptyOwner)
+    ));
+    assert_counters(&store);
+}
+
+#[test]
+fn release_is_idempotent_and_dual_stack() {
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
+        &[("default", "2001:db8::/64"), ("default", "198.18.1.0/29")],
+    );
+    let v6 = store
+        .allocate(&owner("default", "c1"), Family::V6, NOW)
+        .unwrap();
+    let v4 = store
+        .allocate(&owner("default", "c1"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(store.check("default", "c1", "eth0").unwrap(), vec![v4, v6]);
+    assert!(store.check("other", "c1", "eth0").unwrap().is_empty());
+    assert!(
+        store
+            .release("other", "c1", "eth0", NOW)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store.release("default", "c1", "eth0", NOW).unwrap(),
+        vec![v4, v6]
+    );
+    assert!(
+        store
+            .release("default", "c1", "eth0", NOW)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.check("default", "c1", "eth0").unwrap().is_empty());
+    assert_eq!(block(&store, 1).allocated_ips, 2);
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_counters(&store);
+}
+
+#[test]
+fn counters_match_rows_after_mixed_sequence() {
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(500)),
+        &[
+            ("default", "198.18.1.0/28"),
+            ("default", "198.18.2.0/28"),
+            ("default", "2001:db8::/120"),
+        ],
+    );
+    for i in 0..70 {
+        let cid = format!("c{i}");
+        if i < 20 {
+            alloc(&mut store, "default", &cid, Family::V4, NOW + i);
+        }
+        alloc(&mut store, "default", &cid, Family::V6, NOW + i);
+        if i % 3 == 0 && i % 2 == 0 {
+            for family in [Family::V4, Family::V6] {
+                store.roll_back("default", &cid, "eth0", family).unwrap();
+            }
+        } else if i % 3 == 0 {
+            store.release("default", &cid, "eth0", NOW + i).unwrap();
+        }
+    }
+    store
+        .allocate_requested(&owner("default", "req"), ip("198.18.2.9"), NOW + 100)
+        .unwrap();
+    store
+        .allocate_requested(&owner("default", "req"), ip("2001:db8::f0"), NOW + 100)
+        .unwrap();
+    store.drain_block(2, NOW).unwrap();
+    for family in [Family::V4, Family::V6] {
+        store.roll_back("default", "req", "eth0", family).unwrap();
+    }
+    assert_counters(&store);
+    let usage = store.usage("default", Family::V6, NOW + 100).unwrap();
+    assert_eq!(usage.total, 256);
+    assert_eq!(
+        usage.allocated + usage.reserved,
+        block(&store, 3).allocated_ips
+    );
+}
+
+#[test]
+fn allocate_requested_cases() {
+    let (_dir, mut store) = store_opts_with(
+        &opts(None, Some(1000)),
+        &[("default", "198.18.1.0/29"), ("default", "2001:db8::/64")],
+    );
+    let a = store
+        .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
+        .unwrap();
+    assert_eq!(
+        a,
+        Allocation {
+            address: ip("198.18.1.5"),
+            block: cidr("198.18.1.0/29")
+        }
+    );
+    assert_eq!(
+        store
+            .allocate_requested(&owner("default", "a"), ip("198.18.1.5"), NOW)
+            .unwrap(),
+        a
+    );
+    let unavailable = |e: StoreError, needle: &str| match e {
+        StoreError::RequestedIpUnavailable { reason, .. } => {
+            assert!(
+                reason.to_string().contains(needle),
+                "{reason:?} lacks {needle:?}"
+            )
+        }
+        other => panic!("unexpected {other}"),
+    };
+    for (container, address, needle) in [
+        ("a", "198.18.1.4", "already holds 198.18.1.5"),
+        ("b", "198.18.1.5", "held by container \"a\""),
+        ("b", "198.18.1.1", "reserved"),
+        ("b", "198.18.1.7", "reserved"),
+        ("b", "2001:db8::1", "reserved"),
+    ] {
+        let err = store
+            .allocate_requested(&owner("default", container), ip(address), NOW)
+            .unwrap_err();
+        unavailable(err, needle);
+    }
+    store.release("default", "a", "eth0", NOW).unwrap();
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 10)
+            .unwrap_err(),
+        "it is in release cooldown until 2023-11-14T22:13:21.000Z",
+    );
+    assert!(matches!(
+        store.allocate_requested(&owner("default", "b"), ip("198.18.3.1"), NOW),
+        Err(StoreError::RequestedIpOutsideBlocks { .. })
+    ));
+    assert!(matches!(
+        store.allocate_requested(&owner("blue", "b"), ip("198.18.1.3"), NOW),
+        Err(StoreError::RequestedIpOutsideBlocks { .. })
+    ));
+    assert_eq!(
+        store
+            .allocate_requested(&owner("default", "b"), ip("198.18.1.5"), NOW + 1000)
+            .unwrap()
+            .address,
+        ip("198.18.1.5")
+    );
+    // IPv6 beyond the populated rows: just that row is added.
+    let v6 = store
+        .allocate_requested(&owner("default", "b"), ip("2001:db8::1:0"), NOW)
+        .unwrap();
+    assert_eq!(v6.block, cidr("2001:db8::/64"));
+    assert_eq!(rows(&store, 2).len(), 65);
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V6, NOW),
+        ip("2001:db8::2")
+    );
+    // Draining block: unavailable, not outside.
+    store.drain_block(1, NOW).unwrap();
+    unavailable(
+        store
+            .allocate_requested(&owner("default", "d"), ip("198.18.1.3"), NOW)
+            .unwrap_err(),
+        "Draining",
+    );
+    assert_counters(&store);
+}
+
+#[test]
+fn unknown_pod_names_are_stored_as_null_like_upstream() {
+    let (dir, mut store) = store_with(&[("n", "198.18.0.0/28")]);
+    let anonymous = Owner {
+        pod_name: "",
+        pod_namespace: "",
+        ..owner("n", "podman1")
+    };
+    store.allocate(&anonymous, Family::V4, NOW).unwrap();
+    store
+        .allocate(&owner("n", "k8s1"), Family::V4, NOW)
+        .unwrap();
+    drop(store);
+    let conn = Connection::open(dir.db()).unwrap();
+    let rows: Vec<(String, Option<String>, Option<String>)> = conn
+        .prepare("SELECT container_id, pod_name, pod_namespace FROM ip_addresses WHERE container_id != '' ORDER BY container_id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("k8s1".into(), Some("pod".into()), Some("ns".into())),
+            ("podman1".into(), None, None),
+        ]
+    );
+}

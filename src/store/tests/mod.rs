@@ -1,0 +1,134 @@
+//! The store's unit tests, by concern, and the helpers they share.
+
+mod alloc;
+mod batch;
+mod growth;
+mod lifecycle;
+mod listings;
+mod open;
+mod plans;
+mod reserve;
+mod upstream;
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use rusqlite::Connection;
+
+use super::*;
+
+const NOW: i64 = 1_700_000_000_000;
+
+use crate::testutil::{TempDir, cidr};
+
+fn opts(reserve: Option<ReserveMode>, release_cooldown: Option<i64>) -> StoreOptions {
+    StoreOptions {
+        durability: Durability::Normal,
+        reserve,
+        release_cooldown,
+    }
+}
+
+fn open(path: &Path) -> Store {
+    Store::open(path, &opts(None, None)).unwrap()
+}
+
+fn open_mode(path: &Path, mode: ReserveMode) -> Store {
+    Store::open(path, &opts(Some(mode), None)).unwrap()
+}
+
+/// A store whose released addresses rest for `cooldown_ms`.
+fn open_cooling(path: &Path, cooldown_ms: i64) -> Store {
+    Store::open(path, &opts(None, Some(cooldown_ms))).unwrap()
+}
+
+/// Adds blocks (network, cidr) in order: block ids 1, 2, … on a new store.
+fn add_blocks(store: &mut Store, blocks: &[(&str, &str)]) {
+    for (network, prefix) in blocks {
+        store.add_cidr_block(network, &cidr(prefix)).unwrap();
+    }
+}
+
+/// A new store (default options) holding `blocks`; keep the directory alive.
+fn store_with(blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    store_opts_with(&opts(None, None), blocks)
+}
+
+/// A new store opened with `opts`, holding `blocks`.
+fn store_opts_with(opts: &StoreOptions, blocks: &[(&str, &str)]) -> (TempDir, Store) {
+    let dir = TempDir::new();
+    let mut store = Store::open(&dir.db(), opts).unwrap();
+    add_blocks(&mut store, blocks);
+    (dir, store)
+}
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().unwrap()
+}
+
+fn owner<'a>(network: &'a str, container_id: &'a str) -> Owner<'a> {
+    Owner {
+        network,
+        container_id,
+        interface_name: "eth0",
+        pod_name: "pod",
+        pod_namespace: "ns",
+    }
+}
+
+fn wall_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+fn alloc(store: &mut Store, network: &str, cid: &str, family: Family, now: i64) -> IpAddr {
+    store
+        .allocate(&owner(network, cid), family, now)
+        .unwrap()
+        .address
+}
+
+fn block(store: &Store, id: i64) -> BlockInfo {
+    store
+        .blocks(&BlockFilter::default())
+        .unwrap()
+        .into_iter()
+        .find(|b| b.id == id)
+        .unwrap()
+}
+
+/// (address, is_allocated, container_id, release_at) of a block's rows, id order.
+fn rows(store: &Store, block_id: i64) -> Vec<(String, bool, String, Option<i64>)> {
+    let mut stmt = store
+        .conn
+        .prepare(
+            "SELECT address, is_allocated, COALESCE(container_id, ''), release_at \
+             FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id",
+        )
+        .unwrap();
+    stmt.query_map([block_id], |r| {
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+fn reserved_addrs(store: &Store, block_id: i64) -> Vec<String> {
+    rows(store, block_id)
+        .into_iter()
+        .filter(|r| r.1 && r.2.is_empty())
+        .map(|r| r.0)
+        .collect()
+}
+
+fn assert_counters(store: &Store) {
+    assert_eq!(store.counter_mismatches().unwrap(), Vec::new());
+}

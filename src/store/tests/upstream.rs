@@ -1,0 +1,155 @@
+//! A database upstream Metis wrote is repaired and served.
+
+use super::*;
+
+/// Upstream's schema as upstream ships it (a hand copy, apart from
+/// Metis's own, so a change to Metis's copy cannot hide here).
+const UPSTREAM_SCHEMA: &str = include_str!("../../../testdata/upstream-schema-v1.sql");
+
+#[test]
+fn upstream_database_is_repaired_and_served() {
+    let dir = TempDir::new();
+    let path = dir.db();
+    let upstream_tables: Vec<String>;
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(UPSTREAM_SCHEMA).unwrap();
+        // Block 1: upstream's first block, .0 .1 .7 reserved.
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.1.0/29', 'default', 'ipv4', 8, 3)",
+            [],
+        )
+        .unwrap();
+        for i in 0..8 {
+            let reserved = i == 0 || i == 1 || i == 7;
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 1, '', '', ?2)",
+                rusqlite::params![format!("198.18.1.{i}"), reserved],
+            )
+            .unwrap();
+        }
+        // Block 2: unreserved; .1 held by a pod.
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('198.18.2.0/29', 'default', 'ipv4', 8, 1)",
+            [],
+        )
+        .unwrap();
+        for i in 0..8 {
+            let (cid, ifname, allocated) = if i == 1 {
+                ("pod-x", "eth0", true)
+            } else {
+                ("", "", false)
+            };
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated, allocated_at) VALUES (?1, 2, ?2, ?3, ?4, ?5)",
+                rusqlite::params![format!("198.18.2.{i}"), cid, ifname, allocated, NOW],
+            )
+            .unwrap();
+        }
+        // Block 3: upstream's /127 with a full batch of 64 rows (62 out of prefix).
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) VALUES ('2001:db8::/127', 'default', 'ipv6', 2, 0)",
+            [],
+        )
+        .unwrap();
+        for i in 0..64u32 {
+            conn.execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, 3, '', '', 0)",
+                [std::net::Ipv6Addr::from(0x2001_0db8_u128 << 96 | u128::from(i)).to_string()],
+            )
+            .unwrap();
+        }
+        upstream_tables = conn
+            .prepare("SELECT sql FROM sqlite_master WHERE name IN ('cidr_blocks', 'ip_addresses') ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+    }
+
+    let mut store = open_cooling(&path, 30_000);
+    assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
+    assert_eq!(
+        reserved_addrs(&store, 1),
+        vec!["198.18.1.0", "198.18.1.1", "198.18.1.7"]
+    );
+    assert_eq!(reserved_addrs(&store, 2), vec!["198.18.2.0", "198.18.2.7"]);
+    let held = &rows(&store, 2)[1];
+    assert_eq!(
+        (held.0.as_str(), held.1, held.2.as_str()),
+        ("198.18.2.1", true, "pod-x")
+    );
+    assert_eq!(block(&store, 2).allocated_ips, 3);
+    assert_eq!(store.open_warnings().len(), 1);
+    assert!(store.open_warnings()[0].contains("198.18.2.1"));
+    assert!(store.open_warnings()[0].contains("pod-x"));
+    assert_eq!(
+        rows(&store, 3)
+            .iter()
+            .map(|r| r.0.clone())
+            .collect::<Vec<_>>(),
+        vec!["2001:db8::", "2001:db8::1"]
+    );
+    assert_counters(&store);
+    let tables_after: Vec<String> = store
+        .conn
+        .prepare("SELECT sql FROM sqlite_master WHERE name IN ('cidr_blocks', 'ip_addresses') ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(tables_after, upstream_tables);
+
+    // Served: the held pod is recognised, new pods get non-reserved addresses.
+    assert_eq!(
+        store.check("default", "pod-x", "eth0").unwrap()[0].address,
+        ip("198.18.2.1")
+    );
+    let got: Vec<IpAddr> = (0..10)
+        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+        .collect();
+    let want: Vec<IpAddr> = [
+        "198.18.1.2",
+        "198.18.1.3",
+        "198.18.1.4",
+        "198.18.1.5",
+        "198.18.1.6",
+    ]
+    .iter()
+    .chain(
+        [
+            "198.18.2.2",
+            "198.18.2.3",
+            "198.18.2.4",
+            "198.18.2.5",
+            "198.18.2.6",
+        ]
+        .iter(),
+    )
+    .map(|s| ip(s))
+    .collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        alloc(&mut store, "default", "v6", Family::V6, NOW),
+        ip("2001:db8::")
+    );
+    // Releasing the held reserved position returns it to the reservation.
+    let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
+    assert_eq!(released[0].address, ip("198.18.2.1"));
+    assert_eq!(
+        reserved_addrs(&store, 2),
+        vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
+    );
+    assert!(
+        store
+            .allocate(&owner("default", "more"), Family::V4, NOW + 60_000)
+            .is_err()
+    );
+    assert_counters(&store);
+    drop(store);
+    // Reopening finds nothing left to do.
+    let store = open(&path);
+    assert!(store.open_warnings().is_empty());
+}
