@@ -159,20 +159,7 @@ fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
     // Local blocks keep serving while the API server is gone.
     let local = add_concurrently(&config, 0..40);
     assert!(local.iter().all(|a| a.starts_with("198.18.0.")));
-    let health = metis::wire::client::Client::connect(
-        &daemon.socket,
-        Duration::from_secs(2),
-        Duration::from_secs(5),
-    )
-    .unwrap()
-    .call(&metis::wire::Request {
-        kind: Some(metis::wire::request::Kind::Health(Default::default())),
-    })
-    .unwrap();
-    let detail = match health.kind {
-        Some(metis::wire::response::Kind::Health(h)) => h.detail,
-        other => panic!("{other:?}"),
-    };
+    let detail = health_detail(&daemon);
     assert!(detail.contains("degraded"), "{detail}");
 
     // Back, with one patch conflict to survive: scale-up resumes.
