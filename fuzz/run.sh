@@ -10,7 +10,7 @@ seconds=${FUZZ_SECONDS:-600}
 host=$(rustc -vV | sed -n 's/^host: //p')
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(wire envelope cni_config cni_args cidr host_local)
+  targets=(wire envelope cni_config cni_args cidr host_local nnc_object watch_event kubeconfig)
 fi
 # The instrumentation cargo-fuzz uses, minus the sanitizer (which needs
 # nightly): all of it is stable rustc. --target keeps it off build scripts.

@@ -53,7 +53,7 @@ struct Counters {
     /// network → requests parked right now.
     parked: BTreeMap<String, i64>,
     api_errors: u64,
-    /// NodeNetworkConfig versions older than the one applied, ignored.
+    /// Versions a watch delivered twice (ignored; the object is listed again).
     stale_versions: u64,
     /// `status.podCIDRs` entries refused (overlapping, too large).
     refused_pod_cidrs: u64,
@@ -197,6 +197,20 @@ const QUARANTINED: Metric = Metric::new(
     &[],
     "CIDR blocks quarantined: no new allocations until `metis admin check` passes.",
 );
+/// Blocks the cluster no longer grants, kept while pods hold addresses in
+/// them (nothing new is allocated from them).
+const NOT_GRANTED_BLOCKS: Metric = Metric::new(
+    "metis_local_store_not_granted_block_total",
+    Type::Gauge,
+    &[],
+    "CIDR blocks the cluster no longer grants, kept until their last pod is gone.",
+);
+const NOT_GRANTED_PODS: Metric = Metric::new(
+    "metis_local_store_not_granted_ip_allocated",
+    Type::Gauge,
+    &[],
+    "Pod addresses in blocks the cluster no longer grants.",
+);
 const PENDING: Metric = Metric::new(
     "metis_daemon_pending_dynamic_request_total",
     Type::Gauge,
@@ -231,7 +245,7 @@ const STALE_VERSIONS: Metric = Metric::new(
     "metis_daemon_nnc_stale_versions_total",
     Type::Counter,
     &[],
-    "NodeNetworkConfig versions ignored because a newer one was applied.",
+    "Versions a watch delivered twice, ignored (the object is listed again).",
 );
 const REFUSED_POD_CIDRS: Metric = Metric::new(
     "metis_daemon_nnc_refused_pod_cidrs_total",
@@ -253,11 +267,13 @@ const DATABASE_RESTORED: Metric = Metric::new(
 );
 
 /// Every metric, in the order a scrape shows them.
-pub const METRICS: [&Metric; 13] = [
+pub const METRICS: [&Metric; 15] = [
     &BUILD_INFO,
     &IP_TOTAL,
     &BLOCK_TOTAL,
     &QUARANTINED,
+    &NOT_GRANTED_BLOCKS,
+    &NOT_GRANTED_PODS,
     &PENDING,
     &MONITOR_ACTIONS,
     &REQUESTS,
@@ -370,6 +386,20 @@ fn render_store(out: &mut String, store: &Store) {
         Err(err) => log::warn(
             "metrics",
             "reading quarantined blocks failed",
+            &[("error", &err)],
+        ),
+    }
+    match store.taken_back() {
+        Ok(blocks) => {
+            NOT_GRANTED_BLOCKS.header(out);
+            NOT_GRANTED_BLOCKS.sample(out, &[], blocks.len());
+            NOT_GRANTED_PODS.header(out);
+            let pods: i64 = blocks.iter().map(|b| b.pods).sum();
+            NOT_GRANTED_PODS.sample(out, &[], pods);
+        }
+        Err(err) => log::warn(
+            "metrics",
+            "reading blocks the cluster took back failed",
             &[("error", &err)],
         ),
     }

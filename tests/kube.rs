@@ -10,61 +10,13 @@ use crate::common;
 use std::time::Duration;
 
 use common::apiserver::ApiServer;
-use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, conf, db, wait_for};
+use common::cluster::{
+    FAST, NODE, blocks_in_db, default_conf, health_detail, start_daemon, start_daemon_over_https,
+    status_entry,
+};
+use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, db, wait_for};
 
-const NODE: &str = "edge-node-1";
 const INITIAL: &str = r#"[[{"subnet":"198.18.0.0/26"}]]"#;
-
-/// Fast monitor settings so the adaptive loop runs in test time.
-const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown", "0"];
-
-fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
-    let kubeconfig = dir.join("kubeconfig");
-    api.kubeconfig(&kubeconfig);
-    let kubeconfig = kubeconfig.display().to_string();
-    let mut args = vec!["--cidr-source", source];
-    args.extend_from_slice(FAST);
-    args.extend_from_slice(extra);
-    TestDaemon::start_with_env(
-        dir,
-        &args,
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
-    )
-}
-
-/// A daemon following `api` through an `https://` kubeconfig whose cluster
-/// entry also has `tls_line`. The test API server speaks plain HTTP, so
-/// every request fails in TLS.
-fn start_daemon_over_https(
-    dir: &TestDir,
-    api: &ApiServer,
-    tls_line: &str,
-    extra: &[&str],
-) -> TestDaemon {
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    {tls_line}\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
-            api.addr
-        ),
-    )
-    .unwrap();
-    let kubeconfig = kubeconfig.display().to_string();
-    let mut args = vec!["--cidr-source", "nnc"];
-    args.extend_from_slice(extra);
-    TestDaemon::start_with_env(
-        dir,
-        &args,
-        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
-    )
-}
-
-/// A network config for network `default`, the one the cloud publishes
-/// NodeNetworkConfig blocks for.
-fn default_conf(dir: &TestDir, version: &str, ranges: &str) -> String {
-    conf(dir, version, ranges, "").replace(r#""name":"testnet""#, r#""name":"default""#)
-}
 
 fn block_count(dir: &TestDir, state: &str) -> i64 {
     db(&dir.join("metis.sqlite"))
@@ -207,20 +159,7 @@ fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
     // Local blocks keep serving while the API server is gone.
     let local = add_concurrently(&config, 0..40);
     assert!(local.iter().all(|a| a.starts_with("198.18.0.")));
-    let health = metis::wire::client::Client::connect(
-        &daemon.socket,
-        Duration::from_secs(2),
-        Duration::from_secs(5),
-    )
-    .unwrap()
-    .call(&metis::wire::Request {
-        kind: Some(metis::wire::request::Kind::Health(Default::default())),
-    })
-    .unwrap();
-    let detail = match health.kind {
-        Some(metis::wire::response::Kind::Health(h)) => h.detail,
-        other => panic!("{other:?}"),
-    };
+    let detail = health_detail(&daemon);
     assert!(detail.contains("degraded"), "{detail}");
 
     // Back, with one patch conflict to survive: scale-up resumes.
@@ -261,8 +200,7 @@ fn stale_watch_versions_relist() {
         state.version += 1;
         let version = state.version.to_string();
         let nnc = state.nnc.as_mut().unwrap();
-        nnc["status"]["podCIDRs"] =
-            serde_json::json!([{"id": "x", "network": "default", "cidr": "198.19.200.0/28"}]);
+        nnc["status"]["podCIDRs"] = serde_json::json!([status_entry("x", "198.19.200.0/28")]);
         nnc["metadata"]["resourceVersion"] = serde_json::json!(version);
     }
     api.wait_until("a relist", Duration::from_secs(90), |s| {
@@ -474,22 +412,6 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
     );
 }
 
-fn blocks_in_db(dir: &TestDir) -> Vec<String> {
-    let conn = db(&dir.join("metis.sqlite"));
-    let mut stmt = conn
-        .prepare("SELECT cidr FROM cidr_blocks ORDER BY cidr")
-        .unwrap();
-    stmt.query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-}
-
-fn status_entry(id: &str, cidr: &str) -> serde_json::Value {
-    serde_json::json!({"id": id, "network": "default", "cidr": cidr,
-        "condition": {"type": "Ready", "status": "True"}})
-}
-
 #[test]
 fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
     let dir = TestDir::new("kube-overlap");
@@ -519,6 +441,10 @@ fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
         blocks_in_db(&dir),
         vec!["198.18.0.0/26", "198.19.4.0/27", "198.19.5.0/28"]
     );
+    // Refusals are logged once the sync is committed.
+    wait_for("the refusals in the log", Duration::from_secs(10), || {
+        daemon.log().matches("refusing a podCIDR").count() >= 3
+    });
     let log = daemon.log();
     for refused in ["198.18.0.0/28", "198.19.4.0/28", "198.0.0.0/11"] {
         assert!(
@@ -650,23 +576,6 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
         Some(16),
         "only the CNI range is granted"
     );
-}
-
-fn health_detail(daemon: &TestDaemon) -> String {
-    let health = metis::wire::client::Client::connect(
-        &daemon.socket,
-        Duration::from_secs(2),
-        Duration::from_secs(5),
-    )
-    .unwrap()
-    .call(&metis::wire::Request {
-        kind: Some(metis::wire::request::Kind::Health(Default::default())),
-    })
-    .unwrap();
-    match health.kind {
-        Some(metis::wire::response::Kind::Health(h)) => h.detail,
-        other => panic!("{other:?}"),
-    }
 }
 
 /// Once the API server answers `method` again: one succeeds and the

@@ -11,6 +11,8 @@ mod common;
 mod access;
 mod big_blocks;
 mod boot;
+mod control_plane;
+mod control_plane_model;
 mod crash;
 mod daemon_batch;
 mod daemon_wire;

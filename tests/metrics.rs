@@ -2,46 +2,8 @@
 
 use crate::common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
-
-use common::{Plugin, TestDaemon, TestDir, assert_ok, conf, wait_for};
-
-fn metrics_addr(daemon: &TestDaemon) -> String {
-    let mut addr = String::new();
-    wait_for("the metrics listener", Duration::from_secs(10), || {
-        let log = daemon.log();
-        match log.lines().find(|l| l.contains("metrics listening")) {
-            Some(line) => {
-                addr = line.rsplit("addr=").next().unwrap().trim().to_string();
-                true
-            }
-            None => false,
-        }
-    });
-    addr
-}
-
-fn get(addr: &str, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: metis\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (head.lines().next().unwrap().to_string(), body.to_string())
-}
-
-fn value(body: &str, series: &str) -> f64 {
-    body.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no series {series} in:\n{body}"))
-        .parse()
-        .unwrap()
-}
+use common::scrape::{http_get as get, metrics_addr, series as value};
+use common::{Plugin, TestDaemon, TestDir, assert_ok, conf};
 
 #[test]
 fn scrape_reflects_known_operations() {

@@ -3,6 +3,8 @@
 //! to the store and computes the NodeNetworkConfig patch, and `state` runs
 //! it all on the daemon's loop, parking allocations that wait for blocks.
 
+pub mod cluster;
+pub mod grants;
 pub mod monitor;
 pub mod policy;
 pub mod state;

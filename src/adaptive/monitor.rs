@@ -3,11 +3,12 @@
 //! store changes plus at most one patch. The decisions themselves are the
 //! pure functions of [`super::policy`].
 
+use super::grants::{self, Returns};
 use super::policy::{self, BlockLoad, Load, LowUtilization};
 use crate::cidr::{Cidr, Family};
-use crate::kube::nnc::{self, Nnc, NncPatch, PodCidr};
+use crate::kube::nnc::{self, Nnc, NncPatch, Node, PodCidr};
 use crate::log;
-use crate::store::{AddOutcome, BlockFilter, BlockState, Source, Store, StoreError};
+use crate::store::{BlockFilter, BlockState, GrantChanges, Source, Store, StoreError};
 
 /// Durations of the monitor, in milliseconds.
 #[derive(Debug, Clone, Copy)]
@@ -28,62 +29,70 @@ pub struct PassOutcome {
     pub actions: Vec<(&'static str, String)>,
 }
 
-/// What syncing the status changed locally.
+/// What syncing the cluster's grants changed locally.
 #[derive(Debug, Default, PartialEq)]
 pub struct Synced {
     /// Networks that gained blocks (their waiters should be retried).
     pub grown: Vec<String>,
-    /// Networks of released blocks deleted locally.
+    /// Networks of blocks deleted locally (released ones that left the
+    /// status, taken-back ones no pod uses), one per block.
     pub deleted: Vec<String>,
-    /// Entries refused (overlapping another block, or too large); each is
-    /// logged as a warning.
-    pub refused: u64,
+    /// Networks of blocks the cluster took back, one per block.
+    pub taken_back: Vec<String>,
+    /// Entries not served, and why.
+    pub notices: Vec<Notice>,
 }
 
-/// Brings local blocks in line with the status: Ready IPv4 pod CIDRs not
-/// stored yet are added (every network, also those only in the status),
-/// and Deleting blocks whose CIDR left the status are deleted.
-pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
-    let mut synced = Synced::default();
-    for entry in nnc.pod_cidrs.iter().filter(|entry| entry.ready) {
-        let cidr = match entry.cidr.parse::<Cidr>() {
-            Ok(cidr) if cidr.family() == Family::V4 => cidr,
-            // IPv6 blocks come from the CNI ranges and grow lazily instead.
-            Ok(_) => continue,
-            Err(err) => {
-                log::warn(
-                    "monitor",
-                    "ignoring unparsable podCIDR",
-                    &[("cidr", &entry.cidr), ("error", &err)],
-                );
-                continue;
-            }
-        };
-        if store.find_block(&entry.network, &cidr)?.is_some() {
-            continue;
-        }
-        let outcome = store.add_granted_block(Source::Nnc, &entry.network, &cidr, log::now_ms());
-        if is_refusal(&outcome) {
-            synced.refused += 1;
-        }
-        if was_added(outcome)? {
-            log::info(
-                "monitor",
-                "Watcher adding new ready podCIDR to local DB",
-                &[("network", &entry.network), ("cidr", &cidr)],
-            );
-            if !synced.grown.contains(&entry.network) {
-                synced.grown.push(entry.network.clone());
-            }
-        }
+/// Why an entry of the cluster's is not served, in words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The store refused it (it overlaps another block); else it is
+    /// withheld (not Ready, released, unparsable).
+    pub refusal: bool,
+    pub text: String,
+}
+
+/// Brings the NodeNetworkConfig's blocks in line with what `nnc` (of
+/// stream `epoch`; `None`: the object is gone) grants now: Ready IPv4
+/// entries are added (every network, also those only in the status),
+/// local blocks it no longer grants are retired (their pods keep their
+/// addresses) and deleted once unused, and Deleting blocks whose CIDR left
+/// the status are deleted.
+pub fn sync_blocks(
+    store: &mut Store,
+    nnc: Option<&Nnc>,
+    epoch: u64,
+    returns: &mut Returns,
+    now_ms: i64,
+) -> Result<Synced, StoreError> {
+    let released = store.released()?;
+    returns.observe(epoch, nnc, &released);
+    let nothing = Nnc::default();
+    let status = nnc.unwrap_or(&nothing);
+    let grants = grants::decide(status, &released, returns);
+    for (network, cidr) in &grants.returned {
+        log::info(
+            "monitor",
+            "a block this node released came back to the status; taking it again",
+            &[("network", network), ("cidr", cidr)],
+        );
+        store.forget_release(network, cidr)?;
     }
+    let changes = store.follow_grants(Source::Nnc, &[Family::V4], &grants.granted, now_ms)?;
+    let mut synced = synced_from(changes, "NodeNetworkConfig");
+    synced
+        .notices
+        .extend(grants.withheld.iter().map(|w| Notice {
+            refusal: false,
+            text: w.describe(),
+        }));
     let deleting = store.blocks(&BlockFilter {
         network: None,
         state: Some(BlockState::Deleting),
         family: Some(Family::V4),
     })?;
     for block in deleting {
-        if status_entry(nnc, &block.network, &block.cidr).is_none()
+        if status_entry(status, &block.network, &block.cidr).is_none()
             && store.delete_block(block.id)?
         {
             log::info(
@@ -97,60 +106,82 @@ pub fn sync_blocks(store: &mut Store, nnc: &Nnc) -> Result<Synced, StoreError> {
     Ok(synced)
 }
 
-/// Whether the store refused a granted block (see [`was_added`]).
-fn is_refusal(outcome: &Result<AddOutcome, StoreError>) -> bool {
-    matches!(outcome, Err(StoreError::Overlap { .. }))
+/// A re-created object (another uid): what the old one listed is gone.
+pub fn start_over(store: &Store, returns: &mut Returns, epoch: u64) -> Result<(), StoreError> {
+    returns.start_over(epoch, &store.released()?);
+    Ok(())
 }
 
-/// A granted block the store refuses (it overlaps a block of the node's
-/// address space) is skipped and reported; the rest of
-/// the status is still synced.
-/// Whether a block was added.
-fn was_added(outcome: Result<AddOutcome, StoreError>) -> Result<bool, StoreError> {
-    match outcome {
-        Ok(outcome) => Ok(matches!(outcome, AddOutcome::Added(_))),
-        Err(err @ StoreError::Overlap { .. }) => {
-            log::warn(
-                "monitor",
-                "refusing a podCIDR from the cluster",
-                &[("error", &err)],
-            );
-            Ok(false)
-        }
-        Err(err) => Err(err),
-    }
-}
-
-/// Adds a Node's `spec.podCIDRs` as blocks of `network`. Returns whether a
-/// block was added.
-pub fn sync_node_cidrs(
+/// Makes the Node's `spec.podCIDRs` (`None`: the Node is gone) exactly the
+/// blocks of `network` the Node source provides, both families.
+pub fn sync_node(
     store: &mut Store,
     network: &str,
-    cidrs: &[String],
-) -> Result<bool, StoreError> {
-    let mut added = false;
-    for text in cidrs {
-        let cidr = match text.parse::<Cidr>() {
-            Ok(cidr) => cidr,
-            Err(err) => {
-                log::warn(
-                    "monitor",
-                    "ignoring unparsable node podCIDR",
-                    &[("cidr", text), ("error", &err)],
-                );
-                continue;
-            }
-        };
-        if was_added(store.add_granted_block(Source::Node, network, &cidr, log::now_ms()))? {
-            log::info(
-                "monitor",
-                "added node podCIDR",
-                &[("network", &network), ("cidr", &cidr)],
-            );
-            added = true;
+    node: Option<&Node>,
+    now_ms: i64,
+) -> Result<Synced, StoreError> {
+    let mut granted = Vec::new();
+    let mut notices = Vec::new();
+    for text in node.map(|n| n.pod_cidrs.as_slice()).unwrap_or_default() {
+        match text.parse::<Cidr>() {
+            Ok(cidr) => granted.push((network.to_string(), cidr)),
+            Err(err) => notices.push(Notice {
+                refusal: false,
+                text: format!("ignoring unparsable node podCIDR {text:?}: {err}"),
+            }),
         }
     }
-    Ok(added)
+    let changes = store.follow_grants(Source::Node, &[Family::V4, Family::V6], &granted, now_ms)?;
+    let mut synced = synced_from(changes, "Node");
+    synced.notices.extend(notices);
+    Ok(synced)
+}
+
+/// Logs what following the grants of `object` did and sums it up.
+fn synced_from(changes: GrantChanges, object: &str) -> Synced {
+    let mut synced = Synced::default();
+    for (network, cidr) in changes.added.iter().chain(&changes.granted_again) {
+        log::info(
+            "monitor",
+            "Watcher adding new ready podCIDR to local DB",
+            &[("network", network), ("cidr", cidr), ("from", &object)],
+        );
+        if !synced.grown.contains(network) {
+            synced.grown.push(network.clone());
+        }
+    }
+    for (network, cidr) in &changes.taken_back {
+        log::warn(
+            "monitor",
+            "the cluster no longer grants this block: nothing new is allocated from it; its pods keep their addresses until their DEL",
+            &[("network", network), ("cidr", cidr), ("from", &object)],
+        );
+        synced.taken_back.push(network.clone());
+    }
+    for (network, cidr) in &changes.deleted {
+        log::info(
+            "monitor",
+            "deleted a block the cluster took back: no pod holds an address in it",
+            &[("network", network), ("cidr", cidr)],
+        );
+        synced.deleted.push(network.clone());
+    }
+    synced
+        .notices
+        .extend(changes.releasing.iter().map(|(network, cidr)| Notice {
+        refusal: false,
+        text: format!(
+            "podCIDR {cidr} of network {network:?} is not allocated from: this node is releasing it"
+        ),
+    }));
+    synced.notices.extend(changes.refused.iter().map(|r| Notice {
+        refusal: true,
+        text: format!(
+            "refusing a podCIDR from the cluster: {} of network {:?} overlaps block {} of network {:?}, which belongs to {}",
+            r.cidr, r.network, r.other_cidr, r.other_network, r.owner
+        ),
+    }));
+    synced
 }
 
 /// One monitor pass over every network of the store (IPv4 only: IPv6
@@ -220,7 +251,7 @@ pub fn pass(
     }
     if allocations != nnc.allocations || releasable != nnc.releasable {
         outcome.patch = Some(NncPatch {
-            resource_version: nnc.resource_version.clone(),
+            resource_version: nnc.meta.resource_version.clone(),
             allocations,
             releasable,
         });
@@ -228,13 +259,23 @@ pub fn pass(
     Ok(outcome)
 }
 
-/// Addresses of the network's blocks that came from a NodeNetworkConfig
-/// status which no longer lists them.
+/// Addresses of the network's blocks the control plane does not account
+/// for: blocks of a NodeNetworkConfig status which no longer lists them,
+/// and blocks the cluster took back (kept for their pods).
 fn ungranted(store: &Store, nnc: &Nnc, network: &str) -> Result<i64, StoreError> {
+    let size = |cidr: &Cidr| i64::try_from(cidr.size()).unwrap_or(i64::MAX);
     let mut sum = 0i64;
     for (_, cidr) in store.nnc_only_blocks(network, Family::V4)? {
         if status_entry(nnc, network, &cidr.to_string()).is_none() {
-            sum = sum.saturating_add(i64::try_from(cidr.size()).unwrap_or(i64::MAX));
+            sum = sum.saturating_add(size(&cidr));
+        }
+    }
+    for block in store.taken_back()? {
+        match block.cidr.parse::<Cidr>() {
+            Ok(cidr) if block.network == network && cidr.family() == Family::V4 => {
+                sum = sum.saturating_add(size(&cidr));
+            }
+            _ => {}
         }
     }
     Ok(sum)
@@ -320,6 +361,8 @@ fn release_expired(
                     .any(|r| same_cidr(r.cidr(), &block.cidr));
                 if !already {
                     released = released.saturating_add(block.total_ips);
+                    let cidr: Cidr = block.cidr.parse()?;
+                    store.record_release(network, &cidr, entry.reusable, now_ms)?;
                 }
                 releasable.push(entry.raw.clone());
             }
@@ -348,7 +391,7 @@ fn same_cidr(a: Option<&str>, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Owner;
+    use crate::store::{AddOutcome, Owner};
     use crate::testutil::TempDir;
     use serde_json::json;
 
@@ -364,14 +407,30 @@ mod tests {
             .map(|p| json!({"network": "default", "pods": p}))
             .into_iter()
             .collect();
+        // Entries as the status publishes them (Ready), echoed whole.
+        let entry = |c: &&str| {
+            json!({"id": c, "network": "default", "cidr": c,
+                   "condition": {"type": "Ready", "status": "True"}})
+        };
         Nnc::parse(&json!({
             "metadata": {"resourceVersion": version},
             "spec": {
                 "allocations": allocations,
-                "releasableCIDRs": releasable.iter().map(|c| json!({"id": c, "network": "default", "cidr": c})).collect::<Vec<_>>(),
+                "releasableCIDRs": releasable.iter().map(entry).collect::<Vec<_>>(),
             },
-            "status": {"podCIDRs": status.iter().map(|c| json!({"id": c, "network": "default", "cidr": c})).collect::<Vec<_>>()},
+            "status": {"podCIDRs": status.iter().map(entry).collect::<Vec<_>>()},
         }))
+    }
+
+    fn sync(store: &mut Store, snapshot: &Nnc) -> Synced {
+        sync_blocks(
+            store,
+            Some(snapshot),
+            1,
+            &mut Returns::default(),
+            crate::log::now_ms(),
+        )
+        .unwrap()
     }
 
     fn fill(store: &mut Store, count: usize) {
@@ -397,13 +456,10 @@ mod tests {
         let mut snapshot = nnc("1", None, &["198.18.1.0/28", "2001:db8::/120"], &[]);
         snapshot.pod_cidrs[0].network = "only-in-status".into();
         assert_eq!(
-            sync_blocks(&mut store, &snapshot).unwrap().grown,
+            sync(&mut store, &snapshot).grown,
             vec!["only-in-status".to_string()]
         );
-        assert_eq!(
-            sync_blocks(&mut store, &snapshot).unwrap(),
-            Synced::default()
-        );
+        assert_eq!(sync(&mut store, &snapshot), Synced::default());
         let blocks = store
             .blocks(&BlockFilter {
                 network: None,
@@ -430,8 +486,8 @@ mod tests {
             ],
             &[],
         );
-        let synced = sync_blocks(&mut store, &snapshot).unwrap();
-        assert_eq!(synced.refused, 2);
+        let synced = sync(&mut store, &snapshot);
+        assert_eq!(synced.notices.iter().filter(|n| n.refusal).count(), 2);
         assert_eq!(synced.grown, vec!["default".to_string()]);
         let cidrs: Vec<String> = store
             .blocks(&BlockFilter::default())

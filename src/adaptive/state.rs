@@ -8,10 +8,11 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
-use crate::kube::nnc::{self, Kind, Nnc};
+use crate::kube::nnc::Kind;
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
@@ -51,7 +52,8 @@ pub struct Adaptive {
     link: KubeLink,
     metrics: Arc<Metrics>,
     config: AdaptiveConfig,
-    latest: Option<Nnc>,
+    /// What the cluster grants, as last applied.
+    cluster: Cluster,
     /// Why changes from the cluster do not reach us (cleared when a watch
     /// is open again, not by any one successful request).
     watch_problem: Option<String>,
@@ -82,8 +84,8 @@ impl Adaptive {
         Adaptive {
             link,
             metrics,
+            cluster: Cluster::new(config.source, &config.node_network),
             config,
-            latest: None,
             watch_problem: None,
             patch_problem: None,
             parked: Vec::new(),
@@ -242,7 +244,10 @@ impl Adaptive {
 
     fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
         if let Outcome::Done(Reply::Health(health)) = &mut outcome {
-            health.cluster_problem = self.problem();
+            health.cluster_problem = match (self.problem(), self.cluster.problem()) {
+                (Some(link), Some(blocks)) => Some(format!("{link}; {blocks}")),
+                (link, blocks) => link.or(blocks),
+            };
         }
         outcome
     }
@@ -271,87 +276,59 @@ impl Adaptive {
     /// One event of the kube threads; returns the networks that gained
     /// blocks.
     fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
-        match event {
-            KubeEvent::Nnc(nnc) => return self.on_nnc(nnc, engine),
-            KubeEvent::NodePodCidrs(cidrs) => return self.on_node_pod_cidrs(&cidrs, engine),
-            KubeEvent::Unreachable(why) => {
-                self.metrics.api_error();
-                self.watch_problem = Some(format!("watch: {why}"));
+        let store = engine.store_mut();
+        let applied = match event {
+            KubeEvent::Nnc { nnc, epoch } => self.cluster.on_nnc(store, &self.metrics, nnc, epoch),
+            KubeEvent::Node { node, epoch } => {
+                self.cluster.on_node(store, &self.metrics, node, epoch)
             }
-            KubeEvent::Watching => self.watch_problem = None,
-            KubeEvent::Patched => {
+            KubeEvent::Gone { epoch } => self.cluster.on_gone(store, &self.metrics, epoch),
+            KubeEvent::Patched { base, nnc } => {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                self.cluster.on_patched(store, &self.metrics, &base, *nnc)
             }
-            KubeEvent::Conflict { streak } => self.on_conflict(streak, now),
+            KubeEvent::Replayed => {
+                self.metrics.stale_version();
+                return Vec::new();
+            }
+            KubeEvent::Unreachable(why) => {
+                self.metrics.api_error();
+                self.watch_problem = Some(format!("watch: {why}"));
+                return Vec::new();
+            }
+            KubeEvent::Watching => {
+                self.watch_problem = None;
+                return Vec::new();
+            }
+            KubeEvent::Conflict { streak } => {
+                self.on_conflict(streak, now);
+                return Vec::new();
+            }
             KubeEvent::PatchFailed(why) => {
                 // The patcher logged it and waits before the next one.
                 self.metrics.api_error();
                 self.patching = None;
                 self.patch_problem = Some(format!("patch: {why}"));
-            }
-        }
-        Vec::new()
-    }
-
-    /// A NodeNetworkConfig version: its blocks are synced unless it is
-    /// older than the one applied.
-    fn on_nnc(&mut self, nnc: Nnc, engine: &mut Engine) -> Vec<String> {
-        if self.is_stale(&nnc) {
-            // A late watch event or a re-read that lost a race: applying it
-            // could bring back a released block.
-            self.metrics.stale_version();
-            log::debug(
-                "daemon",
-                "ignoring an older NodeNetworkConfig version",
-                &[("version", &nnc.resource_version)],
-            );
-            return Vec::new();
-        }
-        if nnc.truncated {
-            log::warn(
-                "daemon",
-                "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
-                &[("max_entries", &nnc::MAX_ENTRIES)],
-            );
-        }
-        let grown = match monitor::sync_blocks(engine.store_mut(), &nnc) {
-            Ok(synced) => {
-                self.metrics.refused_pod_cidrs(synced.refused);
-                for network in &synced.deleted {
-                    self.metrics.monitor_action("delete", network);
-                }
-                synced.grown
-            }
-            Err(err) => {
-                log::error(
-                    "daemon",
-                    "syncing blocks from the NodeNetworkConfig failed",
-                    &[("error", &err)],
-                );
-                Vec::new()
+                return Vec::new();
             }
         };
-        self.latest = Some(nnc);
-        grown
+        self.take(applied)
     }
 
-    /// The Node's podCIDRs (the fixed source): added to the node network.
-    fn on_node_pod_cidrs(&mut self, cidrs: &[String], engine: &mut Engine) -> Vec<String> {
-        let network = &self.config.node_network;
-        match monitor::sync_node_cidrs(engine.store_mut(), network, cidrs) {
-            Ok(true) => vec![network.clone()],
-            Ok(false) => Vec::new(),
-            Err(err) => {
-                log::error("daemon", "adding node podCIDRs failed", &[("error", &err)]);
-                Vec::new()
-            }
+    /// Takes in what applying a copy did: a new object, from which no
+    /// in-flight patch was computed; returns the networks to retry.
+    fn take(&mut self, applied: Applied) -> Vec<String> {
+        if applied.new_object {
+            self.patching = None;
         }
+        applied.grown
     }
 
-    /// A patch lost a race: a fresh object arrived just before this, so the
-    /// patch is recomputed now (the patcher paces what is sent).
+    /// A patch lost a race: the watch brings the newer version, so the
+    /// patch is recomputed now from the copy there is (the patcher paces
+    /// what is sent).
     fn on_conflict(&mut self, streak: u32, now: Instant) {
         self.patching = None;
         self.next_pass = now;
@@ -361,18 +338,15 @@ impl Adaptive {
         }
     }
 
-    /// Whether `nnc` is not newer than the version already applied.
-    fn is_stale(&self, nnc: &Nnc) -> bool {
-        self.latest
-            .as_ref()
-            .is_some_and(|latest| !nnc::is_newer(&nnc.resource_version, &latest.resource_version))
-    }
-
     /// Retries waiters of networks where addresses were just released
     /// (upstream leaves them waiting for a block that may never come).
     /// Also answers the ADDs cancelled by a DEL.
     pub fn retry_woken(&mut self, engine: &mut Engine) -> Vec<Delivery> {
         let mut deliveries = std::mem::take(&mut self.cancelled);
+        if !self.woken.is_empty() {
+            // A DEL may have freed the last address of a taken-back block.
+            self.cluster.refresh(engine.store_mut(), &self.metrics);
+        }
         let mut networks = std::mem::take(&mut self.woken);
         networks.sort();
         networks.dedup();
@@ -498,10 +472,11 @@ impl Adaptive {
         // address whatever freed it (a missed wake-up costs one interval).
         self.woken
             .extend(self.parked.iter().map(|p| p.network.clone()));
-        let Some(nnc) = &self.latest else {
+        self.cluster.refresh(engine.store_mut(), &self.metrics);
+        let Some(nnc) = self.cluster.latest() else {
             return;
         };
-        if self.patching.as_deref() == Some(nnc.resource_version.as_str()) {
+        if self.patching.as_deref() == Some(nnc.meta.resource_version.as_str()) {
             return;
         }
         let pending = |network: &str| self.pending(network);
@@ -512,7 +487,7 @@ impl Adaptive {
             self.config.monitor,
             log::now_ms(),
         );
-        let version = nnc.resource_version.clone();
+        let version = nnc.meta.resource_version.clone();
         match outcome {
             Ok(outcome) => {
                 for (action, network) in &outcome.actions {
@@ -520,6 +495,7 @@ impl Adaptive {
                 }
                 match outcome.patch {
                     Some(patch) => {
+                        self.cluster.patch_sent(&version);
                         self.patching = Some(version);
                         self.link.patch(patch);
                     }

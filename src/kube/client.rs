@@ -4,14 +4,14 @@
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::Value;
 use ureq::Agent;
 use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
 
-use super::config::{ApiConfig, Auth, read_file};
+use super::config::{ApiConfig, Auth, Tls, read_file};
 
 /// Deadline for one ordinary request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -78,114 +78,137 @@ pub struct WatchEvent {
 }
 
 pub struct ApiClient {
-    agent: Agent,
-    watch_agent: Agent,
     server: String,
     auth: Auth,
-    /// Why every request fails without being sent (bad TLS material).
-    broken: Option<String>,
+    longest_watch: Duration,
+    tls: Mutex<TlsState>,
 }
+
+/// The agents built from the TLS material in use, and what it was read from.
+struct TlsState {
+    material: Tls,
+    /// (device, inode, length, modification time) of each file it was
+    /// read from when it was read.
+    stamps: Vec<Option<FileStamp>>,
+    /// A handshake failed since: read the files again before the next
+    /// request even if they look unchanged.
+    suspect: bool,
+    agents: Result<(Agent, Agent), String>,
+}
+
+type FileStamp = (u64, u64, u64, i64, i64);
 
 impl ApiClient {
     /// A client; `longest_watch` bounds how long one watch stream may last.
     pub fn new(config: &ApiConfig, longest_watch: Duration) -> Result<ApiClient, KubeError> {
-        Ok(ApiClient::build(
-            config,
-            tls_config(config)?,
-            longest_watch,
-            None,
-        ))
+        let client = ApiClient::new_or_broken(config, longest_watch);
+        client.agents()?;
+        Ok(client)
     }
 
     /// Like [`ApiClient::new`], but bad client settings (a malformed CA,
     /// key or certificate) give a client whose every request fails with
     /// them: the daemon serves its local blocks and reports itself
     /// degraded, as for any other TLS failure, instead of not starting.
+    /// File-backed material (CA bundle, client certificate and key) is
+    /// read again whenever a file changes or a TLS handshake failed, like
+    /// the token, so rotated credentials are used without a restart.
     pub fn new_or_broken(config: &ApiConfig, longest_watch: Duration) -> ApiClient {
-        match ApiClient::new(config, longest_watch) {
-            Ok(client) => client,
-            Err(err) => ApiClient::build(
-                config,
-                TlsConfig::builder().build(),
-                longest_watch,
-                Some(err.to_string()),
-            ),
-        }
-    }
-
-    fn build(
-        config: &ApiConfig,
-        tls: TlsConfig,
-        longest_watch: Duration,
-        broken: Option<String>,
-    ) -> ApiClient {
-        let agent: Agent = Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(REQUEST_TIMEOUT))
-            .tls_config(tls.clone())
-            .build()
-            .into();
-        let watch_agent: Agent = Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(REQUEST_TIMEOUT))
-            .timeout_recv_response(Some(REQUEST_TIMEOUT))
-            .timeout_recv_body(Some(longest_watch.saturating_add(Duration::from_secs(30))))
-            .tls_config(tls)
-            .build()
-            .into();
+        let stamps = stamps(&config.tls);
+        let agents = build_agents(config, &config.tls, longest_watch);
         ApiClient {
-            agent,
-            watch_agent,
             server: config.server.clone(),
             auth: config.auth.clone(),
-            broken,
+            longest_watch,
+            tls: Mutex::new(TlsState {
+                material: config.tls.clone(),
+                stamps,
+                suspect: false,
+                agents,
+            }),
         }
     }
 
-    fn usable(&self) -> Result<(), KubeError> {
-        match &self.broken {
-            Some(why) => Err(KubeError::Config(why.clone())),
-            None => Ok(()),
+    /// The agents for the next request: rebuilt first when the TLS files
+    /// changed or a handshake failed since they were read.
+    fn agents(&self) -> Result<(Agent, Agent), KubeError> {
+        let mut state = self.tls.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = stamps(&state.material);
+        if state.suspect || now != state.stamps {
+            state.suspect = false;
+            state.stamps = now;
+            match state.material.reread() {
+                Ok(material) => {
+                    if material != state.material || state.agents.is_err() {
+                        let config = ApiConfig {
+                            server: self.server.clone(),
+                            auth: self.auth.clone(),
+                            tls: material.clone(),
+                        };
+                        state.agents = build_agents(&config, &material, self.longest_watch);
+                        crate::log::info(
+                            "kube",
+                            "TLS material changed on disk; using it",
+                            &[("usable", &state.agents.is_ok())],
+                        );
+                    }
+                    state.material = material;
+                }
+                Err(err) => state.agents = Err(err.to_string()),
+            }
         }
+        state.agents.clone().map_err(KubeError::Config)
+    }
+
+    /// Notes a failed request: a TLS failure makes the next request read
+    /// the material again (a rotated CA or certificate).
+    fn failed<T>(&self, result: Result<T, KubeError>) -> Result<T, KubeError> {
+        if let Err(KubeError::Transport(why)) = &result
+            && is_tls_failure(why)
+        {
+            self.tls
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .suspect = true;
+        }
+        result
     }
 
     pub fn get(&self, path: &str) -> Result<Value, KubeError> {
-        self.usable()?;
-        let request = self.agent.get(self.url(path));
+        let (agent, _) = self.agents()?;
+        let request = agent.get(self.url(path));
         let response = with_auth(request, &self.auth)?.call();
-        json_body(response)
+        self.failed(json_body(response))
     }
 
     pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
-        self.usable()?;
-        let request = self
-            .agent
-            .post(self.url(path))
-            .content_type("application/json");
+        let (agent, _) = self.agents()?;
+        let request = agent.post(self.url(path)).content_type("application/json");
         let response = with_auth(request, &self.auth)?.send(body.to_string());
-        json_body(response)
+        self.failed(json_body(response))
     }
 
     /// A JSON merge patch (RFC 7386); include `metadata.resourceVersion` for
     /// optimistic concurrency (a stale version answers 409).
     pub fn merge_patch(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
-        self.usable()?;
-        let request = self
-            .agent
+        let (agent, _) = self.agents()?;
+        let request = agent
             .patch(self.url(path))
             .content_type("application/merge-patch+json");
         let response = with_auth(request, &self.auth)?.send(body.to_string());
-        json_body(response)
+        self.failed(json_body(response))
     }
 
     /// Opens a watch; `path` must already carry `watch=true` and the
     /// resource version. Events are read lazily from the stream.
     pub fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
-        self.usable()?;
-        let request = self.watch_agent.get(self.url(path));
-        let response = with_auth(request, &self.auth)?
-            .call()
-            .map_err(|err| KubeError::Transport(err.to_string()))?;
+        let (_, watch_agent) = self.agents()?;
+        let request = watch_agent.get(self.url(path));
+        let response = self.failed(
+            with_auth(request, &self.auth)?
+                .call()
+                .map_err(|err| KubeError::Transport(err.to_string())),
+        )?;
         let status = response.status().as_u16();
         if !(200..300).contains(&status) {
             let retry_after = retry_after(&response);
@@ -235,7 +258,8 @@ impl Iterator for WatchStream {
     }
 }
 
-fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
+/// One line of a watch stream: `{"type": ..., "object": ...}`.
+pub fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
     let value: Value = serde_json::from_slice(line)
         .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
     let kind = value["type"]
@@ -291,18 +315,67 @@ fn retry_after<B>(response: &ureq::http::Response<B>) -> Option<Duration> {
     value.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
-fn tls_config(config: &ApiConfig) -> Result<TlsConfig, KubeError> {
+/// The two agents (ordinary requests, watches) for `tls`, or why there
+/// can be none.
+fn build_agents(
+    config: &ApiConfig,
+    tls: &Tls,
+    longest_watch: Duration,
+) -> Result<(Agent, Agent), String> {
+    let tls = tls_config(&config.server, tls).map_err(|err| match err {
+        KubeError::Config(why) => why,
+        other => other.to_string(),
+    })?;
+    let agent: Agent = Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(REQUEST_TIMEOUT))
+        .tls_config(tls.clone())
+        .build()
+        .into();
+    let watch_agent: Agent = Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_connect(Some(REQUEST_TIMEOUT))
+        .timeout_recv_response(Some(REQUEST_TIMEOUT))
+        .timeout_recv_body(Some(longest_watch.saturating_add(Duration::from_secs(30))))
+        .tls_config(tls)
+        .build()
+        .into();
+    Ok((agent, watch_agent))
+}
+
+/// What the files of `tls` look like now (`None`: unreadable).
+fn stamps(tls: &Tls) -> Vec<Option<FileStamp>> {
+    use std::os::unix::fs::MetadataExt;
+    tls.files
+        .all()
+        .map(|path| {
+            std::fs::metadata(path)
+                .ok()
+                .map(|m| (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
+        })
+        .collect()
+}
+
+/// Whether a transport error came from TLS (a certificate the server or
+/// we no longer accept), after which the material is read again.
+fn is_tls_failure(why: &str) -> bool {
+    let why = why.to_ascii_lowercase();
+    ["tls", "certificate", "handshake", "issuer"]
+        .iter()
+        .any(|word| why.contains(word))
+}
+
+fn tls_config(server: &str, tls: &Tls) -> Result<TlsConfig, KubeError> {
     // No bundled public roots (they would cost every plugin run memory):
     // an API server is verified against the CA its configuration names.
-    let https = config.server.starts_with("https://");
-    if https && config.tls.ca.is_none() && !config.tls.insecure {
+    let https = server.starts_with("https://");
+    if https && tls.ca.is_none() && !tls.insecure {
         return Err(KubeError::Config(format!(
-            "{} needs a CA: set certificate-authority(-data) in the kubeconfig",
-            config.server
+            "{server} needs a CA: set certificate-authority(-data) in the kubeconfig"
         )));
     }
-    let mut builder = TlsConfig::builder().disable_verification(config.tls.insecure);
-    if let Some(ca) = &config.tls.ca {
+    let mut builder = TlsConfig::builder().disable_verification(tls.insecure);
+    if let Some(ca) = &tls.ca {
         let certs = pem_certificates(ca)?;
         if certs.is_empty() {
             return Err(KubeError::Config(
@@ -311,7 +384,7 @@ fn tls_config(config: &ApiConfig) -> Result<TlsConfig, KubeError> {
         }
         builder = builder.root_certs(RootCerts::Specific(Arc::new(certs)));
     }
-    if let (Some(cert), Some(key)) = (&config.tls.client_cert, &config.tls.client_key) {
+    if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
         let chain = pem_certificates(cert)?;
         let key = PrivateKey::from_pem(key)
             .map_err(|err| KubeError::Config(format!("client key: {err}")))?;
@@ -345,6 +418,41 @@ mod tests {
         assert_eq!(event.object["metadata"]["resourceVersion"], "7");
         assert!(parse_event(b"{}").is_err());
         assert!(parse_event(b"not json").is_err());
+    }
+
+    /// A self-signed CA certificate (P-256), only ever parsed.
+    const TEST_CA: &str = include_str!("../../testdata/kube/test-ca.pem");
+
+    #[test]
+    fn a_rotated_ca_file_is_read_again_without_a_restart() {
+        let dir = crate::testutil::TempDir::new();
+        let ca = dir.0.join("ca.crt");
+        std::fs::write(&ca, b"not pem").unwrap();
+        let config = ApiConfig {
+            // Nothing listens there: a request that gets past the TLS
+            // setup fails in transport, one that does not fails in setup.
+            server: "https://127.0.0.1:9".into(),
+            auth: Auth::None,
+            tls: super::super::config::Tls {
+                ca: Some(b"not pem".to_vec()),
+                files: super::super::config::TlsFiles {
+                    ca: Some(ca.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        };
+        let client = ApiClient::new_or_broken(&config, Duration::from_secs(60));
+        assert!(matches!(client.get("/api"), Err(KubeError::Config(_))));
+        // The CA is replaced on disk: the next request uses it.
+        std::fs::write(&ca, TEST_CA).unwrap();
+        let err = client.get("/api").err().unwrap();
+        assert!(matches!(err, KubeError::Transport(_)), "{err}");
+        // Broken again (a bad rotation): said, not ignored.
+        std::fs::write(&ca, b"still not pem, and longer").unwrap();
+        assert!(matches!(client.get("/api"), Err(KubeError::Config(_))));
+        assert!(is_tls_failure("invalid peer certificate: UnknownIssuer"));
+        assert!(!is_tls_failure("Connection refused"));
     }
 
     #[test]

@@ -30,6 +30,42 @@ pub struct Tls {
     pub client_cert: Option<Vec<u8>>,
     pub client_key: Option<Vec<u8>>,
     pub insecure: bool,
+    /// The files the material was read from (not inline `-data`): read
+    /// again when they change, so rotated credentials are used.
+    pub files: TlsFiles,
+}
+
+/// Where each piece of TLS material lives on disk, if it does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    pub fn all(&self) -> impl Iterator<Item = &PathBuf> {
+        [&self.ca, &self.client_cert, &self.client_key]
+            .into_iter()
+            .flatten()
+    }
+}
+
+impl Tls {
+    /// The same settings with every file-backed piece read again.
+    pub fn reread(&self) -> Result<Tls, ConfigError> {
+        let read = |file: &Option<PathBuf>, current: &Option<Vec<u8>>| match file {
+            Some(path) => read_file(path).map(Some),
+            None => Ok(current.clone()),
+        };
+        Ok(Tls {
+            ca: read(&self.files.ca, &self.ca)?,
+            client_cert: read(&self.files.client_cert, &self.client_cert)?,
+            client_key: read(&self.files.client_key, &self.client_key)?,
+            insecure: self.insecure,
+            files: self.files.clone(),
+        })
+    }
 }
 
 /// Everything needed to reach the API server.
@@ -95,6 +131,10 @@ pub fn in_cluster(host: &str, port: &str, account_dir: &Path) -> Result<ApiConfi
         auth: Auth::TokenFile(account_dir.join("token")),
         tls: Tls {
             ca: Some(read_file(&ca_path)?),
+            files: TlsFiles {
+                ca: Some(ca_path),
+                ..TlsFiles::default()
+            },
             ..Tls::default()
         },
     })
@@ -104,14 +144,18 @@ pub fn in_cluster(host: &str, port: &str, account_dir: &Path) -> Result<ApiConfi
 pub fn from_kubeconfig(path: &Path) -> Result<ApiConfig, ConfigError> {
     let text = String::from_utf8(read_file(path)?)
         .map_err(|_| ConfigError(format!("{} is not UTF-8", path.display())))?;
-    let docs = YamlLoader::load_from_str(&text)
-        .map_err(|err| ConfigError(format!("{}: {err}", path.display())))?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    kubeconfig_from_text(&text, base)
+        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
+}
+
+/// Reads a kubeconfig's text; files it names are relative to `base`.
+pub fn kubeconfig_from_text(text: &str, base: &Path) -> Result<ApiConfig, ConfigError> {
+    let docs = YamlLoader::load_from_str(text).map_err(|err| ConfigError(err.to_string()))?;
     let doc = docs
         .first()
-        .ok_or_else(|| ConfigError(format!("{} is empty", path.display())))?;
-    let base = path.parent().unwrap_or(Path::new("."));
+        .ok_or_else(|| ConfigError("the kubeconfig is empty".into()))?;
     parse_kubeconfig(doc, base)
-        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
 }
 
 fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
@@ -132,19 +176,25 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
             "server {server:?} is not an http(s) URL"
         )));
     }
+    let (ca, ca_file) = material(cluster, "certificate-authority", base)?;
     let mut tls = Tls {
-        ca: material(cluster, "certificate-authority", base)?,
+        ca,
         insecure: cluster["insecure-skip-tls-verify"]
             .as_bool()
             .unwrap_or(false),
+        files: TlsFiles {
+            ca: ca_file,
+            ..TlsFiles::default()
+        },
         ..Tls::default()
     };
     let auth = match text(context, "user") {
         None => Auth::None,
         Some(user_name) => {
             let user = named(doc, "users", user_name, "user")?;
-            tls.client_cert = material(user, "client-certificate", base)?;
-            tls.client_key = material(user, "client-key", base)?;
+            refuse_plugins(user, user_name)?;
+            (tls.client_cert, tls.files.client_cert) = material(user, "client-certificate", base)?;
+            (tls.client_key, tls.files.client_key) = material(user, "client-key", base)?;
             if tls.client_cert.is_some() != tls.client_key.is_some() {
                 return Err(ConfigError(format!(
                     "user {user_name} needs both a client certificate and a client key"
@@ -158,6 +208,25 @@ fn parse_kubeconfig(doc: &Yaml, base: &Path) -> Result<ApiConfig, ConfigError> {
         }
     };
     Ok(ApiConfig { server, auth, tls })
+}
+
+/// Credential plugins (`exec`, `auth-provider`) are refused: Metis runs
+/// no other program (the DaemonSet's service account needs none), and
+/// requests without their credentials would only be refused one by one.
+fn refuse_plugins(user: &Yaml, user_name: &str) -> Result<(), ConfigError> {
+    for (key, what) in [
+        ("exec", "an exec credential plugin"),
+        ("auth-provider", "an auth-provider plugin"),
+    ] {
+        if !matches!(user[key], Yaml::BadValue | Yaml::Null) {
+            return Err(ConfigError(format!(
+                "user {user_name:?} authenticates with {what} (`{key}`), which is not supported: \
+                 Metis runs no credential plugin; give it a token, a tokenFile or a client \
+                 certificate (in a cluster, its service account)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The `inner` object of the entry named `name` in the list `list`.
@@ -178,16 +247,23 @@ fn text<'a>(node: &'a Yaml, key: &str) -> Option<&'a str> {
     node[key].as_str().filter(|s| !s.is_empty())
 }
 
+/// A piece of PEM material and the file it came from, if any.
+type Material = (Option<Vec<u8>>, Option<PathBuf>);
+
 /// PEM from `KEY-data` (base64) or the file `KEY` (relative to the kubeconfig).
-fn material(node: &Yaml, key: &str, base: &Path) -> Result<Option<Vec<u8>>, ConfigError> {
+fn material(node: &Yaml, key: &str, base: &Path) -> Result<Material, ConfigError> {
     if let Some(data) = text(node, &format!("{key}-data")) {
         return base64_decode(data)
-            .map(Some)
+            .map(|pem| (Some(pem), None))
             .ok_or_else(|| ConfigError(format!("{key}-data is not valid base64")));
     }
-    text(node, key)
-        .map(|file| read_file(&resolve(base, file)))
-        .transpose()
+    match text(node, key) {
+        None => Ok((None, None)),
+        Some(file) => {
+            let path = resolve(base, file);
+            Ok((Some(read_file(&path)?), Some(path)))
+        }
+    }
 }
 
 fn resolve(base: &Path, file: &str) -> PathBuf {
@@ -318,6 +394,17 @@ users:
             (
                 KUBECTL_STYLE.replace("LS0tLS1CRUdJTg==", "not*base64"),
                 "not valid base64",
+            ),
+            (
+                KUBECTL_STYLE.replace(
+                    "    token: s3cret",
+                    "    exec:\n      command: gke-gcloud-auth-plugin",
+                ),
+                "exec credential plugin (`exec`), which is not supported",
+            ),
+            (
+                KUBECTL_STYLE.replace("    token: s3cret", "    auth-provider:\n      name: gcp"),
+                "(`auth-provider`), which is not supported",
             ),
         ] {
             let err = parse(&broken).unwrap_err();

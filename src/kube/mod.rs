@@ -5,5 +5,6 @@
 pub mod backoff;
 pub mod client;
 pub mod config;
+pub mod follow;
 pub mod nnc;
 pub mod worker;

@@ -33,6 +33,27 @@ impl Kind {
         }
     }
 
+    /// The kind's name, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Nnc => "NodeNetworkConfig",
+            Kind::Node => "Node",
+        }
+    }
+
+    /// What a DELETED event of this node's object means.
+    pub fn deleted_message(self) -> &'static str {
+        match self {
+            // ensure() creates it again at the next list.
+            Kind::Nnc => {
+                "this node's NodeNetworkConfig was deleted: it grants nothing now; listing (and creating it) again"
+            }
+            Kind::Node => {
+                "this node's Node object was deleted: its podCIDRs are granted no more; listing again"
+            }
+        }
+    }
+
     /// The object's own path.
     pub fn item_path(self, name: &str) -> String {
         format!("{}/{name}", self.collection())
@@ -53,15 +74,79 @@ impl Kind {
     }
 }
 
+/// Who an object is: its name and namespace (empty for the cluster-scoped
+/// Node and NodeNetworkConfig), its `uid` (a new one means the object was
+/// deleted and created again) and its opaque `resourceVersion`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Meta {
+    pub name: String,
+    pub namespace: String,
+    pub uid: String,
+    pub resource_version: String,
+}
+
+impl Meta {
+    pub fn parse(object: &Value) -> Meta {
+        let text = |key: &str| {
+            object["metadata"][key]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        };
+        Meta {
+            name: text("name"),
+            namespace: text("namespace"),
+            uid: text("uid"),
+            resource_version: text("resourceVersion"),
+        }
+    }
+
+    /// Whether this is the object of node `node`: named after it, and not
+    /// namespaced (both kinds Metis reads are cluster-scoped).
+    pub fn is_of_node(&self, node: &str) -> bool {
+        self.name == node && self.namespace.is_empty()
+    }
+}
+
 /// A `status.podCIDRs` entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StatusCidr {
     pub network: String,
     pub cidr: String,
-    /// Ready unless a condition says otherwise (no condition = ready, as upstream).
+    /// Its condition is of type `Ready` with status `True`: the only state
+    /// in which a block is allocated from.
     pub ready: bool,
+    /// `type` is not `NonReusable`: once released, the block may come back
+    /// to this node (see `adaptive::grants`).
+    pub reusable: bool,
+    /// The condition in words (`Ready=False (Updating)`, `none`), for logs.
+    pub condition: String,
     /// The whole object, echoed into `releasableCIDRs`.
     pub raw: PodCidr,
+}
+
+impl StatusCidr {
+    fn parse(entry: &Value) -> Option<StatusCidr> {
+        let cidr = entry["cidr"].as_str()?.to_string();
+        let condition = &entry["condition"];
+        let (kind, status) = (condition["type"].as_str(), condition["status"].as_str());
+        let condition_text = match (kind, status) {
+            (Some(kind), Some(status)) => match condition["reason"].as_str() {
+                Some(reason) if !reason.is_empty() => format!("{kind}={status} ({reason})"),
+                _ => format!("{kind}={status}"),
+            },
+            _ if condition.is_null() => "none".to_string(),
+            _ => "malformed".to_string(),
+        };
+        Some(StatusCidr {
+            network: network_of(entry),
+            cidr,
+            ready: kind == Some("Ready") && status == Some("True"),
+            reusable: entry["type"].as_str() != Some("NonReusable"),
+            condition: condition_text,
+            raw: PodCidr(entry.clone()),
+        })
+    }
 }
 
 /// A PodCIDR object as the status published it, kept whole so the one
@@ -79,7 +164,7 @@ impl PodCidr {
 /// What Metis needs of a NodeNetworkConfig.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Nnc {
-    pub resource_version: String,
+    pub meta: Meta,
     /// `spec.allocations`: (network, pods).
     pub allocations: Vec<(String, i64)>,
     /// `spec.releasableCIDRs`, whole objects.
@@ -93,13 +178,6 @@ impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
     /// since the cloud controller owns the status.
     pub fn parse(value: &Value) -> Nnc {
-        let network_of = |entry: &Value| {
-            entry["network"]
-                .as_str()
-                .filter(|n| !n.is_empty())
-                .unwrap_or(DEFAULT_NETWORK)
-                .to_string()
-        };
         let allocations = list(&value["spec"]["allocations"])
             .map(|entry| (network_of(entry), entry["pods"].as_i64().unwrap_or(0)))
             .collect();
@@ -108,17 +186,7 @@ impl Nnc {
             .map(PodCidr)
             .collect();
         let pod_cidrs = list(&value["status"]["podCIDRs"])
-            .filter_map(|entry| {
-                let cidr = entry["cidr"].as_str()?.to_string();
-                let condition = &entry["condition"];
-                let ready = condition.is_null() || condition["status"].as_str() == Some("True");
-                Some(StatusCidr {
-                    network: network_of(entry),
-                    cidr,
-                    ready,
-                    raw: PodCidr(entry.clone()),
-                })
-            })
+            .filter_map(StatusCidr::parse)
             .collect();
         let truncated = [
             &value["spec"]["allocations"],
@@ -128,7 +196,7 @@ impl Nnc {
         .iter()
         .any(|l| l.as_array().is_some_and(|a| a.len() > MAX_ENTRIES));
         Nnc {
-            resource_version: resource_version(value),
+            meta: Meta::parse(value),
             allocations,
             releasable,
             pod_cidrs,
@@ -145,19 +213,34 @@ impl Nnc {
     }
 }
 
-/// `spec.podCIDRs` of a Node object.
-pub fn node_pod_cidrs(node: &Value) -> Vec<String> {
-    list(&node["spec"]["podCIDRs"])
-        .filter_map(|cidr| cidr.as_str().map(str::to_string))
-        .chain(node["spec"]["podCIDR"].as_str().map(str::to_string))
-        .fold(Vec::new(), |mut all, cidr| {
-            if !all.contains(&cidr) {
-                all.push(cidr);
-            }
-            all
-        })
+/// What Metis needs of a Node: who it is and its `spec.podCIDRs`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Node {
+    pub meta: Meta,
+    pub pod_cidrs: Vec<String>,
 }
 
+impl Node {
+    pub fn parse(node: &Value) -> Node {
+        let pod_cidrs = list(&node["spec"]["podCIDRs"])
+            .filter_map(|cidr| cidr.as_str().map(str::to_string))
+            .chain(node["spec"]["podCIDR"].as_str().map(str::to_string))
+            .fold(Vec::new(), |mut all, cidr| {
+                if !all.contains(&cidr) {
+                    all.push(cidr);
+                }
+                all
+            });
+        Node {
+            meta: Meta::parse(node),
+            pod_cidrs,
+        }
+    }
+}
+
+/// A list's or an object's `metadata.resourceVersion`. Opaque: compared
+/// for equality only, never ordered (see docs/design.md, "Following the
+/// control plane").
 pub fn resource_version(value: &Value) -> String {
     value["metadata"]["resourceVersion"]
         .as_str()
@@ -165,15 +248,12 @@ pub fn resource_version(value: &Value) -> String {
         .to_string()
 }
 
-/// Whether `candidate` is a later version of the object than `current`.
-/// Resource versions are etcd revisions (integers that only grow, across a
-/// delete and re-create too); a version that is not one cannot be ordered
-/// and counts as newer only if it differs.
-pub fn is_newer(candidate: &str, current: &str) -> bool {
-    match (candidate.parse::<u64>(), current.parse::<u64>()) {
-        (Ok(candidate), Ok(current)) => candidate > current,
-        _ => candidate != current,
-    }
+fn network_of(entry: &Value) -> String {
+    entry["network"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(DEFAULT_NETWORK)
+        .to_string()
 }
 
 fn list(value: &Value) -> impl Iterator<Item = &Value> {
@@ -257,11 +337,16 @@ mod tests {
                 {"id": "b", "network": "default", "cidr": "198.18.0.16/28",
                  "condition": {"type": "Ready", "status": "False", "reason": "PodCIDRNotRoutable"}},
                 {"id": "c", "cidr": "198.18.0.32/28", "condition": {"type": "Ready", "status": "True"}},
+                {"id": "d", "cidr": "198.18.0.48/28", "type": "NonReusable",
+                 "condition": {"type": "Deleting", "status": "True"}},
+                {"id": "e", "cidr": "198.18.0.64/28", "condition": {"type": "Ready", "status": "Unknown"}},
                 {"id": "broken"}
             ]}
         });
         let nnc = Nnc::parse(&value);
-        assert_eq!(nnc.resource_version, "42");
+        assert_eq!(nnc.meta.resource_version, "42");
+        assert_eq!(nnc.meta.name, "node-a");
+        assert!(nnc.meta.is_of_node("node-a") && !nnc.meta.is_of_node("node-b"));
         assert_eq!(
             nnc.allocations,
             vec![("default".into(), 32), ("default".into(), 5)]
@@ -274,15 +359,26 @@ mod tests {
             .iter()
             .map(|c| (c.cidr.as_str(), c.ready))
             .collect();
+        // Only a condition of type Ready with status True is ready: no
+        // condition, another type or another status is not.
         assert_eq!(
             ready,
             vec![
-                ("198.18.0.0/28", true),
+                ("198.18.0.0/28", false),
                 ("198.18.0.16/28", false),
-                ("198.18.0.32/28", true)
+                ("198.18.0.32/28", true),
+                ("198.18.0.48/28", false),
+                ("198.18.0.64/28", false)
             ]
         );
         assert_eq!(nnc.pod_cidrs[2].network, "default");
+        assert_eq!(
+            nnc.pod_cidrs[1].condition,
+            "Ready=False (PodCIDRNotRoutable)"
+        );
+        assert_eq!(nnc.pod_cidrs[0].condition, "none");
+        let reusable: Vec<bool> = nnc.pod_cidrs.iter().map(|c| c.reusable).collect();
+        assert_eq!(reusable, [true, true, true, false, true]);
         assert_eq!(Nnc::parse(&json!(null)), Nnc::default());
     }
 
@@ -299,12 +395,14 @@ mod tests {
 
     #[test]
     fn node_pod_cidrs_merge_both_fields() {
-        let node = json!({"spec": {"podCIDR": "198.18.0.0/24", "podCIDRs": ["198.18.0.0/24", "2001:db8::/64"]}});
-        assert_eq!(
-            node_pod_cidrs(&node),
-            vec!["198.18.0.0/24", "2001:db8::/64"]
-        );
-        assert!(node_pod_cidrs(&json!({})).is_empty());
+        let node = json!({"metadata": {"name": "n1", "uid": "u1"},
+            "spec": {"podCIDR": "198.18.0.0/24", "podCIDRs": ["198.18.0.0/24", "2001:db8::/64"]}});
+        let parsed = Node::parse(&node);
+        assert_eq!(parsed.pod_cidrs, vec!["198.18.0.0/24", "2001:db8::/64"]);
+        assert_eq!(parsed.meta.uid, "u1");
+        assert!(Node::parse(&json!({})).pod_cidrs.is_empty());
+        let namespaced = json!({"metadata": {"name": "n1", "namespace": "kube-system"}});
+        assert!(!Meta::parse(&namespaced).is_of_node("n1"));
     }
 
     #[test]
@@ -314,15 +412,6 @@ mod tests {
             "/apis/networking.gke.io/v1/nodenetworkconfigs?fieldSelector=metadata.name%3Dn1&watch=true&allowWatchBookmarks=true&timeoutSeconds=420&resourceVersion=7"
         );
         assert_eq!(Kind::Node.item_path("n1"), "/api/v1/nodes/n1");
-    }
-
-    #[test]
-    fn versions_are_ordered_as_numbers() {
-        assert!(is_newer("10", "9"));
-        assert!(!is_newer("9", "10"), "a late event is stale");
-        assert!(!is_newer("10", "10"), "the same version is not news");
-        assert!(is_newer("1", ""), "anything beats no version");
-        assert!(is_newer("abc", "9") && !is_newer("abc", "abc"));
     }
 
     #[test]

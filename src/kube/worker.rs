@@ -12,24 +12,33 @@ use serde_json::Value;
 
 use super::backoff::{ApiTiming, Backoff};
 use super::client::{ApiClient, KubeError};
-use super::nnc::{self, Kind, Nnc, NncPatch};
+use super::follow::StreamGuard;
+use super::nnc::{self, Kind, Meta, Nnc, NncPatch, Node};
 use crate::log;
 
 /// What the API threads tell the loop.
 #[derive(Debug)]
 pub enum KubeEvent {
-    /// A (new version of) this node's NodeNetworkConfig.
-    Nnc(Nnc),
-    /// This node's `spec.podCIDRs`.
-    NodePodCidrs(Vec<String>),
+    /// A copy of this node's NodeNetworkConfig, in the order of stream
+    /// `epoch` (a list starts a new epoch; its watch continues it).
+    Nnc { nnc: Nnc, epoch: u64 },
+    /// A copy of this node's Node, in the order of stream `epoch`.
+    Node { node: Node, epoch: u64 },
+    /// This node's object was deleted, or a list found none: the cluster
+    /// grants nothing now.
+    Gone { epoch: u64 },
+    /// The watch delivered a version it had already delivered (a stream
+    /// that breaks the watch rules): ignored, and listed again.
+    Replayed,
     /// The API server could not be reached or refused us.
     Unreachable(String),
     /// A list and a watch both succeeded: changes reach the daemon again.
     Watching,
-    /// A patch was applied.
-    Patched,
+    /// A patch was applied: the object the server returned, and the
+    /// version the patch was computed from (its precondition).
+    Patched { base: String, nnc: Box<Nnc> },
     /// A patch lost an optimistic-concurrency race (409), the `streak`-th
-    /// in a row; a fresh object came just before as an `Nnc` event.
+    /// in a row: the watch has a newer version on its way.
     Conflict { streak: u32 },
     /// A patch failed otherwise; the monitor retries on its next pass.
     PatchFailed(String),
@@ -134,17 +143,29 @@ impl Notifier {
 
 /// Lists and watches forever. After a failure the thread waits out the
 /// backoff (or the server's `Retry-After`) and resumes the watch from the
-/// last version seen; only a `410 Gone`, a deleted object or a failed list
-/// costs a new list. The backoff is reset only by a watch the server ended
+/// last version seen; a `410 Gone`, a version the server finds too large
+/// (an etcd restore), a replayed version, a deleted object or a failed list
+/// cost a new list. The backoff is reset only by a watch the server ended
 /// normally (a full successful cycle), never by a list alone: a watch that
 /// keeps failing after good lists still backs off to the cap.
 fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, send: &Notifier) {
     let mut backoff = Backoff::new(timing.max_backoff);
+    let mut stream = StreamGuard::new(node, kind);
     let mut resume: Option<String> = None;
     loop {
-        match watch_once(client, node, kind, timing, send, &mut backoff, &mut resume) {
+        let cycle = Cycle {
+            client,
+            node,
+            kind,
+            timing,
+            send,
+        };
+        match cycle.run(&mut backoff, &mut stream, &mut resume) {
             Ok(Flow::Stop) => return,
             Ok(Flow::Again) => {}
+            // Paced like a failure: a server that deletes the object or
+            // replays versions on every watch gets no list storm.
+            Ok(Flow::Relist) => thread::sleep(backoff.next(None)),
             Err(err) => {
                 let pause = backoff.next(err.retry_after());
                 log::warn(
@@ -170,126 +191,197 @@ fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, 
 /// Whether the watch thread goes on.
 enum Flow {
     Again,
+    /// List again, after the backoff.
+    Relist,
     Stop,
 }
 
-/// One list (unless resuming) and one watch. `resume` is where the next
-/// watch starts (`None`: list again).
-fn watch_once(
-    client: &ApiClient,
-    node: &str,
+/// What one list-and-watch cycle works with.
+struct Cycle<'a> {
+    client: &'a ApiClient,
+    node: &'a str,
     kind: Kind,
     timing: ApiTiming,
-    send: &Notifier,
-    backoff: &mut Backoff,
-    resume: &mut Option<String>,
-) -> Result<Flow, KubeError> {
-    let mut version = match resume.take() {
-        Some(version) => version,
-        None => match list(client, node, kind, send)? {
+    send: &'a Notifier,
+}
+
+impl Cycle<'_> {
+    /// One list (unless resuming) and one watch. `resume` is where the next
+    /// watch starts (`None`: list again).
+    fn run(
+        &self,
+        backoff: &mut Backoff,
+        stream: &mut StreamGuard,
+        resume: &mut Option<String>,
+    ) -> Result<Flow, KubeError> {
+        let mut version = match resume.take() {
             Some(version) => version,
-            None => return Ok(Flow::Stop),
-        },
-    };
-    let seconds = backoff.watch_seconds(timing.watch_timeout);
-    let stream = match client.watch(&kind.watch_path(node, &version, seconds)) {
-        Ok(stream) => stream,
-        Err(err) => {
-            *resume = Some(version);
-            return Err(err);
-        }
-    };
-    if !send.send(KubeEvent::Watching) {
-        return Ok(Flow::Stop);
-    }
-    for event in stream {
-        let event = match event {
-            Ok(event) => event,
+            None => match self.list(stream)? {
+                Some(version) => version,
+                None => return Ok(Flow::Stop),
+            },
+        };
+        let seconds = backoff.watch_seconds(self.timing.watch_timeout);
+        let path = self.kind.watch_path(self.node, &version, seconds);
+        let events = match self.client.watch(&path) {
+            Ok(events) => events,
             Err(err) => {
-                *resume = Some(version);
+                if !needs_relist(&err) {
+                    *resume = Some(version);
+                }
                 return Err(err);
             }
         };
-        match event.kind.as_str() {
-            "ADDED" | "MODIFIED" => {
-                version = nnc::resource_version(&event.object);
-                if !forward(kind, &event.object, send) {
-                    return Ok(Flow::Stop);
-                }
-            }
-            "BOOKMARK" => version = nnc::resource_version(&event.object),
-            // Relist, which re-creates the object.
-            "DELETED" => return Err(KubeError::Decode("object deleted; re-creating".into())),
-            _ => {
-                let code = event.object["code"].as_u64().unwrap_or(0);
-                // 410 Gone: the version is too old; relist. Other errors
-                // resume from the same version.
-                if code != 410 {
+        if !self.send.send(KubeEvent::Watching) {
+            return Ok(Flow::Stop);
+        }
+        for event in events {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
                     *resume = Some(version);
+                    return Err(err);
                 }
-                return Err(KubeError::Status {
-                    code: u16::try_from(code).unwrap_or(0),
-                    body: event.object.to_string(),
-                    retry_after: None,
-                });
+            };
+            match event.kind.as_str() {
+                "ADDED" | "MODIFIED" => {
+                    let meta = Meta::parse(&event.object);
+                    if !stream.is_ours(&meta) {
+                        continue;
+                    }
+                    if stream.is_replay(&meta) {
+                        // The stream broke the watch rules: only a list can
+                        // say what is true now.
+                        return Ok(self.relisting(KubeEvent::Replayed));
+                    }
+                    version = meta.resource_version;
+                    if !self.forward(&event.object, stream.epoch()) {
+                        return Ok(Flow::Stop);
+                    }
+                }
+                "BOOKMARK" => version = nnc::resource_version(&event.object),
+                "DELETED" => {
+                    if !stream.is_ours(&Meta::parse(&event.object)) {
+                        continue;
+                    }
+                    log::warn(
+                        "kube",
+                        self.kind.deleted_message(),
+                        &[("object", &self.kind.item_path(self.node))],
+                    );
+                    let gone = KubeEvent::Gone {
+                        epoch: stream.epoch(),
+                    };
+                    return Ok(self.relisting(gone));
+                }
+                _ => {
+                    let err = KubeError::Status {
+                        code: u16::try_from(event.object["code"].as_u64().unwrap_or(0))
+                            .unwrap_or(0),
+                        body: event.object.to_string(),
+                        retry_after: None,
+                    };
+                    // Other errors resume from the same version.
+                    if !needs_relist(&err) {
+                        *resume = Some(version);
+                    }
+                    return Err(err);
+                }
             }
         }
+        // The server ended the watch (timeoutSeconds): a full cycle.
+        log::trace(
+            "kube",
+            "watch ended by the server, resuming",
+            &[("version", &version)],
+        );
+        backoff.reset();
+        *resume = Some(version);
+        Ok(Flow::Again)
     }
-    // The server ended the watch (timeoutSeconds): a full cycle.
-    log::trace(
-        "kube",
-        "watch ended by the server, resuming",
-        &[("version", &version)],
-    );
-    backoff.reset();
-    *resume = Some(version);
-    Ok(Flow::Again)
-}
 
-/// Lists the object and forwards it; for the NodeNetworkConfig, creates it
-/// first if it is missing. Returns the version to watch from (`None`: the
-/// loop is gone).
-fn list(
-    client: &ApiClient,
-    node: &str,
-    kind: Kind,
-    send: &Notifier,
-) -> Result<Option<String>, KubeError> {
-    let mut list = client.get(&kind.list_path(node))?;
-    if kind == Kind::Nnc && items(&list).is_empty() {
-        nnc::ensure(client, node)?;
-        list = client.get(&kind.list_path(node))?;
-        if items(&list).is_empty() {
-            return Err(KubeError::Decode("NodeNetworkConfig vanished".into()));
+    /// Tells the loop `event` and ends the cycle so that the next lists.
+    fn relisting(&self, event: KubeEvent) -> Flow {
+        match self.send.send(event) {
+            true => Flow::Relist,
+            false => Flow::Stop,
         }
     }
-    for item in items(&list) {
-        if !forward(kind, item, send) {
+
+    /// Lists the object and forwards it (a new stream epoch); for the
+    /// NodeNetworkConfig, creates it first if it is missing. Returns the
+    /// version to watch from (`None`: the loop is gone).
+    fn list(&self, stream: &mut StreamGuard) -> Result<Option<String>, KubeError> {
+        let (client, node, kind) = (self.client, self.node, self.kind);
+        let mut list = client.get(&kind.list_path(node))?;
+        let epoch = stream.new_epoch();
+        if kind == Kind::Nnc && !stream.any_ours(items(&list)) {
+            nnc::ensure(client, node)?;
+            list = client.get(&kind.list_path(node))?;
+            if !stream.any_ours(items(&list)) {
+                return Err(KubeError::Decode("NodeNetworkConfig vanished".into()));
+            }
+        }
+        let mut found = false;
+        for item in items(&list) {
+            let meta = Meta::parse(item);
+            if !stream.is_ours(&meta) {
+                continue;
+            }
+            stream.is_replay(&meta);
+            found = true;
+            if !self.forward(item, epoch) {
+                return Ok(None);
+            }
+        }
+        if !found && !self.send.send(KubeEvent::Gone { epoch }) {
             return Ok(None);
         }
+        Ok(Some(nnc::resource_version(&list)))
     }
-    Ok(Some(nnc::resource_version(&list)))
+
+    fn forward(&self, object: &Value, epoch: u64) -> bool {
+        match self.kind {
+            Kind::Nnc => self.send.send(KubeEvent::Nnc {
+                nnc: Nnc::parse(object),
+                epoch,
+            }),
+            Kind::Node => self.send.send(KubeEvent::Node {
+                node: Node::parse(object),
+                epoch,
+            }),
+        }
+    }
+}
+
+/// Whether a failed watch must start again from a list: `410 Gone` (the
+/// version was compacted away) or a version the server has not reached
+/// (`ResourceVersionTooLarge`: etcd was restored from a backup, and the
+/// versions went back).
+fn needs_relist(err: &KubeError) -> bool {
+    match err {
+        KubeError::Status { code: 410, .. } => true,
+        KubeError::Status { body, .. } => {
+            body.contains("ResourceVersionTooLarge") || body.contains("Too large resource version")
+        }
+        _ => false,
+    }
 }
 
 fn items(list: &Value) -> &[Value] {
     list["items"].as_array().map_or(&[], Vec::as_slice)
 }
 
-fn forward(kind: Kind, object: &Value, send: &Notifier) -> bool {
-    match kind {
-        Kind::Nnc => send.send(KubeEvent::Nnc(Nnc::parse(object))),
-        Kind::Node => send.send(KubeEvent::NodePodCidrs(nnc::node_pod_cidrs(object))),
-    }
-}
-
 /// Consecutive conflicts after which a 409 storm is reported (health
 /// degraded, a warning per conflict).
 pub const CONFLICT_STORM: u32 = 3;
 
-/// Sends the monitor's patches. Every failure — a 409 included, whose
-/// re-read also costs a request — is followed by the backoff before the
-/// next patch goes out, so a failing or racing API server sees at most two
-/// requests per pause from this thread.
+/// Sends the monitor's patches. Every failure — a 409 included — is
+/// followed by the backoff before the next patch goes out, so a failing or
+/// racing API server sees at most one request per pause from this thread.
+/// A 409 is not followed by a read: the object the watch delivers next is
+/// newer, and a read from outside the stream could not be ordered against
+/// it (versions are opaque).
 fn patch_forever(
     client: &ApiClient,
     node: &str,
@@ -305,9 +397,16 @@ fn patch_forever(
             patch = newer;
         }
         let (event, pause) = match client.merge_patch(&path, &patch.to_json()) {
-            Ok(_) => {
+            Ok(object) => {
                 backoff.reset();
-                (KubeEvent::Patched, None)
+                let nnc = Box::new(Nnc::parse(&object));
+                if nnc.meta.is_of_node(node) {
+                    let base = patch.resource_version;
+                    (KubeEvent::Patched { base, nnc }, None)
+                } else {
+                    let why = format!("the PATCH answer is not {path}");
+                    (KubeEvent::PatchFailed(why), Some(backoff.next(None)))
+                }
             }
             Err(err) if err.is_status(409) => {
                 let pause = backoff.next(err.retry_after());
@@ -319,15 +418,7 @@ fn patch_forever(
                         &[("conflicts", &streak), ("retry_in_ms", &pause.as_millis())],
                     );
                 }
-                match client.get(&path) {
-                    Ok(fresh) => {
-                        if !send.send(KubeEvent::Nnc(Nnc::parse(&fresh))) {
-                            return;
-                        }
-                        (KubeEvent::Conflict { streak }, Some(pause))
-                    }
-                    Err(err) => (KubeEvent::PatchFailed(err.to_string()), Some(pause)),
-                }
+                (KubeEvent::Conflict { streak }, Some(pause))
             }
             Err(err) => {
                 let pause = backoff.next(err.retry_after());

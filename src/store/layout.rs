@@ -90,15 +90,15 @@ fn parse_sources(text: &str) -> BTreeSet<Source> {
 
 /// A non-Deleting block as the layout sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Placed {
-    id: i64,
-    cidr: Cidr,
-    state: BlockState,
+pub(super) struct Placed {
+    pub(super) id: i64,
+    pub(super) cidr: Cidr,
+    pub(super) state: BlockState,
     /// `None`: no Metis record of its sources (written by upstream or an
     /// older Metis, or added without a source).
-    sources: Option<BTreeSet<Source>>,
-    retired: bool,
-    quarantined: bool,
+    pub(super) sources: Option<BTreeSet<Source>>,
+    pub(super) retired: bool,
+    pub(super) quarantined: bool,
 }
 
 impl Placed {
@@ -257,23 +257,6 @@ impl Store {
             all.refused.extend(changes.refused);
         }
         Ok(all)
-    }
-
-    /// Adds a block the cluster granted (`source` Node or NNC). An existing
-    /// block of that prefix is adopted; a prefix overlapping another block
-    /// is refused with [`StoreError::Overlap`].
-    pub fn add_granted_block(
-        &mut self,
-        source: Source,
-        network: &str,
-        cidr: &Cidr,
-        now_ms: i64,
-    ) -> Result<super::AddOutcome, StoreError> {
-        let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
-        let outcome = add_block(&tx, mode, network, cidr, Some(source), now_ms)?;
-        tx.commit()?;
-        Ok(outcome)
     }
 
     /// The network's non-Deleting blocks that only the NodeNetworkConfig
@@ -624,7 +607,7 @@ fn record_sources(
 }
 
 /// Adds one block (the `--cidr`-less primitive behind
-/// [`Store::add_cidr_block`] and [`Store::add_granted_block`]).
+/// [`Store::add_cidr_block`] and [`Store::follow_grants`]).
 pub(super) fn add_block(
     conn: &Connection,
     mode: ReserveMode,
@@ -869,7 +852,12 @@ fn sweepable(
     Ok(out)
 }
 
-fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result<(), StoreError> {
+pub(super) fn set_retired(
+    conn: &Connection,
+    id: i64,
+    retired: bool,
+    now_ms: i64,
+) -> Result<(), StoreError> {
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
         .execute(params![id, retired])?;
@@ -886,7 +874,11 @@ fn set_retired(conn: &Connection, id: i64, retired: bool, now_ms: i64) -> Result
     Ok(())
 }
 
-fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<Source>) -> Result<(), StoreError> {
+pub(super) fn write_sources(
+    conn: &Connection,
+    id: i64,
+    sources: &BTreeSet<Source>,
+) -> Result<(), StoreError> {
     let names: Vec<&str> = sources.iter().map(|source| source.as_str()).collect();
     let text = names.join(",");
     conn.prepare_cached("UPDATE metis_blocks SET sources = ?2 WHERE block_id = ?1")?
@@ -895,7 +887,11 @@ fn write_sources(conn: &Connection, id: i64, sources: &BTreeSet<Source>) -> Resu
 }
 
 /// Non-Deleting blocks of a network and family, oldest first.
-fn placed(conn: &Connection, network: &str, family: Family) -> Result<Vec<Placed>, StoreError> {
+pub(super) fn placed(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<Placed>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, b.cidr, b.state, m.sources IS NOT NULL, COALESCE(m.sources, ''), \
                 COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
@@ -1125,7 +1121,7 @@ fn overlap_verdicts(entries: &[Entry]) -> Vec<Verdict> {
 }
 
 /// Whether any pod holds an address in the block, or an address is cooling.
-fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
+pub(super) fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached(concat!(
             "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND (",

@@ -123,15 +123,33 @@ impl Store {
         )
     }
 
-    /// Raw dump of `cidr_blocks` (all columns, table order).
+    /// Raw dump of `cidr_blocks` (all columns, table order), plus a `note`
+    /// saying why a block takes no new allocations when Metis's records
+    /// say so (taken back by the cluster, retired, quarantined).
     pub fn list_blocks(&self, filter: &BlockFilter) -> Result<Table, StoreError> {
         let mut w = Where::new();
         w.block_filter(filter.network.as_ref(), filter.state, filter.family);
-        table(
-            &self.conn,
-            &format!("SELECT b.* FROM cidr_blocks b{} ORDER BY b.id", w.sql),
-            &w.params,
-        )
+        let recorded: bool = self.conn.query_row(
+            "SELECT COUNT(*) = 2 FROM sqlite_master WHERE type = 'table' \
+             AND name IN ('metis_blocks', 'metis_taken_back')",
+            [],
+            |r| r.get(0),
+        )?;
+        let sql = match recorded {
+            true => format!(
+                "SELECT b.*, CASE \
+                   WHEN m.quarantine IS NOT NULL THEN 'quarantined: ' || m.quarantine \
+                   WHEN t.block_id IS NOT NULL THEN 'no longer granted by the cluster (' || t.source \
+                     || '): no new allocations; deleted when its last pod is' \
+                   WHEN m.retired = 1 THEN 'retired: no source wants it; deleted when its last pod is' \
+                   ELSE '' END AS note \
+                 FROM cidr_blocks b LEFT JOIN metis_blocks m ON m.block_id = b.id \
+                 LEFT JOIN metis_taken_back t ON t.block_id = b.id{} ORDER BY b.id",
+                w.sql
+            ),
+            false => format!("SELECT b.* FROM cidr_blocks b{} ORDER BY b.id", w.sql),
+        };
+        table(&self.conn, &sql, &w.params)
     }
 
     /// Raw dump of `ip_addresses` (all columns, table order); network, state

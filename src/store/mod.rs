@@ -19,6 +19,7 @@ pub mod co_writer;
 mod files;
 mod free;
 mod gc;
+mod grants;
 mod layout;
 mod lifecycle;
 mod listings;
@@ -48,6 +49,7 @@ pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
 pub use check::{Depth, Report, check_file};
 pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
+pub use grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
 pub use layout::{Isolation, LayoutChanges, Source};
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 

@@ -122,13 +122,27 @@ pub fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()
     Ok(())
 }
 
+/// Blocks of the cluster's (Node podCIDRs, NodeNetworkConfig status) that
+/// it no longer grants: retired, kept while pods hold addresses in them.
+pub const TAKEN_BACK: &str = "CREATE TABLE IF NOT EXISTS metis_taken_back (\
+     block_id INTEGER PRIMARY KEY, source TEXT NOT NULL, since_ms INTEGER NOT NULL)";
+
+/// Every block this node gave back through `releasableCIDRs`: a
+/// `NonReusable` one is never taken again, a reusable one only once it
+/// left the status and came back (see `adaptive::grants`).
+pub const RELEASED: &str = "CREATE TABLE IF NOT EXISTS metis_released (\
+     network TEXT NOT NULL, cidr TEXT NOT NULL, reusable INTEGER NOT NULL, \
+     released_at INTEGER NOT NULL, PRIMARY KEY (network, cidr))";
+
 /// Metis's own tables, created on every open if missing.
-pub const METIS_TABLES: [(&str, &str); 5] = [
+pub const METIS_TABLES: [(&str, &str); 7] = [
     ("metis_settings", SETTINGS),
     ("metis_blocks", BLOCKS),
     ("metis_networks", NETWORKS),
     ("metis_ranges", RANGES),
     ("metis_bounds", BOUNDS),
+    ("metis_taken_back", TAKEN_BACK),
+    ("metis_released", RELEASED),
 ];
 
 /// `metis_settings` key holding the reservation mode.

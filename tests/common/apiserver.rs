@@ -4,7 +4,12 @@
 //! chunked watch streams with ADDED/MODIFIED events, `410 Gone` for
 //! compacted versions — plus a simulated cloud controller that appends
 //! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds capacity and
-//! removes `releasableCIDRs` from the status.
+//! removes `releasableCIDRs` from the status. For the control-plane tests
+//! it also misbehaves on request: other nodes' objects in watches and lists
+//! (a proxy that ignores the field selector), opaque resource versions,
+//! objects deleted and created anew (new uid), an etcd restore (versions
+//! go back; watches from a later version are answered
+//! `ResourceVersionTooLarge`) and watches that lag.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -47,6 +52,20 @@ pub struct State {
     pub controller: bool,
     /// Bearer tokens seen, in order (deduplicated consecutive repeats).
     pub tokens: Vec<String>,
+    /// Whether the Node exists (`node` keeps its last content).
+    pub node_exists: bool,
+    /// Objects of other nodes every list returns beside this node's.
+    pub foreign_in_lists: Vec<(&'static str, Value)>,
+    /// Resource versions are opaque strings, not the position's digits.
+    pub opaque: bool,
+    /// Objects created so far (each gets its own uid).
+    pub created: u32,
+    /// `type` of the pod CIDRs the simulated controller publishes.
+    pub block_type: &'static str,
+    /// While set, open watches send nothing (a lagging watch).
+    pub hold_watches: bool,
+    /// Bumped by a restore: open watches end.
+    pub generation: u64,
 }
 
 struct Shared {
@@ -86,6 +105,13 @@ impl ApiServer {
                 stamps: Vec::new(),
                 queries: Vec::new(),
                 fail_watches: None,
+                node_exists: true,
+                foreign_in_lists: Vec::new(),
+                opaque: false,
+                created: 0,
+                block_type: "Reusable",
+                hold_watches: false,
+                generation: 0,
                 fail_patches: None,
                 inject_conflicts: 0,
                 base_capacity,
@@ -187,11 +213,101 @@ impl ApiServer {
         let mut state = self.state();
         if let Some(mut gone) = state.nnc.take() {
             let version = state.bump();
-            gone["metadata"]["resourceVersion"] = json!(version.to_string());
+            gone["metadata"]["resourceVersion"] = json!(state.rv(version));
             state.events.push((version, "nnc", "DELETED", gone));
         }
         drop(state);
         self.shared.changed.notify_all();
+    }
+
+    /// Changes the state under the lock and wakes open watches.
+    pub fn with_state<T>(&self, change: impl FnOnce(&mut State) -> T) -> T {
+        let mut state = self.state();
+        let out = change(&mut state);
+        drop(state);
+        self.shared.changed.notify_all();
+        out
+    }
+
+    /// Someone deletes the NodeNetworkConfig and creates it again at once
+    /// with `status` (a new uid, an empty spec).
+    pub fn recreate_nnc(&self, status: Value) {
+        self.with_state(|state| {
+            let Some(old) = state.nnc.clone() else { return };
+            let version = state.bump();
+            let mut gone = old.clone();
+            gone["metadata"]["resourceVersion"] = json!(state.rv(version));
+            state.events.push((version, "nnc", "DELETED", gone));
+            let mut fresh = json!({
+                "apiVersion": "networking.gke.io/v1",
+                "kind": "NodeNetworkConfig",
+                "metadata": old["metadata"].clone(),
+                "spec": {},
+                "status": {"podCIDRs": status},
+            });
+            fresh["metadata"]["uid"] = json!(state.new_uid());
+            state.nnc = Some(fresh);
+            state.record_nnc("ADDED");
+        });
+    }
+
+    /// Deletes the Node (DELETED); `recreate_node` brings one back.
+    pub fn delete_node(&self) {
+        self.with_state(|state| {
+            let version = state.bump();
+            let mut gone = state.node.clone();
+            gone["metadata"]["resourceVersion"] = json!(state.rv(version));
+            state.events.push((version, "node", "DELETED", gone));
+            state.node_exists = false;
+        });
+    }
+
+    /// Creates the Node again (a new uid) with `cidrs`.
+    pub fn recreate_node(&self, cidrs: &[&str]) {
+        self.with_state(|state| {
+            state.node["metadata"]["uid"] = json!(state.new_uid());
+            state.node["spec"]["podCIDRs"] = json!(cidrs);
+            state.node_exists = true;
+            state.record_node("ADDED");
+        });
+    }
+
+    /// An object of another node appears in open watches (and, with
+    /// `in_lists`, in every list): a proxy that ignores the field selector.
+    pub fn inject_foreign(&self, kind: &'static str, object: Value, in_lists: bool) {
+        self.with_state(|state| {
+            let version = state.bump();
+            let mut object = object;
+            object["metadata"]["resourceVersion"] = json!(state.rv(version));
+            state
+                .events
+                .push((version, kind, "MODIFIED", object.clone()));
+            if in_lists {
+                state.foreign_in_lists.push((kind, object));
+            }
+        });
+    }
+
+    /// etcd restored from a backup taken at `snapshot` (a copy of the
+    /// NodeNetworkConfig as it was then, with its version): versions go
+    /// back to it, history after it is gone, open watches end, and a watch
+    /// from a later version is answered `ResourceVersionTooLarge`.
+    pub fn restore(&self, snapshot: Value) {
+        self.with_state(|state| {
+            let position = state
+                .position(
+                    snapshot["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap_or(""),
+                )
+                .unwrap_or(1);
+            state.version = position;
+            state
+                .events
+                .retain(|(version, _, _, _)| *version <= position);
+            state.nnc = Some(snapshot);
+            state.generation += 1;
+        });
     }
 
     /// Forces watches from older versions to get 410 Gone.
@@ -317,13 +433,40 @@ impl State {
         self.version
     }
 
+    /// The resource version of stream position `position`: its digits, or
+    /// an opaque string that sorts unlike the positions.
+    pub fn rv(&self, position: u64) -> String {
+        match self.opaque {
+            false => position.to_string(),
+            true => format!("{:x}.{position}", position.wrapping_mul(0x9e37_79b9) % 4093),
+        }
+    }
+
+    /// The stream position of a resource version (either spelling).
+    pub fn position(&self, rv: &str) -> Option<u64> {
+        rv.rsplit('.').next()?.parse().ok()
+    }
+
+    fn new_uid(&mut self) -> String {
+        self.created += 1;
+        format!("uid-{}", self.created)
+    }
+
     fn record_nnc(&mut self, kind: &'static str) {
         let version = self.bump();
+        let rv = self.rv(version);
         if let Some(nnc) = self.nnc.as_mut() {
-            nnc["metadata"]["resourceVersion"] = json!(version.to_string());
+            nnc["metadata"]["resourceVersion"] = json!(rv);
             let copy = nnc.clone();
             self.events.push((version, "nnc", kind, copy));
         }
+    }
+
+    fn record_node(&mut self, kind: &'static str) {
+        let version = self.bump();
+        self.node["metadata"]["resourceVersion"] = json!(self.rv(version));
+        let copy = self.node.clone();
+        self.events.push((version, "node", kind, copy));
     }
 
     /// The simulated cloud controller: grow the status to the requested
@@ -356,6 +499,7 @@ impl State {
                 "id": format!("pod-cidr-{block}"),
                 "network": "default",
                 "cidr": cidr,
+                "type": self.block_type,
                 "condition": {"type": "Ready", "status": "True", "reason": "PodCIDRReady"},
             }));
             capacity += 16;
@@ -525,14 +669,19 @@ fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16,
     let is_collection = request.path == NNC_COLLECTION || request.path == NODE_COLLECTION;
     let object = match kind {
         "nnc" => state.nnc.clone(),
-        _ => Some(state.node.clone()),
+        _ => state.node_exists.then(|| state.node.clone()),
     };
     match (request.method.as_str(), is_collection) {
         ("GET", true) => {
-            let items: Vec<Value> = object.into_iter().collect();
+            let foreign = state
+                .foreign_in_lists
+                .iter()
+                .filter(|(k, _)| *k == kind)
+                .map(|(_, object)| object.clone());
+            let items: Vec<Value> = object.into_iter().chain(foreign).collect();
             (
                 200,
-                json!({"metadata": {"resourceVersion": state.version.to_string()}, "items": items}),
+                json!({"metadata": {"resourceVersion": state.rv(state.version)}, "items": items}),
             )
         }
         ("GET", false) => match object {
@@ -547,6 +696,7 @@ fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16,
                 return (400, status_body(400, "BadRequest"));
             };
             created["status"] = json!({"podCIDRs": []});
+            created["metadata"]["uid"] = json!(state.new_uid());
             state.nnc = Some(created);
             state.record_nnc("ADDED");
             state.reconcile();
@@ -604,9 +754,12 @@ fn watch(
     kind: &'static str,
     request: &HttpRequest,
 ) {
-    let from: u64 = param(&request.query, "resourceVersion")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let from: u64 = {
+        let state = shared.state.lock().unwrap();
+        param(&request.query, "resourceVersion")
+            .and_then(|v| state.position(v))
+            .unwrap_or(0)
+    };
     let seconds: u64 = param(&request.query, "timeoutSeconds")
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
@@ -614,10 +767,18 @@ fn watch(
     {
         let mut state = shared.state.lock().unwrap();
         state.note("WATCH", request, 200);
-        if from < state.compacted_below {
+        let too_large = from > state.version;
+        if from < state.compacted_below || too_large {
             drop(state);
             shared.changed.notify_all();
-            let gone = json!({"type": "ERROR", "object": status_body(410, "Expired")});
+            let body = match too_large {
+                // What the API server says after an etcd restore.
+                true => json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": "Too large resource version", "reason": "Timeout",
+                    "details": {"causes": [{"reason": "ResourceVersionTooLarge"}]}, "code": 504}),
+                false => status_body(410, "Expired"),
+            };
+            let gone = json!({"type": "ERROR", "object": body});
             let _ = write!(
                 stream,
                 "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
@@ -633,8 +794,15 @@ fn watch(
     }
     let mut sent = from;
     let mut state = shared.state.lock().unwrap();
+    let generation = state.generation;
     loop {
         if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if state.generation != generation {
+            // Restored from a backup: the API server drops its watches.
+            drop(state);
+            let _ = write!(stream, "0\r\n\r\n");
             return;
         }
         if state.compacted_below > sent {
@@ -647,6 +815,7 @@ fn watch(
         let pending: Vec<(u64, &'static str, Value)> = state
             .events
             .iter()
+            .filter(|_| !state.hold_watches)
             .filter(|(version, k, _, _)| *k == kind && *version > sent)
             .map(|(version, _, event, object)| (*version, *event, object.clone()))
             .collect();

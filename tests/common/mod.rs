@@ -11,9 +11,12 @@ use std::time::{Duration, Instant};
 
 #[cfg(feature = "kube")]
 pub mod apiserver;
+#[cfg(feature = "kube")]
+pub mod cluster;
 pub mod host_local;
 pub mod node;
 pub mod rng;
+pub mod scrape;
 pub mod tmpfs;
 pub mod upstream;
 

@@ -34,7 +34,8 @@ fn block_listings_honour_filters_and_bind_values() {
             "allocated_ips",
             "state",
             "created_at",
-            "updated_at"
+            "updated_at",
+            "note"
         ]
     );
     assert_eq!(all.rows.len(), 3);

@@ -1,0 +1,269 @@
+//! The loop's copy of what the cluster grants, and its application to the
+//! store at every sync: which copies are true now ([`Follower`]), which
+//! released blocks may come back ([`Returns`]), and what the store did,
+//! told once per cause.
+
+use std::collections::BTreeSet;
+
+use super::grants::Returns;
+use super::monitor::{self, Synced};
+use crate::kube::follow::{Follower, Verdict};
+use crate::kube::nnc::{Kind, Meta, Nnc, Node};
+use crate::log;
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError, TakenBack};
+
+/// What applying a copy did, for the loop.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// Networks that gained blocks: retry their waiters.
+    pub grown: Vec<String>,
+    /// The object is another one now (re-created, deleted): nothing
+    /// computed from the old one (an in-flight patch) counts any more.
+    pub new_object: bool,
+}
+
+/// The cluster side of the daemon's state.
+#[derive(Debug)]
+pub struct Cluster {
+    source: Kind,
+    node_network: String,
+    follower: Follower,
+    returns: Returns,
+    /// The NodeNetworkConfig copy applied last (`None`: none yet, or gone).
+    latest: Option<Nnc>,
+    /// Notices of the last sync, each warned once while it lasts.
+    notices: BTreeSet<String>,
+    /// Blocks the cluster took back that pods still use.
+    taken_back: Vec<TakenBack>,
+}
+
+impl Cluster {
+    pub fn new(source: Kind, node_network: &str) -> Cluster {
+        Cluster {
+            source,
+            node_network: node_network.to_string(),
+            follower: Follower::default(),
+            returns: Returns::default(),
+            latest: None,
+            notices: BTreeSet::new(),
+            taken_back: Vec::new(),
+        }
+    }
+
+    /// The NodeNetworkConfig as last applied.
+    pub fn latest(&self) -> Option<&Nnc> {
+        self.latest.as_ref()
+    }
+
+    /// A patch computed from the latest copy went out.
+    pub fn patch_sent(&mut self, base: &str) {
+        self.follower.patch_sent(base);
+    }
+
+    /// A NodeNetworkConfig copy from the stream.
+    pub fn on_nnc(
+        &mut self,
+        store: &mut Store,
+        metrics: &Metrics,
+        nnc: Nnc,
+        epoch: u64,
+    ) -> Applied {
+        let verdict = self.follower.stream(epoch, &nnc.meta);
+        self.apply_nnc(store, metrics, nnc, verdict)
+    }
+
+    /// The object a successful PATCH returned, computed from `base`.
+    pub fn on_patched(
+        &mut self,
+        store: &mut Store,
+        metrics: &Metrics,
+        base: &str,
+        nnc: Nnc,
+    ) -> Applied {
+        let verdict = self.follower.patched(base, &nnc.meta);
+        if verdict == Verdict::Ignore {
+            log::debug(
+                "daemon",
+                "the watch is already past the patched version; keeping its copy",
+                &[("patched", &nnc.meta.resource_version)],
+            );
+            return Applied::default();
+        }
+        self.apply_nnc(store, metrics, nnc, verdict)
+    }
+
+    /// A Node copy from the stream.
+    pub fn on_node(
+        &mut self,
+        store: &mut Store,
+        metrics: &Metrics,
+        node: Node,
+        epoch: u64,
+    ) -> Applied {
+        let verdict = self.follower.stream(epoch, &node.meta);
+        self.log_recreated(verdict, &node.meta);
+        let network = self.node_network.clone();
+        let synced = monitor::sync_node(store, &network, Some(&node), log::now_ms());
+        let mut applied = self.finish(store, metrics, synced);
+        applied.new_object = verdict == Verdict::Recreated;
+        applied
+    }
+
+    /// The object is gone: nothing is granted now.
+    pub fn on_gone(&mut self, store: &mut Store, metrics: &Metrics, epoch: u64) -> Applied {
+        self.follower.gone(epoch);
+        self.latest = None;
+        let synced = match self.source {
+            Kind::Nnc => monitor::sync_blocks(store, None, epoch, &mut self.returns, log::now_ms()),
+            Kind::Node => {
+                let network = self.node_network.clone();
+                monitor::sync_node(store, &network, None, log::now_ms())
+            }
+        };
+        let mut applied = self.finish(store, metrics, synced);
+        applied.new_object = true;
+        applied
+    }
+
+    /// Deletes taken-back blocks no pod uses any more and refreshes what
+    /// health reports (after DELs and monitor passes).
+    pub fn refresh(&mut self, store: &mut Store, metrics: &Metrics) {
+        match store.sweep_taken_back(log::now_ms()) {
+            Ok(deleted) => {
+                for (network, cidr) in deleted {
+                    log::info(
+                        "monitor",
+                        "deleted a block the cluster took back: its last pod is gone",
+                        &[("network", &network), ("cidr", &cidr)],
+                    );
+                    metrics.monitor_action("delete", &network);
+                }
+            }
+            Err(err) => log::error(
+                "daemon",
+                "deleting blocks the cluster took back failed",
+                &[("error", &err)],
+            ),
+        }
+        self.read_taken_back(store);
+    }
+
+    /// Why health is degraded on the cluster's account, if it is: blocks
+    /// it no longer grants that pods still hold addresses in.
+    pub fn problem(&self) -> Option<String> {
+        let holding: Vec<String> = self
+            .taken_back
+            .iter()
+            .filter(|b| b.pods > 0)
+            .map(|b| format!("{} of network {:?}: {} pod(s)", b.cidr, b.network, b.pods))
+            .collect();
+        if holding.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "{} block(s) the cluster no longer grants still hold pods ({}); nothing new is allocated from them, and each is deleted when its last pod is",
+            holding.len(),
+            holding.join(", ")
+        ))
+    }
+
+    fn apply_nnc(
+        &mut self,
+        store: &mut Store,
+        metrics: &Metrics,
+        nnc: Nnc,
+        verdict: Verdict,
+    ) -> Applied {
+        if nnc.truncated {
+            log::warn(
+                "daemon",
+                "NodeNetworkConfig lists more entries than Metis reads; the rest is ignored",
+                &[("max_entries", &crate::kube::nnc::MAX_ENTRIES)],
+            );
+        }
+        self.log_recreated(verdict, &nnc.meta);
+        let epoch = self.follower.epoch();
+        if verdict == Verdict::Recreated
+            && let Err(err) = monitor::start_over(store, &mut self.returns, epoch)
+        {
+            log::error(
+                "daemon",
+                "reading released blocks failed",
+                &[("error", &err)],
+            );
+        }
+        let synced =
+            monitor::sync_blocks(store, Some(&nnc), epoch, &mut self.returns, log::now_ms());
+        self.latest = Some(nnc);
+        let mut applied = self.finish(store, metrics, synced);
+        applied.new_object = verdict == Verdict::Recreated;
+        applied
+    }
+
+    fn log_recreated(&self, verdict: Verdict, meta: &Meta) {
+        if verdict == Verdict::Recreated {
+            log::warn(
+                "daemon",
+                "this node's object was created anew (another uid): starting over from what it grants",
+                &[("kind", &self.source.name()), ("uid", &meta.uid)],
+            );
+        }
+    }
+
+    /// Reports a sync: metrics, each new notice once, and the taken-back
+    /// blocks health reports.
+    fn finish(
+        &mut self,
+        store: &mut Store,
+        metrics: &Metrics,
+        synced: Result<Synced, StoreError>,
+    ) -> Applied {
+        let synced = match synced {
+            Ok(synced) => synced,
+            Err(err) => {
+                log::error(
+                    "daemon",
+                    "syncing blocks with what the cluster grants failed",
+                    &[("error", &err)],
+                );
+                return Applied::default();
+            }
+        };
+        for network in &synced.deleted {
+            metrics.monitor_action("delete", network);
+        }
+        for network in &synced.taken_back {
+            metrics.monitor_action("take_back", network);
+        }
+        let now: BTreeSet<String> = synced.notices.iter().map(|n| n.text.clone()).collect();
+        let mut refused = 0;
+        for notice in &synced.notices {
+            if self.notices.contains(&notice.text) {
+                continue;
+            }
+            log::warn("monitor", &notice.text, &[]);
+            refused += u64::from(notice.refusal);
+        }
+        metrics.refused_pod_cidrs(refused);
+        self.notices = now;
+        self.read_taken_back(store);
+        let mut grown = synced.grown;
+        grown.dedup();
+        Applied {
+            grown,
+            new_object: false,
+        }
+    }
+
+    fn read_taken_back(&mut self, store: &Store) {
+        match store.taken_back() {
+            Ok(blocks) => self.taken_back = blocks,
+            Err(err) => log::warn(
+                "daemon",
+                "reading blocks the cluster took back failed",
+                &[("error", &err)],
+            ),
+        }
+    }
+}

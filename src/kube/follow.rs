@@ -1,0 +1,300 @@
+//! Which copies of this node's object are true now. Resource versions are
+//! opaque: they are compared for equality, never ordered. Order comes from
+//! the stream itself — a list, then its watch, one epoch — and from the
+//! precondition of our own patches (the object a successful PATCH returns
+//! is the direct successor of the version it was computed from). The rule
+//! and why it cannot bring back a released block are in docs/design.md,
+//! "Following the control plane".
+
+use std::collections::VecDeque;
+
+use super::nnc::{Kind, Meta};
+use crate::log;
+
+/// Versions of one epoch remembered to recognise a replay. A node's object
+/// changes a few times a minute; a replay comes within seconds.
+const REMEMBERED_VERSIONS: usize = 256;
+/// Foreign objects warned about (each name and version once).
+const REMEMBERED_FOREIGN: usize = 64;
+
+/// The watch thread's view of its stream: which objects are this node's,
+/// and whether a version was already delivered in this epoch.
+#[derive(Debug)]
+pub struct StreamGuard {
+    node: String,
+    kind: Kind,
+    epoch: u64,
+    seen: VecDeque<String>,
+    warned: VecDeque<(String, String, String)>,
+}
+
+impl StreamGuard {
+    pub fn new(node: &str, kind: Kind) -> StreamGuard {
+        StreamGuard {
+            node: node.to_string(),
+            kind,
+            epoch: 0,
+            seen: VecDeque::new(),
+            warned: VecDeque::new(),
+        }
+    }
+
+    /// Starts an epoch (a list): versions of earlier epochs mean nothing
+    /// in it (after an etcd restore the same versions come again).
+    pub fn new_epoch(&mut self) -> u64 {
+        self.epoch = self.epoch.wrapping_add(1);
+        self.seen.clear();
+        self.epoch
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Whether `meta` is this node's object. Another object (an API server
+    /// or proxy that ignores the field selector) is skipped, with one
+    /// warning per object and version.
+    pub fn is_ours(&mut self, meta: &Meta) -> bool {
+        if meta.is_of_node(&self.node) {
+            return true;
+        }
+        let key = (
+            meta.name.clone(),
+            meta.namespace.clone(),
+            meta.resource_version.clone(),
+        );
+        if !self.warned.contains(&key) {
+            log::warn(
+                "kube",
+                "ignoring an object that is not this node's",
+                &[
+                    ("kind", &self.kind.name()),
+                    ("node", &self.node),
+                    ("name", &meta.name),
+                    ("namespace", &meta.namespace),
+                    ("version", &meta.resource_version),
+                ],
+            );
+            if self.warned.len() == REMEMBERED_FOREIGN {
+                self.warned.pop_front();
+            }
+            self.warned.push_back(key);
+        }
+        false
+    }
+
+    /// Whether any of `items` is this node's object.
+    pub fn any_ours(&mut self, items: &[serde_json::Value]) -> bool {
+        items
+            .iter()
+            .any(|item| Meta::parse(item).is_of_node(&self.node))
+    }
+
+    /// Whether this epoch already delivered `meta`'s version (a watch never
+    /// does; a stream that does cannot be trusted). Records it otherwise.
+    pub fn is_replay(&mut self, meta: &Meta) -> bool {
+        let version = &meta.resource_version;
+        if version.is_empty() {
+            return false;
+        }
+        if self.seen.contains(version) {
+            log::warn(
+                "kube",
+                &format!(
+                    "ignoring an older {} version the watch already delivered; listing again",
+                    self.kind.name()
+                ),
+                &[("version", version)],
+            );
+            return true;
+        }
+        if self.seen.len() == REMEMBERED_VERSIONS {
+            self.seen.pop_front();
+        }
+        self.seen.push_back(version.clone());
+        false
+    }
+}
+
+/// What the loop does with a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The truth now: apply it.
+    Apply,
+    /// The truth now, of an object created anew (another `uid`): start
+    /// over from it, as after a delete.
+    Recreated,
+    /// Not news (the stream is already past it): ignore it.
+    Ignore,
+}
+
+/// The loop's view: which object (uid) and version its copy is, and of
+/// which stream epoch.
+#[derive(Debug, Default)]
+pub struct Follower {
+    uid: Option<String>,
+    version: Option<String>,
+    epoch: u64,
+    /// The version (and its epoch) the patch in flight was computed from.
+    sent: Option<(String, u64)>,
+}
+
+impl Follower {
+    /// A copy from the stream (list or watch): always the truth now; the
+    /// watch thread already dropped replays and foreign objects.
+    pub fn stream(&mut self, epoch: u64, meta: &Meta) -> Verdict {
+        self.epoch = epoch;
+        self.version = Some(meta.resource_version.clone());
+        self.adopt_uid(&meta.uid)
+    }
+
+    /// A patch computed from the current copy went out.
+    pub fn patch_sent(&mut self, base: &str) {
+        self.sent = Some((base.to_string(), self.epoch));
+    }
+
+    /// The object a successful PATCH returned. It is the direct successor
+    /// of `base` (the patch's precondition), so it is news exactly when the
+    /// copy is still `base` of the same epoch; otherwise the stream
+    /// delivered it, or later. (After a relist the same version may name
+    /// another object: an etcd restore hands out old versions again.)
+    pub fn patched(&mut self, base: &str, meta: &Meta) -> Verdict {
+        let sent = self.sent.take();
+        let same_object = self.uid.as_deref().is_none_or(|uid| uid == meta.uid);
+        let from_this_copy = sent.as_ref().is_some_and(|(version, epoch)| {
+            version == base && *epoch == self.epoch && self.version.as_deref() == Some(base)
+        });
+        if !from_this_copy || !same_object {
+            return Verdict::Ignore;
+        }
+        self.version = Some(meta.resource_version.clone());
+        Verdict::Apply
+    }
+
+    /// The object is gone (deleted, or a list found none). Its uid is kept:
+    /// the next object of that name is a new one.
+    pub fn gone(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.version = None;
+    }
+
+    /// The epoch of the copy applied last.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The version of the copy applied last (`None` after a delete).
+    pub fn version(&self) -> Option<&str> {
+        self.version.as_deref()
+    }
+
+    fn adopt_uid(&mut self, uid: &str) -> Verdict {
+        match self.uid.replace(uid.to_string()) {
+            Some(previous) if previous != uid => Verdict::Recreated,
+            _ => Verdict::Apply,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(name: &str, uid: &str, version: &str) -> Meta {
+        Meta {
+            name: name.into(),
+            uid: uid.into(),
+            resource_version: version.into(),
+            ..Meta::default()
+        }
+    }
+
+    #[test]
+    fn replays_are_recognised_within_an_epoch_only() {
+        let mut guard = StreamGuard::new("n1", Kind::Nnc);
+        assert_eq!(guard.new_epoch(), 1);
+        assert!(!guard.is_replay(&meta("n1", "u", "b7")));
+        assert!(!guard.is_replay(&meta("n1", "u", "a3")), "not ordered: new");
+        assert!(guard.is_replay(&meta("n1", "u", "b7")));
+        // After a list (an etcd restore hands out the same versions again).
+        guard.new_epoch();
+        assert!(!guard.is_replay(&meta("n1", "u", "b7")));
+    }
+
+    #[test]
+    fn only_this_nodes_object_is_ours() {
+        let mut guard = StreamGuard::new("n1", Kind::Node);
+        assert!(guard.is_ours(&meta("n1", "u", "1")));
+        assert!(!guard.is_ours(&meta("n2", "u", "1")));
+        let namespaced = Meta {
+            namespace: "default".into(),
+            ..meta("n1", "u", "1")
+        };
+        assert!(!guard.is_ours(&namespaced));
+        assert!(guard.any_ours(&[serde_json::json!({"metadata": {"name": "n1"}})]));
+        assert!(!guard.any_ours(&[serde_json::json!({"metadata": {"name": "n2"}})]));
+    }
+
+    #[test]
+    fn versions_are_never_ordered() {
+        let mut follower = Follower::default();
+        assert_eq!(follower.stream(1, &meta("n", "u1", "9")), Verdict::Apply);
+        // Lower, non-numeric, anything: the stream's order decides.
+        assert_eq!(follower.stream(1, &meta("n", "u1", "5")), Verdict::Apply);
+        assert_eq!(follower.stream(2, &meta("n", "u1", "zz")), Verdict::Apply);
+        assert_eq!(follower.version(), Some("zz"));
+        assert_eq!(follower.epoch(), 2);
+    }
+
+    #[test]
+    fn a_new_uid_is_a_recreated_object() {
+        let mut follower = Follower::default();
+        follower.stream(1, &meta("n", "u1", "9"));
+        follower.gone(1);
+        assert_eq!(follower.version(), None);
+        assert_eq!(
+            follower.stream(2, &meta("n", "u2", "3")),
+            Verdict::Recreated
+        );
+        assert_eq!(follower.stream(2, &meta("n", "u2", "4")), Verdict::Apply);
+    }
+
+    #[test]
+    fn a_patch_answer_is_news_only_as_the_successor_of_the_copy() {
+        let mut follower = Follower::default();
+        follower.stream(1, &meta("n", "u1", "10"));
+        follower.patch_sent("10");
+        assert_eq!(
+            follower.patched("10", &meta("n", "u1", "11")),
+            Verdict::Apply
+        );
+        assert_eq!(follower.version(), Some("11"));
+        // The stream moved on before the answer was handled: ignored.
+        follower.patch_sent("11");
+        follower.stream(1, &meta("n", "u1", "12"));
+        assert_eq!(
+            follower.patched("11", &meta("n", "u1", "13")),
+            Verdict::Ignore
+        );
+        // Another object's answer is never adopted.
+        follower.patch_sent("12");
+        assert_eq!(
+            follower.patched("12", &meta("n", "u9", "14")),
+            Verdict::Ignore
+        );
+        assert_eq!(follower.version(), Some("12"));
+        // An etcd restore: a relist brings the same version back, naming
+        // another object; an answer to a patch of the old one is stale.
+        follower.patch_sent("12");
+        follower.stream(2, &meta("n", "u1", "12"));
+        assert_eq!(
+            follower.patched("12", &meta("n", "u1", "13")),
+            Verdict::Ignore
+        );
+        // A patch nobody sent (or answered twice) is not adopted either.
+        assert_eq!(
+            follower.patched("12", &meta("n", "u1", "13")),
+            Verdict::Ignore
+        );
+    }
+}

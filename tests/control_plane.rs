@@ -1,0 +1,628 @@
+//! Regression tests for issue 24 ("the node follows what the cluster grants
+//! now"), one per item, through the real daemon and the loopback API
+//! server: blocks taken back drain, foreign and stale objects are ignored,
+//! versions are opaque, releases are remembered, only Ready=True serves,
+//! PATCH answers are applied, unsupported credentials are refused and
+//! refusals are told once. Each asserts behaviour and request counts.
+
+// The edge build (no `kube` feature) has no Kubernetes side to test.
+#![cfg(feature = "kube")]
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::apiserver::ApiServer;
+use common::cluster::{
+    NODE, block_state, blocks_in_db, default_conf, health_detail, start_daemon,
+    start_daemon_over_https, status_entry,
+};
+use common::scrape::{http_get, metrics_addr, series};
+use common::{Plugin, TestDir, assert_ok, json, metis, wait_for};
+use serde_json::{Value, json};
+
+/// One usable address: the cluster's blocks serve the rest.
+const TINY: &str = r#"[[{"subnet":"198.18.0.0/30"}]]"#;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The IPv4 address (no prefix length) an ADD got; panics with the
+/// output otherwise.
+fn add(config: &str, id: &str) -> String {
+    let output = Plugin::new("ADD", id).run(config);
+    assert_ok(&output);
+    let address = json(&output)["ips"][0]["address"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    address.split('/').next().unwrap().to_string()
+}
+
+fn del(config: &str, id: &str) {
+    assert_ok(&Plugin::new("DEL", id).run(config));
+}
+
+/// Waits until block `cidr` is in `state` (`None`: gone).
+fn wait_state(dir: &TestDir, cidr: &str, state: Option<&str>) {
+    wait_for(&format!("{cidr} to be {state:?}"), WAIT, || {
+        block_state(dir, cidr).as_deref() == state
+    });
+}
+
+/// Requests of `method` answered `status` on paths ending in `suffix`.
+fn requests(api: &ApiServer, method: &str, suffix: &str) -> usize {
+    api.state()
+        .log
+        .iter()
+        .filter(|(m, p, _)| m == method && p.ends_with(suffix))
+        .count()
+}
+
+fn lists(api: &ApiServer) -> usize {
+    requests(api, "GET", "nodenetworkconfigs")
+}
+
+fn admin_blocks(daemon: &common::TestDaemon) -> Value {
+    let socket = daemon.socket.display().to_string();
+    let output = metis(&[
+        "admin",
+        "cidr-blocks",
+        "--socket-path",
+        &socket,
+        "-o",
+        "json",
+    ]);
+    assert_ok(&output);
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// A daemon in NNC mode whose cluster hands out blocks only as the test
+/// writes them into the status.
+fn quiet_cluster(name: &str, extra: &[&str]) -> (TestDir, ApiServer, common::TestDaemon, String) {
+    let dir = TestDir::new(name);
+    let api = ApiServer::start(NODE, &[], 1);
+    api.state().controller = false;
+    let daemon = start_daemon(&dir, &api, "nnc", extra);
+    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
+    let config = default_conf(&dir, "1.0.0", TINY);
+    (dir, api, daemon, config)
+}
+
+#[test]
+fn item1_a_block_taken_back_serves_no_new_pod_keeps_its_pods_and_goes_with_the_last() {
+    let (dir, api, daemon, config) =
+        quiet_cluster("cp-take-back", &["--metrics-addr", "127.0.0.1:0"]);
+    api.set_status(json!([
+        status_entry("a", "198.19.0.0/28"),
+        status_entry("b", "198.19.1.0/28")
+    ]));
+    wait_state(&dir, "198.19.1.0/28", Some("Ready"));
+    // The oldest block first: 13 pods fill 198.19.0.0/28.
+    let held: Vec<String> = (0..13).map(|i| add(&config, &format!("p{i}"))).collect();
+    assert!(held.iter().all(|a| a.starts_with("198.19.0.")), "{held:?}");
+    let lists_before = lists(&api);
+
+    // The controller takes the block back.
+    api.set_status(json!([status_entry("b", "198.19.1.0/28")]));
+    wait_state(&dir, "198.19.0.0/28", Some("Draining"));
+    let next: Vec<String> = (13..23).map(|i| add(&config, &format!("p{i}"))).collect();
+    assert!(
+        next.iter().all(|a| !a.starts_with("198.19.0.")),
+        "new pods got addresses in a block no longer granted: {next:?}"
+    );
+    // Its pods keep their addresses: CHECK passes.
+    assert_ok(&Plugin::new("CHECK", "p3").run(&config));
+    let detail = health_detail(&daemon);
+    assert!(
+        detail.contains("degraded")
+            && detail.contains("198.19.0.0/28")
+            && detail.contains("13 pod"),
+        "{detail}"
+    );
+    let listed = admin_blocks(&daemon);
+    let row = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["cidr"] == "198.19.0.0/28")
+        .unwrap();
+    assert!(
+        row["note"].as_str().unwrap().contains("no longer granted"),
+        "{row}"
+    );
+    let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
+    assert_eq!(
+        series(&body, "metis_local_store_not_granted_block_total"),
+        1.0
+    );
+    assert_eq!(
+        series(
+            &body,
+            "metis_daemon_monitor_action_count{action=\"take_back\",network=\"default\"}"
+        ),
+        1.0
+    );
+
+    // The last pod leaves: the block goes, health is clean again.
+    for i in 0..13 {
+        del(&config, &format!("p{i}"));
+    }
+    wait_state(&dir, "198.19.0.0/28", None);
+    assert!(!health_detail(&daemon).contains("degraded"));
+    // Following a status costs no list; a patch in flight while the status
+    // changes may conflict, once per change at most.
+    assert_eq!(lists(&api), lists_before);
+    assert!(api.state().count("PATCH", 409) <= 2);
+
+    // Emptied status, every pod gone, a restart: nothing of the cluster's stays.
+    for i in 13..23 {
+        del(&config, &format!("p{i}"));
+    }
+    api.set_status(json!([]));
+    wait_state(&dir, "198.19.1.0/28", None);
+    drop(daemon);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    assert_eq!(add(&config, "after-restart"), "198.18.0.2");
+    assert_eq!(blocks_in_db(&dir), ["198.18.0.0/30"]);
+}
+
+#[test]
+fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
+    let dir = TestDir::new("cp-node");
+    let api = ApiServer::start(NODE, &["198.19.4.0/28"], 0);
+    let daemon = start_daemon(&dir, &api, "node", &[]);
+    wait_state(&dir, "198.19.4.0/28", Some("Ready"));
+    let config = default_conf(&dir, "1.0.0", TINY);
+    let old: Vec<String> = (0..3).map(|i| add(&config, &format!("n{i}"))).collect();
+    assert!(old.iter().any(|a| a.starts_with("198.19.4.")), "{old:?}");
+
+    // The Node created anew with another podCIDR (kube-controller-manager
+    // may hand the old one to another node).
+    api.delete_node();
+    api.recreate_node(&["198.19.5.0/28"]);
+    wait_state(&dir, "198.19.5.0/28", Some("Ready"));
+    wait_state(&dir, "198.19.4.0/28", Some("Draining"));
+    for i in 3..13 {
+        let address = add(&config, &format!("n{i}"));
+        assert!(!address.starts_with("198.19.4."), "{address}");
+    }
+    assert_ok(&Plugin::new("CHECK", "n0").run(&config));
+
+    // Deleted for good: nothing is granted, health says so while pods hold.
+    api.delete_node();
+    wait_state(&dir, "198.19.5.0/28", Some("Draining"));
+    let detail = health_detail(&daemon);
+    assert!(detail.contains("no longer grants"), "{detail}");
+    let log = daemon.log();
+    assert!(
+        !log.contains("re-creating"),
+        "Metis never re-creates a Node: {log}"
+    );
+    assert!(log.contains("Node object was deleted"), "{log}");
+    for i in 0..13 {
+        del(&config, &format!("n{i}"));
+    }
+    wait_state(&dir, "198.19.5.0/28", None);
+    wait_state(&dir, "198.19.4.0/28", None);
+    assert!(!health_detail(&daemon).contains("degraded"));
+    // Lists: the first, and one after each DELETED (after the backoff).
+    api.wait_until("the list after the second delete", WAIT, |s| {
+        s.log
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodes"))
+            .count()
+            >= 3
+    });
+    assert_eq!(requests(&api, "GET", "nodes"), 3);
+}
+
+#[test]
+fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
+    let (dir, api, daemon, config) = quiet_cluster("cp-foreign", &[]);
+    assert_eq!(add(&config, "first"), "198.18.0.2");
+    let foreign = json!({
+        "apiVersion": "networking.gke.io/v1",
+        "kind": "NodeNetworkConfig",
+        "metadata": {"name": "node-b", "uid": "uid-of-b"},
+        "spec": {"allocations": [{"network": "default", "pods": 40}]},
+        "status": {"podCIDRs": [status_entry("b1", "198.19.8.0/28"), status_entry("b2", "198.19.9.0/28")]},
+    });
+    api.inject_foreign("nnc", foreign.clone(), true);
+    // The same object, namespaced: not a NodeNetworkConfig of this node either.
+    let mut namespaced = foreign;
+    namespaced["metadata"]["name"] = json!(NODE);
+    namespaced["metadata"]["namespace"] = json!("kube-system");
+    api.inject_foreign("nnc", namespaced, false);
+    wait_for("the foreign objects to be skipped", WAIT, || {
+        daemon
+            .log()
+            .matches("ignoring an object that is not this node's")
+            .count()
+            >= 2
+    });
+    // A relist (forced by a compaction) sees node-b's object in the list too.
+    let before = lists(&api);
+    api.compact();
+    api.set_status(json!([status_entry("mine", "198.19.1.0/28")]));
+    wait_for("the relist", WAIT, || lists(&api) > before);
+    wait_state(&dir, "198.19.1.0/28", Some("Ready"));
+    let blocks = blocks_in_db(&dir);
+    assert!(
+        !blocks
+            .iter()
+            .any(|b| b.starts_with("198.19.8.") || b.starts_with("198.19.9.")),
+        "{blocks:?}"
+    );
+    for i in 0..10 {
+        let address = add(&config, &format!("f{i}"));
+        assert!(address.starts_with("198.19.1."), "{address}");
+    }
+    // Patches carry this node's version: only the ones in flight while the
+    // status changed (the watch relisting after the compaction) conflict,
+    // and the last one goes through.
+    api.wait_until("a patch after the relist", WAIT, |s| {
+        s.log
+            .iter()
+            .rev()
+            .find(|(m, _, _)| m == "PATCH")
+            .map(|(_, _, code)| *code)
+            == Some(200)
+    });
+    assert!(
+        api.state().count("PATCH", 409) <= 3,
+        "{:?}",
+        api.state().log
+    );
+    assert!(api.state().pods("default").unwrap() < 40);
+}
+
+#[test]
+fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() {
+    let dir = TestDir::new("cp-opaque");
+    let api = ApiServer::start(NODE, &[], 16);
+    api.state().opaque = true;
+    let daemon = start_daemon(
+        &dir,
+        &api,
+        "nnc",
+        &[
+            "--sustained-low-utilization-duration",
+            "200ms",
+            "--draining-expiration",
+            "200ms",
+        ],
+    );
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
+    common::add_concurrently(&config, 0..20);
+    let granted = api.state().status_cidrs();
+    assert!(!granted.is_empty(), "scale-up did not happen");
+    let old = api.state().nnc.clone().unwrap();
+    assert!(
+        old["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .contains('.'),
+        "versions are not opaque: {old}"
+    );
+    for i in 0..20 {
+        del(&config, &format!("pod-{i}"));
+    }
+    wait_for("released blocks to leave the database", WAIT, || {
+        let blocks = blocks_in_db(&dir);
+        granted.iter().all(|cidr| !blocks.contains(cidr))
+    });
+    let before = lists(&api);
+    api.deliver_late(old);
+    wait_for("the replay to be refused", WAIT, || {
+        daemon
+            .log()
+            .contains("ignoring an older NodeNetworkConfig version")
+    });
+    // The stream broke the watch rules: one list, and nothing came back.
+    wait_for("the relist", WAIT, || lists(&api) == before + 1);
+    let blocks = blocks_in_db(&dir);
+    for cidr in &granted {
+        assert!(!blocks.contains(cidr), "{cidr} came back: {blocks:?}");
+    }
+}
+
+#[test]
+fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
+    let dir = TestDir::new("cp-restore");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "200ms"]);
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
+    common::add_concurrently(&config, 0..10);
+    api.wait_until("the first request", WAIT, |s| s.pods("default").is_some());
+    // The backup: the object as it is now.
+    let backup = api.state().nnc.clone().unwrap();
+    common::add_concurrently(&config, 10..40);
+    let grown = api.state().status_cidrs();
+    // etcd comes back from the backup: versions go back, watches end.
+    let lists_before = lists(&api);
+    api.restore(backup);
+    wait_for("a relist after ResourceVersionTooLarge", WAIT, || {
+        lists(&api) > lists_before
+    });
+    // Growth goes on from the restored object: patches carry its version.
+    common::add_concurrently(&config, 40..60);
+    let state = api.state();
+    assert!(state.count("PATCH", 200) >= 2);
+    assert!(
+        state.count("PATCH", 409) <= 2,
+        "patches kept conflicting: {:?}",
+        state.log
+    );
+    drop(state);
+    // The restore dropped blocks the node had used: those still holding pods
+    // are kept for them and reported, none is served to new pods.
+    let lost: Vec<String> = grown
+        .iter()
+        .filter(|c| !api.state().status_cidrs().contains(c))
+        .cloned()
+        .collect();
+    for cidr in &lost {
+        assert_ne!(block_state(&dir, cidr).as_deref(), Some("Ready"), "{cidr}");
+    }
+    let detail = health_detail(&daemon);
+    assert!(!detail.contains("conflicts in a row"), "{detail}");
+    assert!(
+        lost.is_empty() || detail.contains("no longer grants"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn item4_a_released_non_reusable_block_is_never_used_again() {
+    let dir = TestDir::new("cp-non-reusable");
+    let api = ApiServer::start(NODE, &[], 16);
+    api.state().block_type = "NonReusable";
+    let daemon = start_daemon(
+        &dir,
+        &api,
+        "nnc",
+        &[
+            "--sustained-low-utilization-duration",
+            "200ms",
+            "--draining-expiration",
+            "200ms",
+        ],
+    );
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
+    common::add_concurrently(&config, 0..20);
+    let granted = api.state().nnc.clone().unwrap()["status"]["podCIDRs"].clone();
+    let cidrs = api.state().status_cidrs();
+    assert!(!cidrs.is_empty());
+    for i in 0..20 {
+        del(&config, &format!("pod-{i}"));
+    }
+    wait_for("released blocks to leave the database", WAIT, || {
+        let blocks = blocks_in_db(&dir);
+        cidrs.iter().all(|cidr| !blocks.contains(cidr))
+    });
+    let released: i64 = common::db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM metis_released WHERE reusable = 0",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(released, i64::try_from(cidrs.len()).unwrap());
+    // The controller lists them again, Ready: they left and came back, but
+    // NonReusable ones never return.
+    api.state().controller = false;
+    api.set_status(granted);
+    wait_for("the refusal", WAIT, || {
+        daemon
+            .log()
+            .contains("NonReusable: it is never taken again")
+    });
+    let blocks = blocks_in_db(&dir);
+    for cidr in &cidrs {
+        assert!(!blocks.contains(cidr), "{cidr} is served again: {blocks:?}");
+    }
+    // Nor after a restart.
+    drop(daemon);
+    let _daemon = start_daemon(&dir, &api, "nnc", &[]);
+    assert_ok(&Plugin::new("ADD", "again").run(&config));
+    let blocks = blocks_in_db(&dir);
+    assert!(
+        cidrs.iter().all(|cidr| !blocks.contains(cidr)),
+        "{blocks:?}"
+    );
+}
+
+#[test]
+fn item4_a_reusable_release_returns_only_after_it_left_the_status() {
+    let (dir, api, daemon, config) = quiet_cluster("cp-reusable", &[]);
+    let entry = |cidr: &str| {
+        let mut entry = status_entry(cidr, cidr);
+        entry["type"] = json!("Reusable");
+        entry
+    };
+    api.set_status(json!([entry("198.19.0.0/28")]));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    // Released by this node (as the monitor does after a drain).
+    {
+        let conn = rusqlite::Connection::open(dir.join("metis.sqlite")).unwrap();
+        conn.execute_batch(
+            "INSERT INTO metis_released (network, cidr, reusable, released_at) VALUES ('default', '198.19.0.0/28', 1, 1);
+             UPDATE cidr_blocks SET state = 'Deleting' WHERE cidr = '198.19.0.0/28';",
+        )
+        .unwrap();
+    }
+    // Still listed (the controller has not acted yet): not served again.
+    api.set_status(json!([entry("198.19.0.0/28"), entry("198.19.1.0/28")]));
+    wait_state(&dir, "198.19.1.0/28", Some("Ready"));
+    assert_eq!(
+        block_state(&dir, "198.19.0.0/28").as_deref(),
+        Some("Deleting")
+    );
+    // It leaves the status (deleted locally), then comes back: served again.
+    api.set_status(json!([entry("198.19.1.0/28")]));
+    wait_state(&dir, "198.19.0.0/28", None);
+    api.set_status(json!([entry("198.19.1.0/28"), entry("198.19.0.0/28")]));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    assert!(daemon.log().contains("came back to the status"));
+    assert!(add(&config, "r0").starts_with("198.19."));
+}
+
+#[test]
+fn item5_a_block_whose_condition_leaves_ready_takes_no_new_allocations() {
+    let (dir, api, _daemon, config) = quiet_cluster("cp-conditions", &[]);
+    let with = |status: &str, reason: &str| {
+        json!([{"id": "a", "network": "default", "cidr": "198.19.0.0/28",
+                "condition": {"type": "Ready", "status": status, "reason": reason}},
+               {"id": "d", "network": "default", "cidr": "198.19.3.0/28",
+                "condition": {"type": "Deleting", "status": "True"}},
+               {"id": "n", "network": "default", "cidr": "198.19.4.0/28"}])
+    };
+    api.set_status(with("True", "PodCIDRReady"));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    // Type Deleting with status True, or no condition at all: never Ready.
+    assert_eq!(block_state(&dir, "198.19.3.0/28"), None);
+    assert_eq!(block_state(&dir, "198.19.4.0/28"), None);
+    let a = add(&config, "c0");
+    assert!(a.starts_with("198.19.0."), "{a}");
+    api.set_status(with("False", "Updating"));
+    wait_state(&dir, "198.19.0.0/28", Some("Draining"));
+    // The CNI range's one address, then nothing from the block.
+    assert_eq!(add(&config, "c1"), "198.18.0.2");
+    assert_ok(&Plugin::new("CHECK", "c0").run(&config));
+    api.set_status(with("True", "PodCIDRReady"));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    assert!(add(&config, "c2").starts_with("198.19.0."));
+    assert_ok(&Plugin::new("CHECK", "c0").run(&config));
+}
+
+#[test]
+fn item6_with_a_lagging_watch_growth_follows_the_patch_answers() {
+    let dir = TestDir::new("cp-patch-answer");
+    let api = ApiServer::start(NODE, &[], 16);
+    let daemon = start_daemon(&dir, &api, "nnc", &[]);
+    api.wait_until("a watch", WAIT, |s| s.count("WATCH", 200) >= 1);
+    // The watch delivers nothing from now on: only PATCH answers tell the
+    // daemon what the cluster granted.
+    api.state().hold_watches = true;
+    let reads = |api: &ApiServer| {
+        api.state()
+            .log
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p.ends_with(NODE))
+            .count()
+    };
+    let reads_before = reads(&api);
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
+    for step in 0..3 {
+        let ids = step * 15..(step + 1) * 15;
+        let mut addresses = common::add_concurrently(&config, ids);
+        addresses.sort();
+        addresses.dedup();
+        assert_eq!(addresses.len(), 15);
+    }
+    let state = api.state();
+    let patches = state.count("PATCH", 200);
+    assert!(patches >= 2, "{:?}", state.log);
+    // Every grant cost one PATCH: no conflict, no re-read.
+    assert_eq!(state.count("PATCH", 409), 0, "{:?}", state.log);
+    drop(state);
+    assert_eq!(reads(&api), reads_before);
+    assert!(!health_detail(&daemon).contains("degraded"));
+}
+
+/// A self-signed CA certificate (P-256), only ever parsed.
+const TEST_CA: &str = include_str!("../testdata/kube/test-ca.pem");
+
+#[test]
+fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
+    let dir = TestDir::new("cp-ca-rotation");
+    let api = ApiServer::start(NODE, &[], 16);
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, "-----BEGIN").unwrap();
+    let daemon = start_daemon_over_https(
+        &dir,
+        &api,
+        &format!("certificate-authority: {}", ca.display()),
+        &["--api-max-backoff", "100ms"],
+    );
+    wait_for("the broken CA to be reported", WAIT, || {
+        health_detail(&daemon).contains("client setup")
+    });
+    // The CA is rotated on disk: the daemon uses it at its next attempt,
+    // which now gets as far as the TLS handshake (the test server speaks
+    // plain HTTP, so that fails differently).
+    std::fs::write(&ca, TEST_CA).unwrap();
+    wait_for("the new CA to be used", WAIT, || {
+        let detail = health_detail(&daemon);
+        detail.contains("degraded") && !detail.contains("client setup")
+    });
+    assert!(daemon.log().contains("TLS material changed on disk"));
+}
+
+#[test]
+fn item8_exec_and_auth_provider_users_are_refused_at_start() {
+    let api = ApiServer::start(NODE, &[], 16);
+    for (user, what) in [
+        (
+            "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: gke-gcloud-auth-plugin",
+            "exec",
+        ),
+        ("    auth-provider:\n      name: gcp", "auth-provider"),
+    ] {
+        let dir = TestDir::new("cp-exec");
+        let kubeconfig = dir.join("kubeconfig");
+        api.kubeconfig_with_user(&kubeconfig, user);
+        let output = std::process::Command::new(common::METIS)
+            .args(["daemon", "--cidr-source", "nnc", "--socket-path"])
+            .arg(dir.join("s.sock"))
+            .env("KUBECONFIG", &kubeconfig)
+            .env("NODE_NAME", NODE)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2), "{output:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(what) && stderr.contains("not supported"),
+            "{stderr}"
+        );
+    }
+    assert!(api.state().log.is_empty(), "nothing may be sent");
+}
+
+#[test]
+fn item9_refusals_are_told_once_per_cause_and_name_the_real_owner() {
+    let (dir, api, daemon, config) = quiet_cluster(
+        "cp-refusals",
+        &[
+            "--cidr",
+            "default=198.19.4.0/28",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    );
+    add(&config, "first");
+    let overlapping = [
+        status_entry("w", "198.19.4.0/27"),
+        status_entry("x", "198.19.4.0/29"),
+        status_entry("y", "198.18.0.0/29"),
+    ];
+    for version in 0..3 {
+        let mut entries = overlapping.to_vec();
+        entries.push(status_entry("ok", &format!("198.19.{}.0/28", 10 + version)));
+        api.set_status(Value::Array(entries));
+        wait_state(
+            &dir,
+            &format!("198.19.{}.0/28", 10 + version),
+            Some("Ready"),
+        );
+    }
+    let log = daemon.log();
+    assert_eq!(log.matches("refusing a podCIDR").count(), 3, "{log}");
+    assert!(log.contains("belongs to the daemon's --cidr flag"), "{log}");
+    assert!(log.contains("CNI configuration (conflist)"), "{log}");
+    assert!(!log.contains("that the cluster granted"), "{log}");
+    let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
+    assert_eq!(
+        series(&body, "metis_daemon_nnc_refused_pod_cidrs_total"),
+        3.0
+    );
+}
