@@ -379,6 +379,7 @@ impl Store {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
         let tx = super::write(&mut self.conn, self.batch)?;
+        super::co_writer::before_release(&tx, network, container_id, interface_name, None)?;
         let mut rows: Vec<(String, HeldRow)> =
             held(&tx, network, container_id, interface_name, None)?
                 .into_iter()
