@@ -229,8 +229,9 @@ chown 65534:65534 "$work/foreign"
 if out=$(podman run --rm "${locked[@]}" --cap-drop ALL -v "$work/foreign:$in_pod" "$image" \
     metis daemon --cidr-source static 2>&1); then
     fail "unwritable state directory" "the daemon ran: $out"
-elif grep -q "cannot open database $in_pod/metis.sqlite: Permission denied" <<<"$out"; then
-    pass "unwritable state directory: the daemon exits non-zero naming the database"
+elif grep -q "cannot take the database's lock file $in_pod/metis.sqlite.lock: Permission denied" <<<"$out"; then
+    # The lock beside the database is the first file a daemon makes there.
+    pass "unwritable state directory: the daemon exits non-zero naming the lock file beside the database"
 else
     fail "unwritable state directory" "$out"
 fi
