@@ -1,6 +1,7 @@
 //! `metis daemon`: owns the node's address blocks in SQLite and serves the
 //! plugin over a Unix socket from one single-threaded loop.
 
+mod checkpoints;
 mod config;
 mod conn;
 mod event_loop;

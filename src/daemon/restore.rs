@@ -26,7 +26,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::run::defer_checkpoints;
+use super::checkpoints::defer_checkpoints;
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;

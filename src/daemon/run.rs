@@ -2,12 +2,12 @@
 //! added, the socket bound, the cluster followed, then the loop until a
 //! signal.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
+use super::checkpoints::defer_checkpoints;
 use super::event_loop::{Admission, EventLoop};
 use super::restore::{self, Keeper};
 use super::socket::announce_start;
@@ -15,7 +15,7 @@ use super::{Config, DaemonError, handover, ownership};
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::{self, Metrics};
-use crate::store::{BootRecovery, Checkpointer, Source, Store, StoreOptions};
+use crate::store::{BootRecovery, Source, Store, StoreOptions};
 
 /// Runs the daemon until SIGTERM/SIGINT.
 pub fn run(config: &Config) -> Result<(), DaemonError> {
@@ -121,30 +121,6 @@ fn store_options(config: &Config) -> StoreOptions {
         reserve: Some(config.reserve),
         release_cooldown: Some(config.release_cooldown_ms),
     }
-}
-
-/// Moves WAL checkpoints off the loop (see `store::checkpoint`). Without
-/// the thread, SQLite's own checkpoints in the loop go on, as in direct mode.
-pub(super) fn defer_checkpoints(store: &Store, db_path: &Path) -> Option<Checkpointer> {
-    let checkpointer = match Checkpointer::start(db_path) {
-        Ok(checkpointer) => checkpointer,
-        Err(err) => {
-            log::warn(
-                "daemon",
-                "no checkpoint thread; requests checkpoint the WAL themselves",
-                &[("error", &err)],
-            );
-            return None;
-        }
-    };
-    if let Err(err) = store.defer_checkpoints() {
-        log::warn(
-            "daemon",
-            "could not raise the loop's checkpoint threshold",
-            &[("error", &err)],
-        );
-    }
-    Some(checkpointer)
 }
 
 /// Fail safe, not fail stop: a node whose IPAM refuses to start can start
