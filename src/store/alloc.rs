@@ -59,6 +59,15 @@ pub struct Released {
     pub elsewhere: Vec<String>,
 }
 
+/// Where a release looks for the owner's addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// The named network only.
+    Network,
+    /// The named network, or every network when it holds nothing.
+    OrAnyNetworkWhenNone,
+}
+
 /// Allocated rows of owner (container, interface) in every network:
 /// (network, row), network order.
 fn held_in_any_network(
@@ -375,23 +384,15 @@ impl Store {
         interface_name: &str,
         now_ms: i64,
     ) -> Result<Released, StoreError> {
-        validate_owner(container_id, interface_name)?;
-        let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = super::write(&mut self.conn, self.batch)?;
-        super::co_writer::before_release(&tx, network, container_id, interface_name, None)?;
-        let mut rows: Vec<(String, HeldRow)> =
-            held(&tx, network, container_id, interface_name, None)?
-                .into_iter()
-                .map(|row| (network.to_string(), row))
-                .collect();
-        if rows.is_empty() {
-            rows = held_in_any_network(&tx, container_id, interface_name)?;
-        }
-        for (held_in, row) in &rows {
-            give_back(&tx, mode, held_in, row, release_at)?;
-        }
-        tx.commit()?;
+        let rows = self.give_back_owner(
+            network,
+            container_id,
+            interface_name,
+            None,
+            release_at,
+            Reach::OrAnyNetworkWhenNone,
+        )?;
         let mut elsewhere: Vec<String> = rows
             .iter()
             .filter(|(held_in, _)| held_in != network)
@@ -399,7 +400,7 @@ impl Store {
             .collect();
         elsewhere.dedup();
         Ok(Released {
-            addresses: rows.into_iter().map(|(_, row)| row.allocation).collect(),
+            addresses: rows.into_iter().map(|(_, allocation)| allocation).collect(),
             elsewhere,
         })
     }
@@ -414,9 +415,20 @@ impl Store {
         interface_name: &str,
         family: Family,
     ) -> Result<Vec<Allocation>, StoreError> {
-        self.give_back_owner(network, container_id, interface_name, Some(family), None)
+        let rows = self.give_back_owner(
+            network,
+            container_id,
+            interface_name,
+            Some(family),
+            None,
+            Reach::Network,
+        )?;
+        Ok(rows.into_iter().map(|(_, allocation)| allocation).collect())
     }
 
+    /// Releases what the owner holds, inside one write transaction; every
+    /// release passes host-local's co-writer first. Returns each address
+    /// with the network it was released from.
     fn give_back_owner(
         &mut self,
         network: &str,
@@ -424,17 +436,28 @@ impl Store {
         interface_name: &str,
         family: Option<Family>,
         release_at: Option<i64>,
-    ) -> Result<Vec<Allocation>, StoreError> {
+        reach: Reach,
+    ) -> Result<Vec<(String, Allocation)>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
         super::co_writer::before_release(&tx, network, container_id, interface_name, family)?;
-        let rows = held(&tx, network, container_id, interface_name, family)?;
-        for row in &rows {
-            give_back(&tx, mode, network, row, release_at)?;
+        let mut rows: Vec<(String, HeldRow)> =
+            held(&tx, network, container_id, interface_name, family)?
+                .into_iter()
+                .map(|row| (network.to_string(), row))
+                .collect();
+        if rows.is_empty() && reach == Reach::OrAnyNetworkWhenNone {
+            rows = held_in_any_network(&tx, container_id, interface_name)?;
+        }
+        for (held_in, row) in &rows {
+            give_back(&tx, mode, held_in, row, release_at)?;
         }
         tx.commit()?;
-        Ok(rows.into_iter().map(|row| row.allocation).collect())
+        Ok(rows
+            .into_iter()
+            .map(|(held_in, row)| (held_in, row.allocation))
+            .collect())
     }
 
     /// The addresses the owner holds in `network`, IPv4 first (empty: none).
