@@ -17,6 +17,7 @@ mod crash;
 mod daemon_batch;
 mod daemon_wire;
 mod deploy;
+mod direct_writers;
 mod golden;
 mod handover;
 mod host_local;

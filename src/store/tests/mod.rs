@@ -3,6 +3,7 @@
 mod alloc;
 mod batch;
 mod growth;
+mod handout;
 mod lifecycle;
 mod listings;
 mod open;
