@@ -292,15 +292,15 @@ fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
     let node = Node::new("direct-gateways", "0s");
     let ranges = [
         Range {
-            gateway: Some("198.18.166.10"),
-            ..Range::subnet("198.18.166.0/25")
+            gateway: Some("198.18.166.2"),
+            ..Range::subnet("198.18.166.0/24")
         },
         Range {
-            gateway: Some("198.18.166.20"),
-            ..Range::subnet("198.18.166.0/25")
+            gateway: Some("198.18.166.3"),
+            ..Range::subnet("198.18.166.0/24")
         },
     ];
-    let done = burst(&node.dir, 16, 6, &|n| ranges[n % 2]);
+    let done = burst(&node.dir, 16, 12, &|n| ranges[n % 2]);
     let failures = assert_first_law(&node, &done);
     assert!(failures.is_empty(), "{failures:?}");
 }
