@@ -2,7 +2,8 @@
 //! over its socket, or — when no daemon answers (before the DaemonSet is up,
 //! during a restart) — the same engine run in-process against the same
 //! database ("direct mode"). SQLite's WAL, busy timeout and immediate
-//! transactions make the two safe together. [`Daemon`] is the one way to
+//! transactions make the two safe together: each direct-mode request is one
+//! `BEGIN IMMEDIATE` transaction, everything it decides read under its lock. [`Daemon`] is the one way to
 //! exchange a request with the daemon, shared with the admin commands.
 
 use std::path::{Path, PathBuf};

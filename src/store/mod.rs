@@ -4,10 +4,12 @@
 //!
 //! Every write is one short `BEGIN IMMEDIATE` transaction; the daemon and the
 //! CNI plugin (direct mode) may open the same file concurrently (WAL + busy
-//! timeout). The daemon's loop may instead group the requests of one turn
-//! in one transaction (see [`Store::begin_request`]); every write then runs
-//! in a savepoint of it. Timestamps are Unix milliseconds passed in by the
-//! caller.
+//! timeout). A request (ADD, DEL, GC) runs all its writes and the reads they
+//! decide on in one such transaction (see [`Store::begin_request`]): the
+//! daemon's loop groups the requests of one turn in it, direct mode opens
+//! one per request; every write then runs in a savepoint of it. Every
+//! address handed out passes [`handout`]'s check against the configuration
+//! in force. Timestamps are Unix milliseconds passed in by the caller.
 
 mod alloc;
 mod block;
