@@ -1061,6 +1061,38 @@ mod tests {
     }
 
     #[test]
+    fn a_request_alone_decides_in_one_transaction_and_a_failed_one_leaves_nothing() {
+        let dir = TempDir::new();
+        let mut engine = Engine::new(dir.store());
+        let now = crate::log::now_ms();
+        let add = |req| Request {
+            kind: Some(request::Kind::Allocate(req)),
+        };
+        let held = engine.handle_alone(&add(request("a", "198.18.0.0/24", "")), now);
+        assert_eq!(held.into_response().code(), Code::Ok);
+        // The range moves (a block added, the old one retired) and the
+        // IPv4 address is taken before the IPv6 request fails.
+        let mut failing = request("b", "198.18.1.0/24", "2001:db8::/64");
+        if let Some(config) = failing.ipv6_config.as_mut() {
+            config.requested_ip = "2001:db8:1::1".into();
+        }
+        let before = engine.store().blocks(&BlockFilter::default()).unwrap();
+        let failed = engine.handle_alone(&add(failing), now).into_response();
+        assert_eq!(failed.reason(), reason::REQUESTED_IP_UNAVAILABLE);
+        assert_eq!(
+            engine.store().blocks(&BlockFilter::default()).unwrap(),
+            before
+        );
+        assert!(engine.store().check("net", "b", "eth0").unwrap().is_empty());
+        // Nothing is left open: the next request commits on its own.
+        let next = engine.handle_alone(&add(request("c", "198.18.0.0/24", "")), now);
+        assert_eq!(next.into_response().code(), Code::Ok);
+        drop(engine);
+        let reopened = dir.store();
+        assert_eq!(reopened.check("net", "c", "eth0").unwrap().len(), 1);
+    }
+
+    #[test]
     fn a_failed_request_of_a_batch_leaves_nothing_and_keeps_the_others() {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store());

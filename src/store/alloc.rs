@@ -16,6 +16,9 @@ use super::{
 };
 use crate::cidr::{Cidr, Family};
 
+/// How many distinct passed-over rows and blocks a store logs.
+const MAX_LOGGED_PASSED_OVER: usize = 1024;
+
 /// Bound on expand-then-claim rounds per block within one allocation.
 const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
@@ -332,10 +335,12 @@ impl<'s> Judge<'s> {
         Ok(address_fit(address, &self.blocks[at].1, &self.conf))
     }
 
-    /// Notes what was passed over and why; logs each once per store.
+    /// Notes what was passed over and why; logs each once per store (the
+    /// first [`MAX_LOGGED_PASSED_OVER`]: a writer planting rows by the
+    /// million costs no memory).
     fn pass_over(&mut self, what: String, why: &dyn std::fmt::Display) {
         let line = format!("{what}: {why}");
-        if self.logged.insert(line.clone()) {
+        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.clone()) {
             crate::log::warn(
                 "store",
                 "passed over what does not fit the configuration in force (another writer made it)",

@@ -8,7 +8,7 @@
 //! decide on in one such transaction (see [`Store::begin_request`]): the
 //! daemon's loop groups the requests of one turn in it, direct mode opens
 //! one per request; every write then runs in a savepoint of it. Every
-//! address handed out passes [`handout`]'s check against the configuration
+//! address handed out passes `handout`'s check against the configuration
 //! in force. Timestamps are Unix milliseconds passed in by the caller.
 
 mod alloc;
