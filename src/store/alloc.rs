@@ -573,14 +573,11 @@ impl Store {
         if let Err(unfit) = judge.address(&tx, block_id, &cidr, address)? {
             let reason = match unfit {
                 Unfit::Quarantined => Unavailable::Quarantined { block: cidr },
-                Unfit::Retired => Unavailable::BlockNotReady {
-                    block: cidr,
-                    state: BlockState::Draining,
-                },
                 Unfit::Reserved | Unfit::Gateway(_) | Unfit::OutsideBounds { .. } => {
                     Unavailable::ReservedPosition { block: cidr }
                 }
-                Unfit::BlockOutsideRanges { .. }
+                Unfit::Retired
+                | Unfit::BlockOutsideRanges { .. }
                 | Unfit::OutsideRanges { .. }
                 | Unfit::OutsideBlock => Unavailable::OutsideConfig {
                     why: unfit.to_string(),
