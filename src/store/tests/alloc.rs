@@ -534,3 +534,61 @@ fn del_under_a_renamed_network_releases_the_old_networks_allocation() {
     assert!(again.addresses.is_empty() && again.elsewhere.is_empty());
     assert_counters(&store);
 }
+
+#[test]
+fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
+    let dir = TempDir::new();
+    let mut store = dir.store();
+    store
+        .configure(
+            Source::Cni,
+            "default",
+            Family::V4,
+            &[cidr("198.18.40.0/28")],
+            false,
+            NOW,
+        )
+        .unwrap();
+    let a = owner("default", "a");
+    let first = store.allocate(&a, Family::V4, NOW).unwrap();
+    assert_eq!(first.address, ip("198.18.40.2"));
+    // The configuration now in force names another range: the pod keeps
+    // the address it has.
+    let moved = InForce {
+        ranges: vec![cidr("198.18.41.0/28")],
+        bounds: Vec::new(),
+    };
+    assert_eq!(
+        store
+            .allocate_under(&a, Family::V4, Some(&moved), NOW)
+            .unwrap(),
+        first
+    );
+    // Another writer gave owner "b" the block's gateway: no result may
+    // carry it, so the repeat is refused and the row is left for the DEL.
+    store
+        .conn
+        .execute(
+            "UPDATE ip_addresses SET container_id = 'b', interface_name = 'eth0' \
+             WHERE address = '198.18.40.1'",
+            [],
+        )
+        .unwrap();
+    let err = store
+        .allocate(&owner("default", "b"), Family::V4, NOW)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::HeldUnfit { .. }), "{err}");
+    assert!(err.to_string().contains("gateway 198.18.40.1"), "{err}");
+    assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
+    // A new owner under the moved configuration: the block is passed
+    // over, and the exhaustion says why.
+    let err = store
+        .allocate_under(&owner("default", "c"), Family::V4, Some(&moved), NOW)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "block 198.18.40.0/28: its block lies outside the configured ranges 198.18.41.0/28"
+        ),
+        "{err}"
+    );
+}
