@@ -445,10 +445,28 @@ fn a_failed_add_after_its_layout_step_leaves_every_row_as_it_was() {
 /// address in it, so the layout keeps it), and a Ready block outside the
 /// conflist's subnet recorded as the conflist's (the layout's fast path
 /// does not look at it). Once the range is full the ADD fails with code
-/// 11 naming what it passed over.
+/// 11 naming what it passed over. In direct mode and through the daemon
+/// (the rows planted while it runs).
 #[test]
 fn rows_planted_by_someone_else_are_never_handed_out() {
-    let node = Node::new("direct-planted", "0s");
+    for daemon in [false, true] {
+        let mut node = Node::new("direct-planted", "0s");
+        if daemon {
+            node.start(&[]);
+        }
+        planted_rows_are_passed_over(&node);
+        let log = match daemon {
+            false => std::fs::read_to_string(node.dir.join("cni.log")).unwrap(),
+            true => node.log(),
+        };
+        assert!(log.contains("passed over"), "daemon {daemon}: {log}");
+        node.stop();
+    }
+}
+
+/// The body of [`rows_planted_by_someone_else_are_never_handed_out`] on
+/// `node`, with or without its daemon.
+fn planted_rows_are_passed_over(node: &Node) {
     let range = Range::bounded("198.18.170.0/24", "198.18.170.10", "198.18.170.20");
     let config = conflist(&node.dir, "planted", range);
     let args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=pod";
@@ -493,6 +511,4 @@ fn rows_planted_by_someone_else_are_never_handed_out() {
     ] {
         assert!(msg.contains(named), "{named:?} not in {msg}");
     }
-    let log = std::fs::read_to_string(node.dir.join("cni.log")).unwrap();
-    assert!(log.contains("passed over"), "{log}");
 }
