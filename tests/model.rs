@@ -683,7 +683,26 @@ impl Sequence {
                                     .any(|h| h.is_ipv6() == ip.is_ipv6() && h != ip)
                             })
                         };
+                        // A repeat ADD whose held address is the gateway its
+                        // result would name under this configuration (a
+                        // range narrowed under the pod): no result may carry
+                        // it (the hand-out check, issue 21).
+                        let flag_blocks = self.model.flag_blocks();
+                        let blocks = conf.blocks().into_iter().chain(
+                            flag_blocks
+                                .iter()
+                                .filter(|(network, _)| network == conf.network())
+                                .map(|(_, b)| *b),
+                        );
+                        let gateways: Vec<IpAddr> =
+                            blocks.filter(|b| b.size() >= 4).map(|b| b.nth(1)).collect();
+                        let holds_gateway = self.model.held.get(&owner).is_some_and(|held| {
+                            held.iter()
+                                .map(|a| strip_prefix(a))
+                                .any(|h| gateways.contains(&h))
+                        });
                         overlap
+                            || holds_gateway
                             || request.address().is_some_and(|ip| {
                                 holds_other(ip)
                                     || !self.model.surely_free(ip, &owner, conf, &db_blocks, true)

@@ -119,10 +119,11 @@ fn held_row_by_owner(
 /// What a repeated ADD returns: the address the owner already holds. It
 /// passed the hand-out check when it was handed out; under the
 /// configuration now in force it is returned again when it only lies
-/// outside the ranges or bounds now configured (the pod has it, and moving
-/// a live pod's address is not IPAM's to do: logged), and refused when no
-/// result may carry it — outside its own block, the gateway a result would
-/// name, or its block quarantined — so that a DEL and a new ADD replace it.
+/// outside the ranges or bounds now configured, at a position they
+/// reserve, or in a block since retired or quarantined (the pod has it, and
+/// moving a live pod's address is not IPAM's to do: logged), and refused
+/// when no result may carry it — the gateway that result would name, or an
+/// address outside its own block — so that a DEL and a new ADD replace it.
 fn kept(
     conn: &Connection,
     judge: &mut Judge,
@@ -132,10 +133,7 @@ fn kept(
     let Allocation { address, block } = existing.allocation;
     match judge.address(conn, existing.block_id, &block, address)? {
         Ok(()) => Ok(existing.allocation),
-        Err(
-            unfit
-            @ (Unfit::OutsideBlock | Unfit::Gateway(_) | Unfit::Quarantined | Unfit::Reserved),
-        ) => Err(StoreError::HeldUnfit {
+        Err(unfit @ (Unfit::OutsideBlock | Unfit::Gateway(_))) => Err(StoreError::HeldUnfit {
             address,
             container_id: owner.container_id.to_string(),
             why: unfit.to_string(),
