@@ -294,6 +294,8 @@ impl Store {
             return Ok(existing);
         }
         let candidates = candidates(&tx, owner.network, family)?;
+        let (candidates, held_gateways) =
+            super::gateway::servable(&tx, mode, owner.network, candidates)?;
         for (id, cidr) in &candidates {
             if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
                 tx.commit()?;
@@ -324,6 +326,7 @@ impl Store {
             network: owner.network.to_string(),
             family,
             quarantined,
+            held_gateways: held_gateways.iter().map(|g| g.describe()).collect(),
         })
     }
 

@@ -18,6 +18,7 @@ mod checkpoint;
 pub mod co_writer;
 mod files;
 mod free;
+pub mod gateway;
 mod gc;
 mod grants;
 mod layout;
@@ -25,10 +26,12 @@ mod lifecycle;
 mod listings;
 mod migrate;
 mod repair;
+pub mod rollback;
 mod schema;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod withhold;
 
 use std::fmt;
 use std::fs::{DirBuilder, OpenOptions};
@@ -109,6 +112,11 @@ pub enum BlockState {
     Ready,
     Draining,
     Deleting,
+    /// Retired or quarantined by Metis (`metis_blocks` says which): a value
+    /// upstream's store neither allocates from, undrains, expires nor
+    /// deletes, so its pods keep their addresses whoever writes the file
+    /// (see `store::withhold`).
+    Withheld,
 }
 
 impl BlockState {
@@ -117,6 +125,7 @@ impl BlockState {
             BlockState::Ready => "Ready",
             BlockState::Draining => "Draining",
             BlockState::Deleting => "Deleting",
+            BlockState::Withheld => "Withheld",
         }
     }
 
@@ -125,6 +134,7 @@ impl BlockState {
             "Ready" => Some(BlockState::Ready),
             "Draining" => Some(BlockState::Draining),
             "Deleting" => Some(BlockState::Deleting),
+            "Withheld" => Some(BlockState::Withheld),
             _ => None,
         }
     }
@@ -321,6 +331,9 @@ pub enum StoreError {
         /// The network's quarantined blocks of that family, in words: why
         /// it may be exhausted although it has addresses.
         quarantined: Vec<String>,
+        /// Blocks of the network and family not served while a pod holds
+        /// their gateway (see `gateway`), in words.
+        held_gateways: Vec<String>,
     },
     RequestedIpUnavailable {
         address: IpAddr,
@@ -417,18 +430,26 @@ impl fmt::Display for StoreError {
                 network,
                 family,
                 quarantined,
+                held_gateways,
             } => {
                 write!(
                     f,
                     "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
                 )?;
-                match quarantined.is_empty() {
-                    true => Ok(()),
-                    false => write!(
+                if !quarantined.is_empty() {
+                    write!(
                         f,
                         "; not served until the problem is solved and the daemon restarted \
                          (see `metis admin check`): {}",
                         quarantined.join("; ")
+                    )?;
+                }
+                match held_gateways.is_empty() {
+                    true => Ok(()),
+                    false => write!(
+                        f,
+                        "; served again once that pod is deleted: {}",
+                        held_gateways.join("; ")
                     ),
                 }
             }
@@ -512,6 +533,8 @@ pub struct Store {
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
     batch: Batch,
+    /// What the open-time repair healed of a rollback to upstream.
+    healed: rollback::Healed,
 }
 
 /// The group commit the daemon's loop may hold open (see
@@ -649,6 +672,7 @@ impl Store {
             warnings: file_warnings,
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
+            healed: rollback::Healed::default(),
         };
         let upstream_only = store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
@@ -773,6 +797,7 @@ impl Store {
             warnings: Vec::new(),
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
+            healed: rollback::Healed::default(),
         }))
     }
 
@@ -796,6 +821,17 @@ impl Store {
     /// address at a reserved position), for the caller to log.
     pub fn open_warnings(&self) -> &[String] {
         &self.warnings
+    }
+
+    /// What this open healed of what upstream's store left (see
+    /// `rollback`).
+    pub fn rollback_repairs(&self) -> rollback::Healed {
+        self.healed
+    }
+
+    /// Blocks whose gateway a pod holds (not served; see `gateway`).
+    pub fn held_gateways(&self) -> Result<Vec<gateway::HeldGateway>, StoreError> {
+        gateway::all_held(&self.conn, self.reserve)
     }
 
     /// Installs upstream's schema and Metis's tables where missing; true
