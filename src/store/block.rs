@@ -73,6 +73,11 @@ impl Reserved {
         }
     }
 
+    /// Whether host-local bounds keep the block's outside out.
+    pub fn is_bounded(&self) -> bool {
+        self.usable.is_some()
+    }
+
     /// The fixed offsets (network, gateway, broadcast), every one of which
     /// has a reserved row from the block's start.
     pub fn offsets(&self) -> &[u128] {

@@ -16,6 +16,7 @@ mod bounds;
 mod check;
 mod checkpoint;
 pub mod co_writer;
+pub mod downgrade;
 mod files;
 mod free;
 pub mod gateway;

@@ -19,10 +19,9 @@
 //! of the highest-id row of each bounded IPv6 block, and a scan of each
 //! IPv6 block smaller than a growth batch (rare) — the rows of a bounded
 //! block are read only when its highest-id row lies outside the range and
-//! is not a reservation, which only upstream's expansion (or a pod it left
-//! there) produces.
+//! is not the gateway's, which only upstream's expansion produces.
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::RESERVE_ROW_SQL;
 use super::withhold::{self, Misaligned};
@@ -209,29 +208,32 @@ fn beyond_bounds(conn: &Connection) -> Result<Vec<Stray>, StoreError> {
             end: parse_addr(&end)?,
             gateway: parse_addr(&gateway)?,
         };
-        let (_, first, last_usable) = bounds.offsets(&cidr);
-        // Outside the usable range (or the prefix), and not a reservation.
-        let stray = |address: &str, allocated: bool, container: &str| {
-            let outside = parse_addr(address)
+        let (gateway, first, last_usable) = bounds.offsets(&cidr);
+        let outside = |address: &str| {
+            parse_addr(address)
                 .ok()
                 .and_then(|a| cidr.offset_of(a))
-                .is_none_or(|offset| offset < first || offset > last_usable);
-            outside && !(allocated && container.is_empty())
+                .is_none_or(|offset| offset < first || offset > last_usable)
         };
-        let last: Option<(String, bool, String)> = conn
+        // Only upstream's expansion (after the highest-id row) leaves a row
+        // outside the range with the highest id — Metis's own reservations
+        // there are the gateway's. The rows are read only then (and for
+        // as long as the rows it left are there).
+        let last: Option<String> = conn
             .prepare_cached(
-                "SELECT address, is_allocated, COALESCE(container_id, '') FROM ip_addresses \
-                 WHERE cidr_block_id = ?1 ORDER BY id DESC LIMIT 1",
+                "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id DESC LIMIT 1",
             )?
-            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .ok();
-        if !last
-            .is_some_and(|(address, allocated, container)| stray(&address, allocated, &container))
-        {
+            .query_row([id], |r| r.get(0))
+            .optional()?;
+        let is_gateway = |address: &str| {
+            gateway.is_some() && parse_addr(address).ok().and_then(|a| cidr.offset_of(a)) == gateway
+        };
+        if !last.is_some_and(|address| outside(&address) && !is_gateway(&address)) {
             continue;
         }
         for row in block_rows(conn, id)? {
-            if stray(&row.address, row.allocated, &row.container) {
+            let reservation = row.allocated && row.container.is_empty();
+            if outside(&row.address) && !reservation {
                 out.push(row.into_stray(id, cidr, &network));
             }
         }
