@@ -160,6 +160,18 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
             &[("blocks", &isolation.recounted)],
         );
     }
+    match store.upstream_hazards() {
+        Ok(hazards) => {
+            for hazard in &hazards {
+                log::info("store", hazard, &[]);
+            }
+        }
+        Err(err) => log::warn(
+            "store",
+            "could not look for what upstream's store would trip on",
+            &[("error", &err)],
+        ),
+    }
     match store.held_gateways() {
         Ok(held) => {
             for gateway in &held {

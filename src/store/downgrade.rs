@@ -112,6 +112,8 @@ impl Store {
                 .into_iter()
                 .filter(|line| line.contains("is held by")),
         );
+        out.warnings
+            .extend(super::rollback::gateway_above_range(&tx)?);
         for held in super::gateway::all_held(&tx, mode)? {
             out.warnings.push(format!(
                 "{}; upstream will hand out the block's addresses with that gateway",

@@ -830,6 +830,12 @@ impl Store {
         self.healed
     }
 
+    /// What would go wrong under upstream's store that Metis does not
+    /// change (see `rollback::gateway_above_range`), in words.
+    pub fn upstream_hazards(&self) -> Result<Vec<String>, StoreError> {
+        rollback::gateway_above_range(&self.conn)
+    }
+
     /// Blocks whose gateway a pod holds (not served; see `gateway`).
     pub fn held_gateways(&self) -> Result<Vec<gateway::HeldGateway>, StoreError> {
         gateway::all_held(&self.conn, self.reserve)

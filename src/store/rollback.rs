@@ -241,6 +241,39 @@ fn beyond_bounds(conn: &Connection) -> Result<Vec<Stray>, StoreError> {
     Ok(out)
 }
 
+/// Bounded IPv6 blocks whose gateway row sits just above `rangeEnd`:
+/// harmless to Metis, but upstream's expansion of the range, once it is
+/// used up, starts at that row and fails on the UNIQUE index — every later
+/// IPv6 ADD of upstream's in that network fails (nothing is handed out
+/// past the range). In words; the daemon logs them at start, `admin
+/// downgrade` prints them.
+pub(super) fn gateway_above_range(conn: &Connection) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.id, b.cidr, b.network, r.range_end, r.gateway FROM metis_bounds r \
+         JOIN cidr_blocks b ON b.network = r.network AND b.cidr = r.cidr \
+         WHERE b.ip_family = 'ipv6' AND b.state != 'Deleting' \
+           AND EXISTS (SELECT 1 FROM ip_addresses a WHERE a.address = r.gateway AND a.cidr_block_id = b.id) \
+         ORDER BY b.id",
+    )?;
+    let rows: Vec<(i64, String, String, String, String)> = stmt
+        .query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for (id, cidr, network, end, gateway) in rows {
+        let (end, gateway) = (parse_addr(&end)?, parse_addr(&gateway)?);
+        if crate::cidr::to_u128(gateway) == crate::cidr::to_u128(end).wrapping_add(1) {
+            out.push(format!(
+                "block {id} ({cidr}, network {network:?}): its gateway row {gateway} sits just above \
+                 rangeEnd {end}; under upstream Metis, once the range is used up, every IPv6 ADD in \
+                 the network fails with a UNIQUE error (no address past the range is handed out)"
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// Rows of IPv6 blocks smaller than a batch of 64 that lie outside the
 /// block's prefix.
 fn outside_prefix(conn: &Connection) -> Result<Vec<Stray>, StoreError> {

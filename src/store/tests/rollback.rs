@@ -496,3 +496,44 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
     );
     assert_eq!(held_twice(&conn), Vec::<String>::new());
 }
+
+#[test]
+fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let block = cidr("2001:db8:5::/64");
+    let bounds = Bounds::new(
+        &block,
+        Some(ip("2001:db8:5::100")),
+        Some(ip("2001:db8:5::103")),
+        Some(ip("2001:db8:5::104")),
+    )
+    .unwrap();
+    store
+        .set_bounds("v6", Family::V6, &[(block, bounds)])
+        .unwrap();
+    store
+        .configure(Source::Cni, "v6", Family::V6, &[block], false, NOW)
+        .unwrap();
+    let hazards = store.upstream_hazards().unwrap();
+    assert_eq!(hazards.len(), 1, "{hazards:?}");
+    assert!(
+        hazards[0].contains("gateway row 2001:db8:5::104 sits just above rangeEnd 2001:db8:5::103")
+    );
+    let done = store.downgrade(NOW).unwrap();
+    assert!(done.warnings.iter().any(|w| w == &hazards[0]), "{done:?}");
+    // Upstream, once the range is used up: its expansion fails, nothing
+    // past the range is handed out.
+    let id = block_id(&store, "v6", "2001:db8:5::/64");
+    let mut got = Vec::new();
+    while let Some(a) =
+        upstream_allocate(&store.conn, "v6", "ipv6", &format!("u{}", got.len()), NOW)
+    {
+        got.push(ip(&a));
+    }
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert!(upstream_expand(&store.conn, id, "2001:db8:5::/64").is_err());
+    // Without bounds there is nothing to say.
+    let (_dir, plain) = store_with(&[("p", "2001:db8:6::/64")]);
+    assert!(plain.upstream_hazards().unwrap().is_empty());
+}
