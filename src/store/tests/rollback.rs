@@ -315,7 +315,7 @@ fn rows_upstream_expanded_past_range_end_are_reserved_and_never_handed_out_again
     );
     let report = store.verify(Depth::Full).unwrap();
     let named: Vec<&String> = report
-        .problems
+        .notes
         .iter()
         .filter(|p| {
             p.contains("outside rangeStart..rangeEnd") && p.contains("is held by container")
