@@ -613,6 +613,11 @@ impl Engine {
                 .map_err(failed)?;
             if !can {
                 let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
+                let held = self
+                    .store
+                    .held_gateways_in(network, family)
+                    .map_err(failed)?;
+                blocked.extend(held.iter().map(|g| g.describe()));
                 blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
                     |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
                 ));
@@ -732,7 +737,7 @@ fn parse_state(text: &str) -> Result<Option<BlockState>, Failure> {
     }
     BlockState::parse(text).map(Some).ok_or_else(|| {
         Failure::invalid(format!(
-            "unknown block state {text:?} (Ready, Draining or Deleting)"
+            "unknown block state {text:?} (Ready, Draining, Deleting or Withheld)"
         ))
     })
 }

@@ -338,6 +338,33 @@ impl Model {
             && !cooling
     }
 
+    /// Whether a code-11 message's "its gateway G is held by container C
+    /// interface I" is true of the model: Metis serves nothing from a
+    /// block whose gateway a pod holds (see `store::gateway`), and the
+    /// network's other blocks were full.
+    fn gateway_held_as_said(&self, conf: &NetConf, msg: &str) -> bool {
+        let Some(rest) = msg.split("its gateway ").nth(1) else {
+            return false;
+        };
+        let mut words = rest.split(' ');
+        let gateway = words.next().unwrap_or("");
+        let quoted: Vec<&str> = rest.split('"').collect();
+        let (Some(container), Some(ifname)) = (quoted.get(1), quoted.get(3)) else {
+            return false;
+        };
+        // The message is JSON-escaped: quotes come as \".
+        let (container, ifname) = (
+            container.trim_end_matches('\\'),
+            ifname.trim_end_matches('\\'),
+        );
+        self.held.iter().any(|((network, c, i), ips)| {
+            network == conf.network()
+                && c == container
+                && i == ifname
+                && ips.iter().any(|ip| strip_prefix(ip).to_string() == gateway)
+        })
+    }
+
     /// Some family of `conf` has no surely free address.
     fn exhausted(&self, owner: &Owner, conf: &NetConf, db_blocks: &[(String, Block)]) -> bool {
         [false, true]
@@ -671,7 +698,11 @@ impl Sequence {
                 let overlap = self.model.cross_network_overlap(conf, &db_blocks);
                 let legitimate = match code {
                     7 => overlap,
-                    11 => overlap || self.model.exhausted(&owner, conf, &db_blocks),
+                    11 => {
+                        overlap
+                            || self.model.exhausted(&owner, conf, &db_blocks)
+                            || self.model.gateway_held_as_said(conf, &msg)
+                    }
                     100 => {
                         // A requested address that is not surely free, or an
                         // owner that already holds another address of its

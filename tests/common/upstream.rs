@@ -85,3 +85,53 @@ impl Upstream {
             .unwrap();
     }
 }
+
+/// Upstream's `AllocateIP` on the file at `path`, as its queries do it:
+/// the lowest-id free, non-cooling row of the network's `Ready` blocks of
+/// `family` with room, oldest block first (wall-clock cooldowns). `None`:
+/// nothing left.
+pub fn allocate_like_upstream(
+    path: &std::path::Path,
+    network: &str,
+    family: &str,
+    container: &str,
+) -> Option<String> {
+    let conn = Connection::open(path).unwrap();
+    let now: i64 = conn
+        .query_row(
+            "SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let blocks: Vec<i64> = conn
+        .prepare(
+            "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
+             AND total_ips > allocated_ips AND state = 'Ready' ORDER BY id",
+        )
+        .unwrap()
+        .query_map(params![network, family], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    for id in blocks {
+        let address: Option<String> = conn
+            .query_row(
+                "UPDATE ip_addresses SET is_allocated = TRUE, container_id = ?2, interface_name = 'eth0' \
+                 WHERE id = (SELECT id FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
+                   AND (release_at IS NULL OR release_at <= ?3) ORDER BY id LIMIT 1) RETURNING address",
+                params![id, container, now],
+                |r| r.get(0),
+            )
+            .ok();
+        if let Some(address) = address {
+            conn.execute(
+                "UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE id = ?1",
+                [id],
+            )
+            .unwrap();
+            return Some(address);
+        }
+    }
+    None
+}
