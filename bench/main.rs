@@ -60,6 +60,8 @@ pub struct Plan {
     /// Address rows of the start-to-healthy database, and restarts timed.
     pub start_rows: u32,
     pub restarts: usize,
+    /// Address rows of the restart-after-a-crash database.
+    pub crash_rows: u32,
 }
 
 const FULL: Plan = Plan {
@@ -75,6 +77,7 @@ const FULL: Plan = Plan {
     big_samples: 1000,
     start_rows: 1 << 20,
     restarts: 10,
+    crash_rows: 100_000,
 };
 
 const SMOKE: Plan = Plan {
@@ -90,6 +93,7 @@ const SMOKE: Plan = Plan {
     big_samples: 20,
     start_rows: 4096,
     restarts: 1,
+    crash_rows: 4096,
 };
 
 /// What every section gets: the plan, the builds, the floor program (linked

@@ -310,11 +310,9 @@ impl Store {
     ) -> Result<Isolation, StoreError> {
         let tx = super::write(&mut self.conn, self.batch)?;
         let mut isolation = Isolation {
-            // Counting rows reads every row: only after a check that did.
-            recounted: match report.row_level {
-                true => recount(&tx)?,
-                false => 0,
-            },
+            // Only the blocks a row-level check found miscounted: counting
+            // a block's rows reads every row.
+            recounted: recount(&tx, &report.miscounted)?,
             ..Isolation::default()
         };
         clear_quarantines(&tx)?;
