@@ -190,14 +190,16 @@ pub fn restart_after_crash(binary: &Path, rows: u32, restarts: usize) -> CrashRe
 }
 
 /// Populates the /12 up to offset `rows` (its first 64 rows and its last,
-/// reserved, exist already) and moves its frontier there.
+/// reserved, exist already) and moves its frontier there. The rows are
+/// stamped an hour old, as a long-lived node's are.
 fn fill_rows(db: &std::path::Path, rows: u32) {
     let conn = rusqlite::Connection::open(db).unwrap();
     conn.execute_batch(&format!(
         "BEGIN; \
          WITH RECURSIVE n(i) AS (SELECT 64 UNION ALL SELECT i + 1 FROM n WHERE i < {last}) \
-         INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
-         SELECT '198.' || (16 + (i >> 16)) || '.' || ((i >> 8) & 255) || '.' || (i & 255), 1, '', '', 0 FROM n; \
+         INSERT OR IGNORE INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated, updated_at) \
+         SELECT '198.' || (16 + (i >> 16)) || '.' || ((i >> 8) & 255) || '.' || (i & 255), 1, '', '', 0, \
+                CAST(unixepoch('subsec') * 1000 AS INTEGER) - 3600000 FROM n; \
          UPDATE metis_blocks SET frontier = '{rows}' WHERE block_id = 1; \
          COMMIT;",
         last = rows - 1,

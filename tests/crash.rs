@@ -383,12 +383,18 @@ fn a_row_corrupted_while_the_daemon_was_down_is_quarantined_before_serving() {
     assert_eq!(answer["code"], 11, "{answer}");
     assert!(
         answer["msg"].as_str().unwrap_or("").contains("quarantined")
-            || answer["details"].as_str().unwrap_or("").contains("quarantined"),
+            || answer["details"]
+                .as_str()
+                .unwrap_or("")
+                .contains("quarantined"),
         "{answer}"
     );
     let held = held_by_owner(&dir);
     assert!(
-        !held.values().flatten().any(|address| address == "198.18.9.4"),
+        !held
+            .values()
+            .flatten()
+            .any(|address| address == "198.18.9.4"),
         "{held:?}"
     );
     assert_eq!(held.len(), 2, "the pods keep their addresses: {held:?}");
