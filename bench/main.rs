@@ -3,7 +3,7 @@
 //! reported as a ratio next to its target (README, "Performance").
 //!
 //! `cargo bench --bench metis -- --full BINARY --edge EDGE_BINARY --floor
-//! FLOOR_BINARY [--smoke] [--out FILE]` (`make bench` builds all three and
+//! FLOOR_BINARY [--smoke] [--out FILE] [--only SECTION]` (`make bench` builds all three and
 //! passes them; the floor is the `metis-floor` binary `make build` links
 //! beside `metis`). Every per-build
 //! figure is taken for the full build (the binary `cargo bench` built with
@@ -60,6 +60,8 @@ pub struct Plan {
     /// Address rows of the start-to-healthy database, and restarts timed.
     pub start_rows: u32,
     pub restarts: usize,
+    /// Address rows of the restart-after-a-crash database.
+    pub crash_rows: u32,
 }
 
 const FULL: Plan = Plan {
@@ -75,6 +77,7 @@ const FULL: Plan = Plan {
     big_samples: 1000,
     start_rows: 1 << 20,
     restarts: 10,
+    crash_rows: 100_000,
 };
 
 const SMOKE: Plan = Plan {
@@ -90,6 +93,7 @@ const SMOKE: Plan = Plan {
     big_samples: 20,
     start_rows: 4096,
     restarts: 1,
+    crash_rows: 4096,
 };
 
 /// What every section gets: the plan, the builds, the floor program (linked
@@ -173,8 +177,16 @@ fn main() {
             .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", floor.display())),
     };
     let mut report = Report::default();
-    for (i, (name, section)) in SECTIONS.iter().enumerate() {
-        eprintln!("[{}/{}] {name}", i + 1, SECTIONS.len());
+    // `--only NAME`: that section alone (a figure measured before and
+    // after a change without the whole run).
+    let only = value("--only");
+    let sections: Vec<_> = SECTIONS
+        .iter()
+        .filter(|(name, _)| only.as_ref().is_none_or(|only| only.as_os_str() == *name))
+        .collect();
+    assert!(!sections.is_empty(), "--only: no section is named {only:?}");
+    for (i, (name, section)) in sections.iter().enumerate() {
+        eprintln!("[{}/{}] {name}", i + 1, sections.len());
         section(&bench, &mut report);
     }
     let text = report::render(

@@ -129,14 +129,16 @@ fn store_options(config: &Config) -> StoreOptions {
 /// problem that can be pinned to blocks quarantines those blocks (no new
 /// allocations from them; their pods keep their addresses), loudly.
 fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonError> {
+    let started = std::time::Instant::now();
     let report = store.verify_at_start().map_err(DaemonError::Store)?;
     log::info(
         "store",
         "database checked",
         &[
-            ("scope", &if report.row_level { "rows" } else { "blocks" }),
+            ("scope", &report.scope()),
             ("blocks", &report.blocks),
             ("rows_read", &report.rows_read),
+            ("took_ms", &started.elapsed().as_millis()),
         ],
     );
     if report.damaged {

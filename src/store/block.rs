@@ -453,15 +453,21 @@ pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64
     Ok(out)
 }
 
-/// Sets every block's `allocated_ips` to its count of allocated rows;
-/// returns how many were wrong.
-pub(super) fn recount(conn: &Connection) -> Result<usize, StoreError> {
-    let wrong = counter_mismatches(conn)?;
-    for (id, _, actual) in &wrong {
-        conn.prepare_cached("UPDATE cidr_blocks SET allocated_ips = ?2 WHERE id = ?1")?
-            .execute(params![id, actual])?;
+/// Sets the `allocated_ips` of each block in `ids` (those a row-level
+/// check found wrong) to its count of allocated rows, counted again here
+/// under the caller's write lock; returns how many were wrong.
+pub(super) fn recount(conn: &Connection, ids: &[i64]) -> Result<usize, StoreError> {
+    let mut fix = conn.prepare_cached(
+        "UPDATE cidr_blocks SET allocated_ips = \
+           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1) \
+         WHERE id = ?1 AND COALESCE(allocated_ips, 0) != \
+           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1)",
+    )?;
+    let mut wrong = 0;
+    for id in ids {
+        wrong += fix.execute([id])?;
     }
-    Ok(wrong.len())
+    Ok(wrong)
 }
 
 /// Gives a block a Metis record of its sources (none yet) if it has none.

@@ -312,11 +312,9 @@ impl Store {
     ) -> Result<Isolation, StoreError> {
         let tx = super::write(&mut self.conn, self.batch)?;
         let mut isolation = Isolation {
-            // Counting rows reads every row: only after a check that did.
-            recounted: match report.row_level {
-                true => recount(&tx)?,
-                false => 0,
-            },
+            // Only the blocks a row-level check found miscounted: counting
+            // a block's rows reads every row.
+            recounted: recount(&tx, &report.miscounted)?,
             ..Isolation::default()
         };
         clear_quarantines(&tx)?;
@@ -1064,9 +1062,25 @@ fn overlap_entries(
             id,
             cidr,
             isolated: is_isolated(conn, &network)?,
-            in_use: in_use(conn, id, now_ms)?,
+            in_use: false,
             network,
         });
+    }
+    // Only an overlapping block's use decides anything, and telling that a
+    // block is unused reads all its rows (no index leads with the block for
+    // held rows): 77M instructions per start on a 100,000-row block.
+    let overlapping: Vec<bool> = entries
+        .iter()
+        .map(|e| {
+            entries
+                .iter()
+                .any(|other| other.id != e.id && other.cidr.overlaps(&e.cidr))
+        })
+        .collect();
+    for (entry, overlaps) in entries.iter_mut().zip(overlapping) {
+        if overlaps {
+            entry.in_use = in_use(conn, entry.id, now_ms)?;
+        }
     }
     entries.sort_by_key(|e| (crate::cidr::to_u128(e.cidr.base()), e.cidr.prefix_len()));
     Ok(entries)

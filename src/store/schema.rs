@@ -160,6 +160,10 @@ pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
 /// left it at its last clean stop (absent while a daemon runs).
 pub const KEY_CLEAN_STOP: &str = "clean_stop";
 
+/// `metis_settings` key holding the watermark as of which a start check
+/// found every address row sound (see `check::Watermark`).
+pub const KEY_ROWS_VERIFIED: &str = "rows_verified";
+
 /// Keys earlier versions kept per block or per network in
 /// `metis_settings`, each a prefix followed by the block id or the network:
 /// the population frontier (named when only IPv6 blocks grew lazily),

@@ -162,6 +162,25 @@ impl TestDaemon {
         }
     }
 
+    /// The scope and the rows read of the daemon's last start check (its
+    /// "database checked" log line).
+    pub fn last_start_check(&self) -> (String, u64) {
+        let log = self.log();
+        let line = log
+            .lines()
+            .rev()
+            .find(|line| line.contains("database checked"))
+            .unwrap_or_else(|| panic!("no start check logged: {log}"))
+            .to_string();
+        let field = |name: &str| -> String {
+            line.split_whitespace()
+                .find_map(|word| word.strip_prefix(&format!("{name}=")))
+                .unwrap_or_else(|| panic!("{line} lacks {name}"))
+                .to_string()
+        };
+        (field("scope"), field("rows_read").parse().unwrap())
+    }
+
     /// Waits until the daemon's log contains `text`; panics with the log
     /// if it exits first or `timeout` passes.
     pub fn wait_for_log(&mut self, text: &str, timeout: Duration) {
