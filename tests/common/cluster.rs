@@ -14,8 +14,20 @@ pub const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown",
 /// A daemon following `api` with [`FAST`] settings; a flag of `extra`
 /// replaces the same flag of `FAST`.
 pub fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
+    start_daemon_as(dir, api, source, "    token: test-token", extra)
+}
+
+/// Like [`start_daemon`], with the kubeconfig's user entry `user`
+/// (indented YAML lines: a token file, a client certificate, …).
+pub fn start_daemon_as(
+    dir: &TestDir,
+    api: &ApiServer,
+    source: &str,
+    user: &str,
+    extra: &[&str],
+) -> TestDaemon {
     let kubeconfig = dir.join("kubeconfig");
-    api.kubeconfig(&kubeconfig);
+    api.kubeconfig_with_user(&kubeconfig, user);
     let kubeconfig = kubeconfig.display().to_string();
     let mut args = vec!["--cidr-source", source];
     for setting in FAST.chunks(2) {
