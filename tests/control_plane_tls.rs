@@ -19,7 +19,7 @@ use std::time::Duration;
 use common::apiserver::{ApiServer, State};
 use common::cluster::{NODE, default_conf, health_detail, start_daemon_as};
 use common::scrape::{http_get, metrics_addr, series};
-use common::tls::{Authority, Issued, TlsServer, Validity};
+use common::tls::{Authority, Issued, TlsServer, Validity, replace_file};
 use common::{TestDaemon, TestDir, wait_for};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -30,14 +30,6 @@ const FLAGS: &[&str] = &[
     "--metrics-addr",
     "127.0.0.1:0",
 ];
-
-/// Replaces a credential file as a Secret volume does: the new content
-/// appears whole, under a new inode.
-fn rotate(path: &Path, text: &str) {
-    let staged = path.with_extension("new");
-    std::fs::write(&staged, text).unwrap();
-    std::fs::rename(&staged, path).unwrap();
-}
 
 /// The credential files a kubeconfig names.
 struct Files {
@@ -74,8 +66,8 @@ impl Files {
     /// Rotates the client certificate: the key first, then the certificate
     /// (between the two, the files do not match).
     fn client(&self, issued: &Issued) {
-        rotate(&self.key, &issued.key_pem);
-        rotate(&self.cert, &issued.cert_pem);
+        replace_file(&self.key, &issued.key_pem);
+        replace_file(&self.cert, &issued.cert_pem);
     }
 }
 
@@ -152,8 +144,8 @@ fn a_server_moved_to_a_new_ca_is_followed_once_the_ca_file_is_rewritten() {
 
     // The CA file (and the token) are rotated on disk: the next attempt
     // uses them, no restart, and the node grows again through patches.
-    rotate(&files.ca, new_ca.pem());
-    rotate(&files.token, "second-token");
+    replace_file(&files.ca, new_ca.pem());
+    replace_file(&files.token, "second-token");
     wait_healthy(&daemon);
     let patched = patches_ok(&api.state());
     assert!(grow(&api, &config, 20..40) >= 40);
@@ -224,7 +216,7 @@ fn bad_credentials_are_refused_loudly_write_nothing_and_recover_when_fixed() {
     assert!(api_errors(&daemon) >= 1.0);
     assert_eq!(answered(&api), 0, "{:?}", api.state().log);
     assert!(api.state().nnc.is_none());
-    rotate(&files.ca, ca.pem());
+    replace_file(&files.ca, ca.pem());
     api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
     wait_healthy(&daemon);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
@@ -246,8 +238,8 @@ fn bad_credentials_are_refused_loudly_write_nothing_and_recover_when_fixed() {
     // A certificate with the key of another: refused before any handshake,
     // and the daemon goes on (no panic in the TLS stack).
     let other = users.client("other", Validity::Now);
-    rotate(&files.key, &other.key_pem);
-    rotate(&files.cert, &good.cert_pem);
+    replace_file(&files.key, &other.key_pem);
+    replace_file(&files.cert, &good.cert_pem);
     wait_degraded(
         &daemon,
         "the client key does not belong to the client certificate",
@@ -270,7 +262,7 @@ fn bad_credentials_are_refused_loudly_write_nothing_and_recover_when_fixed() {
     assert_eq!(api.state().pods("default"), Some(pods));
 
     // Fixed: the good pair again; the node follows and grows.
-    rotate(&files.key, &good.key_pem);
+    replace_file(&files.key, &good.key_pem);
     wait_healthy(&daemon);
     assert!(grow(&api, &config, 20..40) >= 40);
     assert_eq!(api.state().client_certs.last(), Some(&good.der));

@@ -102,6 +102,14 @@ impl Authority {
     }
 }
 
+/// Replaces a credential file as a Secret volume does: the new content
+/// appears whole, under a new inode.
+pub fn replace_file(path: &std::path::Path, text: &str) {
+    let staged = path.with_extension("new");
+    std::fs::write(&staged, text).unwrap();
+    std::fs::rename(&staged, path).unwrap();
+}
+
 /// A connection a loopback server reads a request from and answers on.
 pub trait Stream: Read + Write + Send {
     /// Says the answer is complete before the connection is cut (TLS
