@@ -857,7 +857,10 @@ fn watch(
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
     let deadline = Instant::now() + Duration::from_secs(seconds);
-    {
+    // Read with the version check, under one lock: a restore between the
+    // two would leave this watch open from a version the server no longer
+    // reaches, silent (a real API server drops every watch at a restore).
+    let generation = {
         let mut state = shared.state.lock().unwrap();
         state.note("WATCH", request, 200);
         let too_large = from > state.version;
@@ -880,14 +883,14 @@ fn watch(
             let _ = write!(stream, "0\r\n\r\n");
             return;
         }
-    }
+        state.generation
+    };
     shared.changed.notify_all();
     if write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").is_err() {
         return;
     }
     let mut sent = from;
     let mut state = shared.state.lock().unwrap();
-    let generation = state.generation;
     loop {
         if stop.load(Ordering::SeqCst) {
             return;
