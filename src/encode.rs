@@ -5,7 +5,7 @@
 
 use crate::cidr::Family;
 use crate::engine::{Allocated, Health, NetworkUsage, Outcome, Readiness, Reply};
-use crate::store::{Allocation, Table};
+use crate::store::{Allocation, Table, TakenBack};
 use crate::wire::admin::v1 as admin;
 use crate::wire::envelope::v1 as envelope;
 use crate::wire::envelope::v1::health_check_response::ServingStatus;
@@ -94,10 +94,29 @@ fn health_response(health: &Health) -> HealthCheckResponse {
     if let Some(why) = &health.cluster_problem {
         detail.push_str(&format!(" (degraded: serving from local blocks; {why})"));
     }
+    if !health.not_granted.is_empty() {
+        detail.push_str(&format!(
+            " (degraded: {})",
+            not_granted(&health.not_granted)
+        ));
+    }
     HealthCheckResponse {
         status: ServingStatus::Serving as i32,
         detail,
     }
+}
+
+/// Blocks the cluster no longer grants that pods still hold, in words.
+fn not_granted(blocks: &[TakenBack]) -> String {
+    let holding: Vec<String> = blocks
+        .iter()
+        .map(|b| format!("{} of network {:?}: {} pod(s)", b.cidr, b.network, b.pods))
+        .collect();
+    format!(
+        "{} block(s) the cluster no longer grants still hold pods ({}); nothing new is allocated from them, and each is deleted when its last pod is",
+        holding.len(),
+        holding.join(", ")
+    )
 }
 
 fn status_response(readiness: &Readiness) -> envelope::NetworkStatusResponse {
@@ -167,6 +186,15 @@ mod tests {
         let Some(response::Kind::Health(health)) = encoded(Reply::Health(Health {
             quarantined: 2,
             cluster_problem: Some("watch: refused".into()),
+            not_granted: vec![TakenBack {
+                id: 7,
+                network: "default".into(),
+                cidr: "198.19.0.0/28".into(),
+                source: "nnc".into(),
+                since_ms: 1,
+                pods: 3,
+                cooled_at_ms: None,
+            }],
         })) else {
             panic!("not a health reply")
         };
@@ -174,7 +202,10 @@ mod tests {
         assert_eq!(
             health.detail,
             "Metis daemon is SERVING (degraded: 2 block(s) quarantined, nothing new is allocated \
-             from them; run `metis admin check`) (degraded: serving from local blocks; watch: refused)"
+             from them; run `metis admin check`) (degraded: serving from local blocks; watch: refused) \
+             (degraded: 1 block(s) the cluster no longer grants still hold pods (198.19.0.0/28 of \
+             network \"default\": 3 pod(s)); nothing new is allocated from them, and each is deleted \
+             when its last pod is)"
         );
     }
 

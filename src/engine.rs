@@ -13,7 +13,7 @@ use crate::names;
 use crate::store::Usage;
 use crate::store::{
     AddressFilter, Allocation, BlockFilter, BlockState, InForce, Owner, Source, Store, StoreError,
-    Table,
+    Table, TakenBack,
 };
 use crate::wire::admin::v1 as admin;
 use crate::wire::envelope::v1 as envelope;
@@ -146,6 +146,9 @@ pub struct Health {
     /// Why the node cannot grow through the cluster, when it cannot (the
     /// adaptive side knows; the engine leaves it empty).
     pub cluster_problem: Option<String>,
+    /// Blocks the cluster no longer grants that pods still hold addresses
+    /// in (the adaptive side knows; the engine leaves it empty).
+    pub not_granted: Vec<TakenBack>,
 }
 
 /// Whether an ADD with a STATUS request's ranges could be served now.
@@ -279,6 +282,7 @@ impl Engine {
         Ok(Health {
             quarantined: quarantined.len(),
             cluster_problem: None,
+            not_granted: Vec::new(),
         })
     }
 

@@ -216,6 +216,59 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
 }
 
 #[test]
+fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
+    let dir = TestDir::new("cp-node-cooldown");
+    let api = ApiServer::start(NODE, &["198.19.4.0/28"], 0);
+    let daemon = start_daemon(&dir, &api, "node", &["--release-cooldown", "3s"]);
+    wait_state(&dir, "198.19.4.0/28", Some("Ready"));
+    let config = default_conf(&dir, "1.0.0", TINY);
+    let pods: Vec<(String, String)> = (0..2)
+        .map(|i| (format!("k{i}"), add(&config, &format!("k{i}"))))
+        .collect();
+    assert!(
+        pods.iter().any(|(_, a)| a.starts_with("198.19.4.")),
+        "{pods:?}"
+    );
+
+    // The Node comes back with another podCIDR; its list and watch settle.
+    api.delete_node();
+    api.recreate_node(&["198.19.5.0/28"]);
+    wait_state(&dir, "198.19.4.0/28", Some("Draining"));
+    api.wait_until("the watch after the relist", WAIT, |s| {
+        let lists = s
+            .log
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodes"));
+        lists.count() == 2 && s.log.last().is_some_and(|(m, _, _)| m == "WATCH")
+    });
+    let requests = api.state().log.len();
+
+    // The last pods leave: their addresses cool for 3 s, so the block
+    // stays for now, no pod in it, nothing new allocated from it.
+    for (id, _) in &pods {
+        del(&config, id);
+    }
+    assert_eq!(
+        block_state(&dir, "198.19.4.0/28").as_deref(),
+        Some("Draining")
+    );
+    let detail = health_detail(&daemon);
+    assert!(!detail.contains("no longer grants"), "{detail}");
+    // The cooldown ends: the daemon deletes it by itself, with no DEL, no
+    // sync and no request to the API server.
+    wait_state(&dir, "198.19.4.0/28", None);
+    assert!(
+        daemon
+            .log()
+            .contains("deleted a block the cluster took back: its last pod is gone"),
+        "{}",
+        daemon.log()
+    );
+    assert_eq!(api.state().log.len(), requests, "{:?}", api.state().log);
+    assert_eq!(block_state(&dir, "198.19.5.0/28").as_deref(), Some("Ready"));
+}
+
+#[test]
 fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
     let (dir, api, daemon, config) = quiet_cluster("cp-foreign", &[]);
     assert_eq!(add(&config, "first"), "198.18.0.2");

@@ -1,9 +1,11 @@
 //! Model-based test of following the control plane: random sequences of
 //! grants, take-backs, condition flips, honoured releases (Reusable and
 //! NonReusable), re-created objects (new uid), etcd restores (versions go
-//! back), opaque versions, lagging watches, foreign objects and daemon
-//! restarts, interleaved with ADD and DEL, against the real daemon and the
-//! loopback API server. After every step, once the daemon has followed:
+//! back), opaque versions, lagging watches, foreign objects, CA rotations
+//! (the server moves to a certificate of a new CA, the CA file is
+//! rewritten, in either order) and daemon restarts, interleaved with ADD
+//! and DEL, against the real daemon and the loopback API server over
+//! HTTPS. After every step, once the daemon has followed:
 //!
 //! - no address handed out since lies outside the blocks granted now (plus
 //!   the static ranges; after a lagging watch, also those of the versions
@@ -28,6 +30,7 @@ use std::time::Duration;
 use common::apiserver::ApiServer;
 use common::cluster::{NODE, start_daemon};
 use common::rng::Rng;
+use common::tls::{Authority, TlsServer, replace_file};
 use common::{TestDaemon, TestDir, db, v4_add_request};
 use metis::wire::{Code, Request, ipam, request, response};
 use serde_json::{Value, json};
@@ -89,6 +92,10 @@ struct Model {
     /// (a lagging watch delivers them after the model has moved on, in
     /// order): the daemon may serve them until it reaches the last.
     transient: Vec<Entry>,
+    /// The CA bundle the daemon's kubeconfig names, and how many times the
+    /// cluster's CA was rotated.
+    ca_file: std::path::PathBuf,
+    rotations: u32,
 }
 
 impl Model {
@@ -285,7 +292,11 @@ fn run(seed: u64, steps: usize) {
     eprintln!("CP_MODEL_SEED={seed}");
     let mut rng = Rng::new(seed);
     let dir = TestDir::new("cp-model");
-    let api = ApiServer::start(NODE, &[], 1);
+    let ca_file = dir.join("ca.crt");
+    let ca = Authority::new("model-0");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let tls = TlsServer::new(&ca.server(), None);
+    let api = ApiServer::start_tls(NODE, &[], 1, tls, &ca_file);
     api.with_state(|s| {
         s.controller = false;
         s.opaque = rng.chance(50);
@@ -315,6 +326,8 @@ fn run(seed: u64, steps: usize) {
         next_pod: 0,
         backups: Vec::new(),
         transient: Vec::new(),
+        ca_file,
+        rotations: 0,
     };
     let mut dearest = 0;
     for step in 0..steps {
@@ -339,11 +352,12 @@ fn run(seed: u64, steps: usize) {
         dearest = dearest.max(cost);
     }
     eprintln!(
-        "seed {seed}: {steps} steps, {} requests (at most {dearest} in a step), {} pods live, {} blocks released ({} NonReusable)",
+        "seed {seed}: {steps} steps, {} requests (at most {dearest} in a step), {} pods live, {} blocks released ({} NonReusable), {} CA rotations",
         api.state().log.len(),
         model.pods.len(),
         model.released_ever.len(),
-        model.never_again.len()
+        model.never_again.len(),
+        model.rotations
     );
 }
 
@@ -493,8 +507,32 @@ fn control_step(
             }
             "idle: every pod leaves, blocks are given back".into()
         }
+        94..=96 => rotate_ca(model, api),
         _ => "pods only".into(),
     }
+}
+
+/// The cluster's CA is rotated: the API server restarts with a certificate
+/// of a new CA and the node's CA file is rewritten, in either order. The
+/// daemon follows without a restart: a watch is open again in time.
+fn rotate_ca(model: &mut Model, api: &ApiServer) -> String {
+    model.rotations += 1;
+    let ca = Authority::new(&format!("model-{}", model.rotations));
+    let before = api.state().count("WATCH", 200);
+    let server_first = model.rng.chance(50);
+    if server_first {
+        api.tls().set(&ca.server(), None);
+        api.cut_connections();
+        replace_file(&model.ca_file, ca.pem());
+    } else {
+        replace_file(&model.ca_file, ca.pem());
+        api.tls().set(&ca.server(), None);
+        api.cut_connections();
+    }
+    api.wait_until("a watch through the new CA", SYNC, |s| {
+        s.count("WATCH", 200) > before
+    });
+    format!("CA rotation (server first: {server_first})")
 }
 
 /// The cluster takes what the node released: drops it from the status.

@@ -36,6 +36,9 @@ pub struct Cluster {
     notices: BTreeSet<String>,
     /// Blocks the cluster took back that pods still use.
     taken_back: Vec<TakenBack>,
+    /// When taken-back blocks were last swept (wall-clock ms): a cooldown
+    /// that ended before it was already looked at.
+    swept_at_ms: i64,
 }
 
 impl Cluster {
@@ -48,6 +51,7 @@ impl Cluster {
             latest: None,
             notices: BTreeSet::new(),
             taken_back: Vec::new(),
+            swept_at_ms: 0,
         }
     }
 
@@ -129,7 +133,9 @@ impl Cluster {
     /// Deletes taken-back blocks no pod uses any more and refreshes what
     /// health reports (after DELs and monitor passes).
     pub fn refresh(&mut self, store: &mut Store, metrics: &Metrics) {
-        match store.sweep_taken_back(log::now_ms()) {
+        let now_ms = log::now_ms();
+        self.swept_at_ms = now_ms;
+        match store.sweep_taken_back(now_ms) {
             Ok(deleted) => {
                 for (network, cidr) in deleted {
                     log::info(
@@ -149,23 +155,26 @@ impl Cluster {
         self.read_taken_back(store);
     }
 
-    /// Why health is degraded on the cluster's account, if it is: blocks
-    /// it no longer grants that pods still hold addresses in.
-    pub fn problem(&self) -> Option<String> {
-        let holding: Vec<String> = self
-            .taken_back
+    /// When the next taken-back block no pod holds stops cooling and can be
+    /// deleted (wall-clock ms): the loop sweeps then, so an empty block
+    /// does not wait for the next DEL or sync (node mode has no pass).
+    pub fn next_sweep_ms(&self) -> Option<i64> {
+        self.taken_back
+            .iter()
+            .filter(|b| b.pods == 0)
+            .filter_map(|b| b.cooled_at_ms)
+            .filter(|at| *at > self.swept_at_ms)
+            .min()
+    }
+
+    /// Blocks the cluster no longer grants that pods still hold
+    /// addresses in (health is degraded while there are any).
+    pub fn not_granted(&self) -> Vec<TakenBack> {
+        self.taken_back
             .iter()
             .filter(|b| b.pods > 0)
-            .map(|b| format!("{} of network {:?}: {} pod(s)", b.cidr, b.network, b.pods))
-            .collect();
-        if holding.is_empty() {
-            return None;
-        }
-        Some(format!(
-            "{} block(s) the cluster no longer grants still hold pods ({}); nothing new is allocated from them, and each is deleted when its last pod is",
-            holding.len(),
-            holding.join(", ")
-        ))
+            .cloned()
+            .collect()
     }
 
     fn apply_nnc(

@@ -101,12 +101,23 @@ impl Adaptive {
         self.link.wake_fd.as_fd()
     }
 
-    /// When `tick` next has work: a parked deadline or the monitor pass.
+    /// When `tick` next has work: a parked deadline, the monitor pass, a
+    /// cooling address waiters wait for, or the end of the cooldown of a
+    /// taken-back block no pod holds.
     pub fn next_deadline(&self) -> Option<Instant> {
         let parked = self.parked.iter().map(|p| p.deadline).min();
         let pass = (self.config.source == Kind::Nnc).then_some(self.next_pass);
         let cooling = self.cooling_wake.values().min().copied();
-        parked.into_iter().chain(pass).chain(cooling).min()
+        let sweep = self.cluster.next_sweep_ms().map(|at_ms| {
+            let wait = u64::try_from(at_ms.saturating_sub(log::now_ms())).unwrap_or(0);
+            Instant::now() + Duration::from_millis(wait) + COOLED_MARGIN
+        });
+        parked
+            .into_iter()
+            .chain(pass)
+            .chain(cooling)
+            .chain(sweep)
+            .min()
     }
 
     /// Parked requests of a network (the monitor's "pending").
@@ -244,10 +255,8 @@ impl Adaptive {
 
     fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
         if let Outcome::Done(Reply::Health(health)) = &mut outcome {
-            health.cluster_problem = match (self.problem(), self.cluster.problem()) {
-                (Some(link), Some(blocks)) => Some(format!("{link}; {blocks}")),
-                (link, blocks) => link.or(blocks),
-            };
+            health.cluster_problem = self.problem();
+            health.not_granted = self.cluster.not_granted();
         }
         outcome
     }
@@ -356,11 +365,18 @@ impl Adaptive {
         deliveries
     }
 
-    /// Answers parked requests whose time is up, and runs the monitor pass
-    /// when due.
+    /// Answers parked requests whose time is up, deletes taken-back blocks
+    /// whose cooldown ended, and runs the monitor pass when due.
     pub fn tick(&mut self, engine: &mut Engine, now: Instant) -> Vec<Delivery> {
         let mut deliveries = self.give_up(|p| p.deadline <= now, "timed out waiting", now);
         deliveries.extend(self.retry_cooled(engine, now));
+        if self
+            .cluster
+            .next_sweep_ms()
+            .is_some_and(|at_ms| at_ms <= log::now_ms())
+        {
+            self.cluster.refresh(engine.store_mut(), &self.metrics);
+        }
         if self.config.source == Kind::Nnc && now >= self.next_pass {
             self.run_pass(engine, now);
         }

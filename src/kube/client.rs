@@ -360,7 +360,7 @@ fn stamps(tls: &Tls) -> Vec<Option<FileStamp>> {
 /// we no longer accept), after which the material is read again.
 fn is_tls_failure(why: &str) -> bool {
     let why = why.to_ascii_lowercase();
-    ["tls", "certificate", "handshake", "issuer"]
+    ["tls", "certificate", "handshake", "issuer", "alert"]
         .iter()
         .any(|word| why.contains(word))
 }
@@ -384,13 +384,44 @@ fn tls_config(server: &str, tls: &Tls) -> Result<TlsConfig, KubeError> {
         }
         builder = builder.root_certs(RootCerts::Specific(Arc::new(certs)));
     }
-    if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
+    if let (Some(cert), Some(key_pem)) = (&tls.client_cert, &tls.client_key) {
         let chain = pem_certificates(cert)?;
-        let key = PrivateKey::from_pem(key)
+        let key = PrivateKey::from_pem(key_pem)
             .map_err(|err| KubeError::Config(format!("client key: {err}")))?;
+        check_client_pair(&chain, key_pem)?;
         builder = builder.client_cert(Some(ClientCert::new_with_certs(&chain, key)));
     }
     Ok(builder.build())
+}
+
+/// Refuses a client certificate and key TLS could not use — no
+/// certificate, a key of another certificate (a rotation half done: the
+/// certificate file is new, the key file not yet), a key it cannot load —
+/// with the check TLS itself makes on its first connection, where a
+/// failure is a panic inside `ureq`, not an error.
+fn check_client_pair(chain: &[Certificate<'_>], key_pem: &[u8]) -> Result<(), KubeError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    if chain.is_empty() {
+        return Err(KubeError::Config(
+            "the client certificate file holds no certificate".into(),
+        ));
+    }
+    let key_der = PrivateKeyDer::from_pem_slice(key_pem)
+        .map_err(|err| KubeError::Config(format!("client key: {err}")))?;
+    let chain = chain
+        .iter()
+        .map(|cert| CertificateDer::from(cert.der().to_vec()))
+        .collect();
+    let provider = rustls::crypto::ring::default_provider();
+    rustls::sign::CertifiedKey::from_der(chain, key_der, &provider)
+        .map(drop)
+        .map_err(|err| match err {
+            rustls::Error::InconsistentKeys(_) => {
+                KubeError::Config("the client key does not belong to the client certificate".into())
+            }
+            other => KubeError::Config(format!("client certificate and key: {other}")),
+        })
 }
 
 fn pem_certificates(pem: &[u8]) -> Result<Vec<Certificate<'static>>, KubeError> {
@@ -452,6 +483,7 @@ mod tests {
         std::fs::write(&ca, b"still not pem, and longer").unwrap();
         assert!(matches!(client.get("/api"), Err(KubeError::Config(_))));
         assert!(is_tls_failure("invalid peer certificate: UnknownIssuer"));
+        assert!(is_tls_failure("io: received fatal alert: UnknownCA"));
         assert!(!is_tls_failure("Connection refused"));
     }
 
@@ -484,5 +516,42 @@ mod tests {
         };
         let err = ApiClient::new(&no_ca, watch).err().unwrap();
         assert!(err.to_string().contains("needs a CA"), "{err}");
+    }
+
+    #[test]
+    fn a_client_certificate_with_another_key_is_refused_not_handed_to_tls() {
+        let pair = |name: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = rcgen::CertificateParams::new(vec![name.to_string()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap();
+            (cert.pem().into_bytes(), key.serialize_pem().into_bytes())
+        };
+        let ((cert, key), (_, other_key)) = (pair("node-a"), pair("node-b"));
+        let tls = |cert: &[u8], key: &[u8]| super::super::config::Tls {
+            ca: Some(cert.to_vec()),
+            client_cert: Some(cert.to_vec()),
+            client_key: Some(key.to_vec()),
+            ..Default::default()
+        };
+        let server = "https://198.18.0.1";
+        assert!(tls_config(server, &tls(&cert, &key)).is_ok());
+        for (cert, key, why) in [
+            (
+                &cert[..],
+                &other_key[..],
+                "does not belong to the client certificate",
+            ),
+            (b"no pem here", &key[..], "holds no certificate"),
+            (
+                &cert[..],
+                b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+                "failed to parse private key",
+            ),
+        ] {
+            let err = tls_config(server, &tls(cert, key)).err().unwrap();
+            assert!(err.to_string().contains(why), "{err} lacks {why}");
+        }
     }
 }

@@ -53,6 +53,9 @@ pub struct TakenBack {
     pub since_ms: i64,
     /// Addresses pods hold in it.
     pub pods: i64,
+    /// When the last address released in it stops cooling (wall-clock ms):
+    /// with no pod left, it is deleted then.
+    pub cooled_at_ms: Option<i64>,
 }
 
 /// A block this node released (`metis_released`).
@@ -163,7 +166,9 @@ impl Store {
         let mut stmt = self.conn.prepare_cached(
             "SELECT b.id, b.network, b.cidr, t.source, t.since_ms, \
                (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id \
-                  AND a.is_allocated = 1 AND COALESCE(a.container_id, '') != '') \
+                  AND a.is_allocated = 1 AND COALESCE(a.container_id, '') != ''), \
+               (SELECT MAX(a.release_at) FROM ip_addresses a WHERE a.cidr_block_id = b.id \
+                  AND a.is_allocated = FALSE) \
              FROM metis_taken_back t JOIN cidr_blocks b ON b.id = t.block_id ORDER BY b.id",
         )?;
         let rows = stmt.query_map([], |r| {
@@ -174,6 +179,7 @@ impl Store {
                 source: r.get(3)?,
                 since_ms: r.get(4)?,
                 pods: r.get(5)?,
+                cooled_at_ms: r.get(6)?,
             })
         })?;
         Ok(rows.collect::<Result<_, _>>()?)

@@ -9,9 +9,12 @@
 //! (a proxy that ignores the field selector), opaque resource versions,
 //! objects deleted and created anew (new uid), an etcd restore (versions
 //! go back; watches from a later version are answered
-//! `ResourceVersionTooLarge`) and watches that lag.
+//! `ResourceVersionTooLarge`) and watches that lag. With [`ApiServer::start_tls`]
+//! it speaks HTTPS (`tls`): certificates rotate while it runs, and it
+//! records every client certificate it accepts and every handshake it
+//! refuses.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,6 +22,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+use super::tls::{Accepted, Stream, TlsServer};
 
 const NNC_COLLECTION: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
 const NODE_COLLECTION: &str = "/api/v1/nodes";
@@ -66,6 +71,11 @@ pub struct State {
     pub hold_watches: bool,
     /// Bumped by a restore: open watches end.
     pub generation: u64,
+    /// Client certificates (DER) of accepted TLS handshakes, in order
+    /// (consecutive repeats dropped).
+    pub client_certs: Vec<Vec<u8>>,
+    /// Why each refused TLS handshake failed, in order.
+    pub tls_refused: Vec<String>,
 }
 
 struct Shared {
@@ -77,6 +87,13 @@ pub struct ApiServer {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
     running: Option<Running>,
+    tls: Option<Https>,
+}
+
+/// The HTTPS side: the server's TLS and the CA file kubeconfigs name.
+struct Https {
+    server: Arc<TlsServer>,
+    ca_file: std::path::PathBuf,
 }
 
 struct Running {
@@ -88,6 +105,31 @@ struct Running {
 impl ApiServer {
     /// Starts a server that knows the Node `node` (with `pod_cidrs`).
     pub fn start(node: &str, pod_cidrs: &[&str], base_capacity: i64) -> ApiServer {
+        ApiServer::start_with(node, pod_cidrs, base_capacity, None)
+    }
+
+    /// Like [`ApiServer::start`], speaking HTTPS through `tls`; the
+    /// kubeconfigs it writes trust the CA bundle in `ca_file`.
+    pub fn start_tls(
+        node: &str,
+        pod_cidrs: &[&str],
+        base_capacity: i64,
+        tls: Arc<TlsServer>,
+        ca_file: &std::path::Path,
+    ) -> ApiServer {
+        let https = Https {
+            server: tls,
+            ca_file: ca_file.to_path_buf(),
+        };
+        ApiServer::start_with(node, pod_cidrs, base_capacity, Some(https))
+    }
+
+    fn start_with(
+        node: &str,
+        pod_cidrs: &[&str],
+        base_capacity: i64,
+        tls: Option<Https>,
+    ) -> ApiServer {
         let node = json!({
             "apiVersion": "v1",
             "kind": "Node",
@@ -118,6 +160,8 @@ impl ApiServer {
                 next_block: 0,
                 controller: true,
                 tokens: Vec::new(),
+                client_certs: Vec::new(),
+                tls_refused: Vec::new(),
             }),
             changed: Condvar::new(),
         });
@@ -127,6 +171,7 @@ impl ApiServer {
             addr,
             shared,
             running: None,
+            tls,
         };
         server.serve(listener);
         server
@@ -139,11 +184,33 @@ impl ApiServer {
 
     /// Writes a kubeconfig whose user entry is `user` (indented YAML lines).
     pub fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str) {
+        let cluster = match &self.tls {
+            None => format!("    server: http://{}", self.addr),
+            Some(https) => format!(
+                "    server: https://{}\n    certificate-authority: {}",
+                self.addr,
+                https.ca_file.display()
+            ),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user:\n{user}\n",
-            self.addr
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster:\n{cluster}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user:\n{user}\n",
         );
         std::fs::write(path, text).unwrap();
+    }
+
+    /// The server's TLS side (panics on a plain HTTP server).
+    pub fn tls(&self) -> &TlsServer {
+        &self.tls.as_ref().expect("an HTTPS server").server
+    }
+
+    /// Cuts every open connection (watches included) and keeps listening:
+    /// an API server restarted with a rotated certificate.
+    pub fn cut_connections(&self) {
+        if let Some(running) = &self.running {
+            for conn in running.conns.lock().unwrap().drain(..) {
+                let _ = conn.shutdown(Shutdown::Both);
+            }
+        }
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -343,6 +410,7 @@ impl ApiServer {
                 Arc::clone(&conns),
                 Arc::clone(&self.shared),
             );
+            let tls = self.tls.as_ref().map(|https| Arc::clone(&https.server));
             thread::spawn(move || {
                 for stream in listener.incoming() {
                     if stop.load(Ordering::SeqCst) {
@@ -353,7 +421,8 @@ impl ApiServer {
                         conns.lock().unwrap().push(copy);
                     }
                     let (stop, shared) = (Arc::clone(&stop), Arc::clone(&shared));
-                    thread::spawn(move || handle(stream, &shared, &stop));
+                    let tls = tls.clone();
+                    thread::spawn(move || connection(stream, tls.as_deref(), &shared, &stop));
                 }
             })
         };
@@ -522,7 +591,7 @@ struct HttpRequest {
     body: Vec<u8>,
 }
 
-fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
+fn read_request(stream: &mut impl BufRead) -> Option<HttpRequest> {
     let mut line = String::new();
     stream.read_line(&mut line).ok()?;
     let mut parts = line.split_whitespace();
@@ -568,12 +637,12 @@ fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
         .map(|(_, value)| value)
 }
 
-fn respond(stream: &mut TcpStream, status: u16, body: &Value) {
+fn respond(stream: &mut dyn Stream, status: u16, body: &Value) {
     respond_after(stream, status, body, None);
 }
 
 /// Answers with an optional `Retry-After` (seconds).
-fn respond_after(stream: &mut TcpStream, status: u16, body: &Value, retry_after: Option<u64>) {
+fn respond_after(stream: &mut dyn Stream, status: u16, body: &Value, retry_after: Option<u64>) {
     let text = body.to_string();
     let retry = retry_after
         .map(|s| format!("Retry-After: {s}\r\n"))
@@ -597,13 +666,41 @@ fn status_body(code: u16, reason: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code})
 }
 
-fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
-    let Ok(read_half) = stream.try_clone() else {
-        return;
+/// Serves one connection (after its TLS handshake, with `tls`), then cuts it
+/// (the acceptor keeps a clone for `stop`: closing needs a shutdown).
+fn connection(tcp: TcpStream, tls: Option<&TlsServer>, shared: &Shared, stop: &AtomicBool) {
+    let closer = tcp.try_clone();
+    let mut stream: Box<dyn Stream> = match tls {
+        None => Box::new(tcp),
+        Some(tls) => match tls.accept(tcp) {
+            Accepted::Up { stream, client } => {
+                let mut state = shared.state.lock().unwrap();
+                if let Some(cert) = client
+                    && state.client_certs.last() != Some(&cert)
+                {
+                    state.client_certs.push(cert);
+                }
+                stream
+            }
+            Accepted::Refused(why) => {
+                shared.state.lock().unwrap().tls_refused.push(why);
+                shared.changed.notify_all();
+                if let Ok(closer) = closer {
+                    let _ = closer.shutdown(Shutdown::Both);
+                }
+                return;
+            }
+        },
     };
-    let mut reader = BufReader::new(read_half);
-    let mut stream = stream;
-    let Some(request) = read_request(&mut reader) else {
+    handle(stream.as_mut(), shared, stop);
+    stream.finish();
+    if let Ok(closer) = closer {
+        let _ = closer.shutdown(Shutdown::Both);
+    }
+}
+
+fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool) {
+    let Some(request) = read_request(&mut BufReader::new(&mut *stream)) else {
         return;
     };
     if stop.load(Ordering::SeqCst) {
@@ -620,7 +717,7 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     } else if request.path.starts_with(NODE_COLLECTION) {
         "node"
     } else {
-        respond(&mut stream, 404, &status_body(404, "NotFound"));
+        respond(stream, 404, &status_body(404, "NotFound"));
         return;
     };
     let is_watch = request.method == "GET" && param(&request.query, "watch") == Some("true");
@@ -640,18 +737,15 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     if let Some((status, retry_after)) = fault {
         shared.changed.notify_all();
         respond_after(
-            &mut stream,
+            stream,
             status,
             &status_body(status, "Injected"),
             retry_after,
         );
-        let _ = stream.shutdown(Shutdown::Both);
         return;
     }
     if is_watch {
-        watch(&mut stream, shared, stop, kind, &request);
-        // The acceptor keeps a clone for `stop`: close explicitly.
-        let _ = stream.shutdown(Shutdown::Both);
+        watch(stream, shared, stop, kind, &request);
         return;
     }
     let (status, body) = {
@@ -661,8 +755,7 @@ fn handle(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
         answer
     };
     shared.changed.notify_all();
-    respond(&mut stream, status, &body);
-    let _ = stream.shutdown(Shutdown::Both);
+    respond(stream, status, &body);
 }
 
 fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16, Value) {
@@ -748,7 +841,7 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 }
 
 fn watch(
-    stream: &mut TcpStream,
+    stream: &mut dyn Stream,
     shared: &Shared,
     stop: &AtomicBool,
     kind: &'static str,
@@ -764,7 +857,10 @@ fn watch(
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
     let deadline = Instant::now() + Duration::from_secs(seconds);
-    {
+    // Read with the version check, under one lock: a restore between the
+    // two would leave this watch open from a version the server no longer
+    // reaches, silent (a real API server drops every watch at a restore).
+    let generation = {
         let mut state = shared.state.lock().unwrap();
         state.note("WATCH", request, 200);
         let too_large = from > state.version;
@@ -787,14 +883,14 @@ fn watch(
             let _ = write!(stream, "0\r\n\r\n");
             return;
         }
-    }
+        state.generation
+    };
     shared.changed.notify_all();
     if write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").is_err() {
         return;
     }
     let mut sent = from;
     let mut state = shared.state.lock().unwrap();
-    let generation = state.generation;
     loop {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -845,7 +941,7 @@ fn watch(
     }
 }
 
-fn write_chunk(stream: &mut TcpStream, text: &str) -> std::io::Result<()> {
+fn write_chunk(stream: &mut dyn Stream, text: &str) -> std::io::Result<()> {
     write!(stream, "{:x}\r\n{text}\r\n", text.len())?;
     stream.flush()
 }

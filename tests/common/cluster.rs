@@ -11,12 +11,30 @@ pub const NODE: &str = "edge-node-1";
 /// Fast monitor settings so the adaptive loop runs in test time.
 pub const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown", "0"];
 
+/// A daemon following `api` with [`FAST`] settings; a flag of `extra`
+/// replaces the same flag of `FAST`.
 pub fn start_daemon(dir: &TestDir, api: &ApiServer, source: &str, extra: &[&str]) -> TestDaemon {
+    start_daemon_as(dir, api, source, "    token: test-token", extra)
+}
+
+/// Like [`start_daemon`], with the kubeconfig's user entry `user`
+/// (indented YAML lines: a token file, a client certificate, …).
+pub fn start_daemon_as(
+    dir: &TestDir,
+    api: &ApiServer,
+    source: &str,
+    user: &str,
+    extra: &[&str],
+) -> TestDaemon {
     let kubeconfig = dir.join("kubeconfig");
-    api.kubeconfig(&kubeconfig);
+    api.kubeconfig_with_user(&kubeconfig, user);
     let kubeconfig = kubeconfig.display().to_string();
     let mut args = vec!["--cidr-source", source];
-    args.extend_from_slice(FAST);
+    for setting in FAST.chunks(2) {
+        if !extra.contains(&setting[0]) {
+            args.extend_from_slice(setting);
+        }
+    }
     args.extend_from_slice(extra);
     TestDaemon::start_with_env(
         dir,

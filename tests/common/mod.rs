@@ -17,6 +17,8 @@ pub mod host_local;
 pub mod node;
 pub mod rng;
 pub mod scrape;
+#[cfg(feature = "kube")]
+pub mod tls;
 pub mod tmpfs;
 pub mod upstream;
 
