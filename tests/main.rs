@@ -13,6 +13,7 @@ mod big_blocks;
 mod boot;
 mod control_plane;
 mod control_plane_model;
+mod controller_model;
 mod crash;
 mod daemon_batch;
 mod daemon_wire;

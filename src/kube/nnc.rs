@@ -159,6 +159,11 @@ impl PodCidr {
     pub fn cidr(&self) -> Option<&str> {
         self.0["cidr"].as_str()
     }
+
+    /// The object as read.
+    pub fn raw(&self) -> &Value {
+        &self.0
+    }
 }
 
 /// What Metis needs of a NodeNetworkConfig.
