@@ -33,6 +33,9 @@ use crate::log::rfc3339_seconds;
 pub const READY: &str = "NodeNetworkConfigReady";
 pub const QUOTA_EXCEEDED: &str = "QuotaExceededToUpdateNetworkInterfacePodCIDRs";
 pub const INVALID: &str = "InvalidParametersToUpdateNetworkInterfacePodCIDRs";
+/// Event reasons on the Node.
+pub const QUOTA_EVENT: &str = "PodCIDRQuotaExceeded";
+pub const CONFLICT_EVENT: &str = "PodCIDRConflict";
 const FAMILIES: [Family; 2] = [Family::V4, Family::V6];
 
 /// Everything one decision reads.
@@ -654,11 +657,11 @@ fn ready_condition(
         _ => Value::from(rfc3339_seconds(now).to_string()),
     };
     let event = match trouble {
-        Some(Trouble::Quota(why)) if !same => Some(("PodCIDRQuotaExceeded", why.clone())),
+        Some(Trouble::Quota(why)) if !same => Some((QUOTA_EVENT, why.clone())),
         Some(Trouble::Conflict(why))
             if !same || previous.is_some_and(|p| p["message"] != why.as_str()) =>
         {
-            Some(("PodCIDRConflict", why.clone()))
+            Some((CONFLICT_EVENT, why.clone()))
         }
         _ => None,
     };

@@ -7,5 +7,12 @@
 //! docs/controller.md tells how it runs and why two controllers cannot
 //! grant one block twice.
 
+pub mod cache;
 pub mod decide;
+pub mod informer;
+pub mod lease;
 pub mod pool;
+pub mod run;
+pub mod writer;
+
+pub use run::{Config, parse_config, run, usage};
