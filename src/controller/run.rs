@@ -247,8 +247,16 @@ pub fn run(config: &Config) -> std::io::Result<()> {
     let metrics = Arc::new(ControllerMetrics::default());
     if let Some(address) = config.metrics_address {
         let metrics = Arc::clone(&metrics);
-        let bound = metrics::serve_text(address, move || metrics.render())?;
-        log::info("controller", "serving metrics", &[("address", &bound)]);
+        // A taken port (two replicas on one host network) costs the
+        // metrics, never the controller.
+        match metrics::serve_text(address, move || metrics.render()) {
+            Ok(bound) => log::info("controller", "serving metrics", &[("address", &bound)]),
+            Err(err) => log::warn(
+                "controller",
+                "cannot serve metrics",
+                &[("address", &address), ("error", &err)],
+            ),
+        }
     }
     let client = Arc::new(
         ApiClient::new(&config.api, TIMING.watch_timeout.saturating_mul(2))
