@@ -31,7 +31,7 @@ use crate::kube::nnc::Nnc;
 use crate::log::rfc3339_seconds;
 
 pub const READY: &str = "NodeNetworkConfigReady";
-pub const QUOTA_EXCEEDED: &str = "QuotaExceededToUpdateNetworkInterfacePodCIDRs";
+pub use crate::kube::nnc::QUOTA_EXCEEDED;
 pub const INVALID: &str = "InvalidParametersToUpdateNetworkInterfacePodCIDRs";
 /// Event reasons on the Node.
 pub const QUOTA_EVENT: &str = "PodCIDRQuotaExceeded";
@@ -519,7 +519,7 @@ pub fn decide(world: &World) -> Decision {
             continue;
         };
         let old = world.statuses.get(name).cloned().unwrap_or(Value::Null);
-        let (condition, event) = ready_condition(&old, plan.trouble.as_ref(), now);
+        let (condition, event) = ready_condition(&old, plan.trouble.as_ref(), nnc.generation, now);
         let mut status = if old.is_object() {
             old.clone()
         } else {
@@ -636,6 +636,7 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
 fn ready_condition(
     old: &Value,
     trouble: Option<&Trouble>,
+    generation: i64,
     now: i64,
 ) -> (Value, Option<(&'static str, String)>) {
     let (status, reason, message) = match trouble {
@@ -671,6 +672,9 @@ fn ready_condition(
         "reason": reason,
         "message": message,
         "lastTransitionTime": since,
+        // Which spec this answers: a node fails fast on QuotaExceeded only
+        // when it answers the demand it has now.
+        "observedGeneration": generation,
     });
     (condition, event)
 }
