@@ -351,8 +351,10 @@ impl Sim {
                     reason, QUOTA_EXCEEDED,
                     "{name}: {capacity} addresses for {pods} pods ({message})"
                 );
+                let mut cooling = 0;
                 for pool in serving {
                     let spec = pool.spec.as_ref().unwrap();
+                    let range = spec.range(family).unwrap();
                     let mine = pool
                         .ledger
                         .claims
@@ -362,12 +364,28 @@ impl Sim {
                     if mine >= spec.max_blocks_per_node {
                         continue;
                     }
-                    if let Some(free) = self.free_block(&pools, spec.range(family).unwrap(), name) {
+                    if let Some(free) = self.free_block(&pools, range, name) {
                         panic!(
                             "{name} is refused ({message}) while {free} of pool {} is free",
                             pool.name
                         );
                     }
+                    cooling += pool
+                        .ledger
+                        .cooling
+                        .keys()
+                        .filter(|c| range.is_block(c))
+                        .count();
+                }
+                // While blocks cool, the refusal says until when (the node
+                // fails fast until then, then waits for a grant); IPv4 is
+                // decided first, and nodes grow IPv4.
+                if family == metis::cidr::Family::V4 {
+                    assert_eq!(
+                        cooling > 0,
+                        message.contains(decide::UNTIL),
+                        "{name}: {cooling} blocks cooling, refusal {message:?}"
+                    );
                 }
             }
         }
@@ -715,18 +733,18 @@ fn a_stale_controller_cannot_grant_a_block_twice() {
 /// One random step of the cluster around the controller.
 fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<String>) {
     let names = ["n0", "n1", "n2", "n3", "n4"];
-    let node = names[rng.below(names.len() as u64) as usize];
+    let node = names[rng.index(names.len())];
     let action = rng.below(16);
     trace.push(format!("{action} {node}"));
     match action {
         0..=3 if sim.nncs.contains_key(node) => {
-            let pods = rng.below(70) as i64;
+            let pods = i64::try_from(rng.below(70)).unwrap();
             sim.set_demand(node, pods);
         }
         4 | 5 if sim.nncs.contains_key(node) => {
             let cidrs = cidrs_of(&sim.nncs[node]);
             if !cidrs.is_empty() {
-                let cidr = cidrs[rng.below(cidrs.len() as u64) as usize].clone();
+                let cidr = cidrs[rng.index(cidrs.len())].clone();
                 release(sim, node, &cidr);
             }
         }
@@ -754,7 +772,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             }
         }
         8 => {
-            let spare = SPARE_V4[rng.below(SPARE_V4.len() as u64) as usize];
+            let spare = SPARE_V4[rng.index(SPARE_V4.len())];
             sim.edit_pool("v4", |s| {
                 let list = s["ipv4"]["cidrs"].as_array_mut().unwrap();
                 match list.iter().position(|c| c == spare) {
@@ -793,7 +811,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 })
                 .collect();
             if rng.below(2) == 0 && !others.is_empty() {
-                let entry = others[rng.below(others.len() as u64) as usize].clone();
+                let entry = others[rng.index(others.len())].clone();
                 let cidr = entry["cidr"].as_str().unwrap().to_string();
                 if !cidrs_of(&sim.nncs[node]).contains(&cidr) {
                     let note = format!("{} copied by hand into {node}", sim.now);
@@ -828,10 +846,10 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             // The leader dies in the middle of its writes.
             let decision = sim.decide();
             let total = decision.pool_writes.len() + decision.nnc_writes.len();
-            let cut = rng.below(total as u64 + 1) as usize;
+            let cut = rng.index(total + 1);
             sim.apply(&decision, cut);
         }
-        _ => sim.now += rng.below(DELAY_MS as u64) as i64,
+        _ => sim.now += i64::try_from(rng.below(DELAY_MS.unsigned_abs())).unwrap(),
     }
 }
 

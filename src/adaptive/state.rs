@@ -72,6 +72,19 @@ pub struct Adaptive {
     /// The resource version a patch is in flight for: no second patch is
     /// computed from the same version until the first one is answered.
     patching: Option<String>,
+    /// The cluster's last QuotaExceeded answer: the demand it refused
+    /// (pods per network) and why. It stands while the demand is no
+    /// larger and no other answer came.
+    refused: Option<Refusal>,
+}
+
+/// The cluster's QuotaExceeded answer to a demand.
+struct Refusal {
+    /// The demand refused: pods per network.
+    asked: Vec<(String, i64)>,
+    why: String,
+    /// Unix ms when a released block comes free (the refusal ends then).
+    until: Option<i64>,
 }
 
 impl Adaptive {
@@ -94,6 +107,7 @@ impl Adaptive {
             cancelled: Vec::new(),
             next_pass: now,
             patching: None,
+            refused: None,
         }
     }
 
@@ -265,7 +279,35 @@ impl Adaptive {
         if self.patching.is_some() {
             return None;
         }
-        self.cluster.latest()?.quota_exceeded.clone()
+        let refusal = self.refused.as_ref()?;
+        if refusal.until.is_some_and(|until| log::now_ms() >= until) {
+            return None;
+        }
+        let asked = &self.cluster.latest()?.allocations;
+        let no_larger = asked.iter().all(|(network, pods)| {
+            refusal
+                .asked
+                .iter()
+                .any(|(n, most)| n == network && pods <= most)
+        });
+        no_larger.then(|| refusal.why.clone())
+    }
+
+    /// Remembers the cluster's answer a copy carries.
+    fn note_answer(&mut self, nnc: &crate::kube::nnc::Nnc) {
+        if let Some(why) = &nnc.quota_exceeded {
+            self.refused = Some(Refusal {
+                asked: nnc.allocations.clone(),
+                why: why.clone(),
+                until: nnc.quota_until,
+            });
+        } else if nnc
+            .ready_reason
+            .as_deref()
+            .is_some_and(|reason| reason != crate::kube::nnc::QUOTA_EXCEEDED)
+        {
+            self.refused = None;
+        }
     }
 
     fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
@@ -328,15 +370,22 @@ impl Adaptive {
     fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
         let store = engine.store_mut();
         let applied = match event {
-            KubeEvent::Nnc { nnc, epoch } => self.cluster.on_nnc(store, &self.metrics, nnc, epoch),
+            KubeEvent::Nnc { nnc, epoch } => {
+                self.note_answer(&nnc);
+                self.cluster.on_nnc(store, &self.metrics, nnc, epoch)
+            }
             KubeEvent::Node { node, epoch } => {
                 self.cluster.on_node(store, &self.metrics, node, epoch)
             }
-            KubeEvent::Gone { epoch } => self.cluster.on_gone(store, &self.metrics, epoch),
+            KubeEvent::Gone { epoch } => {
+                self.refused = None;
+                self.cluster.on_gone(store, &self.metrics, epoch)
+            }
             KubeEvent::Patched { base, nnc } => {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                self.note_answer(&nnc);
                 self.cluster.on_patched(store, &self.metrics, &base, *nnc)
             }
             KubeEvent::Replayed => {

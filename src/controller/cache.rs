@@ -19,6 +19,9 @@ pub struct Cache {
     pub pools: BTreeMap<String, Value>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
+    /// Versions a write was refused for (409): nothing is written from
+    /// them; a newer copy from the watch replaces them.
+    stale: BTreeSet<(Resource, String, String)>,
 }
 
 impl Cache {
@@ -42,7 +45,23 @@ impl Cache {
         self.listed.insert(kind);
     }
 
-    pub fn put(&mut self, _kind: Resource, item: Item) {
+    pub fn mark_stale(&mut self, kind: Resource, name: &str, version: &str) {
+        self.stale
+            .insert((kind, name.to_string(), version.to_string()));
+    }
+
+    pub fn is_stale(&self, kind: Resource, name: &str, version: &str) -> bool {
+        self.stale
+            .contains(&(kind, name.to_string(), version.to_string()))
+    }
+
+    pub fn put(&mut self, kind: Resource, item: Item) {
+        let name = item.name().to_string();
+        let version = item.resource_version().to_string();
+        // A copy of another version is newer (the stream's order): decide
+        // from it. The stale version itself, delivered late, stays stale.
+        self.stale
+            .retain(|(k, n, v)| *k != kind || *n != name || *v == version);
         match item {
             Item::Nnc(nnc, status) => {
                 self.statuses.insert(nnc.meta.name.clone(), status);
@@ -62,6 +81,7 @@ impl Cache {
     }
 
     pub fn remove(&mut self, kind: Resource, name: &str) {
+        self.stale.retain(|(k, n, _)| *k != kind || n != name);
         match kind {
             Resource::Nnc => {
                 self.nncs.remove(name);

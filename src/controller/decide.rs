@@ -28,11 +28,12 @@ use serde_json::{Value, json};
 use super::pool::{Cooling, FamilyRange, Holder, Ledger, Pool, PoolSpec};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::Nnc;
-use crate::log::rfc3339_seconds;
+use crate::log::{rfc3339_millis, rfc3339_seconds};
 
 pub const READY: &str = "NodeNetworkConfigReady";
 pub use crate::kube::nnc::QUOTA_EXCEEDED;
 pub const INVALID: &str = "InvalidParametersToUpdateNetworkInterfacePodCIDRs";
+pub use crate::kube::nnc::QUOTA_UNTIL as UNTIL;
 /// Event reasons on the Node.
 pub const QUOTA_EVENT: &str = "PodCIDRQuotaExceeded";
 pub const CONFLICT_EVENT: &str = "PodCIDRConflict";
@@ -490,6 +491,22 @@ pub fn decide(world: &World) -> Decision {
                             .collect::<Vec<_>>()
                             .join(", ")
                     };
+                    // When the first released block comes free: the
+                    // refusal stands until then (the node fails fast until
+                    // then, and waits for a grant after).
+                    let free_at = empty
+                        .iter()
+                        .filter_map(|i| {
+                            let spec = pools[*i].spec.as_ref().ok()?;
+                            let range = spec.range(family)?;
+                            ledgers[*i]
+                                .cooling
+                                .iter()
+                                .filter(|(c, _)| range.is_block(c))
+                                .map(|(_, c)| c.since_ms.saturating_add(spec.reclaim_delay_ms))
+                                .min()
+                        })
+                        .min();
                     let why = if empty.is_empty() {
                         format!(
                             "network {network:?} {family}: node {name} holds maxBlocksPerNode blocks of pool {}; {capacity} addresses for {want} pods",
@@ -505,7 +522,10 @@ pub fn decide(world: &World) -> Decision {
                         plan.trouble,
                         Some(Trouble::Conflict(_)) | Some(Trouble::Gone(_))
                     ) {
-                        plan.trouble.get_or_insert(Trouble::Quota(why));
+                        plan.trouble.get_or_insert(Trouble::Quota(match free_at {
+                            Some(at) => format!("{why}; {UNTIL}{}", rfc3339_millis(at)),
+                            None => why,
+                        }));
                     }
                     break;
                 }

@@ -76,6 +76,16 @@ impl Item {
         }
     }
 
+    pub fn resource_version(&self) -> &str {
+        match self {
+            Item::Nnc(nnc, _) => &nnc.meta.resource_version,
+            Item::Node(_) => "",
+            Item::Pool(object) => object["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or_default(),
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Item::Nnc(nnc, _) => &nnc.meta.name,

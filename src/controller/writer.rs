@@ -2,8 +2,11 @@
 //! pool's resourceVersion), then the node statuses that rely on them, then
 //! the Events. Every write is a PUT of the status subresource carrying the
 //! resourceVersion the decision was computed from; a 409 means someone
-//! wrote first: the object is read again and the next pass decides anew.
-//! Nothing is written unless this process leads at that moment.
+//! wrote first: that version is marked stale, nothing more is written from
+//! it, and the next pass decides anew once the watch has delivered the
+//! newer copy (read again through the stream, not with a GET: no
+//! per-object reads, and no copy from outside the stream to order against
+//! it). Nothing is written unless this process leads at that moment.
 
 use std::collections::BTreeSet;
 
@@ -23,8 +26,10 @@ pub const EVENT_NAMESPACE: &str = "default";
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Applied {
     pub written: usize,
-    /// Objects refused with 409 and read again: decide again.
+    /// Objects refused with 409: decided again once the watch brings them.
     pub conflicts: usize,
+    /// Writes not sent: computed from a version known to be stale.
+    pub deferred: usize,
     /// Other failures: decide again after the backoff.
     pub failures: usize,
     /// Leadership ended midway: nothing more was written.
@@ -46,6 +51,10 @@ pub fn apply(
             applied.stopped = true;
             return applied;
         }
+        if cache.is_stale(Resource::Pool, &write.name, &write.resource_version) {
+            applied.deferred += 1;
+            continue;
+        }
         if put(client, cache, Resource::Pool, write, metrics, &mut applied) {
             pools_written.insert(write.name.as_str());
         }
@@ -62,6 +71,10 @@ pub fn apply(
         if !leading() {
             applied.stopped = true;
             return applied;
+        }
+        if cache.is_stale(Resource::Nnc, &write.name, &write.resource_version) {
+            applied.deferred += 1;
+            continue;
         }
         if put(client, cache, Resource::Nnc, write, metrics, &mut applied) {
             nodes_written.insert(write.name.as_str());
@@ -112,12 +125,12 @@ fn put(
         Err(err) if err.is_status(409) => {
             metrics.conflict();
             applied.conflicts += 1;
-            log::info(
+            log::debug(
                 "controller",
-                "someone wrote first (409): reading it again",
-                &[("object", &item)],
+                "someone wrote first (409): deciding again from the watch's newer copy",
+                &[("object", &item), ("version", &write.resource_version)],
             );
-            reread(client, cache, kind, &write.name, &item, metrics);
+            cache.mark_stale(kind, &write.name, &write.resource_version);
             false
         }
         Err(err) => {
@@ -129,26 +142,6 @@ fn put(
             );
             false
         }
-    }
-}
-
-fn reread(
-    client: &ApiClient,
-    cache: &mut Cache,
-    kind: Resource,
-    name: &str,
-    item: &str,
-    metrics: &ControllerMetrics,
-) {
-    metrics.api_request("get", kind.plural());
-    match client.get(item) {
-        Ok(object) => cache.put(kind, Item::parse(kind, &object)),
-        Err(err) if err.is_status(404) => cache.remove(kind, name),
-        Err(err) => log::warn(
-            "controller",
-            "reading again failed",
-            &[("object", &item), ("error", &err)],
-        ),
     }
 }
 

@@ -184,11 +184,20 @@ pub struct Nnc {
     /// `observedGeneration` is the object's generation): the cluster has no
     /// block for this node's demand, and waiting for one is pointless.
     pub quota_exceeded: Option<String>,
+    /// Until when (Unix ms) that refusal stands, if the message says.
+    pub quota_until: Option<i64>,
+    /// The reason of the `Ready` condition in `status.conditions`, of
+    /// whatever generation.
+    pub ready_reason: Option<String>,
 }
 
 /// The reason of the NodeNetworkConfig's Ready condition when no block can
 /// be granted (upstream's spelling).
 pub const QUOTA_EXCEEDED: &str = "QuotaExceededToUpdateNetworkInterfacePodCIDRs";
+/// Ends a QuotaExceeded message of `metis controller` when released blocks
+/// are cooling, followed by the RFC 3339 time the first comes free: the
+/// refusal stands until then.
+pub const QUOTA_UNTIL: &str = "the first released block comes free at ";
 
 impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
@@ -212,14 +221,19 @@ impl Nnc {
         .iter()
         .any(|l| l.as_array().is_some_and(|a| a.len() > MAX_ENTRIES));
         let generation = value["metadata"]["generation"].as_i64().unwrap_or(0);
-        let quota_exceeded = list(&value["status"]["conditions"])
-            .find(|c| c["type"] == "Ready")
+        let ready = list(&value["status"]["conditions"]).find(|c| c["type"] == "Ready");
+        let ready_reason = ready.and_then(|c| c["reason"].as_str()).map(str::to_string);
+        let quota_exceeded = ready
             .filter(|c| {
                 c["status"] == "False"
                     && c["reason"] == QUOTA_EXCEEDED
                     && c["observedGeneration"].as_i64().unwrap_or(0) == generation
             })
             .map(|c| c["message"].as_str().unwrap_or_default().to_string());
+        let quota_until = quota_exceeded.as_deref().and_then(|message| {
+            let (_, at) = message.rsplit_once(QUOTA_UNTIL)?;
+            crate::log::parse_rfc3339_ms(at)
+        });
         Nnc {
             meta: Meta::parse(value),
             allocations,
@@ -228,6 +242,8 @@ impl Nnc {
             truncated,
             generation,
             quota_exceeded,
+            quota_until,
+            ready_reason,
         }
     }
 
