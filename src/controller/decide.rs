@@ -275,10 +275,15 @@ pub fn decide(world: &World) -> Decision {
                         let ledger = &mut ledgers[i];
                         ledger.claims.remove(&cidr);
                         if reusable(&raw) {
-                            ledger.cooling.entry(cidr).or_insert(Cooling {
-                                node: name.clone(),
-                                since_ms: now,
-                            });
+                            // Still in a status: the delay counts from now,
+                            // when it leaves it (again, after a lost write).
+                            ledger.cooling.insert(
+                                cidr,
+                                Cooling {
+                                    node: name.clone(),
+                                    since_ms: now,
+                                },
+                            );
                         } else {
                             if !ledger.non_reusable.contains(&cidr) {
                                 ledger.non_reusable.push(cidr);
@@ -673,6 +678,26 @@ fn ready_condition(
         .as_array()
         .and_then(|l| l.iter().find(|c| c["type"] == "Ready"));
     let same = previous.is_some_and(|p| p["status"] == status && p["reason"] == reason);
+    // A refusal that only moved the time a cooling block comes free keeps
+    // its message (no write to every refused node per release) until the
+    // time it gave has passed.
+    let message = match previous.and_then(|p| p["message"].as_str()) {
+        Some(told) if same && reason == QUOTA_EXCEEDED => {
+            let (base, until) = told
+                .rsplit_once(UNTIL)
+                .map_or((told, None), |(b, u)| (b, Some(u)));
+            let (new_base, _) = message
+                .rsplit_once(UNTIL)
+                .map_or((message.as_str(), None), |(b, u)| (b, Some(u)));
+            let told_until = until.and_then(crate::log::parse_rfc3339_ms);
+            if base == new_base && message.contains(UNTIL) && told_until.is_some_and(|t| t > now) {
+                told.to_string()
+            } else {
+                message
+            }
+        }
+        _ => message,
+    };
     let since = match previous {
         Some(p) if same => p["lastTransitionTime"].clone(),
         _ => Value::from(rfc3339_seconds(now).to_string()),
