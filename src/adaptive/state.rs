@@ -72,6 +72,19 @@ pub struct Adaptive {
     /// The resource version a patch is in flight for: no second patch is
     /// computed from the same version until the first one is answered.
     patching: Option<String>,
+    /// The cluster's last QuotaExceeded answer: the demand it refused
+    /// (pods per network) and why. It stands while the demand is no
+    /// larger and no other answer came.
+    refused: Option<Refusal>,
+}
+
+/// The cluster's QuotaExceeded answer to a demand.
+struct Refusal {
+    /// The demand refused: pods per network.
+    asked: Vec<(String, i64)>,
+    why: String,
+    /// Unix ms when a released block comes free (the refusal ends then).
+    until: Option<i64>,
 }
 
 impl Adaptive {
@@ -94,6 +107,7 @@ impl Adaptive {
             cancelled: Vec::new(),
             next_pass: now,
             patching: None,
+            refused: None,
         }
     }
 
@@ -147,10 +161,18 @@ impl Adaptive {
                     network,
                     family: Family::V4,
                     ..
-                } if self.config.source == Kind::Nnc => {
-                    self.park(conn_id, request, network, now);
-                    None
-                }
+                } if self.config.source == Kind::Nnc => match self.quota_exceeded() {
+                    // The cluster already said no to this very demand.
+                    Some(why) => Some(Outcome::Exhausted {
+                        message: quota_message(&network, &why),
+                        network,
+                        family: Family::V4,
+                    }),
+                    None => {
+                        self.park(conn_id, request, network, now);
+                        None
+                    }
+                },
                 other => Some(other),
             },
             request::Kind::Deallocate(req) => {
@@ -246,10 +268,56 @@ impl Adaptive {
 
     /// Every failure that stops the node from growing, in words.
     fn problem(&self) -> Option<String> {
-        match (&self.watch_problem, &self.patch_problem) {
-            (None, None) => None,
-            (Some(one), None) | (None, Some(one)) => Some(one.clone()),
-            (Some(watch), Some(patch)) => Some(format!("{watch}; {patch}")),
+        let quota = self
+            .quota_exceeded()
+            .map(|why| format!("the cluster has no block for this node: {why}"));
+        let problems: Vec<&String> = [&self.watch_problem, &self.patch_problem, &quota]
+            .into_iter()
+            .flatten()
+            .collect();
+        (!problems.is_empty()).then(|| {
+            problems
+                .iter()
+                .map(|p| p.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// The cluster's QuotaExceeded answer to the demand this node has now
+    /// (no patch of a newer one in flight), if it gave one.
+    fn quota_exceeded(&self) -> Option<String> {
+        if self.patching.is_some() {
+            return None;
+        }
+        let refusal = self.refused.as_ref()?;
+        if refusal.until.is_some_and(|until| log::now_ms() >= until) {
+            return None;
+        }
+        let asked = &self.cluster.latest()?.allocations;
+        let no_larger = asked.iter().all(|(network, pods)| {
+            refusal
+                .asked
+                .iter()
+                .any(|(n, most)| n == network && pods <= most)
+        });
+        no_larger.then(|| refusal.why.clone())
+    }
+
+    /// Remembers the cluster's answer a copy carries.
+    fn note_answer(&mut self, nnc: &crate::kube::nnc::Nnc) {
+        if let Some(why) = &nnc.quota_exceeded {
+            self.refused = Some(Refusal {
+                asked: nnc.allocations.clone(),
+                why: why.clone(),
+                until: nnc.quota_until,
+            });
+        } else if nnc
+            .ready_reason
+            .as_deref()
+            .is_some_and(|reason| reason != crate::kube::nnc::QUOTA_EXCEEDED)
+        {
+            self.refused = None;
         }
     }
 
@@ -271,6 +339,30 @@ impl Adaptive {
         }
         grown.dedup();
         let mut deliveries = Vec::new();
+        if let Some(why) = self.quota_exceeded() {
+            // Waiting out --scale-up-wait would only delay the same answer.
+            let refused = self.give_up(|_| true, &why, now);
+            if !refused.is_empty() {
+                log::warn(
+                    "daemon",
+                    "the cluster has no block for this node; failing waiting ADDs now",
+                    &[("reason", &why), ("requests", &refused.len())],
+                );
+            }
+            deliveries.extend(refused.into_iter().map(|(conn, outcome)| match outcome {
+                Outcome::Exhausted {
+                    network, family, ..
+                } => (
+                    conn,
+                    Outcome::Exhausted {
+                        message: quota_message(&network, &why),
+                        network,
+                        family,
+                    },
+                ),
+                other => (conn, other),
+            }));
+        }
         for network in grown {
             log::info(
                 "daemon",
@@ -287,15 +379,22 @@ impl Adaptive {
     fn on_event(&mut self, event: KubeEvent, engine: &mut Engine, now: Instant) -> Vec<String> {
         let store = engine.store_mut();
         let applied = match event {
-            KubeEvent::Nnc { nnc, epoch } => self.cluster.on_nnc(store, &self.metrics, nnc, epoch),
+            KubeEvent::Nnc { nnc, epoch } => {
+                self.note_answer(&nnc);
+                self.cluster.on_nnc(store, &self.metrics, nnc, epoch)
+            }
             KubeEvent::Node { node, epoch } => {
                 self.cluster.on_node(store, &self.metrics, node, epoch)
             }
-            KubeEvent::Gone { epoch } => self.cluster.on_gone(store, &self.metrics, epoch),
+            KubeEvent::Gone { epoch } => {
+                self.refused = None;
+                self.cluster.on_gone(store, &self.metrics, epoch)
+            }
             KubeEvent::Patched { base, nnc } => {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
+                self.note_answer(&nnc);
                 self.cluster.on_patched(store, &self.metrics, &base, *nnc)
             }
             KubeEvent::Replayed => {
@@ -571,6 +670,13 @@ impl Adaptive {
         }
         self.metrics.set_parked(counts);
     }
+}
+
+/// An exhausted ADD's message when the cluster refused more blocks.
+fn quota_message(network: &str, why: &str) -> String {
+    format!(
+        "no available IPs in store for network {network}, and the cluster has no block for this node (QuotaExceeded: {why})"
+    )
 }
 
 fn network_or_default(network: &str) -> &str {
