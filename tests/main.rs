@@ -23,6 +23,7 @@ mod host_local;
 mod hostile;
 mod install;
 mod kube;
+mod kube_api;
 mod limits;
 mod metrics;
 mod migration;
