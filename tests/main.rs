@@ -11,6 +11,7 @@ mod common;
 mod access;
 mod big_blocks;
 mod boot;
+mod cluster;
 mod control_plane;
 mod control_plane_model;
 mod crash;

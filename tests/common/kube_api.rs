@@ -164,6 +164,10 @@ pub struct State {
     /// `RESOURCE/status`. Verbs are the API server's: get, list, watch,
     /// create, update, patch, delete.
     pub counts: BTreeMap<(String, String), u64>,
+    /// The same by client (its bearer token; "" without one).
+    pub counts_by_client: BTreeMap<(String, String, String), u64>,
+    /// 409 answers by client.
+    pub conflicts: BTreeMap<String, u64>,
     /// The next writes (create/update/patch/delete) of a resource (any
     /// when `None`) fail: (how many more, HTTP status, resource).
     pub fail_writes: Option<(u32, u16, Option<&'static str>)>,
@@ -198,9 +202,18 @@ impl State {
             .unwrap_or(0)
     }
 
-    /// Every request answered so far.
-    pub fn total(&self) -> u64 {
-        self.counts.values().sum()
+    /// The requests of the client with token `client`, by (verb, resource).
+    pub fn counts_of(&self, client: &str) -> BTreeMap<(String, String), u64> {
+        self.counts_by_client
+            .iter()
+            .filter(|((who, _, _), _)| who == client)
+            .map(|((_, verb, resource), n)| ((verb.clone(), resource.clone()), *n))
+            .collect()
+    }
+
+    /// How many of `client`'s requests were answered 409.
+    pub fn conflicts_of(&self, client: &str) -> u64 {
+        self.conflicts.get(client).copied().unwrap_or(0)
     }
 
     /// Creates `object` (its `metadata.name` or `generateName`) in
@@ -553,6 +566,19 @@ struct Shared {
     changed: Condvar,
 }
 
+/// The server's state, shared with another thread.
+#[derive(Clone)]
+pub struct Handle(Arc<Shared>);
+
+impl Handle {
+    /// Runs `look` on the state under the lock and wakes open watches.
+    pub fn with<T>(&self, look: impl FnOnce(&mut State) -> T) -> T {
+        let out = look(&mut self.0.state.lock().unwrap());
+        self.0.changed.notify_all();
+        out
+    }
+}
+
 /// The server; stops listening on drop.
 pub struct KubeApi {
     pub addr: SocketAddr,
@@ -585,11 +611,22 @@ impl KubeApi {
 
     /// Writes a kubeconfig pointing at this server.
     pub fn kubeconfig(&self, path: &std::path::Path) {
+        self.kubeconfig_as(path, "sim");
+    }
+
+    /// Writes a kubeconfig whose bearer token is `client`: the server
+    /// counts that client's requests apart (`State::counts_of`).
+    pub fn kubeconfig_as(&self, path: &std::path::Path, client: &str) {
         let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: sim\nclusters:\n- name: sim\n  cluster:\n    server: http://{}\ncontexts:\n- name: sim\n  context:\n    cluster: sim\n    user: sim\nusers:\n- name: sim\n  user:\n    token: sim-token\n",
+            "apiVersion: v1\nkind: Config\ncurrent-context: sim\nclusters:\n- name: sim\n  cluster:\n    server: http://{}\ncontexts:\n- name: sim\n  context:\n    cluster: sim\n    user: sim\nusers:\n- name: sim\n  user:\n    token: {client}\n",
             self.addr
         );
         std::fs::write(path, text).unwrap();
+    }
+
+    /// A handle other threads can read and change the state through.
+    pub fn handle(&self) -> Handle {
+        Handle(Arc::clone(&self.shared))
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
@@ -702,6 +739,7 @@ struct HttpRequest {
     query: Vec<(String, String)>,
     content_type: String,
     close: bool,
+    token: String,
     body: Vec<u8>,
 }
 
@@ -812,11 +850,22 @@ fn handle(
     };
     let answer = {
         let mut state = shared.state.lock().unwrap();
-        *state.counts.entry((verb.to_string(), counted)).or_insert(0) += 1;
+        *state
+            .counts
+            .entry((verb.to_string(), counted.clone()))
+            .or_insert(0) += 1;
+        *state
+            .counts_by_client
+            .entry((request.token.clone(), verb.to_string(), counted))
+            .or_insert(0) += 1;
         if verb == "watch" {
             None
         } else {
-            Some(answer(&mut state, &route, verb, request))
+            let answer = answer(&mut state, &route, verb, request);
+            if answer.0 == 409 {
+                *state.conflicts.entry(request.token.clone()).or_insert(0) += 1;
+            }
+            Some(answer)
         }
     };
     shared.changed.notify_all();
@@ -1118,6 +1167,7 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
     let mut length = 0usize;
     let mut content_type = String::new();
     let mut close = false;
+    let mut token = String::new();
     loop {
         let mut header = String::new();
         if stream.read_line(&mut header).ok()? == 0 {
@@ -1133,6 +1183,9 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
                 "content-length" => length = value.parse().ok()?,
                 "content-type" => content_type = value.to_ascii_lowercase(),
                 "connection" => close = value.eq_ignore_ascii_case("close"),
+                "authorization" => {
+                    token = value.strip_prefix("Bearer ").unwrap_or("").to_string();
+                }
                 _ => {}
             }
         }
@@ -1157,6 +1210,7 @@ fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
         query,
         content_type,
         close,
+        token,
         body,
     })
 }
