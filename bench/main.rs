@@ -29,6 +29,7 @@ mod cni;
 #[allow(dead_code)] // the tests' harness: the bench uses a part of it
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod controller;
 mod instructions;
 mod memory;
 mod report;
@@ -115,6 +116,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("memory", memory::report),
     ("binary size", memory::report_size),
     ("burst", cni::report_burst),
+    ("controller at cluster scale", controller::report),
 ];
 
 fn main() {
