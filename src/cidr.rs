@@ -95,7 +95,8 @@ impl fmt::Display for CidrError {
 impl std::error::Error for CidrError {}
 
 /// A canonical IP prefix: the address has no bits set below the prefix length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Ordered by address (IPv4 before IPv6), then length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
     base: IpAddr,
     prefix_len: u8,

@@ -8,6 +8,8 @@ pub mod adaptive;
 pub mod cidr;
 pub mod cli;
 pub mod cni;
+#[cfg(feature = "kube")]
+pub mod controller;
 pub mod daemon;
 pub mod defaults;
 pub mod duration;

@@ -13,6 +13,7 @@ const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
 Usage:
   metis                  run as a CNI IPAM plugin (CNI_COMMAND and friends set by the runtime)
   metis daemon [flags]   serve allocations for this node over a Unix socket
+  metis controller [flags]  grant node blocks from MetisPools (cluster side, leader-elected)
   metis health [flags]   ask the daemon whether it is serving (exit 0 or 1; for liveness probes)
   metis install [flags]  copy this binary (and a network config) into the node's CNI directories
   metis admin LISTING    show cidr-blocks, ip-addresses or usage from the daemon
@@ -48,6 +49,7 @@ fn main() -> ExitCode {
     };
     match command.as_str() {
         "daemon" => run_daemon(rest),
+        "controller" => run_controller(rest),
         "health" => run_health(rest),
         "install" => run_install(rest),
         "admin" => run_admin(rest),
@@ -88,6 +90,54 @@ fn run_daemon(args: &[String]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+#[cfg(feature = "kube")]
+fn run_controller(args: &[String]) -> ExitCode {
+    use metis::controller;
+    let config = match controller::parse_config(args, &|name| std::env::var(name).ok()) {
+        Ok(config) => config,
+        Err(FlagError::Help) => {
+            print!("{}", controller::usage());
+            return ExitCode::SUCCESS;
+        }
+        Err(err) => {
+            eprintln!("metis controller: {err}\n\n{}", controller::usage());
+            return ExitCode::from(USAGE_EXIT);
+        }
+    };
+    let sink: Box<dyn std::io::Write + Send> = match &config.log_file {
+        Some(path) => match log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o640) {
+            Ok(file) => Box::new(file),
+            Err(err) => {
+                eprintln!(
+                    "metis controller: cannot open --log-file {}: {err}",
+                    path.display()
+                );
+                return ExitCode::FAILURE;
+            }
+        },
+        None => Box::new(std::io::stderr()),
+    };
+    log::init(sink, config.verbosity);
+    match controller::run(&config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            log::error("controller", "controller failed to run", &[("error", &err)]);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The edge build has no Kubernetes client: say so, as a usage error.
+#[cfg(not(feature = "kube"))]
+fn run_controller(_args: &[String]) -> ExitCode {
+    eprintln!(
+        "metis controller: this build of metis does not have Kubernetes support (built with \
+         --no-default-features); the controller needs the full build (cargo build --release, \
+         default features)"
+    );
+    ExitCode::from(USAGE_EXIT)
 }
 
 /// Help goes to stdout (exit 0); misuse to stderr with the usage (exit 2).

@@ -285,6 +285,124 @@ pub const METRICS: [&Metric; 15] = [
     &DATABASE_RESTORED,
 ];
 
+const CONTROLLER_LEADER: Metric = Metric::new(
+    "metis_controller_leader",
+    Type::Gauge,
+    &[],
+    "1 while this controller holds the Lease and writes, else 0.",
+);
+const CONTROLLER_POOL_BLOCKS: Metric = Metric::new(
+    "metis_controller_pool_blocks",
+    Type::Gauge,
+    &["pool", "family", "state"],
+    "Blocks of each MetisPool family by state (free, granted, cooling).",
+);
+const CONTROLLER_EXHAUSTED: Metric = Metric::new(
+    "metis_controller_exhausted_total",
+    Type::Counter,
+    &[],
+    "Times a node's demand found no block (its NodeNetworkConfig says QuotaExceeded...).",
+);
+const CONTROLLER_CONFLICTS: Metric = Metric::new(
+    "metis_controller_conflicts_total",
+    Type::Counter,
+    &[],
+    "Writes refused with 409 (re-read and decided again), and overlaps nobody granted.",
+);
+const CONTROLLER_API_REQUESTS: Metric = Metric::new(
+    "metis_controller_api_requests_total",
+    Type::Counter,
+    &["verb", "resource"],
+    "Kubernetes API requests the controller made.",
+);
+
+/// The controller's metrics (`metis controller --metrics-address`).
+pub const CONTROLLER_METRICS: [&Metric; 6] = [
+    &BUILD_INFO,
+    &CONTROLLER_LEADER,
+    &CONTROLLER_POOL_BLOCKS,
+    &CONTROLLER_EXHAUSTED,
+    &CONTROLLER_CONFLICTS,
+    &CONTROLLER_API_REQUESTS,
+];
+
+#[derive(Default)]
+struct ControllerCounters {
+    leader: bool,
+    /// (pool, family) → (free, granted, cooling).
+    pool_blocks: BTreeMap<(String, &'static str), (u64, u64, u64)>,
+    exhausted: u64,
+    conflicts: u64,
+    api_requests: BTreeMap<(&'static str, &'static str), u64>,
+}
+
+/// Shared by the controller's threads and its metrics server.
+#[derive(Default)]
+pub struct ControllerMetrics {
+    counters: Mutex<ControllerCounters>,
+}
+
+impl ControllerMetrics {
+    fn with<T>(&self, f: impl FnOnce(&mut ControllerCounters) -> T) -> T {
+        let mut guard = self.counters.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut guard)
+    }
+
+    pub fn set_leader(&self, leader: bool) {
+        self.with(|c| c.leader = leader);
+    }
+
+    /// The blocks of every pool family now (pools gone drop out).
+    pub fn set_pool_blocks(&self, blocks: BTreeMap<(String, &'static str), (u64, u64, u64)>) {
+        self.with(|c| c.pool_blocks = blocks);
+    }
+
+    pub fn exhausted(&self) {
+        self.with(|c| c.exhausted += 1);
+    }
+
+    pub fn conflict(&self) {
+        self.with(|c| c.conflicts += 1);
+    }
+
+    pub fn api_request(&self, verb: &'static str, resource: &'static str) {
+        self.with(|c| *c.api_requests.entry((verb, resource)).or_default() += 1);
+    }
+
+    /// Requests made so far, by (verb, resource).
+    pub fn api_requests(&self) -> BTreeMap<(&'static str, &'static str), u64> {
+        self.with(|c| c.api_requests.clone())
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        BUILD_INFO.header(&mut out);
+        BUILD_INFO.sample(&mut out, &[env!("CARGO_PKG_VERSION")], 1);
+        self.with(|c| {
+            CONTROLLER_LEADER.header(&mut out);
+            CONTROLLER_LEADER.sample(&mut out, &[], u8::from(c.leader));
+            CONTROLLER_POOL_BLOCKS.header(&mut out);
+            for ((pool, family), (free, granted, cooling)) in &c.pool_blocks {
+                for (state, value) in [("free", free), ("granted", granted), ("cooling", cooling)] {
+                    CONTROLLER_POOL_BLOCKS.sample(&mut out, &[pool, family, state], value);
+                }
+            }
+            for (metric, value) in [
+                (&CONTROLLER_EXHAUSTED, c.exhausted),
+                (&CONTROLLER_CONFLICTS, c.conflicts),
+            ] {
+                metric.header(&mut out);
+                metric.sample(&mut out, &[], value);
+            }
+            CONTROLLER_API_REQUESTS.header(&mut out);
+            for ((verb, resource), count) in &c.api_requests {
+                CONTROLLER_API_REQUESTS.sample(&mut out, &[verb, resource], count);
+            }
+        });
+        out
+    }
+}
+
 impl Metric {
     const fn new(
         name: &'static str,
@@ -449,18 +567,29 @@ pub fn serve(
     metrics: Arc<Metrics>,
     db_path: PathBuf,
 ) -> std::io::Result<SocketAddr> {
+    let mut store: Option<Store> = None;
+    serve_text(addr, move || {
+        if store.is_none() {
+            store = Store::open_read_only(&db_path).ok().flatten();
+        }
+        metrics.render(store.as_ref())
+    })
+}
+
+/// Serves `/metrics` (the text `render` makes at each scrape) and
+/// `/healthz` on `addr` from a thread of its own; returns the bound address.
+pub fn serve_text(
+    addr: SocketAddr,
+    mut render: impl FnMut() -> String + Send + 'static,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let bound = listener.local_addr()?;
     thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
-            let mut store: Option<Store> = None;
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                if store.is_none() {
-                    store = Store::open_read_only(&db_path).ok().flatten();
-                }
-                if let Err(err) = answer(stream, &metrics, store.as_ref()) {
+                if let Err(err) = answer(stream, &mut render) {
                     log::debug("metrics", "scrape failed", &[("error", &err)]);
                 }
             }
@@ -468,7 +597,7 @@ pub fn serve(
     Ok(bound)
 }
 
-fn answer(stream: TcpStream, metrics: &Metrics, store: Option<&Store>) -> std::io::Result<()> {
+fn answer(stream: TcpStream, render: &mut dyn FnMut() -> String) -> std::io::Result<()> {
     stream.set_read_timeout(Some(SCRAPE_READ_TIMEOUT))?;
     stream.set_write_timeout(Some(SCRAPE_READ_TIMEOUT))?;
     let mut reader = BufReader::new(std::io::Read::take(stream.try_clone()?, 16 * 1024));
@@ -481,7 +610,7 @@ fn answer(stream: TcpStream, metrics: &Metrics, store: Option<&Store>) -> std::i
     }
     let path = request_line.split_whitespace().nth(1).unwrap_or("");
     let (status, content_type, body) = match (request_line.split_whitespace().next(), path) {
-        (Some("GET"), "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics.render(store)),
+        (Some("GET"), "/metrics") => ("200 OK", "text/plain; version=0.0.4", render()),
         (Some("GET"), "/healthz") => ("200 OK", "text/plain", "ok\n".to_string()),
         (Some("GET"), _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
         _ => (
@@ -552,7 +681,7 @@ mod tests {
     #[test]
     fn docs_list_every_metric_with_its_labels_and_nothing_else() {
         let documented = documented();
-        for metric in METRICS {
+        for metric in METRICS.iter().chain(&CONTROLLER_METRICS) {
             let Some((_, labels)) = documented.iter().find(|(name, _)| name == metric.name) else {
                 panic!("docs/operations.md does not list {}", metric.name)
             };
@@ -566,7 +695,10 @@ mod tests {
         }
         for (name, _) in &documented {
             assert!(
-                METRICS.iter().any(|metric| metric.name == name),
+                METRICS
+                    .iter()
+                    .chain(&CONTROLLER_METRICS)
+                    .any(|metric| metric.name == name),
                 "docs/operations.md lists {name}, which no scrape shows"
             );
         }
@@ -592,6 +724,28 @@ mod tests {
             text.contains("metis_local_store_quarantined_block_total 0\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_controller_scrape_shows_every_controller_metric() {
+        let metrics = ControllerMetrics::default();
+        metrics.set_leader(true);
+        metrics.api_request("put", "nodenetworkconfigs");
+        metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
+        metrics.exhausted();
+        let text = metrics.render();
+        for metric in CONTROLLER_METRICS {
+            assert!(text.contains(&format!("# TYPE {} ", metric.name)), "{text}");
+        }
+        for line in [
+            "metis_controller_leader 1\n",
+            "metis_controller_pool_blocks{pool=\"p\",family=\"ipv4\",state=\"cooling\"} 1\n",
+            "metis_controller_exhausted_total 1\n",
+            "metis_controller_conflicts_total 0\n",
+            "metis_controller_api_requests_total{verb=\"put\",resource=\"nodenetworkconfigs\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from {text}");
+        }
     }
 
     #[test]

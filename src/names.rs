@@ -135,6 +135,21 @@ pub fn describe_owner(namespace: &str, pod: &str, container_id: &str) -> String 
     }
 }
 
+/// A Kubernetes object name (RFC 1123 subdomain): it is placed in URL paths.
+pub fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

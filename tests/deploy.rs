@@ -68,6 +68,72 @@ fn one(kind: &str) -> Yaml {
     found.remove(0)
 }
 
+/// The object of `kind` named `name`.
+fn named(kind: &str, name: &str) -> Yaml {
+    let mut found: Vec<Yaml> = of_kind(kind)
+        .into_iter()
+        .filter(|doc| doc["metadata"]["name"].as_str() == Some(name))
+        .collect();
+    assert_eq!(found.len(), 1, "expected one {kind} {name}");
+    found.remove(0)
+}
+
+/// Every (API group, resource, verb) a role's rules grant.
+fn grants(role: &Yaml) -> Vec<(String, String, String)> {
+    let mut granted = Vec::new();
+    for rule in role["rules"].as_vec().unwrap() {
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                for verb in strings(&rule["verbs"]) {
+                    granted.push((group.to_string(), resource.to_string(), verb.to_string()));
+                }
+            }
+        }
+    }
+    granted
+}
+
+/// Every Kubernetes API call `metis controller` makes: one LIST+WATCH per
+/// kind (a GET of one object after a 409), status updates of
+/// NodeNetworkConfigs and pools, Events on Nodes; the Lease is a Role of
+/// its own namespace.
+const CONTROLLER_API_CALLS: &[(&str, &str, &str)] = &[
+    ("networking.gke.io", "nodenetworkconfigs", "get"),
+    ("networking.gke.io", "nodenetworkconfigs", "list"),
+    ("networking.gke.io", "nodenetworkconfigs", "watch"),
+    ("networking.gke.io", "nodenetworkconfigs/status", "update"),
+    ("", "nodes", "get"),
+    ("", "nodes", "list"),
+    ("", "nodes", "watch"),
+    ("metis.x-k8s.io", "metispools", "get"),
+    ("metis.x-k8s.io", "metispools", "list"),
+    ("metis.x-k8s.io", "metispools", "watch"),
+    ("metis.x-k8s.io", "metispools/status", "update"),
+    ("metis.x-k8s.io", "metispools/status", "patch"),
+    ("", "events", "create"),
+];
+const CONTROLLER_LEASE_CALLS: &[(&str, &str, &str)] = &[
+    ("coordination.k8s.io", "leases", "get"),
+    ("coordination.k8s.io", "leases", "create"),
+    ("coordination.k8s.io", "leases", "update"),
+];
+
+fn assert_exactly(granted: &[(String, String, String)], wanted: &[(&str, &str, &str)], who: &str) {
+    let granted: Vec<(&str, &str, &str)> = granted
+        .iter()
+        .map(|(g, r, v)| (g.as_str(), r.as_str(), v.as_str()))
+        .collect();
+    for call in wanted {
+        assert!(granted.contains(call), "{who}: RBAC misses {call:?}");
+    }
+    for grant in &granted {
+        assert!(
+            wanted.contains(grant),
+            "{who}: RBAC grants {grant:?}, which it never needs"
+        );
+    }
+}
+
 fn strings(list: &Yaml) -> Vec<&str> {
     list.as_vec()
         .map(|items| items.iter().filter_map(Yaml::as_str).collect())
@@ -90,29 +156,11 @@ fn every_manifest_is_a_kubernetes_object() {
 
 #[test]
 fn rbac_grants_exactly_the_daemons_api_calls() {
-    let role = one("ClusterRole");
-    let mut granted = Vec::new();
-    for rule in role["rules"].as_vec().unwrap() {
-        for group in strings(&rule["apiGroups"]) {
-            for resource in strings(&rule["resources"]) {
-                for verb in strings(&rule["verbs"]) {
-                    granted.push((group, resource, verb));
-                }
-            }
-        }
-    }
-    for call in DAEMON_API_CALLS {
-        assert!(granted.contains(call), "RBAC misses {call:?}");
-    }
-    for grant in &granted {
-        assert!(
-            DAEMON_API_CALLS.contains(grant),
-            "RBAC grants {grant:?}, which the daemon never needs"
-        );
-    }
+    let role = named("ClusterRole", "metis");
+    assert_exactly(&grants(&role), DAEMON_API_CALLS, "daemon");
 
-    let account = one("ServiceAccount");
-    let binding = one("ClusterRoleBinding");
+    let account = named("ServiceAccount", "metis");
+    let binding = named("ClusterRoleBinding", "metis");
     assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
     assert_eq!(binding["roleRef"]["kind"].as_str(), Some("ClusterRole"));
     let subject = &binding["subjects"][0];
@@ -132,7 +180,10 @@ fn rbac_grants_exactly_the_daemons_api_calls() {
 
 #[test]
 fn the_crd_is_the_cluster_scoped_node_network_config() {
-    let crd = one("CustomResourceDefinition");
+    let crd = named(
+        "CustomResourceDefinition",
+        "nodenetworkconfigs.networking.gke.io",
+    );
     let spec = &crd["spec"];
     assert_eq!(
         crd["metadata"]["name"].as_str(),
@@ -156,6 +207,132 @@ fn the_crd_is_the_cluster_scoped_node_network_config() {
         assert!(!pod_cidr[field].is_badvalue(), "status.podCIDRs[].{field}");
     }
     assert!(!schema["status"]["properties"]["conditions"].is_badvalue());
+}
+
+#[test]
+fn the_controller_gets_exactly_its_api_calls() {
+    let role = named("ClusterRole", "metis-controller");
+    assert_exactly(&grants(&role), CONTROLLER_API_CALLS, "controller");
+    let lease_role = named("Role", "metis-controller-lease");
+    assert_exactly(
+        &grants(&lease_role),
+        CONTROLLER_LEASE_CALLS,
+        "controller lease",
+    );
+    let deployment = one("Deployment");
+    let namespace = deployment["metadata"]["namespace"].as_str().unwrap();
+    assert_eq!(
+        lease_role["metadata"]["namespace"].as_str(),
+        Some(namespace)
+    );
+    assert_eq!(deployment["spec"]["replicas"].as_i64(), Some(2));
+    let pod = &deployment["spec"]["template"]["spec"];
+    let account = named("ServiceAccount", "metis-controller");
+    assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
+    for (kind, name) in [
+        ("ClusterRoleBinding", "metis-controller"),
+        ("RoleBinding", "metis-controller-lease"),
+    ] {
+        let binding = named(kind, name);
+        let subject = &binding["subjects"][0];
+        assert_eq!(subject["name"], account["metadata"]["name"], "{name}");
+        assert_eq!(
+            subject["namespace"], account["metadata"]["namespace"],
+            "{name}"
+        );
+    }
+    assert_eq!(
+        named("RoleBinding", "metis-controller-lease")["roleRef"]["kind"].as_str(),
+        Some("Role")
+    );
+    let container = &pod["containers"][0];
+    let command = strings(&container["command"]);
+    assert_eq!(command[..2], ["metis", "controller"]);
+    let lease_namespace = command
+        .iter()
+        .position(|a| *a == "--lease-namespace")
+        .unwrap();
+    assert_eq!(
+        command[lease_namespace + 1],
+        namespace,
+        "the Role is where the Lease is"
+    );
+    // The flags parse as the binary parses them (kube build), with the
+    // identity Kubernetes substitutes.
+    #[cfg(feature = "kube")]
+    {
+        let dir = common::TestDir::new("deploy-controller-flags");
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: http://127.0.0.1:1\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+        )
+        .unwrap();
+        let kubeconfig = kubeconfig.display().to_string();
+        let args: Vec<String> = command[2..]
+            .iter()
+            .map(|a| a.replace("$(POD_NAME)", "metis-controller-abc"))
+            .collect();
+        let config = metis::controller::parse_config(&args, &|name| {
+            (name == "KUBECONFIG").then(|| kubeconfig.clone())
+        })
+        .unwrap_or_else(|err| panic!("controller flags in the Deployment: {err}"));
+        assert_eq!(config.identity, "metis-controller-abc");
+        assert!(config.metrics_address.is_some());
+    }
+}
+
+#[test]
+fn the_pool_crd_and_the_example_pool_agree() {
+    let crd = named("CustomResourceDefinition", "metispools.metis.x-k8s.io");
+    let spec = &crd["spec"];
+    assert_eq!(spec["group"].as_str(), Some("metis.x-k8s.io"));
+    assert_eq!(spec["scope"].as_str(), Some("Cluster"));
+    assert_eq!(spec["names"]["kind"].as_str(), Some("MetisPool"));
+    assert_eq!(spec["names"]["plural"].as_str(), Some("metispools"));
+    let version = &spec["versions"][0];
+    assert_eq!(version["name"].as_str(), Some("v1alpha1"));
+    assert!(version["subresources"]["status"].as_hash().is_some());
+    let fields = &version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+    assert_eq!(
+        fields["ipv4"]["properties"]["blockPrefixLength"]["default"].as_i64(),
+        Some(28)
+    );
+    assert_eq!(
+        fields["ipv6"]["properties"]["blockPrefixLength"]["default"].as_i64(),
+        Some(124)
+    );
+    assert_eq!(fields["maxBlocksPerNode"]["default"].as_i64(), Some(64));
+    assert_eq!(fields["reclaimDelay"]["default"].as_str(), Some("5m"));
+    let pool = one("MetisPool");
+    assert_eq!(pool["apiVersion"].as_str(), Some("metis.x-k8s.io/v1alpha1"));
+    // The controller accepts the example as it is.
+    #[cfg(feature = "kube")]
+    {
+        let text = fs::read_to_string(deploy_dir().join("metispool-example.yaml")).unwrap();
+        let doc = &YamlLoader::load_from_str(&text).unwrap()[0];
+        let json = yaml_to_json(&doc["spec"]);
+        let spec = metis::controller::pool::parse_spec(&json)
+            .unwrap_or_else(|err| panic!("example pool: {err}"));
+        assert_eq!(spec.network, "default");
+        assert_eq!(spec.ranges.len(), 2);
+    }
+}
+
+#[cfg(feature = "kube")]
+fn yaml_to_json(yaml: &Yaml) -> serde_json::Value {
+    match yaml {
+        Yaml::String(s) => serde_json::Value::from(s.as_str()),
+        Yaml::Integer(i) => serde_json::Value::from(*i),
+        Yaml::Boolean(b) => serde_json::Value::from(*b),
+        Yaml::Array(items) => items.iter().map(yaml_to_json).collect(),
+        Yaml::Hash(map) => map
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str()?.to_string(), yaml_to_json(v))))
+            .collect::<serde_json::Map<_, _>>()
+            .into(),
+        _ => serde_json::Value::Null,
+    }
 }
 
 #[test]
@@ -309,6 +486,50 @@ fn the_edge_build_refuses_a_cluster_source_with_exit_2() {
     assert!(stderr.contains("does not have"), "{stderr}");
     assert!(stderr.contains("cargo build --release"), "{stderr}");
     assert!(!dir.join("metis.sqlite").exists(), "nothing created");
+}
+
+/// Through the real binary: the edge build has no controller, and says why
+/// as a usage error (exit 2).
+#[cfg(not(feature = "kube"))]
+#[test]
+fn the_edge_build_refuses_the_controller_with_exit_2() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_metis"))
+        .args(["controller", "--identity", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("does not have Kubernetes support"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("cargo build --release"), "{stderr}");
+}
+
+/// Through the real binary: misuse is exit 2 with the usage, `--help` exit 0.
+#[cfg(feature = "kube")]
+#[test]
+fn the_controller_refuses_bad_flags_with_exit_2() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_metis"))
+            .arg("controller")
+            .args(args)
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .unwrap()
+    };
+    let help = run(&["--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--renew-deadline"));
+    for args in [&["--nope"][..], &["--renew-deadline", "20s"], &[]] {
+        let output = run(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("Usage: metis controller"),
+            "{args:?}"
+        );
+    }
 }
 
 #[test]

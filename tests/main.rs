@@ -14,6 +14,7 @@ mod boot;
 mod cluster;
 mod control_plane;
 mod control_plane_model;
+mod controller_model;
 mod crash;
 mod daemon_batch;
 mod daemon_wire;

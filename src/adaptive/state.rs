@@ -136,10 +136,18 @@ impl Adaptive {
                     network,
                     family: Family::V4,
                     ..
-                } if self.config.source == Kind::Nnc => {
-                    self.park(conn_id, request, network, now);
-                    None
-                }
+                } if self.config.source == Kind::Nnc => match self.quota_exceeded() {
+                    // The cluster already said no to this very demand.
+                    Some(why) => Some(Outcome::Exhausted {
+                        message: quota_message(&network, &why),
+                        network,
+                        family: Family::V4,
+                    }),
+                    None => {
+                        self.park(conn_id, request, network, now);
+                        None
+                    }
+                },
                 other => Some(other),
             },
             request::Kind::Deallocate(req) => {
@@ -235,11 +243,29 @@ impl Adaptive {
 
     /// Every failure that stops the node from growing, in words.
     fn problem(&self) -> Option<String> {
-        match (&self.watch_problem, &self.patch_problem) {
-            (None, None) => None,
-            (Some(one), None) | (None, Some(one)) => Some(one.clone()),
-            (Some(watch), Some(patch)) => Some(format!("{watch}; {patch}")),
+        let quota = self
+            .quota_exceeded()
+            .map(|why| format!("the cluster has no block for this node: {why}"));
+        let problems: Vec<&String> = [&self.watch_problem, &self.patch_problem, &quota]
+            .into_iter()
+            .flatten()
+            .collect();
+        (!problems.is_empty()).then(|| {
+            problems
+                .iter()
+                .map(|p| p.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// The cluster's QuotaExceeded answer to the demand this node has now
+    /// (no patch of a newer one in flight), if it gave one.
+    fn quota_exceeded(&self) -> Option<String> {
+        if self.patching.is_some() {
+            return None;
         }
+        self.cluster.latest()?.quota_exceeded.clone()
     }
 
     fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
@@ -262,6 +288,30 @@ impl Adaptive {
         }
         grown.dedup();
         let mut deliveries = Vec::new();
+        if let Some(why) = self.quota_exceeded() {
+            // Waiting out --scale-up-wait would only delay the same answer.
+            let refused = self.give_up(|_| true, &why, now);
+            if !refused.is_empty() {
+                log::warn(
+                    "daemon",
+                    "the cluster has no block for this node; failing waiting ADDs now",
+                    &[("reason", &why), ("requests", &refused.len())],
+                );
+            }
+            deliveries.extend(refused.into_iter().map(|(conn, outcome)| match outcome {
+                Outcome::Exhausted {
+                    network, family, ..
+                } => (
+                    conn,
+                    Outcome::Exhausted {
+                        message: quota_message(&network, &why),
+                        network,
+                        family,
+                    },
+                ),
+                other => (conn, other),
+            }));
+        }
         for network in grown {
             log::info(
                 "daemon",
@@ -555,6 +605,13 @@ impl Adaptive {
         }
         self.metrics.set_parked(counts);
     }
+}
+
+/// An exhausted ADD's message when the cluster refused more blocks.
+fn quota_message(network: &str, why: &str) -> String {
+    format!(
+        "no available IPs in store for network {network}, and the cluster has no block for this node (QuotaExceeded: {why})"
+    )
 }
 
 fn network_or_default(network: &str) -> &str {

@@ -447,7 +447,7 @@ fn node_name(lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, FlagErro
             .and_then(|name| name.into_string().ok())
             .unwrap_or_default(),
     };
-    if !is_dns_subdomain(&node_name) {
+    if !crate::names::is_dns_subdomain(&node_name) {
         return Err(FlagError::BadValue(
             "--cidr-source",
             format!(
@@ -456,22 +456,6 @@ fn node_name(lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, FlagErro
         ));
     }
     Ok(node_name)
-}
-
-/// A Kubernetes object name (RFC 1123 subdomain): it is placed in URL paths.
-#[cfg(feature = "kube")]
-fn is_dns_subdomain(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// Where `--socket-group NAME` is looked up.
@@ -710,10 +694,10 @@ mod tests {
     #[test]
     fn node_names_must_be_kubernetes_names() {
         for good in ["node-a", "a.b-c.d", "n1"] {
-            assert!(is_dns_subdomain(good), "{good}");
+            assert!(crate::names::is_dns_subdomain(good), "{good}");
         }
         for bad in ["", "Node", "-a", "a-", "a..b", "a_b"] {
-            assert!(!is_dns_subdomain(bad), "{bad}");
+            assert!(!crate::names::is_dns_subdomain(bad), "{bad}");
         }
     }
 }

@@ -1,5 +1,5 @@
-//! A small blocking Kubernetes API client on `ureq`: JSON GET, POST, JSON
-//! merge PATCH and line-delimited watch streams. Every request has a
+//! A small blocking Kubernetes API client on `ureq`: JSON GET, POST, PUT,
+//! JSON merge PATCH and line-delimited watch streams. Every request has a
 //! deadline; watches have a server-side timeout and a read deadline.
 
 use std::fmt;
@@ -184,6 +184,16 @@ impl ApiClient {
     pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
         let (agent, _) = self.agents()?;
         let request = agent.post(self.url(path)).content_type("application/json");
+        let response = with_auth(request, &self.auth)?.send(body.to_string());
+        self.failed(json_body(response))
+    }
+
+    /// A whole-object update (the controller's status writes); the body's
+    /// `metadata.resourceVersion` is the precondition (a stale one answers
+    /// 409).
+    pub fn put(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        let (agent, _) = self.agents()?;
+        let request = agent.put(self.url(path)).content_type("application/json");
         let response = with_auth(request, &self.auth)?.send(body.to_string());
         self.failed(json_body(response))
     }

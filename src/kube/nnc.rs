@@ -159,6 +159,11 @@ impl PodCidr {
     pub fn cidr(&self) -> Option<&str> {
         self.0["cidr"].as_str()
     }
+
+    /// The object as read.
+    pub fn raw(&self) -> &Value {
+        &self.0
+    }
 }
 
 /// What Metis needs of a NodeNetworkConfig.
@@ -172,7 +177,18 @@ pub struct Nnc {
     pub pod_cidrs: Vec<StatusCidr>,
     /// A list held more than [`MAX_ENTRIES`]; only the first were read.
     pub truncated: bool,
+    /// `metadata.generation`: counts changes of the spec.
+    pub generation: i64,
+    /// The message of a `Ready=False` condition with reason
+    /// [`QUOTA_EXCEEDED`] that answers this very spec (its
+    /// `observedGeneration` is the object's generation): the cluster has no
+    /// block for this node's demand, and waiting for one is pointless.
+    pub quota_exceeded: Option<String>,
 }
+
+/// The reason of the NodeNetworkConfig's Ready condition when no block can
+/// be granted (upstream's spelling).
+pub const QUOTA_EXCEEDED: &str = "QuotaExceededToUpdateNetworkInterfacePodCIDRs";
 
 impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
@@ -195,12 +211,23 @@ impl Nnc {
         ]
         .iter()
         .any(|l| l.as_array().is_some_and(|a| a.len() > MAX_ENTRIES));
+        let generation = value["metadata"]["generation"].as_i64().unwrap_or(0);
+        let quota_exceeded = list(&value["status"]["conditions"])
+            .find(|c| c["type"] == "Ready")
+            .filter(|c| {
+                c["status"] == "False"
+                    && c["reason"] == QUOTA_EXCEEDED
+                    && c["observedGeneration"].as_i64().unwrap_or(0) == generation
+            })
+            .map(|c| c["message"].as_str().unwrap_or_default().to_string());
         Nnc {
             meta: Meta::parse(value),
             allocations,
             releasable,
             pod_cidrs,
             truncated,
+            generation,
+            quota_exceeded,
         }
     }
 
@@ -380,6 +407,27 @@ mod tests {
         let reusable: Vec<bool> = nnc.pod_cidrs.iter().map(|c| c.reusable).collect();
         assert_eq!(reusable, [true, true, true, false, true]);
         assert_eq!(Nnc::parse(&json!(null)), Nnc::default());
+    }
+
+    #[test]
+    fn quota_exceeded_counts_only_when_it_answers_this_spec() {
+        let nnc = |observed: i64| {
+            json!({"metadata": {"generation": 4}, "status": {"conditions": [{
+                "type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED,
+                "message": "pool p has no free block", "observedGeneration": observed}]}})
+        };
+        assert_eq!(
+            Nnc::parse(&nnc(4)).quota_exceeded.as_deref(),
+            Some("pool p has no free block")
+        );
+        assert_eq!(
+            Nnc::parse(&nnc(3)).quota_exceeded,
+            None,
+            "an older demand's answer"
+        );
+        let ready = json!({"metadata": {"generation": 1}, "status": {"conditions": [{
+            "type": "Ready", "status": "True", "reason": "NodeNetworkConfigReady", "observedGeneration": 1}]}});
+        assert_eq!(Nnc::parse(&ready).quota_exceeded, None);
     }
 
     #[test]

@@ -358,7 +358,7 @@ impl Cycle<'_> {
 /// version was compacted away) or a version the server has not reached
 /// (`ResourceVersionTooLarge`: etcd was restored from a backup, and the
 /// versions went back).
-fn needs_relist(err: &KubeError) -> bool {
+pub fn needs_relist(err: &KubeError) -> bool {
     match err {
         KubeError::Status { code: 410, .. } => true,
         KubeError::Status { body, .. } => {

@@ -1,0 +1,119 @@
+//! What the informers delivered, kept as the decision reads it, and which
+//! NodeNetworkConfigs' Nodes are missing since when (this process's view:
+//! a new leader starts the grace period over, which only delays a reclaim).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::Value;
+
+use super::decide::World;
+use super::informer::{Item, Resource};
+use super::pool::{self, Pool};
+use crate::kube::nnc::Nnc;
+
+#[derive(Debug, Default)]
+pub struct Cache {
+    pub nncs: BTreeMap<String, Nnc>,
+    pub statuses: BTreeMap<String, Value>,
+    pub nodes: BTreeSet<String>,
+    pub pools: BTreeMap<String, Value>,
+    listed: BTreeSet<Resource>,
+    absent: BTreeMap<String, i64>,
+}
+
+impl Cache {
+    /// Every kind was listed at least once: the view is whole.
+    pub fn synced(&self) -> bool {
+        Resource::ALL.iter().all(|kind| self.listed.contains(kind))
+    }
+
+    pub fn listed(&mut self, kind: Resource, items: Vec<Item>) {
+        match kind {
+            Resource::Nnc => {
+                self.nncs.clear();
+                self.statuses.clear();
+            }
+            Resource::Node => self.nodes.clear(),
+            Resource::Pool => self.pools.clear(),
+        }
+        for item in items {
+            self.put(kind, item);
+        }
+        self.listed.insert(kind);
+    }
+
+    pub fn put(&mut self, _kind: Resource, item: Item) {
+        match item {
+            Item::Nnc(nnc, status) => {
+                self.statuses.insert(nnc.meta.name.clone(), status);
+                self.nncs.insert(nnc.meta.name.clone(), *nnc);
+            }
+            Item::Node(name) => {
+                self.nodes.insert(name);
+            }
+            Item::Pool(object) => {
+                let name = object["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                self.pools.insert(name, object);
+            }
+        }
+    }
+
+    pub fn remove(&mut self, kind: Resource, name: &str) {
+        match kind {
+            Resource::Nnc => {
+                self.nncs.remove(name);
+                self.statuses.remove(name);
+            }
+            Resource::Node => {
+                self.nodes.remove(name);
+            }
+            Resource::Pool => {
+                self.pools.remove(name);
+            }
+        }
+    }
+
+    /// The pools, parsed and checked against each other.
+    pub fn pools(&self) -> Vec<Pool> {
+        let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
+        pool::validate(&mut pools);
+        pools
+    }
+
+    /// Notes which Nodes are missing now: those of NodeNetworkConfigs and
+    /// of claims.
+    pub fn update_absent(&mut self, pools: &[Pool], now_ms: i64) {
+        let names: BTreeSet<&String> = self
+            .nncs
+            .keys()
+            .chain(
+                pools
+                    .iter()
+                    .flat_map(|p| p.ledger.claims.values().map(|h| &h.node)),
+            )
+            .collect();
+        let missing: BTreeSet<String> = names
+            .into_iter()
+            .filter(|n| !self.nodes.contains(*n))
+            .cloned()
+            .collect();
+        self.absent.retain(|name, _| missing.contains(name));
+        for name in missing {
+            self.absent.entry(name).or_insert(now_ms);
+        }
+    }
+
+    pub fn world<'a>(&'a self, pools: &'a [Pool], now_ms: i64, node_grace_ms: i64) -> World<'a> {
+        World {
+            pools,
+            nncs: &self.nncs,
+            statuses: &self.statuses,
+            absent: &self.absent,
+            now_ms,
+            node_grace_ms,
+        }
+    }
+}

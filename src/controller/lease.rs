@@ -1,0 +1,365 @@
+//! Leader election with a `coordination.k8s.io/v1` Lease, as client-go's
+//! `leaderelection` does it: a candidate takes the Lease when it is free or
+//! its record has not changed for a lease duration (measured on this
+//! process's monotonic clock from when the change was seen, never by
+//! comparing clocks); the holder renews every retry period; a holder that
+//! has not renewed for the renew deadline stops writing, which is before
+//! anyone else may take the Lease (renew deadline < lease duration, and
+//! the time counts from before the renewal was sent). On SIGTERM the
+//! holder gives the Lease up (`holderIdentity` emptied, as
+//! `ReleaseOnCancel`). Writes carry the Lease's resourceVersion: of two
+//! candidates only one wins (409 for the other).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::kube::client::{ApiClient, KubeError};
+use crate::log::{self, now_ms, rfc3339_seconds};
+use crate::metrics::ControllerMetrics;
+
+/// Lease timing, as client-go names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTiming {
+    pub duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+}
+
+/// The Lease as last read, and when (locally) its record last changed.
+struct Observed {
+    record: Value,
+    resource_version: String,
+    at: Instant,
+}
+
+/// Whether this process may write, shared by the lease thread and the
+/// controller's loop.
+#[derive(Debug)]
+pub struct Leadership {
+    renew_deadline: Duration,
+    /// When the last successful acquire or renew was sent.
+    renewed: Mutex<Option<Instant>>,
+    stopping: AtomicBool,
+}
+
+impl Leadership {
+    pub fn new(renew_deadline: Duration) -> Leadership {
+        Leadership {
+            renew_deadline,
+            renewed: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether this candidate may write now: it renewed within the renew
+    /// deadline and is not stopping.
+    pub fn leading(&self) -> bool {
+        let renewed = self.renewed.lock().unwrap_or_else(PoisonError::into_inner);
+        !self.stopping.load(Ordering::SeqCst)
+            && renewed.is_some_and(|at| at.elapsed() < self.renew_deadline)
+    }
+
+    fn renewed_at(&self, sent: Instant) {
+        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = Some(sent);
+    }
+
+    /// Stops writing and renewing for good (SIGTERM).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+/// One candidate.
+pub struct Elector {
+    pub namespace: String,
+    pub name: String,
+    pub identity: String,
+    pub timing: LeaseTiming,
+    observed: Option<Observed>,
+    pub leadership: Arc<Leadership>,
+}
+
+impl Elector {
+    pub fn new(namespace: &str, name: &str, identity: &str, timing: LeaseTiming) -> Elector {
+        Elector {
+            namespace: namespace.into(),
+            name: name.into(),
+            identity: identity.into(),
+            timing,
+            observed: None,
+            leadership: Arc::new(Leadership::new(timing.renew_deadline)),
+        }
+    }
+
+    fn path(&self) -> String {
+        format!(
+            "/apis/coordination.k8s.io/v1/namespaces/{}/leases/{}",
+            self.namespace, self.name
+        )
+    }
+
+    /// One attempt to acquire or renew; `Ok(true)` when this candidate
+    /// holds the Lease now.
+    pub fn try_acquire_or_renew(
+        &mut self,
+        client: &ApiClient,
+        metrics: &ControllerMetrics,
+    ) -> Result<bool, KubeError> {
+        let sent = Instant::now();
+        metrics.api_request("get", "leases");
+        let current = match client.get(&self.path()) {
+            Ok(lease) => lease,
+            Err(err) if err.is_status(404) => {
+                metrics.api_request("post", "leases");
+                let body = self.lease_body(None, 0, None);
+                let collection = format!(
+                    "/apis/coordination.k8s.io/v1/namespaces/{}/leases",
+                    self.namespace
+                );
+                return match client.post(&collection, &body) {
+                    Ok(created) => {
+                        self.observe(&created, sent);
+                        self.renewed_at(sent);
+                        Ok(true)
+                    }
+                    Err(err) if err.is_status(409) => Ok(false),
+                    Err(err) => Err(err),
+                };
+            }
+            Err(err) => return Err(err),
+        };
+        self.observe(&current, Instant::now());
+        let spec = &current["spec"];
+        let holder = spec["holderIdentity"].as_str().unwrap_or_default();
+        let mine = holder == self.identity;
+        if !mine && !holder.is_empty() && !self.expired(spec) {
+            return Ok(false);
+        }
+        let transitions = spec["leaseTransitions"].as_i64().unwrap_or(0) + i64::from(!mine);
+        let acquired = if mine {
+            spec["acquireTime"].as_str().map(str::to_string)
+        } else {
+            None
+        };
+        let rv = current["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let body = self.lease_body(Some(&rv), transitions, acquired);
+        metrics.api_request("put", "leases");
+        match client.put(&self.path(), &body) {
+            Ok(updated) => {
+                if !mine {
+                    log::info(
+                        "controller",
+                        "acquired the lease",
+                        &[("identity", &self.identity), ("previous", &holder)],
+                    );
+                }
+                self.observe(&updated, sent);
+                self.renewed_at(sent);
+                Ok(true)
+            }
+            Err(err) if err.is_status(409) => Ok(false),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Gives the Lease up if this candidate holds it (SIGTERM): it stops
+    /// writing first.
+    pub fn release(&self, client: &ApiClient, metrics: &ControllerMetrics) {
+        self.leadership.stop();
+        metrics.api_request("get", "leases");
+        let Ok(current) = client.get(&self.path()) else {
+            return;
+        };
+        if current["spec"]["holderIdentity"].as_str() != Some(self.identity.as_str()) {
+            return;
+        }
+        let mut body = current.clone();
+        body["spec"]["holderIdentity"] = json!("");
+        body["spec"]["leaseDurationSeconds"] = json!(1);
+        metrics.api_request("put", "leases");
+        match client.put(&self.path(), &body) {
+            Ok(_) => log::info(
+                "controller",
+                "gave the lease up",
+                &[("identity", &self.identity)],
+            ),
+            Err(err) => log::warn(
+                "controller",
+                "could not give the lease up",
+                &[("error", &err)],
+            ),
+        }
+    }
+
+    fn renewed_at(&self, sent: Instant) {
+        self.leadership.renewed_at(sent);
+    }
+
+    /// Remembers the Lease; a changed record restarts its clock.
+    fn observe(&mut self, lease: &Value, at: Instant) {
+        let record = lease["spec"].clone();
+        let resource_version = lease["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let changed = self.observed.as_ref().is_none_or(|o| o.record != record);
+        if changed {
+            self.observed = Some(Observed {
+                record,
+                resource_version,
+                at,
+            });
+        } else if let Some(o) = self.observed.as_mut() {
+            o.resource_version = resource_version;
+        }
+    }
+
+    /// Another holder's record has not changed for its lease duration.
+    fn expired(&self, spec: &Value) -> bool {
+        let duration = spec["leaseDurationSeconds"]
+            .as_u64()
+            .filter(|s| *s > 0)
+            .map_or(self.timing.duration, Duration::from_secs);
+        self.observed
+            .as_ref()
+            .is_some_and(|o| o.at.elapsed() >= duration)
+    }
+
+    fn lease_body(
+        &self,
+        resource_version: Option<&str>,
+        transitions: i64,
+        acquired: Option<String>,
+    ) -> Value {
+        let now = micro_time(now_ms());
+        let mut metadata = json!({"name": self.name, "namespace": self.namespace});
+        if let Some(rv) = resource_version {
+            metadata["resourceVersion"] = json!(rv);
+        }
+        json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": self.timing.duration.as_secs().max(1),
+                "acquireTime": acquired.unwrap_or_else(|| now.clone()),
+                "renewTime": now,
+                "leaseTransitions": transitions,
+            },
+        })
+    }
+}
+
+/// Runs the election forever on a thread of its own: an attempt every
+/// retry period; each change of leadership is sent to the loop.
+pub fn spawn(
+    mut elector: Elector,
+    client: Arc<ApiClient>,
+    metrics: Arc<ControllerMetrics>,
+    updates: Sender<super::informer::Update>,
+) -> std::io::Result<()> {
+    thread::Builder::new().name("lease".into()).spawn(move || {
+        let mut was = false;
+        while !elector.leadership.stopping.load(Ordering::SeqCst) {
+            let result = elector.try_acquire_or_renew(&client, &metrics);
+            if let Err(err) = &result {
+                log::warn("controller", "lease request failed", &[("error", err)]);
+            }
+            let leading = elector.leadership.leading();
+            if leading != was {
+                if !leading {
+                    log::warn(
+                        "controller",
+                        "not leading: stopped writing",
+                        &[("identity", &elector.identity)],
+                    );
+                }
+                metrics.set_leader(leading);
+                if updates
+                    .send(super::informer::Update::Leadership(leading))
+                    .is_err()
+                {
+                    return;
+                }
+                was = leading;
+            }
+            thread::sleep(elector.timing.retry_period);
+        }
+    })?;
+    Ok(())
+}
+
+/// A `metav1.MicroTime`: RFC 3339 with microseconds.
+fn micro_time(ms: i64) -> String {
+    let seconds = rfc3339_seconds(ms).to_string();
+    format!(
+        "{}.{:06}Z",
+        seconds.trim_end_matches('Z'),
+        ms.rem_euclid(1000) * 1000
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn elector() -> Elector {
+        let timing = LeaseTiming {
+            duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        };
+        Elector::new("kube-system", "metis-controller", "a", timing)
+    }
+
+    #[test]
+    fn another_holder_expires_only_after_its_record_stood_still_a_lease_duration() {
+        let mut e = elector();
+        let lease = json!({"metadata": {"resourceVersion": "1"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15}});
+        let long_ago = Instant::now().checked_sub(Duration::from_secs(16)).unwrap();
+        e.observe(&lease, long_ago);
+        assert!(e.expired(&lease["spec"]));
+        // The same record seen again later does not restart the clock...
+        e.observe(&lease, Instant::now());
+        assert!(e.expired(&lease["spec"]));
+        // ...a renewal (a changed record) does.
+        let renewed = json!({"metadata": {"resourceVersion": "2"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15, "renewTime": "x"}});
+        e.observe(&renewed, Instant::now());
+        assert!(!e.expired(&renewed["spec"]));
+    }
+
+    #[test]
+    fn a_holder_that_cannot_renew_stops_before_the_lease_can_expire() {
+        let e = elector();
+        let l = &e.leadership;
+        assert!(!l.leading());
+        e.renewed_at(Instant::now());
+        assert!(l.leading());
+        e.renewed_at(Instant::now().checked_sub(Duration::from_secs(10)).unwrap());
+        assert!(!l.leading(), "past the renew deadline (10 s < 15 s lease)");
+        e.renewed_at(Instant::now());
+        l.stop();
+        assert!(!l.leading(), "stopping");
+    }
+
+    #[test]
+    fn lease_bodies_carry_the_version_and_micro_times() {
+        let e = elector();
+        let body = e.lease_body(Some("7"), 3, None);
+        assert_eq!(body["metadata"]["resourceVersion"], "7");
+        assert_eq!(body["spec"]["holderIdentity"], "a");
+        assert_eq!(body["spec"]["leaseDurationSeconds"], 15);
+        assert_eq!(body["spec"]["leaseTransitions"], 3);
+        assert_eq!(micro_time(1_795_971_684_123), "2026-11-29T17:01:24.123000Z");
+    }
+}

@@ -1,0 +1,522 @@
+//! The `MetisPool` resource (`metis.x-k8s.io/v1alpha1`, cluster scoped):
+//! its spec as plain data, checked whole (a bad spec is refused, never
+//! partly applied), and the part of its status the controller keeps in the
+//! API server so that any leader knows it: the claims (which block was
+//! granted to which NodeNetworkConfig), the blocks cooling after a release,
+//! and the blocks never to be granted again.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::cidr::{Cidr, Family};
+use crate::duration::parse_duration_ms;
+use crate::log::rfc3339_millis;
+
+pub const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
+pub const DEFAULT_V4_BLOCK: u8 = 28;
+pub const DEFAULT_V6_BLOCK: u8 = 124;
+pub const DEFAULT_MAX_BLOCKS_PER_NODE: usize = 64;
+pub const DEFAULT_RECLAIM_DELAY_MS: i64 = 5 * 60 * 1000;
+/// CIDRs read from one family of a pool: more is a spec error, not a
+/// big pool (one CIDR can be as large as needed).
+pub const MAX_POOL_CIDRS: usize = 64;
+
+/// One family of a pool: where its blocks come from and how big they are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FamilyRange {
+    pub family: Family,
+    pub cidrs: Vec<Cidr>,
+    pub block_prefix: u8,
+}
+
+impl FamilyRange {
+    /// Addresses in one block.
+    pub fn block_size(&self) -> u128 {
+        1u128
+            .checked_shl(u32::from(self.family.bits() - self.block_prefix))
+            .unwrap_or(u128::MAX)
+    }
+
+    /// Blocks in all CIDRs (saturating).
+    pub fn blocks_total(&self) -> u128 {
+        self.cidrs
+            .iter()
+            .map(|c| {
+                1u128
+                    .checked_shl(u32::from(self.block_prefix - c.prefix_len()))
+                    .unwrap_or(u128::MAX)
+            })
+            .fold(0u128, u128::saturating_add)
+    }
+
+    /// Whether `block` is one of this range's blocks (inside a CIDR, of
+    /// the block size).
+    pub fn is_block(&self, block: &Cidr) -> bool {
+        block.family() == self.family
+            && block.prefix_len() == self.block_prefix
+            && self.cidrs.iter().any(|c| c.contains(block.base()))
+    }
+
+    pub fn covers(&self, block: &Cidr) -> bool {
+        self.cidrs.iter().any(|c| c.overlaps(block))
+    }
+}
+
+/// A pool's spec, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolSpec {
+    pub network: String,
+    pub ranges: Vec<FamilyRange>,
+    pub max_blocks_per_node: usize,
+    pub reclaim_delay_ms: i64,
+}
+
+impl PoolSpec {
+    pub fn range(&self, family: Family) -> Option<&FamilyRange> {
+        self.ranges.iter().find(|r| r.family == family)
+    }
+}
+
+/// Who a block was granted to: the NodeNetworkConfig's name and uid.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Holder {
+    pub node: String,
+    pub uid: String,
+}
+
+/// A released block waiting out the reclaim delay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cooling {
+    pub node: String,
+    pub since_ms: i64,
+}
+
+/// The controller's record in a pool's status (kept in the API server).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ledger {
+    /// Block → who it was granted to. A block enters a status only after a
+    /// compare-and-swap of this list named its holder (docs/controller.md).
+    pub claims: BTreeMap<Cidr, Holder>,
+    pub cooling: BTreeMap<Cidr, Cooling>,
+    pub non_reusable: Vec<Cidr>,
+}
+
+/// A pool as read from the API server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    pub name: String,
+    pub resource_version: String,
+    pub generation: i64,
+    /// `metadata.creationTimestamp`: older pools win an overlap.
+    pub created: String,
+    pub spec: Result<PoolSpec, String>,
+    pub ledger: Ledger,
+    /// The status as read, to write only on change.
+    pub status: Value,
+}
+
+impl Pool {
+    pub fn parse(object: &Value) -> Pool {
+        let meta = &object["metadata"];
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+        Pool {
+            name: text(&meta["name"]),
+            resource_version: text(&meta["resourceVersion"]),
+            generation: meta["generation"].as_i64().unwrap_or(0),
+            created: text(&meta["creationTimestamp"]),
+            spec: parse_spec(&object["spec"]),
+            ledger: parse_ledger(&object["status"]),
+            status: object["status"].clone(),
+        }
+    }
+}
+
+/// Checks a spec alone; overlaps between pools are [`validate`]'s.
+pub fn parse_spec(spec: &Value) -> Result<PoolSpec, String> {
+    let network = spec["network"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .ok_or("spec.network is required (the NodeNetworkConfig network, e.g. \"default\")")?
+        .to_string();
+    let mut ranges = Vec::new();
+    for (key, family, default) in [
+        ("ipv4", Family::V4, DEFAULT_V4_BLOCK),
+        ("ipv6", Family::V6, DEFAULT_V6_BLOCK),
+    ] {
+        if spec[key].is_null() {
+            continue;
+        }
+        ranges.push(parse_range(&spec[key], key, family, default)?);
+    }
+    if ranges.is_empty() {
+        return Err("the pool has neither spec.ipv4 nor spec.ipv6".into());
+    }
+    let max_blocks_per_node = match &spec["maxBlocksPerNode"] {
+        Value::Null => DEFAULT_MAX_BLOCKS_PER_NODE,
+        value => value
+            .as_u64()
+            .filter(|n| (1..=4096).contains(n))
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| format!("spec.maxBlocksPerNode {value} is not a number in 1..4096"))?,
+    };
+    let reclaim_delay_ms = match &spec["reclaimDelay"] {
+        Value::Null => DEFAULT_RECLAIM_DELAY_MS,
+        value => value
+            .as_str()
+            .and_then(parse_duration_ms)
+            .ok_or_else(|| format!("spec.reclaimDelay {value} is not a duration such as \"5m\""))?,
+    };
+    Ok(PoolSpec {
+        network,
+        ranges,
+        max_blocks_per_node,
+        reclaim_delay_ms,
+    })
+}
+
+fn parse_range(
+    value: &Value,
+    key: &str,
+    family: Family,
+    default: u8,
+) -> Result<FamilyRange, String> {
+    let block_prefix = match &value["blockPrefixLength"] {
+        Value::Null => default,
+        v => v
+            .as_u64()
+            .and_then(|n| u8::try_from(n).ok())
+            .filter(|n| *n <= family.bits())
+            .ok_or_else(|| {
+                format!(
+                    "spec.{key}.blockPrefixLength {v} is not a prefix length of {family} (0..{})",
+                    family.bits()
+                )
+            })?,
+    };
+    let list = value["cidrs"]
+        .as_array()
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| format!("spec.{key}.cidrs must list at least one CIDR"))?;
+    if list.len() > MAX_POOL_CIDRS {
+        return Err(format!(
+            "spec.{key}.cidrs lists more than {MAX_POOL_CIDRS} CIDRs"
+        ));
+    }
+    let mut cidrs: Vec<Cidr> = Vec::new();
+    for entry in list {
+        let text = entry
+            .as_str()
+            .ok_or_else(|| format!("spec.{key}.cidrs: {entry} is not a string"))?;
+        let cidr: Cidr = text
+            .parse()
+            .map_err(|err| format!("spec.{key}.cidrs: {err}"))?;
+        if cidr.family() != family {
+            return Err(format!("spec.{key}.cidrs: {cidr} is not an {family} CIDR"));
+        }
+        if block_prefix < cidr.prefix_len() {
+            return Err(format!(
+                "spec.{key}: blocks of /{block_prefix} are larger than {cidr}"
+            ));
+        }
+        if let Some(other) = cidrs.iter().find(|c| c.overlaps(&cidr)) {
+            return Err(format!("spec.{key}.cidrs: {cidr} overlaps {other}"));
+        }
+        cidrs.push(cidr);
+    }
+    Ok(FamilyRange {
+        family,
+        cidrs,
+        block_prefix,
+    })
+}
+
+/// Refuses pools that overlap an older valid one: the older (by creation,
+/// then name) keeps its CIDRs, the newer is rejected whole.
+pub fn validate(pools: &mut [Pool]) {
+    pools.sort_by(|a, b| (&a.created, &a.name).cmp(&(&b.created, &b.name)));
+    for i in 0..pools.len() {
+        let Ok(spec) = &pools[i].spec else { continue };
+        let clash = pools[..i].iter().find_map(|older| {
+            let older_spec = older.spec.as_ref().ok()?;
+            spec.ranges.iter().find_map(|range| {
+                range.cidrs.iter().find_map(|cidr| {
+                    let theirs = older_spec.range(range.family)?;
+                    let other = theirs.cidrs.iter().find(|c| c.overlaps(cidr))?;
+                    Some(format!(
+                        "{cidr} overlaps {other} of pool {:?}, which is older",
+                        older.name
+                    ))
+                })
+            })
+        });
+        if let Some(why) = clash {
+            pools[i].spec = Err(why);
+        }
+    }
+}
+
+fn parse_ledger(status: &Value) -> Ledger {
+    let mut ledger = Ledger::default();
+    for holder in status["claims"].as_array().into_iter().flatten() {
+        let who = Holder {
+            node: holder["node"].as_str().unwrap_or_default().to_string(),
+            uid: holder["uid"].as_str().unwrap_or_default().to_string(),
+        };
+        for cidr in holder["cidrs"].as_array().into_iter().flatten() {
+            if let Some(cidr) = cidr.as_str().and_then(|c| c.parse().ok()) {
+                ledger.claims.insert(cidr, who.clone());
+            }
+        }
+    }
+    for entry in status["cooling"].as_array().into_iter().flatten() {
+        let Some(cidr) = entry["cidr"].as_str().and_then(|c| c.parse().ok()) else {
+            continue;
+        };
+        // An unreadable time cools from the epoch of the Unix clock's
+        // future: never before the delay counted from now.
+        let since_ms = entry["since"]
+            .as_str()
+            .and_then(parse_rfc3339_ms)
+            .unwrap_or(i64::MAX / 2);
+        let node = entry["node"].as_str().unwrap_or_default().to_string();
+        ledger.cooling.insert(cidr, Cooling { node, since_ms });
+    }
+    ledger.non_reusable = status["nonReusable"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str()?.parse().ok())
+        .collect();
+    ledger
+}
+
+impl Ledger {
+    /// The ledger's part of a status.
+    pub fn to_json(&self) -> (Value, Value, Value) {
+        let mut by_holder: BTreeMap<&Holder, Vec<String>> = BTreeMap::new();
+        for (cidr, holder) in &self.claims {
+            by_holder.entry(holder).or_default().push(cidr.to_string());
+        }
+        let claims = by_holder
+            .into_iter()
+            .map(|(h, cidrs)| serde_json::json!({"node": h.node, "uid": h.uid, "cidrs": cidrs}))
+            .collect();
+        let cooling = self
+            .cooling
+            .iter()
+            .map(|(cidr, c)| {
+                serde_json::json!({
+                    "cidr": cidr.to_string(),
+                    "node": c.node,
+                    "since": rfc3339_millis(c.since_ms).to_string(),
+                })
+            })
+            .collect();
+        let non_reusable = self
+            .non_reusable
+            .iter()
+            .map(|c| Value::from(c.to_string()))
+            .collect();
+        (
+            Value::Array(claims),
+            Value::Array(cooling),
+            Value::Array(non_reusable),
+        )
+    }
+}
+
+/// `2026-12-01T12:00:00Z` (optionally with a fraction) to Unix ms.
+pub fn parse_rfc3339_ms(text: &str) -> Option<i64> {
+    let (date, time) = text.strip_suffix('Z')?.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
+    let (clock, fraction) = match time.split_once('.') {
+        Some((clock, fraction)) => (clock, fraction),
+        None => (time, ""),
+    };
+    let mut t = clock.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
+    if !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return None;
+    }
+    let millis = match fraction.get(..3.min(fraction.len())) {
+        Some(digits) if !digits.is_empty() => {
+            let value: i64 = digits.parse().ok()?;
+            value * 10i64.pow(3 - u32::try_from(digits.len()).ok()?)
+        }
+        _ => 0,
+    };
+    let days = days_from_civil(year, month, day);
+    Some(((days * 86_400 + hour * 3600 + minute * 60 + second) * 1000) + millis)
+}
+
+/// Howard Hinnant's `days_from_civil`, the inverse of the log's formatter.
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pool(name: &str, created: &str, spec: Value) -> Pool {
+        Pool::parse(&json!({
+            "metadata": {"name": name, "creationTimestamp": created, "resourceVersion": "1"},
+            "spec": spec,
+        }))
+    }
+
+    #[test]
+    fn a_spec_gets_its_defaults() {
+        let spec = parse_spec(&json!({"network": "default", "ipv4": {"cidrs": ["198.18.0.0/24"]}}))
+            .unwrap();
+        assert_eq!(spec.ranges[0].block_prefix, 28);
+        assert_eq!(spec.ranges[0].blocks_total(), 16);
+        assert_eq!(spec.ranges[0].block_size(), 16);
+        assert_eq!(spec.max_blocks_per_node, 64);
+        assert_eq!(spec.reclaim_delay_ms, 300_000);
+        let v6 = parse_spec(
+            &json!({"network": "n", "ipv6": {"cidrs": ["2001:db8::/120"]}, "reclaimDelay": "90s"}),
+        )
+        .unwrap();
+        assert_eq!(v6.ranges[0].block_prefix, 124);
+        assert_eq!(v6.ranges[0].blocks_total(), 16);
+        assert_eq!(v6.reclaim_delay_ms, 90_000);
+    }
+
+    #[test]
+    fn bad_specs_are_refused_with_a_reason() {
+        let cases = [
+            (
+                json!({"ipv4": {"cidrs": ["198.18.0.0/24"]}}),
+                "spec.network is required",
+            ),
+            (json!({"network": "d"}), "neither spec.ipv4 nor spec.ipv6"),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": []}}),
+                "at least one CIDR",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"], "blockPrefixLength": 20}}),
+                "larger than 198.18.0.0/24",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["2001:db8::/64"]}}),
+                "is not an ipv4 CIDR",
+            ),
+            (
+                json!({"network": "d", "ipv6": {"cidrs": ["198.18.0.0/24"]}}),
+                "is not an ipv6 CIDR",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.1/24"]}}),
+                "host bits set",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["nonsense"]}}),
+                "invalid CIDR",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": [7]}}),
+                "is not a string",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24", "198.18.0.128/25"]}}),
+                "overlaps 198.18.0.0/24",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"], "blockPrefixLength": 33}}),
+                "not a prefix length",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"]}, "maxBlocksPerNode": 0}),
+                "maxBlocksPerNode",
+            ),
+            (
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"]}, "reclaimDelay": "soon"}),
+                "reclaimDelay",
+            ),
+        ];
+        for (spec, expected) in cases {
+            let err = parse_spec(&spec).unwrap_err();
+            assert!(err.contains(expected), "{spec}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_newer_of_two_overlapping_pools_is_refused_whole() {
+        let mut pools = vec![
+            pool(
+                "b",
+                "2026-01-02T00:00:00Z",
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.1.0/24", "198.18.0.128/25"]}}),
+            ),
+            pool(
+                "a",
+                "2026-01-01T00:00:00Z",
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"]}}),
+            ),
+            pool(
+                "c",
+                "2026-01-03T00:00:00Z",
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.2.0/24"]}}),
+            ),
+        ];
+        validate(&mut pools);
+        assert_eq!(pools[0].name, "a");
+        assert!(pools[0].spec.is_ok());
+        let err = pools[1].spec.as_ref().unwrap_err();
+        assert!(
+            err.contains("198.18.0.128/25 overlaps 198.18.0.0/24 of pool \"a\""),
+            "{err}"
+        );
+        assert!(pools[2].spec.is_ok());
+    }
+
+    #[test]
+    fn the_ledger_round_trips_through_json() {
+        let mut ledger = Ledger::default();
+        let holder = Holder {
+            node: "n1".into(),
+            uid: "u1".into(),
+        };
+        ledger
+            .claims
+            .insert("198.18.0.0/28".parse().unwrap(), holder.clone());
+        ledger
+            .claims
+            .insert("198.18.0.16/28".parse().unwrap(), holder);
+        ledger.cooling.insert(
+            "198.18.0.32/28".parse().unwrap(),
+            Cooling {
+                node: "n2".into(),
+                since_ms: 1_795_971_684_000,
+            },
+        );
+        ledger.non_reusable.push("198.18.0.48/28".parse().unwrap());
+        let (claims, cooling, non_reusable) = ledger.to_json();
+        assert_eq!(claims.as_array().unwrap().len(), 1, "grouped by holder");
+        let status = json!({"claims": claims, "cooling": cooling, "nonReusable": non_reusable});
+        assert_eq!(parse_ledger(&status), ledger);
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:01.5Z"), Some(1500));
+        assert_eq!(
+            parse_rfc3339_ms("2026-11-29T17:01:24.123Z"),
+            Some(1_795_971_684_123)
+        );
+        assert_eq!(parse_rfc3339_ms("yesterday"), None);
+        assert_eq!(parse_rfc3339_ms("2026-13-01T00:00:00Z"), None);
+    }
+}

@@ -1,0 +1,453 @@
+//! `metis controller`: its flags, and the loop that keeps the informers'
+//! view, decides while this process leads and writes what changed.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, Signal};
+
+use super::cache::Cache;
+use super::decide::decide;
+use super::informer::{self, Resource, Update};
+use super::lease::{self, Elector, LeaseTiming};
+use super::writer;
+use crate::duration::parse_duration_ms;
+use crate::flags::{self, FlagError, FlagSpec};
+use crate::kube::backoff::{ApiTiming, Backoff};
+use crate::kube::client::ApiClient;
+use crate::kube::config::{self, ApiConfig};
+use crate::log::{self, now_ms};
+use crate::metrics::{self, ControllerMetrics};
+
+/// Longest pause between two passes while leading: cooling blocks and
+/// missing Nodes come due with time, not with events.
+const TICK: Duration = Duration::from_secs(1);
+/// Shortest pause between two passes: a burst of events is one pass.
+const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
+/// How long each watch stays open (1–2× this) and the backoff's cap.
+const TIMING: ApiTiming = ApiTiming {
+    watch_timeout: Duration::from_secs(300),
+    max_backoff: Duration::from_secs(30),
+};
+
+const ABOUT: &str = "Grant node blocks from MetisPools through the Kubernetes API (the cluster side of \
+the NodeNetworkConfig protocol), leader-elected with a Lease. docs/controller.md tells how to run it.";
+
+const SPECS: &[FlagSpec] = &[
+    FlagSpec {
+        name: "--kubeconfig",
+        value: Some("PATH"),
+        repeatable: false,
+        default: "",
+        help: "kubeconfig to use (else KUBECONFIG, else the in-cluster service account)",
+    },
+    FlagSpec {
+        name: "--identity",
+        value: Some("NAME"),
+        repeatable: false,
+        default: "the hostname",
+        help: "this candidate's name in the Lease",
+    },
+    FlagSpec {
+        name: "--lease-namespace",
+        value: Some("NS"),
+        repeatable: false,
+        default: "kube-system",
+        help: "namespace of the Lease",
+    },
+    FlagSpec {
+        name: "--lease-name",
+        value: Some("NAME"),
+        repeatable: false,
+        default: "metis-controller",
+        help: "name of the Lease",
+    },
+    FlagSpec {
+        name: "--lease-duration",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "15s",
+        help: "how long a silent holder keeps the Lease",
+    },
+    FlagSpec {
+        name: "--renew-deadline",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "10s",
+        help: "a holder that has not renewed for this long stops writing",
+    },
+    FlagSpec {
+        name: "--retry-period",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "2s",
+        help: "pause between two attempts to acquire or renew",
+    },
+    FlagSpec {
+        name: "--node-grace",
+        value: Some("DURATION"),
+        repeatable: false,
+        default: "5m",
+        help: "how long the blocks of a deleted Node stay its own",
+    },
+    FlagSpec {
+        name: "--metrics-address",
+        value: Some("ADDR:PORT"),
+        repeatable: false,
+        default: "",
+        help: "serve Prometheus metrics here (off when unset)",
+    },
+    FlagSpec {
+        name: "--log-file",
+        value: Some("PATH"),
+        repeatable: false,
+        default: "stderr",
+        help: "write the log here",
+    },
+    FlagSpec {
+        name: "-v",
+        value: Some("N"),
+        repeatable: false,
+        default: "0",
+        help: "more log detail (1 debug, 4 trace)",
+    },
+];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub api: ApiConfig,
+    pub identity: String,
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub lease: LeaseTiming,
+    pub node_grace: Duration,
+    pub metrics_address: Option<SocketAddr>,
+    pub log_file: Option<PathBuf>,
+    pub verbosity: u8,
+}
+
+pub fn usage() -> String {
+    flags::usage("metis controller", ABOUT, SPECS)
+}
+
+fn duration(
+    parsed: &flags::Parsed,
+    name: &'static str,
+    default: &str,
+) -> Result<Duration, FlagError> {
+    let text = parsed.get(name).unwrap_or(default);
+    let ms = parse_duration_ms(text)
+        .filter(|ms| *ms > 0)
+        .ok_or_else(|| {
+            FlagError::BadValue(
+                name,
+                format!("{text:?} is not a positive duration such as \"10s\""),
+            )
+        })?;
+    Ok(Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)))
+}
+
+/// Parses the flags; `lookup` reads the environment.
+pub fn parse_config(
+    args: &[String],
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, FlagError> {
+    let parsed = flags::parse(SPECS, args)?;
+    let lease = LeaseTiming {
+        duration: duration(&parsed, "--lease-duration", "15s")?,
+        renew_deadline: duration(&parsed, "--renew-deadline", "10s")?,
+        retry_period: duration(&parsed, "--retry-period", "2s")?,
+    };
+    if lease.renew_deadline >= lease.duration {
+        return Err(FlagError::BadValue("--renew-deadline", "must be shorter than --lease-duration, so a holder stops writing before its lease can pass on".into()));
+    }
+    if lease.retry_period >= lease.renew_deadline {
+        return Err(FlagError::BadValue(
+            "--retry-period",
+            "must be shorter than --renew-deadline".into(),
+        ));
+    }
+    let node_grace = duration(&parsed, "--node-grace", "5m")?;
+    let api = match parsed.get("--kubeconfig") {
+        Some(path) => config::from_kubeconfig(&PathBuf::from(path))
+            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string()))?,
+        None => config::from_environment(lookup)
+            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string()))?
+            .ok_or_else(|| {
+                FlagError::BadValue(
+                    "--kubeconfig",
+                    "no cluster: give --kubeconfig, set KUBECONFIG or run in a pod".into(),
+                )
+            })?,
+    };
+    let identity = match parsed.get("--identity") {
+        Some(name) => name.to_string(),
+        None => nix::unistd::gethostname()
+            .ok()
+            .and_then(|n| n.into_string().ok())
+            .unwrap_or_default(),
+    };
+    if identity.is_empty()
+        || identity.len() > 253
+        || identity.chars().any(|c| c.is_control() || c == '"')
+    {
+        return Err(FlagError::BadValue(
+            "--identity",
+            format!("{identity:?} is not a usable name"),
+        ));
+    }
+    let name_flag = |flag: &'static str, default: &str| -> Result<String, FlagError> {
+        let value = parsed.get(flag).unwrap_or(default);
+        if crate::names::is_dns_subdomain(value) {
+            Ok(value.to_string())
+        } else {
+            Err(FlagError::BadValue(
+                flag,
+                format!("{value:?} is not a Kubernetes name"),
+            ))
+        }
+    };
+    let metrics_address = match parsed.get("--metrics-address") {
+        Some(text) => Some(text.parse().map_err(|_| {
+            FlagError::BadValue("--metrics-address", format!("{text:?} is not ADDR:PORT"))
+        })?),
+        None => None,
+    };
+    let verbosity = match parsed.get("-v") {
+        Some(text) => text
+            .parse()
+            .map_err(|_| FlagError::BadValue("-v", format!("{text:?} is not a number")))?,
+        None => 0,
+    };
+    Ok(Config {
+        api,
+        identity,
+        lease_namespace: name_flag("--lease-namespace", "kube-system")?,
+        lease_name: name_flag("--lease-name", "metis-controller")?,
+        lease,
+        node_grace,
+        metrics_address,
+        log_file: parsed.get("--log-file").map(PathBuf::from),
+        verbosity,
+    })
+}
+
+/// Runs until SIGTERM or SIGINT; gives the Lease up before returning.
+pub fn run(config: &Config) -> std::io::Result<()> {
+    // Blocked before any thread starts, so every thread inherits it and
+    // only the waiter below receives them.
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGTERM);
+    signals.add(Signal::SIGINT);
+    signals.thread_block().map_err(std::io::Error::from)?;
+    let metrics = Arc::new(ControllerMetrics::default());
+    if let Some(address) = config.metrics_address {
+        let metrics = Arc::clone(&metrics);
+        // A taken port (two replicas on one host network) costs the
+        // metrics, never the controller.
+        match metrics::serve_text(address, move || metrics.render()) {
+            Ok(bound) => log::info("controller", "serving metrics", &[("address", &bound)]),
+            Err(err) => log::warn(
+                "controller",
+                "cannot serve metrics",
+                &[("address", &address), ("error", &err)],
+            ),
+        }
+    }
+    let client = Arc::new(
+        ApiClient::new(&config.api, TIMING.watch_timeout.saturating_mul(2))
+            .map_err(std::io::Error::other)?,
+    );
+    let (updates, events) = mpsc::channel();
+    wait_for_signals(signals, updates.clone())?;
+    for kind in Resource::ALL {
+        informer::spawn(
+            Arc::clone(&client),
+            kind,
+            TIMING,
+            updates.clone(),
+            Arc::clone(&metrics),
+        )?;
+    }
+    let elector = Elector::new(
+        &config.lease_namespace,
+        &config.lease_name,
+        &config.identity,
+        config.lease,
+    );
+    let leadership = Arc::clone(&elector.leadership);
+    let releaser = Elector::new(
+        &config.lease_namespace,
+        &config.lease_name,
+        &config.identity,
+        config.lease,
+    );
+    lease::spawn(elector, Arc::clone(&client), Arc::clone(&metrics), updates)?;
+    log::info(
+        "controller",
+        "metis controller is starting",
+        &[
+            ("identity", &config.identity),
+            (
+                "lease",
+                &format!("{}/{}", config.lease_namespace, config.lease_name),
+            ),
+        ],
+    );
+    let grace_ms = i64::try_from(config.node_grace.as_millis()).unwrap_or(i64::MAX);
+    let mut cache = Cache::default();
+    let mut backoff = Backoff::new(TIMING.max_backoff);
+    let mut next_pass = Instant::now();
+    loop {
+        let wait = next_pass
+            .saturating_duration_since(Instant::now())
+            .max(MIN_PASS_INTERVAL)
+            .min(TICK);
+        let first = match events.recv_timeout(wait) {
+            Ok(update) => Some(update),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        };
+        for update in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| events.try_recv().ok()))
+        {
+            match update {
+                Update::Listed(kind, items) => cache.listed(kind, items),
+                Update::Changed(kind, item) => cache.put(kind, item),
+                Update::Deleted(kind, name) => cache.remove(kind, &name),
+                Update::Leadership(_) => {}
+                Update::Stop => {
+                    log::info("controller", "stopping: giving the lease up", &[]);
+                    releaser.leadership.stop();
+                    leadership.stop();
+                    releaser.release(&client, &metrics);
+                    return Ok(());
+                }
+            }
+        }
+        if !cache.synced() || !leadership.leading() || Instant::now() < next_pass {
+            continue;
+        }
+        next_pass = Instant::now() + MIN_PASS_INTERVAL;
+        let now = now_ms();
+        let pools = cache.pools();
+        cache.update_absent(&pools, now);
+        let decision = decide(&cache.world(&pools, now, grace_ms));
+        metrics.set_pool_blocks(
+            decision
+                .gauges
+                .iter()
+                .map(|g| {
+                    (
+                        (g.pool.clone(), g.family.as_str()),
+                        (g.free, g.granted, g.cooling),
+                    )
+                })
+                .collect(),
+        );
+        if decision.pool_writes.is_empty() && decision.nnc_writes.is_empty() {
+            continue;
+        }
+        let applied = writer::apply(
+            &client,
+            &mut cache,
+            &decision,
+            &|| leadership.leading(),
+            &metrics,
+            &config.identity,
+        );
+        log::debug(
+            "controller",
+            "pass written",
+            &[
+                ("written", &applied.written),
+                ("conflicts", &applied.conflicts),
+                ("failures", &applied.failures),
+            ],
+        );
+        if applied.conflicts + applied.failures > 0 {
+            next_pass = Instant::now() + backoff.next(None);
+        } else {
+            backoff.reset();
+        }
+    }
+}
+
+/// SIGTERM and SIGINT become [`Update::Stop`].
+fn wait_for_signals(signals: SigSet, updates: Sender<Update>) -> std::io::Result<()> {
+    thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if signals.wait().is_ok() {
+                let _ = updates.send(Update::Stop);
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn env(name: &str) -> Option<String> {
+        (name == "KUBERNETES_SERVICE_HOST" || name == "KUBERNETES_SERVICE_PORT").then(String::new)
+    }
+
+    #[test]
+    fn flags_are_checked() {
+        let dir = crate::testutil::TempDir::new();
+        let kubeconfig = dir.0.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: http://127.0.0.1:1\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
+        )
+        .unwrap();
+        let path = kubeconfig.display().to_string();
+        let config =
+            parse_config(&args(&["--kubeconfig", &path, "--identity", "c-1"]), &env).unwrap();
+        assert_eq!(config.identity, "c-1");
+        assert_eq!(config.lease_namespace, "kube-system");
+        assert_eq!(config.lease_name, "metis-controller");
+        assert_eq!(config.lease.duration, Duration::from_secs(15));
+        assert_eq!(config.lease.renew_deadline, Duration::from_secs(10));
+        assert_eq!(config.lease.retry_period, Duration::from_secs(2));
+        assert_eq!(config.node_grace, Duration::from_secs(300));
+        assert_eq!(config.api.server, "http://127.0.0.1:1");
+        let bad: &[(&[&str], &str)] = &[
+            (
+                &["--renew-deadline", "15s"],
+                "shorter than --lease-duration",
+            ),
+            (&["--retry-period", "10s"], "shorter than --renew-deadline"),
+            (&["--node-grace", "0"], "positive duration"),
+            (&["--lease-duration", "soon"], "positive duration"),
+            (
+                &["--lease-namespace", "Kube System"],
+                "not a Kubernetes name",
+            ),
+            (&["--metrics-address", "9090"], "ADDR:PORT"),
+            (&["--identity", ""], "not a usable name"),
+        ];
+        for (extra, expected) in bad {
+            let mut list = vec!["--kubeconfig", path.as_str()];
+            list.extend_from_slice(extra);
+            let err = parse_config(&args(&list), &env).unwrap_err().to_string();
+            assert!(err.contains(expected), "{extra:?}: {err}");
+        }
+        let err = parse_config(&[], &|_| None).unwrap_err().to_string();
+        assert!(err.contains("no cluster"), "{err}");
+        assert_eq!(
+            parse_config(&args(&["--help"]), &env).unwrap_err(),
+            FlagError::Help
+        );
+    }
+}

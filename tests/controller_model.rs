@@ -1,0 +1,883 @@
+//! The controller's pure decision (`metis::controller::decide`) without
+//! I/O: a few worked examples, then a model-based test. A simulated API
+//! server holds pools, NodeNetworkConfigs and Nodes as JSON with one
+//! resourceVersion counter and applies the decision's writes as the real
+//! one does (status PUTs with a precondition; a stale version is refused).
+//! Random sequences change demand, release blocks, delete and re-create
+//! nodes, grow, shrink, break and exhaust pools, hand-edit statuses, let a
+//! second controller decide from a stale copy and cut write sequences
+//! short (a crash); after every step the invariants hold:
+//! - no block in two nodes' statuses unless someone other than the
+//!   controller put it there, and then both nodes say so (Ready=False);
+//! - every node's demand is covered while its pools had room, otherwise
+//!   its NodeNetworkConfig says QuotaExceeded…;
+//! - a block that left a status is granted again only after the reclaim
+//!   delay, and a released NonReusable block never;
+//! - a controller that has nothing new to say writes nothing.
+//!
+//! `CONTROLLER_MODEL_SEED`, `CONTROLLER_MODEL_RUNS` and
+//! `CONTROLLER_MODEL_STEPS` size and replay it.
+
+#![cfg(feature = "kube")]
+
+use crate::common::rng::Rng;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use metis::cidr::Cidr;
+use metis::controller::decide::{self, Decision, QUOTA_EXCEEDED, World};
+use metis::controller::pool::{self, Pool};
+use metis::kube::nnc::Nnc;
+use serde_json::{Value, json};
+
+const DELAY_MS: i64 = 60_000;
+const GRACE_MS: i64 = 120_000;
+/// CIDRs pools may grow into (disjoint from the ones they start with).
+const SPARE_V4: [&str; 3] = ["198.18.1.0/27", "198.18.2.0/28", "198.18.3.0/27"];
+
+#[derive(Clone)]
+struct Sim {
+    version: u64,
+    uids: u64,
+    now: i64,
+    pools: BTreeMap<String, Value>,
+    nncs: BTreeMap<String, Value>,
+    nodes: BTreeSet<String>,
+    absent: BTreeMap<String, i64>,
+    /// (node, cidr) entries put into statuses by someone else.
+    hand_made: BTreeSet<(String, String)>,
+    /// cidr → when it last left a status.
+    left: BTreeMap<String, i64>,
+    /// Released NonReusable blocks.
+    retired: BTreeSet<String>,
+    writes: usize,
+    /// What happened to each block, for a failure's report.
+    history: BTreeMap<String, Vec<String>>,
+}
+
+impl Sim {
+    fn new() -> Sim {
+        Sim {
+            version: 0,
+            uids: 0,
+            now: 1_800_000_000_000,
+            pools: BTreeMap::new(),
+            nncs: BTreeMap::new(),
+            nodes: BTreeSet::new(),
+            absent: BTreeMap::new(),
+            hand_made: BTreeSet::new(),
+            left: BTreeMap::new(),
+            retired: BTreeSet::new(),
+            writes: 0,
+            history: BTreeMap::new(),
+        }
+    }
+
+    fn bump(&mut self) -> String {
+        self.version += 1;
+        self.version.to_string()
+    }
+
+    fn add_pool(&mut self, name: &str, spec: Value) {
+        let rv = self.bump();
+        let created = format!("2026-01-01T00:00:{:02}Z", self.pools.len());
+        self.pools.insert(
+            name.into(),
+            json!({"metadata": {"name": name, "resourceVersion": rv, "generation": 1, "creationTimestamp": created}, "spec": spec, "status": {}}),
+        );
+    }
+
+    fn edit_pool(&mut self, name: &str, edit: impl FnOnce(&mut Value)) {
+        let rv = self.bump();
+        let pool = self.pools.get_mut(name).unwrap();
+        edit(&mut pool["spec"]);
+        pool["metadata"]["resourceVersion"] = json!(rv);
+        let generation = pool["metadata"]["generation"].as_i64().unwrap() + 1;
+        pool["metadata"]["generation"] = json!(generation);
+    }
+
+    fn add_node(&mut self, name: &str) {
+        self.nodes.insert(name.into());
+        self.absent.remove(name);
+        if !self.nncs.contains_key(name) {
+            self.uids += 1;
+            let rv = self.bump();
+            self.nncs.insert(
+                name.into(),
+                json!({"metadata": {"name": name, "uid": format!("uid-{}", self.uids), "resourceVersion": rv},
+                       "spec": {"allocations": [], "releasableCIDRs": []}}),
+            );
+        }
+    }
+
+    fn delete_node(&mut self, name: &str, with_nnc: bool) {
+        self.nodes.remove(name);
+        self.absent.entry(name.into()).or_insert(self.now);
+        if with_nnc && let Some(nnc) = self.nncs.remove(name) {
+            for cidr in cidrs_of(&nnc) {
+                self.leaves(name, &cidr, "deleted with");
+            }
+        }
+    }
+
+    fn edit_nnc(&mut self, name: &str, edit: impl FnOnce(&mut Value)) {
+        let rv = self.bump();
+        let nnc = self.nncs.get_mut(name).unwrap();
+        edit(nnc);
+        nnc["metadata"]["resourceVersion"] = json!(rv);
+    }
+
+    fn set_demand(&mut self, name: &str, pods: i64) {
+        self.edit_nnc(name, |n| {
+            n["spec"]["allocations"] = json!([{"network": "default", "pods": pods}])
+        });
+    }
+
+    /// What a controller reads.
+    fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Value>) {
+        let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
+        pool::validate(&mut pools);
+        let nncs = self
+            .nncs
+            .iter()
+            .map(|(k, v)| (k.clone(), Nnc::parse(v)))
+            .collect();
+        let statuses = self
+            .nncs
+            .iter()
+            .map(|(k, v)| (k.clone(), v["status"].clone()))
+            .collect();
+        (pools, nncs, statuses)
+    }
+
+    fn decide(&self) -> Decision {
+        let (pools, nncs, statuses) = self.world();
+        decide::decide(&World {
+            pools: &pools,
+            nncs: &nncs,
+            statuses: &statuses,
+            absent: &self.absent,
+            now_ms: self.now,
+            node_grace_ms: GRACE_MS,
+        })
+    }
+
+    /// Applies a decision as the API server would, cut after `limit`
+    /// writes (a crash). Returns how many writes succeeded.
+    fn apply(&mut self, decision: &Decision, limit: usize) -> usize {
+        let mut done = 0;
+        let mut written = BTreeSet::new();
+        for write in decision.pool_writes.iter().take(limit) {
+            let Some(pool) = self.pools.get(&write.name) else {
+                continue;
+            };
+            if pool["metadata"]["resourceVersion"] != write.resource_version.as_str() {
+                continue;
+            }
+            let rv = self.bump();
+            let pool = self.pools.get_mut(&write.name).unwrap();
+            pool["status"] = write.status.clone();
+            pool["metadata"]["resourceVersion"] = json!(rv);
+            written.insert(write.name.clone());
+            done += 1;
+        }
+        let left = limit.saturating_sub(decision.pool_writes.len());
+        for write in decision.nnc_writes.iter().take(left) {
+            if !write.after_pools.iter().all(|p| written.contains(p)) {
+                continue;
+            }
+            let Some(nnc) = self.nncs.get(&write.name).cloned() else {
+                continue;
+            };
+            if nnc["metadata"]["resourceVersion"] != write.resource_version.as_str() {
+                continue;
+            }
+            let before: BTreeSet<String> = cidrs_of(&nnc).into_iter().collect();
+            let after: BTreeSet<String> = write.status["podCIDRs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|e| e["cidr"].as_str().map(str::to_string))
+                .collect();
+            for cidr in after.difference(&before) {
+                assert!(
+                    !self.retired.contains(cidr),
+                    "NonReusable {cidr} granted again to {}: {:?}",
+                    write.name,
+                    self.history.get(cidr)
+                );
+                if let Some(at) = self.left.get(cidr) {
+                    assert!(
+                        self.now - at >= DELAY_MS,
+                        "{cidr} granted to {} {} ms after it left a status: {:?}, pools {:#}",
+                        write.name,
+                        self.now - at,
+                        self.history.get(cidr),
+                        json!(
+                            self.pools
+                                .values()
+                                .map(|p| &p["status"])
+                                .collect::<Vec<_>>()
+                        ),
+                    );
+                }
+                let note = format!("{} granted to {}", self.now, write.name);
+                self.history.entry(cidr.clone()).or_default().push(note);
+            }
+            for cidr in before.difference(&after) {
+                let copy = self.hand_made.contains(&(write.name.clone(), cidr.clone()));
+                self.leaves(&write.name, cidr, "left");
+                let kind = nnc["status"]["podCIDRs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e["cidr"] == cidr.as_str())
+                    .map(|e| e["type"].clone());
+                if kind == Some(json!("NonReusable")) && !copy {
+                    self.retired.insert(cidr.clone());
+                }
+            }
+            let rv = self.bump();
+            let nnc = self.nncs.get_mut(&write.name).unwrap();
+            nnc["status"] = write.status.clone();
+            nnc["metadata"]["resourceVersion"] = json!(rv);
+            done += 1;
+        }
+        self.writes += done;
+        done
+    }
+
+    /// `cidr` left `node`'s status. The reclaim delay is timed from there
+    /// for blocks the controller granted; a copy someone else wrote is
+    /// reported, not timed.
+    fn leaves(&mut self, node: &str, cidr: &str, how: &str) {
+        let note = format!("{} {how} {node}", self.now);
+        self.history.entry(cidr.to_string()).or_default().push(note);
+        if !self.hand_made.remove(&(node.to_string(), cidr.to_string())) {
+            self.left.insert(cidr.to_string(), self.now);
+        }
+    }
+
+    /// The leader's passes until it has nothing to write.
+    fn settle(&mut self) {
+        for _ in 0..6 {
+            let decision = self.decide();
+            if self.apply(&decision, usize::MAX) == 0 {
+                let again = self.decide();
+                assert!(
+                    again.pool_writes.is_empty() && again.nnc_writes.is_empty(),
+                    "a pass with nothing new still writes: {again:?}"
+                );
+                return;
+            }
+        }
+        panic!("the controller never stops writing: {:?}", self.decide());
+    }
+
+    fn ready(&self, name: &str) -> Option<(String, String)> {
+        let conditions = self.nncs.get(name)?["status"]["conditions"]
+            .as_array()?
+            .clone();
+        let ready = conditions.iter().find(|c| c["type"] == "Ready")?;
+        Some((
+            ready["reason"].as_str()?.to_string(),
+            ready["message"].as_str().unwrap_or("").to_string(),
+        ))
+    }
+
+    fn check(&self) {
+        // One block, one node (unless someone else wrote it, and then said).
+        let entries: Vec<(String, Cidr)> = self
+            .nncs
+            .iter()
+            .flat_map(|(n, v)| {
+                cidrs_of(v)
+                    .into_iter()
+                    .filter_map(move |c| Some((n.clone(), c.parse().ok()?)))
+            })
+            .collect();
+        for (i, (a, ca)) in entries.iter().enumerate() {
+            for (b, cb) in &entries[i + 1..] {
+                if !ca.overlaps(cb) {
+                    continue;
+                }
+                let foreign = self.hand_made.contains(&(a.clone(), ca.to_string()))
+                    || self.hand_made.contains(&(b.clone(), cb.to_string()));
+                assert!(
+                    foreign,
+                    "{ca} of {a} and {cb} of {b}: one block on two nodes"
+                );
+                for (node, cidr) in [(a, ca), (b, cb)] {
+                    if self.nodes.contains(node) {
+                        let (reason, message) = self.ready(node).unwrap_or_default();
+                        assert_eq!(
+                            reason,
+                            decide::INVALID,
+                            "{node} holds {cidr} overlapping another: {message}"
+                        );
+                    }
+                }
+            }
+        }
+        // Demand covered while the pools had room.
+        let (pools, _, _) = self.world();
+        for (name, nnc) in &self.nncs {
+            if !self.nodes.contains(name) {
+                continue;
+            }
+            let pods = nnc["spec"]["allocations"][0]["pods"].as_i64().unwrap_or(0);
+            let (reason, message) = self.ready(name).unwrap_or_default();
+            if reason == decide::INVALID {
+                continue;
+            }
+            for family in [metis::cidr::Family::V4, metis::cidr::Family::V6] {
+                let serving: Vec<&Pool> = pools
+                    .iter()
+                    .filter(|p| p.spec.as_ref().is_ok_and(|s| s.range(family).is_some()))
+                    .collect();
+                if serving.is_empty() {
+                    continue;
+                }
+                let capacity: u128 = cidrs_of(nnc)
+                    .iter()
+                    .filter_map(|c| c.parse::<Cidr>().ok())
+                    .filter(|c| c.family() == family)
+                    .map(|c| c.size())
+                    .sum();
+                if capacity >= u128::try_from(pods).unwrap() {
+                    continue;
+                }
+                assert_eq!(
+                    reason, QUOTA_EXCEEDED,
+                    "{name}: {capacity} addresses for {pods} pods ({message})"
+                );
+                for pool in serving {
+                    let spec = pool.spec.as_ref().unwrap();
+                    let mine = pool
+                        .ledger
+                        .claims
+                        .values()
+                        .filter(|h| &h.node == name)
+                        .count();
+                    if mine >= spec.max_blocks_per_node {
+                        continue;
+                    }
+                    if let Some(free) = self.free_block(&pools, spec.range(family).unwrap(), name) {
+                        panic!(
+                            "{name} is refused ({message}) while {free} of pool {} is free",
+                            pool.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A block of `range` nothing holds, claims, cools or retired.
+    fn free_block(&self, pools: &[Pool], range: &pool::FamilyRange, node: &str) -> Option<Cidr> {
+        let mut taken: Vec<Cidr> = self
+            .nncs
+            .values()
+            .flat_map(cidrs_of)
+            .filter_map(|c| c.parse().ok())
+            .collect();
+        for p in pools {
+            taken.extend(p.ledger.claims.keys());
+            taken.extend(p.ledger.cooling.keys());
+            taken.extend(&p.ledger.non_reusable);
+        }
+        let releasable: Vec<String> = self.nncs[node]["spec"]["releasableCIDRs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["cidr"].as_str().map(str::to_string))
+            .collect();
+        for cidr in &range.cidrs {
+            let count = 1u128 << (range.block_prefix - cidr.prefix_len());
+            for i in 0..count {
+                let base = metis::cidr::from_u128(
+                    range.family,
+                    metis::cidr::to_u128(cidr.base()) + i * range.block_size(),
+                );
+                let block = Cidr::new(base, range.block_prefix).unwrap();
+                if !taken.iter().any(|t| t.overlaps(&block))
+                    && !releasable.contains(&block.to_string())
+                {
+                    return Some(block);
+                }
+            }
+        }
+        None
+    }
+}
+
+fn cidrs_of(nnc: &Value) -> Vec<String> {
+    nnc["status"]["podCIDRs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["cidr"].as_str().map(str::to_string))
+        .collect()
+}
+
+fn two_pools(sim: &mut Sim) {
+    sim.add_pool(
+        "v4",
+        json!({"network": "default", "ipv4": {"cidrs": ["198.18.0.0/26"]}, "maxBlocksPerNode": 3, "reclaimDelay": "1m"}),
+    );
+    sim.add_pool(
+        "v6",
+        json!({"network": "default", "ipv6": {"cidrs": ["2001:db8::/122"]}, "reclaimDelay": "1m"}),
+    );
+}
+
+fn release(sim: &mut Sim, node: &str, cidr: &str) {
+    let entry = sim.nncs[node]["status"]["podCIDRs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["cidr"] == cidr)
+        .cloned()
+        .unwrap();
+    sim.edit_nnc(node, |n| {
+        let list = n["spec"]["releasableCIDRs"].as_array_mut().unwrap();
+        if !list.contains(&entry) {
+            list.push(entry);
+        }
+    });
+}
+
+#[test]
+fn demand_is_covered_block_by_block_and_exhaustion_is_said() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.set_demand("a", 40);
+    sim.settle();
+    sim.check();
+    let cidrs = cidrs_of(&sim.nncs["a"]);
+    assert_eq!(
+        cidrs,
+        [
+            "198.18.0.0/28",
+            "198.18.0.16/28",
+            "198.18.0.32/28",
+            "2001:db8::/124",
+            "2001:db8::10/124",
+            "2001:db8::20/124"
+        ]
+    );
+    assert_eq!(sim.ready("a").unwrap().0, decide::READY);
+    // maxBlocksPerNode 3: a fourth IPv4 block is refused although free.
+    sim.set_demand("a", 60);
+    let decision = sim.decide();
+    assert_eq!(decision.events.len(), 1, "{:?}", decision.events);
+    assert_eq!(decision.events[0].reason, "PodCIDRQuotaExceeded");
+    sim.apply(&decision, usize::MAX);
+    sim.settle();
+    let (reason, message) = sim.ready("a").unwrap();
+    assert_eq!(reason, QUOTA_EXCEEDED);
+    assert!(message.contains("maxBlocksPerNode"), "{message}");
+    // Another node takes the last IPv4 block, then the pool is empty.
+    sim.add_node("b");
+    sim.set_demand("b", 20);
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["b"])[0], "198.18.0.48/28");
+    let (reason, message) = sim.ready("b").unwrap();
+    assert_eq!(reason, QUOTA_EXCEEDED);
+    assert!(message.contains("pool v4 has no free block"), "{message}");
+    let status = &sim.pools["v4"]["status"];
+    assert_eq!(status["ipv4"]["blocksFree"], 0);
+    assert_eq!(status["ipv4"]["blocksGranted"], 4);
+    let exhausted = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Exhausted")
+        .unwrap();
+    assert_eq!(exhausted["status"], "True");
+    sim.check();
+}
+
+#[test]
+fn a_released_block_cools_before_another_node_gets_it() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.edit_pool("v4", |s| s["ipv4"]["cidrs"] = json!(["198.18.0.0/28"]));
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 10);
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"])[0], "198.18.0.0/28");
+    sim.set_demand("b", 10);
+    sim.settle();
+    assert_eq!(sim.ready("b").unwrap().0, QUOTA_EXCEEDED);
+    // a gives it back: it leaves a's status and cools.
+    sim.set_demand("a", 0);
+    release(&mut sim, "a", "198.18.0.0/28");
+    sim.settle();
+    assert!(!cidrs_of(&sim.nncs["a"]).contains(&"198.18.0.0/28".to_string()));
+    let cooling = &sim.pools["v4"]["status"]["cooling"];
+    assert_eq!(cooling[0]["cidr"], "198.18.0.0/28");
+    assert_eq!(cooling[0]["node"], "a");
+    sim.now += DELAY_MS - 1;
+    sim.settle();
+    assert!(!cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
+    sim.now += 1;
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
+    assert_eq!(sim.ready("b").unwrap().0, decide::READY);
+    sim.check();
+}
+
+#[test]
+fn a_nonreusable_block_is_never_granted_again() {
+    let mut sim = Sim::new();
+    sim.add_pool(
+        "v4",
+        json!({"network": "default", "ipv4": {"cidrs": ["198.18.0.0/28"]}, "reclaimDelay": "0s"}),
+    );
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    sim.edit_nnc("a", |n| {
+        n["status"]["podCIDRs"][0]["type"] = json!("NonReusable")
+    });
+    release(&mut sim, "a", "198.18.0.0/28");
+    sim.settle();
+    assert_eq!(
+        sim.pools["v4"]["status"]["nonReusable"],
+        json!(["198.18.0.0/28"])
+    );
+    sim.now += 3_600_000;
+    sim.edit_nnc("a", |n| n["spec"]["releasableCIDRs"] = json!([]));
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["a"]).is_empty());
+    assert_eq!(sim.ready("a").unwrap().0, QUOTA_EXCEEDED);
+}
+
+#[test]
+fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    sim.delete_node("a", false);
+    sim.now += GRACE_MS - 1;
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2, "kept within the grace");
+    sim.now += 1;
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["a"]).is_empty());
+    assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
+    assert_eq!(
+        sim.pools["v4"]["status"]["cooling"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    // The Node returns with a new object: it starts over.
+    sim.nncs.remove("a");
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    assert_eq!(
+        cidrs_of(&sim.nncs["a"]),
+        ["198.18.0.16/28", "2001:db8::10/124"]
+    );
+    sim.check();
+}
+
+#[test]
+fn a_bad_pool_is_refused_whole_and_grants_nothing() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_pool(
+        "late",
+        json!({"network": "default", "ipv4": {"cidrs": ["198.18.9.0/24", "198.18.0.32/27"]}}),
+    );
+    sim.add_pool("big", json!({"network": "default", "ipv4": {"cidrs": ["198.18.10.0/28"], "blockPrefixLength": 24}}));
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    for (pool, expected) in [
+        ("late", "overlaps 198.18.0.0/26 of pool \"v4\""),
+        ("big", "larger than 198.18.10.0/28"),
+    ] {
+        let conditions = sim.pools[pool]["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let valid = conditions.iter().find(|c| c["type"] == "Valid").unwrap();
+        assert_eq!(valid["status"], "False");
+        assert!(
+            valid["message"].as_str().unwrap().contains(expected),
+            "{valid}"
+        );
+        assert!(
+            sim.pools[pool]["status"]["claims"]
+                .as_array()
+                .unwrap()
+                .is_empty()
+        );
+    }
+    assert!(
+        !cidrs_of(&sim.nncs["a"])
+            .iter()
+            .any(|c| c.starts_with("198.18.9."))
+    );
+}
+
+#[test]
+fn a_hand_edited_overlap_is_reported_and_never_granted_further() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 10);
+    sim.settle();
+    let stolen = sim.nncs["a"]["status"]["podCIDRs"][0].clone();
+    sim.edit_nnc("b", |n| n["status"]["podCIDRs"] = json!([stolen]));
+    sim.hand_made.insert(("b".into(), "198.18.0.0/28".into()));
+    let decision = sim.decide();
+    let conflicts: Vec<&str> = decision
+        .events
+        .iter()
+        .filter(|e| e.reason == "PodCIDRConflict")
+        .map(|e| e.node.as_str())
+        .collect();
+    assert_eq!(conflicts, ["a", "b"]);
+    sim.apply(&decision, usize::MAX);
+    sim.settle();
+    sim.check();
+    let (_, message) = sim.ready("b").unwrap();
+    assert!(
+        message.contains("overlaps 198.18.0.0/28 in the status of a"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_pool_grows_and_shrinks() {
+    let mut sim = Sim::new();
+    sim.add_pool(
+        "v4",
+        json!({"network": "default", "ipv4": {"cidrs": ["198.18.0.0/28"]}, "reclaimDelay": "1m"}),
+    );
+    sim.add_node("a");
+    sim.set_demand("a", 30);
+    sim.settle();
+    assert_eq!(sim.ready("a").unwrap().0, QUOTA_EXCEEDED);
+    sim.edit_pool("v4", |s| {
+        s["ipv4"]["cidrs"] = json!(["198.18.0.0/28", "198.18.1.0/28"])
+    });
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]), ["198.18.0.0/28", "198.18.1.0/28"]);
+    assert_eq!(sim.ready("a").unwrap().0, decide::READY);
+    // Shrink: the granted block stays until released, then leaves for good.
+    sim.edit_pool("v4", |s| s["ipv4"]["cidrs"] = json!(["198.18.1.0/28"]));
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2);
+    sim.set_demand("a", 10);
+    release(&mut sim, "a", "198.18.0.0/28");
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]), ["198.18.1.0/28"]);
+    sim.check();
+}
+
+#[test]
+fn a_stale_controller_cannot_grant_a_block_twice() {
+    let mut sim = Sim::new();
+    sim.add_pool(
+        "v4",
+        json!({"network": "default", "ipv4": {"cidrs": ["198.18.0.0/28"]}}),
+    );
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 10);
+    sim.set_demand("b", 10);
+    // Two controllers decide from the same copy; only one pool write wins.
+    let first = sim.decide();
+    let second = sim.decide();
+    assert_eq!(first, second);
+    sim.apply(&first, usize::MAX);
+    assert_eq!(
+        sim.apply(&second, usize::MAX),
+        0,
+        "every write of the second is stale"
+    );
+    sim.settle();
+    sim.check();
+}
+
+/// One random step of the cluster around the controller.
+fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<String>) {
+    let names = ["n0", "n1", "n2", "n3", "n4"];
+    let node = names[rng.below(names.len() as u64) as usize];
+    let action = rng.below(16);
+    trace.push(format!("{action} {node}"));
+    match action {
+        0..=3 if sim.nncs.contains_key(node) => {
+            let pods = rng.below(70) as i64;
+            sim.set_demand(node, pods);
+        }
+        4 | 5 if sim.nncs.contains_key(node) => {
+            let cidrs = cidrs_of(&sim.nncs[node]);
+            if !cidrs.is_empty() {
+                let cidr = cidrs[rng.below(cidrs.len() as u64) as usize].clone();
+                release(sim, node, &cidr);
+            }
+        }
+        6 if sim.nncs.contains_key(node) => {
+            // The daemon forgets releases that left the status.
+            let held = cidrs_of(&sim.nncs[node]);
+            sim.edit_nnc(node, |n| {
+                let list = n["spec"]["releasableCIDRs"].as_array_mut().unwrap();
+                list.retain(|r| held.iter().any(|c| r["cidr"] == c.as_str()));
+            });
+        }
+        7 => {
+            if sim.nodes.contains(node) {
+                let with_nnc = rng.below(2) == 0;
+                sim.delete_node(node, with_nnc);
+            } else {
+                if rng.below(2) == 0
+                    && let Some(nnc) = sim.nncs.remove(node)
+                {
+                    for cidr in cidrs_of(&nnc) {
+                        sim.leaves(node, &cidr, "deleted with");
+                    }
+                }
+                sim.add_node(node);
+            }
+        }
+        8 => {
+            let spare = SPARE_V4[rng.below(SPARE_V4.len() as u64) as usize];
+            sim.edit_pool("v4", |s| {
+                let list = s["ipv4"]["cidrs"].as_array_mut().unwrap();
+                match list.iter().position(|c| c == spare) {
+                    Some(i) => {
+                        list.remove(i);
+                    }
+                    None => list.push(json!(spare)),
+                }
+                if list.is_empty() {
+                    list.push(json!("198.18.0.0/26"));
+                }
+            });
+        }
+        9 => {
+            // Break a pool for a while (overlap with the other) or mend it.
+            sim.edit_pool("v6", |s| {
+                if s["ipv4"].is_null() {
+                    s["ipv4"] = json!({"cidrs": ["198.18.0.0/24"]});
+                } else {
+                    s.as_object_mut().unwrap().remove("ipv4");
+                }
+            });
+        }
+        10 if sim.nncs.contains_key(node) => {
+            // Someone else writes a status: another node's block, or a
+            // type the controller never sets.
+            let others: Vec<Value> = sim
+                .nncs
+                .iter()
+                .filter(|(n, _)| *n != node)
+                .flat_map(|(_, v)| {
+                    v["status"]["podCIDRs"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .collect();
+            if rng.below(2) == 0 && !others.is_empty() {
+                let entry = others[rng.below(others.len() as u64) as usize].clone();
+                let cidr = entry["cidr"].as_str().unwrap().to_string();
+                if !cidrs_of(&sim.nncs[node]).contains(&cidr) {
+                    let note = format!("{} copied by hand into {node}", sim.now);
+                    sim.history.entry(cidr.clone()).or_default().push(note);
+                    sim.hand_made.insert((node.to_string(), cidr));
+                    sim.edit_nnc(node, |n| {
+                        if !n["status"]["podCIDRs"].is_array() {
+                            n["status"]["podCIDRs"] = json!([]);
+                        }
+                        n["status"]["podCIDRs"].as_array_mut().unwrap().push(entry);
+                    });
+                }
+            } else if !cidrs_of(&sim.nncs[node]).is_empty() {
+                sim.edit_nnc(node, |n| {
+                    n["status"]["podCIDRs"][0]["type"] = json!("NonReusable")
+                });
+            }
+        }
+        11 => {
+            *stale = Some(sim.clone());
+        }
+        12 => {
+            // A stale controller writes what it decided from an old copy.
+            if let Some(old) = stale.take() {
+                let mut old = old;
+                old.now = sim.now;
+                let decision = old.decide();
+                sim.apply(&decision, usize::MAX);
+            }
+        }
+        13 => {
+            // The leader dies in the middle of its writes.
+            let decision = sim.decide();
+            let total = decision.pool_writes.len() + decision.nnc_writes.len();
+            let cut = rng.below(total as u64 + 1) as usize;
+            sim.apply(&decision, cut);
+        }
+        _ => sim.now += rng.below(DELAY_MS as u64) as i64,
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn random_sequences_keep_the_invariants() {
+    let mut seeds = Rng::from_env("CONTROLLER_MODEL_SEED");
+    let runs = env("CONTROLLER_MODEL_RUNS", 30);
+    let steps = env("CONTROLLER_MODEL_STEPS", 150);
+    for run in 0..runs {
+        let seed = seeds.next_u64();
+        let mut rng = Rng::new(seed);
+        let mut sim = Sim::new();
+        two_pools(&mut sim);
+        for name in ["n0", "n1", "n2"] {
+            sim.add_node(name);
+        }
+        let mut stale = None;
+        let mut trace = Vec::new();
+        for _ in 0..steps {
+            step(&mut sim, &mut rng, &mut stale, &mut trace);
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut settled = sim.clone();
+                settled.settle();
+                settled.check();
+                settled
+            }));
+            match result {
+                Ok(settled) => {
+                    // The leader's passes are part of the sequence.
+                    if rng.below(3) != 0 {
+                        sim = settled;
+                    }
+                }
+                Err(panic) => {
+                    eprintln!("run {run} seed {seed}: after steps {trace:?}");
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        }
+        assert!(sim.writes > 0);
+    }
+}
