@@ -3,13 +3,14 @@
 //! reported as a ratio next to its target (README, "Performance").
 //!
 //! `cargo bench --bench metis -- --full BINARY --edge EDGE_BINARY --floor
-//! FLOOR_BINARY [--smoke] [--out FILE]` (`make bench` builds all three and
+//! FLOOR_BINARY [--smoke] [--only TEXT] [--out FILE]` (`make bench` builds all three and
 //! passes them; the floor is the `metis-floor` binary `make build` links
 //! beside `metis`). Every per-build
 //! figure is taken for the full build (the binary `cargo bench` built with
 //! default features) and for the edge build (`--no-default-features`).
 //! `--smoke` runs a few cycles of every measurement and checks the results
-//! are sane (counts, distinct addresses); it never judges a timing. Under
+//! are sane (counts, distinct addresses); it never judges a timing.
+//! `--only TEXT` runs just the sections whose name contains TEXT. Under
 //! `cargo test` (no `--bench` argument) the program does nothing.
 //!
 //! This file is the list of sections; each lives in its own module and
@@ -174,8 +175,15 @@ fn main() {
         floor: std::fs::canonicalize(&floor)
             .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", floor.display())),
     };
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .map(|at| args.get(at + 1).expect("--only needs a value").clone());
     let mut report = Report::default();
     for (i, (name, section)) in SECTIONS.iter().enumerate() {
+        if only.as_ref().is_some_and(|only| !name.contains(only.as_str())) {
+            continue;
+        }
         eprintln!("[{}/{}] {name}", i + 1, SECTIONS.len());
         section(&bench, &mut report);
     }
