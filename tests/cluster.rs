@@ -40,10 +40,11 @@ const BLOCK: usize = 16;
 const MAX_BLOCKS_PER_NODE: usize = 2;
 const RECLAIM: Duration = Duration::from_secs(3);
 const NODE_GRACE: Duration = Duration::from_secs(4);
-const SCALE_UP_WAIT: Duration = Duration::from_secs(9);
+const SCALE_UP_WAIT_MS: u64 = 9_000;
+const SCALE_UP_WAIT: Duration = Duration::from_millis(SCALE_UP_WAIT_MS);
 /// An exhausted ADD must fail within this (a round trip through the
 /// controller), not after `--scale-up-wait`.
-const FAST_FAIL: Duration = Duration::from_millis(SCALE_UP_WAIT.as_millis() as u64 / 2);
+const FAST_FAIL: Duration = Duration::from_millis(SCALE_UP_WAIT_MS / 2);
 /// Slack on the reclaim delay for watch and write latency under load.
 const SLACK: Duration = Duration::from_secs(4);
 const WAIT: Duration = Duration::from_secs(60);
@@ -94,6 +95,9 @@ struct SimNode {
     config: String,
     pods: BTreeMap<String, String>,
 }
+
+/// A node as a churn thread holds it: name, network config, pods.
+type ChurnNode = (String, String, BTreeMap<String, String>);
 
 /// What an ADD met: the answer and whether the pool had room for the
 /// node before and after it.
@@ -306,7 +310,7 @@ impl Sim {
             .collect();
         // Threads take disjoint nodes (index mod threads) so one node's
         // pod list is changed by one thread at a time.
-        let nodes: Vec<Arc<Mutex<(String, String, BTreeMap<String, String>)>>> = self
+        let nodes: Vec<Arc<Mutex<ChurnNode>>> = self
             .nodes
             .iter_mut()
             .map(|n| {
@@ -456,9 +460,13 @@ impl Sim {
             .map(|c| c.at.duration_since(deleted));
         drop(state);
         let Some(emptied) = emptied else {
-            // It held nothing when its Node went.
+            eprintln!("orphaned NNC {}: held nothing when its Node went", key.name);
             return;
         };
+        eprintln!(
+            "orphaned NNC {}: emptied {emptied:?} after its Node went",
+            key.name
+        );
         assert!(
             emptied >= NODE_GRACE && emptied <= NODE_GRACE + SLACK,
             "the orphaned NNC {} was emptied {emptied:?} after its Node went (grace {NODE_GRACE:?})",
