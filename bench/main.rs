@@ -181,7 +181,10 @@ fn main() {
         .map(|at| args.get(at + 1).expect("--only needs a value").clone());
     let mut report = Report::default();
     for (i, (name, section)) in SECTIONS.iter().enumerate() {
-        if only.as_ref().is_some_and(|only| !name.contains(only.as_str())) {
+        if only
+            .as_ref()
+            .is_some_and(|only| !name.contains(only.as_str()))
+        {
             continue;
         }
         eprintln!("[{}/{}] {name}", i + 1, SECTIONS.len());
