@@ -625,6 +625,11 @@ impl Sim {
             );
         }
         self.check_budget(phase);
+        let unserved = self.api.state().unserved.clone();
+        assert!(
+            unserved.is_empty(),
+            "{phase}: requests the server does not serve: {unserved:?}"
+        );
         eprintln!(
             "{phase}: ok ({} blocks granted, {} addresses held, {} ADDs)",
             owner.len(),
@@ -928,6 +933,15 @@ fn a_simulated_cluster_keeps_every_block_and_address_single_owned() {
     sim.churn(&mut rng, 80, 14);
     let second = sim.wait_for_leader(Some(&first));
     sim.start_controller();
+    // History compacted under everyone's watches (each lists again after
+    // its 410) and NNC writes refused for a while: 409s, then 500s.
+    sim.api.with_state(|s| {
+        s.compact();
+        s.fail_writes = Some((4, 409, Some(NNCS)));
+    });
+    sim.churn(&mut rng, 20, 14);
+    sim.api
+        .with_state(|s| s.fail_writes = Some((3, 500, Some(NNCS))));
     sim.churn(&mut rng, 40, 14);
     sim.check("leader killed");
 

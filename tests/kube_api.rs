@@ -414,6 +414,8 @@ fn namespaces_names_and_bad_requests() {
     );
     assert_eq!(api.call("POST", POOL_PATH, Some(&json!([1]))).0, 400);
     assert_eq!(api.call("DELETE", POOL_PATH, None).0, 405);
+    // Each is on record, so a client calling what is not served is seen.
+    assert_eq!(api.state().unserved.len(), 6);
     let (status, _) = api.call(
         "GET",
         &format!("{NODE_PATH}?fieldSelector=spec.unschedulable%3Dtrue"),

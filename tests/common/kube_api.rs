@@ -168,6 +168,9 @@ pub struct State {
     pub counts_by_client: BTreeMap<(String, String, String), u64>,
     /// 409 answers by client.
     pub conflicts: BTreeMap<String, u64>,
+    /// (method, path) of requests that named no resource this server
+    /// serves (answered 404), or used a verb it does not serve (405).
+    pub unserved: Vec<(String, String)>,
     /// The next writes (create/update/patch/delete) of a resource (any
     /// when `None`) fail: (how many more, HTTP status, resource).
     pub fail_writes: Option<(u32, u16, Option<&'static str>)>,
@@ -823,6 +826,8 @@ fn handle(
     request: &HttpRequest,
 ) -> bool {
     let Some(route) = route(&request.path) else {
+        let unserved = (request.method.clone(), request.path.clone());
+        shared.state.lock().unwrap().unserved.push(unserved);
         respond(
             stream,
             &refusal(
@@ -858,6 +863,10 @@ fn handle(
             .counts_by_client
             .entry((request.token.clone(), verb.to_string(), counted))
             .or_insert(0) += 1;
+        if verb == "unsupported" {
+            let unserved = (request.method.clone(), request.path.clone());
+            state.unserved.push(unserved);
+        }
         if verb == "watch" {
             None
         } else {
