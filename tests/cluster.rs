@@ -3,8 +3,10 @@
 //! Lease, and 20 real `metis daemon` processes in NNC mode (each its own
 //! socket, database, node name and kubeconfig), with random pod churn
 //! through the real plugin binary. Mid-run the leader is SIGKILLed and its
-//! successor SIGSTOPped; nodes are deleted and re-created; the pool is
-//! grown, shrunk and exhausted. After every phase:
+//! successor SIGSTOPped; the API server compacts its history and refuses
+//! NNC writes for a while; nodes are deleted (one NNC left orphaned, so
+//! `--node-grace` applies) and re-created; the pool is grown, shrunk and
+//! exhausted. After every phase:
 //!
 //! - no block is in two nodes' status;
 //! - no address is held on two nodes (every node's database is read);
