@@ -1016,14 +1016,14 @@ fn watch_stream(
 ) {
     let selector = match Selector::parse(request) {
         Ok(selector) => selector,
-        Err(refused) => return respond(stream, &refused),
+        Err(refused) => return respond_closing(stream, &refused),
     };
     let from = match request.param("resourceVersion").unwrap_or("") {
         "" | "0" => None,
         text => match text.parse::<u64>() {
             Ok(version) => Some(version),
             Err(_) => {
-                return respond(
+                return respond_closing(
                     stream,
                     &invalid(&format!("invalid resource version {text:?}")),
                 );
@@ -1038,7 +1038,7 @@ fn watch_stream(
     let deadline = Instant::now() + Duration::from_secs(seconds);
     if write!(
         stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     )
     .is_err()
     {
@@ -1141,7 +1141,17 @@ fn write_chunk(stream: &mut TcpStream, event: &Value) -> std::io::Result<()> {
     stream.write_all(format!("{:x}\r\n{text}\r\n", text.len()).as_bytes())
 }
 
-fn respond(stream: &mut TcpStream, (status, body): &(u16, Value)) {
+fn respond(stream: &mut TcpStream, answer: &(u16, Value)) {
+    respond_with(stream, answer, "");
+}
+
+/// Answers a watch request that fails before its stream: the connection
+/// closes after it, and the client is told so (else it could reuse it).
+fn respond_closing(stream: &mut TcpStream, answer: &(u16, Value)) {
+    respond_with(stream, answer, "Connection: close\r\n");
+}
+
+fn respond_with(stream: &mut TcpStream, (status, body): &(u16, Value), headers: &str) {
     let text = body.to_string();
     let reason = match status {
         200 => "OK",
@@ -1156,7 +1166,7 @@ fn respond(stream: &mut TcpStream, (status, body): &(u16, Value)) {
         _ => "Error",
     };
     let whole = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{text}",
         text.len()
     );
     let _ = stream.write_all(whole.as_bytes());
