@@ -3,13 +3,14 @@
 //! reported as a ratio next to its target (README, "Performance").
 //!
 //! `cargo bench --bench metis -- --full BINARY --edge EDGE_BINARY --floor
-//! FLOOR_BINARY [--smoke] [--out FILE] [--only SECTION]` (`make bench` builds all three and
+//! FLOOR_BINARY [--smoke] [--out FILE] [--only TEXT]` (`make bench` builds all three and
 //! passes them; the floor is the `metis-floor` binary `make build` links
 //! beside `metis`). Every per-build
 //! figure is taken for the full build (the binary `cargo bench` built with
 //! default features) and for the edge build (`--no-default-features`).
 //! `--smoke` runs a few cycles of every measurement and checks the results
-//! are sane (counts, distinct addresses); it never judges a timing. Under
+//! are sane (counts, distinct addresses); it never judges a timing.
+//! `--only TEXT` runs just the sections whose name contains TEXT. Under
 //! `cargo test` (no `--bench` argument) the program does nothing.
 //!
 //! This file is the list of sections; each lives in its own module and
@@ -29,6 +30,7 @@ mod cni;
 #[allow(dead_code)] // the tests' harness: the bench uses a part of it
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod controller;
 mod instructions;
 mod memory;
 mod report;
@@ -119,6 +121,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("memory", memory::report),
     ("binary size", memory::report_size),
     ("burst", cni::report_burst),
+    ("controller at cluster scale", controller::report),
 ];
 
 fn main() {
@@ -177,14 +180,20 @@ fn main() {
             .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", floor.display())),
     };
     let mut report = Report::default();
-    // `--only NAME`: that section alone (a figure measured before and
-    // after a change without the whole run).
-    let only = value("--only");
+    // `--only TEXT`: the sections whose name contains TEXT (a figure
+    // measured before and after a change without the whole run).
+    let only = value("--only").map(|only| only.to_string_lossy().into_owned());
     let sections: Vec<_> = SECTIONS
         .iter()
-        .filter(|(name, _)| only.as_ref().is_none_or(|only| only.as_os_str() == *name))
+        .filter(|(name, _)| {
+            only.as_ref()
+                .is_none_or(|only| name.contains(only.as_str()))
+        })
         .collect();
-    assert!(!sections.is_empty(), "--only: no section is named {only:?}");
+    assert!(
+        !sections.is_empty(),
+        "--only: no section's name contains {only:?}"
+    );
     for (i, (name, section)) in sections.iter().enumerate() {
         eprintln!("[{}/{}] {name}", i + 1, sections.len());
         section(&bench, &mut report);

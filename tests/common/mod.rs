@@ -14,6 +14,8 @@ pub mod apiserver;
 #[cfg(feature = "kube")]
 pub mod cluster;
 pub mod host_local;
+#[cfg(feature = "kube")]
+pub mod kube_api;
 pub mod node;
 pub mod rng;
 pub mod scrape;

@@ -1,0 +1,536 @@
+//! The multi-object loopback API server (tests/common/kube_api.rs) behaves
+//! like the API server where the node daemon and `metis controller` depend
+//! on it: asserted through the project's own client (GET, POST, merge
+//! PATCH, watch) and raw HTTP (PUT, DELETE), and with a real daemon in NNC
+//! mode finding and creating its objects there.
+
+#![cfg(feature = "kube")]
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::kube_api::{Key, KubeApi, LEASES, NNCS, NODES};
+use common::{Plugin, TestDaemon, TestDir, assert_ok, json};
+use metis::kube::client::{ApiClient, KubeError, WatchEvent};
+use serde_json::{Value, json};
+
+const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
+const NODE_PATH: &str = "/api/v1/nodes";
+const LEASE_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases";
+const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
+
+fn client(api: &KubeApi, dir: &TestDir) -> ApiClient {
+    let path = dir.join("kubeconfig");
+    api.kubeconfig(&path);
+    let config = metis::kube::config::from_kubeconfig(&path).unwrap();
+    ApiClient::new(&config, Duration::from_secs(30)).unwrap()
+}
+
+fn code(err: &KubeError) -> u16 {
+    match err {
+        KubeError::Status { code, .. } => *code,
+        other => panic!("not a status: {other}"),
+    }
+}
+
+fn rv(object: &Value) -> String {
+    object["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn nnc(name: &str) -> Value {
+    json!({"apiVersion": "networking.gke.io/v1", "kind": "NodeNetworkConfig",
+           "metadata": {"name": name}, "spec": {"allocations": [{"network": "default", "pods": 3}]},
+           "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}})
+}
+
+/// The next `n` events of `path`'s watch.
+fn events(client: &ApiClient, path: &str, n: usize) -> Vec<WatchEvent> {
+    client
+        .watch(path)
+        .unwrap()
+        .take(n)
+        .map(Result::unwrap)
+        .collect()
+}
+
+#[test]
+fn objects_are_created_read_and_listed_under_one_version_counter() {
+    let dir = TestDir::new("kapi-crud");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    let created = client.post(NNC_PATH, &nnc("n1")).unwrap();
+    // A custom resource's status is written through the subresource only.
+    assert!(created.get("status").is_none(), "{created}");
+    assert_eq!(created["metadata"]["generation"], 1);
+    let err = client.post(NNC_PATH, &nnc("n1")).unwrap_err();
+    assert_eq!(code(&err), 409);
+    assert!(err.to_string().contains("AlreadyExists"), "{err}");
+    client.post(NNC_PATH, &nnc("n2")).unwrap();
+    let node = client
+        .post(NODE_PATH, &json!({"metadata": {"name": "n1"}, "spec": {}}))
+        .unwrap();
+    // One counter across kinds: each write is the next version.
+    assert_eq!(
+        [rv(&created), rv(&node)],
+        ["1".to_string(), "3".to_string()]
+    );
+    let got = client.get(&format!("{NNC_PATH}/n1")).unwrap();
+    assert_eq!(got, created);
+    assert_eq!(
+        code(&client.get(&format!("{NNC_PATH}/n9")).unwrap_err()),
+        404
+    );
+    let all = client.get(NNC_PATH).unwrap();
+    assert_eq!(all["metadata"]["resourceVersion"], "3");
+    assert_eq!(all["kind"], "NodeNetworkConfigList");
+    assert_eq!(all["items"].as_array().unwrap().len(), 2);
+    // The daemon's list: its own object only (the selector URL-encoded).
+    let one = client
+        .get(&format!("{NNC_PATH}?fieldSelector=metadata.name%3Dn2"))
+        .unwrap();
+    let names: Vec<&str> = one["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["n2"]);
+    let state = api.state();
+    assert_eq!(state.count("create", NNCS), 3);
+    assert_eq!(state.count("get", NNCS), 2);
+    assert_eq!(state.count("list", NNCS), 2);
+    assert_eq!(state.count("create", NODES), 1);
+}
+
+#[test]
+fn put_needs_the_current_version_and_the_status_subresource_is_separate() {
+    let api = KubeApi::start();
+    let (status, created) = api.call("POST", NNC_PATH, Some(&nnc("n1")));
+    assert_eq!(status, 201);
+    // A custom resource refuses an update without a version.
+    let mut body = created.clone();
+    body["metadata"]["resourceVersion"] = json!("");
+    assert_eq!(
+        api.call("PUT", &format!("{NNC_PATH}/n1"), Some(&body)).0,
+        422
+    );
+    // A stale version is a conflict and changes nothing.
+    let mut status_body = created.clone();
+    status_body["status"] = json!({"podCIDRs": [{"cidr": "198.18.0.16/28"}]});
+    status_body["spec"] = json!({"allocations": [{"network": "default", "pods": 99}]});
+    status_body["metadata"]["resourceVersion"] = json!("999");
+    let path = format!("{NNC_PATH}/n1/status");
+    let (status, refused) = api.call("PUT", &path, Some(&status_body));
+    assert_eq!(
+        (status, refused["reason"].as_str()),
+        (409, Some("Conflict"))
+    );
+    // With the version: only the status changes, and the generation stays.
+    status_body["metadata"]["resourceVersion"] = created["metadata"]["resourceVersion"].clone();
+    let (status, after) = api.call("PUT", &path, Some(&status_body));
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["status"]["podCIDRs"][0]["cidr"], "198.18.0.16/28");
+    assert_eq!(after["spec"]["allocations"][0]["pods"], 3);
+    assert_eq!(after["metadata"]["generation"], 1);
+    assert_ne!(rv(&after), rv(&created));
+    // A write of the main resource keeps the status and counts the spec
+    // change as a new generation.
+    let mut spec_body = after.clone();
+    spec_body["spec"]["allocations"][0]["pods"] = json!(7);
+    spec_body["status"] = json!({"podCIDRs": []});
+    let (status, main) = api.call("PUT", &format!("{NNC_PATH}/n1"), Some(&spec_body));
+    assert_eq!(status, 200, "{main}");
+    assert_eq!(main["status"], after["status"]);
+    assert_eq!(main["metadata"]["generation"], 2);
+    assert_eq!(main["metadata"]["uid"], created["metadata"]["uid"]);
+    // Writing the same again is no new version (and no event).
+    let before = api.state().version;
+    let (status, same) = api.call("PUT", &format!("{NNC_PATH}/n1"), Some(&main));
+    assert_eq!((status, rv(&same)), (200, rv(&main)));
+    assert_eq!(api.state().version, before);
+    // A built-in resource takes an unconditional update; a missing object
+    // is 404; a body naming another object is refused.
+    let lease = json!({"metadata": {"name": "l"}, "spec": {"holderIdentity": "a"}});
+    assert_eq!(
+        api.call("PUT", &format!("{LEASE_PATH}/l"), Some(&lease)).0,
+        404
+    );
+    assert_eq!(api.call("POST", LEASE_PATH, Some(&lease)).0, 201);
+    let taken = json!({"metadata": {"name": "l"}, "spec": {"holderIdentity": "b"}});
+    let (status, lease) = api.call("PUT", &format!("{LEASE_PATH}/l"), Some(&taken));
+    assert_eq!(
+        (status, &lease["spec"]["holderIdentity"]),
+        (200, &json!("b"))
+    );
+    assert_eq!(lease["metadata"]["namespace"], "kube-system");
+    assert_eq!(
+        api.call("PUT", &format!("{LEASE_PATH}/other"), Some(&taken))
+            .0,
+        404
+    );
+    let state = api.state();
+    assert_eq!(state.count("update", "nodenetworkconfigs/status"), 2);
+    assert_eq!(state.count("update", NNCS), 3);
+    assert_eq!(state.count("update", LEASES), 3);
+}
+
+#[test]
+fn merge_patches_honour_the_version_they_carry() {
+    let dir = TestDir::new("kapi-patch");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    let created = client.post(NNC_PATH, &nnc("n1")).unwrap();
+    let path = format!("{NNC_PATH}/n1");
+    let stale = json!({"metadata": {"resourceVersion": "77"}, "spec": {"allocations": []}});
+    assert_eq!(code(&client.merge_patch(&path, &stale).unwrap_err()), 409);
+    let patch = json!({"metadata": {"resourceVersion": rv(&created)},
+        "spec": {"releasableCIDRs": [{"cidr": "198.18.0.0/28"}]},
+        "status": {"podCIDRs": [{"cidr": "198.18.9.0/28"}]}});
+    let patched = client.merge_patch(&path, &patch).unwrap();
+    assert_eq!(patched["spec"]["allocations"][0]["pods"], 3);
+    assert_eq!(
+        patched["spec"]["releasableCIDRs"][0]["cidr"],
+        "198.18.0.0/28"
+    );
+    // The main resource's patch does not reach the status.
+    assert!(patched.get("status").is_none(), "{patched}");
+    // Without a version the patch is unconditional; null removes a field.
+    let status = client
+        .merge_patch(
+            &format!("{path}/status"),
+            &json!({"status": {"podCIDRs": [{"cidr": "198.18.9.0/28"}]}, "spec": {"allocations": null}}),
+        )
+        .unwrap();
+    assert_eq!(status["status"]["podCIDRs"][0]["cidr"], "198.18.9.0/28");
+    assert_eq!(status["spec"]["allocations"][0]["pods"], 3);
+    let (code415, _) = {
+        let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
+        use std::io::{Read, Write};
+        let body = "{}";
+        write!(raw, "PATCH {path} HTTP/1.1\r\nContent-Type: application/json-patch+json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut answer = String::new();
+        raw.read_to_string(&mut answer).unwrap();
+        (
+            answer.split_whitespace().nth(1).unwrap().to_string(),
+            answer,
+        )
+    };
+    assert_eq!(code415, "415");
+    assert_eq!(api.state().count("patch", "nodenetworkconfigs/status"), 1);
+}
+
+#[test]
+fn watches_stream_changes_in_order_from_a_version() {
+    let dir = TestDir::new("kapi-watch");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    let first = client.post(NNC_PATH, &nnc("n1")).unwrap();
+    client.post(NNC_PATH, &nnc("n2")).unwrap();
+    client
+        .merge_patch(
+            &format!("{NNC_PATH}/n1"),
+            &json!({"spec": {"allocations": []}}),
+        )
+        .unwrap();
+    assert_eq!(api.call("DELETE", &format!("{NNC_PATH}/n1"), None).0, 200);
+    // From the first version: what came after it, in order.
+    let path = format!("{NNC_PATH}?watch=1&resourceVersion={}", rv(&first));
+    let seen: Vec<(String, String, String)> = events(&client, &path, 3)
+        .into_iter()
+        .map(|e| {
+            let name = e.object["metadata"]["name"].as_str().unwrap().to_string();
+            (e.kind, name, rv(&e.object))
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("ADDED".into(), "n2".into(), "2".into()),
+            ("MODIFIED".into(), "n1".into(), "3".into()),
+            ("DELETED".into(), "n1".into(), "4".into())
+        ]
+    );
+    // The daemon's watch: one name only. A later change reaches an open
+    // watch.
+    let mine = format!("{NNC_PATH}?fieldSelector=metadata.name%3Dn2&watch=true&resourceVersion=4");
+    let mut stream = client.watch(&mine).unwrap();
+    client
+        .merge_patch(
+            &format!("{NNC_PATH}/n2"),
+            &json!({"spec": {"allocations": []}}),
+        )
+        .unwrap();
+    let next = stream.next().unwrap().unwrap();
+    assert_eq!(
+        (next.kind.as_str(), rv(&next.object)),
+        ("MODIFIED", "5".into())
+    );
+    // No version: the current objects first.
+    let start = events(&client, &format!("{NNC_PATH}?watch=true"), 1);
+    assert_eq!(start[0].kind, "ADDED");
+    assert_eq!(start[0].object["metadata"]["name"], "n2");
+    // A bookmark when asked for, at the server's timeout.
+    let quiet = format!(
+        "{NNC_PATH}?watch=true&resourceVersion=5&allowWatchBookmarks=true&timeoutSeconds=1"
+    );
+    let marks = events(&client, &quiet, 1);
+    assert_eq!(marks[0].kind, "BOOKMARK");
+    assert_eq!(rv(&marks[0].object), "5");
+    // Nodes' watch sees no NNC change.
+    api.with_state(|s| {
+        s.create(NODES, "", &json!({"metadata": {"name": "n2"}}))
+            .unwrap();
+    });
+    let nodes = events(
+        &client,
+        &format!("{NODE_PATH}?watch=true&resourceVersion=5"),
+        1,
+    );
+    assert_eq!(nodes[0].object["kind"], "Node");
+    assert_eq!(api.state().count("watch", NNCS), 4);
+}
+
+#[test]
+fn compacted_versions_are_gone_and_open_watches_end() {
+    let dir = TestDir::new("kapi-compact");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    client.post(NNC_PATH, &nnc("n1")).unwrap();
+    let mut open = client
+        .watch(&format!("{NNC_PATH}?watch=true&resourceVersion=1"))
+        .unwrap();
+    client.post(NNC_PATH, &nnc("n2")).unwrap();
+    assert_eq!(open.next().unwrap().unwrap().kind, "ADDED");
+    api.with_state(|s| s.compact());
+    assert!(open.next().is_none(), "an open watch ends at compaction");
+    let gone = events(
+        &client,
+        &format!("{NNC_PATH}?watch=true&resourceVersion=1"),
+        1,
+    );
+    assert_eq!(gone[0].kind, "ERROR");
+    assert_eq!(gone[0].object["code"], 410);
+    assert_eq!(gone[0].object["reason"], "Expired");
+    let list = client
+        .get(&format!("{NNC_PATH}?resourceVersion=1"))
+        .unwrap_err();
+    assert_eq!(code(&list), 410);
+    // The current version still watches.
+    let now = client.get(NNC_PATH).unwrap();
+    let path = format!(
+        "{NNC_PATH}?watch=true&resourceVersion={}",
+        now["metadata"]["resourceVersion"].as_str().unwrap()
+    );
+    let mut fresh = client.watch(&path).unwrap();
+    client.post(NNC_PATH, &nnc("n3")).unwrap();
+    assert_eq!(
+        fresh.next().unwrap().unwrap().object["metadata"]["name"],
+        "n3"
+    );
+    let ahead = events(
+        &client,
+        &format!("{NNC_PATH}?watch=true&resourceVersion=999"),
+        1,
+    );
+    assert_eq!(ahead[0].object["code"], 504);
+}
+
+#[test]
+fn deleting_an_owner_collects_its_dependents_and_preconditions_hold() {
+    let api = KubeApi::start();
+    let (_, node) = api.call(
+        "POST",
+        NODE_PATH,
+        Some(&json!({"metadata": {"name": "n1"}})),
+    );
+    let owned = json!({"metadata": {"name": "n1", "ownerReferences": [{"apiVersion": "v1",
+        "kind": "Node", "name": "n1", "uid": node["metadata"]["uid"], "controller": true}]}, "spec": {}});
+    assert_eq!(api.call("POST", NNC_PATH, Some(&owned)).0, 201);
+    assert_eq!(api.call("POST", NNC_PATH, Some(&nnc("other"))).0, 201);
+    let stale = json!({"preconditions": {"resourceVersion": "1000"}});
+    let path = format!("{NODE_PATH}/n1");
+    assert_eq!(api.call("DELETE", &path, Some(&stale)).0, 409);
+    let (status, gone) = api.call("DELETE", &path, None);
+    assert_eq!((status, rv(&gone)), (200, "4".to_string()));
+    let state = api.state();
+    assert!(
+        state.get(&Key::cluster(NNCS, "n1")).is_none(),
+        "dependent kept"
+    );
+    assert!(state.get(&Key::cluster(NNCS, "other")).is_some());
+    let kinds: Vec<(&str, &str)> = state
+        .changes
+        .iter()
+        .skip(3)
+        .map(|c| (c.key.resource, c.kind))
+        .collect();
+    assert_eq!(kinds, [(NODES, "DELETED"), (NNCS, "DELETED")]);
+    drop(state);
+    assert_eq!(api.call("DELETE", &path, None).0, 404);
+}
+
+#[test]
+fn namespaces_names_and_bad_requests() {
+    let api = KubeApi::start();
+    let event = json!({"metadata": {"generateName": "n1."}, "reason": "PoolExhausted",
+        "involvedObject": {"kind": "Node", "name": "n1"}});
+    let events = "/api/v1/namespaces/default/events";
+    let (status, made) = api.call("POST", events, Some(&event));
+    assert_eq!(status, 201, "{made}");
+    assert!(
+        made["metadata"]["name"]
+            .as_str()
+            .unwrap()
+            .starts_with("n1.")
+    );
+    assert_eq!(made["metadata"]["namespace"], "default");
+    let (status, twice) = api.call("POST", events, Some(&event));
+    assert_eq!(status, 201);
+    assert_ne!(twice["metadata"]["name"], made["metadata"]["name"]);
+    // The cluster-wide list of a namespaced kind; a namespace elsewhere.
+    let (_, all) = api.call("GET", "/api/v1/events", None);
+    assert_eq!(all["items"].as_array().unwrap().len(), 2);
+    let (_, none) = api.call("GET", "/api/v1/namespaces/other/events", None);
+    assert_eq!(none["items"], json!([]));
+    let wrong = json!({"metadata": {"name": "x", "namespace": "other"}});
+    assert_eq!(api.call("POST", events, Some(&wrong)).0, 400);
+    // Cluster-scoped kinds have no namespace; Leases no status; no name.
+    for path in [
+        "/api/v1/namespaces/default/nodes",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/l/status",
+        "/apis/coordination.k8s.io/v1/leases/l",
+        "/apis/networking.gke.io/v1/widgets",
+        "/apis/metis.x-k8s.io/v1/metispools",
+    ] {
+        assert_eq!(api.call("GET", path, None).0, 404, "{path}");
+    }
+    assert_eq!(
+        api.call("POST", POOL_PATH, Some(&json!({"spec": {}}))).0,
+        400
+    );
+    assert_eq!(api.call("POST", POOL_PATH, Some(&json!([1]))).0, 400);
+    assert_eq!(api.call("DELETE", POOL_PATH, None).0, 405);
+    // Each is on record, so a client calling what is not served is seen.
+    assert_eq!(api.state().unserved.len(), 6);
+    let (status, _) = api.call(
+        "GET",
+        &format!("{NODE_PATH}?fieldSelector=spec.unschedulable%3Dtrue"),
+        None,
+    );
+    assert_eq!(status, 400);
+    let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
+    use std::io::{Read, Write};
+    write!(
+        raw,
+        "POST {POOL_PATH} HTTP/1.1\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{{{{{{"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    raw.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+}
+
+#[test]
+fn fault_hooks_fail_writes_and_stop_listening() {
+    let dir = TestDir::new("kapi-faults");
+    let mut api = KubeApi::start();
+    let client = client(&api, &dir);
+    api.with_state(|s| s.fail_writes = Some((2, 500, Some(NNCS))));
+    // Other resources are untouched; the NNC's next two writes fail.
+    client
+        .post(NODE_PATH, &json!({"metadata": {"name": "n1"}}))
+        .unwrap();
+    assert_eq!(code(&client.post(NNC_PATH, &nnc("n1")).unwrap_err()), 500);
+    assert_eq!(code(&client.post(NNC_PATH, &nnc("n1")).unwrap_err()), 500);
+    let made = client.post(NNC_PATH, &nnc("n1")).unwrap();
+    api.with_state(|s| s.fail_writes = Some((1, 409, None)));
+    let path = format!("{NNC_PATH}/n1");
+    let patch = json!({"metadata": {"resourceVersion": rv(&made)}, "spec": {"allocations": []}});
+    assert_eq!(code(&client.merge_patch(&path, &patch).unwrap_err()), 409);
+    client.merge_patch(&path, &patch).unwrap();
+    assert_eq!(api.state().count("create", NNCS), 3);
+    // Stopped: nothing answers and open watches end; restarted: served.
+    let mut open = client
+        .watch(&format!("{NNC_PATH}?watch=true&resourceVersion=100000"))
+        .unwrap();
+    assert_eq!(open.next().unwrap().unwrap().object["code"], 504);
+    let mut open = client
+        .watch(&format!("{NNC_PATH}?watch=true&resourceVersion=3"))
+        .unwrap();
+    api.stop();
+    assert!(!matches!(open.next(), Some(Ok(_))), "the stream ends");
+    assert!(matches!(client.get(&path), Err(KubeError::Transport(_))));
+    api.restart();
+    assert_eq!(client.get(&path).unwrap()["metadata"]["name"], "n1");
+}
+
+/// The node daemon in NNC mode finds its Node, creates its
+/// NodeNetworkConfig owned by it, asks for pods, and serves an ADD from a
+/// block written into the status.
+#[test]
+fn a_daemon_in_nnc_mode_finds_and_creates_its_objects_here() {
+    let dir = TestDir::new("kapi-daemon");
+    let api = KubeApi::start();
+    let node = api.with_state(|s| {
+        s.create(
+            NODES,
+            "",
+            &json!({"metadata": {"name": "sim-1"}, "spec": {}}),
+        )
+        .unwrap()
+    });
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    let kubeconfig = kubeconfig.display().to_string();
+    let daemon = TestDaemon::start_with_env(
+        &dir,
+        &["--cidr-source", "nnc", "--monitor-interval", "100ms"],
+        &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", "sim-1")],
+    );
+    let key = Key::cluster(NNCS, "sim-1");
+    api.wait_until("the daemon's NNC", Duration::from_secs(20), |s| {
+        s.get(&key).is_some()
+    });
+    let made = api.state().get(&key).cloned().unwrap();
+    assert_eq!(
+        made["metadata"]["ownerReferences"][0]["uid"],
+        node["metadata"]["uid"]
+    );
+    // One address of its own; the second ADD asks the cluster for more.
+    let config = common::cluster::default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
+    let first = Plugin::new("ADD", "c1").run(&config);
+    assert_ok(&first);
+    let config2 = config.clone();
+    let second = std::thread::spawn(move || Plugin::new("ADD", "c2").run(&config2));
+    api.wait_until("a demand of 2 pods", Duration::from_secs(20), |s| {
+        s.get(&key)
+            .is_some_and(|n| n["spec"]["allocations"][0]["pods"].as_i64() >= Some(2))
+    });
+    api.with_state(|s| {
+        let current = s.get(&key).cloned().unwrap();
+        let mut body = current.clone();
+        body["status"] = json!({"podCIDRs": [{"id": "b0", "network": "default",
+            "cidr": "198.19.0.0/28", "condition": {"type": "Ready", "status": "True"}}]});
+        s.update(&key, &body, true).unwrap();
+    });
+    let second = second.join().unwrap();
+    assert_ok(&second);
+    let address = json(&second)["ips"][0]["address"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(address.starts_with("198.19.0."), "{address}");
+    let state = api.state();
+    // It found its Node by GET, its NNC by a listed watch, and wrote only
+    // its spec by merge PATCH.
+    assert!(state.count("get", NODES) >= 1);
+    assert!(state.count("list", NNCS) >= 1 && state.count("watch", NNCS) >= 1);
+    assert!(state.count("patch", NNCS) >= 1);
+    assert_eq!(state.count("patch", "nodenetworkconfigs/status"), 0);
+    drop(state);
+    drop(daemon);
+}
