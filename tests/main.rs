@@ -34,6 +34,7 @@ mod proto_sync;
 mod reconcile;
 mod storage_faults;
 mod writers;
+mod writers_model;
 
 /// With `autotests = false`, a file of `tests/` that is neither a module
 /// here nor a `[[test]]` of its own in Cargo.toml would never be compiled,
