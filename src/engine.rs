@@ -12,7 +12,8 @@ use crate::defaults::DEFAULT_NETWORK;
 use crate::names;
 use crate::store::Usage;
 use crate::store::{
-    AddressFilter, Allocation, BlockFilter, BlockState, Owner, Source, Store, StoreError, Table,
+    AddressFilter, Allocation, BlockFilter, BlockState, InForce, Owner, Source, Store, StoreError,
+    Table,
 };
 use crate::wire::admin::v1 as admin;
 use crate::wire::envelope::v1 as envelope;
@@ -48,7 +49,8 @@ impl Failure {
                 (Code::ResourceExhausted, reason::IP_POOL_EXHAUSTED)
             }
             StoreError::RequestedIpUnavailable { .. }
-            | StoreError::RequestedIpOutsideBlocks { .. } => {
+            | StoreError::RequestedIpOutsideBlocks { .. }
+            | StoreError::HeldUnfit { .. } => {
                 (Code::InvalidArgument, reason::REQUESTED_IP_UNAVAILABLE)
             }
             StoreError::EmptyOwner | StoreError::BadCidr(_) | StoreError::Overlap { .. } => {
@@ -244,6 +246,21 @@ impl Engine {
         }
     }
 
+    /// Handles one request in a write transaction of its own: a batch of
+    /// one ([`Engine::handle_in_batch`], then [`Engine::commit_batch`]).
+    /// Direct mode and the daemon's retries of parked ADDs serve this way,
+    /// so every decision a write takes — laying the network out, its
+    /// bounds, the address — is made under one `BEGIN IMMEDIATE` lock on
+    /// what is true then, and a failed request leaves nothing, exactly as
+    /// in the daemon's group commit. Never called with a batch open.
+    pub fn handle_alone(&mut self, request: &Request, now_ms: i64) -> Outcome {
+        let outcome = self.handle_in_batch(request, now_ms);
+        match self.commit_batch() {
+            None => outcome,
+            Some(failure) => failure.into(),
+        }
+    }
+
     /// Commits the requests [`Engine::handle_in_batch`] ran since the last
     /// commit. On failure, returns what every one of them is told instead
     /// of its own outcome: what a request alone is told when its commit
@@ -265,9 +282,13 @@ impl Engine {
         })
     }
 
-    /// Allocates one address per requested family, IPv4 first. If a later
-    /// family fails, the earlier ones are released again so a failed ADD
-    /// holds nothing.
+    /// Allocates one address per requested family, IPv4 first. Served as
+    /// a request ([`Engine::handle_in_batch`], [`Engine::handle_alone`]), a
+    /// failed ADD leaves nothing in the database, its layout and bounds
+    /// included: its savepoint is rolled back, in the daemon and in direct
+    /// mode alike. The earlier families are also released here when a
+    /// later one fails: a co-written host-local file is not in the
+    /// database, and that release is what removes it.
     pub fn allocate(
         &mut self,
         req: &ipam::AllocatePodIpRequest,
@@ -342,7 +363,8 @@ impl Engine {
         now_ms: i64,
     ) -> Result<Allocation, Failure> {
         require_owner(&config.container_id, &config.interface_name)?;
-        self.ensure_initial_blocks(network, family, config, req.isolated, now_ms)?;
+        let in_force = self.ensure_initial_blocks(network, family, config, req.isolated, now_ms)?;
+        let in_force = in_force.as_ref();
         let owner = Owner {
             network,
             container_id: &config.container_id,
@@ -368,10 +390,10 @@ impl Engine {
             }
             return self
                 .store
-                .allocate_requested(&owner, address, now_ms)
+                .allocate_requested_under(&owner, address, in_force, now_ms)
                 .map_err(|err| Failure::from_store(&context, &err));
         }
-        match self.store.allocate(&owner, family, now_ms) {
+        match self.store.allocate_under(&owner, family, in_force, now_ms) {
             Err(StoreError::NoAvailableIps { .. }) if family == Family::V4 => {
                 // A Draining block still holds addresses: take it back before
                 // reporting exhaustion (upstream's first scale-up step).
@@ -387,7 +409,7 @@ impl Engine {
                     );
                 }
                 self.store
-                    .allocate(&owner, family, now_ms)
+                    .allocate_under(&owner, family, in_force, now_ms)
                     .map_err(|err| Failure::from_store(&context, &err))
             }
             other => other.map_err(|err| Failure::from_store(&context, &err)),
@@ -396,7 +418,9 @@ impl Engine {
 
     /// Declares the request's CNI ranges of a family as the network's
     /// ranges; the store grows, narrows, adds or retires blocks to match
-    /// (reads only when nothing changed: this runs on every ADD).
+    /// (reads only when nothing changed: this runs on every ADD). Returns
+    /// the configuration in force that every address handed out for the
+    /// request is checked against (`None`: the request names no ranges).
     fn ensure_initial_blocks(
         &mut self,
         network: &str,
@@ -404,7 +428,7 @@ impl Engine {
         config: &ipam::IpConfig,
         isolated: bool,
         now_ms: i64,
-    ) -> Result<(), Failure> {
+    ) -> Result<Option<InForce>, Failure> {
         let ranges = std::iter::once(&config.initial_pod_cidr)
             .filter(|cidr| !cidr.is_empty())
             .chain(config.additional_pod_cidrs.iter())
@@ -421,7 +445,7 @@ impl Engine {
             })
             .collect::<Result<Vec<Cidr>, Failure>>()?;
         if ranges.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let changes = self
             .store
@@ -442,7 +466,7 @@ impl Engine {
                 &[("network", &network), ("cidr", cidr)],
             );
         }
-        Ok(())
+        Ok(Some(InForce { ranges, bounds }))
     }
 
     /// Undoes what this request took of `family`. No cooldown: the address

@@ -518,7 +518,7 @@ impl Adaptive {
             let Some(parked) = self.parked.get(index) else {
                 break;
             };
-            let outcome = engine.handle(&parked.request, log::now_ms());
+            let outcome = engine.handle_alone(&parked.request, log::now_ms());
             if let Outcome::Exhausted {
                 family: Family::V4, ..
             } = outcome

@@ -6,9 +6,10 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
-    is_quarantined, quarantined_in, set_frontier,
+    quarantined_in, set_frontier,
 };
-use super::free::{HAS_FREE_SQL, RowView, Taken, availability, free_now};
+use super::free::{RowView, Taken, availability, free_now};
+use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
 use super::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
     parse_cidr, parse_state, validate_owner,
@@ -94,13 +95,13 @@ fn held_in_any_network(
     Ok(out)
 }
 
-/// The address `owner` already holds in its network for `family`, if any
+/// The row `owner` already holds in its network for `family`, if any
 /// (the idempotency check of both allocation paths).
-fn held_by_owner(
+fn held_row_by_owner(
     conn: &Connection,
     owner: &Owner,
     family: Family,
-) -> Result<Option<Allocation>, StoreError> {
+) -> Result<Option<HeldRow>, StoreError> {
     Ok(held(
         conn,
         owner.network,
@@ -109,8 +110,49 @@ fn held_by_owner(
         Some(family),
     )?
     .into_iter()
-    .next()
-    .map(|row| row.allocation))
+    .next())
+}
+
+/// What a repeated ADD returns: the address the owner already holds. It
+/// passed the hand-out check when it was handed out; under the
+/// configuration now in force it is returned again when it only lies
+/// outside the ranges or bounds now configured (the pod has it, and moving
+/// a live pod's address is not IPAM's to do: logged), and refused when no
+/// result may carry it — outside its own block, the gateway a result would
+/// name, or its block quarantined — so that a DEL and a new ADD replace it.
+fn kept(
+    conn: &Connection,
+    judge: &mut Judge,
+    owner: &Owner,
+    existing: HeldRow,
+) -> Result<Allocation, StoreError> {
+    let Allocation { address, block } = existing.allocation;
+    match judge.address(conn, existing.block_id, &block, address)? {
+        Ok(()) => Ok(existing.allocation),
+        Err(
+            unfit @ (Unfit::OutsideBlock
+            | Unfit::Gateway(_)
+            | Unfit::Quarantined
+            | Unfit::Reserved),
+        ) => Err(StoreError::HeldUnfit {
+            address,
+            container_id: owner.container_id.to_string(),
+            why: unfit.to_string(),
+        }),
+        Err(unfit) => {
+            crate::log::warn(
+                "store",
+                "a repeated ADD returns the address the owner holds, which the configuration now in force would not hand out",
+                &[
+                    ("network", &owner.network),
+                    ("container_id", &owner.container_id),
+                    ("address", &address),
+                    ("why", &unfit),
+                ],
+            );
+            Ok(existing.allocation)
+        }
+    }
 }
 
 /// Marks row `row_id` (holding `address`) of block `block_id` allocated to
@@ -188,11 +230,13 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 9] = [
+pub(super) const ALLOCATION_PATH: [&str; 11] = [
     HELD_SQL,
     CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
+    HAS_FREE_AFTER_SQL,
+    BLOCK_RECORD_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
     super::block::RELEASE_ROW_SQL,
@@ -200,35 +244,175 @@ pub(super) const ALLOCATION_PATH: [&str; 9] = [
     super::block::RETURN_RESERVED_SQL,
 ];
 
-/// The lowest-id free, non-cooling row of block ?1 at time ?2.
+/// The lowest-id free, non-cooling row of block ?1 at time ?2 after row
+/// id ?3 (the rows before it were passed over).
 pub(super) const CLAIM_SQL: &str = concat!(
-    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
     free_now!("", "?2"),
     " ORDER BY id LIMIT 1"
 );
 
-/// Claims the lowest-id free, non-cooling row of a block (passing over
-/// those host-local turns out to hold: each is recorded for its holder).
+/// Whether block ?1 has a free, non-cooling row at time ?2 after row id ?3.
+const HAS_FREE_AFTER_SQL: &str = concat!(
+    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
+    free_now!("", "?2"),
+    ")"
+);
+
+/// The hand-out check of one allocation ([`super::handout`]): the
+/// configuration in force, Metis's record of each block looked at, and
+/// what was passed over, for the exhaustion message.
+struct Judge<'s> {
+    conf: InForce,
+    /// No configuration was given: each block's recorded bounds stand in.
+    recorded: bool,
+    mode: ReserveMode,
+    network: &'s str,
+    blocks: Vec<(i64, BlockRecord)>,
+    passed_over: Vec<String>,
+    /// What this store already logged as passed over (logged once).
+    logged: &'s mut std::collections::HashSet<String>,
+}
+
+impl<'s> Judge<'s> {
+    fn new(
+        conf: Option<&InForce>,
+        mode: ReserveMode,
+        network: &'s str,
+        logged: &'s mut std::collections::HashSet<String>,
+    ) -> Judge<'s> {
+        Judge {
+            conf: conf.cloned().unwrap_or_default(),
+            recorded: conf.is_none(),
+            mode,
+            network,
+            blocks: Vec::new(),
+            passed_over: Vec::new(),
+            logged,
+        }
+    }
+
+    /// Where Metis's record of block `id` is in `blocks` (read once per
+    /// allocation).
+    fn record(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<usize, StoreError> {
+        if let Some(at) = self.blocks.iter().position(|(block, _)| *block == id) {
+            return Ok(at);
+        }
+        let record = block_record(conn, self.mode, self.network, id, cidr)?;
+        if self.recorded
+            && let Some(bounds) = super::block::bounds_of(conn, self.network, cidr)?
+        {
+            self.conf.bounds.push((*cidr, bounds));
+        }
+        self.blocks.push((id, record));
+        Ok(self.blocks.len() - 1)
+    }
+
+    /// Whether anything of block `id` may be handed out (noted when not).
+    fn block(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<bool, StoreError> {
+        let at = self.record(conn, id, cidr)?;
+        let verdict = block_fit(&self.blocks[at].1, &self.conf);
+        match verdict {
+            Ok(()) => Ok(true),
+            Err(unfit) => {
+                self.pass_over(format!("block {cidr}"), &unfit);
+                Ok(false)
+            }
+        }
+    }
+
+    /// The hand-out check of `address` in block `id`: every address the
+    /// store returns passes here.
+    fn address(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+        address: IpAddr,
+    ) -> Result<Result<(), Unfit>, StoreError> {
+        let at = self.record(conn, id, cidr)?;
+        Ok(address_fit(address, &self.blocks[at].1, &self.conf))
+    }
+
+    /// Notes what was passed over and why; logs each once per store.
+    fn pass_over(&mut self, what: String, why: &dyn std::fmt::Display) {
+        let line = format!("{what}: {why}");
+        if self.logged.insert(line.clone()) {
+            crate::log::warn(
+                "store",
+                "passed over what does not fit the configuration in force (another writer made it)",
+                &[("network", &self.network), ("row", &line)],
+            );
+        }
+        self.passed_over.push(line);
+    }
+}
+
+/// What Metis knows of block `id` ([`BlockRecord`]).
+fn block_record(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    id: i64,
+    cidr: &Cidr,
+) -> Result<BlockRecord, StoreError> {
+    let (sources, retired, quarantined): (Option<String>, bool, bool) = conn
+        .prepare_cached(BLOCK_RECORD_SQL)?
+        .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .optional()?
+        .unwrap_or_default();
+    let first = mode == ReserveMode::FirstBlock
+        && cidr.family() == Family::V4
+        && super::block::is_first_v4(conn, network, id)?;
+    Ok(BlockRecord {
+        cidr: *cidr,
+        fixed: super::block::reserved_offsets(cidr, mode, first),
+        retired,
+        quarantined,
+        // No record of its sources: upstream's block (or an older
+        // Metis's), which the layout keeps as it is (`layout::record_sources`).
+        granted: sources.is_none_or(|text| {
+            super::layout::parse_sources(&text)
+                .iter()
+                .any(|source| *source != super::Source::Cni)
+        }),
+    })
+}
+
+const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
+     FROM metis_blocks WHERE block_id = ?1";
+
+/// Claims the lowest-id free, non-cooling row of a block after row
+/// `after` (passing over rows that fail the hand-out check, and those
+/// host-local turns out to hold: each is recorded for its holder);
+/// `after` ends at the last row looked at.
 fn claim(
     conn: &Connection,
+    judge: &mut Judge,
     block_id: i64,
     cidr: &Cidr,
     owner: &Owner,
     now_ms: i64,
+    after: &mut i64,
 ) -> Result<Option<IpAddr>, StoreError> {
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
-            .query_row(params![block_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
+            .query_row(params![block_id, now_ms, *after], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
             .optional()?;
         let Some((row_id, text)) = row else {
             return Ok(None);
         };
-        let address = parse_addr(&text)?;
-        if !cidr.contains(address) {
-            return Err(StoreError::Corrupt(format!(
-                "free row {text:?} of block {block_id} lies outside {cidr}"
-            )));
+        *after = row_id;
+        let Ok(address) = text.parse::<IpAddr>() else {
+            judge.pass_over(format!("row {text:?} of block {cidr}"), &"not an address");
+            continue;
+        };
+        if let Err(unfit) = judge.address(conn, block_id, cidr, address)? {
+            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
+            continue;
         }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
             return Ok(Some(address));
@@ -237,7 +421,8 @@ fn claim(
 }
 
 /// Populates the next batch of a block from its frontier. Returns rows
-/// inserted (0: has a free usable row already, or populated to its end).
+/// inserted (0: has a free usable row after row `after` already, or
+/// populated to its end).
 fn expand(
     conn: &Connection,
     mode: ReserveMode,
@@ -245,10 +430,11 @@ fn expand(
     network: &str,
     cidr: &Cidr,
     now_ms: i64,
+    after: i64,
 ) -> Result<u64, StoreError> {
     let has_free: bool = conn
-        .prepare_cached(HAS_FREE_SQL)?
-        .query_row(params![block_id, now_ms], |r| r.get(0))?;
+        .prepare_cached(HAS_FREE_AFTER_SQL)?
+        .query_row(params![block_id, now_ms, after], |r| r.get(0))?;
     if has_free {
         return Ok(0);
     }
@@ -279,23 +465,46 @@ impl Store {
         find_block(&self.conn, network, &cidr.to_string())
     }
 
-    /// Allocates an address of `family` in `network` to `owner`; repeating
-    /// the call returns the address already held.
+    /// Allocates an address of `family` in `network` to `owner`, judged
+    /// against the network's blocks as laid out and recorded (no
+    /// configuration in force: see [`Store::allocate_under`]).
     pub fn allocate(
         &mut self,
         owner: &Owner,
         family: Family,
         now_ms: i64,
     ) -> Result<Allocation, StoreError> {
+        self.allocate_under(owner, family, None, now_ms)
+    }
+
+    /// Allocates an address of `family` in `network` to `owner`; repeating
+    /// the call returns the address already held (see [`kept`]). Every
+    /// address returned passed the hand-out check against `conf`, the
+    /// configuration in force (`None`: the blocks as recorded); one that
+    /// fails it is passed over, and when none is left the exhaustion says
+    /// what was passed over and why.
+    pub fn allocate_under(
+        &mut self,
+        owner: &Owner,
+        family: Family,
+        conf: Option<&InForce>,
+        now_ms: i64,
+    ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        if let Some(existing) = held_by_owner(&tx, owner, family)? {
-            return Ok(existing);
+        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
+            return kept(&tx, &mut judge, owner, existing);
         }
-        let candidates = candidates(&tx, owner.network, family)?;
-        for (id, cidr) in &candidates {
-            if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
+        let mut candidates = Vec::new();
+        for (id, cidr) in candidates_of(&tx, owner.network, family)? {
+            if judge.block(&tx, id, &cidr)? {
+                candidates.push((id, cidr, 0i64));
+            }
+        }
+        for (id, cidr, after) in &mut candidates {
+            if let Some(address) = claim(&tx, &mut judge, *id, cidr, owner, now_ms, after)? {
                 tx.commit()?;
                 return Ok(Allocation {
                     address,
@@ -303,12 +512,12 @@ impl Store {
                 });
             }
         }
-        for (id, cidr) in &candidates {
+        for (id, cidr, after) in &mut candidates {
             for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
-                if expand(&tx, mode, *id, owner.network, cidr, now_ms)? == 0 {
+                if expand(&tx, mode, *id, owner.network, cidr, now_ms, *after)? == 0 {
                     break;
                 }
-                if let Some(address) = claim(&tx, *id, cidr, owner, now_ms)? {
+                if let Some(address) = claim(&tx, &mut judge, *id, cidr, owner, now_ms, after)? {
                     tx.commit()?;
                     return Ok(Allocation {
                         address,
@@ -318,42 +527,65 @@ impl Store {
             }
         }
         let quarantined = quarantined_in(&tx, owner.network, family)?;
+        let passed_over = std::mem::take(&mut judge.passed_over);
         // Keep any rows populated on the way; they are valid.
         tx.commit()?;
         Err(StoreError::NoAvailableIps {
             network: owner.network.to_string(),
             family,
             quarantined,
+            passed_over,
         })
     }
 
-    /// Allocates exactly `address` to `owner` (static IP request).
+    /// Allocates exactly `address` to `owner` (static IP request), judged
+    /// against the blocks as recorded (see [`Store::allocate_requested_under`]).
     pub fn allocate_requested(
         &mut self,
         owner: &Owner,
         address: IpAddr,
         now_ms: i64,
     ) -> Result<Allocation, StoreError> {
+        self.allocate_requested_under(owner, address, None, now_ms)
+    }
+
+    /// Allocates exactly `address` to `owner` (static IP request), once it
+    /// passed the hand-out check against `conf`.
+    pub fn allocate_requested_under(
+        &mut self,
+        owner: &Owner,
+        address: IpAddr,
+        conf: Option<&InForce>,
+        now_ms: i64,
+    ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        if let Some(existing) = held_by_owner(&tx, owner, Family::of(address))? {
+        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
+            let existing = kept(&tx, &mut judge, owner, existing)?;
             return already_held(owner, existing, address);
         }
         let (block_id, cidr) = ready_block_containing(&tx, owner.network, address)?;
+        if let Err(unfit) = judge.address(&tx, block_id, &cidr, address)? {
+            let reason = match unfit {
+                Unfit::Quarantined => Unavailable::Quarantined { block: cidr },
+                Unfit::Retired => Unavailable::BlockNotReady {
+                    block: cidr,
+                    state: BlockState::Draining,
+                },
+                Unfit::Reserved | Unfit::Gateway(_) | Unfit::OutsideBounds { .. } => {
+                    Unavailable::ReservedPosition { block: cidr }
+                }
+                Unfit::BlockOutsideRanges { .. }
+                | Unfit::OutsideRanges { .. }
+                | Unfit::OutsideBlock => Unavailable::OutsideConfig {
+                    why: unfit.to_string(),
+                },
+            };
+            return Err(unavailable(address, reason));
+        }
         let offset = cidr.offset_of(address).unwrap_or(0);
-        if block_reserved(&tx, mode, block_id, owner.network, &cidr)?.contains(&offset) {
-            return Err(unavailable(
-                address,
-                Unavailable::ReservedPosition { block: cidr },
-            ));
-        }
-        if is_quarantined(&tx, block_id)? {
-            return Err(unavailable(
-                address,
-                Unavailable::Quarantined { block: cidr },
-            ));
-        }
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;
         if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
@@ -609,7 +841,7 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
 }
 
 /// Ready blocks of network+family with room, oldest (lowest id) first.
-fn candidates(
+fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,

@@ -36,7 +36,7 @@ pub fn reserved_offsets(cidr: &Cidr, mode: ReserveMode, first_v4_block: bool) ->
 }
 
 /// Whether block `id` is the lowest-id IPv4 block of `network`.
-fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<bool, StoreError> {
+pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<bool, StoreError> {
     let first: Option<i64> = conn
         .prepare_cached(
             "SELECT MIN(id) FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4'",
@@ -512,15 +512,6 @@ pub(super) const UNDRAINABLE_SQL: &str = "SELECT id FROM cidr_blocks WHERE netwo
      AND state = 'Draining' AND id NOT IN \
        (SELECT block_id FROM metis_blocks WHERE retired = 1 OR quarantine IS NOT NULL) \
      ORDER BY id LIMIT 1";
-
-/// Whether block `block_id` is quarantined.
-pub(super) fn is_quarantined(conn: &Connection, block_id: i64) -> Result<bool, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM metis_blocks WHERE block_id = ?1 AND quarantine IS NOT NULL)",
-        )?
-        .query_row([block_id], |r| r.get(0))?)
-}
 
 /// Lifts every quarantine (before it is recomputed from scratch).
 pub(super) fn clear_quarantines(conn: &Connection) -> Result<(), StoreError> {

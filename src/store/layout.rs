@@ -84,7 +84,7 @@ impl Source {
 
 /// A block's sources as `metis_blocks.sources` stores them: names, comma
 /// separated. A name no release wrote is skipped.
-fn parse_sources(text: &str) -> BTreeSet<Source> {
+pub(super) fn parse_sources(text: &str) -> BTreeSet<Source> {
     text.split(',').filter_map(Source::parse).collect()
 }
 

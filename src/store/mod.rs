@@ -20,6 +20,7 @@ mod files;
 mod free;
 mod gc;
 mod grants;
+mod handout;
 mod layout;
 mod lifecycle;
 mod listings;
@@ -50,6 +51,7 @@ pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_
 pub use check::{Depth, Report, check_file};
 pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
 pub use grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
+pub use handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
 pub use layout::{Isolation, LayoutChanges, Source};
 pub use schema::{SCHEMA, SCHEMA_VERSION};
 
@@ -252,6 +254,9 @@ pub enum Unavailable {
     HeldByHostLocal,
     /// Its block is Draining (or otherwise not Ready).
     BlockNotReady { block: Cidr, state: BlockState },
+    /// It does not fit the configuration in force (outside its ranges, or
+    /// its block is not one the configuration names).
+    OutsideConfig { why: String },
     /// The requesting owner already holds another address of the family.
     OwnerHolds {
         container_id: String,
@@ -284,6 +289,7 @@ impl fmt::Display for Unavailable {
                 f.write_str("host-local's file records another owner for it")
             }
             Unavailable::BlockNotReady { block, state } => write!(f, "block {block} is {state}"),
+            Unavailable::OutsideConfig { why } => f.write_str(why),
             Unavailable::OwnerHolds {
                 container_id,
                 interface_name,
@@ -321,6 +327,16 @@ pub enum StoreError {
         /// The network's quarantined blocks of that family, in words: why
         /// it may be exhausted although it has addresses.
         quarantined: Vec<String>,
+        /// Free rows and blocks passed over because they do not fit the
+        /// configuration in force, in words.
+        passed_over: Vec<String>,
+    },
+    /// A repeated ADD: the address the owner holds may not be returned
+    /// under the configuration in force ([`handout`]); a DEL frees it.
+    HeldUnfit {
+        address: IpAddr,
+        container_id: String,
+        why: String,
     },
     RequestedIpUnavailable {
         address: IpAddr,
@@ -349,6 +365,21 @@ pub enum StoreError {
         /// allow it).
         isolation_helps: bool,
     },
+}
+
+/// At most three of `lines`, and how many more there are.
+fn summary(lines: &[String]) -> String {
+    const SHOWN: usize = 3;
+    let mut text = lines
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("; ");
+    if lines.len() > SHOWN {
+        text.push_str(&format!(" (and {} more)", lines.len() - SHOWN));
+    }
+    text
 }
 
 /// Prepared statements kept per connection. rusqlite keeps 16 by default,
@@ -417,21 +448,38 @@ impl fmt::Display for StoreError {
                 network,
                 family,
                 quarantined,
+                passed_over,
             } => {
                 write!(
                     f,
                     "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
                 )?;
-                match quarantined.is_empty() {
-                    true => Ok(()),
-                    false => write!(
+                if !quarantined.is_empty() {
+                    write!(
                         f,
                         "; not served until the problem is solved and the daemon restarted \
                          (see `metis admin check`): {}",
                         quarantined.join("; ")
-                    ),
+                    )?;
                 }
+                if !passed_over.is_empty() {
+                    write!(
+                        f,
+                        "; passed over, not fitting the configuration in force: {}",
+                        summary(passed_over)
+                    )?;
+                }
+                Ok(())
             }
+            StoreError::HeldUnfit {
+                address,
+                container_id,
+                why,
+            } => write!(
+                f,
+                "store: container {container_id:?} already holds {address}, which no result may \
+                 carry: {why}; DEL the attachment and ADD it again"
+            ),
             StoreError::RequestedIpUnavailable { address, reason } => {
                 write!(f, "store: requested IP {address} is unavailable: {reason}")
             }
@@ -512,6 +560,9 @@ pub struct Store {
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
     batch: Batch,
+    /// What the hand-out check passed over and this store logged (each
+    /// once).
+    passed_over: std::collections::HashSet<String>,
 }
 
 /// The group commit the daemon's loop may hold open (see
@@ -649,6 +700,7 @@ impl Store {
             warnings: file_warnings,
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
+            passed_over: Default::default(),
         };
         let upstream_only = store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
@@ -773,6 +825,7 @@ impl Store {
             warnings: Vec::new(),
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
+            passed_over: Default::default(),
         }))
     }
 

@@ -13,7 +13,7 @@ fn claim_query_uses_partial_index() {
             crate::store::alloc::CLAIM_SQL
         ))
         .unwrap()
-        .query_map([1, 2], |r| r.get::<_, String>(3))
+        .query_map([1, 2, 0], |r| r.get::<_, String>(3))
         .unwrap()
         .map(Result::unwrap)
         .collect();
