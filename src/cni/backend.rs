@@ -262,9 +262,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
         }
     }
     let mut engine = Engine::new(store);
-    let response = engine
-        .handle_alone(&request, log::now_ms())
-        .into_response();
+    let response = engine.handle_alone(&request, log::now_ms()).into_response();
     // After the answer is settled: a failed checkpoint loses nothing.
     if let Err(err) = engine.store().trim_wal() {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);

@@ -130,10 +130,8 @@ fn kept(
     match judge.address(conn, existing.block_id, &block, address)? {
         Ok(()) => Ok(existing.allocation),
         Err(
-            unfit @ (Unfit::OutsideBlock
-            | Unfit::Gateway(_)
-            | Unfit::Quarantined
-            | Unfit::Reserved),
+            unfit
+            @ (Unfit::OutsideBlock | Unfit::Gateway(_) | Unfit::Quarantined | Unfit::Reserved),
         ) => Err(StoreError::HeldUnfit {
             address,
             container_id: owner.container_id.to_string(),

@@ -46,14 +46,21 @@ pub enum Unfit {
     Quarantined,
     Retired,
     /// The block neither overlaps a configured range nor is granted.
-    BlockOutsideRanges { ranges: Vec<Cidr> },
+    BlockOutsideRanges {
+        ranges: Vec<Cidr>,
+    },
     /// The row's address does not lie in its own block.
     OutsideBlock,
     /// The address lies in no configured range (and its block is not
     /// granted).
-    OutsideRanges { ranges: Vec<Cidr> },
+    OutsideRanges {
+        ranges: Vec<Cidr>,
+    },
     /// Outside `rangeStart`..`rangeEnd` of its range.
-    OutsideBounds { start: IpAddr, end: IpAddr },
+    OutsideBounds {
+        start: IpAddr,
+        end: IpAddr,
+    },
     /// The gateway a result for it would name, or its range's gateway.
     Gateway(IpAddr),
     /// A reserved position of its block (network, gateway, broadcast).
@@ -98,7 +105,8 @@ pub fn block_fit(block: &BlockRecord, conf: &InForce) -> Result<(), Unfit> {
     if block.retired {
         return Err(Unfit::Retired);
     }
-    let overlaps = |range: &Cidr| range.contains(block.cidr.base()) || block.cidr.contains(range.base());
+    let overlaps =
+        |range: &Cidr| range.contains(block.cidr.base()) || block.cidr.contains(range.base());
     if conf.ranges.is_empty() || block.granted || conf.ranges.iter().any(overlaps) {
         return Ok(());
     }
