@@ -27,6 +27,7 @@ mod limits;
 mod metrics;
 mod migration;
 mod model;
+mod model_multi_writer;
 mod ops;
 mod plugin;
 mod properties;
@@ -34,7 +35,6 @@ mod proto_sync;
 mod reconcile;
 mod storage_faults;
 mod writers;
-mod writers_model;
 
 /// With `autotests = false`, a file of `tests/` that is neither a module
 /// here nor a `[[test]]` of its own in Cargo.toml would never be compiled,

@@ -45,12 +45,13 @@
 
 use crate::common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
 use common::node::{
-    Block, NetConf, Node, Outcome, Request, check_passes, held_twice, serving, strip_prefix,
+    Block, Holding, NetConf, Node, Outcome, Request, check_passes, held_twice, holdings_match,
+    serving, strip_prefix,
 };
 use common::rng::{Rng, run_sequences};
 use common::upstream::Upstream;
@@ -753,26 +754,15 @@ impl Sequence {
         if !twice.is_empty() {
             return Err(format!("addresses held twice: {twice:?}"));
         }
-        let actual: BTreeSet<(String, String, String, IpAddr)> = rows
-            .into_iter()
-            .map(|h| (h.network, h.container, h.ifname, h.address))
-            .collect();
-        let expected: BTreeSet<(String, String, String, IpAddr)> = self
-            .model
-            .held
-            .iter()
-            .flat_map(|((n, c, i), ips)| {
-                ips.iter()
-                    .map(move |ip| (n.clone(), c.clone(), i.clone(), strip_prefix(ip)))
+        let expected = self.model.held.iter().flat_map(|((n, c, i), ips)| {
+            ips.iter().map(move |ip| Holding {
+                network: n.clone(),
+                container: c.clone(),
+                ifname: i.clone(),
+                address: strip_prefix(ip),
             })
-            .collect();
-        if actual != expected {
-            return Err(format!(
-                "database and model disagree:\n  only in the database: {:?}\n  only in the model: {:?}",
-                actual.difference(&expected).collect::<Vec<_>>(),
-                expected.difference(&actual).collect::<Vec<_>>()
-            ));
-        }
+        });
+        holdings_match(rows, expected)?;
         if self.node.db_path().exists() {
             let check = self.node.admin_check();
             if !check_passes(&check) {

@@ -533,6 +533,24 @@ pub fn blocks(path: &Path) -> Vec<BlockRow> {
     .collect()
 }
 
+/// Whether the database's allocated rows are exactly what a model
+/// expects; else what differs, both ways.
+pub fn holdings_match(
+    actual: Vec<Holding>,
+    expected: impl IntoIterator<Item = Holding>,
+) -> Result<(), String> {
+    let actual: std::collections::BTreeSet<Holding> = actual.into_iter().collect();
+    let expected: std::collections::BTreeSet<Holding> = expected.into_iter().collect();
+    if actual == expected {
+        return Ok(());
+    }
+    Err(format!(
+        "database and model disagree:\n  only in the database: {:?}\n  only in the model: {:?}",
+        actual.difference(&expected).collect::<Vec<_>>(),
+        expected.difference(&actual).collect::<Vec<_>>()
+    ))
+}
+
 /// Addresses held by more than one owner, among rows `counts` selects.
 pub fn held_twice(
     holdings: &[Holding],
