@@ -750,7 +750,7 @@ fn parse_state(text: &str) -> Result<Option<BlockState>, Failure> {
     }
     BlockState::parse(text).map(Some).ok_or_else(|| {
         Failure::invalid(format!(
-            "unknown block state {text:?} (Ready, Draining or Deleting)"
+            "unknown block state {text:?} (Ready, Draining, Deleting or Withheld)"
         ))
     })
 }

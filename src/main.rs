@@ -17,6 +17,7 @@ Usage:
   metis install [flags]  copy this binary (and a network config) into the node's CNI directories
   metis admin LISTING    show cidr-blocks, ip-addresses or usage from the daemon
   metis admin check      verify a database's invariants, read-only (exit 1 on a problem)
+  metis admin downgrade  ready a database for upstream Metis (a rollback; stop the daemon first)
   metis import host-local  record host-local's allocations of a network in Metis's database
   metis export host-local  write Metis's allocations of a network in host-local's format
   metis version          print the version
@@ -153,14 +154,18 @@ fn run_host_local(direction: host_local::Direction, args: &[String]) -> ExitCode
 }
 
 fn run_admin(args: &[String]) -> ExitCode {
-    if let Some((sub, rest)) = args.split_first()
-        && sub == "check"
-    {
-        return ExitCode::from(cli::check::run(
-            rest,
-            &mut std::io::stdout(),
-            &mut std::io::stderr(),
-        ));
+    if let Some((sub, rest)) = args.split_first() {
+        let run = match sub.as_str() {
+            "check" => Some(
+                cli::check::run
+                    as fn(&[String], &mut dyn std::io::Write, &mut dyn std::io::Write) -> u8,
+            ),
+            "downgrade" => Some(cli::downgrade::run as _),
+            _ => None,
+        };
+        if let Some(run) = run {
+            return ExitCode::from(run(rest, &mut std::io::stdout(), &mut std::io::stderr()));
+        }
     }
     let options = match admin::parse(args) {
         Ok(options) => options,

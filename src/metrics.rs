@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use crate::log;
 use crate::store::Store;
+use crate::store::rollback::Healed;
 
 /// Upper bounds (seconds) of the request latency histogram.
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -61,6 +62,8 @@ struct Counters {
     /// Times the database file was put back at its path (see
     /// `daemon::restore`).
     database_restored: u64,
+    /// What the open-time repair healed of a rollback to upstream.
+    rollback_repairs: Healed,
 }
 
 /// Shared between the loop (writer) and the HTTP thread (reader).
@@ -126,6 +129,10 @@ impl Metrics {
 
     pub fn recovered_at_boot(&self, addresses: u64) {
         self.with(|c| c.recovered_at_boot += addresses);
+    }
+
+    pub fn rollback_repaired(&self, healed: Healed) {
+        self.with(|c| c.rollback_repairs = healed);
     }
 
     /// The Prometheus text exposition of the counters and of `store`'s gauges.
@@ -259,6 +266,19 @@ const RECOVERED_AT_BOOT: Metric = Metric::new(
     &[],
     "Allocations of a previous boot released at start.",
 );
+/// Blocks not served while a pod holds their gateway (see `store::gateway`).
+const GATEWAY_HELD: Metric = Metric::new(
+    "metis_local_store_gateway_held_block_total",
+    Type::Gauge,
+    &[],
+    "CIDR blocks not served while a pod holds the address they advertise as gateway.",
+);
+const ROLLBACK_REPAIRS: Metric = Metric::new(
+    "metis_daemon_rollback_repairs_total",
+    Type::Counter,
+    &["kind"],
+    "What the daemon's start healed of what upstream's store left: revived blocks withheld again, rows beyond bounds reserved, rows outside a prefix deleted.",
+);
 const DATABASE_RESTORED: Metric = Metric::new(
     "metis_daemon_database_restored_total",
     Type::Counter,
@@ -267,13 +287,14 @@ const DATABASE_RESTORED: Metric = Metric::new(
 );
 
 /// Every metric, in the order a scrape shows them.
-pub const METRICS: [&Metric; 15] = [
+pub const METRICS: [&Metric; 17] = [
     &BUILD_INFO,
     &IP_TOTAL,
     &BLOCK_TOTAL,
     &QUARANTINED,
     &NOT_GRANTED_BLOCKS,
     &NOT_GRANTED_PODS,
+    &GATEWAY_HELD,
     &PENDING,
     &MONITOR_ACTIONS,
     &REQUESTS,
@@ -282,6 +303,7 @@ pub const METRICS: [&Metric; 15] = [
     &STALE_VERSIONS,
     &REFUSED_POD_CIDRS,
     &RECOVERED_AT_BOOT,
+    &ROLLBACK_REPAIRS,
     &DATABASE_RESTORED,
 ];
 
@@ -366,6 +388,7 @@ fn render_store(out: &mut String, store: &Store) {
             ("cooldown", s.cooldown),
             ("draining", s.draining),
             ("deleting", s.deleting),
+            ("withheld", s.withheld),
             ("total", s.total),
         ];
         for (kind, value) in types {
@@ -374,7 +397,10 @@ fn render_store(out: &mut String, store: &Store) {
     }
     BLOCK_TOTAL.header(out);
     for ((network, ip_family), s) in &stats {
-        for (state, value) in ["ready", "draining", "deleting"].iter().zip(s.blocks) {
+        for (state, value) in ["ready", "draining", "deleting", "withheld"]
+            .iter()
+            .zip(s.blocks)
+        {
             BLOCK_TOTAL.sample(out, &[network, ip_family.as_str(), state], value);
         }
     }
@@ -400,6 +426,17 @@ fn render_store(out: &mut String, store: &Store) {
         Err(err) => log::warn(
             "metrics",
             "reading blocks the cluster took back failed",
+            &[("error", &err)],
+        ),
+    }
+    match store.held_gateways() {
+        Ok(blocks) => {
+            GATEWAY_HELD.header(out);
+            GATEWAY_HELD.sample(out, &[], blocks.len());
+        }
+        Err(err) => log::warn(
+            "metrics",
+            "reading blocks whose gateway a pod holds failed",
             &[("error", &err)],
         ),
     }
@@ -434,12 +471,17 @@ fn render_counters(out: &mut String, c: &Counters) {
         (&STALE_VERSIONS, c.stale_versions),
         (&REFUSED_POD_CIDRS, c.refused_pod_cidrs),
         (&RECOVERED_AT_BOOT, c.recovered_at_boot),
-        (&DATABASE_RESTORED, c.database_restored),
     ];
     for (metric, value) in totals {
         metric.header(out);
         metric.sample(out, &[], value);
     }
+    ROLLBACK_REPAIRS.header(out);
+    for (kind, count) in c.rollback_repairs.by_kind() {
+        ROLLBACK_REPAIRS.sample(out, &[kind], count);
+    }
+    DATABASE_RESTORED.header(out);
+    DATABASE_RESTORED.sample(out, &[], c.database_restored);
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` from a thread of its own.

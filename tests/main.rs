@@ -34,6 +34,7 @@ mod properties;
 mod proto_sync;
 mod reconcile;
 mod storage_faults;
+mod upstream_rollback;
 mod writers;
 
 /// With `autotests = false`, a file of `tests/` that is neither a module

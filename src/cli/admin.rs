@@ -30,7 +30,7 @@ const NETWORK: FlagSpec = FlagSpec {
 };
 const STATE: FlagSpec = FlagSpec {
     name: "--state",
-    value: Some("Ready|Draining|Deleting"),
+    value: Some("Ready|Draining|Deleting|Withheld"),
     repeatable: false,
     default: "",
     help: "only blocks (or addresses in blocks) in this state",
@@ -208,7 +208,7 @@ fn options(listing: &str, parsed: &Parsed) -> Result<Options, flags::FlagError> 
         parsed,
         "--state",
         |v| BlockState::parse(v).is_some(),
-        "Ready, Draining or Deleting",
+        "Ready, Draining, Deleting or Withheld",
     )?;
     let listing = match listing {
         "cidr-blocks" => Listing::CidrBlocks(ListCidrBlocksRequest {

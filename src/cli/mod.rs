@@ -1,11 +1,12 @@
 //! The operator's subcommands: `health` (an exec liveness probe), `install`
 //! (put the plugin and a network config on a node), `admin` (read the
-//! daemon's tables) and `admin check` (verify a database's invariants), `import`/`export host-local` (move a
+//! daemon's tables) `admin check` (verify a database's invariants), `admin downgrade` (ready a database for upstream), `import`/`export host-local` (move a
 //! node's allocations from and to host-local). Each parses its own flags with [`crate::flags`] and
 //! returns typed errors; `main` alone turns them into exit codes.
 
 pub mod admin;
 pub mod check;
+pub mod downgrade;
 pub mod health;
 pub mod host_local;
 pub mod install;

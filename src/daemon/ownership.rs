@@ -41,6 +41,19 @@ pub fn database_owned(db: &Path) -> bool {
     matches!(file.try_lock_shared(), Err(fs::TryLockError::WouldBlock))
 }
 
+/// Takes ownership of the database at `db` without waiting, for a command
+/// that must not run beside a daemon (`metis admin downgrade`): `Ok(None)`
+/// while a daemon holds it. A daemon started meanwhile waits for the
+/// returned ownership to be dropped.
+pub fn try_hold(db: &Path) -> io::Result<Option<Ownership>> {
+    let file = open_lock_file(&lock_path(db))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(Ownership { _locked: file })),
+        Err(fs::TryLockError::WouldBlock) => Ok(None),
+        Err(fs::TryLockError::Error(err)) => Err(err),
+    }
+}
+
 /// Held while the daemon owns its database; dropping it (or exiting) lets
 /// the next daemon take over.
 #[derive(Debug)]

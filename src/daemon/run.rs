@@ -50,6 +50,7 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
     let engine = Engine::new(store);
     let metrics = Arc::new(Metrics::default());
     metrics.recovered_at_boot(recovered_at_boot);
+    metrics.rollback_repaired(engine.store().rollback_repairs());
     let keeper = Keeper::new(
         &config.db_path,
         store_options(config),
@@ -158,6 +159,30 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
             "recounted blocks whose allocated_ips did not match their rows",
             &[("blocks", &isolation.recounted)],
         );
+    }
+    match store.upstream_hazards() {
+        Ok(hazards) => {
+            for hazard in &hazards {
+                log::info("store", hazard, &[]);
+            }
+        }
+        Err(err) => log::warn(
+            "store",
+            "could not look for what upstream's store would trip on",
+            &[("error", &err)],
+        ),
+    }
+    match store.held_gateways() {
+        Ok(held) => {
+            for gateway in &held {
+                log::error("store", &gateway.describe(), &[]);
+            }
+        }
+        Err(err) => log::warn(
+            "store",
+            "could not look for gateways held by pods",
+            &[("error", &err)],
+        ),
     }
     for q in &isolation.quarantined {
         log::error(

@@ -495,8 +495,14 @@ impl Store {
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             return kept(&tx, &mut judge, owner, existing);
         }
+        let (servable, held_gateways) = super::gateway::servable(
+            &tx,
+            mode,
+            owner.network,
+            candidates_of(&tx, owner.network, family)?,
+        )?;
         let mut candidates = Vec::new();
-        for (id, cidr) in candidates_of(&tx, owner.network, family)? {
+        for (id, cidr) in servable {
             if judge.block(&tx, id, &cidr)? {
                 candidates.push((id, cidr, 0i64));
             }
@@ -532,6 +538,7 @@ impl Store {
             network: owner.network.to_string(),
             family,
             quarantined,
+            held_gateways: held_gateways.iter().map(|g| g.describe()).collect(),
             passed_over,
         })
     }

@@ -73,6 +73,11 @@ impl Reserved {
         }
     }
 
+    /// Whether host-local bounds keep the block's outside out.
+    pub fn is_bounded(&self) -> bool {
+        self.usable.is_some()
+    }
+
     /// The fixed offsets (network, gateway, broadcast), every one of which
     /// has a reserved row from the block's start.
     pub fn offsets(&self) -> &[u128] {
@@ -324,7 +329,8 @@ pub(super) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_
 /// `release_at` (none if `None`) and the block's counter drops — unless
 /// the row sits at a position the block reserves under `mode` (a pod left
 /// there by an upstream database), which goes back to the reservation and
-/// stays counted. Every release (DEL, GC, boot recovery) ends here.
+/// stays counted, and a row outside the block's prefix is deleted. Every
+/// release (DEL, GC, boot recovery) ends here.
 pub(super) fn give_back(
     conn: &Connection,
     mode: ReserveMode,
@@ -333,12 +339,17 @@ pub(super) fn give_back(
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
     super::co_writer::before_give_back(conn, network, row.row_id, row.allocation.address)?;
+    let Some(offset) = row.allocation.block.offset_of(row.allocation.address) else {
+        // Outside the prefix (upstream's rows of a /127 or /128): the row
+        // goes with its last pod, so no one is handed it again.
+        conn.prepare_cached("DELETE FROM ip_addresses WHERE id = ?1")?
+            .execute([row.row_id])?;
+        conn.prepare_cached(COUNT_RELEASED_SQL)?
+            .execute([row.block_id])?;
+        return Ok(());
+    };
     let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
-    let at_reserved = row
-        .allocation
-        .block
-        .offset_of(row.allocation.address)
-        .is_some_and(|offset| reserved.contains(&offset));
+    let at_reserved = reserved.contains(&offset);
     if at_reserved {
         conn.prepare_cached(RETURN_RESERVED_SQL)?
             .execute([row.row_id])?;
@@ -524,7 +535,7 @@ pub(super) fn quarantine(conn: &Connection, id: i64, why: &str) -> Result<(), St
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
         .execute(params![id, why])?;
-    Ok(())
+    super::withhold::settle_block(conn, id, crate::log::now_ms())
 }
 
 /// The columns [`block_info`] reads, of `cidr_blocks b`.

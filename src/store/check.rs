@@ -283,7 +283,30 @@ fn check_connection(conn: &Connection, depth: Depth) -> Result<Report, StoreErro
     check_owners(conn, isolation_space(&has), &mut report)?;
     check_rows(conn, mode, &blocks, &mut report)?;
     check_metis_tables(conn, &has, &mut report)?;
+    check_upstream_leftovers(conn, mode, &has, &mut report)?;
     Ok(report)
+}
+
+/// What upstream's store left that Metis heals at open or refuses to
+/// serve (see `rollback` and `gateway`). Not suspects: nothing here is
+/// quarantined.
+fn check_upstream_leftovers(
+    conn: &Connection,
+    mode: ReserveMode,
+    has: &dyn Fn(&str) -> bool,
+    report: &mut Report,
+) -> Result<(), StoreError> {
+    if has("metis_blocks") && has("metis_bounds") {
+        let found = super::rollback::find(conn)?.describe(false);
+        push_limited(report, found, |line| line);
+    }
+    // A read-only open of a file only upstream wrote reads empty stand-ins
+    // for Metis's tables (`schema::shadow_missing_tables`).
+    if conn.prepare("SELECT 1 FROM metis_bounds LIMIT 0").is_ok() {
+        let held = super::gateway::all_held(conn, mode)?;
+        push_limited(report, held, |g| g.describe());
+    }
+    Ok(())
 }
 
 /// Metis's own tables: the state of an earlier release not yet moved into

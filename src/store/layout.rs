@@ -14,8 +14,9 @@
 //! - a wanted range inside a wider block of the network *narrows* it: the
 //!   block takes the range and the rest of its prefix becomes retired
 //!   pieces, so no address ever has two rows in one network;
-//! - a block no source wants any more is *retired*: Draining, no new
-//!   allocations, pods keep their addresses; it is deleted once no pod
+//! - a block no source wants any more is *retired*: `Withheld` (see
+//!   `withhold`, so upstream's store cannot allocate from it or undrain it
+//!   either), no new allocations, pods keep their addresses; it is deleted once no pod
 //!   holds an address in it and its cooldowns are over; a range that comes
 //!   back takes it back.
 //!
@@ -24,7 +25,8 @@
 //! are a separate address space). Blocks the layout cannot trust — an
 //! address held twice, rows outside their prefix, an overlap that holds
 //! pods on both sides — are *quarantined*: nothing new is allocated from
-//! them, their pods keep their addresses and DEL works.
+//! them (state `Withheld` too), their pods keep their addresses and DEL
+//! works.
 //!
 //! All of this lives in Metis's own tables (`metis_blocks`, `metis_ranges`)
 //! and settings; upstream's tables keep their meaning.
@@ -323,6 +325,7 @@ impl Store {
         for (id, why) in &marks {
             quarantine(&tx, *id, why)?;
         }
+        super::withhold::settle(&tx, now_ms)?;
         isolation.quarantined = quarantined(&tx)?;
         tx.commit()?;
         Ok(isolation)
@@ -793,7 +796,7 @@ fn narrow(
     for piece in &pieces {
         conn.prepare_cached(
             "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state, created_at) \
-             SELECT ?2, network, ip_family, ?3, 0, 'Draining', created_at FROM cidr_blocks WHERE id = ?1",
+             SELECT ?2, network, ip_family, ?3, 0, 'Withheld', created_at FROM cidr_blocks WHERE id = ?1",
         )?
         .execute(params![wider.id, piece.to_string(), total_ips(piece)])?;
         let id = conn.last_insert_rowid();
@@ -837,7 +840,7 @@ fn sweepable(
         .prepare_cached(
             "SELECT b.id, b.cidr FROM cidr_blocks b JOIN metis_blocks m ON m.block_id = b.id \
              WHERE b.network = ?1 AND b.ip_family = ?2 AND m.retired = 1 \
-               AND m.quarantine IS NULL AND b.state = 'Draining' ORDER BY b.id",
+               AND m.quarantine IS NULL AND b.state = 'Withheld' ORDER BY b.id",
         )?
         .query_map(params![network, family.as_str()], |r| {
             Ok((r.get(0)?, r.get(1)?))
@@ -861,17 +864,7 @@ pub(super) fn set_retired(
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
         .execute(params![id, retired])?;
-    conn.prepare_cached("UPDATE cidr_blocks SET state = ?2, updated_at = ?3 WHERE id = ?1")?
-        .execute(params![
-            id,
-            match retired {
-                true => BlockState::Draining,
-                false => BlockState::Ready,
-            }
-            .as_str(),
-            now_ms
-        ])?;
-    Ok(())
+    super::withhold::settle_block(conn, id, now_ms)
 }
 
 pub(super) fn write_sources(
@@ -1252,7 +1245,7 @@ mod tests {
             layout(&store, "pods"),
             [
                 ("198.18.10.0/30".into(), "Ready".into()),
-                ("198.18.10.4/30".into(), "Draining".into())
+                ("198.18.10.4/30".into(), "Withheld".into())
             ]
         );
         assert_eq!(
@@ -1390,7 +1383,7 @@ mod tests {
         assert_eq!(
             layout(&store, "pods"),
             [
-                ("198.18.12.0/24".into(), "Draining".into()),
+                ("198.18.12.0/24".into(), "Withheld".into()),
                 ("198.18.13.0/24".into(), "Ready".into())
             ]
         );

@@ -16,8 +16,10 @@ mod bounds;
 mod check;
 mod checkpoint;
 pub mod co_writer;
+pub mod downgrade;
 mod files;
 mod free;
+pub mod gateway;
 mod gc;
 mod grants;
 mod handout;
@@ -26,10 +28,12 @@ mod lifecycle;
 mod listings;
 mod migrate;
 mod repair;
+pub mod rollback;
 mod schema;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod withhold;
 
 use std::fmt;
 use std::fs::{DirBuilder, OpenOptions};
@@ -111,6 +115,11 @@ pub enum BlockState {
     Ready,
     Draining,
     Deleting,
+    /// Retired or quarantined by Metis (`metis_blocks` says which): a value
+    /// upstream's store neither allocates from, undrains, expires nor
+    /// deletes, so its pods keep their addresses whoever writes the file
+    /// (see `store::withhold`).
+    Withheld,
 }
 
 impl BlockState {
@@ -119,6 +128,7 @@ impl BlockState {
             BlockState::Ready => "Ready",
             BlockState::Draining => "Draining",
             BlockState::Deleting => "Deleting",
+            BlockState::Withheld => "Withheld",
         }
     }
 
@@ -127,6 +137,7 @@ impl BlockState {
             "Ready" => Some(BlockState::Ready),
             "Draining" => Some(BlockState::Draining),
             "Deleting" => Some(BlockState::Deleting),
+            "Withheld" => Some(BlockState::Withheld),
             _ => None,
         }
     }
@@ -327,6 +338,9 @@ pub enum StoreError {
         /// The network's quarantined blocks of that family, in words: why
         /// it may be exhausted although it has addresses.
         quarantined: Vec<String>,
+        /// Blocks of the network and family not served while a pod holds
+        /// their gateway (see `gateway`), in words.
+        held_gateways: Vec<String>,
         /// Free rows and blocks passed over because they do not fit the
         /// configuration in force, in words.
         passed_over: Vec<String>,
@@ -448,6 +462,7 @@ impl fmt::Display for StoreError {
                 network,
                 family,
                 quarantined,
+                held_gateways,
                 passed_over,
             } => {
                 write!(
@@ -460,6 +475,13 @@ impl fmt::Display for StoreError {
                         "; not served until the problem is solved and the daemon restarted \
                          (see `metis admin check`): {}",
                         quarantined.join("; ")
+                    )?;
+                }
+                if !held_gateways.is_empty() {
+                    write!(
+                        f,
+                        "; served again once that pod is deleted: {}",
+                        held_gateways.join("; ")
                     )?;
                 }
                 if !passed_over.is_empty() {
@@ -563,6 +585,8 @@ pub struct Store {
     /// What the hand-out check passed over and this store logged (each
     /// once).
     passed_over: std::collections::HashSet<String>,
+    /// What the open-time repair healed of a rollback to upstream.
+    healed: rollback::Healed,
 }
 
 /// The group commit the daemon's loop may hold open (see
@@ -701,6 +725,7 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
             passed_over: Default::default(),
+            healed: rollback::Healed::default(),
         };
         let upstream_only = store.install_schema()?;
         store.reserve = store.settle_reserve_mode(opts.reserve)?;
@@ -826,6 +851,7 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
             passed_over: Default::default(),
+            healed: rollback::Healed::default(),
         }))
     }
 
@@ -849,6 +875,23 @@ impl Store {
     /// address at a reserved position), for the caller to log.
     pub fn open_warnings(&self) -> &[String] {
         &self.warnings
+    }
+
+    /// What this open healed of what upstream's store left (see
+    /// `rollback`).
+    pub fn rollback_repairs(&self) -> rollback::Healed {
+        self.healed
+    }
+
+    /// What would go wrong under upstream's store that Metis does not
+    /// change (see `rollback::gateway_above_range`), in words.
+    pub fn upstream_hazards(&self) -> Result<Vec<String>, StoreError> {
+        rollback::gateway_above_range(&self.conn)
+    }
+
+    /// Blocks whose gateway a pod holds (not served; see `gateway`).
+    pub fn held_gateways(&self) -> Result<Vec<gateway::HeldGateway>, StoreError> {
+        gateway::all_held(&self.conn, self.reserve)
     }
 
     /// Installs upstream's schema and Metis's tables where missing; true

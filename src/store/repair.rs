@@ -9,6 +9,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use super::block::{
     FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
 };
+use super::rollback;
 use super::{
     BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
     schema, set_setting,
@@ -21,8 +22,6 @@ struct Plan {
     reserve: Vec<(i64, i64)>,
     /// (row id, block id) of reserved rows to free.
     free: Vec<(i64, i64)>,
-    /// Free rows outside their block's prefix (upstream's /127, /128 bug).
-    delete: Vec<i64>,
     /// (block id, cidr, offset) of reserved positions beyond the block's
     /// frontier (no row yet), inserted reserved so counters count them.
     insert: Vec<(i64, Cidr, u128)>,
@@ -36,11 +35,7 @@ struct Plan {
 
 impl Plan {
     fn changes(&self) -> bool {
-        !self.reserve.is_empty()
-            || !self.free.is_empty()
-            || !self.delete.is_empty()
-            || !self.insert.is_empty()
-            || self.mark
+        !self.reserve.is_empty() || !self.free.is_empty() || !self.insert.is_empty() || self.mark
     }
 }
 
@@ -61,7 +56,6 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
     let expected = plan.reserve_positions(conn, mode, &blocks, &first_v4)?;
     if plan.mark {
         plan.free_stray_reservations(conn, &expected)?;
-        plan.delete_rows_outside_prefix(conn, &blocks)?;
     }
     Ok(plan)
 }
@@ -194,45 +188,6 @@ impl Plan {
         }
         Ok(())
     }
-
-    /// Plans deleting free rows outside a small IPv6 block's prefix
-    /// (upstream inserted a full batch of 64 even for /127 and /128).
-    fn delete_rows_outside_prefix(
-        &mut self,
-        conn: &Connection,
-        blocks: &[RepairBlock],
-    ) -> Result<(), StoreError> {
-        let mut stmt = conn.prepare_cached(
-            "SELECT id, address, is_allocated FROM ip_addresses WHERE cidr_block_id = ?1",
-        )?;
-        for block in blocks
-            .iter()
-            .filter(|b| b.cidr.family() == Family::V6 && b.cidr.size() < 64)
-        {
-            let mut rows = stmt.query([block.id])?;
-            while let Some(row) = rows.next()? {
-                let row_id: i64 = row.get(0)?;
-                let address: String = row.get(1)?;
-                let allocated: bool = row.get(2)?;
-                let inside = address
-                    .parse()
-                    .map(|a| block.cidr.contains(a))
-                    .unwrap_or(false);
-                if inside {
-                    continue;
-                }
-                if allocated {
-                    self.warnings.push(format!(
-                        "store: block {} ({}): allocated row {address:?} lies outside the prefix; left alone",
-                        block.id, block.cidr
-                    ));
-                } else {
-                    self.delete.push(row_id);
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Store {
@@ -241,19 +196,19 @@ impl Store {
     pub(super) fn repair(&mut self) -> Result<(), StoreError> {
         let mode = self.reserve;
         let first = plan(&self.conn, mode)?;
-        if !first.changes() {
+        let left = rollback::find(&self.conn)?;
+        if !first.changes() && !left.changes() {
             self.warnings.extend(first.warnings);
+            self.warnings.extend(store_lines(left.describe(false)));
             return Ok(());
         }
         let tx = super::write(&mut self.conn, self.batch)?;
         // Re-plan under the write lock: another process may have repaired.
         let plan = plan(&tx, mode)?;
+        let left = rollback::find(&tx)?;
         {
             let mut reserve = tx.prepare_cached(RESERVE_ROW_SQL)?;
             let mut free = tx.prepare_cached(FREE_RESERVED_ROW_SQL)?;
-            let mut delete = tx.prepare_cached(
-                "DELETE FROM ip_addresses WHERE id = ?1 AND is_allocated = FALSE",
-            )?;
             let mut bump = tx.prepare_cached(
                 "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
             )?;
@@ -267,9 +222,6 @@ impl Store {
                     bump.execute([block_id, -1])?;
                 }
             }
-            for &row_id in &plan.delete {
-                delete.execute([row_id])?;
-            }
             for (block_id, cidr, offset) in &plan.insert {
                 let at = *offset..offset.saturating_add(1);
                 insert_rows(&tx, *block_id, cidr, at, &Reserved::fixed(vec![*offset]))?;
@@ -278,8 +230,15 @@ impl Store {
                 set_setting(&tx, schema::KEY_LAYOUT, mode.as_str())?;
             }
         }
+        self.healed = rollback::heal(&tx, &left, crate::log::now_ms())?;
         tx.commit()?;
         self.warnings.extend(plan.warnings);
+        self.warnings.extend(store_lines(left.describe(true)));
         Ok(())
     }
+}
+
+/// Findings as the open's warnings say them.
+fn store_lines(lines: Vec<String>) -> impl Iterator<Item = String> {
+    lines.into_iter().map(|line| format!("store: {line}"))
 }

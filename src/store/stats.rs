@@ -41,10 +41,12 @@ pub struct FamilyStats {
     pub draining: i64,
     /// Addresses of Deleting blocks.
     pub deleting: i64,
+    /// Addresses of Withheld blocks (retired or quarantined).
+    pub withheld: i64,
     /// Addresses of non-Deleting blocks.
     pub total: i64,
-    /// Blocks per state: Ready, Draining, Deleting.
-    pub blocks: [i64; 3],
+    /// Blocks per state: Ready, Draining, Deleting, Withheld.
+    pub blocks: [i64; 4],
 }
 
 impl Store {
@@ -83,6 +85,10 @@ impl Store {
                     entry.blocks[2] = count;
                     entry.deleting = total;
                     continue;
+                }
+                BlockState::Withheld => {
+                    entry.blocks[3] = count;
+                    entry.withheld = total;
                 }
             }
             entry.total = entry.total.saturating_add(total);
@@ -130,7 +136,10 @@ impl Store {
                 allocated_rows = allocated_rows.saturating_add(allocated);
                 usage.total = usage.total.saturating_add(total);
                 usage.addresses = usage.addresses.saturating_add(cidr.size());
-                if state == BlockState::Draining {
+                // A withheld block is capacity nothing is allocated from,
+                // as a Draining one is (retired blocks were Draining before
+                // they had a state of their own).
+                if matches!(state, BlockState::Draining | BlockState::Withheld) {
                     usage.draining = usage.draining.saturating_add(total);
                 }
             }

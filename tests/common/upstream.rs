@@ -412,3 +412,21 @@ fn take_lowest_free(
     }
     address
 }
+
+/// Upstream's `AllocateIP` of `family` (`"ipv4"`, `"ipv6"`) for
+/// `container`'s `eth0` in `network` on the file at `path` (see
+/// [`Upstream::allocate`]). `None`: nothing left.
+pub fn allocate_like_upstream(
+    path: &std::path::Path,
+    network: &str,
+    family: &str,
+    container: &str,
+) -> Option<String> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap());
+    Upstream::open(path)
+        .allocate(network, family == "ipv6", container, "eth0", now_ms)
+        .ok()
+        .map(|allocated| allocated.address.to_string())
+}

@@ -263,13 +263,21 @@ fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
             NOW,
         )
         .unwrap();
-    let upper: Vec<IpAddr> = take_all(&mut store, "pods", Family::V4)
-        .into_iter()
-        .filter(|a| cidr("198.18.20.8/29").contains(*a))
-        .collect();
-    // .8, .9 (the pod's, at the gateway's offset) and .15 stay out.
+    // Pod "a" holds .9, the gateway the upper block advertises: it is not
+    // served while that lasts (a result would name a's address as gateway).
+    let upper = |store: &mut Store| -> Vec<IpAddr> {
+        take_all(store, "pods", Family::V4)
+            .into_iter()
+            .filter(|a| cidr("198.18.20.8/29").contains(*a))
+            .collect()
+    };
+    assert_eq!(upper(&mut store), Vec::<IpAddr>::new());
+    assert_eq!(store.held_gateways().unwrap().len(), 1);
+    store.release("pods", "a", "eth0", NOW).unwrap();
+    // .8, .9 (back to the reservation) and .15 stay out.
     let want: Vec<IpAddr> = (10..15).map(|i| ip(&format!("198.18.20.{i}"))).collect();
-    assert_eq!(upper, want);
+    assert_eq!(upper(&mut store), want);
+    assert!(store.held_gateways().unwrap().is_empty());
     assert_counters(&store);
     assert!(store.verify(Depth::Full).unwrap().is_ok());
 }

@@ -8,6 +8,7 @@ mod listings;
 mod open;
 mod plans;
 mod reserve;
+mod rollback;
 mod upstream;
 
 use std::collections::HashSet;

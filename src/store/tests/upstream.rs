@@ -87,9 +87,23 @@ fn upstream_database_is_repaired_and_served() {
         ("198.18.2.1", true, "pod-x")
     );
     assert_eq!(block(&store, 2).allocated_ips, 3);
-    assert_eq!(store.open_warnings().len(), 1);
+    // Loudly: the pod left at a reserved position, and upstream's rows of
+    // the /127 outside its prefix, deleted.
+    assert_eq!(
+        store.open_warnings().len(),
+        2,
+        "{:?}",
+        store.open_warnings()
+    );
     assert!(store.open_warnings()[0].contains("198.18.2.1"));
     assert!(store.open_warnings()[0].contains("pod-x"));
+    assert!(
+        store.open_warnings()[1]
+            .contains("62 free row(s) outside the prefix (upstream's rows of a /127 or /128), from 2001:db8::2; deleted"),
+        "{:?}",
+        store.open_warnings()
+    );
+    assert_eq!(store.rollback_repairs().rows_outside_prefix, 62);
     assert_eq!(
         rows(&store, 3)
             .iter()
@@ -108,12 +122,20 @@ fn upstream_database_is_repaired_and_served() {
         .collect();
     assert_eq!(tables_after, upstream_tables);
 
-    // Served: the held pod is recognised, new pods get non-reserved addresses.
+    // Served: the held pod is recognised, new pods get non-reserved
+    // addresses — from the first block only while pod-x holds the second
+    // block's gateway (a result would name pod-x's address as gateway).
     assert_eq!(
         store.check("default", "pod-x", "eth0").unwrap()[0].address,
         ip("198.18.2.1")
     );
-    let got: Vec<IpAddr> = (0..10)
+    let held = store.held_gateways().unwrap();
+    assert_eq!(held.len(), 1);
+    assert_eq!(
+        (held[0].block_id, held[0].container_id.as_str()),
+        (2, "pod-x")
+    );
+    let got: Vec<IpAddr> = (0..5)
         .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
         .collect();
     let want: Vec<IpAddr> = [
@@ -124,30 +146,40 @@ fn upstream_database_is_repaired_and_served() {
         "198.18.1.6",
     ]
     .iter()
-    .chain(
-        [
-            "198.18.2.2",
-            "198.18.2.3",
-            "198.18.2.4",
-            "198.18.2.5",
-            "198.18.2.6",
-        ]
-        .iter(),
-    )
     .map(|s| ip(s))
     .collect();
     assert_eq!(got, want);
+    let refused = store
+        .allocate(&owner("default", "c5"), Family::V4, NOW)
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::NoAvailableIps { held_gateways, .. } if held_gateways.len() == 1),
+        "{refused:?}"
+    );
+    assert!(
+        refused.to_string().contains(
+            "block 198.18.2.0/29 (network \"default\") is not served while its gateway 198.18.2.1 is held by container \"pod-x\""
+        ),
+        "{refused}"
+    );
     assert_eq!(
         alloc(&mut store, "default", "v6", Family::V6, NOW),
         ip("2001:db8::")
     );
-    // Releasing the held reserved position returns it to the reservation.
+    // Releasing the held reserved position returns it to the reservation,
+    // and the second block is served again.
     let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
     assert_eq!(released.addresses[0].address, ip("198.18.2.1"));
     assert_eq!(
         reserved_addrs(&store, 2),
         vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
     );
+    assert!(store.held_gateways().unwrap().is_empty());
+    let got: Vec<IpAddr> = (5..10)
+        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+        .collect();
+    let want: Vec<IpAddr> = (2..7).map(|i| ip(&format!("198.18.2.{i}"))).collect();
+    assert_eq!(got, want);
     assert!(
         store
             .allocate(&owner("default", "more"), Family::V4, NOW + 60_000)

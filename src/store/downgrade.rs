@@ -1,0 +1,282 @@
+//! `metis admin downgrade`: readies a Metis database for upstream's store
+//! (a rollback), in one write transaction, idempotently. What upstream's
+//! store would otherwise get wrong on a file Metis wrote:
+//!
+//! - **lazy IPv4 rows**: upstream never adds rows to an IPv4 block, so a
+//!   /24 Metis populated 64 rows at a time looks full to it after 61 pods.
+//!   Every row of every IPv4 block is written (free, or reserved where
+//!   Metis reserves: network, gateway, broadcast, and everything outside a
+//!   host-local `rangeStart`..`rangeEnd`), so upstream's allocation — the
+//!   lowest-id free row of a Ready block — finds every usable address and
+//!   no other;
+//! - **retired and quarantined blocks**: made `Withheld` (see `withhold`),
+//!   which no query of upstream's selects;
+//! - **bounded IPv6 blocks**: upstream's `expandIPv6Block` starts after
+//!   the block's highest-id row and knows no bounds. The usable range's
+//!   rows are written (up to [`MAX_RANGE_ROWS`]), and the highest id is
+//!   given to a row whose successor already has a row, so upstream's
+//!   expansion fails on the UNIQUE index instead of handing out addresses
+//!   past `rangeEnd`: an exhausted range is an error, never an address
+//!   outside it.
+//!
+//! What it cannot fix is reported: a pod holding a block's gateway, a row
+//! held outside its bounds.
+
+use std::collections::HashSet;
+
+use rusqlite::{Connection, params};
+
+use super::block::{block_reserved, insert_rows, set_frontier};
+use super::{Store, StoreError, parse_addr, parse_cidr, withhold};
+use crate::cidr::{Cidr, Family};
+
+/// Most rows of a bounded IPv6 range written ahead for upstream.
+pub const MAX_RANGE_ROWS: u128 = 65_536;
+
+/// What a downgrade did, in words (nothing: already ready).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Downgraded {
+    pub done: Vec<String>,
+    /// What it could not fix.
+    pub warnings: Vec<String>,
+}
+
+struct Live {
+    id: i64,
+    cidr: Cidr,
+    network: String,
+}
+
+impl Store {
+    /// Readies the database for upstream's store (see the module docs).
+    pub fn downgrade(&mut self, now_ms: i64) -> Result<Downgraded, StoreError> {
+        let mode = self.reserve;
+        let tx = super::write(&mut self.conn, self.batch)?;
+        let mut out = Downgraded::default();
+        for block in withhold::settle(&tx, now_ms)? {
+            out.done.push(block.describe());
+        }
+        for block in live_blocks(&tx)? {
+            let reserved = block_reserved(&tx, mode, block.id, &block.network, &block.cidr)?;
+            let name = format!(
+                "block {} ({}, network {:?})",
+                block.id, block.cidr, block.network
+            );
+            match block.cidr.family() {
+                Family::V4 => {
+                    let size = block.cidr.size();
+                    let written = insert_rows(&tx, block.id, &block.cidr, 0..size, &reserved)?;
+                    set_frontier(&tx, block.id, size)?;
+                    if written > 0 {
+                        out.done.push(format!(
+                            "{name}: wrote {written} row(s): upstream sees every address of the block"
+                        ));
+                    }
+                }
+                Family::V6 => {
+                    let Some(usable) = reserved
+                        .is_bounded()
+                        .then(|| reserved.usable(block.cidr.size()))
+                    else {
+                        continue;
+                    };
+                    let len = usable.end.saturating_sub(usable.start);
+                    let written = match len <= MAX_RANGE_ROWS {
+                        true => insert_rows(&tx, block.id, &block.cidr, usable.clone(), &reserved)?,
+                        false => 0,
+                    };
+                    if written > 0 {
+                        out.done.push(format!(
+                            "{name}: wrote {written} row(s) of its range for upstream"
+                        ));
+                    }
+                    match fence_expansion(&tx, block.id, &block.cidr)? {
+                        Fence::Already => {}
+                        Fence::Moved(address) => out.done.push(format!(
+                            "{name}: row {address} now has the highest id, so upstream's IPv6 \
+                             expansion (after the highest-id row) fails on an existing row \
+                             instead of handing out addresses past rangeEnd"
+                        )),
+                        Fence::Impossible => out.warnings.push(format!(
+                            "{name}: no row has a successor row; upstream's IPv6 expansion may \
+                             hand out addresses past rangeEnd once the range is exhausted"
+                        )),
+                    }
+                }
+            }
+        }
+        let leftovers = super::rollback::find(&tx)?;
+        out.warnings.extend(
+            leftovers
+                .describe(false)
+                .into_iter()
+                .filter(|line| line.contains("is held by")),
+        );
+        out.warnings
+            .extend(super::rollback::gateway_above_range(&tx)?);
+        for held in super::gateway::all_held(&tx, mode)? {
+            out.warnings.push(format!(
+                "{}; upstream will hand out the block's addresses with that gateway",
+                held.describe()
+            ));
+        }
+        tx.commit()?;
+        Ok(out)
+    }
+}
+
+/// Non-Deleting, non-withheld blocks (a withheld one is out of upstream's
+/// reach already), oldest first.
+fn live_blocks(conn: &Connection) -> Result<Vec<Live>, StoreError> {
+    let rows: Vec<(i64, String, String)> = conn
+        .prepare(
+            "SELECT id, cidr, network FROM cidr_blocks \
+             WHERE state IN ('Ready', 'Draining') ORDER BY id",
+        )?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    rows.into_iter()
+        .map(|(id, cidr, network)| {
+            Ok(Live {
+                id,
+                cidr: parse_cidr(&cidr)?,
+                network,
+            })
+        })
+        .collect()
+}
+
+enum Fence {
+    /// The highest-id row's successor already has a row.
+    Already,
+    /// This row was given the highest id.
+    Moved(String),
+    /// No row has a successor row.
+    Impossible,
+}
+
+/// Makes the block's highest-id row one whose next address already has a
+/// row of the block (upstream's expansion starts there and then fails on
+/// the UNIQUE index). Row ids are referenced by nothing but themselves.
+fn fence_expansion(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<Fence, StoreError> {
+    let rows: Vec<(i64, String)> = conn
+        .prepare("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id")?
+        .query_map([block_id], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    let offsets: Vec<(i64, Option<u128>, String)> = rows
+        .into_iter()
+        .map(|(id, text)| {
+            let offset = parse_addr(&text).ok().and_then(|a| cidr.offset_of(a));
+            (id, offset, text)
+        })
+        .collect();
+    let present: HashSet<u128> = offsets.iter().filter_map(|(_, o, _)| *o).collect();
+    let fenced = |offset: &Option<u128>| offset.is_some_and(|o| present.contains(&(o + 1)));
+    if offsets.last().is_some_and(|(_, offset, _)| fenced(offset)) {
+        return Ok(Fence::Already);
+    }
+    // The highest such offset: the fence sits at the range's end.
+    let Some((id, _, text)) = offsets
+        .iter()
+        .filter(|(_, offset, _)| fenced(offset))
+        .max_by_key(|(_, offset, _)| *offset)
+    else {
+        return Ok(Fence::Impossible);
+    };
+    conn.execute(
+        "UPDATE ip_addresses SET id = (SELECT MAX(id) + 1 FROM ip_addresses) WHERE id = ?1",
+        params![id],
+    )?;
+    Ok(Fence::Moved(text.clone()))
+}
+
+/// What a file offered for downgrade holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    /// Upstream's schema and Metis's tables: a downgrade has work.
+    Metis,
+    /// Upstream's schema only: upstream already reads it as its own.
+    UpstreamOnly,
+}
+
+/// Why a file cannot be downgraded (nothing was changed).
+#[derive(Debug)]
+pub enum Refusal {
+    Missing,
+    NotAFile,
+    ReadOnly,
+    NotADatabase(String),
+    Newer(i64),
+    NotMetis(String),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Missing => f.write_str("no database at this path (nothing was created)"),
+            Refusal::NotAFile => f.write_str("not a regular file"),
+            Refusal::ReadOnly => f.write_str(
+                "the file is read-only (no write permission for its owner); nothing was changed",
+            ),
+            Refusal::NotADatabase(why) => write!(f, "not an SQLite database: {why}"),
+            Refusal::Newer(version) => write!(
+                f,
+                "schema version {version} is newer than this release understands ({}); \
+                 downgrade with the release that wrote it",
+                super::SCHEMA_VERSION
+            ),
+            Refusal::NotMetis(why) => write!(f, "not a Metis or upstream Metis database: {why}"),
+        }
+    }
+}
+
+/// Looks at `path` without writing (no file, lock, `-wal` or `-shm`
+/// created): whether a downgrade may run on it.
+pub fn inspect(path: &std::path::Path) -> Result<FileKind, Refusal> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Err(Refusal::Missing),
+        Err(err) => return Err(Refusal::NotADatabase(err.to_string())),
+    };
+    if !meta.is_file() {
+        return Err(Refusal::NotAFile);
+    }
+    // Permission bits, not access(2): root may write anything, but a file
+    // its owner made read-only is not to be changed behind their back.
+    if meta.permissions().mode() & 0o200 == 0 {
+        return Err(Refusal::ReadOnly);
+    }
+    let conn = Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| Refusal::NotADatabase(e.to_string()))?;
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(|e| Refusal::NotADatabase(e.to_string()))?;
+    if version > super::SCHEMA_VERSION {
+        return Err(Refusal::Newer(version));
+    }
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+        .and_then(|mut stmt| {
+            stmt.query_map([], |r| r.get(0))?
+                .collect::<Result<Vec<String>, _>>()
+        })
+        .map_err(|e| Refusal::NotADatabase(e.to_string()))?;
+    let has = |name: &str| tables.iter().any(|t| t == name);
+    if version != super::SCHEMA_VERSION || !has("cidr_blocks") || !has("ip_addresses") {
+        return Err(Refusal::NotMetis(format!(
+            "user_version {version}, tables cidr_blocks and ip_addresses {}",
+            match has("cidr_blocks") && has("ip_addresses") {
+                true => "present",
+                false => "missing",
+            }
+        )));
+    }
+    Ok(match has("metis_settings") {
+        true => FileKind::Metis,
+        false => FileKind::UpstreamOnly,
+    })
+}

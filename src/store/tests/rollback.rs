@@ -1,0 +1,539 @@
+//! Upstream's store writing a Metis database after Metis (a rollback),
+//! and `downgrade` readying one for it: what upstream's queries (by the
+//! function that runs them, see docs/design.md) can reach.
+
+use rusqlite::{OptionalExtension, params};
+
+use super::*;
+use crate::cidr::Bounds;
+
+/// `cidr_blocks.state` of block `id`.
+fn state(store: &Store, id: i64) -> String {
+    store
+        .conn
+        .query_row("SELECT state FROM cidr_blocks WHERE id = ?1", [id], |r| {
+            r.get(0)
+        })
+        .unwrap()
+}
+
+fn block_id(store: &Store, network: &str, prefix: &str) -> i64 {
+    store
+        .conn
+        .query_row(
+            "SELECT id FROM cidr_blocks WHERE network = ?1 AND cidr = ?2",
+            params![network, prefix],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+/// Upstream's `AllocateIP`: the lowest-id free, non-cooling row of the
+/// network's Ready blocks of `family` with room, oldest block first.
+fn upstream_allocate(
+    conn: &Connection,
+    network: &str,
+    family: &str,
+    pod: &str,
+    now: i64,
+) -> Option<String> {
+    let blocks: Vec<i64> = conn
+        .prepare(
+            "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
+             AND total_ips > allocated_ips AND state = 'Ready' ORDER BY id",
+        )
+        .unwrap()
+        .query_map(params![network, family], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    for id in blocks {
+        let row: Option<(i64, String)> = conn
+            .query_row(
+                "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = FALSE \
+                 AND (release_at IS NULL OR release_at <= ?2) ORDER BY id LIMIT 1",
+                params![id, now],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .unwrap();
+        if let Some((row, address)) = row {
+            conn.execute(
+                "UPDATE ip_addresses SET is_allocated = TRUE, container_id = ?2, interface_name = 'eth0' WHERE id = ?1",
+                params![row, pod],
+            )
+            .unwrap();
+            conn.execute(
+                "UPDATE cidr_blocks SET allocated_ips = allocated_ips + 1 WHERE id = ?1",
+                [id],
+            )
+            .unwrap();
+            return Some(address);
+        }
+    }
+    None
+}
+
+/// Upstream's `expandIPv6Block`: up to 64 rows from (the highest-id row's
+/// address) + 1, inside the prefix, no bounds. Err: the insert failed.
+fn upstream_expand(conn: &Connection, block: i64, prefix: &str) -> Result<u32, rusqlite::Error> {
+    let cidr: Cidr = prefix.parse().unwrap();
+    let last: String = conn.query_row(
+        "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id DESC LIMIT 1",
+        [block],
+        |r| r.get(0),
+    )?;
+    let start = crate::cidr::to_u128(ip(&last)) + 1;
+    let mut inserted = 0;
+    for value in start..start + 64 {
+        let addr = crate::cidr::from_u128(Family::V6, value);
+        if !cidr.contains(addr) {
+            break;
+        }
+        conn.execute(
+            "INSERT INTO ip_addresses (cidr_block_id, address, is_allocated, container_id, interface_name) \
+             VALUES (?1, ?2, FALSE, '', '')",
+            params![block, addr.to_string()],
+        )?;
+        inserted += 1;
+    }
+    Ok(inserted)
+}
+
+/// Addresses held by more than one row of `network`'s blocks.
+fn held_twice(conn: &Connection) -> Vec<String> {
+    conn.prepare(
+        "SELECT a.address FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+         WHERE a.is_allocated = 1 GROUP BY a.address, b.network HAVING COUNT(*) > 1",
+    )
+    .unwrap()
+    .query_map([], |r| r.get(0))
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+fn v6_range(store: &mut Store, network: &str, prefix: &str, start: &str, end: &str) {
+    let block = cidr(prefix);
+    let bounds = Bounds::new(&block, Some(ip(start)), Some(ip(end)), None).unwrap();
+    store
+        .set_bounds(network, Family::V6, &[(block, bounds)])
+        .unwrap();
+    store
+        .configure(Source::Cni, network, Family::V6, &[block], false, NOW)
+        .unwrap();
+}
+
+#[test]
+fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let (old, new) = (cidr("198.18.12.0/28"), cidr("198.18.13.0/28"));
+    store
+        .configure(Source::Cni, "n", Family::V4, &[old], false, NOW)
+        .unwrap();
+    let held = alloc(&mut store, "n", "old-pod", Family::V4, NOW);
+    store
+        .configure(Source::Cni, "n", Family::V4, &[new], false, NOW)
+        .unwrap();
+    let retired = block_id(&store, "n", "198.18.12.0/28");
+    assert_eq!(state(&store, retired), "Withheld");
+    // Upstream's queries: UndrainOneCIDRBlock, ExpireDrainingCIDRBlocks,
+    // DeleteCIDRBlock, AllocateIP's candidates — none selects it.
+    let conn = &store.conn;
+    let undrained = conn
+        .execute(
+            "UPDATE cidr_blocks SET state = 'Ready' WHERE network = 'n' AND state = 'Draining'",
+            [],
+        )
+        .unwrap();
+    let expired = conn
+        .execute(
+            "UPDATE cidr_blocks SET state = 'Deleting' WHERE state = 'Draining' AND allocated_ips = 0",
+            [],
+        )
+        .unwrap();
+    let deleted = conn
+        .execute(
+            "DELETE FROM cidr_blocks WHERE id = ?1 AND state = 'Deleting'",
+            [retired],
+        )
+        .unwrap();
+    assert_eq!((undrained, expired, deleted), (0, 0, 0));
+    for i in 0..20 {
+        if let Some(address) = upstream_allocate(conn, "n", "ipv4", &format!("up{i}"), NOW) {
+            assert!(new.contains(ip(&address)), "{address}");
+        }
+    }
+    assert_eq!(
+        store.check("n", "old-pod", "eth0").unwrap()[0].address,
+        held
+    );
+
+    // A file from before `Withheld` existed, where upstream's undrain made
+    // the retired block Ready: the next open withholds it again, loudly.
+    store
+        .conn
+        .execute(
+            "UPDATE cidr_blocks SET state = 'Ready' WHERE id = ?1",
+            [retired],
+        )
+        .unwrap();
+    drop(store);
+    let mut store = open(&dir.db());
+    assert_eq!(state(&store, retired), "Withheld");
+    assert_eq!(store.rollback_repairs().revived_blocks, 1);
+    assert!(
+        store
+            .open_warnings()
+            .iter()
+            .any(|w| w.contains("was retired by Metis but is Ready again")),
+        "{:?}",
+        store.open_warnings()
+    );
+    // Metis allocates nothing from it; its pod keeps its address.
+    store.release("n", "up0", "eth0", NOW).unwrap();
+    let mut pods = 0;
+    while let Ok(a) = store.allocate(&owner("n", &format!("m{pods}")), Family::V4, NOW) {
+        assert!(new.contains(a.address), "{}", a.address);
+        pods += 1;
+    }
+    assert!(pods > 0);
+    assert_eq!(
+        store.check("n", "old-pod", "eth0").unwrap()[0].address,
+        held
+    );
+    // Configured again: Ready again.
+    store
+        .configure(Source::Cni, "n", Family::V4, &[old, new], false, NOW)
+        .unwrap();
+    assert_eq!(state(&store, retired), "Ready");
+    drop(store);
+    assert_eq!(
+        open(&dir.db()).rollback_repairs(),
+        super::super::rollback::Healed::default()
+    );
+}
+
+#[test]
+fn a_quarantined_block_is_withheld_until_its_quarantine_lifts() {
+    let (_dir, mut store) = store_with(&[("n", "198.18.14.0/28")]);
+    let mut report = Report::default();
+    report.suspects.insert(1, "a test said so".into());
+    store.isolate_problems(&report, NOW).unwrap();
+    assert_eq!(state(&store, 1), "Withheld");
+    assert_eq!(upstream_allocate(&store.conn, "n", "ipv4", "up", NOW), None);
+    store.isolate_problems(&Report::default(), NOW).unwrap();
+    assert_eq!(state(&store, 1), "Ready");
+}
+
+#[test]
+fn rows_upstream_expanded_past_range_end_are_reserved_and_never_handed_out_again() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    v6_range(
+        &mut store,
+        "v6",
+        "2001:db8:1::/64",
+        "2001:db8:1::100",
+        "2001:db8:1::10f",
+    );
+    let block = block_id(&store, "v6", "2001:db8:1::/64");
+    let inside: Vec<IpAddr> = (0..16)
+        .map(|i| alloc(&mut store, "v6", &format!("m{i}"), Family::V6, NOW))
+        .collect();
+    assert!(
+        inside
+            .iter()
+            .all(|a| *a >= ip("2001:db8:1::100") && *a <= ip("2001:db8:1::10f"))
+    );
+    drop(store);
+    // Upstream: the range is full, so it expands after the highest-id row
+    // (no bounds) and hands out 7 of the new rows.
+    {
+        let conn = Connection::open(dir.db()).unwrap();
+        assert_eq!(
+            upstream_expand(&conn, block, "2001:db8:1::/64").unwrap(),
+            64
+        );
+        for i in 0..7 {
+            upstream_allocate(&conn, "v6", "ipv6", &format!("up{i}"), NOW).unwrap();
+        }
+    }
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(
+        report.problems.iter().any(
+            |p| p.contains("57 free row(s) outside rangeStart..rangeEnd")
+                && p.contains("the next open reserves them")
+        ),
+        "{report:?}"
+    );
+    let mut store = open(&dir.db());
+    assert_eq!(store.rollback_repairs().rows_beyond_bounds, 57);
+    // Metis continues with nothing beyond rangeEnd.
+    assert!(
+        store
+            .allocate(&owner("v6", "next"), Family::V6, NOW)
+            .is_err()
+    );
+    // Upstream's pods keep theirs; released, an address goes back to the
+    // reservation instead of being handed out again.
+    let theirs = store.check("v6", "up0", "eth0").unwrap()[0].address;
+    assert!(!inside.contains(&theirs), "{theirs}");
+    store.release("v6", "up0", "eth0", NOW).unwrap();
+    store.release("v6", "m3", "eth0", NOW).unwrap();
+    assert_eq!(
+        alloc(&mut store, "v6", "again", Family::V6, NOW),
+        inside[3],
+        "the range's own address comes back, never upstream's"
+    );
+    assert!(
+        store
+            .allocate(&owner("v6", "more"), Family::V6, NOW)
+            .is_err()
+    );
+    let report = store.verify(Depth::Full).unwrap();
+    let named: Vec<&String> = report
+        .problems
+        .iter()
+        .filter(|p| {
+            p.contains("outside rangeStart..rangeEnd") && p.contains("is held by container")
+        })
+        .collect();
+    assert_eq!(named.len(), 6, "{report:?}");
+    // Named, not quarantined: the range goes on serving its own addresses.
+    assert!(report.suspects.is_empty(), "{report:?}");
+    assert_counters(&store);
+}
+
+#[test]
+fn rows_of_a_small_ipv6_block_upstream_added_later_are_removed_when_free() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    store
+        .configure(
+            Source::Cni,
+            "v6",
+            Family::V6,
+            &[cidr("2001:db8:2::/64")],
+            false,
+            NOW,
+        )
+        .unwrap();
+    drop(store);
+    // Upstream's AddCIDR of a /127: 64 rows from the base; it then hands
+    // out an address outside the /127.
+    {
+        let conn = Connection::open(dir.db()).unwrap();
+        conn.execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
+             VALUES ('2001:db8:3::/127', 'small', 'ipv6', 2, 0, 'Ready')",
+            [],
+        )
+        .unwrap();
+        let id = conn.last_insert_rowid();
+        for i in 0..64u128 {
+            let addr =
+                crate::cidr::from_u128(Family::V6, crate::cidr::to_u128(ip("2001:db8:3::")) + i);
+            conn.execute(
+                "INSERT INTO ip_addresses (cidr_block_id, address, is_allocated, container_id, interface_name) \
+                 VALUES (?1, ?2, FALSE, '', '')",
+                params![id, addr.to_string()],
+            )
+            .unwrap();
+        }
+        upstream_allocate(&conn, "small", "ipv6", "up0", NOW).unwrap();
+        upstream_allocate(&conn, "small", "ipv6", "up1", NOW).unwrap();
+        // up0 released with upstream's cooldown: the next lowest-id free,
+        // non-cooling row lies outside the /127.
+        conn.execute_batch(&format!(
+            "UPDATE ip_addresses SET is_allocated = FALSE, release_at = {} WHERE container_id = 'up0'; \
+             UPDATE cidr_blocks SET allocated_ips = allocated_ips - 1 WHERE network = 'small'",
+            NOW + 60_000
+        ))
+        .unwrap();
+        let outside = upstream_allocate(&conn, "small", "ipv6", "up2", NOW).unwrap();
+        assert_eq!(outside, "2001:db8:3::2");
+    }
+    let mut store = open(&dir.db());
+    assert_eq!(store.rollback_repairs().rows_outside_prefix, 61);
+    assert!(
+        store
+            .open_warnings()
+            .iter()
+            .any(|w| w.contains("2001:db8:3::2") && w.contains("up2")),
+        "{:?}",
+        store.open_warnings()
+    );
+    store.release("small", "up2", "eth0", NOW).unwrap();
+    let left: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE address = '2001:db8:3::2'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(left, 0, "released, the out-of-prefix row is gone");
+    assert_counters(&store);
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
+}
+
+#[test]
+fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    // A bounded IPv4 /24 populated lazily, a pod in a block then retired,
+    // a quarantined block, and a bounded IPv6 range.
+    let wide = cidr("198.18.30.0/24");
+    let bounds = Bounds::new(
+        &wide,
+        Some(ip("198.18.30.10")),
+        Some(ip("198.18.30.200")),
+        None,
+    )
+    .unwrap();
+    store
+        .set_bounds("v4", Family::V4, &[(wide, bounds)])
+        .unwrap();
+    store
+        .configure(
+            Source::Cni,
+            "v4",
+            Family::V4,
+            &[wide, cidr("198.18.31.0/28")],
+            false,
+            NOW,
+        )
+        .unwrap();
+    for i in 0..5 {
+        alloc(&mut store, "v4", &format!("m{i}"), Family::V4, NOW);
+    }
+    store
+        .allocate_requested(&owner("v4", "old"), ip("198.18.31.5"), NOW)
+        .unwrap();
+    store
+        .configure(Source::Cni, "v4", Family::V4, &[wide], false, NOW)
+        .unwrap();
+    store.add_cidr_block("q", &cidr("198.18.32.0/28")).unwrap();
+    let mut report = Report::default();
+    report.suspects.insert(
+        block_id(&store, "q", "198.18.32.0/28"),
+        "a test said so".into(),
+    );
+    store.isolate_problems(&report, NOW).unwrap();
+    v6_range(
+        &mut store,
+        "v6",
+        "2001:db8:4::/64",
+        "2001:db8:4::100",
+        "2001:db8:4::1ff",
+    );
+    alloc(&mut store, "v6", "m6", Family::V6, NOW);
+    let rows_before: i64 = store
+        .conn
+        .query_row("SELECT COUNT(*) FROM ip_addresses", [], |r| r.get(0))
+        .unwrap();
+    assert!(rows_before < 256 + 16, "lazily populated: {rows_before}");
+
+    let done = store.downgrade(NOW).unwrap();
+    assert!(!done.done.is_empty(), "{done:?}");
+    assert_counters(&store);
+    let report = store.verify(Depth::Full).unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .all(|p| p.contains("is quarantined: a test said so")),
+        "{report:?}"
+    );
+    // Idempotent.
+    assert_eq!(
+        store.downgrade(NOW).unwrap(),
+        downgrade::Downgraded::default()
+    );
+    drop(store);
+
+    // Upstream from here on: every usable address, nothing else, nothing
+    // twice; no IPv6 address past rangeEnd.
+    let conn = Connection::open(dir.db()).unwrap();
+    let mut v4 = Vec::new();
+    while let Some(a) = upstream_allocate(&conn, "v4", "ipv4", &format!("u{}", v4.len()), NOW) {
+        v4.push(ip(&a));
+    }
+    assert_eq!(
+        v4.len(),
+        191 - 5,
+        "every usable address of the range but the pods'"
+    );
+    assert!(
+        v4.iter()
+            .all(|a| *a >= ip("198.18.30.10") && *a <= ip("198.18.30.200"))
+    );
+    assert_eq!(upstream_allocate(&conn, "q", "ipv4", "uq", NOW), None);
+    let mut v6 = Vec::new();
+    loop {
+        if let Some(a) = upstream_allocate(&conn, "v6", "ipv6", &format!("w{}", v6.len()), NOW) {
+            v6.push(ip(&a));
+            continue;
+        }
+        let block: i64 = conn
+            .query_row("SELECT id FROM cidr_blocks WHERE network = 'v6'", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        let expanded = upstream_expand(&conn, block, "2001:db8:4::/64");
+        assert!(
+            expanded.is_err(),
+            "upstream's expansion must fail: {expanded:?}"
+        );
+        break;
+    }
+    assert_eq!(v6.len(), 255);
+    assert!(
+        v6.iter()
+            .all(|a| *a >= ip("2001:db8:4::100") && *a <= ip("2001:db8:4::1ff"))
+    );
+    assert_eq!(held_twice(&conn), Vec::<String>::new());
+}
+
+#[test]
+fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let block = cidr("2001:db8:5::/64");
+    let bounds = Bounds::new(
+        &block,
+        Some(ip("2001:db8:5::100")),
+        Some(ip("2001:db8:5::103")),
+        Some(ip("2001:db8:5::104")),
+    )
+    .unwrap();
+    store
+        .set_bounds("v6", Family::V6, &[(block, bounds)])
+        .unwrap();
+    store
+        .configure(Source::Cni, "v6", Family::V6, &[block], false, NOW)
+        .unwrap();
+    let hazards = store.upstream_hazards().unwrap();
+    assert_eq!(hazards.len(), 1, "{hazards:?}");
+    assert!(
+        hazards[0].contains("gateway row 2001:db8:5::104 sits just above rangeEnd 2001:db8:5::103")
+    );
+    let done = store.downgrade(NOW).unwrap();
+    assert!(done.warnings.iter().any(|w| w == &hazards[0]), "{done:?}");
+    // Upstream, once the range is used up: its expansion fails, nothing
+    // past the range is handed out.
+    let id = block_id(&store, "v6", "2001:db8:5::/64");
+    let mut got = Vec::new();
+    while let Some(a) =
+        upstream_allocate(&store.conn, "v6", "ipv6", &format!("u{}", got.len()), NOW)
+    {
+        got.push(ip(&a));
+    }
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert!(upstream_expand(&store.conn, id, "2001:db8:5::/64").is_err());
+    // Without bounds there is nothing to say.
+    let (_dir, plain) = store_with(&[("p", "2001:db8:6::/64")]);
+    assert!(plain.upstream_hazards().unwrap().is_empty());
+}

@@ -1,0 +1,302 @@
+//! Rolling back to upstream Metis through the real binary: `metis admin
+//! downgrade` refuses beside a daemon and on files it cannot vouch for,
+//! then readies the file so that upstream's allocation finds every usable
+//! address of the conflist's ranges and nothing else; a daemon started on
+//! a file upstream wrote after Metis heals it and says so (log, metric,
+//! `admin check`), and never serves a block whose gateway a pod holds.
+
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt;
+
+use crate::common;
+
+use common::node::{NetConf, Node, Outcome, Request, held_twice};
+use common::scrape::{http_get, metrics_addr, series};
+use common::upstream::{Upstream, allocate_like_upstream};
+use common::{TestDaemon, TestDir, metis, out_err};
+
+fn downgrade(db: &std::path::Path) -> (i32, String, String) {
+    let output = metis(&["admin", "downgrade", "--db-path", db.to_str().unwrap()]);
+    let (out, err) = out_err(&output);
+    (output.status.code().unwrap(), out, err)
+}
+
+/// Writes a file a case starts from.
+type Make = dyn Fn(&std::path::Path);
+
+fn bytes(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+#[test]
+fn downgrade_refuses_beside_a_daemon_then_readies_the_file_for_upstream() {
+    let mut node = Node::new("rollback-downgrade", "1m");
+    let conf = NetConf {
+        bounds: Some(("198.18.40.10", "198.18.40.100")),
+        ..NetConf::new("rb", &["198.18.40.0/24"])
+    };
+    node.start(&[]);
+    let mut ours: Vec<IpAddr> = Vec::new();
+    for pod in 0..5 {
+        let outcome = node.add(&conf, &format!("p{pod}"), Request::None);
+        assert!(matches!(outcome, Outcome::Ok(_)), "{outcome:?}");
+        ours.extend(outcome.addresses());
+    }
+    let db = node.db_path();
+    let before = node.holdings();
+    let (code, _, err) = downgrade(&db);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("a daemon holds this database"), "{err}");
+    assert!(err.contains("nothing was changed"), "{err}");
+    assert_eq!(node.holdings(), before);
+    node.stop();
+
+    let (code, out, err) = downgrade(&db);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("wrote") && out.contains("ready for upstream Metis"),
+        "{out}"
+    );
+    let (code, out, _) = downgrade(&db);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("already ready for upstream Metis; nothing to do"),
+        "{out}"
+    );
+    let check = node.admin_check();
+    assert!(check.status.success(), "{:?}", out_err(&check));
+
+    // Upstream's allocation from here on: the rest of rangeStart..rangeEnd,
+    // nothing outside it, nothing a pod holds.
+    let mut theirs: Vec<IpAddr> = Vec::new();
+    while let Some(a) = allocate_like_upstream(&db, "rb", "ipv4", &format!("u{}", theirs.len())) {
+        theirs.push(a.parse().unwrap());
+    }
+    assert_eq!(theirs.len(), 91 - ours.len(), "{theirs:?}");
+    assert!(theirs.iter().all(|a| conf.in_bounds(*a)), "{theirs:?}");
+    assert!(theirs.iter().all(|a| !ours.contains(a)));
+    assert!(held_twice(&node.holdings(), |_| true).is_empty());
+}
+
+#[test]
+fn downgrade_refuses_what_it_cannot_vouch_for_and_changes_nothing() {
+    let dir = TestDir::new("rollback-bad-input");
+    // Missing: nothing is created, not even the lock.
+    let missing = dir.join("none.sqlite");
+    let (code, _, err) = downgrade(&missing);
+    assert_eq!(code, 1);
+    assert!(err.contains("no database at this path"), "{err}");
+    assert!(!missing.exists() && !dir.join("none.sqlite.lock").exists());
+
+    let cases: [(&str, &Make, &str); 4] = [
+        (
+            "garbage.sqlite",
+            &|p| std::fs::write(p, b"this is not a database, not even close.....").unwrap(),
+            "not an SQLite database",
+        ),
+        (
+            "newer.sqlite",
+            &|p| {
+                let conn = rusqlite::Connection::open(p).unwrap();
+                conn.execute_batch("CREATE TABLE t (x); PRAGMA user_version = 2;")
+                    .unwrap();
+            },
+            "schema version 2 is newer than this release understands",
+        ),
+        (
+            "empty.sqlite",
+            &|p| {
+                rusqlite::Connection::open(p)
+                    .unwrap()
+                    .execute_batch("CREATE TABLE t (x)")
+                    .unwrap();
+            },
+            "not a Metis or upstream Metis database",
+        ),
+        (
+            "readonly.sqlite",
+            &|p| {
+                let upstream = Upstream::create(p);
+                upstream.block("198.18.41.0/28", "default", true);
+                drop(upstream);
+                rusqlite::Connection::open(p)
+                    .unwrap()
+                    .execute_batch(
+                        "CREATE TABLE metis_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+                    )
+                    .unwrap();
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o400)).unwrap();
+            },
+            "the file is read-only",
+        ),
+    ];
+    for (name, make, says) in cases {
+        let path = dir.join(name);
+        make(&path);
+        let (before, mode) = (
+            bytes(&path),
+            std::fs::metadata(&path).unwrap().permissions().mode(),
+        );
+        let (code, _, err) = downgrade(&path);
+        assert_eq!(code, 1, "{name}: {err}");
+        assert!(err.contains(says), "{name}: {err}");
+        assert_eq!(bytes(&path), before, "{name} changed");
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode(), mode);
+        assert!(!dir.join(&format!("{name}.lock")).exists(), "{name}");
+    }
+
+    // Only upstream wrote it: already upstream's; nothing is changed.
+    let path = dir.join("upstream.sqlite");
+    Upstream::create(&path).block("198.18.42.0/28", "default", true);
+    let before = bytes(&path);
+    let (code, out, err) = downgrade(&path);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("only upstream has written this database; nothing to do"),
+        "{out}"
+    );
+    assert_eq!(bytes(&path), before);
+
+    let bad = metis(&["admin", "downgrade", "--no-such-flag"]);
+    assert_eq!(bad.status.code(), Some(2), "{:?}", out_err(&bad));
+}
+
+/// A node upgraded from upstream: a pod holds the second block's gateway.
+/// The daemon says so at start, counts it, `admin check` names it, and the
+/// network is served from its first block only until that pod is deleted.
+#[test]
+fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
+    let node = Node::new("rollback-gateway", "0s");
+    let upstream = Upstream::create(&node.db_path());
+    upstream.block("198.18.43.0/29", "default", true);
+    let second = upstream.block("198.18.43.8/29", "default", false);
+    upstream.hold(second, "198.18.43.9", "pod-x", "eth0");
+    drop(upstream);
+    let check = node.admin_check();
+    let (out, _) = out_err(&check);
+    assert!(!check.status.success());
+    assert!(
+        out.contains("block 198.18.43.8/29 (network \"default\") is not served while its gateway 198.18.43.9 is held by container \"pod-x\""),
+        "{out}"
+    );
+    let daemon = TestDaemon::start(
+        &node.dir,
+        &["--release-cooldown", "0s", "--metrics-addr", "127.0.0.1:0"],
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("is not served while its gateway 198.18.43.9"),
+        "{}",
+        daemon.log()
+    );
+    let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
+    assert_eq!(
+        series(&body, "metis_local_store_gateway_held_block_total"),
+        1.0
+    );
+    let conf = NetConf {
+        network: Some("default"),
+        ..NetConf::new("k8s-pod-network", &["198.18.43.0/29", "198.18.43.8/29"])
+    };
+    let mut got = Vec::new();
+    let refused = loop {
+        match node.add(&conf, &format!("c{}", got.len()), Request::None) {
+            ok @ Outcome::Ok(_) => got.extend(ok.addresses()),
+            other => break other,
+        }
+    };
+    let first: Vec<IpAddr> = (2..7)
+        .map(|i| format!("198.18.43.{i}").parse().unwrap())
+        .collect();
+    assert_eq!(got, first);
+    match refused {
+        Outcome::Error { code: 11, msg } => {
+            assert!(msg.contains("its gateway 198.18.43.9"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // pod-x's DEL gives the gateway back to the reservation: served again.
+    assert!(matches!(node.del(&conf, "pod-x"), Outcome::Ok(_)));
+    let after = node.add(&conf, "after", Request::None);
+    assert_eq!(
+        after.addresses(),
+        ["198.18.43.10".parse::<IpAddr>().unwrap()],
+        "{after:?}"
+    );
+    drop(daemon);
+}
+
+/// A retired block upstream's undrain made Ready again (a file from before
+/// Metis withheld retired blocks): the daemon's start retires it again,
+/// logs and counts it; the pod upstream left there keeps its address.
+#[test]
+fn a_start_after_upstream_withholds_a_revived_block_again() {
+    let mut node = Node::new("rollback-revived", "0s");
+    let old = NetConf::new("rv", &["198.18.44.0/28"]);
+    let new = NetConf::new("rv", &["198.18.45.0/28"]);
+    node.start(&[]);
+    assert!(matches!(
+        node.add(&old, "kept", Request::None),
+        Outcome::Ok(_)
+    ));
+    assert!(matches!(
+        node.add(&new, "n1", Request::None),
+        Outcome::Ok(_)
+    ));
+    node.stop();
+    let db = node.db_path();
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute(
+            "UPDATE cidr_blocks SET state = 'Ready' WHERE cidr = '198.18.44.0/28'",
+            [],
+        )
+        .unwrap();
+    let up = allocate_like_upstream(&db, "rv", "ipv4", "up-pod").unwrap();
+    assert!(up.starts_with("198.18.44."), "{up}");
+    let daemon = TestDaemon::start(
+        &node.dir,
+        &["--release-cooldown", "0s", "--metrics-addr", "127.0.0.1:0"],
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("was retired by Metis but is Ready again"),
+        "{}",
+        daemon.log()
+    );
+    let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
+    assert_eq!(
+        series(
+            &body,
+            "metis_daemon_rollback_repairs_total{kind=\"revived_block\"}"
+        ),
+        1.0
+    );
+    for pod in 0..20 {
+        match node.add(&new, &format!("m{pod}"), Request::None) {
+            ok @ Outcome::Ok(_) => {
+                assert!(
+                    ok.addresses()
+                        .iter()
+                        .all(|a| a.to_string().starts_with("198.18.45.")),
+                    "{ok:?}"
+                )
+            }
+            Outcome::Error { code: 11, .. } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(
+        node.held_by("rv", "up-pod"),
+        [up.parse::<IpAddr>().unwrap()]
+    );
+    // Nor does upstream's allocation reach it any more.
+    let next = allocate_like_upstream(&db, "rv", "ipv4", "up2");
+    assert!(
+        next.as_deref().is_none_or(|a| !a.starts_with("198.18.44.")),
+        "{next:?}"
+    );
+    drop(daemon);
+}
