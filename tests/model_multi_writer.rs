@@ -72,14 +72,19 @@ const UPSTREAM_WRITER: bool = true;
 /// 2001:db8:43::/127 (64 rows, most outside it), Metis quarantine it, and
 /// upstream, in the next rollback, hand out 2001:db8:43::1 from it: its
 /// state still says `Ready`.
-const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = false;
+const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 
-/// The conflist with a `gateway` inside the range takes part. Off until
-/// issue 21's "gateway held by a pod" lands: with it,
-/// METIS_WRITERS_SEED=943285301328036 (sequence 0, 25 steps) has a direct-mode
-/// ADD of conflist "pods-gw" (gateway 198.18.40.6) hand a pod 198.18.40.1,
-/// and the next ADDs of conflist "pods" return gateway 198.18.40.1, that
-/// pod's address.
+/// The conflist with a `gateway` inside the range takes part. Off: on main,
+/// METIS_WRITERS_SEED=943285301328036 (sequence 0, 25 steps) had a
+/// direct-mode ADD of conflist "pods-gw" (gateway 198.18.40.6) hand a pod
+/// 198.18.40.1, and the next ADDs of conflist "pods" return gateway
+/// 198.18.40.1, that pod's address. With issue 21's "a block whose gateway
+/// a pod holds is not served" merged, METIS_WRITERS_SEED=1036602817035729
+/// (sequence 0, 40 steps) still breaks it: a pod of conflist "pods" holds
+/// 198.18.40.6, ADDs of "pods-gw" are refused with code 11 naming it, then
+/// a rollback runs `metis admin downgrade` and upstream adds
+/// 198.18.42.0/29 to "pods", and the next ADD of "pods-gw" (daemon
+/// starting: direct mode) returns 198.18.40.2 with gateway 198.18.40.6.
 const GATEWAY_CONFLIST: bool = false;
 
 /// Upstream's `AddCIDR` takes part. Off until issue 21's "every hand-out
@@ -116,6 +121,19 @@ const UPSTREAM_UNDRAINS: bool = true;
 /// "pods-bounded" (198.18.40.0/28, .4-.9), which is handed 198.18.40.18.
 const CONFLICTING_CONFLISTS_IN_ONE_BURST: bool = true;
 
+/// Conflists of "pods" with and without IPv6 bounds alternate, so the bounds
+/// narrow while pods hold addresses past the new `rangeEnd` (they keep them
+/// until their DEL). Off until `metis admin check` stops calling such a
+/// pod's address upstream's doing: with it, METIS_WRITERS_SEED=322644441218539
+/// (sequence 3, 40 steps) has Metis hand 2001:db8:40::a, ::c and ::f out under
+/// conflist "pods" (2001:db8:40::/124, no bounds), an ADD of "pods-bounded6"
+/// (::2-::9) narrow the bounds, and `admin check` fail with "address
+/// 2001:db8:40::a outside rangeStart..rangeEnd (upstream's IPv6 expansion) is
+/// held by container \"p4-1\"", though upstream wrote none of them. Off,
+/// "pods" itself has the bounds, and upstream's expansion past `rangeEnd`
+/// is still tried.
+const V6_BOUNDS_NARROW_UNDER_PODS: bool = false;
+
 /// Half the rollbacks run `metis admin downgrade` first, after which
 /// upstream must find nothing it can hand out twice or out of range.
 const DOWNGRADE: bool = true;
@@ -132,8 +150,13 @@ fn conflists() -> Vec<NetConf> {
         network: Some("pods"),
         ..NetConf::new(name, ranges)
     };
+    // Without narrowing, the one IPv6 range of "pods" is always bounded.
+    let v6_bounds = (!V6_BOUNDS_NARROW_UNDER_PODS).then_some(("2001:db8:40::2", "2001:db8:40::9"));
     vec![
-        pods("pods", &["198.18.40.0/28", "2001:db8:40::/124"]),
+        NetConf {
+            bounds: v6_bounds,
+            ..pods("pods", &["198.18.40.0/28", "2001:db8:40::/124"])
+        },
         // A second conflist for one network, another range.
         pods("pods-b", &["198.18.40.16/28"]),
         // A gateway inside the range, which a pod of another conflist may
@@ -161,6 +184,7 @@ fn conflists() -> Vec<NetConf> {
     ]
     .into_iter()
     .filter(|conf| GATEWAY_CONFLIST || conf.gateway.is_none())
+    .filter(|conf| V6_BOUNDS_NARROW_UNDER_PODS || conf.name != "pods-bounded6")
     .collect()
 }
 
