@@ -80,7 +80,9 @@ const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 /// 198.18.40.1, and the next ADDs of conflist "pods" return gateway
 /// 198.18.40.1, that pod's address. With issue 21's "a block whose gateway
 /// a pod holds is not served" merged, METIS_WRITERS_SEED=1036602817035729
-/// (sequence 0, 40 steps) still breaks it: a pod of conflist "pods" holds
+/// (sequence 0, 40 steps, with `V6_BOUNDS_NARROW_UNDER_PODS` on and
+/// `UPSTREAM_ADDS_OVERLAPPING_BLOCKS` off, as when it was found) still
+/// breaks it: a pod of conflist "pods" holds
 /// 198.18.40.6, ADDs of "pods-gw" are refused with code 11 naming it, then
 /// a rollback runs `metis admin downgrade` and upstream adds
 /// 198.18.42.0/29 to "pods", and the next ADD of "pods-gw" (daemon
@@ -95,15 +97,14 @@ const GATEWAY_CONFLIST: bool = false;
 /// 2001:db8:44::, outside it.
 const UPSTREAM_ADDS_BLOCKS: bool = true;
 
-/// Upstream's `AddCIDR` may add a block over another network's. Off: with
-/// it, METIS_WRITERS_SEED=331017169582590 (sequence 0, 50 steps) has upstream
-/// add 198.18.40.0/29 to network "other" over network "pods"'
-/// 198.18.40.0/28, where a pod holds 198.18.40.2; with no daemon started
-/// since, the next direct-mode ADD of conflist "other" is handed
-/// 198.18.40.2 out of upstream's block: one address, two owners (the
-/// daemon quarantines both blocks at its start; direct mode's open does
-/// not, and the hand-out check does not ask who else holds the address).
-const UPSTREAM_ADDS_OVERLAPPING_BLOCKS: bool = false;
+/// Upstream's `AddCIDR` may add a block over another network's. Before
+/// the open-time repair of issue 21 was merged,
+/// METIS_WRITERS_SEED=331017169582590 (sequence 0, 50 steps) had upstream add
+/// 198.18.40.0/29 to network "other" over network "pods"' 198.18.40.0/28,
+/// where a pod held 198.18.40.2; with no daemon started since, the next
+/// direct-mode ADD of conflist "other" was handed 198.18.40.2 out of
+/// upstream's block: one address, two owners.
+const UPSTREAM_ADDS_OVERLAPPING_BLOCKS: bool = true;
 
 /// Upstream's undrain takes part. Off until issue 21's retired blocks are
 /// kept out of upstream's reach and every hand-out is checked against the
@@ -681,25 +682,28 @@ impl Sequence {
 
     /// A call whose answer the SIGKILLed daemon never sent may still have
     /// committed: before the runtime's DEL, the model takes what the
-    /// database holds for the owner (a new address checked as any
-    /// hand-out; one a DEL released is gone).
+    /// database holds for the container and interface (a new address of the
+    /// named network checked as any hand-out; one a DEL released, in any
+    /// network, is gone).
     fn adopt_unanswered(&mut self, call: &Call, trace: &mut Vec<String>) -> Result<(), String> {
         let owner = self.owner(call);
-        let in_database: Vec<IpAddr> = self
+        let in_database: Vec<(String, IpAddr)> = self
             .node
             .holdings()
             .into_iter()
-            .filter(|h| (&h.network, &h.container, &h.ifname) == (&owner.0, &owner.1, &owner.2))
-            .map(|h| h.address)
+            .filter(|h| (&h.container, &h.ifname) == (&owner.1, &owner.2))
+            .map(|h| (h.network, h.address))
             .collect();
-        if let Some(held) = self.held.get_mut(&owner) {
-            held.retain(|h| in_database.contains(&h.address));
-            if held.is_empty() {
-                self.held.remove(&owner);
+        for (who, held) in self.held.iter_mut() {
+            if (&who.1, &who.2) == (&owner.1, &owner.2) {
+                held.retain(|h| in_database.contains(&(who.0.clone(), h.address)));
             }
         }
+        self.held.retain(|_, held| !held.is_empty());
         let unanswered: Vec<IpAddr> = in_database
             .into_iter()
+            .filter(|(network, _)| *network == owner.0)
+            .map(|(_, ip)| ip)
             .filter(|ip| {
                 !self
                     .held
