@@ -631,6 +631,11 @@ impl Engine {
                 .map_err(failed)?;
             if !can {
                 let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
+                let held = self
+                    .store
+                    .held_gateways_in(network, family)
+                    .map_err(failed)?;
+                blocked.extend(held.iter().map(|g| g.describe()));
                 blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
                     |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
                 ));

@@ -103,7 +103,7 @@ fn item1_a_block_taken_back_serves_no_new_pod_keeps_its_pods_and_goes_with_the_l
 
     // The controller takes the block back.
     api.set_status(json!([status_entry("b", "198.19.1.0/28")]));
-    wait_state(&dir, "198.19.0.0/28", Some("Draining"));
+    wait_state(&dir, "198.19.0.0/28", Some("Withheld"));
     let next: Vec<String> = (13..23).map(|i| add(&config, &format!("p{i}"))).collect();
     assert!(
         next.iter().all(|a| !a.starts_with("198.19.0.")),
@@ -180,7 +180,7 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
     api.delete_node();
     api.recreate_node(&["198.19.5.0/28"]);
     wait_state(&dir, "198.19.5.0/28", Some("Ready"));
-    wait_state(&dir, "198.19.4.0/28", Some("Draining"));
+    wait_state(&dir, "198.19.4.0/28", Some("Withheld"));
     for i in 3..13 {
         let address = add(&config, &format!("n{i}"));
         assert!(!address.starts_with("198.19.4."), "{address}");
@@ -189,7 +189,7 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
 
     // Deleted for good: nothing is granted, health says so while pods hold.
     api.delete_node();
-    wait_state(&dir, "198.19.5.0/28", Some("Draining"));
+    wait_state(&dir, "198.19.5.0/28", Some("Withheld"));
     let detail = health_detail(&daemon);
     assert!(detail.contains("no longer grants"), "{detail}");
     let log = daemon.log();
@@ -484,7 +484,7 @@ fn item5_a_block_whose_condition_leaves_ready_takes_no_new_allocations() {
     let a = add(&config, "c0");
     assert!(a.starts_with("198.19.0."), "{a}");
     api.set_status(with("False", "Updating"));
-    wait_state(&dir, "198.19.0.0/28", Some("Draining"));
+    wait_state(&dir, "198.19.0.0/28", Some("Withheld"));
     // The CNI range's one address, then nothing from the block.
     assert_eq!(add(&config, "c1"), "198.18.0.2");
     assert_ok(&Plugin::new("CHECK", "c0").run(&config));

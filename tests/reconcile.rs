@@ -188,7 +188,7 @@ fn case4_a_moved_range_drains_the_old_block() {
         .into_iter()
         .find(|b| b.block.to_string() == "198.18.12.0/24")
         .expect("the old block is kept while pod-a holds an address in it");
-    assert_eq!(old_block.state, "Draining", "{old_block:?}");
+    assert_eq!(old_block.state, "Withheld", "{old_block:?}");
     assert_sound(&node);
 
     // Back again: the block serves new pods.

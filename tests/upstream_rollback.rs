@@ -216,6 +216,17 @@ fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
         }
         other => panic!("{other:?}"),
     }
+    // STATUS agrees: no ADD of this configuration can succeed now.
+    let mut status_conf: serde_json::Value =
+        serde_json::from_str(&conf.render(&node.dir, &[], None)).unwrap();
+    status_conf["cniVersion"] = "1.1.0".into();
+    let status = common::Plugin::new("STATUS", "").run(&status_conf.to_string());
+    let error: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(error["code"], 50, "{error}");
+    assert!(
+        error.to_string().contains("its gateway 198.18.43.9"),
+        "{error}"
+    );
     // pod-x's DEL gives the gateway back to the reservation: served again.
     assert!(matches!(node.del(&conf, "pod-x"), Outcome::Ok(_)));
     let after = node.add(&conf, "after", Request::None);

@@ -103,6 +103,32 @@ pub(super) fn servable(
     Ok((served, refused))
 }
 
+/// The network's Ready blocks of `family` whose gateway a pod holds (STATUS
+/// counts nothing in them, as ADD takes nothing from them).
+pub(super) fn held_in(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    family: crate::cidr::Family,
+) -> Result<Vec<HeldGateway>, StoreError> {
+    let blocks: Vec<(i64, String)> = conn
+        .prepare_cached(
+            "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
+             AND state = 'Ready' ORDER BY id",
+        )?
+        .query_map(params![network, family.as_str()], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for (id, cidr) in blocks {
+        if let Some(gateway) = held(conn, mode, id, network, &parse_cidr(&cidr)?)? {
+            out.push(gateway);
+        }
+    }
+    Ok(out)
+}
+
 /// Every block Metis may serve from (Ready, or Draining: taken back on
 /// exhaustion) whose gateway a pod holds (start-up log, `admin check`, the
 /// metric).

@@ -124,10 +124,16 @@ impl Store {
                 return Ok(true);
             }
         }
-        if ready_block_has_free_row(&self.conn, network, family, now_ms)? {
+        // Blocks whose gateway a pod holds serve nothing (see `gateway`).
+        let unserved: HashSet<i64> = self
+            .held_gateways_in(network, family)?
+            .iter()
+            .map(|g| g.block_id)
+            .collect();
+        if ready_block_has_free_row(&self.conn, network, family, now_ms, &unserved)? {
             return Ok(true);
         }
-        if any_block_can_grow(&self.conn, network, family)? {
+        if any_block_can_grow(&self.conn, network, family, &unserved)? {
             return Ok(true);
         }
         match family {
@@ -139,6 +145,16 @@ impl Store {
     /// The network's quarantined blocks of `family`, in words.
     pub fn quarantined_in(&self, network: &str, family: Family) -> Result<Vec<String>, StoreError> {
         quarantined_in(&self.conn, network, family)
+    }
+
+    /// The network's Ready blocks of `family` not served while a pod holds
+    /// their gateway.
+    pub fn held_gateways_in(
+        &self,
+        network: &str,
+        family: Family,
+    ) -> Result<Vec<super::gateway::HeldGateway>, StoreError> {
+        super::gateway::held_in(&self.conn, self.reserve, network, family)
     }
 }
 
@@ -200,7 +216,27 @@ fn ready_block_has_free_row(
     network: &str,
     family: Family,
     now_ms: i64,
+    unserved: &HashSet<i64>,
 ) -> Result<bool, StoreError> {
+    if !unserved.is_empty() {
+        // Rare (a node upgraded from upstream): block by block.
+        let ids: Vec<i64> = conn
+            .prepare_cached(
+                "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 AND state = 'Ready' \
+                 AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL)",
+            )?
+            .query_map(params![network, family.as_str()], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        for id in ids.into_iter().filter(|id| !unserved.contains(id)) {
+            let free: bool = conn
+                .prepare_cached(HAS_FREE_SQL)?
+                .query_row(params![id, now_ms], |r| r.get(0))?;
+            if free {
+                return Ok(true);
+            }
+        }
+        return Ok(false);
+    }
     Ok(conn
         .prepare_cached(
             concat!(
@@ -220,6 +256,7 @@ fn any_block_can_grow(
     conn: &Connection,
     network: &str,
     family: Family,
+    unserved: &HashSet<i64>,
 ) -> Result<bool, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
@@ -228,6 +265,9 @@ fn any_block_can_grow(
     )?;
     let mut blocks = stmt.query(params![network, family.as_str()])?;
     while let Some(block) = blocks.next()? {
+        if unserved.contains(&block.get(0)?) {
+            continue;
+        }
         let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
         // A bounded block grows only up to its rangeEnd.
         let end = bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {

@@ -203,6 +203,27 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
         store.check("n", "old-pod", "eth0").unwrap()[0].address,
         held
     );
+    // A file of an earlier release kept a retired block Draining: moved
+    // quietly (not counted as revived), and said.
+    store
+        .conn
+        .execute(
+            "UPDATE cidr_blocks SET state = 'Draining' WHERE id = ?1",
+            [retired],
+        )
+        .unwrap();
+    drop(store);
+    let mut store = open(&dir.db());
+    assert_eq!(state(&store, retired), "Withheld");
+    assert_eq!(store.rollback_repairs().revived_blocks, 0);
+    assert!(
+        store
+            .open_warnings()
+            .iter()
+            .any(|w| w.contains("is retired by Metis but its state is Draining")),
+        "{:?}",
+        store.open_warnings()
+    );
     // Configured again: Ready again.
     store
         .configure(Source::Cni, "n", Family::V4, &[old, new], false, NOW)

@@ -6,7 +6,7 @@ pub struct ListCidrBlocksRequest {
     pub filter: ::prost::alloc::string::String,
     #[prost(string, tag = "2")]
     pub network: ::prost::alloc::string::String,
-    /// "Ready", "Draining" or "Deleting"; empty means any.
+    /// "Ready", "Draining", "Deleting" or "Withheld"; empty means any.
     #[prost(string, tag = "3")]
     pub state: ::prost::alloc::string::String,
     /// "ipv4" or "ipv6"; empty means any.
