@@ -122,12 +122,15 @@ bench-smoke: build edge
 # Crash safety at full size: 20 rounds of 500 plugin operations with the
 # daemon SIGKILLed at random (METIS_CRASH_ROUNDS/OPS/SEED to change), then
 # 200 model-based sequences of 60 steps over changing configurations
-# (METIS_MODEL_SEQUENCES/STEPS/SEED).
+# (METIS_MODEL_SEQUENCES/STEPS/SEED), then 60 sequences of 50 steps of many
+# writers at once (METIS_WRITERS_SEQUENCES/STEPS/SEED).
 soak:
 	METIS_CRASH_ROUNDS=$${METIS_CRASH_ROUNDS:-20} METIS_CRASH_OPS=$${METIS_CRASH_OPS:-500} \
 	  $(CARGO) test --locked --test integration crash:: -- --nocapture
 	METIS_MODEL_SEQUENCES=$${METIS_MODEL_SEQUENCES:-200} METIS_MODEL_STEPS=$${METIS_MODEL_STEPS:-60} \
 	  $(CARGO) test --locked --test integration model:: -- --nocapture
+	METIS_WRITERS_SEQUENCES=$${METIS_WRITERS_SEQUENCES:-60} METIS_WRITERS_STEPS=$${METIS_WRITERS_STEPS:-50} \
+	  $(CARGO) test --locked --test integration model_multi_writer:: -- --nocapture
 
 # Coverage-guided fuzzing on the stable toolchain: every target for
 # FUZZ_SECONDS (default 600) each; see fuzz/run.sh.

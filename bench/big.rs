@@ -46,6 +46,7 @@ fn big_add(network: &str) -> Request {
             pod_name: "pod".into(),
             pod_namespace: "bench".into(),
             isolated: true,
+            conf_name: String::new(),
         })),
     }
 }

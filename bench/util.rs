@@ -252,6 +252,7 @@ pub fn allocate_request(container_id: &str, ranges: &[&str]) -> Request {
             pod_name: "pod".into(),
             pod_namespace: "bench".into(),
             isolated: false,
+            conf_name: String::new(),
         })),
     }
 }

@@ -335,6 +335,11 @@ impl Engine {
                 }
             }
         }
+        // The conflist that served the network last: its GC covers the
+        // network after a rename of `ipam.network`.
+        self.store
+            .note_served_by(network, &req.conf_name)
+            .map_err(|err| Failure::from_store(&format!("network {network:?}"), &err))?;
         Ok(reply)
     }
 
@@ -573,19 +578,32 @@ impl Engine {
             .store
             .gc(
                 network,
+                &req.conf_name,
                 &valid,
                 now_ms.saturating_sub(req.grace_period_ms),
                 now_ms,
             )
             .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
-        for allocation in &released {
+        for (held_in, allocation) in &released {
+            let message = match held_in == network {
+                true => "GC released a stale allocation",
+                false => {
+                    "GC released a stale allocation another network held, served last by this conflist"
+                }
+            };
             crate::log::info(
                 "engine",
-                "GC released a stale allocation",
-                &[("network", &network), ("address", &allocation.address)],
+                message,
+                &[
+                    ("network", &held_in.as_str()),
+                    ("address", &allocation.address),
+                ],
             );
         }
-        Ok(released)
+        Ok(released
+            .into_iter()
+            .map(|(_, allocation)| allocation)
+            .collect())
     }
 
     /// CNI STATUS: whether an ADD with these ranges could be served now.
@@ -814,6 +832,7 @@ mod tests {
             pod_name: "p".into(),
             pod_namespace: "ns".into(),
             isolated: false,
+            conf_name: String::new(),
         }
     }
 

@@ -78,6 +78,7 @@ fn random_request(rng: &mut Rng) -> Request {
             pod_name: text(rng),
             pod_namespace: text(rng),
             isolated: rng.below(2) == 0,
+            conf_name: String::new(),
         }),
         2 => request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
             network: text(rng),

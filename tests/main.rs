@@ -32,6 +32,7 @@ mod limits;
 mod metrics;
 mod migration;
 mod model;
+mod model_multi_writer;
 mod ops;
 mod plugin;
 mod properties;

@@ -45,15 +45,15 @@
 
 use crate::common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use common::node::{
-    Block, NetConf, Node, Outcome, Request, check_passes, held_twice, serving, strip_prefix,
+    Block, Holding, NetConf, Node, Outcome, Request, check_passes, held_twice, holdings_match,
+    serving, strip_prefix,
 };
-use common::rng::Rng;
+use common::rng::{Rng, run_sequences};
 use common::upstream::Upstream;
 use serde_json::json;
 
@@ -140,13 +140,6 @@ fn space(network: &str, iso_shared: bool) -> String {
 /// Whether two networks share the node's address space.
 fn conflicts(a: &str, b: &str, iso_shared: bool) -> bool {
     a == b || (!is_isolated(a, iso_shared) && !is_isolated(b, iso_shared))
-}
-
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(default)
 }
 
 /// (network, container, interface).
@@ -811,26 +804,15 @@ impl Sequence {
         if !twice.is_empty() {
             return Err(format!("addresses held twice: {twice:?}"));
         }
-        let actual: BTreeSet<(String, String, String, IpAddr)> = rows
-            .into_iter()
-            .map(|h| (h.network, h.container, h.ifname, h.address))
-            .collect();
-        let expected: BTreeSet<(String, String, String, IpAddr)> = self
-            .model
-            .held
-            .iter()
-            .flat_map(|((n, c, i), ips)| {
-                ips.iter()
-                    .map(move |ip| (n.clone(), c.clone(), i.clone(), strip_prefix(ip)))
+        let expected = self.model.held.iter().flat_map(|((n, c, i), ips)| {
+            ips.iter().map(move |ip| Holding {
+                network: n.clone(),
+                container: c.clone(),
+                ifname: i.clone(),
+                address: strip_prefix(ip),
             })
-            .collect();
-        if actual != expected {
-            return Err(format!(
-                "database and model disagree:\n  only in the database: {:?}\n  only in the model: {:?}",
-                actual.difference(&expected).collect::<Vec<_>>(),
-                expected.difference(&actual).collect::<Vec<_>>()
-            ));
-        }
+        });
+        holdings_match(rows, expected)?;
         if self.node.db_path().exists() {
             let check = self.node.admin_check();
             if !check_passes(&check) {
@@ -879,14 +861,6 @@ fn run_sequence(
     Ok(std::mem::take(&mut sequence.model.stats))
 }
 
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panic".into())
-}
-
 #[test]
 fn no_sequence_of_events_breaks_the_address_space() {
     run_world(&MOVING, "no_sequence_of_events_breaks_the_address_space");
@@ -900,42 +874,20 @@ fn the_harness_accepts_what_metis_already_gets_right() {
 /// Runs the configured number of sequences of `world`; panics with the
 /// failing sequence's seed, replay command and steps.
 fn run_world(world: &World, test: &str) {
-    let sequences = env_number("METIS_MODEL_SEQUENCES", 3);
-    let steps = env_number("METIS_MODEL_STEPS", 30);
-    let first = env_number("METIS_MODEL_FIRST", 0);
-    // Prints METIS_MODEL_SEED; every sequence's seed derives from it.
-    let mut seeds = Rng::from_env("METIS_MODEL_SEED");
+    let all = run_sequences(
+        "METIS_MODEL",
+        &format!("model::{test}"),
+        (3, 30),
+        |seed, steps, trace| run_sequence(world, seed, steps, trace),
+    );
     let mut total = Stats::default();
-    for i in 0..first + sequences {
-        let seed = seeds.next_u64();
-        if i < first {
-            continue;
+    for stats in all {
+        total.adds_ok += stats.adds_ok;
+        total.daemon_events += stats.daemon_events;
+        total.direct_calls += stats.direct_calls;
+        for (code, n) in stats.refusals {
+            *total.refusals.entry(code).or_default() += n;
         }
-        let mut trace = Vec::new();
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            run_sequence(world, seed, steps, &mut trace)
-        }));
-        let failure = match result {
-            Ok(Ok(stats)) => {
-                total.adds_ok += stats.adds_ok;
-                total.daemon_events += stats.daemon_events;
-                total.direct_calls += stats.direct_calls;
-                for (code, n) in stats.refusals {
-                    *total.refusals.entry(code).or_default() += n;
-                }
-                continue;
-            }
-            Ok(Err(failure)) => failure,
-            Err(payload) => panic_text(payload.as_ref()),
-        };
-        panic!(
-            "sequence {i} failed after {} steps: {failure}\n\
-             replay: METIS_MODEL_SEED=<printed above> METIS_MODEL_FIRST={i} METIS_MODEL_SEQUENCES=1 \
-             METIS_MODEL_STEPS={steps} \
-             cargo test --locked --test integration model::{test}\nsteps:\n  {}",
-            trace.len().saturating_sub(2),
-            trace.join("\n  ")
-        );
     }
     eprintln!("{total:?}");
     // The harness must have exercised what it claims to.

@@ -257,6 +257,7 @@ fn the_engine_survives_hostile_requests_with_its_invariants() {
                     pod_name: "p".into(),
                     pod_namespace: "n".into(),
                     isolated: false,
+                    conf_name: String::new(),
                 }
             )),
         (text(), text(), text()).prop_map(|(network, container_id, interface_name)| {

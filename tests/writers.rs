@@ -249,3 +249,73 @@ fn admin_check_vets_an_upstream_only_database_without_writing() {
     assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), mtime);
     assert_eq!(beside(&dir), files, "a file was created beside it");
 }
+
+/// CNI GC (1.1.0) of conflist `conf` listing `live` (on `eth0`) as its
+/// valid attachments, with no grace period.
+fn gc(node: &Node, conf: &NetConf, live: &[&str]) -> std::process::Output {
+    let mut config: serde_json::Value =
+        serde_json::from_str(&conf.render(&node.dir, &[], None)).unwrap();
+    config["cniVersion"] = "1.1.0".into();
+    config["ipam"]["gcGracePeriod"] = "0s".into();
+    config["cni.dev/valid-attachments"] = live
+        .iter()
+        .map(|pod| serde_json::json!({"containerID": pod, "ifname": "eth0"}))
+        .collect();
+    Plugin::new("GC", "").run(&config.to_string())
+}
+
+/// `ipam.network` renamed under conflist "pods" (from "pods-a" to
+/// "pods-b"): its GC releases what the old network holds for an attachment
+/// it does not list (a pod whose DEL never came), keeps what it lists in
+/// either network, and leaves alone a network another conflist served
+/// last; in daemon and in direct mode, and logs the release.
+#[test]
+fn gc_under_a_renamed_network_strands_nothing() {
+    for daemon in [true, false] {
+        let mut node = Node::new("writers-gc-rename", "1m");
+        if daemon {
+            node.start(&[]);
+        }
+        let before = NetConf {
+            network: Some("pods-a"),
+            ..NetConf::new("pods", &["198.18.80.0/29"])
+        };
+        let after = NetConf {
+            network: Some("pods-b"),
+            ..NetConf::new("pods", &["198.18.81.0/29"])
+        };
+        let elsewhere = NetConf::new("other", &["198.18.82.0/29"]);
+        for (conf, pod) in [
+            (&before, "stranded"),
+            (&before, "live"),
+            (&after, "new"),
+            (&elsewhere, "theirs"),
+        ] {
+            let added = node.add(conf, pod, Request::None);
+            assert!(matches!(added, Outcome::Ok(_)), "{pod}: {added:?}");
+        }
+        let output = gc(&node, &after, &["live", "new"]);
+        assert!(output.status.success(), "daemon {daemon}: {output:?}");
+        assert!(output.stdout.is_empty(), "{output:?}");
+        assert!(
+            node.held_by("pods-a", "stranded").is_empty(),
+            "daemon {daemon}: stranded"
+        );
+        assert_eq!(node.held_by("pods-a", "live").len(), 1);
+        assert_eq!(node.held_by("pods-b", "new").len(), 1);
+        assert_eq!(node.held_by("other", "theirs").len(), 1);
+        let log = match daemon {
+            true => node.log(),
+            false => std::fs::read_to_string(node.dir.join("cni.log")).unwrap_or_default(),
+        };
+        assert!(
+            log.contains("served last by this conflist") && log.contains("pods-a"),
+            "daemon {daemon}: {log}"
+        );
+        // The other conflist's GC, listing nothing, takes only its own.
+        assert!(gc(&node, &elsewhere, &[]).status.success());
+        assert!(node.held_by("other", "theirs").is_empty());
+        assert_eq!(node.held_by("pods-a", "live").len(), 1);
+        assert_eq!(node.held_by("pods-b", "new").len(), 1);
+    }
+}

@@ -852,6 +852,7 @@ fn request(
         pod_name: String::new(),
         pod_namespace: String::new(),
         isolated: conf.isolated,
+        conf_name: String::new(),
     }
 }
 

@@ -228,6 +228,7 @@ fn add(
         pod_name: cni_args.pod_name.clone(),
         pod_namespace: cni_args.pod_namespace.clone(),
         isolated: net_conf.isolated,
+        conf_name: net_conf.name.clone(),
     });
     let Some(response::Kind::Allocate(allocated)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("allocate"));
@@ -443,6 +444,7 @@ fn gc(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
         network: net_conf.network.clone(),
         valid,
         grace_period_ms: net_conf.gc_grace_period_ms,
+        conf_name: net_conf.name.clone(),
     });
     let Some(response::Kind::Gc(collected)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("gc"));
@@ -620,6 +622,7 @@ mod tests {
             pod_name: "pod".into(),
             pod_namespace: "ns".into(),
             isolated: false,
+            conf_name: "testnet".into(),
         });
         assert_eq!(add.sent, [Request { kind: Some(want) }]);
         assert_eq!(
@@ -738,6 +741,7 @@ mod tests {
                 interface_name: "net1".into(),
             }],
             grace_period_ms: conf::DEFAULT_GC_GRACE_PERIOD_MS,
+            conf_name: "testnet".into(),
         });
         assert_eq!(gc.sent, [Request { kind: Some(want) }]);
     }

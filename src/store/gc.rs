@@ -25,28 +25,64 @@ impl Store {
     /// Releases, in one transaction, every address of `network` held by an
     /// owner (container, interface) not in `valid` and allocated at or
     /// before `allocated_until_ms` (younger ones may belong to an ADD still
-    /// in flight). Rows without `allocated_at` (never written by Metis)
-    /// count as old. Released addresses rest for the release cooldown as on
-    /// DEL; reserved rows and other networks are never touched.
+    /// in flight); and so in every other network the conflist named
+    /// `conf_name` served last ([`Store::note_served_by`]): the one its
+    /// `ipam.network` named before a rename, whose pods the runtime lists
+    /// in this GC's `valid` too. Rows without `allocated_at` (never written
+    /// by Metis) count as old. Released addresses rest for the release
+    /// cooldown as on DEL, by the same give-back; reserved rows and
+    /// networks another conflist served last are never touched. Returns
+    /// each address with the network it was released from.
     pub fn gc(
         &mut self,
         network: &str,
+        conf_name: &str,
         valid: &HashSet<(&str, &str)>,
         allocated_until_ms: i64,
         now_ms: i64,
-    ) -> Result<Vec<Allocation>, StoreError> {
+    ) -> Result<Vec<(String, Allocation)>, StoreError> {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
         let tx = super::write(&mut self.conn, self.batch)?;
-        let stale: Vec<Candidate> = gc_candidates(&tx, network, allocated_until_ms)?
-            .into_iter()
-            .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())))
-            .collect();
-        for candidate in &stale {
-            give_back(&tx, mode, network, &candidate.row, release_at)?;
+        let mut released = Vec::new();
+        for covered in covered_networks(&tx, network, conf_name)? {
+            let stale = gc_candidates(&tx, &covered, allocated_until_ms)?
+                .into_iter()
+                .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())));
+            for candidate in stale {
+                give_back(&tx, mode, &covered, &candidate.row, release_at)?;
+                released.push((covered.clone(), candidate.row.allocation));
+            }
         }
         tx.commit()?;
-        Ok(stale.into_iter().map(|c| c.row.allocation).collect())
+        Ok(released)
+    }
+
+    /// Records that the conflist named `conf_name` served `network` last,
+    /// so that its GC covers the network also after its `ipam.network` is
+    /// renamed. Writes only when that changes; an empty name records
+    /// nothing.
+    pub fn note_served_by(&mut self, network: &str, conf_name: &str) -> Result<(), StoreError> {
+        if conf_name.is_empty() {
+            return Ok(());
+        }
+        let recorded: Option<String> = self
+            .conn
+            .prepare_cached("SELECT conf_name FROM metis_networks WHERE network = ?1")?
+            .query_row([network], |r| r.get(0))
+            .optional()?
+            .flatten();
+        if recorded.as_deref() == Some(conf_name) {
+            return Ok(());
+        }
+        let tx = super::write(&mut self.conn, self.batch)?;
+        tx.prepare_cached(
+            "INSERT INTO metis_networks (network, conf_name) VALUES (?1, ?2) \
+             ON CONFLICT (network) DO UPDATE SET conf_name = excluded.conf_name",
+        )?
+        .execute(params![network, conf_name])?;
+        tx.commit()?;
+        Ok(())
     }
 
     /// Whether an ADD of `ranges` (with their host-local `bounds` and
@@ -120,6 +156,27 @@ impl Store {
     ) -> Result<Vec<super::gateway::HeldGateway>, StoreError> {
         super::gateway::held_in(&self.conn, self.reserve, network, family)
     }
+}
+
+/// `network`, then every other network the conflist named `conf_name`
+/// served last (none when the name is empty).
+fn covered_networks(
+    conn: &Connection,
+    network: &str,
+    conf_name: &str,
+) -> Result<Vec<String>, StoreError> {
+    let mut covered = vec![network.to_string()];
+    if conf_name.is_empty() {
+        return Ok(covered);
+    }
+    let mut stmt = conn.prepare_cached(
+        "SELECT network FROM metis_networks WHERE conf_name = ?1 AND network != ?2 \
+         ORDER BY network",
+    )?;
+    for other in stmt.query_map(params![conf_name, network], |r| r.get(0))? {
+        covered.push(other?);
+    }
+    Ok(covered)
 }
 
 /// Allocated, owned rows of `network` allocated at or before the cutoff.
@@ -302,9 +359,12 @@ mod tests {
         take(&mut store, "other", "stale", Family::V4, NOW - 600_000);
 
         let valid = HashSet::from([("kept", "eth0"), ("stale", "net1")]);
-        let released = store.gc("net", &valid, NOW - 300_000, NOW).unwrap();
+        let released = store.gc("net", "", &valid, NOW - 300_000, NOW).unwrap();
 
-        let addresses: Vec<String> = released.iter().map(|a| a.address.to_string()).collect();
+        let addresses: Vec<String> = released
+            .iter()
+            .map(|(_, a)| a.address.to_string())
+            .collect();
         assert_eq!(addresses, ["198.18.0.3", "2001:db8::2"]);
         assert_eq!(
             owner_rows(&store),
@@ -328,8 +388,85 @@ mod tests {
         );
         assert_eq!(store.counter_mismatches().unwrap(), []);
         // Once past the grace period the young allocation goes too.
-        assert_eq!(store.gc("net", &valid, NOW, NOW).unwrap().len(), 1);
+        assert_eq!(store.gc("net", "", &valid, NOW, NOW).unwrap().len(), 1);
         assert_eq!(store.counter_mismatches().unwrap(), []);
+    }
+
+    /// `ipam.network` renamed from "old" to "new" under conflist "pods":
+    /// its GC also releases what "old" holds for attachments it does not
+    /// list, and leaves alone what it lists and a network another conflist
+    /// served last.
+    #[test]
+    fn gc_covers_the_networks_its_conflist_served_last() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        for (network, block) in [
+            ("old", "198.18.0.0/29"),
+            ("new", "198.18.1.0/29"),
+            ("else", "198.18.2.0/29"),
+        ] {
+            store.add_cidr_block(network, &cidr(block)).unwrap();
+        }
+        take(&mut store, "old", "stranded", Family::V4, NOW - 600_000);
+        take(&mut store, "old", "live", Family::V4, NOW - 600_000);
+        take(&mut store, "new", "fresh", Family::V4, NOW - 600_000);
+        take(&mut store, "else", "theirs", Family::V4, NOW - 600_000);
+        store.note_served_by("old", "pods").unwrap();
+        store.note_served_by("new", "pods").unwrap();
+        store.note_served_by("else", "multus").unwrap();
+
+        let valid = HashSet::from([("live", "eth0"), ("fresh", "eth0")]);
+        let released = store.gc("new", "pods", &valid, NOW, NOW).unwrap();
+        let released: Vec<(String, String)> = released
+            .into_iter()
+            .map(|(network, a)| (network, a.address.to_string()))
+            .collect();
+        assert_eq!(released, [("old".to_string(), "198.18.0.2".to_string())]);
+        let held: Vec<String> = owner_rows(&store)
+            .into_iter()
+            .filter(|(_, _, allocated, _)| *allocated)
+            .map(|(_, container, _, _)| container)
+            .collect();
+        assert_eq!(held, ["live", "fresh", "theirs"]);
+        // Without a conflist name GC stays in its network.
+        assert!(
+            store
+                .gc("new", "", &HashSet::new(), NOW, NOW)
+                .unwrap()
+                .len()
+                == 1
+        );
+        assert_eq!(store.check("old", "live", "eth0").unwrap().len(), 1);
+    }
+
+    /// The record follows the conflist's last ADD; an empty name or the
+    /// same name again writes nothing.
+    #[test]
+    fn the_last_conflist_to_serve_a_network_is_recorded() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let recorded = |store: &Store| -> Option<String> {
+            store
+                .conn
+                .query_row(
+                    "SELECT conf_name FROM metis_networks WHERE network = 'net'",
+                    [],
+                    |r| r.get(0),
+                )
+                .optional()
+                .unwrap()
+                .flatten()
+        };
+        store.note_served_by("net", "").unwrap();
+        assert_eq!(recorded(&store), None);
+        store.note_served_by("net", "a").unwrap();
+        store.note_served_by("net", "b").unwrap();
+        assert_eq!(recorded(&store).as_deref(), Some("b"));
+        let changes = store.conn.total_changes();
+        store.note_served_by("net", "b").unwrap();
+        store.note_served_by("net", "").unwrap();
+        assert_eq!(store.conn.total_changes(), changes);
+        assert_eq!(recorded(&store).as_deref(), Some("b"));
     }
 
     #[test]
@@ -338,7 +475,7 @@ mod tests {
         let mut store = dir.store();
         store.add_cidr_block("net", &cidr("198.18.0.0/30")).unwrap();
         take(&mut store, "net", "a", Family::V4, NOW);
-        let released = store.gc("net", &HashSet::new(), NOW, NOW).unwrap();
+        let released = store.gc("net", "", &HashSet::new(), NOW, NOW).unwrap();
         assert_eq!(released.len(), 1);
         let reserved: i64 = store
             .conn
@@ -506,7 +643,7 @@ mod tests {
                 .unwrap()
         );
         assert!(
-            read_only.gc("net", &HashSet::new(), NOW, NOW).is_err(),
+            read_only.gc("net", "", &HashSet::new(), NOW, NOW).is_err(),
             "cannot write"
         );
     }

@@ -316,7 +316,7 @@ mod tests {
     }
 
     #[test]
-    fn a_networks_table_of_the_first_typed_release_gains_the_host_local_columns() {
+    fn a_networks_table_of_the_first_typed_release_gains_the_later_columns() {
         let dir = TempDir::new();
         {
             let mut store = dir.store();
@@ -340,8 +340,9 @@ mod tests {
             )
             .unwrap();
         let left = left_to_move(&dir.db());
-        assert_eq!(left.len(), 2, "{left:?}");
+        assert_eq!(left.len(), 3, "{left:?}");
         assert!(left[0].contains("no host_local_dir column"), "{left:?}");
+        assert!(left[2].contains("no conf_name column"), "{left:?}");
         assert!(super::needed(&Connection::open(dir.db()).unwrap()).unwrap());
 
         let store = dir.store();

@@ -76,17 +76,20 @@ pub const BLOCKS: &str = "CREATE TABLE IF NOT EXISTS metis_blocks (\
 
 /// Metis's record of each network: whether it is isolated (an address
 /// space of its own, `ipam.isolated`), since when (Unix ms) the monitor
-/// has seen its IPv4 use low, across restarts, and the host-local
-/// directory Metis co-writes during a migration (`store::co_writer`).
+/// has seen its IPv4 use low, across restarts, the host-local directory
+/// Metis co-writes during a migration (`store::co_writer`), and the `name`
+/// of the conflist whose ADD served it last (whose GC covers it).
 pub const NETWORKS: &str = "CREATE TABLE IF NOT EXISTS metis_networks (\
      network TEXT PRIMARY KEY, isolated INTEGER NOT NULL DEFAULT 0, \
-     low_utilization_since INTEGER, host_local_dir TEXT, host_local_dir_identity TEXT)";
+     low_utilization_since INTEGER, host_local_dir TEXT, host_local_dir_identity TEXT, \
+     conf_name TEXT)";
 
 /// The columns `metis_networks` gained after its first release, added to
 /// a table created without them by [`super::migrate`].
-pub const NETWORKS_ADDED: [(&str, &str); 2] = [
+pub const NETWORKS_ADDED: [(&str, &str); 3] = [
     ("host_local_dir", "TEXT"),
     ("host_local_dir_identity", "TEXT"),
+    ("conf_name", "TEXT"),
 ];
 
 /// The ranges each static source (cni, flag) wants, per network.

@@ -421,6 +421,7 @@ pub fn v4_add_requesting(
             pod_name: "pod".into(),
             pod_namespace: "default".into(),
             isolated: false,
+            conf_name: String::new(),
         })),
     }
 }

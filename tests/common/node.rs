@@ -105,8 +105,11 @@ pub struct NetConf {
     /// `ipam.isolated`: the opt-in of issue 10 for networks that may reuse
     /// addresses of other networks.
     pub isolated: bool,
-    /// host-local's `rangeStart` and `rangeEnd` of the IPv4 range, when set.
+    /// host-local's `rangeStart` and `rangeEnd` of the range of their
+    /// family, when set.
     pub bounds: Option<(&'static str, &'static str)>,
+    /// host-local's `gateway` of the range of its family, when set.
+    pub gateway: Option<&'static str>,
 }
 
 impl NetConf {
@@ -117,19 +120,20 @@ impl NetConf {
             ranges: ranges.to_vec(),
             isolated: false,
             bounds: None,
+            gateway: None,
         }
     }
 
-    /// Whether `ip` lies inside the IPv4 range's bounds (always, without
-    /// bounds or for IPv6).
+    /// Whether `ip` lies inside the bounds of its family's range (always,
+    /// without bounds of that family).
     pub fn in_bounds(&self, ip: IpAddr) -> bool {
-        match (self.bounds, ip) {
-            (Some((start, end)), IpAddr::V4(v4)) => {
-                let start: std::net::Ipv4Addr = start.parse().unwrap();
-                let end: std::net::Ipv4Addr = end.parse().unwrap();
-                (start..=end).contains(&v4)
+        match self.bounds {
+            Some((start, end)) => {
+                let (start, end): (IpAddr, IpAddr) = (start.parse().unwrap(), end.parse().unwrap());
+                start.is_ipv6() != ip.is_ipv6()
+                    || (number(start)..=number(end)).contains(&number(ip))
             }
-            _ => true,
+            None => true,
         }
     }
 
@@ -154,11 +158,17 @@ impl NetConf {
             self.blocks()
                 .iter()
                 .filter(|b| b.v6 == v6)
-                .map(|b| match (self.bounds, b.v6) {
-                    (Some((start, end)), false) => {
-                        json!({"subnet": b.to_string(), "rangeStart": start, "rangeEnd": end})
+                .map(|b| {
+                    let mut range = json!({"subnet": b.to_string()});
+                    let of_family = |ip: &str| ip.parse::<IpAddr>().unwrap().is_ipv6() == b.v6;
+                    if let Some((start, end)) = self.bounds.filter(|(start, _)| of_family(start)) {
+                        range["rangeStart"] = json!(start);
+                        range["rangeEnd"] = json!(end);
                     }
-                    _ => json!({"subnet": b.to_string()}),
+                    if let Some(gateway) = self.gateway.filter(|g| of_family(g)) {
+                        range["gateway"] = json!(gateway);
+                    }
+                    range
                 })
                 .collect()
         };
@@ -228,7 +238,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    fn of(output: &Output) -> Outcome {
+    pub fn of(output: &Output) -> Outcome {
         let text = || {
             format!(
                 "status {:?}, stdout {}, stderr {}",
@@ -274,6 +284,17 @@ impl Outcome {
     }
 }
 
+/// The `ips[].gateway` values of a successful ADD's output.
+pub fn gateways(output: &Output) -> Vec<IpAddr> {
+    let parsed: Value = serde_json::from_slice(&output.stdout).unwrap_or_default();
+    parsed["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip["gateway"].as_str()?.parse().ok())
+        .collect()
+}
+
 /// An allocated row of the database: who holds which address.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Holding {
@@ -300,7 +321,13 @@ pub struct Node {
     pub dir: TestDir,
     /// `--release-cooldown` of every daemon start.
     pub cooldown: &'static str,
+    /// Surge updates so far (each new daemon logs to a file of its own).
+    surges: u32,
 }
+
+/// How long a surge's daemons may take to hand over (the machine running
+/// the tests may be loaded).
+const HANDOVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl Node {
     pub fn new(name: &str, cooldown: &'static str) -> Node {
@@ -308,6 +335,7 @@ impl Node {
             daemon: None,
             dir: TestDir::new(name),
             cooldown,
+            surges: 0,
         }
     }
 
@@ -324,11 +352,34 @@ impl Node {
     /// it exits instead.
     pub fn start(&mut self, cidrs: &[String]) {
         assert!(self.daemon.is_none(), "daemon already running");
+        self.daemon = Some(TestDaemon::start(&self.dir, &self.daemon_args(cidrs)));
+    }
+
+    fn daemon_args<'a>(&'a self, cidrs: &'a [String]) -> Vec<&'a str> {
         let mut args = vec!["--release-cooldown", self.cooldown];
         for cidr in cidrs {
             args.extend(["--cidr", cidr.as_str()]);
         }
-        self.daemon = Some(TestDaemon::start(&self.dir, &args));
+        args
+    }
+
+    /// A DaemonSet surge update: a second daemon starts beside the running
+    /// one (it waits for the database's lock), the old one gets SIGTERM and
+    /// hands the socket over; returns once the new one serves. Starts one
+    /// when none runs.
+    pub fn surge(&mut self, cidrs: &[String]) {
+        let Some(mut old) = self.daemon.take() else {
+            return self.start(cidrs);
+        };
+        self.surges += 1;
+        let log = format!("daemon-surge-{}.log", self.surges);
+        let mut new = TestDaemon::spawn(&self.dir, &self.daemon_args(cidrs), &log);
+        new.wait_for_log("waiting for it to stop", HANDOVER_PATIENCE);
+        old.terminate();
+        let status = old.wait_exit(HANDOVER_PATIENCE);
+        assert!(status.success(), "old daemon: {status}: {}", old.log());
+        new.wait_for_log("listening", HANDOVER_PATIENCE);
+        self.daemon = Some(new);
     }
 
     /// SIGTERM, waiting for the exit.
@@ -346,9 +397,15 @@ impl Node {
         }
     }
 
-    /// The daemon's log so far (empty when none ever ran).
+    /// The daemons' logs so far, the first's and then each surge's (empty
+    /// when none ever ran).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+        let mut log = std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default();
+        for surge in 1..=self.surges {
+            let name = format!("daemon-surge-{surge}.log");
+            log += &std::fs::read_to_string(self.dir.join(&name)).unwrap_or_default();
+        }
+        log
     }
 
     /// `metis health` against the node's socket.
@@ -474,6 +531,24 @@ pub fn blocks(path: &Path) -> Vec<BlockRow> {
     .unwrap()
     .map(Result::unwrap)
     .collect()
+}
+
+/// Whether the database's allocated rows are exactly what a model
+/// expects; else what differs, both ways.
+pub fn holdings_match(
+    actual: Vec<Holding>,
+    expected: impl IntoIterator<Item = Holding>,
+) -> Result<(), String> {
+    let actual: std::collections::BTreeSet<Holding> = actual.into_iter().collect();
+    let expected: std::collections::BTreeSet<Holding> = expected.into_iter().collect();
+    if actual == expected {
+        return Ok(());
+    }
+    Err(format!(
+        "database and model disagree:\n  only in the database: {:?}\n  only in the model: {:?}",
+        actual.difference(&expected).collect::<Vec<_>>(),
+        expected.difference(&actual).collect::<Vec<_>>()
+    ))
 }
 
 /// Addresses held by more than one owner, among rows `counts` selects.

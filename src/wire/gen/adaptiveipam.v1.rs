@@ -52,6 +52,11 @@ pub struct AllocatePodIpRequest {
     /// its blocks may overlap other networks' blocks. Metis addition.
     #[prost(bool, tag = "16")]
     pub isolated: bool,
+    /// The conflist's `name` (the runtime's network name), recorded as the
+    /// network's last server: its GC covers the network after `ipam.network`
+    /// is renamed. Empty: not recorded. Metis addition.
+    #[prost(string, tag = "17")]
+    pub conf_name: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PodIp {

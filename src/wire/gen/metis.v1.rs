@@ -103,7 +103,8 @@ pub struct Attachment {
 }
 /// CNI GC (spec 1.1.0): release every allocation of `network` whose owner is
 /// not in `valid`, except those younger than the grace period (an ADD may
-/// still be in flight).
+/// still be in flight); and so in every other network whose last ADD came
+/// from the conflist named `conf_name` (one renamed under its pods).
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct GcRequest {
     #[prost(string, tag = "1")]
@@ -112,6 +113,8 @@ pub struct GcRequest {
     pub valid: ::prost::alloc::vec::Vec<Attachment>,
     #[prost(int64, tag = "3")]
     pub grace_period_ms: i64,
+    #[prost(string, tag = "4")]
+    pub conf_name: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct GcResponse {
