@@ -564,6 +564,18 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
             .unwrap(),
         first
     );
+    // A new owner under the moved configuration: the block is passed
+    // over, and the exhaustion says why (before the gateway below is held,
+    // which withholds the whole block first).
+    let err = store
+        .allocate_under(&owner("default", "c"), Family::V4, Some(&moved), NOW)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "block 198.18.40.0/28: its block lies outside the configured ranges 198.18.41.0/28"
+        ),
+        "{err}"
+    );
     // Another writer gave owner "b" the block's gateway: no result may
     // carry it, so the repeat is refused and the row is left for the DEL.
     store
@@ -580,15 +592,4 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
     assert!(matches!(err, StoreError::HeldUnfit { .. }), "{err}");
     assert!(err.to_string().contains("gateway 198.18.40.1"), "{err}");
     assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
-    // A new owner under the moved configuration: the block is passed
-    // over, and the exhaustion says why.
-    let err = store
-        .allocate_under(&owner("default", "c"), Family::V4, Some(&moved), NOW)
-        .unwrap_err();
-    assert!(
-        err.to_string().contains(
-            "block 198.18.40.0/28: its block lies outside the configured ranges 198.18.41.0/28"
-        ),
-        "{err}"
-    );
 }
