@@ -233,7 +233,7 @@ fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
     // The Node comes back with another podCIDR; its list and watch settle.
     api.delete_node();
     api.recreate_node(&["198.19.5.0/28"]);
-    wait_state(&dir, "198.19.4.0/28", Some("Draining"));
+    wait_state(&dir, "198.19.4.0/28", Some("Withheld"));
     api.wait_until("the watch after the relist", WAIT, |s| {
         let lists = s
             .log
@@ -250,7 +250,7 @@ fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
     }
     assert_eq!(
         block_state(&dir, "198.19.4.0/28").as_deref(),
-        Some("Draining")
+        Some("Withheld")
     );
     let detail = health_detail(&daemon);
     assert!(!detail.contains("no longer grants"), "{detail}");
