@@ -130,16 +130,16 @@ const CONFLICTING_CONFLISTS_IN_ONE_BURST: bool = true;
 
 /// Conflists of "pods" with and without IPv6 bounds alternate, so the bounds
 /// narrow while pods hold addresses past the new `rangeEnd` (they keep them
-/// until their DEL). Off until `metis admin check` stops calling such a
-/// pod's address upstream's doing: with it, METIS_WRITERS_SEED=322644441218539
-/// (sequence 3, 40 steps) has Metis hand 2001:db8:40::a, ::c and ::f out under
-/// conflist "pods" (2001:db8:40::/124, no bounds), an ADD of "pods-bounded6"
-/// (::2-::9) narrow the bounds, and `admin check` fail with "address
-/// 2001:db8:40::a outside rangeStart..rangeEnd (upstream's IPv6 expansion) is
-/// held by container \"p4-1\"", though upstream wrote none of them. Off,
-/// "pods" itself has the bounds, and upstream's expansion past `rangeEnd`
-/// is still tried.
-const V6_BOUNDS_NARROW_UNDER_PODS: bool = false;
+/// until their DEL). Before `metis admin check` named such a row "outside
+/// rangeStart..rangeEnd now in force" (a note while a pod holds it) instead
+/// of blaming upstream, METIS_WRITERS_SEED=322644441218539 (sequence 3, 40
+/// steps) had Metis hand 2001:db8:40::a, ::c and ::f out under conflist
+/// "pods" (2001:db8:40::/124, no bounds), an ADD of "pods-bounded6"
+/// (::2-::9) narrow the bounds, and `admin check` say "address
+/// 2001:db8:40::a outside rangeStart..rangeEnd (upstream's IPv6 expansion)
+/// is held by container \"p4-1\"", though upstream wrote none of them.
+/// Off, "pods" itself has the bounds.
+const V6_BOUNDS_NARROW_UNDER_PODS: bool = true;
 
 /// Half the rollbacks run `metis admin downgrade` first, after which
 /// upstream must find nothing it can hand out twice or out of range.
