@@ -637,7 +637,7 @@ impl Engine {
                 let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
                 let held = self
                     .store
-                    .held_gateways_in(network, family)
+                    .held_gateways_in(network, family, &bounds)
                     .map_err(failed)?;
                 blocked.extend(held.iter().map(|g| g.describe()));
                 blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(

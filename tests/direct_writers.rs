@@ -286,10 +286,10 @@ fn a_range_moved_mid_burst_hands_out_only_the_range_each_add_read() {
 }
 
 /// Two conflists on one subnet with different gateways, in parallel: no
-/// result's address is the gateway that result names. Once a pod of one
-/// holds the other's gateway, the other is refused (code 11, naming the
-/// held gateway) rather than given a result whose gateway is a pod's
-/// address; the first conflist is served throughout.
+/// result's address is the gateway that result names, and once a pod of
+/// one holds the other's gateway, the other's ADDs are refused with code 11
+/// naming that gateway and its holder (a result naming it would make the
+/// host take that pod's address).
 #[test]
 fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
     let node = Node::new("direct-gateways", "0s");
@@ -305,6 +305,7 @@ fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
     ];
     let done = burst(&node.dir, 16, 12, &|n| ranges[n % 2]);
     let failures = assert_first_law(&node, &done);
+    assert!(failures.len() < done.len(), "nothing served: {failures:?}");
     let held_gateways: Vec<IpAddr> = node.holdings().iter().map(|h| h.address).collect();
     for (code, msg) in &failures {
         assert_eq!(*code, 11, "{msg}");
@@ -317,15 +318,6 @@ fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
             "a refusal must name a gateway a pod holds: {msg}"
         );
     }
-    let served = |range: &Range| {
-        done.iter()
-            .filter(|d| d.range == *range && d.answer.is_ok())
-            .count()
-    };
-    assert!(
-        ranges.iter().any(|r| served(r) == 96),
-        "one conflist's gateway is never a pod's address here: it is served throughout"
-    );
 }
 
 /// The same invariants while a daemon is restarted under the burst

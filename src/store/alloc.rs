@@ -132,12 +132,14 @@ fn kept(
 ) -> Result<Allocation, StoreError> {
     let Allocation { address, block } = existing.allocation;
     match judge.address(conn, existing.block_id, &block, address)? {
-        Ok(()) => Ok(existing.allocation),
-        Err(unfit @ (Unfit::OutsideBlock | Unfit::Gateway(_))) => Err(StoreError::HeldUnfit {
-            address,
-            container_id: owner.container_id.to_string(),
-            why: unfit.to_string(),
-        }),
+        Ok(()) => {}
+        Err(unfit @ (Unfit::OutsideBlock | Unfit::Gateway(_))) => {
+            return Err(StoreError::HeldUnfit {
+                address,
+                container_id: owner.container_id.to_string(),
+                why: unfit.to_string(),
+            });
+        }
         Err(unfit) => {
             crate::log::warn(
                 "store",
@@ -149,9 +151,34 @@ fn kept(
                     ("why", &unfit),
                 ],
             );
-            Ok(existing.allocation)
         }
     }
+    // Nor is a result returned whose gateway another pod holds.
+    refuse_held_gateway(conn, judge, existing.block_id, &block)?;
+    Ok(existing.allocation)
+}
+
+/// Refuses (code 11, naming the gateway and its holder) an address of
+/// block `id` whose result would name a gateway a pod holds
+/// ([`super::gateway`]), under the configuration in force.
+fn refuse_held_gateway(
+    conn: &Connection,
+    judge: &Judge,
+    id: i64,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    let Some(held) =
+        super::gateway::held(conn, judge.mode, id, judge.network, cidr, judge.in_force())?
+    else {
+        return Ok(());
+    };
+    Err(StoreError::NoAvailableIps {
+        network: judge.network.to_string(),
+        family: cidr.family(),
+        quarantined: Vec::new(),
+        held_gateways: vec![held.describe()],
+        passed_over: Vec::new(),
+    })
 }
 
 /// Marks row `row_id` (holding `address`) of block `block_id` allocated to
@@ -229,8 +256,9 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 11] = [
+pub(super) const ALLOCATION_PATH: [&str; 12] = [
     HELD_SQL,
+    HELD_ELSEWHERE_SQL,
     CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
@@ -257,6 +285,44 @@ const HAS_FREE_AFTER_SQL: &str = concat!(
     free_now!("", "?2"),
     ")"
 );
+
+/// Who holds address ?1 in a block other than ?2, in network ?3 or, unless
+/// ?4 (the asking network is isolated), in any network that shares the
+/// node's address space: one probe of the `(address, cidr_block_id)`
+/// UNIQUE index. Upstream's UNIQUE is per block, so two overlapping
+/// blocks of two networks (upstream's `AddCIDR` after a rollback) each
+/// have a row for one address.
+const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, ''), b.network, b.cidr \
+     FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+     WHERE a.address = ?1 AND a.cidr_block_id != ?2 AND a.is_allocated = 1 \
+       AND (b.network = ?3 OR (?4 = 0 AND b.network NOT IN \
+         (SELECT network FROM metis_networks WHERE isolated = 1))) \
+     LIMIT 1";
+
+/// The owner of `address` in another block of the node's address space as
+/// `network` sees it (see [`HELD_ELSEWHERE_SQL`]), if any.
+fn held_elsewhere(
+    conn: &Connection,
+    network: &str,
+    block_id: i64,
+    address: IpAddr,
+) -> Result<Option<Unfit>, StoreError> {
+    let isolated = super::layout::is_isolated(conn, network)?;
+    Ok(conn
+        .prepare_cached(HELD_ELSEWHERE_SQL)?
+        .query_row(
+            params![address.to_string(), block_id, network, isolated],
+            |r| {
+                Ok(Unfit::HeldElsewhere {
+                    container_id: r.get(0)?,
+                    interface_name: r.get(1)?,
+                    network: r.get(2)?,
+                    block: r.get(3)?,
+                })
+            },
+        )
+        .optional()?)
+}
 
 /// The hand-out check of one allocation ([`super::handout`]): the
 /// configuration in force, Metis's record of each block looked at, and
@@ -305,6 +371,12 @@ impl<'s> Judge<'s> {
         }
         self.blocks.push((id, record));
         Ok(self.blocks.len() - 1)
+    }
+
+    /// The bounds of the configuration in force, for the held-gateway rule
+    /// (`None`: none given, each block's recorded bounds stand in).
+    fn in_force(&self) -> super::gateway::InForceBounds<'_> {
+        (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
     /// Whether anything of block `id` may be handed out (noted when not).
@@ -415,6 +487,10 @@ fn claim(
             judge.pass_over(format!("{address} of block {cidr}"), &unfit);
             continue;
         }
+        if let Some(unfit) = held_elsewhere(conn, judge.network, block_id, address)? {
+            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
+            continue;
+        }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
             return Ok(Some(address));
         }
@@ -502,6 +578,7 @@ impl Store {
             &tx,
             mode,
             owner.network,
+            judge.in_force(),
             candidates_of(&tx, owner.network, family)?,
         )?;
         let mut candidates = Vec::new();
@@ -581,6 +658,7 @@ impl Store {
                 Unfit::Reserved | Unfit::Gateway(_) | Unfit::OutsideBounds { .. } => {
                     Unavailable::ReservedPosition { block: cidr }
                 }
+                Unfit::HeldElsewhere { container_id, .. } => Unavailable::Held { container_id },
                 Unfit::Retired
                 | Unfit::BlockOutsideRanges { .. }
                 | Unfit::OutsideRanges { .. }
@@ -590,6 +668,12 @@ impl Store {
             };
             return Err(unavailable(address, reason));
         }
+        if let Some(Unfit::HeldElsewhere { container_id, .. }) =
+            held_elsewhere(&tx, owner.network, block_id, address)?
+        {
+            return Err(unavailable(address, Unavailable::Held { container_id }));
+        }
+        refuse_held_gateway(&tx, &judge, block_id, &cidr)?;
         let offset = cidr.offset_of(address).unwrap_or(0);
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;

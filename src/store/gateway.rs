@@ -21,14 +21,32 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::bounds_of;
 use super::{ReserveMode, StoreError, parse_cidr};
-use crate::cidr::{Cidr, gateway_for};
+use crate::cidr::{Bounds, Cidr, gateway_for};
 
-/// A pod holding the address a block advertises as its gateway, in any
-/// block of that network.
-pub(super) const HELD_GATEWAY_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
+/// A pod holding the address a block advertises as its gateway (?1), in
+/// any block of that network (?2): for a database without Metis's tables
+/// (`admin check` of an upstream-only file).
+const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
      FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE a.address = ?1 AND b.network = ?2 AND a.is_allocated = 1 AND a.container_id != '' \
      LIMIT 1";
+
+/// A pod holding the address a block advertises as its gateway (?1), in
+/// any block of that network (?2) or, unless it is isolated (?3), of any
+/// network sharing the node's address space (an overlapping block
+/// upstream added).
+pub(super) const HELD_GATEWAY_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
+     FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+     WHERE a.address = ?1 AND a.is_allocated = 1 AND a.container_id != '' \
+       AND (b.network = ?2 OR (?3 = 0 AND b.network NOT IN \
+         (SELECT network FROM metis_networks WHERE isolated = 1))) \
+     LIMIT 1";
+
+/// The host-local bounds of the configuration in force (the conflist's
+/// ranges with `rangeStart`/`rangeEnd`/`gateway`), keyed by subnet:
+/// the gateway a result names is its block's there, else Metis's. `None`:
+/// no configuration given, the bounds recorded for each block stand in.
+pub(super) type InForceBounds<'c> = Option<&'c [(Cidr, Bounds)]>;
 
 /// A block whose gateway a pod holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,26 +69,41 @@ impl HeldGateway {
     }
 }
 
-/// Who holds the gateway block `id` (`cidr` of `network`) advertises, if
-/// a pod does and the rule applies under `mode`: two indexed reads.
+/// Who holds the gateway block `id` (`cidr` of `network`) advertises
+/// under `in_force` — the conflist's explicit `gateway`, else the block's
+/// computed one — if a pod does and the rule applies under `mode`: a few
+/// indexed reads.
 pub(super) fn held(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
     network: &str,
     cidr: &Cidr,
+    in_force: InForceBounds,
 ) -> Result<Option<HeldGateway>, StoreError> {
-    let gateway = match bounds_of(conn, network, cidr)? {
+    let bounds = match in_force {
+        Some(list) => list
+            .iter()
+            .find(|(subnet, _)| subnet == cidr)
+            .map(|(_, bounds)| *bounds),
+        None => bounds_of(conn, network, cidr)?,
+    };
+    let gateway = match bounds {
         Some(bounds) => bounds.gateway,
         None if mode == ReserveMode::EveryBlock => gateway_for(cidr),
         None => return Ok(None),
     };
-    let holder: Option<(String, String)> = conn
-        .prepare_cached(HELD_GATEWAY_SQL)?
-        .query_row(params![gateway.to_string(), network], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .optional()?;
+    let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
+    let holder: Option<(String, String)> = if has_networks(conn)? {
+        let isolated = super::layout::is_isolated(conn, network)?;
+        conn.prepare_cached(HELD_GATEWAY_SQL)?
+            .query_row(params![gateway.to_string(), network, isolated], row)
+            .optional()?
+    } else {
+        conn.prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
+            .query_row(params![gateway.to_string(), network], row)
+            .optional()?
+    };
     Ok(holder.map(|(container_id, interface_name)| HeldGateway {
         block_id: id,
         cidr: *cidr,
@@ -79,6 +112,16 @@ pub(super) fn held(
         container_id,
         interface_name,
     }))
+}
+
+/// Whether the database has Metis's `metis_networks` (not one only
+/// upstream wrote, opened read-only).
+fn has_networks(conn: &Connection) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_networks')",
+        )?
+        .query_row([], |r| r.get(0))?)
 }
 
 /// Candidate blocks of an allocation: (block id, prefix).
@@ -90,12 +133,13 @@ pub(super) fn servable(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
+    in_force: InForceBounds,
     candidates: Blocks,
 ) -> Result<(Blocks, Vec<HeldGateway>), StoreError> {
     let mut served = Vec::with_capacity(candidates.len());
     let mut refused = Vec::new();
     for (id, cidr) in candidates {
-        match held(conn, mode, id, network, &cidr)? {
+        match held(conn, mode, id, network, &cidr, in_force)? {
             Some(gateway) => refused.push(gateway),
             None => served.push((id, cidr)),
         }
@@ -110,6 +154,7 @@ pub(super) fn held_in(
     mode: ReserveMode,
     network: &str,
     family: crate::cidr::Family,
+    in_force: InForceBounds,
 ) -> Result<Vec<HeldGateway>, StoreError> {
     let blocks: Vec<(i64, String)> = conn
         .prepare_cached(
@@ -122,7 +167,7 @@ pub(super) fn held_in(
         .collect::<Result<_, _>>()?;
     let mut out = Vec::new();
     for (id, cidr) in blocks {
-        if let Some(gateway) = held(conn, mode, id, network, &parse_cidr(&cidr)?)? {
+        if let Some(gateway) = held(conn, mode, id, network, &parse_cidr(&cidr)?, in_force)? {
             out.push(gateway);
         }
     }
@@ -148,7 +193,7 @@ pub(super) fn all_held(
         let Ok(cidr) = parse_cidr(&cidr) else {
             continue;
         };
-        if let Some(gateway) = held(conn, mode, id, &network, &cidr)? {
+        if let Some(gateway) = held(conn, mode, id, &network, &cidr, None)? {
             out.push(gateway);
         }
     }
@@ -163,10 +208,11 @@ mod tests {
     fn the_gateway_lookup_searches_an_index() {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch(super::super::schema::SCHEMA).unwrap();
+        conn.execute_batch(super::super::schema::NETWORKS).unwrap();
         let plan: Vec<String> = conn
             .prepare(&format!("EXPLAIN QUERY PLAN {HELD_GATEWAY_SQL}"))
             .unwrap()
-            .query_map(params!["198.18.0.1", "n"], |r| r.get::<_, String>(3))
+            .query_map(params!["198.18.0.1", "n", false], |r| r.get::<_, String>(3))
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap();

@@ -111,6 +111,13 @@ impl Store {
         if new_room.iter().any(leaves_an_address) {
             return Ok(true);
         }
+        // Blocks whose gateway (under these bounds) a pod holds serve
+        // nothing, re-bounded or not (see `gateway`).
+        let unserved: HashSet<i64> = self
+            .held_gateways_in(network, family, bounds)?
+            .iter()
+            .map(|g| g.block_id)
+            .collect();
         // The ADD re-bounds a block whose bounds the configuration changed:
         // counted as room, as a range not yet added is.
         for range in ranges.iter().filter(|range| leaves_an_address(range)) {
@@ -118,18 +125,14 @@ impl Store {
                 .iter()
                 .find(|(cidr, _)| cidr == range)
                 .map(|(_, b)| *b);
-            if self.find_block(network, range)?.is_some()
+            if self
+                .find_block(network, range)?
+                .is_some_and(|id| !unserved.contains(&id))
                 && bounds_of(&self.conn, network, range)? != asked
             {
                 return Ok(true);
             }
         }
-        // Blocks whose gateway a pod holds serve nothing (see `gateway`).
-        let unserved: HashSet<i64> = self
-            .held_gateways_in(network, family)?
-            .iter()
-            .map(|g| g.block_id)
-            .collect();
         if ready_block_has_free_row(&self.conn, network, family, now_ms, &unserved)? {
             return Ok(true);
         }
@@ -148,13 +151,15 @@ impl Store {
     }
 
     /// The network's Ready blocks of `family` not served while a pod holds
-    /// their gateway.
+    /// the gateway a result would name under `bounds` (the configuration
+    /// in force: its explicit `gateway`, else the block's computed one).
     pub fn held_gateways_in(
         &self,
         network: &str,
         family: Family,
+        bounds: &[(Cidr, Bounds)],
     ) -> Result<Vec<super::gateway::HeldGateway>, StoreError> {
-        super::gateway::held_in(&self.conn, self.reserve, network, family)
+        super::gateway::held_in(&self.conn, self.reserve, network, family, Some(bounds))
     }
 }
 

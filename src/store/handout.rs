@@ -65,6 +65,16 @@ pub enum Unfit {
     Gateway(IpAddr),
     /// A reserved position of its block (network, gateway, broadcast).
     Reserved,
+    /// Another row of the node's address space holds it: an overlapping
+    /// block (of this network or another that is not isolated) has a row
+    /// for the same address, allocated. Not found by [`address_fit`] (it
+    /// reads the database: `alloc` asks per candidate).
+    HeldElsewhere {
+        container_id: String,
+        interface_name: String,
+        network: String,
+        block: String,
+    },
 }
 
 impl fmt::Display for Unfit {
@@ -93,6 +103,15 @@ impl fmt::Display for Unfit {
             }
             Unfit::Gateway(gateway) => write!(f, "it is the gateway {gateway}"),
             Unfit::Reserved => f.write_str("it is a reserved address of its block"),
+            Unfit::HeldElsewhere {
+                container_id,
+                interface_name,
+                network,
+                block,
+            } => write!(
+                f,
+                "it is held by container {container_id:?} interface {interface_name:?} in block {block} of network {network:?}"
+            ),
         }
     }
 }

@@ -969,7 +969,7 @@ fn replace_wanted(
     Ok(())
 }
 
-fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
+pub(super) fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached("SELECT isolated FROM metis_networks WHERE network = ?1")?
         .query_row([network], |r| r.get(0))

@@ -88,7 +88,7 @@ impl Leftovers {
         let kinds = [
             (
                 &self.beyond_bounds,
-                "outside rangeStart..rangeEnd (upstream's IPv6 expansion)",
+                "outside rangeStart..rangeEnd now in force",
                 if healed {
                     "reserved"
                 } else {

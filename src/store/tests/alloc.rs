@@ -593,3 +593,99 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
     assert!(err.to_string().contains("gateway 198.18.40.1"), "{err}");
     assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
 }
+
+/// A conflist whose explicit `gateway` a pod holds (it got the address
+/// under another conflist of the network, or from upstream): no result
+/// naming it is returned — neither a new address nor the one an owner
+/// already holds — the refusal names the gateway and its holder, and
+/// STATUS's question says no.
+#[test]
+fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let range = cidr("198.18.40.0/28");
+    let plain = InForce {
+        ranges: vec![range],
+        bounds: Vec::new(),
+    };
+    let gw = crate::cidr::Bounds {
+        start: ip("198.18.40.1"),
+        end: ip("198.18.40.14"),
+        gateway: ip("198.18.40.6"),
+    };
+    let with_gateway = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gw)],
+    };
+    // Under the conflist without `gateway`, .6 is an ordinary address.
+    store
+        .allocate_requested_under(
+            &owner("pods", "holder"),
+            ip("198.18.40.6"),
+            Some(&plain),
+            NOW,
+        )
+        .unwrap();
+    let earlier = store
+        .allocate_under(&owner("pods", "earlier"), Family::V4, Some(&plain), NOW)
+        .unwrap();
+    let refused = |err: StoreError| match err {
+        StoreError::NoAvailableIps { held_gateways, .. } => {
+            assert_eq!(held_gateways.len(), 1, "{held_gateways:?}");
+            assert!(
+                held_gateways[0].contains("gateway 198.18.40.6")
+                    && held_gateways[0].contains("\"holder\""),
+                "{held_gateways:?}"
+            );
+        }
+        other => panic!("expected code 11 naming the held gateway, got {other:?}"),
+    };
+    // A new ADD under the conflist with `gateway` 198.18.40.6.
+    refused(
+        store
+            .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
+            .unwrap_err(),
+    );
+    // A repeated ADD of an owner that holds an address of the block.
+    refused(
+        store
+            .allocate_under(
+                &owner("pods", "earlier"),
+                Family::V4,
+                Some(&with_gateway),
+                NOW,
+            )
+            .unwrap_err(),
+    );
+    // STATUS: an ADD of that configuration cannot succeed; of the other, it can.
+    assert!(
+        !store
+            .can_allocate("pods", Family::V4, &[range], &[(range, gw)], false, NOW)
+            .unwrap()
+    );
+    assert!(
+        store
+            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .unwrap()
+    );
+    // Nothing was handed out by the refusals; the earlier owner keeps its address.
+    assert_eq!(
+        store
+            .allocate_under(&owner("pods", "earlier"), Family::V4, Some(&plain), NOW)
+            .unwrap(),
+        earlier
+    );
+    let held: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(held, 2);
+    // Once the holder's DEL gives .6 back, the conflist is served again.
+    store.release("pods", "holder", "eth0", NOW).unwrap();
+    store
+        .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
+        .unwrap();
+}

@@ -558,3 +558,39 @@ fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
     let (_dir, plain) = store_with(&[("p", "2001:db8:6::/64")]);
     assert!(plain.upstream_hazards().unwrap().is_empty());
 }
+
+/// Metis itself hands addresses out under a conflist without bounds, then
+/// a conflist of the network narrows them: the pods past the new
+/// `rangeEnd` keep their addresses, and `admin check` names each as a note
+/// — outside the bounds now in force, blaming no one (upstream wrote
+/// nothing here) — and fails on nothing.
+#[test]
+fn bounds_narrowed_under_pods_are_a_note_that_blames_no_one() {
+    let dir = TempDir::new();
+    let mut store = open(&dir.db());
+    let block = cidr("2001:db8:40::/124");
+    store
+        .configure(Source::Cni, "pods", Family::V6, &[block], false, NOW)
+        .unwrap();
+    let held: Vec<IpAddr> = (0..6)
+        .map(|i| alloc(&mut store, "pods", &format!("p{i}"), Family::V6, NOW))
+        .collect();
+    assert!(held.contains(&ip("2001:db8:40::7")), "{held:?}");
+    v6_range(
+        &mut store,
+        "pods",
+        "2001:db8:40::/124",
+        "2001:db8:40::2",
+        "2001:db8:40::4",
+    );
+    drop(store);
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(report.problems.is_empty(), "{report:?}");
+    let named: Vec<&String> = report
+        .notes
+        .iter()
+        .filter(|n| n.contains("outside rangeStart..rangeEnd now in force"))
+        .collect();
+    assert!(!named.is_empty(), "{report:?}");
+    assert!(named.iter().all(|n| !n.contains("upstream")), "{named:?}");
+}

@@ -228,3 +228,102 @@ fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
     let fresh = TempDir::new();
     assert_eq!(open(&fresh.db()).release_cooldown(), 0, "Metis's own file");
 }
+
+/// Upstream's `AddCIDR` (after a rollback) adds a block of network
+/// "other" over network "pods"' block, every row free, as upstream writes
+/// it; no open since, so no repair has run.
+fn upstream_overlapping_block(store: &Store) -> i64 {
+    store
+        .conn
+        .execute(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips, state) \
+             VALUES ('198.18.40.0/29', 'other', 'ipv4', 8, 0, 'Ready')",
+            [],
+        )
+        .unwrap();
+    let id = store.conn.last_insert_rowid();
+    for i in 0..8 {
+        store
+            .conn
+            .execute(
+                "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) VALUES (?1, ?2, '', '', 0)",
+                rusqlite::params![format!("198.18.40.{i}"), id],
+            )
+            .unwrap();
+    }
+    id
+}
+
+#[test]
+fn an_address_another_networks_overlapping_block_holds_is_passed_over() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    assert_eq!(
+        alloc(&mut store, "pods", "p1", Family::V4, NOW),
+        ip("198.18.40.2")
+    );
+    let other = upstream_overlapping_block(&store);
+    // .0, .1 and .7 are the upstream block's reserved positions; .2 is p1's
+    // in "pods": "other" is handed .3, not .2.
+    assert_eq!(
+        alloc(&mut store, "other", "o1", Family::V4, NOW),
+        ip("198.18.40.3")
+    );
+    // And the other way: "pods" passes over .3, which "other" now holds.
+    assert_eq!(
+        alloc(&mut store, "pods", "p2", Family::V4, NOW),
+        ip("198.18.40.4")
+    );
+    // A static request for an address the other network holds is refused,
+    // naming the holder.
+    let err = store
+        .allocate_requested(&owner("other", "o2"), ip("198.18.40.2"), NOW)
+        .unwrap_err();
+    match err {
+        StoreError::RequestedIpUnavailable {
+            reason: Unavailable::Held { container_id },
+            ..
+        } => assert_eq!(container_id, "p1"),
+        other => panic!("expected held by p1, got {other:?}"),
+    }
+    // Every address is held once on the node.
+    let mut held: Vec<String> = store
+        .conn
+        .prepare("SELECT address FROM ip_addresses WHERE is_allocated = 1 AND container_id != ''")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let all = held.len();
+    held.sort();
+    held.dedup();
+    assert_eq!(held.len(), all, "an address held twice: {held:?}");
+    assert!(
+        rows(&store, other)
+            .iter()
+            .any(|r| r.0 == "198.18.40.3" && r.2 == "o1")
+    );
+}
+
+#[test]
+fn an_isolated_networks_holdings_do_not_block_another_network() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    store
+        .conn
+        .execute(
+            "INSERT INTO metis_networks (network, isolated) VALUES ('pods', 1) \
+             ON CONFLICT(network) DO UPDATE SET isolated = 1",
+            [],
+        )
+        .unwrap();
+    assert_eq!(
+        alloc(&mut store, "pods", "p1", Family::V4, NOW),
+        ip("198.18.40.2")
+    );
+    upstream_overlapping_block(&store);
+    // "pods" is an address space of its own: .2 is "other"'s to hand out.
+    assert_eq!(
+        alloc(&mut store, "other", "o1", Family::V4, NOW),
+        ip("198.18.40.2")
+    );
+}
