@@ -365,8 +365,10 @@ pub fn run(config: &Config) -> std::io::Result<()> {
             continue;
         }
         if !leadership.leading() {
-            // What is pending and due stays so for the next update.
+            // What is pending and due stays so for the next update: an
+            // event, or the lease thread once this candidate leads again.
             standing_by = true;
+            leadership.call_back();
             continue;
         }
         pending = false;
