@@ -601,7 +601,8 @@ fn reclaim_delay_ms(pool: &Pool) -> i64 {
 }
 
 /// The first time after `world.now_ms` at which a cooling block of
-/// `ledgers` comes free or a missing Node's grace ends.
+/// `ledgers` comes free, a missing Node's grace ends or the time a refused
+/// node was told passes.
 fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
     let cooled = world.pools.iter().zip(ledgers).flat_map(|(pool, ledger)| {
         let delay = reclaim_delay_ms(pool);
@@ -614,7 +615,21 @@ fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
         .absent
         .values()
         .map(|since| since.saturating_add(world.node_grace_ms));
-    cooled.chain(graced).filter(|at| *at > world.now_ms).min()
+    // A refusal told "until" a time is rewritten once it passed (the node
+    // stops failing fast then and waits for the next answer).
+    let told = world.statuses.values().filter_map(|status| {
+        let ready = status["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
+        let (_, until) = ready["message"].as_str()?.rsplit_once(UNTIL)?;
+        crate::log::parse_rfc3339_ms(until)
+    });
+    cooled
+        .chain(graced)
+        .chain(told)
+        .filter(|at| *at > world.now_ms)
+        .min()
 }
 
 /// Why `cidr` in `name`'s status is an overlap nobody granted, if it is.
