@@ -268,10 +268,33 @@ impl Sim {
                     again.pool_writes.is_empty() && again.nnc_writes.is_empty(),
                     "a pass with nothing new still writes: {again:?}"
                 );
+                self.check_quiet_until_due(&again);
                 return;
             }
         }
         panic!("the controller never stops writing: {:?}", self.decide());
+    }
+
+    /// The controller sleeps until `next_due_ms` when no event comes: time
+    /// alone must change nothing before it (nothing at all when it is
+    /// `None`), else a cooling end or a grace end would wait for an
+    /// unrelated event.
+    fn check_quiet_until_due(&mut self, settled: &Decision) {
+        let later = match settled.next_due_ms {
+            Some(at) => {
+                assert!(at > self.now, "due {at} is not after now {}", self.now);
+                at - 1
+            }
+            None => self.now + 30 * 86_400_000,
+        };
+        let now = std::mem::replace(&mut self.now, later);
+        let quiet = self.decide();
+        self.now = now;
+        assert!(
+            quiet.pool_writes.is_empty() && quiet.nnc_writes.is_empty(),
+            "writes at {later} before the due time {:?} (now {now}): {quiet:?}",
+            settled.next_due_ms
+        );
     }
 
     fn ready(&self, name: &str) -> Option<(String, String)> {
@@ -538,6 +561,8 @@ fn a_released_block_cools_before_another_node_gets_it() {
     let cooling = &sim.pools["v4"]["status"]["cooling"];
     assert_eq!(cooling[0]["cidr"], "198.18.0.0/28");
     assert_eq!(cooling[0]["node"], "a");
+    // The controller wakes when it comes free, with no event needed.
+    assert_eq!(sim.decide().next_due_ms, Some(sim.now + DELAY_MS));
     sim.now += DELAY_MS - 1;
     sim.settle();
     assert!(!cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
@@ -582,6 +607,7 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.set_demand("a", 10);
     sim.settle();
     sim.delete_node("a", false);
+    assert_eq!(sim.decide().next_due_ms, Some(sim.now + GRACE_MS));
     sim.now += GRACE_MS - 1;
     sim.settle();
     assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2, "kept within the grace");

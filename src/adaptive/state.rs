@@ -304,6 +304,16 @@ impl Adaptive {
         no_larger.then(|| refusal.why.clone())
     }
 
+    /// Remembers the answer the newest copy carries. Not the copy an event
+    /// brought: a PATCH's response can arrive after the watch delivered the
+    /// controller's answer to that patch, and its older Ready condition
+    /// must not erase the refusal (the ADDs would wait out --scale-up-wait).
+    fn note_latest_answer(&mut self) {
+        if let Some(nnc) = self.cluster.latest().cloned() {
+            self.note_answer(&nnc);
+        }
+    }
+
     /// Remembers the cluster's answer a copy carries.
     fn note_answer(&mut self, nnc: &crate::kube::nnc::Nnc) {
         if let Some(why) = &nnc.quota_exceeded {
@@ -380,8 +390,9 @@ impl Adaptive {
         let store = engine.store_mut();
         let applied = match event {
             KubeEvent::Nnc { nnc, epoch } => {
-                self.note_answer(&nnc);
-                self.cluster.on_nnc(store, &self.metrics, nnc, epoch)
+                let applied = self.cluster.on_nnc(store, &self.metrics, nnc, epoch);
+                self.note_latest_answer();
+                applied
             }
             KubeEvent::Node { node, epoch } => {
                 self.cluster.on_node(store, &self.metrics, node, epoch)
@@ -394,8 +405,9 @@ impl Adaptive {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                self.note_answer(&nnc);
-                self.cluster.on_patched(store, &self.metrics, &base, *nnc)
+                let applied = self.cluster.on_patched(store, &self.metrics, &base, *nnc);
+                self.note_latest_answer();
+                applied
             }
             KubeEvent::Replayed => {
                 self.metrics.stale_version();

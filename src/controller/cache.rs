@@ -1,6 +1,7 @@
 //! What the informers delivered, kept as the decision reads it, and which
-//! NodeNetworkConfigs' Nodes are missing since when (this process's view:
-//! a new leader starts the grace period over, which only delays a reclaim).
+//! NodeNetworkConfigs' Nodes are missing since when (this process's view,
+//! kept while standing by too; a process started later starts the grace
+//! period over, which only delays a reclaim).
 
 use std::collections::{BTreeMap, BTreeSet};
 

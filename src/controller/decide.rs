@@ -89,6 +89,10 @@ pub struct Decision {
     /// Posted once the NodeNetworkConfig's write succeeded.
     pub events: Vec<NodeEvent>,
     pub gauges: Vec<Gauge>,
+    /// When (ms) time alone changes the next decision: the first cooling
+    /// block comes free or the first missing Node's grace ends. The loop
+    /// sleeps until then unless an event comes first.
+    pub next_due_ms: Option<i64>,
 }
 
 /// Why a node's Ready condition is not `NodeNetworkConfigReady`.
@@ -225,12 +229,7 @@ pub fn decide(world: &World) -> Decision {
     let now = world.now_ms;
     // Cooled long enough: free again.
     for (pool, ledger) in pools.iter().zip(&mut ledgers) {
-        let delay = pool
-            .spec
-            .as_ref()
-            .map_or(super::pool::DEFAULT_RECLAIM_DELAY_MS, |s| {
-                s.reclaim_delay_ms
-            });
+        let delay = reclaim_delay_ms(pool);
         ledger
             .cooling
             .retain(|_, c| now.saturating_sub(c.since_ms) < delay);
@@ -587,7 +586,50 @@ pub fn decide(world: &World) -> Decision {
             });
         }
     }
+    decision.next_due_ms = next_due(world, &ledgers);
     decision
+}
+
+/// How long a released block of `pool` cools (the default under a
+/// refused spec).
+fn reclaim_delay_ms(pool: &Pool) -> i64 {
+    pool.spec
+        .as_ref()
+        .map_or(super::pool::DEFAULT_RECLAIM_DELAY_MS, |s| {
+            s.reclaim_delay_ms
+        })
+}
+
+/// The first time after `world.now_ms` at which a cooling block of
+/// `ledgers` comes free, a missing Node's grace ends or the time a refused
+/// node was told passes.
+fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
+    let cooled = world.pools.iter().zip(ledgers).flat_map(|(pool, ledger)| {
+        let delay = reclaim_delay_ms(pool);
+        ledger
+            .cooling
+            .values()
+            .map(move |c| c.since_ms.saturating_add(delay))
+    });
+    let graced = world
+        .absent
+        .values()
+        .map(|since| since.saturating_add(world.node_grace_ms));
+    // A refusal told "until" a time is rewritten once it passed (the node
+    // stops failing fast then and waits for the next answer).
+    let told = world.statuses.values().filter_map(|status| {
+        let ready = status["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
+        let (_, until) = ready["message"].as_str()?.rsplit_once(UNTIL)?;
+        crate::log::parse_rfc3339_ms(until)
+    });
+    cooled
+        .chain(graced)
+        .chain(told)
+        .filter(|at| *at > world.now_ms)
+        .min()
 }
 
 /// Why `cidr` in `name`'s status is an overlap nobody granted, if it is.

@@ -45,6 +45,9 @@ pub struct Leadership {
     /// When the last successful acquire or renew was sent.
     renewed: Mutex<Option<Instant>>,
     stopping: AtomicBool,
+    /// The loop found this candidate not leading and sleeps: the next
+    /// renewal that finds it leading wakes the loop.
+    call_back: AtomicBool,
 }
 
 impl Leadership {
@@ -53,7 +56,15 @@ impl Leadership {
             renew_deadline,
             renewed: Mutex::new(None),
             stopping: AtomicBool::new(false),
+            call_back: AtomicBool::new(false),
         }
+    }
+
+    /// Asks for an `Update::Leadership(true)` at the next renewal that
+    /// finds this candidate leading (a renewal late past the deadline but
+    /// then successful changes nothing the lease thread would report).
+    pub fn call_back(&self) {
+        self.call_back.store(true, Ordering::SeqCst);
     }
 
     /// Whether this candidate may write now: it renewed within the renew
@@ -276,7 +287,8 @@ pub fn spawn(
                 log::warn("controller", "lease request failed", &[("error", err)]);
             }
             let leading = elector.leadership.leading();
-            if leading != was {
+            let called = leading && elector.leadership.call_back.swap(false, Ordering::SeqCst);
+            if leading != was || called {
                 if !leading {
                     log::warn(
                         "controller",

@@ -23,9 +23,10 @@ use crate::kube::config::{self, ApiConfig};
 use crate::log::{self, now_ms};
 use crate::metrics::{self, ControllerMetrics};
 
-/// Longest pause between two passes while leading: cooling blocks and
-/// missing Nodes come due with time, not with events.
-const TICK: Duration = Duration::from_secs(1);
+/// Time-driven passes (cooling ends, grace ends) run on whole multiples
+/// of this: several blocks coming free within it are one pass, and a node
+/// refused until the next one is rewritten at most once per this.
+const DUE_GRANULARITY_MS: i64 = 1000;
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
 /// How long each watch stays open (1–2× this) and the backoff's cap.
@@ -301,21 +302,42 @@ pub fn run(config: &Config) -> std::io::Result<()> {
     let grace_ms = i64::try_from(config.node_grace.as_millis()).unwrap_or(i64::MAX);
     let mut cache = Cache::default();
     let mut backoff = Backoff::new(TIMING.max_backoff);
+    // The earliest a pass may run (a burst of events is one pass; after a
+    // refused write, the backoff).
     let mut next_pass = Instant::now();
+    // Something arrived (or a write failed) since the last pass.
+    let mut pending = true;
+    // When time alone changes the decision (a cooling block comes free, a
+    // missing Node's grace ends): the loop sleeps until then, no ticks.
+    let mut due: Option<Instant> = None;
+    // Not leading at the last pass: only an update (Leadership(true) from
+    // the lease thread, or any event) wakes the loop.
+    let mut standing_by = false;
     loop {
-        let wait = next_pass
-            .saturating_duration_since(Instant::now())
-            .max(MIN_PASS_INTERVAL)
-            .min(TICK);
-        let first = match events.recv_timeout(wait) {
-            Ok(update) => Some(update),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        let wake = if standing_by {
+            None
+        } else if pending {
+            Some(next_pass)
+        } else {
+            due.map(|at| at.max(next_pass))
+        };
+        let first = match wake {
+            Some(at) => match events.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                Ok(update) => Some(update),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            },
+            None => match events.recv() {
+                Ok(update) => Some(update),
+                Err(_) => return Ok(()),
+            },
         };
         for update in first
             .into_iter()
             .chain(std::iter::from_fn(|| events.try_recv().ok()))
         {
+            pending = true;
+            standing_by = false;
             match update {
                 Update::Listed(kind, items) => cache.listed(kind, items),
                 Update::Changed(kind, item) => cache.put(kind, item),
@@ -330,14 +352,34 @@ pub fn run(config: &Config) -> std::io::Result<()> {
                 }
             }
         }
-        if !cache.synced() || !leadership.leading() || Instant::now() < next_pass {
+        if !cache.synced() {
             continue;
         }
-        next_pass = Instant::now() + MIN_PASS_INTERVAL;
         let now = now_ms();
         let pools = cache.pools();
+        // Also while standing by: a Node's grace counts from when this
+        // process saw it go, not from when it came to lead.
         cache.update_absent(&pools, now);
+        let is_due = due.is_some_and(|at| Instant::now() >= at);
+        if !(pending || is_due) || Instant::now() < next_pass {
+            continue;
+        }
+        if !leadership.leading() {
+            // What is pending and due stays so for the next update: an
+            // event, or the lease thread once this candidate leads again.
+            standing_by = true;
+            leadership.call_back();
+            continue;
+        }
+        pending = false;
+        next_pass = Instant::now() + MIN_PASS_INTERVAL;
         let decision = decide(&cache.world(&pools, now, grace_ms));
+        due = decision.next_due_ms.map(|at| {
+            let batched =
+                at.saturating_add(DUE_GRANULARITY_MS - 1) / DUE_GRANULARITY_MS * DUE_GRANULARITY_MS;
+            Instant::now()
+                + Duration::from_millis(u64::try_from(batched.saturating_sub(now)).unwrap_or(0))
+        });
         metrics.set_pool_blocks(
             decision
                 .gauges
@@ -372,6 +414,7 @@ pub fn run(config: &Config) -> std::io::Result<()> {
         );
         if applied.conflicts + applied.failures > 0 {
             next_pass = Instant::now() + backoff.next(None);
+            pending = true;
         } else {
             backoff.reset();
         }
