@@ -131,6 +131,7 @@ soak:
 	  $(CARGO) test --locked --test integration model:: -- --nocapture
 	METIS_WRITERS_SEQUENCES=$${METIS_WRITERS_SEQUENCES:-60} METIS_WRITERS_STEPS=$${METIS_WRITERS_STEPS:-50} \
 	  $(CARGO) test --locked --test integration model_multi_writer:: -- --nocapture
+	$(CARGO) test --locked --test integration cluster:: -- --include-ignored --nocapture
 
 # Coverage-guided fuzzing on the stable toolchain: every target for
 # FUZZ_SECONDS (default 600) each; see fuzz/run.sh.
