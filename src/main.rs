@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use metis::cli::{ArgsError, admin, health, host_local, install};
-use metis::flags::FlagError;
+use metis::flags;
 use metis::{cli, cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
@@ -72,16 +72,15 @@ fn main() -> ExitCode {
 }
 
 fn run_daemon(args: &[String]) -> ExitCode {
-    let config = match daemon::parse_config(args, &|name| std::env::var(name).ok()) {
+    let config = match flags::or_usage(
+        daemon::parse_config(args, &|name| std::env::var(name).ok()),
+        "metis daemon",
+        daemon::usage,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    ) {
         Ok(config) => config,
-        Err(FlagError::Help) => {
-            print!("{}", daemon::usage());
-            return ExitCode::SUCCESS;
-        }
-        Err(err) => {
-            eprintln!("metis daemon: {err}\n\n{}", daemon::usage());
-            return ExitCode::from(USAGE_EXIT);
-        }
+        Err(status) => return ExitCode::from(status),
     };
     log::init(Box::new(std::io::stderr()), config.verbosity);
     match daemon::run(&config) {
@@ -96,16 +95,15 @@ fn run_daemon(args: &[String]) -> ExitCode {
 #[cfg(feature = "kube")]
 fn run_controller(args: &[String]) -> ExitCode {
     use metis::controller;
-    let config = match controller::parse_config(args, &|name| std::env::var(name).ok()) {
+    let config = match flags::or_usage(
+        controller::parse_config(args, &|name| std::env::var(name).ok()),
+        "metis controller",
+        controller::usage,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    ) {
         Ok(config) => config,
-        Err(FlagError::Help) => {
-            print!("{}", controller::usage());
-            return ExitCode::SUCCESS;
-        }
-        Err(err) => {
-            eprintln!("metis controller: {err}\n\n{}", controller::usage());
-            return ExitCode::from(USAGE_EXIT);
-        }
+        Err(status) => return ExitCode::from(status),
     };
     let sink: Box<dyn std::io::Write + Send> = match &config.log_file {
         Some(path) => match log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o640) {

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crate::defaults::DEFAULT_DB_PATH;
-use crate::flags::{self, FlagError, FlagSpec};
+use crate::flags::{self, FlagSpec};
 use crate::store::{self, Depth};
 
 const FLAGS: &[FlagSpec] = &[
@@ -35,16 +35,15 @@ pub const EXIT_USAGE: u8 = 2;
 
 /// Runs `metis admin check ARGS` and returns the exit status.
 pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let parsed = match flags::parse(FLAGS, args) {
+    let parsed = match flags::or_usage(
+        flags::parse(FLAGS, args),
+        "metis admin check",
+        usage,
+        out,
+        err,
+    ) {
         Ok(parsed) => parsed,
-        Err(FlagError::Help) => {
-            let _ = write!(out, "{}", usage());
-            return EXIT_OK;
-        }
-        Err(e) => {
-            let _ = writeln!(err, "metis admin check: {e}\n\n{}", usage());
-            return EXIT_USAGE;
-        }
+        Err(status) => return status,
     };
     let path = PathBuf::from(parsed.get("--db-path").unwrap_or(DEFAULT_DB_PATH));
     let depth = if parsed.has("--quick") {

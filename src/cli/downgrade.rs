@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::defaults::DEFAULT_DB_PATH;
-use crate::flags::{self, FlagError, FlagSpec};
+use crate::flags::{self, FlagSpec};
 use crate::store::downgrade::{self, FileKind};
 use crate::store::{Store, StoreOptions};
 
@@ -30,16 +30,15 @@ pub const EXIT_USAGE: u8 = 2;
 
 /// Runs `metis admin downgrade ARGS` and returns the exit status.
 pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let parsed = match flags::parse(FLAGS, args) {
+    let parsed = match flags::or_usage(
+        flags::parse(FLAGS, args),
+        "metis admin downgrade",
+        usage,
+        out,
+        err,
+    ) {
         Ok(parsed) => parsed,
-        Err(FlagError::Help) => {
-            let _ = write!(out, "{}", usage());
-            return EXIT_OK;
-        }
-        Err(e) => {
-            let _ = writeln!(err, "metis admin downgrade: {e}\n\n{}", usage());
-            return EXIT_USAGE;
-        }
+        Err(status) => return status,
     };
     let path = PathBuf::from(parsed.get("--db-path").unwrap_or(DEFAULT_DB_PATH));
     match downgrade_file(&path, out) {

@@ -21,7 +21,7 @@ use crate::cidr::{Bounds, Cidr, Family};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::plugin::ip_config;
 use crate::engine::Engine;
-use crate::flags::{self, FlagError, FlagSpec};
+use crate::flags::{self, FlagSpec};
 use crate::host_local_dir::{self, DirError, Held, Lock};
 use crate::store::{self, AddressFilter, Source, Store, StoreOptions, co_writer};
 use crate::wire::ipam;
@@ -97,16 +97,15 @@ pub fn run(direction: Direction, args: &[String], out: &mut dyn Write, err: &mut
         );
         return EXIT_USAGE;
     }
-    let parsed = match flags::parse(FLAGS, rest) {
+    let parsed = match flags::or_usage(
+        flags::parse(FLAGS, rest),
+        command,
+        || usage(direction),
+        out,
+        err,
+    ) {
         Ok(parsed) => parsed,
-        Err(FlagError::Help) => {
-            let _ = write!(out, "{}", usage(direction));
-            return EXIT_OK;
-        }
-        Err(e) => {
-            let _ = writeln!(err, "{command}: {e}\n\n{}", usage(direction));
-            return EXIT_USAGE;
-        }
+        Err(status) => return status,
     };
     let Some(config) = parsed.get("--config").filter(|c| !c.is_empty()) else {
         let _ = writeln!(

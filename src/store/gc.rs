@@ -66,23 +66,11 @@ impl Store {
         if conf_name.is_empty() {
             return Ok(());
         }
-        let recorded: Option<String> = self
-            .conn
-            .prepare_cached("SELECT conf_name FROM metis_networks WHERE network = ?1")?
-            .query_row([network], |r| r.get(0))
-            .optional()?
-            .flatten();
-        if recorded.as_deref() == Some(conf_name) {
-            return Ok(());
-        }
-        let tx = super::write(&mut self.conn, self.batch)?;
-        tx.prepare_cached(
-            "INSERT INTO metis_networks (network, conf_name) VALUES (?1, ?2) \
-             ON CONFLICT (network) DO UPDATE SET conf_name = excluded.conf_name",
-        )?
-        .execute(params![network, conf_name])?;
-        tx.commit()?;
-        Ok(())
+        self.set_network_column::<String, &str>(
+            network,
+            super::NetworkColumn::ConfName,
+            Some(conf_name),
+        )
     }
 
     /// Whether an ADD of `ranges` (with their host-local `bounds` and

@@ -631,6 +631,40 @@ impl Write<'_> {
     }
 }
 
+/// The columns of `metis_networks` that are set one network at a time;
+/// each names its statements, so no SQL is built from strings.
+#[derive(Clone, Copy)]
+enum NetworkColumn {
+    /// When the monitor first saw the network's use low (ms).
+    LowUtilizationSince,
+    /// The conflist that served the network last (GC under a rename).
+    ConfName,
+}
+
+impl NetworkColumn {
+    fn select_sql(self) -> &'static str {
+        match self {
+            NetworkColumn::LowUtilizationSince => {
+                "SELECT low_utilization_since FROM metis_networks WHERE network = ?1"
+            }
+            NetworkColumn::ConfName => "SELECT conf_name FROM metis_networks WHERE network = ?1",
+        }
+    }
+
+    fn upsert_sql(self) -> &'static str {
+        match self {
+            NetworkColumn::LowUtilizationSince => {
+                "INSERT INTO metis_networks (network, low_utilization_since) VALUES (?1, ?2) \
+                 ON CONFLICT (network) DO UPDATE SET low_utilization_since = excluded.low_utilization_since"
+            }
+            NetworkColumn::ConfName => {
+                "INSERT INTO metis_networks (network, conf_name) VALUES (?1, ?2) \
+                 ON CONFLICT (network) DO UPDATE SET conf_name = excluded.conf_name"
+            }
+        }
+    }
+}
+
 /// Starts a write on `conn`. Inside a batch whose transaction SQLite
 /// already rolled back, writing on would commit on its own, outside the
 /// batch, so that is refused.
@@ -966,12 +1000,7 @@ impl Store {
 
     /// Since when (ms) the monitor has seen the network's use low, if it has.
     pub fn low_utilization_since(&self, network: &str) -> Result<Option<i64>, StoreError> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT low_utilization_since FROM metis_networks WHERE network = ?1")?
-            .query_row([network], |r| r.get(0))
-            .optional()?
-            .flatten())
+        self.network_column(network, NetworkColumn::LowUtilizationSince)
     }
 
     /// Records (or with `None` forgets) when low use of the network began;
@@ -981,15 +1010,47 @@ impl Store {
         network: &str,
         since_ms: Option<i64>,
     ) -> Result<(), StoreError> {
-        if self.low_utilization_since(network)? == since_ms {
+        self.set_network_column::<i64, i64>(network, NetworkColumn::LowUtilizationSince, since_ms)
+    }
+
+    /// One per-network column of `metis_networks` (`None` when the network
+    /// has no row or the column is NULL).
+    fn network_column<T: rusqlite::types::FromSql>(
+        &self,
+        network: &str,
+        column: NetworkColumn,
+    ) -> Result<Option<T>, StoreError> {
+        Ok(self
+            .conn
+            .prepare_cached(column.select_sql())?
+            .query_row([network], |r| r.get(0))
+            .optional()?
+            .flatten())
+    }
+
+    /// Sets one per-network column of `metis_networks`, in its own write
+    /// and only when the value changes (`Stored` is the type it is read
+    /// back as, e.g. `String` for a `&str` value).
+    fn set_network_column<Stored, Value>(
+        &mut self,
+        network: &str,
+        column: NetworkColumn,
+        value: Option<Value>,
+    ) -> Result<(), StoreError>
+    where
+        Stored: rusqlite::types::FromSql + PartialEq<Value>,
+        Value: rusqlite::ToSql,
+    {
+        let unchanged = match (self.network_column::<Stored>(network, column)?, &value) {
+            (Some(stored), Some(value)) => stored == *value,
+            (stored, value) => stored.is_none() && value.is_none(),
+        };
+        if unchanged {
             return Ok(());
         }
         let tx = write(&mut self.conn, self.batch)?;
-        tx.prepare_cached(
-            "INSERT INTO metis_networks (network, low_utilization_since) VALUES (?1, ?2) \
-             ON CONFLICT(network) DO UPDATE SET low_utilization_since = excluded.low_utilization_since",
-        )?
-        .execute(params![network, since_ms])?;
+        tx.prepare_cached(column.upsert_sql())?
+            .execute(params![network, value])?;
         tx.commit()?;
         Ok(())
     }

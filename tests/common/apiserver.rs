@@ -14,7 +14,7 @@
 //! records every client certificate it accepts and every handshake it
 //! refuses.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use super::http::{self, Request, merge_patch, read_request, write_chunk};
 use super::tls::{Accepted, Stream, TlsServer};
 
 const NNC_COLLECTION: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
@@ -233,20 +234,7 @@ impl ApiServer {
 
     /// Listens again on the same address.
     pub fn restart(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let listener = loop {
-            match TcpListener::bind(self.addr) {
-                Ok(listener) => break listener,
-                Err(err) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "cannot rebind {}: {err}",
-                        self.addr
-                    );
-                    thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
+        let listener = http::rebind(self.addr);
         self.serve(listener);
     }
 
@@ -473,11 +461,11 @@ impl State {
     }
 
     /// Records one answered request.
-    fn note(&mut self, method: &str, request: &HttpRequest, status: u16) {
+    fn note(&mut self, method: &str, request: &Request, status: u16) {
         self.log
             .push((method.to_string(), request.path.clone(), status));
         self.stamps.push(Instant::now());
-        self.queries.push(request.query.clone());
+        self.queries.push(request.raw_query.clone());
     }
 
     /// When the requests matching (method, status) were answered.
@@ -583,60 +571,6 @@ impl State {
     }
 }
 
-struct HttpRequest {
-    method: String,
-    path: String,
-    query: String,
-    token: Option<String>,
-    body: Vec<u8>,
-}
-
-fn read_request(stream: &mut impl BufRead) -> Option<HttpRequest> {
-    let mut line = String::new();
-    stream.read_line(&mut line).ok()?;
-    let mut parts = line.split_whitespace();
-    let method = parts.next()?.to_string();
-    let target = parts.next()?.to_string();
-    let mut length = 0usize;
-    let mut token = None;
-    loop {
-        let mut header = String::new();
-        stream.read_line(&mut header).ok()?;
-        let header = header.trim_end();
-        if header.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = header.split_once(':') {
-            if name.eq_ignore_ascii_case("content-length") {
-                length = value.trim().parse().ok()?;
-            } else if name.eq_ignore_ascii_case("authorization") {
-                token = value.trim().strip_prefix("Bearer ").map(str::to_string);
-            }
-        }
-    }
-    let mut body = vec![0; length];
-    stream.read_exact(&mut body).ok()?;
-    let (path, query) = match target.split_once('?') {
-        Some((path, query)) => (path.to_string(), query.to_string()),
-        None => (target, String::new()),
-    };
-    Some(HttpRequest {
-        method,
-        path,
-        query,
-        token,
-        body,
-    })
-}
-
-fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
-    query
-        .split('&')
-        .filter_map(|pair| pair.split_once('='))
-        .find(|(key, _)| *key == name)
-        .map(|(_, value)| value)
-}
-
 fn respond(stream: &mut dyn Stream, status: u16, body: &Value) {
     respond_after(stream, status, body, None);
 }
@@ -647,14 +581,7 @@ fn respond_after(stream: &mut dyn Stream, status: u16, body: &Value, retry_after
     let retry = retry_after
         .map(|s| format!("Retry-After: {s}\r\n"))
         .unwrap_or_default();
-    let reason = match status {
-        200 => "OK",
-        201 => "Created",
-        404 => "Not Found",
-        409 => "Conflict",
-        410 => "Gone",
-        _ => "Error",
-    };
+    let reason = http::reason(status);
     let _ = write!(
         stream,
         "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{retry}Content-Length: {}\r\nConnection: close\r\n\r\n{text}",
@@ -706,10 +633,10 @@ fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool) {
     if stop.load(Ordering::SeqCst) {
         return;
     }
-    if let Some(token) = &request.token {
+    if !request.token.is_empty() {
         let mut state = shared.state.lock().unwrap();
-        if state.tokens.last() != Some(token) {
-            state.tokens.push(token.clone());
+        if state.tokens.last() != Some(&request.token) {
+            state.tokens.push(request.token.clone());
         }
     }
     let kind = if request.path.starts_with(NNC_COLLECTION) {
@@ -720,7 +647,7 @@ fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool) {
         respond(stream, 404, &status_body(404, "NotFound"));
         return;
     };
-    let is_watch = request.method == "GET" && param(&request.query, "watch") == Some("true");
+    let is_watch = request.method == "GET" && request.param("watch") == Some("true");
     let fault = {
         let mut state = shared.state.lock().unwrap();
         let fault = match (is_watch, request.method.as_str()) {
@@ -758,7 +685,7 @@ fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool) {
     respond(stream, status, &body);
 }
 
-fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16, Value) {
+fn answer(state: &mut State, kind: &'static str, request: &Request) -> (u16, Value) {
     let is_collection = request.path == NNC_COLLECTION || request.path == NODE_COLLECTION;
     let object = match kind {
         "nnc" => state.nnc.clone(),
@@ -820,40 +747,22 @@ fn answer(state: &mut State, kind: &'static str, request: &HttpRequest) -> (u16,
     }
 }
 
-/// RFC 7386 JSON merge patch.
-fn merge_patch(target: &mut Value, patch: &Value) {
-    let Some(fields) = patch.as_object() else {
-        *target = patch.clone();
-        return;
-    };
-    if !target.is_object() {
-        *target = json!({});
-    }
-    for (key, value) in fields {
-        if value.is_null() {
-            if let Some(object) = target.as_object_mut() {
-                object.remove(key);
-            }
-        } else {
-            merge_patch(&mut target[key.as_str()], value);
-        }
-    }
-}
-
 fn watch(
     stream: &mut dyn Stream,
     shared: &Shared,
     stop: &AtomicBool,
     kind: &'static str,
-    request: &HttpRequest,
+    request: &Request,
 ) {
     let from: u64 = {
         let state = shared.state.lock().unwrap();
-        param(&request.query, "resourceVersion")
+        request
+            .param("resourceVersion")
             .and_then(|v| state.position(v))
             .unwrap_or(0)
     };
-    let seconds: u64 = param(&request.query, "timeoutSeconds")
+    let seconds: u64 = request
+        .param("timeoutSeconds")
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
     let deadline = Instant::now() + Duration::from_secs(seconds);
@@ -939,9 +848,4 @@ fn watch(
             .unwrap()
             .0;
     }
-}
-
-fn write_chunk(stream: &mut dyn Stream, text: &str) -> std::io::Result<()> {
-    write!(stream, "{:x}\r\n{text}\r\n", text.len())?;
-    stream.flush()
 }

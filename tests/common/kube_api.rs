@@ -26,7 +26,7 @@
 //! controller itself; this one plays no controller.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -34,6 +34,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+use super::http::{self, Request, merge_patch, read_request};
 
 /// One resource the server serves.
 #[derive(Debug)]
@@ -544,26 +546,6 @@ fn invalid(message: &str) -> Refusal {
     refusal(400, "BadRequest", message)
 }
 
-/// RFC 7386 JSON merge patch.
-pub fn merge_patch(target: &mut Value, patch: &Value) {
-    let Some(fields) = patch.as_object() else {
-        *target = patch.clone();
-        return;
-    };
-    if !target.is_object() {
-        *target = json!({});
-    }
-    for (key, value) in fields {
-        if value.is_null() {
-            if let Some(object) = target.as_object_mut() {
-                object.remove(key);
-            }
-        } else {
-            merge_patch(&mut target[key.as_str()], value);
-        }
-    }
-}
-
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
@@ -676,20 +658,7 @@ impl KubeApi {
 
     /// Listens again on the same address.
     pub fn restart(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let listener = loop {
-            match TcpListener::bind(self.addr) {
-                Ok(listener) => break listener,
-                Err(err) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "cannot rebind {}: {err}",
-                        self.addr
-                    );
-                    thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
+        let listener = http::rebind(self.addr);
         self.serve(listener);
     }
 
@@ -733,25 +702,6 @@ impl KubeApi {
 impl Drop for KubeApi {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-struct HttpRequest {
-    method: String,
-    path: String,
-    query: Vec<(String, String)>,
-    content_type: String,
-    close: bool,
-    token: String,
-    body: Vec<u8>,
-}
-
-impl HttpRequest {
-    fn param(&self, name: &str) -> Option<&str> {
-        self.query
-            .iter()
-            .find(|(key, _)| key == name)
-            .map(|(_, value)| value.as_str())
     }
 }
 
@@ -819,12 +769,7 @@ fn connection(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
 }
 
 /// Answers one request; false when the connection must close (a watch).
-fn handle(
-    stream: &mut TcpStream,
-    shared: &Shared,
-    stop: &AtomicBool,
-    request: &HttpRequest,
-) -> bool {
+fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &Request) -> bool {
     let Some(route) = route(&request.path) else {
         let unserved = (request.method.clone(), request.path.clone());
         shared.state.lock().unwrap().unserved.push(unserved);
@@ -890,7 +835,7 @@ fn handle(
     }
 }
 
-fn answer(state: &mut State, route: &Route, verb: &str, request: &HttpRequest) -> (u16, Value) {
+fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> (u16, Value) {
     let plural = route.resource.plural;
     let writes = matches!(verb, "create" | "update" | "patch" | "delete");
     if writes && let Some(status) = state.injected_failure(plural) {
@@ -944,7 +889,7 @@ struct Selector {
 }
 
 impl Selector {
-    fn parse(request: &HttpRequest) -> Result<Selector, Refusal> {
+    fn parse(request: &Request) -> Result<Selector, Refusal> {
         let mut name = None;
         for term in request.param("fieldSelector").unwrap_or("").split(',') {
             match term.split_once('=') {
@@ -979,7 +924,7 @@ impl Selector {
     }
 }
 
-fn list(state: &State, route: &Route, request: &HttpRequest) -> (u16, Value) {
+fn list(state: &State, route: &Route, request: &Request) -> (u16, Value) {
     let selector = match Selector::parse(request) {
         Ok(selector) => selector,
         Err(refused) => return refused,
@@ -1012,7 +957,7 @@ fn watch_stream(
     shared: &Shared,
     stop: &AtomicBool,
     route: &Route,
-    request: &HttpRequest,
+    request: &Request,
 ) {
     let selector = match Selector::parse(request) {
         Ok(selector) => selector,
@@ -1137,8 +1082,7 @@ fn watch_stream(
 
 /// One event as one chunk, in one write (no small segments for Nagle to hold).
 fn write_chunk(stream: &mut TcpStream, event: &Value) -> std::io::Result<()> {
-    let text = format!("{event}\n");
-    stream.write_all(format!("{:x}\r\n{text}\r\n", text.len()).as_bytes())
+    http::write_chunk(stream, &format!("{event}\n"))
 }
 
 fn respond(stream: &mut TcpStream, answer: &(u16, Value)) {
@@ -1153,114 +1097,12 @@ fn respond_closing(stream: &mut TcpStream, answer: &(u16, Value)) {
 
 fn respond_with(stream: &mut TcpStream, (status, body): &(u16, Value), headers: &str) {
     let text = body.to_string();
-    let reason = match status {
-        200 => "OK",
-        201 => "Created",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        409 => "Conflict",
-        410 => "Gone",
-        415 => "Unsupported Media Type",
-        422 => "Unprocessable Entity",
-        _ => "Error",
-    };
+    let reason = http::reason(*status);
     let whole = format!(
         "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{text}",
         text.len()
     );
     let _ = stream.write_all(whole.as_bytes());
-}
-
-/// Largest request body accepted (the API server's limit is 3 MiB).
-const MAX_REQUEST: usize = 3 * 1024 * 1024;
-
-fn read_request(stream: &mut BufReader<TcpStream>) -> Option<HttpRequest> {
-    let mut line = String::new();
-    if stream.read_line(&mut line).ok()? == 0 {
-        return None;
-    }
-    let mut parts = line.split_whitespace();
-    let method = parts.next()?.to_string();
-    let target = parts.next()?.to_string();
-    let mut length = 0usize;
-    let mut content_type = String::new();
-    let mut close = false;
-    let mut token = String::new();
-    loop {
-        let mut header = String::new();
-        if stream.read_line(&mut header).ok()? == 0 {
-            return None;
-        }
-        let header = header.trim_end();
-        if header.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = header.split_once(':') {
-            let value = value.trim();
-            match name.to_ascii_lowercase().as_str() {
-                "content-length" => length = value.parse().ok()?,
-                "content-type" => content_type = value.to_ascii_lowercase(),
-                "connection" => close = value.eq_ignore_ascii_case("close"),
-                "authorization" => {
-                    token = value.strip_prefix("Bearer ").unwrap_or("").to_string();
-                }
-                _ => {}
-            }
-        }
-    }
-    if length > MAX_REQUEST {
-        return None;
-    }
-    let mut body = vec![0; length];
-    stream.read_exact(&mut body).ok()?;
-    let (path, query) = target.split_once('?').unwrap_or((&target, ""));
-    let query = query
-        .split('&')
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(key), percent_decode(value))
-        })
-        .collect();
-    Some(HttpRequest {
-        method,
-        path: percent_decode(path),
-        query,
-        content_type,
-        close,
-        token,
-        body,
-    })
-}
-
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |at: usize| {
-            bytes
-                .get(at)
-                .and_then(|b| char::from(*b).to_digit(16))
-                .and_then(|d| u8::try_from(d).ok())
-        };
-        match (bytes[i], hex(i + 1), hex(i + 2)) {
-            (b'%', Some(high), Some(low)) => {
-                out.push(high << 4 | low);
-                i += 3;
-            }
-            (b'+', _, _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (byte, _, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl KubeApi {

@@ -15,6 +15,8 @@ pub mod apiserver;
 pub mod cluster;
 pub mod host_local;
 #[cfg(feature = "kube")]
+pub mod http;
+#[cfg(feature = "kube")]
 pub mod kube_api;
 pub mod node;
 pub mod rng;

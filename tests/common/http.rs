@@ -1,0 +1,191 @@
+//! The HTTP/1.1 both loopback API servers speak (`apiserver.rs`, the
+//! one-node server, and `kube_api.rs`, the many-object one): reading a
+//! request, the status line's reason, chunked watch lines and JSON merge
+//! patch.
+
+use std::io::{BufRead, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// Largest request body accepted (the API server's limit is 3 MiB).
+const MAX_REQUEST: usize = 3 * 1024 * 1024;
+
+/// One request as the servers see it.
+pub struct Request {
+    pub method: String,
+    /// The path, percent-decoded.
+    pub path: String,
+    /// The query as sent (tests assert on what the client asked).
+    pub raw_query: String,
+    /// The query's pairs, percent-decoded.
+    pub query: Vec<(String, String)>,
+    /// Lower-cased.
+    pub content_type: String,
+    /// `Connection: close`.
+    pub close: bool,
+    /// The bearer token, empty for none.
+    pub token: String,
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    /// The first value of a query parameter.
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.query
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// Reads one request; `None` at the end of the connection or on a
+/// request that cannot be read (then the connection is dropped).
+pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
+    let mut line = String::new();
+    if stream.read_line(&mut line).ok()? == 0 {
+        return None;
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next()?.to_string();
+    let target = parts.next()?.to_string();
+    let mut length = 0usize;
+    let mut content_type = String::new();
+    let mut close = false;
+    let mut token = String::new();
+    loop {
+        let mut header = String::new();
+        if stream.read_line(&mut header).ok()? == 0 {
+            return None;
+        }
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':') {
+            let value = value.trim();
+            match name.to_ascii_lowercase().as_str() {
+                "content-length" => length = value.parse().ok()?,
+                "content-type" => content_type = value.to_ascii_lowercase(),
+                "connection" => close = value.eq_ignore_ascii_case("close"),
+                "authorization" => {
+                    token = value.strip_prefix("Bearer ").unwrap_or("").to_string();
+                }
+                _ => {}
+            }
+        }
+    }
+    if length > MAX_REQUEST {
+        return None;
+    }
+    let mut body = vec![0; length];
+    stream.read_exact(&mut body).ok()?;
+    let (path, raw_query) = target.split_once('?').unwrap_or((&target, ""));
+    let query = raw_query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_decode(key), percent_decode(value))
+        })
+        .collect();
+    Some(Request {
+        method,
+        path: percent_decode(path),
+        raw_query: raw_query.to_string(),
+        query,
+        content_type,
+        close,
+        token,
+        body,
+    })
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |at: usize| {
+            bytes
+                .get(at)
+                .and_then(|b| char::from(*b).to_digit(16))
+                .and_then(|d| u8::try_from(d).ok())
+        };
+        match (bytes[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                out.push(high << 4 | low);
+                i += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The status line's reason phrase.
+pub fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        201 => "Created",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        409 => "Conflict",
+        410 => "Gone",
+        415 => "Unsupported Media Type",
+        422 => "Unprocessable Entity",
+        _ => "Error",
+    }
+}
+
+/// One chunk of a chunked watch response, flushed.
+pub fn write_chunk(stream: &mut (impl Write + ?Sized), text: &str) -> std::io::Result<()> {
+    write!(stream, "{:x}\r\n{text}\r\n", text.len())?;
+    stream.flush()
+}
+
+/// RFC 7386 JSON merge patch: `null` removes a field, objects merge,
+/// anything else replaces.
+pub fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(fields) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    for (key, value) in fields {
+        if value.is_null() {
+            if let Some(object) = target.as_object_mut() {
+                object.remove(key);
+            }
+        } else {
+            merge_patch(&mut target[key.as_str()], value);
+        }
+    }
+}
+
+/// Listens again on the address a stopped server used, waiting (up to
+/// 10 s) for the kernel to let go of it.
+pub fn rebind(addr: SocketAddr) -> TcpListener {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpListener::bind(addr) {
+            Ok(listener) => return listener,
+            Err(err) => {
+                assert!(Instant::now() < deadline, "cannot rebind {addr}: {err}");
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
