@@ -15,7 +15,7 @@ use std::io::{Read, Write};
 use std::net::IpAddr;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::cidr::Family;
 
@@ -348,6 +348,23 @@ pub fn remove_owned(
     }
 }
 
+/// The entries of `dir` named like address files, with their paths (at
+/// most [`MAX_ENTRIES`]); anything else is left for the caller to ignore.
+fn address_files(dir: &Path) -> Result<Vec<(IpAddr, PathBuf)>, DirError> {
+    if !exists(dir)? {
+        return Ok(Vec::new());
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| io_error("cannot read", dir, &e))?;
+    let mut files = Vec::new();
+    for entry in entries.take(MAX_ENTRIES) {
+        let entry = entry.map_err(|e| io_error("cannot read", dir, &e))?;
+        if let Some(Ok(Some(address))) = entry.file_name().to_str().map(parse_name) {
+            files.push((address, entry.path()));
+        }
+    }
+    Ok(files)
+}
+
 /// Removes every file of `dir` naming this container and interface (of
 /// `family` only, if given), as host-local's DEL does; entries that are not
 /// host-local's are left alone. Returns the addresses released.
@@ -357,20 +374,42 @@ pub fn remove_all_owned(
     ifname: &str,
     family: Option<Family>,
 ) -> Result<Vec<IpAddr>, DirError> {
-    if !exists(dir)? {
-        return Ok(Vec::new());
-    }
-    let entries = std::fs::read_dir(dir).map_err(|e| io_error("cannot read", dir, &e))?;
     let mut removed = Vec::new();
-    for entry in entries.take(MAX_ENTRIES) {
-        let entry = entry.map_err(|e| io_error("cannot read", dir, &e))?;
-        let Some(Ok(Some(address))) = entry.file_name().to_str().map(parse_name) else {
-            continue;
-        };
+    for (address, _) in address_files(dir)? {
         if family.is_some_and(|f| f != Family::of(address)) {
             continue;
         }
         if let Ok(true) = remove_owned(dir, address, container_id, ifname) {
+            removed.push(address);
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes every address file of `dir` whose owner `keep` does not name
+/// and that was last written at or before `written_until` (a younger one
+/// may be an ADD still in flight), as a CNI GC of host-local does; entries
+/// that are not host-local's are left alone. Returns the addresses released.
+pub fn remove_unkept(
+    dir: &Path,
+    keep: &dyn Fn(&str, &str) -> bool,
+    written_until: SystemTime,
+) -> Result<Vec<IpAddr>, DirError> {
+    let mut removed = Vec::new();
+    for (address, path) in address_files(dir)? {
+        let young = std::fs::symlink_metadata(path)
+            .and_then(|meta| meta.modified())
+            .map_or(true, |written| written > written_until);
+        if young {
+            continue;
+        }
+        let Ok(Some(held)) = read_address(dir, address) else {
+            continue;
+        };
+        if keep(&held.container_id, &held.ifname) {
+            continue;
+        }
+        if let Ok(true) = remove_owned(dir, address, &held.container_id, &held.ifname) {
             removed.push(address);
         }
     }

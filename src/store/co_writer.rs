@@ -22,8 +22,10 @@
 //! at the next allocation; a directory created again later is another one
 //! (its inode differs) and is not co-written until imported again.
 
+use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -223,6 +225,32 @@ pub(super) fn before_release(
     Ok(())
 }
 
+/// Called inside the write transaction of a GC of `network`: removes
+/// host-local's files of every owner not in `valid` written at or before
+/// `allocated_until_ms` (ms since the epoch), as host-local's own GC
+/// would — also of pods Metis never recorded. A legacy file (container
+/// only) is kept while any attachment of its container is valid.
+pub(super) fn before_gc(
+    conn: &Connection,
+    network: &str,
+    valid: &HashSet<(&str, &str)>,
+    allocated_until_ms: i64,
+) -> Result<Vec<IpAddr>, StoreError> {
+    let Some(dir) = co_written(conn, network)? else {
+        return Ok(Vec::new());
+    };
+    let until = u64::try_from(allocated_until_ms).map_or(SystemTime::UNIX_EPOCH, |ms| {
+        SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+    });
+    let keep = |container_id: &str, ifname: &str| {
+        valid.contains(&(container_id, ifname))
+            || (ifname == host_local_dir::LEGACY_IFNAME
+                && valid.iter().any(|(valid_id, _)| *valid_id == container_id))
+    };
+    let _lock = Lock::take(&dir).map_err(store_error)?;
+    host_local_dir::remove_unkept(&dir, &keep, until).map_err(store_error)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,20 +267,7 @@ mod tests {
 
     #[test]
     fn a_co_written_network_shares_one_record_per_address_with_host_local() {
-        let tmp = TempDir::new();
-        let dir = tmp.0.join("networks/pods");
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut store = tmp.store();
-        store
-            .configure(
-                Source::Cni,
-                "pods",
-                Family::V4,
-                &[cidr("198.18.3.0/29")],
-                false,
-                0,
-            )
-            .unwrap();
+        let (_tmp, dir, mut store) = network_with_dir("198.18.3.0/29");
         // Not registered: host-local's directory is not touched.
         assert_eq!(
             store.allocate(&owner("m0"), Family::V4, 0).unwrap().address,
@@ -310,6 +325,95 @@ mod tests {
             !is_registered(&store, "pods", &dir).unwrap(),
             "a new directory is another one"
         );
+        crate::testutil::assert_sound(&store);
+    }
+
+    /// Network "pods" laid out on `block`, and host-local's directory for
+    /// it (not yet registered).
+    fn network_with_dir(block: &str) -> (TempDir, PathBuf, Store) {
+        let tmp = TempDir::new();
+        let dir = tmp.0.join("networks/pods");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut store = tmp.store();
+        store
+            .configure(Source::Cni, "pods", Family::V4, &[cidr(block)], false, 0)
+            .unwrap();
+        (tmp, dir, store)
+    }
+
+    /// Sets a file's modification time `seconds` before now.
+    fn age(path: &Path, seconds: u64) {
+        let file = std::fs::File::options().write(true).open(path).unwrap();
+        file.set_modified(SystemTime::now() - Duration::from_secs(seconds))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_gc_of_a_co_written_network_removes_host_locals_files_of_attachments_no_longer_listed() {
+        let (_tmp, dir, mut store) = network_with_dir("198.18.4.0/28");
+        register(&mut store, "pods", &dir).unwrap();
+        // Metis's own pods: m-gone (not listed) and m-live (listed).
+        let gone = store
+            .allocate(&owner("m-gone"), Family::V4, 0)
+            .unwrap()
+            .address;
+        let live = store
+            .allocate(&owner("m-live"), Family::V4, 0)
+            .unwrap()
+            .address;
+        // host-local's pods Metis never recorded: h-gone, old and not
+        // listed; h-live, listed; h-legacy (container only), listed under
+        // another interface; h-young, not listed but written just now.
+        for (address, content) in [
+            ("198.18.4.10", "h-gone\r\neth0"),
+            ("198.18.4.11", "h-live\r\neth0"),
+            ("198.18.4.12", "h-legacy"),
+            ("198.18.4.13", "h-young\r\neth0"),
+        ] {
+            std::fs::write(dir.join(address), content).unwrap();
+        }
+        for address in ["198.18.4.10", "198.18.4.11", "198.18.4.12"] {
+            age(&dir.join(address), 600);
+        }
+        let now_ms = i64::try_from(
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                .as_millis(),
+        )
+        .unwrap();
+        let valid: HashSet<(&str, &str)> =
+            [("m-live", "eth0"), ("h-live", "eth0"), ("h-legacy", "eth1")]
+                .into_iter()
+                .collect();
+        let released = store
+            .gc("pods", "", &valid, now_ms - 60_000, now_ms)
+            .unwrap();
+        assert_eq!(
+            released.iter().map(|(_, a)| a.address).collect::<Vec<_>>(),
+            [gone],
+            "Metis releases its own row of the attachment no longer listed"
+        );
+        // Its file went with it although it was written just now.
+        assert_eq!(file(&dir, &gone.to_string()), None);
+        assert_eq!(file(&dir, "198.18.4.10"), None, "host-local's stale file");
+        assert_eq!(
+            file(&dir, &live.to_string()).as_deref(),
+            Some("m-live\r\neth0")
+        );
+        assert_eq!(file(&dir, "198.18.4.11").as_deref(), Some("h-live\r\neth0"));
+        assert_eq!(file(&dir, "198.18.4.12").as_deref(), Some("h-legacy"));
+        assert_eq!(
+            file(&dir, "198.18.4.13").as_deref(),
+            Some("h-young\r\neth0"),
+            "a file younger than the GC's cut-off may be an ADD in flight"
+        );
+        // host-local's bookkeeping is never touched.
+        std::fs::write(dir.join("last_reserved_ip.0"), "198.18.4.13").unwrap();
+        store
+            .gc("pods", "", &HashSet::new(), now_ms - 60_000, now_ms)
+            .unwrap();
+        assert!(dir.join("last_reserved_ip.0").exists());
         crate::testutil::assert_sound(&store);
     }
 }

@@ -46,10 +46,32 @@ impl Store {
         let tx = super::write(&mut self.conn, self.batch)?;
         let mut released = Vec::new();
         for covered in covered_networks(&tx, network, conf_name)? {
+            let files = super::co_writer::before_gc(&tx, &covered, valid, allocated_until_ms)?;
+            if !files.is_empty() {
+                crate::log::info(
+                    "gc",
+                    "released host-local's files of attachments the runtime no longer lists",
+                    &[("network", &covered), ("addresses", &files.len())],
+                );
+            }
             let stale = gc_candidates(&tx, &covered, allocated_until_ms)?
                 .into_iter()
                 .filter(|c| !valid.contains(&(c.container_id.as_str(), c.interface_name.as_str())));
+            let mut owners_released = HashSet::new();
             for candidate in stale {
+                // Its host-local files too, whenever they were written.
+                if owners_released.insert((
+                    candidate.container_id.clone(),
+                    candidate.interface_name.clone(),
+                )) {
+                    super::co_writer::before_release(
+                        &tx,
+                        &covered,
+                        &candidate.container_id,
+                        &candidate.interface_name,
+                        None,
+                    )?;
+                }
                 give_back(&tx, mode, &covered, &candidate.row, release_at)?;
                 released.push((covered.clone(), candidate.row.allocation));
             }
