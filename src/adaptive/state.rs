@@ -12,7 +12,7 @@ use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
-use crate::kube::nnc::Kind;
+use crate::kube::nnc::{Kind, QuotaEnd};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
@@ -83,8 +83,8 @@ struct Refusal {
     /// The demand refused: pods per network.
     asked: Vec<(String, i64)>,
     why: String,
-    /// Unix ms when a released block comes free (the refusal ends then).
-    until: Option<i64>,
+    /// When a released block comes free (the refusal ends then).
+    until: QuotaEnd,
 }
 
 impl Adaptive {
@@ -291,7 +291,7 @@ impl Adaptive {
             return None;
         }
         let refusal = self.refused.as_ref()?;
-        if refusal.until.is_some_and(|until| log::now_ms() >= until) {
+        if !refusal.until.stands_at(log::now_ms()) {
             return None;
         }
         let asked = &self.cluster.latest()?.allocations;
