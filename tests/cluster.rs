@@ -711,18 +711,19 @@ impl Sim {
     }
 
     /// The request budget of docs/controller.md, "Request budget", per
-    /// phase, term by term with what the controller writes: a GET of one
-    /// object only after a 409; lists <= 4 per replica; NNC status writes
-    /// <= demands (each spec change of a node answered once) + started
-    /// (a block starting to cool tells at most one refused node when it
-    /// comes free) + 2 x ended (a block coming free is granted to at most
-    /// one node, and ends at most one told time that it no longer keeps) +
-    /// gone (an NNC emptied after its Node's grace) + nodes x (pool edits
-    /// + takeovers) + refused writes (409s and injected failures, each
-    /// written again). Pool status writes <= NNC status writes (a pass
-    /// that grants or releases writes the pool first) + ended + pool edits
-    /// + refused writes + takeovers. Lease writes <= 2 per second per
-    /// replica + 2.
+    /// phase, term by term with what the controller writes:
+    /// - a GET of one object only after a 409; lists <= 4 per replica;
+    /// - NNC status writes <= demands (each spec change of a node answered
+    ///   once) plus started (a block starting to cool tells at most one
+    ///   refused node when it comes free) plus 2 x ended (a block coming
+    ///   free is granted to at most one node, and ends at most one told
+    ///   time it no longer keeps) plus gone (an NNC emptied after its
+    ///   Node's grace) plus nodes x (pool edits plus takeovers) plus
+    ///   refused writes (409s and injected failures, each written again);
+    /// - pool status writes <= NNC status writes (a pass that grants or
+    ///   releases writes the pool first) plus ended, pool edits, refused
+    ///   writes and takeovers;
+    /// - Lease writes <= 2 per second per replica plus 2.
     fn check_budget(&self, phase: &str) {
         let now = self.api.state().counts_of("controller");
         let spent = |verb: &str, resource: &str| {
