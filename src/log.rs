@@ -222,31 +222,46 @@ impl Display for Rfc3339 {
     }
 }
 
-/// `2026-12-01T12:00:00Z` (optionally with a fraction) to Unix ms.
+/// `2026-12-01T12:00:00Z` (optionally with a fraction) to Unix ms. Strict:
+/// fixed-width ASCII digits (years 0000–9999) and in-range fields, so
+/// text from the API server cannot overflow the arithmetic.
 pub fn parse_rfc3339_ms(text: &str) -> Option<i64> {
     let (date, time) = text.strip_suffix('Z')?.split_once('T')?;
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
     let (clock, fraction) = match time.split_once('.') {
-        Some((clock, fraction)) => (clock, fraction),
+        Some((clock, fraction)) if !fraction.is_empty() => (clock, fraction),
+        Some(_) => return None,
         None => (time, ""),
     };
-    let mut t = clock.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
+    let number = |field: &str, width: usize| -> Option<i64> {
+        (field.len() == width && field.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| field.parse().ok())
+            .flatten()
+    };
+    let mut d = date.splitn(3, '-');
+    let (year, month, day) = (
+        number(d.next()?, 4)?,
+        number(d.next()?, 2)?,
+        number(d.next()?, 2)?,
+    );
+    let mut t = clock.splitn(3, ':');
+    let (hour, minute, second) = (
+        number(t.next()?, 2)?,
+        number(t.next()?, 2)?,
+        number(t.next()?, 2)?,
+    );
     if !(1..=12).contains(&month)
         || !(1..=31).contains(&day)
         || hour > 23
         || minute > 59
         || second > 60
+        || !fraction.bytes().all(|b| b.is_ascii_digit())
     {
         return None;
     }
-    let millis = match fraction.get(..3.min(fraction.len())) {
-        Some(digits) if !digits.is_empty() => {
-            let value: i64 = digits.parse().ok()?;
-            value * 10i64.pow(3 - u32::try_from(digits.len()).ok()?)
-        }
-        _ => 0,
+    let digits = &fraction[..3.min(fraction.len())];
+    let millis = match digits.len() {
+        0 => 0,
+        n => digits.parse::<i64>().ok()? * 10i64.pow(3 - u32::try_from(n).ok()?),
     };
     let days = days_from_civil(year, month, day);
     Some(((days * 86_400 + hour * 3600 + minute * 60 + second) * 1000) + millis)
@@ -294,6 +309,35 @@ mod tests {
             "2000-02-29T00:00:00Z"
         );
         assert_eq!(rfc3339_seconds(-1000).to_string(), "1969-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn rfc3339_parsing_is_strict_and_total() {
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:01.5Z"), Some(1500));
+        assert_eq!(
+            parse_rfc3339_ms("2026-11-29T17:01:24.123456Z"),
+            Some(1_795_971_684_123)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("9999-12-31T23:59:59Z"),
+            Some(253_402_300_799_000)
+        );
+        // Hostile or malformed: never a panic, never a wrong time.
+        for bad in [
+            "99999999999999999-01-01T00:00:00Z",
+            "2026-1-01T00:00:00Z",
+            "2026-01-01T-1:00:00Z",
+            "2026-01-01T00:00:+1Z",
+            "2026-01-01T00:00:00.Z",
+            "2026-01-01T00:00:00.-5Z",
+            "2026-01-01T00:00:00",
+            "2026-01-01 00:00:00Z",
+            "2026-02-30T24:00:00Z",
+            " 2026-01-01T00:00:00Z",
+            "",
+        ] {
+            assert_eq!(parse_rfc3339_ms(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

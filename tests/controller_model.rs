@@ -344,6 +344,9 @@ impl Sim {
         }
         // Demand covered while the pools had room.
         let (pools, _, _) = self.world();
+        // IPv4 refusals made while blocks cool, and whether each says until
+        // when.
+        let mut refused_while_cooling: Vec<(&String, bool)> = Vec::new();
         for (name, nnc) in &self.nncs {
             if !self.nodes.contains(name) {
                 continue;
@@ -393,25 +396,45 @@ impl Sim {
                             pool.name
                         );
                     }
+                    // Never granted (so never promised) to a node while it
+                    // lists them releasable.
+                    let listed = |c: &Cidr| {
+                        nnc["spec"]["releasableCIDRs"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .any(|r| r["cidr"].as_str() == Some(&c.to_string()))
+                    };
                     cooling += pool
                         .ledger
                         .cooling
                         .keys()
-                        .filter(|c| range.is_block(c))
+                        .filter(|c| range.is_block(c) && !listed(c))
                         .count();
                 }
-                // While blocks cool, the refusal says until when (the node
-                // fails fast until then, then waits for a grant); IPv4 is
-                // decided first, and nodes grow IPv4.
+                // Cooling blocks are promised first come, first served: a
+                // refusal says until when only while blocks cool, or while
+                // the time it was told has not passed (IPv4 is decided
+                // first, and nodes grow IPv4).
                 if family == metis::cidr::Family::V4 {
-                    assert_eq!(
-                        cooling > 0,
-                        message.contains(decide::UNTIL),
+                    let told = metis::kube::nnc::QuotaEnd::of(&message);
+                    let until = matches!(told, metis::kube::nnc::QuotaEnd::At(_));
+                    assert!(
+                        !until || cooling > 0 || !told.stands_at(self.now),
                         "{name}: {cooling} blocks cooling, refusal {message:?}"
                     );
+                    if cooling > 0 {
+                        refused_while_cooling.push((name, until));
+                    }
                 }
             }
         }
+        // Someone is promised the cooling blocks: the first refused node
+        // at least is told when one comes free.
+        assert!(
+            refused_while_cooling.is_empty() || refused_while_cooling.iter().any(|(_, u)| *u),
+            "blocks cool, but no refused node is told when one comes free: {refused_while_cooling:?}"
+        );
     }
 
     /// A block of `range` nothing holds, claims, cools or retired.

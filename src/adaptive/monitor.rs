@@ -368,6 +368,20 @@ fn release_expired(
             }
         }
     }
+    // A block this node released that is in the status again but not
+    // taken (`Withheld::NotBackYet`: its leaving was seen in an earlier
+    // stream epoch, before a relist or a restart, or it is NonReusable):
+    // the controller counts it as this node's, so it is given back again
+    // rather than held unused while ADDs wait for a grant that never comes.
+    for release in store.released()? {
+        let cidr = release.cidr.to_string();
+        if release.network != network || releasable.iter().any(|r| same_cidr(r.cidr(), &cidr)) {
+            continue;
+        }
+        if let Some(entry) = status_entry(nnc, network, &cidr) {
+            releasable.push(entry.raw.clone());
+        }
+    }
     Ok(released)
 }
 

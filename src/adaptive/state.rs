@@ -12,7 +12,7 @@ use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
 use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
-use crate::kube::nnc::Kind;
+use crate::kube::nnc::{Kind, QuotaEnd};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
@@ -83,8 +83,38 @@ struct Refusal {
     /// The demand refused: pods per network.
     asked: Vec<(String, i64)>,
     why: String,
-    /// Unix ms when a released block comes free (the refusal ends then).
-    until: Option<i64>,
+    /// When a released block comes free (the refusal ends then).
+    until: QuotaEnd,
+}
+
+impl Refusal {
+    /// The refusal that stands once the newest copy `nnc` is read: its own
+    /// QuotaExceeded for its current generation replaces `before`; a
+    /// QuotaExceeded of an older generation keeps `before` (it answered a
+    /// demand this node still has, or a larger one); any other answer, or
+    /// none (a cleared condition), ends it.
+    fn after(before: Option<Refusal>, nnc: &crate::kube::nnc::Nnc) -> Option<Refusal> {
+        match (&nnc.quota_exceeded, nnc.ready_reason.as_deref()) {
+            (Some(why), _) => Some(Refusal {
+                asked: nnc.allocations.clone(),
+                why: why.clone(),
+                until: nnc.quota_until,
+            }),
+            (None, Some(crate::kube::nnc::QUOTA_EXCEEDED)) => before,
+            (None, _) => None,
+        }
+    }
+
+    /// Whether it answers the demand `asked` (no network asks more pods
+    /// than were refused) and has not ended at `now_ms`.
+    fn stands(&self, asked: &[(String, i64)], now_ms: i64) -> bool {
+        self.until.stands_at(now_ms)
+            && asked.iter().all(|(network, pods)| {
+                self.asked
+                    .iter()
+                    .any(|(n, most)| n == network && pods <= most)
+            })
+    }
 }
 
 impl Adaptive {
@@ -291,17 +321,10 @@ impl Adaptive {
             return None;
         }
         let refusal = self.refused.as_ref()?;
-        if refusal.until.is_some_and(|until| log::now_ms() >= until) {
-            return None;
-        }
         let asked = &self.cluster.latest()?.allocations;
-        let no_larger = asked.iter().all(|(network, pods)| {
-            refusal
-                .asked
-                .iter()
-                .any(|(n, most)| n == network && pods <= most)
-        });
-        no_larger.then(|| refusal.why.clone())
+        refusal
+            .stands(asked, log::now_ms())
+            .then(|| refusal.why.clone())
     }
 
     /// Remembers the answer the newest copy carries. Not the copy an event
@@ -316,19 +339,7 @@ impl Adaptive {
 
     /// Remembers the cluster's answer a copy carries.
     fn note_answer(&mut self, nnc: &crate::kube::nnc::Nnc) {
-        if let Some(why) = &nnc.quota_exceeded {
-            self.refused = Some(Refusal {
-                asked: nnc.allocations.clone(),
-                why: why.clone(),
-                until: nnc.quota_until,
-            });
-        } else if nnc
-            .ready_reason
-            .as_deref()
-            .is_some_and(|reason| reason != crate::kube::nnc::QUOTA_EXCEEDED)
-        {
-            self.refused = None;
-        }
+        self.refused = Refusal::after(self.refused.take(), nnc);
     }
 
     fn annotate_health(&self, mut outcome: Outcome) -> Outcome {
@@ -709,4 +720,119 @@ fn same_owner(parked: &Request, del: &DeallocatePodIpRequest) -> bool {
         .into_iter()
         .flatten()
         .any(|c| c.container_id == del.container_id && c.interface_name == del.interface_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kube::nnc::{Nnc, QUOTA_EXCEEDED, QUOTA_UNTIL};
+    use serde_json::{Value, json};
+
+    const NOW: i64 = 1_796_126_400_000;
+
+    /// A copy of generation `generation` asking `pods`, whose Ready
+    /// condition is `ready` (reason, observedGeneration, message).
+    fn copy(generation: i64, pods: i64, ready: Option<(&str, i64, &str)>) -> Nnc {
+        let conditions: Vec<Value> = ready
+            .map(|(reason, observed, message)| {
+                json!({"type": "Ready", "status": if reason == QUOTA_EXCEEDED { "False" } else { "True" },
+                       "reason": reason, "observedGeneration": observed, "message": message})
+            })
+            .into_iter()
+            .collect();
+        Nnc::parse(&json!({
+            "metadata": {"generation": generation, "resourceVersion": generation.to_string()},
+            "spec": {"allocations": [{"network": "default", "pods": pods}]},
+            "status": {"conditions": conditions},
+        }))
+    }
+
+    fn asked(pods: i64) -> Vec<(String, i64)> {
+        vec![("default".to_string(), pods)]
+    }
+
+    #[test]
+    fn a_refusal_of_the_current_demand_fails_waiting_adds_at_once() {
+        let refused = Refusal::after(
+            None,
+            &copy(3, 20, Some((QUOTA_EXCEEDED, 3, "pool p has no free block"))),
+        )
+        .expect("a refusal of this generation");
+        assert_eq!(refused.why, "pool p has no free block");
+        assert!(refused.stands(&asked(20), NOW));
+        assert!(
+            refused.stands(&asked(16), NOW),
+            "a smaller demand is refused too"
+        );
+        assert!(
+            !refused.stands(&asked(21), NOW),
+            "a larger demand waits for its answer"
+        );
+        assert!(
+            !refused.stands(&[("default".into(), 20), ("other".into(), 1)], NOW),
+            "a network it did not answer"
+        );
+    }
+
+    #[test]
+    fn an_older_generations_refusal_or_a_cleared_condition_makes_adds_wait_again() {
+        // An older generation's refusal alone is no answer to this demand.
+        assert!(
+            Refusal::after(None, &copy(4, 20, Some((QUOTA_EXCEEDED, 3, "no block")))).is_none()
+        );
+        let refused = Refusal::after(None, &copy(3, 20, Some((QUOTA_EXCEEDED, 3, "no block"))));
+        // The node asked again (generation 4, more pods): the refusal of
+        // generation 3 is kept but does not stand for the larger demand.
+        let kept = Refusal::after(refused, &copy(4, 24, Some((QUOTA_EXCEEDED, 3, "no block"))))
+            .expect("kept until the answer to generation 4");
+        assert!(!kept.stands(&asked(24), NOW));
+        // Granted, or the condition cleared: the refusal ends.
+        let ready = copy(4, 24, Some(("NodeNetworkConfigReady", 4, "covered")));
+        assert!(Refusal::after(Some(kept), &ready).is_none());
+        let refused = Refusal::after(None, &copy(5, 30, Some((QUOTA_EXCEEDED, 5, "no block"))));
+        assert!(
+            Refusal::after(refused, &copy(5, 30, None)).is_none(),
+            "a cleared condition"
+        );
+    }
+
+    #[test]
+    fn a_late_patch_answer_does_not_erase_a_newer_refusal() {
+        // The stream brought the refusal of generation 6; the PATCH that
+        // made generation 6 is answered afterwards with its own copy, whose
+        // Ready condition still answers generation 5. The daemon reads the
+        // answer from the newest copy (Cluster::latest: the late PATCH
+        // answer is not applied over the stream's newer copy), and even
+        // that older copy alone keeps the refusal.
+        let refused = Refusal::after(None, &copy(6, 40, Some((QUOTA_EXCEEDED, 6, "no block"))));
+        let late = copy(6, 40, Some((QUOTA_EXCEEDED, 5, "no block")));
+        let kept = Refusal::after(refused, &late).expect("not erased by an older answer");
+        assert!(kept.stands(&asked(40), NOW));
+    }
+
+    #[test]
+    fn a_refusal_ends_at_the_time_its_message_gives() {
+        let at = |message: &str| {
+            Refusal::after(None, &copy(2, 20, Some((QUOTA_EXCEEDED, 2, message)))).unwrap()
+        };
+        let until = at(&format!("no block; {QUOTA_UNTIL}2026-12-01T12:00:01Z"));
+        assert!(until.stands(&asked(20), NOW));
+        assert!(
+            !until.stands(&asked(20), NOW + 1000),
+            "the time passed: ADDs wait again"
+        );
+        let past = at(&format!("no block; {QUOTA_UNTIL}2020-01-01T00:00:00Z"));
+        assert!(!past.stands(&asked(20), NOW));
+        let far = at(&format!("no block; {QUOTA_UNTIL}9999-12-31T23:59:59Z"));
+        assert!(
+            far.stands(&asked(20), NOW),
+            "far future: stands until the next answer"
+        );
+        let garbled = at(&format!("no block; {QUOTA_UNTIL}tomorrow"));
+        assert!(!garbled.stands(&asked(20), NOW), "unreadable: not trusted");
+        assert!(
+            at("no block").stands(&asked(20), NOW),
+            "no time: until the next answer"
+        );
+    }
 }

@@ -20,9 +20,10 @@ pub struct Cache {
     pub pools: BTreeMap<String, Value>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
-    /// Versions a write was refused for (409): nothing is written from
-    /// them; a newer copy from the watch replaces them.
-    stale: BTreeSet<(Resource, String, String)>,
+    /// Objects whose copy came from outside the stream (a GET after a 409,
+    /// a PUT's answer), by version: the stream's copies of them are older
+    /// until it delivers that very version (its order is the objects').
+    ahead: BTreeMap<(Resource, String), String>,
 }
 
 impl Cache {
@@ -40,29 +41,56 @@ impl Cache {
             Resource::Node => self.nodes.clear(),
             Resource::Pool => self.pools.clear(),
         }
+        // A list is the whole truth of its moment: nothing is held ahead
+        // of it any more (at worst a copy older than a GET's, which costs
+        // one more 409, never a stuck object).
+        self.ahead.retain(|(k, _), _| *k != kind);
         for item in items {
             self.put(kind, item);
         }
         self.listed.insert(kind);
     }
 
-    pub fn mark_stale(&mut self, kind: Resource, name: &str, version: &str) {
-        self.stale
-            .insert((kind, name.to_string(), version.to_string()));
+    /// A copy read outside the stream (a GET after a 409, a PUT's answer):
+    /// newer than anything the stream has delivered of the object, so the
+    /// stream's copies are skipped until it catches up with this version.
+    pub fn put_fetched(&mut self, kind: Resource, item: Item) {
+        let key = (kind, item.name().to_string());
+        let version = item.resource_version().to_string();
+        // The stream delivered this very version already (a 409 the
+        // object's history does not show): nothing to wait for.
+        let delivered = self.version_of(kind, &key.1) == Some(version.as_str());
+        self.ahead.remove(&key);
+        self.put(kind, item);
+        if !(version.is_empty() || delivered) {
+            self.ahead.insert(key, version);
+        }
     }
 
-    pub fn is_stale(&self, kind: Resource, name: &str, version: &str) -> bool {
-        self.stale
-            .contains(&(kind, name.to_string(), version.to_string()))
+    fn version_of(&self, kind: Resource, name: &str) -> Option<&str> {
+        match kind {
+            Resource::Nnc => self
+                .nncs
+                .get(name)
+                .map(|n| n.meta.resource_version.as_str()),
+            Resource::Node => None,
+            Resource::Pool => self.pools.get(name)?["metadata"]["resourceVersion"].as_str(),
+        }
     }
 
+    /// A copy the stream delivered.
     pub fn put(&mut self, kind: Resource, item: Item) {
         let name = item.name().to_string();
         let version = item.resource_version().to_string();
-        // A copy of another version is newer (the stream's order): decide
-        // from it. The stale version itself, delivered late, stays stale.
-        self.stale
-            .retain(|(k, n, v)| *k != kind || *n != name || *v == version);
+        let key = (kind, name);
+        match self.ahead.get(&key) {
+            Some(fetched) if *fetched == version => {
+                self.ahead.remove(&key);
+            }
+            // Older than the copy fetched: the stream still catches up.
+            Some(_) => return,
+            None => {}
+        }
         match item {
             Item::Nnc(nnc, status) => {
                 self.statuses.insert(nnc.meta.name.clone(), status);
@@ -82,7 +110,7 @@ impl Cache {
     }
 
     pub fn remove(&mut self, kind: Resource, name: &str) {
-        self.stale.retain(|(k, n, _)| *k != kind || n != name);
+        self.ahead.remove(&(kind, name.to_string()));
         match kind {
             Resource::Nnc => {
                 self.nncs.remove(name);
@@ -136,5 +164,50 @@ impl Cache {
             now_ms,
             node_grace_ms,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn nnc(version: &str, pods: i64) -> Item {
+        Item::parse(
+            Resource::Nnc,
+            &json!({"metadata": {"name": "n1", "resourceVersion": version},
+                    "spec": {"allocations": [{"network": "default", "pods": pods}]}}),
+        )
+    }
+
+    fn version(cache: &Cache) -> &str {
+        &cache.nncs["n1"].meta.resource_version
+    }
+
+    #[test]
+    fn the_streams_older_copies_never_replace_one_read_after_a_conflict() {
+        let mut cache = Cache::default();
+        cache.put(Resource::Nnc, nnc("1", 1));
+        cache.put_fetched(Resource::Nnc, nnc("3", 3));
+        cache.put(Resource::Nnc, nnc("2", 2));
+        assert_eq!(version(&cache), "3", "the stream's older copy was taken");
+        cache.put(Resource::Nnc, nnc("3", 3));
+        cache.put(Resource::Nnc, nnc("4", 4));
+        assert_eq!(version(&cache), "4", "the stream caught up: it leads again");
+        // A read of the version the stream already delivered (a 409 its
+        // history does not show) waits for nothing.
+        cache.put_fetched(Resource::Nnc, nnc("4", 4));
+        cache.put(Resource::Nnc, nnc("5", 5));
+        assert_eq!(version(&cache), "5");
+        // A list replaces what was read ahead of it; so does a deletion.
+        cache.put_fetched(Resource::Nnc, nnc("7", 7));
+        cache.listed(Resource::Nnc, vec![nnc("6", 6)]);
+        assert_eq!(version(&cache), "6");
+        cache.put(Resource::Nnc, nnc("8", 8));
+        assert_eq!(version(&cache), "8");
+        cache.put_fetched(Resource::Nnc, nnc("9", 9));
+        cache.remove(Resource::Nnc, "n1");
+        cache.put(Resource::Nnc, nnc("10", 1));
+        assert_eq!(version(&cache), "10");
     }
 }

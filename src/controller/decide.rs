@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 
 use super::pool::{Cooling, FamilyRange, Holder, Ledger, Pool, PoolSpec};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
-use crate::kube::nnc::Nnc;
+use crate::kube::nnc::{Nnc, QuotaEnd};
 use crate::log::{rfc3339_millis, rfc3339_seconds};
 
 pub const READY: &str = "NodeNetworkConfigReady";
@@ -218,6 +218,11 @@ fn entry_network(entry: &Value) -> &str {
         .unwrap_or(crate::defaults::DEFAULT_NETWORK)
 }
 
+/// Whether the node lists `cidr` in `releasableCIDRs`.
+fn lists_releasable(nnc: &Nnc, cidr: &str) -> bool {
+    nnc.releasable.iter().any(|r| r.cidr() == Some(cidr))
+}
+
 fn reusable(entry: &Value) -> bool {
     entry["type"].as_str() != Some("NonReusable")
 }
@@ -257,8 +262,10 @@ pub fn decide(world: &World) -> Decision {
             .cloned()
             .unwrap_or_default();
         for raw in raw_entries {
-            let listed = |cidr: &str| nnc.releasable.iter().any(|r| r.cidr() == Some(cidr));
-            let released = gone || raw["cidr"].as_str().is_some_and(listed);
+            let released = gone
+                || raw["cidr"]
+                    .as_str()
+                    .is_some_and(|cidr| lists_releasable(nnc, cidr));
             match (released, entry_cidr(&raw)) {
                 (true, Some(cidr)) => {
                     let holder = Holder {
@@ -311,11 +318,7 @@ pub fn decide(world: &World) -> Decision {
             if current && held {
                 continue;
             }
-            let listed = nnc.is_some_and(|n| {
-                n.releasable
-                    .iter()
-                    .any(|r| r.cidr() == Some(&cidr.to_string()))
-            });
+            let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
             let reclaim = match nnc {
                 Some(_) if current => listed || gone(&holder.node),
                 Some(_) => true,
@@ -404,9 +407,15 @@ pub fn decide(world: &World) -> Decision {
             plan.trouble = Some(t);
         }
     }
-    // Grants.
+    // Grants, first come first served: nodes refused before (by when
+    // their refusal began) ahead of the rest (by name). Cooling blocks are
+    // promised in the same order as they come free, so the time a refused
+    // node is told is the time its block comes free if nothing else
+    // changes, and a block coming free is one write (the grant), not one
+    // per refused node.
     let mut waiting: BTreeMap<usize, usize> = BTreeMap::new();
-    for (name, nnc) in world.nncs {
+    let mut promised: BTreeSet<Cidr> = BTreeSet::new();
+    for (name, nnc) in grant_order(world) {
         if world.absent.contains_key(name) {
             continue;
         }
@@ -459,11 +468,7 @@ pub fn decide(world: &World) -> Decision {
                             at_cap.push(i);
                             continue;
                         }
-                        let skip = |c: &Cidr| {
-                            nnc.releasable
-                                .iter()
-                                .any(|r| r.cidr() == Some(&c.to_string()))
-                        };
+                        let skip = |c: &Cidr| lists_releasable(nnc, &c.to_string());
                         let Some(block) = first_free(range, &mut taken, &skip) else {
                             empty.push(i);
                             continue;
@@ -495,22 +500,18 @@ pub fn decide(world: &World) -> Decision {
                             .collect::<Vec<_>>()
                             .join(", ")
                     };
-                    // When the first released block comes free: the
-                    // refusal stands until then (the node fails fast until
-                    // then, and waits for a grant after).
-                    let free_at = empty
-                        .iter()
-                        .filter_map(|i| {
-                            let spec = pools[*i].spec.as_ref().ok()?;
-                            let range = spec.range(family)?;
-                            ledgers[*i]
-                                .cooling
-                                .iter()
-                                .filter(|(c, _)| range.is_block(c))
-                                .map(|(_, c)| c.since_ms.saturating_add(spec.reclaim_delay_ms))
-                                .min()
-                        })
-                        .min();
+                    // When the first cooling block promised to this node
+                    // comes free: the refusal stands until then (the node
+                    // fails fast until then, and waits for the grant after).
+                    let free_at = promise(
+                        pools,
+                        &ledgers,
+                        nnc,
+                        &empty,
+                        family,
+                        want.saturating_sub(capacity),
+                        &mut promised,
+                    );
                     let why = if empty.is_empty() {
                         format!(
                             "network {network:?} {family}: node {name} holds maxBlocksPerNode blocks of pool {}; {capacity} addresses for {want} pods",
@@ -590,6 +591,89 @@ pub fn decide(world: &World) -> Decision {
     decision
 }
 
+/// The NodeNetworkConfigs in the order they are granted to: those whose
+/// Ready condition says QuotaExceeded first, by when that began (then by
+/// name), then the rest by name.
+fn grant_order<'a>(world: &World<'a>) -> Vec<(&'a String, &'a Nnc)> {
+    let refused_since = |name: &str| {
+        let ready = world.statuses.get(name)?["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "Ready" && c["status"] == "False")?;
+        (ready["reason"] == QUOTA_EXCEEDED)
+            .then(|| ready["lastTransitionTime"].as_str())
+            .flatten()
+            .and_then(crate::log::parse_rfc3339_ms)
+    };
+    let mut order: Vec<(Option<i64>, &'a String, &'a Nnc)> = world
+        .nncs
+        .iter()
+        .map(|(name, nnc)| (refused_since(name), name, nnc))
+        .collect();
+    order.sort_by_key(|(since, name, _)| (since.is_none(), *since, *name));
+    order
+        .into_iter()
+        .map(|(_, name, nnc)| (name, nnc))
+        .collect()
+}
+
+/// Promises a refused node the cooling blocks of its `empty` pools that
+/// come free first, not promised to a node before it, until they cover
+/// `need` addresses (within each pool's `maxBlocksPerNode`); returns when
+/// the first comes free, or `None` when no cooling block is left for it.
+fn promise(
+    pools: &[Pool],
+    ledgers: &[Ledger],
+    nnc: &Nnc,
+    empty: &[usize],
+    family: Family,
+    need: u128,
+    promised: &mut BTreeSet<Cidr>,
+) -> Option<i64> {
+    // Never granted to it while it lists the block releasable.
+    let skip = |c: &Cidr| lists_releasable(nnc, &c.to_string());
+    let mut cooling: Vec<(i64, Cidr, usize)> = Vec::new();
+    for &i in empty {
+        let Ok(spec) = &pools[i].spec else { continue };
+        let Some(range) = spec.range(family) else {
+            continue;
+        };
+        cooling.extend(
+            ledgers[i]
+                .cooling
+                .iter()
+                .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
+                .map(|(c, cool)| (cool.since_ms.saturating_add(spec.reclaim_delay_ms), *c, i)),
+        );
+    }
+    cooling.sort();
+    let mut room: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut covered: u128 = 0;
+    let mut first = None;
+    for (at, cidr, i) in cooling {
+        if covered >= need {
+            break;
+        }
+        let left = room.entry(i).or_insert_with(|| {
+            let cap = pools[i].spec.as_ref().map_or(0, |s| s.max_blocks_per_node);
+            let mine = ledgers[i]
+                .claims
+                .values()
+                .filter(|h| h.node == nnc.meta.name)
+                .count();
+            cap.saturating_sub(mine)
+        });
+        if *left == 0 {
+            continue;
+        }
+        *left -= 1;
+        promised.insert(cidr);
+        covered = covered.saturating_add(cidr.size());
+        first.get_or_insert(at);
+    }
+    first
+}
+
 /// How long a released block of `pool` cools (the default under a
 /// refused spec).
 fn reclaim_delay_ms(pool: &Pool) -> i64 {
@@ -622,14 +706,23 @@ fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
             .as_array()?
             .iter()
             .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
-        let (_, until) = ready["message"].as_str()?.rsplit_once(UNTIL)?;
-        crate::log::parse_rfc3339_ms(until)
+        split_until(ready["message"].as_str()?).1
     });
     cooled
         .chain(graced)
         .chain(told)
         .filter(|at| *at > world.now_ms)
         .min()
+}
+
+/// A QuotaExceeded message without its "comes free at TIME" ending, and
+/// that time (`None` when missing or unreadable).
+fn split_until(message: &str) -> (&str, Option<i64>) {
+    let base = message.rsplit_once(UNTIL).map_or(message, |(base, _)| base);
+    match QuotaEnd::of(message) {
+        QuotaEnd::At(at) => (base, Some(at)),
+        QuotaEnd::Unsaid | QuotaEnd::Unreadable => (base, None),
+    }
 }
 
 /// Why `cidr` in `name`'s status is an overlap nobody granted, if it is.
@@ -720,19 +813,16 @@ fn ready_condition(
         .as_array()
         .and_then(|l| l.iter().find(|c| c["type"] == "Ready"));
     let same = previous.is_some_and(|p| p["status"] == status && p["reason"] == reason);
-    // A refusal that only moved the time a cooling block comes free keeps
-    // its message (no write to every refused node per release) until the
-    // time it gave has passed.
+    // A refusal whose substance stands keeps the time it told until that
+    // time has passed, wherever the promise moved meanwhile: an earlier
+    // block is a grant (a write anyway), a later one or none is told once
+    // the old time passes. Only a refusal told no time learns a new one at
+    // once (the node would fail fast past it).
     let message = match previous.and_then(|p| p["message"].as_str()) {
         Some(told) if same && reason == QUOTA_EXCEEDED => {
-            let (base, until) = told
-                .rsplit_once(UNTIL)
-                .map_or((told, None), |(b, u)| (b, Some(u)));
-            let (new_base, _) = message
-                .rsplit_once(UNTIL)
-                .map_or((message.as_str(), None), |(b, u)| (b, Some(u)));
-            let told_until = until.and_then(crate::log::parse_rfc3339_ms);
-            if base == new_base && message.contains(UNTIL) && told_until.is_some_and(|t| t > now) {
+            let (base, told_until) = split_until(told);
+            let (new_base, _) = split_until(&message);
+            if base == new_base && told_until.is_some_and(|t| t > now) {
                 told.to_string()
             } else {
                 message

@@ -2,11 +2,13 @@
 //! pool's resourceVersion), then the node statuses that rely on them, then
 //! the Events. Every write is a PUT of the status subresource carrying the
 //! resourceVersion the decision was computed from; a 409 means someone
-//! wrote first: that version is marked stale, nothing more is written from
-//! it, and the next pass decides anew once the watch has delivered the
-//! newer copy (read again through the stream, not with a GET: no
-//! per-object reads, and no copy from outside the stream to order against
-//! it). Nothing is written unless this process leads at that moment.
+//! wrote first: the object is read again (a GET, as client-go's
+//! RetryOnConflict) and the next pass, after the backoff, decides anew
+//! from that copy (if the GET failed, from the same one: at worst one more
+//! 409). The stream may never
+//! bring a newer one (the 409 may be the only news), and its older copies
+//! do not replace the one read (`Cache::put_fetched`). Nothing is written
+//! unless this process leads at that moment.
 
 use std::collections::BTreeSet;
 
@@ -26,10 +28,8 @@ pub const EVENT_NAMESPACE: &str = "default";
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Applied {
     pub written: usize,
-    /// Objects refused with 409: decided again once the watch brings them.
+    /// Objects refused with 409: read again, decided again next pass.
     pub conflicts: usize,
-    /// Writes not sent: computed from a version known to be stale.
-    pub deferred: usize,
     /// Other failures: decide again after the backoff.
     pub failures: usize,
     /// Leadership ended midway: nothing more was written.
@@ -51,10 +51,6 @@ pub fn apply(
             applied.stopped = true;
             return applied;
         }
-        if cache.is_stale(Resource::Pool, &write.name, &write.resource_version) {
-            applied.deferred += 1;
-            continue;
-        }
         if put(client, cache, Resource::Pool, write, metrics, &mut applied) {
             pools_written.insert(write.name.as_str());
         }
@@ -71,10 +67,6 @@ pub fn apply(
         if !leading() {
             applied.stopped = true;
             return applied;
-        }
-        if cache.is_stale(Resource::Nnc, &write.name, &write.resource_version) {
-            applied.deferred += 1;
-            continue;
         }
         if put(client, cache, Resource::Nnc, write, metrics, &mut applied) {
             nodes_written.insert(write.name.as_str());
@@ -118,7 +110,7 @@ fn put(
     metrics.api_request("put", kind.plural());
     match client.put(&format!("{item}/status"), &body) {
         Ok(object) => {
-            cache.put(kind, Item::parse(kind, &object));
+            cache.put_fetched(kind, Item::parse(kind, &object));
             applied.written += 1;
             true
         }
@@ -127,10 +119,19 @@ fn put(
             applied.conflicts += 1;
             log::debug(
                 "controller",
-                "someone wrote first (409): deciding again from the watch's newer copy",
+                "someone wrote first (409): reading it again and deciding again",
                 &[("object", &item), ("version", &write.resource_version)],
             );
-            cache.mark_stale(kind, &write.name, &write.resource_version);
+            metrics.api_request("get", kind.plural());
+            match client.get(&item) {
+                Ok(object) => cache.put_fetched(kind, Item::parse(kind, &object)),
+                // Deleted meanwhile, or unreachable: the stream tells.
+                Err(err) => log::debug(
+                    "controller",
+                    "reading it again failed",
+                    &[("object", &item), ("error", &err)],
+                ),
+            }
             false
         }
         Err(err) => {

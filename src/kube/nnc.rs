@@ -184,8 +184,8 @@ pub struct Nnc {
     /// `observedGeneration` is the object's generation): the cluster has no
     /// block for this node's demand, and waiting for one is pointless.
     pub quota_exceeded: Option<String>,
-    /// Until when (Unix ms) that refusal stands, if the message says.
-    pub quota_until: Option<i64>,
+    /// Until when that refusal stands, as its message says.
+    pub quota_until: QuotaEnd,
     /// The reason of the `Ready` condition in `status.conditions`, of
     /// whatever generation.
     pub ready_reason: Option<String>,
@@ -198,6 +198,44 @@ pub const QUOTA_EXCEEDED: &str = "QuotaExceededToUpdateNetworkInterfacePodCIDRs"
 /// are cooling, followed by the RFC 3339 time the first comes free: the
 /// refusal stands until then.
 pub const QUOTA_UNTIL: &str = "the first released block comes free at ";
+
+/// When a QuotaExceeded refusal ends, read from the end of its message
+/// (the CRD has no field for it: the message is the contract,
+/// docs/controller.md, "Conditions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuotaEnd {
+    /// No time given: the refusal stands until the next answer.
+    #[default]
+    Unsaid,
+    /// Unix ms; a time already past means the refusal has ended.
+    At(i64),
+    /// A time that cannot be read (not RFC 3339 UTC, or outside years
+    /// 0000–9999): the refusal is not trusted to stand, ADDs wait for a
+    /// grant as without one.
+    Unreadable,
+}
+
+impl QuotaEnd {
+    /// Reads the end from a QuotaExceeded `message`: the text after the
+    /// last [`QUOTA_UNTIL`], trimmed.
+    pub fn of(message: &str) -> QuotaEnd {
+        match message.rsplit_once(QUOTA_UNTIL) {
+            None => QuotaEnd::Unsaid,
+            Some((_, at)) => {
+                crate::log::parse_rfc3339_ms(at.trim()).map_or(QuotaEnd::Unreadable, QuotaEnd::At)
+            }
+        }
+    }
+
+    /// Whether the refusal still stands at `now_ms`.
+    pub fn stands_at(self, now_ms: i64) -> bool {
+        match self {
+            QuotaEnd::Unsaid => true,
+            QuotaEnd::At(until) => now_ms < until,
+            QuotaEnd::Unreadable => false,
+        }
+    }
+}
 
 impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
@@ -230,10 +268,9 @@ impl Nnc {
                     && c["observedGeneration"].as_i64().unwrap_or(0) == generation
             })
             .map(|c| c["message"].as_str().unwrap_or_default().to_string());
-        let quota_until = quota_exceeded.as_deref().and_then(|message| {
-            let (_, at) = message.rsplit_once(QUOTA_UNTIL)?;
-            crate::log::parse_rfc3339_ms(at)
-        });
+        let quota_until = quota_exceeded
+            .as_deref()
+            .map_or(QuotaEnd::Unsaid, QuotaEnd::of);
         Nnc {
             meta: Meta::parse(value),
             allocations,
@@ -444,6 +481,63 @@ mod tests {
         let ready = json!({"metadata": {"generation": 1}, "status": {"conditions": [{
             "type": "Ready", "status": "True", "reason": "NodeNetworkConfigReady", "observedGeneration": 1}]}});
         assert_eq!(Nnc::parse(&ready).quota_exceeded, None);
+    }
+
+    #[test]
+    fn a_refusal_ends_when_its_message_says_and_only_if_readable() {
+        let refusal = |message: &str| {
+            Nnc::parse(
+                &json!({"metadata": {"generation": 2}, "status": {"conditions": [{
+                "type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED,
+                "message": message, "observedGeneration": 2}]}}),
+            )
+            .quota_until
+        };
+        let base = "network \"default\" ipv4: pool p has no free block; 16 addresses for 20 pods";
+        assert_eq!(refusal(base), QuotaEnd::Unsaid);
+        assert_eq!(
+            refusal(&format!("{base}; {QUOTA_UNTIL}2026-12-01T12:00:00.250Z")),
+            QuotaEnd::At(1_796_126_400_250)
+        );
+        // Trailing blanks are forgiven; anything else unreadable is not
+        // trusted: the refusal ends (ADDs wait for a grant).
+        assert_eq!(
+            refusal(&format!("{base}; {QUOTA_UNTIL}2026-12-01T12:00:00Z \n")),
+            QuotaEnd::At(1_796_126_400_000)
+        );
+        for bad in [
+            "soon",
+            "",
+            "2026-12-01",
+            "99999-01-01T00:00:00Z",
+            "2026-12-01T12:00:00Z; more",
+        ] {
+            assert_eq!(
+                refusal(&format!("{base}; {QUOTA_UNTIL}{bad}")),
+                QuotaEnd::Unreadable,
+                "{bad:?}"
+            );
+        }
+        // The last occurrence counts (a pool name cannot smuggle a time in).
+        assert_eq!(
+            refusal(&format!(
+                "pool {QUOTA_UNTIL}2999-01-01T00:00:00Z; {QUOTA_UNTIL}2026-12-01T12:00:00Z"
+            )),
+            QuotaEnd::At(1_796_126_400_000)
+        );
+        let now = 1_796_126_400_000;
+        assert!(QuotaEnd::Unsaid.stands_at(now));
+        assert!(QuotaEnd::At(now + 1).stands_at(now));
+        assert!(
+            !QuotaEnd::At(now).stands_at(now),
+            "a time reached has passed"
+        );
+        assert!(!QuotaEnd::At(0).stands_at(now), "the past");
+        assert!(
+            QuotaEnd::At(253_402_300_799_000).stands_at(now),
+            "year 9999"
+        );
+        assert!(!QuotaEnd::Unreadable.stands_at(now));
     }
 
     #[test]
