@@ -155,7 +155,25 @@ fn kept(
     }
     // Nor is a result returned whose gateway another pod holds.
     refuse_held_gateway(conn, judge, existing.block_id, &block)?;
+    record_gateway(conn, judge, existing.row_id, &block)?;
     Ok(existing.allocation)
+}
+
+/// Records the gateway the result for row `row_id` of block `cidr` names
+/// under the configuration in force, so that no later hand-out takes it
+/// while the allocation lives ([`super::gateway::record_named`]).
+fn record_gateway(
+    conn: &Connection,
+    judge: &Judge,
+    row_id: i64,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    let gateway =
+        super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
+    match gateway {
+        Some(gateway) => super::gateway::record_named(conn, row_id, gateway),
+        None => Ok(()),
+    }
 }
 
 /// Refuses (code 11, naming the gateway and its holder) an address of
@@ -256,9 +274,10 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 12] = [
+pub(super) const ALLOCATION_PATH: [&str; 13] = [
     HELD_SQL,
     HELD_ELSEWHERE_SQL,
+    super::gateway::NAMING_SQL,
     CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
@@ -299,16 +318,18 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
          (SELECT network FROM metis_networks WHERE isolated = 1))) \
      LIMIT 1";
 
-/// The owner of `address` in another block of the node's address space as
-/// `network` sees it (see [`HELD_ELSEWHERE_SQL`]), if any.
-fn held_elsewhere(
+/// Why `address` of block `block_id` is another allocation's, in the
+/// node's address space as `network` sees it, if it is: its owner in
+/// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
+/// as its gateway ([`super::gateway::naming`]).
+fn taken_elsewhere(
     conn: &Connection,
     network: &str,
     block_id: i64,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
     let isolated = super::layout::is_isolated(conn, network)?;
-    Ok(conn
+    let held = conn
         .prepare_cached(HELD_ELSEWHERE_SQL)?
         .query_row(
             params![address.to_string(), block_id, network, isolated],
@@ -321,7 +342,11 @@ fn held_elsewhere(
                 })
             },
         )
-        .optional()?)
+        .optional()?;
+    match held {
+        Some(unfit) => Ok(Some(unfit)),
+        None => super::gateway::naming(conn, network, isolated, address),
+    }
 }
 
 /// The hand-out check of one allocation ([`super::handout`]): the
@@ -487,11 +512,12 @@ fn claim(
             judge.pass_over(format!("{address} of block {cidr}"), &unfit);
             continue;
         }
-        if let Some(unfit) = held_elsewhere(conn, judge.network, block_id, address)? {
+        if let Some(unfit) = taken_elsewhere(conn, judge.network, block_id, address)? {
             judge.pass_over(format!("{address} of block {cidr}"), &unfit);
             continue;
         }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
+            record_gateway(conn, judge, row_id, cidr)?;
             return Ok(Some(address));
         }
     }
@@ -659,7 +685,8 @@ impl Store {
                     Unavailable::ReservedPosition { block: cidr }
                 }
                 Unfit::HeldElsewhere { container_id, .. } => Unavailable::Held { container_id },
-                Unfit::Retired
+                Unfit::NamedGateway { .. }
+                | Unfit::Retired
                 | Unfit::BlockOutsideRanges { .. }
                 | Unfit::OutsideRanges { .. }
                 | Unfit::OutsideBlock => Unavailable::OutsideConfig {
@@ -668,10 +695,19 @@ impl Store {
             };
             return Err(unavailable(address, reason));
         }
-        if let Some(Unfit::HeldElsewhere { container_id, .. }) =
-            held_elsewhere(&tx, owner.network, block_id, address)?
-        {
-            return Err(unavailable(address, Unavailable::Held { container_id }));
+        match taken_elsewhere(&tx, owner.network, block_id, address)? {
+            Some(Unfit::HeldElsewhere { container_id, .. }) => {
+                return Err(unavailable(address, Unavailable::Held { container_id }));
+            }
+            Some(unfit) => {
+                return Err(unavailable(
+                    address,
+                    Unavailable::OutsideConfig {
+                        why: unfit.to_string(),
+                    },
+                ));
+            }
+            None => {}
         }
         refuse_held_gateway(&tx, &judge, block_id, &cidr)?;
         let offset = cidr.offset_of(address).unwrap_or(0);
@@ -680,6 +716,7 @@ impl Store {
         if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
+        record_gateway(&tx, &judge, row_id, &cidr)?;
         tx.commit()?;
         Ok(Allocation {
             address,

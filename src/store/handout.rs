@@ -75,6 +75,15 @@ pub enum Unfit {
         network: String,
         block: String,
     },
+    /// A live result Metis returned names it as its gateway (another
+    /// conflist of the network, with another gateway): the host may route
+    /// through it (bridge `isGateway` takes it). Not found by
+    /// [`address_fit`] (`metis_gateways`: `alloc` asks per candidate).
+    NamedGateway {
+        container_id: String,
+        interface_name: String,
+        network: String,
+    },
 }
 
 impl fmt::Display for Unfit {
@@ -111,6 +120,14 @@ impl fmt::Display for Unfit {
             } => write!(
                 f,
                 "it is held by container {container_id:?} interface {interface_name:?} in block {block} of network {network:?}"
+            ),
+            Unfit::NamedGateway {
+                container_id,
+                interface_name,
+                network,
+            } => write!(
+                f,
+                "it is the gateway of the result container {container_id:?} interface {interface_name:?} holds in network {network:?}"
             ),
         }
     }

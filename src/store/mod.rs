@@ -944,7 +944,7 @@ impl Store {
             tx.execute_batch(SCHEMA)?;
             tx.commit()?;
         }
-        // One read for Metis's four tables: every statement costs a parse in
+        // One read for Metis's tables: every statement costs a parse in
         // a process that opens the database for one request (direct mode).
         let present: Vec<String> = self
             .conn
@@ -958,7 +958,7 @@ impl Store {
                 let tx = self
                     .conn
                     .transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute(create, [])?;
+                tx.execute_batch(create)?;
                 tx.commit()?;
             }
         }
