@@ -368,8 +368,8 @@ struct Sequence {
     /// Blocks upstream's `AddCIDR` added: (network, block).
     upstream_blocks: Vec<(String, Block)>,
     step: usize,
-    /// The gateways this step's ADDs returned, with the asking network.
-    gateways: Vec<(String, Vec<IpAddr>)>,
+    /// The gateways this step's ADDs returned, with the asking owner.
+    gateways: Vec<(Owner, Vec<IpAddr>)>,
     stats: Stats,
 }
 
@@ -777,8 +777,7 @@ impl Sequence {
                     kept.into_iter()
                         .filter(|h| !families.contains(&h.address.is_ipv6())),
                 );
-                self.gateways
-                    .push((owner.0.clone(), answer.gateways.clone()));
+                self.gateways.push((owner.clone(), answer.gateways.clone()));
                 self.held.insert(owner, now);
                 Ok(None)
             }
@@ -978,6 +977,27 @@ impl Sequence {
             .collect()
     }
 
+    /// Every row of `metis_gateways` with its allocation row, for a failure.
+    fn gateway_records(&self) -> Vec<String> {
+        let conn = common::db(&self.node.db_path());
+        let Ok(mut stmt) = conn.prepare(
+            "SELECT g.row_id, g.gateway, g.container_id, g.interface_name, g.allocated_at, \
+             a.address, a.is_allocated, a.container_id, a.interface_name, a.allocated_at \
+             FROM metis_gateways g LEFT JOIN ip_addresses a ON a.id = g.row_id",
+        ) else {
+            return Vec::new();
+        };
+        stmt.query_map([], |r| {
+            Ok((0..10)
+                .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
+                .collect::<Vec<_>>()
+                .join("|"))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+    }
+
     /// The invariants every step must leave true.
     fn verify(&self) -> Result<(), String> {
         let expected = self.held.iter().flat_map(|((n, c, i), held)| {
@@ -1064,10 +1084,19 @@ impl Sequence {
     }
 
     /// The step's ADD results' gateways must be no pod's address in the
-    /// network's address space.
+    /// network's address space (results whose pod the step deleted again
+    /// excepted: they are no longer in force).
     fn gateways_are_no_pods(&self) -> Result<(), String> {
         let isolated = self.isolated();
-        for (network, gateways) in &self.gateways {
+        for (asking, gateways) in &self.gateways {
+            let network = &asking.0;
+            let live = self.held.get(asking).is_some_and(|held| {
+                held.iter()
+                    .any(|h| h.gateway.is_some_and(|g| gateways.contains(&g)))
+            });
+            if !live {
+                continue;
+            }
             for gateway in gateways {
                 let holder = self.held.iter().find(|(owner, held)| {
                     let shared = owner.0 == *network
@@ -1098,7 +1127,9 @@ impl Sequence {
             });
             if let Some((owner, _)) = holder {
                 return Err(format!(
-                    "Metis handed {owner:?} {gateway}, the gateway of the live result of {named_by:?}"
+                    "Metis handed {owner:?} {gateway}, the gateway of the live result of \
+                     {named_by:?}; metis_gateways: {:?}",
+                    self.gateway_records()
                 ));
             }
         }

@@ -19,6 +19,18 @@ use crate::cidr::{Cidr, Family};
 /// How many distinct passed-over rows and blocks a store logs.
 const MAX_LOGGED_PASSED_OVER: usize = 1024;
 
+/// What the hand-out check passed over, as one store saw it: the lines it
+/// logged (each once), and the count by reason since the daemon last took
+/// them ([`Store::take_passed_over_counts`]).
+#[derive(Debug, Default)]
+pub(super) struct PassedOver {
+    logged: std::collections::HashSet<String>,
+    counts: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// The `reason` of a row that holds no address.
+const NOT_AN_ADDRESS: &str = "not_an_address";
+
 /// Bound on expand-then-claim rounds per block within one allocation.
 const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
@@ -360,8 +372,8 @@ struct Judge<'s> {
     network: &'s str,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
-    /// What this store already logged as passed over (logged once).
-    logged: &'s mut std::collections::HashSet<String>,
+    /// What this store already logged as passed over, and the counts.
+    seen: &'s mut PassedOver,
 }
 
 impl<'s> Judge<'s> {
@@ -369,7 +381,7 @@ impl<'s> Judge<'s> {
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
-        logged: &'s mut std::collections::HashSet<String>,
+        seen: &'s mut PassedOver,
     ) -> Judge<'s> {
         Judge {
             conf: conf.cloned().unwrap_or_default(),
@@ -378,7 +390,7 @@ impl<'s> Judge<'s> {
             network,
             blocks: Vec::new(),
             passed_over: Vec::new(),
-            logged,
+            seen,
         }
     }
 
@@ -411,7 +423,7 @@ impl<'s> Judge<'s> {
         match verdict {
             Ok(()) => Ok(true),
             Err(unfit) => {
-                self.pass_over(format!("block {cidr}"), &unfit);
+                self.pass_over(format!("block {cidr}"), unfit.reason(), &unfit);
                 Ok(false)
             }
         }
@@ -433,9 +445,11 @@ impl<'s> Judge<'s> {
     /// Notes what was passed over and why; logs each once per store (the
     /// first [`MAX_LOGGED_PASSED_OVER`]: a writer planting rows by the
     /// million costs no memory).
-    fn pass_over(&mut self, what: String, why: &dyn std::fmt::Display) {
+    fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
+        *self.seen.counts.entry(reason).or_default() += 1;
         let line = format!("{what}: {why}");
-        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.clone()) {
+        let logged = &mut self.seen.logged;
+        if logged.len() < MAX_LOGGED_PASSED_OVER && logged.insert(line.clone()) {
             crate::log::warn(
                 "store",
                 "passed over what does not fit the configuration in force (another writer made it)",
@@ -505,15 +519,19 @@ fn claim(
         };
         *after = row_id;
         let Ok(address) = text.parse::<IpAddr>() else {
-            judge.pass_over(format!("row {text:?} of block {cidr}"), &"not an address");
+            judge.pass_over(
+                format!("row {text:?} of block {cidr}"),
+                NOT_AN_ADDRESS,
+                &"not an address",
+            );
             continue;
         };
-        if let Err(unfit) = judge.address(conn, block_id, cidr, address)? {
-            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
-            continue;
-        }
-        if let Some(unfit) = taken_elsewhere(conn, judge.network, block_id, address)? {
-            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
+        let unfit = match judge.address(conn, block_id, cidr, address)? {
+            Err(unfit) => Some(unfit),
+            Ok(()) => taken_elsewhere(conn, judge.network, block_id, address)?,
+        };
+        if let Some(unfit) = unfit {
+            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
             continue;
         }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
@@ -563,6 +581,12 @@ fn expand(
 }
 
 impl Store {
+    /// What the hand-out check passed over since the last call, by reason
+    /// (the daemon adds it to its counter).
+    pub fn take_passed_over_counts(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
+        std::mem::take(&mut self.passed_over.counts)
+    }
+
     /// The id of the block (cidr, network), if any.
     pub fn find_block(&self, network: &str, cidr: &Cidr) -> Result<Option<i64>, StoreError> {
         find_block(&self.conn, network, &cidr.to_string())

@@ -133,6 +133,24 @@ impl fmt::Display for Unfit {
     }
 }
 
+impl Unfit {
+    /// The reason, as the `reason` label of the passed-over counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Unfit::Quarantined => "quarantined",
+            Unfit::Retired => "retired",
+            Unfit::BlockOutsideRanges { .. } => "block_outside_ranges",
+            Unfit::OutsideBlock => "outside_block",
+            Unfit::OutsideRanges { .. } => "outside_ranges",
+            Unfit::OutsideBounds { .. } => "outside_bounds",
+            Unfit::Gateway(_) => "gateway",
+            Unfit::Reserved => "reserved",
+            Unfit::HeldElsewhere { .. } => "held_elsewhere",
+            Unfit::NamedGateway { .. } => "named_gateway",
+        }
+    }
+}
+
 /// Whether anything of `block` may be handed out under `conf`.
 pub fn block_fit(block: &BlockRecord, conf: &InForce) -> Result<(), Unfit> {
     if block.quarantined {

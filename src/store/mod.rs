@@ -584,9 +584,8 @@ pub struct Store {
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
     batch: Batch,
-    /// What the hand-out check passed over and this store logged (each
-    /// once).
-    passed_over: std::collections::HashSet<String>,
+    /// What the hand-out check passed over: logged (each once), counted.
+    passed_over: alloc::PassedOver,
     /// What the open-time repair healed of a rollback to upstream.
     healed: rollback::Healed,
 }
