@@ -357,7 +357,11 @@ fn assert_no_gateway_is_a_pods(node: &Node, done: &[Done], ranges: &[Range]) {
     } in done
     {
         let Ok(result) = answer else { continue };
-        let gateway: IpAddr = result["ips"][0]["gateway"].as_str().unwrap().parse().unwrap();
+        let gateway: IpAddr = result["ips"][0]["gateway"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
         let holder = holdings.iter().find(|h| h.address == gateway);
         assert!(
             holder.is_none(),

@@ -622,7 +622,10 @@ impl Store {
         let tx = super::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
-            return kept(&tx, &mut judge, owner, existing);
+            let kept = kept(&tx, &mut judge, owner, existing)?;
+            // Keeps the record of the gateway this result names.
+            tx.commit()?;
+            return Ok(kept);
         }
         let (servable, held_gateways) = super::gateway::servable(
             &tx,
@@ -699,7 +702,9 @@ impl Store {
         let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
-            return already_held(owner, existing, address);
+            let answer = already_held(owner, existing, address)?;
+            tx.commit()?;
+            return Ok(answer);
         }
         let (block_id, cidr) = ready_block_containing(&tx, owner.network, address)?;
         if let Err(unfit) = judge.address(&tx, block_id, &cidr, address)? {

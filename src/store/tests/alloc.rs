@@ -860,3 +860,52 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
         .unwrap_err();
     assert!(err.to_string().contains("\"u\""), "{err}");
 }
+
+/// A repeated ADD under a conflist naming another gateway records that one
+/// too (its result names it now), in the transaction that returns it.
+#[test]
+fn a_repeated_add_under_another_gateway_records_it() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let range = cidr("198.18.40.0/28");
+    let plain = InForce {
+        ranges: vec![range],
+        bounds: Vec::new(),
+    };
+    let gw = crate::cidr::Bounds {
+        start: ip("198.18.40.1"),
+        end: ip("198.18.40.14"),
+        gateway: ip("198.18.40.6"),
+    };
+    let with_gateway = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gw)],
+    };
+    let a = owner("pods", "a");
+    let first = store
+        .allocate_under(&a, Family::V4, Some(&plain), NOW)
+        .unwrap();
+    store
+        .set_bounds("pods", Family::V4, &[(range, gw)])
+        .unwrap();
+    let again = store
+        .allocate_under(&a, Family::V4, Some(&with_gateway), NOW)
+        .unwrap();
+    assert_eq!(again, first);
+    let named: Vec<String> = store
+        .conn
+        .prepare("SELECT gateway FROM metis_gateways WHERE container_id = 'a' ORDER BY gateway")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(named, ["198.18.40.1", "198.18.40.6"]);
+    // Back under "pods"' layout, .6 is passed over.
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    for pod in ["b", "c", "d"] {
+        let got = store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&plain), NOW)
+            .unwrap();
+        assert_ne!(got.address, ip("198.18.40.6"), "{pod}");
+    }
+}
