@@ -594,6 +594,27 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
     assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
 }
 
+/// Two conflists of network "pods" on 198.18.40.0/28: (the range, the
+/// bounds of the one with `gateway` 198.18.40.6, the one without them —
+/// its results name .1 — and the one with them).
+fn two_gateways() -> (Cidr, crate::cidr::Bounds, InForce, InForce) {
+    let range = cidr("198.18.40.0/28");
+    let gw = crate::cidr::Bounds {
+        start: ip("198.18.40.1"),
+        end: ip("198.18.40.14"),
+        gateway: ip("198.18.40.6"),
+    };
+    let plain = InForce {
+        ranges: vec![range],
+        bounds: Vec::new(),
+    };
+    let with_gateway = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gw)],
+    };
+    (range, gw, plain, with_gateway)
+}
+
 /// A conflist whose explicit `gateway` a pod holds (it got the address
 /// under another conflist of the network, or from upstream): no result
 /// naming it is returned — neither a new address nor the one an owner
@@ -602,20 +623,7 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
 #[test]
 fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
-    let range = cidr("198.18.40.0/28");
-    let plain = InForce {
-        ranges: vec![range],
-        bounds: Vec::new(),
-    };
-    let gw = crate::cidr::Bounds {
-        start: ip("198.18.40.1"),
-        end: ip("198.18.40.14"),
-        gateway: ip("198.18.40.6"),
-    };
-    let with_gateway = InForce {
-        ranges: vec![range],
-        bounds: vec![(range, gw)],
-    };
+    let (range, gw, plain, with_gateway) = two_gateways();
     // Under the conflist without `gateway`, .6 is an ordinary address.
     store
         .allocate_requested_under(
@@ -699,20 +707,7 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
 #[test]
 fn a_gateway_a_live_result_names_is_never_handed_out_under_another_conflist() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
-    let range = cidr("198.18.40.0/28");
-    let plain = InForce {
-        ranges: vec![range],
-        bounds: Vec::new(),
-    };
-    let gw = crate::cidr::Bounds {
-        start: ip("198.18.40.1"),
-        end: ip("198.18.40.14"),
-        gateway: ip("198.18.40.6"),
-    };
-    let with_gateway = InForce {
-        ranges: vec![range],
-        bounds: vec![(range, gw)],
-    };
+    let (range, gw, plain, with_gateway) = two_gateways();
     // An ADD of "pods": its result names 198.18.40.1.
     let a = store
         .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
@@ -796,20 +791,7 @@ fn a_gateway_a_live_result_names_is_never_handed_out_under_another_conflist() {
 #[test]
 fn a_gateway_record_counts_only_while_its_allocation_lives() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
-    let range = cidr("198.18.40.0/28");
-    let plain = InForce {
-        ranges: vec![range],
-        bounds: Vec::new(),
-    };
-    let gw = crate::cidr::Bounds {
-        start: ip("198.18.40.1"),
-        end: ip("198.18.40.14"),
-        gateway: ip("198.18.40.6"),
-    };
-    let with_gateway = InForce {
-        ranges: vec![range],
-        bounds: vec![(range, gw)],
-    };
+    let (range, gw, plain, with_gateway) = two_gateways();
     store
         .set_bounds("pods", Family::V4, &[(range, gw)])
         .unwrap();
@@ -866,20 +848,7 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
 #[test]
 fn a_repeated_add_under_another_gateway_records_it() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
-    let range = cidr("198.18.40.0/28");
-    let plain = InForce {
-        ranges: vec![range],
-        bounds: Vec::new(),
-    };
-    let gw = crate::cidr::Bounds {
-        start: ip("198.18.40.1"),
-        end: ip("198.18.40.14"),
-        gateway: ip("198.18.40.6"),
-    };
-    let with_gateway = InForce {
-        ranges: vec![range],
-        bounds: vec![(range, gw)],
-    };
+    let (range, gw, plain, with_gateway) = two_gateways();
     let a = owner("pods", "a");
     let first = store
         .allocate_under(&a, Family::V4, Some(&plain), NOW)
