@@ -173,7 +173,7 @@ fn kept(
 
 /// Records the gateway the result for row `row_id` of block `cidr` names
 /// under the configuration in force, so that no later hand-out takes it
-/// while the allocation lives ([`super::gateway::record_named`]).
+/// while the allocation lives ([`super::named_gateway::record`]).
 fn record_gateway(
     conn: &Connection,
     judge: &Judge,
@@ -183,7 +183,7 @@ fn record_gateway(
     let gateway =
         super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
     match gateway {
-        Some(gateway) => super::gateway::record_named(conn, row_id, gateway),
+        Some(gateway) => super::named_gateway::record(conn, row_id, gateway),
         None => Ok(()),
     }
 }
@@ -289,7 +289,7 @@ const COUNT_TAKEN_SQL: &str =
 pub(super) const ALLOCATION_PATH: [&str; 13] = [
     HELD_SQL,
     HELD_ELSEWHERE_SQL,
-    super::gateway::NAMING_SQL,
+    super::named_gateway::NAMING_SQL,
     CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
@@ -333,7 +333,7 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
 /// Why `address` of block `block_id` is another allocation's, in the
 /// node's address space as `network` sees it, if it is: its owner in
 /// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
-/// as its gateway ([`super::gateway::naming`]).
+/// as its gateway ([`super::named_gateway::naming`]).
 fn taken_elsewhere(
     conn: &Connection,
     network: &str,
@@ -357,7 +357,7 @@ fn taken_elsewhere(
         .optional()?;
     match held {
         Some(unfit) => Ok(Some(unfit)),
-        None => super::gateway::naming(conn, network, isolated, address),
+        None => super::named_gateway::naming(conn, network, isolated, address),
     }
 }
 

@@ -29,6 +29,7 @@ mod layout;
 mod lifecycle;
 mod listings;
 mod migrate;
+mod named_gateway;
 mod repair;
 pub mod rollback;
 mod schema;
