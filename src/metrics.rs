@@ -64,6 +64,8 @@ struct Counters {
     database_restored: u64,
     /// What the open-time repair healed of a rollback to upstream.
     rollback_repairs: Healed,
+    /// reason → rows and blocks the hand-out check passed over.
+    handout_passed_over: BTreeMap<&'static str, u64>,
 }
 
 /// Shared between the loop (writer) and the HTTP thread (reader).
@@ -129,6 +131,18 @@ impl Metrics {
 
     pub fn recovered_at_boot(&self, addresses: u64) {
         self.with(|c| c.recovered_at_boot += addresses);
+    }
+
+    /// Adds what the hand-out check passed over (`Store::take_passed_over_counts`).
+    pub fn handout_passed_over(&self, counts: BTreeMap<&'static str, u64>) {
+        if counts.is_empty() {
+            return;
+        }
+        self.with(|c| {
+            for (reason, count) in counts {
+                *c.handout_passed_over.entry(reason).or_default() += count;
+            }
+        });
     }
 
     pub fn rollback_repaired(&self, healed: Healed) {
@@ -279,6 +293,12 @@ const ROLLBACK_REPAIRS: Metric = Metric::new(
     &["kind"],
     "What the daemon's start healed of what upstream's store left: revived blocks withheld again, rows beyond bounds reserved, rows outside a prefix deleted.",
 );
+const HANDOUT_PASSED_OVER: Metric = Metric::new(
+    "metis_daemon_handout_passed_over_total",
+    Type::Counter,
+    &["reason"],
+    "Rows and blocks the hand-out check passed over because they do not fit the configuration in force or another allocation has them.",
+);
 const DATABASE_RESTORED: Metric = Metric::new(
     "metis_daemon_database_restored_total",
     Type::Counter,
@@ -287,7 +307,7 @@ const DATABASE_RESTORED: Metric = Metric::new(
 );
 
 /// Every metric, in the order a scrape shows them.
-pub const METRICS: [&Metric; 17] = [
+pub const METRICS: [&Metric; 18] = [
     &BUILD_INFO,
     &IP_TOTAL,
     &BLOCK_TOTAL,
@@ -304,6 +324,7 @@ pub const METRICS: [&Metric; 17] = [
     &REFUSED_POD_CIDRS,
     &RECOVERED_AT_BOOT,
     &ROLLBACK_REPAIRS,
+    &HANDOUT_PASSED_OVER,
     &DATABASE_RESTORED,
 ];
 
@@ -597,6 +618,10 @@ fn render_counters(out: &mut String, c: &Counters) {
     ROLLBACK_REPAIRS.header(out);
     for (kind, count) in c.rollback_repairs.by_kind() {
         ROLLBACK_REPAIRS.sample(out, &[kind], count);
+    }
+    HANDOUT_PASSED_OVER.header(out);
+    for (reason, count) in &c.handout_passed_over {
+        HANDOUT_PASSED_OVER.sample(out, &[reason], count);
     }
     DATABASE_RESTORED.header(out);
     DATABASE_RESTORED.sample(out, &[], c.database_restored);

@@ -286,10 +286,11 @@ fn a_range_moved_mid_burst_hands_out_only_the_range_each_add_read() {
 }
 
 /// Two conflists on one subnet with different gateways, in parallel: no
-/// result's address is the gateway that result names, and once a pod of
-/// one holds the other's gateway, the other's ADDs are refused with code 11
-/// naming that gateway and its holder (a result naming it would make the
-/// host take that pod's address).
+/// result's address is the gateway that result names, no result names a
+/// gateway a pod holds, and once a pod of one holds the other's gateway,
+/// the other's ADDs are refused with code 11 naming that gateway and its
+/// holder (a result naming it would make the host take that pod's
+/// address).
 #[test]
 fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
     let node = Node::new("direct-gateways", "0s");
@@ -304,9 +305,70 @@ fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
         },
     ];
     let done = burst(&node.dir, 16, 12, &|n| ranges[n % 2]);
-    let failures = assert_first_law(&node, &done);
+    assert_no_gateway_is_a_pods(&node, &done, &ranges);
+}
+
+/// Two conflists of one network on one subnet, one with the computed
+/// gateway (.1, which the other hands out as an ordinary address), one
+/// with `gateway` .6, ADDs alternating among 16 parallel plugins — in
+/// direct mode, then all through the daemon: the same invariants
+/// (`metis_gateways` keeps each live result's gateway from every later
+/// hand-out).
+#[test]
+fn a_computed_and_an_explicit_gateway_are_never_a_pods_address_in_either_mode() {
+    for (subnet, gateway, daemon) in [
+        ("198.18.174.0/24", "198.18.174.6", false),
+        ("198.18.175.0/24", "198.18.175.6", true),
+    ] {
+        let node = Node::new("direct-named-gateways", "0s");
+        let ranges = [
+            Range::subnet(subnet),
+            Range {
+                gateway: Some(gateway),
+                ..Range::subnet(subnet)
+            },
+        ];
+        let running = daemon.then(|| TestDaemon::start(&node.dir, &["--release-cooldown", "0s"]));
+        let done = burst(&node.dir, 16, 12, &|n| ranges[n % 2]);
+        if let Some(running) = running {
+            running.stop();
+        }
+        let log = std::fs::read_to_string(node.dir.join("cni.log")).unwrap_or_default();
+        let direct = log.matches("using direct mode").count();
+        if daemon {
+            assert_eq!(direct, 0, "every ADD through the daemon");
+        } else {
+            assert_eq!(direct, done.len(), "every ADD in direct mode");
+        }
+        assert_no_gateway_is_a_pods(&node, &done, &ranges);
+    }
+}
+
+/// [`assert_first_law`], and every pair: no result names as its gateway
+/// an address a pod holds (every ADD's pod still lives), some ADD was
+/// served, and every refusal is code 11 naming one of `ranges`' gateways,
+/// which a pod holds.
+fn assert_no_gateway_is_a_pods(node: &Node, done: &[Done], ranges: &[Range]) {
+    let failures = assert_first_law(node, done);
     assert!(failures.len() < done.len(), "nothing served: {failures:?}");
-    let held_gateways: Vec<IpAddr> = node.holdings().iter().map(|h| h.address).collect();
+    let holdings = node.holdings();
+    for Done {
+        container, answer, ..
+    } in done
+    {
+        let Ok(result) = answer else { continue };
+        let gateway: IpAddr = result["ips"][0]["gateway"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let holder = holdings.iter().find(|h| h.address == gateway);
+        assert!(
+            holder.is_none(),
+            "{container}'s result names gateway {gateway}, which {holder:?} holds"
+        );
+    }
+    let held: Vec<IpAddr> = holdings.iter().map(|h| h.address).collect();
     for (code, msg) in &failures {
         assert_eq!(*code, 11, "{msg}");
         let named = ranges
@@ -314,7 +376,7 @@ fn two_gateways_on_one_subnet_never_hand_out_the_gateway_in_force() {
             .map(|r| r.gateway())
             .find(|g| msg.contains(&format!("its gateway {g} is held")));
         assert!(
-            named.is_some_and(|g| held_gateways.contains(&g)),
+            named.is_some_and(|g| held.contains(&g)),
             "a refusal must name a gateway a pod holds: {msg}"
         );
     }

@@ -269,13 +269,32 @@ fn daemon_with_a_parked_add(
     String,
     std::thread::JoinHandle<std::process::Output>,
 ) {
+    daemon_with_a_parked_add_of(dir, api, wait, r#"[[{"subnet":"198.18.0.0/30"}]]"#, &[])
+}
+
+/// [`daemon_with_a_parked_add`] with the conflist's `ranges`, after the
+/// holder's ADD and the `more` ADDs (conflist, container) ran.
+fn daemon_with_a_parked_add_of(
+    dir: &TestDir,
+    api: &ApiServer,
+    wait: &str,
+    ranges: &str,
+    more: &[(&str, &str)],
+) -> (
+    TestDaemon,
+    String,
+    std::thread::JoinHandle<std::process::Output>,
+) {
     api.state().controller = false;
     let daemon = start_daemon(dir, api, "nnc", &["--scale-up-wait", wait]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
-    let config = default_conf(dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
+    let config = default_conf(dir, "1.0.0", ranges);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
+    for (other, container) in more {
+        assert_ok(&Plugin::new("ADD", container).run(other));
+    }
     let waiter = {
         let config = config.clone();
         std::thread::spawn(move || Plugin::new("ADD", "waiter").run(&config))
@@ -309,6 +328,109 @@ fn released_addresses_wake_waiting_requests() {
     let output = waiter.join().unwrap();
     assert_ok(&output);
     assert_eq!(common::json(&output)["ips"][0]["address"], "198.18.0.2/30");
+}
+
+/// The allocated rows of `container` in the database of `dir`: (address, block).
+fn held_by(dir: &TestDir, container: &str) -> Vec<(String, String)> {
+    db(&dir.join("metis.sqlite"))
+        .prepare(
+            "SELECT a.address, b.cidr FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+             WHERE a.container_id = ?1 AND a.is_allocated = 1 ORDER BY a.address",
+        )
+        .unwrap()
+        .query_map([container], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// A parked ADD is retried, once the cluster grants a block, in a write
+/// transaction of its own (`Engine::handle_alone`): it gets an address of
+/// the granted block that passed the hand-out check (not the block's
+/// network, gateway or broadcast), held by it alone, and its result's
+/// gateway is recorded as one no hand-out takes.
+#[test]
+fn a_parked_add_retried_after_a_grant_gets_a_valid_address() {
+    let dir = TestDir::new("kube-parked-grant");
+    let api = ApiServer::start(NODE, &[], 4);
+    let (_daemon, _config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
+    api.set_status(serde_json::json!([status_entry("grant", "198.19.5.0/28")]));
+    let output = waiter.join().unwrap();
+    assert_ok(&output);
+    let result = common::json(&output);
+    let address = result["ips"][0]["address"].as_str().unwrap().to_string();
+    let host: u8 = address
+        .strip_prefix("198.19.5.")
+        .and_then(|rest| rest.strip_suffix("/28"))
+        .and_then(|host| host.parse().ok())
+        .unwrap_or_else(|| panic!("not an address of the grant: {result}"));
+    assert!((2..=14).contains(&host), "{result}");
+    assert_eq!(result["ips"][0]["gateway"], "198.19.5.1", "{result}");
+    let ip = address.trim_end_matches("/28").to_string();
+    assert_eq!(
+        held_by(&dir, "waiter"),
+        [(ip.clone(), "198.19.5.0/28".to_string())]
+    );
+    let owners: i64 = db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE address = ?1 AND is_allocated = 1",
+            [&ip],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(owners, 1);
+    let named: String = db(&dir.join("metis.sqlite"))
+        .query_row(
+            "SELECT gateway FROM metis_gateways WHERE container_id = 'waiter'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(named, "198.19.5.1");
+}
+
+/// A parked dual-stack ADD whose retry after the grant gets its IPv4
+/// address but finds no IPv6 one fails with code 11 and leaves nothing: no
+/// row of either family, no record of a gateway, the granted block empty.
+#[test]
+fn a_parked_add_whose_retry_fails_leaves_nothing() {
+    let dir = TestDir::new("kube-parked-fails");
+    let api = ApiServer::start(NODE, &[], 4);
+    // The /126 has two usable addresses: the holder takes one, a pod of an
+    // IPv6-only conflist of the network the other.
+    let v6_only = default_conf(&dir, "1.0.0", r#"[[{"subnet":"2001:db8:5::/126"}]]"#);
+    let (_daemon, _config, waiter) = daemon_with_a_parked_add_of(
+        &dir,
+        &api,
+        "30s",
+        r#"[[{"subnet":"198.18.0.0/30"}],[{"subnet":"2001:db8:5::/126"}]]"#,
+        &[(&v6_only, "v6-holder")],
+    );
+    api.set_status(serde_json::json!([status_entry("grant", "198.19.6.0/28")]));
+    let output = waiter.join().unwrap();
+    assert!(!output.status.success(), "{output:?}");
+    let error = common::json(&output);
+    assert_eq!(error["code"], 11, "{error}");
+    assert!(error.to_string().contains("ipv6"), "{error}");
+    assert_eq!(held_by(&dir, "waiter"), []);
+    let conn = db(&dir.join("metis.sqlite"));
+    let records: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM metis_gateways WHERE container_id = 'waiter'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(records, 0);
+    let in_grant: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+             WHERE b.cidr = '198.19.6.0/28' AND a.is_allocated = 1 AND a.container_id != ''",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(in_grant, 0);
 }
 
 #[test]

@@ -73,23 +73,15 @@ const UPSTREAM_WRITER: bool = true;
 /// state still said `Ready`.
 const UPSTREAM_MUST_NOT_SEE_HIDDEN_BLOCKS: bool = true;
 
-/// The conflist with a `gateway` inside the range takes part. Off: on main,
-/// METIS_WRITERS_SEED=943285301328036 (sequence 0, 25 steps) had a
-/// direct-mode ADD of conflist "pods-gw" (gateway 198.18.40.6) hand a pod
-/// 198.18.40.1, and the next ADDs of conflist "pods" return gateway
-/// 198.18.40.1, that pod's address. With "a block whose gateway a pod holds
-/// is not served" judged by the gateway the result names (the conflist's
-/// explicit `gateway`, else the block's computed one), and a repeated ADD
-/// refused likewise, no result names a gateway a pod held when it was
-/// returned (a store unit test in `src/store/tests/alloc.rs`). Still
-/// off: two conflists of one network with different gateways race within
-/// one burst — METIS_WRITERS_SEED=469419440393768 (sequence 0, 40 steps)
-/// has an ADD of "pods" return gateway 198.18.40.1 (free then) and, in the
-/// same burst, an ADD of "pods-gw" (for which .1 is an ordinary address)
-/// hand 198.18.40.1 to p0-2 (also METIS_WRITERS_SEED=71230830857771,
-/// sequence 2). Closing it needs a record of the gateways results with
-/// live pods name, which no hand-out may take.
-const GATEWAY_CONFLIST: bool = false;
+/// The conflist with a `gateway` inside the range takes part. It found a
+/// pod handed 198.18.40.1 by "pods-gw" (gateway .6) while "pods" returned
+/// .1 as its gateway, in both orders: across steps
+/// (METIS_WRITERS_SEED=943285301328036, sequence 0; closed by refusing a
+/// block whose result gateway a pod holds) and within one burst
+/// (469419440393768, sequence 0, and 71230830857771, sequence 2; closed by
+/// `metis_gateways`, the record of the gateways live results name, which
+/// no hand-out takes).
+const GATEWAY_CONFLIST: bool = true;
 
 /// Upstream's `AddCIDR` takes part. Before every hand-out was checked
 /// against the config in force, METIS_WRITERS_SEED=219593297541099 (sequence
@@ -225,6 +217,9 @@ struct Holding {
     by: Writer,
     /// When it was handed out (step number), to order owners.
     step: usize,
+    /// The gateway the last result returning it named (none: no result
+    /// reached the runtime, or upstream handed it out).
+    gateway: Option<IpAddr>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -373,8 +368,8 @@ struct Sequence {
     /// Blocks upstream's `AddCIDR` added: (network, block).
     upstream_blocks: Vec<(String, Block)>,
     step: usize,
-    /// The gateways this step's ADDs returned, with the asking network.
-    gateways: Vec<(String, Vec<IpAddr>)>,
+    /// The gateways this step's ADDs returned, with the asking owner.
+    gateways: Vec<(Owner, Vec<IpAddr>)>,
     stats: Stats,
 }
 
@@ -724,6 +719,7 @@ impl Sequence {
                 address: ip,
                 by: Writer::Metis,
                 step: self.step,
+                gateway: None,
             });
         }
         Ok(())
@@ -759,11 +755,20 @@ impl Sequence {
                         .held
                         .get(&owner)
                         .and_then(|held| held.iter().find(|h| h.address == ip).cloned());
-                    now.push(earlier.unwrap_or(Holding {
-                        address: ip,
-                        by: Writer::Metis,
-                        step: self.step,
-                    }));
+                    let gateway = answer
+                        .gateways
+                        .iter()
+                        .copied()
+                        .find(|g| g.is_ipv6() == ip.is_ipv6());
+                    now.push(Holding {
+                        gateway,
+                        ..earlier.unwrap_or(Holding {
+                            address: ip,
+                            by: Writer::Metis,
+                            step: self.step,
+                            gateway: None,
+                        })
+                    });
                 }
                 // Families the conflist does not ask for stay held.
                 let kept = self.held.remove(&owner).unwrap_or_default();
@@ -772,8 +777,7 @@ impl Sequence {
                     kept.into_iter()
                         .filter(|h| !families.contains(&h.address.is_ipv6())),
                 );
-                self.gateways
-                    .push((owner.0.clone(), answer.gateways.clone()));
+                self.gateways.push((owner.clone(), answer.gateways.clone()));
                 self.held.insert(owner, now);
                 Ok(None)
             }
@@ -861,6 +865,7 @@ impl Sequence {
                         address: got.address,
                         by: Writer::Upstream,
                         step: self.step,
+                        gateway: None,
                     });
                     Ok(format!("{got:?}"))
                 }
@@ -972,6 +977,27 @@ impl Sequence {
             .collect()
     }
 
+    /// Every row of `metis_gateways` with its allocation row, for a failure.
+    fn gateway_records(&self) -> Vec<String> {
+        let conn = common::db(&self.node.db_path());
+        let Ok(mut stmt) = conn.prepare(
+            "SELECT g.row_id, g.gateway, g.container_id, g.interface_name, g.allocated_at, \
+             a.address, a.is_allocated, a.container_id, a.interface_name, a.allocated_at \
+             FROM metis_gateways g LEFT JOIN ip_addresses a ON a.id = g.row_id",
+        ) else {
+            return Vec::new();
+        };
+        stmt.query_map([], |r| {
+            Ok((0..10)
+                .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
+                .collect::<Vec<_>>()
+                .join("|"))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+    }
+
     /// The invariants every step must leave true.
     fn verify(&self) -> Result<(), String> {
         let expected = self.held.iter().flat_map(|((n, c, i), held)| {
@@ -1058,10 +1084,19 @@ impl Sequence {
     }
 
     /// The step's ADD results' gateways must be no pod's address in the
-    /// network's address space.
+    /// network's address space (results whose pod the step deleted again
+    /// excepted: they are no longer in force).
     fn gateways_are_no_pods(&self) -> Result<(), String> {
         let isolated = self.isolated();
-        for (network, gateways) in &self.gateways {
+        for (asking, gateways) in &self.gateways {
+            let network = &asking.0;
+            let live = self.held.get(asking).is_some_and(|held| {
+                held.iter()
+                    .any(|h| h.gateway.is_some_and(|g| gateways.contains(&g)))
+            });
+            if !live {
+                continue;
+            }
             for gateway in gateways {
                 let holder = self.held.iter().find(|(owner, held)| {
                     let shared = owner.0 == *network
@@ -1073,6 +1108,29 @@ impl Sequence {
                         "an ADD of network {network} returned gateway {gateway}, which {owner:?} holds"
                     ));
                 }
+            }
+        }
+        // Every pair: no address Metis handed out is the gateway a live
+        // result names (however many steps apart the two were handed out).
+        let named = self.held.iter().flat_map(|(owner, held)| {
+            held.iter()
+                .filter_map(move |h| h.gateway.map(|gateway| (owner, gateway)))
+        });
+        for (named_by, gateway) in named {
+            let holder = self.held.iter().find(|(owner, held)| {
+                let shared = owner.0 == named_by.0
+                    || (!isolated.contains(&owner.0) && !isolated.contains(&named_by.0));
+                shared
+                    && held
+                        .iter()
+                        .any(|h| h.address == gateway && h.by == Writer::Metis)
+            });
+            if let Some((owner, _)) = holder {
+                return Err(format!(
+                    "Metis handed {owner:?} {gateway}, the gateway of the live result of \
+                     {named_by:?}; metis_gateways: {:?}",
+                    self.gateway_records()
+                ));
             }
         }
         Ok(())

@@ -129,6 +129,8 @@ impl EventLoop {
                 self.deliver(deliveries, now);
             }
             self.expire(now);
+            self.metrics
+                .handout_passed_over(self.engine.store_mut().take_passed_over_counts());
             if let Some(deadline) = stop_by
                 && self.drained(now, deadline)
             {

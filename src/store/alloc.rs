@@ -19,6 +19,18 @@ use crate::cidr::{Cidr, Family};
 /// How many distinct passed-over rows and blocks a store logs.
 const MAX_LOGGED_PASSED_OVER: usize = 1024;
 
+/// What the hand-out check passed over, as one store saw it: the lines it
+/// logged (each once), and the count by reason since the daemon last took
+/// them ([`Store::take_passed_over_counts`]).
+#[derive(Debug, Default)]
+pub(super) struct PassedOver {
+    logged: std::collections::HashSet<String>,
+    counts: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// The `reason` of a row that holds no address.
+const NOT_AN_ADDRESS: &str = "not_an_address";
+
 /// Bound on expand-then-claim rounds per block within one allocation.
 const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
@@ -155,7 +167,25 @@ fn kept(
     }
     // Nor is a result returned whose gateway another pod holds.
     refuse_held_gateway(conn, judge, existing.block_id, &block)?;
+    record_gateway(conn, judge, existing.row_id, &block)?;
     Ok(existing.allocation)
+}
+
+/// Records the gateway the result for row `row_id` of block `cidr` names
+/// under the configuration in force, so that no later hand-out takes it
+/// while the allocation lives ([`super::named_gateway::record`]).
+fn record_gateway(
+    conn: &Connection,
+    judge: &Judge,
+    row_id: i64,
+    cidr: &Cidr,
+) -> Result<(), StoreError> {
+    let gateway =
+        super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
+    match gateway {
+        Some(gateway) => super::named_gateway::record(conn, row_id, gateway),
+        None => Ok(()),
+    }
 }
 
 /// Refuses (code 11, naming the gateway and its holder) an address of
@@ -256,9 +286,10 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 12] = [
+pub(super) const ALLOCATION_PATH: [&str; 13] = [
     HELD_SQL,
     HELD_ELSEWHERE_SQL,
+    super::named_gateway::NAMING_SQL,
     CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
@@ -299,16 +330,18 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
          (SELECT network FROM metis_networks WHERE isolated = 1))) \
      LIMIT 1";
 
-/// The owner of `address` in another block of the node's address space as
-/// `network` sees it (see [`HELD_ELSEWHERE_SQL`]), if any.
-fn held_elsewhere(
+/// Why `address` of block `block_id` is another allocation's, in the
+/// node's address space as `network` sees it, if it is: its owner in
+/// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
+/// as its gateway ([`super::named_gateway::naming`]).
+fn taken_elsewhere(
     conn: &Connection,
     network: &str,
     block_id: i64,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
     let isolated = super::layout::is_isolated(conn, network)?;
-    Ok(conn
+    let held = conn
         .prepare_cached(HELD_ELSEWHERE_SQL)?
         .query_row(
             params![address.to_string(), block_id, network, isolated],
@@ -321,7 +354,11 @@ fn held_elsewhere(
                 })
             },
         )
-        .optional()?)
+        .optional()?;
+    match held {
+        Some(unfit) => Ok(Some(unfit)),
+        None => super::named_gateway::naming(conn, network, isolated, address),
+    }
 }
 
 /// The hand-out check of one allocation ([`super::handout`]): the
@@ -335,8 +372,8 @@ struct Judge<'s> {
     network: &'s str,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
-    /// What this store already logged as passed over (logged once).
-    logged: &'s mut std::collections::HashSet<String>,
+    /// What this store already logged as passed over, and the counts.
+    seen: &'s mut PassedOver,
 }
 
 impl<'s> Judge<'s> {
@@ -344,7 +381,7 @@ impl<'s> Judge<'s> {
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
-        logged: &'s mut std::collections::HashSet<String>,
+        seen: &'s mut PassedOver,
     ) -> Judge<'s> {
         Judge {
             conf: conf.cloned().unwrap_or_default(),
@@ -353,7 +390,7 @@ impl<'s> Judge<'s> {
             network,
             blocks: Vec::new(),
             passed_over: Vec::new(),
-            logged,
+            seen,
         }
     }
 
@@ -386,7 +423,7 @@ impl<'s> Judge<'s> {
         match verdict {
             Ok(()) => Ok(true),
             Err(unfit) => {
-                self.pass_over(format!("block {cidr}"), &unfit);
+                self.pass_over(format!("block {cidr}"), unfit.reason(), &unfit);
                 Ok(false)
             }
         }
@@ -408,9 +445,11 @@ impl<'s> Judge<'s> {
     /// Notes what was passed over and why; logs each once per store (the
     /// first [`MAX_LOGGED_PASSED_OVER`]: a writer planting rows by the
     /// million costs no memory).
-    fn pass_over(&mut self, what: String, why: &dyn std::fmt::Display) {
+    fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
+        *self.seen.counts.entry(reason).or_default() += 1;
         let line = format!("{what}: {why}");
-        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.clone()) {
+        let logged = &mut self.seen.logged;
+        if logged.len() < MAX_LOGGED_PASSED_OVER && logged.insert(line.clone()) {
             crate::log::warn(
                 "store",
                 "passed over what does not fit the configuration in force (another writer made it)",
@@ -480,18 +519,23 @@ fn claim(
         };
         *after = row_id;
         let Ok(address) = text.parse::<IpAddr>() else {
-            judge.pass_over(format!("row {text:?} of block {cidr}"), &"not an address");
+            judge.pass_over(
+                format!("row {text:?} of block {cidr}"),
+                NOT_AN_ADDRESS,
+                &"not an address",
+            );
             continue;
         };
-        if let Err(unfit) = judge.address(conn, block_id, cidr, address)? {
-            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
-            continue;
-        }
-        if let Some(unfit) = held_elsewhere(conn, judge.network, block_id, address)? {
-            judge.pass_over(format!("{address} of block {cidr}"), &unfit);
+        let unfit = match judge.address(conn, block_id, cidr, address)? {
+            Err(unfit) => Some(unfit),
+            Ok(()) => taken_elsewhere(conn, judge.network, block_id, address)?,
+        };
+        if let Some(unfit) = unfit {
+            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
             continue;
         }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
+            record_gateway(conn, judge, row_id, cidr)?;
             return Ok(Some(address));
         }
     }
@@ -537,6 +581,12 @@ fn expand(
 }
 
 impl Store {
+    /// What the hand-out check passed over since the last call, by reason
+    /// (the daemon adds it to its counter).
+    pub fn take_passed_over_counts(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
+        std::mem::take(&mut self.passed_over.counts)
+    }
+
     /// The id of the block (cidr, network), if any.
     pub fn find_block(&self, network: &str, cidr: &Cidr) -> Result<Option<i64>, StoreError> {
         find_block(&self.conn, network, &cidr.to_string())
@@ -572,7 +622,10 @@ impl Store {
         let tx = super::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
-            return kept(&tx, &mut judge, owner, existing);
+            let kept = kept(&tx, &mut judge, owner, existing)?;
+            // Keeps the record of the gateway this result names.
+            tx.commit()?;
+            return Ok(kept);
         }
         let (servable, held_gateways) = super::gateway::servable(
             &tx,
@@ -649,7 +702,9 @@ impl Store {
         let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
-            return already_held(owner, existing, address);
+            let answer = already_held(owner, existing, address)?;
+            tx.commit()?;
+            return Ok(answer);
         }
         let (block_id, cidr) = ready_block_containing(&tx, owner.network, address)?;
         if let Err(unfit) = judge.address(&tx, block_id, &cidr, address)? {
@@ -659,7 +714,8 @@ impl Store {
                     Unavailable::ReservedPosition { block: cidr }
                 }
                 Unfit::HeldElsewhere { container_id, .. } => Unavailable::Held { container_id },
-                Unfit::Retired
+                Unfit::NamedGateway { .. }
+                | Unfit::Retired
                 | Unfit::BlockOutsideRanges { .. }
                 | Unfit::OutsideRanges { .. }
                 | Unfit::OutsideBlock => Unavailable::OutsideConfig {
@@ -668,10 +724,19 @@ impl Store {
             };
             return Err(unavailable(address, reason));
         }
-        if let Some(Unfit::HeldElsewhere { container_id, .. }) =
-            held_elsewhere(&tx, owner.network, block_id, address)?
-        {
-            return Err(unavailable(address, Unavailable::Held { container_id }));
+        match taken_elsewhere(&tx, owner.network, block_id, address)? {
+            Some(Unfit::HeldElsewhere { container_id, .. }) => {
+                return Err(unavailable(address, Unavailable::Held { container_id }));
+            }
+            Some(unfit) => {
+                return Err(unavailable(
+                    address,
+                    Unavailable::OutsideConfig {
+                        why: unfit.to_string(),
+                    },
+                ));
+            }
+            None => {}
         }
         refuse_held_gateway(&tx, &judge, block_id, &cidr)?;
         let offset = cidr.offset_of(address).unwrap_or(0);
@@ -680,6 +745,7 @@ impl Store {
         if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
+        record_gateway(&tx, &judge, row_id, &cidr)?;
         tx.commit()?;
         Ok(Allocation {
             address,

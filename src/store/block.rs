@@ -339,6 +339,7 @@ pub(super) fn give_back(
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
     super::co_writer::before_give_back(conn, network, row.row_id, row.allocation.address)?;
+    super::named_gateway::forget(conn, row.row_id)?;
     let Some(offset) = row.allocation.block.offset_of(row.allocation.address) else {
         // Outside the prefix (upstream's rows of a /127 or /128): the row
         // goes with its last pod, so no one is handed it again.

@@ -157,7 +157,8 @@ enum Fence {
 
 /// Makes the block's highest-id row one whose next address already has a
 /// row of the block (upstream's expansion starts there and then fails on
-/// the UNIQUE index). Row ids are referenced by nothing but themselves.
+/// the UNIQUE index). Row ids are referenced only by `metis_gateways`, which
+/// follows.
 fn fence_expansion(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<Fence, StoreError> {
     let rows: Vec<(i64, String)> = conn
         .prepare("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id")?
@@ -183,9 +184,15 @@ fn fence_expansion(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<Fenc
     else {
         return Ok(Fence::Impossible);
     };
+    let moved_to: i64 = conn.query_row("SELECT MAX(id) + 1 FROM ip_addresses", [], |r| r.get(0))?;
     conn.execute(
-        "UPDATE ip_addresses SET id = (SELECT MAX(id) + 1 FROM ip_addresses) WHERE id = ?1",
-        params![id],
+        "UPDATE ip_addresses SET id = ?2 WHERE id = ?1",
+        params![id, moved_to],
+    )?;
+    // The gateways its results named go with the row.
+    conn.execute(
+        "UPDATE metis_gateways SET row_id = ?2 WHERE row_id = ?1",
+        params![id, moved_to],
     )?;
     Ok(Fence::Moved(text.clone()))
 }

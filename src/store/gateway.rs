@@ -69,6 +69,32 @@ impl HeldGateway {
     }
 }
 
+/// The gateway a result for an address of block `cidr` (of `network`)
+/// names under `in_force` — the conflist's explicit `gateway`, else the
+/// block's computed one — where the rule applies under `mode` (`None`:
+/// `first-block` mode without bounds, where base + 1 of a later block is a
+/// pod address by upstream's rule).
+pub(super) fn result_gateway(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    cidr: &Cidr,
+    in_force: InForceBounds,
+) -> Result<Option<IpAddr>, StoreError> {
+    let bounds = match in_force {
+        Some(list) => list
+            .iter()
+            .find(|(subnet, _)| subnet == cidr)
+            .map(|(_, bounds)| *bounds),
+        None => bounds_of(conn, network, cidr)?,
+    };
+    Ok(match bounds {
+        Some(bounds) => Some(bounds.gateway),
+        None if mode == ReserveMode::EveryBlock => Some(gateway_for(cidr)),
+        None => None,
+    })
+}
+
 /// Who holds the gateway block `id` (`cidr` of `network`) advertises
 /// under `in_force` — the conflist's explicit `gateway`, else the block's
 /// computed one — if a pod does and the rule applies under `mode`: a few
@@ -81,17 +107,8 @@ pub(super) fn held(
     cidr: &Cidr,
     in_force: InForceBounds,
 ) -> Result<Option<HeldGateway>, StoreError> {
-    let bounds = match in_force {
-        Some(list) => list
-            .iter()
-            .find(|(subnet, _)| subnet == cidr)
-            .map(|(_, bounds)| *bounds),
-        None => bounds_of(conn, network, cidr)?,
-    };
-    let gateway = match bounds {
-        Some(bounds) => bounds.gateway,
-        None if mode == ReserveMode::EveryBlock => gateway_for(cidr),
-        None => return Ok(None),
+    let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
+        return Ok(None);
     };
     let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
     let holder: Option<(String, String)> = if has_networks(conn)? {

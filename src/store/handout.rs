@@ -75,6 +75,15 @@ pub enum Unfit {
         network: String,
         block: String,
     },
+    /// A live result Metis returned names it as its gateway (another
+    /// conflist of the network, with another gateway): the host may route
+    /// through it (bridge `isGateway` takes it). Not found by
+    /// [`address_fit`] (`metis_gateways`: `alloc` asks per candidate).
+    NamedGateway {
+        container_id: String,
+        interface_name: String,
+        network: String,
+    },
 }
 
 impl fmt::Display for Unfit {
@@ -112,6 +121,32 @@ impl fmt::Display for Unfit {
                 f,
                 "it is held by container {container_id:?} interface {interface_name:?} in block {block} of network {network:?}"
             ),
+            Unfit::NamedGateway {
+                container_id,
+                interface_name,
+                network,
+            } => write!(
+                f,
+                "it is the gateway of the result container {container_id:?} interface {interface_name:?} holds in network {network:?}"
+            ),
+        }
+    }
+}
+
+impl Unfit {
+    /// The reason, as the `reason` label of the passed-over counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Unfit::Quarantined => "quarantined",
+            Unfit::Retired => "retired",
+            Unfit::BlockOutsideRanges { .. } => "block_outside_ranges",
+            Unfit::OutsideBlock => "outside_block",
+            Unfit::OutsideRanges { .. } => "outside_ranges",
+            Unfit::OutsideBounds { .. } => "outside_bounds",
+            Unfit::Gateway(_) => "gateway",
+            Unfit::Reserved => "reserved",
+            Unfit::HeldElsewhere { .. } => "held_elsewhere",
+            Unfit::NamedGateway { .. } => "named_gateway",
         }
     }
 }

@@ -29,6 +29,7 @@ mod layout;
 mod lifecycle;
 mod listings;
 mod migrate;
+mod named_gateway;
 mod repair;
 pub mod rollback;
 mod schema;
@@ -584,9 +585,8 @@ pub struct Store {
     /// The database file and its (device, inode) when opened.
     file: (PathBuf, Option<(u64, u64)>),
     batch: Batch,
-    /// What the hand-out check passed over and this store logged (each
-    /// once).
-    passed_over: std::collections::HashSet<String>,
+    /// What the hand-out check passed over: logged (each once), counted.
+    passed_over: alloc::PassedOver,
     /// What the open-time repair healed of a rollback to upstream.
     healed: rollback::Healed,
 }
@@ -944,7 +944,7 @@ impl Store {
             tx.execute_batch(SCHEMA)?;
             tx.commit()?;
         }
-        // One read for Metis's four tables: every statement costs a parse in
+        // One read for Metis's tables: every statement costs a parse in
         // a process that opens the database for one request (direct mode).
         let present: Vec<String> = self
             .conn
@@ -958,7 +958,7 @@ impl Store {
                 let tx = self
                     .conn
                     .transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute(create, [])?;
+                tx.execute_batch(create)?;
                 tx.commit()?;
             }
         }

@@ -137,8 +137,20 @@ pub const RELEASED: &str = "CREATE TABLE IF NOT EXISTS metis_released (\
      network TEXT NOT NULL, cidr TEXT NOT NULL, reusable INTEGER NOT NULL, \
      released_at INTEGER NOT NULL, PRIMARY KEY (network, cidr))";
 
+/// The gateway each live result Metis returned names, per allocation
+/// row: no later hand-out (any conflist, any mode) takes it while that row
+/// is still the same allocation. The owner and `allocated_at` are copied
+/// from the row when the result is returned, and a record counts only
+/// while the row still carries them (another writer may release or reuse
+/// the row without knowing this table). Written in the allocation's
+/// transaction, deleted with its release (`block::give_back`).
+pub const GATEWAYS: &str = "CREATE TABLE IF NOT EXISTS metis_gateways (\
+     row_id INTEGER NOT NULL, gateway TEXT NOT NULL, container_id TEXT NOT NULL, \
+     interface_name TEXT NOT NULL, allocated_at INTEGER, PRIMARY KEY (row_id, gateway)); \
+     CREATE INDEX IF NOT EXISTS metis_gateways_by_gateway ON metis_gateways (gateway)";
+
 /// Metis's own tables, created on every open if missing.
-pub const METIS_TABLES: [(&str, &str); 7] = [
+pub const METIS_TABLES: [(&str, &str); 8] = [
     ("metis_settings", SETTINGS),
     ("metis_blocks", BLOCKS),
     ("metis_networks", NETWORKS),
@@ -146,6 +158,7 @@ pub const METIS_TABLES: [(&str, &str); 7] = [
     ("metis_bounds", BOUNDS),
     ("metis_taken_back", TAKEN_BACK),
     ("metis_released", RELEASED),
+    ("metis_gateways", GATEWAYS),
 ];
 
 /// `metis_settings` key holding the reservation mode.

@@ -594,6 +594,27 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
     assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
 }
 
+/// Two conflists of network "pods" on 198.18.40.0/28: (the range, the
+/// bounds of the one with `gateway` 198.18.40.6, the one without them —
+/// its results name .1 — and the one with them).
+fn two_gateways() -> (Cidr, crate::cidr::Bounds, InForce, InForce) {
+    let range = cidr("198.18.40.0/28");
+    let gw = crate::cidr::Bounds {
+        start: ip("198.18.40.1"),
+        end: ip("198.18.40.14"),
+        gateway: ip("198.18.40.6"),
+    };
+    let plain = InForce {
+        ranges: vec![range],
+        bounds: Vec::new(),
+    };
+    let with_gateway = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gw)],
+    };
+    (range, gw, plain, with_gateway)
+}
+
 /// A conflist whose explicit `gateway` a pod holds (it got the address
 /// under another conflist of the network, or from upstream): no result
 /// naming it is returned — neither a new address nor the one an owner
@@ -602,20 +623,7 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
 #[test]
 fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
-    let range = cidr("198.18.40.0/28");
-    let plain = InForce {
-        ranges: vec![range],
-        bounds: Vec::new(),
-    };
-    let gw = crate::cidr::Bounds {
-        start: ip("198.18.40.1"),
-        end: ip("198.18.40.14"),
-        gateway: ip("198.18.40.6"),
-    };
-    let with_gateway = InForce {
-        ranges: vec![range],
-        bounds: vec![(range, gw)],
-    };
+    let (range, gw, plain, with_gateway) = two_gateways();
     // Under the conflist without `gateway`, .6 is an ordinary address.
     store
         .allocate_requested_under(
@@ -688,4 +696,185 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     store
         .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
         .unwrap();
+}
+
+/// Two conflists of one network on one subnet with different gateways
+/// ("pods": computed .1; "pods-gw": `gateway` .6), their layouts
+/// alternating as their ADDs do: no ADD of one hands out the gateway a live
+/// result of the other names (`metis_gateways`), whichever comes first;
+/// a DEL ends the record; and a conflist whose gateway a pod holds is
+/// refused with code 11 naming the gateway and its holder.
+#[test]
+fn a_gateway_a_live_result_names_is_never_handed_out_under_another_conflist() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let (range, gw, plain, with_gateway) = two_gateways();
+    // An ADD of "pods": its result names 198.18.40.1.
+    let a = store
+        .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
+        .unwrap();
+    assert_eq!(a.address, ip("198.18.40.2"));
+    // "pods-gw"'s layout frees .1 (an ordinary address under it) and
+    // reserves .6; its ADDs pass .1 over.
+    store
+        .set_bounds("pods", Family::V4, &[(range, gw)])
+        .unwrap();
+    let b = store
+        .allocate_under(&owner("pods", "b"), Family::V4, Some(&with_gateway), NOW)
+        .unwrap();
+    assert_eq!(b.address, ip("198.18.40.3"));
+    let err = store
+        .allocate_requested_under(
+            &owner("pods", "c"),
+            ip("198.18.40.1"),
+            Some(&with_gateway),
+            NOW,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("it is the gateway of the result container \"a\""),
+        "{err}"
+    );
+    // Back to "pods"' layout: .6, which b's result names, is passed over.
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    for (pod, expected) in [
+        ("d", "198.18.40.4"),
+        ("e", "198.18.40.5"),
+        ("f", "198.18.40.7"),
+    ] {
+        let got = store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&plain), NOW)
+            .unwrap();
+        assert_eq!(got.address, ip(expected), "{pod}");
+    }
+    // Exhausted, the refusal says what was passed over and whose result
+    // names it.
+    for pod in ["g", "h", "i", "j", "k", "l", "m"] {
+        store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&plain), NOW)
+            .unwrap();
+    }
+    let err = store
+        .allocate_under(&owner("pods", "n"), Family::V4, Some(&plain), NOW)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NoAvailableIps { .. }), "{err}");
+    assert!(
+        err.to_string().contains(
+            "198.18.40.6 of block 198.18.40.0/28: it is the gateway of the result container \"b\""
+        ),
+        "{err}"
+    );
+    // b's DEL ends its record: .6 is handed out again.
+    store.release("pods", "b", "eth0", NOW).unwrap();
+    let n = store
+        .allocate_under(&owner("pods", "n"), Family::V4, Some(&plain), NOW)
+        .unwrap();
+    assert_eq!(n.address, ip("198.18.40.3"));
+    let o = store
+        .allocate_under(&owner("pods", "o"), Family::V4, Some(&plain), NOW)
+        .unwrap();
+    assert_eq!(o.address, ip("198.18.40.6"));
+    let records: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM metis_gateways WHERE container_id = 'b'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(records, 0);
+}
+
+/// The other order: a pod of "pods-gw" holds .1, so "pods" (whose results
+/// name .1) is refused with code 11 naming the gateway and its holder; and a
+/// record whose row another writer released and reused counts for nothing.
+#[test]
+fn a_gateway_record_counts_only_while_its_allocation_lives() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let (range, gw, plain, with_gateway) = two_gateways();
+    store
+        .set_bounds("pods", Family::V4, &[(range, gw)])
+        .unwrap();
+    let first = store
+        .allocate_under(
+            &owner("pods", "first"),
+            Family::V4,
+            Some(&with_gateway),
+            NOW,
+        )
+        .unwrap();
+    assert_eq!(first.address, ip("198.18.40.1"));
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    match store
+        .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
+        .unwrap_err()
+    {
+        StoreError::NoAvailableIps { held_gateways, .. } => assert!(
+            held_gateways.len() == 1
+                && held_gateways[0].contains("gateway 198.18.40.1")
+                && held_gateways[0].contains("\"first\""),
+            "{held_gateways:?}"
+        ),
+        other => panic!("expected code 11 naming the held gateway, got {other:?}"),
+    }
+    // first's result names .6: not handed out under "pods-gw"'s own rule,
+    // nor under "pods" (were it served). Another writer (upstream after
+    // a rollback) releases first's row and hands it to "u", without
+    // touching Metis's record: the record counts for nothing now.
+    store
+        .conn
+        .execute(
+            "UPDATE ip_addresses SET container_id = 'u', allocated_at = allocated_at + 1 \
+             WHERE address = '198.18.40.1'",
+            [],
+        )
+        .unwrap();
+    let named: Option<String> = rusqlite::OptionalExtension::optional(store.conn.query_row(
+        crate::store::named_gateway::NAMING_SQL,
+        rusqlite::params!["198.18.40.6", "pods", false],
+        |r| r.get(0),
+    ))
+    .unwrap();
+    assert_eq!(named, None);
+    // u's row still holds .1: "pods" stays refused, naming u.
+    let err = store
+        .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
+        .unwrap_err();
+    assert!(err.to_string().contains("\"u\""), "{err}");
+}
+
+/// A repeated ADD under a conflist naming another gateway records that one
+/// too (its result names it now), in the transaction that returns it.
+#[test]
+fn a_repeated_add_under_another_gateway_records_it() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let (range, gw, plain, with_gateway) = two_gateways();
+    let a = owner("pods", "a");
+    let first = store
+        .allocate_under(&a, Family::V4, Some(&plain), NOW)
+        .unwrap();
+    store
+        .set_bounds("pods", Family::V4, &[(range, gw)])
+        .unwrap();
+    let again = store
+        .allocate_under(&a, Family::V4, Some(&with_gateway), NOW)
+        .unwrap();
+    assert_eq!(again, first);
+    let named: Vec<String> = store
+        .conn
+        .prepare("SELECT gateway FROM metis_gateways WHERE container_id = 'a' ORDER BY gateway")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(named, ["198.18.40.1", "198.18.40.6"]);
+    // Back under "pods"' layout, .6 is passed over.
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    for pod in ["b", "c", "d"] {
+        let got = store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&plain), NOW)
+            .unwrap();
+        assert_ne!(got.address, ip("198.18.40.6"), "{pod}");
+    }
 }

@@ -21,10 +21,12 @@ fn schema_objects_are_exact() {
     let expected: Vec<(String, String)> = [
         ("index", "idx_available_ips"),
         ("index", "idx_ip_idempotency"),
+        ("index", "metis_gateways_by_gateway"),
         ("table", "cidr_blocks"),
         ("table", "ip_addresses"),
         ("table", "metis_blocks"),
         ("table", "metis_bounds"),
+        ("table", "metis_gateways"),
         ("table", "metis_networks"),
         ("table", "metis_ranges"),
         ("table", "metis_released"),

@@ -1,0 +1,82 @@
+//! The gateways live results name (`metis_gateways`, see
+//! [`super::schema::GATEWAYS`]): two conflists of one network on one subnet
+//! with different gateways each hand out, as an ordinary address, the
+//! gateway the other's results name. Every result Metis returns records
+//! its gateway in the allocation's transaction; no hand-out takes an
+//! address a live record names ([`naming`]); the release deletes the
+//! record ([`forget`]). A record counts only while its row is still
+//! that allocation (allocated, same owner, same `allocated_at`): another
+//! writer may release or reuse the row without knowing the table.
+
+use std::net::IpAddr;
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use super::StoreError;
+use super::handout::Unfit;
+
+/// Records that the result returned for allocation row `row_id` names
+/// `gateway` ([`super::schema::GATEWAYS`]): the row's owner and
+/// `allocated_at` are copied from it, and records of an earlier allocation
+/// of the row (released by a writer that does not know the table) go.
+pub(super) fn record(conn: &Connection, row_id: i64, gateway: IpAddr) -> Result<(), StoreError> {
+    conn.prepare_cached(FORGET_STALE_SQL)?.execute([row_id])?;
+    conn.prepare_cached(RECORD_NAMED_SQL)?
+        .execute(params![row_id, gateway.to_string()])?;
+    Ok(())
+}
+
+/// Forgets the gateways results for row `row_id` named: its allocation
+/// ends (DEL, GC, roll-back, boot recovery).
+pub(super) fn forget(conn: &Connection, row_id: i64) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM metis_gateways WHERE row_id = ?1")?
+        .execute([row_id])?;
+    Ok(())
+}
+
+/// The live result naming `address` as its gateway, in network `network`
+/// or, unless it is isolated, any network sharing the node's address space:
+/// `Unfit::NamedGateway`, else `None`.
+pub(super) fn naming(
+    conn: &Connection,
+    network: &str,
+    isolated: bool,
+    address: IpAddr,
+) -> Result<Option<Unfit>, StoreError> {
+    Ok(conn
+        .prepare_cached(NAMING_SQL)?
+        .query_row(params![address.to_string(), network, isolated], |r| {
+            Ok(Unfit::NamedGateway {
+                container_id: r.get(0)?,
+                interface_name: r.get(1)?,
+                network: r.get(2)?,
+            })
+        })
+        .optional()?)
+}
+
+/// Inserts the record of row ?1 naming gateway ?2 with the row's owner
+/// and stamp (nothing when the row holds no pod).
+const RECORD_NAMED_SQL: &str = "INSERT OR IGNORE INTO metis_gateways \
+     (row_id, gateway, container_id, interface_name, allocated_at) \
+     SELECT id, ?2, container_id, COALESCE(interface_name, ''), allocated_at FROM ip_addresses \
+     WHERE id = ?1 AND is_allocated = 1 AND COALESCE(container_id, '') != ''";
+
+/// Deletes the records of row ?1 that belong to another allocation of it.
+const FORGET_STALE_SQL: &str = "DELETE FROM metis_gateways AS g WHERE g.row_id = ?1 AND NOT EXISTS \
+     (SELECT 1 FROM ip_addresses a WHERE a.id = g.row_id AND a.is_allocated = 1 \
+        AND a.container_id = g.container_id AND COALESCE(a.interface_name, '') = g.interface_name \
+        AND a.allocated_at IS g.allocated_at)";
+
+/// A live record naming ?1 as a gateway — its row still the same
+/// allocation (allocated, same owner, same stamp) — in network ?2 or, unless
+/// ?3 (the asking network is isolated), any network not isolated: one probe
+/// of the gateway index, then the row by its primary key.
+pub(super) const NAMING_SQL: &str = "SELECT g.container_id, g.interface_name, b.network \
+     FROM metis_gateways g JOIN ip_addresses a ON a.id = g.row_id \
+       JOIN cidr_blocks b ON b.id = a.cidr_block_id \
+     WHERE g.gateway = ?1 AND a.is_allocated = 1 AND a.container_id = g.container_id \
+       AND COALESCE(a.interface_name, '') = g.interface_name AND a.allocated_at IS g.allocated_at \
+       AND (b.network = ?2 OR (?3 = 0 AND b.network NOT IN \
+         (SELECT network FROM metis_networks WHERE isolated = 1))) \
+     LIMIT 1";
