@@ -107,9 +107,13 @@ struct RawConf {
     name: Option<String>,
     #[serde(rename = "type")]
     plugin_type: Option<String>,
-    ipam: Option<RawIpam>,
-    #[serde(flatten)]
-    paths: RawPaths,
+    ipam: Option<Object<RawIpam>>,
+    #[serde(rename = "daemonSocket")]
+    daemon_socket: Option<String>,
+    #[serde(rename = "dbPath")]
+    db_path: Option<String>,
+    #[serde(rename = "logFile")]
+    log_file: Option<String>,
     #[serde(rename = "runtimeConfig")]
     runtime_config: Option<RawRuntimeConfig>,
     args: Option<RawArgs>,
@@ -128,31 +132,28 @@ struct RawIpam {
     network: Option<String>,
     isolated: Option<bool>,
     ranges: Option<Vec<Vec<RawRange>>>,
-    /// host-local's older single-range form, directly under `ipam`.
-    #[serde(flatten)]
-    single: RawRange,
+    // host-local's older single-range form, directly under `ipam`.
+    subnet: Option<String>,
+    #[serde(rename = "rangeStart")]
+    range_start: Option<String>,
+    #[serde(rename = "rangeEnd")]
+    range_end: Option<String>,
+    gateway: Option<String>,
     routes: Option<Vec<RawRoute>>,
     #[serde(rename = "resolvConf")]
     resolv_conf: Option<String>,
     #[serde(rename = "dataDir")]
     data_dir: Option<String>,
-    #[serde(flatten)]
-    paths: RawPaths,
-    #[serde(rename = "logLevel")]
-    log_level: Option<String>,
-    #[serde(rename = "gcGracePeriod")]
-    gc_grace_period: Option<String>,
-}
-
-/// Settings accepted both at the top level and inside `ipam`.
-#[derive(Deserialize, Default)]
-struct RawPaths {
     #[serde(rename = "daemonSocket")]
     daemon_socket: Option<String>,
     #[serde(rename = "dbPath")]
     db_path: Option<String>,
     #[serde(rename = "logFile")]
     log_file: Option<String>,
+    #[serde(rename = "logLevel")]
+    log_level: Option<String>,
+    #[serde(rename = "gcGracePeriod")]
+    gc_grace_period: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -191,12 +192,48 @@ struct RawArgsCni {
     ips: Option<Vec<String>>,
 }
 
+/// A struct read from a JSON object only: a derived `Deserialize` also
+/// takes an array of the fields in order, which no configuration is.
+struct Object<T>(T);
+
+/// The name an [`Object`]'s type error gives.
+trait Named {
+    const EXPECTED: &'static str;
+}
+
+impl Named for RawConf {
+    const EXPECTED: &'static str = "struct RawConf";
+}
+
+impl Named for RawIpam {
+    const EXPECTED: &'static str = "struct RawIpam";
+}
+
+impl<'de, T: Deserialize<'de> + Named> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de> + Named> serde::de::Visitor<'de> for Fields<T> {
+            type Value = Object<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(T::EXPECTED)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<Object<T>, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(Object)
+            }
+        }
+        deserializer.deserialize_map(Fields(std::marker::PhantomData))
+    }
+}
+
 /// The version a configuration without `cniVersion` is read as.
 const LEGACY_CNI_VERSION: &str = "0.1.0";
 
 /// Parses and validates the configuration.
 pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
-    let raw: RawConf = serde_json::from_slice(stdin)
+    let Object(raw): Object<RawConf> = serde_json::from_slice(stdin)
         .map_err(|e| CniError::decode(format!("failed to parse network configuration: {e}")))?;
     // libcni and host-local read a missing or empty cniVersion as 0.1.0,
     // the version before the key existed.
@@ -214,10 +251,16 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let delegated = raw
         .ipam
         .as_ref()
-        .and_then(|ipam| ipam.ipam_type.as_deref())
+        .and_then(|ipam| ipam.0.ipam_type.as_deref())
         .is_some_and(|ipam_type| !ipam_type.is_empty() && ipam_type != plugin_type);
-    let mut ipam = raw.ipam.unwrap_or_default();
-    let sets = with_single_range(ipam.ranges.take(), std::mem::take(&mut ipam.single));
+    let mut ipam = raw.ipam.map(|Object(ipam)| ipam).unwrap_or_default();
+    let single = RawRange {
+        subnet: ipam.subnet.take(),
+        range_start: ipam.range_start.take(),
+        range_end: ipam.range_end.take(),
+        gateway: ipam.gateway.take(),
+    };
+    let sets = with_single_range(ipam.ranges.take(), single);
     let (ipv4_ranges, ipv6_ranges, bounds) = parse_ranges(sets.as_deref())?;
     let network = ipam
         .network
@@ -237,22 +280,12 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         routes: parse_routes(ipam.routes.as_deref().unwrap_or_default())?,
         daemon_socket: path_setting(
             "daemonSocket",
-            &ipam.paths.daemon_socket,
-            &raw.paths.daemon_socket,
+            &ipam.daemon_socket,
+            &raw.daemon_socket,
             DEFAULT_DAEMON_SOCKET,
         )?,
-        db_path: path_setting(
-            "dbPath",
-            &ipam.paths.db_path,
-            &raw.paths.db_path,
-            DEFAULT_DB_PATH,
-        )?,
-        log_file: path_setting(
-            "logFile",
-            &ipam.paths.log_file,
-            &raw.paths.log_file,
-            DEFAULT_LOG_FILE,
-        )?,
+        db_path: path_setting("dbPath", &ipam.db_path, &raw.db_path, DEFAULT_DB_PATH)?,
+        log_file: path_setting("logFile", &ipam.log_file, &raw.log_file, DEFAULT_LOG_FILE)?,
         resolv_conf: ipam
             .resolv_conf
             .as_ref()
@@ -516,9 +549,9 @@ fn path_setting(
     default: &str,
 ) -> Result<PathBuf, CniError> {
     let non_empty = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
-    let (where_, value) = match (non_empty(ipam), non_empty(top)) {
-        (Some(v), _) => (format!("ipam.{key}"), v),
-        (None, Some(v)) => (key.to_string(), v),
+    let (prefix, value) = match (non_empty(ipam), non_empty(top)) {
+        (Some(v), _) => ("ipam.", v),
+        (None, Some(v)) => ("", v),
         (None, None) => return Ok(PathBuf::from(default)),
     };
     let path = PathBuf::from(&value);
@@ -526,7 +559,7 @@ fn path_setting(
         Ok(path)
     } else {
         Err(CniError::invalid_config(format!(
-            "invalid {where_} {value:?}: must be an absolute path"
+            "invalid {prefix}{key} {value:?}: must be an absolute path"
         )))
     }
 }

@@ -299,7 +299,10 @@ impl EventLoop {
         let mut closed = Vec::new();
         let mut index = 0;
         conns.retain_mut(|conn| {
-            let active = fired.get(index).copied().unwrap_or(false);
+            // A connection accepted this turn was not in the poll set: its
+            // client writes its request right after connecting, so it is
+            // read now rather than after one more `poll`.
+            let active = fired.get(index).copied().unwrap_or(true);
             index += 1;
             let state = match batch.serve_conn(conn, active) {
                 None => return true,

@@ -796,11 +796,11 @@ impl Store {
     /// request, so that [`Store::end_request`] can undo this request alone.
     pub fn begin_request(&mut self) -> Result<(), StoreError> {
         if self.batch == Batch::None {
-            self.conn.execute_batch("BEGIN IMMEDIATE")?;
+            self.control("BEGIN IMMEDIATE")?;
             self.batch = Batch::Open;
         }
         self.ensure_batch()?;
-        self.conn.execute_batch("SAVEPOINT request")?;
+        self.control("SAVEPOINT request")?;
         Ok(())
     }
 
@@ -809,12 +809,13 @@ impl Store {
     /// before [`Store::commit_batch`].
     pub fn end_request(&mut self, keep: bool) -> Result<(), StoreError> {
         self.ensure_batch()?;
-        let sql = if keep {
-            "RELEASE request"
+        let ended = if keep {
+            self.control("RELEASE request")
         } else {
-            "ROLLBACK TO request; RELEASE request"
+            self.control("ROLLBACK TO request")
+                .and_then(|()| self.control("RELEASE request"))
         };
-        self.conn.execute_batch(sql).map_err(|err| {
+        ended.map_err(|err| {
             self.batch = Batch::Lost;
             StoreError::from(err)
         })
@@ -826,7 +827,7 @@ impl Store {
     pub fn commit_batch(&mut self) -> Result<(), StoreError> {
         let result = match std::mem::replace(&mut self.batch, Batch::None) {
             Batch::None => return Ok(()),
-            Batch::Open => self.conn.execute_batch("COMMIT").map_err(StoreError::from),
+            Batch::Open => self.control("COMMIT").map_err(StoreError::from),
             Batch::Lost => Err(StoreError::BatchAborted),
         };
         // A failed COMMIT may leave the transaction open (SQLITE_BUSY,
@@ -835,6 +836,13 @@ impl Store {
             self.conn.execute_batch("ROLLBACK")?;
         }
         result
+    }
+
+    /// Runs a transaction-control statement of the group commit from the
+    /// statement cache: each request runs three or four of them, and
+    /// parsing one again costs more than running it.
+    fn control(&self, sql: &str) -> rusqlite::Result<()> {
+        self.conn.prepare_cached(sql)?.execute([]).map(|_| ())
     }
 
     /// Fails once SQLite has rolled the batch's transaction back by itself.

@@ -2,7 +2,7 @@
 //! deadlines: one framed request, one framed response.
 
 use std::fmt;
-use std::io;
+use std::io::{self, BufReader};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,6 +13,10 @@ use prost::Message;
 
 use super::frame::{self, FrameError, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
 use super::{Request, Response};
+
+/// Bytes asked for by the first read of a response: an ADD's answer is
+/// about 40.
+const RESPONSE_READ: usize = 4096;
 
 /// Why a call did not produce a response.
 #[derive(Debug)]
@@ -140,10 +144,12 @@ impl Client {
             });
         }
         let sent = frame::write_frame(&mut self.stream, &payload, MAX_REQUEST_FRAME);
+        // The daemon writes a response in one piece: read its prefix and a
+        // small payload in one call. Only this response can be in flight,
+        // so the buffer never takes bytes of another.
+        let mut input = BufReader::with_capacity(RESPONSE_READ, &self.stream);
         let payload = match sent {
-            Ok(()) => {
-                frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME).map_err(exchange_err)?
-            }
+            Ok(()) => frame::read_frame(&mut input, MAX_RESPONSE_FRAME).map_err(exchange_err)?,
             // A daemon that refuses a connection (a user it does not admit,
             // its connection cap) answers and closes before reading: the
             // write fails, but the refusal is waiting to be read.
@@ -153,7 +159,7 @@ impl Client {
                     io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
                 ) =>
             {
-                frame::read_frame(&mut self.stream, MAX_RESPONSE_FRAME)
+                frame::read_frame(&mut input, MAX_RESPONSE_FRAME)
                     .map_err(|_| exchange_err(FrameError::Io(err)))?
             }
             Err(err) => return Err(exchange_err(err)),
