@@ -417,7 +417,7 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`Store::open`] keeps trying while the database is busy: a
 /// daemon starting beside plugins in direct mode holds its lock for a
 /// moment, and a node under load stretches every moment.
-pub const OPEN_PATIENCE: Duration = Duration::from_secs(30);
+const OPEN_PATIENCE: Duration = Duration::from_secs(30);
 
 impl StoreError {
     /// Whether the caller should report "try again later" (lock contention,
