@@ -115,11 +115,12 @@ fn jitter(pause: Duration) -> Duration {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| since.subsec_nanos());
     let seed = u64::from(nanos ^ std::process::id().rotate_left(16));
-    let half = u64::try_from(pause.as_micros() / 2)
-        .unwrap_or(u64::MAX)
-        .max(1);
-    let micros = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX) - half + seed % (2 * half);
-    Duration::from_micros(micros)
+    let micros = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX / 4);
+    let half = micros / 2;
+    if half == 0 {
+        return pause;
+    }
+    Duration::from_micros(micros - half + seed % (2 * half + 1))
 }
 
 #[cfg(test)]
@@ -192,7 +193,8 @@ mod tests {
 
     #[test]
     fn jitter_stays_within_half_the_pause() {
-        for pause in [FIRST_PAUSE, LONGEST_PAUSE, Duration::from_micros(1)] {
+        let pauses = [FIRST_PAUSE, LONGEST_PAUSE, Duration::from_micros(1)];
+        for pause in pauses.into_iter().cycle().take(3000) {
             let wait = jitter(pause);
             assert!(
                 wait >= pause / 2 && wait <= pause + pause / 2,
