@@ -123,8 +123,9 @@ bench-smoke: build edge
 # daemon SIGKILLed at random (METIS_CRASH_ROUNDS/OPS/SEED to change), then
 # 200 model-based sequences of 60 steps over changing configurations
 # (METIS_MODEL_SEQUENCES/STEPS/SEED), then 60 sequences of 50 steps of many
-# writers at once (METIS_WRITERS_SEQUENCES/STEPS/SEED), then the simulated
-# cluster once more on a fresh seed (CLUSTER_SEED replays one).
+# writers at once (METIS_WRITERS_SEQUENCES/STEPS/SEED), then 100 fresh
+# nodes opened by plugins and a starting daemon at once (METIS_BUSY_ROUNDS),
+# then the simulated cluster once more on a fresh seed (CLUSTER_SEED replays one).
 soak:
 	METIS_CRASH_ROUNDS=$${METIS_CRASH_ROUNDS:-20} METIS_CRASH_OPS=$${METIS_CRASH_OPS:-500} \
 	  $(CARGO) test --locked --test integration crash:: -- --nocapture
@@ -132,6 +133,8 @@ soak:
 	  $(CARGO) test --locked --test integration model:: -- --nocapture
 	METIS_WRITERS_SEQUENCES=$${METIS_WRITERS_SEQUENCES:-60} METIS_WRITERS_STEPS=$${METIS_WRITERS_STEPS:-50} \
 	  $(CARGO) test --locked --test integration model_multi_writer:: -- --nocapture
+	METIS_BUSY_ROUNDS=$${METIS_BUSY_ROUNDS:-100} \
+	  $(CARGO) test --locked --test integration busy_writers:: -- --nocapture
 	$(CARGO) test --locked --test integration cluster:: -- --nocapture
 
 # Coverage-guided fuzzing on the stable toolchain: every target for

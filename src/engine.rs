@@ -29,6 +29,21 @@ pub struct Failure {
     pub message: String,
     /// The network and family the failure concerns, when there is one.
     pub scope: Option<(String, Family)>,
+    /// The database was busy (another process held its lock): the request
+    /// left nothing and may be tried again as a whole.
+    pub busy: bool,
+}
+
+impl crate::store::Contended for Failure {
+    fn contended(&self) -> bool {
+        self.busy
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 impl Failure {
@@ -38,6 +53,7 @@ impl Failure {
             reason: reason::INVALID_REQUEST,
             message: message.into(),
             scope: None,
+            busy: false,
         }
     }
 
@@ -70,6 +86,7 @@ impl Failure {
             reason,
             message: format!("{context}: {err}"),
             scope,
+            busy: crate::store::Contended::contended(err),
         }
     }
 }
@@ -219,6 +236,7 @@ impl Engine {
                 reason: reason::UNKNOWN_REQUEST,
                 message: "request carries no known message".to_string(),
                 scope: None,
+                busy: false,
             }),
         };
         match result {
@@ -550,6 +568,7 @@ impl Engine {
                     req.container_id, req.interface_name
                 ),
                 scope: None,
+                busy: false,
             });
         }
         Ok(allocated)

@@ -11,6 +11,7 @@ mod common;
 mod access;
 mod big_blocks;
 mod boot;
+mod busy_writers;
 mod cluster;
 mod control_plane;
 mod control_plane_model;

@@ -251,6 +251,7 @@ impl Adaptive {
                     del.container_id
                 ),
                 scope: None,
+                busy: false,
             });
             self.observe(&parked, reply.code(), now);
             self.cancelled.push((parked.conn_id, reply));

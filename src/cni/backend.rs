@@ -12,7 +12,7 @@ use nix::unistd::{self, AccessFlags};
 use std::time::{Duration, Instant};
 
 use crate::cni::error::CniError;
-use crate::engine::Engine;
+use crate::engine::{Engine, Outcome};
 use crate::log;
 use crate::store::{self, Store, StoreOptions};
 use crate::wire::client::{Client, ClientError};
@@ -33,6 +33,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bound on one exchange: above the daemon's 9 s wait for new blocks and
 /// below the 10 s runtimes commonly allow a plugin call... as upstream.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long direct mode keeps making a request again while the database
+/// is busy (each attempt waits up to SQLite's busy timeout): a daemon
+/// starting beside it, other plugins, a checkpoint hold the lock for a
+/// moment, stretched on a loaded node. Runtimes wait minutes for a CNI call.
+const DIRECT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// What the plugin's verbs talk to; unit tests put a fake here.
 pub trait Backend {
@@ -251,9 +256,10 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // boot's allocations, before anything of this boot is allocated.
     let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
     if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
-        let recovered = store
-            .recover_after_reboot(&boot_id, None, log::now_ms())
-            .map_err(|err| CniError::from_store_open(db_path, &err))?;
+        let recovered = store::patiently("boot recovery", DIRECT_PATIENCE, || {
+            store.recover_after_reboot(&boot_id, None, log::now_ms())
+        })
+        .map_err(|err| CniError::from_store_open(db_path, &err))?;
         if recovered.released() > 0 {
             log::info(
                 "cni",
@@ -263,7 +269,15 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
         }
     }
     let mut engine = Engine::new(store);
-    let response = engine.handle_alone(&request, log::now_ms()).into_response();
+    // Made again as a whole while the database is busy: a failed attempt
+    // leaves nothing.
+    let served = store::patiently("serve the request", DIRECT_PATIENCE, || {
+        match engine.handle_alone(&request, log::now_ms()) {
+            Outcome::Failed(failure) if failure.busy => Err(failure),
+            outcome => Ok(outcome),
+        }
+    });
+    let response = served.unwrap_or_else(Outcome::Failed).into_response();
     // After the answer is settled: a failed checkpoint loses nothing.
     if let Err(err) = engine.store().trim_wal() {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);

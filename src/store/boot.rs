@@ -85,7 +85,10 @@ impl Store {
         }
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = super::busy::During::during(
+            super::write(&mut self.conn, self.batch),
+            "BEGIN IMMEDIATE (boot recovery)",
+        )?;
         // Re-read under the write lock: another process may have recovered.
         let stored = get_setting(&tx, KEY_BOOT_ID)?;
         let enabled = match enabled {

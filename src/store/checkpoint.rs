@@ -122,9 +122,11 @@ impl Store {
             return Ok(false);
         }
         self.conn.busy_timeout(ONE_REQUEST_CHECKPOINT_WAIT)?;
-        let busy: i64 = self
-            .conn
-            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |row| row.get(0))?;
+        let busy: i64 = super::busy::During::during(
+            self.conn
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |row| row.get(0)),
+            "PRAGMA wal_checkpoint(TRUNCATE)",
+        )?;
         Ok(busy == 0)
     }
 }

@@ -15,6 +15,7 @@ mod alloc;
 mod block;
 mod boot;
 mod bounds;
+mod busy;
 mod check;
 mod checkpoint;
 pub mod co_writer;
@@ -55,6 +56,7 @@ use crate::cidr::{Cidr, CidrError, Family};
 pub use alloc::Released;
 pub use block::{Quarantined, reserved_offsets};
 pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
+pub use busy::{Contended, patiently};
 pub use check::{Depth, Report, check_file};
 pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
 pub use grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
@@ -329,8 +331,13 @@ pub enum StoreError {
     },
     /// Any other error SQLite reports.
     Sqlite(rusqlite::Error),
-    /// SQLITE_BUSY / SQLITE_LOCKED beyond the busy timeout.
-    Busy(rusqlite::Error),
+    /// SQLITE_BUSY / SQLITE_LOCKED beyond the busy timeout, or where
+    /// SQLite does not wait (see `busy`); `during` names the step ("" when
+    /// none was named).
+    Busy {
+        during: &'static str,
+        source: rusqlite::Error,
+    },
     /// SQLite rolled back the transaction of a group commit on its own (an
     /// I/O error, a full disk): nothing of the batch was kept.
     BatchAborted,
@@ -404,12 +411,21 @@ fn summary(lines: &[String]) -> String {
 /// allocation), so every request re-parsed SQL; this holds them all.
 const STATEMENT_CACHE: usize = 256;
 
+/// How long a connection waits for another's lock before SQLite answers
+/// busy (each wait; see `busy` for what is retried beyond it).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long [`Store::open`] keeps trying while the database is busy: a
+/// daemon starting beside plugins in direct mode holds its lock for a
+/// moment, and a node under load stretches every moment.
+const OPEN_PATIENCE: Duration = Duration::from_secs(30);
+
 impl StoreError {
     /// Whether the caller should report "try again later" (lock contention,
     /// I/O, full disk, unopenable or read-only database).
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Busy(_)
+            StoreError::Busy { .. }
             | StoreError::Open { .. }
             | StoreError::BatchAborted
             | StoreError::HostLocal(_) => true,
@@ -455,7 +471,13 @@ impl fmt::Display for StoreError {
                 )
             }
             StoreError::Sqlite(e) => write!(f, "store: sqlite: {e}"),
-            StoreError::Busy(e) => write!(f, "store: database is busy: {e}"),
+            StoreError::Busy { during, source } => {
+                let code = busy::code_name(source);
+                match *during {
+                    "" => write!(f, "store: database is busy ({code}): {source}"),
+                    step => write!(f, "store: database is busy ({code} at {step}): {source}"),
+                }
+            }
             StoreError::BatchAborted => f.write_str(
                 "store: SQLite rolled back the transaction this request was grouped in \
                  (an I/O error or a full disk); nothing of it was kept, retry",
@@ -550,7 +572,7 @@ impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             StoreError::Open { source, .. } => Some(source.as_ref()),
-            StoreError::Sqlite(e) | StoreError::Busy(e) => Some(e),
+            StoreError::Sqlite(e) | StoreError::Busy { source: e, .. } => Some(e),
             StoreError::BadCidr(e) => Some(e),
             _ => None,
         }
@@ -563,7 +585,10 @@ impl From<rusqlite::Error> for StoreError {
             rusqlite::Error::SqliteFailure(f, _)
                 if matches!(f.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) =>
             {
-                StoreError::Busy(e)
+                StoreError::Busy {
+                    during: "",
+                    source: e,
+                }
             }
             _ => StoreError::Sqlite(e),
         }
@@ -723,19 +748,33 @@ impl Store {
             }
         }
         let file_warnings = files::tighten(path);
+        busy::patiently("open the database", OPEN_PATIENCE, || {
+            Store::open_once(path, opts, file_warnings.clone())
+        })
+    }
+
+    /// One attempt of [`Store::open`] on the file that is there; every
+    /// step that takes a lock is named in a busy error.
+    fn open_once(
+        path: &Path,
+        opts: &StoreOptions,
+        warnings: Vec<String>,
+    ) -> Result<Store, StoreError> {
+        use busy::During;
         let conn = Connection::open(path).map_err(|e| StoreError::Open {
             path: path.to_path_buf(),
             source: Box::new(e),
         })?;
-        conn.busy_timeout(Duration::from_millis(5000))?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         // Savepoints (the daemon's group commit) keep their undo in a
         // sub-journal: in memory, as a read-only root filesystem (the
         // DaemonSet's) has no temporary directory SQLite could use, and
         // every grouped commit would fail with an I/O error.
         conn.pragma_update(None, "temp_store", "MEMORY")?;
-        let mode: String =
-            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+            .during("open: PRAGMA journal_mode=WAL")?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Corrupt(format!(
                 "journal_mode is {mode}, WAL could not be enabled"
@@ -757,21 +796,25 @@ impl Store {
             conn,
             reserve: ReserveMode::EveryBlock,
             release_cooldown_ms: 0,
-            warnings: file_warnings,
+            warnings,
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
             passed_over: Default::default(),
             healed: rollback::Healed::default(),
         };
         let upstream_only = store.install_schema()?;
-        store.reserve = store.settle_reserve_mode(opts.reserve)?;
+        store.reserve = store
+            .settle_reserve_mode(opts.reserve)
+            .during("open: reserve mode")?;
         // Upstream released with its daemon's cooldown: a first open
         // without one asked for (direct mode) keeps that, not none.
         let cooldown = opts
             .release_cooldown
             .or(upstream_only.then_some(crate::defaults::DEFAULT_RELEASE_COOLDOWN_MS));
-        store.release_cooldown_ms = store.settle_release_cooldown(cooldown)?;
-        store.repair()?;
+        store.release_cooldown_ms = store
+            .settle_release_cooldown(cooldown)
+            .during("open: release cooldown")?;
+        store.repair().during("open: repair")?;
         Ok(store)
     }
 
@@ -795,12 +838,13 @@ impl Store {
     /// (`BEGIN IMMEDIATE`) if none is open, then a savepoint for the
     /// request, so that [`Store::end_request`] can undo this request alone.
     pub fn begin_request(&mut self) -> Result<(), StoreError> {
+        use busy::During;
         if self.batch == Batch::None {
-            self.control("BEGIN IMMEDIATE")?;
+            self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
             self.batch = Batch::Open;
         }
         self.ensure_batch()?;
-        self.control("SAVEPOINT request")?;
+        self.control("SAVEPOINT request").during("SAVEPOINT")?;
         Ok(())
     }
 
@@ -827,7 +871,7 @@ impl Store {
     pub fn commit_batch(&mut self) -> Result<(), StoreError> {
         let result = match std::mem::replace(&mut self.batch, Batch::None) {
             Batch::None => return Ok(()),
-            Batch::Open => self.control("COMMIT").map_err(StoreError::from),
+            Batch::Open => busy::During::during(self.control("COMMIT"), "COMMIT"),
             Batch::Lost => Err(StoreError::BatchAborted),
         };
         // A failed COMMIT may leave the transaction open (SQLITE_BUSY,
@@ -873,7 +917,7 @@ impl Store {
             path: path.to_path_buf(),
             source: Box::new(e),
         })?;
-        conn.busy_timeout(Duration::from_millis(5000))?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         if version != SCHEMA_VERSION {
@@ -942,40 +986,45 @@ impl Store {
     /// when the file had upstream's schema but none of Metis's settings (a
     /// database only upstream has written).
     fn install_schema(&mut self) -> Result<bool, StoreError> {
+        use busy::During;
         let version: i64 = self
             .conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))?;
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .during("open: schema check")?;
         if version != SCHEMA_VERSION {
             let tx = self
                 .conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)?;
-            tx.execute_batch(SCHEMA)?;
-            tx.commit()?;
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .during("open: BEGIN IMMEDIATE (schema)")?;
+            tx.execute_batch(SCHEMA).during("open: schema creation")?;
+            tx.commit().during("open: COMMIT (schema)")?;
         }
         // One read for Metis's tables: every statement costs a parse in
         // a process that opens the database for one request (direct mode).
         let present: Vec<String> = self
             .conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
-            .query_map([], |r| r.get(0))?
-            .collect::<Result<_, _>>()?;
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .and_then(|mut stmt| stmt.query_map([], |r| r.get(0))?.collect())
+            .during("open: schema check")?;
         let upstream_only =
             version == SCHEMA_VERSION && !present.iter().any(|table| table == "metis_settings");
         for (name, create) in schema::METIS_TABLES {
             if !present.iter().any(|table| table == name) {
                 let tx = self
                     .conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)?;
-                tx.execute_batch(create)?;
-                tx.commit()?;
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .during("open: BEGIN IMMEDIATE (Metis's tables)")?;
+                tx.execute_batch(create).during("open: Metis's tables")?;
+                tx.commit().during("open: COMMIT (Metis's tables)")?;
             }
         }
-        if migrate::needed(&self.conn)? {
+        if migrate::needed(&self.conn).during("open: migration check")? {
             let tx = self
                 .conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)?;
-            migrate::migrate(&tx)?;
-            tx.commit()?;
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .during("open: BEGIN IMMEDIATE (migration)")?;
+            migrate::migrate(&tx).during("open: migration")?;
+            tx.commit().during("open: COMMIT (migration)")?;
         }
         Ok(upstream_only)
     }

@@ -290,7 +290,7 @@ fn busy_errors_are_transient() {
     let busy =
         rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY), None);
     let err = StoreError::from(busy);
-    assert!(matches!(err, StoreError::Busy(_)));
+    assert!(matches!(err, StoreError::Busy { .. }));
     assert!(err.is_transient());
     assert!(std::error::Error::source(&err).is_some());
     let full = StoreError::from(rusqlite::Error::SqliteFailure(
@@ -327,4 +327,47 @@ fn release_cooldown_is_settled_at_open() {
     );
     drop(store);
     assert_eq!(dir.store().release_cooldown(), 0);
+}
+
+/// The first opener of a new file reads it, then needs the write lock to
+/// turn WAL on; SQLite answers that upgrade busy at once, without calling
+/// the busy handler (waiting could deadlock). Plugins in direct mode and a
+/// starting daemon opening a fresh node's database together met it as
+/// code 11 "database is locked". One attempt says where; the open tries
+/// again until the other opener is done.
+#[test]
+fn an_open_beside_another_opener_of_a_new_file_waits_for_it() {
+    let dir = TempDir::new();
+    let path = dir.db();
+    std::fs::File::create(&path).unwrap();
+    // The other opener, midway: its write lock on the empty file.
+    let maker = Connection::open(&path).unwrap();
+    maker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let opts = StoreOptions::default();
+    let err = Store::open_once(&path, &opts, Vec::new()).unwrap_err();
+    let text = err.to_string();
+    assert!(err.is_transient(), "{text}");
+    assert!(
+        text.contains("database is busy (SQLITE_BUSY at open: PRAGMA journal_mode=WAL)"),
+        "{text}"
+    );
+    let mut maker = Some(maker);
+    let mut attempts = 0;
+    let store = super::super::busy::patiently("test", Duration::from_secs(60), || {
+        attempts += 1;
+        let attempt = Store::open_once(&path, &opts, Vec::new());
+        // The other opener finishes once this one has met its lock.
+        if let Some(maker) = maker.take() {
+            maker.execute_batch("COMMIT").unwrap();
+        }
+        attempt
+    })
+    .unwrap();
+    assert_eq!(attempts, 2);
+    let mode: String = store
+        .conn
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    assert!(store.verify(Depth::Full).unwrap().is_ok());
 }
