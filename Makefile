@@ -5,7 +5,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 # Where cargo puts its output: CARGO_TARGET_DIR when set, as cargo does.
 TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
-# Release binaries are linked statically (glibc, static-pie, as the image's):
+# Release binaries are linked statically (glibc, non-PIE, as the image's):
 # each plugin exec then maps one file and resolves no symbols, which takes a
 # third off its CPU time and a sixth off its peak RSS (bench/history.md,
 # "Plugin exec"). The host's triple is given explicitly so +crt-static reaches
