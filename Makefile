@@ -5,15 +5,25 @@ SHELL := /bin/bash
 CARGO ?= cargo
 # Where cargo puts its output: CARGO_TARGET_DIR when set, as cargo does.
 TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
-# Release binaries are linked statically (glibc, static-pie, as the image's):
+# Release binaries are linked statically (glibc, non-PIE, as the image's):
 # each plugin exec then maps one file and resolves no symbols, which takes a
 # third off its CPU time and a sixth off its peak RSS (bench/history.md,
 # "Plugin exec"). The host's triple is given explicitly so +crt-static reaches
 # the binary but not build scripts and proc macros (which cannot link
 # statically), and so `cargo bench`, which builds target/release/metis its own
 # way, never overwrites it.
+# Two more flags for size and exec cost (bench/history.md, "Size of the edge
+# build"; docs/design.md, "Per exec"):
+# - relocation-model=static: a static non-PIE executable. It has no table of
+#   ~3,900 relative relocations to apply at every exec (plugin ADD 180k ->
+#   129k instructions, 100 KB less); the price is no ASLR for the binary's own
+#   image (stack, heap and mmap stay randomised), as Debian's host-local.
+# - SQLite's C at -Os without unwind tables (CFLAGS_<triple>, read by the cc
+#   crate after its own -O3): 660 KB less, the daemon +5-10 % per request,
+#   the plugin (which opens no database) unchanged.
 HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
-STATIC := RUSTFLAGS="-C target-feature=+crt-static"
+STATIC := RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static" \
+  CFLAGS_$(subst -,_,$(HOST))="-Os -fno-asynchronous-unwind-tables -fno-unwind-tables"
 METIS := $(TARGET_DIR)/$(HOST)/release/metis
 EDGE := $(TARGET_DIR)/edge/$(HOST)/release/metis
 # The bench's floor, linked by `make build` exactly as $(METIS) (Cargo.toml).
