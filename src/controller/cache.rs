@@ -4,20 +4,23 @@
 //! period over, which only delays a reclaim).
 
 use std::collections::{BTreeMap, BTreeSet};
-
-use serde_json::Value;
+use std::sync::Arc;
 
 use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Pool};
+use super::status::Status;
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default)]
 pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
-    pub statuses: BTreeMap<String, Value>,
+    pub statuses: BTreeMap<String, Status>,
     pub nodes: BTreeSet<String>,
-    pub pools: BTreeMap<String, Value>,
+    pub pools: BTreeMap<String, Pool>,
+    /// `pools`, checked against each other: computed when one changes, not
+    /// at every pass.
+    validated: Arc<Vec<Pool>>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
     /// Versions a write was refused for (409): nothing is written from
@@ -44,6 +47,7 @@ impl Cache {
             self.put(kind, item);
         }
         self.listed.insert(kind);
+        self.revalidate(kind);
     }
 
     pub fn mark_stale(&mut self, kind: Resource, name: &str, version: &str) {
@@ -71,14 +75,11 @@ impl Cache {
             Item::Node(name) => {
                 self.nodes.insert(name);
             }
-            Item::Pool(object) => {
-                let name = object["metadata"]["name"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string();
-                self.pools.insert(name, object);
+            Item::Pool(pool) => {
+                self.pools.insert(pool.name.clone(), *pool);
             }
         }
+        self.revalidate(kind);
     }
 
     pub fn remove(&mut self, kind: Resource, name: &str) {
@@ -95,13 +96,20 @@ impl Cache {
                 self.pools.remove(name);
             }
         }
+        self.revalidate(kind);
     }
 
-    /// The pools, parsed and checked against each other.
-    pub fn pools(&self) -> Vec<Pool> {
-        let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
-        pool::validate(&mut pools);
-        pools
+    fn revalidate(&mut self, kind: Resource) {
+        if kind == Resource::Pool {
+            let mut pools: Vec<Pool> = self.pools.values().cloned().collect();
+            pool::validate(&mut pools);
+            self.validated = Arc::new(pools);
+        }
+    }
+
+    /// The pools, checked against each other.
+    pub fn pools(&self) -> Arc<Vec<Pool>> {
+        Arc::clone(&self.validated)
     }
 
     /// Notes which Nodes are missing now: those of NodeNetworkConfigs and

@@ -21,11 +21,13 @@
 //! - overlaps nobody granted (a hand-edited status, one block in two
 //!   statuses) are reported, never granted further, never silently fixed.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
 use super::pool::{Cooling, FamilyRange, Holder, Ledger, Pool, PoolSpec};
+use super::status::{self, Entry, Status};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::Nnc;
 use crate::log::{rfc3339_millis, rfc3339_seconds};
@@ -46,7 +48,7 @@ pub struct World<'a> {
     pub pools: &'a [Pool],
     pub nncs: &'a BTreeMap<String, Nnc>,
     /// The status of each NodeNetworkConfig as read (kept whole).
-    pub statuses: &'a BTreeMap<String, Value>,
+    pub statuses: &'a BTreeMap<String, Status>,
     /// NodeNetworkConfig names whose Node is missing, and since when (ms).
     pub absent: &'a BTreeMap<String, i64>,
     pub now_ms: i64,
@@ -58,7 +60,9 @@ pub struct World<'a> {
 pub struct Write {
     pub name: String,
     pub resource_version: String,
-    pub status: Value,
+    /// The status, compact JSON text (thousands of writes in one pass cost
+    /// their text, not their trees).
+    pub status: String,
     /// Pools whose status write must have succeeded first (this write adds
     /// or removes blocks they account for).
     pub after_pools: Vec<String>,
@@ -103,9 +107,10 @@ enum Trouble {
     Gone(String),
 }
 
-/// One node's status being rebuilt.
-struct Plan {
-    entries: Vec<Value>,
+/// One node's status being rebuilt: the entries it keeps, borrowed from
+/// the status read, and those it gains.
+struct Plan<'a> {
+    entries: Vec<Cow<'a, Entry>>,
     pools: BTreeSet<String>,
     trouble: Option<Trouble>,
 }
@@ -207,19 +212,8 @@ fn pool_of(pools: &[Pool], ledgers: &[Ledger], cidr: &Cidr) -> Option<usize> {
         .or_else(|| (!pools.is_empty()).then_some(0))
 }
 
-fn entry_cidr(entry: &Value) -> Option<Cidr> {
-    entry["cidr"].as_str()?.parse().ok()
-}
-
-fn entry_network(entry: &Value) -> &str {
-    entry["network"]
-        .as_str()
-        .filter(|n| !n.is_empty())
-        .unwrap_or(crate::defaults::DEFAULT_NETWORK)
-}
-
-fn reusable(entry: &Value) -> bool {
-    entry["type"].as_str() != Some("NonReusable")
+fn entry_cidr(entry: &Cow<'_, Entry>) -> Option<Cidr> {
+    entry.cidr
 }
 
 /// Decides one pass.
@@ -253,13 +247,11 @@ pub fn decide(world: &World) -> Decision {
         let raw_entries = world
             .statuses
             .get(name)
-            .and_then(|s| s["podCIDRs"].as_array())
-            .cloned()
-            .unwrap_or_default();
+            .map_or(&[][..], |s| s.entries.as_slice());
         for raw in raw_entries {
             let listed = |cidr: &str| nnc.releasable.iter().any(|r| r.cidr() == Some(cidr));
-            let released = gone || raw["cidr"].as_str().is_some_and(listed);
-            match (released, entry_cidr(&raw)) {
+            let released = gone || raw.cidr_text.as_deref().is_some_and(listed);
+            match (released, raw.cidr) {
                 (true, Some(cidr)) => {
                     let holder = Holder {
                         node: name.clone(),
@@ -273,7 +265,7 @@ pub fn decide(world: &World) -> Decision {
                     if !foreign && let Some(i) = pool_of(pools, &ledgers, &cidr) {
                         let ledger = &mut ledgers[i];
                         ledger.claims.remove(&cidr);
-                        if reusable(&raw) {
+                        if raw.reusable {
                             // Still in a status: the delay counts from now,
                             // when it leaves it (again, after a lost write).
                             ledger.cooling.insert(
@@ -292,7 +284,7 @@ pub fn decide(world: &World) -> Decision {
                         plan.pools.insert(pools[i].name.clone());
                     }
                 }
-                _ => plan.entries.push(raw),
+                _ => plan.entries.push(Cow::Borrowed(raw)),
             }
         }
         plans.insert(name, plan);
@@ -332,8 +324,12 @@ pub fn decide(world: &World) -> Decision {
                     .spec
                     .as_ref()
                     .map_or(crate::defaults::DEFAULT_NETWORK, |s| &s.network);
-                plan.entries
-                    .push(granted_entry(&pools[i].name, network, &cidr, now));
+                plan.entries.push(Cow::Owned(granted_entry(
+                    &pools[i].name,
+                    network,
+                    &cidr,
+                    now,
+                )));
                 plan.pools.insert(pools[i].name.clone());
             }
         }
@@ -435,7 +431,7 @@ pub fn decide(world: &World) -> Decision {
                 let mut capacity: u128 = plan
                     .entries
                     .iter()
-                    .filter(|e| entry_network(e) == network)
+                    .filter(|e| *e.network == **network)
                     .filter_map(entry_cidr)
                     .filter(|c| c.family() == family)
                     .map(|c| c.size())
@@ -476,8 +472,12 @@ pub fn decide(world: &World) -> Decision {
                                 uid: nnc.meta.uid.clone(),
                             },
                         );
-                        plan.entries
-                            .push(granted_entry(&pools[i].name, network, &block, now));
+                        plan.entries.push(Cow::Owned(granted_entry(
+                            &pools[i].name,
+                            network,
+                            &block,
+                            now,
+                        )));
                         plan.pools.insert(pools[i].name.clone());
                         capacity = capacity.saturating_add(block.size());
                         granted = true;
@@ -542,20 +542,22 @@ pub fn decide(world: &World) -> Decision {
         let Some(nnc) = world.nncs.get(name) else {
             continue;
         };
-        let old = world.statuses.get(name).cloned().unwrap_or(Value::Null);
+        let read = world.statuses.get(name);
+        // The status as read, without podCIDRs (compared as text below).
+        let old = read.map_or(Value::Null, Status::rest);
         let (condition, event) = ready_condition(&old, plan.trouble.as_ref(), nnc.generation, now);
         let mut status = if old.is_object() {
             old.clone()
         } else {
             json!({})
         };
-        status["podCIDRs"] = Value::Array(plan.entries);
         status["conditions"] = merge_condition(&old["conditions"], condition);
-        if status != old {
+        let entries: Vec<&Entry> = plan.entries.iter().map(|e| &**e).collect();
+        if !read.is_some_and(|r| r.is(&status, &entries)) {
             decision.nnc_writes.push(Write {
                 name: name.to_string(),
                 resource_version: nnc.meta.resource_version.clone(),
-                status,
+                status: status::assemble(status, &entries).to_string(),
                 after_pools: plan.pools.into_iter().collect(),
             });
             if let Some((reason, message)) = event {
@@ -577,7 +579,8 @@ pub fn decide(world: &World) -> Decision {
         let (status, gauges) =
             pool_status(pool, ledger, waiting.get(&i).copied().unwrap_or(0), now);
         decision.gauges.extend(gauges);
-        if status != pool.status || needed.contains(&pool.name) {
+        let status = status.to_string();
+        if status != pool.status_text || needed.contains(&pool.name) {
             decision.pool_writes.push(Write {
                 name: pool.name.clone(),
                 resource_version: pool.resource_version.clone(),
@@ -617,14 +620,10 @@ fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
         .map(|since| since.saturating_add(world.node_grace_ms));
     // A refusal told "until" a time is rewritten once it passed (the node
     // stops failing fast then and waits for the next answer).
-    let told = world.statuses.values().filter_map(|status| {
-        let ready = status["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
-        let (_, until) = ready["message"].as_str()?.rsplit_once(UNTIL)?;
-        crate::log::parse_rfc3339_ms(until)
-    });
+    let told = world
+        .statuses
+        .values()
+        .filter_map(|status| status.told_until);
     cooled
         .chain(graced)
         .chain(told)
@@ -674,7 +673,7 @@ fn conflict(
     None
 }
 
-fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
+fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
     let id: String = format!("{pool}-{cidr}")
         .chars()
         .map(|c| {
@@ -685,7 +684,7 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
             }
         })
         .collect();
-    json!({
+    Entry::parse(&json!({
         "id": id,
         "network": network,
         "cidr": cidr.to_string(),
@@ -696,7 +695,7 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
             "message": format!("granted from MetisPool {pool}"),
             "lastTransitionTime": rfc3339_seconds(now).to_string(),
         },
-    })
+    }))
 }
 
 /// The node's Ready condition, and the Event its change calls for.
@@ -785,7 +784,6 @@ fn count(n: u128) -> u64 {
 }
 
 fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value, Vec<Gauge>) {
-    let old = &pool.status;
     let mut status = json!({"observedGeneration": pool.generation});
     let (claims, cooling, non_reusable) = ledger.to_json();
     status["claims"] = claims;
@@ -838,7 +836,8 @@ fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value
         ("Exhausted", exhausted, exhausted_reason, exhausted_message),
         ("Valid", valid, valid_reason, valid_message),
     ] {
-        let previous = old["conditions"]
+        let previous = pool
+            .conditions
             .as_array()
             .and_then(|l| l.iter().find(|c| c["type"] == kind));
         let since = match previous {
