@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::decide::World;
 use super::informer::{Item, Resource};
-use super::pool::{self, Pool};
+use super::pool::{self, Pool, PoolSpec};
 use super::status::Status;
 use crate::kube::nnc::Nnc;
 
@@ -17,10 +17,11 @@ pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
     pub statuses: BTreeMap<String, Status>,
     pub nodes: BTreeSet<String>,
-    pub pools: BTreeMap<String, Pool>,
-    /// `pools`, checked against each other: computed when one changes, not
-    /// at every pass.
-    validated: Arc<Vec<Pool>>,
+    /// The pools, checked against each other when one changes (not at
+    /// every pass), each kept once: a ledger of thousands of claims is MiBs.
+    pools: Arc<Vec<Pool>>,
+    /// Each pool's spec as read, before that check refused any.
+    specs: BTreeMap<String, Result<PoolSpec, String>>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
     /// Versions a write was refused for (409): nothing is written from
@@ -41,13 +42,15 @@ impl Cache {
                 self.statuses.clear();
             }
             Resource::Node => self.nodes.clear(),
-            Resource::Pool => self.pools.clear(),
+            Resource::Pool => {
+                Arc::make_mut(&mut self.pools).clear();
+                self.specs.clear();
+            }
         }
         for item in items {
             self.put(kind, item);
         }
         self.listed.insert(kind);
-        self.revalidate(kind);
     }
 
     pub fn mark_stale(&mut self, kind: Resource, name: &str, version: &str) {
@@ -76,10 +79,13 @@ impl Cache {
                 self.nodes.insert(name);
             }
             Item::Pool(pool) => {
-                self.pools.insert(pool.name.clone(), *pool);
+                self.specs.insert(pool.name.clone(), pool.spec.clone());
+                let pools = Arc::make_mut(&mut self.pools);
+                pools.retain(|p| p.name != pool.name);
+                pools.push(*pool);
+                self.revalidate();
             }
         }
-        self.revalidate(kind);
     }
 
     pub fn remove(&mut self, kind: Resource, name: &str) {
@@ -93,23 +99,27 @@ impl Cache {
                 self.nodes.remove(name);
             }
             Resource::Pool => {
-                self.pools.remove(name);
+                self.specs.remove(name);
+                Arc::make_mut(&mut self.pools).retain(|p| p.name != name);
+                self.revalidate();
             }
         }
-        self.revalidate(kind);
     }
 
-    fn revalidate(&mut self, kind: Resource) {
-        if kind == Resource::Pool {
-            let mut pools: Vec<Pool> = self.pools.values().cloned().collect();
-            pool::validate(&mut pools);
-            self.validated = Arc::new(pools);
+    /// Checks the pools against each other again, from their specs as read.
+    fn revalidate(&mut self) {
+        let pools = Arc::make_mut(&mut self.pools);
+        for pool in pools.iter_mut() {
+            if let Some(spec) = self.specs.get(&pool.name) {
+                pool.spec = spec.clone();
+            }
         }
+        pool::validate(pools);
     }
 
     /// The pools, checked against each other.
     pub fn pools(&self) -> Arc<Vec<Pool>> {
-        Arc::clone(&self.validated)
+        Arc::clone(&self.pools)
     }
 
     /// Notes which Nodes are missing now: those of NodeNetworkConfigs and
@@ -144,5 +154,56 @@ impl Cache {
             now_ms,
             node_grace_ms,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pool(name: &str, created: &str, cidr: &str) -> Item {
+        Item::parse(
+            Resource::Pool,
+            json!({"metadata": {"name": name, "resourceVersion": "1", "creationTimestamp": created},
+                   "spec": {"network": "default", "ipv4": {"cidrs": [cidr], "blockPrefixLength": 28}},
+                   "status": {}}),
+        )
+    }
+
+    fn valid(cache: &Cache) -> Vec<(String, bool)> {
+        cache
+            .pools()
+            .iter()
+            .map(|p| (p.name.clone(), p.spec.is_ok()))
+            .collect()
+    }
+
+    #[test]
+    fn pools_are_checked_against_each_other_from_their_specs_as_read() {
+        let mut cache = Cache::default();
+        cache.listed(
+            Resource::Pool,
+            vec![pool("old", "2026-01-01T00:00:00Z", "198.18.0.0/24")],
+        );
+        // A newer overlapping pool is refused while the older one stands.
+        cache.put(
+            Resource::Pool,
+            pool("new", "2026-02-01T00:00:00Z", "198.18.0.0/25"),
+        );
+        assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
+        // A pass's copy stays as it was while the cache changes.
+        let before = cache.pools();
+        cache.remove(Resource::Pool, "old");
+        assert_eq!(valid(&cache), [("new".into(), true)]);
+        assert_eq!(before.len(), 2);
+        // The older one back: the newer is refused again, not kept valid.
+        cache.put(
+            Resource::Pool,
+            pool("old", "2026-01-01T00:00:00Z", "198.18.0.0/24"),
+        );
+        assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
+        cache.listed(Resource::Pool, Vec::new());
+        assert!(cache.pools().is_empty());
     }
 }
