@@ -212,10 +212,6 @@ fn pool_of(pools: &[Pool], ledgers: &[Ledger], cidr: &Cidr) -> Option<usize> {
         .or_else(|| (!pools.is_empty()).then_some(0))
 }
 
-fn entry_cidr(entry: &Cow<'_, Entry>) -> Option<Cidr> {
-    entry.cidr
-}
-
 /// Decides one pass.
 pub fn decide(world: &World) -> Decision {
     let pools = world.pools;
@@ -299,7 +295,7 @@ pub fn decide(world: &World) -> Decision {
             let current = nnc.is_some_and(|n| n.meta.uid == holder.uid);
             let held = plans
                 .get(holder.node.as_str())
-                .is_some_and(|p| p.entries.iter().any(|e| entry_cidr(e) == Some(cidr)));
+                .is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(cidr)));
             if current && held {
                 continue;
             }
@@ -338,7 +334,7 @@ pub fn decide(world: &World) -> Decision {
     let mut taken = Taken::default();
     let mut holders: BTreeMap<Cidr, Vec<&str>> = BTreeMap::new();
     for (name, plan) in &plans {
-        for cidr in plan.entries.iter().filter_map(entry_cidr) {
+        for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
             taken.add(&cidr);
             holders.entry(cidr).or_default().push(*name);
         }
@@ -366,7 +362,7 @@ pub fn decide(world: &World) -> Decision {
             .unwrap_or_default();
         let mut trouble = None;
         for entry in &plan.entries {
-            let Some(cidr) = entry_cidr(entry) else {
+            let Some(cidr) = entry.cidr else {
                 continue;
             };
             let clash = conflict(name, &cidr, &all_entries, &ledgers, &uid);
@@ -432,7 +428,7 @@ pub fn decide(world: &World) -> Decision {
                     .entries
                     .iter()
                     .filter(|e| *e.network == **network)
-                    .filter_map(entry_cidr)
+                    .filter_map(|e| e.cidr)
                     .filter(|c| c.family() == family)
                     .map(|c| c.size())
                     .fold(0, u128::saturating_add);

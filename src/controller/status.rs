@@ -96,10 +96,7 @@ impl Status {
         self.listed
             && self.entries.len() == entries.len()
             && self.entries.iter().zip(entries).all(|(a, b)| a == *b)
-            && self
-                .rest
-                .as_deref()
-                .is_some_and(|text| *text == rest.to_string())
+            && self.rest.as_deref() == Some(rest.to_string().as_str())
     }
 }
 
