@@ -1,6 +1,9 @@
 //! `metis controller` at cluster scale (full build only): the time from a
 //! node's demand to its grant (p50/p99) with 1,000 simulated nodes, and
-//! the controller's peak RSS once it answers 5,000 NodeNetworkConfigs.
+//! the controller's peak RSS once it answers 5,000 NodeNetworkConfigs
+//! (target ≤ 32 MiB), beside its floor: the same binary leading a cluster
+//! with the pool and no NodeNetworkConfig (its code, TLS, HTTP buffers,
+//! thread stacks).
 //! Nodes are simulated by writing NNC specs straight into the tests'
 //! loopback API server (tests/common/kube_api.rs, shared through the
 //! harness module): no daemons, so the figures are the controller's and
@@ -14,12 +17,21 @@ use crate::report::Report;
 const NODES: (usize, usize) = (1_000, 5_000);
 const SMOKE_NODES: (usize, usize) = (20, 50);
 const DEMANDS_PER_SECOND: u64 = 100;
+/// Peak RSS target at 5,000 NodeNetworkConfigs.
+const RSS_TARGET_MIB: u64 = 32;
 
 pub fn report(bench: &Bench, report: &mut Report) {
     #[cfg(feature = "kube")]
     measure(bench, report);
     #[cfg(not(feature = "kube"))]
-    let _ = (bench, report, NODES, SMOKE_NODES, DEMANDS_PER_SECOND);
+    let _ = (
+        bench,
+        report,
+        NODES,
+        SMOKE_NODES,
+        DEMANDS_PER_SECOND,
+        RSS_TARGET_MIB,
+    );
 }
 
 #[cfg(feature = "kube")]
@@ -39,39 +51,55 @@ fn measure(bench: &Bench, report: &mut Report) {
         .find(|b| b.flavour == Flavour::Full)
         .unwrap();
     let dir = TempDir::new("controller");
-    let api = KubeApi::start();
-    let kubeconfig = dir.join("kubeconfig");
-    api.kubeconfig_as(&kubeconfig, "controller");
     let name = |i: usize| format!("bench-node-{i:05}");
-    api.with_state(|s| {
-        // 8,192 /28 blocks: one for every node with room to spare.
-        s.create(POOLS, "", &json!({"metadata": {"name": "bench"},
-            "spec": {"network": "default", "ipv4": {"cidrs": ["198.18.0.0/15"], "blockPrefixLength": 28},
-                     "maxBlocksPerNode": 4, "reclaimDelay": "5m"}}))
+    // A cluster of `nodes` empty NNCs (and their Nodes) and one pool, and
+    // the controller leading it.
+    let start = |nodes: usize, run: &str| {
+        let api = KubeApi::start();
+        let kubeconfig = dir.join(&format!("kubeconfig-{run}"));
+        api.kubeconfig_as(&kubeconfig, "controller");
+        api.with_state(|s| {
+            // 8,192 /28 blocks: one for every node with room to spare.
+            s.create(POOLS, "", &json!({"metadata": {"name": "bench"},
+                "spec": {"network": "default", "ipv4": {"cidrs": ["198.18.0.0/15"], "blockPrefixLength": 28},
+                         "maxBlocksPerNode": 4, "reclaimDelay": "5m"}}))
+                .unwrap();
+            for i in 0..nodes {
+                s.create(NODE_KIND, "", &json!({"metadata": {"name": name(i)}, "spec": {}}))
+                    .unwrap();
+                s.create(NNCS, "", &json!({"metadata": {"name": name(i)}, "spec": {}}))
+                    .unwrap();
+            }
+        });
+        let log = std::fs::File::create(dir.join(&format!("controller-{run}.log"))).unwrap();
+        let child = Command::new(&build.binary)
+            .arg("controller")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--identity", "bench", "--retry-period", "200ms"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
             .unwrap();
-        for i in 0..held {
-            s.create(NODE_KIND, "", &json!({"metadata": {"name": name(i)}, "spec": {}}))
-                .unwrap();
-            s.create(NNCS, "", &json!({"metadata": {"name": name(i)}, "spec": {}}))
-                .unwrap();
-        }
+        let lease = Key::new(LEASES, "kube-system", "metis-controller");
+        api.wait_until("the controller to lead", Duration::from_secs(60), |s| {
+            s.get(&lease)
+                .is_some_and(|l| l["spec"]["holderIdentity"] == "bench")
+        });
+        (api, child)
+    };
+    // The floor: leading, its pool's status written, no NNC to answer.
+    let (floor_api, mut floor_child) = start(0, "floor");
+    floor_api.wait_until("the pool's status", Duration::from_secs(60), |s| {
+        s.get(&Key::cluster(POOLS, "bench"))
+            .is_some_and(|p| p["status"]["conditions"].is_array())
     });
-    let log = std::fs::File::create(dir.join("controller.log")).unwrap();
-    let mut child = Command::new(&build.binary)
-        .arg("controller")
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["--identity", "bench", "--retry-period", "200ms"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let lease = Key::new(LEASES, "kube-system", "metis-controller");
-    api.wait_until("the controller to lead", Duration::from_secs(60), |s| {
-        s.get(&lease)
-            .is_some_and(|l| l["spec"]["holderIdentity"] == "bench")
-    });
+    let floor = status_kib(floor_child.id(), "VmHWM:") * 1024;
+    let _ = floor_child.kill();
+    let _ = floor_child.wait();
+    drop(floor_api);
+    let (api, mut child) = start(held, "held");
     let granted = |s: &crate::common::kube_api::State, i: usize| {
         s.get(&Key::cluster(NNCS, &name(i)))
             .and_then(|n| n["status"]["podCIDRs"].as_array().map(|a| !a.is_empty()))
@@ -192,10 +220,21 @@ fn measure(bench: &Bench, report: &mut Report) {
         build.name(),
         ms(summary.p99),
     ));
+    report.rows.push(
+        Row::plain(
+            format!("controller: peak RSS answering {held} NNCs"),
+            build.name(),
+            mib(peak),
+        )
+        .target(
+            format!("≤ {RSS_TARGET_MIB} MiB"),
+            peak <= RSS_TARGET_MIB * 1024 * 1024,
+        ),
+    );
     report.rows.push(Row::plain(
-        format!("controller: peak RSS answering {held} NNCs"),
+        "controller: peak RSS leading, no NNC (its floor)",
         build.name(),
-        mib(peak),
+        mib(floor),
     ));
     report.notes.push(format!(
         "controller: nodes are NNC specs written into the loopback API server (no daemons); \

@@ -27,6 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use metis::cidr::Cidr;
 use metis::controller::decide::{self, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
+use metis::controller::status::Status;
 use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
@@ -134,7 +135,7 @@ impl Sim {
     }
 
     /// What a controller reads.
-    fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Value>) {
+    fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Status>) {
         let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
         pool::validate(&mut pools);
         let nncs = self
@@ -145,7 +146,7 @@ impl Sim {
         let statuses = self
             .nncs
             .iter()
-            .map(|(k, v)| (k.clone(), v["status"].clone()))
+            .map(|(k, v)| (k.clone(), Status::parse(v["status"].clone())))
             .collect();
         (pools, nncs, statuses)
     }
@@ -176,7 +177,7 @@ impl Sim {
             }
             let rv = self.bump();
             let pool = self.pools.get_mut(&write.name).unwrap();
-            pool["status"] = write.status.clone();
+            pool["status"] = serde_json::from_str(&write.status).unwrap();
             pool["metadata"]["resourceVersion"] = json!(rv);
             written.insert(write.name.clone());
             done += 1;
@@ -193,7 +194,8 @@ impl Sim {
                 continue;
             }
             let before: BTreeSet<String> = cidrs_of(&nnc).into_iter().collect();
-            let after: BTreeSet<String> = write.status["podCIDRs"]
+            let status: Value = serde_json::from_str(&write.status).unwrap();
+            let after: BTreeSet<String> = status["podCIDRs"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -239,7 +241,7 @@ impl Sim {
             }
             let rv = self.bump();
             let nnc = self.nncs.get_mut(&write.name).unwrap();
-            nnc["status"] = write.status.clone();
+            nnc["status"] = status;
             nnc["metadata"]["resourceVersion"] = json!(rv);
             done += 1;
         }

@@ -534,3 +534,71 @@ fn a_daemon_in_nnc_mode_finds_and_creates_its_objects_here() {
     drop(state);
     drop(daemon);
 }
+
+#[test]
+fn lists_are_paginated_from_one_snapshot_and_an_expired_continue_is_gone() {
+    let dir = TestDir::new("kapi-pages");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    for i in 0..5 {
+        client.post(NNC_PATH, &nnc(&format!("n{i}"))).unwrap();
+    }
+    let names = |page: &Value| -> Vec<String> {
+        page["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let first = client.get(&format!("{NNC_PATH}?limit=2")).unwrap();
+    assert_eq!(names(&first), ["n0", "n1"]);
+    assert_eq!(first["metadata"]["remainingItemCount"], 3);
+    let version = rv(&first);
+    // Written between pages: the pages still show the first page's version.
+    client.post(NNC_PATH, &nnc("n5")).unwrap();
+    client
+        .merge_patch(
+            &format!("{NNC_PATH}/n3"),
+            &json!({"spec": {"allocations": []}}),
+        )
+        .unwrap();
+    let token = first["metadata"]["continue"].as_str().unwrap();
+    let second = client
+        .get(&format!("{NNC_PATH}?limit=2&continue={token}"))
+        .unwrap();
+    assert_eq!(names(&second), ["n2", "n3"]);
+    assert_eq!(rv(&second), version);
+    assert_eq!(second["items"][1]["spec"]["allocations"][0]["pods"], 3);
+    let token = second["metadata"]["continue"].as_str().unwrap();
+    let last = client
+        .get(&format!("{NNC_PATH}?limit=2&continue={token}"))
+        .unwrap();
+    assert_eq!(names(&last), ["n4"]);
+    assert!(last["metadata"].get("continue").is_none());
+    // A token serves once (the rest moved to the next page's token), a
+    // bad one is refused, and without a limit the list is whole and new.
+    let used = client
+        .get(&format!("{NNC_PATH}?limit=2&continue={token}"))
+        .unwrap_err();
+    assert_eq!(code(&used), 410);
+    let bad = client
+        .get(&format!("{NNC_PATH}?limit=2&continue=garbage"))
+        .unwrap_err();
+    assert_eq!(code(&bad), 400);
+    assert_eq!(
+        code(&client.get(&format!("{NNC_PATH}?limit=x")).unwrap_err()),
+        400
+    );
+    assert_eq!(names(&client.get(NNC_PATH).unwrap()).len(), 6);
+    // A compaction between pages expires the token: 410, list again.
+    let first = client.get(&format!("{NNC_PATH}?limit=4")).unwrap();
+    let token = first["metadata"]["continue"].as_str().unwrap().to_string();
+    api.with_state(|s| s.compact());
+    let expired = client
+        .get(&format!("{NNC_PATH}?limit=4&continue={token}"))
+        .unwrap_err();
+    assert_eq!(code(&expired), 410);
+    assert!(expired.to_string().contains("Expired"), "{expired}");
+    assert!(metis::kube::worker::needs_relist(&expired));
+}

@@ -4,20 +4,24 @@
 //! period over, which only delays a reclaim).
 
 use std::collections::{BTreeMap, BTreeSet};
-
-use serde_json::Value;
+use std::sync::Arc;
 
 use super::decide::World;
 use super::informer::{Item, Resource};
-use super::pool::{self, Pool};
+use super::pool::{self, Pool, PoolSpec};
+use super::status::Status;
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default)]
 pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
-    pub statuses: BTreeMap<String, Value>,
+    pub statuses: BTreeMap<String, Status>,
     pub nodes: BTreeSet<String>,
-    pub pools: BTreeMap<String, Value>,
+    /// The pools, checked against each other when one changes (not at
+    /// every pass), each kept once: a ledger of thousands of claims is MiBs.
+    pools: Arc<Vec<Pool>>,
+    /// Each pool's spec as read, before that check refused any.
+    specs: BTreeMap<String, Result<PoolSpec, String>>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
     /// Objects whose copy came from outside the stream (a GET after a 409,
@@ -39,7 +43,10 @@ impl Cache {
                 self.statuses.clear();
             }
             Resource::Node => self.nodes.clear(),
-            Resource::Pool => self.pools.clear(),
+            Resource::Pool => {
+                Arc::make_mut(&mut self.pools).clear();
+                self.specs.clear();
+            }
         }
         // A list is the whole truth of its moment: nothing is held ahead
         // of it any more (at worst a copy older than a GET's, which costs
@@ -74,7 +81,11 @@ impl Cache {
                 .get(name)
                 .map(|n| n.meta.resource_version.as_str()),
             Resource::Node => None,
-            Resource::Pool => self.pools.get(name)?["metadata"]["resourceVersion"].as_str(),
+            Resource::Pool => self
+                .pools
+                .iter()
+                .find(|pool| pool.name == name)
+                .map(|pool| pool.resource_version.as_str()),
         }
     }
 
@@ -99,12 +110,12 @@ impl Cache {
             Item::Node(name) => {
                 self.nodes.insert(name);
             }
-            Item::Pool(object) => {
-                let name = object["metadata"]["name"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string();
-                self.pools.insert(name, object);
+            Item::Pool(pool) => {
+                self.specs.insert(pool.name.clone(), pool.spec.clone());
+                let pools = Arc::make_mut(&mut self.pools);
+                pools.retain(|p| p.name != pool.name);
+                pools.push(*pool);
+                self.revalidate();
             }
         }
     }
@@ -120,16 +131,27 @@ impl Cache {
                 self.nodes.remove(name);
             }
             Resource::Pool => {
-                self.pools.remove(name);
+                self.specs.remove(name);
+                Arc::make_mut(&mut self.pools).retain(|p| p.name != name);
+                self.revalidate();
             }
         }
     }
 
-    /// The pools, parsed and checked against each other.
-    pub fn pools(&self) -> Vec<Pool> {
-        let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
-        pool::validate(&mut pools);
-        pools
+    /// Checks the pools against each other again, from their specs as read.
+    fn revalidate(&mut self) {
+        let pools = Arc::make_mut(&mut self.pools);
+        for pool in pools.iter_mut() {
+            if let Some(spec) = self.specs.get(&pool.name) {
+                pool.spec = spec.clone();
+            }
+        }
+        pool::validate(pools);
+    }
+
+    /// The pools, checked against each other.
+    pub fn pools(&self) -> Arc<Vec<Pool>> {
+        Arc::clone(&self.pools)
     }
 
     /// Notes which Nodes are missing now: those of NodeNetworkConfigs and
@@ -175,7 +197,7 @@ mod tests {
     fn nnc(version: &str, pods: i64) -> Item {
         Item::parse(
             Resource::Nnc,
-            &json!({"metadata": {"name": "n1", "resourceVersion": version},
+            json!({"metadata": {"name": "n1", "resourceVersion": version},
                     "spec": {"allocations": [{"network": "default", "pods": pods}]}}),
         )
     }
@@ -209,5 +231,50 @@ mod tests {
         cache.remove(Resource::Nnc, "n1");
         cache.put(Resource::Nnc, nnc("10", 1));
         assert_eq!(version(&cache), "10");
+    }
+
+    fn pool(name: &str, created: &str, cidr: &str) -> Item {
+        Item::parse(
+            Resource::Pool,
+            json!({"metadata": {"name": name, "resourceVersion": "1", "creationTimestamp": created},
+                   "spec": {"network": "default", "ipv4": {"cidrs": [cidr], "blockPrefixLength": 28}},
+                   "status": {}}),
+        )
+    }
+
+    fn valid(cache: &Cache) -> Vec<(String, bool)> {
+        cache
+            .pools()
+            .iter()
+            .map(|p| (p.name.clone(), p.spec.is_ok()))
+            .collect()
+    }
+
+    #[test]
+    fn pools_are_checked_against_each_other_from_their_specs_as_read() {
+        let mut cache = Cache::default();
+        cache.listed(
+            Resource::Pool,
+            vec![pool("old", "2026-01-01T00:00:00Z", "198.18.0.0/24")],
+        );
+        // A newer overlapping pool is refused while the older one stands.
+        cache.put(
+            Resource::Pool,
+            pool("new", "2026-02-01T00:00:00Z", "198.18.0.0/25"),
+        );
+        assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
+        // A pass's copy stays as it was while the cache changes.
+        let before = cache.pools();
+        cache.remove(Resource::Pool, "old");
+        assert_eq!(valid(&cache), [("new".into(), true)]);
+        assert_eq!(before.len(), 2);
+        // The older one back: the newer is refused again, not kept valid.
+        cache.put(
+            Resource::Pool,
+            pool("old", "2026-01-01T00:00:00Z", "198.18.0.0/24"),
+        );
+        assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
+        cache.listed(Resource::Pool, Vec::new());
+        assert!(cache.pools().is_empty());
     }
 }

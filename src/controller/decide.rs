@@ -21,11 +21,13 @@
 //! - overlaps nobody granted (a hand-edited status, one block in two
 //!   statuses) are reported, never granted further, never silently fixed.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
 use super::pool::{Cooling, FamilyRange, Holder, Ledger, Pool, PoolSpec};
+use super::status::{self, Entry, Status};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
 use crate::log::{rfc3339_millis, rfc3339_seconds};
@@ -46,7 +48,7 @@ pub struct World<'a> {
     pub pools: &'a [Pool],
     pub nncs: &'a BTreeMap<String, Nnc>,
     /// The status of each NodeNetworkConfig as read (kept whole).
-    pub statuses: &'a BTreeMap<String, Value>,
+    pub statuses: &'a BTreeMap<String, Status>,
     /// NodeNetworkConfig names whose Node is missing, and since when (ms).
     pub absent: &'a BTreeMap<String, i64>,
     pub now_ms: i64,
@@ -58,7 +60,9 @@ pub struct World<'a> {
 pub struct Write {
     pub name: String,
     pub resource_version: String,
-    pub status: Value,
+    /// The status, compact JSON text (thousands of writes in one pass cost
+    /// their text, not their trees).
+    pub status: String,
     /// Pools whose status write must have succeeded first (this write adds
     /// or removes blocks they account for).
     pub after_pools: Vec<String>,
@@ -103,9 +107,10 @@ enum Trouble {
     Gone(String),
 }
 
-/// One node's status being rebuilt.
-struct Plan {
-    entries: Vec<Value>,
+/// One node's status being rebuilt: the entries it keeps, borrowed from
+/// the status read, and those it gains.
+struct Plan<'a> {
+    entries: Vec<Cow<'a, Entry>>,
     pools: BTreeSet<String>,
     trouble: Option<Trouble>,
 }
@@ -207,24 +212,9 @@ fn pool_of(pools: &[Pool], ledgers: &[Ledger], cidr: &Cidr) -> Option<usize> {
         .or_else(|| (!pools.is_empty()).then_some(0))
 }
 
-fn entry_cidr(entry: &Value) -> Option<Cidr> {
-    entry["cidr"].as_str()?.parse().ok()
-}
-
-fn entry_network(entry: &Value) -> &str {
-    entry["network"]
-        .as_str()
-        .filter(|n| !n.is_empty())
-        .unwrap_or(crate::defaults::DEFAULT_NETWORK)
-}
-
 /// Whether the node lists `cidr` in `releasableCIDRs`.
 fn lists_releasable(nnc: &Nnc, cidr: &str) -> bool {
     nnc.releasable.iter().any(|r| r.cidr() == Some(cidr))
-}
-
-fn reusable(entry: &Value) -> bool {
-    entry["type"].as_str() != Some("NonReusable")
 }
 
 /// Decides one pass.
@@ -258,15 +248,14 @@ pub fn decide(world: &World) -> Decision {
         let raw_entries = world
             .statuses
             .get(name)
-            .and_then(|s| s["podCIDRs"].as_array())
-            .cloned()
-            .unwrap_or_default();
+            .map_or(&[][..], |s| s.entries.as_slice());
         for raw in raw_entries {
             let released = gone
-                || raw["cidr"]
-                    .as_str()
+                || raw
+                    .cidr_text
+                    .as_deref()
                     .is_some_and(|cidr| lists_releasable(nnc, cidr));
-            match (released, entry_cidr(&raw)) {
+            match (released, raw.cidr) {
                 (true, Some(cidr)) => {
                     let holder = Holder {
                         node: name.clone(),
@@ -280,7 +269,7 @@ pub fn decide(world: &World) -> Decision {
                     if !foreign && let Some(i) = pool_of(pools, &ledgers, &cidr) {
                         let ledger = &mut ledgers[i];
                         ledger.claims.remove(&cidr);
-                        if reusable(&raw) {
+                        if raw.reusable {
                             // Still in a status: the delay counts from now,
                             // when it leaves it (again, after a lost write).
                             ledger.cooling.insert(
@@ -299,7 +288,7 @@ pub fn decide(world: &World) -> Decision {
                         plan.pools.insert(pools[i].name.clone());
                     }
                 }
-                _ => plan.entries.push(raw),
+                _ => plan.entries.push(Cow::Borrowed(raw)),
             }
         }
         plans.insert(name, plan);
@@ -314,7 +303,7 @@ pub fn decide(world: &World) -> Decision {
             let current = nnc.is_some_and(|n| n.meta.uid == holder.uid);
             let held = plans
                 .get(holder.node.as_str())
-                .is_some_and(|p| p.entries.iter().any(|e| entry_cidr(e) == Some(cidr)));
+                .is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(cidr)));
             if current && held {
                 continue;
             }
@@ -335,8 +324,12 @@ pub fn decide(world: &World) -> Decision {
                     .spec
                     .as_ref()
                     .map_or(crate::defaults::DEFAULT_NETWORK, |s| &s.network);
-                plan.entries
-                    .push(granted_entry(&pools[i].name, network, &cidr, now));
+                plan.entries.push(Cow::Owned(granted_entry(
+                    &pools[i].name,
+                    network,
+                    &cidr,
+                    now,
+                )));
                 plan.pools.insert(pools[i].name.clone());
             }
         }
@@ -345,7 +338,7 @@ pub fn decide(world: &World) -> Decision {
     let mut taken = Taken::default();
     let mut holders: BTreeMap<Cidr, Vec<&str>> = BTreeMap::new();
     for (name, plan) in &plans {
-        for cidr in plan.entries.iter().filter_map(entry_cidr) {
+        for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
             taken.add(&cidr);
             holders.entry(cidr).or_default().push(*name);
         }
@@ -373,7 +366,7 @@ pub fn decide(world: &World) -> Decision {
             .unwrap_or_default();
         let mut trouble = None;
         for entry in &plan.entries {
-            let Some(cidr) = entry_cidr(entry) else {
+            let Some(cidr) = entry.cidr else {
                 continue;
             };
             let clash = conflict(name, &cidr, &all_entries, &ledgers, &uid);
@@ -444,8 +437,8 @@ pub fn decide(world: &World) -> Decision {
                 let mut capacity: u128 = plan
                     .entries
                     .iter()
-                    .filter(|e| entry_network(e) == network)
-                    .filter_map(entry_cidr)
+                    .filter(|e| *e.network == **network)
+                    .filter_map(|e| e.cidr)
                     .filter(|c| c.family() == family)
                     .map(|c| c.size())
                     .fold(0, u128::saturating_add);
@@ -481,8 +474,12 @@ pub fn decide(world: &World) -> Decision {
                                 uid: nnc.meta.uid.clone(),
                             },
                         );
-                        plan.entries
-                            .push(granted_entry(&pools[i].name, network, &block, now));
+                        plan.entries.push(Cow::Owned(granted_entry(
+                            &pools[i].name,
+                            network,
+                            &block,
+                            now,
+                        )));
                         plan.pools.insert(pools[i].name.clone());
                         capacity = capacity.saturating_add(block.size());
                         granted = true;
@@ -543,20 +540,22 @@ pub fn decide(world: &World) -> Decision {
         let Some(nnc) = world.nncs.get(name) else {
             continue;
         };
-        let old = world.statuses.get(name).cloned().unwrap_or(Value::Null);
+        let read = world.statuses.get(name);
+        // The status as read, without podCIDRs (compared as text below).
+        let old = read.map_or(Value::Null, Status::rest);
         let (condition, event) = ready_condition(&old, plan.trouble.as_ref(), nnc.generation, now);
         let mut status = if old.is_object() {
             old.clone()
         } else {
             json!({})
         };
-        status["podCIDRs"] = Value::Array(plan.entries);
         status["conditions"] = merge_condition(&old["conditions"], condition);
-        if status != old {
+        let entries: Vec<&Entry> = plan.entries.iter().map(|e| &**e).collect();
+        if !read.is_some_and(|r| r.is(&status, &entries)) {
             decision.nnc_writes.push(Write {
                 name: name.to_string(),
                 resource_version: nnc.meta.resource_version.clone(),
-                status,
+                status: status::assemble(status, &entries).to_string(),
                 after_pools: plan.pools.into_iter().collect(),
             });
             if let Some((reason, message)) = event {
@@ -578,7 +577,8 @@ pub fn decide(world: &World) -> Decision {
         let (status, gauges) =
             pool_status(pool, ledger, waiting.get(&i).copied().unwrap_or(0), now);
         decision.gauges.extend(gauges);
-        if status != pool.status || needed.contains(&pool.name) {
+        let status = status.to_string();
+        if status != pool.status_text || needed.contains(&pool.name) {
             decision.pool_writes.push(Write {
                 name: pool.name.clone(),
                 resource_version: pool.resource_version.clone(),
@@ -595,16 +595,7 @@ pub fn decide(world: &World) -> Decision {
 /// Ready condition says QuotaExceeded first, by when that began (then by
 /// name), then the rest by name.
 fn grant_order<'a>(world: &World<'a>) -> Vec<(&'a String, &'a Nnc)> {
-    let refused_since = |name: &str| {
-        let ready = world.statuses.get(name)?["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == "Ready" && c["status"] == "False")?;
-        (ready["reason"] == QUOTA_EXCEEDED)
-            .then(|| ready["lastTransitionTime"].as_str())
-            .flatten()
-            .and_then(crate::log::parse_rfc3339_ms)
-    };
+    let refused_since = |name: &str| world.statuses.get(name)?.refused_since;
     let mut order: Vec<(Option<i64>, &'a String, &'a Nnc)> = world
         .nncs
         .iter()
@@ -701,13 +692,10 @@ fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
         .map(|since| since.saturating_add(world.node_grace_ms));
     // A refusal told "until" a time is rewritten once it passed (the node
     // stops failing fast then and waits for the next answer).
-    let told = world.statuses.values().filter_map(|status| {
-        let ready = status["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
-        split_until(ready["message"].as_str()?).1
-    });
+    let told = world
+        .statuses
+        .values()
+        .filter_map(|status| status.told_until);
     cooled
         .chain(graced)
         .chain(told)
@@ -767,7 +755,7 @@ fn conflict(
     None
 }
 
-fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
+fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
     let id: String = format!("{pool}-{cidr}")
         .chars()
         .map(|c| {
@@ -778,7 +766,7 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
             }
         })
         .collect();
-    json!({
+    Entry::parse(&json!({
         "id": id,
         "network": network,
         "cidr": cidr.to_string(),
@@ -789,7 +777,7 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
             "message": format!("granted from MetisPool {pool}"),
             "lastTransitionTime": rfc3339_seconds(now).to_string(),
         },
-    })
+    }))
 }
 
 /// The node's Ready condition, and the Event its change calls for.
@@ -875,7 +863,6 @@ fn count(n: u128) -> u64 {
 }
 
 fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value, Vec<Gauge>) {
-    let old = &pool.status;
     let mut status = json!({"observedGeneration": pool.generation});
     let (claims, cooling, non_reusable) = ledger.to_json();
     status["claims"] = claims;
@@ -928,7 +915,8 @@ fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value
         ("Exhausted", exhausted, exhausted_reason, exhausted_message),
         ("Valid", valid, valid_reason, valid_message),
     ] {
-        let previous = old["conditions"]
+        let previous = pool
+            .conditions
             .as_array()
             .and_then(|l| l.iter().find(|c| c["type"] == kind));
         let since = match previous {

@@ -9,9 +9,12 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::thread;
 
+use serde::Deserialize;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-use super::pool::POOL_PATH;
+use super::pool::{POOL_PATH, Pool};
+use super::status::Status;
 use crate::kube::backoff::{ApiTiming, Backoff};
 use crate::kube::client::{ApiClient, KubeError};
 use crate::kube::nnc::{Meta, Nnc, resource_version};
@@ -61,18 +64,27 @@ impl Resource {
 /// An object as the controller keeps it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Item {
-    /// The parsed object and its status as read.
-    Nnc(Box<Nnc>, Value),
+    /// The spec and metadata, and the status as read (compact).
+    Nnc(Box<Nnc>, Status),
     Node(String),
-    Pool(Value),
+    Pool(Box<Pool>),
 }
 
 impl Item {
-    pub fn parse(kind: Resource, object: &Value) -> Item {
+    /// Cuts `object` down (taken: no copy of it is made).
+    pub fn parse(kind: Resource, mut object: Value) -> Item {
         match kind {
-            Resource::Nnc => Item::Nnc(Box::new(Nnc::parse(object)), object["status"].clone()),
-            Resource::Node => Item::Node(Meta::parse(object).name),
-            Resource::Pool => Item::Pool(object.clone()),
+            Resource::Nnc => {
+                // The status is kept once, as `Status`: the spec's parse
+                // does not see it (the node's reading of it is not needed).
+                let status = object.get_mut("status").map(Value::take);
+                Item::Nnc(
+                    Box::new(Nnc::parse(&object)),
+                    Status::parse(status.unwrap_or_default()),
+                )
+            }
+            Resource::Node => Item::Node(Meta::parse(&object).name),
+            Resource::Pool => Item::Pool(Box::new(Pool::parse(&object))),
         }
     }
 
@@ -80,9 +92,7 @@ impl Item {
         match self {
             Item::Nnc(nnc, _) => &nnc.meta.resource_version,
             Item::Node(_) => "",
-            Item::Pool(object) => object["metadata"]["resourceVersion"]
-                .as_str()
-                .unwrap_or_default(),
+            Item::Pool(pool) => &pool.resource_version,
         }
     }
 
@@ -90,9 +100,136 @@ impl Item {
         match self {
             Item::Nnc(nnc, _) => &nnc.meta.name,
             Item::Node(name) => name,
-            Item::Pool(object) => object["metadata"]["name"].as_str().unwrap_or_default(),
+            Item::Pool(pool) => &pool.name,
         }
     }
+}
+
+/// Objects asked for per LIST page, as client-go's reflector does: a LIST
+/// of 5,000 NodeNetworkConfigs is ten requests, each read as it arrives.
+pub const PAGE_SIZE: usize = 500;
+
+/// One LIST page, read as it arrives: each item is cut down to an [`Item`]
+/// as soon as it is parsed, so only one object's tree is alive at a time.
+struct Page {
+    items: Vec<Item>,
+    resource_version: String,
+    next: Option<String>,
+}
+
+struct PageSeed(Resource);
+
+impl<'de> DeserializeSeed<'de> for PageSeed {
+    type Value = Page;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Page, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PageSeed {
+    type Value = Page;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Page, A::Error> {
+        #[derive(Deserialize, Default)]
+        struct ListMeta {
+            #[serde(rename = "resourceVersion", default)]
+            resource_version: String,
+            #[serde(rename = "continue", default)]
+            next: Option<String>,
+        }
+        let mut page = Page {
+            items: Vec::new(),
+            resource_version: String::new(),
+            next: None,
+        };
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "metadata" => {
+                    let meta: ListMeta = map.next_value()?;
+                    page.resource_version = meta.resource_version;
+                    page.next = meta.next.filter(|t| !t.is_empty());
+                }
+                "items" => page.items = map.next_value_seed(ItemsSeed(self.0))?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(page)
+    }
+}
+
+struct ItemsSeed(Resource);
+
+impl<'de> DeserializeSeed<'de> for ItemsSeed {
+    type Value = Vec<Item>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Vec<Item>, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemsSeed {
+    type Value = Vec<Item>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of objects")
+    }
+
+    fn visit_unit<E>(self) -> Result<Vec<Item>, E> {
+        Ok(Vec::new())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Item>, A::Error> {
+        let mut items = Vec::new();
+        while let Some(object) = seq.next_element::<Value>()? {
+            items.push(Item::parse(self.0, object));
+        }
+        Ok(items)
+    }
+}
+
+/// The whole collection, page by page, and the resourceVersion the pages
+/// were served at. A continue token that expired (410) fails the list: the
+/// caller lists again from the first page.
+fn list(
+    client: &ApiClient,
+    kind: Resource,
+    metrics: &ControllerMetrics,
+) -> Result<(Vec<Item>, String), KubeError> {
+    let mut items = Vec::new();
+    let mut next: Option<String> = None;
+    loop {
+        let mut path = format!("{}?limit={PAGE_SIZE}", kind.collection());
+        if let Some(token) = &next {
+            path.push_str("&continue=");
+            path.push_str(&percent_encode(token));
+        }
+        metrics.api_request("list", kind.plural());
+        let page = client.get_streamed(&path, PageSeed(kind))?;
+        items.extend(page.items);
+        match page.next {
+            Some(token) => next = Some(token),
+            None => return Ok((items, page.resource_version)),
+        }
+    }
+}
+
+/// A query value, percent-encoded (continue tokens are base64: `=`, `+`, `/`).
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// What the informers tell the controller's loop.
@@ -174,16 +311,11 @@ fn cycle(
     let mut version = match resume.take() {
         Some(version) => version,
         None => {
-            metrics.api_request("list", kind.plural());
-            let list = client.get(kind.collection())?;
-            let items = list["items"]
-                .as_array()
-                .map(|items| items.iter().map(|o| Item::parse(kind, o)).collect())
-                .unwrap_or_default();
+            let (items, version) = list(client, kind, metrics)?;
             if updates.send(Update::Listed(kind, items)).is_err() {
                 return Ok(false);
             }
-            resource_version(&list)
+            version
         }
     };
     let seconds = backoff.watch_seconds(timing.watch_timeout);
@@ -205,8 +337,9 @@ fn cycle(
                 return Err(err);
             }
         };
+        let next = resource_version(&event.object);
         let update = match event.kind.as_str() {
-            "ADDED" | "MODIFIED" => Update::Changed(kind, Item::parse(kind, &event.object)),
+            "ADDED" | "MODIFIED" => Update::Changed(kind, Item::parse(kind, event.object)),
             "DELETED" => Update::Deleted(kind, Meta::parse(&event.object).name),
             "BOOKMARK" => {
                 version = resource_version(&event.object);
@@ -224,7 +357,6 @@ fn cycle(
                 return Err(err);
             }
         };
-        let next = resource_version(&event.object);
         if !next.is_empty() {
             version = next;
         }
@@ -245,17 +377,41 @@ mod tests {
     #[test]
     fn objects_are_cut_down_to_what_the_controller_reads() {
         let node = json!({"metadata": {"name": "n1", "resourceVersion": "4"}, "status": {"images": ["big"]}});
-        assert_eq!(Item::parse(Resource::Node, &node), Item::Node("n1".into()));
+        assert_eq!(Item::parse(Resource::Node, node), Item::Node("n1".into()));
         let nnc = json!({"metadata": {"name": "n1", "uid": "u"}, "spec": {"allocations": [{"pods": 3}]}, "status": {"podCIDRs": []}});
-        let Item::Nnc(parsed, status) = Item::parse(Resource::Nnc, &nnc) else {
+        let Item::Nnc(parsed, status) = Item::parse(Resource::Nnc, nnc.clone()) else {
             panic!()
         };
         assert_eq!(parsed.pods("default"), Some(3));
-        assert_eq!(status, json!({"podCIDRs": []}));
-        assert_eq!(Item::parse(Resource::Pool, &nnc).name(), "n1");
+        assert_eq!(status, Status::parse(json!({"podCIDRs": []})));
+        assert!(parsed.pod_cidrs.is_empty(), "the status is kept once");
+        assert_eq!(Item::parse(Resource::Pool, nnc).name(), "n1");
         assert_eq!(
             Resource::Pool.watch_path("7", 300),
             "/apis/metis.x-k8s.io/v1alpha1/metispools?watch=1&resourceVersion=7&allowWatchBookmarks=true&timeoutSeconds=300"
         );
+    }
+
+    #[test]
+    fn a_list_page_is_read_item_by_item() {
+        let page = |text: &str| {
+            let mut json = serde_json::Deserializer::from_str(text);
+            PageSeed(Resource::Node).deserialize(&mut json)
+        };
+        let read = page(
+            r#"{"kind": "NodeList", "items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}, "status": {"x": [1, 2]}}],
+                "metadata": {"resourceVersion": "17", "continue": "eyJydiI6MTd9=", "remainingItemCount": 3}}"#,
+        )
+        .unwrap();
+        assert_eq!(read.items, [Item::Node("a".into()), Item::Node("b".into())]);
+        assert_eq!(read.resource_version, "17");
+        assert_eq!(read.next.as_deref(), Some("eyJydiI6MTd9="));
+        let last =
+            page(r#"{"metadata": {"resourceVersion": "17", "continue": ""}, "items": null}"#)
+                .unwrap();
+        assert!(last.items.is_empty() && last.next.is_none());
+        assert!(page(r#"{"items": 5}"#).is_err());
+        assert!(page("[]").is_err());
+        assert_eq!(percent_encode("eyJ+/9=.a-_~"), "eyJ%2B%2F9%3D.a-_~");
     }
 }

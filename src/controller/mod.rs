@@ -13,6 +13,7 @@ pub mod informer;
 pub mod lease;
 pub mod pool;
 pub mod run;
+pub mod status;
 pub mod writer;
 
 pub use run::{Config, parse_config, run, usage};

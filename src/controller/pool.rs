@@ -112,8 +112,12 @@ pub struct Pool {
     pub created: String,
     pub spec: Result<PoolSpec, String>,
     pub ledger: Ledger,
-    /// The status as read, to write only on change.
-    pub status: Value,
+    /// The status as read, compact JSON text (keys sorted, so an equal
+    /// status has an equal text), to write only on change: a tree of
+    /// thousands of claims would cost MiBs.
+    pub status_text: String,
+    /// Its `conditions`.
+    pub conditions: Value,
 }
 
 impl Pool {
@@ -127,7 +131,8 @@ impl Pool {
             created: text(&meta["creationTimestamp"]),
             spec: parse_spec(&object["spec"]),
             ledger: parse_ledger(&object["status"]),
-            status: object["status"].clone(),
+            status_text: object["status"].to_string(),
+            conditions: object["status"]["conditions"].clone(),
         }
     }
 }

@@ -395,6 +395,9 @@ pub fn run(config: &Config) -> std::io::Result<()> {
         if decision.pool_writes.is_empty() && decision.nnc_writes.is_empty() {
             continue;
         }
+        // The cache then holds the only copy, and a written pool replaces
+        // it in place.
+        drop(pools);
         let applied = writer::apply(
             &client,
             &mut cache,

@@ -100,17 +100,24 @@ fn put(
         Resource::Pool => ("metis.x-k8s.io/v1alpha1", "MetisPool"),
         _ => ("networking.gke.io/v1", "NodeNetworkConfig"),
     };
-    let body = json!({
+    // The status goes as the text the decision made (a pool's can be
+    // thousands of claims): only the envelope is built here.
+    let envelope = json!({
         "apiVersion": api_version,
         "kind": object_kind,
         "metadata": {"name": write.name, "resourceVersion": write.resource_version},
-        "status": write.status,
-    });
+    })
+    .to_string();
+    let body = format!(
+        "{},\"status\":{}}}",
+        envelope.strip_suffix('}').unwrap_or(&envelope),
+        write.status
+    );
     let item = format!("{}/{}", kind.collection(), write.name);
     metrics.api_request("put", kind.plural());
-    match client.put(&format!("{item}/status"), &body) {
+    match client.put_text(&format!("{item}/status"), body) {
         Ok(object) => {
-            cache.put_fetched(kind, Item::parse(kind, &object));
+            cache.put_fetched(kind, Item::parse(kind, object));
             applied.written += 1;
             true
         }
@@ -124,7 +131,7 @@ fn put(
             );
             metrics.api_request("get", kind.plural());
             match client.get(&item) {
-                Ok(object) => cache.put_fetched(kind, Item::parse(kind, &object)),
+                Ok(object) => cache.put_fetched(kind, Item::parse(kind, object)),
                 // Deleted meanwhile, or unreachable: the stream tells.
                 Err(err) => log::debug(
                     "controller",

@@ -20,6 +20,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// within the entry caps of `nnc` is far smaller. A larger answer is an
 /// error (the daemon degrades) rather than memory the DaemonSet lacks.
 pub const MAX_BODY: u64 = 2 * 1024 * 1024;
+/// Largest streamed body (a LIST page): read as it arrives and kept only as
+/// the caller's compact objects, so this bounds the bytes read, not the
+/// memory; a page of objects at the entry caps still fits.
+pub const MAX_STREAMED_BODY: u64 = 256 * 1024 * 1024;
 
 /// A failed API call.
 #[derive(Debug)]
@@ -181,6 +185,19 @@ impl ApiClient {
         self.failed(json_body(response))
     }
 
+    /// A GET whose JSON body `seed` reads as it arrives (a LIST page turned
+    /// into the caller's objects one at a time): neither the body's text
+    /// nor its whole tree is held at once.
+    pub fn get_streamed<T, S>(&self, path: &str, seed: S) -> Result<T, KubeError>
+    where
+        S: for<'de> serde::de::DeserializeSeed<'de, Value = T>,
+    {
+        let (agent, _) = self.agents()?;
+        let request = agent.get(self.url(path));
+        let response = with_auth(request, &self.auth)?.call();
+        self.failed(streamed_body(response, seed))
+    }
+
     pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
         let (agent, _) = self.agents()?;
         let request = agent.post(self.url(path)).content_type("application/json");
@@ -192,9 +209,14 @@ impl ApiClient {
     /// `metadata.resourceVersion` is the precondition (a stale one answers
     /// 409).
     pub fn put(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+        self.put_text(path, body.to_string())
+    }
+
+    /// [`ApiClient::put`] of a body already serialised.
+    pub fn put_text(&self, path: &str, body: String) -> Result<Value, KubeError> {
         let (agent, _) = self.agents()?;
         let request = agent.put(self.url(path)).content_type("application/json");
-        let response = with_auth(request, &self.auth)?.send(body.to_string());
+        let response = with_auth(request, &self.auth)?.send(body);
         self.failed(json_body(response))
     }
 
@@ -270,16 +292,15 @@ impl Iterator for WatchStream {
 
 /// One line of a watch stream: `{"type": ..., "object": ...}`.
 pub fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
-    let value: Value = serde_json::from_slice(line)
+    let mut value: Value = serde_json::from_slice(line)
         .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
     let kind = value["type"]
         .as_str()
         .ok_or_else(|| KubeError::Decode("watch event without a type".into()))?
         .to_string();
-    Ok(WatchEvent {
-        kind,
-        object: value["object"].clone(),
-    })
+    // Taken, not cloned: an event's object is the bulk of it.
+    let object = value.get_mut("object").map(Value::take).unwrap_or_default();
+    Ok(WatchEvent { kind, object })
 }
 
 fn with_auth<B>(
@@ -317,6 +338,46 @@ fn json_body(
         });
     }
     serde_json::from_str(&body).map_err(|err| KubeError::Decode(err.to_string()))
+}
+
+fn streamed_body<T, S>(
+    response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    seed: S,
+) -> Result<T, KubeError>
+where
+    S: for<'de> serde::de::DeserializeSeed<'de, Value = T>,
+{
+    let mut response = response.map_err(|err| KubeError::Transport(err.to_string()))?;
+    let status = response.status().as_u16();
+    if !(200..300).contains(&status) {
+        let retry_after = retry_after(&response);
+        let body = response
+            .body_mut()
+            .with_config()
+            .limit(MAX_BODY)
+            .read_to_string()
+            .map_err(|err| KubeError::Transport(err.to_string()))?;
+        return Err(KubeError::Status {
+            code: status,
+            body,
+            retry_after,
+        });
+    }
+    let reader = BufReader::new(
+        response
+            .into_body()
+            .into_with_config()
+            .limit(MAX_STREAMED_BODY)
+            .reader(),
+    );
+    let mut json = serde_json::Deserializer::from_reader(reader);
+    let decoded = seed
+        .deserialize(&mut json)
+        .and_then(|value| json.end().map(|()| value));
+    decoded.map_err(|err| match err.classify() {
+        serde_json::error::Category::Io => KubeError::Transport(err.to_string()),
+        _ => KubeError::Decode(err.to_string()),
+    })
 }
 
 /// `Retry-After` in seconds (the API server never sends an HTTP date).

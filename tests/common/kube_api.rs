@@ -184,6 +184,18 @@ pub struct State {
     /// Bumped to end every open watch (a compaction, an API server restart).
     pub watch_epoch: u64,
     uids: u64,
+    /// Paginated lists still being read, by continue token: the snapshot
+    /// the first page was cut from (the API server serves every page at the
+    /// first one's resourceVersion). A compaction drops them, so a continue
+    /// token older than it is answered 410, as etcd's compaction does.
+    snapshots: BTreeMap<u64, Snapshot>,
+    snapshot_ids: u64,
+}
+
+/// The rest of a paginated list.
+struct Snapshot {
+    version: u64,
+    items: Vec<Value>,
 }
 
 impl State {
@@ -395,6 +407,7 @@ impl State {
         // A watch from the current version misses nothing.
         self.compacted_below = self.version;
         self.changes.clear();
+        self.snapshots.clear();
         self.watch_epoch += 1;
     }
 
@@ -924,31 +937,78 @@ impl Selector {
     }
 }
 
-fn list(state: &State, route: &Route, request: &Request) -> (u16, Value) {
-    let selector = match Selector::parse(request) {
-        Ok(selector) => selector,
-        Err(refused) => return refused,
+/// A list, whole or a page of at most `limit` items (`limit` and
+/// `continue`, as the API server paginates: the page's `metadata.continue`
+/// names the rest, served from the same snapshot and resourceVersion).
+fn list(state: &mut State, route: &Route, request: &Request) -> (u16, Value) {
+    let limit = match request.param("limit").map(str::parse::<usize>) {
+        None | Some(Ok(0)) => None,
+        Some(Ok(limit)) => Some(limit),
+        Some(Err(_)) => return invalid("limit must be a non-negative number"),
     };
-    if let Some(Ok(asked)) = request.param("resourceVersion").map(str::parse::<u64>)
-        && asked != 0
-        && asked < state.compacted_below
-    {
-        return refusal(
-            410,
-            "Expired",
-            &format!("too old resource version: {asked}"),
+    let (version, items) = match request.param("continue").filter(|t| !t.is_empty()) {
+        Some(token) => {
+            let Some((id, _)) = token
+                .split_once('.')
+                .and_then(|(id, rv)| Some((id.parse::<u64>().ok()?, rv.parse::<u64>().ok()?)))
+            else {
+                return refusal(400, "BadRequest", "continue key is not valid");
+            };
+            match state.snapshots.remove(&id) {
+                Some(snapshot) => (snapshot.version, snapshot.items),
+                None => {
+                    return refusal(
+                        410,
+                        "Expired",
+                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    );
+                }
+            }
+        }
+        None => {
+            let selector = match Selector::parse(request) {
+                Ok(selector) => selector,
+                Err(refused) => return refused,
+            };
+            if let Some(Ok(asked)) = request.param("resourceVersion").map(str::parse::<u64>)
+                && asked != 0
+                && asked < state.compacted_below
+            {
+                return refusal(
+                    410,
+                    "Expired",
+                    &format!("too old resource version: {asked}"),
+                );
+            }
+            let items: Vec<Value> = state
+                .objects
+                .iter()
+                .filter(|(key, object)| selector.matches(route, key, object))
+                .map(|(_, object)| object.clone())
+                .collect();
+            (state.version, items)
+        }
+    };
+    let mut metadata = json!({"resourceVersion": version.to_string()});
+    let mut items = items;
+    if let Some(limit) = limit.filter(|limit| items.len() > *limit) {
+        let rest = items.split_off(limit);
+        state.snapshot_ids += 1;
+        let id = state.snapshot_ids;
+        metadata["continue"] = json!(format!("{id}.{version}"));
+        metadata["remainingItemCount"] = json!(rest.len());
+        state.snapshots.insert(
+            id,
+            Snapshot {
+                version,
+                items: rest,
+            },
         );
     }
-    let items: Vec<&Value> = state
-        .objects
-        .iter()
-        .filter(|(key, object)| selector.matches(route, key, object))
-        .map(|(_, object)| object)
-        .collect();
     (
         200,
         json!({"apiVersion": route.resource.api_version, "kind": format!("{}List", route.resource.kind),
-               "metadata": {"resourceVersion": state.version.to_string()}, "items": items}),
+               "metadata": metadata, "items": items}),
     )
 }
 

@@ -1,0 +1,216 @@
+//! A NodeNetworkConfig's status as the controller keeps it between passes:
+//! compact JSON text plus the few fields the decision reads, instead of the
+//! parsed tree (a `serde_json::Value` of one granted status is several KiB,
+//! this about 600 bytes). Text is serde_json's compact form, whose object
+//! keys come out sorted, so two parts are equal exactly when their texts
+//! are: the decision compares texts, and parses only the small part it
+//! rewrites (the conditions) and the statuses it writes.
+
+use serde_json::Value;
+
+use crate::cidr::Cidr;
+use crate::defaults::DEFAULT_NETWORK;
+use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
+
+/// A `status.podCIDRs` entry, kept whole (it is written back as read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its `cidr` field as written, and parsed.
+    pub cidr_text: Option<Box<str>>,
+    pub cidr: Option<Cidr>,
+    /// Its `network` (the default network when empty or missing).
+    pub network: Box<str>,
+    /// `type` is not `NonReusable`.
+    pub reusable: bool,
+    /// The whole entry, compact.
+    text: Box<str>,
+}
+
+impl Entry {
+    pub fn parse(entry: &Value) -> Entry {
+        let cidr_text = entry["cidr"].as_str();
+        Entry {
+            cidr_text: cidr_text.map(Box::from),
+            cidr: cidr_text.and_then(|c| c.parse().ok()),
+            network: entry["network"]
+                .as_str()
+                .filter(|n| !n.is_empty())
+                .unwrap_or(DEFAULT_NETWORK)
+                .into(),
+            reusable: entry["type"].as_str() != Some("NonReusable"),
+            text: entry.to_string().into(),
+        }
+    }
+
+    pub fn to_value(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or(Value::Null)
+    }
+}
+
+/// A status as read.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Status {
+    /// `podCIDRs`, when it is a list.
+    pub entries: Vec<Entry>,
+    /// `podCIDRs` is a list (an absent or malformed one is rewritten).
+    pub listed: bool,
+    /// The rest of the status (conditions, fields unknown here), compact;
+    /// `None` when the status is not an object.
+    rest: Option<Box<str>>,
+    /// The time a `QuotaExceeded` Ready condition says the refusal stands
+    /// until (Unix ms), if it says.
+    pub told_until: Option<i64>,
+    /// When a `QuotaExceeded` Ready=False condition began (its
+    /// `lastTransitionTime`, Unix ms): refused nodes are served first come,
+    /// first served.
+    pub refused_since: Option<i64>,
+}
+
+impl Status {
+    /// Reads `status` (taken: its parts are turned into text).
+    pub fn parse(mut status: Value) -> Status {
+        let Some(object) = status.as_object_mut() else {
+            return Status::default();
+        };
+        let pod_cidrs = object.remove("podCIDRs");
+        let told_until = told_until(&status["conditions"]);
+        let refused_since = refused_since(&status["conditions"]);
+        let entries: Vec<Entry> = pod_cidrs
+            .as_ref()
+            .and_then(Value::as_array)
+            .map(|list| list.iter().map(Entry::parse).collect())
+            .unwrap_or_default();
+        Status {
+            listed: pod_cidrs.as_ref().is_some_and(Value::is_array),
+            entries,
+            rest: Some(status.to_string().into()),
+            told_until,
+            refused_since,
+        }
+    }
+
+    /// The status without `podCIDRs` (`Null` when it is not an object).
+    pub fn rest(&self) -> Value {
+        self.rest
+            .as_deref()
+            .and_then(|text| serde_json::from_str(text).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// Whether `rest` (without `podCIDRs`) and `entries` are this status.
+    pub fn is(&self, rest: &Value, entries: &[&Entry]) -> bool {
+        self.listed
+            && self.entries.len() == entries.len()
+            && self.entries.iter().zip(entries).all(|(a, b)| a == *b)
+            && self.rest.as_deref() == Some(rest.to_string().as_str())
+    }
+}
+
+/// When a `QuotaExceeded` Ready condition among `conditions` says its
+/// refusal ends (the time after `QUOTA_UNTIL` in its message).
+fn told_until(conditions: &Value) -> Option<i64> {
+    let ready = conditions
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
+    match QuotaEnd::of(ready["message"].as_str()?) {
+        QuotaEnd::At(until) => Some(until),
+        QuotaEnd::Unsaid | QuotaEnd::Unreadable => None,
+    }
+}
+
+/// When the `QuotaExceeded` Ready=False condition among `conditions` began.
+fn refused_since(conditions: &Value) -> Option<i64> {
+    let ready = conditions
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Ready" && c["status"] == "False")?;
+    (ready["reason"] == QUOTA_EXCEEDED)
+        .then(|| ready["lastTransitionTime"].as_str())
+        .flatten()
+        .and_then(crate::log::parse_rfc3339_ms)
+}
+
+/// `rest` with `entries` as its `podCIDRs`: the status to write.
+pub fn assemble(mut rest: Value, entries: &[&Entry]) -> Value {
+    if !rest.is_object() {
+        rest = Value::Object(serde_json::Map::new());
+    }
+    rest["podCIDRs"] = Value::Array(entries.iter().map(|e| e.to_value()).collect());
+    rest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kube::nnc::QUOTA_UNTIL;
+    use serde_json::json;
+
+    #[test]
+    fn a_status_keeps_what_it_read_in_text_and_compares_by_it() {
+        let read = json!({
+            "podCIDRs": [
+                {"id": "a", "cidr": "198.18.0.0/28", "network": "", "condition": {"type": "Ready", "status": "True"}},
+                {"cidr": "198.18.0.16/28", "network": "blue", "type": "NonReusable"},
+                {"cidr": "not a cidr"},
+                {"id": "no cidr"}
+            ],
+            "conditions": [{"type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED,
+                "message": format!("pool p has no free block; {QUOTA_UNTIL}2026-01-02T03:04:05.678Z")}],
+            "somethingElse": {"kept": true}
+        });
+        let status = Status::parse(read.clone());
+        let cidrs: Vec<_> = status.entries.iter().map(|e| e.cidr).collect();
+        assert_eq!(
+            cidrs,
+            [
+                Some("198.18.0.0/28".parse().unwrap()),
+                Some("198.18.0.16/28".parse().unwrap()),
+                None,
+                None
+            ]
+        );
+        assert_eq!(status.entries[2].cidr_text.as_deref(), Some("not a cidr"));
+        assert_eq!(&*status.entries[0].network, DEFAULT_NETWORK);
+        assert_eq!(&*status.entries[1].network, "blue");
+        let reusable: Vec<bool> = status.entries.iter().map(|e| e.reusable).collect();
+        assert_eq!(reusable, [true, false, true, true]);
+        assert_eq!(
+            status.told_until,
+            crate::log::parse_rfc3339_ms("2026-01-02T03:04:05.678Z")
+        );
+        // Rebuilt exactly; equal to itself, not to a changed copy.
+        let entries: Vec<&Entry> = status.entries.iter().collect();
+        assert_eq!(assemble(status.rest(), &entries), read);
+        assert!(status.is(&status.rest(), &entries));
+        assert!(!status.is(&status.rest(), &entries[1..]));
+        let mut rest = status.rest();
+        rest["conditions"][0]["status"] = json!("True");
+        assert!(!status.is(&rest, &entries));
+        // Key order of what was read does not matter (the text is sorted).
+        let reordered: Value = serde_json::from_str(
+            r#"{"network":"blue","type":"NonReusable","cidr":"198.18.0.16/28"}"#,
+        )
+        .unwrap();
+        assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    #[test]
+    fn a_status_that_is_not_an_object_or_lacks_its_list_is_rewritten() {
+        for read in [
+            json!(null),
+            json!("text"),
+            json!({}),
+            json!({"podCIDRs": {"a": 1}}),
+        ] {
+            let status = Status::parse(read.clone());
+            assert!(status.entries.is_empty());
+            let rest = json!({"conditions": []});
+            assert!(!status.is(&rest, &[]), "{read}");
+            assert_eq!(status.told_until, None);
+        }
+        assert_eq!(Status::parse(json!(null)).rest(), Value::Null);
+        assert!(Status::parse(json!({"podCIDRs": []})).is(&json!({}), &[]));
+        assert_eq!(assemble(Value::Null, &[]), json!({"podCIDRs": []}));
+    }
+}
