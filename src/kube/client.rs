@@ -236,25 +236,13 @@ impl ApiClient {
     pub fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
         let (_, watch_agent) = self.agents()?;
         let request = watch_agent.get(self.url(path));
-        let response = self.failed(
+        let mut response = self.failed(
             with_auth(request, &self.auth)?
                 .call()
                 .map_err(|err| KubeError::Transport(err.to_string())),
         )?;
-        let status = response.status().as_u16();
-        if !(200..300).contains(&status) {
-            let retry_after = retry_after(&response);
-            let body = response
-                .into_body()
-                .with_config()
-                .limit(MAX_BODY)
-                .read_to_string()
-                .unwrap_or_default();
-            return Err(KubeError::Status {
-                code: status,
-                body,
-                retry_after,
-            });
+        if let Some(refused) = refusal(&mut response) {
+            return Err(refused);
         }
         Ok(WatchStream {
             reader: BufReader::new(Box::new(response.into_body().into_reader())),
@@ -340,6 +328,28 @@ fn json_body(
     serde_json::from_str(&body).map_err(|err| KubeError::Decode(err.to_string()))
 }
 
+/// The error a response that is not a 2xx answers, with its status, body
+/// (as far as it can be read: the status is what callers act on) and
+/// `Retry-After`; `None` for a 2xx, whose body is left unread.
+fn refusal(response: &mut ureq::http::Response<ureq::Body>) -> Option<KubeError> {
+    let code = response.status().as_u16();
+    if (200..300).contains(&code) {
+        return None;
+    }
+    let retry_after = retry_after(response);
+    let body = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_BODY)
+        .read_to_string()
+        .unwrap_or_default();
+    Some(KubeError::Status {
+        code,
+        body,
+        retry_after,
+    })
+}
+
 fn streamed_body<T, S>(
     response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     seed: S,
@@ -348,20 +358,8 @@ where
     S: for<'de> serde::de::DeserializeSeed<'de, Value = T>,
 {
     let mut response = response.map_err(|err| KubeError::Transport(err.to_string()))?;
-    let status = response.status().as_u16();
-    if !(200..300).contains(&status) {
-        let retry_after = retry_after(&response);
-        let body = response
-            .body_mut()
-            .with_config()
-            .limit(MAX_BODY)
-            .read_to_string()
-            .map_err(|err| KubeError::Transport(err.to_string()))?;
-        return Err(KubeError::Status {
-            code: status,
-            body,
-            retry_after,
-        });
+    if let Some(refused) = refusal(&mut response) {
+        return Err(refused);
     }
     let reader = BufReader::new(
         response
