@@ -272,6 +272,13 @@ fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
 fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
     let (dir, api, daemon, config) = quiet_cluster("cp-foreign", &[]);
     assert_eq!(add(&config, "first"), "198.18.0.2");
+    // Injected into open watches only: a daemon still to list would take
+    // a version past them and see the namespaced one nowhere.
+    api.wait_until("the daemon's NodeNetworkConfig watch", WAIT, |s| {
+        s.log.iter().any(|(m, path, code)| {
+            m == "WATCH" && path.contains("nodenetworkconfigs") && *code == 200
+        })
+    });
     let foreign = json!({
         "apiVersion": "networking.gke.io/v1",
         "kind": "NodeNetworkConfig",
