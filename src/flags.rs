@@ -17,6 +17,27 @@ pub struct FlagSpec {
     pub help: &'static str,
 }
 
+/// `--db-path PATH`, defaulting to the node's database: the flag of every
+/// command that works on one database file; `help` says what it does with it.
+pub const fn db_path_flag(help: &'static str) -> FlagSpec {
+    FlagSpec {
+        name: "--db-path",
+        value: Some("PATH"),
+        repeatable: false,
+        default: crate::defaults::DEFAULT_DB_PATH,
+        help,
+    }
+}
+
+/// The database a [`db_path_flag`] names.
+pub fn db_path(parsed: &Parsed) -> std::path::PathBuf {
+    std::path::PathBuf::from(
+        parsed
+            .get("--db-path")
+            .unwrap_or(crate::defaults::DEFAULT_DB_PATH),
+    )
+}
+
 /// A usage error, or a request for help.
 #[derive(Debug, PartialEq, Eq)]
 pub enum FlagError {

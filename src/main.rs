@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use metis::cli::{ArgsError, admin, health, host_local, install};
-use metis::flags;
+use metis::flags::{self, EXIT_USAGE};
 use metis::{cli, cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
@@ -25,9 +25,6 @@ Usage:
 
 Run `metis COMMAND --help` for a command's flags.";
 
-/// Exit code for command-line misuse, as most Unix tools use.
-const USAGE_EXIT: u8 = 2;
-
 fn main() -> ExitCode {
     if std::env::var_os("CNI_COMMAND").is_some() {
         return ExitCode::from(cni::plugin::main());
@@ -40,7 +37,7 @@ fn main() -> ExitCode {
         Ok(args) => args,
         Err(arg) => {
             eprintln!("metis: argument {arg:?} is not valid UTF-8");
-            return ExitCode::from(USAGE_EXIT);
+            return ExitCode::from(EXIT_USAGE);
         }
     };
     let Some((command, rest)) = args.split_first() else {
@@ -66,7 +63,7 @@ fn main() -> ExitCode {
         }
         other => {
             eprintln!("metis: unknown command {other:?}\n\n{ABOUT}");
-            ExitCode::from(USAGE_EXIT)
+            ExitCode::from(EXIT_USAGE)
         }
     }
 }
@@ -136,7 +133,7 @@ fn run_controller(_args: &[String]) -> ExitCode {
          --no-default-features); the controller needs the full build (cargo build --release, \
          default features)"
     );
-    ExitCode::from(USAGE_EXIT)
+    ExitCode::from(EXIT_USAGE)
 }
 
 /// Help goes to stdout (exit 0); misuse to stderr with the usage (exit 2).
@@ -148,7 +145,7 @@ fn args_failure(command: &str, err: ArgsError) -> ExitCode {
         }
         ArgsError::Usage { message, usage } => {
             eprintln!("{command}: {message}\n\n{usage}");
-            ExitCode::from(USAGE_EXIT)
+            ExitCode::from(EXIT_USAGE)
         }
     }
 }

@@ -183,17 +183,7 @@ fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
         out.contains("block 198.18.43.8/29 (network \"default\") is not served while its gateway 198.18.43.9 is held by container \"pod-x\""),
         "{out}"
     );
-    let daemon = TestDaemon::start(
-        &node.dir,
-        &["--release-cooldown", "0s", "--metrics-addr", "127.0.0.1:0"],
-    );
-    assert!(
-        daemon
-            .log()
-            .contains("is not served while its gateway 198.18.43.9"),
-        "{}",
-        daemon.log()
-    );
+    let daemon = started_saying(&node.dir, "is not served while its gateway 198.18.43.9");
     let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
     assert_eq!(
         series(&body, "metis_local_store_gateway_held_block_total"),
@@ -270,17 +260,7 @@ fn a_start_after_upstream_withholds_a_revived_block_again() {
         .unwrap();
     let up = allocate_like_upstream(&db, "rv", "ipv4", "up-pod").unwrap();
     assert!(up.starts_with("198.18.44."), "{up}");
-    let daemon = TestDaemon::start(
-        &node.dir,
-        &["--release-cooldown", "0s", "--metrics-addr", "127.0.0.1:0"],
-    );
-    assert!(
-        daemon
-            .log()
-            .contains("was retired by Metis but is Ready again"),
-        "{}",
-        daemon.log()
-    );
+    let daemon = started_saying(&node.dir, "was retired by Metis but is Ready again");
     let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
     assert_eq!(
         series(
@@ -314,4 +294,15 @@ fn a_start_after_upstream_withholds_a_revived_block_again() {
         "{next:?}"
     );
     drop(daemon);
+}
+
+/// A daemon started on `dir` (no cooldown, metrics on), whose start-up
+/// log says `says`.
+fn started_saying(dir: &TestDir, says: &str) -> TestDaemon {
+    let daemon = TestDaemon::start(
+        dir,
+        &["--release-cooldown", "0s", "--metrics-addr", "127.0.0.1:0"],
+    );
+    assert!(daemon.log().contains(says), "{}", daemon.log());
+    daemon
 }

@@ -3,20 +3,12 @@
 //! fails or the database cannot be read, 2 on a usage error.
 
 use std::io::Write;
-use std::path::PathBuf;
 
-use crate::defaults::DEFAULT_DB_PATH;
 use crate::flags::{self, FlagSpec};
 use crate::store::{self, Depth};
 
 const FLAGS: &[FlagSpec] = &[
-    FlagSpec {
-        name: "--db-path",
-        value: Some("PATH"),
-        repeatable: false,
-        default: DEFAULT_DB_PATH,
-        help: "the database to check (opened read-only; nothing is changed)",
-    },
+    flags::db_path_flag("the database to check (opened read-only; nothing is changed)"),
     FlagSpec {
         name: "--quick",
         value: None,
@@ -30,8 +22,8 @@ const FLAGS: &[FlagSpec] = &[
 pub const EXIT_OK: u8 = 0;
 /// Exit status: an invariant fails or the database cannot be read.
 pub const EXIT_PROBLEMS: u8 = 1;
-/// Exit status: bad command line.
-pub const EXIT_USAGE: u8 = 2;
+/// Exit status: bad command line (every command's).
+pub use crate::flags::EXIT_USAGE;
 
 /// Runs `metis admin check ARGS` and returns the exit status.
 pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
@@ -45,7 +37,7 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         Ok(parsed) => parsed,
         Err(status) => return status,
     };
-    let path = PathBuf::from(parsed.get("--db-path").unwrap_or(DEFAULT_DB_PATH));
+    let path = flags::db_path(&parsed);
     let depth = if parsed.has("--quick") {
         Depth::Quick
     } else {

@@ -6,27 +6,22 @@
 //! was refused or failed, 2 on a usage error.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::defaults::DEFAULT_DB_PATH;
 use crate::flags::{self, FlagSpec};
 use crate::store::downgrade::{self, FileKind};
 use crate::store::{Store, StoreOptions};
 
-const FLAGS: &[FlagSpec] = &[FlagSpec {
-    name: "--db-path",
-    value: Some("PATH"),
-    repeatable: false,
-    default: DEFAULT_DB_PATH,
-    help: "the database to ready for upstream (no daemon may hold it)",
-}];
+const FLAGS: &[FlagSpec] = &[flags::db_path_flag(
+    "the database to ready for upstream (no daemon may hold it)",
+)];
 
 /// Exit status: the database is ready for upstream.
 pub const EXIT_OK: u8 = 0;
 /// Exit status: refused (a daemon holds it, bad file) or failed.
 pub const EXIT_REFUSED: u8 = 1;
-/// Exit status: bad command line.
-pub const EXIT_USAGE: u8 = 2;
+/// Exit status: bad command line (every command's).
+pub use crate::flags::EXIT_USAGE;
 
 /// Runs `metis admin downgrade ARGS` and returns the exit status.
 pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
@@ -40,7 +35,7 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         Ok(parsed) => parsed,
         Err(status) => return status,
     };
-    let path = PathBuf::from(parsed.get("--db-path").unwrap_or(DEFAULT_DB_PATH));
+    let path = flags::db_path(&parsed);
     match downgrade_file(&path, out) {
         Ok(()) => EXIT_OK,
         Err(why) => {

@@ -61,8 +61,8 @@ const FLAGS: &[FlagSpec] = &[
 pub const EXIT_OK: u8 = 0;
 /// Exit status: refused (a conflict) or failed; nothing was written.
 pub const EXIT_FAILED: u8 = 1;
-/// Exit status: bad command line.
-pub const EXIT_USAGE: u8 = 2;
+/// Exit status: bad command line (every command's).
+pub use crate::flags::EXIT_USAGE;
 
 /// Config files are small; a bigger one is a mistake.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;

@@ -10,7 +10,7 @@ use super::Limits;
 #[cfg(feature = "kube")]
 use crate::adaptive::{AdaptiveConfig, MonitorConfig};
 use crate::cidr::Cidr;
-use crate::defaults::{DEFAULT_DB_PATH, DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
+use crate::defaults::{DEFAULT_NETWORK, DEFAULT_SOCKET_PATH};
 use crate::duration::parse_duration_ms;
 use crate::flags::{self, FlagError, FlagSpec, Parsed};
 #[cfg(feature = "kube")]
@@ -25,13 +25,7 @@ const FLAGS: &[FlagSpec] = &[
         default: DEFAULT_SOCKET_PATH,
         help: "Unix socket the plugin connects to",
     },
-    FlagSpec {
-        name: "--db-path",
-        value: Some("PATH"),
-        repeatable: false,
-        default: DEFAULT_DB_PATH,
-        help: "SQLite database holding the node's blocks and allocations",
-    },
+    flags::db_path_flag("SQLite database holding the node's blocks and allocations"),
     FlagSpec {
         name: "--release-cooldown",
         value: Some("DURATION"),
@@ -551,7 +545,10 @@ mod tests {
     fn defaults_are_the_ones_help_shows() {
         let config = parse(&[]).unwrap();
         assert_eq!(config.socket_path, PathBuf::from(DEFAULT_SOCKET_PATH));
-        assert_eq!(config.db_path, PathBuf::from(DEFAULT_DB_PATH));
+        assert_eq!(
+            config.db_path,
+            PathBuf::from(crate::defaults::DEFAULT_DB_PATH)
+        );
         assert_eq!(config.release_cooldown_ms, 60_000);
         assert!(config.cidrs.is_empty());
         assert_eq!(config.reserve, ReserveMode::EveryBlock);

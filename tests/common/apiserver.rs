@@ -18,7 +18,6 @@ use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -87,7 +86,7 @@ struct Shared {
 pub struct ApiServer {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
-    running: Option<Running>,
+    running: Option<http::Acceptor>,
     tls: Option<Https>,
 }
 
@@ -95,12 +94,6 @@ pub struct ApiServer {
 struct Https {
     server: Arc<TlsServer>,
     ca_file: std::path::PathBuf,
-}
-
-struct Running {
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    acceptor: JoinHandle<()>,
 }
 
 impl ApiServer {
@@ -208,9 +201,7 @@ impl ApiServer {
     /// an API server restarted with a rotated certificate.
     pub fn cut_connections(&self) {
         if let Some(running) = &self.running {
-            for conn in running.conns.lock().unwrap().drain(..) {
-                let _ = conn.shutdown(Shutdown::Both);
-            }
+            running.cut();
         }
     }
 
@@ -221,14 +212,7 @@ impl ApiServer {
     /// Stops listening and cuts every open connection (watches included).
     pub fn stop(&mut self) {
         if let Some(running) = self.running.take() {
-            running.stop.store(true, Ordering::SeqCst);
-            for conn in running.conns.lock().unwrap().drain(..) {
-                let _ = conn.shutdown(Shutdown::Both);
-            }
-            self.shared.changed.notify_all();
-            // Unblock accept() with a throwaway connection.
-            let _ = TcpStream::connect(self.addr);
-            running.acceptor.join().unwrap();
+            running.stop(|| self.shared.changed.notify_all());
         }
     }
 
@@ -390,35 +374,11 @@ impl ApiServer {
     }
 
     fn serve(&mut self, listener: TcpListener) {
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
-        let acceptor = {
-            let (stop, conns, shared) = (
-                Arc::clone(&stop),
-                Arc::clone(&conns),
-                Arc::clone(&self.shared),
-            );
-            let tls = self.tls.as_ref().map(|https| Arc::clone(&https.server));
-            thread::spawn(move || {
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    if let Ok(copy) = stream.try_clone() {
-                        conns.lock().unwrap().push(copy);
-                    }
-                    let (stop, shared) = (Arc::clone(&stop), Arc::clone(&shared));
-                    let tls = tls.clone();
-                    thread::spawn(move || connection(stream, tls.as_deref(), &shared, &stop));
-                }
-            })
-        };
-        self.running = Some(Running {
-            stop,
-            conns,
-            acceptor,
-        });
+        let shared = Arc::clone(&self.shared);
+        let tls = self.tls.as_ref().map(|https| Arc::clone(&https.server));
+        self.running = Some(http::Acceptor::spawn(listener, move |stream, stop| {
+            connection(stream, tls.as_deref(), &shared, stop)
+        }));
     }
 }
 

@@ -3,15 +3,88 @@
 //! request, the status line's reason, chunked watch lines and JSON merge
 //! patch.
 
+use std::collections::HashMap;
 use std::io::{BufRead, Write};
-use std::net::{SocketAddr, TcpListener};
-use std::thread;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 /// Largest request body accepted (the API server's limit is 3 MiB).
 const MAX_REQUEST: usize = 3 * 1024 * 1024;
+
+/// A listening server's accept loop: one thread per connection, each
+/// given the stop flag it must watch, and a handle on every open
+/// connection so that [`Acceptor::cut`] and [`Acceptor::stop`] can end them.
+pub struct Acceptor {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    thread: JoinHandle<()>,
+}
+
+impl Acceptor {
+    /// Accepts on `listener`, serving each connection with `serve`.
+    pub fn spawn(
+        listener: TcpListener,
+        serve: impl Fn(TcpStream, &AtomicBool) + Send + Sync + 'static,
+    ) -> Acceptor {
+        let addr = listener.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(HashMap::new()));
+        let serve = Arc::new(serve);
+        let thread = {
+            let (stop, conns) = (Arc::clone(&stop), Arc::clone(&conns));
+            thread::spawn(move || {
+                let mut next = 0u64;
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let id = next;
+                    next += 1;
+                    if let Ok(copy) = stream.try_clone() {
+                        conns.lock().unwrap().insert(id, copy);
+                    }
+                    let (stop, conns, serve) =
+                        (Arc::clone(&stop), Arc::clone(&conns), Arc::clone(&serve));
+                    thread::spawn(move || {
+                        serve(stream, &stop);
+                        conns.lock().unwrap().remove(&id);
+                    });
+                }
+            })
+        };
+        Acceptor {
+            addr,
+            stop,
+            conns,
+            thread,
+        }
+    }
+
+    /// Cuts every open connection and keeps listening.
+    pub fn cut(&self) {
+        for (_, conn) in self.conns.lock().unwrap().drain() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Stops listening and cuts every open connection; `wake` runs between
+    /// the two, to wake connection threads blocked on the server's state.
+    pub fn stop(self, wake: impl FnOnce()) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.cut();
+        wake();
+        // Unblock accept() with a throwaway connection.
+        let _ = TcpStream::connect(self.addr);
+        let _ = self.thread.join();
+    }
+}
 
 /// One request as the servers see it.
 pub struct Request {

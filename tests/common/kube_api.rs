@@ -25,12 +25,11 @@
 //! The older `apiserver.rs` is a one-node server that plays the cloud
 //! controller itself; this one plays no controller.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -581,13 +580,7 @@ impl Handle {
 pub struct KubeApi {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
-    running: Option<Running>,
-}
-
-struct Running {
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
-    acceptor: JoinHandle<()>,
+    running: Option<http::Acceptor>,
 }
 
 impl KubeApi {
@@ -658,14 +651,7 @@ impl KubeApi {
     /// Stops listening and cuts every open connection (watches included).
     pub fn stop(&mut self) {
         if let Some(running) = self.running.take() {
-            running.stop.store(true, Ordering::SeqCst);
-            for (_, conn) in running.conns.lock().unwrap().drain() {
-                let _ = conn.shutdown(Shutdown::Both);
-            }
-            self.with_state(|state| state.watch_epoch += 1);
-            // Unblock accept() with a throwaway connection.
-            let _ = TcpStream::connect(self.addr);
-            let _ = running.acceptor.join();
+            running.stop(|| self.with_state(|state| state.watch_epoch += 1));
         }
     }
 
@@ -676,39 +662,10 @@ impl KubeApi {
     }
 
     fn serve(&mut self, listener: TcpListener) {
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(HashMap::new()));
-        let acceptor = {
-            let (stop, conns, shared) = (
-                Arc::clone(&stop),
-                Arc::clone(&conns),
-                Arc::clone(&self.shared),
-            );
-            thread::spawn(move || {
-                static NEXT: AtomicU64 = AtomicU64::new(0);
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    let id = NEXT.fetch_add(1, Ordering::Relaxed);
-                    if let Ok(copy) = stream.try_clone() {
-                        conns.lock().unwrap().insert(id, copy);
-                    }
-                    let (stop, shared, conns) =
-                        (Arc::clone(&stop), Arc::clone(&shared), Arc::clone(&conns));
-                    thread::spawn(move || {
-                        connection(stream, &shared, &stop);
-                        conns.lock().unwrap().remove(&id);
-                    });
-                }
-            })
-        };
-        self.running = Some(Running {
-            stop,
-            conns,
-            acceptor,
-        });
+        let shared = Arc::clone(&self.shared);
+        self.running = Some(http::Acceptor::spawn(listener, move |stream, stop| {
+            connection(stream, &shared, stop)
+        }));
     }
 }
 

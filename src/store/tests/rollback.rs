@@ -172,25 +172,14 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
 
     // A file from before `Withheld` existed, where upstream's undrain made
     // the retired block Ready: the next open withholds it again, loudly.
-    store
-        .conn
-        .execute(
-            "UPDATE cidr_blocks SET state = 'Ready' WHERE id = ?1",
-            [retired],
-        )
-        .unwrap();
-    drop(store);
-    let mut store = open(&dir.db());
-    assert_eq!(state(&store, retired), "Withheld");
-    assert_eq!(store.rollback_repairs().revived_blocks, 1);
-    assert!(
-        store
-            .open_warnings()
-            .iter()
-            .any(|w| w.contains("was retired by Metis but is Ready again")),
-        "{:?}",
-        store.open_warnings()
+    let mut store = reopened_with_state(
+        store,
+        &dir.db(),
+        retired,
+        "Ready",
+        "was retired by Metis but is Ready again",
     );
+    assert_eq!(store.rollback_repairs().revived_blocks, 1);
     // Metis allocates nothing from it; its pod keeps its address.
     store.release("n", "up0", "eth0", NOW).unwrap();
     let mut pods = 0;
@@ -205,25 +194,14 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     );
     // A file of an earlier release kept a retired block Draining: moved
     // quietly (not counted as revived), and said.
-    store
-        .conn
-        .execute(
-            "UPDATE cidr_blocks SET state = 'Draining' WHERE id = ?1",
-            [retired],
-        )
-        .unwrap();
-    drop(store);
-    let mut store = open(&dir.db());
-    assert_eq!(state(&store, retired), "Withheld");
-    assert_eq!(store.rollback_repairs().revived_blocks, 0);
-    assert!(
-        store
-            .open_warnings()
-            .iter()
-            .any(|w| w.contains("is retired by Metis but its state is Draining")),
-        "{:?}",
-        store.open_warnings()
+    let mut store = reopened_with_state(
+        store,
+        &dir.db(),
+        retired,
+        "Draining",
+        "is retired by Metis but its state is Draining",
     );
+    assert_eq!(store.rollback_repairs().revived_blocks, 0);
     // Configured again: Ready again.
     store
         .configure(Source::Cni, "n", Family::V4, &[old, new], false, NOW)
@@ -593,4 +571,32 @@ fn bounds_narrowed_under_pods_are_a_note_that_blames_no_one() {
         .collect();
     assert!(!named.is_empty(), "{report:?}");
     assert!(named.iter().all(|n| !n.contains("upstream")), "{named:?}");
+}
+
+/// Sets the retired block `id` to `block_state` behind Metis's back (as a
+/// file of another release would have it), reopens, and checks that the
+/// open withheld it again with a warning containing `warning`.
+fn reopened_with_state(
+    store: Store,
+    db: &std::path::Path,
+    id: i64,
+    block_state: &str,
+    warning: &str,
+) -> Store {
+    store
+        .conn
+        .execute(
+            "UPDATE cidr_blocks SET state = ?1 WHERE id = ?2",
+            params![block_state, id],
+        )
+        .unwrap();
+    drop(store);
+    let store = open(db);
+    assert_eq!(state(&store, id), "Withheld");
+    assert!(
+        store.open_warnings().iter().any(|w| w.contains(warning)),
+        "{:?}",
+        store.open_warnings()
+    );
+    store
 }
