@@ -359,18 +359,13 @@ impl ApiServer {
 
     /// Waits until `condition` holds on the state (re-checked on every change).
     pub fn wait_until(&self, what: &str, timeout: Duration, condition: impl Fn(&State) -> bool) {
-        let deadline = Instant::now() + timeout;
-        let mut state = self.state();
-        while !condition(&state) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "timed out waiting for {what}");
-            state = self
-                .shared
-                .changed
-                .wait_timeout(state, left.min(Duration::from_millis(200)))
-                .unwrap()
-                .0;
-        }
+        http::wait_until(
+            &self.shared.state,
+            &self.shared.changed,
+            what,
+            timeout,
+            condition,
+        );
     }
 
     fn serve(&mut self, listener: TcpListener) {

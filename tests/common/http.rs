@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -83,6 +83,28 @@ impl Acceptor {
         // Unblock accept() with a throwaway connection.
         let _ = TcpStream::connect(self.addr);
         let _ = self.thread.join();
+    }
+}
+
+/// Waits until `condition` holds on `state`, re-checked whenever `changed`
+/// is notified (and at least every 100 ms); panics naming `what` after
+/// `timeout`.
+pub fn wait_until<S>(
+    state: &Mutex<S>,
+    changed: &Condvar,
+    what: &str,
+    timeout: Duration,
+    condition: impl Fn(&S) -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    let mut guard = state.lock().unwrap();
+    while !condition(&guard) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "timed out waiting for {what}");
+        guard = changed
+            .wait_timeout(guard, left.min(Duration::from_millis(100)))
+            .unwrap()
+            .0;
     }
 }
 

@@ -634,18 +634,13 @@ impl KubeApi {
     /// Waits until `condition` holds (re-checked on every change); panics
     /// naming `what` after `timeout`.
     pub fn wait_until(&self, what: &str, timeout: Duration, condition: impl Fn(&State) -> bool) {
-        let deadline = Instant::now() + timeout;
-        let mut state = self.state();
-        while !condition(&state) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "timed out waiting for {what}");
-            state = self
-                .shared
-                .changed
-                .wait_timeout(state, left.min(Duration::from_millis(100)))
-                .unwrap()
-                .0;
-        }
+        http::wait_until(
+            &self.shared.state,
+            &self.shared.changed,
+            what,
+            timeout,
+            condition,
+        );
     }
 
     /// Stops listening and cuts every open connection (watches included).
