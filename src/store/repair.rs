@@ -233,12 +233,7 @@ impl Store {
         }
         self.healed = rollback::heal(&tx, &left, crate::log::now_ms())?;
         if settles_clean(&plan, &left) {
-            tx.prepare(concat!(
-                "INSERT INTO metis_settings (key, value) VALUES (?1, (",
-                schema::healed_state!(),
-                ")) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
-            ))?
-            .execute([schema::KEY_HEALED])?;
+            set_setting(&tx, schema::KEY_HEALED, &healed_state(&tx)?)?;
         }
         tx.commit()?;
         self.warnings.extend(plan.warnings);
@@ -262,23 +257,56 @@ fn settles_clean(plan: &Plan, left: &rollback::Leftovers) -> bool {
 }
 
 /// Whether the file is exactly as the healing last left it clean: its
-/// [`schema::healed_state!`] is the one recorded under
-/// [`schema::KEY_HEALED`] then. An open may then skip the schema check,
-/// the migration check and the healing: whoever wrote since (Metis's own
-/// requests, upstream's allocations and releases) only allocated and
-/// released rows that were there, which leaves nothing to heal in a clean
-/// file; any other write (a block added, drained, undrained or deleted, a
-/// row inserted, bounds, the mode, the schema) changes the state. False
-/// when it cannot be read (no settings table yet, an old file): the open
-/// then checks and heals everything, as before.
+/// [`healed_state`] is the one recorded under [`schema::KEY_HEALED`] then.
+/// An open may then skip the schema check, the migration check and the
+/// healing: whoever wrote since (Metis's own requests, upstream's
+/// allocations and releases) only allocated and released rows that were
+/// there, which leaves nothing to heal in a clean file; any other write (a
+/// block added, drained, undrained, a row inserted, a retirement, bounds,
+/// the mode, the schema) changes the state. False when it cannot be read
+/// (no settings table yet, an old file): the open then checks and heals
+/// everything, as before.
 pub(super) fn proven_healed(conn: &Connection) -> bool {
-    conn.prepare(concat!(
-        "SELECT value = (",
-        schema::healed_state!(),
-        ") FROM metis_settings WHERE key = ?1"
-    ))
-    .and_then(|mut stmt| stmt.query_row([schema::KEY_HEALED], |r| r.get::<_, bool>(0)))
-    .unwrap_or(false)
+    match get_setting(conn, schema::KEY_HEALED) {
+        Ok(Some(recorded)) => healed_state(conn).is_ok_and(|now| now == recorded),
+        _ => false,
+    }
+}
+
+/// The file's healed state as one text: the schema's versions, the rows of
+/// [`schema::HEALED_STATE`], the reservation mode and the layout mark.
+fn healed_state(conn: &Connection) -> Result<String, StoreError> {
+    use rusqlite::types::ValueRef;
+    use std::fmt::Write;
+    let versions = |name| conn.pragma_query_value(None, name, |r| r.get::<_, i64>(0));
+    let mut state = format!(
+        "{} {}",
+        versions("user_version")?,
+        versions("schema_version")?
+    );
+    let mut stmt = conn.prepare(schema::HEALED_STATE)?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        state.push('|');
+        for column in 0..5 {
+            match row.get_ref(column)? {
+                ValueRef::Null => state.push('-'),
+                ValueRef::Integer(value) => {
+                    let _ = write!(state, "{value}");
+                }
+                ValueRef::Text(text) => state.push_str(&String::from_utf8_lossy(text)),
+                other => {
+                    let _ = write!(state, "{other:?}");
+                }
+            }
+            state.push(' ');
+        }
+    }
+    for key in [schema::KEY_RESERVE_MODE, schema::KEY_LAYOUT] {
+        state.push('|');
+        state.push_str(get_setting(conn, key)?.as_deref().unwrap_or("-"));
+    }
+    Ok(state)
 }
 
 /// Findings as the open's warnings say them.
