@@ -42,6 +42,11 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
     }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        let len = u64::try_from(items.len()).unwrap();
+        &items[usize::try_from(self.below(len)).unwrap()]
+    }
 }
 
 const V4: [&str; 2] = ["198.18.50.0/28", "198.18.51.0/28"];
@@ -120,7 +125,7 @@ fn metis_step(path: &Path, rng: &mut Rng, n: u64, context: &dyn Fn() -> String) 
             if held.is_empty() {
                 "nothing to release".into()
             } else {
-                let (network, container) = &held[rng.below(held.len() as u64) as usize];
+                let (network, container) = rng.pick(&held);
                 let done = store.release(network, container, "eth0", NOW);
                 format!("release {network} {container}: {:?}", done.map(|_| ()))
             }
@@ -146,7 +151,7 @@ fn other_step(path: &Path, rng: &mut Rng, n: u64) -> String {
             if held.is_empty() {
                 return "upstream: nothing to release".into();
             }
-            let (network, container) = &held[rng.below(held.len() as u64) as usize];
+            let (network, container) = rng.pick(&held);
             let rows: Vec<(i64, i64)> = conn
                 .prepare(
                     "SELECT a.id, a.cidr_block_id FROM ip_addresses a \
