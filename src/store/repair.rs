@@ -273,14 +273,18 @@ pub(super) fn proven_healed(conn: &Connection) -> bool {
     }
 }
 
-/// The file's healed state as one text: the schema's versions, the rows of
+/// The file's healed state as one text: which Metis healed (its version
+/// and the size of its own tables' definitions: another Metis may check
+/// more, or expect other tables), the schema's versions, the rows of
 /// [`schema::HEALED_STATE`], the reservation mode and the layout mark.
 fn healed_state(conn: &Connection) -> Result<String, StoreError> {
     use rusqlite::types::ValueRef;
     use std::fmt::Write;
     let versions = |name| conn.pragma_query_value(None, name, |r| r.get::<_, i64>(0));
+    let own_tables: usize = schema::METIS_TABLES.iter().map(|(_, sql)| sql.len()).sum();
     let mut state = format!(
-        "{} {}",
+        "{} {own_tables} {} {}",
+        env!("CARGO_PKG_VERSION"),
         versions("user_version")?,
         versions("schema_version")?
     );
