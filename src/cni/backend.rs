@@ -245,6 +245,9 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     for warning in store.open_warnings() {
         log::warn("cni", "database", &[("warning", warning)]);
     }
+    if store.healing() == store::Healing::Skipped {
+        log::debug("cni", "database as last healed, healing skipped", &[]);
+    }
     if let Err(err) = store.leave_wal_on_close() {
         log::warn(
             "cni",
