@@ -163,6 +163,9 @@ fn dump(db: &Path) -> Vec<String> {
             rows.push(format!("{table}: {}", values.join(", ")));
         }
     }
+    // The healing's record of the file as it last left it (not an
+    // allocation): the open of a restored file heals and records it anew.
+    rows.retain(|row| !row.starts_with("metis_settings: Text(\"healed_state\")"));
     rows
 }
 

@@ -245,6 +245,9 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     for warning in store.open_warnings() {
         log::warn("cni", "database", &[("warning", warning)]);
     }
+    if store.healing() == store::Healing::Skipped {
+        log::debug("cni", "database as last healed, healing skipped", &[]);
+    }
     if let Err(err) = store.leave_wal_on_close() {
         log::warn(
             "cni",
@@ -282,6 +285,14 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     if let Err(err) = engine.store().trim_wal() {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }
+    // Not closed: the process exits once the answer is printed. Closing
+    // would write nothing once `leave_wal_on_close` is in force (no
+    // checkpoint, the WAL and its index stay) and only finalize statements
+    // and free memory, a
+    // direct-mode DEL's twelfth; the exit closes the files and drops the
+    // locks as a crash would, which the next opener handles as it handles a
+    // close (it rebuilds the WAL index from the WAL either way).
+    std::mem::forget(engine);
     Ok(response)
 }
 

@@ -614,6 +614,18 @@ pub struct Store {
     passed_over: alloc::PassedOver,
     /// What the open-time repair healed of a rollback to upstream.
     healed: rollback::Healed,
+    /// Whether the open ran the healing.
+    healing: Healing,
+}
+
+/// What an open did about healing (`repair`): ran it (checking everything,
+/// healing what it found), or skipped it on proof that the file is as the
+/// healing last left it clean (`repair::proven_healed`). A read-only open
+/// never heals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Healing {
+    Ran,
+    Skipped,
 }
 
 /// The group commit the daemon's loop may hold open (see
@@ -801,11 +813,20 @@ impl Store {
             batch: Batch::None,
             passed_over: Default::default(),
             healed: rollback::Healed::default(),
+            healing: Healing::Ran,
         };
-        let upstream_only = store.install_schema()?;
-        store.reserve = store
+        // A file as the healing last left it clean needs neither the
+        // schema check nor the healing (see `repair::proven_healed`): most
+        // of what a one-request process (direct mode) spent opening it.
+        let proven = repair::proven_healed(&store.conn);
+        let upstream_only = match proven {
+            true => false,
+            false => store.install_schema()?,
+        };
+        let (reserve, mode_changed) = store
             .settle_reserve_mode(opts.reserve)
             .during("open: reserve mode")?;
+        store.reserve = reserve;
         // Upstream released with its daemon's cooldown: a first open
         // without one asked for (direct mode) keeps that, not none.
         let cooldown = opts
@@ -814,7 +835,13 @@ impl Store {
         store.release_cooldown_ms = store
             .settle_release_cooldown(cooldown)
             .during("open: release cooldown")?;
-        store.repair().during("open: repair")?;
+        store.healing = match proven && !mode_changed {
+            true => Healing::Skipped,
+            false => {
+                store.repair().during("open: repair")?;
+                Healing::Ran
+            }
+        };
         Ok(store)
     }
 
@@ -940,6 +967,7 @@ impl Store {
             batch: Batch::None,
             passed_over: Default::default(),
             healed: rollback::Healed::default(),
+            healing: Healing::Skipped,
         }))
     }
 
@@ -963,6 +991,12 @@ impl Store {
     /// address at a reserved position), for the caller to log.
     pub fn open_warnings(&self) -> &[String] {
         &self.warnings
+    }
+
+    /// Whether this open ran the healing or skipped it, the file being
+    /// as the healing last left it clean.
+    pub fn healing(&self) -> Healing {
+        self.healing
     }
 
     /// What this open healed of what upstream's store left (see
@@ -1134,10 +1168,11 @@ impl Store {
         Ok(())
     }
 
+    /// The mode in force, and whether it was recorded just now (changed).
     fn settle_reserve_mode(
         &mut self,
         requested: Option<ReserveMode>,
-    ) -> Result<ReserveMode, StoreError> {
+    ) -> Result<(ReserveMode, bool), StoreError> {
         let stored = match get_setting(&self.conn, schema::KEY_RESERVE_MODE)? {
             None => None,
             Some(text) => {
@@ -1151,16 +1186,17 @@ impl Store {
             }
         };
         match requested {
-            None => Ok(stored.unwrap_or_default()),
+            None => Ok((stored.unwrap_or_default(), false)),
             Some(mode) => {
-                if stored != Some(mode) {
+                let changed = stored != Some(mode);
+                if changed {
                     let tx = self
                         .conn
                         .transaction_with_behavior(TransactionBehavior::Immediate)?;
                     set_setting(&tx, schema::KEY_RESERVE_MODE, mode.as_str())?;
                     tx.commit()?;
                 }
-                Ok(mode)
+                Ok((mode, changed))
             }
         }
     }

@@ -191,13 +191,14 @@ impl Plan {
 }
 
 impl Store {
-    /// Brings reservations in line with the mode. Read-only unless
-    /// something must change.
+    /// Brings reservations in line with the mode and heals what other
+    /// writers left (`rollback`). Read-only unless something must change,
+    /// or the file is clean and not yet stamped so ([`proven_healed`]).
     pub(super) fn repair(&mut self) -> Result<(), StoreError> {
         let mode = self.reserve;
         let first = plan(&self.conn, mode)?;
         let left = rollback::find(&self.conn)?;
-        if !first.changes() && !left.changes() {
+        if !first.changes() && !left.changes() && !settles_clean(&first, &left) {
             self.warnings.extend(first.warnings);
             self.warnings.extend(store_lines(left.describe(false)));
             return Ok(());
@@ -231,6 +232,9 @@ impl Store {
             }
         }
         self.healed = rollback::heal(&tx, &left, crate::log::now_ms())?;
+        if settles_clean(&plan, &left) {
+            set_setting(&tx, schema::KEY_HEALED, &healed_state(&tx)?)?;
+        }
         tx.commit()?;
         self.warnings.extend(plan.warnings);
         self.warnings.extend(store_lines(left.describe(true)));
@@ -238,7 +242,100 @@ impl Store {
     }
 }
 
+/// Whether healing what `plan` and `left` found leaves the file clean:
+/// nothing it warns about, no pod holding a row it would heal once free.
+/// Only then may the file be stamped healed: a row a pod holds outside its
+/// block's range becomes something to heal when anyone (upstream too)
+/// releases it, a write the stamp does not see.
+fn settles_clean(plan: &Plan, left: &rollback::Leftovers) -> bool {
+    plan.warnings.is_empty()
+        && left
+            .beyond_bounds
+            .iter()
+            .chain(&left.outside_prefix)
+            .all(|stray| stray.holder.is_none())
+}
+
+/// Whether the file is exactly as the healing last left it clean: its
+/// [`healed_state`] is the one recorded under [`schema::KEY_HEALED`] then.
+/// An open may then skip the schema check, the migration check and the
+/// healing: whoever wrote since (Metis's own requests, upstream's
+/// allocations and releases) only allocated and released rows that were
+/// there, which leaves nothing to heal in a clean file; any other write (a
+/// block added, drained, undrained, a row inserted, a retirement, bounds,
+/// the mode, the schema) changes the state. False when it cannot be read
+/// (no settings table yet, an old file): the open then checks and heals
+/// everything, as before.
+pub(super) fn proven_healed(conn: &Connection) -> bool {
+    match get_setting(conn, schema::KEY_HEALED) {
+        Ok(Some(recorded)) => healed_state(conn).is_ok_and(|now| now == recorded),
+        _ => false,
+    }
+}
+
+/// The file's healed state as one text: which Metis healed (its version
+/// and the size of its own tables' definitions: another Metis may check
+/// more, or expect other tables), the schema's versions, the rows of
+/// [`schema::HEALED_STATE`], the reservation mode and the layout mark.
+fn healed_state(conn: &Connection) -> Result<String, StoreError> {
+    use rusqlite::types::ValueRef;
+    use std::fmt::Write;
+    let versions = |name| conn.pragma_query_value(None, name, |r| r.get::<_, i64>(0));
+    let own_tables: usize = schema::METIS_TABLES.iter().map(|(_, sql)| sql.len()).sum();
+    let mut state = format!(
+        "{} {own_tables} {} {}",
+        env!("CARGO_PKG_VERSION"),
+        versions("user_version")?,
+        versions("schema_version")?
+    );
+    let mut stmt = conn.prepare(schema::HEALED_STATE)?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        state.push('|');
+        for column in 0..5 {
+            match row.get_ref(column)? {
+                ValueRef::Null => state.push('-'),
+                ValueRef::Integer(value) => {
+                    let _ = write!(state, "{value}");
+                }
+                ValueRef::Text(text) => state.push_str(&String::from_utf8_lossy(text)),
+                other => {
+                    let _ = write!(state, "{other:?}");
+                }
+            }
+            state.push(' ');
+        }
+    }
+    for key in [schema::KEY_RESERVE_MODE, schema::KEY_LAYOUT] {
+        state.push('|');
+        state.push_str(get_setting(conn, key)?.as_deref().unwrap_or("-"));
+    }
+    Ok(state)
+}
+
 /// Findings as the open's warnings say them.
 fn store_lines(lines: Vec<String>) -> impl Iterator<Item = String> {
     lines.into_iter().map(|line| format!("store: {line}"))
+}
+
+/// What the healing would do to the file as it is: lines naming each thing
+/// it would change or leave pending (none: the file is healed clean).
+#[cfg(test)]
+pub(super) fn pending(conn: &Connection, mode: ReserveMode) -> Result<Vec<String>, StoreError> {
+    let plan = plan(conn, mode)?;
+    let left = rollback::find(conn)?;
+    let mut lines = left.describe(false);
+    lines.extend(plan.warnings.iter().cloned());
+    let changes = [
+        ("rows to reserve", plan.reserve.len()),
+        ("reserved rows to free", plan.free.len()),
+        ("reserved rows to insert", plan.insert.len()),
+        ("layout marks", usize::from(plan.mark)),
+    ];
+    for (what, count) in changes {
+        if count > 0 {
+            lines.push(format!("{count} {what}"));
+        }
+    }
+    Ok(lines)
 }

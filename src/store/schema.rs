@@ -180,6 +180,32 @@ pub const KEY_CLEAN_STOP: &str = "clean_stop";
 /// found every address row sound (see `check::Watermark`).
 pub const KEY_ROWS_VERIFIED: &str = "rows_verified";
 
+/// `metis_settings` key holding the file's healed state (see
+/// [`HEALED_STATE`]) as the open-time healing (`repair`) last left the file:
+/// clean, nothing pending. While the file still says the same, nobody has
+/// written anything that healing looks at since (see
+/// `repair::proven_healed`), and an open skips it.
+pub const KEY_HEALED: &str = "healed_state";
+
+/// The rows of the file's healed state: everything the open-time healing
+/// depends on but the schema (`user_version` and `schema_version` join
+/// them) and the reservation mode and layout mark (settings): the highest
+/// row id ever given in `cidr_blocks` and `ip_addresses`
+/// (`sqlite_sequence`, AUTOINCREMENT: any row inserted — a block added,
+/// upstream's IPv6 expansion — even if deleted again), every block's
+/// state (a drain, an undrain, an expiry; a delete removes the row), Metis's
+/// record of each block's retirement and quarantine, and the host-local
+/// bounds. Not in it, so that ADD and DEL leave it alone: `allocated_ips`,
+/// `updated_at` and the address rows' own columns — allocating and
+/// releasing rows that exist, which by themselves never leave anything to
+/// heal in a file healed clean. One statement of plain arms: its
+/// preparation is most of what an open that skips the healing pays.
+pub const HEALED_STATE: &str = "\
+     SELECT 's', name, seq, NULL, NULL FROM sqlite_sequence \
+     UNION ALL SELECT 'b', id, state, NULL, NULL FROM cidr_blocks \
+     UNION ALL SELECT 'm', block_id, retired, quarantine IS NULL, NULL FROM metis_blocks \
+     UNION ALL SELECT 'r', network || ' ' || cidr, range_start, range_end, gateway FROM metis_bounds";
+
 /// Keys earlier versions kept per block or per network in
 /// `metis_settings`, each a prefix followed by the block id or the network:
 /// the population frontier (named when only IPv6 blocks grew lazily),

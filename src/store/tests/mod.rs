@@ -4,6 +4,7 @@ mod alloc;
 mod batch;
 mod growth;
 mod handout;
+mod healing;
 mod lifecycle;
 mod listings;
 mod open;

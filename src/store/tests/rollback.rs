@@ -30,7 +30,7 @@ fn block_id(store: &Store, network: &str, prefix: &str) -> i64 {
 
 /// Upstream's `AllocateIP`: the lowest-id free, non-cooling row of the
 /// network's Ready blocks of `family` with room, oldest block first.
-fn upstream_allocate(
+pub(super) fn upstream_allocate(
     conn: &Connection,
     network: &str,
     family: &str,
@@ -76,7 +76,11 @@ fn upstream_allocate(
 
 /// Upstream's `expandIPv6Block`: up to 64 rows from (the highest-id row's
 /// address) + 1, inside the prefix, no bounds. Err: the insert failed.
-fn upstream_expand(conn: &Connection, block: i64, prefix: &str) -> Result<u32, rusqlite::Error> {
+pub(super) fn upstream_expand(
+    conn: &Connection,
+    block: i64,
+    prefix: &str,
+) -> Result<u32, rusqlite::Error> {
     let cidr: Cidr = prefix.parse().unwrap();
     let last: String = conn.query_row(
         "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id DESC LIMIT 1",
