@@ -285,13 +285,12 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     if let Err(err) = engine.store().trim_wal() {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }
-    // Not closed: the process exits once the answer is printed. Closing
-    // would write nothing once `leave_wal_on_close` is in force (no
-    // checkpoint, the WAL and its index stay) and only finalize statements
-    // and free memory, a
-    // direct-mode DEL's twelfth; the exit closes the files and drops the
-    // locks as a crash would, which the next opener handles as it handles a
-    // close (it rebuilds the WAL index from the WAL either way).
+    // Not closed: the plugin exits once the answer is printed. With
+    // `leave_wal_on_close` in force a close writes nothing (no checkpoint;
+    // the WAL and its index stay) and only finalizes statements and frees
+    // memory, a twelfth of a direct-mode DEL. The exit closes the files and
+    // drops the locks as a crash would, which the next opener handles as it
+    // handles a close: it rebuilds the WAL index from the WAL either way.
     std::mem::forget(engine);
     Ok(response)
 }
