@@ -21,13 +21,13 @@ TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 # - SQLite's C at -Os without unwind tables (CFLAGS_<triple>, read by the cc
 #   crate after its own -O3): 660 KB less, the daemon +5-10 % per request,
 #   the plugin (which opens no database) unchanged.
-# - no unwind tables (link/discard-eh-frame.ld, and no .eh_frame_hdr): with
+# - no unwind tables (src/discard-eh-frame.ld, and no .eh_frame_hdr): with
 #   panic = "abort" nothing unwinds; std's, glibc's and libgcc's tables were
 #   187 KB of the edge build. What is lost: the frames of RUST_BACKTRACE=1
 #   (a stripped binary printed none anyway) and pthread_cancel/pthread_exit,
 #   which Metis never calls.
 HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
-NO_UNWIND := -C link-arg=-Wl,-T,$(CURDIR)/link/discard-eh-frame.ld -C link-arg=-Wl,--no-eh-frame-hdr
+NO_UNWIND := -C link-arg=-Wl,-T,$(CURDIR)/src/discard-eh-frame.ld -C link-arg=-Wl,--no-eh-frame-hdr
 STATIC := RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static $(NO_UNWIND)" \
   CFLAGS_$(subst -,_,$(HOST))="-Os -fno-asynchronous-unwind-tables -fno-unwind-tables"
 # The edge build's own code at opt-level "s" (bench/history.md, "third
