@@ -10,6 +10,7 @@ mod open;
 mod plans;
 mod reserve;
 mod rollback;
+mod statements;
 mod upstream;
 
 use std::collections::HashSet;
