@@ -267,7 +267,17 @@ impl Conn {
                 _ => self.queue(&reply, now),
             }
         }
-        self.flush(now)
+        let state = self.flush(now);
+        if state == State::Closed || self.wants_write() || self.awaiting || self.peer_closed {
+            return state;
+        }
+        // A plugin shuts its sending side right after its request; when the
+        // request was read before that, the end of the stream has usually
+        // arrived while the turn committed: one read now saves a wake-up.
+        if self.fill_input(now) == State::Closed || (self.peer_closed && self.input.is_empty()) {
+            return State::Closed;
+        }
+        State::Open
     }
 
     /// Writes queued response bytes until the socket would block; nothing
@@ -414,6 +424,27 @@ mod tests {
         assert_eq!(conn.release(None, now), State::Closed);
         drop(conn);
         assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+    }
+
+    #[test]
+    fn a_half_close_that_came_during_the_commit_is_seen_as_the_reply_goes() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        let now = Instant::now();
+        let reply = &mut |_, _| Answer::Reply(answer(Code::Ok));
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        client.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+        // A client that stays for another request keeps its connection.
+        let (mut conn, client) = pair();
+        (&client).write_all(&health()).unwrap();
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        assert_eq!(conn.release(None, now), State::Open);
+        (&client).write_all(&health()).unwrap();
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        assert_eq!(conn.release(None, now), State::Open);
     }
 
     #[test]
