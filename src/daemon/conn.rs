@@ -219,7 +219,14 @@ impl Conn {
                 }
             }
         }
-        if self.peer_closed && !self.input.is_empty() && !self.awaiting && !self.closing {
+        // (A complete request left for the next turn, the batch being
+        // full, is not cut.)
+        if self.peer_closed
+            && !self.input.is_empty()
+            && !self.awaiting
+            && !self.closing
+            && matches!(frame::split(&self.input, MAX_REQUEST_FRAME), Ok(None))
+        {
             // The client shut its sending side in the middle of a frame:
             // nothing more can come, so it is told (after the replies to
             // what it sent complete).
@@ -302,7 +309,9 @@ impl Conn {
         self.output.clear();
         self.written = 0;
         self.write_since = None;
-        if self.closing || (self.peer_closed && !self.awaiting) {
+        // A client that shut its sending side is done once nothing it sent
+        // waits: a request the full batch left for the next turn still does.
+        if self.closing || (self.peer_closed && !self.awaiting && self.input.is_empty()) {
             return State::Closed;
         }
         State::Open
@@ -530,6 +539,24 @@ mod tests {
         assert_eq!(conn.release(None, now), State::Closed);
         drop(conn);
         assert_eq!(read_all(&mut client), (vec![Code::InvalidArgument], true));
+    }
+
+    #[test]
+    fn a_request_left_for_the_next_turn_by_a_full_batch_survives_a_half_close() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let now = Instant::now();
+        assert_eq!(
+            conn.on_readable(now, false, &mut |_, _| Answer::Later),
+            State::Open
+        );
+        assert!(conn.has_buffered_request());
+        let state = conn.process(now, &mut |_, _| Answer::Reply(answer(Code::Ok)));
+        assert_eq!(state, State::Open);
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
     }
 
     #[test]
