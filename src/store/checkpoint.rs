@@ -180,16 +180,18 @@ impl Pin {
             return Ok(());
         }
         self.end()?;
-        self.conn.execute_batch("BEGIN")?;
+        // Cached: a pass runs these every 100 ms while the daemon writes.
+        self.conn.prepare_cached("BEGIN")?.execute([])?;
         self.conn
-            .query_row("SELECT COUNT(*) FROM sqlite_master", [], |_| Ok(()))?;
+            .prepare_cached("SELECT COUNT(*) FROM sqlite_master")?
+            .query_row([], |_| Ok(()))?;
         self.seen = Some(version);
         Ok(())
     }
 
     fn end(&mut self) -> rusqlite::Result<()> {
         if !self.conn.is_autocommit() {
-            self.conn.execute_batch("COMMIT")?;
+            self.conn.prepare_cached("COMMIT")?.execute([])?;
         }
         Ok(())
     }
@@ -276,7 +278,9 @@ fn pinned_pass(
         Some(pin) => pin,
         None => pin.insert(Pin::new(open(path, file)?, RESTART_FRAMES)),
     };
-    let version: i64 = checkpoint.query_row("PRAGMA data_version", [], |row| row.get(0))?;
+    let version: i64 = checkpoint
+        .prepare_cached("PRAGMA data_version")?
+        .query_row([], |row| row.get(0))?;
     pin.take(version)?;
     let state = checkpoint_passive(checkpoint)?;
     pin.after(state)?;
@@ -312,12 +316,13 @@ fn open(path: &Path, file: Option<(u64, u64)>) -> Result<Connection, rusqlite::E
 }
 
 fn checkpoint_passive(conn: &Connection) -> Result<WalState, rusqlite::Error> {
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
-        Ok(WalState {
-            frames: row.get(1)?,
-            copied: row.get(2)?,
+    conn.prepare_cached("PRAGMA wal_checkpoint(PASSIVE)")?
+        .query_row([], |row| {
+            Ok(WalState {
+                frames: row.get(1)?,
+                copied: row.get(2)?,
+            })
         })
-    })
 }
 
 #[cfg(test)]
