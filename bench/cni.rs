@@ -99,6 +99,12 @@ impl<'a> Subject<'a> {
     }
 }
 
+/// A release cooldown longer than any run of the cycles: each round's
+/// address must be new (the uniqueness check), and on a loaded machine the
+/// 620 rounds outlast the default minute, after which the first address
+/// released is rightly handed out again.
+const CYCLE_COOLDOWN: &[&str] = &["--release-cooldown", "1h"];
+
 /// `cycles` measured rounds (after `warmup` unrecorded ones), each running
 /// every build (each with its own daemon), host-local and the floor once,
 /// the order rotating every round.
@@ -110,7 +116,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
     let _daemons: Vec<Daemon> = builds
         .iter()
         .zip(&dirs)
-        .map(|(build, dir)| build.daemon(dir, &[]))
+        .map(|(build, dir)| build.daemon(dir, CYCLE_COOLDOWN))
         .collect();
     let mut subjects: Vec<Subject> = builds
         .iter()
@@ -124,7 +130,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
         .iter()
         .map(|build| {
             let dir = TempDir::new(&format!("cycles-direct-{}", build.name()));
-            assert!(build.daemon(&dir, &[]).stop().success());
+            assert!(build.daemon(&dir, CYCLE_COOLDOWN).stop().success());
             dir
         })
         .collect();

@@ -332,9 +332,14 @@ impl Engine {
         // later family fails. What the owner held before (a repeated ADD)
         // stays untouched, whatever this request's outcome.
         let mut taken: Vec<(Family, &ipam::IpConfig)> = Vec::new();
-        for (family, config) in configs {
-            let Some(config) = config else { continue };
-            let held_before = self.holds(network, family, config)?;
+        for (at, (family, config)) in configs.iter().enumerate() {
+            let (family, Some(config)) = (*family, *config) else {
+                continue;
+            };
+            // Only a later family's failure undoes this one: without one,
+            // the lookup is not needed (the store makes its own).
+            let later = configs[at + 1..].iter().any(|(_, later)| later.is_some());
+            let held_before = later && self.holds(network, family, config)?;
             match self.allocate_family(network, family, config, req, now_ms) {
                 Ok(allocation) => {
                     match family {

@@ -80,7 +80,7 @@ impl Daemon {
         let mut waiting = false;
         loop {
             let err = match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
-                Ok(mut client) => return client.call(request),
+                Ok(client) => return client.call_once(request),
                 Err(err) => err,
             };
             let may_answer_soon = err.listener_busy()

@@ -6,6 +6,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use nix::poll::PollFlags;
 use prost::Message;
 
 use crate::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
@@ -119,6 +120,21 @@ impl Conn {
         self.written < self.output.len()
     }
 
+    /// What `poll` should watch for: room to write while a response is
+    /// unsent; else input — except from a client that shut its sending
+    /// side after a request now parked, which stays readable (the end of
+    /// the stream) and would wake every turn: then only its hang-up
+    /// (`POLLHUP`, reported whatever is asked) matters.
+    pub fn interest(&self) -> PollFlags {
+        if self.wants_write() {
+            PollFlags::POLLOUT
+        } else if self.awaiting && self.peer_closed {
+            PollFlags::empty()
+        } else {
+            PollFlags::POLLIN
+        }
+    }
+
     /// Queues a response that ends the connection (cap reached, peer
     /// refused, protocol error): it is flushed, then the socket closed.
     pub fn refuse(&mut self, code: Code, why: &str, message: String, now: Instant) -> State {
@@ -137,17 +153,17 @@ impl Conn {
 
     /// Reads what the socket has, then answers every complete request with
     /// `handle`, which returns `None` when it parked the request.
-    pub fn on_readable(&mut self, now: Instant, handle: &mut Handler<'_>) -> State {
+    /// `hung_up`: `poll` reported the client's end closed.
+    pub fn on_readable(&mut self, now: Instant, hung_up: bool, handle: &mut Handler<'_>) -> State {
         if self.fill_input(now) == State::Closed {
             return State::Closed;
         }
         if self.awaiting {
-            // Only a hang-up matters while the answer is pending.
-            return if self.peer_closed {
-                State::Closed
-            } else {
-                State::Open
-            };
+            // Only a hang-up matters while the answer is pending: the end
+            // of the stream alone is a client that shut its sending side
+            // after its request (`Client::call_once`) and waits for the
+            // answer.
+            return if hung_up { State::Closed } else { State::Open };
         }
         self.process(now, handle)
     }
@@ -203,6 +219,26 @@ impl Conn {
                 }
             }
         }
+        // (A complete request left for the next turn, the batch being
+        // full, is not cut.)
+        if self.peer_closed
+            && !self.input.is_empty()
+            && !self.awaiting
+            && !self.closing
+            && matches!(frame::split(&self.input, MAX_REQUEST_FRAME), Ok(None))
+        {
+            // The client shut its sending side in the middle of a frame:
+            // nothing more can come, so it is told (after the replies to
+            // what it sent complete).
+            self.input.clear();
+            let refusal = Response::error(
+                Code::InvalidArgument,
+                reason::MALFORMED_REQUEST,
+                "the request ended in the middle of its frame".to_string(),
+            );
+            self.held.push((refusal, false));
+            self.closing = true;
+        }
         self.partial_since = match (self.input.is_empty(), self.partial_since) {
             (true, _) => None,
             (false, Some(since)) => Some(since),
@@ -238,7 +274,17 @@ impl Conn {
                 _ => self.queue(&reply, now),
             }
         }
-        self.flush(now)
+        let state = self.flush(now);
+        if state == State::Closed || self.wants_write() || self.awaiting || self.peer_closed {
+            return state;
+        }
+        // A plugin shuts its sending side right after its request; when the
+        // request was read before that, the end of the stream has usually
+        // arrived while the turn committed: one read now saves a wake-up.
+        if self.fill_input(now) == State::Closed || (self.peer_closed && self.input.is_empty()) {
+            return State::Closed;
+        }
+        State::Open
     }
 
     /// Writes queued response bytes until the socket would block; nothing
@@ -263,7 +309,9 @@ impl Conn {
         self.output.clear();
         self.written = 0;
         self.write_since = None;
-        if self.closing || (self.peer_closed && !self.awaiting) {
+        // A client that shut its sending side is done once nothing it sent
+        // waits: a request the full batch left for the next turn still does.
+        if self.closing || (self.peer_closed && !self.awaiting && self.input.is_empty()) {
             return State::Closed;
         }
         State::Open
@@ -313,5 +361,214 @@ impl Conn {
             self.write_since.get_or_insert(now);
             self.answered = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::Shutdown;
+    use std::os::fd::AsFd;
+
+    use nix::poll::{PollFd, PollTimeout, poll};
+
+    use super::*;
+    use crate::wire::{HealthCheckRequest, request};
+
+    const LIMITS: Limits = Limits {
+        idle: Duration::from_secs(60),
+        request: Duration::from_secs(60),
+    };
+
+    fn health() -> Vec<u8> {
+        let request = Request {
+            kind: Some(request::Kind::Health(HealthCheckRequest {})),
+        };
+        frame::encode(&request.encode_to_vec(), MAX_REQUEST_FRAME).unwrap()
+    }
+
+    /// A connection on one end of a socket pair, the client on the other.
+    fn pair() -> (Conn, UnixStream) {
+        let (daemon, client) = UnixStream::pair().unwrap();
+        daemon.set_nonblocking(true).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        (Conn::new(1, daemon, LIMITS, Instant::now()), client)
+    }
+
+    /// What `poll` reports for the connection now, asking what it asks.
+    fn events(conn: &Conn) -> PollFlags {
+        let mut fds = [PollFd::new(conn.stream().as_fd(), conn.interest())];
+        poll(&mut fds, PollTimeout::ZERO).unwrap();
+        fds[0].revents().unwrap()
+    }
+
+    fn answer(code: Code) -> Response {
+        Response::error(code, "test", "answer".to_string())
+    }
+
+    /// The responses the client reads, then whether the stream ended.
+    fn read_all(client: &mut UnixStream) -> (Vec<Code>, bool) {
+        let mut bytes = Vec::new();
+        let ended = client.read_to_end(&mut bytes).is_ok();
+        let mut codes = Vec::new();
+        let mut rest = bytes.as_slice();
+        while let Ok(Some((payload, used))) = frame::split(rest, MAX_RESPONSE_FRAME) {
+            codes.push(Response::decode(&rest[payload]).unwrap().code());
+            rest = &rest[used..];
+        }
+        (codes, ended)
+    }
+
+    #[test]
+    fn a_request_then_a_half_close_is_answered_and_the_daemon_closes() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let now = Instant::now();
+        let state = conn.on_readable(now, false, &mut |_, _| Answer::Reply(answer(Code::Ok)));
+        assert_eq!(state, State::Open, "the reply waits for the commit");
+        // Sent, then closed: no wake-up for a hang-up is needed.
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+    }
+
+    #[test]
+    fn a_half_close_that_came_during_the_commit_is_seen_as_the_reply_goes() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        let now = Instant::now();
+        let reply = &mut |_, _| Answer::Reply(answer(Code::Ok));
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        client.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+        // A client that stays for another request keeps its connection.
+        let (mut conn, client) = pair();
+        (&client).write_all(&health()).unwrap();
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        assert_eq!(conn.release(None, now), State::Open);
+        (&client).write_all(&health()).unwrap();
+        assert_eq!(conn.on_readable(now, false, reply), State::Open);
+        assert_eq!(conn.release(None, now), State::Open);
+    }
+
+    #[test]
+    fn a_parked_request_waits_through_a_half_close_and_ends_on_a_hang_up() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let now = Instant::now();
+        assert_eq!(
+            conn.on_readable(now, false, &mut |_, _| Answer::Parked),
+            State::Open
+        );
+        // The end of the stream stays readable; it is not asked for, so
+        // the parked connection does not wake the loop every turn.
+        assert_eq!(conn.interest(), PollFlags::empty());
+        assert_eq!(events(&conn), PollFlags::empty());
+        // Answered later: delivered, then closed.
+        assert_eq!(conn.deliver(&answer(Code::Ok), now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+
+        let (mut conn, client) = pair();
+        let mut sending = client.try_clone().unwrap();
+        sending.write_all(&health()).unwrap();
+        sending.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(
+            conn.on_readable(now, false, &mut |_, _| Answer::Parked),
+            State::Open
+        );
+        drop((client, sending));
+        // The hang-up is reported although nothing is asked for.
+        let fired = events(&conn);
+        assert!(fired.contains(PollFlags::POLLHUP), "{fired:?}");
+        let mut handled = false;
+        let state = conn.on_readable(now, true, &mut |_, _| {
+            handled = true;
+            Answer::Parked
+        });
+        assert_eq!(state, State::Closed);
+        assert!(!handled);
+    }
+
+    #[test]
+    fn a_parked_request_of_a_client_that_keeps_sending_waits_for_a_hang_up() {
+        let (mut conn, client) = pair();
+        (&client).write_all(&health()).unwrap();
+        let now = Instant::now();
+        assert_eq!(
+            conn.on_readable(now, false, &mut |_, _| Answer::Parked),
+            State::Open
+        );
+        assert_eq!(conn.interest(), PollFlags::POLLIN);
+        // A second request behind the parked one is buffered, not served.
+        (&client).write_all(&health()).unwrap();
+        let mut handled = false;
+        let state = conn.on_readable(now, false, &mut |_, _| {
+            handled = true;
+            Answer::Parked
+        });
+        assert_eq!((state, handled), (State::Open, false));
+        drop(client);
+        assert!(events(&conn).contains(PollFlags::POLLHUP));
+        assert_eq!(
+            conn.on_readable(now, true, &mut |_, _| Answer::Parked),
+            State::Closed
+        );
+    }
+
+    #[test]
+    fn a_half_close_in_the_middle_of_a_frame_is_refused() {
+        let (mut conn, mut client) = pair();
+        let request = health();
+        client.write_all(&request[..request.len() - 1]).unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let now = Instant::now();
+        let mut handled = false;
+        let state = conn.on_readable(now, false, &mut |_, _| {
+            handled = true;
+            Answer::Reply(answer(Code::Ok))
+        });
+        assert!(!handled);
+        assert_eq!(state, State::Open, "the refusal waits behind the commit");
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::InvalidArgument], true));
+    }
+
+    #[test]
+    fn a_request_left_for_the_next_turn_by_a_full_batch_survives_a_half_close() {
+        let (mut conn, mut client) = pair();
+        client.write_all(&health()).unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let now = Instant::now();
+        assert_eq!(
+            conn.on_readable(now, false, &mut |_, _| Answer::Later),
+            State::Open
+        );
+        assert!(conn.has_buffered_request());
+        let state = conn.process(now, &mut |_, _| Answer::Reply(answer(Code::Ok)));
+        assert_eq!(state, State::Open);
+        assert_eq!(conn.release(None, now), State::Closed);
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![Code::Ok], true));
+    }
+
+    #[test]
+    fn a_half_close_before_any_request_ends_the_connection() {
+        let (mut conn, mut client) = pair();
+        client.shutdown(Shutdown::Write).unwrap();
+        let state = conn.on_readable(Instant::now(), false, &mut |_, _| {
+            Answer::Reply(answer(Code::Ok))
+        });
+        assert_eq!(state, State::Closed);
+        assert!(conn.is_settled());
+        drop(conn);
+        assert_eq!(read_all(&mut client), (vec![], true));
     }
 }

@@ -280,7 +280,7 @@ impl EventLoop {
     /// One turn's requests: every connection with something to do is
     /// served into the batch, the batch is committed, and only then are
     /// the held replies released.
-    fn serve(&mut self, fired: &[bool], now: Instant) {
+    fn serve(&mut self, fired: &[Fired], now: Instant) {
         let EventLoop {
             engine,
             adaptive,
@@ -302,9 +302,12 @@ impl EventLoop {
             // A connection accepted this turn was not in the poll set: its
             // client writes its request right after connecting, so it is
             // read now rather than after one more `poll`.
-            let active = fired.get(index).copied().unwrap_or(true);
+            let events = fired.get(index).copied().unwrap_or(Fired {
+                any: true,
+                hung_up: false,
+            });
             index += 1;
-            let state = match batch.serve_conn(conn, active) {
+            let state = match batch.serve_conn(conn, events) {
                 None => return true,
                 Some(state) => state,
             };
@@ -398,7 +401,16 @@ struct Ready {
     signal: bool,
     listener: bool,
     wake: bool,
-    conns: Vec<bool>,
+    conns: Vec<Fired>,
+}
+
+/// What `poll` reported for one connection.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fired {
+    /// Anything at all.
+    any: bool,
+    /// The client closed its end (`POLLHUP`): gone, not only done sending.
+    hung_up: bool,
 }
 
 /// The poll set: the signal fd, the listener and (with a cluster) the
@@ -429,12 +441,7 @@ impl<'fd> PollSlots<'fd> {
         let wake = wake.map(|fd| slot(fd, PollFlags::POLLIN));
         let first_conn = fds.len();
         for conn in conns {
-            let interest = if conn.wants_write() {
-                PollFlags::POLLOUT
-            } else {
-                PollFlags::POLLIN
-            };
-            fds.push(PollFd::new(conn.stream().as_fd(), interest));
+            fds.push(PollFd::new(conn.stream().as_fd(), conn.interest()));
         }
         PollSlots {
             fds,
@@ -447,17 +454,23 @@ impl<'fd> PollSlots<'fd> {
 
     /// What `poll` reported, slot by slot.
     fn ready(&self) -> Ready {
-        let fired = |slot: usize| {
+        let events = |slot: usize| {
             self.fds
                 .get(slot)
                 .and_then(PollFd::revents)
-                .is_some_and(|events| !events.is_empty())
+                .unwrap_or(PollFlags::empty())
         };
+        let fired = |slot: usize| !events(slot).is_empty();
         Ready {
             signal: fired(self.signal),
             listener: fired(self.listener),
             wake: self.wake.is_some_and(fired),
-            conns: (self.first_conn..self.fds.len()).map(fired).collect(),
+            conns: (self.first_conn..self.fds.len())
+                .map(|slot| Fired {
+                    any: fired(slot),
+                    hung_up: events(slot).contains(PollFlags::POLLHUP),
+                })
+                .collect(),
         }
     }
 }
@@ -480,16 +493,18 @@ struct Batch<'a> {
 impl Batch<'_> {
     /// Serves what a connection has: its buffered requests first, else what
     /// `poll` reported for it. `None` when it had nothing to do.
-    fn serve_conn(&mut self, conn: &mut Conn, active: bool) -> Option<State> {
+    fn serve_conn(&mut self, conn: &mut Conn, events: Fired) -> Option<State> {
         let now = self.now;
         if conn.has_buffered_request() {
             Some(conn.process(now, &mut |id, request| self.answer(id, request)))
-        } else if !active {
+        } else if !events.any {
             None
         } else if conn.wants_write() {
             Some(conn.flush(now))
         } else {
-            Some(conn.on_readable(now, &mut |id, request| self.answer(id, request)))
+            Some(conn.on_readable(now, events.hung_up, &mut |id, request| {
+                self.answer(id, request)
+            }))
         }
     }
 

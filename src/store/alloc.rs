@@ -5,8 +5,8 @@ use std::net::IpAddr;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
-    GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, insert_rows,
-    quarantined_in, set_frontier,
+    GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
+    insert_rows, quarantined_in, set_frontier,
 };
 use super::free::{RowView, Taken, availability, free_now};
 use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
@@ -197,8 +197,15 @@ fn refuse_held_gateway(
     id: i64,
     cidr: &Cidr,
 ) -> Result<(), StoreError> {
-    let Some(held) =
-        super::gateway::held(conn, judge.mode, id, judge.network, cidr, judge.in_force())?
+    let Some(held) = super::gateway::held(
+        conn,
+        judge.mode,
+        id,
+        judge.network,
+        cidr,
+        judge.in_force(),
+        judge.space(),
+    )?
     else {
         return Ok(());
     };
@@ -337,10 +344,10 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
 fn taken_elsewhere(
     conn: &Connection,
     network: &str,
+    isolated: bool,
     block_id: i64,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
-    let isolated = super::layout::is_isolated(conn, network)?;
     let held = conn
         .prepare_cached(HELD_ELSEWHERE_SQL)?
         .query_row(
@@ -370,6 +377,9 @@ struct Judge<'s> {
     recorded: bool,
     mode: ReserveMode,
     network: &'s str,
+    /// Whether `network` is isolated (read once: nothing an allocation
+    /// does changes it).
+    isolated: bool,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts.
@@ -378,19 +388,28 @@ struct Judge<'s> {
 
 impl<'s> Judge<'s> {
     fn new(
+        conn: &Connection,
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
         seen: &'s mut PassedOver,
-    ) -> Judge<'s> {
-        Judge {
+    ) -> Result<Judge<'s>, StoreError> {
+        Ok(Judge {
             conf: conf.cloned().unwrap_or_default(),
             recorded: conf.is_none(),
             mode,
             network,
+            isolated: super::layout::is_isolated(conn, network)?,
             blocks: Vec::new(),
             passed_over: Vec::new(),
             seen,
+        })
+    }
+
+    /// Where a holder of the network's gateway is looked for.
+    fn space(&self) -> super::gateway::Space {
+        super::gateway::Space::Shared {
+            isolated: self.isolated,
         }
     }
 
@@ -528,7 +547,7 @@ fn claim(
         };
         let unfit = match judge.address(conn, block_id, cidr, address)? {
             Err(unfit) => Some(unfit),
-            Ok(()) => taken_elsewhere(conn, judge.network, block_id, address)?,
+            Ok(()) => taken_elsewhere(conn, judge.network, judge.isolated, block_id, address)?,
         };
         if let Some(unfit) = unfit {
             judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
@@ -620,7 +639,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        let mut judge = Judge::new(&tx, conf, mode, owner.network, &mut self.passed_over)?;
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
             // Keeps the record of the gateway this result names.
@@ -632,6 +651,7 @@ impl Store {
             mode,
             owner.network,
             judge.in_force(),
+            judge.space(),
             candidates_of(&tx, owner.network, family)?,
         )?;
         let mut candidates = Vec::new();
@@ -699,7 +719,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        let mut judge = Judge::new(&tx, conf, mode, owner.network, &mut self.passed_over)?;
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
             let answer = already_held(owner, existing, address)?;
@@ -724,7 +744,7 @@ impl Store {
             };
             return Err(unavailable(address, reason));
         }
-        match taken_elsewhere(&tx, owner.network, block_id, address)? {
+        match taken_elsewhere(&tx, owner.network, judge.isolated, block_id, address)? {
             Some(Unfit::HeldElsewhere { container_id, .. }) => {
                 return Err(unavailable(address, Unavailable::Held { container_id }));
             }
@@ -838,7 +858,11 @@ impl Store {
             rows = held_in_any_network(&tx, container_id, interface_name)?;
         }
         for (held_in, row) in &rows {
-            give_back(&tx, mode, held_in, row, release_at)?;
+            if held_in == network {
+                give_back_row(&tx, mode, held_in, row, release_at)?;
+            } else {
+                give_back(&tx, mode, held_in, row, release_at)?;
+            }
         }
         tx.commit()?;
         Ok(rows

@@ -339,6 +339,19 @@ pub(super) fn give_back(
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
     super::co_writer::before_give_back(conn, network, row.row_id, row.allocation.address)?;
+    give_back_row(conn, mode, network, row, release_at)
+}
+
+/// [`give_back`] once host-local's file of the row was dealt with: a DEL
+/// removes every file of the owner in its network first
+/// (`co_writer::before_release`).
+pub(super) fn give_back_row(
+    conn: &Connection,
+    mode: ReserveMode,
+    network: &str,
+    row: &HeldRow,
+    release_at: Option<i64>,
+) -> Result<(), StoreError> {
     super::named_gateway::forget(conn, row.row_id)?;
     let Some(offset) = row.allocation.block.offset_of(row.allocation.address) else {
         // Outside the prefix (upstream's rows of a /127 or /128): the row

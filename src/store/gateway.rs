@@ -106,20 +106,21 @@ pub(super) fn held(
     network: &str,
     cidr: &Cidr,
     in_force: InForceBounds,
+    space: Space,
 ) -> Result<Option<HeldGateway>, StoreError> {
     let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
         return Ok(None);
     };
     let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
-    let holder: Option<(String, String)> = if has_networks(conn)? {
-        let isolated = super::layout::is_isolated(conn, network)?;
-        conn.prepare_cached(HELD_GATEWAY_SQL)?
+    let holder: Option<(String, String)> = match space {
+        Space::Shared { isolated } => conn
+            .prepare_cached(HELD_GATEWAY_SQL)?
             .query_row(params![gateway.to_string(), network, isolated], row)
-            .optional()?
-    } else {
-        conn.prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
+            .optional()?,
+        Space::NetworkOnly => conn
+            .prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
             .query_row(params![gateway.to_string(), network], row)
-            .optional()?
+            .optional()?,
     };
     Ok(holder.map(|(container_id, interface_name)| HeldGateway {
         block_id: id,
@@ -131,14 +132,37 @@ pub(super) fn held(
     }))
 }
 
-/// Whether the database has Metis's `metis_networks` (not one only
-/// upstream wrote, opened read-only).
-fn has_networks(conn: &Connection) -> Result<bool, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_networks')",
-        )?
-        .query_row([], |r| r.get(0))?)
+/// Where a holder of a network's gateway is looked for: the node's
+/// address space as that network sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Space {
+    /// The network's own blocks, or (unless `isolated`) those of every
+    /// network not isolated either.
+    Shared { isolated: bool },
+    /// The network's own blocks: a database without Metis's
+    /// `metis_networks` (one only upstream wrote, opened read-only).
+    NetworkOnly,
+}
+
+impl Space {
+    /// `network`'s space as the database records it. A writable store
+    /// always has `metis_networks` (the open creates it), and knows its
+    /// network's space once per allocation ([`Space::Shared`] with
+    /// `layout::is_isolated`); this is for the readers.
+    pub(super) fn of(conn: &Connection, network: &str) -> Result<Space, StoreError> {
+        let has_networks: bool = conn
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_networks')",
+            )?
+            .query_row([], |r| r.get(0))?;
+        Ok(if has_networks {
+            Space::Shared {
+                isolated: super::layout::is_isolated(conn, network)?,
+            }
+        } else {
+            Space::NetworkOnly
+        })
+    }
 }
 
 /// Candidate blocks of an allocation: (block id, prefix).
@@ -151,12 +175,13 @@ pub(super) fn servable(
     mode: ReserveMode,
     network: &str,
     in_force: InForceBounds,
+    space: Space,
     candidates: Blocks,
 ) -> Result<(Blocks, Vec<HeldGateway>), StoreError> {
     let mut served = Vec::with_capacity(candidates.len());
     let mut refused = Vec::new();
     for (id, cidr) in candidates {
-        match held(conn, mode, id, network, &cidr, in_force)? {
+        match held(conn, mode, id, network, &cidr, in_force, space)? {
             Some(gateway) => refused.push(gateway),
             None => served.push((id, cidr)),
         }
@@ -182,9 +207,18 @@ pub(super) fn held_in(
             Ok((r.get(0)?, r.get(1)?))
         })?
         .collect::<Result<_, _>>()?;
+    let space = Space::of(conn, network)?;
     let mut out = Vec::new();
     for (id, cidr) in blocks {
-        if let Some(gateway) = held(conn, mode, id, network, &parse_cidr(&cidr)?, in_force)? {
+        if let Some(gateway) = held(
+            conn,
+            mode,
+            id,
+            network,
+            &parse_cidr(&cidr)?,
+            in_force,
+            space,
+        )? {
             out.push(gateway);
         }
     }
@@ -210,7 +244,8 @@ pub(super) fn all_held(
         let Ok(cidr) = parse_cidr(&cidr) else {
             continue;
         };
-        if let Some(gateway) = held(conn, mode, id, &network, &cidr, None)? {
+        let space = Space::of(conn, &network)?;
+        if let Some(gateway) = held(conn, mode, id, &network, &cidr, None, space)? {
             out.push(gateway);
         }
     }

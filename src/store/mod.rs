@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use rusqlite::config::DbConfig;
 use rusqlite::{
-    Connection, ErrorCode, OptionalExtension, Savepoint, Transaction, TransactionBehavior, params,
+    Connection, ErrorCode, OptionalExtension, Transaction, TransactionBehavior, params,
 };
 
 use crate::cidr::{Cidr, CidrError, Family};
@@ -645,7 +645,7 @@ pub(crate) enum Batch {
 /// Dropped without [`Write::commit`], it rolls back either way.
 pub(crate) enum Write<'c> {
     Alone(Transaction<'c>),
-    InBatch(Savepoint<'c>),
+    InBatch(InBatch<'c>),
 }
 
 impl std::ops::Deref for Write<'_> {
@@ -654,7 +654,7 @@ impl std::ops::Deref for Write<'_> {
     fn deref(&self) -> &Connection {
         match self {
             Write::Alone(tx) => tx,
-            Write::InBatch(sp) => sp,
+            Write::InBatch(sp) => sp.conn,
         }
     }
 }
@@ -663,9 +663,46 @@ impl Write<'_> {
     pub(crate) fn commit(self) -> Result<(), rusqlite::Error> {
         match self {
             Write::Alone(tx) => tx.commit(),
-            Write::InBatch(sp) => sp.commit(),
+            Write::InBatch(mut sp) => {
+                sp.open = false;
+                control(sp.conn, "RELEASE write")
+            }
         }
     }
+}
+
+/// A write's savepoint inside the batch, its statements from the cache
+/// (rusqlite's `Savepoint` parses `SAVEPOINT`/`RELEASE` again each time,
+/// and most requests run one or two writes). Dropped open, it undoes the
+/// write alone, as rusqlite's does.
+pub(crate) struct InBatch<'c> {
+    conn: &'c Connection,
+    open: bool,
+}
+
+impl<'c> InBatch<'c> {
+    fn begin(conn: &'c Connection) -> rusqlite::Result<InBatch<'c>> {
+        control(conn, "SAVEPOINT write")?;
+        Ok(InBatch { conn, open: true })
+    }
+}
+
+impl Drop for InBatch<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // A failure here leaves the savepoint to the request's own
+            // `ROLLBACK TO` (the request failed) or to SQLite's rollback
+            // of the batch, which `ensure_batch` reports.
+            let _ = control(self.conn, "ROLLBACK TO write")
+                .and_then(|()| control(self.conn, "RELEASE write"));
+        }
+    }
+}
+
+/// Runs a transaction-control statement from the statement cache: each
+/// request runs several, and parsing one again costs more than running it.
+fn control(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
 /// The columns of `metis_networks` that are set one network at a time;
@@ -710,7 +747,7 @@ pub(crate) fn write(conn: &mut Connection, batch: Batch) -> Result<Write<'_>, St
         Batch::None => Ok(Write::Alone(
             conn.transaction_with_behavior(TransactionBehavior::Immediate)?,
         )),
-        Batch::Open if !conn.is_autocommit() => Ok(Write::InBatch(conn.savepoint()?)),
+        Batch::Open if !conn.is_autocommit() => Ok(Write::InBatch(InBatch::begin(conn)?)),
         Batch::Open | Batch::Lost => Err(StoreError::BatchAborted),
     }
 }
@@ -909,11 +946,10 @@ impl Store {
         result
     }
 
-    /// Runs a transaction-control statement of the group commit from the
-    /// statement cache: each request runs three or four of them, and
-    /// parsing one again costs more than running it.
+    /// Runs a transaction-control statement of the group commit
+    /// ([`control`]).
     fn control(&self, sql: &str) -> rusqlite::Result<()> {
-        self.conn.prepare_cached(sql)?.execute([]).map(|_| ())
+        control(&self.conn, sql)
     }
 
     /// Fails once SQLite has rolled the batch's transaction back by itself.

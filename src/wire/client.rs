@@ -130,8 +130,21 @@ impl Client {
         })
     }
 
-    /// Sends one request and waits for its response.
+    /// Sends one request and waits for its response; the connection stays
+    /// open for another.
     pub fn call(&mut self, request: &Request) -> Result<Response, ClientError> {
+        self.exchange(request, false)
+    }
+
+    /// Sends the connection's only request, shuts the sending side (the
+    /// daemon sees the end of the stream with the request, answers, then
+    /// closes without waiting to be woken by a hang-up), and waits for the
+    /// response.
+    pub fn call_once(mut self, request: &Request) -> Result<Response, ClientError> {
+        self.exchange(request, true)
+    }
+
+    fn exchange(&mut self, request: &Request, last: bool) -> Result<Response, ClientError> {
         let exchange_err = |source: FrameError| ClientError::Exchange {
             path: self.path.clone(),
             source,
@@ -144,6 +157,11 @@ impl Client {
             });
         }
         let sent = frame::write_frame(&mut self.stream, &payload, MAX_REQUEST_FRAME);
+        if last && sent.is_ok() {
+            // Only saves the daemon a wake-up: if it fails, the daemon
+            // answers all the same and sees the hang-up later.
+            let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        }
         // The daemon writes a response in one piece: read its prefix and a
         // small payload in one call. Only this response can be in flight,
         // so the buffer never takes bytes of another.

@@ -11,6 +11,7 @@ mod open;
 mod plans;
 mod reserve;
 mod rollback;
+mod statements;
 mod upstream;
 
 use std::collections::HashSet;

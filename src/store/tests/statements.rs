@@ -1,0 +1,118 @@
+//! What SQL one CNI ADD and one DEL run through the engine, listed with
+//! `sqlite3_trace_v2` and each statement's VDBE steps: the per-request
+//! budget the daemon and direct mode share.
+
+use std::sync::{Arc, Mutex};
+
+use rusqlite::trace::{TraceEvent, TraceEventCodes};
+
+use crate::cni::conf;
+use crate::cni::plugin::ip_config;
+use crate::engine::{Engine, Outcome};
+use crate::wire::envelope::v1::{Request, request};
+use crate::wire::ipam;
+
+use super::*;
+
+const CONF: &str = r#"{"cniVersion":"1.0.0","name":"bench","type":"metis","ipam":{"type":"metis","ranges":[[{"subnet":"198.18.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}"#;
+
+fn add(container: &str) -> Request {
+    let net_conf = conf::parse(CONF.as_bytes()).unwrap();
+    Request {
+        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
+            network: net_conf.network.clone(),
+            ipv4_config: ip_config(&net_conf, Family::V4, container, "eth0", &[]),
+            ipv6_config: None,
+            pod_name: "p".into(),
+            pod_namespace: "ns".into(),
+            isolated: false,
+            conf_name: "bench".into(),
+        })),
+    }
+}
+
+fn del(container: &str) -> Request {
+    Request {
+        kind: Some(request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
+            network: "bench".into(),
+            interface_name: "eth0".into(),
+            container_id: container.into(),
+            pod_name: "p".into(),
+            pod_namespace: "ns".into(),
+        })),
+    }
+}
+
+/// The statements (SQL, VDBE steps) `request` runs, served as the
+/// daemon serves it: in a batch, then committed.
+fn traced(engine: &mut Engine, request: &Request) -> Vec<(String, i32)> {
+    let seen: Arc<Mutex<Vec<(String, i32)>>> = Arc::default();
+    let sink = Arc::clone(&seen);
+    engine
+        .store_mut()
+        .conn
+        .trace_v2(
+            TraceEventCodes::SQLITE_TRACE_PROFILE,
+            Some(move |event: TraceEvent<'_>| {
+                if let TraceEvent::Profile(stmt, _) = event {
+                    let steps = stmt.get_status(rusqlite::StatementStatus::VmStep);
+                    sink.lock().unwrap().push((stmt.sql().into_owned(), steps));
+                }
+            }),
+        )
+        .unwrap();
+    let outcome = engine.handle_in_batch(request, NOW);
+    assert!(matches!(outcome, Outcome::Done(_)), "{outcome:?}");
+    assert!(engine.commit_batch().is_none());
+    engine
+        .store_mut()
+        .conn
+        .trace_v2(TraceEventCodes::empty(), None::<fn(TraceEvent<'_>)>)
+        .unwrap();
+    std::mem::take(&mut *seen.lock().unwrap())
+}
+
+#[test]
+fn an_add_and_a_del_run_within_their_statement_budget() {
+    let dir = TempDir::new();
+    let mut engine = Engine::new(dir.store_with_cooldown(0));
+    for k in 0..4 {
+        let container = format!("warm{k}");
+        traced(&mut engine, &add(&container));
+        traced(&mut engine, &del(&container));
+    }
+    let adds = traced(&mut engine, &add("c"));
+    let dels = traced(&mut engine, &del("c"));
+    // What each runs today (`--nocapture` lists it): a new statement on
+    // this path is a cost every request pays, so it is a decision.
+    for (what, list, budget) in [("ADD", &adds, 25), ("DEL", &dels, 12)] {
+        let steps: i32 = list.iter().map(|(_, s)| s).sum();
+        eprintln!("{what}: {} statements, {steps} VDBE steps", list.len());
+        for (sql, steps) in list.iter() {
+            eprintln!("  {steps:>5}  {sql}");
+        }
+        assert!(
+            list.len() <= budget,
+            "{what} runs {} statements",
+            list.len()
+        );
+        for (sql, _) in list.iter() {
+            // The schema is known on the write path; rusqlite's own
+            // savepoints are parsed again at every use.
+            assert!(!sql.contains("sqlite_master"), "{what}: {sql}");
+            assert!(!sql.contains("_rusqlite_sp"), "{what}: {sql}");
+        }
+    }
+    let owner_lookups = |list: &[(String, i32)]| {
+        list.iter()
+            .filter(|(sql, _)| sql.starts_with("SELECT a.id, a.address, b.id, b.cidr FROM"))
+            .count()
+    };
+    assert_eq!((owner_lookups(&adds), owner_lookups(&dels)), (1, 1));
+    let registration = |list: &[(String, i32)]| {
+        list.iter()
+            .filter(|(sql, _)| sql.contains("host_local_dir_identity FROM metis_networks"))
+            .count()
+    };
+    assert_eq!((registration(&adds), registration(&dels)), (1, 1));
+}
