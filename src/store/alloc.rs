@@ -28,11 +28,27 @@ pub(super) struct PassedOver {
     counts: std::collections::BTreeMap<&'static str, u64>,
 }
 
+impl PassedOver {
+    /// Counts one passed-over `line` of `network` by `reason`; logs it
+    /// once per store (the first [`MAX_LOGGED_PASSED_OVER`]: a writer
+    /// planting rows by the million costs no memory).
+    fn note(&mut self, reason: &'static str, line: &str, network: &str) {
+        *self.counts.entry(reason).or_default() += 1;
+        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.to_string()) {
+            crate::log::warn(
+                "store",
+                "passed over what does not fit the configuration in force (another writer made it)",
+                &[("network", &network), ("row", &line)],
+            );
+        }
+    }
+}
+
 /// The `reason` of a row that holds no address.
 const NOT_AN_ADDRESS: &str = "not_an_address";
 
 /// Bound on expand-then-claim rounds per block within one allocation.
-const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
+pub(super) const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
@@ -364,24 +380,26 @@ fn taken_elsewhere(
 /// The hand-out check of one allocation ([`super::handout`]): the
 /// configuration in force, Metis's record of each block looked at, and
 /// what was passed over, for the exhaustion message.
-struct Judge<'s> {
+pub(super) struct Judge<'s> {
     conf: InForce,
     /// No configuration was given: each block's recorded bounds stand in.
     recorded: bool,
-    mode: ReserveMode,
-    network: &'s str,
+    pub(super) mode: ReserveMode,
+    pub(super) network: &'s str,
     blocks: Vec<(i64, BlockRecord)>,
-    passed_over: Vec<String>,
-    /// What this store already logged as passed over, and the counts.
-    seen: &'s mut PassedOver,
+    pub(super) passed_over: Vec<String>,
+    /// What this store already logged as passed over, and the counts
+    /// (`None`: a read-only question, STATUS's, which logs and counts
+    /// nothing).
+    seen: Option<&'s mut PassedOver>,
 }
 
 impl<'s> Judge<'s> {
-    fn new(
+    pub(super) fn new(
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
-        seen: &'s mut PassedOver,
+        seen: Option<&'s mut PassedOver>,
     ) -> Judge<'s> {
         Judge {
             conf: conf.cloned().unwrap_or_default(),
@@ -412,12 +430,17 @@ impl<'s> Judge<'s> {
 
     /// The bounds of the configuration in force, for the held-gateway rule
     /// (`None`: none given, each block's recorded bounds stand in).
-    fn in_force(&self) -> super::gateway::InForceBounds<'_> {
+    pub(super) fn in_force(&self) -> super::gateway::InForceBounds<'_> {
         (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
     /// Whether anything of block `id` may be handed out (noted when not).
-    fn block(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<bool, StoreError> {
+    pub(super) fn block(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+    ) -> Result<bool, StoreError> {
         let at = self.record(conn, id, cidr)?;
         let verdict = block_fit(&self.blocks[at].1, &self.conf);
         match verdict {
@@ -442,19 +465,12 @@ impl<'s> Judge<'s> {
         Ok(address_fit(address, &self.blocks[at].1, &self.conf))
     }
 
-    /// Notes what was passed over and why; logs each once per store (the
-    /// first [`MAX_LOGGED_PASSED_OVER`]: a writer planting rows by the
-    /// million costs no memory).
+    /// Notes what was passed over and why (and tells the store, which
+    /// logs and counts it: [`PassedOver::note`]).
     fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
-        *self.seen.counts.entry(reason).or_default() += 1;
         let line = format!("{what}: {why}");
-        let logged = &mut self.seen.logged;
-        if logged.len() < MAX_LOGGED_PASSED_OVER && logged.insert(line.clone()) {
-            crate::log::warn(
-                "store",
-                "passed over what does not fit the configuration in force (another writer made it)",
-                &[("network", &self.network), ("row", &line)],
-            );
+        if let Some(seen) = self.seen.as_deref_mut() {
+            seen.note(reason, &line, self.network);
         }
         self.passed_over.push(line);
     }
@@ -518,26 +534,57 @@ fn claim(
             return Ok(None);
         };
         *after = row_id;
-        let Ok(address) = text.parse::<IpAddr>() else {
-            judge.pass_over(
-                format!("row {text:?} of block {cidr}"),
-                NOT_AN_ADDRESS,
-                &"not an address",
-            );
+        let Some(address) = fit_row(conn, judge, block_id, cidr, &text)? else {
             continue;
         };
-        let unfit = match judge.address(conn, block_id, cidr, address)? {
-            Err(unfit) => Some(unfit),
-            Ok(()) => taken_elsewhere(conn, judge.network, block_id, address)?,
-        };
-        if let Some(unfit) = unfit {
-            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
-            continue;
-        }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
             record_gateway(conn, judge, row_id, cidr)?;
             return Ok(Some(address));
         }
+    }
+}
+
+/// The address of row `text` of block `block_id` when the hand-out check
+/// passes it (else it is noted as passed over): what [`claim`] takes and
+/// STATUS counts as room ([`super::room`]).
+pub(super) fn fit_row(
+    conn: &Connection,
+    judge: &mut Judge,
+    block_id: i64,
+    cidr: &Cidr,
+    text: &str,
+) -> Result<Option<IpAddr>, StoreError> {
+    let Ok(address) = text.parse::<IpAddr>() else {
+        judge.pass_over(
+            format!("row {text:?} of block {cidr}"),
+            NOT_AN_ADDRESS,
+            &"not an address",
+        );
+        return Ok(None);
+    };
+    fit_address(conn, judge, block_id, cidr, address)
+}
+
+/// `address` of block `block_id` when the hand-out check passes it (else
+/// noted as passed over): the configuration in force, then the rest of
+/// the node's address space ([`taken_elsewhere`]).
+pub(super) fn fit_address(
+    conn: &Connection,
+    judge: &mut Judge,
+    block_id: i64,
+    cidr: &Cidr,
+    address: IpAddr,
+) -> Result<Option<IpAddr>, StoreError> {
+    let unfit = match judge.address(conn, block_id, cidr, address)? {
+        Err(unfit) => Some(unfit),
+        Ok(()) => taken_elsewhere(conn, judge.network, block_id, address)?,
+    };
+    match unfit {
+        Some(unfit) => {
+            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
+            Ok(None)
+        }
+        None => Ok(Some(address)),
     }
 }
 
@@ -620,7 +667,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        let mut judge = Judge::new(conf, mode, owner.network, Some(&mut self.passed_over));
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
             // Keeps the record of the gateway this result names.
@@ -699,7 +746,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(conf, mode, owner.network, &mut self.passed_over);
+        let mut judge = Judge::new(conf, mode, owner.network, Some(&mut self.passed_over));
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
             let answer = already_held(owner, existing, address)?;
@@ -996,7 +1043,7 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
 }
 
 /// Ready blocks of network+family with room, oldest (lowest id) first.
-fn candidates_of(
+pub(super) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,

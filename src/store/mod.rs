@@ -33,6 +33,7 @@ mod migrate;
 mod named_gateway;
 mod repair;
 pub mod rollback;
+mod room;
 mod schema;
 mod stats;
 #[cfg(test)]
