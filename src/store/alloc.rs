@@ -16,6 +16,8 @@ use super::{
 };
 use crate::cidr::{Cidr, Family};
 
+mod room;
+
 /// How many distinct passed-over rows and blocks a store logs.
 const MAX_LOGGED_PASSED_OVER: usize = 1024;
 
@@ -48,7 +50,7 @@ impl PassedOver {
 const NOT_AN_ADDRESS: &str = "not_an_address";
 
 /// Bound on expand-then-claim rounds per block within one allocation.
-pub(super) const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
+const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
@@ -380,14 +382,14 @@ fn taken_elsewhere(
 /// The hand-out check of one allocation ([`super::handout`]): the
 /// configuration in force, Metis's record of each block looked at, and
 /// what was passed over, for the exhaustion message.
-pub(super) struct Judge<'s> {
+struct Judge<'s> {
     conf: InForce,
     /// No configuration was given: each block's recorded bounds stand in.
     recorded: bool,
-    pub(super) mode: ReserveMode,
-    pub(super) network: &'s str,
+    mode: ReserveMode,
+    network: &'s str,
     blocks: Vec<(i64, BlockRecord)>,
-    pub(super) passed_over: Vec<String>,
+    passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts
     /// (`None`: a read-only question, STATUS's, which logs and counts
     /// nothing).
@@ -395,7 +397,7 @@ pub(super) struct Judge<'s> {
 }
 
 impl<'s> Judge<'s> {
-    pub(super) fn new(
+    fn new(
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
@@ -430,17 +432,12 @@ impl<'s> Judge<'s> {
 
     /// The bounds of the configuration in force, for the held-gateway rule
     /// (`None`: none given, each block's recorded bounds stand in).
-    pub(super) fn in_force(&self) -> super::gateway::InForceBounds<'_> {
+    fn in_force(&self) -> super::gateway::InForceBounds<'_> {
         (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
     /// Whether anything of block `id` may be handed out (noted when not).
-    pub(super) fn block(
-        &mut self,
-        conn: &Connection,
-        id: i64,
-        cidr: &Cidr,
-    ) -> Result<bool, StoreError> {
+    fn block(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<bool, StoreError> {
         let at = self.record(conn, id, cidr)?;
         let verdict = block_fit(&self.blocks[at].1, &self.conf);
         match verdict {
@@ -546,8 +543,8 @@ fn claim(
 
 /// The address of row `text` of block `block_id` when the hand-out check
 /// passes it (else it is noted as passed over): what [`claim`] takes and
-/// STATUS counts as room ([`super::room`]).
-pub(super) fn fit_row(
+/// STATUS counts as room ([`room`]).
+fn fit_row(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -568,7 +565,7 @@ pub(super) fn fit_row(
 /// `address` of block `block_id` when the hand-out check passes it (else
 /// noted as passed over): the configuration in force, then the rest of
 /// the node's address space ([`taken_elsewhere`]).
-pub(super) fn fit_address(
+fn fit_address(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -1043,7 +1040,7 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
 }
 
 /// Ready blocks of network+family with room, oldest (lowest id) first.
-pub(super) fn candidates_of(
+fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,

@@ -100,7 +100,7 @@ impl Store {
     /// quarantined, with an address its bounds leave) or re-bound, or an
     /// address of the blocks it has that the ADD's own hand-out check would
     /// pass — a free row, one its growth would add, or (IPv4) one of the
-    /// Draining block an allocation would take back ([`super::room`]).
+    /// Draining block an allocation would take back ([`Store::first_fit`]).
     /// Quarantined blocks, and rows the check passes over (the gateway a
     /// live result names, an address held in an overlapping block), count
     /// for nothing. An ADD the layout would refuse is that refusal
@@ -146,7 +146,7 @@ impl Store {
             }
         }
         Ok(self
-            .first_fit(network, family, ranges, bounds, now_ms)?
+            .fit_under(network, family, ranges, bounds, now_ms)?
             .is_ok())
     }
 
@@ -163,14 +163,14 @@ impl Store {
         now_ms: i64,
     ) -> Result<Vec<String>, StoreError> {
         Ok(self
-            .first_fit(network, family, ranges, bounds, now_ms)?
+            .fit_under(network, family, ranges, bounds, now_ms)?
             .err()
             .unwrap_or_default())
     }
 
-    /// [`super::room::first_fit`] under the configuration of `ranges` and
+    /// [`Store::first_fit`] under the configuration of `ranges` and
     /// `bounds`.
-    fn first_fit(
+    fn fit_under(
         &self,
         network: &str,
         family: Family,
@@ -182,7 +182,7 @@ impl Store {
             ranges: ranges.to_vec(),
             bounds: bounds.to_vec(),
         };
-        super::room::first_fit(&self.conn, self.reserve, network, family, &conf, now_ms)
+        self.first_fit(network, family, &conf, now_ms)
     }
 
     /// The network's quarantined blocks of `family`, in words.

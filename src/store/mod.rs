@@ -33,7 +33,6 @@ mod migrate;
 mod named_gateway;
 mod repair;
 pub mod rollback;
-mod room;
 mod schema;
 mod stats;
 #[cfg(test)]
