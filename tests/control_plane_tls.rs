@@ -91,6 +91,15 @@ fn wait_degraded(daemon: &TestDaemon, why: &str) -> String {
     detail
 }
 
+/// The watch's problem in a health detail ("watch: …" up to the next
+/// problem), empty when it names none.
+fn watch_part(detail: &str) -> &str {
+    detail
+        .split_once("watch: ")
+        .and_then(|(_, rest)| rest.split(';').next())
+        .unwrap_or("")
+}
+
 /// Waits until the cluster link is healthy again (a watch is open).
 fn wait_healthy(daemon: &TestDaemon) {
     wait_for("health to be clean", WAIT, || {
@@ -138,8 +147,12 @@ fn a_server_moved_to_a_new_ca_is_followed_once_the_ca_file_is_rewritten() {
     // refused handshake on.)
     api.wait_until("a refused handshake", WAIT, |s| !s.tls_refused.is_empty());
     let before = answered(&api);
-    let detail = wait_degraded(&daemon, "UnknownIssuer");
-    assert!(detail.contains("watch:"), "{detail}");
+    // Each of the node's requests is refused once it is tried: a patch may
+    // be refused (and reported) before the watch's next attempt is.
+    wait_degraded(&daemon, "UnknownIssuer");
+    wait_for("health to name the watch's refusal", WAIT, || {
+        watch_part(&health_detail(&daemon)).contains("UnknownIssuer")
+    });
     assert!(api_errors(&daemon) > errors);
     assert!(daemon.log().contains("API watch failed"));
     assert_eq!(answered(&api), before, "{:?}", api.state().log);
