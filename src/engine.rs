@@ -664,6 +664,13 @@ impl Engine {
                     .held_gateways_in(network, family, &bounds)
                     .map_err(failed)?;
                 blocked.extend(held.iter().map(|g| g.describe()));
+                let passed_over = self
+                    .store
+                    .passed_over_in(network, family, &ranges, &bounds, now_ms)
+                    .map_err(failed)?;
+                blocked.extend(passed_over.iter().map(|line| {
+                    format!("passed over, not fitting the configuration in force: {line}")
+                }));
                 blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
                     |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
                 ));

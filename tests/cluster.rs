@@ -1253,3 +1253,118 @@ fn a_conflict_nothing_else_explains_is_read_again_and_answered() {
     assert_eq!(get(NNCS), 1, "one GET after the one 409: {counts:?}");
     assert_eq!(get(POOLS), 0, "{counts:?}");
 }
+
+/// A LIST of NNCs in pages whose continue token expires between the pages
+/// (410 `Expired`, as after a compaction), while the cluster changes in
+/// between: another writer grants a pool block to a node of the first
+/// page, a node of the first page stops demanding, and a node whose name
+/// falls in the first page's range joins. The controller lists again from
+/// the first page and decides on what is true now: every demanding node of
+/// both pages and the new one gets its block, no block is granted twice
+/// (the other writer's one stays that node's alone), the node that stopped
+/// demanding gets nothing, and the pool's status counts what was granted.
+#[test]
+fn a_list_whose_continue_token_expires_is_listed_again_from_the_first_page() {
+    // More than one page: the controller asks for 500 objects a page.
+    const MANY: usize = 520;
+    const FOREIGN: &str = "198.19.1.240/28";
+    let name = |i: usize| format!("paged-{i:03}");
+    let nnc = |name: &str, pods: u64| {
+        let spec = match pods {
+            0 => json!({}),
+            pods => json!({"allocations": [{"network": "default", "pods": pods}]}),
+        };
+        json!({"apiVersion": "networking.gke.io/v1", "kind": "NodeNetworkConfig",
+            "metadata": {"name": name}, "spec": spec})
+    };
+    let first_page = [1, 2, 3, 8, 250, 499];
+    let second_page = [500, 505, 519];
+    let joined = "paged-004-joined";
+    let mut sim = Sim::start();
+    sim.api.with_state(|s| {
+        for i in 0..MANY {
+            s.create(
+                NODES,
+                "",
+                &json!({"metadata": {"name": name(i)}, "spec": {}}),
+            )
+            .unwrap();
+            let demands = first_page.contains(&i) || second_page.contains(&i);
+            s.create(NNCS, "", &nnc(&name(i), if demands { 10 } else { 0 }))
+                .unwrap();
+        }
+        s.expire_next_continue = Some((
+            NNCS,
+            Box::new(move |s: &mut common::kube_api::State| {
+                s.edit(&Key::cluster(NNCS, &name(1)), |o| {
+                    o["status"] = json!({"podCIDRs": [{"cidr": FOREIGN}]});
+                })
+                .unwrap();
+                s.edit(&Key::cluster(NNCS, &name(8)), |o| o["spec"] = json!({}))
+                    .unwrap();
+                s.create(
+                    NODES,
+                    "",
+                    &json!({"metadata": {"name": joined}, "spec": {}}),
+                )
+                .unwrap();
+                s.create(NNCS, "", &nnc(joined, 10)).unwrap();
+            }),
+        ));
+    });
+    sim.start_controller();
+    let served: Vec<String> = first_page
+        .iter()
+        .chain(&second_page)
+        .filter(|i| **i != 8)
+        .map(|i| name(*i))
+        .chain([joined.to_string()])
+        .collect();
+    let pool_granted = |s: &common::kube_api::State| {
+        s.get(&Key::cluster(POOLS, POOL))
+            .and_then(|p| p["status"]["ipv4"]["blocksGranted"].as_u64())
+    };
+    let expected = u64::try_from(served.len()).unwrap();
+    sim.api
+        .wait_until("every demanding node granted after the relist", WAIT, |s| {
+            s.continues_expired == 1
+                && served.iter().all(|n| {
+                    s.get(&Key::cluster(NNCS, n))
+                        .is_some_and(|o| status_cidrs(o).len() == 1)
+                })
+                && pool_granted(s) == Some(expected)
+        });
+    let state = sim.api.state();
+    let mut holders: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (key, object) in state.list(NNCS) {
+        for cidr in status_cidrs(object) {
+            holders.entry(cidr).or_default().push(key.name.clone());
+        }
+    }
+    let twice: Vec<_> = holders.iter().filter(|(_, h)| h.len() > 1).collect();
+    assert!(twice.is_empty(), "granted twice: {twice:?}");
+    assert_eq!(holders[FOREIGN], [name(1)], "the other writer's grant");
+    assert_eq!(
+        holders
+            .values()
+            .flatten()
+            .filter(|h| **h == name(8))
+            .count(),
+        0,
+        "paged-008 stopped demanding between the pages"
+    );
+    assert_eq!(holders.len(), served.len());
+    // The first page, its expired continue, and the two pages again.
+    let lists = state
+        .counts_of("controller")
+        .get(&("list".to_string(), NNCS.to_string()))
+        .copied();
+    assert_eq!(lists, Some(4), "{:?}", state.counts_of("controller"));
+    drop(state);
+    let log = sim.controllers[0].log();
+    assert!(
+        log.contains("list or watch failed, retrying") && log.contains("410"),
+        "{}",
+        tail(&log)
+    );
+}

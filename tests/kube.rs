@@ -506,6 +506,12 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
         s.nnc.is_some()
     });
+    // The cluster takes the node's demand but grants nothing, so the node
+    // stays exhausted: a grant arriving before the stop below (the daemon
+    // asks within a monitor pass, 100 ms — sooner than a loaded machine
+    // runs the next plugins) would give it room, and STATUS would rightly
+    // say ready for ever.
+    api.state().controller = false;
     let config = default_conf(&dir, "1.1.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     // Full, but the cluster can add blocks: ADD can be served (it waits).

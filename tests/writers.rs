@@ -135,6 +135,55 @@ fn status_fails_whenever_add_must() {
     }
 }
 
+/// Two conflists of one network on one /29: "pods-b" names gateway .5,
+/// "pods-a" the computed .1 and hands .5 out as an ordinary address. Once
+/// the network's last free address is .5, which a live result of
+/// "pods-b" names as its gateway, "pods-a"'s ADD is refused with code 11
+/// naming it, and its STATUS fails naming it too (it said ready before),
+/// in daemon and in direct mode; after that pod's DEL both succeed.
+#[test]
+fn status_fails_when_the_last_free_address_is_a_live_results_gateway() {
+    for daemon in [true, false] {
+        let mut node = Node::new("writers-named-gateway", "0s");
+        if daemon {
+            node.start(&[]);
+        }
+        let a = NetConf {
+            network: Some("pods"),
+            ..NetConf::new("pods-a", &["198.18.79.0/29"])
+        };
+        let b = NetConf {
+            bounds: Some(("198.18.79.2", "198.18.79.6")),
+            gateway: Some("198.18.79.5"),
+            ..NetConf::new("pods-b", &["198.18.79.0/29"])
+        };
+        let b = NetConf {
+            network: Some("pods"),
+            ..b
+        };
+        for (conf, pod) in [(&a, "a1"), (&b, "b1"), (&a, "a2"), (&a, "a3")] {
+            match node.add(conf, pod, Request::None) {
+                Outcome::Ok(_) => {}
+                other => panic!("daemon {daemon}: ADD {pod}: {other:?}"),
+            }
+        }
+        let named = "gateway of the result container";
+        match node.add(&a, "a4", Request::None) {
+            Outcome::Error { code: 11, msg } => {
+                assert!(msg.contains(named) && msg.contains("198.18.79.5"), "{msg}")
+            }
+            other => panic!("daemon {daemon}: expected code 11, got {other:?}"),
+        }
+        assert_eq!(status_fails(&node, &a, named), 50, "daemon {daemon}");
+        assert!(matches!(node.del(&b, "b1"), Outcome::Ok(_)));
+        assert_eq!(status(&node, &a), Ok(()), "daemon {daemon}");
+        assert!(matches!(node.add(&a, "a4", Request::None), Outcome::Ok(_)));
+        if daemon {
+            node.stop();
+        }
+    }
+}
+
 /// Every block of a network quarantined (an upstream database with a /29
 /// held in two networks): ADD answers code 11 naming the quarantine, and
 /// STATUS fails naming it, under the daemon and in direct mode after it.

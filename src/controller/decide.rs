@@ -577,7 +577,6 @@ pub fn decide(world: &World) -> Decision {
         let (status, gauges) =
             pool_status(pool, ledger, waiting.get(&i).copied().unwrap_or(0), now);
         decision.gauges.extend(gauges);
-        let status = status.to_string();
         if status != pool.status_text || needed.contains(&pool.name) {
             decision.pool_writes.push(Write {
                 name: pool.name.clone(),
@@ -862,12 +861,37 @@ fn count(n: u128) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
 }
 
-fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value, Vec<Gauge>) {
+/// A pool's status as compact JSON text, keys sorted as `Value`'s text
+/// sorts them (so that an unchanged status reads equal to the one the
+/// pool holds, [`Pool::status_text`]): the ledger's long lists written
+/// straight as text ([`Ledger::status_texts`]), the rest — counts and
+/// conditions, a few dozen values — as a tree.
+fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (String, Vec<Gauge>) {
+    let (small, gauges) = pool_status_rest(pool, ledger, waiting, now);
+    let mut fields: BTreeMap<&str, String> = ledger.status_texts().into_iter().collect();
+    if let Value::Object(small) = &small {
+        for (key, value) in small {
+            fields.insert(key, value.to_string());
+        }
+    }
+    let mut text = String::with_capacity(fields.values().map(|v| v.len() + 24).sum());
+    text.push('{');
+    for (i, (key, value)) in fields.iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        super::pool::json_string(&mut text, key);
+        text.push(':');
+        text.push_str(value);
+    }
+    text.push('}');
+    (text, gauges)
+}
+
+/// A pool's status but the ledger's lists: its generation, counts per
+/// family and conditions.
+fn pool_status_rest(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value, Vec<Gauge>) {
     let mut status = json!({"observedGeneration": pool.generation});
-    let (claims, cooling, non_reusable) = ledger.to_json();
-    status["claims"] = claims;
-    status["cooling"] = cooling;
-    status["nonReusable"] = non_reusable;
     let mut gauges = Vec::new();
     let (valid, valid_reason, valid_message) = match &pool.spec {
         Ok(spec) => {
@@ -947,4 +971,57 @@ fn describe(spec: &PoolSpec) -> String {
         })
         .collect();
     format!("network {:?}: {}", spec.network, ranges.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The status is written as text, not built as a tree; it must be the
+    /// very text the tree would give (keys sorted, compact, serde_json's
+    /// escaping), or every pass would see a change and write the pool.
+    #[test]
+    fn a_pool_status_written_as_text_reads_back_as_the_same_text_and_ledger() {
+        let odd = "n\"o\\d\u{e9}\u{1}e\n";
+        let mut object = json!({
+            "metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "resourceVersion": "7", "generation": 3},
+            "spec": {"network": "default",
+                     "ipv4": {"cidrs": ["198.18.0.0/24"], "blockPrefixLength": 28},
+                     "ipv6": {"cidrs": ["2001:db8::/120"], "blockPrefixLength": 124}},
+            "status": {
+                "claims": [
+                    {"node": "a", "uid": "u-a", "cidrs": ["198.18.0.0/28", "198.18.0.16/28"]},
+                    {"node": odd, "uid": "u-\"odd\"", "cidrs": ["2001:db8::10/124"]},
+                ],
+                "cooling": [{"cidr": "198.18.0.32/28", "node": "b",
+                             "since": "2026-11-29T17:01:24.123Z"}],
+                "nonReusable": ["198.18.0.48/28"],
+            },
+        });
+        let pool = Pool::parse(&object);
+        assert_eq!(pool.ledger.claims.len(), 3, "{:?}", pool.ledger);
+        let now = 1_795_971_700_000;
+        let (text, gauges) = pool_status(&pool, &pool.ledger, 2, now);
+        let tree: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(tree.to_string(), text);
+        object["status"] = tree.clone();
+        let again = Pool::parse(&object);
+        assert_eq!(again.status_text, text);
+        assert_eq!(again.ledger, pool.ledger);
+        assert_eq!(tree["ipv4"]["blocksGranted"], 2);
+        assert_eq!(tree["ipv4"]["blocksFree"], 16 - 4);
+        assert_eq!(tree["ipv6"]["blocksGranted"], 1);
+        assert_eq!(tree["observedGeneration"], 3);
+        assert_eq!(gauges.len(), 2);
+        let exhausted = tree["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Exhausted")
+            .unwrap();
+        assert_eq!(exhausted["message"], "2 node(s) wait for a block");
+        // Unchanged, the next pass writes the same text.
+        assert_eq!(pool_status(&again, &again.ledger, 2, now + 1_000).0, text);
+    }
 }

@@ -297,38 +297,67 @@ fn parse_ledger(status: &Value) -> Ledger {
 }
 
 impl Ledger {
-    /// The ledger's part of a status.
-    pub fn to_json(&self) -> (Value, Value, Value) {
-        let mut by_holder: BTreeMap<&Holder, Vec<String>> = BTreeMap::new();
+    /// The ledger's part of a status, as JSON text by key (`claims`,
+    /// `cooling`, `nonReusable`): written straight from the ledger, the
+    /// text `Value` would give the same tree — a tree of 5,000 claims
+    /// would cost MiBs on every pass.
+    pub fn status_texts(&self) -> [(&'static str, String); 3] {
+        let mut by_holder: BTreeMap<&Holder, Vec<&Cidr>> = BTreeMap::new();
         for (cidr, holder) in &self.claims {
-            by_holder.entry(holder).or_default().push(cidr.to_string());
+            by_holder.entry(holder).or_default().push(cidr);
         }
-        let claims = by_holder
-            .into_iter()
-            .map(|(h, cidrs)| serde_json::json!({"node": h.node, "uid": h.uid, "cidrs": cidrs}))
-            .collect();
-        let cooling = self
-            .cooling
-            .iter()
-            .map(|(cidr, c)| {
-                serde_json::json!({
-                    "cidr": cidr.to_string(),
-                    "node": c.node,
-                    "since": rfc3339_millis(c.since_ms).to_string(),
-                })
-            })
-            .collect();
-        let non_reusable = self
-            .non_reusable
-            .iter()
-            .map(|c| Value::from(c.to_string()))
-            .collect();
-        (
-            Value::Array(claims),
-            Value::Array(cooling),
-            Value::Array(non_reusable),
-        )
+        let mut claims = String::with_capacity(64 * self.claims.len() + 2);
+        json_array(&mut claims, by_holder, |out, (holder, cidrs)| {
+            out.push_str("{\"cidrs\":");
+            json_array(out, cidrs, |out, cidr| json_string(out, &cidr.to_string()));
+            out.push_str(",\"node\":");
+            json_string(out, &holder.node);
+            out.push_str(",\"uid\":");
+            json_string(out, &holder.uid);
+            out.push('}');
+        });
+        let mut cooling = String::new();
+        json_array(&mut cooling, &self.cooling, |out, (cidr, c)| {
+            out.push_str("{\"cidr\":");
+            json_string(out, &cidr.to_string());
+            out.push_str(",\"node\":");
+            json_string(out, &c.node);
+            out.push_str(",\"since\":");
+            json_string(out, &rfc3339_millis(c.since_ms).to_string());
+            out.push('}');
+        });
+        let mut non_reusable = String::new();
+        json_array(&mut non_reusable, &self.non_reusable, |out, cidr| {
+            json_string(out, &cidr.to_string());
+        });
+        [
+            ("claims", claims),
+            ("cooling", cooling),
+            ("nonReusable", non_reusable),
+        ]
     }
+}
+
+/// `items` as a JSON array, each written by `item`.
+fn json_array<T>(
+    out: &mut String,
+    items: impl IntoIterator<Item = T>,
+    mut item: impl FnMut(&mut String, T),
+) {
+    out.push('[');
+    for (i, each) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        item(out, each);
+    }
+    out.push(']');
+}
+
+/// `text` as a JSON string, escaped as serde_json escapes it.
+pub fn json_string(out: &mut String, text: &str) {
+    // Serialising a string cannot fail.
+    out.push_str(&serde_json::to_string(text).unwrap_or_default());
 }
 
 #[cfg(test)]
@@ -471,7 +500,9 @@ mod tests {
             },
         );
         ledger.non_reusable.push("198.18.0.48/28".parse().unwrap());
-        let (claims, cooling, non_reusable) = ledger.to_json();
+        let [claims, cooling, non_reusable] = ledger
+            .status_texts()
+            .map(|(_, text)| serde_json::from_str::<Value>(&text).unwrap());
         assert_eq!(claims.as_array().unwrap().len(), 1, "grouped by holder");
         let status = json!({"claims": claims, "cooling": cooling, "nonReusable": non_reusable});
         assert_eq!(parse_ledger(&status), ledger);

@@ -16,6 +16,8 @@ use super::{
 };
 use crate::cidr::{Cidr, Family};
 
+mod room;
+
 /// How many distinct passed-over rows and blocks a store logs.
 const MAX_LOGGED_PASSED_OVER: usize = 1024;
 
@@ -26,6 +28,22 @@ const MAX_LOGGED_PASSED_OVER: usize = 1024;
 pub(super) struct PassedOver {
     logged: std::collections::HashSet<String>,
     counts: std::collections::BTreeMap<&'static str, u64>,
+}
+
+impl PassedOver {
+    /// Counts one passed-over `line` of `network` by `reason`; logs it
+    /// once per store (the first [`MAX_LOGGED_PASSED_OVER`]: a writer
+    /// planting rows by the million costs no memory).
+    fn note(&mut self, reason: &'static str, line: &str, network: &str) {
+        *self.counts.entry(reason).or_default() += 1;
+        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.to_string()) {
+            crate::log::warn(
+                "store",
+                "passed over what does not fit the configuration in force (another writer made it)",
+                &[("network", &network), ("row", &line)],
+            );
+        }
+    }
 }
 
 /// The `reason` of a row that holds no address.
@@ -382,8 +400,10 @@ struct Judge<'s> {
     isolated: bool,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
-    /// What this store already logged as passed over, and the counts.
-    seen: &'s mut PassedOver,
+    /// What this store already logged as passed over, and the counts
+    /// (`None`: a read-only question, STATUS's, which logs and counts
+    /// nothing).
+    seen: Option<&'s mut PassedOver>,
 }
 
 impl<'s> Judge<'s> {
@@ -392,7 +412,7 @@ impl<'s> Judge<'s> {
         conf: Option<&InForce>,
         mode: ReserveMode,
         network: &'s str,
-        seen: &'s mut PassedOver,
+        seen: Option<&'s mut PassedOver>,
     ) -> Result<Judge<'s>, StoreError> {
         Ok(Judge {
             conf: conf.cloned().unwrap_or_default(),
@@ -461,19 +481,12 @@ impl<'s> Judge<'s> {
         Ok(address_fit(address, &self.blocks[at].1, &self.conf))
     }
 
-    /// Notes what was passed over and why; logs each once per store (the
-    /// first [`MAX_LOGGED_PASSED_OVER`]: a writer planting rows by the
-    /// million costs no memory).
+    /// Notes what was passed over and why (and tells the store, which
+    /// logs and counts it: [`PassedOver::note`]).
     fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
-        *self.seen.counts.entry(reason).or_default() += 1;
         let line = format!("{what}: {why}");
-        let logged = &mut self.seen.logged;
-        if logged.len() < MAX_LOGGED_PASSED_OVER && logged.insert(line.clone()) {
-            crate::log::warn(
-                "store",
-                "passed over what does not fit the configuration in force (another writer made it)",
-                &[("network", &self.network), ("row", &line)],
-            );
+        if let Some(seen) = self.seen.as_deref_mut() {
+            seen.note(reason, &line, self.network);
         }
         self.passed_over.push(line);
     }
@@ -537,26 +550,57 @@ fn claim(
             return Ok(None);
         };
         *after = row_id;
-        let Ok(address) = text.parse::<IpAddr>() else {
-            judge.pass_over(
-                format!("row {text:?} of block {cidr}"),
-                NOT_AN_ADDRESS,
-                &"not an address",
-            );
+        let Some(address) = fit_row(conn, judge, block_id, cidr, &text)? else {
             continue;
         };
-        let unfit = match judge.address(conn, block_id, cidr, address)? {
-            Err(unfit) => Some(unfit),
-            Ok(()) => taken_elsewhere(conn, judge.network, judge.isolated, block_id, address)?,
-        };
-        if let Some(unfit) = unfit {
-            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
-            continue;
-        }
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
             record_gateway(conn, judge, row_id, cidr)?;
             return Ok(Some(address));
         }
+    }
+}
+
+/// The address of row `text` of block `block_id` when the hand-out check
+/// passes it (else it is noted as passed over): what [`claim`] takes and
+/// STATUS counts as room ([`room`]).
+fn fit_row(
+    conn: &Connection,
+    judge: &mut Judge,
+    block_id: i64,
+    cidr: &Cidr,
+    text: &str,
+) -> Result<Option<IpAddr>, StoreError> {
+    let Ok(address) = text.parse::<IpAddr>() else {
+        judge.pass_over(
+            format!("row {text:?} of block {cidr}"),
+            NOT_AN_ADDRESS,
+            &"not an address",
+        );
+        return Ok(None);
+    };
+    fit_address(conn, judge, block_id, cidr, address)
+}
+
+/// `address` of block `block_id` when the hand-out check passes it (else
+/// noted as passed over): the configuration in force, then the rest of
+/// the node's address space ([`taken_elsewhere`]).
+fn fit_address(
+    conn: &Connection,
+    judge: &mut Judge,
+    block_id: i64,
+    cidr: &Cidr,
+    address: IpAddr,
+) -> Result<Option<IpAddr>, StoreError> {
+    let unfit = match judge.address(conn, block_id, cidr, address)? {
+        Err(unfit) => Some(unfit),
+        Ok(()) => taken_elsewhere(conn, judge.network, judge.isolated, block_id, address)?,
+    };
+    match unfit {
+        Some(unfit) => {
+            judge.pass_over(format!("{address} of block {cidr}"), unfit.reason(), &unfit);
+            Ok(None)
+        }
+        None => Ok(Some(address)),
     }
 }
 
@@ -639,7 +683,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(&tx, conf, mode, owner.network, &mut self.passed_over)?;
+        let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
             // Keeps the record of the gateway this result names.
@@ -719,7 +763,7 @@ impl Store {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
         let tx = super::write(&mut self.conn, self.batch)?;
-        let mut judge = Judge::new(&tx, conf, mode, owner.network, &mut self.passed_over)?;
+        let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
             let answer = already_held(owner, existing, address)?;

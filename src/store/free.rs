@@ -62,13 +62,6 @@ macro_rules! pod_held {
 
 pub(super) use {cooling, free_now, pod_held};
 
-/// Whether block ?1 has a row free at time ?2.
-pub(super) const HAS_FREE_SQL: &str = concat!(
-    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
-    free_now!("", "?2"),
-    ")"
-);
-
 /// What a requested-address check reads of one row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RowView {

@@ -5,12 +5,11 @@
 
 use std::collections::HashSet;
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 
-use super::block::{
-    HeldRow, Reserved, UNDRAINABLE_SQL, bounds_of, frontier, give_back, quarantined_in,
-};
-use super::free::{HAS_FREE_SQL, free_now, pod_held};
+use super::block::{HeldRow, bounds_of, give_back, quarantined_in};
+use super::free::pod_held;
+use super::handout::InForce;
 use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Bounds, Cidr, Family};
 
@@ -98,11 +97,14 @@ impl Store {
     /// Whether an ADD of `ranges` (with their host-local `bounds` and
     /// `isolated`) could get an address of `family` in `network` now,
     /// read-only: a configured range the ADD would add or grow into (not
-    /// quarantined, with an address its bounds leave) or re-bound, a free
-    /// non-cooling row in a Ready block, a Ready block not yet populated to
-    /// its end, or — IPv4 — a free row in the Draining block an allocation
-    /// would take back. Quarantined blocks count for nothing. An ADD the layout
-    /// would refuse is that refusal ([`StoreError::Overlap`]).
+    /// quarantined, with an address its bounds leave) or re-bound, or an
+    /// address of the blocks it has that the ADD's own hand-out check would
+    /// pass — a free row, one its growth would add, or (IPv4) one of the
+    /// Draining block an allocation would take back ([`Store::first_fit`]).
+    /// Quarantined blocks, and rows the check passes over (the gateway a
+    /// live result names, an address held in an overlapping block), count
+    /// for nothing. An ADD the layout would refuse is that refusal
+    /// ([`StoreError::Overlap`]).
     pub fn can_allocate(
         &self,
         network: &str,
@@ -143,16 +145,44 @@ impl Store {
                 return Ok(true);
             }
         }
-        if ready_block_has_free_row(&self.conn, network, family, now_ms, &unserved)? {
-            return Ok(true);
-        }
-        if any_block_can_grow(&self.conn, network, family, &unserved)? {
-            return Ok(true);
-        }
-        match family {
-            Family::V6 => Ok(false),
-            Family::V4 => oldest_draining_has_free_row(&self.conn, network, now_ms),
-        }
+        Ok(self
+            .fit_under(network, family, ranges, bounds, now_ms)?
+            .is_ok())
+    }
+
+    /// What the hand-out check passes over in `network`'s blocks of
+    /// `family` under `ranges` and `bounds`, in words, when it finds
+    /// nothing there to hand out (empty when it does, or when nothing was
+    /// passed over): why STATUS says no ([`Store::can_allocate`]).
+    pub fn passed_over_in(
+        &self,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        bounds: &[(Cidr, Bounds)],
+        now_ms: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .fit_under(network, family, ranges, bounds, now_ms)?
+            .err()
+            .unwrap_or_default())
+    }
+
+    /// [`Store::first_fit`] under the configuration of `ranges` and
+    /// `bounds`.
+    fn fit_under(
+        &self,
+        network: &str,
+        family: Family,
+        ranges: &[Cidr],
+        bounds: &[(Cidr, Bounds)],
+        now_ms: i64,
+    ) -> Result<Result<(), Vec<String>>, StoreError> {
+        let conf = InForce {
+            ranges: ranges.to_vec(),
+            bounds: bounds.to_vec(),
+        };
+        self.first_fit(network, family, &conf, now_ms)
     }
 
     /// The network's quarantined blocks of `family`, in words.
@@ -226,98 +256,12 @@ fn gc_candidates(
     Ok(out)
 }
 
-fn ready_block_has_free_row(
-    conn: &Connection,
-    network: &str,
-    family: Family,
-    now_ms: i64,
-    unserved: &HashSet<i64>,
-) -> Result<bool, StoreError> {
-    if !unserved.is_empty() {
-        // Rare (a node upgraded from upstream): block by block.
-        let ids: Vec<i64> = conn
-            .prepare_cached(
-                "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 AND state = 'Ready' \
-                 AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL)",
-            )?
-            .query_map(params![network, family.as_str()], |r| r.get(0))?
-            .collect::<Result<_, _>>()?;
-        for id in ids.into_iter().filter(|id| !unserved.contains(id)) {
-            let free: bool = conn
-                .prepare_cached(HAS_FREE_SQL)?
-                .query_row(params![id, now_ms], |r| r.get(0))?;
-            if free {
-                return Ok(true);
-            }
-        }
-        return Ok(false);
-    }
-    Ok(conn
-        .prepare_cached(
-            concat!(
-                "SELECT EXISTS (SELECT 1 FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-                 WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state = 'Ready' \
-                   AND b.id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) AND ",
-                free_now!("a.", "?3"),
-                ")"
-            ),
-        )?
-        .query_row(params![network, family.as_str(), now_ms], |r| r.get(0))?)
-}
-
-/// Blocks are populated lazily from their frontier; a Ready one not
-/// populated to its end can still grow.
-fn any_block_can_grow(
-    conn: &Connection,
-    network: &str,
-    family: Family,
-    unserved: &HashSet<i64>,
-) -> Result<bool, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
-         AND state = 'Ready' AND total_ips > COALESCE(allocated_ips, 0) \
-         AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) ORDER BY id",
-    )?;
-    let mut blocks = stmt.query(params![network, family.as_str()])?;
-    while let Some(block) = blocks.next()? {
-        if unserved.contains(&block.get(0)?) {
-            continue;
-        }
-        let cidr = parse_cidr(&block.get::<_, String>(1)?)?;
-        // A bounded block grows only up to its rangeEnd.
-        let end = bounds_of(conn, network, &cidr)?.map_or(cidr.size(), |b| {
-            Reserved::bounded(&cidr, &b).usable(cidr.size()).end
-        });
-        if frontier(conn, block.get(0)?, &cidr)? < end {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
-/// On IPv4 exhaustion an allocation takes back the oldest Draining block.
-fn oldest_draining_has_free_row(
-    conn: &Connection,
-    network: &str,
-    now_ms: i64,
-) -> Result<bool, StoreError> {
-    let oldest: Option<i64> = conn
-        .prepare_cached(UNDRAINABLE_SQL)?
-        .query_row(params![network, Family::V4.as_str()], |r| r.get(0))
-        .optional()?;
-    let Some(id) = oldest else {
-        return Ok(false);
-    };
-    Ok(conn
-        .prepare_cached(HAS_FREE_SQL)?
-        .query_row(params![id, now_ms], |r| r.get(0))?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::{Owner, Source};
     use crate::testutil::{TempDir, cidr};
+    use rusqlite::OptionalExtension;
 
     const NOW: i64 = 1_700_000_000_000;
 

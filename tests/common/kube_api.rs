@@ -20,7 +20,9 @@
 //!   writes to the main resource keep it; `metadata.generation` counts spec
 //!   changes. A write that changes nothing is not a new version (no event).
 //! - Per-(verb, resource) request counters and fault hooks: stop and start
-//!   listening, fail the next N writes with a status, compact history.
+//!   listening, fail the next N writes with a status, compact history,
+//!   expire a list's continue token between its pages (after changing
+//!   objects in between).
 //!
 //! The older `apiserver.rs` is a one-node server that plays the cloud
 //! controller itself; this one plays no controller.
@@ -182,6 +184,12 @@ pub struct State {
     pub bookmark_every: Option<Duration>,
     /// Bumped to end every open watch (a compaction, an API server restart).
     pub watch_epoch: u64,
+    /// The next `continue` of a list of this resource finds its token
+    /// expired (410 `Expired`, as after a compaction between two pages);
+    /// the closure runs first, under the lock: what changed between them.
+    pub expire_next_continue: Option<(&'static str, Between)>,
+    /// Continue tokens answered 410 by that hook.
+    pub continues_expired: u64,
     uids: u64,
     /// Paginated lists still being read, by continue token: the snapshot
     /// the first page was cut from (the API server serves every page at the
@@ -190,6 +198,9 @@ pub struct State {
     snapshots: BTreeMap<u64, Snapshot>,
     snapshot_ids: u64,
 }
+
+/// What happens to the objects between two pages of a list.
+pub type Between = Box<dyn FnOnce(&mut State) + Send>;
 
 /// The rest of a paginated list.
 struct Snapshot {
@@ -906,6 +917,14 @@ fn list(state: &mut State, route: &Route, request: &Request) -> (u16, Value) {
             else {
                 return refusal(400, "BadRequest", "continue key is not valid");
             };
+            if let Some((_, between)) = state
+                .expire_next_continue
+                .take_if(|(resource, _)| *resource == route.resource.plural)
+            {
+                between(state);
+                state.snapshots.remove(&id);
+                state.continues_expired += 1;
+            }
             match state.snapshots.remove(&id) {
                 Some(snapshot) => (snapshot.version, snapshot.items),
                 None => {

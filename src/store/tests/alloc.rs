@@ -843,6 +843,85 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
     assert!(err.to_string().contains("\"u\""), "{err}");
 }
 
+/// STATUS asks what the ADD's hand-out check would pass: when the
+/// network's last free row is the gateway a live result of the other
+/// conflist names, the ADD is refused (code 11 naming it) and STATUS says
+/// no, naming it too; once that result's pod is gone, both say yes.
+#[test]
+fn status_counts_no_row_a_live_result_names_as_its_gateway() {
+    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let (range, gw, plain, with_gateway) = two_gateways();
+    store
+        .set_bounds("pods", Family::V4, &[(range, gw)])
+        .unwrap();
+    store
+        .allocate_requested_under(
+            &owner("pods", "gw-pod"),
+            ip("198.18.40.5"),
+            Some(&with_gateway),
+            NOW,
+        )
+        .unwrap();
+    store.set_bounds("pods", Family::V4, &[]).unwrap();
+    let status = |store: &Store| {
+        store
+            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .unwrap()
+    };
+    // .2 to .14 less .5 (gw-pod's) and .6 (its result's gateway).
+    for n in 0..11 {
+        assert!(status(&store), "before pod {n}");
+        let got = store
+            .allocate_under(
+                &owner("pods", &format!("p{n}")),
+                Family::V4,
+                Some(&plain),
+                NOW,
+            )
+            .unwrap();
+        assert_ne!(got.address, ip("198.18.40.6"), "pod {n}");
+    }
+    let err = store
+        .allocate_under(&owner("pods", "last"), Family::V4, Some(&plain), NOW)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("198.18.40.6 of block 198.18.40.0/28: it is the gateway of the result container \"gw-pod\""),
+        "{err}"
+    );
+    let counts = store.take_passed_over_counts();
+    assert_eq!(counts.into_keys().collect::<Vec<_>>(), ["named_gateway"]);
+    assert!(!status(&store), "STATUS must say what the ADD found");
+    let why = store
+        .passed_over_in("pods", Family::V4, &[range], &[], NOW)
+        .unwrap();
+    assert_eq!(
+        why,
+        [
+            "198.18.40.6 of block 198.18.40.0/28: it is the gateway of the result container \"gw-pod\" interface \"eth0\" holds in network \"pods\""
+        ]
+    );
+    // The ADDs counted what they passed over; STATUS counts nothing.
+    assert!(store.take_passed_over_counts().is_empty());
+    // gw-pod's DEL forgets the record: .6 is room again, for both.
+    store.release("pods", "gw-pod", "eth0", NOW).unwrap();
+    assert!(status(&store));
+    // Its own address (no cooldown here) and then the gateway it named.
+    for (pod, address) in [("last", "198.18.40.5"), ("after", "198.18.40.6")] {
+        let got = store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&plain), NOW)
+            .unwrap();
+        assert_eq!(got.address, ip(address));
+    }
+    assert!(!status(&store), "full now");
+    assert!(
+        store
+            .passed_over_in("pods", Family::V4, &[range], &[], NOW)
+            .unwrap()
+            .is_empty()
+    );
+}
+
 /// A repeated ADD under a conflist naming another gateway records that one
 /// too (its result names it now), in the transaction that returns it.
 #[test]
