@@ -399,7 +399,9 @@ impl Sim {
     /// claimed for them and not cooling; within the node grace, then the
     /// reclaim delay (+ slack).
     fn wait_reclaimed(&self, blocks: &BTreeMap<String, Vec<String>>) {
-        let most = NODE_GRACE + RECLAIM + SLACK;
+        // Generous slack: on a loaded machine a pass and its pool write can
+        // lag by seconds; a block that never comes back fails all the same.
+        let most = NODE_GRACE + RECLAIM + SLACK * 3;
         let deadline = Instant::now() + most;
         loop {
             let held: Vec<String> = {
@@ -535,7 +537,8 @@ impl Sim {
             .as_ref()
             .map(|d| tail(&d.log()))
             .unwrap_or_default();
-        format!("\nNNC {nnc:?}\nblocks {blocks:?}\ndaemon log:\n{log}")
+        let pool = self.api.state().get(&Key::cluster(POOLS, POOL)).cloned();
+        format!("\nNNC {nnc:?}\nblocks {blocks:?}\npool {pool:?}\ndaemon log:\n{log}")
     }
 
     /// The history of node `name`'s NNC (spec demand and Ready answer),
@@ -572,6 +575,9 @@ impl Sim {
     }
 
     /// Changes the pool's CIDRs (as an admin's edit).
+    /// Edits the pool's CIDRs and waits until the leader has decided on the
+    /// new spec (its status counts the new CIDRs' blocks): a node asking
+    /// before then would rightly be refused from the old pool.
     fn set_pool(&mut self, cidrs: &[&str]) {
         self.pool_edits += 1;
         self.api.with_state(|s| {
@@ -580,6 +586,43 @@ impl Sim {
             })
             .unwrap();
         });
+        let blocks: u64 = cidrs
+            .iter()
+            .map(|c| {
+                let prefix: u32 = c.rsplit_once('/').unwrap().1.parse().unwrap();
+                1u64 << (28 - prefix)
+            })
+            .sum();
+        self.api
+            .wait_until("the leader counts the pool's new blocks", SLACK * 3, |s| {
+                s.get(&Key::cluster(POOLS, POOL))
+                    .is_some_and(|p| p["status"]["ipv4"]["blocksTotal"] == blocks)
+            });
+    }
+
+    /// Waits until node `index`'s NNC no longer carries a refusal because
+    /// the pool had no free block.
+    fn wait_unrefused_by_an_empty_pool(&self, index: usize) {
+        let key = Key::cluster(NNCS, &self.nodes[index].name);
+        self.api.wait_until(
+            "the leader answers the node from the grown pool",
+            SLACK * 3,
+            |s| {
+                s.get(&key).is_none_or(|nnc| {
+                    !nnc["status"]["conditions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|c| {
+                            c["type"] == "Ready"
+                                && c["status"] == "False"
+                                && c["message"]
+                                    .as_str()
+                                    .is_some_and(|m| m.contains("has no free block"))
+                        })
+                })
+            },
+        );
     }
 
     fn begin_phase(&mut self) {
@@ -1153,6 +1196,9 @@ fn a_simulated_cluster_keeps_every_block_and_address_single_owned() {
     sim.begin_phase();
     sim.set_pool(&[FIRST_CIDR, GROWN_CIDR]);
     for index in [0, 1] {
+        // A node the full pool refused before keeps failing fast until the
+        // leader answers it again from the grown pool.
+        sim.wait_unrefused_by_an_empty_pool(index);
         let (held, refused) = sim.fill(index, 2 * BLOCK + 8);
         // Its own range, then two blocks: the quota refuses the rest fast
         // (check() holds the refusal to code 11 and its speed).
