@@ -289,10 +289,12 @@ fn healed_state(conn: &Connection) -> Result<String, StoreError> {
         versions("schema_version")?
     );
     let mut stmt = conn.prepare(schema::HEALED_STATE)?;
+    // Every arm's columns, however many the statement has.
+    let columns = stmt.column_count();
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         state.push('|');
-        for column in 0..5 {
+        for column in 0..columns {
             match row.get_ref(column)? {
                 ValueRef::Null => state.push('-'),
                 ValueRef::Integer(value) => {
