@@ -652,28 +652,11 @@ impl Engine {
                 .map_err(|err| Failure::invalid(format!("range: {err}")))?;
             let bounds = range_bounds(family, &ranges, &req.bounds)?;
             let context = format!("status of network {network:?}");
-            let failed = |err: StoreError| Failure::from_store(&context, &err);
-            let can = self
+            let room = self
                 .store
                 .can_allocate(network, family, &ranges, &bounds, req.isolated, now_ms)
-                .map_err(failed)?;
-            if !can {
-                let mut blocked = self.store.quarantined_in(network, family).map_err(failed)?;
-                let held = self
-                    .store
-                    .held_gateways_in(network, family, &bounds)
-                    .map_err(failed)?;
-                blocked.extend(held.iter().map(|g| g.describe()));
-                let passed_over = self
-                    .store
-                    .passed_over_in(network, family, &ranges, &bounds, now_ms)
-                    .map_err(failed)?;
-                blocked.extend(passed_over.iter().map(|line| {
-                    format!("passed over, not fitting the configuration in force: {line}")
-                }));
-                blocked.extend(bounds.iter().filter(|(cidr, b)| b.leaves_no_address(cidr)).map(
-                    |(cidr, b)| format!("rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}", b.gateway),
-                ));
+                .map_err(|err| Failure::from_store(&context, &err))?;
+            if let Err(blocked) = room {
                 return Ok(Readiness::Full {
                     network: network.to_string(),
                     family,

@@ -152,6 +152,27 @@ fn put_needs_the_current_version_and_the_status_subresource_is_separate() {
     let (status, same) = api.call("PUT", &format!("{NNC_PATH}/n1"), Some(&main));
     assert_eq!((status, rv(&same)), (200, rv(&main)));
     assert_eq!(api.state().version, before);
+    // A direct edit counts generations as those writes would: a status
+    // change keeps it, a spec change is the next one, whatever `change`
+    // writes there itself.
+    let edit = |change: fn(&mut Value)| {
+        api.with_state(|s| s.edit(&Key::cluster(NNCS, "n1"), change))
+            .unwrap()
+    };
+    let status_only = edit(|n| n["status"] = json!({"podCIDRs": []}));
+    assert_eq!(status_only["metadata"]["generation"], 2);
+    assert_ne!(rv(&status_only), rv(&main));
+    let spec = edit(|n| {
+        n["spec"]["allocations"][0]["pods"] = json!(9);
+        n["metadata"]["generation"] = json!(40);
+    });
+    assert_eq!(spec["metadata"]["generation"], 3);
+    assert_eq!(spec["spec"]["allocations"][0]["pods"], 9);
+    let unchanged = edit(|n| n["metadata"]["generation"] = json!(1));
+    assert_eq!(
+        (rv(&unchanged), &unchanged["metadata"]["generation"]),
+        (rv(&spec), &json!(3))
+    );
     // A built-in resource takes an unconditional update; a missing object
     // is 404; a body naming another object is refused.
     let lease = json!({"metadata": {"name": "l"}, "spec": {"holderIdentity": "a"}});

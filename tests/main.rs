@@ -38,6 +38,7 @@ mod ops;
 mod plugin;
 mod properties;
 mod proto_sync;
+mod read_only;
 mod reconcile;
 mod storage_faults;
 mod upstream_rollback;

@@ -8,25 +8,10 @@ use common::Plugin;
 use common::node::{NetConf, Node, Outcome, Request, held_twice};
 use common::upstream::Upstream;
 
-/// CNI STATUS of `conf` (as CNI 1.1.0): the exit status and, on failure,
-/// the error's code and message.
-fn status(node: &Node, conf: &NetConf) -> Result<(), (u64, String)> {
-    let mut config: serde_json::Value =
-        serde_json::from_str(&conf.render(&node.dir, &[], None)).unwrap();
-    config["cniVersion"] = "1.1.0".into();
-    let output = Plugin::new("STATUS", "").run(&config.to_string());
-    if output.status.success() {
-        assert!(output.stdout.is_empty(), "{output:?}");
-        return Ok(());
-    }
-    let error: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    Err((error["code"].as_u64().unwrap(), error["msg"].to_string()))
-}
-
 /// The code of a STATUS that must fail, after checking its message names
 /// `what`.
 fn status_fails(node: &Node, conf: &NetConf, what: &str) -> u64 {
-    match status(node, conf) {
+    match node.status(conf) {
         Err((code, msg)) if msg.contains(what) => code,
         other => panic!("STATUS should fail naming {what:?}: {other:?}"),
     }
@@ -102,7 +87,7 @@ fn status_fails_whenever_add_must() {
     for daemon in [true, false] {
         let (node, [y, x, plain_x]) = over_one_block("writers-status", daemon);
         assert!(matches!(node.add(&y, "y1", Request::None), Outcome::Ok(_)));
-        assert_eq!(status(&node, &y), Ok(()));
+        assert_eq!(node.status(&y), Ok(()));
         // X over Y's block, not isolated: ADD is refused, and STATUS too.
         assert_eq!(
             status_fails(&node, &plain_x, "net-y"),
@@ -111,7 +96,7 @@ fn status_fails_whenever_add_must() {
         );
         assert_eq!(node.add(&plain_x, "x1", Request::None).code(), Some(7));
         // Isolated it may; turning isolation off is refused again.
-        assert_eq!(status(&node, &x), Ok(()));
+        assert_eq!(node.status(&x), Ok(()));
         assert!(matches!(node.add(&x, "x1", Request::None), Outcome::Ok(_)));
         assert_eq!(status_fails(&node, &plain_x, "isolated"), 50);
         assert_eq!(node.add(&plain_x, "x2", Request::None).code(), Some(7));
@@ -127,7 +112,7 @@ fn status_fails_whenever_add_must() {
             bounds: Some(("198.18.72.2", "198.18.72.6")),
             ..z.clone()
         };
-        assert_eq!(status(&node, &roomy), Ok(()));
+        assert_eq!(node.status(&roomy), Ok(()));
         assert!(matches!(
             node.add(&roomy, "z1", Request::None),
             Outcome::Ok(_)
@@ -176,7 +161,7 @@ fn status_fails_when_the_last_free_address_is_a_live_results_gateway() {
         }
         assert_eq!(status_fails(&node, &a, named), 50, "daemon {daemon}");
         assert!(matches!(node.del(&b, "b1"), Outcome::Ok(_)));
-        assert_eq!(status(&node, &a), Ok(()), "daemon {daemon}");
+        assert_eq!(node.status(&a), Ok(()), "daemon {daemon}");
         assert!(matches!(node.add(&a, "a4", Request::None), Outcome::Ok(_)));
         if daemon {
             node.stop();

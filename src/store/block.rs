@@ -10,8 +10,8 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
 use super::{
-    Allocation, BlockInfo, ReserveMode, StoreError, get_setting, parse_addr, parse_family,
-    parse_state, schema, total_ips,
+    Allocation, BlockInfo, ReserveMode, StoreError, parse_addr, parse_family, parse_state,
+    total_ips,
 };
 use crate::cidr::{Bounds, Cidr, Family};
 
@@ -253,22 +253,14 @@ const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_
 /// before IPv4 grew lazily); an IPv6 block continues after its highest row
 /// (a scan, once per block, as upstream records no frontier).
 pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
-    let recorded = match conn
-        .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")
-        .and_then(|mut stmt| {
-            stmt.query_row([block_id], |r| r.get::<_, Option<String>>(0))
-                .optional()
-        }) {
-        Ok(row) => row.flatten(),
-        // Only a read-only look can find Metis's tables in an earlier
-        // shape (every open that may write moves them first): a database
-        // of an earlier release keeps the frontier as a settings key, an
-        // upstream one keeps none.
-        Err(_) => get_setting(conn, &format!("{}{block_id}", schema::LEGACY_KEYS[0]))
-            .ok()
-            .flatten(),
-    }
-    .and_then(|text| text.parse::<u128>().ok());
+    // A read-only look at an earlier release's file reads the frontier
+    // its key holds through `migrate::shadow_for_reading`.
+    let recorded = conn
+        .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")?
+        .query_row([block_id], |r| r.get::<_, Option<String>>(0))
+        .optional()?
+        .flatten()
+        .and_then(|text| text.parse::<u128>().ok());
     if let Some(frontier) = recorded {
         return Ok(cidr.size().min(frontier));
     }

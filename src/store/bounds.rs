@@ -303,9 +303,10 @@ mod tests {
         // The first batch, the broadcast and the range: never the /12.
         assert!(row_count(&store) < 200, "{}", row_count(&store));
         assert!(
-            !store
+            store
                 .can_allocate("pods", Family::V4, &[], &[], false, NOW)
                 .unwrap()
+                .is_err()
         );
         assert_sound(&store);
 
@@ -325,6 +326,7 @@ mod tests {
             store
                 .can_allocate("pods", Family::V4, &[], &[], false, NOW)
                 .unwrap()
+                .is_ok()
         );
         let more: Vec<String> = (0..)
             .map(|i| format!("d{i}"))

@@ -388,7 +388,7 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
         source: Box::new(e),
     })?;
     conn.busy_timeout(std::time::Duration::from_millis(5000))?;
-    super::schema::shadow_missing_tables(&conn)?;
+    super::migrate::shadow_for_reading(&conn)?;
     check_connection(&conn, depth)
 }
 
@@ -456,7 +456,7 @@ fn check_with(conn: &Connection, sqlite: Sqlite, rows: Rows) -> Result<Report, S
         false => ReserveMode::default(),
     };
     let blocks = check_blocks(conn, mode, &mut report)?;
-    let isolated = isolated_networks(conn, &has)?;
+    let isolated = isolated_networks(conn)?;
     match check_address_rows(conn, mode, &blocks, &isolated, rows, &mut report) {
         Err(StoreError::Sqlite(err)) if is_corrupt(&err) => {
             report
@@ -531,22 +531,12 @@ fn check_metis_tables(
     Ok(())
 }
 
-/// The networks that are address spaces of their own (`isolated`); every
-/// other network shares the node's one space. A database of an earlier
-/// release keeps isolation in `metis_settings`.
-fn isolated_networks(
-    conn: &Connection,
-    has: &dyn Fn(&str) -> bool,
-) -> Result<HashSet<String>, StoreError> {
-    let sql = if has("metis_networks") {
-        "SELECT network FROM metis_networks WHERE isolated = 1"
-    } else if has("metis_settings") {
-        "SELECT substr(key, 10) FROM metis_settings WHERE key LIKE 'isolated/%' AND value = '1'"
-    } else {
-        return Ok(HashSet::new());
-    };
+/// The isolated networks. Every connection checked reads today's
+/// `metis_networks`: a writable open moved an earlier release's keys into
+/// it, a read-only one reads it through `migrate::shadow_for_reading`.
+fn isolated_networks(conn: &Connection) -> Result<HashSet<String>, StoreError> {
     let names = conn
-        .prepare(sql)?
+        .prepare("SELECT network FROM metis_networks WHERE isolated = 1")?
         .query_map([], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     Ok(names)

@@ -103,8 +103,11 @@ impl Store {
     /// Draining block an allocation would take back ([`Store::first_fit`]).
     /// Quarantined blocks, and rows the check passes over (the gateway a
     /// live result names, an address held in an overlapping block), count
-    /// for nothing. An ADD the layout would refuse is that refusal
-    /// ([`StoreError::Overlap`]).
+    /// for nothing. When it could not, the refusal's lines, in words: the
+    /// quarantined blocks, the blocks whose gateway a pod holds, what the
+    /// hand-out check passed over, and the bounds that leave no address
+    /// (empty when there was simply nothing free). An ADD the layout would
+    /// refuse is that refusal ([`StoreError::Overlap`]).
     pub fn can_allocate(
         &self,
         network: &str,
@@ -113,7 +116,7 @@ impl Store {
         bounds: &[(Cidr, Bounds)],
         isolated: bool,
         now_ms: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Result<(), Vec<String>>, StoreError> {
         let leaves_an_address = |range: &Cidr| {
             bounds
                 .iter()
@@ -121,15 +124,14 @@ impl Store {
         };
         let new_room = self.would_lay_out(network, family, ranges, isolated)?;
         if new_room.iter().any(leaves_an_address) {
-            return Ok(true);
+            return Ok(Ok(()));
         }
-        // Blocks whose gateway (under these bounds) a pod holds serve
-        // nothing, re-bounded or not (see `gateway`).
-        let unserved: HashSet<i64> = self
-            .held_gateways_in(network, family, bounds)?
-            .iter()
-            .map(|g| g.block_id)
-            .collect();
+        // Ready blocks whose gateway a pod holds serve nothing, re-bounded
+        // or not (see `gateway`); the gateway is the one a result would
+        // name under these bounds (the explicit `gateway`, else computed).
+        let held =
+            super::gateway::held_in(&self.conn, self.reserve, network, family, Some(bounds))?;
+        let unserved: HashSet<i64> = held.iter().map(|g| g.block_id).collect();
         // The ADD re-bounds a block whose bounds the configuration changed:
         // counted as room, as a range not yet added is.
         for range in ranges.iter().filter(|range| leaves_an_address(range)) {
@@ -142,64 +144,35 @@ impl Store {
                 .is_some_and(|id| !unserved.contains(&id))
                 && bounds_of(&self.conn, network, range)? != asked
             {
-                return Ok(true);
+                return Ok(Ok(()));
             }
         }
-        Ok(self
-            .fit_under(network, family, ranges, bounds, now_ms)?
-            .is_ok())
-    }
-
-    /// What the hand-out check passes over in `network`'s blocks of
-    /// `family` under `ranges` and `bounds`, in words, when it finds
-    /// nothing there to hand out (empty when it does, or when nothing was
-    /// passed over): why STATUS says no ([`Store::can_allocate`]).
-    pub fn passed_over_in(
-        &self,
-        network: &str,
-        family: Family,
-        ranges: &[Cidr],
-        bounds: &[(Cidr, Bounds)],
-        now_ms: i64,
-    ) -> Result<Vec<String>, StoreError> {
-        Ok(self
-            .fit_under(network, family, ranges, bounds, now_ms)?
-            .err()
-            .unwrap_or_default())
-    }
-
-    /// [`Store::first_fit`] under the configuration of `ranges` and
-    /// `bounds`.
-    fn fit_under(
-        &self,
-        network: &str,
-        family: Family,
-        ranges: &[Cidr],
-        bounds: &[(Cidr, Bounds)],
-        now_ms: i64,
-    ) -> Result<Result<(), Vec<String>>, StoreError> {
         let conf = InForce {
             ranges: ranges.to_vec(),
             bounds: bounds.to_vec(),
         };
-        self.first_fit(network, family, &conf, now_ms)
-    }
-
-    /// The network's quarantined blocks of `family`, in words.
-    pub fn quarantined_in(&self, network: &str, family: Family) -> Result<Vec<String>, StoreError> {
-        quarantined_in(&self.conn, network, family)
-    }
-
-    /// The network's Ready blocks of `family` not served while a pod holds
-    /// the gateway a result would name under `bounds` (the configuration
-    /// in force: its explicit `gateway`, else the block's computed one).
-    pub fn held_gateways_in(
-        &self,
-        network: &str,
-        family: Family,
-        bounds: &[(Cidr, Bounds)],
-    ) -> Result<Vec<super::gateway::HeldGateway>, StoreError> {
-        super::gateway::held_in(&self.conn, self.reserve, network, family, Some(bounds))
+        let Err(passed_over) = self.first_fit(network, family, &conf, now_ms)? else {
+            return Ok(Ok(()));
+        };
+        let mut lines = quarantined_in(&self.conn, network, family)?;
+        lines.extend(held.iter().map(|g| g.describe()));
+        lines.extend(
+            passed_over
+                .iter()
+                .map(|line| format!("passed over, not fitting the configuration in force: {line}")),
+        );
+        lines.extend(
+            bounds
+                .iter()
+                .filter(|(cidr, b)| b.leaves_no_address(cidr))
+                .map(|(cidr, b)| {
+                    format!(
+                        "rangeStart..rangeEnd of {cidr} leaves no address but the gateway {}",
+                        b.gateway
+                    )
+                }),
+        );
+        Ok(Err(lines))
     }
 }
 
@@ -457,7 +430,8 @@ mod tests {
         assert!(
             store
                 .can_allocate("net", Family::V4, &range, &[], false, NOW)
-                .unwrap(),
+                .unwrap()
+                .is_ok(),
             "range not added yet"
         );
         store.add_cidr_block("net", &range[0]).unwrap();
@@ -465,30 +439,35 @@ mod tests {
             store
                 .can_allocate("net", Family::V4, &range, &[], false, NOW)
                 .unwrap()
+                .is_ok()
         );
         take(&mut store, "net", "a", Family::V4, NOW);
         assert!(
-            !store
+            store
                 .can_allocate("net", Family::V4, &range, &[], false, NOW)
                 .unwrap()
+                .is_err()
         );
         store.release("net", "a", "eth0", NOW).unwrap();
         assert!(
-            !store
+            store
                 .can_allocate("net", Family::V4, &range, &[], false, NOW)
-                .unwrap(),
+                .unwrap()
+                .is_err(),
             "cooling down"
         );
         assert!(
             store
                 .can_allocate("net", Family::V4, &range, &[], false, NOW + 60_000)
                 .unwrap()
+                .is_ok()
         );
         let more = [range[0], cidr("198.18.0.4/30")];
         assert!(
             store
                 .can_allocate("net", Family::V4, &more, &[], false, NOW)
-                .unwrap(),
+                .unwrap()
+                .is_ok(),
             "a range left to add"
         );
     }
@@ -510,7 +489,11 @@ mod tests {
             matches!(refused, Err(StoreError::Overlap { .. })),
             "{refused:?}"
         );
-        assert!(can(&store, "net-x", true, &[]).unwrap(), "isolated, it may");
+        assert_eq!(
+            can(&store, "net-x", true, &[]).unwrap(),
+            Ok(()),
+            "isolated, it may"
+        );
         // Isolated, then the conflist drops `isolated`: refused likewise.
         store
             .configure(Source::Cni, "net-x", Family::V4, &range, true, NOW)
@@ -520,16 +503,18 @@ mod tests {
             matches!(refused, Err(StoreError::Overlap { .. })),
             "{refused:?}"
         );
-        assert!(can(&store, "net-x", true, &[]).unwrap());
+        assert_eq!(can(&store, "net-x", true, &[]).unwrap(), Ok(()));
         // Every block quarantined: nothing to hand out, and it is named.
         let id = store.find_block("net-y", &range[0]).unwrap().unwrap();
         super::super::block::quarantine(&store.conn, id, "a test said so").unwrap();
-        assert!(!can(&store, "net-y", false, &[]).unwrap());
-        let named = store.quarantined_in("net-y", Family::V4).unwrap();
-        assert_eq!(named, ["quarantined block 198.18.70.0/28 (a test said so)"]);
+        assert_eq!(
+            can(&store, "net-y", false, &[]).unwrap(),
+            Err(vec![
+                "quarantined block 198.18.70.0/28 (a test said so)".to_string()
+            ])
+        );
         assert!(
-            store
-                .quarantined_in("net-y", Family::V6)
+            quarantined_in(&store.conn, "net-y", Family::V6)
                 .unwrap()
                 .is_empty()
         );
@@ -548,8 +533,14 @@ mod tests {
                 NOW,
             )
         };
-        assert!(!status(empty).unwrap());
-        assert!(status(fine).unwrap());
+        assert_eq!(
+            status(empty).unwrap(),
+            Err(vec![
+                "rangeStart..rangeEnd of 198.18.72.0/29 leaves no address but the gateway 198.18.72.1"
+                    .to_string()
+            ])
+        );
+        assert_eq!(status(fine).unwrap(), Ok(()));
     }
 
     #[test]
@@ -566,14 +557,16 @@ mod tests {
             store
                 .can_allocate("net", Family::V6, &range, &[], false, NOW)
                 .unwrap()
+                .is_ok()
         );
         for i in 62..126 {
             take(&mut store, "net", &format!("c{i}"), Family::V6, NOW);
         }
         assert!(
-            !store
+            store
                 .can_allocate("net", Family::V6, &range, &[], false, NOW)
                 .unwrap()
+                .is_err()
         );
     }
 
@@ -600,6 +593,7 @@ mod tests {
             read_only
                 .can_allocate("net", Family::V4, &range, &[], false, NOW)
                 .unwrap()
+                .is_ok()
         );
         assert!(
             read_only.gc("net", "", &HashSet::new(), NOW, NOW).is_err(),

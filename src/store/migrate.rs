@@ -52,46 +52,23 @@ pub(super) fn needed(conn: &Connection) -> Result<bool, StoreError> {
     Ok(conn.prepare_cached(&sql)?.query_row([], |r| r.get(0))?)
 }
 
-/// Moves every legacy key into its typed column and drops it; rebuilds
-/// `metis_blocks` with a frontier column first if it has none. Runs inside
-/// the caller's write transaction.
+/// Moves every legacy key into its typed column and drops it, rebuilding
+/// each of Metis's tables whose shape or keys an earlier release left in
+/// today's shape, with the rows [`today`] reads. Runs inside the caller's
+/// write transaction.
 pub(super) fn migrate(conn: &Connection) -> Result<(), StoreError> {
-    if !has_frontier_column(conn)? {
-        rebuild_blocks(conn)?;
-    }
-    for (column, kind) in missing_network_columns(conn)? {
+    for table in Earlier::TABLES {
+        if !table.needs_moving(conn)? {
+            continue;
+        }
+        let (name, create, columns) = (table.name(), table.create(), table.columns());
+        conn.execute_batch(&format!("ALTER TABLE {name} RENAME TO {name}_old"))?;
+        conn.execute_batch(create)?;
+        let rows = table.today(conn, &format!("{name}_old"))?;
         conn.execute_batch(&format!(
-            "ALTER TABLE metis_networks ADD COLUMN {column} {kind}"
+            "INSERT INTO {name} ({}) {rows}; DROP TABLE {name}_old",
+            columns.join(", ")
         ))?;
-    }
-    let [frontier, isolated, low_since] = schema::LEGACY_KEYS;
-    for (id, value) in legacy(conn, frontier)? {
-        // A key of a block that is gone (deleted by upstream) is dropped.
-        conn.prepare_cached(
-            "INSERT INTO metis_blocks (block_id, frontier) \
-             SELECT id, ?2 FROM cidr_blocks WHERE id = CAST(?1 AS INTEGER) \
-             ON CONFLICT(block_id) DO UPDATE SET frontier = excluded.frontier",
-        )?
-        .execute(params![id, value])?;
-    }
-    for (network, value) in legacy(conn, isolated)? {
-        if value == "1" {
-            conn.prepare_cached(
-                "INSERT INTO metis_networks (network, isolated) VALUES (?1, 1) \
-                 ON CONFLICT(network) DO UPDATE SET isolated = 1",
-            )?
-            .execute([network])?;
-        }
-    }
-    for (network, value) in legacy(conn, low_since)? {
-        // An unreadable value read as "never seen low", as it did before.
-        if let Ok(since) = value.parse::<i64>() {
-            conn.prepare_cached(
-                "INSERT INTO metis_networks (network, low_utilization_since) VALUES (?1, ?2) \
-                 ON CONFLICT(network) DO UPDATE SET low_utilization_since = excluded.low_utilization_since",
-            )?
-            .execute(params![network, since])?;
-        }
     }
     for prefix in schema::LEGACY_KEYS {
         conn.prepare_cached("DELETE FROM metis_settings WHERE key >= ?1 AND key < ?2")?
@@ -100,18 +77,202 @@ pub(super) fn migrate(conn: &Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// `metis_blocks` as the first releases created it (no frontier column,
-/// `sources` never NULL, a row meaning "Metis has a record"), rebuilt in
-/// today's shape: rows keep their sources, so "recorded" keeps its meaning.
-fn rebuild_blocks(conn: &Connection) -> Result<(), StoreError> {
-    conn.execute_batch("ALTER TABLE metis_blocks RENAME TO metis_blocks_old")?;
-    conn.execute_batch(schema::BLOCKS)?;
-    conn.execute_batch(
-        "INSERT INTO metis_blocks (block_id, sources, retired, quarantine) \
-         SELECT block_id, sources, retired, quarantine FROM metis_blocks_old; \
-         DROP TABLE metis_blocks_old;",
-    )?;
+/// Readies a read-only connection (which may not move anything) to read
+/// the file as today's Metis would after its next writable open: a TEMP
+/// view (in memory, never in the file) in front of each of Metis's tables
+/// an earlier release left in another shape or beside legacy keys, showing
+/// the rows the migration would make of them ([`Earlier::today`]); then
+/// empty stand-ins for the tables the file lacks
+/// ([`schema::shadow_missing_tables`]). Unqualified names find TEMP before
+/// `main`, so every read sees today's shape and meaning (an isolation an
+/// `isolated/` key records, say) instead of failing on a missing column or
+/// missing what the keys hold.
+pub(super) fn shadow_for_reading(conn: &Connection) -> Result<(), StoreError> {
+    // In memory: a read-only root filesystem has no temporary directory.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    for table in Earlier::TABLES {
+        if table.needs_moving(conn)? {
+            let rows = table.today(conn, table.name())?;
+            conn.execute_batch(&format!(
+                "CREATE TEMP VIEW {} ({}) AS {rows}",
+                table.name(),
+                table.columns().join(", ")
+            ))?;
+        }
+    }
+    schema::shadow_missing_tables(conn)?;
     Ok(())
+}
+
+/// The tables of Metis's whose content an earlier release kept otherwise.
+#[derive(Clone, Copy)]
+enum Earlier {
+    /// `metis_blocks` without `frontier`, a frontier in `ipv6_frontier/ID`.
+    Blocks,
+    /// No `metis_networks`, or one without [`schema::NETWORKS_ADDED`];
+    /// isolation in `isolated/NET`, the low-use clock in
+    /// `low_utilization_since/NET`.
+    Networks,
+}
+
+/// `metis_blocks`'s columns, in the order of [`schema::BLOCKS`].
+const BLOCK_COLUMNS: [&str; 5] = ["block_id", "sources", "retired", "quarantine", "frontier"];
+
+/// `metis_networks`'s columns, in the order of [`schema::NETWORKS`].
+const NETWORK_COLUMNS: [&str; 6] = [
+    "network",
+    "isolated",
+    "low_utilization_since",
+    "host_local_dir",
+    "host_local_dir_identity",
+    "conf_name",
+];
+
+impl Earlier {
+    const TABLES: [Earlier; 2] = [Earlier::Blocks, Earlier::Networks];
+
+    fn name(self) -> &'static str {
+        match self {
+            Earlier::Blocks => "metis_blocks",
+            Earlier::Networks => "metis_networks",
+        }
+    }
+
+    fn create(self) -> &'static str {
+        match self {
+            Earlier::Blocks => schema::BLOCKS,
+            Earlier::Networks => schema::NETWORKS,
+        }
+    }
+
+    fn columns(self) -> &'static [&'static str] {
+        match self {
+            Earlier::Blocks => &BLOCK_COLUMNS,
+            Earlier::Networks => &NETWORK_COLUMNS,
+        }
+    }
+
+    /// Whether the file keeps this table otherwise than today: in an
+    /// earlier shape, or with its state (partly) in legacy keys.
+    fn needs_moving(self, conn: &Connection) -> Result<bool, StoreError> {
+        let present = file_columns(conn, self.name())?;
+        let shaped = present.is_empty()
+            || self
+                .columns()
+                .iter()
+                .all(|column| present.iter().any(|p| p == column));
+        if !shaped {
+            return Ok(true);
+        }
+        if file_columns(conn, "metis_settings")?.is_empty() {
+            return Ok(false);
+        }
+        for prefix in self.prefixes() {
+            let any: bool = conn
+                .prepare_cached(
+                    "SELECT EXISTS (SELECT 1 FROM main.metis_settings WHERE key >= ?1 AND key < ?2)",
+                )?
+                .query_row(params![prefix, key_range_end(prefix)], |r| r.get(0))?;
+            if any {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// The legacy keys whose values belong in this table.
+    fn prefixes(self) -> &'static [&'static str] {
+        match self {
+            Earlier::Blocks => &schema::LEGACY_KEYS[..1],
+            Earlier::Networks => &schema::LEGACY_KEYS[1..],
+        }
+    }
+
+    /// A SELECT of this table's rows as today's shape has them (its
+    /// columns in order) from the file's table `source` as it is (absent:
+    /// no rows) and the legacy keys, which win over the table's column as
+    /// they did when an older Metis wrote them after the last move. A key
+    /// whose block is gone, an isolation other than "1" and a low-use
+    /// clock that is not an integer as Metis writes one give nothing.
+    fn today(self, conn: &Connection, source: &str) -> Result<String, StoreError> {
+        let settings = file_rows(conn, "metis_settings", &["key", "value"])?;
+        let old = file_rows(conn, source, self.columns())?;
+        let keys = |prefix: &str| {
+            format!(
+                "FROM {settings} WHERE key >= '{prefix}' AND key < '{}'",
+                key_range_end(prefix)
+            )
+        };
+        let after = |prefix: &str| prefix.len() + 1;
+        Ok(match self {
+            Earlier::Blocks => {
+                let frontier = schema::LEGACY_KEYS[0];
+                // The last key of a block wins, as the move ran in key order.
+                format!(
+                    "WITH keys (block_id, frontier, last) AS (\
+                       SELECT CAST(substr(key, {}) AS INTEGER), value, max(key) {} GROUP BY 1), \
+                     old AS {old} \
+                     SELECT o.block_id, o.sources, COALESCE(o.retired, 0), o.quarantine, \
+                       COALESCE((SELECT frontier FROM keys WHERE keys.block_id = o.block_id), o.frontier) \
+                     FROM old o \
+                     UNION ALL SELECT block_id, NULL, 0, NULL, frontier FROM keys \
+                     WHERE block_id IN (SELECT id FROM main.cidr_blocks) \
+                       AND block_id NOT IN (SELECT block_id FROM old)",
+                    after(frontier),
+                    keys(frontier)
+                )
+            }
+            Earlier::Networks => {
+                let [_, isolated, low_since] = schema::LEGACY_KEYS;
+                format!(
+                    "WITH iso (network) AS (SELECT substr(key, {}) {} AND value = '1'), \
+                     low (network, since) AS (SELECT substr(key, {}), CAST(value AS INTEGER) {} \
+                       AND CAST(CAST(value AS INTEGER) AS TEXT) = value), \
+                     old AS {old}, \
+                     names (network) AS (SELECT network FROM old UNION SELECT network FROM iso \
+                       UNION SELECT network FROM low) \
+                     SELECT n.network, \
+                       CASE WHEN n.network IN (SELECT network FROM iso) THEN 1 \
+                         ELSE COALESCE(o.isolated, 0) END, \
+                       COALESCE((SELECT since FROM low WHERE low.network = n.network), \
+                         o.low_utilization_since), \
+                       o.host_local_dir, o.host_local_dir_identity, o.conf_name \
+                     FROM names n LEFT JOIN old o ON o.network = n.network",
+                    after(isolated),
+                    keys(isolated),
+                    after(low_since),
+                    keys(low_since)
+                )
+            }
+        })
+    }
+}
+
+/// The columns of the file's table `table` (none when it has no such
+/// table; a TEMP view in front of it does not count).
+fn file_columns(conn: &Connection, table: &str) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare_cached("SELECT name FROM pragma_table_info(?1, 'main')")?;
+    let names = stmt
+        .query_map([table], |r| r.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    Ok(names)
+}
+
+/// A subquery of the file's table `table` with `columns`, NULL for each
+/// the file's table lacks; no rows when the file has no such table.
+fn file_rows(conn: &Connection, table: &str, columns: &[&str]) -> Result<String, StoreError> {
+    let present = file_columns(conn, table)?;
+    let select: Vec<String> = columns
+        .iter()
+        .map(|column| match present.iter().any(|p| p == column) {
+            true => column.to_string(),
+            false => format!("NULL AS {column}"),
+        })
+        .collect();
+    Ok(match present.is_empty() {
+        true => format!("(SELECT {} WHERE 0)", select.join(", ")),
+        false => format!("(SELECT {} FROM main.{table})", select.join(", ")),
+    })
 }
 
 /// `'host_local_dir', …`: the names of [`schema::NETWORKS_ADDED`] as SQL.
@@ -131,30 +292,22 @@ fn has_networks_table(conn: &Connection) -> Result<bool, StoreError> {
         .query_row([], |r| r.get(0))?)
 }
 
-/// The columns of [`schema::NETWORKS_ADDED`] `metis_networks` lacks.
+/// The columns of [`schema::NETWORKS_ADDED`] the file's `metis_networks`
+/// lacks.
 fn missing_network_columns(
     conn: &Connection,
 ) -> Result<Vec<(&'static str, &'static str)>, StoreError> {
-    let mut missing = Vec::new();
-    for (name, kind) in schema::NETWORKS_ADDED {
-        let exists: bool = conn
-            .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM pragma_table_info('metis_networks') WHERE name = ?1)",
-            )?
-            .query_row([name], |r| r.get(0))?;
-        if !exists {
-            missing.push((name, kind));
-        }
-    }
-    Ok(missing)
+    let present = file_columns(conn, "metis_networks")?;
+    Ok(schema::NETWORKS_ADDED
+        .into_iter()
+        .filter(|(name, _)| !present.iter().any(|column| column == name))
+        .collect())
 }
 
 fn has_frontier_column(conn: &Connection) -> Result<bool, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM pragma_table_info('metis_blocks') WHERE name = 'frontier')",
-        )?
-        .query_row([], |r| r.get(0))?)
+    Ok(file_columns(conn, "metis_blocks")?
+        .iter()
+        .any(|column| column == "frontier"))
 }
 
 /// The keys under `prefix` (which ends in '/'): (the rest of the key, value).
@@ -251,27 +404,34 @@ mod tests {
             .collect()
     }
 
+    /// Network "pods" with a /24 (block 1) and an IPv6 /64 added without a
+    /// source (block 2) holding three pods, and "vrf-b" isolated over the
+    /// same /24 (block 3); pods's IPv4 use seen low since 12345.
+    fn populate(store: &mut Store) {
+        let v4 = cidr("198.18.0.0/24");
+        store
+            .configure(Source::Cni, "pods", Family::V4, &[v4], false, NOW)
+            .unwrap();
+        store
+            .add_cidr_block("pods", &cidr("2001:db8::/64"))
+            .unwrap();
+        store
+            .configure(Source::Cni, "vrf-b", Family::V4, &[v4], true, NOW)
+            .unwrap();
+        for pod in ["a", "b", "c"] {
+            store.allocate(&owner(pod), Family::V6, NOW).unwrap();
+        }
+        store
+            .set_low_utilization_since("pods", Some(12_345))
+            .unwrap();
+    }
+
     #[test]
     fn an_old_database_moves_its_keys_into_typed_columns_once() {
         let dir = TempDir::new();
         let before = {
             let mut store = dir.store();
-            let v4 = cidr("198.18.0.0/24");
-            store
-                .configure(Source::Cni, "pods", Family::V4, &[v4], false, NOW)
-                .unwrap();
-            store
-                .add_cidr_block("pods", &cidr("2001:db8::/64"))
-                .unwrap();
-            store
-                .configure(Source::Cni, "vrf-b", Family::V4, &[v4], true, NOW)
-                .unwrap();
-            for pod in ["a", "b", "c"] {
-                store.allocate(&owner(pod), Family::V6, NOW).unwrap();
-            }
-            store
-                .set_low_utilization_since("pods", Some(12_345))
-                .unwrap();
+            populate(&mut store);
             records(&store)
         };
         assert_eq!(before.len(), 3, "{before:?}");
@@ -351,5 +511,126 @@ mod tests {
         assert_eq!(super::missing_network_columns(&store.conn).unwrap(), []);
         drop(store);
         assert!(check_file(&dir.db(), Depth::Quick).unwrap().is_ok());
+    }
+
+    /// Every row of Metis's table `table` as the connection reads it, in
+    /// today's columns.
+    fn rows_of(conn: &Connection, table: super::Earlier) -> Vec<String> {
+        let quoted: Vec<String> = table
+            .columns()
+            .iter()
+            .map(|column| format!("quote({column})"))
+            .collect();
+        let sql = format!(
+            "SELECT {} FROM {} ORDER BY 1",
+            quoted.join(" || '|' || "),
+            table.name()
+        );
+        conn.prepare(&sql)
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// A read-only look reads a database of each earlier shape as the
+    /// migration then writes it: the same rows, key for key (a frontier
+    /// key of a block without a record, of a block long gone, two keys of
+    /// one block, the later in key order winning; an isolation of "0", a clock that is no number, a
+    /// network only the keys name), and the file unchanged by the look.
+    #[test]
+    fn a_read_only_look_reads_each_earlier_shape_as_the_migration_writes_it() {
+        // The shape, as SQL run on today's file, and the keys added.
+        let first_typed_networks = "CREATE TABLE metis_networks_old (network TEXT PRIMARY KEY, \
+             isolated INTEGER NOT NULL DEFAULT 0, low_utilization_since INTEGER); \
+             INSERT INTO metis_networks_old SELECT network, isolated, low_utilization_since \
+               FROM metis_networks; \
+             DROP TABLE metis_networks; \
+             ALTER TABLE metis_networks_old RENAME TO metis_networks;";
+        let only_settings = "DROP TABLE metis_blocks; DROP TABLE metis_networks;";
+        let shapes = [
+            ("oldest with tables", ""),
+            ("first typed", first_typed_networks),
+            ("settings only", only_settings),
+        ];
+        for (shape, sql) in shapes {
+            let dir = TempDir::new();
+            populate(&mut dir.store());
+            // A second IPv6 block, added without a source.
+            dir.store()
+                .add_cidr_block("pods", &cidr("2001:db8:1::/64"))
+                .unwrap();
+            if sql.is_empty() {
+                age(&dir.db());
+            } else {
+                Connection::open(dir.db())
+                    .unwrap()
+                    .execute_batch(&format!("BEGIN; {sql} COMMIT;"))
+                    .unwrap();
+            }
+            Connection::open(dir.db())
+                .unwrap()
+                .execute_batch(
+                    "INSERT OR REPLACE INTO metis_settings (key, value) VALUES \
+                       ('ipv6_frontier/4', '77'), ('ipv6_frontier/04', '99'), \
+                       ('ipv6_frontier/2', '70'), ('ipv6_frontier/42', '5'), \
+                       ('isolated/pods', '0'), ('isolated/only-keys', '1'), \
+                       ('low_utilization_since/vrf-b', 'soon'), \
+                       ('low_utilization_since/quiet', '-7'); \
+                     DELETE FROM metis_settings WHERE key = 'healed_state';",
+                )
+                .unwrap();
+            let bytes = std::fs::read(dir.db()).unwrap();
+            let read_only = Store::open_read_only(&dir.db()).unwrap().unwrap();
+            let looked: Vec<Vec<String>> = super::Earlier::TABLES
+                .iter()
+                .map(|table| rows_of(&read_only.conn, *table))
+                .collect();
+            assert!(read_only.is_isolated("only-keys").unwrap(), "{shape}");
+            drop(read_only);
+            assert_eq!(
+                std::fs::read(dir.db()).unwrap(),
+                bytes,
+                "{shape}: the look wrote"
+            );
+
+            let store = dir.store();
+            assert!(!super::needed(&store.conn).unwrap(), "{shape}");
+            let moved: Vec<Vec<String>> = super::Earlier::TABLES
+                .iter()
+                .map(|table| rows_of(&store.conn, *table))
+                .collect();
+            assert_eq!(looked, moved, "{shape}");
+            // What the keys said, as the move made it.
+            let blocks = &moved[0];
+            assert!(
+                blocks
+                    .iter()
+                    .any(|row| row.starts_with("4|") && row.ends_with("|'77'")),
+                "{shape}: {blocks:?}"
+            );
+            assert!(
+                blocks
+                    .iter()
+                    .any(|row| row.starts_with("2|") && row.ends_with("|'70'")),
+                "{shape}: {blocks:?}"
+            );
+            assert!(
+                !blocks.iter().any(|row| row.starts_with("42|")),
+                "{shape}: {blocks:?}"
+            );
+            let networks = &moved[1];
+            assert!(
+                networks.contains(&"'only-keys'|1|NULL|NULL|NULL|NULL".to_string()),
+                "{shape}: {networks:?}"
+            );
+            assert!(
+                networks.contains(&"'quiet'|0|-7|NULL|NULL|NULL".to_string()),
+                "{shape}: {networks:?}"
+            );
+            assert!(store.is_isolated("only-keys").unwrap(), "{shape}");
+            assert_sound(&store);
+        }
     }
 }

@@ -106,15 +106,18 @@ pub const BOUNDS: &str = "CREATE TABLE IF NOT EXISTS metis_bounds (\
      network TEXT NOT NULL, cidr TEXT NOT NULL, range_start TEXT NOT NULL, \
      range_end TEXT NOT NULL, gateway TEXT NOT NULL, PRIMARY KEY (network, cidr))";
 
-/// On a read-only connection, empty TEMP stand-ins (in memory, never in
-/// the file) for Metis's tables the file lacks — a database only upstream
-/// has written — so every read of them finds "nothing recorded" instead of
-/// failing. `sqlite_master` still lists only the file's own tables.
-pub fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
-    // In memory: a read-only root filesystem has no temporary directory.
-    conn.pragma_update(None, "temp_store", "MEMORY")?;
+/// On a read-only connection, empty TEMP stand-ins (never in the file) for
+/// Metis's tables the file lacks — a database only upstream has written —
+/// so every read of them finds "nothing recorded" instead of failing.
+/// `sqlite_master` still lists only the file's own tables. See
+/// `migrate::shadow_for_reading`, which calls it.
+pub(super) fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    // The file's tables, and the TEMP views in front of earlier shapes.
     let present: Vec<String> = conn
-        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+        .prepare(
+            "SELECT name FROM sqlite_master WHERE type = 'table' \
+             UNION ALL SELECT name FROM sqlite_temp_master WHERE type = 'view'",
+        )?
         .query_map([], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for (name, create) in METIS_TABLES {

@@ -402,12 +402,18 @@ impl State {
         Ok(gone)
     }
 
-    /// Changes an object in place through `change` (as an admin's PUT
-    /// would, status included); a new version only if it changed.
+    /// Changes an object in place through `change`, as an admin's PUT of
+    /// the object and one of its status would: a spec change of a resource
+    /// with the status subresource is a new generation (`change` cannot
+    /// set one itself, as no client can), and a new version only if
+    /// anything changed.
     pub fn edit(&mut self, key: &Key, change: impl FnOnce(&mut Value)) -> Option<Value> {
         let current = self.objects.get(key)?.clone();
         let mut next = current.clone();
         change(&mut next);
+        if resource(key.resource).status {
+            count_generation(&current, &mut next);
+        }
         Some(self.write(key, &current, next))
     }
 
@@ -455,10 +461,7 @@ impl State {
         next["kind"] = json!(res.kind);
         if res.status {
             next = with_status_of(&next, current);
-            if spec_of(&next) != spec_of(current) {
-                let generation = current["metadata"]["generation"].as_i64().unwrap_or(0);
-                next["metadata"]["generation"] = json!(generation + 1);
-            }
+            count_generation(current, &mut next);
         }
         next
     }
@@ -510,6 +513,15 @@ impl State {
         }
         Some(status)
     }
+}
+
+/// Sets `next`'s generation to `current`'s, one more when the spec (all
+/// but metadata and status) changed, as the API server counts it for a
+/// resource with the status subresource.
+fn count_generation(current: &Value, next: &mut Value) {
+    let generation = current["metadata"]["generation"].as_i64().unwrap_or(0);
+    let changed = spec_of(next) != spec_of(current);
+    next["metadata"]["generation"] = json!(generation + i64::from(changed));
 }
 
 fn spec_of(object: &Value) -> Value {

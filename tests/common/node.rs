@@ -445,6 +445,20 @@ impl Node {
         Outcome::of(&plugin.run(&conf.render(&self.dir, &runtime, prev)))
     }
 
+    /// CNI STATUS of `conf` (as CNI 1.1.0): the exit status and, on
+    /// failure, the error's code and message.
+    pub fn status(&self, conf: &NetConf) -> Result<(), (u64, String)> {
+        let mut config: Value = serde_json::from_str(&conf.render(&self.dir, &[], None)).unwrap();
+        config["cniVersion"] = "1.1.0".into();
+        let output = Plugin::new("STATUS", "").run(&config.to_string());
+        if output.status.success() {
+            assert!(output.stdout.is_empty(), "{output:?}");
+            return Ok(());
+        }
+        let error: Value = serde_json::from_slice(&output.stdout).unwrap();
+        Err((error["code"].as_u64().unwrap(), error["msg"].to_string()))
+    }
+
     pub fn add(&self, conf: &NetConf, container: &str, request: Request) -> Outcome {
         self.call("ADD", conf, container, "eth0", request, None)
     }

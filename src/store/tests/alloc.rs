@@ -666,14 +666,16 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     );
     // STATUS: an ADD of that configuration cannot succeed; of the other, it can.
     assert!(
-        !store
+        store
             .can_allocate("pods", Family::V4, &[range], &[(range, gw)], false, NOW)
             .unwrap()
+            .is_err()
     );
     assert!(
         store
             .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
             .unwrap()
+            .is_ok()
     );
     // Nothing was handed out by the refusals; the earlier owner keeps its address.
     assert_eq!(
@@ -867,6 +869,7 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
         store
             .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
             .unwrap()
+            .is_ok()
     };
     // .2 to .14 less .5 (gw-pod's) and .6 (its result's gateway).
     for n in 0..11 {
@@ -893,13 +896,13 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
     assert_eq!(counts.into_keys().collect::<Vec<_>>(), ["named_gateway"]);
     assert!(!status(&store), "STATUS must say what the ADD found");
     let why = store
-        .passed_over_in("pods", Family::V4, &[range], &[], NOW)
+        .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
         .unwrap();
     assert_eq!(
         why,
-        [
-            "198.18.40.6 of block 198.18.40.0/28: it is the gateway of the result container \"gw-pod\" interface \"eth0\" holds in network \"pods\""
-        ]
+        Err(vec![
+            "passed over, not fitting the configuration in force: 198.18.40.6 of block 198.18.40.0/28: it is the gateway of the result container \"gw-pod\" interface \"eth0\" holds in network \"pods\"".to_string()
+        ])
     );
     // The ADDs counted what they passed over; STATUS counts nothing.
     assert!(store.take_passed_over_counts().is_empty());
@@ -913,12 +916,12 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
             .unwrap();
         assert_eq!(got.address, ip(address));
     }
-    assert!(!status(&store), "full now");
-    assert!(
+    assert_eq!(
         store
-            .passed_over_in("pods", Family::V4, &[range], &[], NOW)
-            .unwrap()
-            .is_empty()
+            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .unwrap(),
+        Err(vec![]),
+        "full now, and nothing passed over"
     );
 }
 

@@ -211,6 +211,7 @@ fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
         read_only
             .can_allocate("default", Family::V4, &range, &[], false, NOW)
             .unwrap()
+            .is_ok()
     );
     drop(read_only);
     assert_eq!(
