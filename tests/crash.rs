@@ -437,13 +437,9 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
             .success()
     );
     let limit = metis::store::ONE_REQUEST_WAL_LIMIT;
-    // How long an exec runs here (a debug build, a loaded machine): kills
-    // are spread over it.
-    let started = std::time::Instant::now();
-    assert_ok(&Plugin::new("DEL", "warm-up").run(&config));
-    let run_us = u64::try_from(started.elapsed().as_micros())
-        .unwrap()
-        .max(1_000);
+    // How long the last execs that ran to their end took (a debug build, a
+    // loaded machine): kills are spread over the median.
+    let mut recent_us: Vec<u64> = Vec::new();
     let mut expect: HashMap<String, Expect> = HashMap::new();
     let (mut kills, mut killed_checkpoints, mut checkpoints) = (0, 0, 0);
     for round in 0..rounds {
@@ -470,6 +466,15 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
             let mut stdin = child.stdin.take().unwrap();
             stdin.write_all(config.as_bytes()).unwrap();
             drop(stdin);
+            let run_us = match recent_us.len() {
+                0 => 20_000,
+                n => {
+                    let mut sorted = recent_us.clone();
+                    sorted.sort_unstable();
+                    sorted[n / 2].max(1_000)
+                }
+            };
+            let started = std::time::Instant::now();
             if kill {
                 // Random timing is the point here, not synchronisation; the
                 // checkpoint comes last, so that exec is killed late.
@@ -493,6 +498,10 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
                 }
             } else {
                 assert_ok(&output);
+                if recent_us.len() == 16 {
+                    recent_us.remove(0);
+                }
+                recent_us.push(u64::try_from(started.elapsed().as_micros()).unwrap());
                 let wal_after = wal_size(&path);
                 assert!(
                     wal_after < limit,
@@ -525,9 +534,9 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
     }
     eprintln!(
         "{kills} kills, {killed_checkpoints} of them at a checkpoint; {checkpoints} checkpoints \
-         completed (an exec takes about {run_us} µs)"
+         completed (the last execs took {recent_us:?} µs)"
     );
-    assert!(kills >= rounds * ops / 5, "only {kills} kills");
+    assert!(kills >= rounds * ops / 10, "only {kills} kills");
     assert!(checkpoints >= rounds, "only {checkpoints} checkpoints");
     assert!(killed_checkpoints >= 1, "no kill landed at a checkpoint");
 }
