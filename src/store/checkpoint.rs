@@ -72,7 +72,7 @@ impl Drop for Checkpointer {
 
 /// WAL size past which a process that served one request (direct mode)
 /// checkpoints before it exits, in bytes: 64 frames of 4 KiB pages, about
-/// nine ADD+DEL pairs (an ADD writes about 8 frames, a DEL 6). The limit
+/// nine execs (an ADD writes about 8 frames, a DEL 6). The limit
 /// trades two costs (bench/history.md, "Direct mode's wall clock"): every
 /// such process rebuilds the WAL's index by reading the whole WAL when it
 /// opens the database (about 2,600 instructions and 10–30 µs a frame here),
