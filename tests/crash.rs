@@ -403,3 +403,140 @@ fn a_row_corrupted_while_the_daemon_was_down_is_quarantined_before_serving() {
     let fourth = TestDaemon::start(&dir, &flags);
     assert_eq!(fourth.last_start_check().0, "rows");
 }
+
+/// Size of the WAL beside `db` (none: 0).
+fn wal_size(db: &std::path::Path) -> u64 {
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).map_or(0, |meta| meta.len())
+}
+
+/// No daemon at all: every plugin serves itself (direct mode) and some are
+/// SIGKILLed at a random point of their run — in the open, the request's
+/// transaction, the WAL checkpoint a process makes once the WAL has passed
+/// its limit (`Store::trim_wal`: syncs, copy, truncation), or the exit.
+/// The process that will checkpoint is killed more often. After every
+/// round: what `verify` checks (every answered ADD still held by its
+/// owner, no address with two owners, `metis admin check`), SQLite's own
+/// `integrity_check`; after every exec that ran to its end, a WAL below the
+/// limit; and checkpoints and kills inside them must have happened.
+#[test]
+fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
+    use std::io::Write;
+    use std::os::unix::process::ExitStatusExt;
+    let rounds = env_number("METIS_CRASH_ROUNDS", 3);
+    let ops = env_number("METIS_CRASH_OPS", 100);
+    let mut rng = Rng::from_env("METIS_CRASH_SEED");
+    let dir = TestDir::new("crash-direct-exec");
+    let path = dir.join("metis.sqlite");
+    let config = conf(&dir, "1.0.0", V4, "");
+    // Released addresses free at once, as recorded by a daemon started once.
+    assert!(
+        TestDaemon::start(&dir, &["--release-cooldown", "0"])
+            .stop()
+            .success()
+    );
+    let limit = metis::store::ONE_REQUEST_WAL_LIMIT;
+    // How long the last execs that ran to their end took (a debug build, a
+    // loaded machine): kills are spread over the median.
+    let mut recent_us: Vec<u64> = Vec::new();
+    let mut expect: HashMap<String, Expect> = HashMap::new();
+    let (mut kills, mut killed_checkpoints, mut checkpoints) = (0, 0, 0);
+    for round in 0..rounds {
+        for _ in 0..ops {
+            let id = format!("d{}", rng.below(12));
+            let before = expect.get(&id).cloned().unwrap_or(Expect::Free);
+            let add = match before {
+                Expect::Free => rng.chance(80),
+                Expect::Held(_) => rng.chance(25),
+                Expect::Unknown => rng.chance(50),
+            };
+            let verb = if add { "ADD" } else { "DEL" };
+            let wal_before = wal_size(&path);
+            // It will checkpoint once its own frames are written.
+            let checkpoints_next = wal_before + 16 * 4120 >= limit;
+            let kill = rng.chance(if checkpoints_next { 75 } else { 35 });
+            let mut child = Plugin::new(verb, &id)
+                .command()
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(config.as_bytes()).unwrap();
+            drop(stdin);
+            let run_us = match recent_us.len() {
+                0 => 20_000,
+                n => {
+                    let mut sorted = recent_us.clone();
+                    sorted.sort_unstable();
+                    sorted[n / 2].max(1_000)
+                }
+            };
+            let started = std::time::Instant::now();
+            if kill {
+                // Random timing is the point here, not synchronisation; the
+                // checkpoint comes last, so that exec is killed late.
+                let from = if checkpoints_next { run_us / 2 } else { 0 };
+                std::thread::sleep(Duration::from_micros(
+                    from + rng.below(run_us * 3 / 2 - from),
+                ));
+                let _ = child.kill(); // SIGKILL; it may have exited already
+            }
+            let output = child.wait_with_output().unwrap();
+            let after = if output.status.signal() == Some(9) {
+                kills += 1;
+                if wal_size(&path) >= limit && checkpoints_next {
+                    killed_checkpoints += 1;
+                }
+                match (add, before) {
+                    // An ADD never releases what the owner holds, and a DEL
+                    // of nothing leaves nothing.
+                    (true, held @ Expect::Held(_)) | (false, held @ Expect::Free) => held,
+                    _ => Expect::Unknown,
+                }
+            } else {
+                assert_ok(&output);
+                if recent_us.len() == 16 {
+                    recent_us.remove(0);
+                }
+                recent_us.push(u64::try_from(started.elapsed().as_micros()).unwrap());
+                let wal_after = wal_size(&path);
+                assert!(
+                    wal_after < limit,
+                    "round {round}: {verb} {id} ran to its end and left a WAL of {wal_after} bytes"
+                );
+                if wal_after < wal_before {
+                    checkpoints += 1;
+                }
+                match add {
+                    true => {
+                        let address = json(&output)["ips"][0]["address"]
+                            .as_str()
+                            .unwrap()
+                            .to_string();
+                        if let Expect::Held(held) = &before {
+                            assert_eq!(*held, address, "repeated ADD of {id}");
+                        }
+                        Expect::Held(address)
+                    }
+                    false => Expect::Free,
+                }
+            };
+            expect.insert(id, after);
+        }
+        verify(&dir, &mut expect, round);
+        let integrity: String = db(&path)
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(integrity, "ok", "round {round}");
+    }
+    eprintln!(
+        "{kills} kills, {killed_checkpoints} of them at a checkpoint; {checkpoints} checkpoints \
+         completed (the last execs took {recent_us:?} µs)"
+    );
+    assert!(kills >= rounds * ops / 10, "only {kills} kills");
+    assert!(checkpoints >= rounds, "only {checkpoints} checkpoints");
+    assert!(killed_checkpoints >= 1, "no kill landed at a checkpoint");
+}

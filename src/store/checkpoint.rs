@@ -71,13 +71,18 @@ impl Drop for Checkpointer {
 }
 
 /// WAL size past which a process that served one request (direct mode)
-/// checkpoints before it exits, in bytes: 32 frames of 4 KiB pages, about
-/// four ADDs and four DELs. Every such process rebuilds the WAL's index by
-/// reading the whole WAL when it opens the database, about 2,600
-/// instructions a frame (callgrind): at 32 frames the average exec still
-/// runs fewer instructions than one that checkpointed as it closed, and
-/// syncs a tenth as often (bench/history.md, "Direct mode").
-pub const ONE_REQUEST_WAL_LIMIT: u64 = 32 * (4096 + 24);
+/// checkpoints before it exits, in bytes: 64 frames of 4 KiB pages, about
+/// nine execs (an ADD writes about 8 frames, a DEL 6). The limit
+/// trades two costs (bench/history.md, "Direct mode's wall clock"): every
+/// such process rebuilds the WAL's index by reading the whole WAL when it
+/// opens the database (about 2,600 instructions and 10–30 µs a frame here),
+/// while the checkpoint's syncs (the WAL, the database, and the new WAL
+/// header in the next writer's commit: all needed, see
+/// [`Store::trim_wal`]) cost the exec that pays them 5–12 ms on this
+/// disk, 1–3 ms when it is quiet. 64 frames gave the lowest mean exec
+/// (−7 to −9 % against 32, interleaved runs); 128 and more lost the gain
+/// to the longer reads at open.
+pub const ONE_REQUEST_WAL_LIMIT: u64 = 64 * (4096 + 24);
 
 /// How long that checkpoint waits for other processes' transactions
 /// before it leaves the work to the next process.
@@ -112,6 +117,15 @@ impl Store {
     /// the database and truncates it, so that the next process neither
     /// reads a long WAL nor finds one it cannot restart (a process that
     /// rebuilds the WAL's index no longer knows what was copied back).
+    /// Only `TRUNCATE` leaves a mark that outlives the process: after
+    /// `PASSIVE` or `RESTART` the WAL file still holds its frames under its
+    /// old header, and the next process would read them all again and
+    /// append. Each of its syncs protects something, even at
+    /// `synchronous=NORMAL`: the WAL before its frames overwrite database
+    /// pages (a crash mid-copy is redone from it), the database before the
+    /// WAL is emptied; and the next writer's sync of the new WAL header,
+    /// without which a write reordered after the restart could corrupt the
+    /// database (SQLite's `sqlite3WalFrames`, ticket ff5be73dee).
     /// Gives up quietly when other processes keep the database busy: the
     /// next one tries again. Returns whether it checkpointed.
     pub fn trim_wal(&self) -> Result<bool, StoreError> {

@@ -269,6 +269,11 @@ impl<'a> Plugin<'a> {
 
     /// Runs the real binary with a scrubbed CNI environment.
     pub fn run(&self, stdin: &str) -> Output {
+        run_with_stdin(self.command(), stdin)
+    }
+
+    /// The real binary with a scrubbed CNI environment, not yet started.
+    pub fn command(&self) -> Command {
         let mut command = Command::new(METIS);
         for (key, _) in std::env::vars() {
             if key.starts_with("CNI_") {
@@ -286,7 +291,7 @@ impl<'a> Plugin<'a> {
         if !self.args.is_empty() {
             command.env("CNI_ARGS", self.args);
         }
-        run_with_stdin(command, stdin)
+        command
     }
 }
 
