@@ -30,13 +30,9 @@ HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
 NO_UNWIND := -C link-arg=-Wl,-T,$(CURDIR)/src/discard-eh-frame.ld -C link-arg=-Wl,--no-eh-frame-hdr
 STATIC := RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static $(NO_UNWIND)" \
   CFLAGS_$(subst -,_,$(HOST))="-Os -fno-asynchronous-unwind-tables -fno-unwind-tables"
-# The edge build's own code at opt-level "s" (bench/history.md, "third
-# round"): 317 KB less, plugin ADD / DEL +3.7 % / +2.9 % instructions, the
-# daemon within its noise. Not the full build's: there "s" costs the plugin
-# ADD +6.8 %. With an override for the root package cargo 1.95 leaves the
-# binary unstripped unless the override says strip too.
-EDGE_SIZE := --config 'profile.release.package.metis.opt-level="s"' \
-  --config 'profile.release.package.metis.strip=true'
+# Optimisation levels are Cargo.toml's, the same for both builds (and the
+# Containerfile's builder): Metis's own code at "s", the Kubernetes client's
+# crates at "z" (bench/history.md, "Size, fourth round").
 METIS := $(TARGET_DIR)/$(HOST)/release/metis
 EDGE := $(TARGET_DIR)/edge/$(HOST)/release/metis
 # The bench's floor, linked by `make build` exactly as $(METIS) (Cargo.toml).
@@ -51,7 +47,7 @@ build:
 # --cidr and direct mode only. Its own target directory, so it never
 # replaces the full build's binary.
 edge:
-	$(STATIC) $(CARGO) build $(EDGE_SIZE) --release --locked --no-default-features --target $(HOST) --target-dir $(TARGET_DIR)/edge
+	$(STATIC) $(CARGO) build --release --locked --no-default-features --target $(HOST) --target-dir $(TARGET_DIR)/edge
 
 # The container image (Containerfile), built offline: a statically linked
 # release binary (glibc, +crt-static) copied onto `scratch`; nothing pulled.
