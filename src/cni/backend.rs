@@ -282,7 +282,10 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     });
     let response = served.unwrap_or_else(Outcome::Failed).into_response();
     // After the answer is settled: a failed checkpoint loses nothing.
-    if let Err(err) = engine.store().trim_wal() {
+    if let Err(err) = engine
+        .store()
+        .trim_wal(|| crate::daemon::database_owned(db_path))
+    {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }
     // Not closed: the plugin exits once the answer is printed. With

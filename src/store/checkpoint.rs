@@ -128,11 +128,18 @@ impl Store {
     /// database (SQLite's `sqlite3WalFrames`, ticket ff5be73dee).
     /// Gives up quietly when other processes keep the database busy: the
     /// next one tries again. Returns whether it checkpointed.
-    pub fn trim_wal(&self) -> Result<bool, StoreError> {
+    ///
+    /// Leaves the WAL alone while `daemon_owns` (asked only past the limit)
+    /// says a daemon owns the database: its checkpoint thread bounds the
+    /// WAL, and the reader it pins there would make this checkpoint wait
+    /// out [`ONE_REQUEST_CHECKPOINT_WAIT`] holding the write lock, and fail —
+    /// in every direct-mode exec beside a starting daemon, one after the
+    /// other, stalling the daemon's own writes past their busy timeout.
+    pub fn trim_wal(&self, daemon_owns: impl FnOnce() -> bool) -> Result<bool, StoreError> {
         let mut wal = self.file.0.as_os_str().to_owned();
         wal.push("-wal");
         let size = std::fs::metadata(&wal).map_or(0, |meta| meta.len());
-        if size < ONE_REQUEST_WAL_LIMIT {
+        if size < ONE_REQUEST_WAL_LIMIT || daemon_owns() {
             return Ok(false);
         }
         self.conn.busy_timeout(ONE_REQUEST_CHECKPOINT_WAIT)?;
@@ -414,6 +421,44 @@ mod tests {
         let err = pinned_pass(&mut conn, &mut pin, &dir.db(), daemons).unwrap_err();
         assert!(err.to_string().contains("no longer the daemon's"), "{err}");
         assert!(conn.is_none() && pin.is_none());
+    }
+
+    fn wal_size(dir: &TempDir) -> u64 {
+        let mut wal = dir.db().into_os_string();
+        wal.push("-wal");
+        std::fs::metadata(wal).map_or(0, |meta| meta.len())
+    }
+
+    #[test]
+    fn a_one_request_process_trims_the_wal_past_the_limit_unless_a_daemon_owns_the_database() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store.leave_wal_on_close().unwrap();
+        store
+            .add_cidr_block("pods", &"198.18.0.0/24".parse().unwrap())
+            .unwrap();
+        // Below the limit the owner is not even asked.
+        let asked = std::cell::Cell::new(false);
+        let below = store.trim_wal(|| {
+            asked.set(true);
+            false
+        });
+        assert!(!below.unwrap() && !asked.get());
+        let mut n = 0;
+        while wal_size(&dir) < ONE_REQUEST_WAL_LIMIT {
+            store
+                .allocate(&owner(&format!("c{n}")), Family::V4, 0)
+                .unwrap();
+            n += 1;
+        }
+        let before = wal_size(&dir);
+        // A daemon owns it: its thread's business, the WAL is left as is.
+        assert!(!store.trim_wal(|| true).unwrap());
+        assert_eq!(wal_size(&dir), before);
+        // No daemon: copied back and truncated.
+        assert!(store.trim_wal(|| false).unwrap());
+        assert_eq!(wal_size(&dir), 0);
+        assert_eq!(allocated_in_file(&dir.db()), n);
     }
 
     /// The daemon's writes with checkpoints after each: (frames in the
