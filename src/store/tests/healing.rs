@@ -267,9 +267,10 @@ fn other_step(path: &Path, rng: &mut Rng, n: u64) -> String {
 
 #[test]
 fn a_skipped_healing_never_had_anything_to_do_whoever_wrote_between_opens() {
-    let seeds: Vec<u64> = match std::env::var("METIS_HEALING_SEED") {
-        Ok(seed) => vec![seed.parse().unwrap()],
-        Err(_) => (1..=12u64)
+    let replayed = std::env::var("METIS_HEALING_SEED").ok();
+    let seeds: Vec<u64> = match &replayed {
+        Some(seed) => vec![seed.parse().unwrap()],
+        None => (1..=12u64)
             .map(|s| s.wrapping_mul(0x9e37_79b9_7f4a_7c15))
             .collect(),
     };
@@ -297,9 +298,13 @@ fn a_skipped_healing_never_had_anything_to_do_whoever_wrote_between_opens() {
         let context = || format!("METIS_HEALING_SEED={seed}, at the end, after {trace:#?}");
         open_checked(&dir.db(), None, &context);
     }
-    // Both happen, or the model proves nothing.
+    // Both happen, or the model proves nothing. A replayed seed is one
+    // sequence of 50 steps, which cannot reach the bar: it checks the
+    // invariants above only.
     eprintln!("skipped {skipped}, ran {ran}");
-    assert!(skipped > 50 && ran > 50, "skipped {skipped}, ran {ran}");
+    if replayed.is_none() {
+        assert!(skipped > 50 && ran > 50, "skipped {skipped}, ran {ran}");
+    }
 }
 
 #[test]
