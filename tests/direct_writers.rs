@@ -480,10 +480,7 @@ fn every_row(path: &std::path::Path) -> BTreeMap<String, Vec<String>> {
 #[test]
 fn a_failed_add_after_its_layout_step_leaves_every_row_as_it_was() {
     for daemon in [false, true] {
-        let mut node = Node::new("direct-failed-add", "0s");
-        if daemon {
-            node.start(&[]);
-        }
+        let mut node = Node::served("direct-failed-add", "0s", daemon);
         let dual = |v4: &str| {
             json!({
                 "cniVersion": "1.0.0",
@@ -527,10 +524,7 @@ fn a_failed_add_after_its_layout_step_leaves_every_row_as_it_was() {
 #[test]
 fn rows_planted_by_someone_else_are_never_handed_out() {
     for daemon in [false, true] {
-        let mut node = Node::new("direct-planted", "0s");
-        if daemon {
-            node.start(&[]);
-        }
+        let mut node = Node::served("direct-planted", "0s", daemon);
         planted_rows_are_passed_over(&node);
         let log = match daemon {
             false => std::fs::read_to_string(node.dir.join("cni.log")).unwrap(),

@@ -20,10 +20,7 @@ fn status_fails(node: &Node, conf: &NetConf, what: &str) -> u64 {
 /// A node (its daemon started when `daemon`) and three configurations over
 /// one /28: network Y, network X isolated, and X without `isolated`.
 fn over_one_block(name: &str, daemon: bool) -> (Node, [NetConf; 3]) {
-    let mut node = Node::new(name, "1m");
-    if daemon {
-        node.start(&[]);
-    }
+    let node = Node::served(name, "1m", daemon);
     let y = NetConf::new("net-y", &["198.18.70.0/28"]);
     let x = NetConf {
         isolated: true,
@@ -129,10 +126,7 @@ fn status_fails_whenever_add_must() {
 #[test]
 fn status_fails_when_the_last_free_address_is_a_live_results_gateway() {
     for daemon in [true, false] {
-        let mut node = Node::new("writers-named-gateway", "0s");
-        if daemon {
-            node.start(&[]);
-        }
+        let mut node = Node::served("writers-named-gateway", "0s", daemon);
         let a = NetConf {
             network: Some("pods"),
             ..NetConf::new("pods-a", &["198.18.79.0/29"])
@@ -215,10 +209,7 @@ fn a_quarantined_network_says_so_in_add_and_status() {
 #[test]
 fn del_under_a_renamed_network_strands_nothing() {
     for daemon in [true, false] {
-        let mut node = Node::new("writers-rename", "1m");
-        if daemon {
-            node.start(&[]);
-        }
+        let node = Node::served("writers-rename", "1m", daemon);
         let before = NetConf::new("pods-a", &["198.18.76.0/29"]);
         let after = NetConf::new("pods-b", &["198.18.77.0/29"]);
         assert!(matches!(
@@ -306,10 +297,7 @@ fn gc(node: &Node, conf: &NetConf, live: &[&str]) -> std::process::Output {
 #[test]
 fn gc_under_a_renamed_network_strands_nothing() {
     for daemon in [true, false] {
-        let mut node = Node::new("writers-gc-rename", "1m");
-        if daemon {
-            node.start(&[]);
-        }
+        let node = Node::served("writers-gc-rename", "1m", daemon);
         let before = NetConf {
             network: Some("pods-a"),
             ..NetConf::new("pods", &["198.18.80.0/29"])

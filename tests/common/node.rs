@@ -339,6 +339,16 @@ impl Node {
         }
     }
 
+    /// A node served by its daemon when `daemon`, else in direct mode: the
+    /// two set-ups every "in daemon and in direct mode" test loops over.
+    pub fn served(name: &str, cooldown: &'static str, daemon: bool) -> Node {
+        let mut node = Node::new(name, cooldown);
+        if daemon {
+            node.start(&[]);
+        }
+        node
+    }
+
     pub fn db_path(&self) -> std::path::PathBuf {
         self.dir.join("metis.sqlite")
     }
