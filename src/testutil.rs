@@ -75,3 +75,20 @@ pub fn assert_sound(store: &Store) {
     let report = store.verify(Depth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
+
+/// xorshift64*: a model test's steps from a seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        let len = u64::try_from(items.len()).unwrap();
+        &items[usize::try_from(self.below(len)).unwrap()]
+    }
+}

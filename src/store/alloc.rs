@@ -6,9 +6,9 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
-    insert_rows, quarantined_in, set_frontier,
+    insert_rows, quarantined_in, set_frontier, text_at,
 };
-use super::free::{RowView, Taken, availability, free_now};
+use super::free::{Holder, RowView, Taken, availability, free_now};
 use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
 use super::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
@@ -54,34 +54,99 @@ const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
-fn held(
+pub(super) fn held(
     conn: &Connection,
     network: &str,
     container_id: &str,
     interface_name: &str,
     family: Option<Family>,
 ) -> Result<Vec<HeldRow>, StoreError> {
-    let mut stmt = conn.prepare_cached(HELD_SQL)?;
-    let mut rows = stmt.query(params![
-        container_id,
-        interface_name,
-        network,
-        family.map(Family::as_str)
-    ])?;
-    let mut out = Vec::new();
-    while let Some(row) = rows.next()? {
-        let address: String = row.get(1)?;
-        let cidr: String = row.get(3)?;
-        out.push(HeldRow {
-            row_id: row.get(0)?,
-            block_id: row.get(2)?,
+    owner_rows(conn, container_id, interface_name)?
+        .into_iter()
+        .filter(|row| row.network == network && family.is_none_or(|f| row.family == f.as_str()))
+        .map(OwnerRow::parse)
+        .collect()
+}
+
+/// An allocated row of an owner, with its block's network and family, its
+/// address and prefix not yet parsed.
+struct OwnerRow {
+    network: String,
+    family: String,
+    row_id: i64,
+    block_id: i64,
+    address: String,
+    cidr: Option<String>,
+}
+
+impl OwnerRow {
+    fn parse(self) -> Result<HeldRow, StoreError> {
+        let Some(cidr) = self.cidr else {
+            return Err(StoreError::Corrupt(format!(
+                "block {} has a prefix that is not text",
+                self.block_id
+            )));
+        };
+        Ok(HeldRow {
+            row_id: self.row_id,
+            block_id: self.block_id,
             allocation: Allocation {
-                address: parse_addr(&address)?,
+                address: parse_addr(&self.address)?,
                 block: parse_cidr(&cidr)?,
             },
+        })
+    }
+}
+
+/// The allocated rows of owner (container ?1, interface ?2) in any block:
+/// one probe of upstream's idempotency index. Their blocks are read one
+/// by one ([`BLOCK_OF_ROW_SQL`]) rather than joined: the join costs a
+/// one-request process (direct mode prepares every statement it runs)
+/// more to prepare than both together, and an ADD finds no row at all.
+const OWNER_ROWS_SQL: &str = "SELECT id, cidr_block_id, address FROM ip_addresses \
+     WHERE container_id = ?1 AND interface_name = ?2 AND is_allocated = 1";
+
+/// Block ?1's prefix, network and family.
+const BLOCK_OF_ROW_SQL: &str = "SELECT cidr, network, ip_family FROM cidr_blocks WHERE id = ?1";
+
+/// The allocated rows of owner (container, interface) in every block,
+/// ordered by network, family and row id. A row whose block is missing
+/// (or whose block id is not an integer: another writer's) belongs to no
+/// network and is not listed.
+fn owner_rows(
+    conn: &Connection,
+    container_id: &str,
+    interface_name: &str,
+) -> Result<Vec<OwnerRow>, StoreError> {
+    let mut rows = Vec::new();
+    let mut stmt = conn.prepare_cached(OWNER_ROWS_SQL)?;
+    let mut found = stmt.query(params![container_id, interface_name])?;
+    while let Some(row) = found.next()? {
+        let Ok(block_id) = row.get_ref(1)?.as_i64() else {
+            continue;
+        };
+        // A network or family that is not text is no network's, as in a
+        // join on it; a prefix that is not text fails once parsed.
+        let block = conn
+            .prepare_cached(BLOCK_OF_ROW_SQL)?
+            .query_row([block_id], |r| {
+                Ok((text_at(r, 0)?, text_at(r, 1)?, text_at(r, 2)?))
+            })
+            .optional()?;
+        let Some((cidr, Some(network), Some(family))) = block else {
+            continue;
+        };
+        rows.push(OwnerRow {
+            network,
+            family,
+            row_id: row.get(0)?,
+            block_id,
+            address: row.get(2)?,
+            cidr,
         });
     }
-    Ok(out)
+    rows.sort_by(|a, b| (&a.network, &a.family, a.row_id).cmp(&(&b.network, &b.family, b.row_id)));
+    Ok(rows)
 }
 
 /// What a DEL released.
@@ -104,28 +169,15 @@ enum Reach {
 
 /// Allocated rows of owner (container, interface) in every network:
 /// (network, row), network order.
-fn held_in_any_network(
+pub(super) fn held_in_any_network(
     conn: &Connection,
     container_id: &str,
     interface_name: &str,
 ) -> Result<Vec<(String, HeldRow)>, StoreError> {
-    let mut stmt = conn.prepare_cached(HELD_ANYWHERE_SQL)?;
-    let mut rows = stmt.query(params![container_id, interface_name])?;
-    let mut out = Vec::new();
-    while let Some(row) = rows.next()? {
-        out.push((
-            row.get(4)?,
-            HeldRow {
-                row_id: row.get(0)?,
-                block_id: row.get(2)?,
-                allocation: Allocation {
-                    address: parse_addr(&row.get::<_, String>(1)?)?,
-                    block: parse_cidr(&row.get::<_, String>(3)?)?,
-                },
-            },
-        ));
-    }
-    Ok(out)
+    owner_rows(conn, container_id, interface_name)?
+        .into_iter()
+        .map(|row| Ok((row.network.clone(), row.parse()?)))
+        .collect()
 }
 
 /// The row `owner` already holds in its network for `family`, if any
@@ -185,7 +237,7 @@ fn kept(
     }
     // Nor is a result returned whose gateway another pod holds.
     refuse_held_gateway(conn, judge, existing.block_id, &block)?;
-    record_gateway(conn, judge, existing.row_id, &block)?;
+    record_gateway(conn, judge, existing.row_id, &block, RowAllocation::Kept)?;
     Ok(existing.allocation)
 }
 
@@ -197,13 +249,33 @@ fn record_gateway(
     judge: &Judge,
     row_id: i64,
     cidr: &Cidr,
+    allocation: RowAllocation,
 ) -> Result<(), StoreError> {
     let gateway =
         super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
-    match gateway {
-        Some(gateway) => super::named_gateway::record(conn, row_id, gateway),
-        None => Ok(()),
+    let Some(gateway) = gateway else {
+        return Ok(());
+    };
+    match allocation {
+        RowAllocation::Kept => super::named_gateway::record(conn, row_id, gateway),
+        RowAllocation::Taken { owner, at_ms } => super::named_gateway::record_taken(
+            conn,
+            row_id,
+            gateway,
+            owner.container_id,
+            owner.interface_name,
+            at_ms,
+        ),
     }
+}
+
+/// Which allocation of a row a gateway record is for.
+#[derive(Clone, Copy)]
+enum RowAllocation<'o> {
+    /// The row's, as it stands (a repeated ADD).
+    Kept,
+    /// The one [`take_row`] just made for `owner` at `at_ms`.
+    Taken { owner: &'o Owner<'o>, at_ms: i64 },
 }
 
 /// Refuses (code 11, naming the gateway and its holder) an address of
@@ -277,25 +349,6 @@ fn take_row(
 
 /// Allocated rows of owner (?1 container, ?2 interface) in network ?3,
 /// of family ?4 (NULL: any).
-/// [`HELD_SQL`] in every network, with the network.
-const HELD_ANYWHERE_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr, b.network FROM ip_addresses a \
-     JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-     WHERE a.container_id = ?1 AND a.interface_name = ?2 AND a.is_allocated = 1 \
-     ORDER BY b.network, b.ip_family, a.id";
-
-const HELD_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr FROM ip_addresses a \
-     JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-     WHERE a.container_id = ?1 AND a.interface_name = ?2 AND a.is_allocated = 1 \
-       AND b.network = ?3 AND (?4 IS NULL OR b.ip_family = ?4) \
-     ORDER BY b.ip_family, a.id";
-
-/// Ready, unquarantined blocks of network ?1 and family ?2 with room,
-/// oldest first.
-const CANDIDATES_SQL: &str = "SELECT id, cidr FROM cidr_blocks \
-     WHERE network = ?1 AND ip_family = ?2 AND state = 'Ready' AND total_ips > allocated_ips \
-       AND id NOT IN (SELECT block_id FROM metis_blocks WHERE quarantine IS NOT NULL) \
-     ORDER BY id";
-
 const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2";
 
 /// An unknown pod name or namespace is stored as NULL, as upstream does.
@@ -311,15 +364,18 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 13] = [
-    HELD_SQL,
+pub(super) const ALLOCATION_PATH: [&str; 16] = [
+    OWNER_ROWS_SQL,
+    BLOCK_OF_ROW_SQL,
+    super::free::ALLOCATED_ELSEWHERE_SQL,
     HELD_ELSEWHERE_SQL,
+    super::named_gateway::NAMED_AT_ALL_SQL,
     super::named_gateway::NAMING_SQL,
-    CANDIDATES_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
-    BLOCK_RECORD_SQL,
+    super::block::BLOCK_RECORD_SQL,
+    super::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
     super::block::RELEASE_ROW_SQL,
@@ -359,27 +415,30 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
 /// node's address space as `network` sees it, if it is: its owner in
 /// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
 /// as its gateway ([`super::named_gateway::naming`]).
-fn taken_elsewhere(
+pub(super) fn taken_elsewhere(
     conn: &Connection,
     network: &str,
     isolated: bool,
     block_id: i64,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
-    let held = conn
-        .prepare_cached(HELD_ELSEWHERE_SQL)?
-        .query_row(
-            params![address.to_string(), block_id, network, isolated],
-            |r| {
-                Ok(Unfit::HeldElsewhere {
-                    container_id: r.get(0)?,
-                    interface_name: r.get(1)?,
-                    network: r.get(2)?,
-                    block: r.get(3)?,
+    let address_text = address.to_string();
+    // The join only where the cheap probe finds the address allocated.
+    let held =
+        match super::free::allocated_elsewhere(conn, &address_text, Some(block_id), Holder::Any)? {
+            false => None,
+            true => conn
+                .prepare_cached(HELD_ELSEWHERE_SQL)?
+                .query_row(params![address_text, block_id, network, isolated], |r| {
+                    Ok(Unfit::HeldElsewhere {
+                        container_id: r.get(0)?,
+                        interface_name: r.get(1)?,
+                        network: r.get(2)?,
+                        block: r.get(3)?,
+                    })
                 })
-            },
-        )
-        .optional()?;
+                .optional()?,
+        };
     match held {
         Some(unfit) => Ok(Some(unfit)),
         None => super::named_gateway::naming(conn, network, isolated, address),
@@ -500,11 +559,11 @@ fn block_record(
     id: i64,
     cidr: &Cidr,
 ) -> Result<BlockRecord, StoreError> {
-    let (sources, retired, quarantined): (Option<String>, bool, bool) = conn
-        .prepare_cached(BLOCK_RECORD_SQL)?
-        .query_row([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-        .optional()?
-        .unwrap_or_default();
+    let super::block::Record {
+        sources,
+        retired,
+        quarantined,
+    } = super::block::record_of(conn, id)?.unwrap_or_default();
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
         && super::block::is_first_v4(conn, network, id)?;
@@ -522,9 +581,6 @@ fn block_record(
         }),
     })
 }
-
-const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
-     FROM metis_blocks WHERE block_id = ?1";
 
 /// Claims the lowest-id free, non-cooling row of a block after row
 /// `after` (passing over rows that fail the hand-out check, and those
@@ -554,7 +610,11 @@ fn claim(
             continue;
         };
         if take_row(conn, row_id, block_id, address, owner, now_ms)? {
-            record_gateway(conn, judge, row_id, cidr)?;
+            let taken = RowAllocation::Taken {
+                owner,
+                at_ms: now_ms,
+            };
+            record_gateway(conn, judge, row_id, cidr, taken)?;
             return Ok(Some(address));
         }
     }
@@ -809,7 +869,11 @@ impl Store {
         if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
-        record_gateway(&tx, &judge, row_id, &cidr)?;
+        let taken = RowAllocation::Taken {
+            owner,
+            at_ms: now_ms,
+        };
+        record_gateway(&tx, &judge, row_id, &cidr, taken)?;
         tx.commit()?;
         Ok(Allocation {
             address,
@@ -1063,17 +1127,22 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
         .optional()?)
 }
 
-/// Ready blocks of network+family with room, oldest (lowest id) first.
-fn candidates_of(
+/// Ready, unquarantined blocks of network+family with room, oldest
+/// (lowest id) first.
+pub(super) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,
 ) -> Result<Vec<(i64, Cidr)>, StoreError> {
-    let mut stmt = conn.prepare_cached(CANDIDATES_SQL)?;
-    let mut rows = stmt.query(params![network, family.as_str()])?;
     let mut out = Vec::new();
-    while let Some(row) = rows.next()? {
-        out.push((row.get(0)?, parse_cidr(&row.get::<_, String>(1)?)?));
+    for block in super::block::network_blocks(conn, network, family)? {
+        if !block.is("Ready") || !block.has_room {
+            continue;
+        }
+        if super::block::record_of(conn, block.id)?.is_some_and(|r| r.quarantined) {
+            continue;
+        }
+        out.push((block.id, block.prefix()?));
     }
     Ok(out)
 }

@@ -10,8 +10,8 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
 use super::{
-    Allocation, BlockInfo, ReserveMode, StoreError, parse_addr, parse_family, parse_state,
-    total_ips,
+    Allocation, BlockInfo, BlockState, ReserveMode, StoreError, parse_addr, parse_cidr,
+    parse_family, parse_state, total_ips,
 };
 use crate::cidr::{Bounds, Cidr, Family};
 
@@ -43,6 +43,105 @@ pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<b
         )?
         .query_row([network], |r| r.get(0))?;
     Ok(first == Some(id))
+}
+
+/// The blocks of network ?1 and family ?2 as upstream's table lists them,
+/// oldest first: id, prefix, state, and whether the counter leaves room
+/// (NULL: it does not). One statement for the layout's listing and the
+/// allocation's candidates, with Metis's record read block by block
+/// ([`BLOCK_RECORD_SQL`]): a one-request process (direct mode) prepares
+/// every statement it runs, and each join with that record, or subquery
+/// of it, cost more to prepare than the two together.
+pub(super) const NETWORK_BLOCKS_SQL: &str = "SELECT id, cidr, state, total_ips > allocated_ips \
+     FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 ORDER BY id";
+
+/// A row of [`NETWORK_BLOCKS_SQL`]. A prefix or state that is not text
+/// (another writer's) is `None`.
+pub(super) struct Listed {
+    pub(super) id: i64,
+    pub(super) cidr: Option<String>,
+    pub(super) state: Option<String>,
+    pub(super) has_room: bool,
+}
+
+impl Listed {
+    /// Whether its state is `state` (SQL's `state = ...`).
+    pub(super) fn is(&self, state: &str) -> bool {
+        self.state.as_deref() == Some(state)
+    }
+
+    pub(super) fn prefix(&self) -> Result<Cidr, StoreError> {
+        match &self.cidr {
+            Some(text) => parse_cidr(text),
+            None => Err(StoreError::Corrupt(format!(
+                "block {} has a prefix that is not text",
+                self.id
+            ))),
+        }
+    }
+
+    pub(super) fn parsed_state(&self) -> Result<BlockState, StoreError> {
+        match &self.state {
+            Some(text) => parse_state(text),
+            None => Err(StoreError::Corrupt(format!(
+                "block {} has a state that is not text",
+                self.id
+            ))),
+        }
+    }
+}
+
+/// The blocks of `network` and `family`, oldest first.
+pub(super) fn network_blocks(
+    conn: &Connection,
+    network: &str,
+    family: Family,
+) -> Result<Vec<Listed>, StoreError> {
+    let mut stmt = conn.prepare_cached(NETWORK_BLOCKS_SQL)?;
+    let mut rows = stmt.query(params![network, family.as_str()])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push(Listed {
+            id: row.get(0)?,
+            cidr: text_at(row, 1)?,
+            state: text_at(row, 2)?,
+            has_room: row.get::<_, Option<bool>>(3)? == Some(true),
+        });
+    }
+    Ok(out)
+}
+
+/// Column `i` of `row` when it holds text; `None` for any other value
+/// (another writer's), which a comparison with text in SQL never matches.
+pub(super) fn text_at(row: &Row, i: usize) -> rusqlite::Result<Option<String>> {
+    Ok(row.get_ref(i)?.as_str().ok().map(str::to_owned))
+}
+
+/// Metis's record of block ?1: its sources, retired, quarantined.
+pub(super) const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
+     FROM metis_blocks WHERE block_id = ?1";
+
+/// Metis's record of a block ([`BLOCK_RECORD_SQL`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Record {
+    /// `None`: no record of where the block comes from.
+    pub(super) sources: Option<String>,
+    pub(super) retired: bool,
+    pub(super) quarantined: bool,
+}
+
+/// Metis's record of block `id`, if it has one.
+pub(super) fn record_of(conn: &Connection, id: i64) -> Result<Option<Record>, StoreError> {
+    Ok(conn
+        .prepare_cached(BLOCK_RECORD_SQL)?
+        .query_row([id], |r| {
+            Ok(Record {
+                sources: r.get(0)?,
+                retired: r.get(1)?,
+                quarantined: r.get(2)?,
+            })
+        })
+        .optional()?)
 }
 
 /// The positions a block keeps out of allocation: fixed offsets, and with

@@ -20,13 +20,14 @@ use std::net::IpAddr;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::bounds_of;
+use super::free::Holder;
 use super::{ReserveMode, StoreError, parse_cidr};
 use crate::cidr::{Bounds, Cidr, gateway_for};
 
 /// A pod holding the address a block advertises as its gateway (?1), in
 /// any block of that network (?2): for a database without Metis's tables
 /// (`admin check` of an upstream-only file).
-const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
+pub(super) const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
      FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE a.address = ?1 AND b.network = ?2 AND a.is_allocated = 1 AND a.container_id != '' \
      LIMIT 1";
@@ -111,15 +112,20 @@ pub(super) fn held(
     let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
         return Ok(None);
     };
+    let gateway_text = gateway.to_string();
+    // The joins only where the cheap probe finds a pod holding the address.
+    if !super::free::allocated_elsewhere(conn, &gateway_text, None, Holder::Pod)? {
+        return Ok(None);
+    }
     let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
     let holder: Option<(String, String)> = match space {
         Space::Shared { isolated } => conn
             .prepare_cached(HELD_GATEWAY_SQL)?
-            .query_row(params![gateway.to_string(), network, isolated], row)
+            .query_row(params![gateway_text, network, isolated], row)
             .optional()?,
         Space::NetworkOnly => conn
             .prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
-            .query_row(params![gateway.to_string(), network], row)
+            .query_row(params![gateway_text, network], row)
             .optional()?,
     };
     Ok(holder.map(|(container_id, interface_name)| HeldGateway {
@@ -198,27 +204,14 @@ pub(super) fn held_in(
     family: crate::cidr::Family,
     in_force: InForceBounds,
 ) -> Result<Vec<HeldGateway>, StoreError> {
-    let blocks: Vec<(i64, String)> = conn
-        .prepare_cached(
-            "SELECT id, cidr FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
-             AND state = 'Ready' ORDER BY id",
-        )?
-        .query_map(params![network, family.as_str()], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })?
-        .collect::<Result<_, _>>()?;
     let space = Space::of(conn, network)?;
     let mut out = Vec::new();
-    for (id, cidr) in blocks {
-        if let Some(gateway) = held(
-            conn,
-            mode,
-            id,
-            network,
-            &parse_cidr(&cidr)?,
-            in_force,
-            space,
-        )? {
+    for block in super::block::network_blocks(conn, network, family)? {
+        if !block.is("Ready") {
+            continue;
+        }
+        let cidr = block.prefix()?;
+        if let Some(gateway) = held(conn, mode, block.id, network, &cidr, in_force, space)? {
             out.push(gateway);
         }
     }

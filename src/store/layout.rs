@@ -37,12 +37,11 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
-    quarantine, quarantined, recount, set_frontier, settle,
+    quarantine, quarantined, recount, set_frontier, settle, text_at,
 };
 use super::free::{cooling, pod_held};
 use super::{
-    BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, parse_state,
-    total_ips,
+    BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, total_ips,
 };
 use crate::cidr::{Cidr, Family};
 
@@ -394,7 +393,7 @@ impl Store {
         if !ranges.iter().all(served) {
             return Ok(false);
         }
-        Ok(sweepable(conn, network, family, now_ms)?.is_empty())
+        Ok(sweepable(conn, &blocks, now_ms)?.is_empty())
     }
 }
 
@@ -429,7 +428,7 @@ fn relayout(
         changes.refused.push(refusal.to_string());
     }
     record_sources(conn, network, family, &wanted, now_ms, &mut changes)?;
-    for (id, cidr) in sweepable(conn, network, family, now_ms)? {
+    for (id, cidr) in sweepable(conn, &placed(conn, network, family)?, now_ms)? {
         delete_block(conn, id)?;
         changes.lines.push(format!(
             "deleted retired block {cidr} of network {network:?}: no pod holds an address in it"
@@ -828,26 +827,18 @@ fn narrow(
 
 /// Retired blocks of the network that may go: no pod holds an address in
 /// them and no address is still cooling down.
-fn sweepable(
+pub(super) fn sweepable(
     conn: &Connection,
-    network: &str,
-    family: Family,
+    blocks: &[Placed],
     now_ms: i64,
-) -> Result<Vec<(i64, String)>, StoreError> {
-    let retired: Vec<(i64, String)> = conn
-        .prepare_cached(
-            "SELECT b.id, b.cidr FROM cidr_blocks b JOIN metis_blocks m ON m.block_id = b.id \
-             WHERE b.network = ?1 AND b.ip_family = ?2 AND m.retired = 1 \
-               AND m.quarantine IS NULL AND b.state = 'Withheld' ORDER BY b.id",
-        )?
-        .query_map(params![network, family.as_str()], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })?
-        .collect::<Result<_, _>>()?;
+) -> Result<Vec<(i64, Cidr)>, StoreError> {
     let mut out = Vec::new();
-    for (id, cidr) in retired {
-        if !in_use(conn, id, now_ms)? {
-            out.push((id, cidr));
+    let retired = blocks
+        .iter()
+        .filter(|b| b.retired && !b.quarantined && b.state == BlockState::Withheld);
+    for block in retired {
+        if !in_use(conn, block.id, now_ms)? {
+            out.push((block.id, block.cidr));
         }
     }
     Ok(out)
@@ -883,24 +874,21 @@ pub(super) fn placed(
     network: &str,
     family: Family,
 ) -> Result<Vec<Placed>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT b.id, b.cidr, b.state, m.sources IS NOT NULL, COALESCE(m.sources, ''), \
-                COALESCE(m.retired, 0), m.quarantine IS NOT NULL \
-         FROM cidr_blocks b LEFT JOIN metis_blocks m ON m.block_id = b.id \
-         WHERE b.network = ?1 AND b.ip_family = ?2 AND b.state != 'Deleting' ORDER BY b.id",
-    )?;
-    let mut rows = stmt.query(params![network, family.as_str()])?;
     let mut out = Vec::new();
-    while let Some(row) = rows.next()? {
-        let recorded: bool = row.get(3)?;
-        let sources: String = row.get(4)?;
+    for block in super::block::network_blocks(conn, network, family)? {
+        if block.is("Deleting") {
+            continue;
+        }
+        let record = super::block::record_of(conn, block.id)?;
         out.push(Placed {
-            id: row.get(0)?,
-            cidr: parse_cidr(&row.get::<_, String>(1)?)?,
-            state: parse_state(&row.get::<_, String>(2)?)?,
-            sources: recorded.then(|| parse_sources(&sources)),
-            retired: row.get(5)?,
-            quarantined: row.get(6)?,
+            id: block.id,
+            cidr: block.prefix()?,
+            state: block.parsed_state()?,
+            retired: record.as_ref().is_some_and(|r| r.retired),
+            quarantined: record.as_ref().is_some_and(|r| r.quarantined),
+            sources: record
+                .and_then(|r| r.sources)
+                .map(|text| parse_sources(&text)),
         });
     }
     Ok(out)
@@ -908,22 +896,38 @@ pub(super) fn placed(
 
 /// The ranges static sources want for a network and family (one source,
 /// or all): (range, source). A source name no release wrote is skipped.
-fn wanted(
+pub(super) fn wanted(
     conn: &Connection,
     source: Option<Source>,
     network: &str,
     family: Family,
 ) -> Result<Vec<(Cidr, Source)>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT cidr, source FROM metis_ranges WHERE network = ?1 AND (?2 IS NULL OR source = ?2) \
-         ORDER BY source, cidr",
-    )?;
-    let mut rows = stmt.query(params![network, source.map(Source::as_str)])?;
-    let mut out = Vec::new();
+    // Filtered and ordered here: the source test and the order in SQL cost
+    // a one-request process (direct mode) twice as much to prepare.
+    let mut stmt =
+        conn.prepare_cached("SELECT source, cidr FROM metis_ranges WHERE network = ?1")?;
+    let mut rows = stmt.query([network])?;
+    let mut listed: Vec<(String, Option<String>)> = Vec::new();
     while let Some(row) = rows.next()? {
-        let cidr = parse_cidr(&row.get::<_, String>(0)?)?;
-        let source = Source::parse(&row.get::<_, String>(1)?);
-        if let (true, Some(source)) = (cidr.family() == family, source) {
+        let Some(name) = text_at(row, 0)? else {
+            continue;
+        };
+        if source.is_none_or(|source| source.as_str() == name) {
+            listed.push((name, text_at(row, 1)?));
+        }
+    }
+    listed.sort();
+    let mut out = Vec::new();
+    for (name, cidr) in listed {
+        let cidr = match cidr {
+            Some(text) => parse_cidr(&text)?,
+            None => {
+                return Err(StoreError::Corrupt(format!(
+                    "a range of network {network:?} is not text"
+                )));
+            }
+        };
+        if let (true, Some(source)) = (cidr.family() == family, Source::parse(&name)) {
             out.push((cidr, source));
         }
     }

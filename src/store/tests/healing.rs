@@ -9,6 +9,7 @@ use super::rollback::{upstream_allocate, upstream_expand};
 use super::*;
 use crate::cidr::Bounds;
 use crate::store::repair;
+use crate::testutil::Rng;
 
 /// Opens as direct mode does (or with a reserve mode, as a daemon does)
 /// and, when the open skipped healing, fails unless healing would have
@@ -30,23 +31,6 @@ fn raw(path: &Path) -> Connection {
     let conn = Connection::open(path).unwrap();
     conn.pragma_update(None, "foreign_keys", "ON").unwrap();
     conn
-}
-
-/// xorshift64*: the model's steps from a seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        let len = u64::try_from(items.len()).unwrap();
-        &items[usize::try_from(self.below(len)).unwrap()]
-    }
 }
 
 const V4: [&str; 2] = ["198.18.50.0/28", "198.18.51.0/28"];

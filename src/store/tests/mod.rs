@@ -9,6 +9,7 @@ mod lifecycle;
 mod listings;
 mod open;
 mod plans;
+mod probes;
 mod reserve;
 mod rollback;
 mod statements;
