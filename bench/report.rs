@@ -76,26 +76,53 @@ fn command_line(program: &str, args: &[&str]) -> String {
         )
 }
 
-/// `[profile.release]` of Cargo.toml as one line (`cargo bench` builds the
-/// full binary with the bench profile, which inherits it; `make edge`
-/// builds with it directly).
+/// `[profile.release]` of Cargo.toml as one line, with the optimisation
+/// levels its per-package overrides set (`cargo bench` builds the full
+/// binary with the bench profile, which inherits it; `make edge` builds
+/// with it directly).
 fn release_profile() -> String {
     let manifest =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
             .unwrap_or_default();
-    let settings: Vec<&str> = manifest
+    let settings = |section: &str| -> Vec<String> {
+        manifest
+            .lines()
+            .skip_while(|line| line.trim() != section)
+            .skip(1)
+            .take_while(|line| !line.trim_start().starts_with('['))
+            .map(str::trim)
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .map(str::to_string)
+            .collect()
+    };
+    let release = settings("[profile.release]");
+    let mut profile = match release.is_empty() {
+        true => "cargo's defaults".to_string(),
+        false => release.join(", "),
+    };
+    // Package name by opt-level, in the manifest's order.
+    let mut levels: Vec<(String, Vec<&str>)> = Vec::new();
+    for package in manifest
         .lines()
-        .skip_while(|line| line.trim() != "[profile.release]")
-        .skip(1)
-        .take_while(|line| !line.trim_start().starts_with('['))
-        .map(str::trim)
-        .filter(|line| !line.is_empty() && !line.starts_with('#'))
-        .collect();
-    if settings.is_empty() {
-        "cargo's defaults".to_string()
-    } else {
-        settings.join(", ")
+        .filter_map(|line| line.trim().strip_prefix("[profile.release.package."))
+        .filter_map(|rest| rest.strip_suffix(']'))
+    {
+        let section = format!("[profile.release.package.{package}]");
+        let Some(level) = settings(&section)
+            .into_iter()
+            .find_map(|line| line.strip_prefix("opt-level = ").map(str::to_string))
+        else {
+            continue;
+        };
+        match levels.iter_mut().find(|(known, _)| *known == level) {
+            Some((_, packages)) => packages.push(package),
+            None => levels.push((level, vec![package])),
+        }
     }
+    for (level, packages) in levels {
+        profile.push_str(&format!("; opt-level {level} for {}", packages.join(", ")));
+    }
+    profile
 }
 
 fn header(out: &mut String, builds: &[Build], floor: &Path, took: Duration) {
