@@ -347,8 +347,6 @@ fn take_row(
     Ok(host_local.is_none())
 }
 
-/// Allocated rows of owner (?1 container, ?2 interface) in network ?3,
-/// of family ?4 (NULL: any).
 const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2";
 
 /// An unknown pod name or namespace is stored as NULL, as upstream does.
