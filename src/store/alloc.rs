@@ -1,5 +1,6 @@
 //! Allocating, releasing and checking addresses.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
@@ -372,7 +373,7 @@ pub(super) const ALLOCATION_PATH: [&str; 16] = [
     FIND_BLOCK_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
-    super::block::BLOCK_RECORD_SQL,
+    super::block::RECORDS_SQL,
     super::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
@@ -455,6 +456,8 @@ struct Judge<'s> {
     /// Whether `network` is isolated (read once: nothing an allocation
     /// does changes it).
     isolated: bool,
+    /// Metis's record of every block, read once per allocation.
+    records: BTreeMap<i64, super::block::Record>,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts
@@ -477,6 +480,7 @@ impl<'s> Judge<'s> {
             mode,
             network,
             isolated: super::layout::is_isolated(conn, network)?,
+            records: super::block::records(conn)?,
             blocks: Vec::new(),
             passed_over: Vec::new(),
             seen,
@@ -496,7 +500,14 @@ impl<'s> Judge<'s> {
         if let Some(at) = self.blocks.iter().position(|(block, _)| *block == id) {
             return Ok(at);
         }
-        let record = block_record(conn, self.mode, self.network, id, cidr)?;
+        let record = block_record(
+            conn,
+            self.mode,
+            self.network,
+            id,
+            cidr,
+            self.records.get(&id),
+        )?;
         if self.recorded
             && let Some(bounds) = super::block::bounds_of(conn, self.network, cidr)?
         {
@@ -549,19 +560,20 @@ impl<'s> Judge<'s> {
     }
 }
 
-/// What Metis knows of block `id` ([`BlockRecord`]).
+/// What Metis knows of block `id` ([`BlockRecord`]), from its `record`.
 fn block_record(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     id: i64,
     cidr: &Cidr,
+    record: Option<&super::block::Record>,
 ) -> Result<BlockRecord, StoreError> {
     let super::block::Record {
         sources,
         retired,
         quarantined,
-    } = super::block::record_of(conn, id)?.unwrap_or_default();
+    } = record.cloned().unwrap_or_default();
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
         && super::block::is_first_v4(conn, network, id)?;
@@ -748,28 +760,38 @@ impl Store {
             tx.commit()?;
             return Ok(kept);
         }
-        let (servable, held_gateways) = super::gateway::servable(
-            &tx,
-            mode,
-            owner.network,
-            judge.in_force(),
-            judge.space(),
-            candidates_of(&tx, owner.network, family)?,
-        )?;
+        // Each block is judged when the allocation comes to it, oldest
+        // first: the first with a free row ends it, and the rest are looked
+        // at only when none has one (their held gateways then go into the
+        // exhaustion message).
+        let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
-        for (id, cidr) in servable {
-            if judge.block(&tx, id, &cidr)? {
-                candidates.push((id, cidr, 0i64));
+        for (id, cidr) in candidates_of(&tx, owner.network, family, &judge.records)? {
+            let held = super::gateway::held(
+                &tx,
+                mode,
+                id,
+                owner.network,
+                &cidr,
+                judge.in_force(),
+                judge.space(),
+            )?;
+            if let Some(held) = held {
+                held_gateways.push(held);
+                continue;
             }
-        }
-        for (id, cidr, after) in &mut candidates {
-            if let Some(address) = claim(&tx, &mut judge, *id, cidr, owner, now_ms, after)? {
+            if !judge.block(&tx, id, &cidr)? {
+                continue;
+            }
+            let mut after = 0i64;
+            if let Some(address) = claim(&tx, &mut judge, id, &cidr, owner, now_ms, &mut after)? {
                 tx.commit()?;
                 return Ok(Allocation {
                     address,
-                    block: *cidr,
+                    block: cidr,
                 });
             }
+            candidates.push((id, cidr, after));
         }
         for (id, cidr, after) in &mut candidates {
             for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
@@ -1131,13 +1153,14 @@ pub(super) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,
+    records: &BTreeMap<i64, super::block::Record>,
 ) -> Result<Vec<(i64, Cidr)>, StoreError> {
     let mut out = Vec::new();
     for block in super::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") || !block.has_room {
             continue;
         }
-        if super::block::record_of(conn, block.id)?.is_some_and(|r| r.quarantined) {
+        if records.get(&block.id).is_some_and(|r| r.quarantined) {
             continue;
         }
         out.push((block.id, block.prefix()?));

@@ -874,21 +874,20 @@ pub(super) fn placed(
     network: &str,
     family: Family,
 ) -> Result<Vec<Placed>, StoreError> {
+    let records = super::block::records(conn)?;
     let mut out = Vec::new();
     for block in super::block::network_blocks(conn, network, family)? {
         if block.is("Deleting") {
             continue;
         }
-        let record = super::block::record_of(conn, block.id)?;
+        let record = records.get(&block.id);
         out.push(Placed {
             id: block.id,
             cidr: block.prefix()?,
             state: block.parsed_state()?,
-            retired: record.as_ref().is_some_and(|r| r.retired),
-            quarantined: record.as_ref().is_some_and(|r| r.quarantined),
-            sources: record
-                .and_then(|r| r.sources)
-                .map(|text| parse_sources(&text)),
+            retired: record.is_some_and(|r| r.retired),
+            quarantined: record.is_some_and(|r| r.quarantined),
+            sources: record.and_then(|r| r.sources.as_deref()).map(parse_sources),
         });
     }
     Ok(out)

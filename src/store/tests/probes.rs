@@ -461,7 +461,12 @@ fn check(conn: &Connection, rng: &mut Rng, step: i64, context: &str) {
         for family in [Family::V4, Family::V6] {
             same(
                 "candidates",
-                candidates_of(conn, network, family),
+                candidates_of(
+                    conn,
+                    network,
+                    family,
+                    &crate::store::block::records(conn).unwrap(),
+                ),
                 old_candidates(conn, network, family),
                 context,
             );
