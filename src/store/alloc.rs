@@ -1,6 +1,5 @@
 //! Allocating, releasing and checking addresses.
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
@@ -373,7 +372,7 @@ pub(super) const ALLOCATION_PATH: [&str; 16] = [
     FIND_BLOCK_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
-    super::block::RECORDS_SQL,
+    super::block::BLOCK_RECORD_SQL,
     super::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
@@ -456,8 +455,8 @@ struct Judge<'s> {
     /// Whether `network` is isolated (read once: nothing an allocation
     /// does changes it).
     isolated: bool,
-    /// Metis's record of every block, read once per allocation.
-    records: BTreeMap<i64, super::block::Record>,
+    /// Metis's record of each block asked about, read once per allocation.
+    records: super::block::Records,
     blocks: Vec<(i64, BlockRecord)>,
     passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts
@@ -480,7 +479,7 @@ impl<'s> Judge<'s> {
             mode,
             network,
             isolated: super::layout::is_isolated(conn, network)?,
-            records: super::block::records(conn)?,
+            records: super::block::Records::default(),
             blocks: Vec::new(),
             passed_over: Vec::new(),
             seen,
@@ -500,14 +499,8 @@ impl<'s> Judge<'s> {
         if let Some(at) = self.blocks.iter().position(|(block, _)| *block == id) {
             return Ok(at);
         }
-        let record = block_record(
-            conn,
-            self.mode,
-            self.network,
-            id,
-            cidr,
-            self.records.get(&id),
-        )?;
+        let record = self.records.get(conn, id)?.cloned();
+        let record = block_record(conn, self.mode, self.network, id, cidr, record)?;
         if self.recorded
             && let Some(bounds) = super::block::bounds_of(conn, self.network, cidr)?
         {
@@ -567,13 +560,13 @@ fn block_record(
     network: &str,
     id: i64,
     cidr: &Cidr,
-    record: Option<&super::block::Record>,
+    record: Option<super::block::Record>,
 ) -> Result<BlockRecord, StoreError> {
     let super::block::Record {
         sources,
         retired,
         quarantined,
-    } = record.cloned().unwrap_or_default();
+    } = record.unwrap_or_default();
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
         && super::block::is_first_v4(conn, network, id)?;
@@ -766,7 +759,7 @@ impl Store {
         // exhaustion message).
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
-        for (id, cidr) in candidates_of(&tx, owner.network, family, &judge.records)? {
+        for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
             let held = super::gateway::held(
                 &tx,
                 mode,
@@ -1153,14 +1146,14 @@ pub(super) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,
-    records: &BTreeMap<i64, super::block::Record>,
+    records: &mut super::block::Records,
 ) -> Result<Vec<(i64, Cidr)>, StoreError> {
     let mut out = Vec::new();
     for block in super::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") || !block.has_room {
             continue;
         }
-        if records.get(&block.id).is_some_and(|r| r.quarantined) {
+        if records.get(conn, block.id)?.is_some_and(|r| r.quarantined) {
             continue;
         }
         out.push((block.id, block.prefix()?));

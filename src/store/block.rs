@@ -51,7 +51,7 @@ pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<b
 /// oldest first: id, prefix, state, and whether the counter leaves room
 /// (NULL: it does not). One statement for the layout's listing and the
 /// allocation's candidates, with Metis's record read block by block
-/// ([`RECORDS_SQL`]): a one-request process (direct mode) prepares
+/// ([`BLOCK_RECORD_SQL`]): a one-request process (direct mode) prepares
 /// every statement it runs, and each join with that record, or subquery
 /// of it, cost more to prepare than the two together.
 pub(super) const NETWORK_BLOCKS_SQL: &str = "SELECT id, cidr, state, total_ips > allocated_ips \
@@ -119,39 +119,59 @@ pub(super) fn text_at(row: &Row, i: usize) -> rusqlite::Result<Option<String>> {
     Ok(row.get_ref(i)?.as_str().ok().map(str::to_owned))
 }
 
-/// Metis's record of every block: its sources, retired, quarantined. One
-/// scan of a table with a row per block of the node, read once per
-/// allocation and once per layout check, where a read by key per block
-/// cost each ADD three lookups per block of its network.
-pub(super) const RECORDS_SQL: &str = "SELECT block_id, sources, retired != 0, quarantine IS NOT NULL \
-     FROM metis_blocks";
+/// Metis's record of block ?1: its sources, retired, quarantined. Read by
+/// its key, block by block, where a join of it with the network's blocks
+/// cost a one-request process (direct mode) more to prepare; a scan of
+/// every block's record instead would make each ADD pay for the blocks of
+/// every other network on the node.
+pub(super) const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
+     FROM metis_blocks WHERE block_id = ?1";
 
-/// Metis's record of a block ([`RECORDS_SQL`]).
+/// Metis's record of a block ([`BLOCK_RECORD_SQL`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Record {
-    /// `None`: no record of where the block comes from.
+    /// `None`: no record of where the block comes from (or one that is
+    /// not text: another writer's).
     pub(super) sources: Option<String>,
     pub(super) retired: bool,
     pub(super) quarantined: bool,
 }
 
-/// Metis's record of every block that has one, by block id.
-pub(super) fn records(conn: &Connection) -> Result<BTreeMap<i64, Record>, StoreError> {
-    let mut stmt = conn.prepare_cached(RECORDS_SQL)?;
-    let mut rows = stmt.query([])?;
-    let mut out = BTreeMap::new();
-    while let Some(row) = rows.next()? {
-        out.insert(
-            row.get(0)?,
-            Record {
-                // Not text (another writer's): no record of its sources.
-                sources: text_at(row, 1)?,
-                retired: row.get(2)?,
-                quarantined: row.get(3)?,
-            },
-        );
+/// Metis's record of block `id`, if it has one.
+pub(super) fn record_of(conn: &Connection, id: i64) -> Result<Option<Record>, StoreError> {
+    Ok(conn
+        .prepare_cached(BLOCK_RECORD_SQL)?
+        .query_row([id], |r| {
+            Ok(Record {
+                sources: text_at(r, 0)?,
+                retired: r.get(1)?,
+                quarantined: r.get(2)?,
+            })
+        })
+        .optional()?)
+}
+
+/// Metis's records of blocks, each read at most once: for one allocation,
+/// where its candidates and its hand-out check ask for the same blocks
+/// (nothing an allocation writes changes a record).
+#[derive(Debug, Default)]
+pub(super) struct Records(BTreeMap<i64, Option<Record>>);
+
+impl Records {
+    /// Block `id`'s record, read the first time it is asked for.
+    pub(super) fn get(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+    ) -> Result<Option<&Record>, StoreError> {
+        let record = match self.0.entry(id) {
+            std::collections::btree_map::Entry::Occupied(read) => read.into_mut(),
+            std::collections::btree_map::Entry::Vacant(unread) => {
+                unread.insert(record_of(conn, id)?)
+            }
+        };
+        Ok(record.as_ref())
     }
-    Ok(out)
 }
 
 /// The positions a block keeps out of allocation: fixed offsets, and with

@@ -874,13 +874,13 @@ pub(super) fn placed(
     network: &str,
     family: Family,
 ) -> Result<Vec<Placed>, StoreError> {
-    let records = super::block::records(conn)?;
     let mut out = Vec::new();
     for block in super::block::network_blocks(conn, network, family)? {
         if block.is("Deleting") {
             continue;
         }
-        let record = records.get(&block.id);
+        let record = super::block::record_of(conn, block.id)?;
+        let record = record.as_ref();
         out.push(Placed {
             id: block.id,
             cidr: block.prefix()?,

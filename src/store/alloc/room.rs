@@ -42,7 +42,7 @@ fn first_fit(
     now_ms: i64,
 ) -> Result<Result<(), Vec<String>>, StoreError> {
     let mut judge = Judge::new(conn, Some(conf), mode, network, None)?;
-    let ready = candidates_of(conn, network, family, &judge.records)?;
+    let ready = candidates_of(conn, network, family, &mut judge.records)?;
     if has_room(conn, &mut judge, ready, now_ms)? {
         return Ok(Ok(()));
     }

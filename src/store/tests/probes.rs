@@ -461,12 +461,7 @@ fn check(conn: &Connection, rng: &mut Rng, step: i64, context: &str) {
         for family in [Family::V4, Family::V6] {
             same(
                 "candidates",
-                candidates_of(
-                    conn,
-                    network,
-                    family,
-                    &crate::store::block::records(conn).unwrap(),
-                ),
+                candidates_of(conn, network, family, &mut Default::default()),
                 old_candidates(conn, network, family),
                 context,
             );
