@@ -358,8 +358,15 @@ impl Model {
         })
     }
 
-    /// Some family of `conf` has no surely free address.
-    fn exhausted(&self, owner: &Owner, conf: &NetConf, db_blocks: &[(String, Block)]) -> bool {
+    /// Some family of `conf` has no surely free address, but for those
+    /// the refusal `msg` passed over as the gateway a live result names.
+    fn exhausted(
+        &self,
+        owner: &Owner,
+        conf: &NetConf,
+        db_blocks: &[(String, Block)],
+        msg: &str,
+    ) -> bool {
         [false, true]
             .into_iter()
             .filter(|v6| conf.has_family(*v6))
@@ -369,8 +376,46 @@ impl Model {
                     .iter()
                     .filter(|b| b.v6 == v6)
                     .flat_map(|b| (0..b.size()).map(|o| b.nth(o)))
-                    .any(|ip| self.surely_free(ip, owner, conf, db_blocks, false))
+                    .any(|ip| {
+                        self.surely_free(ip, owner, conf, db_blocks, false)
+                            && !self.named_gateway_as_said(ip, msg)
+                    })
             })
+    }
+
+    /// Whether `msg` passes `ip` over as "the gateway of the result
+    /// container C interface I holds in network N", and the model agrees:
+    /// (N, C, I) still holds an address, and `ip` is the gateway (base + 1)
+    /// of a block of some configuration holding that address — the result
+    /// it was handed out with named it, and while that allocation lives no
+    /// one else may hold it (`store::named_gateway`).
+    fn named_gateway_as_said(&self, ip: IpAddr, msg: &str) -> bool {
+        // The message is JSON-escaped: quotes come as \".
+        let msg = msg.replace("\\\"", "\"");
+        let Some(rest) = msg
+            .split(&format!("{ip} of block "))
+            .nth(1)
+            .and_then(|rest| rest.split_once(": it is the gateway of the result container \""))
+            .map(|(_, rest)| rest)
+        else {
+            return false;
+        };
+        let quoted: Vec<&str> = rest.split('"').collect();
+        let (Some(container), Some(ifname), Some(network)) =
+            (quoted.first(), quoted.get(2), quoted.get(4))
+        else {
+            return false;
+        };
+        let owner: Owner = ((*network).into(), (*container).into(), (*ifname).into());
+        self.held.get(&owner).is_some_and(|ips| {
+            ips.iter().any(|held| {
+                let held = strip_prefix(held);
+                self.configs
+                    .iter()
+                    .flat_map(NetConf::blocks)
+                    .any(|b| b.size() >= 4 && b.contains(held) && b.nth(1) == ip)
+            })
+        })
     }
 
     fn draw(&mut self, rng: &mut Rng, daemon_up: bool) -> Step {
@@ -693,7 +738,7 @@ impl Sequence {
                     7 => overlap,
                     11 => {
                         overlap
-                            || self.model.exhausted(&owner, conf, &db_blocks)
+                            || self.model.exhausted(&owner, conf, &db_blocks, &msg)
                             || self.model.gateway_held_as_said(conf, &msg)
                     }
                     100 => {
