@@ -6,7 +6,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
-    insert_rows, quarantined_in, set_frontier, text_at,
+    insert_rows, parse_text, quarantined_in, set_frontier, text_at,
 };
 use super::free::{Holder, RowView, Taken, availability, free_now};
 use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
@@ -81,18 +81,15 @@ struct OwnerRow {
 
 impl OwnerRow {
     fn parse(self) -> Result<HeldRow, StoreError> {
-        let Some(cidr) = self.cidr else {
-            return Err(StoreError::Corrupt(format!(
-                "block {} has a prefix that is not text",
-                self.block_id
-            )));
-        };
+        let block = parse_text(self.cidr.as_deref(), parse_cidr, || {
+            format!("the prefix of block {}", self.block_id)
+        })?;
         Ok(HeldRow {
             row_id: self.row_id,
             block_id: self.block_id,
             allocation: Allocation {
                 address: parse_addr(&self.address)?,
-                block: parse_cidr(&cidr)?,
+                block,
             },
         })
     }

@@ -7,6 +7,7 @@
 //! store's base.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
@@ -73,23 +74,15 @@ impl Listed {
     }
 
     pub(super) fn prefix(&self) -> Result<Cidr, StoreError> {
-        match &self.cidr {
-            Some(text) => parse_cidr(text),
-            None => Err(StoreError::Corrupt(format!(
-                "block {} has a prefix that is not text",
-                self.id
-            ))),
-        }
+        parse_text(self.cidr.as_deref(), parse_cidr, || {
+            format!("the prefix of block {}", self.id)
+        })
     }
 
     pub(super) fn parsed_state(&self) -> Result<BlockState, StoreError> {
-        match &self.state {
-            Some(text) => parse_state(text),
-            None => Err(StoreError::Corrupt(format!(
-                "block {} has a state that is not text",
-                self.id
-            ))),
-        }
+        parse_text(self.state.as_deref(), parse_state, || {
+            format!("the state of block {}", self.id)
+        })
     }
 }
 
@@ -117,6 +110,19 @@ pub(super) fn network_blocks(
 /// (another writer's), which a comparison with text in SQL never matches.
 pub(super) fn text_at(row: &Row, i: usize) -> rusqlite::Result<Option<String>> {
     Ok(row.get_ref(i)?.as_str().ok().map(str::to_owned))
+}
+
+/// A column read by [`text_at`], parsed by `parse`; a value that was not
+/// text is corrupt, as `what` names it.
+pub(super) fn parse_text<T>(
+    text: Option<&str>,
+    parse: impl FnOnce(&str) -> Result<T, StoreError>,
+    what: impl FnOnce() -> String,
+) -> Result<T, StoreError> {
+    match text {
+        Some(text) => parse(text),
+        None => Err(StoreError::Corrupt(format!("{} is not text", what()))),
+    }
 }
 
 /// Metis's record of block ?1: its sources, retired, quarantined. Read by
@@ -165,10 +171,8 @@ impl Records {
         id: i64,
     ) -> Result<Option<&Record>, StoreError> {
         let record = match self.0.entry(id) {
-            std::collections::btree_map::Entry::Occupied(read) => read.into_mut(),
-            std::collections::btree_map::Entry::Vacant(unread) => {
-                unread.insert(record_of(conn, id)?)
-            }
+            Entry::Occupied(read) => read.into_mut(),
+            Entry::Vacant(unread) => unread.insert(record_of(conn, id)?),
         };
         Ok(record.as_ref())
     }

@@ -37,7 +37,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::block::{
     Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
-    quarantine, quarantined, recount, set_frontier, settle, text_at,
+    parse_text, quarantine, quarantined, recount, set_frontier, settle, text_at,
 };
 use super::free::{cooling, pod_held};
 use super::{
@@ -918,14 +918,9 @@ pub(super) fn wanted(
     listed.sort();
     let mut out = Vec::new();
     for (name, cidr) in listed {
-        let cidr = match cidr {
-            Some(text) => parse_cidr(&text)?,
-            None => {
-                return Err(StoreError::Corrupt(format!(
-                    "a range of network {network:?} is not text"
-                )));
-            }
-        };
+        let cidr = parse_text(cidr.as_deref(), parse_cidr, || {
+            format!("a range of network {network:?}")
+        })?;
         if let (true, Some(source)) = (cidr.family() == family, Source::parse(&name)) {
             out.push((cidr, source));
         }
