@@ -419,7 +419,8 @@ fn wal_size(db: &std::path::Path) -> u64 {
 /// round: what `verify` checks (every answered ADD still held by its
 /// owner, no address with two owners, `metis admin check`), SQLite's own
 /// `integrity_check`; after every exec that ran to its end, a WAL below the
-/// limit; and checkpoints and kills inside them must have happened.
+/// limit; and checkpoints and kills inside them must have happened (the
+/// last round runs on, up to four times its length, until one has).
 #[test]
 fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
     use std::io::Write;
@@ -442,8 +443,17 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
     let mut recent_us: Vec<u64> = Vec::new();
     let mut expect: HashMap<String, Expect> = HashMap::new();
     let (mut kills, mut killed_checkpoints, mut checkpoints) = (0, 0, 0);
+    // How long the last execs that checkpointed took: the kills aimed at a
+    // checkpoint are spread over the second half of that.
+    let mut checkpoint_us: Vec<u64> = Vec::new();
     for round in 0..rounds {
-        for _ in 0..ops {
+        // The last round goes on (up to four times as long) until a kill
+        // has landed at a checkpoint: where the checkpoint falls in an exec
+        // moves with the machine and the build.
+        let last = round + 1 == rounds;
+        let mut op = 0;
+        while op < ops || (last && killed_checkpoints == 0 && op < 4 * ops) {
+            op += 1;
             let id = format!("d{}", rng.below(12));
             let before = expect.get(&id).cloned().unwrap_or(Expect::Free);
             let add = match before {
@@ -466,14 +476,18 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
             let mut stdin = child.stdin.take().unwrap();
             stdin.write_all(config.as_bytes()).unwrap();
             drop(stdin);
-            let run_us = match recent_us.len() {
+            let median_us = |recent: &[u64]| match recent.len() {
                 0 => 20_000,
                 n => {
-                    let mut sorted = recent_us.clone();
+                    let mut sorted = recent.to_vec();
                     sorted.sort_unstable();
                     sorted[n / 2].max(1_000)
                 }
             };
+            let run_us = median_us(match checkpoints_next && !checkpoint_us.is_empty() {
+                true => &checkpoint_us,
+                false => &recent_us,
+            });
             let started = std::time::Instant::now();
             if kill {
                 // Random timing is the point here, not synchronisation; the
@@ -509,6 +523,10 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
                 );
                 if wal_after < wal_before {
                     checkpoints += 1;
+                    if checkpoint_us.len() == 16 {
+                        checkpoint_us.remove(0);
+                    }
+                    checkpoint_us.push(*recent_us.last().unwrap());
                 }
                 match add {
                     true => {
