@@ -444,7 +444,7 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
     let mut expect: HashMap<String, Expect> = HashMap::new();
     let (mut kills, mut killed_checkpoints, mut checkpoints) = (0, 0, 0);
     // How long the last execs that checkpointed took: the kills aimed at a
-    // checkpoint are spread over the second half of that.
+    // checkpoint are spread from the end of a plain exec's work to there.
     let mut checkpoint_us: Vec<u64> = Vec::new();
     for round in 0..rounds {
         // The last round goes on (up to four times as long) until a kill
@@ -464,7 +464,7 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
             let verb = if add { "ADD" } else { "DEL" };
             let wal_before = wal_size(&path);
             // It will checkpoint once its own frames are written.
-            let checkpoints_next = wal_before + 16 * 4120 >= limit;
+            let checkpoints_next = wal_before + 10 * 4120 >= limit;
             let kill = rng.chance(if checkpoints_next { 75 } else { 35 });
             let mut child = Plugin::new(verb, &id)
                 .command()
@@ -484,17 +484,23 @@ fn direct_mode_plugins_killed_at_random_lose_and_duplicate_nothing() {
                     sorted[n / 2].max(1_000)
                 }
             };
-            let run_us = median_us(match checkpoints_next && !checkpoint_us.is_empty() {
-                true => &checkpoint_us,
-                false => &recent_us,
-            });
+            // An exec's own work takes about what a plain one does; its
+            // checkpoint comes after, until the end of a checkpointing one.
+            let run_us = median_us(&recent_us);
+            let checkpoint_end_us = match checkpoint_us.is_empty() {
+                true => run_us * 3 / 2,
+                false => median_us(&checkpoint_us).max(run_us) * 11 / 10,
+            };
             let started = std::time::Instant::now();
             if kill {
                 // Random timing is the point here, not synchronisation; the
                 // checkpoint comes last, so that exec is killed late.
-                let from = if checkpoints_next { run_us / 2 } else { 0 };
+                let (from, to) = match checkpoints_next {
+                    true => (run_us * 4 / 5, checkpoint_end_us),
+                    false => (0, run_us * 3 / 2),
+                };
                 std::thread::sleep(Duration::from_micros(
-                    from + rng.below(run_us * 3 / 2 - from),
+                    from + rng.below(to.saturating_sub(from).max(1)),
                 ));
                 let _ = child.kill(); // SIGKILL; it may have exited already
             }
