@@ -262,7 +262,8 @@ impl Elector {
             "metadata": metadata,
             "spec": {
                 "holderIdentity": self.identity,
-                "leaseDurationSeconds": self.timing.duration.as_secs().max(1),
+                // Whole seconds: parse_config refuses a fraction.
+                "leaseDurationSeconds": self.timing.duration.as_secs(),
                 "acquireTime": acquired.unwrap_or_else(|| now.clone()),
                 "renewTime": now,
                 "leaseTransitions": transitions,
@@ -373,5 +374,30 @@ mod tests {
         assert_eq!(body["spec"]["leaseDurationSeconds"], 15);
         assert_eq!(body["spec"]["leaseTransitions"], 3);
         assert_eq!(micro_time(1_795_971_684_123), "2026-11-29T17:01:24.123000Z");
+    }
+
+    #[test]
+    fn the_lease_carries_the_duration_the_process_obeys() {
+        let timing = LeaseTiming {
+            duration: Duration::from_secs(2),
+            renew_deadline: Duration::from_millis(1500),
+            retry_period: Duration::from_millis(500),
+        };
+        let e = Elector::new("kube-system", "metis-controller", "a", timing);
+        let body = e.lease_body(None, 0, None);
+        assert_eq!(body["spec"]["leaseDurationSeconds"], 2);
+        // Another holder's record with that body expires after exactly it.
+        let seen = |ago_ms| {
+            let mut other = elector();
+            other.observe(
+                &body,
+                Instant::now()
+                    .checked_sub(Duration::from_millis(ago_ms))
+                    .unwrap(),
+            );
+            other.expired(&body["spec"])
+        };
+        assert!(!seen(1900), "1.9 s < 2 s");
+        assert!(seen(2000));
     }
 }

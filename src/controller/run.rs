@@ -163,6 +163,14 @@ pub fn parse_config(
         renew_deadline: duration(&parsed, "--renew-deadline", "10s")?,
         retry_period: duration(&parsed, "--retry-period", "2s")?,
     };
+    // The Lease carries whole seconds (leaseDurationSeconds): a fraction
+    // would be obeyed here but not by the other candidates reading it.
+    if lease.duration.subsec_nanos() != 0 {
+        return Err(FlagError::BadValue(
+            "--lease-duration",
+            "must be whole seconds (the Lease's leaseDurationSeconds), such as \"2s\"".into(),
+        ));
+    }
     if lease.renew_deadline >= lease.duration {
         return Err(FlagError::BadValue("--renew-deadline", "must be shorter than --lease-duration, so a holder stops writing before its lease can pass on".into()));
     }
@@ -467,6 +475,21 @@ mod tests {
         assert_eq!(config.lease.renew_deadline, Duration::from_secs(10));
         assert_eq!(config.lease.retry_period, Duration::from_secs(2));
         assert_eq!(config.node_grace, Duration::from_secs(300));
+        let whole = parse_config(
+            &args(&[
+                "--kubeconfig",
+                &path,
+                "--lease-duration",
+                "2000ms",
+                "--renew-deadline",
+                "1500ms",
+                "--retry-period",
+                "500ms",
+            ]),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(whole.lease.duration, Duration::from_secs(2));
         assert_eq!(config.api.server, "http://127.0.0.1:1");
         let bad: &[(&[&str], &str)] = &[
             (
@@ -476,6 +499,8 @@ mod tests {
             (&["--retry-period", "10s"], "shorter than --renew-deadline"),
             (&["--node-grace", "0"], "positive duration"),
             (&["--lease-duration", "soon"], "positive duration"),
+            (&["--lease-duration", "1900ms"], "whole seconds"),
+            (&["--lease-duration", "2500ms"], "whole seconds"),
             (
                 &["--lease-namespace", "Kube System"],
                 "not a Kubernetes name",
