@@ -10,7 +10,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::kube_api::{Key, KubeApi, LEASES, NNCS, NODES};
+use common::kube_api::{BLOCKS, Key, KubeApi, LEASES, MAX_OBJECT, NNCS, NODES, serve_custom};
 use common::{Plugin, TestDaemon, TestDir, assert_ok, json};
 use metis::kube::client::{ApiClient, KubeError, WatchEvent};
 use serde_json::{Value, json};
@@ -19,6 +19,7 @@ const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
 const NODE_PATH: &str = "/api/v1/nodes";
 const LEASE_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases";
 const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
+const BLOCK_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metisblocks";
 
 fn client(api: &KubeApi, dir: &TestDir) -> ApiClient {
     let path = dir.join("kubeconfig");
@@ -622,4 +623,186 @@ fn lists_are_paginated_from_one_snapshot_and_an_expired_continue_is_gone() {
     assert_eq!(code(&expired), 410);
     assert!(expired.to_string().contains("Expired"), "{expired}");
     assert!(metis::kube::worker::needs_relist(&expired));
+}
+
+#[test]
+fn status_merge_patches_honour_the_version_and_change_only_the_status() {
+    let api = KubeApi::start();
+    let (_, created) = api.call("POST", NNC_PATH, Some(&nnc("n1")));
+    let path = format!("{NNC_PATH}/n1/status");
+    let patch = |version: &str| {
+        json!({"metadata": {"resourceVersion": version, "labels": {"sneaked": "in"}},
+               "spec": {"allocations": null},
+               "status": {"podCIDRs": [{"cidr": "198.18.0.16/28"}]}})
+    };
+    let (status, refused) = api.call("PATCH", &path, Some(&patch("999")));
+    assert_eq!(
+        (status, refused["reason"].as_str()),
+        (409, Some("Conflict"))
+    );
+    assert_eq!(api.state().version, 1, "a refused patch writes nothing");
+    let (status, patched) = api.call("PATCH", &path, Some(&patch(&rv(&created))));
+    assert_eq!(status, 200, "{patched}");
+    assert_eq!(patched["status"]["podCIDRs"][0]["cidr"], "198.18.0.16/28");
+    // Only the status: spec, labels and generation are the stored ones.
+    assert_eq!(patched["spec"], created["spec"]);
+    assert!(patched["metadata"].get("labels").is_none(), "{patched}");
+    assert_eq!(patched["metadata"]["generation"], 1);
+    assert_eq!(rv(&patched), "2");
+    // The same patch again: its version is now stale.
+    assert_eq!(api.call("PATCH", &path, Some(&patch(&rv(&created)))).0, 409);
+    assert_eq!(api.state().count("patch", "nodenetworkconfigs/status"), 3);
+}
+
+fn block(cidr_name: &str, node: &str, state: &str) -> Value {
+    json!({"apiVersion": "metis.x-k8s.io/v1alpha1", "kind": "MetisBlock",
+           "metadata": {"name": cidr_name, "labels": {"metis.x-k8s.io/pool": "p", "metis.x-k8s.io/node": node}},
+           "spec": {"pool": "p", "network": "default", "cidr": "198.18.0.16/28", "node": node, "state": state, "reason": ""}})
+}
+
+/// MetisBlocks: name uniqueness is the claim (409 AlreadyExists), every
+/// later write carries the version, a deleted block can be claimed again.
+#[test]
+fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
+    let dir = TestDir::new("kapi-blocks");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    let claimed = client
+        .post(BLOCK_PATH, &block("v4-198-18-0-16-28", "n1", "Granted"))
+        .unwrap();
+    assert_eq!(claimed["kind"], "MetisBlock");
+    let err = client
+        .post(BLOCK_PATH, &block("v4-198-18-0-16-28", "n2", "Granted"))
+        .unwrap_err();
+    assert_eq!(code(&err), 409);
+    assert!(err.to_string().contains("AlreadyExists"), "{err}");
+    client
+        .post(BLOCK_PATH, &block("v4-198-18-0-32-28", "n2", "Granted"))
+        .unwrap();
+    let path = format!("{BLOCK_PATH}/v4-198-18-0-16-28");
+    let mut cooling = block("v4-198-18-0-16-28", "n1", "Cooling");
+    assert_eq!(api.call("PUT", &path, Some(&cooling)).0, 422);
+    cooling["metadata"]["resourceVersion"] = json!("2");
+    assert_eq!(api.call("PUT", &path, Some(&cooling)).0, 409);
+    cooling["metadata"]["resourceVersion"] = json!(rv(&claimed));
+    let (status, cooled) = api.call("PUT", &path, Some(&cooling));
+    assert_eq!((status, &cooled["spec"]["state"]), (200, &json!("Cooling")));
+    // A pool's or a node's blocks by label.
+    let mine = client
+        .get(&format!(
+            "{BLOCK_PATH}?labelSelector=metis.x-k8s.io%2Fnode%3Dn1"
+        ))
+        .unwrap();
+    let names: Vec<&str> = mine["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["v4-198-18-0-16-28"]);
+    assert_eq!(mine["kind"], "MetisBlockList");
+    // Deleted only at its version; then the name is free to claim again.
+    let stale = json!({"preconditions": {"resourceVersion": rv(&claimed)}});
+    assert_eq!(api.call("DELETE", &path, Some(&stale)).0, 409);
+    let current = json!({"preconditions": {"resourceVersion": rv(&cooled)}});
+    assert_eq!(api.call("DELETE", &path, Some(&current)).0, 200);
+    let again = client
+        .post(BLOCK_PATH, &block("v4-198-18-0-16-28", "n2", "Granted"))
+        .unwrap();
+    // The watch from the first claim: every change since, in order.
+    let seen: Vec<(String, String)> = events(
+        &client,
+        &format!("{BLOCK_PATH}?watch=true&resourceVersion={}", rv(&claimed)),
+        4,
+    )
+    .into_iter()
+    .map(|e| (e.kind, rv(&e.object)))
+    .collect();
+    assert_eq!(
+        seen,
+        [
+            ("ADDED".into(), "2".into()),
+            ("MODIFIED".into(), rv(&cooled)),
+            ("DELETED".into(), "4".into()),
+            ("ADDED".into(), rv(&again)),
+        ]
+    );
+    // What the watch sent is counted, byte for byte: each change's event
+    // as one chunk.
+    let expected: u64 = {
+        let state = api.state();
+        state.changes[1..]
+            .iter()
+            .map(|c| {
+                let line = format!("{}\n", json!({"type": c.kind, "object": c.object}));
+                format!("{:x}\r\n{line}\r\n", line.len()).len() as u64
+            })
+            .sum()
+    };
+    api.wait_until("the watch's bytes counted", Duration::from_secs(10), |s| {
+        s.watch_bytes_of("sim") == expected
+    });
+    // Any cluster-scoped custom resource can be served the same way.
+    let widgets = serve_custom("example.x-k8s.io/v1", "Widget", "widgets", false);
+    let widget_path = "/apis/example.x-k8s.io/v1/widgets";
+    let widget = json!({"metadata": {"name": "w1"}, "spec": {"size": 3}});
+    assert_eq!(client.post(widget_path, &widget).unwrap()["kind"], "Widget");
+    assert_eq!(code(&client.post(widget_path, &widget).unwrap_err()), 409);
+    assert!(api.state().get(&Key::cluster(widgets, "w1")).is_some());
+    assert_eq!(api.state().count("create", BLOCKS), 4);
+}
+
+/// The API server's limits: a body over 3 MiB is 413 (unread, the
+/// connection closed), an object over etcd's 1.5 MiB is 500 with etcd's
+/// words and nothing stored; every body is counted by client.
+#[test]
+fn oversized_bodies_and_objects_are_refused_and_bodies_are_counted() {
+    let api = KubeApi::start();
+    let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
+    use std::io::{Read, Write};
+    let declared = 3 * 1024 * 1024 + 1;
+    write!(
+        raw,
+        "POST {NNC_PATH} HTTP/1.1\r\nAuthorization: Bearer big\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    raw.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("RequestEntityTooLarge"), "{answer}");
+    assert!(answer.contains("Connection: close"), "{answer}");
+    let mut huge = nnc("n1");
+    huge["metadata"]["annotations"] = json!({"big": "x".repeat(MAX_OBJECT)});
+    let (status, refused) = api.call("POST", NNC_PATH, Some(&huge));
+    assert_eq!(status, 500, "{refused}");
+    assert_eq!(refused["message"], "etcdserver: request is too large");
+    let (status, small) = api.call("POST", NNC_PATH, Some(&nnc("n1")));
+    assert_eq!(status, 201);
+    // An update that would grow it past the limit is refused the same way.
+    let mut grown = small.clone();
+    grown["metadata"]["annotations"] = json!({"big": "x".repeat(MAX_OBJECT)});
+    assert_eq!(
+        api.call("PUT", &format!("{NNC_PATH}/n1"), Some(&grown)).0,
+        500
+    );
+    let state = api.state();
+    assert_eq!(state.version, 1, "only the small object was stored");
+    assert_eq!(state.answers_of("big", 413), 1);
+    assert_eq!(state.answers_of("", 500), 2);
+    let huge_len = huge.to_string().len() as u64;
+    let grown_len = grown.to_string().len() as u64;
+    let small_len = nnc("n1").to_string().len() as u64;
+    let bytes = state.body_bytes_of("");
+    assert_eq!(
+        bytes.get(&("create".to_string(), NNCS.to_string())),
+        Some(&(huge_len + small_len))
+    );
+    // The refused update's body (the stored object's fields and the
+    // annotation) is the largest.
+    assert!(grown_len > huge_len);
+    assert_eq!(
+        state.largest_body_of(""),
+        Some((grown_len, "update".to_string(), NNCS.to_string()))
+    );
+    assert_eq!(state.count("create", NNCS), 3);
 }

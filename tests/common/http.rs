@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-/// Largest request body accepted (the API server's limit is 3 MiB).
-const MAX_REQUEST: usize = 3 * 1024 * 1024;
+/// Largest request body accepted: the API server's limit, 3 MiB (its
+/// `MaxRequestBodyBytes`), past which it answers 413.
+pub const MAX_REQUEST: usize = 3 * 1024 * 1024;
 
 /// A listening server's accept loop: one thread per connection, each
 /// given the stop flag it must watch, and a handle on every open
@@ -137,8 +138,43 @@ impl Request {
 }
 
 /// Reads one request; `None` at the end of the connection or on a
-/// request that cannot be read (then the connection is dropped).
+/// request that cannot be read, or whose body is over [`MAX_REQUEST`]
+/// (then the connection is dropped).
 pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
+    read_request_within(stream, MAX_REQUEST).ok().flatten()
+}
+
+/// A request whose `Content-Length` is over the limit: its head, its body
+/// left unread (the answer must close the connection).
+pub struct TooLarge {
+    pub head: Request,
+    pub length: usize,
+}
+
+/// Reads one request whose body is at most `limit` bytes: `Ok(None)` at
+/// the end of the connection or on a request that cannot be read,
+/// `Err` for a larger body (unread).
+pub fn read_request_within(
+    stream: &mut impl BufRead,
+    limit: usize,
+) -> Result<Option<Request>, Box<TooLarge>> {
+    let Some((mut head, length)) = read_head(stream) else {
+        return Ok(None);
+    };
+    if length > limit {
+        return Err(Box::new(TooLarge { head, length }));
+    }
+    let mut body = vec![0; length];
+    if stream.read_exact(&mut body).is_err() {
+        return Ok(None);
+    }
+    head.body = body;
+    Ok(Some(head))
+}
+
+/// The request line and headers: the request without its body, and the
+/// body's length.
+fn read_head(stream: &mut impl BufRead) -> Option<(Request, usize)> {
     let mut line = String::new();
     if stream.read_line(&mut line).ok()? == 0 {
         return None;
@@ -172,11 +208,6 @@ pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
             }
         }
     }
-    if length > MAX_REQUEST {
-        return None;
-    }
-    let mut body = vec![0; length];
-    stream.read_exact(&mut body).ok()?;
     let (path, raw_query) = target.split_once('?').unwrap_or((&target, ""));
     let query = raw_query
         .split('&')
@@ -186,7 +217,7 @@ pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
             (percent_decode(key), percent_decode(value))
         })
         .collect();
-    Some(Request {
+    let head = Request {
         method,
         path: percent_decode(path),
         raw_query: raw_query.to_string(),
@@ -194,8 +225,9 @@ pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
         content_type,
         close,
         token,
-        body,
-    })
+        body: Vec::new(),
+    };
+    Some((head, length))
 }
 
 fn percent_decode(text: &str) -> String {
@@ -237,8 +269,10 @@ pub fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         409 => "Conflict",
         410 => "Gone",
+        413 => "Request Entity Too Large",
         415 => "Unsupported Media Type",
         422 => "Unprocessable Entity",
+        500 => "Internal Server Error",
         _ => "Error",
     }
 }

@@ -19,15 +19,31 @@
 //! - The status subresource: `PUT`/`PATCH …/status` changes only `status`;
 //!   writes to the main resource keep it; `metadata.generation` counts spec
 //!   changes. A write that changes nothing is not a new version (no event).
-//! - Per-(verb, resource) request counters and fault hooks: stop and start
-//!   listening, fail the next N writes with a status, compact history,
-//!   expire a list's continue token between its pages (after changing
-//!   objects in between).
+//! - Sizes, as the API server and etcd refuse them: a request body over
+//!   3 MiB is answered 413 `RequestEntityTooLarge` (the API server's
+//!   limit) and its connection closed; a write whose stored object would
+//!   be over 1.5 MiB (etcd's `--max-request-bytes`) is answered 500
+//!   `InternalError` "etcdserver: request is too large", as the API
+//!   server passes etcd's refusal on.
+//! - Custom resources: the project's (NodeNetworkConfig, MetisPool,
+//!   MetisBlock) and any cluster-scoped one a test serves
+//!   ([`serve_custom`]), each with every verb above.
+//! - Per-(verb, resource) request counters, request body bytes (and the
+//!   largest body) by client, bytes sent on watches by client, and fault
+//!   hooks: stop and start listening, fail the next N writes with a
+//!   status, compact history, expire a list's continue token between its
+//!   pages (after changing objects in between).
+//!
+//! Cost (it must not be the bottleneck of the controller bench): each
+//! change is serialised once, as its watch event, whatever the number of
+//! watchers; a watcher writes what it has pending in one write; lists and
+//! watches walk only their resource's objects (keys are ordered by
+//! resource), and the garbage collector only objects with owners.
 //!
 //! The older `apiserver.rs` is a one-node server that plays the cloud
 //! controller itself; this one plays no controller.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::http::{self, Request, merge_patch, read_request};
+use super::http::{self, MAX_REQUEST, Request, merge_patch, read_request_within};
 
 /// One resource the server serves.
 #[derive(Debug)]
@@ -58,8 +74,12 @@ pub const NODES: &str = "nodes";
 pub const LEASES: &str = "leases";
 pub const EVENTS: &str = "events";
 pub const POOLS: &str = "metispools";
+pub const BLOCKS: &str = "metisblocks";
 
-pub const RESOURCES: [Resource; 5] = [
+/// Largest object etcd stores (its default `--max-request-bytes`).
+pub const MAX_OBJECT: usize = 1536 * 1024;
+
+pub const RESOURCES: [Resource; 6] = [
     Resource {
         plural: NNCS,
         prefix: "/apis/networking.gke.io/v1",
@@ -105,12 +125,53 @@ pub const RESOURCES: [Resource; 5] = [
         status: true,
         custom: true,
     },
+    Resource {
+        plural: BLOCKS,
+        prefix: "/apis/metis.x-k8s.io/v1alpha1",
+        api_version: "metis.x-k8s.io/v1alpha1",
+        kind: "MetisBlock",
+        namespaced: false,
+        status: false,
+        custom: true,
+    },
 ];
+
+/// Resources served beyond [`RESOURCES`], for every server of the process.
+static SERVED: Mutex<Vec<&'static Resource>> = Mutex::new(Vec::new());
+
+/// Serves a cluster-scoped custom resource of `group_version` (every
+/// server of this process, as a CRD installed in every cluster);
+/// returns its plural, for [`Key`]s.
+pub fn serve_custom(group_version: &str, kind: &str, plural: &str, status: bool) -> &'static str {
+    if let Some(known) = all_resources().find(|r| r.plural == plural) {
+        assert_eq!(
+            known.api_version, group_version,
+            "{plural} is served already"
+        );
+        return known.plural;
+    }
+    let leak = |text: String| -> &'static str { Box::leak(text.into_boxed_str()) };
+    let served: &'static Resource = Box::leak(Box::new(Resource {
+        plural: leak(plural.to_string()),
+        prefix: leak(format!("/apis/{group_version}")),
+        api_version: leak(group_version.to_string()),
+        kind: leak(kind.to_string()),
+        namespaced: false,
+        status,
+        custom: true,
+    }));
+    SERVED.lock().unwrap().push(served);
+    served.plural
+}
+
+fn all_resources() -> impl Iterator<Item = &'static Resource> {
+    let served = SERVED.lock().unwrap().clone();
+    RESOURCES.iter().chain(served)
+}
 
 /// The resource named `plural`.
 pub fn resource(plural: &str) -> &'static Resource {
-    RESOURCES
-        .iter()
+    all_resources()
         .find(|r| r.plural == plural)
         .unwrap_or_else(|| panic!("no resource {plural}"))
 }
@@ -171,6 +232,14 @@ pub struct State {
     pub counts_by_client: BTreeMap<(String, String, String), u64>,
     /// 409 answers by client.
     pub conflicts: BTreeMap<String, u64>,
+    /// Request body bytes by (client, verb, resource), as `counts_by_client`.
+    pub body_bytes: BTreeMap<(String, String, String), u64>,
+    /// Each client's largest request body: (bytes, verb, resource).
+    pub largest_body: BTreeMap<String, (u64, String, String)>,
+    /// Bytes sent on watches (chunk framing included) by (client, resource).
+    pub watch_bytes: BTreeMap<(String, String), u64>,
+    /// Answers by (client, HTTP status).
+    pub answers: BTreeMap<(String, u16), u64>,
     /// (method, path) of requests that named no resource this server
     /// serves (answered 404), or used a verb it does not serve (405).
     pub unserved: Vec<(String, String)>,
@@ -197,6 +266,11 @@ pub struct State {
     /// token older than it is answered 410, as etcd's compaction does.
     snapshots: BTreeMap<u64, Snapshot>,
     snapshot_ids: u64,
+    /// Each change's watch event, serialised once (`{"type":…,"object":…}`
+    /// and a newline), beside `changes`.
+    events: Vec<Arc<str>>,
+    /// Keys of the objects that have ownerReferences (the collector's).
+    owned: BTreeSet<Key>,
 }
 
 /// What happens to the objects between two pages of a list.
@@ -215,9 +289,22 @@ impl State {
 
     /// The objects of `resource`, in key order.
     pub fn list(&self, resource: &str) -> impl Iterator<Item = (&Key, &Value)> {
+        self.of_resource(resource, "")
+    }
+
+    /// The objects of `plural` (in `namespace` unless empty), in key
+    /// order, without walking other resources' objects.
+    fn of_resource<'a>(
+        &'a self,
+        plural: &str,
+        namespace: &'a str,
+    ) -> impl Iterator<Item = (&'a Key, &'a Value)> {
+        let plural = resource(plural).plural;
         self.objects
-            .iter()
-            .filter(move |(key, _)| key.resource == resource)
+            .range(Key::new(plural, namespace, "")..)
+            .take_while(move |(key, _)| {
+                key.resource == plural && (namespace.is_empty() || key.namespace == namespace)
+            })
     }
 
     /// Requests of `verb` on `resource` (`RESOURCE/status` for the
@@ -231,11 +318,34 @@ impl State {
 
     /// The requests of the client with token `client`, by (verb, resource).
     pub fn counts_of(&self, client: &str) -> BTreeMap<(String, String), u64> {
-        self.counts_by_client
+        of_client(&self.counts_by_client, client)
+    }
+
+    /// Request body bytes `client` sent, by (verb, resource).
+    pub fn body_bytes_of(&self, client: &str) -> BTreeMap<(String, String), u64> {
+        of_client(&self.body_bytes, client)
+    }
+
+    /// `client`'s largest request body: (bytes, verb, resource).
+    pub fn largest_body_of(&self, client: &str) -> Option<(u64, String, String)> {
+        self.largest_body.get(client).cloned()
+    }
+
+    /// Bytes sent on `client`'s watches, all resources.
+    pub fn watch_bytes_of(&self, client: &str) -> u64 {
+        self.watch_bytes
             .iter()
-            .filter(|((who, _, _), _)| who == client)
-            .map(|((_, verb, resource), n)| ((verb.clone(), resource.clone()), *n))
-            .collect()
+            .filter(|((who, _), _)| who == client)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// `client`'s answers with `status`.
+    pub fn answers_of(&self, client: &str, status: u16) -> u64 {
+        self.answers
+            .get(&(client.to_string(), status))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// How many of `client`'s requests were answered 409.
@@ -308,7 +418,8 @@ impl State {
             // written through the subresource only.
             fields.remove("status");
         }
-        self.commit(key, Some(object.clone()), "ADDED");
+        let text = stored_text(&object)?;
+        self.commit(key, Some((object.clone(), text)), "ADDED");
         Ok(object)
     }
 
@@ -338,7 +449,7 @@ impl State {
             true => with_status_of(&current, body),
             false => self.main_write(res, &current, body.clone()),
         };
-        Ok(self.write(key, &current, next))
+        self.write(key, &current, next)
     }
 
     /// Applies a JSON merge patch (`status`: to the status only); a
@@ -358,7 +469,7 @@ impl State {
             true => with_status_of(&current, &merged),
             false => self.main_write(res, &current, merged),
         };
-        Ok(self.write(key, &current, next))
+        self.write(key, &current, next)
     }
 
     /// Deletes an object (with `preconditions` from DeleteOptions) and,
@@ -390,10 +501,10 @@ impl State {
             .to_string();
         if !self.keep_dependents {
             let dependents: Vec<Key> = self
-                .objects
+                .owned
                 .iter()
-                .filter(|(_, object)| owned_by(object, &uid))
-                .map(|(key, _)| key.clone())
+                .filter(|key| self.objects.get(key).is_some_and(|o| owned_by(o, &uid)))
+                .cloned()
                 .collect();
             for dependent in dependents {
                 let _ = self.delete(&dependent, &Value::Null);
@@ -406,7 +517,8 @@ impl State {
     /// the object and one of its status would: a spec change of a resource
     /// with the status subresource is a new generation (`change` cannot
     /// set one itself, as no client can), and a new version only if
-    /// anything changed.
+    /// anything changed. `None` when there is no such object, or the
+    /// changed one is too large to store.
     pub fn edit(&mut self, key: &Key, change: impl FnOnce(&mut Value)) -> Option<Value> {
         let current = self.objects.get(key)?.clone();
         let mut next = current.clone();
@@ -414,7 +526,7 @@ impl State {
         if resource(key.resource).status {
             count_generation(&current, &mut next);
         }
-        Some(self.write(key, &current, next))
+        self.write(key, &current, next).ok()
     }
 
     /// History below the current version is gone: watches and lists from
@@ -423,6 +535,7 @@ impl State {
         // A watch from the current version misses nothing.
         self.compacted_below = self.version;
         self.changes.clear();
+        self.events.clear();
         self.snapshots.clear();
         self.watch_epoch += 1;
     }
@@ -468,29 +581,38 @@ impl State {
 
     /// Stores `next` for `key` unless it equals `current` (the API server
     /// writes nothing then); returns the object as stored.
-    fn write(&mut self, key: &Key, current: &Value, mut next: Value) -> Value {
+    fn write(&mut self, key: &Key, current: &Value, mut next: Value) -> Result<Value, Refusal> {
         next["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
         if &next == current {
-            return next;
+            return Ok(next);
         }
         next["metadata"]["resourceVersion"] = json!((self.version + 1).to_string());
-        self.commit(key.clone(), Some(next.clone()), "MODIFIED");
-        next
+        let text = stored_text(&next)?;
+        self.commit(key.clone(), Some((next.clone(), text)), "MODIFIED");
+        Ok(next)
     }
 
-    fn commit(&mut self, key: Key, object: Option<Value>, kind: &'static str) {
+    /// Records a change: `object` (and its JSON text) stored, or `None`
+    /// for a deletion; its watch event is serialised here, once.
+    fn commit(&mut self, key: Key, object: Option<(Value, String)>, kind: &'static str) {
         self.version += 1;
-        let recorded = match object {
-            Some(object) => {
+        let (recorded, text) = match object {
+            Some((object, text)) => {
                 self.objects.insert(key.clone(), object.clone());
-                object
+                (object, text)
             }
             None => {
                 let mut gone = self.objects.remove(&key).unwrap_or(Value::Null);
                 gone["metadata"]["resourceVersion"] = json!(self.version.to_string());
-                gone
+                let text = gone.to_string();
+                (gone, text)
             }
         };
+        match kind != "DELETED" && recorded["metadata"]["ownerReferences"].is_array() {
+            true => self.owned.insert(key.clone()),
+            false => self.owned.remove(&key),
+        };
+        self.events.push(event_text(kind, &text));
         self.changes.push(Change {
             version: self.version,
             key,
@@ -513,6 +635,31 @@ impl State {
         }
         Some(status)
     }
+}
+
+/// The JSON text `object` is stored as, refused as etcd refuses an object
+/// over its request limit (the API server answers 500 with etcd's words).
+fn stored_text(object: &Value) -> Result<String, Refusal> {
+    let text = object.to_string();
+    match text.len() > MAX_OBJECT {
+        true => Err(refusal(
+            500,
+            "InternalError",
+            "etcdserver: request is too large",
+        )),
+        false => Ok(text),
+    }
+}
+
+/// `map`'s entries of `client`, keyed by (verb, resource).
+fn of_client(
+    map: &BTreeMap<(String, String, String), u64>,
+    client: &str,
+) -> BTreeMap<(String, String), u64> {
+    map.iter()
+        .filter(|((who, _, _), _)| who == client)
+        .map(|((_, verb, resource), n)| ((verb.clone(), resource.clone()), *n))
+        .collect()
 }
 
 /// Sets `next`'s generation to `current`'s, one more when the spec (all
@@ -702,7 +849,8 @@ struct Route {
 }
 
 fn route(path: &str) -> Option<Route> {
-    let (resource_prefix, rest) = RESOURCES
+    let resources: Vec<&'static Resource> = all_resources().collect();
+    let (resource_prefix, rest) = resources
         .iter()
         .filter_map(|r| Some((r.prefix, path.strip_prefix(r.prefix)?.strip_prefix('/')?)))
         .next()?;
@@ -717,8 +865,9 @@ fn route(path: &str) -> Option<Route> {
         [plural, name, "status"] => (*plural, Some(*name), true),
         _ => return None,
     };
-    let resource = RESOURCES
+    let resource = resources
         .iter()
+        .copied()
         .find(|r| r.prefix == resource_prefix && r.plural == plural)?;
     // A namespaced object needs its namespace (a cluster-wide list does
     // not); a cluster-scoped one has none.
@@ -737,6 +886,31 @@ fn route(path: &str) -> Option<Route> {
     })
 }
 
+impl Route {
+    /// The resource as counted: `RESOURCE/status` for the subresource.
+    fn counted(&self) -> String {
+        match self.status {
+            true => format!("{}/status", self.resource.plural),
+            false => self.resource.plural.to_string(),
+        }
+    }
+
+    /// The API server's verb for `request` on this route.
+    fn verb(&self, request: &Request) -> &'static str {
+        let watch = matches!(request.param("watch"), Some("true" | "1"));
+        match (request.method.as_str(), self.name.is_some()) {
+            ("GET", true) => "get",
+            ("GET", false) if watch => "watch",
+            ("GET", false) => "list",
+            ("POST", false) => "create",
+            ("PUT", true) => "update",
+            ("PATCH", true) => "patch",
+            ("DELETE", true) => "delete",
+            _ => "unsupported",
+        }
+    }
+}
+
 fn connection(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     let Ok(read_half) = stream.try_clone() else {
         return;
@@ -744,7 +918,15 @@ fn connection(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     let mut reader = BufReader::new(read_half);
     let mut stream = stream;
     let _ = stream.set_nodelay(true);
-    while let Some(request) = read_request(&mut reader) {
+    loop {
+        let request = match read_request_within(&mut reader, MAX_REQUEST) {
+            Ok(Some(request)) => request,
+            Ok(None) => break,
+            Err(too_large) => {
+                refuse_too_large(&mut stream, shared, &too_large);
+                break;
+            }
+        };
         if stop.load(Ordering::SeqCst) {
             break;
         }
@@ -756,6 +938,29 @@ fn connection(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
+/// A body over the API server's limit: 413, counted, and the connection
+/// closed (the body is left unread).
+fn refuse_too_large(stream: &mut TcpStream, shared: &Shared, too_large: &http::TooLarge) {
+    let head = &too_large.head;
+    let (verb, counted) = route(&head.path).map_or(("unsupported", String::new()), |route| {
+        (route.verb(head), route.counted())
+    });
+    {
+        let mut state = shared.state.lock().unwrap();
+        state.account(&head.token, verb, &counted, 0);
+        *state.answers.entry((head.token.clone(), 413)).or_insert(0) += 1;
+    }
+    shared.changed.notify_all();
+    let message = format!(
+        "Request entity too large: limit is {MAX_REQUEST} ({} bytes sent)",
+        too_large.length
+    );
+    respond_closing(
+        stream,
+        &text(refusal(413, "RequestEntityTooLarge", &message)),
+    );
+}
+
 /// Answers one request; false when the connection must close (a watch).
 fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &Request) -> bool {
     let Some(route) = route(&request.path) else {
@@ -763,39 +968,19 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
         shared.state.lock().unwrap().unserved.push(unserved);
         respond(
             stream,
-            &refusal(
+            &text(refusal(
                 404,
                 "NotFound",
                 "the server could not find the requested resource",
-            ),
+            )),
         );
         return true;
     };
-    let counted = match route.status {
-        true => format!("{}/status", route.resource.plural),
-        false => route.resource.plural.to_string(),
-    };
-    let watch = matches!(request.param("watch"), Some("true" | "1"));
-    let verb = match (request.method.as_str(), route.name.is_some()) {
-        ("GET", true) => "get",
-        ("GET", false) if watch => "watch",
-        ("GET", false) => "list",
-        ("POST", false) => "create",
-        ("PUT", true) => "update",
-        ("PATCH", true) => "patch",
-        ("DELETE", true) => "delete",
-        _ => "unsupported",
-    };
+    let counted = route.counted();
+    let verb = route.verb(request);
     let answer = {
         let mut state = shared.state.lock().unwrap();
-        *state
-            .counts
-            .entry((verb.to_string(), counted.clone()))
-            .or_insert(0) += 1;
-        *state
-            .counts_by_client
-            .entry((request.token.clone(), verb.to_string(), counted))
-            .or_insert(0) += 1;
+        state.account(&request.token, verb, &counted, request.body.len());
         if verb == "unsupported" {
             let unserved = (request.method.clone(), request.path.clone());
             state.unserved.push(unserved);
@@ -804,6 +989,10 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
             None
         } else {
             let answer = answer(&mut state, &route, verb, request);
+            *state
+                .answers
+                .entry((request.token.clone(), answer.0))
+                .or_insert(0) += 1;
             if answer.0 == 409 {
                 *state.conflicts.entry(request.token.clone()).or_insert(0) += 1;
             }
@@ -817,13 +1006,46 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
             true
         }
         None => {
-            watch_stream(stream, shared, stop, &route, request);
+            let watch = Watch {
+                route: &route,
+                request,
+                counted: &counted,
+            };
+            watch_stream(stream, shared, stop, &watch);
             false
         }
     }
 }
 
-fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> (u16, Value) {
+impl State {
+    /// Counts one request of `client` and its body's bytes.
+    fn account(&mut self, client: &str, verb: &str, resource: &str, body: usize) {
+        *self
+            .counts
+            .entry((verb.to_string(), resource.to_string()))
+            .or_insert(0) += 1;
+        let key = (client.to_string(), verb.to_string(), resource.to_string());
+        *self.counts_by_client.entry(key.clone()).or_insert(0) += 1;
+        let bytes = u64::try_from(body).unwrap_or(u64::MAX);
+        if bytes == 0 {
+            return;
+        }
+        *self.body_bytes.entry(key).or_insert(0) += bytes;
+        let largest = self.largest_body.entry(client.to_string()).or_default();
+        if bytes > largest.0 {
+            *largest = (bytes, verb.to_string(), resource.to_string());
+        }
+    }
+}
+
+/// An answer: its status and its JSON text.
+type Answer = (u16, String);
+
+fn text((status, body): Refusal) -> Answer {
+    (status, body.to_string())
+}
+
+fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> Answer {
     let plural = route.resource.plural;
     let writes = matches!(verb, "create" | "update" | "patch" | "delete");
     if writes && let Some(status) = state.injected_failure(plural) {
@@ -832,19 +1054,25 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> (u
             500 => "InternalError",
             _ => "Injected",
         };
-        return refusal(status, reason, "injected by the test");
+        return text(refusal(status, reason, "injected by the test"));
     }
     let body = match request.body.is_empty() {
         true => Ok(Value::Null),
         false => serde_json::from_slice::<Value>(&request.body),
     };
     let Ok(body) = body else {
-        return invalid("the body is not JSON");
+        return text(invalid("the body is not JSON"));
     };
     let key = |name: &String| Key::new(plural, &route.namespace, name);
-    let done = |result: Result<Value, Refusal>, ok: u16| result.map_or_else(|e| e, |v| (ok, v));
+    let done = |result: Result<Value, Refusal>, ok: u16| match result {
+        Ok(value) => (ok, value.to_string()),
+        Err(refused) => text(refused),
+    };
     match (verb, &route.name) {
-        ("get", Some(name)) => done(state.current(&key(name)), 200),
+        ("get", Some(name)) => match state.objects.get(&key(name)) {
+            Some(object) => (200, object.to_string()),
+            None => done(state.current(&key(name)), 200),
+        },
         ("list", None) => list(state, route, request),
         ("create", None) => done(state.create(plural, &route.namespace, &body), 201),
         ("update", Some(name)) => done(state.update(&key(name), &body, route.status), 200),
@@ -853,20 +1081,20 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> (u
                 .content_type
                 .starts_with("application/merge-patch+json")
             {
-                return refusal(
+                return text(refusal(
                     415,
                     "UnsupportedMediaType",
                     "only JSON merge patches are served",
-                );
+                ));
             }
             done(state.patch(&key(name), &body, route.status), 200)
         }
         ("delete", Some(name)) => done(state.delete(&key(name), &body), 200),
-        _ => refusal(
+        _ => text(refusal(
             405,
             "MethodNotAllowed",
             "the server does not allow this method",
-        ),
+        )),
     }
 }
 
@@ -915,67 +1143,56 @@ impl Selector {
 /// A list, whole or a page of at most `limit` items (`limit` and
 /// `continue`, as the API server paginates: the page's `metadata.continue`
 /// names the rest, served from the same snapshot and resourceVersion).
-fn list(state: &mut State, route: &Route, request: &Request) -> (u16, Value) {
+/// The page is serialised from the stored objects; only the rest of a
+/// paginated list is copied.
+fn list(state: &mut State, route: &Route, request: &Request) -> Answer {
     let limit = match request.param("limit").map(str::parse::<usize>) {
-        None | Some(Ok(0)) => None,
-        Some(Ok(limit)) => Some(limit),
-        Some(Err(_)) => return invalid("limit must be a non-negative number"),
+        None | Some(Ok(0)) => usize::MAX,
+        Some(Ok(limit)) => limit,
+        Some(Err(_)) => return text(invalid("limit must be a non-negative number")),
     };
-    let (version, items) = match request.param("continue").filter(|t| !t.is_empty()) {
-        Some(token) => {
-            let Some((id, _)) = token
-                .split_once('.')
-                .and_then(|(id, rv)| Some((id.parse::<u64>().ok()?, rv.parse::<u64>().ok()?)))
-            else {
-                return refusal(400, "BadRequest", "continue key is not valid");
-            };
-            if let Some((_, between)) = state
-                .expire_next_continue
-                .take_if(|(resource, _)| *resource == route.resource.plural)
-            {
-                between(state);
-                state.snapshots.remove(&id);
-                state.continues_expired += 1;
+    let (version, page, rest) = match request.param("continue").filter(|t| !t.is_empty()) {
+        Some(token) => match continued(state, route, token) {
+            Ok(Snapshot { version, mut items }) => {
+                let rest = items.split_off(limit.min(items.len()));
+                (version, serde_json::to_string(&items), rest)
             }
-            match state.snapshots.remove(&id) {
-                Some(snapshot) => (snapshot.version, snapshot.items),
-                None => {
-                    return refusal(
-                        410,
-                        "Expired",
-                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
-                    );
-                }
-            }
-        }
+            Err(refused) => return text(refused),
+        },
         None => {
             let selector = match Selector::parse(request) {
                 Ok(selector) => selector,
-                Err(refused) => return refused,
+                Err(refused) => return text(refused),
             };
             if let Some(Ok(asked)) = request.param("resourceVersion").map(str::parse::<u64>)
                 && asked != 0
                 && asked < state.compacted_below
             {
-                return refusal(
+                return text(refusal(
                     410,
                     "Expired",
                     &format!("too old resource version: {asked}"),
-                );
+                ));
             }
-            let items: Vec<Value> = state
-                .objects
-                .iter()
+            let matching: Vec<&Value> = state
+                .of_resource(route.resource.plural, &route.namespace)
                 .filter(|(key, object)| selector.matches(route, key, object))
-                .map(|(_, object)| object.clone())
+                .map(|(_, object)| object)
                 .collect();
-            (state.version, items)
+            let cut = limit.min(matching.len());
+            let rest: Vec<Value> = matching[cut..].iter().map(|o| (*o).clone()).collect();
+            (state.version, serde_json::to_string(&matching[..cut]), rest)
         }
     };
+    let Ok(page) = page else {
+        return text(refusal(
+            500,
+            "InternalError",
+            "the list cannot be serialised",
+        ));
+    };
     let mut metadata = json!({"resourceVersion": version.to_string()});
-    let mut items = items;
-    if let Some(limit) = limit.filter(|limit| items.len() > *limit) {
-        let rest = items.split_off(limit);
+    if !rest.is_empty() {
         state.snapshot_ids += 1;
         let id = state.snapshot_ids;
         metadata["continue"] = json!(format!("{id}.{version}"));
@@ -988,42 +1205,75 @@ fn list(state: &mut State, route: &Route, request: &Request) -> (u16, Value) {
             },
         );
     }
+    let kind = json!(format!("{}List", route.resource.kind));
+    let api_version = json!(route.resource.api_version);
     (
         200,
-        json!({"apiVersion": route.resource.api_version, "kind": format!("{}List", route.resource.kind),
-               "metadata": metadata, "items": items}),
+        format!(
+            r#"{{"apiVersion":{api_version},"kind":{kind},"metadata":{metadata},"items":{page}}}"#
+        ),
     )
 }
 
-fn watch_stream(
-    stream: &mut TcpStream,
-    shared: &Shared,
-    stop: &AtomicBool,
-    route: &Route,
-    request: &Request,
-) {
+/// The rest of a paginated list, by its continue token (410 once expired).
+fn continued(state: &mut State, route: &Route, token: &str) -> Result<Snapshot, Refusal> {
+    let Some((id, _)) = token
+        .split_once('.')
+        .and_then(|(id, rv)| Some((id.parse::<u64>().ok()?, rv.parse::<u64>().ok()?)))
+    else {
+        return Err(refusal(400, "BadRequest", "continue key is not valid"));
+    };
+    if let Some((_, between)) = state
+        .expire_next_continue
+        .take_if(|(resource, _)| *resource == route.resource.plural)
+    {
+        between(state);
+        state.snapshots.remove(&id);
+        state.continues_expired += 1;
+    }
+    state.snapshots.remove(&id).ok_or_else(|| {
+        refusal(
+            410,
+            "Expired",
+            "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+        )
+    })
+}
+
+/// A watch request: what it watches, and whose bytes it counts.
+struct Watch<'a> {
+    route: &'a Route,
+    request: &'a Request,
+    counted: &'a str,
+}
+
+/// A watch event's chunk text, from the object's JSON text.
+fn event_text(kind: &str, object: &str) -> Arc<str> {
+    Arc::from(format!("{{\"type\":\"{kind}\",\"object\":{object}}}\n"))
+}
+
+/// Where a watch starts: `None` for the current objects (as ADDED), or
+/// the version to follow from; an error event ends it at once.
+fn watch_start(request: &Request) -> Result<Option<u64>, Refusal> {
+    match request.param("resourceVersion").unwrap_or("") {
+        "" | "0" => Ok(None),
+        text => text
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| invalid(&format!("invalid resource version {text:?}"))),
+    }
+}
+
+fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watch: &Watch) {
+    let (route, request) = (watch.route, watch.request);
     let selector = match Selector::parse(request) {
         Ok(selector) => selector,
-        Err(refused) => return respond_closing(stream, &refused),
+        Err(refused) => return respond_closing(stream, &text(refused)),
     };
-    let from = match request.param("resourceVersion").unwrap_or("") {
-        "" | "0" => None,
-        text => match text.parse::<u64>() {
-            Ok(version) => Some(version),
-            Err(_) => {
-                return respond_closing(
-                    stream,
-                    &invalid(&format!("invalid resource version {text:?}")),
-                );
-            }
-        },
+    let from = match watch_start(request) {
+        Ok(from) => from,
+        Err(refused) => return respond_closing(stream, &text(refused)),
     };
-    let bookmarks = request.param("allowWatchBookmarks") == Some("true");
-    let seconds: u64 = request
-        .param("timeoutSeconds")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1800);
-    let deadline = Instant::now() + Duration::from_secs(seconds);
     if write!(
         stream,
         "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
@@ -1032,10 +1282,9 @@ fn watch_stream(
     {
         return;
     }
-    let mut state = shared.state.lock().unwrap();
-    let epoch = state.watch_epoch;
-    let mut pending: Vec<Value> = Vec::new();
-    let mut sent = match from {
+    let state = shared.state.lock().unwrap();
+    let mut pending: Vec<Arc<str>> = Vec::new();
+    let sent = match from {
         Some(version) if version < state.compacted_below => {
             drop(state);
             let gone = refusal(
@@ -1044,33 +1293,63 @@ fn watch_stream(
                 &format!("too old resource version: {version}"),
             )
             .1;
-            let _ = write_chunk(stream, &json!({"type": "ERROR", "object": gone}));
-            let _ = write!(stream, "0\r\n\r\n");
-            return;
+            return end_with_error(stream, &gone);
         }
         Some(version) if version > state.version => {
             drop(state);
             let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                 "message": "Too large resource version", "reason": "Timeout",
                 "details": {"causes": [{"reason": "ResourceVersionTooLarge"}]}, "code": 504});
-            let _ = write_chunk(stream, &json!({"type": "ERROR", "object": body}));
-            let _ = write!(stream, "0\r\n\r\n");
-            return;
+            return end_with_error(stream, &body);
         }
         Some(version) => version,
         None => {
             pending.extend(
                 state
-                    .objects
-                    .iter()
+                    .of_resource(route.resource.plural, &route.namespace)
                     .filter(|(key, object)| selector.matches(route, key, object))
-                    .map(|(_, object)| json!({"type": "ADDED", "object": object})),
+                    .map(|(_, object)| event_text("ADDED", &object.to_string())),
             );
             state.version
         }
     };
+    drop(state);
+    follow(stream, shared, stop, watch, (selector, sent, pending));
+}
+
+/// An `ERROR` event, and the end of the stream.
+fn end_with_error(stream: &mut TcpStream, status: &Value) {
+    let event = json!({"type": "ERROR", "object": status});
+    let _ = http::write_chunk(stream, &format!("{event}\n"));
+    let _ = write!(stream, "0\r\n\r\n");
+}
+
+/// Sends a watch's events from version `sent` on (after `pending`) until
+/// it times out, the server stops or compacts, or the client goes.
+fn follow(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    stop: &AtomicBool,
+    watch: &Watch,
+    (selector, mut sent, mut pending): (Selector, u64, Vec<Arc<str>>),
+) {
+    let (route, request) = (watch.route, watch.request);
+    let bookmarks = request.param("allowWatchBookmarks") == Some("true");
+    let seconds: u64 = request
+        .param("timeoutSeconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1800);
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut state = shared.state.lock().unwrap();
+    let epoch = state.watch_epoch;
     let mut last_sent = Instant::now();
+    let mut written = 0u64;
     loop {
+        if written > 0 {
+            let key = (request.token.clone(), watch.counted.to_string());
+            *state.watch_bytes.entry(key).or_insert(0) += written;
+            written = 0;
+        }
         if stop.load(Ordering::SeqCst) {
             return;
         }
@@ -1082,29 +1361,34 @@ fn watch_stream(
             return;
         }
         let start = state.changes.partition_point(|c| c.version <= sent);
-        pending.extend(
-            state.changes[start..]
-                .iter()
-                .filter(|c| selector.matches(route, &c.key, &c.object))
-                .map(|c| json!({"type": c.kind, "object": c.object})),
-        );
+        // Each change's event was serialised once, when it was made (a
+        // test that edited `changes` by hand gets its events made here).
+        let aligned = state.events.len() == state.changes.len();
+        for (at, change) in state.changes.iter().enumerate().skip(start) {
+            if selector.matches(route, &change.key, &change.object) {
+                pending.push(match aligned {
+                    true => Arc::clone(&state.events[at]),
+                    false => event_text(change.kind, &change.object.to_string()),
+                });
+            }
+        }
         sent = state.version;
         let idle = state
             .bookmark_every
             .is_some_and(|every| last_sent.elapsed() >= every);
         let timed_out = Instant::now() >= deadline;
         if bookmarks && pending.is_empty() && (idle || timed_out) {
-            pending.push(json!({"type": "BOOKMARK", "object": {
-                "apiVersion": route.resource.api_version, "kind": route.resource.kind,
-                "metadata": {"resourceVersion": sent.to_string()}}}));
+            let bookmark = json!({"apiVersion": route.resource.api_version, "kind": route.resource.kind,
+                "metadata": {"resourceVersion": sent.to_string()}});
+            pending.push(event_text("BOOKMARK", &bookmark.to_string()));
         }
         if !pending.is_empty() {
             drop(state);
-            for event in pending.drain(..) {
-                if write_chunk(stream, &event).is_err() {
-                    return;
-                }
+            match send_events(stream, &pending) {
+                Ok(bytes) => written = bytes,
+                Err(_) => return,
             }
+            pending.clear();
             last_sent = Instant::now();
             state = shared.state.lock().unwrap();
             continue;
@@ -1123,23 +1407,30 @@ fn watch_stream(
     }
 }
 
-/// One event as one chunk, in one write (no small segments for Nagle to hold).
-fn write_chunk(stream: &mut TcpStream, event: &Value) -> std::io::Result<()> {
-    http::write_chunk(stream, &format!("{event}\n"))
+/// Events as chunks, in one write (no small segments for Nagle to hold);
+/// the bytes sent.
+fn send_events(stream: &mut TcpStream, events: &[Arc<str>]) -> std::io::Result<u64> {
+    let mut buffer = Vec::with_capacity(events.iter().map(|e| e.len() + 12).sum());
+    for event in events {
+        write!(buffer, "{:x}\r\n{event}\r\n", event.len())?;
+    }
+    stream.write_all(&buffer)?;
+    stream.flush()?;
+    Ok(u64::try_from(buffer.len()).unwrap_or(u64::MAX))
 }
 
-fn respond(stream: &mut TcpStream, answer: &(u16, Value)) {
+fn respond(stream: &mut TcpStream, answer: &Answer) {
     respond_with(stream, answer, "");
 }
 
-/// Answers a watch request that fails before its stream: the connection
-/// closes after it, and the client is told so (else it could reuse it).
-fn respond_closing(stream: &mut TcpStream, answer: &(u16, Value)) {
+/// Answers a request whose connection must close after it (a watch that
+/// fails before its stream, a body too large to read): the client is told
+/// so (else it could reuse it).
+fn respond_closing(stream: &mut TcpStream, answer: &Answer) {
     respond_with(stream, answer, "Connection: close\r\n");
 }
 
-fn respond_with(stream: &mut TcpStream, (status, body): &(u16, Value), headers: &str) {
-    let text = body.to_string();
+fn respond_with(stream: &mut TcpStream, (status, text): &Answer, headers: &str) {
     let reason = http::reason(*status);
     let whole = format!(
         "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{text}",
