@@ -48,6 +48,16 @@ fn nnc(name: &str) -> Value {
            "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}})
 }
 
+/// The names of a list's items.
+fn item_names(list: &Value) -> Vec<&str> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap())
+        .collect()
+}
+
 /// The next `n` events of `path`'s watch.
 fn events(client: &ApiClient, path: &str, n: usize) -> Vec<WatchEvent> {
     client
@@ -93,13 +103,7 @@ fn objects_are_created_read_and_listed_under_one_version_counter() {
     let one = client
         .get(&format!("{NNC_PATH}?fieldSelector=metadata.name%3Dn2"))
         .unwrap();
-    let names: Vec<&str> = one["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["metadata"]["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["n2"]);
+    assert_eq!(item_names(&one), ["n2"]);
     let state = api.state();
     assert_eq!(state.count("create", NNCS), 3);
     assert_eq!(state.count("get", NNCS), 2);
@@ -671,6 +675,7 @@ fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
         .post(BLOCK_PATH, &block("v4-198-18-0-16-28", "n1", "Granted"))
         .unwrap();
     assert_eq!(claimed["kind"], "MetisBlock");
+    assert_eq!(claimed["metadata"]["generation"], 1);
     let err = client
         .post(BLOCK_PATH, &block("v4-198-18-0-16-28", "n2", "Granted"))
         .unwrap_err();
@@ -687,19 +692,14 @@ fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
     cooling["metadata"]["resourceVersion"] = json!(rv(&claimed));
     let (status, cooled) = api.call("PUT", &path, Some(&cooling));
     assert_eq!((status, &cooled["spec"]["state"]), (200, &json!("Cooling")));
+    assert_eq!(cooled["metadata"]["generation"], 2);
     // A pool's or a node's blocks by label.
     let mine = client
         .get(&format!(
             "{BLOCK_PATH}?labelSelector=metis.x-k8s.io%2Fnode%3Dn1"
         ))
         .unwrap();
-    let names: Vec<&str> = mine["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["metadata"]["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["v4-198-18-0-16-28"]);
+    assert_eq!(item_names(&mine), ["v4-198-18-0-16-28"]);
     assert_eq!(mine["kind"], "MetisBlockList");
     // Deleted only at its version; then the name is free to claim again.
     let stale = json!({"preconditions": {"resourceVersion": rv(&claimed)}});
@@ -745,8 +745,13 @@ fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
     // Any cluster-scoped custom resource can be served the same way.
     let widgets = serve_custom("example.x-k8s.io/v1", "Widget", "widgets", false);
     let widget_path = "/apis/example.x-k8s.io/v1/widgets";
-    let widget = json!({"metadata": {"name": "w1"}, "spec": {"size": 3}});
-    assert_eq!(client.post(widget_path, &widget).unwrap()["kind"], "Widget");
+    let widget = json!({"metadata": {"name": "w1"}, "spec": {"size": 3}, "status": {"ok": true}});
+    let made = client.post(widget_path, &widget).unwrap();
+    // No status subresource: the status is the object's like any field.
+    assert_eq!(
+        (&made["kind"], &made["status"]["ok"]),
+        (&json!("Widget"), &json!(true))
+    );
     assert_eq!(code(&client.post(widget_path, &widget).unwrap_err()), 409);
     assert!(api.state().get(&Key::cluster(widgets, "w1")).is_some());
     assert_eq!(api.state().count("create", BLOCKS), 4);

@@ -169,6 +169,14 @@ fn all_resources() -> impl Iterator<Item = &'static Resource> {
     RESOURCES.iter().chain(served)
 }
 
+impl Resource {
+    /// Objects carry `metadata.generation`: custom resources and those
+    /// with a status subresource.
+    fn has_generation(&self) -> bool {
+        self.status || self.custom
+    }
+}
+
 /// The resource named `plural`.
 pub fn resource(plural: &str) -> &'static Resource {
     all_resources()
@@ -408,10 +416,11 @@ impl State {
         meta["creationTimestamp"] =
             json!(metis::log::rfc3339_seconds(metis::log::now_ms()).to_string());
         meta["resourceVersion"] = json!(version.to_string());
-        if res.status {
+        if res.has_generation() {
             meta["generation"] = json!(1);
         }
         if res.custom
+            && res.status
             && let Some(fields) = object.as_object_mut()
         {
             // A custom resource with a status subresource: status is
@@ -523,7 +532,7 @@ impl State {
         let current = self.objects.get(key)?.clone();
         let mut next = current.clone();
         change(&mut next);
-        if resource(key.resource).status {
+        if resource(key.resource).has_generation() {
             count_generation(&current, &mut next);
         }
         self.write(key, &current, next).ok()
@@ -574,6 +583,8 @@ impl State {
         next["kind"] = json!(res.kind);
         if res.status {
             next = with_status_of(&next, current);
+        }
+        if res.has_generation() {
             count_generation(current, &mut next);
         }
         next
@@ -664,7 +675,8 @@ fn of_client(
 
 /// Sets `next`'s generation to `current`'s, one more when the spec (all
 /// but metadata and status) changed, as the API server counts it for a
-/// resource with the status subresource.
+/// resource with the status subresource (a custom resource without one
+/// has no status the project writes).
 fn count_generation(current: &Value, next: &mut Value) {
     let generation = current["metadata"]["generation"].as_i64().unwrap_or(0);
     let changed = spec_of(next) != spec_of(current);
