@@ -287,7 +287,7 @@ mod scale {
                 nodes: (0..nodes).map(|_| Node::default()).collect(),
                 index: (0..nodes).map(|i| (name(i), i)).collect(),
                 cursor: 0,
-                rng: Rng::new(0x6d65_7469_7333_32),
+                rng: Rng::new(0x006d_6574_6973_3332),
                 answered: Vec::new(),
             }
         }
