@@ -694,7 +694,18 @@ fn spec_of(object: &Value) -> Value {
 
 /// `base` with the status of `source` (none if it has none).
 fn with_status_of(base: &Value, source: &Value) -> Value {
-    let mut next = base.clone();
+    // Copied without its own status: a pool's status was most of the
+    // server's copying under the controller bench.
+    let mut next = match base.as_object() {
+        Some(fields) => Value::Object(
+            fields
+                .iter()
+                .filter(|(key, _)| *key != "status")
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect(),
+        ),
+        None => base.clone(),
+    };
     if let Some(fields) = next.as_object_mut() {
         match source.get("status") {
             Some(status) if !status.is_null() => {
