@@ -48,6 +48,17 @@ fn nnc(name: &str) -> Value {
            "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}})
 }
 
+/// Sends `request` as written on a fresh connection; the whole answer,
+/// read until the server closes it.
+fn raw(api: &KubeApi, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(api.addr).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer
+}
+
 /// The names of a list's items.
 fn item_names(list: &Value) -> Vec<&str> {
     list["items"]
@@ -233,19 +244,13 @@ fn merge_patches_honour_the_version_they_carry() {
         .unwrap();
     assert_eq!(status["status"]["podCIDRs"][0]["cidr"], "198.18.9.0/28");
     assert_eq!(status["spec"]["allocations"][0]["pods"], 3);
-    let (code415, _) = {
-        let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
-        use std::io::{Read, Write};
-        let body = "{}";
-        write!(raw, "PATCH {path} HTTP/1.1\r\nContent-Type: application/json-patch+json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-        let mut answer = String::new();
-        raw.read_to_string(&mut answer).unwrap();
-        (
-            answer.split_whitespace().nth(1).unwrap().to_string(),
-            answer,
-        )
-    };
-    assert_eq!(code415, "415");
+    let answer = raw(
+        &api,
+        &format!(
+            "PATCH {path} HTTP/1.1\r\nContent-Type: application/json-patch+json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+        ),
+    );
+    assert!(answer.starts_with("HTTP/1.1 415"), "{answer}");
     assert_eq!(api.state().count("patch", "nodenetworkconfigs/status"), 1);
 }
 
@@ -448,15 +453,12 @@ fn namespaces_names_and_bad_requests() {
         None,
     );
     assert_eq!(status, 400);
-    let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
-    use std::io::{Read, Write};
-    write!(
-        raw,
-        "POST {POOL_PATH} HTTP/1.1\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{{{{{{"
-    )
-    .unwrap();
-    let mut answer = String::new();
-    raw.read_to_string(&mut answer).unwrap();
+    let answer = raw(
+        &api,
+        &format!(
+            "POST {POOL_PATH} HTTP/1.1\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{{{{{{"
+        ),
+    );
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
 }
 
@@ -763,16 +765,13 @@ fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
 #[test]
 fn oversized_bodies_and_objects_are_refused_and_bodies_are_counted() {
     let api = KubeApi::start();
-    let mut raw = std::net::TcpStream::connect(api.addr).unwrap();
-    use std::io::{Read, Write};
     let declared = 3 * 1024 * 1024 + 1;
-    write!(
-        raw,
-        "POST {NNC_PATH} HTTP/1.1\r\nAuthorization: Bearer big\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
-    )
-    .unwrap();
-    let mut answer = String::new();
-    raw.read_to_string(&mut answer).unwrap();
+    let answer = raw(
+        &api,
+        &format!(
+            "POST {NNC_PATH} HTTP/1.1\r\nAuthorization: Bearer big\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+        ),
+    );
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("RequestEntityTooLarge"), "{answer}");
     assert!(answer.contains("Connection: close"), "{answer}");
