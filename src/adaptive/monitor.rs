@@ -8,7 +8,9 @@ use super::policy::{self, BlockLoad, Load, LowUtilization};
 use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc, NncPatch, Node, PodCidr};
 use crate::log;
-use crate::store::{BlockFilter, BlockState, GrantChanges, Source, Store, StoreError};
+use crate::store::{
+    BlockFilter, BlockState, GrantChanges, Source, Store, StoreError, reserved_offsets,
+};
 
 /// Durations of the monitor, in milliseconds.
 #[derive(Debug, Clone, Copy)]
@@ -204,12 +206,14 @@ pub fn pass(
             now_ms,
             now_ms.saturating_add(config.scale_up_wait_ms),
         )?;
+        let share = cluster_share(store, nnc, &network)?;
         let load = Load {
-            // Reserved rows are as unusable as pods' (upstream's count).
-            allocated: usage.allocated.saturating_add(usage.reserved),
+            // Reserved rows of the cluster's blocks are as unusable as
+            // pods' (upstream's count); the node's own ranges' are theirs.
+            allocated: usage.allocated.saturating_add(share.reserved),
             pending: pending(&network),
             total: usage.total,
-            granted: usage.total.saturating_sub(ungranted(store, nnc, &network)?),
+            from_cluster: share.addresses,
             cooling_soon: cooling.by_then,
         };
         if load.total == 0 {
@@ -259,26 +263,42 @@ pub fn pass(
     Ok(outcome)
 }
 
-/// Addresses of the network's blocks the control plane does not account
-/// for: blocks of a NodeNetworkConfig status which no longer lists them,
-/// and blocks the cluster took back (kept for their pods).
-fn ungranted(store: &Store, nnc: &Nnc, network: &str) -> Result<i64, StoreError> {
-    let size = |cidr: &Cidr| i64::try_from(cidr.size()).unwrap_or(i64::MAX);
-    let mut sum = 0i64;
-    for (_, cidr) in store.nnc_only_blocks(network, Family::V4)? {
+/// The network's IPv4 blocks that the cluster granted and its status
+/// still lists: their addresses, and the rows they reserve (which no pod
+/// can use). What the controller counts against the request; the node's
+/// own ranges, blocks a re-created object's status does not list and
+/// blocks the cluster took back are not counted (see
+/// [`policy::Load::from_cluster`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ClusterShare {
+    addresses: i64,
+    reserved: i64,
+}
+
+fn cluster_share(store: &Store, nnc: &Nnc, network: &str) -> Result<ClusterShare, StoreError> {
+    let first_v4 = store
+        .blocks(&BlockFilter {
+            network: Some(network.to_string()),
+            state: None,
+            family: Some(Family::V4),
+        })?
+        .iter()
+        .map(|block| block.id)
+        .min();
+    let mut share = ClusterShare::default();
+    for (id, cidr) in store.nnc_only_blocks(network, Family::V4)? {
         if status_entry(nnc, network, &cidr.to_string()).is_none() {
-            sum = sum.saturating_add(size(&cidr));
+            continue;
         }
+        let reserved = reserved_offsets(&cidr, store.reserve_mode(), first_v4 == Some(id)).len();
+        share.addresses = share
+            .addresses
+            .saturating_add(i64::try_from(cidr.size()).unwrap_or(i64::MAX));
+        share.reserved = share
+            .reserved
+            .saturating_add(i64::try_from(reserved).unwrap_or(i64::MAX));
     }
-    for block in store.taken_back()? {
-        match block.cidr.parse::<Cidr>() {
-            Ok(cidr) if block.network == network && cidr.family() == Family::V4 => {
-                sum = sum.saturating_add(size(&cidr));
-            }
-            _ => {}
-        }
-    }
-    Ok(sum)
+    Ok(share)
 }
 
 /// The drain step, with the low-utilisation start time kept in the store so
@@ -522,20 +542,62 @@ mod tests {
         fill(&mut store, 13);
         let snapshot = nnc("5", Some(16), &[], &[]);
         let outcome = pass(&mut store, &snapshot, &|_| 10, CONFIG, crate::log::now_ms()).unwrap();
-        // 13 + 3 reserved + 10 waiting = 26 → ceil(26 / 0.75) = 35.
+        // 13 pods + 10 waiting = 23 → ceil(23 / 0.75) = 31; the --cidr
+        // block's 3 reserved rows are the node's own, not the cluster's.
         assert_eq!(
             outcome.patch,
             Some(NncPatch {
                 resource_version: "5".into(),
-                allocations: vec![("default".into(), 35)],
+                allocations: vec![("default".into(), 31)],
                 releasable: Vec::new(),
             })
         );
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
         // Nothing changed: no patch.
-        let settled = nnc("6", Some(35), &[], &[]);
+        let settled = nnc("6", Some(31), &[], &[]);
         let outcome = pass(&mut store, &settled, &|_| 10, CONFIG, crate::log::now_ms()).unwrap();
         assert_eq!(outcome.patch, None);
+    }
+
+    #[test]
+    fn a_static_range_is_not_counted_as_held_and_the_request_settles() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store
+            .add_cidr_block("default", &"198.18.0.0/24".parse().unwrap())
+            .unwrap();
+        fill(&mut store, 10);
+        let now = crate::log::now_ms();
+        let asked = |store: &mut Store, snapshot: &Nnc| {
+            pass(store, snapshot, &|_| 0, CONFIG, now)
+                .unwrap()
+                .patch
+                .map(|p| p.allocations)
+        };
+        // 10 pods: ceil(10 / 0.75) = 14, whatever the /24 holds.
+        let first = nnc("1", None, &[], &[]);
+        assert_eq!(
+            asked(&mut store, &first),
+            Some(vec![("default".into(), 14)])
+        );
+        // One /28 granted, which reserves 3 rows (this store reserves in
+        // every block): 13 in use, ceil(13 / 0.75) = 18.
+        let one = nnc("2", Some(14), &["198.19.0.0/28"], &[]);
+        sync(&mut store, &one);
+        assert_eq!(asked(&mut store, &one), Some(vec![("default".into(), 18)]));
+        // Two /28s cover 18: the request is what the cluster holds (32).
+        let two = ["198.19.0.0/28", "198.19.0.16/28"];
+        let granted = nnc("3", Some(18), &two, &[]);
+        sync(&mut store, &granted);
+        assert_eq!(
+            asked(&mut store, &granted),
+            Some(vec![("default".into(), 32)])
+        );
+        // Covered: nothing more is asked for, pass after pass.
+        let settled = nnc("4", Some(32), &two, &[]);
+        for _ in 0..3 {
+            assert_eq!(asked(&mut store, &settled), None);
+        }
     }
 
     #[test]

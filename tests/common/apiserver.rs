@@ -3,8 +3,9 @@
 //! JSON merge PATCH with `resourceVersion` preconditions (409 on mismatch),
 //! chunked watch streams with ADDED/MODIFIED events, `410 Gone` for
 //! compacted versions — plus a simulated cloud controller that appends
-//! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds capacity and
-//! removes `releasableCIDRs` from the status. For the control-plane tests
+//! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds what the
+//! status's blocks hold (the node's own ranges are not counted, as the
+//! contract says) and removes `releasableCIDRs` from the status. For the control-plane tests
 //! it also misbehaves on request: other nodes' objects in watches and lists
 //! (a proxy that ignores the field selector), opaque resource versions,
 //! objects deleted and created anew (new uid), an etcd restore (versions
@@ -50,8 +51,6 @@ pub struct State {
     pub fail_patches: Option<(u16, Option<u64>)>,
     /// The next this many PATCHes answer 409 whatever their version.
     pub inject_conflicts: u32,
-    /// Capacity the node has besides status pod CIDRs (its CNI range).
-    pub base_capacity: i64,
     /// Pod CIDRs handed out so far by the simulated cloud controller.
     pub next_block: u32,
     pub controller: bool,
@@ -98,8 +97,8 @@ struct Https {
 
 impl ApiServer {
     /// Starts a server that knows the Node `node` (with `pod_cidrs`).
-    pub fn start(node: &str, pod_cidrs: &[&str], base_capacity: i64) -> ApiServer {
-        ApiServer::start_with(node, pod_cidrs, base_capacity, None)
+    pub fn start(node: &str, pod_cidrs: &[&str]) -> ApiServer {
+        ApiServer::start_with(node, pod_cidrs, None)
     }
 
     /// Like [`ApiServer::start`], speaking HTTPS through `tls`; the
@@ -107,7 +106,6 @@ impl ApiServer {
     pub fn start_tls(
         node: &str,
         pod_cidrs: &[&str],
-        base_capacity: i64,
         tls: Arc<TlsServer>,
         ca_file: &std::path::Path,
     ) -> ApiServer {
@@ -115,15 +113,10 @@ impl ApiServer {
             server: tls,
             ca_file: ca_file.to_path_buf(),
         };
-        ApiServer::start_with(node, pod_cidrs, base_capacity, Some(https))
+        ApiServer::start_with(node, pod_cidrs, Some(https))
     }
 
-    fn start_with(
-        node: &str,
-        pod_cidrs: &[&str],
-        base_capacity: i64,
-        tls: Option<Https>,
-    ) -> ApiServer {
+    fn start_with(node: &str, pod_cidrs: &[&str], tls: Option<Https>) -> ApiServer {
         let node = json!({
             "apiVersion": "v1",
             "kind": "Node",
@@ -150,7 +143,6 @@ impl ApiServer {
                 generation: 0,
                 fail_patches: None,
                 inject_conflicts: 0,
-                base_capacity,
                 next_block: 0,
                 controller: true,
                 tokens: Vec::new(),
@@ -502,7 +494,7 @@ impl State {
         let mut changed = status.len() != before;
         let pods = self.pods("default").unwrap_or(0);
         let live = i64::try_from(status.len()).unwrap();
-        let mut capacity = self.base_capacity + 16 * live;
+        let mut capacity = 16 * live;
         while pods > capacity {
             let block = self.next_block;
             self.next_block += 1;
