@@ -755,3 +755,73 @@ fn issue32_item2_a_static_range_does_not_make_the_demand_run_away() {
     );
     assert_eq!(api.state().next_block, 2, "{history:?}");
 }
+
+/// Monitor passes that found nothing to change, so far.
+fn idle_passes(daemon: &common::TestDaemon) -> usize {
+    daemon
+        .log()
+        .matches("pass complete, nothing to change")
+        .count()
+}
+
+#[test]
+fn issue32_the_serving_annotation_lists_the_blocks_in_use_on_every_object() {
+    let (dir, api, daemon, config) = quiet_cluster("cp-serving", &["-v", "4"]);
+    api.set_status(json!([
+        status_entry("a", "198.19.1.0/28"),
+        status_entry("b", "198.19.0.0/28")
+    ]));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    // The spec PATCH that asks for the pods carries the annotation: both
+    // blocks, canonical and in address order.
+    let held: Vec<String> = (0..13).map(|i| add(&config, &format!("p{i}"))).collect();
+    let both = "198.19.0.0/28,198.19.1.0/28";
+    api.wait_until("the annotation", WAIT, |s| {
+        s.serving().as_deref() == Some(both)
+    });
+    // Nothing changes: no PATCH of its own.
+    let patches = api.state().count("PATCH", 200);
+    let before = idle_passes(&daemon);
+    wait_for("ten idle passes", WAIT, || {
+        idle_passes(&daemon) >= before + 10
+    });
+    assert_eq!(api.state().count("PATCH", 200), patches);
+    let used = held[0]
+        .rsplit_once('.')
+        .map(|(net, _)| format!("{net}.0/28"));
+    let used = used.unwrap();
+    assert!(
+        held.iter().all(|a| a.starts_with(&used[..used.len() - 4])),
+        "{held:?}"
+    );
+
+    // Deleted by hand: re-created by the daemon, naming the block its pods
+    // still hold (the empty one was dropped with the old object).
+    api.delete_nnc();
+    api.wait_until("the re-created object", WAIT, |s| s.nnc.is_some());
+    assert_eq!(api.state().serving(), Some(used.clone()));
+    // The Node deleted and re-created, the object with it (the garbage
+    // collector): created again with the new owner and the annotation.
+    api.delete_node();
+    api.wait_until("the object to go with its Node", WAIT, |s| s.nnc.is_none());
+    api.recreate_node(&[]);
+    api.wait_until("the object of the new Node", WAIT, |s| s.nnc.is_some());
+    {
+        let state = api.state();
+        let nnc = state.nnc.as_ref().unwrap();
+        assert_eq!(
+            nnc["metadata"]["ownerReferences"][0]["uid"],
+            state.node["metadata"]["uid"]
+        );
+        assert_eq!(state.serving(), Some(used.clone()));
+    }
+    // Re-created by someone else, without the annotation: re-asserted.
+    api.recreate_nnc(json!([]));
+    api.wait_until("the annotation re-asserted", WAIT, |s| {
+        s.serving().as_deref() == Some(used.as_str())
+    });
+    // Its pods kept their addresses throughout.
+    for i in 0..13 {
+        assert_ok(&Plugin::new("CHECK", &format!("p{i}")).run(&config));
+    }
+}

@@ -29,6 +29,8 @@ pub struct PassOutcome {
     pub patch: Option<NncPatch>,
     /// (action, network) for metrics: scale_up, drain, release, delete.
     pub actions: Vec<(&'static str, String)>,
+    /// The cluster's blocks this node serves after the pass ([`serving`]).
+    pub serving: Vec<Cidr>,
 }
 
 /// What syncing the cluster's grants changed locally.
@@ -234,33 +236,109 @@ pub fn pass(
             &mut outcome.actions,
         )?;
         let wanted = policy::final_pods(desired, released);
-        match allocations.iter_mut().find(|(n, _)| *n == network) {
-            Some((_, pods)) if *pods == wanted => {}
-            Some((_, pods)) => {
-                log::info(
-                    "monitor",
-                    "Scale-up triggered: capacity expansion requested",
-                    &[("network", &network), ("from", pods), ("to", &wanted)],
-                );
-                if wanted > *pods {
-                    outcome.actions.push(("scale_up", network.clone()));
-                }
-                *pods = wanted;
-            }
-            None => {
-                outcome.actions.push(("scale_up", network.clone()));
-                allocations.push((network.clone(), wanted));
-            }
-        }
+        set_request(&mut allocations, &network, wanted, &mut outcome.actions);
     }
-    if allocations != nnc.allocations || releasable != nnc.releasable {
+    outcome.serving = serving(store)?;
+    let spec_changed = allocations != nnc.allocations || releasable != nnc.releasable;
+    if spec_changed || serving_news(nnc, &outcome.serving) {
         outcome.patch = Some(NncPatch {
             resource_version: nnc.meta.resource_version.clone(),
             allocations,
             releasable,
+            serving: serving_text(&outcome.serving),
         });
     }
     Ok(outcome)
+}
+
+/// Sets the request of `network` in `allocations` to `wanted`.
+fn set_request(
+    allocations: &mut Vec<(String, i64)>,
+    network: &str,
+    wanted: i64,
+    actions: &mut Vec<(&'static str, String)>,
+) {
+    match allocations.iter_mut().find(|(n, _)| n == network) {
+        Some((_, pods)) if *pods == wanted => {}
+        Some((_, pods)) => {
+            log::info(
+                "monitor",
+                "Scale-up triggered: capacity expansion requested",
+                &[("network", &network), ("from", pods), ("to", &wanted)],
+            );
+            if wanted > *pods {
+                actions.push(("scale_up", network.to_string()));
+            }
+            *pods = wanted;
+        }
+        None => {
+            actions.push(("scale_up", network.to_string()));
+            allocations.push((network.to_string(), wanted));
+        }
+    }
+}
+
+/// The blocks this node got from the cluster that it has not released and
+/// still serves or drains: its NodeNetworkConfig blocks that are not
+/// Deleting, and the ones the cluster took back that pods (or cooling
+/// addresses) still keep in the store. Sorted, each once.
+pub fn serving(store: &Store) -> Result<Vec<Cidr>, StoreError> {
+    let mut cidrs = Vec::new();
+    for network in store.networks()? {
+        for family in [Family::V4, Family::V6] {
+            cidrs.extend(
+                store
+                    .nnc_only_blocks(&network, family)?
+                    .into_iter()
+                    .map(|(_, c)| c),
+            );
+        }
+    }
+    for block in store.taken_back()? {
+        if block.source == Source::Nnc.as_str()
+            && let Ok(cidr) = block.cidr.parse::<Cidr>()
+        {
+            cidrs.push(cidr);
+        }
+    }
+    cidrs.sort();
+    cidrs.dedup();
+    Ok(cidrs)
+}
+
+/// The `metis.x-k8s.io/serving` annotation's text: canonical CIDRs, in
+/// order, comma-separated.
+pub fn serving_text(cidrs: &[Cidr]) -> String {
+    cidrs
+        .iter()
+        .map(Cidr::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Whether the annotation on `nnc` tells the controller something other
+/// than `serving` does about blocks its status does not list — the only
+/// ones the controller learns anything from it about (a listed block stays
+/// this node's anyway). A block served but unlisted must be claimed back
+/// (a re-created object); one claimed but no longer served must not be.
+/// Otherwise the annotation rides along with the next spec PATCH and costs
+/// no write of its own.
+fn serving_news(nnc: &Nnc, serving: &[Cidr]) -> bool {
+    let unlisted = |cidr: &Cidr| {
+        !nnc.pod_cidrs
+            .iter()
+            .any(|entry| same_cidr(Some(&entry.cidr), &cidr.to_string()))
+    };
+    let mut claimed: Vec<Cidr> = nnc
+        .serving
+        .split(',')
+        .filter_map(|text| text.trim().parse::<Cidr>().ok())
+        .filter(unlisted)
+        .collect();
+    claimed.sort();
+    claimed.dedup();
+    let needed: Vec<Cidr> = serving.iter().copied().filter(unlisted).collect();
+    claimed != needed
 }
 
 /// The network's IPv4 blocks that the cluster granted and its status
@@ -550,6 +628,7 @@ mod tests {
                 resource_version: "5".into(),
                 allocations: vec![("default".into(), 31)],
                 releasable: Vec::new(),
+                serving: String::new(),
             })
         );
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
@@ -598,6 +677,38 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(asked(&mut store, &settled), None);
         }
+    }
+
+    #[test]
+    fn the_serving_annotation_is_written_alone_only_about_unlisted_blocks() {
+        let cidrs =
+            |texts: &[&str]| -> Vec<Cidr> { texts.iter().map(|t| t.parse().unwrap()).collect() };
+        let with = |annotation: &str| {
+            let mut copy = nnc("1", Some(16), &["198.19.0.0/28"], &[]);
+            copy.serving = annotation.to_string();
+            copy
+        };
+        let listed = ["198.19.0.0/28"];
+        let both = ["198.19.0.0/28", "198.19.1.0/28"];
+        // A listed block stays the node's: no write of its own for it.
+        assert!(!serving_news(&with(""), &cidrs(&listed)));
+        // Served but unlisted (a re-created object): claimed back.
+        assert!(serving_news(&with(""), &cidrs(&both)));
+        assert!(serving_news(&with("198.19.0.0/28"), &cidrs(&both)));
+        // Already claimed, however spelled: nothing new.
+        assert!(!serving_news(&with("198.19.1.0/28"), &cidrs(&both)));
+        assert!(!serving_news(
+            &with(" 198.19.1.0/28 ,garbage"),
+            &cidrs(&both)
+        ));
+        // Claimed but no longer served: withdrawn.
+        assert!(serving_news(&with("198.19.1.0/28"), &cidrs(&listed)));
+        assert_eq!(
+            serving_text(&cidrs(&["198.19.1.0/28", "198.19.0.0/28"])[..]),
+            "198.19.1.0/28,198.19.0.0/28",
+            "the caller sorts"
+        );
+        assert_eq!(serving_text(&cidrs(&both)), "198.19.0.0/28,198.19.1.0/28");
     }
 
     #[test]

@@ -446,7 +446,21 @@ impl Adaptive {
                 return Vec::new();
             }
         };
+        self.publish_serving(engine);
         self.take(applied)
+    }
+
+    /// Hands the blocks this node serves now to the watch thread, which
+    /// creates the NodeNetworkConfig with them if it must (again).
+    fn publish_serving(&self, engine: &Engine) {
+        match monitor::serving(engine.store()) {
+            Ok(cidrs) => self.link.set_serving(monitor::serving_text(&cidrs)),
+            Err(err) => log::error(
+                "daemon",
+                "reading the blocks this node serves failed",
+                &[("error", &err)],
+            ),
+        }
     }
 
     /// Takes in what applying a copy did: a new object, from which no
@@ -613,6 +627,7 @@ impl Adaptive {
             .extend(self.parked.iter().map(|p| p.network.clone()));
         self.cluster.refresh(engine.store_mut(), &self.metrics);
         let Some(nnc) = self.cluster.latest() else {
+            self.publish_serving(engine);
             return;
         };
         if self.patching.as_deref() == Some(nnc.meta.resource_version.as_str()) {
@@ -632,6 +647,8 @@ impl Adaptive {
                 for (action, network) in &outcome.actions {
                     self.metrics.monitor_action(action, network);
                 }
+                self.link
+                    .set_serving(monitor::serving_text(&outcome.serving));
                 match outcome.patch {
                     Some(patch) => {
                         self.cluster.patch_sent(&version);

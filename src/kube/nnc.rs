@@ -18,6 +18,12 @@ const NODE_PATH: &str = "/api/v1/nodes";
 /// more than this many blocks is broken, not big.
 pub const MAX_ENTRIES: usize = 256;
 
+/// The annotation in which the node lists the blocks it got from the
+/// cluster that it has not released and still serves or drains
+/// (comma-separated canonical CIDRs, sorted): a controller that lost them
+/// (a re-created object) learns they are in use.
+pub const SERVING_ANNOTATION: &str = "metis.x-k8s.io/serving";
+
 /// Which object a watch follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -189,6 +195,8 @@ pub struct Nnc {
     /// The reason of the `Ready` condition in `status.conditions`, of
     /// whatever generation.
     pub ready_reason: Option<String>,
+    /// The [`SERVING_ANNOTATION`]'s text ("" without one).
+    pub serving: String,
 }
 
 /// The reason of the NodeNetworkConfig's Ready condition when no block can
@@ -271,8 +279,13 @@ impl Nnc {
         let quota_until = quota_exceeded
             .as_deref()
             .map_or(QuotaEnd::Unsaid, QuotaEnd::of);
+        let serving = value["metadata"]["annotations"][SERVING_ANNOTATION]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         Nnc {
             meta: Meta::parse(value),
+            serving,
             allocations,
             releasable,
             pod_cidrs,
@@ -341,8 +354,10 @@ fn list(value: &Value) -> impl Iterator<Item = &Value> {
 }
 
 /// Makes sure this node's NodeNetworkConfig exists, created with the Node
-/// as its controlling owner (so it goes away with the node).
-pub fn ensure(client: &ApiClient, node: &str) -> Result<(), KubeError> {
+/// as its controlling owner (so it goes away with the node) and with
+/// `serving` (the [`SERVING_ANNOTATION`]'s text) so that the controller
+/// learns at once which blocks this node still serves.
+pub fn ensure(client: &ApiClient, node: &str, serving: &str) -> Result<(), KubeError> {
     match client.get(&Kind::Nnc.item_path(node)) {
         Ok(_) => return Ok(()),
         Err(err) if err.is_status(404) => {}
@@ -350,7 +365,7 @@ pub fn ensure(client: &ApiClient, node: &str) -> Result<(), KubeError> {
     }
     let node_object = client.get(&Kind::Node.item_path(node))?;
     let uid = node_object["metadata"]["uid"].as_str().unwrap_or_default();
-    let body = json!({
+    let mut body = json!({
         "apiVersion": "networking.gke.io/v1",
         "kind": "NodeNetworkConfig",
         "metadata": {
@@ -365,6 +380,9 @@ pub fn ensure(client: &ApiClient, node: &str) -> Result<(), KubeError> {
         },
         "spec": {},
     });
+    if !serving.is_empty() {
+        body["metadata"]["annotations"] = json!({SERVING_ANNOTATION: serving});
+    }
     match client.post(NNC_PATH, &body) {
         Ok(_) => Ok(()),
         // Created concurrently (another daemon instance, a restart race).
@@ -382,6 +400,8 @@ pub struct NncPatch {
     pub allocations: Vec<(String, i64)>,
     /// `spec.releasableCIDRs`.
     pub releasable: Vec<PodCidr>,
+    /// The [`SERVING_ANNOTATION`]'s text; "" removes the annotation.
+    pub serving: String,
 }
 
 impl NncPatch {
@@ -393,8 +413,15 @@ impl NncPatch {
             .map(|(network, pods)| json!({"network": network, "pods": pods}))
             .collect();
         let releasable: Vec<&Value> = self.releasable.iter().map(|cidr| &cidr.0).collect();
+        let serving = match self.serving.as_str() {
+            "" => Value::Null,
+            text => json!(text),
+        };
         json!({
-            "metadata": {"resourceVersion": self.resource_version},
+            "metadata": {
+                "resourceVersion": self.resource_version,
+                "annotations": {SERVING_ANNOTATION: serving},
+            },
             "spec": {"allocations": allocations, "releasableCIDRs": releasable},
         })
     }
@@ -578,12 +605,23 @@ mod tests {
             resource_version: "9".into(),
             allocations: vec![("default".into(), 74)],
             releasable: vec![PodCidr(json!({"id": "x"}))],
+            serving: "198.19.0.0/28,198.19.0.16/28".into(),
         };
         assert_eq!(
             patch.to_json(),
-            json!({"metadata": {"resourceVersion": "9"},
+            json!({"metadata": {"resourceVersion": "9",
+                                "annotations": {SERVING_ANNOTATION: "198.19.0.0/28,198.19.0.16/28"}},
                    "spec": {"allocations": [{"network": "default", "pods": 74}],
                             "releasableCIDRs": [{"id": "x"}]}})
+        );
+        // Nothing served: the annotation is removed (a merge patch's null).
+        let empty = NncPatch {
+            serving: String::new(),
+            ..patch
+        };
+        assert_eq!(
+            empty.to_json()["metadata"]["annotations"],
+            json!({SERVING_ANNOTATION: null})
         );
     }
 }

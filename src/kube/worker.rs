@@ -4,8 +4,8 @@
 //! the only writer of the store and receives everything as [`KubeEvent`]s.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 
 use serde_json::Value;
@@ -80,9 +80,34 @@ pub struct KubeLink {
     pub events: Receiver<KubeEvent>,
     pub wake_fd: OwnedFd,
     patches: Sender<NncPatch>,
+    serving: Serving,
+}
+
+/// The serving annotation's text as the loop last computed it, for the
+/// watch thread to create the NodeNetworkConfig with.
+#[derive(Clone, Default)]
+struct Serving(Arc<Mutex<String>>);
+
+impl Serving {
+    fn get(&self) -> String {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, text: String) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = text;
+    }
 }
 
 impl KubeLink {
+    /// The blocks this node serves changed (the annotation's text): the
+    /// NodeNetworkConfig is created with them if it must be again.
+    pub fn set_serving(&self, text: String) {
+        self.serving.set(text);
+    }
+
     /// Queues a patch of this node's NodeNetworkConfig.
     pub fn patch(&self, patch: NncPatch) {
         // The patcher lives as long as the process; a send error means it
@@ -106,13 +131,25 @@ pub fn spawn(
         events: event_tx,
         waker,
     };
+    let serving = Serving::default();
     {
         let client = Arc::clone(&client);
         let node = node.clone();
         let send = send.clone();
+        let serving = serving.clone();
         thread::Builder::new()
             .name("kube-watch".into())
-            .spawn(move || watch_forever(&client, &node, kind, timing, &send))?;
+            .spawn(move || {
+                let watcher = Watcher {
+                    client: &client,
+                    node: &node,
+                    kind,
+                    timing,
+                    send: &send,
+                    serving: &serving,
+                };
+                watch_forever(&watcher)
+            })?;
     }
     if kind == Kind::Nnc {
         thread::Builder::new()
@@ -123,6 +160,7 @@ pub fn spawn(
         events,
         wake_fd,
         patches,
+        serving,
     })
 }
 
@@ -148,18 +186,12 @@ impl Notifier {
 /// cost a new list. The backoff is reset only by a watch the server ended
 /// normally (a full successful cycle), never by a list alone: a watch that
 /// keeps failing after good lists still backs off to the cap.
-fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, send: &Notifier) {
-    let mut backoff = Backoff::new(timing.max_backoff);
+fn watch_forever(cycle: &Watcher) {
+    let (node, kind, send) = (cycle.node, cycle.kind, cycle.send);
+    let mut backoff = Backoff::new(cycle.timing.max_backoff);
     let mut stream = StreamGuard::new(node, kind);
     let mut resume: Option<String> = None;
     loop {
-        let cycle = Cycle {
-            client,
-            node,
-            kind,
-            timing,
-            send,
-        };
         match cycle.run(&mut backoff, &mut stream, &mut resume) {
             Ok(Flow::Stop) => return,
             Ok(Flow::Again) => {}
@@ -196,16 +228,17 @@ enum Flow {
     Stop,
 }
 
-/// What one list-and-watch cycle works with.
-struct Cycle<'a> {
+/// What the watch thread works with.
+struct Watcher<'a> {
     client: &'a ApiClient,
     node: &'a str,
     kind: Kind,
     timing: ApiTiming,
     send: &'a Notifier,
+    serving: &'a Serving,
 }
 
-impl Cycle<'_> {
+impl Watcher<'_> {
     /// One list (unless resuming) and one watch. `resume` is where the next
     /// watch starts (`None`: list again).
     fn run(
@@ -316,7 +349,7 @@ impl Cycle<'_> {
         let mut list = client.get(&kind.list_path(node))?;
         let epoch = stream.new_epoch();
         if kind == Kind::Nnc && !stream.any_ours(items(&list)) {
-            nnc::ensure(client, node)?;
+            nnc::ensure(client, node, &self.serving.get())?;
             list = client.get(&kind.list_path(node))?;
             if !stream.any_ours(items(&list)) {
                 return Err(KubeError::Decode("NodeNetworkConfig vanished".into()));

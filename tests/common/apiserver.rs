@@ -269,10 +269,11 @@ impl ApiServer {
             let mut gone = old.clone();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
             state.events.push((version, "nnc", "DELETED", gone));
+            let metadata = &old["metadata"];
             let mut fresh = json!({
                 "apiVersion": "networking.gke.io/v1",
                 "kind": "NodeNetworkConfig",
-                "metadata": old["metadata"].clone(),
+                "metadata": {"name": metadata["name"], "ownerReferences": metadata["ownerReferences"]},
                 "spec": {},
                 "status": {"podCIDRs": status},
             });
@@ -282,7 +283,8 @@ impl ApiServer {
         });
     }
 
-    /// Deletes the Node (DELETED); `recreate_node` brings one back.
+    /// Deletes the Node (DELETED), and the NodeNetworkConfig it owns with
+    /// it, as the garbage collector does; `recreate_node` brings one back.
     pub fn delete_node(&self) {
         self.with_state(|state| {
             let version = state.bump();
@@ -290,6 +292,17 @@ impl ApiServer {
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
             state.events.push((version, "node", "DELETED", gone));
             state.node_exists = false;
+            let uid = state.node["metadata"]["uid"].clone();
+            let owned = state.nnc.as_ref().is_some_and(|nnc| {
+                nnc["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|owners| owners.iter().any(|o| o["uid"] == uid))
+            });
+            if owned && let Some(mut collected) = state.nnc.take() {
+                let version = state.bump();
+                collected["metadata"]["resourceVersion"] = json!(state.rv(version));
+                state.events.push((version, "nnc", "DELETED", collected));
+            }
         });
     }
 
@@ -394,6 +407,13 @@ impl State {
             .iter()
             .filter_map(|c| c["cidr"].as_str().map(str::to_string))
             .collect()
+    }
+
+    /// The NodeNetworkConfig's `metis.x-k8s.io/serving` annotation.
+    pub fn serving(&self) -> Option<String> {
+        self.nnc.as_ref()?["metadata"]["annotations"]["metis.x-k8s.io/serving"]
+            .as_str()
+            .map(str::to_string)
     }
 
     /// CIDRs in `spec.releasableCIDRs`.
