@@ -417,7 +417,13 @@ impl Adaptive {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                let applied = self.cluster.on_patched(store, &self.metrics, &base, *nnc);
+                let applied = self.cluster.on_answer(store, &self.metrics, &base, *nnc);
+                self.note_latest_answer();
+                applied
+            }
+            KubeEvent::Refetched { base, nnc, streak } => {
+                self.on_conflict(streak, now);
+                let applied = self.cluster.on_answer(store, &self.metrics, &base, *nnc);
                 self.note_latest_answer();
                 applied
             }
@@ -472,9 +478,9 @@ impl Adaptive {
         applied.grown
     }
 
-    /// A patch lost a race: the watch brings the newer version, so the
-    /// patch is recomputed now from the copy there is (the patcher paces
-    /// what is sent).
+    /// A patch lost a race: it is decided again now from the copy there is
+    /// (the one read after the 409, or the watch's if the read failed; the
+    /// patcher paces what is sent).
     fn on_conflict(&mut self, streak: u32, now: Instant) {
         self.patching = None;
         self.next_pass = now;

@@ -6,5 +6,6 @@ pub mod backoff;
 pub mod client;
 pub mod config;
 pub mod follow;
+pub mod fresh;
 pub mod nnc;
 pub mod worker;

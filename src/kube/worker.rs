@@ -38,7 +38,15 @@ pub enum KubeEvent {
     /// version the patch was computed from (its precondition).
     Patched { base: String, nnc: Box<Nnc> },
     /// A patch lost an optimistic-concurrency race (409), the `streak`-th
-    /// in a row: the watch has a newer version on its way.
+    /// in a row, and the object was read again: the copy it returned, and
+    /// the version the patch was computed from.
+    Refetched {
+        base: String,
+        nnc: Box<Nnc>,
+        streak: u32,
+    },
+    /// A patch lost an optimistic-concurrency race (409), the `streak`-th
+    /// in a row, and the object could not be read: the watch brings it.
     Conflict { streak: u32 },
     /// A patch failed otherwise; the monitor retries on its next pass.
     PatchFailed(String),
@@ -412,9 +420,10 @@ pub const CONFLICT_STORM: u32 = 3;
 /// Sends the monitor's patches. Every failure — a 409 included — is
 /// followed by the backoff before the next patch goes out, so a failing or
 /// racing API server sees at most one request per pause from this thread.
-/// A 409 is not followed by a read: the object the watch delivers next is
-/// newer, and a read from outside the stream could not be ordered against
-/// it (versions are opaque).
+/// After a 409's pause the object is read (GET) and handed to the loop,
+/// which decides again from that copy: re-sending from the copy it had
+/// would only conflict again while the watch lags (the freshness rule,
+/// `kube::fresh`, keeps the watch's older copies from replacing it).
 fn patch_forever(
     client: &ApiClient,
     node: &str,
@@ -422,56 +431,98 @@ fn patch_forever(
     patches: &Receiver<NncPatch>,
     send: &Notifier,
 ) {
-    let path = Kind::Nnc.item_path(node);
-    let mut backoff = Backoff::new(timing.max_backoff);
+    let mut patcher = Patcher {
+        client,
+        node,
+        path: Kind::Nnc.item_path(node),
+        backoff: Backoff::new(timing.max_backoff),
+    };
     while let Ok(mut patch) = patches.recv() {
         // Only the newest queued patch matters: each carries the full lists.
         while let Ok(newer) = patches.try_recv() {
             patch = newer;
         }
-        let (event, pause) = match client.merge_patch(&path, &patch.to_json()) {
-            Ok(object) => {
-                backoff.reset();
-                let nnc = Box::new(Nnc::parse(&object));
-                if nnc.meta.is_of_node(node) {
-                    let base = patch.resource_version;
-                    (KubeEvent::Patched { base, nnc }, None)
-                } else {
-                    let why = format!("the PATCH answer is not {path}");
-                    (KubeEvent::PatchFailed(why), Some(backoff.next(None)))
-                }
-            }
-            Err(err) if err.is_status(409) => {
-                let pause = backoff.next(err.retry_after());
-                let streak = backoff.failures();
-                if streak >= CONFLICT_STORM {
-                    log::warn(
-                        "kube",
-                        "NodeNetworkConfig patches keep conflicting; slowing down",
-                        &[("conflicts", &streak), ("retry_in_ms", &pause.as_millis())],
-                    );
-                }
-                (KubeEvent::Conflict { streak }, Some(pause))
-            }
-            Err(err) => {
-                let pause = backoff.next(err.retry_after());
-                log::warn(
-                    "kube",
-                    "patching the NodeNetworkConfig failed",
-                    &[
-                        ("error", &err),
-                        ("failures", &backoff.failures()),
-                        ("retry_in_ms", &pause.as_millis()),
-                    ],
-                );
-                (KubeEvent::PatchFailed(err.to_string()), Some(pause))
-            }
-        };
+        let (event, pause) = patcher.send(patch);
         if !send.send(event) {
             return;
         }
         if let Some(pause) = pause {
             thread::sleep(pause);
+        }
+    }
+}
+
+/// The patcher thread's state.
+struct Patcher<'a> {
+    client: &'a ApiClient,
+    node: &'a str,
+    path: String,
+    backoff: Backoff,
+}
+
+impl Patcher<'_> {
+    /// Sends one patch: the event for the loop and the pause before the
+    /// next patch.
+    fn send(&mut self, patch: NncPatch) -> (KubeEvent, Option<std::time::Duration>) {
+        match self.client.merge_patch(&self.path, &patch.to_json()) {
+            Ok(object) => {
+                self.backoff.reset();
+                let nnc = Box::new(Nnc::parse(&object));
+                if nnc.meta.is_of_node(self.node) {
+                    let base = patch.resource_version;
+                    (KubeEvent::Patched { base, nnc }, None)
+                } else {
+                    let why = format!("the PATCH answer is not {}", self.path);
+                    (KubeEvent::PatchFailed(why), Some(self.backoff.next(None)))
+                }
+            }
+            Err(err) if err.is_status(409) => (self.reread(patch.resource_version, &err), None),
+            Err(err) => {
+                let pause = self.backoff.next(err.retry_after());
+                log::warn(
+                    "kube",
+                    "patching the NodeNetworkConfig failed",
+                    &[
+                        ("error", &err),
+                        ("failures", &self.backoff.failures()),
+                        ("retry_in_ms", &pause.as_millis()),
+                    ],
+                );
+                (KubeEvent::PatchFailed(err.to_string()), Some(pause))
+            }
+        }
+    }
+
+    /// After a 409 on the patch computed from `base`: waits out the
+    /// backoff, then reads the object, so the next patch is computed from
+    /// a copy as fresh as the pause allows.
+    fn reread(&mut self, base: String, conflict: &KubeError) -> KubeEvent {
+        let pause = self.backoff.next(conflict.retry_after());
+        let streak = self.backoff.failures();
+        if streak >= CONFLICT_STORM {
+            log::warn(
+                "kube",
+                "NodeNetworkConfig patches keep conflicting; slowing down",
+                &[("conflicts", &streak), ("retry_in_ms", &pause.as_millis())],
+            );
+        }
+        thread::sleep(pause);
+        match self.client.get(&self.path) {
+            Ok(object) => {
+                let nnc = Box::new(Nnc::parse(&object));
+                match nnc.meta.is_of_node(self.node) {
+                    true => KubeEvent::Refetched { base, nnc, streak },
+                    false => KubeEvent::Conflict { streak },
+                }
+            }
+            Err(err) => {
+                log::warn(
+                    "kube",
+                    "reading the NodeNetworkConfig after a conflict failed; the watch brings it",
+                    &[("error", &err)],
+                );
+                KubeEvent::Conflict { streak }
+            }
         }
     }
 }

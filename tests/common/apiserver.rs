@@ -68,6 +68,12 @@ pub struct State {
     pub block_type: &'static str,
     /// While set, open watches send nothing (a lagging watch).
     pub hold_watches: bool,
+    /// Open watches send each event only this long after it happened.
+    pub watch_lag: Option<Duration>,
+    /// When each event (by stream position) happened.
+    pub event_at: std::collections::BTreeMap<u64, Instant>,
+    /// The `metadata.resourceVersion` precondition of every PATCH, in order.
+    pub patch_bases: Vec<String>,
     /// Bumped by a restore: open watches end.
     pub generation: u64,
     /// Client certificates (DER) of accepted TLS handshakes, in order
@@ -140,6 +146,9 @@ impl ApiServer {
                 created: 0,
                 block_type: "Reusable",
                 hold_watches: false,
+                watch_lag: None,
+                event_at: std::collections::BTreeMap::new(),
+                patch_bases: Vec::new(),
                 generation: 0,
                 fail_patches: None,
                 inject_conflicts: 0,
@@ -234,7 +243,7 @@ impl ApiServer {
     pub fn deliver_late(&self, object: Value) {
         let mut state = self.state();
         let position = state.bump();
-        state.events.push((position, "nnc", "MODIFIED", object));
+        state.push_event(position, "nnc", "MODIFIED", object);
         drop(state);
         self.shared.changed.notify_all();
     }
@@ -245,7 +254,7 @@ impl ApiServer {
         if let Some(mut gone) = state.nnc.take() {
             let version = state.bump();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "nnc", "DELETED", gone));
+            state.push_event(version, "nnc", "DELETED", gone);
         }
         drop(state);
         self.shared.changed.notify_all();
@@ -268,7 +277,7 @@ impl ApiServer {
             let version = state.bump();
             let mut gone = old.clone();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "nnc", "DELETED", gone));
+            state.push_event(version, "nnc", "DELETED", gone);
             let metadata = &old["metadata"];
             let mut fresh = json!({
                 "apiVersion": "networking.gke.io/v1",
@@ -290,7 +299,7 @@ impl ApiServer {
             let version = state.bump();
             let mut gone = state.node.clone();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "node", "DELETED", gone));
+            state.push_event(version, "node", "DELETED", gone);
             state.node_exists = false;
             let uid = state.node["metadata"]["uid"].clone();
             let owned = state.nnc.as_ref().is_some_and(|nnc| {
@@ -301,7 +310,7 @@ impl ApiServer {
             if owned && let Some(mut collected) = state.nnc.take() {
                 let version = state.bump();
                 collected["metadata"]["resourceVersion"] = json!(state.rv(version));
-                state.events.push((version, "nnc", "DELETED", collected));
+                state.push_event(version, "nnc", "DELETED", collected);
             }
         });
     }
@@ -452,6 +461,22 @@ impl State {
             .count()
     }
 
+    /// Records an event at stream position `version`, now.
+    fn push_event(&mut self, version: u64, kind: &'static str, event: &'static str, object: Value) {
+        self.events.push((version, kind, event, object));
+        self.event_at.insert(version, Instant::now());
+    }
+
+    /// Whether open watches may send the event at `version` yet.
+    fn due(&self, version: u64) -> bool {
+        !self.hold_watches
+            && self.watch_lag.is_none_or(|lag| {
+                self.event_at
+                    .get(&version)
+                    .is_none_or(|at| at.elapsed() >= lag)
+            })
+    }
+
     fn bump(&mut self) -> u64 {
         self.version += 1;
         self.version
@@ -482,7 +507,7 @@ impl State {
         if let Some(nnc) = self.nnc.as_mut() {
             nnc["metadata"]["resourceVersion"] = json!(rv);
             let copy = nnc.clone();
-            self.events.push((version, "nnc", kind, copy));
+            self.push_event(version, "nnc", kind, copy);
         }
     }
 
@@ -490,7 +515,7 @@ impl State {
         let version = self.bump();
         self.node["metadata"]["resourceVersion"] = json!(self.rv(version));
         let copy = self.node.clone();
-        self.events.push((version, "node", kind, copy));
+        self.push_event(version, "node", kind, copy);
     }
 
     /// The simulated cloud controller: grow the status to the requested
@@ -697,6 +722,9 @@ fn answer(state: &mut State, kind: &'static str, request: &Request) -> (u16, Val
                 return (404, status_body(404, "NotFound"));
             };
             let precondition = patch["metadata"]["resourceVersion"].as_str();
+            state
+                .patch_bases
+                .push(precondition.unwrap_or_default().to_string());
             let stale = precondition
                 .is_some_and(|v| Some(v) != current["metadata"]["resourceVersion"].as_str());
             if state.inject_conflicts > 0 || stale {
@@ -787,8 +815,8 @@ fn watch(
         let pending: Vec<(u64, &'static str, Value)> = state
             .events
             .iter()
-            .filter(|_| !state.hold_watches)
             .filter(|(version, k, _, _)| *k == kind && *version > sent)
+            .take_while(|(version, _, _, _)| state.due(*version))
             .map(|(version, _, event, object)| (*version, *event, object.clone()))
             .collect();
         if !pending.is_empty() {
@@ -811,7 +839,7 @@ fn watch(
         }
         state = shared
             .changed
-            .wait_timeout(state, left.min(Duration::from_millis(200)))
+            .wait_timeout(state, left.min(Duration::from_millis(50)))
             .unwrap()
             .0;
     }
