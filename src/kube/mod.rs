@@ -8,4 +8,5 @@ pub mod config;
 pub mod follow;
 pub mod fresh;
 pub mod nnc;
+pub mod objects;
 pub mod worker;

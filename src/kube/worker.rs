@@ -11,7 +11,7 @@ use std::thread;
 use serde_json::Value;
 
 use super::backoff::{ApiTiming, Backoff};
-use super::client::{ApiClient, KubeError};
+use super::client::{ApiClient, KubeError, WatchEvent};
 use super::follow::StreamGuard;
 use super::nnc::{self, Kind, Meta, Nnc, NncPatch, Node};
 use crate::log;
@@ -284,50 +284,8 @@ impl Watcher<'_> {
                     return Err(err);
                 }
             };
-            match event.kind.as_str() {
-                "ADDED" | "MODIFIED" => {
-                    let meta = Meta::parse(&event.object);
-                    if !stream.is_ours(&meta) {
-                        continue;
-                    }
-                    if stream.is_replay(&meta) {
-                        // The stream broke the watch rules: only a list can
-                        // say what is true now.
-                        return Ok(self.relisting(KubeEvent::Replayed));
-                    }
-                    version = meta.resource_version;
-                    if !self.forward(&event.object, stream.epoch()) {
-                        return Ok(Flow::Stop);
-                    }
-                }
-                "BOOKMARK" => version = nnc::resource_version(&event.object),
-                "DELETED" => {
-                    if !stream.is_ours(&Meta::parse(&event.object)) {
-                        continue;
-                    }
-                    log::warn(
-                        "kube",
-                        self.kind.deleted_message(),
-                        &[("object", &self.kind.item_path(self.node))],
-                    );
-                    let gone = KubeEvent::Gone {
-                        epoch: stream.epoch(),
-                    };
-                    return Ok(self.relisting(gone));
-                }
-                _ => {
-                    let err = KubeError::Status {
-                        code: u16::try_from(event.object["code"].as_u64().unwrap_or(0))
-                            .unwrap_or(0),
-                        body: event.object.to_string(),
-                        retry_after: None,
-                    };
-                    // Other errors resume from the same version.
-                    if !needs_relist(&err) {
-                        *resume = Some(version);
-                    }
-                    return Err(err);
-                }
+            if let Some(end) = self.on_watch_event(event, stream, &mut version, resume) {
+                return end;
             }
         }
         // The server ended the watch (timeoutSeconds): a full cycle.
@@ -339,6 +297,64 @@ impl Watcher<'_> {
         backoff.reset();
         *resume = Some(version);
         Ok(Flow::Again)
+    }
+
+    /// One event of the watch: forwarded, or the end of the cycle
+    /// (`Some`). `version` is where the watch stands, `resume` where the
+    /// next one starts (`None`: list again).
+    fn on_watch_event(
+        &self,
+        event: WatchEvent,
+        stream: &mut StreamGuard,
+        version: &mut String,
+        resume: &mut Option<String>,
+    ) -> Option<Result<Flow, KubeError>> {
+        match event.kind.as_str() {
+            "ADDED" | "MODIFIED" => {
+                let meta = Meta::parse(&event.object);
+                if !stream.is_ours(&meta) {
+                    return None;
+                }
+                if stream.is_replay(&meta) {
+                    // The stream broke the watch rules: only a list can
+                    // say what is true now.
+                    return Some(Ok(self.relisting(KubeEvent::Replayed)));
+                }
+                *version = meta.resource_version;
+                let delivered = self.forward(&event.object, stream.epoch());
+                (!delivered).then_some(Ok(Flow::Stop))
+            }
+            "BOOKMARK" => {
+                *version = nnc::resource_version(&event.object);
+                None
+            }
+            "DELETED" => {
+                if !stream.is_ours(&Meta::parse(&event.object)) {
+                    return None;
+                }
+                log::warn(
+                    "kube",
+                    self.kind.deleted_message(),
+                    &[("object", &self.kind.item_path(self.node))],
+                );
+                let gone = KubeEvent::Gone {
+                    epoch: stream.epoch(),
+                };
+                Some(Ok(self.relisting(gone)))
+            }
+            _ => {
+                let err = KubeError::Status {
+                    code: u16::try_from(event.object["code"].as_u64().unwrap_or(0)).unwrap_or(0),
+                    body: event.object.to_string(),
+                    retry_after: None,
+                };
+                // Other errors resume from the same version.
+                if !needs_relist(&err) {
+                    *resume = Some(version.clone());
+                }
+                Some(Err(err))
+            }
+        }
     }
 
     /// Tells the loop `event` and ends the cycle so that the next lists.
