@@ -343,11 +343,7 @@ impl Watcher<'_> {
                 Some(Ok(self.relisting(gone)))
             }
             _ => {
-                let err = KubeError::Status {
-                    code: u16::try_from(event.object["code"].as_u64().unwrap_or(0)).unwrap_or(0),
-                    body: event.object.to_string(),
-                    retry_after: None,
-                };
+                let err = watch_error(&event.object);
                 // Other errors resume from the same version.
                 if !needs_relist(&err) {
                     *resume = Some(version.clone());
@@ -422,6 +418,15 @@ pub fn needs_relist(err: &KubeError) -> bool {
             body.contains("ResourceVersionTooLarge") || body.contains("Too large resource version")
         }
         _ => false,
+    }
+}
+
+/// The error an `ERROR` event of a watch carries (a `Status` object).
+pub fn watch_error(status: &Value) -> KubeError {
+    KubeError::Status {
+        code: u16::try_from(status["code"].as_u64().unwrap_or(0)).unwrap_or(0),
+        body: status.to_string(),
+        retry_after: None,
     }
 }
 
