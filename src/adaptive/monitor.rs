@@ -712,6 +712,29 @@ mod tests {
     }
 
     #[test]
+    fn serving_lists_the_clusters_blocks_still_held_and_nothing_else() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store
+            .add_cidr_block("default", &"198.18.0.0/30".parse().unwrap())
+            .unwrap();
+        let three = ["198.19.0.0/28", "198.19.0.16/28", "198.19.0.32/28"];
+        sync(&mut store, &nnc("1", Some(16), &three, &[]));
+        // A pod in the first cluster block (the /30's one address first).
+        fill(&mut store, 2);
+        let text = |store: &Store| serving_text(&serving(store).unwrap());
+        assert_eq!(
+            text(&store),
+            "198.19.0.0/28,198.19.0.16/28,198.19.0.32/28",
+            "the static /30 is the node's own"
+        );
+        // A re-created object lists none of them: the one with a pod is
+        // kept for it (taken back) and still served; the empty ones go.
+        sync(&mut store, &nnc("2", None, &[], &[]));
+        assert_eq!(text(&store), "198.19.0.0/28");
+    }
+
+    #[test]
     fn expired_blocks_become_releasable_once_then_disappear() {
         let dir = TempDir::new();
         let mut store = dir.store();
