@@ -10,7 +10,8 @@
 //! (a proxy that ignores the field selector), opaque resource versions,
 //! objects deleted and created anew (new uid), an etcd restore (versions
 //! go back; watches from a later version are answered
-//! `ResourceVersionTooLarge`) and watches that lag. With [`ApiServer::start_tls`]
+//! `ResourceVersionTooLarge`) and watches that lag (held, or each event sent
+//! a set time after it happened); it records every PATCH's precondition. With [`ApiServer::start_tls`]
 //! it speaks HTTPS (`tls`): certificates rotate while it runs, and it
 //! records every client certificate it accepts and every handshake it
 //! refuses.
