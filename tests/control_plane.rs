@@ -79,7 +79,7 @@ fn admin_blocks(daemon: &common::TestDaemon) -> Value {
 /// writes them into the status.
 fn quiet_cluster(name: &str, extra: &[&str]) -> (TestDir, ApiServer, common::TestDaemon, String) {
     let dir = TestDir::new(name);
-    let api = ApiServer::start(NODE, &[], 1);
+    let api = ApiServer::start(NODE, &[]);
     api.state().controller = false;
     let daemon = start_daemon(&dir, &api, "nnc", extra);
     api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
@@ -168,7 +168,7 @@ fn item1_a_block_taken_back_serves_no_new_pod_keeps_its_pods_and_goes_with_the_l
 #[test]
 fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
     let dir = TestDir::new("cp-node");
-    let api = ApiServer::start(NODE, &["198.19.4.0/28"], 0);
+    let api = ApiServer::start(NODE, &["198.19.4.0/28"]);
     let daemon = start_daemon(&dir, &api, "node", &[]);
     wait_state(&dir, "198.19.4.0/28", Some("Ready"));
     let config = default_conf(&dir, "1.0.0", TINY);
@@ -218,7 +218,7 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
 #[test]
 fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
     let dir = TestDir::new("cp-node-cooldown");
-    let api = ApiServer::start(NODE, &["198.19.4.0/28"], 0);
+    let api = ApiServer::start(NODE, &["198.19.4.0/28"]);
     let daemon = start_daemon(&dir, &api, "node", &["--release-cooldown", "3s"]);
     wait_state(&dir, "198.19.4.0/28", Some("Ready"));
     let config = default_conf(&dir, "1.0.0", TINY);
@@ -338,7 +338,7 @@ fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
 #[test]
 fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() {
     let dir = TestDir::new("cp-opaque");
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     api.state().opaque = true;
     let daemon = start_daemon(
         &dir,
@@ -388,7 +388,7 @@ fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() 
 #[test]
 fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
     let dir = TestDir::new("cp-restore");
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "200ms"]);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     common::add_concurrently(&config, 0..10);
@@ -444,7 +444,7 @@ fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
 #[test]
 fn item4_a_released_non_reusable_block_is_never_used_again() {
     let dir = TestDir::new("cp-non-reusable");
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     api.state().block_type = "NonReusable";
     let daemon = start_daemon(
         &dir,
@@ -571,7 +571,7 @@ fn item5_a_block_whose_condition_leaves_ready_takes_no_new_allocations() {
 #[test]
 fn item6_with_a_lagging_watch_growth_follows_the_patch_answers() {
     let dir = TestDir::new("cp-patch-answer");
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     let daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("a watch", WAIT, |s| s.count("WATCH", 200) >= 1);
     // The watch delivers nothing from now on: only PATCH answers tell the
@@ -609,7 +609,7 @@ const TEST_CA: &str = include_str!("../testdata/kube/test-ca.pem");
 #[test]
 fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
     let dir = TestDir::new("cp-ca-rotation");
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     let ca = dir.join("ca.crt");
     std::fs::write(&ca, "-----BEGIN").unwrap();
     let daemon = start_daemon_over_https(
@@ -634,7 +634,7 @@ fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
 
 #[test]
 fn item8_exec_and_auth_provider_users_are_refused_at_start() {
-    let api = ApiServer::start(NODE, &[], 16);
+    let api = ApiServer::start(NODE, &[]);
     for (user, what) in [
         (
             "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: gke-gcloud-auth-plugin",
@@ -699,4 +699,192 @@ fn item9_refusals_are_told_once_per_cause_and_name_the_real_owner() {
         series(&body, "metis_daemon_nnc_refused_pod_cidrs_total"),
         3.0
     );
+}
+
+/// (pods asked, blocks granted) of every version of the object the API
+/// server recorded, in order, consecutive repeats dropped.
+fn demand_history(api: &ApiServer) -> Vec<(i64, usize)> {
+    let state = api.state();
+    let mut seen: Vec<(i64, usize)> = Vec::new();
+    for (_, kind, _, object) in &state.events {
+        if *kind != "nnc" {
+            continue;
+        }
+        let pods = object["spec"]["allocations"][0]["pods"]
+            .as_i64()
+            .unwrap_or(0);
+        let blocks = object["status"]["podCIDRs"].as_array().map_or(0, Vec::len);
+        if seen.last() != Some(&(pods, blocks)) {
+            seen.push((pods, blocks));
+        }
+    }
+    seen
+}
+
+#[test]
+fn issue32_item2_a_static_range_does_not_make_the_demand_run_away() {
+    let dir = TestDir::new("cp-runaway");
+    let api = ApiServer::start(NODE, &[]);
+    let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
+    // A static /24: every pod fits in it, yet the node asks the cluster
+    // for its pods' need (the contract: neither side counts own ranges).
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/24"}]]"#);
+    let addresses: Vec<String> = (0..10).map(|i| add(&config, &format!("p{i}"))).collect();
+    assert!(addresses.iter().all(|a| a.starts_with("198.18.0.")));
+    // Twenty monitor passes with nothing to change: the demand settled.
+    let passes = |log: &str| log.matches("pass complete, nothing to change").count();
+    wait_for("a settled demand", WAIT, || {
+        api.state().pods("default").is_some() && passes(&daemon.log()) >= 1
+    });
+    let before = passes(&daemon.log());
+    wait_for("twenty idle passes", WAIT, || {
+        passes(&daemon.log()) >= before + 20
+    });
+    let history = demand_history(&api);
+    // 10 pods: ceil(10 / 0.75) = 14 asked (less if a pass ran between
+    // the ADDs), one /28 granted; its 3 reserved rows make 13 in use,
+    // ceil(13 / 0.75) = 18, a second /28; then the request is what the
+    // cluster holds (32). Before, each pass asked one /24 more than it was
+    // given: (12,1) (40,3) (88,6) ... (328,21).
+    assert_eq!(history.last(), Some(&(32, 2)), "{history:?}");
+    assert!(
+        history
+            .iter()
+            .all(|(pods, blocks)| *pods <= 32 && *blocks <= 2),
+        "{history:?}"
+    );
+    assert_eq!(api.state().next_block, 2, "{history:?}");
+}
+
+/// Monitor passes that found nothing to change, so far.
+fn idle_passes(daemon: &common::TestDaemon) -> usize {
+    daemon
+        .log()
+        .matches("pass complete, nothing to change")
+        .count()
+}
+
+#[test]
+fn issue32_the_serving_annotation_lists_the_blocks_in_use_on_every_object() {
+    let (dir, api, daemon, config) = quiet_cluster("cp-serving", &["-v", "4"]);
+    api.set_status(json!([
+        status_entry("a", "198.19.1.0/28"),
+        status_entry("b", "198.19.0.0/28")
+    ]));
+    wait_state(&dir, "198.19.0.0/28", Some("Ready"));
+    // The spec PATCH that asks for the pods carries the annotation: both
+    // blocks, canonical and in address order.
+    let held: Vec<String> = (0..13).map(|i| add(&config, &format!("p{i}"))).collect();
+    let both = "198.19.0.0/28,198.19.1.0/28";
+    api.wait_until("the annotation", WAIT, |s| {
+        s.serving().as_deref() == Some(both)
+    });
+    // Nothing changes: no PATCH of its own.
+    let patches = api.state().count("PATCH", 200);
+    let before = idle_passes(&daemon);
+    wait_for("ten idle passes", WAIT, || {
+        idle_passes(&daemon) >= before + 10
+    });
+    assert_eq!(api.state().count("PATCH", 200), patches);
+    let used = held[0]
+        .rsplit_once('.')
+        .map(|(net, _)| format!("{net}.0/28"));
+    let used = used.unwrap();
+    assert!(
+        held.iter().all(|a| a.starts_with(&used[..used.len() - 4])),
+        "{held:?}"
+    );
+
+    // Deleted by hand: re-created by the daemon, naming the block its pods
+    // still hold (the empty one was dropped with the old object).
+    api.delete_nnc();
+    api.wait_until("the re-created object", WAIT, |s| s.nnc.is_some());
+    assert_eq!(api.state().serving(), Some(used.clone()));
+    // The Node deleted and re-created, the object with it (the garbage
+    // collector): created again with the new owner and the annotation.
+    api.delete_node();
+    api.wait_until("the object to go with its Node", WAIT, |s| s.nnc.is_none());
+    api.recreate_node(&[]);
+    api.wait_until("the object of the new Node", WAIT, |s| s.nnc.is_some());
+    {
+        let state = api.state();
+        let nnc = state.nnc.as_ref().unwrap();
+        assert_eq!(
+            nnc["metadata"]["ownerReferences"][0]["uid"],
+            state.node["metadata"]["uid"]
+        );
+        assert_eq!(state.serving(), Some(used.clone()));
+    }
+    // Re-created by someone else, without the annotation: re-asserted.
+    api.recreate_nnc(json!([]));
+    api.wait_until("the annotation re-asserted", WAIT, |s| {
+        s.serving().as_deref() == Some(used.as_str())
+    });
+    // Its pods kept their addresses throughout.
+    for i in 0..13 {
+        assert_ok(&Plugin::new("CHECK", &format!("p{i}")).run(&config));
+    }
+}
+
+/// Versions of the object whose spec differs from the version before:
+/// the useful spec changes.
+fn spec_changes(api: &ApiServer) -> usize {
+    let state = api.state();
+    let specs: Vec<&Value> = state
+        .events
+        .iter()
+        .filter(|(_, kind, event, _)| *kind == "nnc" && *event != "DELETED")
+        .map(|(_, _, _, object)| &object["spec"])
+        .collect();
+    specs.windows(2).filter(|pair| pair[0] != pair[1]).count()
+}
+
+#[test]
+fn issue32_item7_behind_a_lagging_watch_a_conflict_is_read_not_resent() {
+    let dir = TestDir::new("cp-lagging-watch");
+    let api = ApiServer::start(NODE, &[]);
+    let _daemon = start_daemon(&dir, &api, "nnc", &["--monitor-interval", "2s"]);
+    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
+    api.state().watch_lag = Some(Duration::from_secs(3));
+    let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
+    let mut failed = 0usize;
+    std::thread::scope(|scope| {
+        // Churn: a wave of pods every 1.5 s (the rate of the load, not a
+        // wait for anything); one wave meets a conflict (another writer).
+        for wave in 0..12 {
+            let started = std::time::Instant::now();
+            if wave == 2 {
+                api.state().inject_conflicts = 1;
+            }
+            let adds: Vec<_> = (wave * 5..(wave + 1) * 5)
+                .map(|i| {
+                    let config = config.clone();
+                    scope.spawn(move || Plugin::new("ADD", &format!("pod-{i}")).run(&config))
+                })
+                .collect();
+            for add in adds {
+                failed += usize::from(!add.join().unwrap().status.success());
+            }
+            std::thread::sleep(Duration::from_millis(1500).saturating_sub(started.elapsed()));
+        }
+    });
+    let useful = spec_changes(&api);
+    let state = api.state();
+    let (ok, conflicts) = (state.count("PATCH", 200), state.count("PATCH", 409));
+    let ratio = (ok + conflicts) as f64 / useful as f64;
+    eprintln!(
+        "lagging watch: {} PATCHes ({ok} applied, {conflicts} conflicts) for {useful} spec changes: {ratio:.2} per change; {failed} of 60 ADDs failed",
+        ok + conflicts
+    );
+    // No older copy replaced a newer one: the versions the patches were
+    // computed from never go back.
+    let bases: Vec<u64> = state
+        .patch_bases
+        .iter()
+        .map(|rv| state.position(rv).unwrap())
+        .collect();
+    assert!(bases.windows(2).all(|pair| pair[0] <= pair[1]), "{bases:?}");
+    assert!(useful >= 4, "{useful} spec changes");
+    assert!(ratio <= 1.3, "{ratio:.2} PATCHes per spec change");
+    assert_eq!(failed, 0, "ADDs failed");
 }

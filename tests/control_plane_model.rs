@@ -296,7 +296,7 @@ fn run(seed: u64, steps: usize) {
     let ca = Authority::new("model-0");
     std::fs::write(&ca_file, ca.pem()).unwrap();
     let tls = TlsServer::new(&ca.server(), None);
-    let api = ApiServer::start_tls(NODE, &[], 1, tls, &ca_file);
+    let api = ApiServer::start_tls(NODE, &[], tls, &ca_file);
     api.with_state(|s| {
         s.controller = false;
         s.opaque = rng.chance(50);

@@ -74,23 +74,32 @@ impl Cluster {
         epoch: u64,
     ) -> Applied {
         let verdict = self.follower.stream(epoch, &nnc.meta);
+        if verdict == Verdict::Ignore {
+            log::debug(
+                "daemon",
+                "the watch is behind a copy this node read or wrote; skipping its older copy",
+                &[("version", &nnc.meta.resource_version)],
+            );
+            return Applied::default();
+        }
         self.apply_nnc(store, metrics, nnc, verdict)
     }
 
-    /// The object a successful PATCH returned, computed from `base`.
-    pub fn on_patched(
+    /// The object a successful PATCH returned, or the GET after its 409,
+    /// for the patch computed from `base`.
+    pub fn on_answer(
         &mut self,
         store: &mut Store,
         metrics: &Metrics,
         base: &str,
         nnc: Nnc,
     ) -> Applied {
-        let verdict = self.follower.patched(base, &nnc.meta);
+        let verdict = self.follower.answered(base, &nnc.meta);
         if verdict == Verdict::Ignore {
             log::debug(
                 "daemon",
-                "the watch is already past the patched version; keeping its copy",
-                &[("patched", &nnc.meta.resource_version)],
+                "the watch is already past this answer; keeping its copy",
+                &[("answer", &nnc.meta.resource_version)],
             );
             return Applied::default();
         }

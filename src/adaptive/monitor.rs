@@ -8,7 +8,9 @@ use super::policy::{self, BlockLoad, Load, LowUtilization};
 use crate::cidr::{Cidr, Family};
 use crate::kube::nnc::{self, Nnc, NncPatch, Node, PodCidr};
 use crate::log;
-use crate::store::{BlockFilter, BlockState, GrantChanges, Source, Store, StoreError};
+use crate::store::{
+    BlockFilter, BlockState, GrantChanges, Source, Store, StoreError, reserved_offsets,
+};
 
 /// Durations of the monitor, in milliseconds.
 #[derive(Debug, Clone, Copy)]
@@ -27,6 +29,8 @@ pub struct PassOutcome {
     pub patch: Option<NncPatch>,
     /// (action, network) for metrics: scale_up, drain, release, delete.
     pub actions: Vec<(&'static str, String)>,
+    /// The cluster's blocks this node serves after the pass ([`serving`]).
+    pub serving: Vec<Cidr>,
 }
 
 /// What syncing the cluster's grants changed locally.
@@ -204,12 +208,14 @@ pub fn pass(
             now_ms,
             now_ms.saturating_add(config.scale_up_wait_ms),
         )?;
+        let share = cluster_share(store, nnc, &network)?;
         let load = Load {
-            // Reserved rows are as unusable as pods' (upstream's count).
-            allocated: usage.allocated.saturating_add(usage.reserved),
+            // Reserved rows of the cluster's blocks are as unusable as
+            // pods' (upstream's count); the node's own ranges' are theirs.
+            allocated: usage.allocated.saturating_add(share.reserved),
             pending: pending(&network),
             total: usage.total,
-            granted: usage.total.saturating_sub(ungranted(store, nnc, &network)?),
+            from_cluster: share.addresses,
             cooling_soon: cooling.by_then,
         };
         if load.total == 0 {
@@ -230,55 +236,147 @@ pub fn pass(
             &mut outcome.actions,
         )?;
         let wanted = policy::final_pods(desired, released);
-        match allocations.iter_mut().find(|(n, _)| *n == network) {
-            Some((_, pods)) if *pods == wanted => {}
-            Some((_, pods)) => {
-                log::info(
-                    "monitor",
-                    "Scale-up triggered: capacity expansion requested",
-                    &[("network", &network), ("from", pods), ("to", &wanted)],
-                );
-                if wanted > *pods {
-                    outcome.actions.push(("scale_up", network.clone()));
-                }
-                *pods = wanted;
-            }
-            None => {
-                outcome.actions.push(("scale_up", network.clone()));
-                allocations.push((network.clone(), wanted));
-            }
-        }
+        set_request(&mut allocations, &network, wanted, &mut outcome.actions);
     }
-    if allocations != nnc.allocations || releasable != nnc.releasable {
+    outcome.serving = serving(store)?;
+    let spec_changed = allocations != nnc.allocations || releasable != nnc.releasable;
+    if spec_changed || serving_news(nnc, &outcome.serving) {
         outcome.patch = Some(NncPatch {
             resource_version: nnc.meta.resource_version.clone(),
             allocations,
             releasable,
+            serving: serving_text(&outcome.serving),
         });
     }
     Ok(outcome)
 }
 
-/// Addresses of the network's blocks the control plane does not account
-/// for: blocks of a NodeNetworkConfig status which no longer lists them,
-/// and blocks the cluster took back (kept for their pods).
-fn ungranted(store: &Store, nnc: &Nnc, network: &str) -> Result<i64, StoreError> {
-    let size = |cidr: &Cidr| i64::try_from(cidr.size()).unwrap_or(i64::MAX);
-    let mut sum = 0i64;
-    for (_, cidr) in store.nnc_only_blocks(network, Family::V4)? {
-        if status_entry(nnc, network, &cidr.to_string()).is_none() {
-            sum = sum.saturating_add(size(&cidr));
+/// Sets the request of `network` in `allocations` to `wanted`.
+fn set_request(
+    allocations: &mut Vec<(String, i64)>,
+    network: &str,
+    wanted: i64,
+    actions: &mut Vec<(&'static str, String)>,
+) {
+    match allocations.iter_mut().find(|(n, _)| n == network) {
+        Some((_, pods)) if *pods == wanted => {}
+        Some((_, pods)) => {
+            log::info(
+                "monitor",
+                "Scale-up triggered: capacity expansion requested",
+                &[("network", &network), ("from", pods), ("to", &wanted)],
+            );
+            if wanted > *pods {
+                actions.push(("scale_up", network.to_string()));
+            }
+            *pods = wanted;
+        }
+        None => {
+            actions.push(("scale_up", network.to_string()));
+            allocations.push((network.to_string(), wanted));
+        }
+    }
+}
+
+/// The blocks this node got from the cluster that it has not released and
+/// still serves or drains: its NodeNetworkConfig blocks that are not
+/// Deleting, and the ones the cluster took back that pods (or cooling
+/// addresses) still keep in the store. Sorted, each once.
+pub fn serving(store: &Store) -> Result<Vec<Cidr>, StoreError> {
+    let mut cidrs = Vec::new();
+    for network in store.networks()? {
+        for family in [Family::V4, Family::V6] {
+            cidrs.extend(
+                store
+                    .nnc_only_blocks(&network, family)?
+                    .into_iter()
+                    .map(|(_, c)| c),
+            );
         }
     }
     for block in store.taken_back()? {
-        match block.cidr.parse::<Cidr>() {
-            Ok(cidr) if block.network == network && cidr.family() == Family::V4 => {
-                sum = sum.saturating_add(size(&cidr));
-            }
-            _ => {}
+        if block.source == Source::Nnc.as_str()
+            && let Ok(cidr) = block.cidr.parse::<Cidr>()
+        {
+            cidrs.push(cidr);
         }
     }
-    Ok(sum)
+    cidrs.sort();
+    cidrs.dedup();
+    Ok(cidrs)
+}
+
+/// The `metis.x-k8s.io/serving` annotation's text: canonical CIDRs, in
+/// order, comma-separated.
+pub fn serving_text(cidrs: &[Cidr]) -> String {
+    cidrs
+        .iter()
+        .map(Cidr::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Whether the annotation on `nnc` tells the controller something other
+/// than `serving` does about blocks its status does not list — the only
+/// ones the controller learns anything from it about (a listed block stays
+/// this node's anyway). A block served but unlisted must be claimed back
+/// (a re-created object); one claimed but no longer served must not be.
+/// Otherwise the annotation rides along with the next spec PATCH and costs
+/// no write of its own.
+fn serving_news(nnc: &Nnc, serving: &[Cidr]) -> bool {
+    let unlisted = |cidr: &Cidr| {
+        !nnc.pod_cidrs
+            .iter()
+            .any(|entry| same_cidr(Some(&entry.cidr), &cidr.to_string()))
+    };
+    let mut claimed: Vec<Cidr> = nnc
+        .serving
+        .split(',')
+        .filter_map(|text| text.trim().parse::<Cidr>().ok())
+        .filter(unlisted)
+        .collect();
+    claimed.sort();
+    claimed.dedup();
+    let needed: Vec<Cidr> = serving.iter().copied().filter(unlisted).collect();
+    claimed != needed
+}
+
+/// The network's IPv4 blocks that the cluster granted and its status
+/// still lists: their addresses, and the rows they reserve (which no pod
+/// can use). What the controller counts against the request; the node's
+/// own ranges, blocks a re-created object's status does not list and
+/// blocks the cluster took back are not counted (see
+/// [`policy::Load::from_cluster`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ClusterShare {
+    addresses: i64,
+    reserved: i64,
+}
+
+fn cluster_share(store: &Store, nnc: &Nnc, network: &str) -> Result<ClusterShare, StoreError> {
+    let first_v4 = store
+        .blocks(&BlockFilter {
+            network: Some(network.to_string()),
+            state: None,
+            family: Some(Family::V4),
+        })?
+        .iter()
+        .map(|block| block.id)
+        .min();
+    let mut share = ClusterShare::default();
+    for (id, cidr) in store.nnc_only_blocks(network, Family::V4)? {
+        if status_entry(nnc, network, &cidr.to_string()).is_none() {
+            continue;
+        }
+        let reserved = reserved_offsets(&cidr, store.reserve_mode(), first_v4 == Some(id)).len();
+        share.addresses = share
+            .addresses
+            .saturating_add(i64::try_from(cidr.size()).unwrap_or(i64::MAX));
+        share.reserved = share
+            .reserved
+            .saturating_add(i64::try_from(reserved).unwrap_or(i64::MAX));
+    }
+    Ok(share)
 }
 
 /// The drain step, with the low-utilisation start time kept in the store so
@@ -522,20 +620,118 @@ mod tests {
         fill(&mut store, 13);
         let snapshot = nnc("5", Some(16), &[], &[]);
         let outcome = pass(&mut store, &snapshot, &|_| 10, CONFIG, crate::log::now_ms()).unwrap();
-        // 13 + 3 reserved + 10 waiting = 26 → ceil(26 / 0.75) = 35.
+        // 13 pods + 10 waiting = 23 → ceil(23 / 0.75) = 31; the --cidr
+        // block's 3 reserved rows are the node's own, not the cluster's.
         assert_eq!(
             outcome.patch,
             Some(NncPatch {
                 resource_version: "5".into(),
-                allocations: vec![("default".into(), 35)],
+                allocations: vec![("default".into(), 31)],
                 releasable: Vec::new(),
+                serving: String::new(),
             })
         );
         assert_eq!(outcome.actions, vec![("scale_up", "default".to_string())]);
         // Nothing changed: no patch.
-        let settled = nnc("6", Some(35), &[], &[]);
+        let settled = nnc("6", Some(31), &[], &[]);
         let outcome = pass(&mut store, &settled, &|_| 10, CONFIG, crate::log::now_ms()).unwrap();
         assert_eq!(outcome.patch, None);
+    }
+
+    #[test]
+    fn a_static_range_is_not_counted_as_held_and_the_request_settles() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store
+            .add_cidr_block("default", &"198.18.0.0/24".parse().unwrap())
+            .unwrap();
+        fill(&mut store, 10);
+        let now = crate::log::now_ms();
+        let asked = |store: &mut Store, snapshot: &Nnc| {
+            pass(store, snapshot, &|_| 0, CONFIG, now)
+                .unwrap()
+                .patch
+                .map(|p| p.allocations)
+        };
+        // 10 pods: ceil(10 / 0.75) = 14, whatever the /24 holds.
+        let first = nnc("1", None, &[], &[]);
+        assert_eq!(
+            asked(&mut store, &first),
+            Some(vec![("default".into(), 14)])
+        );
+        // One /28 granted, which reserves 3 rows (this store reserves in
+        // every block): 13 in use, ceil(13 / 0.75) = 18.
+        let one = nnc("2", Some(14), &["198.19.0.0/28"], &[]);
+        sync(&mut store, &one);
+        assert_eq!(asked(&mut store, &one), Some(vec![("default".into(), 18)]));
+        // Two /28s cover 18: the request is what the cluster holds (32).
+        let two = ["198.19.0.0/28", "198.19.0.16/28"];
+        let granted = nnc("3", Some(18), &two, &[]);
+        sync(&mut store, &granted);
+        assert_eq!(
+            asked(&mut store, &granted),
+            Some(vec![("default".into(), 32)])
+        );
+        // Covered: nothing more is asked for, pass after pass.
+        let settled = nnc("4", Some(32), &two, &[]);
+        for _ in 0..3 {
+            assert_eq!(asked(&mut store, &settled), None);
+        }
+    }
+
+    #[test]
+    fn the_serving_annotation_is_written_alone_only_about_unlisted_blocks() {
+        let cidrs =
+            |texts: &[&str]| -> Vec<Cidr> { texts.iter().map(|t| t.parse().unwrap()).collect() };
+        let with = |annotation: &str| {
+            let mut copy = nnc("1", Some(16), &["198.19.0.0/28"], &[]);
+            copy.serving = annotation.to_string();
+            copy
+        };
+        let listed = ["198.19.0.0/28"];
+        let both = ["198.19.0.0/28", "198.19.1.0/28"];
+        // A listed block stays the node's: no write of its own for it.
+        assert!(!serving_news(&with(""), &cidrs(&listed)));
+        // Served but unlisted (a re-created object): claimed back.
+        assert!(serving_news(&with(""), &cidrs(&both)));
+        assert!(serving_news(&with("198.19.0.0/28"), &cidrs(&both)));
+        // Already claimed, however spelled: nothing new.
+        assert!(!serving_news(&with("198.19.1.0/28"), &cidrs(&both)));
+        assert!(!serving_news(
+            &with(" 198.19.1.0/28 ,garbage"),
+            &cidrs(&both)
+        ));
+        // Claimed but no longer served: withdrawn.
+        assert!(serving_news(&with("198.19.1.0/28"), &cidrs(&listed)));
+        assert_eq!(
+            serving_text(&cidrs(&["198.19.1.0/28", "198.19.0.0/28"])[..]),
+            "198.19.1.0/28,198.19.0.0/28",
+            "the caller sorts"
+        );
+        assert_eq!(serving_text(&cidrs(&both)), "198.19.0.0/28,198.19.1.0/28");
+    }
+
+    #[test]
+    fn serving_lists_the_clusters_blocks_still_held_and_nothing_else() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store
+            .add_cidr_block("default", &"198.18.0.0/30".parse().unwrap())
+            .unwrap();
+        let three = ["198.19.0.0/28", "198.19.0.16/28", "198.19.0.32/28"];
+        sync(&mut store, &nnc("1", Some(16), &three, &[]));
+        // A pod in the first cluster block (the /30's one address first).
+        fill(&mut store, 2);
+        let text = |store: &Store| serving_text(&serving(store).unwrap());
+        assert_eq!(
+            text(&store),
+            "198.19.0.0/28,198.19.0.16/28,198.19.0.32/28",
+            "the static /30 is the node's own"
+        );
+        // A re-created object lists none of them: the one with a pod is
+        // kept for it (taken back) and still served; the empty ones go.
+        sync(&mut store, &nnc("2", None, &[], &[]));
+        assert_eq!(text(&store), "198.19.0.0/28");
     }
 
     #[test]

@@ -8,18 +8,21 @@
 /// Address counts of one network and family, as the monitor sees them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Load {
-    /// Allocated rows, reserved ones included (upstream's `allocated_ips`).
+    /// Pods' addresses, in every block, and the rows the cluster's blocks
+    /// reserve (upstream counts every block's reserved rows; the node's own
+    /// ranges' are no business of the cluster's).
     pub allocated: i64,
     /// Requests waiting for an address.
     pub pending: i64,
     /// Addresses in non-Deleting blocks.
     pub total: i64,
-    /// The part of `total` the control plane accounts for: the node's own
-    /// ranges and the blocks its status lists. Local blocks the status no
-    /// longer lists (a deleted and re-created object) are left out, or the
-    /// request would always exceed what the status provides and the cloud
-    /// would add a block on every pass.
-    pub granted: i64,
+    /// The part of `total` in the cluster's blocks that the status lists:
+    /// what the controller counts against the request. The node's own
+    /// ranges (CNI `ranges`, `--cidr`) are left out — the controller never
+    /// sees them, so counting them would make every pass ask one range
+    /// more than it was given — and so are local blocks the status no
+    /// longer lists (a deleted and re-created object).
+    pub from_cluster: i64,
     /// Free addresses of Ready blocks whose release cooldown ends within
     /// `--scale-up-wait`: capacity that is coming for a waiter in time.
     pub cooling_soon: i64,
@@ -30,8 +33,11 @@ pub struct Load {
 /// held plus the waiters, never less than the current request. Two
 /// differences:
 ///
-/// - "held" is what the control plane granted, not the local total (local
-///   leftovers would make the request exceed the status forever);
+/// - "held" is what the cluster's status grants, not the local total: the
+///   node's own ranges and local leftovers would make the request exceed
+///   what the controller counts forever, and it would add a block on
+///   every pass (the request covers the pods' need from the cluster's
+///   blocks alone, whatever the node's own ranges hold);
 /// - waiters that cooling addresses will serve within `--scale-up-wait`
 ///   are not waiting for the cloud. Upstream instead asks for nothing at
 ///   all while more than 10 addresses cool, however far off their release
@@ -44,7 +50,7 @@ pub fn scale_up(load: Load, current_pods: i64) -> i64 {
     let used = load.allocated.saturating_add(unserved).max(0);
     // ceil(used / 0.75) == ceil(4 * used / 3), exactly.
     let at_target = used.saturating_mul(4).saturating_add(2) / 3;
-    let held = load.granted.saturating_add(unserved);
+    let held = load.from_cluster.saturating_add(unserved);
     at_target.max(held).max(current_pods)
 }
 
@@ -129,7 +135,7 @@ mod tests {
             allocated,
             pending,
             total,
-            granted: total,
+            from_cluster: total,
             cooling_soon: 0,
         }
     }
@@ -214,7 +220,7 @@ mod tests {
             allocated: 5,
             pending: 0,
             total: 48,
-            granted: 48,
+            from_cluster: 48,
             cooling_soon: 20,
         };
         assert_eq!(blocks_to_drain(&blocks, load), vec![2]);
@@ -325,25 +331,70 @@ mod tests {
 
     #[test]
     fn blocks_the_status_no_longer_lists_are_not_asked_for_again() {
-        // A re-created object: the local /28 CNI range is granted, three
-        // /28s from the old object are not. No pod runs.
+        // A re-created object: a local /28 CNI range and three /28s from
+        // the old object, none of which the new status lists. 3 reserved.
         let load = Load {
             allocated: 3,
             pending: 0,
             total: 64,
-            granted: 16,
+            from_cluster: 0,
             cooling_soon: 0,
         };
-        assert_eq!(scale_up(load, 0), 16);
+        assert_eq!(scale_up(load, 0), 4);
         // Applied to the next pass (nothing changed): a fixed point, so
         // the cloud is never asked for another block.
-        assert_eq!(scale_up(load, 16), 16);
+        assert_eq!(scale_up(load, 4), 4);
         // Pods on the old blocks still count as used.
         let busy = Load {
             allocated: 40,
             ..load
         };
-        assert_eq!(scale_up(busy, 16), 54);
+        assert_eq!(scale_up(busy, 4), 54);
+    }
+
+    /// The request and blocks of `passes` monitor passes of a node with
+    /// `allocated` addresses in use and a static range of `own` addresses,
+    /// against a controller that covers each request with /28s of its
+    /// status alone (the contract: neither side counts the node's ranges).
+    fn passes(allocated: i64, own: i64, count: usize) -> Vec<(i64, i64)> {
+        let mut asked = 0i64;
+        let mut blocks = 0i64;
+        let mut seen = Vec::new();
+        for _ in 0..count {
+            let load = Load {
+                allocated,
+                pending: 0,
+                total: own + 16 * blocks,
+                from_cluster: 16 * blocks,
+                cooling_soon: 0,
+            };
+            asked = scale_up(load, asked);
+            blocks = blocks.max((asked + 15) / 16);
+            seen.push((asked, blocks));
+        }
+        seen
+    }
+
+    #[test]
+    fn a_static_range_does_not_make_the_request_run_away() {
+        // A static /24 with 10 pods (its reserved rows are its own): asked
+        // for ceil(10 / 0.75) = 14, one /28 granted; from then on the
+        // request is what the cluster holds (16) and nothing more is
+        // granted. Before, the /24 counted as held and each pass asked one
+        // /24 more than the controller gave: (12, 1) (40, 3) (88, 6) ...
+        let seen = passes(10, 256, 8);
+        assert_eq!(seen[0], (14, 1));
+        assert!(
+            seen[1..].iter().all(|step| *step == (16, 1)),
+            "settles: {seen:?}"
+        );
+        // Whatever the static range: the same demand, the same answer.
+        assert_eq!(passes(10, 16, 8), seen);
+        assert_eq!(passes(10, 65_536, 8), seen);
+        // More pods: more blocks, settling again.
+        let busy = passes(40, 256, 8);
+        assert_eq!(busy[0], (54, 4));
+        assert!(busy[1..].iter().all(|step| *step == (64, 4)), "{busy:?}");
     }
 
     #[test]

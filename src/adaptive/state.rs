@@ -417,7 +417,13 @@ impl Adaptive {
                 self.patching = None;
                 self.patch_problem = None;
                 log::info("daemon", "Successfully patched NodeNetworkConfig", &[]);
-                let applied = self.cluster.on_patched(store, &self.metrics, &base, *nnc);
+                let applied = self.cluster.on_answer(store, &self.metrics, &base, *nnc);
+                self.note_latest_answer();
+                applied
+            }
+            KubeEvent::Refetched { base, nnc, streak } => {
+                self.on_conflict(streak, now);
+                let applied = self.cluster.on_answer(store, &self.metrics, &base, *nnc);
                 self.note_latest_answer();
                 applied
             }
@@ -446,7 +452,21 @@ impl Adaptive {
                 return Vec::new();
             }
         };
+        self.publish_serving(engine);
         self.take(applied)
+    }
+
+    /// Hands the blocks this node serves now to the watch thread, which
+    /// creates the NodeNetworkConfig with them if it must (again).
+    fn publish_serving(&self, engine: &Engine) {
+        match monitor::serving(engine.store()) {
+            Ok(cidrs) => self.link.set_serving(monitor::serving_text(&cidrs)),
+            Err(err) => log::error(
+                "daemon",
+                "reading the blocks this node serves failed",
+                &[("error", &err)],
+            ),
+        }
     }
 
     /// Takes in what applying a copy did: a new object, from which no
@@ -458,9 +478,9 @@ impl Adaptive {
         applied.grown
     }
 
-    /// A patch lost a race: the watch brings the newer version, so the
-    /// patch is recomputed now from the copy there is (the patcher paces
-    /// what is sent).
+    /// A patch lost a race: it is decided again now from the copy there is
+    /// (the one read after the 409, or the watch's if the read failed; the
+    /// patcher paces what is sent).
     fn on_conflict(&mut self, streak: u32, now: Instant) {
         self.patching = None;
         self.next_pass = now;
@@ -613,6 +633,7 @@ impl Adaptive {
             .extend(self.parked.iter().map(|p| p.network.clone()));
         self.cluster.refresh(engine.store_mut(), &self.metrics);
         let Some(nnc) = self.cluster.latest() else {
+            self.publish_serving(engine);
             return;
         };
         if self.patching.as_deref() == Some(nnc.meta.resource_version.as_str()) {
@@ -632,6 +653,8 @@ impl Adaptive {
                 for (action, network) in &outcome.actions {
                     self.metrics.monitor_action(action, network);
                 }
+                self.link
+                    .set_serving(monitor::serving_text(&outcome.serving));
                 match outcome.patch {
                     Some(patch) => {
                         self.cluster.patch_sent(&version);

@@ -1,13 +1,14 @@
 //! Which copies of this node's object are true now. Resource versions are
 //! opaque: they are compared for equality, never ordered. Order comes from
 //! the stream itself — a list, then its watch, one epoch — and from the
-//! precondition of our own patches (the object a successful PATCH returns
-//! is the direct successor of the version it was computed from). The rule
-//! and why it cannot bring back a released block are in docs/design.md,
-//! "Following the control plane".
+//! API server's answers to our own reads and writes, judged by the
+//! freshness rule ([`super::fresh`]). The rule and why it cannot bring
+//! back a released block are in docs/design.md, "Following the control
+//! plane".
 
 use std::collections::VecDeque;
 
+use super::fresh::{Fresh, Freshness};
 use super::nnc::{Kind, Meta};
 use crate::log;
 
@@ -128,59 +129,67 @@ pub enum Verdict {
     Ignore,
 }
 
-/// The loop's view: which object (uid) and version its copy is, and of
-/// which stream epoch.
+/// The loop's view: which object (uid) and version its copy is, and how
+/// fresh copies are ([`Freshness`]).
 #[derive(Debug, Default)]
 pub struct Follower {
     uid: Option<String>,
     version: Option<String>,
-    epoch: u64,
+    fresh: Freshness,
     /// The version (and its epoch) the patch in flight was computed from.
     sent: Option<(String, u64)>,
 }
 
 impl Follower {
-    /// A copy from the stream (list or watch): always the truth now; the
-    /// watch thread already dropped replays and foreign objects.
+    /// A copy from the stream (list or watch; the watch thread already
+    /// dropped replays and foreign objects): the truth now, unless this
+    /// process read or wrote a later copy the stream has not reached.
     pub fn stream(&mut self, epoch: u64, meta: &Meta) -> Verdict {
-        self.epoch = epoch;
+        if self.fresh.streamed(epoch, &meta.resource_version) == Fresh::Stale {
+            return Verdict::Ignore;
+        }
         self.version = Some(meta.resource_version.clone());
         self.adopt_uid(&meta.uid)
     }
 
     /// A patch computed from the current copy went out.
     pub fn patch_sent(&mut self, base: &str) {
-        self.sent = Some((base.to_string(), self.epoch));
+        self.sent = Some((base.to_string(), self.fresh.epoch()));
     }
 
-    /// The object a successful PATCH returned. It is the direct successor
-    /// of `base` (the patch's precondition), so it is news exactly when the
-    /// copy is still `base` of the same epoch; otherwise the stream
-    /// delivered it, or later. (After a relist the same version may name
-    /// another object: an etcd restore hands out old versions again.)
-    pub fn patched(&mut self, base: &str, meta: &Meta) -> Verdict {
-        let sent = self.sent.take();
+    /// A copy read or written outside the stream for the patch computed
+    /// from `base`: what a successful PATCH returned, or the GET after its
+    /// 409. Adopted when it is newer than the copy held (the freshness
+    /// rule) and of the same object; an answer to a patch nobody sent, or
+    /// sent before a relist (after an etcd restore the same version names
+    /// another object), is not.
+    pub fn answered(&mut self, base: &str, meta: &Meta) -> Verdict {
+        let Some((sent, epoch)) = self.sent.take() else {
+            return Verdict::Ignore;
+        };
         let same_object = self.uid.as_deref().is_none_or(|uid| uid == meta.uid);
-        let from_this_copy = sent.as_ref().is_some_and(|(version, epoch)| {
-            version == base && *epoch == self.epoch && self.version.as_deref() == Some(base)
-        });
-        if !from_this_copy || !same_object {
+        if sent != base || !same_object {
             return Verdict::Ignore;
         }
-        self.version = Some(meta.resource_version.clone());
-        Verdict::Apply
+        match self.fresh.fetched(epoch, &meta.resource_version) {
+            Fresh::Stale => Verdict::Ignore,
+            Fresh::Newer => {
+                self.version = Some(meta.resource_version.clone());
+                Verdict::Apply
+            }
+        }
     }
 
     /// The object is gone (deleted, or a list found none). Its uid is kept:
     /// the next object of that name is a new one.
     pub fn gone(&mut self, epoch: u64) {
-        self.epoch = epoch;
+        self.fresh.gone(epoch);
         self.version = None;
     }
 
-    /// The epoch of the copy applied last.
+    /// The stream epoch of the copies seen last.
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.fresh.epoch()
     }
 
     /// The version of the copy applied last (`None` after a delete).
@@ -260,41 +269,60 @@ mod tests {
     }
 
     #[test]
-    fn a_patch_answer_is_news_only_as_the_successor_of_the_copy() {
+    fn an_answer_is_adopted_unless_the_stream_is_already_there() {
         let mut follower = Follower::default();
         follower.stream(1, &meta("n", "u1", "10"));
         follower.patch_sent("10");
         assert_eq!(
-            follower.patched("10", &meta("n", "u1", "11")),
+            follower.answered("10", &meta("n", "u1", "11")),
             Verdict::Apply
         );
         assert_eq!(follower.version(), Some("11"));
-        // The stream moved on before the answer was handled: ignored.
-        follower.patch_sent("11");
-        follower.stream(1, &meta("n", "u1", "12"));
+        // The lagging watch brings 11 late: not applied again, nor is
+        // anything older.
+        assert_eq!(follower.stream(1, &meta("n", "u1", "11")), Verdict::Ignore);
+        assert_eq!(follower.stream(1, &meta("n", "u1", "12")), Verdict::Apply);
+        // The stream delivered the answer's version before the answer was
+        // handled: ignored (the stream's copy is as new or newer).
+        follower.patch_sent("12");
+        follower.stream(1, &meta("n", "u1", "13"));
         assert_eq!(
-            follower.patched("11", &meta("n", "u1", "13")),
+            follower.answered("12", &meta("n", "u1", "13")),
             Verdict::Ignore
         );
         // Another object's answer is never adopted.
-        follower.patch_sent("12");
+        follower.patch_sent("13");
         assert_eq!(
-            follower.patched("12", &meta("n", "u9", "14")),
+            follower.answered("13", &meta("n", "u9", "14")),
             Verdict::Ignore
         );
-        assert_eq!(follower.version(), Some("12"));
+        assert_eq!(follower.version(), Some("13"));
         // An etcd restore: a relist brings the same version back, naming
         // another object; an answer to a patch of the old one is stale.
-        follower.patch_sent("12");
-        follower.stream(2, &meta("n", "u1", "12"));
+        follower.patch_sent("13");
+        follower.stream(2, &meta("n", "u1", "13"));
         assert_eq!(
-            follower.patched("12", &meta("n", "u1", "13")),
+            follower.answered("13", &meta("n", "u1", "14")),
             Verdict::Ignore
         );
         // A patch nobody sent (or answered twice) is not adopted either.
         assert_eq!(
-            follower.patched("12", &meta("n", "u1", "13")),
+            follower.answered("13", &meta("n", "u1", "14")),
             Verdict::Ignore
         );
+    }
+
+    #[test]
+    fn a_read_after_a_conflict_wins_over_the_lagging_watch() {
+        let mut follower = Follower::default();
+        follower.stream(1, &meta("n", "u1", "105"));
+        follower.patch_sent("105");
+        // 409: the GET answers 107; the watch still brings 106 later.
+        assert_eq!(
+            follower.answered("105", &meta("n", "u1", "107")),
+            Verdict::Apply
+        );
+        assert_eq!(follower.stream(1, &meta("n", "u1", "106")), Verdict::Ignore);
+        assert_eq!(follower.version(), Some("107"), "never 107, then 106");
     }
 }

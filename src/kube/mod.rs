@@ -6,5 +6,7 @@ pub mod backoff;
 pub mod client;
 pub mod config;
 pub mod follow;
+pub mod fresh;
 pub mod nnc;
+pub mod objects;
 pub mod worker;

@@ -4,9 +4,13 @@
 //! are kept whole so the ones given back in `releasableCIDRs` are exactly
 //! what the status published.
 
-use serde_json::{Value, json};
+use serde_json::{Map, Value};
 
 use super::client::{ApiClient, KubeError};
+use super::objects::{
+    Allocation, Condition, NNC_API_VERSION, NNC_KIND, NewNnc, ObjectMeta, OwnerReference,
+    PatchMeta, PatchSpec, PodCidrEntry, SpecPatch, entries, lenient,
+};
 use crate::defaults::DEFAULT_NETWORK;
 
 const NNC_PATH: &str = "/apis/networking.gke.io/v1/nodenetworkconfigs";
@@ -17,6 +21,12 @@ const NODE_PATH: &str = "/api/v1/nodes";
 /// reported. A node holds at most a few hundred pods, so a status with
 /// more than this many blocks is broken, not big.
 pub const MAX_ENTRIES: usize = 256;
+
+/// The annotation in which the node lists the blocks it got from the
+/// cluster that it has not released and still serves or drains
+/// (comma-separated canonical CIDRs, sorted): a controller that lost them
+/// (a re-created object) learns they are in use.
+pub const SERVING_ANNOTATION: &str = "metis.x-k8s.io/serving";
 
 /// Which object a watch follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,17 +97,12 @@ pub struct Meta {
 
 impl Meta {
     pub fn parse(object: &Value) -> Meta {
-        let text = |key: &str| {
-            object["metadata"][key]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        };
+        let meta: ObjectMeta = lenient(&object["metadata"]);
         Meta {
-            name: text("name"),
-            namespace: text("namespace"),
-            uid: text("uid"),
-            resource_version: text("resourceVersion"),
+            name: meta.name,
+            namespace: meta.namespace,
+            uid: meta.uid,
+            resource_version: meta.resource_version,
         }
     }
 
@@ -126,45 +131,36 @@ pub struct StatusCidr {
 }
 
 impl StatusCidr {
-    fn parse(entry: &Value) -> Option<StatusCidr> {
-        let cidr = entry["cidr"].as_str()?.to_string();
-        let condition = &entry["condition"];
-        let (kind, status) = (condition["type"].as_str(), condition["status"].as_str());
+    fn parse(entry: &PodCidrEntry) -> Option<StatusCidr> {
+        let cidr = entry.cidr.clone()?;
+        let condition = entry.condition.as_ref();
+        let (kind, status) = (
+            condition.and_then(|c| c.kind.as_deref()),
+            condition.and_then(|c| c.status.as_deref()),
+        );
         let condition_text = match (kind, status) {
-            (Some(kind), Some(status)) => match condition["reason"].as_str() {
+            (Some(kind), Some(status)) => match condition.and_then(|c| c.reason.as_deref()) {
                 Some(reason) if !reason.is_empty() => format!("{kind}={status} ({reason})"),
                 _ => format!("{kind}={status}"),
             },
-            _ if condition.is_null() => "none".to_string(),
+            _ if condition.is_none() => "none".to_string(),
             _ => "malformed".to_string(),
         };
         Some(StatusCidr {
-            network: network_of(entry),
+            network: network_or_default(entry.network.as_deref()),
             cidr,
             ready: kind == Some("Ready") && status == Some("True"),
-            reusable: entry["type"].as_str() != Some("NonReusable"),
+            reusable: entry.kind.as_deref() != Some("NonReusable"),
             condition: condition_text,
-            raw: PodCidr(entry.clone()),
+            raw: entry.clone(),
         })
     }
 }
 
-/// A PodCIDR object as the status published it, kept whole so the one
-/// given back in `releasableCIDRs` is exactly that object.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PodCidr(Value);
-
-impl PodCidr {
-    /// Its `cidr` field, as written.
-    pub fn cidr(&self) -> Option<&str> {
-        self.0["cidr"].as_str()
-    }
-
-    /// The object as read.
-    pub fn raw(&self) -> &Value {
-        &self.0
-    }
-}
+/// A PodCIDR object as the status published it, kept whole (unknown
+/// fields included) so the one given back in `releasableCIDRs` is exactly
+/// that object.
+pub type PodCidr = PodCidrEntry;
 
 /// What Metis needs of a NodeNetworkConfig.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -189,6 +185,8 @@ pub struct Nnc {
     /// The reason of the `Ready` condition in `status.conditions`, of
     /// whatever generation.
     pub ready_reason: Option<String>,
+    /// The [`SERVING_ANNOTATION`]'s text ("" without one).
+    pub serving: String,
 }
 
 /// The reason of the NodeNetworkConfig's Ready condition when no block can
@@ -241,46 +239,47 @@ impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
     /// since the cloud controller owns the status.
     pub fn parse(value: &Value) -> Nnc {
-        let allocations = list(&value["spec"]["allocations"])
-            .map(|entry| (network_of(entry), entry["pods"].as_i64().unwrap_or(0)))
-            .collect();
-        let releasable = list(&value["spec"]["releasableCIDRs"])
-            .cloned()
-            .map(PodCidr)
-            .collect();
-        let pod_cidrs = list(&value["status"]["podCIDRs"])
-            .filter_map(StatusCidr::parse)
-            .collect();
-        let truncated = [
-            &value["spec"]["allocations"],
-            &value["spec"]["releasableCIDRs"],
-            &value["status"]["podCIDRs"],
-        ]
-        .iter()
-        .any(|l| l.as_array().is_some_and(|a| a.len() > MAX_ENTRIES));
-        let generation = value["metadata"]["generation"].as_i64().unwrap_or(0);
-        let ready = list(&value["status"]["conditions"]).find(|c| c["type"] == "Ready");
-        let ready_reason = ready.and_then(|c| c["reason"].as_str()).map(str::to_string);
+        let meta: ObjectMeta = lenient(&value["metadata"]);
+        let (spec, status) = (&value["spec"], &value["status"]);
+        let (allocations, long_allocations) =
+            entries::<Allocation>(&spec["allocations"], MAX_ENTRIES);
+        let (releasable, long_releasable) =
+            entries::<PodCidrEntry>(&spec["releasableCIDRs"], MAX_ENTRIES);
+        let (entries_read, long_status) = entries::<PodCidrEntry>(&status["podCIDRs"], MAX_ENTRIES);
+        let (conditions, _) = entries::<Condition>(&status["conditions"], MAX_ENTRIES);
+        let generation = meta.generation;
+        let ready = conditions
+            .iter()
+            .find(|c| c.kind.as_deref() == Some("Ready"));
         let quota_exceeded = ready
             .filter(|c| {
-                c["status"] == "False"
-                    && c["reason"] == QUOTA_EXCEEDED
-                    && c["observedGeneration"].as_i64().unwrap_or(0) == generation
+                c.status.as_deref() == Some("False")
+                    && c.reason.as_deref() == Some(QUOTA_EXCEEDED)
+                    && c.observed_generation.unwrap_or(0) == generation
             })
-            .map(|c| c["message"].as_str().unwrap_or_default().to_string());
+            .map(|c| c.message.clone().unwrap_or_default());
         let quota_until = quota_exceeded
             .as_deref()
             .map_or(QuotaEnd::Unsaid, QuotaEnd::of);
         Nnc {
             meta: Meta::parse(value),
-            allocations,
+            serving: meta
+                .annotations
+                .get(SERVING_ANNOTATION)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+            allocations: allocations
+                .into_iter()
+                .map(|a| (network_or_default(Some(&a.network)), a.pods))
+                .collect(),
             releasable,
-            pod_cidrs,
-            truncated,
+            pod_cidrs: entries_read.iter().filter_map(StatusCidr::parse).collect(),
+            truncated: long_allocations || long_releasable || long_status,
             generation,
             quota_exceeded,
             quota_until,
-            ready_reason,
+            ready_reason: ready.and_then(|c| c.reason.clone()),
         }
     }
 
@@ -328,9 +327,10 @@ pub fn resource_version(value: &Value) -> String {
         .to_string()
 }
 
-fn network_of(entry: &Value) -> String {
-    entry["network"]
-        .as_str()
+/// A network's name as an entry gives it: empty or missing is the
+/// default network.
+fn network_or_default(network: Option<&str>) -> String {
+    network
         .filter(|n| !n.is_empty())
         .unwrap_or(DEFAULT_NETWORK)
         .to_string()
@@ -341,29 +341,38 @@ fn list(value: &Value) -> impl Iterator<Item = &Value> {
 }
 
 /// Makes sure this node's NodeNetworkConfig exists, created with the Node
-/// as its controlling owner (so it goes away with the node).
-pub fn ensure(client: &ApiClient, node: &str) -> Result<(), KubeError> {
+/// as its controlling owner (so it goes away with the node) and with
+/// `serving` (the [`SERVING_ANNOTATION`]'s text) so that the controller
+/// learns at once which blocks this node still serves.
+pub fn ensure(client: &ApiClient, node: &str, serving: &str) -> Result<(), KubeError> {
     match client.get(&Kind::Nnc.item_path(node)) {
         Ok(_) => return Ok(()),
         Err(err) if err.is_status(404) => {}
         Err(err) => return Err(err),
     }
     let node_object = client.get(&Kind::Node.item_path(node))?;
-    let uid = node_object["metadata"]["uid"].as_str().unwrap_or_default();
-    let body = json!({
-        "apiVersion": "networking.gke.io/v1",
-        "kind": "NodeNetworkConfig",
-        "metadata": {
-            "name": node,
-            "ownerReferences": [{
-                "apiVersion": "v1",
-                "kind": "Node",
-                "name": node,
-                "uid": uid,
-                "controller": true,
-            }],
-        },
-        "spec": {},
+    let mut metadata = ObjectMeta {
+        name: node.to_string(),
+        owner_references: vec![OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node.to_string(),
+            uid: Meta::parse(&node_object).uid,
+            controller: true,
+            rest: Map::new(),
+        }],
+        ..ObjectMeta::default()
+    };
+    if !serving.is_empty() {
+        metadata
+            .annotations
+            .insert(SERVING_ANNOTATION.into(), serving.into());
+    }
+    let body = to_json(&NewNnc {
+        api_version: NNC_API_VERSION,
+        kind: NNC_KIND,
+        metadata,
+        spec: Map::new(),
     });
     match client.post(NNC_PATH, &body) {
         Ok(_) => Ok(()),
@@ -382,27 +391,46 @@ pub struct NncPatch {
     pub allocations: Vec<(String, i64)>,
     /// `spec.releasableCIDRs`.
     pub releasable: Vec<PodCidr>,
+    /// The [`SERVING_ANNOTATION`]'s text; "" removes the annotation.
+    pub serving: String,
 }
 
 impl NncPatch {
     /// The JSON merge patch sent to the API server.
     pub fn to_json(&self) -> Value {
-        let allocations: Vec<Value> = self
+        let allocations = self
             .allocations
             .iter()
-            .map(|(network, pods)| json!({"network": network, "pods": pods}))
+            .map(|(network, pods)| Allocation {
+                network: network.clone(),
+                pods: *pods,
+                rest: Map::new(),
+            })
             .collect();
-        let releasable: Vec<&Value> = self.releasable.iter().map(|cidr| &cidr.0).collect();
-        json!({
-            "metadata": {"resourceVersion": self.resource_version},
-            "spec": {"allocations": allocations, "releasableCIDRs": releasable},
+        let serving = (!self.serving.is_empty()).then(|| self.serving.clone());
+        to_json(&SpecPatch {
+            metadata: PatchMeta {
+                resource_version: self.resource_version.clone(),
+                annotations: [(SERVING_ANNOTATION, serving)].into_iter().collect(),
+            },
+            spec: PatchSpec {
+                allocations,
+                releasable_cidrs: self.releasable.clone(),
+            },
         })
     }
+}
+
+/// A body as JSON. The types written have string keys only, so this
+/// cannot fail; `null` would be refused by the API server if it did.
+fn to_json(body: &impl serde::Serialize) -> Value {
+    serde_json::to_value(body).unwrap_or(Value::Null)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn parses_a_node_network_config() {
@@ -541,6 +569,20 @@ mod tests {
     }
 
     #[test]
+    fn the_serving_annotation_is_read_when_it_is_text() {
+        let with = |annotations: Value| {
+            Nnc::parse(&json!({"metadata": {"name": "n", "annotations": annotations}})).serving
+        };
+        assert_eq!(
+            with(json!({SERVING_ANNOTATION: "198.19.0.0/28"})),
+            "198.19.0.0/28"
+        );
+        assert_eq!(with(json!({SERVING_ANNOTATION: 5})), "");
+        assert_eq!(with(json!({"other": "x"})), "");
+        assert_eq!(with(json!("not a map")), "");
+    }
+
+    #[test]
     fn lists_are_capped() {
         let entries: Vec<Value> = (0..MAX_ENTRIES + 5)
             .map(|i| json!({"cidr": format!("198.18.{}.{}/32", i / 256, i % 256)}))
@@ -577,13 +619,24 @@ mod tests {
         let patch = NncPatch {
             resource_version: "9".into(),
             allocations: vec![("default".into(), 74)],
-            releasable: vec![PodCidr(json!({"id": "x"}))],
+            releasable: vec![lenient(&json!({"id": "x"}))],
+            serving: "198.19.0.0/28,198.19.0.16/28".into(),
         };
         assert_eq!(
             patch.to_json(),
-            json!({"metadata": {"resourceVersion": "9"},
+            json!({"metadata": {"resourceVersion": "9",
+                                "annotations": {SERVING_ANNOTATION: "198.19.0.0/28,198.19.0.16/28"}},
                    "spec": {"allocations": [{"network": "default", "pods": 74}],
                             "releasableCIDRs": [{"id": "x"}]}})
+        );
+        // Nothing served: the annotation is removed (a merge patch's null).
+        let empty = NncPatch {
+            serving: String::new(),
+            ..patch
+        };
+        assert_eq!(
+            empty.to_json()["metadata"]["annotations"],
+            json!({SERVING_ANNOTATION: null})
         );
     }
 }

@@ -4,14 +4,14 @@
 //! the only writer of the store and receives everything as [`KubeEvent`]s.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 
 use serde_json::Value;
 
 use super::backoff::{ApiTiming, Backoff};
-use super::client::{ApiClient, KubeError};
+use super::client::{ApiClient, KubeError, WatchEvent};
 use super::follow::StreamGuard;
 use super::nnc::{self, Kind, Meta, Nnc, NncPatch, Node};
 use crate::log;
@@ -38,7 +38,15 @@ pub enum KubeEvent {
     /// version the patch was computed from (its precondition).
     Patched { base: String, nnc: Box<Nnc> },
     /// A patch lost an optimistic-concurrency race (409), the `streak`-th
-    /// in a row: the watch has a newer version on its way.
+    /// in a row, and the object was read again: the copy it returned, and
+    /// the version the patch was computed from.
+    Refetched {
+        base: String,
+        nnc: Box<Nnc>,
+        streak: u32,
+    },
+    /// A patch lost an optimistic-concurrency race (409), the `streak`-th
+    /// in a row, and the object could not be read: the watch brings it.
     Conflict { streak: u32 },
     /// A patch failed otherwise; the monitor retries on its next pass.
     PatchFailed(String),
@@ -80,9 +88,34 @@ pub struct KubeLink {
     pub events: Receiver<KubeEvent>,
     pub wake_fd: OwnedFd,
     patches: Sender<NncPatch>,
+    serving: Serving,
+}
+
+/// The serving annotation's text as the loop last computed it, for the
+/// watch thread to create the NodeNetworkConfig with.
+#[derive(Clone, Default)]
+struct Serving(Arc<Mutex<String>>);
+
+impl Serving {
+    fn get(&self) -> String {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, text: String) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = text;
+    }
 }
 
 impl KubeLink {
+    /// The blocks this node serves changed (the annotation's text): the
+    /// NodeNetworkConfig is created with them if it must be again.
+    pub fn set_serving(&self, text: String) {
+        self.serving.set(text);
+    }
+
     /// Queues a patch of this node's NodeNetworkConfig.
     pub fn patch(&self, patch: NncPatch) {
         // The patcher lives as long as the process; a send error means it
@@ -106,13 +139,25 @@ pub fn spawn(
         events: event_tx,
         waker,
     };
+    let serving = Serving::default();
     {
         let client = Arc::clone(&client);
         let node = node.clone();
         let send = send.clone();
+        let serving = serving.clone();
         thread::Builder::new()
             .name("kube-watch".into())
-            .spawn(move || watch_forever(&client, &node, kind, timing, &send))?;
+            .spawn(move || {
+                let watcher = Watcher {
+                    client: &client,
+                    node: &node,
+                    kind,
+                    timing,
+                    send: &send,
+                    serving: &serving,
+                };
+                watch_forever(&watcher)
+            })?;
     }
     if kind == Kind::Nnc {
         thread::Builder::new()
@@ -123,6 +168,7 @@ pub fn spawn(
         events,
         wake_fd,
         patches,
+        serving,
     })
 }
 
@@ -148,18 +194,12 @@ impl Notifier {
 /// cost a new list. The backoff is reset only by a watch the server ended
 /// normally (a full successful cycle), never by a list alone: a watch that
 /// keeps failing after good lists still backs off to the cap.
-fn watch_forever(client: &ApiClient, node: &str, kind: Kind, timing: ApiTiming, send: &Notifier) {
-    let mut backoff = Backoff::new(timing.max_backoff);
+fn watch_forever(cycle: &Watcher) {
+    let (node, kind, send) = (cycle.node, cycle.kind, cycle.send);
+    let mut backoff = Backoff::new(cycle.timing.max_backoff);
     let mut stream = StreamGuard::new(node, kind);
     let mut resume: Option<String> = None;
     loop {
-        let cycle = Cycle {
-            client,
-            node,
-            kind,
-            timing,
-            send,
-        };
         match cycle.run(&mut backoff, &mut stream, &mut resume) {
             Ok(Flow::Stop) => return,
             Ok(Flow::Again) => {}
@@ -196,16 +236,17 @@ enum Flow {
     Stop,
 }
 
-/// What one list-and-watch cycle works with.
-struct Cycle<'a> {
+/// What the watch thread works with.
+struct Watcher<'a> {
     client: &'a ApiClient,
     node: &'a str,
     kind: Kind,
     timing: ApiTiming,
     send: &'a Notifier,
+    serving: &'a Serving,
 }
 
-impl Cycle<'_> {
+impl Watcher<'_> {
     /// One list (unless resuming) and one watch. `resume` is where the next
     /// watch starts (`None`: list again).
     fn run(
@@ -243,50 +284,8 @@ impl Cycle<'_> {
                     return Err(err);
                 }
             };
-            match event.kind.as_str() {
-                "ADDED" | "MODIFIED" => {
-                    let meta = Meta::parse(&event.object);
-                    if !stream.is_ours(&meta) {
-                        continue;
-                    }
-                    if stream.is_replay(&meta) {
-                        // The stream broke the watch rules: only a list can
-                        // say what is true now.
-                        return Ok(self.relisting(KubeEvent::Replayed));
-                    }
-                    version = meta.resource_version;
-                    if !self.forward(&event.object, stream.epoch()) {
-                        return Ok(Flow::Stop);
-                    }
-                }
-                "BOOKMARK" => version = nnc::resource_version(&event.object),
-                "DELETED" => {
-                    if !stream.is_ours(&Meta::parse(&event.object)) {
-                        continue;
-                    }
-                    log::warn(
-                        "kube",
-                        self.kind.deleted_message(),
-                        &[("object", &self.kind.item_path(self.node))],
-                    );
-                    let gone = KubeEvent::Gone {
-                        epoch: stream.epoch(),
-                    };
-                    return Ok(self.relisting(gone));
-                }
-                _ => {
-                    let err = KubeError::Status {
-                        code: u16::try_from(event.object["code"].as_u64().unwrap_or(0))
-                            .unwrap_or(0),
-                        body: event.object.to_string(),
-                        retry_after: None,
-                    };
-                    // Other errors resume from the same version.
-                    if !needs_relist(&err) {
-                        *resume = Some(version);
-                    }
-                    return Err(err);
-                }
+            if let Some(end) = self.on_watch_event(event, stream, &mut version, resume) {
+                return end;
             }
         }
         // The server ended the watch (timeoutSeconds): a full cycle.
@@ -298,6 +297,60 @@ impl Cycle<'_> {
         backoff.reset();
         *resume = Some(version);
         Ok(Flow::Again)
+    }
+
+    /// One event of the watch: forwarded, or the end of the cycle
+    /// (`Some`). `version` is where the watch stands, `resume` where the
+    /// next one starts (`None`: list again).
+    fn on_watch_event(
+        &self,
+        event: WatchEvent,
+        stream: &mut StreamGuard,
+        version: &mut String,
+        resume: &mut Option<String>,
+    ) -> Option<Result<Flow, KubeError>> {
+        match event.kind.as_str() {
+            "ADDED" | "MODIFIED" => {
+                let meta = Meta::parse(&event.object);
+                if !stream.is_ours(&meta) {
+                    return None;
+                }
+                if stream.is_replay(&meta) {
+                    // The stream broke the watch rules: only a list can
+                    // say what is true now.
+                    return Some(Ok(self.relisting(KubeEvent::Replayed)));
+                }
+                *version = meta.resource_version;
+                let delivered = self.forward(&event.object, stream.epoch());
+                (!delivered).then_some(Ok(Flow::Stop))
+            }
+            "BOOKMARK" => {
+                *version = nnc::resource_version(&event.object);
+                None
+            }
+            "DELETED" => {
+                if !stream.is_ours(&Meta::parse(&event.object)) {
+                    return None;
+                }
+                log::warn(
+                    "kube",
+                    self.kind.deleted_message(),
+                    &[("object", &self.kind.item_path(self.node))],
+                );
+                let gone = KubeEvent::Gone {
+                    epoch: stream.epoch(),
+                };
+                Some(Ok(self.relisting(gone)))
+            }
+            _ => {
+                let err = watch_error(&event.object);
+                // Other errors resume from the same version.
+                if !needs_relist(&err) {
+                    *resume = Some(version.clone());
+                }
+                Some(Err(err))
+            }
+        }
     }
 
     /// Tells the loop `event` and ends the cycle so that the next lists.
@@ -316,7 +369,7 @@ impl Cycle<'_> {
         let mut list = client.get(&kind.list_path(node))?;
         let epoch = stream.new_epoch();
         if kind == Kind::Nnc && !stream.any_ours(items(&list)) {
-            nnc::ensure(client, node)?;
+            nnc::ensure(client, node, &self.serving.get())?;
             list = client.get(&kind.list_path(node))?;
             if !stream.any_ours(items(&list)) {
                 return Err(KubeError::Decode("NodeNetworkConfig vanished".into()));
@@ -368,6 +421,15 @@ pub fn needs_relist(err: &KubeError) -> bool {
     }
 }
 
+/// The error an `ERROR` event of a watch carries (a `Status` object).
+pub fn watch_error(status: &Value) -> KubeError {
+    KubeError::Status {
+        code: u16::try_from(status["code"].as_u64().unwrap_or(0)).unwrap_or(0),
+        body: status.to_string(),
+        retry_after: None,
+    }
+}
+
 fn items(list: &Value) -> &[Value] {
     list["items"].as_array().map_or(&[], Vec::as_slice)
 }
@@ -379,9 +441,10 @@ pub const CONFLICT_STORM: u32 = 3;
 /// Sends the monitor's patches. Every failure — a 409 included — is
 /// followed by the backoff before the next patch goes out, so a failing or
 /// racing API server sees at most one request per pause from this thread.
-/// A 409 is not followed by a read: the object the watch delivers next is
-/// newer, and a read from outside the stream could not be ordered against
-/// it (versions are opaque).
+/// After a 409's pause the object is read (GET) and handed to the loop,
+/// which decides again from that copy: re-sending from the copy it had
+/// would only conflict again while the watch lags (the freshness rule,
+/// `kube::fresh`, keeps the watch's older copies from replacing it).
 fn patch_forever(
     client: &ApiClient,
     node: &str,
@@ -389,56 +452,98 @@ fn patch_forever(
     patches: &Receiver<NncPatch>,
     send: &Notifier,
 ) {
-    let path = Kind::Nnc.item_path(node);
-    let mut backoff = Backoff::new(timing.max_backoff);
+    let mut patcher = Patcher {
+        client,
+        node,
+        path: Kind::Nnc.item_path(node),
+        backoff: Backoff::new(timing.max_backoff),
+    };
     while let Ok(mut patch) = patches.recv() {
         // Only the newest queued patch matters: each carries the full lists.
         while let Ok(newer) = patches.try_recv() {
             patch = newer;
         }
-        let (event, pause) = match client.merge_patch(&path, &patch.to_json()) {
-            Ok(object) => {
-                backoff.reset();
-                let nnc = Box::new(Nnc::parse(&object));
-                if nnc.meta.is_of_node(node) {
-                    let base = patch.resource_version;
-                    (KubeEvent::Patched { base, nnc }, None)
-                } else {
-                    let why = format!("the PATCH answer is not {path}");
-                    (KubeEvent::PatchFailed(why), Some(backoff.next(None)))
-                }
-            }
-            Err(err) if err.is_status(409) => {
-                let pause = backoff.next(err.retry_after());
-                let streak = backoff.failures();
-                if streak >= CONFLICT_STORM {
-                    log::warn(
-                        "kube",
-                        "NodeNetworkConfig patches keep conflicting; slowing down",
-                        &[("conflicts", &streak), ("retry_in_ms", &pause.as_millis())],
-                    );
-                }
-                (KubeEvent::Conflict { streak }, Some(pause))
-            }
-            Err(err) => {
-                let pause = backoff.next(err.retry_after());
-                log::warn(
-                    "kube",
-                    "patching the NodeNetworkConfig failed",
-                    &[
-                        ("error", &err),
-                        ("failures", &backoff.failures()),
-                        ("retry_in_ms", &pause.as_millis()),
-                    ],
-                );
-                (KubeEvent::PatchFailed(err.to_string()), Some(pause))
-            }
-        };
+        let (event, pause) = patcher.send(patch);
         if !send.send(event) {
             return;
         }
         if let Some(pause) = pause {
             thread::sleep(pause);
+        }
+    }
+}
+
+/// The patcher thread's state.
+struct Patcher<'a> {
+    client: &'a ApiClient,
+    node: &'a str,
+    path: String,
+    backoff: Backoff,
+}
+
+impl Patcher<'_> {
+    /// Sends one patch: the event for the loop and the pause before the
+    /// next patch.
+    fn send(&mut self, patch: NncPatch) -> (KubeEvent, Option<std::time::Duration>) {
+        match self.client.merge_patch(&self.path, &patch.to_json()) {
+            Ok(object) => {
+                self.backoff.reset();
+                let nnc = Box::new(Nnc::parse(&object));
+                if nnc.meta.is_of_node(self.node) {
+                    let base = patch.resource_version;
+                    (KubeEvent::Patched { base, nnc }, None)
+                } else {
+                    let why = format!("the PATCH answer is not {}", self.path);
+                    (KubeEvent::PatchFailed(why), Some(self.backoff.next(None)))
+                }
+            }
+            Err(err) if err.is_status(409) => (self.reread(patch.resource_version, &err), None),
+            Err(err) => {
+                let pause = self.backoff.next(err.retry_after());
+                log::warn(
+                    "kube",
+                    "patching the NodeNetworkConfig failed",
+                    &[
+                        ("error", &err),
+                        ("failures", &self.backoff.failures()),
+                        ("retry_in_ms", &pause.as_millis()),
+                    ],
+                );
+                (KubeEvent::PatchFailed(err.to_string()), Some(pause))
+            }
+        }
+    }
+
+    /// After a 409 on the patch computed from `base`: waits out the
+    /// backoff, then reads the object, so the next patch is computed from
+    /// a copy as fresh as the pause allows.
+    fn reread(&mut self, base: String, conflict: &KubeError) -> KubeEvent {
+        let pause = self.backoff.next(conflict.retry_after());
+        let streak = self.backoff.failures();
+        if streak >= CONFLICT_STORM {
+            log::warn(
+                "kube",
+                "NodeNetworkConfig patches keep conflicting; slowing down",
+                &[("conflicts", &streak), ("retry_in_ms", &pause.as_millis())],
+            );
+        }
+        thread::sleep(pause);
+        match self.client.get(&self.path) {
+            Ok(object) => {
+                let nnc = Box::new(Nnc::parse(&object));
+                match nnc.meta.is_of_node(self.node) {
+                    true => KubeEvent::Refetched { base, nnc, streak },
+                    false => KubeEvent::Conflict { streak },
+                }
+            }
+            Err(err) => {
+                log::warn(
+                    "kube",
+                    "reading the NodeNetworkConfig after a conflict failed; the watch brings it",
+                    &[("error", &err)],
+                );
+                KubeEvent::Conflict { streak }
+            }
         }
     }
 }

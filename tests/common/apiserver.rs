@@ -3,13 +3,15 @@
 //! JSON merge PATCH with `resourceVersion` preconditions (409 on mismatch),
 //! chunked watch streams with ADDED/MODIFIED events, `410 Gone` for
 //! compacted versions — plus a simulated cloud controller that appends
-//! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds capacity and
-//! removes `releasableCIDRs` from the status. For the control-plane tests
+//! Ready /28 pod CIDRs while `spec.allocations[].pods` exceeds what the
+//! status's blocks hold (the node's own ranges are not counted, as the
+//! contract says) and removes `releasableCIDRs` from the status. For the control-plane tests
 //! it also misbehaves on request: other nodes' objects in watches and lists
 //! (a proxy that ignores the field selector), opaque resource versions,
 //! objects deleted and created anew (new uid), an etcd restore (versions
 //! go back; watches from a later version are answered
-//! `ResourceVersionTooLarge`) and watches that lag. With [`ApiServer::start_tls`]
+//! `ResourceVersionTooLarge`) and watches that lag (held, or each event sent
+//! a set time after it happened); it records every PATCH's precondition. With [`ApiServer::start_tls`]
 //! it speaks HTTPS (`tls`): certificates rotate while it runs, and it
 //! records every client certificate it accepts and every handshake it
 //! refuses.
@@ -50,8 +52,6 @@ pub struct State {
     pub fail_patches: Option<(u16, Option<u64>)>,
     /// The next this many PATCHes answer 409 whatever their version.
     pub inject_conflicts: u32,
-    /// Capacity the node has besides status pod CIDRs (its CNI range).
-    pub base_capacity: i64,
     /// Pod CIDRs handed out so far by the simulated cloud controller.
     pub next_block: u32,
     pub controller: bool,
@@ -69,6 +69,12 @@ pub struct State {
     pub block_type: &'static str,
     /// While set, open watches send nothing (a lagging watch).
     pub hold_watches: bool,
+    /// Open watches send each event only this long after it happened.
+    pub watch_lag: Option<Duration>,
+    /// When each event (by stream position) happened.
+    pub event_at: std::collections::BTreeMap<u64, Instant>,
+    /// The `metadata.resourceVersion` precondition of every PATCH, in order.
+    pub patch_bases: Vec<String>,
     /// Bumped by a restore: open watches end.
     pub generation: u64,
     /// Client certificates (DER) of accepted TLS handshakes, in order
@@ -98,8 +104,8 @@ struct Https {
 
 impl ApiServer {
     /// Starts a server that knows the Node `node` (with `pod_cidrs`).
-    pub fn start(node: &str, pod_cidrs: &[&str], base_capacity: i64) -> ApiServer {
-        ApiServer::start_with(node, pod_cidrs, base_capacity, None)
+    pub fn start(node: &str, pod_cidrs: &[&str]) -> ApiServer {
+        ApiServer::start_with(node, pod_cidrs, None)
     }
 
     /// Like [`ApiServer::start`], speaking HTTPS through `tls`; the
@@ -107,7 +113,6 @@ impl ApiServer {
     pub fn start_tls(
         node: &str,
         pod_cidrs: &[&str],
-        base_capacity: i64,
         tls: Arc<TlsServer>,
         ca_file: &std::path::Path,
     ) -> ApiServer {
@@ -115,15 +120,10 @@ impl ApiServer {
             server: tls,
             ca_file: ca_file.to_path_buf(),
         };
-        ApiServer::start_with(node, pod_cidrs, base_capacity, Some(https))
+        ApiServer::start_with(node, pod_cidrs, Some(https))
     }
 
-    fn start_with(
-        node: &str,
-        pod_cidrs: &[&str],
-        base_capacity: i64,
-        tls: Option<Https>,
-    ) -> ApiServer {
+    fn start_with(node: &str, pod_cidrs: &[&str], tls: Option<Https>) -> ApiServer {
         let node = json!({
             "apiVersion": "v1",
             "kind": "Node",
@@ -147,10 +147,12 @@ impl ApiServer {
                 created: 0,
                 block_type: "Reusable",
                 hold_watches: false,
+                watch_lag: None,
+                event_at: std::collections::BTreeMap::new(),
+                patch_bases: Vec::new(),
                 generation: 0,
                 fail_patches: None,
                 inject_conflicts: 0,
-                base_capacity,
                 next_block: 0,
                 controller: true,
                 tokens: Vec::new(),
@@ -242,7 +244,7 @@ impl ApiServer {
     pub fn deliver_late(&self, object: Value) {
         let mut state = self.state();
         let position = state.bump();
-        state.events.push((position, "nnc", "MODIFIED", object));
+        state.push_event(position, "nnc", "MODIFIED", object);
         drop(state);
         self.shared.changed.notify_all();
     }
@@ -253,7 +255,7 @@ impl ApiServer {
         if let Some(mut gone) = state.nnc.take() {
             let version = state.bump();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "nnc", "DELETED", gone));
+            state.push_event(version, "nnc", "DELETED", gone);
         }
         drop(state);
         self.shared.changed.notify_all();
@@ -276,11 +278,12 @@ impl ApiServer {
             let version = state.bump();
             let mut gone = old.clone();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "nnc", "DELETED", gone));
+            state.push_event(version, "nnc", "DELETED", gone);
+            let metadata = &old["metadata"];
             let mut fresh = json!({
                 "apiVersion": "networking.gke.io/v1",
                 "kind": "NodeNetworkConfig",
-                "metadata": old["metadata"].clone(),
+                "metadata": {"name": metadata["name"], "ownerReferences": metadata["ownerReferences"]},
                 "spec": {},
                 "status": {"podCIDRs": status},
             });
@@ -290,14 +293,26 @@ impl ApiServer {
         });
     }
 
-    /// Deletes the Node (DELETED); `recreate_node` brings one back.
+    /// Deletes the Node (DELETED), and the NodeNetworkConfig it owns with
+    /// it, as the garbage collector does; `recreate_node` brings one back.
     pub fn delete_node(&self) {
         self.with_state(|state| {
             let version = state.bump();
             let mut gone = state.node.clone();
             gone["metadata"]["resourceVersion"] = json!(state.rv(version));
-            state.events.push((version, "node", "DELETED", gone));
+            state.push_event(version, "node", "DELETED", gone);
             state.node_exists = false;
+            let uid = state.node["metadata"]["uid"].clone();
+            let owned = state.nnc.as_ref().is_some_and(|nnc| {
+                nnc["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|owners| owners.iter().any(|o| o["uid"] == uid))
+            });
+            if owned && let Some(mut collected) = state.nnc.take() {
+                let version = state.bump();
+                collected["metadata"]["resourceVersion"] = json!(state.rv(version));
+                state.push_event(version, "nnc", "DELETED", collected);
+            }
         });
     }
 
@@ -404,6 +419,13 @@ impl State {
             .collect()
     }
 
+    /// The NodeNetworkConfig's `metis.x-k8s.io/serving` annotation.
+    pub fn serving(&self) -> Option<String> {
+        self.nnc.as_ref()?["metadata"]["annotations"]["metis.x-k8s.io/serving"]
+            .as_str()
+            .map(str::to_string)
+    }
+
     /// CIDRs in `spec.releasableCIDRs`.
     pub fn releasable_cidrs(&self) -> Vec<String> {
         self.nnc
@@ -440,6 +462,22 @@ impl State {
             .count()
     }
 
+    /// Records an event at stream position `version`, now.
+    fn push_event(&mut self, version: u64, kind: &'static str, event: &'static str, object: Value) {
+        self.events.push((version, kind, event, object));
+        self.event_at.insert(version, Instant::now());
+    }
+
+    /// Whether open watches may send the event at `version` yet.
+    fn due(&self, version: u64) -> bool {
+        !self.hold_watches
+            && self.watch_lag.is_none_or(|lag| {
+                self.event_at
+                    .get(&version)
+                    .is_none_or(|at| at.elapsed() >= lag)
+            })
+    }
+
     fn bump(&mut self) -> u64 {
         self.version += 1;
         self.version
@@ -470,7 +508,7 @@ impl State {
         if let Some(nnc) = self.nnc.as_mut() {
             nnc["metadata"]["resourceVersion"] = json!(rv);
             let copy = nnc.clone();
-            self.events.push((version, "nnc", kind, copy));
+            self.push_event(version, "nnc", kind, copy);
         }
     }
 
@@ -478,7 +516,7 @@ impl State {
         let version = self.bump();
         self.node["metadata"]["resourceVersion"] = json!(self.rv(version));
         let copy = self.node.clone();
-        self.events.push((version, "node", kind, copy));
+        self.push_event(version, "node", kind, copy);
     }
 
     /// The simulated cloud controller: grow the status to the requested
@@ -502,7 +540,7 @@ impl State {
         let mut changed = status.len() != before;
         let pods = self.pods("default").unwrap_or(0);
         let live = i64::try_from(status.len()).unwrap();
-        let mut capacity = self.base_capacity + 16 * live;
+        let mut capacity = 16 * live;
         while pods > capacity {
             let block = self.next_block;
             self.next_block += 1;
@@ -685,6 +723,9 @@ fn answer(state: &mut State, kind: &'static str, request: &Request) -> (u16, Val
                 return (404, status_body(404, "NotFound"));
             };
             let precondition = patch["metadata"]["resourceVersion"].as_str();
+            state
+                .patch_bases
+                .push(precondition.unwrap_or_default().to_string());
             let stale = precondition
                 .is_some_and(|v| Some(v) != current["metadata"]["resourceVersion"].as_str());
             if state.inject_conflicts > 0 || stale {
@@ -775,8 +816,8 @@ fn watch(
         let pending: Vec<(u64, &'static str, Value)> = state
             .events
             .iter()
-            .filter(|_| !state.hold_watches)
             .filter(|(version, k, _, _)| *k == kind && *version > sent)
+            .take_while(|(version, _, _, _)| state.due(*version))
             .map(|(version, _, event, object)| (*version, *event, object.clone()))
             .collect();
         if !pending.is_empty() {
@@ -799,7 +840,7 @@ fn watch(
         }
         state = shared
             .changed
-            .wait_timeout(state, left.min(Duration::from_millis(200)))
+            .wait_timeout(state, left.min(Duration::from_millis(50)))
             .unwrap()
             .0;
     }

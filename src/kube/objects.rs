@@ -1,0 +1,292 @@
+//! The NodeNetworkConfig (`networking.gke.io/v1`) as serde types: the
+//! fields Metis reads and writes, shared by the daemon and the controller.
+//! Every type keeps the fields it does not name (`rest`), so an object or
+//! entry written back (a PodCIDR echoed into `releasableCIDRs`) is exactly
+//! what was read. Reading is lenient where the cloud owns the data: each
+//! list entry is read on its own ([`entries`]), and one malformed entry is
+//! skipped, not the object.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// The API group and version of the NodeNetworkConfig.
+pub const NNC_API_VERSION: &str = "networking.gke.io/v1";
+/// Its kind.
+pub const NNC_KIND: &str = "NodeNetworkConfig";
+
+/// Reads a field as `T`, or `T`'s default when it does not read: a
+/// malformed field of an object the cloud owns costs that field alone.
+fn lenient_field<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: DeserializeOwned + Default,
+{
+    Ok(lenient(&Value::deserialize(deserializer)?))
+}
+
+/// Reads a condition: missing or `null` is none; anything else that is
+/// not a condition is an empty (malformed) one.
+fn lenient_condition<'de, D>(deserializer: D) -> Result<Option<Condition>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Ok(match Value::deserialize(deserializer)? {
+        Value::Null => None,
+        value => Some(lenient(&value)),
+    })
+}
+
+/// The `metadata` fields Metis reads and writes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectMeta {
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub name: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub namespace: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub uid: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub resource_version: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "is_zero"
+    )]
+    pub generation: i64,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Map::is_empty"
+    )]
+    pub annotations: Map<String, Value>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub owner_references: Vec<OwnerReference>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+fn is_zero(value: &i64) -> bool {
+    *value == 0
+}
+
+/// A `metadata.ownerReferences` entry.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerReference {
+    pub api_version: String,
+    pub kind: String,
+    pub name: String,
+    pub uid: String,
+    #[serde(default)]
+    pub controller: bool,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A `spec.allocations` entry: the pods a network needs addresses for.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Empty or missing: the default network.
+    #[serde(default)]
+    pub network: String,
+    #[serde(default)]
+    pub pods: i64,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A condition (of a PodCIDR entry, or of the object's status).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A PodCIDR object (`status.podCIDRs`, `spec.releasableCIDRs`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PodCidrEntry {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cidr: Option<String>,
+    /// `Reusable`, `NonReusable` or missing.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Missing or `null`: none; not a condition: an empty one.
+    #[serde(
+        default,
+        deserialize_with = "lenient_condition",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub condition: Option<Condition>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+impl PodCidrEntry {
+    /// Its `cidr` field, as written.
+    pub fn cidr(&self) -> Option<&str> {
+        self.cidr.as_deref()
+    }
+}
+
+/// The entries of a list that read as `T`, at most `cap` of them (one
+/// malformed entry is skipped); whether the list held more than `cap`.
+pub fn entries<T: DeserializeOwned>(list: &Value, cap: usize) -> (Vec<T>, bool) {
+    let all = list.as_array().map_or(&[][..], Vec::as_slice);
+    let read = all
+        .iter()
+        .take(cap)
+        .filter_map(|entry| T::deserialize(entry).ok())
+        .collect();
+    (read, all.len() > cap)
+}
+
+/// `value` read as `T`, or `T`'s default when it does not read (the cloud
+/// owns the object: a malformed part is not fatal).
+pub fn lenient<T: DeserializeOwned + Default>(value: &Value) -> T {
+    T::deserialize(value).unwrap_or_default()
+}
+
+/// The body of a NodeNetworkConfig's creation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewNnc {
+    pub api_version: &'static str,
+    pub kind: &'static str,
+    pub metadata: ObjectMeta,
+    /// Empty: the monitor's first pass writes the request.
+    pub spec: Map<String, Value>,
+}
+
+/// The JSON merge patch of one monitor pass: the whole request, the whole
+/// release list and the serving annotation, guarded by the version they
+/// were computed from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SpecPatch {
+    pub metadata: PatchMeta,
+    pub spec: PatchSpec,
+}
+
+/// The metadata a spec patch writes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PatchMeta {
+    pub resource_version: String,
+    /// An annotation set to `None` is removed (a merge patch's `null`).
+    pub annotations: std::collections::BTreeMap<&'static str, Option<String>>,
+}
+
+/// The spec a patch writes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PatchSpec {
+    pub allocations: Vec<Allocation>,
+    #[serde(rename = "releasableCIDRs")]
+    pub releasable_cidrs: Vec<PodCidrEntry>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn unknown_fields_survive_a_round_trip() {
+        let entry = json!({"id": "a", "network": "default", "cidr": "198.18.0.0/28",
+            "type": "Reusable", "zone": "z1",
+            "condition": {"type": "Ready", "status": "True", "lastTransitionTime": "t"}});
+        let read: PodCidrEntry = lenient(&entry);
+        assert_eq!(read.cidr.as_deref(), Some("198.18.0.0/28"));
+        assert_eq!(
+            read.condition.as_ref().unwrap().kind.as_deref(),
+            Some("Ready")
+        );
+        assert_eq!(serde_json::to_value(&read).unwrap(), entry);
+        let meta = json!({"name": "n", "uid": "u", "resourceVersion": "7", "labels": {"a": "b"}});
+        let read: ObjectMeta = lenient(&meta);
+        assert_eq!(
+            (read.name.as_str(), read.resource_version.as_str()),
+            ("n", "7")
+        );
+        assert_eq!(serde_json::to_value(&read).unwrap(), meta);
+    }
+
+    #[test]
+    fn a_malformed_entry_is_skipped_not_the_list() {
+        let list = json!([{"cidr": "198.18.0.0/28"}, {"cidr": 5}, "text", {"pods": 3}]);
+        let (read, truncated): (Vec<PodCidrEntry>, bool) = entries(&list, 10);
+        assert_eq!(read.len(), 2, "{read:?}");
+        assert_eq!(read[1].cidr, None, "no cidr: the reader skips it");
+        assert!(!truncated);
+        let (capped, truncated): (Vec<PodCidrEntry>, bool) = entries(&list, 1);
+        assert_eq!((capped.len(), truncated), (1, true));
+        let (none, truncated): (Vec<Allocation>, bool) = entries(&json!(null), 10);
+        assert!(none.is_empty() && !truncated);
+        // A malformed field costs that field alone.
+        let meta: ObjectMeta = lenient(&json!({"name": "n", "uid": 7, "ownerReferences": "x"}));
+        assert_eq!((meta.name.as_str(), meta.uid.as_str()), ("n", ""));
+        assert!(meta.owner_references.is_empty());
+        let odd: PodCidrEntry = lenient(&json!({"cidr": "198.18.0.0/28", "condition": "Ready"}));
+        assert_eq!(odd.condition, Some(Condition::default()));
+        let none: PodCidrEntry = lenient(&json!({"cidr": "198.18.0.0/28", "condition": null}));
+        assert_eq!(none.condition, None);
+    }
+
+    #[test]
+    fn a_spec_patch_writes_exactly_its_fields() {
+        let patch = SpecPatch {
+            metadata: PatchMeta {
+                resource_version: "9".into(),
+                annotations: [("metis.x-k8s.io/serving", None)].into_iter().collect(),
+            },
+            spec: PatchSpec {
+                allocations: vec![Allocation {
+                    network: "default".into(),
+                    pods: 4,
+                    rest: Map::new(),
+                }],
+                releasable_cidrs: Vec::new(),
+            },
+        };
+        assert_eq!(
+            serde_json::to_value(&patch).unwrap(),
+            json!({"metadata": {"resourceVersion": "9",
+                                "annotations": {"metis.x-k8s.io/serving": null}},
+                   "spec": {"allocations": [{"network": "default", "pods": 4}],
+                            "releasableCIDRs": []}})
+        );
+    }
+}
