@@ -28,7 +28,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::kube_api::{Key, KubeApi, LEASES, NNCS, NODES, POOLS};
+use common::kube_api::{BLOCKS, Key, KubeApi, LEASES, NNCS, NODES, POOLS};
 use common::rng::Rng;
 use common::{METIS, Plugin, TestDaemon, TestDir, db};
 use serde_json::{Value, json};
@@ -406,29 +406,16 @@ impl Sim {
         loop {
             let held: Vec<String> = {
                 let state = self.api.state();
-                let pool = state
-                    .get(&Key::cluster(POOLS, POOL))
-                    .cloned()
-                    .unwrap_or_default();
-                let cooling: BTreeSet<String> = pool["status"]["cooling"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|c| c["cidr"].as_str().map(str::to_string))
+                let objects = block_objects(&state);
+                let cooling: BTreeSet<String> = objects
+                    .iter()
+                    .filter(|(_, (s, _))| s == "Cooling")
+                    .map(|(c, _)| c.clone())
                     .collect();
-                let claimed: BTreeSet<(String, String)> = pool["status"]["claims"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .flat_map(|c| {
-                        let node = c["node"].as_str().unwrap_or("").to_string();
-                        c["cidrs"]
-                            .as_array()
-                            .cloned()
-                            .unwrap_or_default()
-                            .into_iter()
-                            .filter_map(move |b| Some((node.clone(), b.as_str()?.to_string())))
-                    })
+                let claimed: BTreeSet<(String, String)> = objects
+                    .iter()
+                    .filter(|(_, (s, _))| s == "Granted")
+                    .map(|(c, (_, node))| (node.clone(), c.clone()))
                     .collect();
                 blocks
                     .iter()
@@ -696,14 +683,23 @@ impl Sim {
                 }
             }
         }
-        // Released blocks leave the cooling list within the reclaim delay.
-        let pool = state.get(&Key::cluster(POOLS, POOL)).cloned().unwrap();
-        let now = metis::log::now_ms();
-        for entry in pool["status"]["cooling"].as_array().into_iter().flatten() {
-            let since = entry["since"].as_str().unwrap_or("");
-            let age = now - parse_rfc3339_ms(since);
-            let most = i64::try_from((RECLAIM + SLACK).as_millis()).unwrap();
-            assert!(age <= most, "{phase}: {entry} still cooling after {age} ms");
+        // Released blocks come free within the reclaim delay (+ slack)
+        // of when they started cooling.
+        let mut cooling_since: BTreeMap<String, Instant> = BTreeMap::new();
+        for change in state.changes.iter().filter(|c| c.key.resource == BLOCKS) {
+            let cooling = change.kind != "DELETED" && change.object["spec"]["state"] == "Cooling";
+            if !cooling {
+                cooling_since.remove(&change.key.name);
+            } else if !cooling_since.contains_key(&change.key.name) {
+                cooling_since.insert(change.key.name.clone(), change.at);
+            }
+        }
+        for (name, since) in &cooling_since {
+            let age = since.elapsed();
+            assert!(
+                age <= RECLAIM + SLACK,
+                "{phase}: {name} still cooling after {age:?}"
+            );
         }
         let history = state.changes.clone();
         drop(state);
@@ -779,7 +775,7 @@ impl Sim {
         let demands = self.demand_writes() - self.phase_demands;
         let conflicts = self.api.state().conflicts_of("controller") - self.phase_conflicts;
         let refused = conflicts + self.injected_failures;
-        for resource in [NNCS, NODES, POOLS] {
+        for resource in [NNCS, NODES, POOLS, BLOCKS] {
             let gets = spent("get", resource);
             assert!(
                 gets <= conflicts,
@@ -842,21 +838,19 @@ impl Sim {
             let in_phase = change.at >= self.phase_started;
             let before = last.insert(change.key.clone(), change.object.clone());
             let Some(before) = before else { continue };
-            if change.key.resource == POOLS {
-                let cooling = |v: &Value| -> BTreeSet<String> {
-                    v["status"]["cooling"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|c| c["cidr"].as_str().map(str::to_string))
-                        .collect()
-                };
-                let (old, new) = (cooling(&before), cooling(&change.object));
-                if in_phase {
-                    *kinds.entry("cooling started").or_default() +=
-                        new.difference(&old).count() as u64;
-                    *kinds.entry("cooling ended").or_default() +=
-                        old.difference(&new).count() as u64;
+            if change.key.resource == BLOCKS {
+                let cooling = |v: &Value| v["spec"]["state"] == "Cooling";
+                let now_cooling = change.kind != "DELETED" && cooling(&change.object);
+                if in_phase && now_cooling != cooling(&before) {
+                    let kind = if now_cooling {
+                        "cooling started"
+                    } else {
+                        "cooling ended"
+                    };
+                    *kinds.entry(kind).or_default() += 1;
+                }
+                if change.kind == "DELETED" {
+                    last.remove(&change.key);
                 }
                 continue;
             }
@@ -919,22 +913,9 @@ fn room_for(state: &common::kube_api::State, name: &str) -> bool {
     let taken: BTreeSet<String> = state
         .list(NNCS)
         .flat_map(|(_, nnc)| status_cidrs(nnc))
-        .chain(
-            pool["status"]["cooling"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c["cidr"].as_str().map(str::to_string)),
-        )
-        .chain(
-            // Claimed for a node, its status write still to come.
-            pool["status"]["claims"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|c| c["cidrs"].as_array().cloned().unwrap_or_default())
-                .filter_map(|c| c.as_str().map(str::to_string)),
-        )
+        // Granted (maybe its status write still to come), cooling or
+        // retired: a MetisBlock object.
+        .chain(block_objects(state).into_keys())
         .collect();
     let total: usize = pool["spec"]["ipv4"]["cidrs"]
         .as_array()
@@ -948,6 +929,17 @@ fn room_for(state: &common::kube_api::State, name: &str) -> bool {
         .filter(|cidr| in_pool_cidrs(pool, cidr))
         .count();
     in_pool < total
+}
+
+/// The MetisBlock objects: CIDR → (state, node).
+fn block_objects(state: &common::kube_api::State) -> BTreeMap<String, (String, String)> {
+    state
+        .list(BLOCKS)
+        .map(|(_, block)| {
+            let text = |key: &str| block["spec"][key].as_str().unwrap_or("").to_string();
+            (text("cidr"), (text("state"), text("node")))
+        })
+        .collect()
 }
 
 fn blocks_of(cidr: &str) -> usize {
@@ -1083,34 +1075,9 @@ fn held_addresses(dir: &TestDir) -> Vec<String> {
         .collect()
 }
 
-/// Milliseconds since the epoch of an RFC 3339 UTC time (seconds, `Z`).
-fn parse_rfc3339_ms(text: &str) -> i64 {
-    let digits = |range: std::ops::Range<usize>| -> i64 {
-        text.get(range).and_then(|d| d.parse().ok()).unwrap_or(0)
-    };
-    let (y, m, d) = (digits(0..4), digits(5..7), digits(8..10));
-    let (hh, mm, ss) = (digits(11..13), digits(14..16), digits(17..19));
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * ((m + 9) % 12) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    ((days * 86_400) + hh * 3600 + mm * 60 + ss) * 1000
-}
-
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
-}
-
-#[test]
-fn rfc3339_times_parse() {
-    assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:01Z"), 1000);
-    let now = metis::log::now_ms();
-    let text = metis::log::rfc3339_seconds(now).to_string();
-    assert!((now - parse_rfc3339_ms(&text)).abs() < 1000, "{text}");
 }
 
 #[test]

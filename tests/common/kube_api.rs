@@ -58,8 +58,9 @@ pub const NODES: &str = "nodes";
 pub const LEASES: &str = "leases";
 pub const EVENTS: &str = "events";
 pub const POOLS: &str = "metispools";
+pub const BLOCKS: &str = "metisblocks";
 
-pub const RESOURCES: [Resource; 5] = [
+pub const RESOURCES: [Resource; 6] = [
     Resource {
         plural: NNCS,
         prefix: "/apis/networking.gke.io/v1",
@@ -103,6 +104,15 @@ pub const RESOURCES: [Resource; 5] = [
         kind: "MetisPool",
         namespaced: false,
         status: true,
+        custom: true,
+    },
+    Resource {
+        plural: BLOCKS,
+        prefix: "/apis/metis.x-k8s.io/v1alpha1",
+        api_version: "metis.x-k8s.io/v1alpha1",
+        kind: "MetisBlock",
+        namespaced: false,
+        status: false,
         custom: true,
     },
 ];
