@@ -167,7 +167,11 @@ impl Sim {
         let statuses = self
             .nncs
             .iter()
-            .map(|(k, v)| (k.clone(), Status::parse(v["status"].clone())))
+            .map(|(k, v)| {
+                let mut status = Status::parse(v["status"].clone());
+                status.serving = metis::controller::status::serving(v);
+                (k.clone(), status)
+            })
             .collect();
         (pools, nncs, statuses)
     }
@@ -620,6 +624,23 @@ impl Sim {
     }
 }
 
+const SERVING: &str = metis::controller::status::SERVING_ANNOTATION;
+
+/// What a daemon would write as its `serving` annotation: the blocks in
+/// its status it has not listed releasable.
+fn serving_now(nnc: &Value) -> String {
+    let listed = |c: &String| {
+        nnc["spec"]["releasableCIDRs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["cidr"] == c.as_str())
+    };
+    let mut served: Vec<String> = cidrs_of(nnc).into_iter().filter(|c| !listed(c)).collect();
+    served.sort();
+    served.join(",")
+}
+
 fn cidrs_of(nnc: &Value) -> Vec<String> {
     nnc["status"]["podCIDRs"]
         .as_array()
@@ -836,6 +857,44 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
 }
 
 #[test]
+fn what_a_node_still_serves_stays_its_own_and_is_never_given_to_another() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 10);
+    sim.settle();
+    let held = cidrs_of(&sim.nncs["a"]);
+    let served = serving_now(&sim.nncs["a"]);
+    // A controller that lost everything (its block objects gone, the NNC
+    // re-created empty): the node says what it serves, and gets it back.
+    sim.blocks.clear();
+    sim.nncs.remove("a");
+    sim.add_node("a");
+    sim.edit_nnc("a", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: served});
+        n["spec"]["allocations"] = json!([{"network": "default", "pods": 10}]);
+    });
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+    assert_eq!(sim.blocks_in(BlockState::Granted).len(), 2);
+    // Another node claiming to serve a's block is told, and gets nothing.
+    sim.edit_nnc("b", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: held[0]});
+    });
+    let decision = sim.decide();
+    assert_eq!(decision.events.len(), 1, "{:?}", decision.events);
+    assert_eq!(decision.events[0].reason, "PodCIDRConflict");
+    sim.apply(&decision, usize::MAX);
+    sim.settle();
+    let (reason, message) = sim.ready("b").unwrap();
+    assert_eq!(reason, decide::INVALID);
+    assert!(message.contains("is granted to a"), "{message}");
+    assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+    sim.check();
+}
+
+#[test]
 fn writes_that_always_fail_for_one_node_delay_no_other() {
     let mut sim = Sim::new();
     two_pools(&mut sim);
@@ -976,7 +1035,7 @@ fn a_stale_controller_cannot_grant_a_block_twice() {
 fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<String>) {
     let names = ["n0", "n1", "n2", "n3", "n4"];
     let node = names[rng.index(names.len())];
-    let action = rng.below(18);
+    let action = rng.below(19);
     trace.push(format!("{action} {node} @{}", sim.now - 1_800_000_000_000));
     match action {
         0..=3 if sim.nncs.contains_key(node) => {
@@ -1099,6 +1158,14 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 Some(_) => None,
                 None => Some(node.to_string()),
             };
+        }
+        16 if sim.nncs.contains_key(node) => {
+            // The daemon says what it still serves: its blocks not listed
+            // releasable.
+            let served = serving_now(&sim.nncs[node]);
+            sim.edit_nnc(node, |n| {
+                n["metadata"]["annotations"] = json!({SERVING: served});
+            });
         }
         15 => {
             // The deciding process's wall clock runs ahead (by up to 10

@@ -271,6 +271,7 @@ pub fn decide(world: &World) -> Decision {
     };
     pass.cool_down();
     pass.release();
+    pass.reassert();
     pass.finish_claims();
     let (mut taken, holders) = pass.taken();
     pass.check_overlaps(&holders);
@@ -381,6 +382,101 @@ impl<'a> Pass<'a> {
             ledger.cooling.remove(&cidr);
         }
         true
+    }
+
+    /// What nodes say they still serve (their `serving` annotation), and
+    /// have not released, is theirs: a block granted to the node stays
+    /// (`finish_claims` puts it back into its status), one cooling for it
+    /// is granted to it again, one without object is claimed for it
+    /// (within `maxBlocksPerNode`); one another node holds is a conflict,
+    /// said on the node, never dropped silently. Nodes absent now say
+    /// nothing (their daemon is gone).
+    fn reassert(&mut self) {
+        let world = self.world;
+        let mut in_statuses: BTreeMap<Cidr, &str> = BTreeMap::new();
+        for (name, status) in world.statuses {
+            for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+                in_statuses.entry(cidr).or_insert(name);
+            }
+        }
+        for (name, status) in world.statuses {
+            let Some(nnc) = world.nncs.get(name) else {
+                continue;
+            };
+            if world.absent.contains_key(name) {
+                continue;
+            }
+            for cidr in &status.serving {
+                if lists_releasable(nnc, &cidr.to_string()) {
+                    continue;
+                }
+                let elsewhere = in_statuses.get(cidr).filter(|n| **n != name.as_str());
+                if let Err(why) = self.keep_serving(name, cidr, elsewhere.copied())
+                    && let Some(plan) = self.plans.get_mut(name.as_str())
+                    && !matches!(plan.trouble, Some(Trouble::Gone(_)))
+                {
+                    plan.trouble.get_or_insert(Trouble::Conflict(why));
+                }
+            }
+        }
+    }
+
+    /// Keeps `cidr`, which node `name` serves, the node's; why not when
+    /// another holds it (`elsewhere`: another node's status holding it).
+    fn keep_serving(
+        &mut self,
+        name: &str,
+        cidr: &Cidr,
+        elsewhere: Option<&str>,
+    ) -> Result<(), String> {
+        let pools = self.world.pools;
+        let known = self.ledgers.iter().position(|l| {
+            l.claims.contains_key(cidr)
+                || l.cooling.contains_key(cidr)
+                || l.non_reusable.contains(cidr)
+        });
+        let served = format!("podCIDR {cidr}, which node {name} still serves,");
+        let Some(i) = known else {
+            if let Some(other) = elsewhere {
+                return Err(format!("{served} is in the status of {other}"));
+            }
+            // No object: claimed again for the node, within its quota.
+            let owner = (0..pools.len()).find(|&j| {
+                pools[j].spec.as_ref().is_ok_and(|s| {
+                    s.range(cidr.family()).is_some_and(|r| r.is_block(cidr))
+                        && held_in(&self.ledgers[j], name, cidr.family()) < s.max_blocks_per_node
+                })
+            });
+            if let Some(i) = owner {
+                let holder = Holder {
+                    node: name.to_string(),
+                };
+                self.ledgers[i].claims.insert(*cidr, holder);
+            }
+            return Ok(());
+        };
+        let ledger = &mut self.ledgers[i];
+        if let Some(holder) = ledger.claims.get(cidr) {
+            return match holder.node == name {
+                true => Ok(()),
+                false => Err(format!("{served} is granted to {}", holder.node)),
+            };
+        }
+        match ledger.cooling.get(cidr) {
+            Some(cooling) if cooling.node == name => {
+                ledger.cooling.remove(cidr);
+                let holder = Holder {
+                    node: name.to_string(),
+                };
+                ledger.claims.insert(*cidr, holder);
+                Ok(())
+            }
+            Some(cooling) => Err(format!(
+                "{served} was released by {} and cools",
+                cooling.node
+            )),
+            None => Err(format!("{served} is NonReusable")),
+        }
     }
 
     /// Claims whose status entry is missing: finish the grant (the leader
@@ -1126,9 +1222,11 @@ fn ready_condition(
         }
         _ => message,
     };
+    // To the millisecond: refused nodes are served in this order, and
+    // whole seconds would make most of a burst a tie (then by name).
     let since = match previous {
         Some(p) if same => p["lastTransitionTime"].clone(),
-        _ => Value::from(rfc3339_seconds(now).to_string()),
+        _ => Value::from(rfc3339_millis(now).to_string()),
     };
     let event = match trouble {
         Some(Trouble::Quota(why)) if !same => Some((QUOTA_EVENT, why.clone())),

@@ -88,10 +88,9 @@ impl Item {
                 // The status is kept once, as `Status`: the spec's parse
                 // does not see it (the node's reading of it is not needed).
                 let status = object.get_mut("status").map(Value::take);
-                Item::Nnc(
-                    Box::new(Nnc::parse(&object)),
-                    Status::parse(status.unwrap_or_default()),
-                )
+                let mut status = Status::parse(status.unwrap_or_default());
+                status.serving = super::status::serving(&object);
+                Item::Nnc(Box::new(Nnc::parse(&object)), status)
             }
             Resource::Node => Item::Node(Meta::parse(&object).name),
             Resource::Pool => Item::Pool(Box::new(Pool::parse(&object))),

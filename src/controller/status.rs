@@ -64,6 +64,35 @@ pub struct Status {
     /// `lastTransitionTime`, Unix ms): refused nodes are served first come,
     /// first served.
     pub refused_since: Option<i64>,
+    /// The blocks the node says it still serves (its
+    /// `metis.x-k8s.io/serving` annotation, read with the status: the
+    /// controller reads both from one object).
+    pub serving: Vec<Cidr>,
+}
+
+/// The annotation in which a node lists the cluster's blocks it still
+/// serves or drains (comma-separated canonical CIDRs).
+pub const SERVING_ANNOTATION: &str = "metis.x-k8s.io/serving";
+/// CIDRs read from it: more is not a node's (4096 blocks of 64 per pool).
+const MAX_SERVING: usize = 4096;
+
+/// The CIDRs an NNC's `serving` annotation lists; what is not a
+/// canonical CIDR is skipped (the rest still count).
+pub fn serving(object: &Value) -> Vec<Cidr> {
+    let text = object["metadata"]["annotations"][SERVING_ANNOTATION]
+        .as_str()
+        .unwrap_or_default();
+    let mut cidrs: Vec<Cidr> = text
+        .split(',')
+        .filter_map(|item| {
+            let cidr: Cidr = item.trim().parse().ok()?;
+            (cidr.to_string() == item.trim()).then_some(cidr)
+        })
+        .take(MAX_SERVING)
+        .collect();
+    cidrs.sort();
+    cidrs.dedup();
+    cidrs
 }
 
 impl Status {
@@ -86,6 +115,7 @@ impl Status {
             rest: Some(status.to_string().into()),
             told_until,
             refused_since,
+            serving: Vec::new(),
         }
     }
 
@@ -193,6 +223,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    #[test]
+    fn the_serving_annotation_lists_canonical_cidrs_only() {
+        let object = json!({"metadata": {"annotations": {SERVING_ANNOTATION:
+            "198.18.0.16/28,198.18.0.0/28, 198.18.0.32/28,198.18.0.1/28,junk,,2001:db8::10/124,198.18.0.0/28"}}});
+        let listed: Vec<String> = serving(&object).iter().map(Cidr::to_string).collect();
+        assert_eq!(
+            listed,
+            [
+                "198.18.0.0/28",
+                "198.18.0.16/28",
+                "198.18.0.32/28",
+                "2001:db8::10/124"
+            ]
+        );
+        assert!(serving(&json!({"metadata": {}})).is_empty());
+        assert!(serving(&json!({"metadata": {"annotations": {SERVING_ANNOTATION: 7}}})).is_empty());
     }
 
     #[test]
