@@ -16,6 +16,12 @@
 //!   released block is back in the pool within the delay (+ slack);
 //! - the controllers' requests are within the budget of docs/controller.md.
 //!
+//! A second run (issue 32) keeps a machine serving its pods while its
+//! objects go: the Node and its NNC (the garbage collector) re-created
+//! inside and past `--node-grace`, the NNC alone re-created, one NNC whose
+//! writes are all refused, and a leader whose wall clock is 10 minutes
+//! ahead; the same invariants after each phase.
+//!
 //! `CLUSTER_SEED=N` replays a run; the seed is printed.
 
 #![cfg(feature = "kube")]
@@ -136,6 +142,8 @@ struct Sim {
     gone: u64,
     /// Writes the API server was told to fail in the phase (not 409).
     injected_failures: u64,
+    /// NNCs re-created in the phase (each answered once more).
+    recreated: u64,
 }
 
 impl Sim {
@@ -158,6 +166,7 @@ impl Sim {
             takeovers: 0,
             gone: 0,
             injected_failures: 0,
+            recreated: 0,
         };
         sim.api.with_state(|s| {
             s.create(POOLS, "", &pool(&[FIRST_CIDR])).unwrap();
@@ -166,6 +175,11 @@ impl Sim {
     }
 
     fn start_controller(&mut self) {
+        self.start_controller_with_env(&[]);
+    }
+
+    /// A controller with `env` set (a skewed wall clock).
+    fn start_controller_with_env(&mut self, env: &[(&str, &str)]) {
         self.started += 1;
         let identity = format!("controller-{}", self.started);
         let log = self.dir.join(&format!("{identity}.log"));
@@ -177,6 +191,7 @@ impl Sim {
             .args(["--identity", &identity])
             .args(LEASE)
             .args(["--node-grace", "4s"])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -454,6 +469,64 @@ impl Sim {
         }
     }
 
+    /// The blocks in node `index`'s NNC status.
+    fn status_of(&self, index: usize) -> Vec<String> {
+        let key = Key::cluster(NNCS, &self.nodes[index].name);
+        self.api
+            .state()
+            .get(&key)
+            .map(status_cidrs)
+            .unwrap_or_default()
+    }
+
+    /// Node `index`'s machine stays (its daemon serves its pods on), its
+    /// objects go: with `node`, the Node object is deleted and the garbage
+    /// collector deletes the NNC with it, else the NNC alone. Once
+    /// `absent(state)` holds, both are created again (the NNC as its
+    /// daemon creates it, a new uid).
+    fn recreate(
+        &mut self,
+        index: usize,
+        node: bool,
+        absent: impl Fn(&common::kube_api::State) -> bool,
+    ) {
+        let name = self.nodes[index].name.clone();
+        let nnc = Key::cluster(NNCS, &name);
+        let node_key = Key::cluster(NODES, &name);
+        self.api.with_state(|s| {
+            let key = if node { &node_key } else { &nnc };
+            s.delete(key, &Value::Null).unwrap();
+        });
+        self.api.wait_until("the objects gone", WAIT, |s| {
+            s.get(&nnc).is_none() && absent(s)
+        });
+        self.api.with_state(|s| {
+            if s.get(&node_key).is_none() {
+                s.create(NODES, "", &json!({"metadata": {"name": name}, "spec": {}}))
+                    .unwrap();
+            }
+            let uid = s.get(&node_key).unwrap()["metadata"]["uid"].clone();
+            let owner = json!([{"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid, "controller": true}]);
+            // The daemon may have created it first.
+            let _ = s.create(
+                NNCS,
+                "",
+                &json!({"metadata": {"name": name, "ownerReferences": owner}, "spec": {}}),
+            );
+        });
+        self.recreated += 1;
+    }
+
+    /// Waits until node `index`'s NNC status holds every one of `blocks`.
+    fn wait_status_holds(&self, index: usize, blocks: &[String]) {
+        let key = Key::cluster(NNCS, &self.nodes[index].name);
+        self.api
+            .wait_until("the node's blocks back in its status", WAIT, |s| {
+                let held = s.get(&key).map(status_cidrs).unwrap_or_default();
+                blocks.iter().all(|b| held.contains(b))
+            });
+    }
+
     /// The orphaned NNC of node `index` (its Node deleted at `deleted`)
     /// was emptied no sooner than `--node-grace` after, and not much later.
     fn assert_grace_kept(&self, index: usize, deleted: Instant) {
@@ -621,6 +694,7 @@ impl Sim {
         self.takeovers = 0;
         self.gone = 0;
         self.injected_failures = 0;
+        self.recreated = 0;
         self.adds.lock().unwrap().clear();
     }
 
@@ -797,6 +871,7 @@ impl Sim {
             + started
             + 2 * ended
             + self.gone
+            + self.recreated
             + nodes * (self.pool_edits + self.takeovers)
             + refused;
         assert!(
@@ -1078,6 +1153,89 @@ fn held_addresses(dir: &TestDir) -> Vec<String> {
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+/// Blocks follow their node (issue 32): a Node deleted with its NNC (the
+/// garbage collector) and re-created inside and past `--node-grace`, an
+/// NNC deleted and re-created, while the machine serves its pods on; one
+/// NNC whose writes all fail while the others are granted; a leader whose
+/// wall clock is 10 minutes ahead. The invariants of `check` after each.
+#[test]
+fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leader() {
+    let mut rng = Rng::from_env("CLUSTER_SEED");
+    let mut sim = Sim::start();
+    let skew = [(metis::controller::run::WALL_OFFSET_ENV, "600000")];
+    sim.start_controller_with_env(&skew);
+    sim.wait_for_leader(None);
+    for index in 0..4 {
+        sim.add_node(index);
+    }
+    sim.begin_phase();
+    sim.churn(&mut rng, 60, 14);
+    let (_, refused) = sim.fill(0, 6);
+    assert!(!refused, "node 0 refused: {}", sim.describe(0));
+    sim.check("a leader 10 minutes ahead");
+    let held = sim.status_of(0);
+    assert!(
+        !held.is_empty(),
+        "node 0 holds no block: {}",
+        sim.describe(0)
+    );
+
+    sim.begin_phase();
+    sim.recreate(0, true, |_| true);
+    sim.wait_status_holds(0, &held);
+    sim.churn(&mut rng, 30, 14);
+    sim.check("Node and NNC re-created inside the grace");
+
+    sim.begin_phase();
+    sim.recreate(0, false, |_| true);
+    sim.wait_status_holds(0, &held);
+    sim.check("NNC deleted and re-created");
+
+    // Past the grace: its blocks cool (NodeGone); back while they cool,
+    // the Node gets them back.
+    sim.begin_phase();
+    let cooling = held.clone();
+    sim.recreate(0, true, move |s| {
+        let objects = block_objects(s);
+        cooling
+            .iter()
+            .all(|b| objects.get(b).is_some_and(|(state, _)| state == "Cooling"))
+    });
+    sim.wait_status_holds(0, &held);
+    sim.check("Node re-created past the grace, its blocks cooling");
+
+    // Every write of node 3's NNC fails: the others are granted meanwhile.
+    sim.begin_phase();
+    let failing = sim.nodes[3].name.clone();
+    sim.api.with_state(|s| {
+        s.fail_object = Some((NNCS, failing.clone(), 500));
+        s.fail_object_hits = 0;
+    });
+    sim.api.with_state(|s| {
+        s.edit(&Key::cluster(NNCS, &failing), |o| {
+            o["spec"]["allocations"] = json!([{"network": "default", "pods": 40}]);
+        });
+    });
+    for index in [1, 2] {
+        let (_, refused) = sim.fill(index, 8);
+        assert!(!refused, "node {index} refused while node 3 fails");
+    }
+    sim.api
+        .wait_until("the refusal told in an Event", WAIT, |s| {
+            s.list(common::kube_api::EVENTS).any(|(_, e)| {
+                e["reason"] == "MetisWriteRefused"
+                    && e["involvedObject"]["name"] == failing.as_str()
+            })
+        });
+    let hits = sim.api.with_state(|s| {
+        s.fail_object = None;
+        s.fail_object_hits
+    });
+    assert!(hits > 0);
+    sim.injected_failures += hits;
+    sim.check("one NNC's writes all refused");
 }
 
 #[test]
