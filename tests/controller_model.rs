@@ -895,6 +895,33 @@ fn what_a_node_still_serves_stays_its_own_and_is_never_given_to_another() {
 }
 
 #[test]
+fn a_gone_nodes_blocks_stay_taken_until_its_nnc_says_it_is_gone() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    // Its NNC refuses every write: the Gone condition never lands, so a
+    // stale controller's write with an old version would not be refused.
+    sim.failing = Some("a".into());
+    sim.delete_node("a", false);
+    sim.now += GRACE_MS;
+    sim.settle();
+    sim.now += 2 * DELAY_MS;
+    sim.settle();
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
+    // It lands: the delay counts from when they left its status.
+    sim.failing = None;
+    sim.settle();
+    assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
+    sim.now += DELAY_MS;
+    sim.settle();
+    assert!(sim.blocks.is_empty(), "{:?}", sim.blocks.keys());
+    sim.check();
+}
+
+#[test]
 fn writes_that_always_fail_for_one_node_delay_no_other() {
     let mut sim = Sim::new();
     two_pools(&mut sim);

@@ -306,10 +306,16 @@ impl<'a> Pass<'a> {
                     ledger.claims.insert(cidr, holder);
                 }
             }
+            // A gone Node's block stays until its NNC (if any) says so:
+            // that write is what refuses a stale controller's old grant.
+            let untold = |node: &str| {
+                world.nncs.contains_key(node)
+                    && !world.statuses.get(node).is_some_and(|s| s.gone_told)
+            };
             let delay = reclaim_delay_ms(pool);
-            ledger
-                .cooling
-                .retain(|_, c| world.now_ms.saturating_sub(c.since_ms) < delay);
+            ledger.cooling.retain(|_, c| {
+                world.now_ms.saturating_sub(c.since_ms) < delay || (c.node_gone && untold(&c.node))
+            });
         }
     }
 
@@ -322,9 +328,7 @@ impl<'a> Pass<'a> {
             let mut plan = Plan {
                 entries: Vec::new(),
                 blocks: BTreeSet::new(),
-                trouble: gone.then(|| {
-                    Trouble::Gone(format!("Node {name} is gone: its blocks were taken back"))
-                }),
+                trouble: gone.then(|| Trouble::Gone(format!("Node {name} {}", status::GONE_TOLD))),
             };
             let raw_entries = world
                 .statuses

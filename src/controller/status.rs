@@ -12,6 +12,10 @@ use crate::cidr::Cidr;
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
 
+/// The end of the Ready message that says the Node is gone past the grace
+/// and its blocks were taken back.
+pub const GONE_TOLD: &str = "is gone: its blocks were taken back";
+
 /// A `status.podCIDRs` entry, kept whole (it is written back as read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -68,6 +72,9 @@ pub struct Status {
     /// `metis.x-k8s.io/serving` annotation, read with the status: the
     /// controller reads both from one object).
     pub serving: Vec<Cidr>,
+    /// Its Ready condition says the Node is gone and its blocks were taken
+    /// back ([`GONE_TOLD`]): that write landed.
+    pub gone_told: bool,
 }
 
 /// The annotation in which a node lists the cluster's blocks it still
@@ -104,6 +111,15 @@ impl Status {
         let pod_cidrs = object.remove("podCIDRs");
         let told_until = told_until(&status["conditions"]);
         let refused_since = refused_since(&status["conditions"]);
+        let gone_told = status["conditions"].as_array().is_some_and(|list| {
+            list.iter().any(|c| {
+                c["type"] == "Ready"
+                    && c["status"] == "False"
+                    && c["message"]
+                        .as_str()
+                        .is_some_and(|m| m.ends_with(GONE_TOLD))
+            })
+        });
         let entries: Vec<Entry> = pod_cidrs
             .as_ref()
             .and_then(Value::as_array)
@@ -116,6 +132,7 @@ impl Status {
             told_until,
             refused_since,
             serving: Vec::new(),
+            gone_told,
         }
     }
 

@@ -174,8 +174,9 @@ fn put_status(ctx: &Context, kind: Resource, write: &Write) -> Result<Option<Val
 }
 
 /// Takes a write's answer in: the object written (or deleted) into the
-/// cache; after a 409 or 404, the object as it is now; after any other
-/// refusal, a pause for that object alone. True when the write landed.
+/// cache; after a 409, the object as it is now; after a 404, none; after
+/// any other refusal, a pause for that object alone. True when the write
+/// landed.
 fn landed(
     ctx: &Context,
     cache: &mut Cache,
@@ -194,11 +195,18 @@ fn landed(
             applied.written += 1;
             true
         }
-        Err(err) if err.is_status(409) || err.is_status(404) => {
+        Err(err) if err.is_status(409) => {
             ctx.metrics.conflict();
             applied.conflicts += 1;
             retries.refused((kind, name), Cause::Conflict, ctx.now, None);
             read_again(ctx, cache, kind, name);
+            false
+        }
+        // Deleted meanwhile: decide without it (the stream tells too).
+        Err(err) if err.is_status(404) => {
+            applied.conflicts += 1;
+            retries.refused((kind, name), Cause::Conflict, ctx.now, None);
+            cache.remove(kind, name);
             false
         }
         Err(err) => {
@@ -228,8 +236,8 @@ fn landed(
     }
 }
 
-/// The object as it is now, after a 409 (someone wrote first) or a 404
-/// (it is gone): the next pass decides from that copy.
+/// The object as it is now, after a 409 (someone wrote first): the next
+/// pass decides from that copy.
 fn read_again(ctx: &Context, cache: &mut Cache, kind: Resource, name: &str) {
     let item = format!("{}/{name}", kind.collection());
     log::debug(
