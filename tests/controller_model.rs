@@ -829,8 +829,9 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.check();
 }
 
-#[test]
-fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
+/// Two pools and nodes a and b, a granted its 10 pods: the sim and a's
+/// blocks.
+fn a_granted_beside_b() -> (Sim, Vec<String>) {
     let mut sim = Sim::new();
     two_pools(&mut sim);
     sim.add_node("a");
@@ -838,6 +839,12 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
     sim.set_demand("a", 10);
     sim.settle();
     let held = cidrs_of(&sim.nncs["a"]);
+    (sim, held)
+}
+
+#[test]
+fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
+    let (mut sim, held) = a_granted_beside_b();
     // Deleted by hand (or by the garbage collector with its Node, which
     // comes back at once): nothing moves, whatever time passes.
     sim.nncs.remove("a");
@@ -858,13 +865,7 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
 
 #[test]
 fn what_a_node_still_serves_stays_its_own_and_is_never_given_to_another() {
-    let mut sim = Sim::new();
-    two_pools(&mut sim);
-    sim.add_node("a");
-    sim.add_node("b");
-    sim.set_demand("a", 10);
-    sim.settle();
-    let held = cidrs_of(&sim.nncs["a"]);
+    let (mut sim, held) = a_granted_beside_b();
     let served = serving_now(&sim.nncs["a"]);
     // A controller that lost everything (its block objects gone, the NNC
     // re-created empty): the node says what it serves, and gets it back.
