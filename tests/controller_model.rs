@@ -133,9 +133,27 @@ impl Sim {
     fn delete_node(&mut self, name: &str, with_nnc: bool) {
         self.nodes.remove(name);
         self.absent.entry(name.into()).or_insert(self.now);
-        if with_nnc && let Some(nnc) = self.nncs.remove(name) {
-            for cidr in cidrs_of(&nnc) {
-                self.leaves(name, &cidr, "deleted with");
+        if with_nnc {
+            self.delete_nnc(name);
+        }
+    }
+
+    /// An NNC deleted: its blocks leave its status. The controller sees
+    /// that (its cache restarts the delay of those cooling, as
+    /// `Cache::remove` does).
+    fn delete_nnc(&mut self, name: &str) {
+        let Some(nnc) = self.nncs.remove(name) else {
+            return;
+        };
+        for cidr in cidrs_of(&nnc) {
+            self.leaves(name, &cidr, "deleted with");
+            let block = metis::controller::block::block_name(&cidr.parse().unwrap());
+            if self
+                .blocks
+                .get(&block)
+                .is_some_and(|b| b["spec"]["state"] == "Cooling")
+            {
+                self.cooling_seen.insert(block, self.now);
             }
         }
     }
@@ -396,6 +414,12 @@ impl Sim {
     /// `None`), else a cooling end or a grace end would wait for an
     /// unrelated event.
     fn check_quiet_until_due(&mut self, settled: &Decision) {
+        // A node whose writes fail releases its blocks again at every
+        // pass (their delay starts over each time): time moves what the
+        // others are told.
+        if self.failing.is_some() {
+            return;
+        }
         let later = match settled.next_due_ms {
             Some(at) => {
                 assert!(at > self.now, "due {at} is not after now {}", self.now);
@@ -1090,12 +1114,8 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 let with_nnc = rng.below(2) == 0;
                 sim.delete_node(node, with_nnc);
             } else {
-                if rng.below(2) == 0
-                    && let Some(nnc) = sim.nncs.remove(node)
-                {
-                    for cidr in cidrs_of(&nnc) {
-                        sim.leaves(node, &cidr, "deleted with");
-                    }
+                if rng.below(2) == 0 {
+                    sim.delete_nnc(node);
                 }
                 sim.add_node(node);
             }

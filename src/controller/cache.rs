@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use super::block::{Block, BlockState, NODE_GONE};
+use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Pool, PoolSpec};
@@ -78,6 +78,24 @@ impl Cache {
         self.now_ms = now_ms;
     }
 
+    /// Cooling blocks that `old` held and the status now kept for `name`
+    /// (none: the object is gone) does not: they left a status now, and
+    /// their delay counts from now (not from when this process first saw
+    /// them cooling while a status still held them).
+    fn left_status(&mut self, old: Option<Status>, name: Option<&String>) {
+        let Some(old) = old else { return };
+        let now = name.and_then(|n| self.statuses.get(n));
+        for cidr in old.entries.iter().filter_map(|e| e.cidr) {
+            if now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(cidr))) {
+                continue;
+            }
+            let name = block_name(&cidr);
+            if self.blocks.get(&name).is_some_and(is_cooling) {
+                self.cooling_seen.insert(name, self.now_ms);
+            }
+        }
+    }
+
     /// The delay of these blocks, released again, starts over.
     pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
         for (name, since) in restarts {
@@ -135,7 +153,8 @@ impl Cache {
         }
         match item {
             Item::Nnc(nnc, status) => {
-                self.statuses.insert(nnc.meta.name.clone(), status);
+                let old = self.statuses.insert(nnc.meta.name.clone(), status);
+                self.left_status(old, Some(&nnc.meta.name));
                 self.nncs.insert(nnc.meta.name.clone(), *nnc);
             }
             Item::Node(name) => {
@@ -165,7 +184,8 @@ impl Cache {
         match kind {
             Resource::Nnc => {
                 self.nncs.remove(name);
-                self.statuses.remove(name);
+                let old = self.statuses.remove(name);
+                self.left_status(old, None);
             }
             Resource::Node => {
                 self.nodes.remove(name);
