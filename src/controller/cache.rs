@@ -323,6 +323,40 @@ mod tests {
         assert_eq!(version(&cache), "10");
     }
 
+    #[test]
+    fn a_cooling_block_cools_from_when_it_was_seen_leaving_a_status() {
+        use crate::controller::block::{self, BlockSpec, RELEASED};
+        let mut cache = Cache::default();
+        cache.listed(
+            Resource::Pool,
+            vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/24")],
+        );
+        let spec = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: "198.18.0.0/28".into(),
+            node: "n1".into(),
+            state: BlockState::Cooling,
+            reason: RELEASED.into(),
+        };
+        let name = "v4-198-18-0-0-28";
+        cache.at(1_000);
+        let object = block::object(&spec, name, "5");
+        cache.put(Resource::Block, Item::parse(Resource::Block, object));
+        let held = json!({"metadata": {"name": "n1", "resourceVersion": "6"},
+                          "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}});
+        cache.put(Resource::Nnc, Item::parse(Resource::Nnc, held));
+        let since = |cache: &Cache| {
+            let pools = cache.pools_with_ledgers(0);
+            pools[0].ledger.cooling.values().next().unwrap().since_ms
+        };
+        assert_eq!(since(&cache), 1_000, "first seen cooling");
+        // Its status held it until the object went: it cools from then.
+        cache.at(9_000);
+        cache.remove(Resource::Nnc, "n1");
+        assert_eq!(since(&cache), 9_000);
+    }
+
     fn pool(name: &str, created: &str, cidr: &str) -> Item {
         Item::parse(
             Resource::Pool,
