@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Value, json};
 
 use super::block::{self, BlockSpec, BlockState, GRANTED, NODE_GONE, RELEASED};
-use super::pool::{Cooling, FamilyRange, Holder, Ledger, Pool, PoolSpec};
+use super::pool::{
+    BlockCounts, Cooling, FamilyRange, Holder, Ledger, Pool, PoolCondition, PoolSpec, PoolStatus,
+};
 use super::status::{self, Entry, Status};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
@@ -1277,74 +1279,81 @@ fn count(n: u128) -> u64 {
 /// generation, counts per family and conditions — nothing that grows with
 /// nodes or blocks.
 fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (String, Vec<Gauge>) {
-    let (status, gauges) = pool_status_tree(pool, ledger, waiting, now);
-    (status.to_string(), gauges)
-}
-
-fn pool_status_tree(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Value, Vec<Gauge>) {
-    let mut status = json!({"observedGeneration": pool.generation});
+    let mut status = PoolStatus {
+        conditions: Vec::new(),
+        ipv4: None,
+        ipv6: None,
+        observed_generation: pool.generation,
+    };
     let mut gauges = Vec::new();
-    let (valid, valid_reason, valid_message) = match &pool.spec {
+    let valid = match &pool.spec {
         Ok(spec) => {
             for range in &spec.ranges {
-                let inside = |c: &&Cidr| range.is_block(c);
-                let granted = ledger.claims.keys().filter(inside).count() as u128;
-                let cooling = ledger.cooling.keys().filter(inside).count() as u128;
-                let retired = ledger.non_reusable.iter().filter(inside).count() as u128;
-                let free = range
-                    .blocks_total()
-                    .saturating_sub(granted + cooling + retired);
-                status[range.family.as_str()] = json!({
-                    "blocksTotal": count(range.blocks_total()),
-                    "blocksFree": count(free),
-                    "blocksGranted": count(granted),
-                    "blocksCooling": count(cooling),
-                });
+                let counts = block_counts(range, ledger);
                 gauges.push(Gauge {
                     pool: pool.name.clone(),
                     family: range.family,
-                    free: count(free),
-                    granted: count(granted),
-                    cooling: count(cooling),
+                    free: counts.free,
+                    granted: counts.granted,
+                    cooling: counts.cooling,
                 });
+                match range.family {
+                    Family::V4 => status.ipv4 = Some(counts),
+                    Family::V6 => status.ipv6 = Some(counts),
+                }
             }
             ("True", "Valid", describe(spec))
         }
         Err(why) => ("False", "InvalidSpec", why.clone()),
     };
-    let (exhausted, exhausted_reason, exhausted_message) = if waiting > 0 {
-        (
-            "True",
-            "NoFreeBlock",
-            format!("{waiting} node(s) wait for a block"),
-        )
-    } else {
-        (
+    let exhausted = match waiting {
+        0 => (
             "False",
             "BlocksAvailable",
             "no node waits for a block".to_string(),
-        )
+        ),
+        _ => (
+            "True",
+            "NoFreeBlock",
+            format!("{waiting} node(s) wait for a block"),
+        ),
     };
-    let mut conditions = Value::Array(Vec::new());
-    for (kind, state, reason, message) in [
-        ("Exhausted", exhausted, exhausted_reason, exhausted_message),
-        ("Valid", valid, valid_reason, valid_message),
-    ] {
+    for (kind, (state, reason, message)) in [("Exhausted", exhausted), ("Valid", valid)] {
         let previous = pool
             .conditions
             .as_array()
             .and_then(|l| l.iter().find(|c| c["type"] == kind));
-        let since = match previous {
-            Some(p) if p["status"] == state => p["lastTransitionTime"].clone(),
-            _ => Value::from(rfc3339_seconds(now).to_string()),
+        let since = match previous.and_then(|p| p["lastTransitionTime"].as_str()) {
+            Some(since) if previous.is_some_and(|p| p["status"] == state) => since.to_string(),
+            _ => rfc3339_seconds(now).to_string(),
         };
-        conditions = merge_condition(
-            &conditions,
-            json!({"type": kind, "status": state, "reason": reason, "message": message, "lastTransitionTime": since}),
-        );
+        status.conditions.push(PoolCondition {
+            last_transition_time: since,
+            message,
+            reason: reason.to_string(),
+            status: state.to_string(),
+            kind: kind.to_string(),
+        });
     }
-    status["conditions"] = conditions;
-    (status, gauges)
+    // Serialising plain strings and numbers cannot fail.
+    (serde_json::to_string(&status).unwrap_or_default(), gauges)
+}
+
+/// The blocks of one range by state.
+fn block_counts(range: &FamilyRange, ledger: &Ledger) -> BlockCounts {
+    let inside = |c: &&Cidr| range.is_block(c);
+    let granted = ledger.claims.keys().filter(inside).count() as u128;
+    let cooling = ledger.cooling.keys().filter(inside).count() as u128;
+    let retired = ledger.non_reusable.iter().filter(inside).count() as u128;
+    let free = range
+        .blocks_total()
+        .saturating_sub(granted + cooling + retired);
+    BlockCounts {
+        cooling: count(cooling),
+        free: count(free),
+        granted: count(granted),
+        total: count(range.blocks_total()),
+    }
 }
 
 fn describe(spec: &PoolSpec) -> String {

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use serde::Serialize;
 use serde_json::Value;
 
 use super::block::{Block, BlockState, NODE_GONE};
@@ -106,6 +107,45 @@ pub struct Ledger {
     pub non_reusable: Vec<Cidr>,
     /// The resourceVersion of each block's object (absent: no object).
     pub versions: BTreeMap<Cidr, String>,
+}
+
+/// A pool's status as the controller writes it. Fields in key order, so
+/// that its compact text is the text `serde_json::Value` gives: an
+/// unchanged status reads back equal and is not written again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolStatus {
+    pub conditions: Vec<PoolCondition>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv4: Option<BlockCounts>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv6: Option<BlockCounts>,
+    #[serde(rename = "observedGeneration")]
+    pub observed_generation: i64,
+}
+
+/// One family's blocks by state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockCounts {
+    #[serde(rename = "blocksCooling")]
+    pub cooling: u64,
+    #[serde(rename = "blocksFree")]
+    pub free: u64,
+    #[serde(rename = "blocksGranted")]
+    pub granted: u64,
+    #[serde(rename = "blocksTotal")]
+    pub total: u64,
+}
+
+/// A condition of the pool (`Valid`, `Exhausted`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolCondition {
+    #[serde(rename = "lastTransitionTime")]
+    pub last_transition_time: String,
+    pub message: String,
+    pub reason: String,
+    pub status: String,
+    #[serde(rename = "type")]
+    pub kind: String,
 }
 
 /// A pool as read from the API server.
