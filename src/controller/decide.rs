@@ -10,15 +10,18 @@
 //!   its `MetisBlock` object naming that node, written first (a POST that
 //!   only one claimer wins, or a PUT carrying the object's
 //!   resourceVersion) — before any status that adds or removes it;
-//! - a block is free only when no status holds or overlaps it and no pool
-//!   claims, cools or retired it — the union over everything read;
-//! - a block the node lists in `releasableCIDRs` leaves its status and
-//!   cools for the pool's `reclaimDelay`; a `NonReusable` one never comes
-//!   back; the blocks of a Node gone longer than `--node-grace` go the same
-//!   way;
+//! - a block is free only when no status holds or overlaps it and no
+//!   block object exists for it — the union over everything read;
+//! - blocks follow the Node (by name): a block the node lists in
+//!   `releasableCIDRs` leaves its status and cools for the pool's
+//!   `reclaimDelay` (on this process's monotonic clock); a `NonReusable`
+//!   one never comes back; the blocks of a Node gone longer than
+//!   `--node-grace` go the same way; a deleted or re-created
+//!   NodeNetworkConfig changes nothing, and what a node says it still
+//!   serves stays its own;
 //! - blocks are added until capacity covers `spec.allocations[].pods` per
-//!   network and family, at most `maxBlocksPerNode` per pool; when no pool
-//!   can, the NodeNetworkConfig says `QuotaExceeded…`;
+//!   network and family, at most `maxBlocksPerNode` per pool and family;
+//!   when no pool can, the NodeNetworkConfig says `QuotaExceeded…`;
 //! - overlaps nobody granted (a hand-edited status, one block in two
 //!   statuses) are reported, never granted further, never silently fixed.
 
