@@ -831,7 +831,8 @@ impl Sim {
     ///   refused node when it comes free) plus 2 x ended (a block coming
     ///   free is granted to at most one node, and ends at most one told
     ///   time it no longer keeps) plus gone (an NNC emptied after its
-    ///   Node's grace) plus nodes x (pool edits plus takeovers) plus
+    ///   Node's grace) plus 2 x NNCs re-created (its blocks back, and the
+    ///   answer to its first spec) plus nodes x (pool edits plus takeovers) plus
     ///   refused writes (409s and injected failures, each written again);
     /// - pool status writes <= NNC status writes (a pass that grants or
     ///   releases writes the pool first) plus ended, pool edits, refused
@@ -871,7 +872,7 @@ impl Sim {
             + started
             + 2 * ended
             + self.gone
-            + self.recreated
+            + 2 * self.recreated
             + nodes * (self.pool_edits + self.takeovers)
             + refused;
         assert!(
