@@ -359,14 +359,22 @@ const CONTROLLER_API_REQUESTS: Metric = Metric::new(
     "Kubernetes API requests the controller made.",
 );
 
+const CONTROLLER_WRITE_FAILURES: Metric = Metric::new(
+    "metis_controller_write_failures_total",
+    Type::Counter,
+    &["resource", "code"],
+    "Controller writes the API server refused (not 409), by resource and HTTP status (0: no answer).",
+);
+
 /// The controller's metrics (`metis controller --metrics-address`).
-pub const CONTROLLER_METRICS: [&Metric; 6] = [
+pub const CONTROLLER_METRICS: [&Metric; 7] = [
     &BUILD_INFO,
     &CONTROLLER_LEADER,
     &CONTROLLER_POOL_BLOCKS,
     &CONTROLLER_EXHAUSTED,
     &CONTROLLER_CONFLICTS,
     &CONTROLLER_API_REQUESTS,
+    &CONTROLLER_WRITE_FAILURES,
 ];
 
 #[derive(Default)]
@@ -377,6 +385,7 @@ struct ControllerCounters {
     exhausted: u64,
     conflicts: u64,
     api_requests: BTreeMap<(&'static str, &'static str), u64>,
+    write_failures: BTreeMap<(&'static str, u16), u64>,
 }
 
 /// Shared by the controller's threads and its metrics server.
@@ -412,6 +421,10 @@ impl ControllerMetrics {
         self.with(|c| *c.api_requests.entry((verb, resource)).or_default() += 1);
     }
 
+    pub fn write_failure(&self, resource: &'static str, code: u16) {
+        self.with(|c| *c.write_failures.entry((resource, code)).or_default() += 1);
+    }
+
     /// Requests made so far, by (verb, resource).
     pub fn api_requests(&self) -> BTreeMap<(&'static str, &'static str), u64> {
         self.with(|c| c.api_requests.clone())
@@ -440,6 +453,11 @@ impl ControllerMetrics {
             CONTROLLER_API_REQUESTS.header(&mut out);
             for ((verb, resource), count) in &c.api_requests {
                 CONTROLLER_API_REQUESTS.sample(&mut out, &[verb, resource], count);
+            }
+            CONTROLLER_WRITE_FAILURES.header(&mut out);
+            for ((resource, code), count) in &c.write_failures {
+                let code = code.to_string();
+                CONTROLLER_WRITE_FAILURES.sample(&mut out, &[resource, &code], count);
             }
         });
         out
@@ -800,6 +818,7 @@ mod tests {
         metrics.api_request("put", "nodenetworkconfigs");
         metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
         metrics.exhausted();
+        metrics.write_failure("nodenetworkconfigs", 422);
         let text = metrics.render();
         for metric in CONTROLLER_METRICS {
             assert!(text.contains(&format!("# TYPE {} ", metric.name)), "{text}");
@@ -810,6 +829,7 @@ mod tests {
             "metis_controller_exhausted_total 1\n",
             "metis_controller_conflicts_total 0\n",
             "metis_controller_api_requests_total{verb=\"put\",resource=\"nodenetworkconfigs\"} 1\n",
+            "metis_controller_write_failures_total{resource=\"nodenetworkconfigs\",code=\"422\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} missing from {text}");
         }

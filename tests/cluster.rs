@@ -16,6 +16,12 @@
 //!   released block is back in the pool within the delay (+ slack);
 //! - the controllers' requests are within the budget of docs/controller.md.
 //!
+//! A second run (issue 32) keeps a machine serving its pods while its
+//! objects go: the Node and its NNC (the garbage collector) re-created
+//! inside and past `--node-grace`, the NNC alone re-created, one NNC whose
+//! writes are all refused, and a leader whose wall clock is 10 minutes
+//! ahead; the same invariants after each phase.
+//!
 //! `CLUSTER_SEED=N` replays a run; the seed is printed.
 
 #![cfg(feature = "kube")]
@@ -28,7 +34,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::kube_api::{Key, KubeApi, LEASES, NNCS, NODES, POOLS};
+use common::kube_api::{BLOCKS, Key, KubeApi, LEASES, NNCS, NODES, POOLS};
 use common::rng::Rng;
 use common::{METIS, Plugin, TestDaemon, TestDir, db};
 use serde_json::{Value, json};
@@ -136,6 +142,8 @@ struct Sim {
     gone: u64,
     /// Writes the API server was told to fail in the phase (not 409).
     injected_failures: u64,
+    /// NNCs re-created in the phase (each answered once more).
+    recreated: u64,
 }
 
 impl Sim {
@@ -158,6 +166,7 @@ impl Sim {
             takeovers: 0,
             gone: 0,
             injected_failures: 0,
+            recreated: 0,
         };
         sim.api.with_state(|s| {
             s.create(POOLS, "", &pool(&[FIRST_CIDR])).unwrap();
@@ -166,6 +175,11 @@ impl Sim {
     }
 
     fn start_controller(&mut self) {
+        self.start_controller_with_env(&[]);
+    }
+
+    /// A controller with `env` set (a skewed wall clock).
+    fn start_controller_with_env(&mut self, env: &[(&str, &str)]) {
         self.started += 1;
         let identity = format!("controller-{}", self.started);
         let log = self.dir.join(&format!("{identity}.log"));
@@ -177,6 +191,7 @@ impl Sim {
             .args(["--identity", &identity])
             .args(LEASE)
             .args(["--node-grace", "4s"])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -406,29 +421,16 @@ impl Sim {
         loop {
             let held: Vec<String> = {
                 let state = self.api.state();
-                let pool = state
-                    .get(&Key::cluster(POOLS, POOL))
-                    .cloned()
-                    .unwrap_or_default();
-                let cooling: BTreeSet<String> = pool["status"]["cooling"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|c| c["cidr"].as_str().map(str::to_string))
+                let objects = block_objects(&state);
+                let cooling: BTreeSet<String> = objects
+                    .iter()
+                    .filter(|(_, (s, _))| s == "Cooling")
+                    .map(|(c, _)| c.clone())
                     .collect();
-                let claimed: BTreeSet<(String, String)> = pool["status"]["claims"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .flat_map(|c| {
-                        let node = c["node"].as_str().unwrap_or("").to_string();
-                        c["cidrs"]
-                            .as_array()
-                            .cloned()
-                            .unwrap_or_default()
-                            .into_iter()
-                            .filter_map(move |b| Some((node.clone(), b.as_str()?.to_string())))
-                    })
+                let claimed: BTreeSet<(String, String)> = objects
+                    .iter()
+                    .filter(|(_, (s, _))| s == "Granted")
+                    .map(|(c, (_, node))| (node.clone(), c.clone()))
                     .collect();
                 blocks
                     .iter()
@@ -465,6 +467,64 @@ impl Sim {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The blocks in node `index`'s NNC status.
+    fn status_of(&self, index: usize) -> Vec<String> {
+        let key = Key::cluster(NNCS, &self.nodes[index].name);
+        self.api
+            .state()
+            .get(&key)
+            .map(status_cidrs)
+            .unwrap_or_default()
+    }
+
+    /// Node `index`'s machine stays (its daemon serves its pods on), its
+    /// objects go: with `node`, the Node object is deleted and the garbage
+    /// collector deletes the NNC with it, else the NNC alone. Once
+    /// `absent(state)` holds, both are created again (the NNC as its
+    /// daemon creates it, a new uid).
+    fn recreate(
+        &mut self,
+        index: usize,
+        node: bool,
+        absent: impl Fn(&common::kube_api::State) -> bool,
+    ) {
+        let name = self.nodes[index].name.clone();
+        let nnc = Key::cluster(NNCS, &name);
+        let node_key = Key::cluster(NODES, &name);
+        self.api.with_state(|s| {
+            let key = if node { &node_key } else { &nnc };
+            s.delete(key, &Value::Null).unwrap();
+        });
+        self.api.wait_until("the objects gone", WAIT, |s| {
+            s.get(&nnc).is_none() && absent(s)
+        });
+        self.api.with_state(|s| {
+            if s.get(&node_key).is_none() {
+                s.create(NODES, "", &json!({"metadata": {"name": name}, "spec": {}}))
+                    .unwrap();
+            }
+            let uid = s.get(&node_key).unwrap()["metadata"]["uid"].clone();
+            let owner = json!([{"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid, "controller": true}]);
+            // The daemon may have created it first.
+            let _ = s.create(
+                NNCS,
+                "",
+                &json!({"metadata": {"name": name, "ownerReferences": owner}, "spec": {}}),
+            );
+        });
+        self.recreated += 1;
+    }
+
+    /// Waits until node `index`'s NNC status holds every one of `blocks`.
+    fn wait_status_holds(&self, index: usize, blocks: &[String]) {
+        let key = Key::cluster(NNCS, &self.nodes[index].name);
+        self.api
+            .wait_until("the node's blocks back in its status", WAIT, |s| {
+                let held = s.get(&key).map(status_cidrs).unwrap_or_default();
+                blocks.iter().all(|b| held.contains(b))
+            });
     }
 
     /// The orphaned NNC of node `index` (its Node deleted at `deleted`)
@@ -634,6 +694,7 @@ impl Sim {
         self.takeovers = 0;
         self.gone = 0;
         self.injected_failures = 0;
+        self.recreated = 0;
         self.adds.lock().unwrap().clear();
     }
 
@@ -696,14 +757,23 @@ impl Sim {
                 }
             }
         }
-        // Released blocks leave the cooling list within the reclaim delay.
-        let pool = state.get(&Key::cluster(POOLS, POOL)).cloned().unwrap();
-        let now = metis::log::now_ms();
-        for entry in pool["status"]["cooling"].as_array().into_iter().flatten() {
-            let since = entry["since"].as_str().unwrap_or("");
-            let age = now - parse_rfc3339_ms(since);
-            let most = i64::try_from((RECLAIM + SLACK).as_millis()).unwrap();
-            assert!(age <= most, "{phase}: {entry} still cooling after {age} ms");
+        // Released blocks come free within the reclaim delay (+ slack)
+        // of when they started cooling.
+        let mut cooling_since: BTreeMap<String, Instant> = BTreeMap::new();
+        for change in state.changes.iter().filter(|c| c.key.resource == BLOCKS) {
+            let cooling = change.kind != "DELETED" && change.object["spec"]["state"] == "Cooling";
+            if !cooling {
+                cooling_since.remove(&change.key.name);
+            } else if !cooling_since.contains_key(&change.key.name) {
+                cooling_since.insert(change.key.name.clone(), change.at);
+            }
+        }
+        for (name, since) in &cooling_since {
+            let age = since.elapsed();
+            assert!(
+                age <= RECLAIM + SLACK,
+                "{phase}: {name} still cooling after {age:?}"
+            );
         }
         let history = state.changes.clone();
         drop(state);
@@ -761,7 +831,8 @@ impl Sim {
     ///   refused node when it comes free) plus 2 x ended (a block coming
     ///   free is granted to at most one node, and ends at most one told
     ///   time it no longer keeps) plus gone (an NNC emptied after its
-    ///   Node's grace) plus nodes x (pool edits plus takeovers) plus
+    ///   Node's grace) plus 2 x NNCs re-created (its blocks back, and the
+    ///   answer to its first spec) plus nodes x (pool edits plus takeovers) plus
     ///   refused writes (409s and injected failures, each written again);
     /// - pool status writes <= NNC status writes (a pass that grants or
     ///   releases writes the pool first) plus ended, pool edits, refused
@@ -779,7 +850,7 @@ impl Sim {
         let demands = self.demand_writes() - self.phase_demands;
         let conflicts = self.api.state().conflicts_of("controller") - self.phase_conflicts;
         let refused = conflicts + self.injected_failures;
-        for resource in [NNCS, NODES, POOLS] {
+        for resource in [NNCS, NODES, POOLS, BLOCKS] {
             let gets = spent("get", resource);
             assert!(
                 gets <= conflicts,
@@ -801,6 +872,7 @@ impl Sim {
             + started
             + 2 * ended
             + self.gone
+            + 2 * self.recreated
             + nodes * (self.pool_edits + self.takeovers)
             + refused;
         assert!(
@@ -842,21 +914,19 @@ impl Sim {
             let in_phase = change.at >= self.phase_started;
             let before = last.insert(change.key.clone(), change.object.clone());
             let Some(before) = before else { continue };
-            if change.key.resource == POOLS {
-                let cooling = |v: &Value| -> BTreeSet<String> {
-                    v["status"]["cooling"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|c| c["cidr"].as_str().map(str::to_string))
-                        .collect()
-                };
-                let (old, new) = (cooling(&before), cooling(&change.object));
-                if in_phase {
-                    *kinds.entry("cooling started").or_default() +=
-                        new.difference(&old).count() as u64;
-                    *kinds.entry("cooling ended").or_default() +=
-                        old.difference(&new).count() as u64;
+            if change.key.resource == BLOCKS {
+                let cooling = |v: &Value| v["spec"]["state"] == "Cooling";
+                let now_cooling = change.kind != "DELETED" && cooling(&change.object);
+                if in_phase && now_cooling != cooling(&before) {
+                    let kind = if now_cooling {
+                        "cooling started"
+                    } else {
+                        "cooling ended"
+                    };
+                    *kinds.entry(kind).or_default() += 1;
+                }
+                if change.kind == "DELETED" {
+                    last.remove(&change.key);
                 }
                 continue;
             }
@@ -919,22 +989,9 @@ fn room_for(state: &common::kube_api::State, name: &str) -> bool {
     let taken: BTreeSet<String> = state
         .list(NNCS)
         .flat_map(|(_, nnc)| status_cidrs(nnc))
-        .chain(
-            pool["status"]["cooling"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c["cidr"].as_str().map(str::to_string)),
-        )
-        .chain(
-            // Claimed for a node, its status write still to come.
-            pool["status"]["claims"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|c| c["cidrs"].as_array().cloned().unwrap_or_default())
-                .filter_map(|c| c.as_str().map(str::to_string)),
-        )
+        // Granted (maybe its status write still to come), cooling or
+        // retired: a MetisBlock object.
+        .chain(block_objects(state).into_keys())
         .collect();
     let total: usize = pool["spec"]["ipv4"]["cidrs"]
         .as_array()
@@ -948,6 +1005,17 @@ fn room_for(state: &common::kube_api::State, name: &str) -> bool {
         .filter(|cidr| in_pool_cidrs(pool, cidr))
         .count();
     in_pool < total
+}
+
+/// The MetisBlock objects: CIDR → (state, node).
+fn block_objects(state: &common::kube_api::State) -> BTreeMap<String, (String, String)> {
+    state
+        .list(BLOCKS)
+        .map(|(_, block)| {
+            let text = |key: &str| block["spec"][key].as_str().unwrap_or("").to_string();
+            (text("cidr"), (text("state"), text("node")))
+        })
+        .collect()
 }
 
 fn blocks_of(cidr: &str) -> usize {
@@ -1083,34 +1151,92 @@ fn held_addresses(dir: &TestDir) -> Vec<String> {
         .collect()
 }
 
-/// Milliseconds since the epoch of an RFC 3339 UTC time (seconds, `Z`).
-fn parse_rfc3339_ms(text: &str) -> i64 {
-    let digits = |range: std::ops::Range<usize>| -> i64 {
-        text.get(range).and_then(|d| d.parse().ok()).unwrap_or(0)
-    };
-    let (y, m, d) = (digits(0..4), digits(5..7), digits(8..10));
-    let (hh, mm, ss) = (digits(11..13), digits(14..16), digits(17..19));
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * ((m + 9) % 12) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    ((days * 86_400) + hh * 3600 + mm * 60 + ss) * 1000
-}
-
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
+/// Blocks follow their node (issue 32): a Node deleted with its NNC (the
+/// garbage collector) and re-created inside and past `--node-grace`, an
+/// NNC deleted and re-created, while the machine serves its pods on; one
+/// NNC whose writes all fail while the others are granted; a leader whose
+/// wall clock is 10 minutes ahead. The invariants of `check` after each.
 #[test]
-fn rfc3339_times_parse() {
-    assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:01Z"), 1000);
-    let now = metis::log::now_ms();
-    let text = metis::log::rfc3339_seconds(now).to_string();
-    assert!((now - parse_rfc3339_ms(&text)).abs() < 1000, "{text}");
+fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leader() {
+    let mut rng = Rng::from_env("CLUSTER_SEED");
+    let mut sim = Sim::start();
+    let skew = [(metis::controller::run::WALL_OFFSET_ENV, "600000")];
+    sim.start_controller_with_env(&skew);
+    sim.wait_for_leader(None);
+    for index in 0..4 {
+        sim.add_node(index);
+    }
+    sim.begin_phase();
+    sim.churn(&mut rng, 60, 14);
+    let (_, refused) = sim.fill(0, 6);
+    assert!(!refused, "node 0 refused: {}", sim.describe(0));
+    sim.check("a leader 10 minutes ahead");
+    let held = sim.status_of(0);
+    assert!(
+        !held.is_empty(),
+        "node 0 holds no block: {}",
+        sim.describe(0)
+    );
+
+    sim.begin_phase();
+    sim.recreate(0, true, |_| true);
+    sim.wait_status_holds(0, &held);
+    sim.churn(&mut rng, 30, 14);
+    sim.check("Node and NNC re-created inside the grace");
+
+    sim.begin_phase();
+    sim.recreate(0, false, |_| true);
+    sim.wait_status_holds(0, &held);
+    sim.check("NNC deleted and re-created");
+
+    // Past the grace: its blocks cool (NodeGone); back while they cool,
+    // the Node gets them back.
+    sim.begin_phase();
+    let cooling = held.clone();
+    sim.recreate(0, true, move |s| {
+        let objects = block_objects(s);
+        cooling
+            .iter()
+            .all(|b| objects.get(b).is_some_and(|(state, _)| state == "Cooling"))
+    });
+    sim.wait_status_holds(0, &held);
+    sim.check("Node re-created past the grace, its blocks cooling");
+
+    // Every write of node 3's NNC fails: the others are granted meanwhile.
+    sim.begin_phase();
+    let failing = sim.nodes[3].name.clone();
+    sim.api.with_state(|s| {
+        s.fail_object = Some((NNCS, failing.clone(), 500));
+        s.fail_object_hits = 0;
+    });
+    sim.api.with_state(|s| {
+        s.edit(&Key::cluster(NNCS, &failing), |o| {
+            o["spec"]["allocations"] = json!([{"network": "default", "pods": 40}]);
+        });
+    });
+    for index in [1, 2] {
+        let (_, refused) = sim.fill(index, 8);
+        assert!(!refused, "node {index} refused while node 3 fails");
+    }
+    sim.api
+        .wait_until("the refusal told in an Event", WAIT, |s| {
+            s.list(common::kube_api::EVENTS).any(|(_, e)| {
+                e["reason"] == "MetisWriteRefused"
+                    && e["involvedObject"]["name"] == failing.as_str()
+            })
+        });
+    let hits = sim.api.with_state(|s| {
+        s.fail_object = None;
+        s.fail_object_hits
+    });
+    assert!(hits > 0);
+    sim.injected_failures += hits;
+    sim.check("one NNC's writes all refused");
 }
 
 #[test]

@@ -1,18 +1,23 @@
 //! The controller's pure decision (`metis::controller::decide`) without
 //! I/O: a few worked examples, then a model-based test. A simulated API
-//! server holds pools, NodeNetworkConfigs and Nodes as JSON with one
-//! resourceVersion counter and applies the decision's writes as the real
-//! one does (status PUTs with a precondition; a stale version is refused).
-//! Random sequences change demand, release blocks, delete and re-create
-//! nodes, grow, shrink, break and exhaust pools, hand-edit statuses, let a
-//! second controller decide from a stale copy and cut write sequences
-//! short (a crash); after every step the invariants hold:
+//! server holds pools, MetisBlocks, NodeNetworkConfigs and Nodes as JSON
+//! with one resourceVersion counter and applies the decision's writes as
+//! the real one does (a block POST refused when the name exists, PUTs and
+//! DELETEs with a precondition; a stale version is refused). Random
+//! sequences change demand, release blocks, delete and re-create nodes and
+//! their NodeNetworkConfigs, grow, shrink, break and exhaust pools,
+//! hand-edit statuses, let a second controller decide from a stale copy,
+//! cut write sequences short (a crash), refuse every write of one node's
+//! NodeNetworkConfig and skew the deciding process's wall clock; after
+//! every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
+//! - a block granted to a node whose NodeNetworkConfig exists is in its
+//!   status (blocks follow the Node, whatever happened to the object);
 //! - every node's demand is covered while its pools had room, otherwise
 //!   its NodeNetworkConfig says QuotaExceeded…;
-//! - a block that left a status is granted again only after the reclaim
-//!   delay, and a released NonReusable block never;
+//! - a block that left a status is granted to another node only after the
+//!   reclaim delay, and a released NonReusable block never;
 //! - a controller that has nothing new to say writes nothing.
 //!
 //! `CONTROLLER_MODEL_SEED`, `CONTROLLER_MODEL_RUNS` and
@@ -25,7 +30,8 @@ use crate::common::rng::Rng;
 use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
-use metis::controller::decide::{self, Decision, QUOTA_EXCEEDED, World};
+use metis::controller::block::{Block, BlockState};
+use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
 use metis::controller::status::Status;
 use metis::kube::nnc::Nnc;
@@ -42,13 +48,22 @@ struct Sim {
     uids: u64,
     now: i64,
     pools: BTreeMap<String, Value>,
+    /// MetisBlocks by name.
+    blocks: BTreeMap<String, Value>,
+    /// When the deciding process first saw each block cooling.
+    cooling_seen: BTreeMap<String, i64>,
+    /// The deciding process's wall clock minus the true time: no delay
+    /// may follow it.
+    wall_skew: i64,
+    /// A node whose NodeNetworkConfig refuses every write.
+    failing: Option<String>,
     nncs: BTreeMap<String, Value>,
     nodes: BTreeSet<String>,
     absent: BTreeMap<String, i64>,
     /// (node, cidr) entries put into statuses by someone else.
     hand_made: BTreeSet<(String, String)>,
-    /// cidr → when it last left a status.
-    left: BTreeMap<String, i64>,
+    /// cidr → when it last left a status, and which.
+    left: BTreeMap<String, (i64, String)>,
     /// Released NonReusable blocks.
     retired: BTreeSet<String>,
     writes: usize,
@@ -63,6 +78,10 @@ impl Sim {
             uids: 0,
             now: 1_800_000_000_000,
             pools: BTreeMap::new(),
+            blocks: BTreeMap::new(),
+            cooling_seen: BTreeMap::new(),
+            wall_skew: 0,
+            failing: None,
             nncs: BTreeMap::new(),
             nodes: BTreeSet::new(),
             absent: BTreeMap::new(),
@@ -114,9 +133,27 @@ impl Sim {
     fn delete_node(&mut self, name: &str, with_nnc: bool) {
         self.nodes.remove(name);
         self.absent.entry(name.into()).or_insert(self.now);
-        if with_nnc && let Some(nnc) = self.nncs.remove(name) {
-            for cidr in cidrs_of(&nnc) {
-                self.leaves(name, &cidr, "deleted with");
+        if with_nnc {
+            self.delete_nnc(name);
+        }
+    }
+
+    /// An NNC deleted: its blocks leave its status. The controller sees
+    /// that (its cache restarts the delay of those cooling, as
+    /// `Cache::remove` does).
+    fn delete_nnc(&mut self, name: &str) {
+        let Some(nnc) = self.nncs.remove(name) else {
+            return;
+        };
+        for cidr in cidrs_of(&nnc) {
+            self.leaves(name, &cidr, "deleted with");
+            let block = metis::controller::block::block_name(&cidr.parse().unwrap());
+            if self
+                .blocks
+                .get(&block)
+                .is_some_and(|b| b["spec"]["state"] == "Cooling")
+            {
+                self.cooling_seen.insert(block, self.now);
             }
         }
     }
@@ -138,6 +175,8 @@ impl Sim {
     fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Status>) {
         let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
         pool::validate(&mut pools);
+        let blocks: Vec<Block> = self.blocks.values().cloned().map(Block::parse).collect();
+        let pools = pool::with_ledgers(&pools, &blocks, &self.cooling_seen, self.now);
         let nncs = self
             .nncs
             .iter()
@@ -146,7 +185,11 @@ impl Sim {
         let statuses = self
             .nncs
             .iter()
-            .map(|(k, v)| (k.clone(), Status::parse(v["status"].clone())))
+            .map(|(k, v)| {
+                let mut status = Status::parse(v["status"].clone());
+                status.serving = metis::controller::status::serving(v);
+                (k.clone(), status)
+            })
             .collect();
         (pools, nncs, statuses)
     }
@@ -159,6 +202,7 @@ impl Sim {
             statuses: &statuses,
             absent: &self.absent,
             now_ms: self.now,
+            wall_ms: self.now + self.wall_skew,
             node_grace_ms: GRACE_MS,
         })
     }
@@ -168,29 +212,26 @@ impl Sim {
     fn apply(&mut self, decision: &Decision, limit: usize) -> usize {
         let mut done = 0;
         let mut written = BTreeSet::new();
-        for write in decision.pool_writes.iter().take(limit) {
-            let Some(pool) = self.pools.get(&write.name) else {
-                continue;
-            };
-            if pool["metadata"]["resourceVersion"] != write.resource_version.as_str() {
-                continue;
-            }
-            let rv = self.bump();
-            let pool = self.pools.get_mut(&write.name).unwrap();
-            pool["status"] = serde_json::from_str(&write.status).unwrap();
-            pool["metadata"]["resourceVersion"] = json!(rv);
-            written.insert(write.name.clone());
-            done += 1;
+        for (name, since) in &decision.cooling_restarts {
+            self.cooling_seen.insert(name.clone(), *since);
         }
-        let left = limit.saturating_sub(decision.pool_writes.len());
+        for write in decision.block_writes.iter().take(limit) {
+            if let Some(changed) = self.write_block(write) {
+                written.insert(write.name.clone());
+                done += usize::from(changed);
+            }
+        }
+        let mut left = limit.saturating_sub(decision.block_writes.len());
         for write in decision.nnc_writes.iter().take(left) {
-            if !write.after_pools.iter().all(|p| written.contains(p)) {
+            if !write.after_blocks.iter().all(|b| written.contains(b)) {
                 continue;
             }
             let Some(nnc) = self.nncs.get(&write.name).cloned() else {
                 continue;
             };
-            if nnc["metadata"]["resourceVersion"] != write.resource_version.as_str() {
+            if nnc["metadata"]["resourceVersion"] != write.resource_version.as_str()
+                || self.failing.as_ref() == Some(&write.name)
+            {
                 continue;
             }
             let before: BTreeSet<String> = cidrs_of(&nnc).into_iter().collect();
@@ -208,7 +249,9 @@ impl Sim {
                     write.name,
                     self.history.get(cidr)
                 );
-                if let Some(at) = self.left.get(cidr) {
+                if let Some((at, from)) = self.left.get(cidr)
+                    && *from != write.name
+                {
                     assert!(
                         self.now - at >= DELAY_MS,
                         "{cidr} granted to {} {} ms after it left a status: {:?}, pools {:#}",
@@ -245,8 +288,96 @@ impl Sim {
             nnc["metadata"]["resourceVersion"] = json!(rv);
             done += 1;
         }
+        left = left.saturating_sub(decision.nnc_writes.len());
+        for write in decision.pool_writes.iter().take(left) {
+            let Some(pool) = self.pools.get(&write.name) else {
+                continue;
+            };
+            if pool["metadata"]["resourceVersion"] != write.resource_version.as_str() {
+                continue;
+            }
+            let rv = self.bump();
+            let pool = self.pools.get_mut(&write.name).unwrap();
+            pool["status"] = serde_json::from_str(&write.status).unwrap();
+            pool["metadata"]["resourceVersion"] = json!(rv);
+            done += 1;
+        }
         self.writes += done;
         done
+    }
+
+    /// A block write as the API server answers it: a POST refused when
+    /// the name is taken, a PUT or DELETE when the version moved (`None`);
+    /// an unchanged PUT changes no version (`Some(false)`).
+    fn write_block(&mut self, write: &decide::BlockWrite) -> Option<bool> {
+        let current = self.blocks.get(&write.name);
+        let version = current.map(|b| {
+            b["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        });
+        let spec = match &write.op {
+            BlockOp::Create(spec) if current.is_none() => spec,
+            BlockOp::Update(v, spec) if version.as_ref() == Some(v) => spec,
+            BlockOp::Delete(v) if version.as_ref() == Some(v) => {
+                let note = format!("{} block deleted", self.now);
+                self.history
+                    .entry(write.cidr.to_string())
+                    .or_default()
+                    .push(note);
+                self.blocks.remove(&write.name);
+                self.cooling_seen.remove(&write.name);
+                return Some(true);
+            }
+            _ => return None,
+        };
+        if let (Some(current), Some(v)) = (current, &version)
+            && *current == metis::controller::block::object(spec, &write.name, v)
+        {
+            return Some(false);
+        }
+        let rv = self.bump();
+        let note = format!("{} block {:?} {}", self.now, spec.state, spec.node);
+        self.history
+            .entry(write.cidr.to_string())
+            .or_default()
+            .push(note);
+        let object = metis::controller::block::object(spec, &write.name, &rv);
+        if spec.state == BlockState::Cooling {
+            self.cooling_seen
+                .entry(write.name.clone())
+                .or_insert(self.now);
+        } else {
+            self.cooling_seen.remove(&write.name);
+        }
+        self.blocks.insert(write.name.clone(), object);
+        Some(true)
+    }
+
+    /// Whether `decision` says nothing new: no write at all, or, while a
+    /// node's writes fail, none that would change anything.
+    fn is_quiet(&self, decision: &Decision) -> bool {
+        match self.failing {
+            None => {
+                decision.block_writes.is_empty()
+                    && decision.pool_writes.is_empty()
+                    && decision.nnc_writes.is_empty()
+            }
+            Some(_) => self.clone().apply(decision, usize::MAX) == 0,
+        }
+    }
+
+    /// The blocks in `state`, by CIDR, with their node.
+    fn blocks_in(&self, state: BlockState) -> BTreeMap<String, String> {
+        self.blocks
+            .values()
+            .cloned()
+            .map(Block::parse)
+            .filter_map(|b| b.spec)
+            .filter(|(_, spec)| spec.state == state)
+            .map(|(cidr, spec)| (cidr.to_string(), spec.node))
+            .collect()
     }
 
     /// `cidr` left `node`'s status. The reclaim delay is timed from there
@@ -256,7 +387,8 @@ impl Sim {
         let note = format!("{} {how} {node}", self.now);
         self.history.entry(cidr.to_string()).or_default().push(note);
         if !self.hand_made.remove(&(node.to_string(), cidr.to_string())) {
-            self.left.insert(cidr.to_string(), self.now);
+            self.left
+                .insert(cidr.to_string(), (self.now, node.to_string()));
         }
     }
 
@@ -267,7 +399,7 @@ impl Sim {
             if self.apply(&decision, usize::MAX) == 0 {
                 let again = self.decide();
                 assert!(
-                    again.pool_writes.is_empty() && again.nnc_writes.is_empty(),
+                    self.is_quiet(&again),
                     "a pass with nothing new still writes: {again:?}"
                 );
                 self.check_quiet_until_due(&again);
@@ -282,6 +414,12 @@ impl Sim {
     /// `None`), else a cooling end or a grace end would wait for an
     /// unrelated event.
     fn check_quiet_until_due(&mut self, settled: &Decision) {
+        // A node whose writes fail releases its blocks again at every
+        // pass (their delay starts over each time): time moves what the
+        // others are told.
+        if self.failing.is_some() {
+            return;
+        }
         let later = match settled.next_due_ms {
             Some(at) => {
                 assert!(at > self.now, "due {at} is not after now {}", self.now);
@@ -293,7 +431,7 @@ impl Sim {
         let quiet = self.decide();
         self.now = now;
         assert!(
-            quiet.pool_writes.is_empty() && quiet.nnc_writes.is_empty(),
+            self.is_quiet(&quiet),
             "writes at {later} before the due time {:?} (now {now}): {quiet:?}",
             settled.next_due_ms
         );
@@ -332,6 +470,11 @@ impl Sim {
                     foreign,
                     "{ca} of {a} and {cb} of {b}: one block on two nodes"
                 );
+                // A node whose writes fail can neither be told nor drop
+                // its copy (the other is answered as if it had).
+                if [a, b].iter().any(|n| self.failing.as_ref() == Some(*n)) {
+                    continue;
+                }
                 for (node, cidr) in [(a, ca), (b, cb)] {
                     if self.nodes.contains(node) {
                         let (reason, message) = self.ready(node).unwrap_or_default();
@@ -344,13 +487,14 @@ impl Sim {
                 }
             }
         }
+        self.check_blocks_follow_nodes();
         // Demand covered while the pools had room.
         let (pools, _, _) = self.world();
         // IPv4 refusals made while blocks cool, and whether each says until
         // when.
         let mut refused_while_cooling: Vec<(&String, bool)> = Vec::new();
         for (name, nnc) in &self.nncs {
-            if !self.nodes.contains(name) {
+            if !self.nodes.contains(name) || self.failing.as_ref() == Some(name) {
                 continue;
             }
             let pods = nnc["spec"]["allocations"][0]["pods"].as_i64().unwrap_or(0);
@@ -386,8 +530,8 @@ impl Sim {
                     let mine = pool
                         .ledger
                         .claims
-                        .values()
-                        .filter(|h| &h.node == name)
+                        .iter()
+                        .filter(|(c, h)| &h.node == name && c.family() == family)
                         .count();
                     if mine >= spec.max_blocks_per_node {
                         continue;
@@ -416,13 +560,17 @@ impl Sim {
                 }
                 // Cooling blocks are promised first come, first served: a
                 // refusal says until when only while blocks cool, or while
-                // the time it was told has not passed (IPv4 is decided
-                // first, and nodes grow IPv4).
+                // the time it was told has not passed (it keeps that time
+                // when its promise moves: a pool shrunk, a block back to
+                // its Node), and never further than a reclaim delay ahead
+                // (IPv4 is decided first, and nodes grow IPv4). The time
+                // told is the deciding process's wall clock.
                 if family == metis::cidr::Family::V4 {
                     let told = metis::kube::nnc::QuotaEnd::of(&message);
                     let until = matches!(told, metis::kube::nnc::QuotaEnd::At(_));
+                    let wall = self.now + self.wall_skew;
                     assert!(
-                        !until || cooling > 0 || !told.stands_at(self.now),
+                        !until || cooling > 0 || !told.stands_at(wall + DELAY_MS),
                         "{name}: {cooling} blocks cooling, refusal {message:?}"
                     );
                     if cooling > 0 {
@@ -432,11 +580,34 @@ impl Sim {
             }
         }
         // Someone is promised the cooling blocks: the first refused node
-        // at least is told when one comes free.
+        // at least is told when one comes free (unless that is the node
+        // whose writes fail: it cannot be told).
         assert!(
-            refused_while_cooling.is_empty() || refused_while_cooling.iter().any(|(_, u)| *u),
+            refused_while_cooling.is_empty()
+                || refused_while_cooling.iter().any(|(_, u)| *u)
+                || self.failing.is_some(),
             "blocks cool, but no refused node is told when one comes free: {refused_while_cooling:?}"
         );
+    }
+
+    /// A block granted to a node whose NodeNetworkConfig exists is in its
+    /// status (unless the node is told why not, or its writes fail).
+    fn check_blocks_follow_nodes(&self) {
+        for (cidr, node) in self.blocks_in(BlockState::Granted) {
+            let Some(nnc) = self.nncs.get(&node) else {
+                continue;
+            };
+            if self.failing.as_ref() == Some(&node)
+                || self.ready(&node).is_some_and(|(r, _)| r == decide::INVALID)
+            {
+                continue;
+            }
+            assert!(
+                cidrs_of(nnc).contains(&cidr),
+                "{cidr} is granted to {node} but not in its status: {:?}",
+                self.history.get(&cidr)
+            );
+        }
     }
 
     /// A block of `range` nothing holds, claims, cools or retired.
@@ -475,6 +646,23 @@ impl Sim {
         }
         None
     }
+}
+
+const SERVING: &str = metis::controller::status::SERVING_ANNOTATION;
+
+/// What a daemon would write as its `serving` annotation: the blocks in
+/// its status it has not listed releasable.
+fn serving_now(nnc: &Value) -> String {
+    let listed = |c: &String| {
+        nnc["spec"]["releasableCIDRs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["cidr"] == c.as_str())
+    };
+    let mut served: Vec<String> = cidrs_of(nnc).into_iter().filter(|c| !listed(c)).collect();
+    served.sort();
+    served.join(",")
 }
 
 fn cidrs_of(nnc: &Value) -> Vec<String> {
@@ -583,9 +771,9 @@ fn a_released_block_cools_before_another_node_gets_it() {
     release(&mut sim, "a", "198.18.0.0/28");
     sim.settle();
     assert!(!cidrs_of(&sim.nncs["a"]).contains(&"198.18.0.0/28".to_string()));
-    let cooling = &sim.pools["v4"]["status"]["cooling"];
-    assert_eq!(cooling[0]["cidr"], "198.18.0.0/28");
-    assert_eq!(cooling[0]["node"], "a");
+    let cooling = sim.blocks_in(BlockState::Cooling);
+    assert_eq!(cooling.get("198.18.0.0/28").map(String::as_str), Some("a"));
+    assert_eq!(sim.pools["v4"]["status"]["ipv4"]["blocksCooling"], 1);
     // The controller wakes when it comes free, with no event needed.
     assert_eq!(sim.decide().next_due_ms, Some(sim.now + DELAY_MS));
     sim.now += DELAY_MS - 1;
@@ -613,10 +801,8 @@ fn a_nonreusable_block_is_never_granted_again() {
     });
     release(&mut sim, "a", "198.18.0.0/28");
     sim.settle();
-    assert_eq!(
-        sim.pools["v4"]["status"]["nonReusable"],
-        json!(["198.18.0.0/28"])
-    );
+    let retired: Vec<String> = sim.blocks_in(BlockState::NonReusable).into_keys().collect();
+    assert_eq!(retired, ["198.18.0.0/28"]);
     sim.now += 3_600_000;
     sim.edit_nnc("a", |n| n["spec"]["releasableCIDRs"] = json!([]));
     sim.settle();
@@ -640,22 +826,142 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.settle();
     assert!(cidrs_of(&sim.nncs["a"]).is_empty());
     assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
-    assert_eq!(
-        sim.pools["v4"]["status"]["cooling"]
-            .as_array()
-            .unwrap()
-            .len(),
-        1
-    );
-    // The Node returns with a new object: it starts over.
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
+    // The Node returns with a new object while its blocks cool: it gets
+    // them back.
     sim.nncs.remove("a");
     sim.add_node("a");
     sim.set_demand("a", 10);
     sim.settle();
     assert_eq!(
         cidrs_of(&sim.nncs["a"]),
-        ["198.18.0.16/28", "2001:db8::10/124"]
+        ["198.18.0.0/28", "2001:db8::/124"]
     );
+    assert!(sim.blocks_in(BlockState::Cooling).is_empty());
+    sim.check();
+    // Gone again past the grace and the delay: it starts over.
+    sim.delete_node("a", true);
+    sim.now += GRACE_MS;
+    sim.settle();
+    sim.now += DELAY_MS;
+    sim.settle();
+    assert!(sim.blocks.is_empty(), "{:?}", sim.blocks.keys());
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    assert_eq!(sim.blocks_in(BlockState::Granted).len(), 2);
+    sim.check();
+}
+
+/// Two pools and nodes a and b, a granted its 10 pods: the sim and a's
+/// blocks.
+fn a_granted_beside_b() -> (Sim, Vec<String>) {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 10);
+    sim.settle();
+    let held = cidrs_of(&sim.nncs["a"]);
+    (sim, held)
+}
+
+#[test]
+fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
+    let (mut sim, held) = a_granted_beside_b();
+    // Deleted by hand (or by the garbage collector with its Node, which
+    // comes back at once): nothing moves, whatever time passes.
+    sim.nncs.remove("a");
+    sim.settle();
+    sim.now += GRACE_MS + DELAY_MS;
+    sim.set_demand("b", 100);
+    sim.settle();
+    assert!(
+        !cidrs_of(&sim.nncs["b"]).iter().any(|c| held.contains(c)),
+        "b got a's blocks"
+    );
+    // Re-created (a new uid): its status gets them back.
+    sim.add_node("a");
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+    sim.check();
+}
+
+#[test]
+fn what_a_node_still_serves_stays_its_own_and_is_never_given_to_another() {
+    let (mut sim, held) = a_granted_beside_b();
+    let served = serving_now(&sim.nncs["a"]);
+    // A controller that lost everything (its block objects gone, the NNC
+    // re-created empty): the node says what it serves, and gets it back.
+    sim.blocks.clear();
+    sim.nncs.remove("a");
+    sim.add_node("a");
+    sim.edit_nnc("a", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: served});
+        n["spec"]["allocations"] = json!([{"network": "default", "pods": 10}]);
+    });
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+    assert_eq!(sim.blocks_in(BlockState::Granted).len(), 2);
+    // Another node claiming to serve a's block is told, and gets nothing.
+    sim.edit_nnc("b", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: held[0]});
+    });
+    let decision = sim.decide();
+    assert_eq!(decision.events.len(), 1, "{:?}", decision.events);
+    assert_eq!(decision.events[0].reason, "PodCIDRConflict");
+    sim.apply(&decision, usize::MAX);
+    sim.settle();
+    let (reason, message) = sim.ready("b").unwrap();
+    assert_eq!(reason, decide::INVALID);
+    assert!(message.contains("is granted to a"), "{message}");
+    assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+    sim.check();
+}
+
+#[test]
+fn a_gone_nodes_blocks_stay_taken_until_its_nnc_says_it_is_gone() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    // Its NNC refuses every write: the Gone condition never lands, so a
+    // stale controller's write with an old version would not be refused.
+    sim.failing = Some("a".into());
+    sim.delete_node("a", false);
+    sim.now += GRACE_MS;
+    sim.settle();
+    sim.now += 2 * DELAY_MS;
+    sim.settle();
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
+    // It lands: the delay counts from when they left its status.
+    sim.failing = None;
+    sim.settle();
+    assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
+    sim.now += DELAY_MS;
+    sim.settle();
+    assert!(sim.blocks.is_empty(), "{:?}", sim.blocks.keys());
+    sim.check();
+}
+
+#[test]
+fn writes_that_always_fail_for_one_node_delay_no_other() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.failing = Some("a".into());
+    sim.set_demand("a", 10);
+    sim.set_demand("b", 10);
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["a"]).is_empty());
+    assert_eq!(cidrs_of(&sim.nncs["b"]).len(), 2);
+    // a's claims stay a's: once its writes land, it gets them.
+    sim.failing = None;
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2);
     sim.check();
 }
 
@@ -685,12 +991,8 @@ fn a_bad_pool_is_refused_whole_and_grants_nothing() {
             valid["message"].as_str().unwrap().contains(expected),
             "{valid}"
         );
-        assert!(
-            sim.pools[pool]["status"]["claims"]
-                .as_array()
-                .unwrap()
-                .is_empty()
-        );
+        let blocks = sim.blocks.values().cloned().map(Block::parse);
+        assert!(!blocks.filter_map(|b| b.spec).any(|(_, s)| s.pool == pool));
     }
     assert!(
         !cidrs_of(&sim.nncs["a"])
@@ -767,7 +1069,7 @@ fn a_stale_controller_cannot_grant_a_block_twice() {
     sim.add_node("b");
     sim.set_demand("a", 10);
     sim.set_demand("b", 10);
-    // Two controllers decide from the same copy; only one pool write wins.
+    // Two controllers decide from the same copy; only one block POST wins.
     let first = sim.decide();
     let second = sim.decide();
     assert_eq!(first, second);
@@ -785,8 +1087,8 @@ fn a_stale_controller_cannot_grant_a_block_twice() {
 fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<String>) {
     let names = ["n0", "n1", "n2", "n3", "n4"];
     let node = names[rng.index(names.len())];
-    let action = rng.below(16);
-    trace.push(format!("{action} {node}"));
+    let action = rng.below(19);
+    trace.push(format!("{action} {node} @{}", sim.now - 1_800_000_000_000));
     match action {
         0..=3 if sim.nncs.contains_key(node) => {
             let pods = i64::try_from(rng.below(70)).unwrap();
@@ -812,12 +1114,8 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 let with_nnc = rng.below(2) == 0;
                 sim.delete_node(node, with_nnc);
             } else {
-                if rng.below(2) == 0
-                    && let Some(nnc) = sim.nncs.remove(node)
-                {
-                    for cidr in cidrs_of(&nnc) {
-                        sim.leaves(node, &cidr, "deleted with");
-                    }
+                if rng.below(2) == 0 {
+                    sim.delete_nnc(node);
                 }
                 sim.add_node(node);
             }
@@ -896,9 +1194,31 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
         13 => {
             // The leader dies in the middle of its writes.
             let decision = sim.decide();
-            let total = decision.pool_writes.len() + decision.nnc_writes.len();
+            let total = decision.block_writes.len()
+                + decision.pool_writes.len()
+                + decision.nnc_writes.len();
             let cut = rng.index(total + 1);
             sim.apply(&decision, cut);
+        }
+        14 => {
+            // One node's NodeNetworkConfig refuses every write, or no more.
+            sim.failing = match sim.failing {
+                Some(_) => None,
+                None => Some(node.to_string()),
+            };
+        }
+        16 if sim.nncs.contains_key(node) => {
+            // The daemon says what it still serves: its blocks not listed
+            // releasable.
+            let served = serving_now(&sim.nncs[node]);
+            sim.edit_nnc(node, |n| {
+                n["metadata"]["annotations"] = json!({SERVING: served});
+            });
+        }
+        15 => {
+            // The deciding process's wall clock runs ahead (by up to 10
+            // more minutes): no delay may follow it.
+            sim.wall_skew += i64::try_from(rng.below(600_000)).unwrap();
         }
         _ => sim.now += i64::try_from(rng.below(DELAY_MS.unsigned_abs())).unwrap(),
     }

@@ -95,8 +95,8 @@ fn grants(role: &Yaml) -> Vec<(String, String, String)> {
 
 /// Every Kubernetes API call `metis controller` makes: one LIST+WATCH per
 /// kind (a GET of one object after a 409), status updates of
-/// NodeNetworkConfigs and pools, Events on Nodes; the Lease is a Role of
-/// its own namespace.
+/// NodeNetworkConfigs and pools, MetisBlocks created, updated and deleted
+/// (the fence), Events; the Lease is a Role of its own namespace.
 const CONTROLLER_API_CALLS: &[(&str, &str, &str)] = &[
     ("networking.gke.io", "nodenetworkconfigs", "get"),
     ("networking.gke.io", "nodenetworkconfigs", "list"),
@@ -110,6 +110,12 @@ const CONTROLLER_API_CALLS: &[(&str, &str, &str)] = &[
     ("metis.x-k8s.io", "metispools", "watch"),
     ("metis.x-k8s.io", "metispools/status", "update"),
     ("metis.x-k8s.io", "metispools/status", "patch"),
+    ("metis.x-k8s.io", "metisblocks", "get"),
+    ("metis.x-k8s.io", "metisblocks", "list"),
+    ("metis.x-k8s.io", "metisblocks", "watch"),
+    ("metis.x-k8s.io", "metisblocks", "create"),
+    ("metis.x-k8s.io", "metisblocks", "update"),
+    ("metis.x-k8s.io", "metisblocks", "delete"),
     ("", "events", "create"),
 ];
 const CONTROLLER_LEASE_CALLS: &[(&str, &str, &str)] = &[
@@ -317,6 +323,25 @@ fn the_pool_crd_and_the_example_pool_agree() {
         assert_eq!(spec.network, "default");
         assert_eq!(spec.ranges.len(), 2);
     }
+}
+
+/// The block CRD is the cluster-scoped MetisBlock the controller writes,
+/// with the states it writes.
+#[test]
+fn the_block_crd_is_the_cluster_scoped_metis_block() {
+    let crd = named("CustomResourceDefinition", "metisblocks.metis.x-k8s.io");
+    let spec = &crd["spec"];
+    assert_eq!(spec["group"].as_str(), Some("metis.x-k8s.io"));
+    assert_eq!(spec["scope"].as_str(), Some("Cluster"));
+    assert_eq!(spec["names"]["kind"].as_str(), Some("MetisBlock"));
+    assert_eq!(spec["names"]["plural"].as_str(), Some("metisblocks"));
+    let version = &spec["versions"][0];
+    assert_eq!(version["name"].as_str(), Some("v1alpha1"));
+    let fields = &version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+    assert_eq!(
+        strings(&fields["state"]["enum"]),
+        ["Granted", "Cooling", "NonReusable"]
+    );
 }
 
 #[cfg(feature = "kube")]

@@ -1,11 +1,13 @@
-//! What the informers delivered, kept as the decision reads it, and which
-//! NodeNetworkConfigs' Nodes are missing since when (this process's view,
-//! kept while standing by too; a process started later starts the grace
-//! period over, which only delays a reclaim).
+//! What the informers delivered, kept as the decision reads it; which
+//! Nodes are missing since when, and since when each block is cooling
+//! (this process's view on its monotonic clock, kept while standing by
+//! too; a process started later starts both over, which only delays a
+//! reclaim).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Pool, PoolSpec};
@@ -18,8 +20,15 @@ pub struct Cache {
     pub statuses: BTreeMap<String, Status>,
     pub nodes: BTreeSet<String>,
     /// The pools, checked against each other when one changes (not at
-    /// every pass), each kept once: a ledger of thousands of claims is MiBs.
+    /// every pass).
     pools: Arc<Vec<Pool>>,
+    /// The MetisBlocks by name.
+    pub blocks: BTreeMap<String, Block>,
+    /// When this process first saw each cooling block cooling (monotonic
+    /// ms, by block name): its delay counts from then.
+    cooling_seen: BTreeMap<String, i64>,
+    /// The monotonic time (ms) of what arrives now ([`Cache::at`]).
+    now_ms: i64,
     /// Each pool's spec as read, before that check refused any.
     specs: BTreeMap<String, Result<PoolSpec, String>>,
     listed: BTreeSet<Resource>,
@@ -47,6 +56,7 @@ impl Cache {
                 Arc::make_mut(&mut self.pools).clear();
                 self.specs.clear();
             }
+            Resource::Block => self.blocks.clear(),
         }
         // A list is the whole truth of its moment: nothing is held ahead
         // of it any more (at worst a copy older than a GET's, which costs
@@ -55,7 +65,42 @@ impl Cache {
         for item in items {
             self.put(kind, item);
         }
+        if kind == Resource::Block {
+            let blocks = &self.blocks;
+            self.cooling_seen
+                .retain(|name, _| blocks.get(name).is_some_and(is_cooling));
+        }
         self.listed.insert(kind);
+    }
+
+    /// What arrives from now on arrives at `now_ms` (monotonic).
+    pub fn at(&mut self, now_ms: i64) {
+        self.now_ms = now_ms;
+    }
+
+    /// Cooling blocks that `old` held and the status now kept for `name`
+    /// (none: the object is gone) does not: they left a status now, and
+    /// their delay counts from now (not from when this process first saw
+    /// them cooling while a status still held them).
+    fn left_status(&mut self, old: Option<Status>, name: Option<&String>) {
+        let Some(old) = old else { return };
+        let now = name.and_then(|n| self.statuses.get(n));
+        for cidr in old.entries.iter().filter_map(|e| e.cidr) {
+            if now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(cidr))) {
+                continue;
+            }
+            let name = block_name(&cidr);
+            if self.blocks.get(&name).is_some_and(is_cooling) {
+                self.cooling_seen.insert(name, self.now_ms);
+            }
+        }
+    }
+
+    /// The delay of these blocks, released again, starts over.
+    pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
+        for (name, since) in restarts {
+            self.cooling_seen.insert(name.clone(), *since);
+        }
     }
 
     /// A copy read outside the stream (a GET after a 409, a PUT's answer):
@@ -86,6 +131,10 @@ impl Cache {
                 .iter()
                 .find(|pool| pool.name == name)
                 .map(|pool| pool.resource_version.as_str()),
+            Resource::Block => self
+                .blocks
+                .get(name)
+                .map(|block| block.resource_version.as_str()),
         }
     }
 
@@ -104,7 +153,8 @@ impl Cache {
         }
         match item {
             Item::Nnc(nnc, status) => {
-                self.statuses.insert(nnc.meta.name.clone(), status);
+                let old = self.statuses.insert(nnc.meta.name.clone(), status);
+                self.left_status(old, Some(&nnc.meta.name));
                 self.nncs.insert(nnc.meta.name.clone(), *nnc);
             }
             Item::Node(name) => {
@@ -117,6 +167,15 @@ impl Cache {
                 pools.push(*pool);
                 self.revalidate();
             }
+            Item::Block(block) => {
+                if is_cooling(&block) {
+                    let now = self.now_ms;
+                    self.cooling_seen.entry(block.name.clone()).or_insert(now);
+                } else {
+                    self.cooling_seen.remove(&block.name);
+                }
+                self.blocks.insert(block.name.clone(), *block);
+            }
         }
     }
 
@@ -125,7 +184,8 @@ impl Cache {
         match kind {
             Resource::Nnc => {
                 self.nncs.remove(name);
-                self.statuses.remove(name);
+                let old = self.statuses.remove(name);
+                self.left_status(old, None);
             }
             Resource::Node => {
                 self.nodes.remove(name);
@@ -134,6 +194,10 @@ impl Cache {
                 self.specs.remove(name);
                 Arc::make_mut(&mut self.pools).retain(|p| p.name != name);
                 self.revalidate();
+            }
+            Resource::Block => {
+                self.blocks.remove(name);
+                self.cooling_seen.remove(name);
             }
         }
     }
@@ -154,18 +218,16 @@ impl Cache {
         Arc::clone(&self.pools)
     }
 
-    /// Notes which Nodes are missing now: those of NodeNetworkConfigs and
-    /// of claims.
-    pub fn update_absent(&mut self, pools: &[Pool], now_ms: i64) {
-        let names: BTreeSet<&String> = self
-            .nncs
-            .keys()
-            .chain(
-                pools
-                    .iter()
-                    .flat_map(|p| p.ledger.claims.values().map(|h| &h.node)),
-            )
-            .collect();
+    /// Notes which Nodes are missing now: those of NodeNetworkConfigs,
+    /// of granted blocks and of blocks taken from a gone Node.
+    pub fn update_absent(&mut self, now_ms: i64) {
+        let of_blocks = self.blocks.values().filter_map(|b| {
+            let (_, spec) = b.spec.as_ref()?;
+            let follows = spec.state == BlockState::Granted
+                || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
+            follows.then_some(&spec.node)
+        });
+        let names: BTreeSet<&String> = self.nncs.keys().chain(of_blocks).collect();
         let missing: BTreeSet<String> = names
             .into_iter()
             .filter(|n| !self.nodes.contains(*n))
@@ -177,16 +239,44 @@ impl Cache {
         }
     }
 
-    pub fn world<'a>(&'a self, pools: &'a [Pool], now_ms: i64, node_grace_ms: i64) -> World<'a> {
+    /// The pools with their ledgers, as the blocks say now.
+    pub fn pools_with_ledgers(&self, now_ms: i64) -> Vec<Pool> {
+        pool::with_ledgers(
+            &self.pools,
+            self.blocks.values(),
+            &self.cooling_seen,
+            now_ms,
+        )
+    }
+
+    pub fn world<'a>(&'a self, pools: &'a [Pool], clock: Clock, node_grace_ms: i64) -> World<'a> {
         World {
             pools,
             nncs: &self.nncs,
             statuses: &self.statuses,
             absent: &self.absent,
-            now_ms,
+            now_ms: clock.now_ms,
+            wall_ms: clock.wall_ms,
             node_grace_ms,
         }
     }
+}
+
+/// One reading of both clocks.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    /// Monotonic (ms since the process's first reading): delays are judged
+    /// on it.
+    pub now_ms: i64,
+    /// Unix ms: only for times written.
+    pub wall_ms: i64,
+}
+
+fn is_cooling(block: &Block) -> bool {
+    block
+        .spec
+        .as_ref()
+        .is_some_and(|(_, spec)| spec.state == BlockState::Cooling)
 }
 
 #[cfg(test)]
@@ -231,6 +321,40 @@ mod tests {
         cache.remove(Resource::Nnc, "n1");
         cache.put(Resource::Nnc, nnc("10", 1));
         assert_eq!(version(&cache), "10");
+    }
+
+    #[test]
+    fn a_cooling_block_cools_from_when_it_was_seen_leaving_a_status() {
+        use crate::controller::block::{self, BlockSpec, RELEASED};
+        let mut cache = Cache::default();
+        cache.listed(
+            Resource::Pool,
+            vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/24")],
+        );
+        let spec = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: "198.18.0.0/28".into(),
+            node: "n1".into(),
+            state: BlockState::Cooling,
+            reason: RELEASED.into(),
+        };
+        let name = "v4-198-18-0-0-28";
+        cache.at(1_000);
+        let object = block::object(&spec, name, "5");
+        cache.put(Resource::Block, Item::parse(Resource::Block, object));
+        let held = json!({"metadata": {"name": "n1", "resourceVersion": "6"},
+                          "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}});
+        cache.put(Resource::Nnc, Item::parse(Resource::Nnc, held));
+        let since = |cache: &Cache| {
+            let pools = cache.pools_with_ledgers(0);
+            pools[0].ledger.cooling.values().next().unwrap().since_ms
+        };
+        assert_eq!(since(&cache), 1_000, "first seen cooling");
+        // Its status held it until the object went: it cools from then.
+        cache.at(9_000);
+        cache.remove(Resource::Nnc, "n1");
+        assert_eq!(since(&cache), 9_000);
     }
 
     fn pool(name: &str, created: &str, cidr: &str) -> Item {

@@ -1,5 +1,5 @@
 //! One LIST and then one WATCH per kind, informer style: NodeNetworkConfigs,
-//! Nodes and MetisPools each have a thread that lists the collection,
+//! Nodes, MetisPools and MetisBlocks each have a thread that lists the collection,
 //! watches it from the list's resourceVersion with bookmarks, resumes a
 //! watch the server ended and lists again after `410 Gone`. Objects are cut
 //! down on the thread to what the controller reads (a Node is only its
@@ -13,6 +13,7 @@ use serde::Deserialize;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
+use super::block::{BLOCK_PATH, Block};
 use super::pool::{POOL_PATH, Pool};
 use super::status::Status;
 use crate::kube::backoff::{ApiTiming, Backoff};
@@ -31,16 +32,23 @@ pub enum Resource {
     Nnc,
     Node,
     Pool,
+    Block,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 3] = [Resource::Nnc, Resource::Node, Resource::Pool];
+    pub const ALL: [Resource; 4] = [
+        Resource::Nnc,
+        Resource::Node,
+        Resource::Pool,
+        Resource::Block,
+    ];
 
     pub fn collection(self) -> &'static str {
         match self {
             Resource::Nnc => NNC_PATH,
             Resource::Node => NODE_PATH,
             Resource::Pool => POOL_PATH,
+            Resource::Block => BLOCK_PATH,
         }
     }
 
@@ -50,6 +58,7 @@ impl Resource {
             Resource::Nnc => "nodenetworkconfigs",
             Resource::Node => "nodes",
             Resource::Pool => "metispools",
+            Resource::Block => "metisblocks",
         }
     }
 
@@ -68,6 +77,7 @@ pub enum Item {
     Nnc(Box<Nnc>, Status),
     Node(String),
     Pool(Box<Pool>),
+    Block(Box<Block>),
 }
 
 impl Item {
@@ -78,13 +88,13 @@ impl Item {
                 // The status is kept once, as `Status`: the spec's parse
                 // does not see it (the node's reading of it is not needed).
                 let status = object.get_mut("status").map(Value::take);
-                Item::Nnc(
-                    Box::new(Nnc::parse(&object)),
-                    Status::parse(status.unwrap_or_default()),
-                )
+                let mut status = Status::parse(status.unwrap_or_default());
+                status.serving = super::status::serving(&object);
+                Item::Nnc(Box::new(Nnc::parse(&object)), status)
             }
             Resource::Node => Item::Node(Meta::parse(&object).name),
             Resource::Pool => Item::Pool(Box::new(Pool::parse(&object))),
+            Resource::Block => Item::Block(Box::new(Block::parse(object))),
         }
     }
 
@@ -93,6 +103,7 @@ impl Item {
             Item::Nnc(nnc, _) => &nnc.meta.resource_version,
             Item::Node(_) => "",
             Item::Pool(pool) => &pool.resource_version,
+            Item::Block(block) => &block.resource_version,
         }
     }
 
@@ -101,6 +112,7 @@ impl Item {
             Item::Nnc(nnc, _) => &nnc.meta.name,
             Item::Node(name) => name,
             Item::Pool(pool) => &pool.name,
+            Item::Block(block) => &block.name,
         }
     }
 }

@@ -1,17 +1,17 @@
 //! The `MetisPool` resource (`metis.x-k8s.io/v1alpha1`, cluster scoped):
 //! its spec as plain data, checked whole (a bad spec is refused, never
-//! partly applied), and the part of its status the controller keeps in the
-//! API server so that any leader knows it: the claims (which block was
-//! granted to which NodeNetworkConfig), the blocks cooling after a release,
-//! and the blocks never to be granted again.
+//! partly applied), and its ledger: which block is granted to which node,
+//! cooling or retired, as the `MetisBlock` objects say (`block`). The
+//! pool's own status holds only counts and conditions.
 
 use std::collections::BTreeMap;
 
+use serde::Serialize;
 use serde_json::Value;
 
+use super::block::{Block, BlockState, NODE_GONE};
 use crate::cidr::{Cidr, Family};
 use crate::duration::parse_duration_ms;
-use crate::log::{parse_rfc3339_ms, rfc3339_millis};
 
 pub const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
 pub const DEFAULT_V4_BLOCK: u8 = 28;
@@ -78,28 +78,74 @@ impl PoolSpec {
     }
 }
 
-/// Who a block was granted to: the NodeNetworkConfig's name and uid.
+/// Who a block is granted to: the Node's name (blocks follow the
+/// machine, not its NodeNetworkConfig object).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Holder {
     pub node: String,
-    pub uid: String,
 }
 
-/// A released block waiting out the reclaim delay.
+/// A block waiting out the reclaim delay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cooling {
     pub node: String,
+    /// When this process first saw it cooling (its monotonic clock, ms):
+    /// a new leader starts the delay over, it never shortens.
     pub since_ms: i64,
+    /// Taken from a Node gone past the grace (not released): the Node
+    /// coming back gets it back.
+    pub node_gone: bool,
 }
 
-/// The controller's record in a pool's status (kept in the API server).
+/// A pool's blocks by state, as the `MetisBlock` objects say.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
-    /// Block → who it was granted to. A block enters a status only after a
-    /// compare-and-swap of this list named its holder (docs/controller.md).
+    /// Block → who it is granted to. A block enters a status only after
+    /// its object says so (docs/controller.md).
     pub claims: BTreeMap<Cidr, Holder>,
     pub cooling: BTreeMap<Cidr, Cooling>,
     pub non_reusable: Vec<Cidr>,
+    /// The resourceVersion of each block's object (absent: no object).
+    pub versions: BTreeMap<Cidr, String>,
+}
+
+/// A pool's status as the controller writes it. Fields in key order, so
+/// that its compact text is the text `serde_json::Value` gives: an
+/// unchanged status reads back equal and is not written again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolStatus {
+    pub conditions: Vec<PoolCondition>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv4: Option<BlockCounts>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv6: Option<BlockCounts>,
+    #[serde(rename = "observedGeneration")]
+    pub observed_generation: i64,
+}
+
+/// One family's blocks by state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockCounts {
+    #[serde(rename = "blocksCooling")]
+    pub cooling: u64,
+    #[serde(rename = "blocksFree")]
+    pub free: u64,
+    #[serde(rename = "blocksGranted")]
+    pub granted: u64,
+    #[serde(rename = "blocksTotal")]
+    pub total: u64,
+}
+
+/// A condition of the pool (`Valid`, `Exhausted`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolCondition {
+    #[serde(rename = "lastTransitionTime")]
+    pub last_transition_time: String,
+    pub message: String,
+    pub reason: String,
+    pub status: String,
+    #[serde(rename = "type")]
+    pub kind: String,
 }
 
 /// A pool as read from the API server.
@@ -111,10 +157,10 @@ pub struct Pool {
     /// `metadata.creationTimestamp`: older pools win an overlap.
     pub created: String,
     pub spec: Result<PoolSpec, String>,
+    /// Filled from the blocks for each decision ([`with_ledgers`]).
     pub ledger: Ledger,
     /// The status as read, compact JSON text (keys sorted, so an equal
-    /// status has an equal text), to write only on change: a tree of
-    /// thousands of claims would cost MiBs.
+    /// status has an equal text), to write only on change.
     pub status_text: String,
     /// Its `conditions`.
     pub conditions: Value,
@@ -130,7 +176,7 @@ impl Pool {
             generation: meta["generation"].as_i64().unwrap_or(0),
             created: text(&meta["creationTimestamp"]),
             spec: parse_spec(&object["spec"]),
-            ledger: parse_ledger(&object["status"]),
+            ledger: Ledger::default(),
             status_text: object["status"].to_string(),
             conditions: object["status"]["conditions"].clone(),
         }
@@ -261,103 +307,60 @@ pub fn validate(pools: &mut [Pool]) {
     }
 }
 
-fn parse_ledger(status: &Value) -> Ledger {
-    let mut ledger = Ledger::default();
-    for holder in status["claims"].as_array().into_iter().flatten() {
-        let who = Holder {
-            node: holder["node"].as_str().unwrap_or_default().to_string(),
-            uid: holder["uid"].as_str().unwrap_or_default().to_string(),
-        };
-        for cidr in holder["cidrs"].as_array().into_iter().flatten() {
-            if let Some(cidr) = cidr.as_str().and_then(|c| c.parse().ok()) {
-                ledger.claims.insert(cidr, who.clone());
-            }
-        }
-    }
-    for entry in status["cooling"].as_array().into_iter().flatten() {
-        let Some(cidr) = entry["cidr"].as_str().and_then(|c| c.parse().ok()) else {
+/// The pool a block belongs to: the one its spec names, else a valid
+/// one covering it (a pool re-created under another name).
+fn pool_index(pools: &[Pool], cidr: &Cidr, named: &str) -> Option<usize> {
+    pools.iter().position(|p| p.name == named).or_else(|| {
+        pools.iter().position(|p| {
+            p.spec
+                .as_ref()
+                .is_ok_and(|s| s.range(cidr.family()).is_some_and(|r| r.covers(cidr)))
+        })
+    })
+}
+
+/// `pools` with their ledgers filled from `blocks`. A cooling block cools
+/// from when this process first saw it cooling (`cooling_seen`, by name;
+/// `now_ms` if not noted yet). Unreadable blocks and blocks no pool knows
+/// are left out (nothing is granted from outside a pool).
+pub fn with_ledgers<'a>(
+    pools: &[Pool],
+    blocks: impl IntoIterator<Item = &'a Block>,
+    cooling_seen: &BTreeMap<String, i64>,
+    now_ms: i64,
+) -> Vec<Pool> {
+    let mut pools = pools.to_vec();
+    for block in blocks {
+        let Some((cidr, spec)) = &block.spec else {
             continue;
         };
-        // An unreadable time cools from the epoch of the Unix clock's
-        // future: never before the delay counted from now.
-        let since_ms = entry["since"]
-            .as_str()
-            .and_then(parse_rfc3339_ms)
-            .unwrap_or(i64::MAX / 2);
-        let node = entry["node"].as_str().unwrap_or_default().to_string();
-        ledger.cooling.insert(cidr, Cooling { node, since_ms });
-    }
-    ledger.non_reusable = status["nonReusable"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.as_str()?.parse().ok())
-        .collect();
-    ledger
-}
-
-impl Ledger {
-    /// The ledger's part of a status, as JSON text by key (`claims`,
-    /// `cooling`, `nonReusable`): written straight from the ledger, the
-    /// text `Value` would give the same tree — a tree of 5,000 claims
-    /// would cost MiBs on every pass.
-    pub fn status_texts(&self) -> [(&'static str, String); 3] {
-        let mut by_holder: BTreeMap<&Holder, Vec<&Cidr>> = BTreeMap::new();
-        for (cidr, holder) in &self.claims {
-            by_holder.entry(holder).or_default().push(cidr);
+        let Some(i) = pool_index(&pools, cidr, &spec.pool) else {
+            continue;
+        };
+        let ledger = &mut pools[i].ledger;
+        ledger
+            .versions
+            .insert(*cidr, block.resource_version.clone());
+        match spec.state {
+            BlockState::Granted => {
+                let holder = Holder {
+                    node: spec.node.clone(),
+                };
+                ledger.claims.insert(*cidr, holder);
+            }
+            BlockState::Cooling => {
+                let since_ms = cooling_seen.get(&block.name).copied().unwrap_or(now_ms);
+                let cooling = Cooling {
+                    node: spec.node.clone(),
+                    since_ms,
+                    node_gone: spec.reason == NODE_GONE,
+                };
+                ledger.cooling.insert(*cidr, cooling);
+            }
+            BlockState::NonReusable => ledger.non_reusable.push(*cidr),
         }
-        let mut claims = String::with_capacity(64 * self.claims.len() + 2);
-        json_array(&mut claims, by_holder, |out, (holder, cidrs)| {
-            out.push_str("{\"cidrs\":");
-            json_array(out, cidrs, |out, cidr| json_string(out, &cidr.to_string()));
-            out.push_str(",\"node\":");
-            json_string(out, &holder.node);
-            out.push_str(",\"uid\":");
-            json_string(out, &holder.uid);
-            out.push('}');
-        });
-        let mut cooling = String::new();
-        json_array(&mut cooling, &self.cooling, |out, (cidr, c)| {
-            out.push_str("{\"cidr\":");
-            json_string(out, &cidr.to_string());
-            out.push_str(",\"node\":");
-            json_string(out, &c.node);
-            out.push_str(",\"since\":");
-            json_string(out, &rfc3339_millis(c.since_ms).to_string());
-            out.push('}');
-        });
-        let mut non_reusable = String::new();
-        json_array(&mut non_reusable, &self.non_reusable, |out, cidr| {
-            json_string(out, &cidr.to_string());
-        });
-        [
-            ("claims", claims),
-            ("cooling", cooling),
-            ("nonReusable", non_reusable),
-        ]
     }
-}
-
-/// `items` as a JSON array, each written by `item`.
-fn json_array<T>(
-    out: &mut String,
-    items: impl IntoIterator<Item = T>,
-    mut item: impl FnMut(&mut String, T),
-) {
-    out.push('[');
-    for (i, each) in items.into_iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        item(out, each);
-    }
-    out.push(']');
-}
-
-/// `text` as a JSON string, escaped as serde_json escapes it.
-pub fn json_string(out: &mut String, text: &str) {
-    // Serialising a string cannot fail.
-    out.push_str(&serde_json::to_string(text).unwrap_or_default());
+    pools
 }
 
 #[cfg(test)]
@@ -480,38 +483,44 @@ mod tests {
     }
 
     #[test]
-    fn the_ledger_round_trips_through_json() {
-        let mut ledger = Ledger::default();
-        let holder = Holder {
-            node: "n1".into(),
-            uid: "u1".into(),
+    fn the_ledger_is_what_the_blocks_say() {
+        use crate::controller::block::{self, BlockSpec, RELEASED};
+        let pools = vec![pool(
+            "p",
+            "2026-01-01T00:00:00Z",
+            json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"]}}),
+        )];
+        let object = |cidr: &str, pool: &str, state, reason: &str, version: &str| {
+            let spec = BlockSpec {
+                pool: pool.into(),
+                network: "d".into(),
+                cidr: cidr.into(),
+                node: "n1".into(),
+                state,
+                reason: reason.into(),
+            };
+            let name = block::block_name(&cidr.parse().unwrap());
+            Block::parse(block::object(&spec, &name, version))
         };
-        ledger
-            .claims
-            .insert("198.18.0.0/28".parse().unwrap(), holder.clone());
-        ledger
-            .claims
-            .insert("198.18.0.16/28".parse().unwrap(), holder);
-        ledger.cooling.insert(
-            "198.18.0.32/28".parse().unwrap(),
-            Cooling {
-                node: "n2".into(),
-                since_ms: 1_795_971_684_000,
-            },
-        );
-        ledger.non_reusable.push("198.18.0.48/28".parse().unwrap());
-        let [claims, cooling, non_reusable] = ledger
-            .status_texts()
-            .map(|(_, text)| serde_json::from_str::<Value>(&text).unwrap());
-        assert_eq!(claims.as_array().unwrap().len(), 1, "grouped by holder");
-        let status = json!({"claims": claims, "cooling": cooling, "nonReusable": non_reusable});
-        assert_eq!(parse_ledger(&status), ledger);
-        assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:01.5Z"), Some(1500));
-        assert_eq!(
-            parse_rfc3339_ms("2026-11-29T17:01:24.123Z"),
-            Some(1_795_971_684_123)
-        );
-        assert_eq!(parse_rfc3339_ms("yesterday"), None);
-        assert_eq!(parse_rfc3339_ms("2026-13-01T00:00:00Z"), None);
+        let blocks = [
+            object("198.18.0.0/28", "p", BlockState::Granted, "", "1"),
+            // Its pool renamed: the pool covering it keeps it.
+            object("198.18.0.16/28", "old", BlockState::Cooling, RELEASED, "2"),
+            object("198.18.0.32/28", "p", BlockState::Cooling, NODE_GONE, "3"),
+            object("198.18.0.48/28", "p", BlockState::NonReusable, "", "4"),
+            // Outside every pool: left out.
+            object("198.18.9.0/28", "gone", BlockState::Granted, "", "5"),
+        ];
+        let seen = BTreeMap::from([("v4-198-18-0-16-28".to_string(), 100)]);
+        let ledger = with_ledgers(&pools, &blocks, &seen, 500).remove(0).ledger;
+        let cidr = |c: &str| -> Cidr { c.parse().unwrap() };
+        assert_eq!(ledger.claims[&cidr("198.18.0.0/28")].node, "n1");
+        let released = &ledger.cooling[&cidr("198.18.0.16/28")];
+        assert_eq!((released.since_ms, released.node_gone), (100, false));
+        let gone = &ledger.cooling[&cidr("198.18.0.32/28")];
+        assert_eq!((gone.since_ms, gone.node_gone), (500, true));
+        assert_eq!(ledger.non_reusable, [cidr("198.18.0.48/28")]);
+        assert_eq!(ledger.versions.len(), 4);
+        assert_eq!(ledger.versions[&cidr("198.18.0.48/28")], "4");
     }
 }

@@ -1,23 +1,25 @@
 //! `metis controller`: its flags, and the loop that keeps the informers'
 //! view, decides while this process leads and writes what changed.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
 
-use super::cache::Cache;
-use super::decide::decide;
+use super::cache::{Cache, Clock};
+use super::decide::{Decision, decide};
 use super::informer::{self, Resource, Update};
 use super::lease::{self, Elector, LeaseTiming};
+use super::retry::Retries;
 use super::writer;
 use crate::duration::parse_duration_ms;
 use crate::flags::{self, FlagError, FlagSpec};
-use crate::kube::backoff::{ApiTiming, Backoff};
+use crate::kube::backoff::ApiTiming;
 use crate::kube::client::ApiClient;
 use crate::kube::config::{self, ApiConfig};
 use crate::log::{self, now_ms};
@@ -27,6 +29,11 @@ use crate::metrics::{self, ControllerMetrics};
 /// of this: several blocks coming free within it are one pass, and a node
 /// refused until the next one is rewritten at most once per this.
 const DUE_GRANULARITY_MS: i64 = 1000;
+/// A pool's counts are written at most this often.
+const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(1);
+/// Tests only: milliseconds added to this process's wall clock (a replica
+/// whose clock is skewed). Only written times follow it; no delay does.
+pub const WALL_OFFSET_ENV: &str = "METIS_TEST_WALL_CLOCK_OFFSET_MS";
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
 /// How long each watch stays open (1–2× this) and the backoff's cap.
@@ -289,12 +296,6 @@ pub fn run(config: &Config) -> std::io::Result<()> {
         config.lease,
     );
     let leadership = Arc::clone(&elector.leadership);
-    let releaser = Elector::new(
-        &config.lease_namespace,
-        &config.lease_name,
-        &config.identity,
-        config.lease,
-    );
     lease::spawn(elector, Arc::clone(&client), Arc::clone(&metrics), updates)?;
     log::info(
         "controller",
@@ -307,88 +308,179 @@ pub fn run(config: &Config) -> std::io::Result<()> {
             ),
         ],
     );
-    let grace_ms = i64::try_from(config.node_grace.as_millis()).unwrap_or(i64::MAX);
-    let mut cache = Cache::default();
-    let mut backoff = Backoff::new(TIMING.max_backoff);
-    // The earliest a pass may run (a burst of events is one pass; after a
-    // refused write, the backoff).
-    let mut next_pass = Instant::now();
-    // Something arrived (or a write failed) since the last pass.
-    let mut pending = true;
-    // When time alone changes the decision (a cooling block comes free, a
-    // missing Node's grace ends): the loop sleeps until then, no ticks.
-    let mut due: Option<Instant> = None;
-    // Not leading at the last pass: only an update (Leadership(true) from
-    // the lease thread, or any event) wakes the loop.
-    let mut standing_by = false;
-    loop {
-        let wake = if standing_by {
-            None
-        } else if pending {
-            Some(next_pass)
-        } else {
-            due.map(|at| at.max(next_pass))
-        };
-        let first = match wake {
-            Some(at) => match events.recv_timeout(at.saturating_duration_since(Instant::now())) {
-                Ok(update) => Some(update),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return Ok(()),
-            },
-            None => match events.recv() {
-                Ok(update) => Some(update),
-                Err(_) => return Ok(()),
-            },
-        };
-        for update in first
-            .into_iter()
-            .chain(std::iter::from_fn(|| events.try_recv().ok()))
-        {
-            pending = true;
-            standing_by = false;
-            match update {
-                Update::Listed(kind, items) => cache.listed(kind, items),
-                Update::Changed(kind, item) => cache.put(kind, item),
-                Update::Deleted(kind, name) => cache.remove(kind, &name),
-                Update::Leadership(_) => {}
-                Update::Stop => {
-                    log::info("controller", "stopping: giving the lease up", &[]);
-                    releaser.leadership.stop();
-                    leadership.stop();
-                    releaser.release(&client, &metrics);
-                    return Ok(());
+    let mut controller = Controller::new(config, client, metrics, leadership);
+    controller.serve(&events);
+    Ok(())
+}
+
+/// The loop's state: the informers' view, and when the next pass runs.
+struct Controller<'c> {
+    config: &'c Config,
+    client: Arc<ApiClient>,
+    metrics: Arc<ControllerMetrics>,
+    leadership: Arc<lease::Leadership>,
+    cache: Cache,
+    retries: Retries,
+    /// The monotonic clock's origin, and the wall clock's offset (tests
+    /// only: a replica whose clock is skewed).
+    origin: Instant,
+    wall_offset_ms: i64,
+    /// The earliest a pass may run (a burst of events is one pass).
+    next_pass: Instant,
+    /// Something arrived (or a write failed) since the last pass.
+    pending: bool,
+    /// When time alone changes the decision (a cooling block comes free, a
+    /// missing Node's grace ends, a paused object may be written): the
+    /// loop sleeps until then, no ticks.
+    due: Option<Instant>,
+    /// Not leading at the last pass: only an update (Leadership(true) from
+    /// the lease thread, or any event) wakes the loop.
+    standing_by: bool,
+    /// When each pool's counts were last written: at most once per
+    /// [`POOL_STATUS_INTERVAL`].
+    pools_written: BTreeMap<String, Instant>,
+}
+
+impl<'c> Controller<'c> {
+    fn new(
+        config: &'c Config,
+        client: Arc<ApiClient>,
+        metrics: Arc<ControllerMetrics>,
+        leadership: Arc<lease::Leadership>,
+    ) -> Controller<'c> {
+        let wall_offset_ms = std::env::var(WALL_OFFSET_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Controller {
+            config,
+            client,
+            metrics,
+            leadership,
+            cache: Cache::default(),
+            retries: Retries::new(TIMING.max_backoff),
+            origin: Instant::now(),
+            wall_offset_ms,
+            next_pass: Instant::now(),
+            pending: true,
+            due: None,
+            standing_by: false,
+            pools_written: BTreeMap::new(),
+        }
+    }
+
+    fn clock(&self) -> Clock {
+        Clock {
+            now_ms: i64::try_from(self.origin.elapsed().as_millis()).unwrap_or(i64::MAX),
+            wall_ms: now_ms().saturating_add(self.wall_offset_ms),
+        }
+    }
+
+    /// Until Stop: takes updates in, and passes when they or time call
+    /// for one.
+    fn serve(&mut self, events: &Receiver<Update>) {
+        loop {
+            let wake = if self.standing_by {
+                None
+            } else if self.pending {
+                Some(self.next_pass)
+            } else {
+                self.due.map(|at| at.max(self.next_pass))
+            };
+            let first = match wake {
+                Some(at) => match events.recv_timeout(at.saturating_duration_since(Instant::now()))
+                {
+                    Ok(update) => Some(update),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                },
+                None => match events.recv() {
+                    Ok(update) => Some(update),
+                    Err(_) => return,
+                },
+            };
+            self.cache.at(self.clock().now_ms);
+            for update in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| events.try_recv().ok()))
+            {
+                if !self.take(update) {
+                    return;
                 }
             }
+            self.maybe_pass();
         }
-        if !cache.synced() {
-            continue;
+    }
+
+    /// Takes one update in; false on Stop (after giving the Lease up).
+    fn take(&mut self, update: Update) -> bool {
+        self.pending = true;
+        self.standing_by = false;
+        match update {
+            Update::Listed(kind, items) => self.cache.listed(kind, items),
+            Update::Changed(kind, item) => self.cache.put(kind, item),
+            Update::Deleted(kind, name) => self.cache.remove(kind, &name),
+            Update::Leadership(_) => {}
+            Update::Stop => {
+                log::info("controller", "stopping: giving the lease up", &[]);
+                let config = self.config;
+                let releaser = Elector::new(
+                    &config.lease_namespace,
+                    &config.lease_name,
+                    &config.identity,
+                    config.lease,
+                );
+                releaser.leadership.stop();
+                self.leadership.stop();
+                releaser.release(&self.client, &self.metrics);
+                return false;
+            }
         }
-        let now = now_ms();
-        let pools = cache.pools();
+        true
+    }
+
+    /// Decides and writes, if something is pending or due and this
+    /// process leads.
+    fn maybe_pass(&mut self) {
+        if !self.cache.synced() {
+            return;
+        }
+        let clock = self.clock();
         // Also while standing by: a Node's grace counts from when this
         // process saw it go, not from when it came to lead.
-        cache.update_absent(&pools, now);
-        let is_due = due.is_some_and(|at| Instant::now() >= at);
-        if !(pending || is_due) || Instant::now() < next_pass {
-            continue;
+        self.cache.update_absent(clock.now_ms);
+        let now = Instant::now();
+        let is_due = self.due.is_some_and(|at| now >= at);
+        if !(self.pending || is_due) || now < self.next_pass {
+            return;
         }
-        if !leadership.leading() {
+        if !self.leadership.leading() {
             // What is pending and due stays so for the next update: an
             // event, or the lease thread once this candidate leads again.
-            standing_by = true;
-            leadership.call_back();
-            continue;
+            self.standing_by = true;
+            self.leadership.call_back();
+            return;
         }
-        pending = false;
-        next_pass = Instant::now() + MIN_PASS_INTERVAL;
-        let decision = decide(&cache.world(&pools, now, grace_ms));
-        due = decision.next_due_ms.map(|at| {
+        self.pending = false;
+        self.next_pass = now + MIN_PASS_INTERVAL;
+        self.pass(clock);
+    }
+
+    fn pass(&mut self, clock: Clock) {
+        let grace_ms = i64::try_from(self.config.node_grace.as_millis()).unwrap_or(i64::MAX);
+        let pools = self.cache.pools_with_ledgers(clock.now_ms);
+        let mut decision = decide(&self.cache.world(&pools, clock, grace_ms));
+        drop(pools);
+        self.cache.restart_cooling(&decision.cooling_restarts);
+        let now = Instant::now();
+        self.due = decision.next_due_ms.map(|at| {
             let batched =
                 at.saturating_add(DUE_GRANULARITY_MS - 1) / DUE_GRANULARITY_MS * DUE_GRANULARITY_MS;
-            Instant::now()
-                + Duration::from_millis(u64::try_from(batched.saturating_sub(now)).unwrap_or(0))
+            now + Duration::from_millis(
+                u64::try_from(batched.saturating_sub(clock.now_ms)).unwrap_or(0),
+            )
         });
-        metrics.set_pool_blocks(
+        self.metrics.set_pool_blocks(
             decision
                 .gauges
                 .iter()
@@ -400,20 +492,22 @@ pub fn run(config: &Config) -> std::io::Result<()> {
                 })
                 .collect(),
         );
-        if decision.pool_writes.is_empty() && decision.nnc_writes.is_empty() {
-            continue;
+        self.coalesce_pool_writes(&mut decision, now);
+        if decision.block_writes.is_empty()
+            && decision.pool_writes.is_empty()
+            && decision.nnc_writes.is_empty()
+        {
+            return;
         }
-        // The cache then holds the only copy, and a written pool replaces
-        // it in place.
-        drop(pools);
-        let applied = writer::apply(
-            &client,
-            &mut cache,
-            &decision,
-            &|| leadership.leading(),
-            &metrics,
-            &config.identity,
-        );
+        let leadership = Arc::clone(&self.leadership);
+        let ctx = writer::Context {
+            client: &self.client,
+            metrics: &self.metrics,
+            identity: &self.config.identity,
+            leading: &|| leadership.leading(),
+            now,
+        };
+        let applied = writer::apply(&ctx, &mut self.cache, &decision, &mut self.retries);
         log::debug(
             "controller",
             "pass written",
@@ -421,14 +515,37 @@ pub fn run(config: &Config) -> std::io::Result<()> {
                 ("written", &applied.written),
                 ("conflicts", &applied.conflicts),
                 ("failures", &applied.failures),
+                ("deferred", &applied.deferred),
             ],
         );
-        if applied.conflicts + applied.failures > 0 {
-            next_pass = Instant::now() + backoff.next(None);
-            pending = true;
-        } else {
-            backoff.reset();
+        for write in &decision.pool_writes {
+            self.pools_written.insert(write.name.clone(), now);
         }
+        // A conflict was read again: decide again at once; a paused object
+        // is due when its pause ends.
+        self.pending |= applied.conflicts > 0;
+        let retry = self.retries.next_due(Instant::now());
+        self.due = [self.due, retry].into_iter().flatten().min();
+    }
+
+    /// A pool's counts are written at most once per
+    /// [`POOL_STATUS_INTERVAL`]: a write due sooner waits (the pass then).
+    fn coalesce_pool_writes(&mut self, decision: &mut Decision, now: Instant) {
+        let mut later: Option<Instant> = None;
+        decision.pool_writes.retain(|write| {
+            let next = self
+                .pools_written
+                .get(&write.name)
+                .map(|at| *at + POOL_STATUS_INTERVAL);
+            match next {
+                Some(at) if at > now => {
+                    later = Some(later.map_or(at, |l| l.min(at)));
+                    false
+                }
+                _ => true,
+            }
+        });
+        self.due = [self.due, later].into_iter().flatten().min();
     }
 }
 

@@ -12,6 +12,10 @@ use crate::cidr::Cidr;
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
 
+/// The end of the Ready message that says the Node is gone past the grace
+/// and its blocks were taken back.
+pub const GONE_TOLD: &str = "is gone: its blocks were taken back";
+
 /// A `status.podCIDRs` entry, kept whole (it is written back as read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -64,6 +68,38 @@ pub struct Status {
     /// `lastTransitionTime`, Unix ms): refused nodes are served first come,
     /// first served.
     pub refused_since: Option<i64>,
+    /// The blocks the node says it still serves (its
+    /// `metis.x-k8s.io/serving` annotation, read with the status: the
+    /// controller reads both from one object).
+    pub serving: Vec<Cidr>,
+    /// Its Ready condition says the Node is gone and its blocks were taken
+    /// back ([`GONE_TOLD`]): that write landed.
+    pub gone_told: bool,
+}
+
+/// The annotation in which a node lists the cluster's blocks it still
+/// serves or drains (comma-separated canonical CIDRs).
+pub const SERVING_ANNOTATION: &str = "metis.x-k8s.io/serving";
+/// CIDRs read from it: more is not a node's (4096 blocks of 64 per pool).
+const MAX_SERVING: usize = 4096;
+
+/// The CIDRs an NNC's `serving` annotation lists; what is not a
+/// canonical CIDR is skipped (the rest still count).
+pub fn serving(object: &Value) -> Vec<Cidr> {
+    let text = object["metadata"]["annotations"][SERVING_ANNOTATION]
+        .as_str()
+        .unwrap_or_default();
+    let mut cidrs: Vec<Cidr> = text
+        .split(',')
+        .filter_map(|item| {
+            let cidr: Cidr = item.trim().parse().ok()?;
+            (cidr.to_string() == item.trim()).then_some(cidr)
+        })
+        .take(MAX_SERVING)
+        .collect();
+    cidrs.sort();
+    cidrs.dedup();
+    cidrs
 }
 
 impl Status {
@@ -75,6 +111,15 @@ impl Status {
         let pod_cidrs = object.remove("podCIDRs");
         let told_until = told_until(&status["conditions"]);
         let refused_since = refused_since(&status["conditions"]);
+        let gone_told = status["conditions"].as_array().is_some_and(|list| {
+            list.iter().any(|c| {
+                c["type"] == "Ready"
+                    && c["status"] == "False"
+                    && c["message"]
+                        .as_str()
+                        .is_some_and(|m| m.ends_with(GONE_TOLD))
+            })
+        });
         let entries: Vec<Entry> = pod_cidrs
             .as_ref()
             .and_then(Value::as_array)
@@ -86,6 +131,8 @@ impl Status {
             rest: Some(status.to_string().into()),
             told_until,
             refused_since,
+            serving: Vec::new(),
+            gone_told,
         }
     }
 
@@ -193,6 +240,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    #[test]
+    fn the_serving_annotation_lists_canonical_cidrs_only() {
+        let object = json!({"metadata": {"annotations": {SERVING_ANNOTATION:
+            "198.18.0.16/28,198.18.0.0/28, 198.18.0.32/28,198.18.0.1/28,junk,,2001:db8::10/124,198.18.0.0/28"}}});
+        let listed: Vec<String> = serving(&object).iter().map(Cidr::to_string).collect();
+        assert_eq!(
+            listed,
+            [
+                "198.18.0.0/28",
+                "198.18.0.16/28",
+                "198.18.0.32/28",
+                "2001:db8::10/124"
+            ]
+        );
+        assert!(serving(&json!({"metadata": {}})).is_empty());
+        assert!(serving(&json!({"metadata": {"annotations": {SERVING_ANNOTATION: 7}}})).is_empty());
     }
 
     #[test]

@@ -220,6 +220,18 @@ impl ApiClient {
         self.failed(json_body(response))
     }
 
+    /// A DELETE with DeleteOptions (`preconditions.resourceVersion` makes
+    /// it a compare-and-delete: a stale version answers 409).
+    pub fn delete(&self, path: &str, options: &Value) -> Result<Value, KubeError> {
+        let (agent, _) = self.agents()?;
+        let request = agent
+            .delete(self.url(path))
+            .force_send_body()
+            .content_type("application/json");
+        let response = with_auth(request, &self.auth)?.send(options.to_string());
+        self.failed(json_body(response))
+    }
+
     /// A JSON merge patch (RFC 7386); include `metadata.resourceVersion` for
     /// optimistic concurrency (a stale version answers 409).
     pub fn merge_patch(&self, path: &str, body: &Value) -> Result<Value, KubeError> {

@@ -254,6 +254,10 @@ pub struct State {
     /// The next writes (create/update/patch/delete) of a resource (any
     /// when `None`) fail: (how many more, HTTP status, resource).
     pub fail_writes: Option<(u32, u16, Option<&'static str>)>,
+    /// Every write of one object fails, until cleared: (resource, name,
+    /// HTTP status); `fail_object_hits` counts the writes it refused.
+    pub fail_object: Option<(&'static str, String, u16)>,
+    pub fail_object_hits: u64,
     /// Deleting an object deletes the objects whose ownerReferences name
     /// its uid, as the garbage collector does (on by default).
     pub keep_dependents: bool,
@@ -1078,6 +1082,15 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> An
             _ => "Injected",
         };
         return text(refusal(status, reason, "injected by the test"));
+    }
+    if writes
+        && let Some((resource, name, status)) = &state.fail_object
+        && *resource == plural
+        && route.name.as_ref() == Some(name)
+    {
+        let status = *status;
+        state.fail_object_hits += 1;
+        return refusal(status, "Injected", "injected by the test for this object");
     }
     let body = match request.body.is_empty() {
         true => Ok(Value::Null),
