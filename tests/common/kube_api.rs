@@ -1090,7 +1090,11 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> An
     {
         let status = *status;
         state.fail_object_hits += 1;
-        return refusal(status, "Injected", "injected by the test for this object");
+        return text(refusal(
+            status,
+            "Injected",
+            "injected by the test for this object",
+        ));
     }
     let body = match request.body.is_empty() {
         true => Ok(Value::Null),
