@@ -219,13 +219,13 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // database was deleted, not never made: the daemon puts it back
     // (`daemon::restore`), and an empty one made here would hand its pods'
     // addresses out again.
-    if !db_path.exists() && crate::daemon::database_owned(db_path) {
+    if !db_path.exists() && store::ownership::database_owned(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing while its daemon runs; the daemon restores it, retry",
             db_path.display()
         )));
     }
-    if crate::daemon::restore_interrupted(db_path) {
+    if store::ownership::restore_interrupted(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing and a restore of it was interrupted; start the \
              daemon to finish it",
@@ -284,7 +284,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // After the answer is settled: a failed checkpoint loses nothing.
     if let Err(err) = engine
         .store()
-        .trim_wal(|| crate::daemon::database_owned(db_path))
+        .trim_wal(|| store::ownership::database_owned(db_path))
     {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }

@@ -31,6 +31,7 @@ mod lifecycle;
 mod listings;
 mod migrate;
 mod named_gateway;
+pub mod ownership;
 mod repair;
 pub mod rollback;
 mod schema;
