@@ -163,11 +163,11 @@ fn holds_files(dir: &Path) -> bool {
     writable && real
 }
 
-fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
-    // Missing while its daemon runs (or beside the copy a restore left), the
-    // database was deleted, not never made: the daemon puts it back
-    // (`daemon::restore`), and an empty one made here would hand its pods'
-    // addresses out again.
+/// A database missing while its daemon runs (or beside the copy a restore
+/// left) was deleted, not never made: the daemon puts it back
+/// (`daemon::restore`), and an empty one made here would hand its pods'
+/// addresses out again.
+fn refuse_a_deleted_database(db_path: &Path) -> Result<(), CniError> {
     if !db_path.exists() && store::ownership::database_owned(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing while its daemon runs; the daemon restores it, retry",
@@ -181,6 +181,31 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             db_path.display()
         )));
     }
+    Ok(())
+}
+
+/// The first to use the database after a reboot releases the previous
+/// boot's allocations, before anything of this boot is allocated.
+fn recover_after_reboot(store: &mut Store, db_path: &Path) -> Result<(), CniError> {
+    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
+    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
+        let recovered = store::patiently("boot recovery", DIRECT_PATIENCE, || {
+            store.recover_after_reboot(&boot_id, None, log::now_ms())
+        })
+        .map_err(|err| CniError::from_store_open(db_path, &err))?;
+        if recovered.released() > 0 {
+            log::info(
+                "cni",
+                "new boot: released the allocations of the previous boot",
+                &[("released", &recovered.released())],
+            );
+        }
+    }
+    Ok(())
+}
+
+fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+    refuse_a_deleted_database(db_path)?;
     let mut store = Store::open(
         db_path,
         &StoreOptions {
@@ -204,22 +229,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             &[("error", &err)],
         );
     }
-    // The first to use the database after a reboot releases the previous
-    // boot's allocations, before anything of this boot is allocated.
-    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
-    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
-        let recovered = store::patiently("boot recovery", DIRECT_PATIENCE, || {
-            store.recover_after_reboot(&boot_id, None, log::now_ms())
-        })
-        .map_err(|err| CniError::from_store_open(db_path, &err))?;
-        if recovered.released() > 0 {
-            log::info(
-                "cni",
-                "new boot: released the allocations of the previous boot",
-                &[("released", &recovered.released())],
-            );
-        }
-    }
+    recover_after_reboot(&mut store, db_path)?;
     let mut engine = Engine::new(store);
     // Made again as a whole while the database is busy: a failed attempt
     // leaves nothing.
