@@ -173,6 +173,11 @@ impl Cidr {
     pub fn overlaps(&self, other: &Cidr) -> bool {
         self.contains(other.base) || other.contains(self.base)
     }
+
+    /// `self` strictly contains `inner`.
+    pub fn strictly_contains(&self, inner: &Cidr) -> bool {
+        self.prefix_len < inner.prefix_len && self.contains(inner.base)
+    }
 }
 
 impl FromStr for Cidr {
@@ -328,6 +333,46 @@ pub fn from_u128(family: Family, value: u128) -> IpAddr {
     }
 }
 
+/// The prefixes that are not contained in another of the list, deduplicated,
+/// in the list's order.
+pub fn maximal(cidrs: &[Cidr]) -> Vec<Cidr> {
+    let mut out: Vec<Cidr> = Vec::new();
+    for cidr in cidrs {
+        if out.contains(cidr) || cidrs.iter().any(|other| other.strictly_contains(cidr)) {
+            continue;
+        }
+        out.push(*cidr);
+    }
+    out
+}
+
+/// `outer` minus `inner` (inside it) as prefixes: one per bit between the
+/// two prefix lengths, the sibling of each half that holds `inner`.
+pub fn subtract(outer: &Cidr, inner: &Cidr) -> Vec<Cidr> {
+    let mut pieces = Vec::new();
+    let mut current = *outer;
+    while current.prefix_len() < inner.prefix_len() {
+        let len = current.prefix_len() + 1;
+        let half = 1u128 << (current.family().bits() - len);
+        let low = to_u128(current.base());
+        let family = current.family();
+        let (Ok(lower), Ok(upper)) = (
+            Cidr::new(from_u128(family, low), len),
+            Cidr::new(from_u128(family, low + half), len),
+        ) else {
+            break;
+        };
+        let (keep, piece) = if lower.contains(inner.base()) {
+            (lower, upper)
+        } else {
+            (upper, lower)
+        };
+        pieces.push(piece);
+        current = keep;
+    }
+    pieces
+}
+
 fn mask(family: Family, prefix_len: u8) -> u128 {
     let bits = u32::from(family.bits());
     let host = bits - u32::from(prefix_len);
@@ -426,5 +471,34 @@ mod tests {
         ] {
             assert_eq!(gateway_for(&cidr(block)).to_string(), gateway, "{block}");
         }
+    }
+
+    #[test]
+    fn subtract_leaves_one_piece_per_bit() {
+        let pieces: Vec<String> = subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.64/26"))
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
+        assert_eq!(pieces, ["198.18.0.128/25", "198.18.0.0/26"]);
+        assert!(subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.0/24")).is_empty());
+        let v6: Vec<String> = subtract(&cidr("2001:db8::/126"), &cidr("2001:db8::3/128"))
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
+        assert_eq!(v6, ["2001:db8::/127", "2001:db8::2/128"]);
+    }
+
+    #[test]
+    fn maximal_drops_contained_and_repeated_prefixes() {
+        let list = [
+            cidr("198.18.0.0/29"),
+            cidr("198.18.0.0/28"),
+            cidr("198.18.1.0/30"),
+            cidr("198.18.1.0/30"),
+        ];
+        assert_eq!(
+            maximal(&list),
+            [cidr("198.18.0.0/28"), cidr("198.18.1.0/30")]
+        );
     }
 }

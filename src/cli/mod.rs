@@ -16,10 +16,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::cni::backend::{self, Daemon};
 use crate::defaults::DEFAULT_SOCKET_PATH;
 use crate::flags::{FlagError, Parsed};
 use crate::wire::client::ClientError;
+use crate::wire::client::{self, Daemon};
 use crate::wire::{Code, Request, request, response};
 
 /// Why a subcommand's command line was not run.
@@ -105,7 +105,7 @@ pub fn call(
     let response = daemon
         .exchange(&Request { kind: Some(kind) })
         .map_err(CallError::Unreachable)?;
-    backend::accepted(response, |refused| CallError::Refused {
+    client::accepted(response, |refused| CallError::Refused {
         code: refused.code(),
         message: refused.status.map(|s| s.message).unwrap_or_default(),
     })

@@ -3,21 +3,20 @@
 //! during a restart) — the same engine run in-process against the same
 //! database ("direct mode"). SQLite's WAL, busy timeout and immediate
 //! transactions make the two safe together: each direct-mode request is one
-//! `BEGIN IMMEDIATE` transaction, everything it decides read under its lock. [`Daemon`] is the one way to
-//! exchange a request with the daemon, shared with the admin commands.
+//! `BEGIN IMMEDIATE` transaction, everything it decides read under its lock. The daemon's client,
+//! shared with the admin commands, is [`Daemon`] in `wire::client`.
 
 use std::path::{Path, PathBuf};
 
 use nix::unistd::{self, AccessFlags};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::cni::error::CniError;
 use crate::engine::{Engine, Outcome};
 use crate::log;
 use crate::store::{self, Store, StoreOptions};
-use crate::wire::client::{Client, ClientError};
-use crate::wire::starting;
-use crate::wire::{Code, Request, Response, response};
+use crate::wire::client::{ClientError, Daemon};
+use crate::wire::{Request, Response};
 
 /// How long the plugin waits for a daemon that is there but cannot take the
 /// connection yet: one that is starting (its marker is locked, see
@@ -26,8 +25,6 @@ use crate::wire::{Code, Request, Response, response};
 /// direct mode at once. Above a start's usual duration, far below a CNI
 /// call's 10 s.
 const WAIT_FOR_DAEMON: Duration = Duration::from_secs(1);
-/// Pause between connection attempts while waiting.
-const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(10);
 /// Bound on one connect; a live daemon accepts in microseconds.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bound on one exchange: above the daemon's 9 s wait for new blocks and
@@ -48,54 +45,6 @@ pub trait Backend {
     /// means there is nothing to read yet (no database; the first ADD will
     /// create it).
     fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError>;
-}
-
-/// The payload of an OK answer, or the error `refused` makes of a refusal.
-pub fn accepted<E>(
-    response: Response,
-    refused: impl FnOnce(Response) -> E,
-) -> Result<Option<response::Kind>, E> {
-    if response.code() == Code::Ok {
-        Ok(response.kind)
-    } else {
-        Err(refused(response))
-    }
-}
-
-/// The daemon's socket and how patiently to reach it.
-pub struct Daemon {
-    pub socket: PathBuf,
-    pub connect_timeout: Duration,
-    pub call_timeout: Duration,
-    /// How long to keep trying while a daemon is there but not accepting
-    /// yet (zero: one attempt).
-    pub wait: Duration,
-}
-
-impl Daemon {
-    /// One request, one response. A [`ClientError::is_connect`] error means
-    /// nothing was sent.
-    pub fn exchange(&self, request: &Request) -> Result<Response, ClientError> {
-        let deadline = Instant::now() + self.wait;
-        let mut waiting = false;
-        loop {
-            let err = match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
-                Ok(client) => return client.call_once(request),
-                Err(err) => err,
-            };
-            let may_answer_soon = err.listener_busy()
-                || (err.nothing_listens() && starting::daemon_starting(&self.socket));
-            if !may_answer_soon || Instant::now() >= deadline {
-                return Err(err);
-            }
-            if !waiting {
-                waiting = true;
-                log::info("cni", "waiting for the daemon", &[("error", &err)]);
-            }
-            log::debug("cni", "connect failed, retrying", &[("error", &err)]);
-            std::thread::sleep(CONNECT_RETRY_PAUSE);
-        }
-    }
 }
 
 /// The node's IPAM as the plugin reaches it: the daemon at its socket, else
@@ -214,24 +163,49 @@ fn holds_files(dir: &Path) -> bool {
     writable && real
 }
 
-fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
-    // Missing while its daemon runs (or beside the copy a restore left), the
-    // database was deleted, not never made: the daemon puts it back
-    // (`daemon::restore`), and an empty one made here would hand its pods'
-    // addresses out again.
-    if !db_path.exists() && crate::daemon::database_owned(db_path) {
+/// A database missing while its daemon runs (or beside the copy a restore
+/// left) was deleted, not never made: the daemon puts it back
+/// (`daemon::restore`), and an empty one made here would hand its pods'
+/// addresses out again.
+fn refuse_a_deleted_database(db_path: &Path) -> Result<(), CniError> {
+    if !db_path.exists() && store::ownership::database_owned(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing while its daemon runs; the daemon restores it, retry",
             db_path.display()
         )));
     }
-    if crate::daemon::restore_interrupted(db_path) {
+    if store::ownership::restore_interrupted(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing and a restore of it was interrupted; start the \
              daemon to finish it",
             db_path.display()
         )));
     }
+    Ok(())
+}
+
+/// The first to use the database after a reboot releases the previous
+/// boot's allocations, before anything of this boot is allocated.
+fn recover_after_reboot(store: &mut Store, db_path: &Path) -> Result<(), CniError> {
+    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
+    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
+        let recovered = store::patiently("boot recovery", DIRECT_PATIENCE, || {
+            store.recover_after_reboot(&boot_id, None, log::now_ms())
+        })
+        .map_err(|err| CniError::from_store_open(db_path, &err))?;
+        if recovered.released() > 0 {
+            log::info(
+                "cni",
+                "new boot: released the allocations of the previous boot",
+                &[("released", &recovered.released())],
+            );
+        }
+    }
+    Ok(())
+}
+
+fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+    refuse_a_deleted_database(db_path)?;
     let mut store = Store::open(
         db_path,
         &StoreOptions {
@@ -255,22 +229,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
             &[("error", &err)],
         );
     }
-    // The first to use the database after a reboot releases the previous
-    // boot's allocations, before anything of this boot is allocated.
-    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
-    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
-        let recovered = store::patiently("boot recovery", DIRECT_PATIENCE, || {
-            store.recover_after_reboot(&boot_id, None, log::now_ms())
-        })
-        .map_err(|err| CniError::from_store_open(db_path, &err))?;
-        if recovered.released() > 0 {
-            log::info(
-                "cni",
-                "new boot: released the allocations of the previous boot",
-                &[("released", &recovered.released())],
-            );
-        }
-    }
+    recover_after_reboot(&mut store, db_path)?;
     let mut engine = Engine::new(store);
     // Made again as a whole while the database is busy: a failed attempt
     // leaves nothing.
@@ -284,7 +243,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // After the answer is settled: a failed checkpoint loses nothing.
     if let Err(err) = engine
         .store()
-        .trim_wal(|| crate::daemon::database_owned(db_path))
+        .trim_wal(|| store::ownership::database_owned(db_path))
     {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }

@@ -262,20 +262,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     };
     let sets = with_single_range(ipam.ranges.take(), single);
     let (ipv4_ranges, ipv6_ranges, bounds) = parse_ranges(sets.as_deref())?;
-    let network = ipam
-        .network
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| name.clone());
-    names::network(&network)
-        .map_err(|err| CniError::invalid_config(format!("invalid ipam.network {err}")))?;
-    let gc_grace_period_ms = match ipam.gc_grace_period.as_deref() {
-        None => DEFAULT_GC_GRACE_PERIOD_MS,
-        Some(text) => parse_duration_ms(text).ok_or_else(|| {
-            CniError::invalid_config(format!(
-                "invalid ipam.gcGracePeriod {text:?}: expected a duration such as \"5m\" or \"1h30m\""
-            ))
-        })?,
-    };
+    let network = ipam_network(ipam.network.take(), &name)?;
+    let gc_grace_period_ms = gc_grace_period_ms(ipam.gc_grace_period.as_deref())?;
     Ok(NetConf {
         routes: parse_routes(ipam.routes.as_deref().unwrap_or_default())?,
         daemon_socket: path_setting(
@@ -321,6 +309,27 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         bounds,
         gc_grace_period_ms,
     })
+}
+
+/// `ipam.network`, the network's `name` when absent or empty.
+fn ipam_network(network: Option<String>, name: &str) -> Result<String, CniError> {
+    let network = network
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| name.to_string());
+    names::network(&network)
+        .map_err(|err| CniError::invalid_config(format!("invalid ipam.network {err}")))?;
+    Ok(network)
+}
+
+fn gc_grace_period_ms(text: Option<&str>) -> Result<i64, CniError> {
+    match text {
+        None => Ok(DEFAULT_GC_GRACE_PERIOD_MS),
+        Some(text) => parse_duration_ms(text).ok_or_else(|| {
+            CniError::invalid_config(format!(
+                "invalid ipam.gcGracePeriod {text:?}: expected a duration such as \"5m\" or \"1h30m\""
+            ))
+        }),
+    }
 }
 
 fn required(value: Option<String>, key: &str) -> Result<String, CniError> {

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use crate::cidr::{Cidr, Family};
 use crate::cni::args::{self, CniArgs};
-use crate::cni::backend::{self, Backend, Node};
+use crate::cni::backend::{Backend, Node};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::dns::{Dns, MAX_RESOLV_CONF_BYTES};
 use crate::cni::env::{self, CniEnv, Verb};
@@ -19,7 +19,7 @@ use crate::cni::result::{self, AllocatedIp};
 use crate::cni::version;
 use crate::log;
 use crate::wire::envelope::v1 as envelope;
-use crate::wire::{Request, ipam, request, response};
+use crate::wire::{Request, client, ipam, request, response};
 
 /// Largest network configuration accepted on stdin.
 const MAX_STDIN: usize = 1024 * 1024;
@@ -414,7 +414,7 @@ fn status(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError>
     let Some(response) = backend.call_read_only(request).map_err(unavailable)? else {
         return Ok(());
     };
-    let kind = backend::accepted(response, |refused| {
+    let kind = client::accepted(response, |refused| {
         unavailable(CniError::from_status(refused.status.as_ref()))
     })?;
     match kind {
@@ -479,7 +479,7 @@ fn send(
     kind: request::Kind,
 ) -> Result<Option<response::Kind>, CniError> {
     let response = backend.call(Request { kind: Some(kind) })?;
-    backend::accepted(response, |refused| {
+    client::accepted(response, |refused| {
         CniError::from_status(refused.status.as_ref())
     })
 }

@@ -24,8 +24,6 @@ pub use config::AdaptiveSettings;
 pub use config::{Config, parse_config, usage};
 pub use conn::Limits;
 pub use event_loop::Admission;
-pub use ownership::{Ownership, database_owned, lock_path, try_hold};
-pub use restore::restore_interrupted;
 pub use run::{recover_after_reboot, run};
 
 /// A failure that stops the daemon.

@@ -6,10 +6,9 @@
 //! hand) waits for the first to let go, then takes over; SIGTERM/SIGINT
 //! while it waits ends it cleanly, having touched nothing.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::fd::AsFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
@@ -18,48 +17,7 @@ use nix::sys::signalfd::SignalFd;
 
 use super::DaemonError;
 use crate::log;
-
-/// The lock file of the database at `db`.
-pub fn lock_path(db: &Path) -> PathBuf {
-    let mut path = db.as_os_str().to_owned();
-    path.push(".lock");
-    PathBuf::from(path)
-}
-
-/// Whether a daemon owns the database at `db` right now (its lock is
-/// held). Anything else — no lock file, no access, a symbolic link — is
-/// "no".
-pub fn database_owned(db: &Path) -> bool {
-    let Ok(file) = OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(lock_path(db))
-    else {
-        return false;
-    };
-    // Closing the file drops the shared lock a free one gives us.
-    matches!(file.try_lock_shared(), Err(fs::TryLockError::WouldBlock))
-}
-
-/// Takes ownership of the database at `db` without waiting, for a command
-/// that must not run beside a daemon (`metis admin downgrade`): `Ok(None)`
-/// while a daemon holds it. A daemon started meanwhile waits for the
-/// returned ownership to be dropped.
-pub fn try_hold(db: &Path) -> io::Result<Option<Ownership>> {
-    let file = open_lock_file(&lock_path(db))?;
-    match file.try_lock() {
-        Ok(()) => Ok(Some(Ownership { _locked: file })),
-        Err(fs::TryLockError::WouldBlock) => Ok(None),
-        Err(fs::TryLockError::Error(err)) => Err(err),
-    }
-}
-
-/// Held while the daemon owns its database; dropping it (or exiting) lets
-/// the next daemon take over.
-#[derive(Debug)]
-pub struct Ownership {
-    _locked: File,
-}
+use crate::store::ownership::{Ownership, lock_path, open_lock_file};
 
 /// The database's lock file, open but not yet locked: opened first, so that
 /// a database directory the daemon cannot write is reported as such.
@@ -126,41 +84,8 @@ impl Claim {
                 &[("path", &self.path.display()), ("error", &err)],
             );
         }
-        Ok(Some(Ownership { _locked: self.file }))
+        Ok(Some(Ownership::of(self.file)))
     }
-}
-
-/// Opens (creating 0600, in a directory created 0700 if missing) the lock
-/// file; a symbolic link or anything but a regular file is refused.
-fn open_lock_file(path: &Path) -> io::Result<File> {
-    if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty())
-        && !dir.exists()
-    {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)?;
-    }
-    let opened = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path);
-    let file = match opened {
-        Err(err) if err.raw_os_error() == Some(nix::libc::ELOOP) => {
-            return Err(io::Error::other(
-                "it is a symbolic link; refusing to follow it",
-            ));
-        }
-        other => other?,
-    };
-    if !file.metadata()?.is_file() {
-        return Err(io::Error::other("it is not a regular file"));
-    }
-    Ok(file)
 }
 
 /// Blocks until the lock is ours (`true`) or a shutdown signal arrives
@@ -230,21 +155,7 @@ fn record_pid(file: &mut File) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_symbolic_link_or_a_directory_is_refused() {
-        let dir = crate::testutil::TempDir::new();
-        let target = dir.0.join("elsewhere");
-        std::fs::write(&target, b"").unwrap();
-        let db = dir.0.join("metis.sqlite");
-        std::os::unix::fs::symlink(&target, lock_path(&db)).unwrap();
-        let err = open_lock_file(&lock_path(&db)).unwrap_err();
-        assert!(err.to_string().contains("symbolic link"), "{err}");
-
-        let other = dir.0.join("other.sqlite");
-        std::fs::create_dir(lock_path(&other)).unwrap();
-        assert!(open_lock_file(&lock_path(&other)).is_err());
-    }
+    use crate::store::ownership::database_owned;
 
     #[test]
     fn owned_only_while_the_lock_is_held() {

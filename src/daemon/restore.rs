@@ -30,6 +30,7 @@ use super::checkpoints::defer_checkpoints;
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;
+use crate::store::ownership::{RESTORING, restore_interrupted};
 use crate::store::{Checkpointer, Store, StoreOptions};
 
 /// Keeps the daemon's database at its path.
@@ -45,8 +46,6 @@ pub struct Keeper {
 
 /// The stand-in's file, beside the database (see [`Keeper::stand_in`]).
 const STAND_IN: &str = ".stand-in";
-/// The copy a restore writes, beside the database, until it is in place.
-const RESTORING: &str = ".restoring";
 
 /// `DB` + `suffix`, beside the database.
 fn beside(db: &Path, suffix: &str) -> PathBuf {
@@ -78,13 +77,6 @@ fn remove_if_there(path: &Path) -> io::Result<()> {
         Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
         _ => Ok(()),
     }
-}
-
-/// Whether the database is missing beside the copy an unfinished restore
-/// wrote: only a daemon may put it back (see
-/// [`finish_interrupted_restore`]), never an empty one be made instead.
-pub fn restore_interrupted(db: &Path) -> bool {
-    identity(db).is_none() && identity(&beside(db, RESTORING)).is_some()
 }
 
 /// At start, before the database is opened: a database missing at its path

@@ -704,6 +704,21 @@ fn expand(
 }
 
 impl Store {
+    /// Records that the conflist named `conf_name` served `network` last,
+    /// so that its GC covers the network also after its `ipam.network` is
+    /// renamed. Writes only when that changes; an empty name records
+    /// nothing.
+    pub fn note_served_by(&mut self, network: &str, conf_name: &str) -> Result<(), StoreError> {
+        if conf_name.is_empty() {
+            return Ok(());
+        }
+        self.set_network_column::<String, &str>(
+            network,
+            super::NetworkColumn::ConfName,
+            Some(conf_name),
+        )
+    }
+
     /// What the hand-out check passed over since the last call, by reason
     /// (the daemon adds it to its counter).
     pub fn take_passed_over_counts(&mut self) -> std::collections::BTreeMap<&'static str, u64> {

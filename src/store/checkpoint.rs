@@ -2,8 +2,8 @@
 //!
 //! SQLite checkpoints inside the commit that pushes the WAL past 1,000
 //! pages: copying those pages into the database file and syncing it then
-//! lands on one client's request, which waits for it (measured here: ADD
-//! p99.9 17 ms with it, 0.4 ms without; pairs/s +40 %). The daemon instead
+//! lands on one client's request, which waits for it (bench/history.md,
+//! "Measurements once in comments"). The daemon instead
 //! leaves checkpoints to a thread with its own connection. It checkpoints
 //! PASSIVE — it never waits for, nor blocks, the loop's reads and writes —
 //! soon after writes, and backs off to a slow poll while the daemon idles.
@@ -72,16 +72,9 @@ impl Drop for Checkpointer {
 
 /// WAL size past which a process that served one request (direct mode)
 /// checkpoints before it exits, in bytes: 64 frames of 4 KiB pages, about
-/// nine execs (an ADD writes about 8 frames, a DEL 6). The limit
-/// trades two costs (bench/history.md, "Direct mode's wall clock"): every
-/// such process rebuilds the WAL's index by reading the whole WAL when it
-/// opens the database (about 2,600 instructions and 10–30 µs a frame here),
-/// while the checkpoint's syncs (the WAL, the database, and the new WAL
-/// header in the next writer's commit: all needed, see
-/// [`Store::trim_wal`]) cost the exec that pays them 5–12 ms on this
-/// disk, 1–3 ms when it is quiet. 64 frames gave the lowest mean exec
-/// (−7 to −9 % against 32, interleaved runs); 128 and more lost the gain
-/// to the longer reads at open.
+/// nine execs. It trades the WAL index every opener rebuilds against the
+/// checkpoint's syncs ([`Store::trim_wal`]); measured in bench/history.md,
+/// "Issue 22: direct mode's wall clock".
 pub const ONE_REQUEST_WAL_LIMIT: u64 = 64 * (4096 + 24);
 
 /// How long that checkpoint waits for other processes' transactions
@@ -178,8 +171,8 @@ pub const WAL_SIZE_LIMIT_BYTES: i64 = RESTART_FRAMES * 5 / 4 * (4096 + 24);
 /// the WAL over — unless a reader still uses it — and a WAL started over
 /// gets a new header, which SQLite syncs (`fsync`) inside that writer's
 /// commit, at `synchronous=NORMAL` too. Checkpointing soon after writes
-/// put that sync on the first request after nearly every pass (measured:
-/// 11 of 80 requests, 5 ms median each, on this disk). Held from before
+/// put that sync on the first request after nearly every pass
+/// (bench/history.md). Held from before
 /// each checkpoint, the pin lets the checkpoint copy everything and keeps
 /// the WAL from starting over, until it holds [`RESTART_FRAMES`]: then it
 /// is let go until the WAL has started over, and two requests in that

@@ -79,21 +79,6 @@ impl Store {
         Ok(released)
     }
 
-    /// Records that the conflist named `conf_name` served `network` last,
-    /// so that its GC covers the network also after its `ipam.network` is
-    /// renamed. Writes only when that changes; an empty name records
-    /// nothing.
-    pub fn note_served_by(&mut self, network: &str, conf_name: &str) -> Result<(), StoreError> {
-        if conf_name.is_empty() {
-            return Ok(());
-        }
-        self.set_network_column::<String, &str>(
-            network,
-            super::NetworkColumn::ConfName,
-            Some(conf_name),
-        )
-    }
-
     /// Whether an ADD of `ranges` (with their host-local `bounds` and
     /// `isolated`) could get an address of `family` in `network` now,
     /// read-only: a configured range the ADD would add or grow into (not

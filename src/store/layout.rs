@@ -43,7 +43,7 @@ use super::free::{cooling, pod_held};
 use super::{
     BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, total_ips,
 };
-use crate::cidr::{Cidr, Family};
+use crate::cidr::{self, Cidr, Family};
 
 /// Where a block comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -387,7 +387,9 @@ impl Store {
         let blocks = placed(conn, network, family)?;
         let served = |range: &Cidr| {
             blocks.iter().any(|b| {
-                !b.retired && !b.quarantined && (b.cidr == *range || contains(&b.cidr, range))
+                !b.retired
+                    && !b.quarantined
+                    && (b.cidr == *range || b.cidr.strictly_contains(range))
             })
         };
         if !ranges.iter().all(served) {
@@ -413,14 +415,14 @@ fn relayout(
     let mut changes = LayoutChanges::default();
     let wanted = wanted(conn, None, network, family)?;
     let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
-    for target in maximal(&cidrs) {
+    for target in cidr::maximal(&cidrs) {
         // Each placement reshapes blocks: the next one sees them anew.
         let decided = placement(&target, &placed(conn, network, family)?);
         let Some(refusal) = place(conn, mode, network, &target, decided, &mut changes)? else {
             continue;
         };
         let strict_wants = wanted.iter().any(|(cidr, source)| {
-            strict == Some(*source) && (*cidr == target || contains(&target, cidr))
+            strict == Some(*source) && (*cidr == target || target.strictly_contains(cidr))
         });
         if strict_wants {
             return Err(refusal);
@@ -466,7 +468,10 @@ fn placement(target: &Cidr, blocks: &[Placed]) -> Placement {
     if overlapping.iter().any(|b| b.cidr == *target) {
         return Placement::Served;
     }
-    if let Some(wider) = overlapping.iter().find(|b| contains(&b.cidr, target)) {
+    if let Some(wider) = overlapping
+        .iter()
+        .find(|b| b.cidr.strictly_contains(target))
+    {
         return match wider.is_adaptive() {
             true => Placement::Served,
             false => Placement::Narrow((*wider).clone()),
@@ -772,7 +777,7 @@ fn narrow(
     wider: &Placed,
     target: &Cidr,
 ) -> Result<(), StoreError> {
-    let pieces = subtract(&wider.cidr, target);
+    let pieces = cidr::subtract(&wider.cidr, target);
     // Rows exist below the wider block's frontier (inside its range only,
     // when bounded: then every part starts over). Each part, `target` and
     // the pieces alike, keeps the share of them that falls inside it: a
@@ -1136,51 +1141,6 @@ pub(super) fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, St
             "))"
         ))?
         .query_row(params![id, now_ms], |r| r.get(0))?)
-}
-
-/// `outer` strictly contains `inner`.
-fn contains(outer: &Cidr, inner: &Cidr) -> bool {
-    outer.prefix_len() < inner.prefix_len() && outer.contains(inner.base())
-}
-
-/// The prefixes that are not contained in another of the list, deduplicated,
-/// in the list's order.
-fn maximal(cidrs: &[Cidr]) -> Vec<Cidr> {
-    let mut out: Vec<Cidr> = Vec::new();
-    for cidr in cidrs {
-        if out.contains(cidr) || cidrs.iter().any(|other| contains(other, cidr)) {
-            continue;
-        }
-        out.push(*cidr);
-    }
-    out
-}
-
-/// `outer` minus `inner` (inside it) as prefixes: one per bit between the
-/// two prefix lengths, the sibling of each half that holds `inner`.
-fn subtract(outer: &Cidr, inner: &Cidr) -> Vec<Cidr> {
-    let mut pieces = Vec::new();
-    let mut current = *outer;
-    while current.prefix_len() < inner.prefix_len() {
-        let len = current.prefix_len() + 1;
-        let half = 1u128 << (current.family().bits() - len);
-        let low = crate::cidr::to_u128(current.base());
-        let family = current.family();
-        let (Ok(lower), Ok(upper)) = (
-            Cidr::new(crate::cidr::from_u128(family, low), len),
-            Cidr::new(crate::cidr::from_u128(family, low + half), len),
-        ) else {
-            break;
-        };
-        let (keep, piece) = if lower.contains(inner.base()) {
-            (lower, upper)
-        } else {
-            (upper, lower)
-        };
-        pieces.push(piece);
-        current = keep;
-    }
-    pieces
 }
 
 #[cfg(test)]
@@ -1575,34 +1535,5 @@ mod tests {
         ];
         assert_eq!(overlap_verdicts(&pair), [Verdict::Delete(pair[0].clone())]);
         assert!(overlap_verdicts(&[entry(1, "2001:db8::/64", "a", false, true)]).is_empty());
-    }
-
-    #[test]
-    fn subtract_leaves_one_piece_per_bit() {
-        let pieces: Vec<String> = subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.64/26"))
-            .iter()
-            .map(Cidr::to_string)
-            .collect();
-        assert_eq!(pieces, ["198.18.0.128/25", "198.18.0.0/26"]);
-        assert!(subtract(&cidr("198.18.0.0/24"), &cidr("198.18.0.0/24")).is_empty());
-        let v6: Vec<String> = subtract(&cidr("2001:db8::/126"), &cidr("2001:db8::3/128"))
-            .iter()
-            .map(Cidr::to_string)
-            .collect();
-        assert_eq!(v6, ["2001:db8::/127", "2001:db8::2/128"]);
-    }
-
-    #[test]
-    fn maximal_drops_contained_and_repeated_prefixes() {
-        let list = [
-            cidr("198.18.0.0/29"),
-            cidr("198.18.0.0/28"),
-            cidr("198.18.1.0/30"),
-            cidr("198.18.1.0/30"),
-        ];
-        assert_eq!(
-            maximal(&list),
-            [cidr("198.18.0.0/28"), cidr("198.18.1.0/30")]
-        );
     }
 }

@@ -31,6 +31,7 @@ mod lifecycle;
 mod listings;
 mod migrate;
 mod named_gateway;
+pub mod ownership;
 mod repair;
 pub mod rollback;
 mod schema;
@@ -459,6 +460,42 @@ impl StoreError {
     }
 }
 
+/// What an exhaustion's message adds after its first sentence: why blocks
+/// with addresses served none.
+struct WhyExhausted<'a> {
+    quarantined: &'a [String],
+    held_gateways: &'a [String],
+    passed_over: &'a [String],
+}
+
+impl fmt::Display for WhyExhausted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.quarantined.is_empty() {
+            write!(
+                f,
+                "; not served until the problem is solved and the daemon restarted \
+                 (see `metis admin check`): {}",
+                self.quarantined.join("; ")
+            )?;
+        }
+        if !self.held_gateways.is_empty() {
+            write!(
+                f,
+                "; served again once that pod is deleted: {}",
+                self.held_gateways.join("; ")
+            )?;
+        }
+        if !self.passed_over.is_empty() {
+            write!(
+                f,
+                "; passed over, not fitting the configuration in force: {}",
+                summary(self.passed_over)
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -489,35 +526,15 @@ impl fmt::Display for StoreError {
                 quarantined,
                 passed_over,
                 held_gateways,
-            } => {
-                write!(
-                    f,
-                    "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}"
-                )?;
-                if !quarantined.is_empty() {
-                    write!(
-                        f,
-                        "; not served until the problem is solved and the daemon restarted \
-                         (see `metis admin check`): {}",
-                        quarantined.join("; ")
-                    )?;
+            } => write!(
+                f,
+                "store: no available IPs in store: no free {family} address in the Ready blocks of network {network:?}{}",
+                WhyExhausted {
+                    quarantined,
+                    held_gateways,
+                    passed_over,
                 }
-                if !held_gateways.is_empty() {
-                    write!(
-                        f,
-                        "; served again once that pod is deleted: {}",
-                        held_gateways.join("; ")
-                    )?;
-                }
-                if !passed_over.is_empty() {
-                    write!(
-                        f,
-                        "; passed over, not fitting the configuration in force: {}",
-                        summary(passed_over)
-                    )?;
-                }
-                Ok(())
-            }
+            ),
             StoreError::HeldUnfit {
                 address,
                 container_id,
@@ -544,26 +561,28 @@ impl fmt::Display for StoreError {
                 network,
                 other_cidr,
                 other_network,
-                isolation_helps: true,
-            } => write!(
-                f,
-                "store: {cidr} of network {network:?} overlaps block {other_cidr} of network \
-                 {other_network:?}, and one address must have one owner on a node. If this \
-                 network replaces {other_network:?} (as after an upgrade from upstream Metis, \
-                 which keeps every pod under network \"default\"), set \"ipam\": {{\"network\": \
-                 {other_network:?}}}; if the two networks' pods can never reach each other \
-                 (separate VRFs or links), set \"ipam\": {{\"isolated\": true}}"
-            ),
-            StoreError::Overlap {
-                cidr,
-                network,
-                other_cidr,
-                ..
-            } => write!(
-                f,
-                "store: {cidr} of network {network:?} overlaps block {other_cidr} that the \
-                 cluster granted to the same network; use a range that does not overlap it"
-            ),
+                isolation_helps,
+            } => {
+                write!(
+                    f,
+                    "store: {cidr} of network {network:?} overlaps block {other_cidr} "
+                )?;
+                if !isolation_helps {
+                    return f.write_str(
+                        "that the cluster granted to the same network; use a range that does \
+                         not overlap it",
+                    );
+                }
+                write!(
+                    f,
+                    "of network {other_network:?}, and one address must have one owner on a \
+                     node. If this network replaces {other_network:?} (as after an upgrade from \
+                     upstream Metis, which keeps every pod under network \"default\"), set \
+                     \"ipam\": {{\"network\": {other_network:?}}}; if the two networks' pods can \
+                     never reach each other (separate VRFs or links), set \"ipam\": \
+                     {{\"isolated\": true}}"
+                )
+            }
         }
     }
 }

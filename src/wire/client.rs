@@ -5,15 +5,18 @@ use std::fmt;
 use std::io::{self, BufReader};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr, sockopt};
 use nix::sys::time::TimeVal;
 use prost::Message;
 
 use super::frame::{self, FrameError, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
-use super::{Request, Response};
+use super::{Code, Request, Response, response, starting};
+use crate::log;
 
+/// Pause between connection attempts while waiting.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(10);
 /// Bytes asked for by the first read of a response: an ADD's answer is
 /// about 40.
 const RESPONSE_READ: usize = 4096;
@@ -208,4 +211,52 @@ fn timeval(duration: Duration) -> TimeVal {
     let secs = nix::libc::time_t::try_from(duration.as_secs()).unwrap_or(nix::libc::time_t::MAX);
     let micros = nix::libc::suseconds_t::from(duration.subsec_micros());
     TimeVal::new(secs, micros)
+}
+
+/// The daemon's socket and how patiently to reach it.
+pub struct Daemon {
+    pub socket: PathBuf,
+    pub connect_timeout: Duration,
+    pub call_timeout: Duration,
+    /// How long to keep trying while a daemon is there but not accepting
+    /// yet (zero: one attempt).
+    pub wait: Duration,
+}
+
+impl Daemon {
+    /// One request, one response. A [`ClientError::is_connect`] error means
+    /// nothing was sent.
+    pub fn exchange(&self, request: &Request) -> Result<Response, ClientError> {
+        let deadline = Instant::now() + self.wait;
+        let mut waiting = false;
+        loop {
+            let err = match Client::connect(&self.socket, self.connect_timeout, self.call_timeout) {
+                Ok(client) => return client.call_once(request),
+                Err(err) => err,
+            };
+            let may_answer_soon = err.listener_busy()
+                || (err.nothing_listens() && starting::daemon_starting(&self.socket));
+            if !may_answer_soon || Instant::now() >= deadline {
+                return Err(err);
+            }
+            if !waiting {
+                waiting = true;
+                log::info("cni", "waiting for the daemon", &[("error", &err)]);
+            }
+            log::debug("cni", "connect failed, retrying", &[("error", &err)]);
+            std::thread::sleep(CONNECT_RETRY_PAUSE);
+        }
+    }
+}
+
+/// The payload of an OK answer, or the error `refused` makes of a refusal.
+pub fn accepted<E>(
+    response: Response,
+    refused: impl FnOnce(Response) -> E,
+) -> Result<Option<response::Kind>, E> {
+    if response.code() == Code::Ok {
+        Ok(response.kind)
+    } else {
+        Err(refused(response))
+    }
 }
