@@ -1,13 +1,20 @@
 //! Measurements through real processes: ADD+DEL cycles of each build of
 //! Metis (with its daemon), Debian's host-local and the floor program,
-//! interleaved; and a burst of concurrent ADDs against one daemon per build.
+//! interleaved, with each build also against a daemon that answers at once
+//! (the design's limit); and a burst of ADDs launched back to back against
+//! one daemon per build.
 
 use std::collections::HashSet;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::sync::{Arc, Barrier};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::Pid;
+
 use crate::Bench;
+use crate::limit::Replay;
 use crate::report::{Report, Row};
 use crate::util::{
     Build, Daemon, HOST_LOCAL, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
@@ -28,6 +35,9 @@ pub struct Cycles {
     pub builds: Vec<Timing>,
     /// The same builds with no daemon: direct mode.
     pub direct: Vec<Timing>,
+    /// The same builds against a daemon that answers at once: the design's
+    /// limit.
+    pub limit: Vec<Timing>,
     pub host_local: Summary,
     pub floor: Summary,
 }
@@ -38,6 +48,9 @@ struct Subject<'a> {
     conf: String,
     /// Whether its ADD prints a result with an address (the floor does not).
     allocates: bool,
+    /// Whether that address must be new every round (a replayed answer's
+    /// is always the same).
+    unique: bool,
     add: Vec<Duration>,
     del: Vec<Duration>,
     total: Vec<Duration>,
@@ -50,6 +63,7 @@ impl<'a> Subject<'a> {
             program,
             conf,
             allocates,
+            unique: allocates,
             add: Vec::new(),
             del: Vec::new(),
             total: Vec::new(),
@@ -68,7 +82,7 @@ impl<'a> Subject<'a> {
         .run();
         let del_conf = if self.allocates {
             assert!(
-                self.addresses.insert(result_address(&result)),
+                self.addresses.insert(result_address(&result)) || !self.unique,
                 "{} handed out an address twice",
                 self.program.display()
             );
@@ -105,41 +119,57 @@ impl<'a> Subject<'a> {
 /// released is rightly handed out again.
 const CYCLE_COOLDOWN: &[&str] = &["--release-cooldown", "1h"];
 
-/// `cycles` measured rounds (after `warmup` unrecorded ones), each running
-/// every build (each with its own daemon), host-local and the floor once,
-/// the order rotating every round.
-pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> Cycles {
-    let dirs: Vec<TempDir> = builds
-        .iter()
-        .map(|b| TempDir::new(&format!("cycles-{}", b.name())))
-        .collect();
-    let _daemons: Vec<Daemon> = builds
-        .iter()
-        .zip(&dirs)
-        .map(|(build, dir)| build.daemon(dir, CYCLE_COOLDOWN))
-        .collect();
-    let mut subjects: Vec<Subject> = builds
-        .iter()
-        .zip(&dirs)
-        .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true))
-        .collect();
-    // No daemon on these: every exec finds no socket and serves itself. A
-    // daemon started and stopped once records its release cooldown, which
-    // direct mode keeps too (released addresses rest, as with the daemon).
-    let direct_dirs: Vec<TempDir> = builds
+/// Each build in direct mode: no daemon on these, every exec finds no
+/// socket and serves itself. A daemon started and stopped once records its
+/// release cooldown, which direct mode keeps too (released addresses rest,
+/// as with the daemon).
+fn direct_dirs(builds: &[Build]) -> Vec<TempDir> {
+    builds
         .iter()
         .map(|build| {
             let dir = TempDir::new(&format!("cycles-direct-{}", build.name()));
             assert!(build.daemon(&dir, CYCLE_COOLDOWN).stop().success());
             dir
         })
-        .collect();
-    subjects.extend(
+        .collect()
+}
+
+/// `cycles` measured rounds (after `warmup` unrecorded ones), each running
+/// every build (against its own daemon, in direct mode and against a
+/// replaying daemon), host-local and the floor once, the order rotating
+/// every round.
+pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> Cycles {
+    let named = |what: &str| -> Vec<TempDir> {
         builds
             .iter()
-            .zip(&direct_dirs)
-            .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true)),
-    );
+            .map(|b| TempDir::new(&format!("cycles-{what}-{}", b.name())))
+            .collect()
+    };
+    let dirs = named("daemon");
+    let _daemons: Vec<Daemon> = builds
+        .iter()
+        .zip(&dirs)
+        .map(|(build, dir)| build.daemon(dir, CYCLE_COOLDOWN))
+        .collect();
+    let direct_dirs = direct_dirs(builds);
+    let limit_dirs = named("limit");
+    let _replays: Vec<Replay> = builds
+        .iter()
+        .zip(&limit_dirs)
+        .map(|(build, dir)| Replay::start(build, dir))
+        .collect();
+    let mut subjects: Vec<Subject> = Vec::new();
+    for dirs in [&dirs, &direct_dirs, &limit_dirs] {
+        subjects.extend(
+            builds
+                .iter()
+                .zip(dirs)
+                .map(|(build, dir)| Subject::new(&build.binary, metis_conf(dir, RANGE_V4), true)),
+        );
+    }
+    for limit in &mut subjects[2 * builds.len()..] {
+        limit.unique = false;
+    }
     let host_local_dir = TempDir::new("cycles-host-local");
     subjects.push(Subject::new(
         Path::new(HOST_LOCAL),
@@ -156,6 +186,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
     }
     let floor = subjects.pop().unwrap();
     let host_local = subjects.pop().unwrap();
+    let limit = subjects.split_off(2 * builds.len());
     for subject in subjects.iter().chain([&host_local]) {
         assert_eq!(subject.addresses.len(), warmup + cycles);
     }
@@ -163,6 +194,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
     Cycles {
         builds: subjects.iter().map(Subject::timing).collect(),
         direct: direct.iter().map(Subject::timing).collect(),
+        limit: limit.iter().map(Subject::timing).collect(),
         host_local: Summary::of(&host_local.total),
         floor: Summary::of(&floor.total),
     }
@@ -172,9 +204,14 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
 pub fn report_cycles(bench: &Bench, report: &mut Report) {
     let plan = &bench.plan;
     let c = cycles(&bench.builds, &bench.floor, plan.warmup, plan.cycles);
-    for (build, t) in bench.builds.iter().zip(&c.builds) {
+    for ((build, t), limit) in bench.builds.iter().zip(&c.builds).zip(&c.limit) {
         for (reference, theirs, target) in [
             ("trivial-binary floor", c.floor.median, 1.25),
+            (
+                "the design's limit (its daemon replayed)",
+                limit.total.median,
+                1.15,
+            ),
             ("host-local", c.host_local.median, 0.45),
         ] {
             let r = ratio(t.total.median, theirs);
@@ -200,6 +237,17 @@ pub fn report_cycles(bench: &Bench, report: &mut Report) {
             ms(c.floor.p99),
             ms(c.host_local.p99),
         ));
+        report.rows.push(
+            Row::plain(
+                "ADD+DEL median, the design's limit / host-local",
+                build.name(),
+                ms(limit.total.median),
+            )
+            .against(
+                ms(c.host_local.median),
+                ratio(limit.total.median, c.host_local.median),
+            ),
+        );
     }
     for (build, t) in bench.builds.iter().zip(&c.direct) {
         let r = ratio(t.total.median, c.host_local.median);
@@ -237,12 +285,14 @@ pub fn report_cycles(bench: &Bench, report: &mut Report) {
     report.notes.push(format!(
         "ADD+DEL: {} cycles each (after {} warm-up), interleaved: every round runs each build \
          (against its own daemon), each build in direct mode (no daemon, its own database), \
+         each build against the design's limit (a thread of the bench that answers every \
+         request at once with the frame its build's daemon sent to one of the same kind), \
          host-local and the floor program, the order rotating.",
         plan.cycles, plan.warmup,
     ));
 }
 
-/// `n` plugin ADDs started at once against one daemon.
+/// `n` plugin ADDs launched back to back against one daemon.
 pub struct Burst {
     pub count: usize,
     pub wall: Duration,
@@ -252,10 +302,50 @@ pub struct Burst {
     pub direct_mode: usize,
 }
 
-pub fn burst(build: &Build, n: usize) -> Burst {
+/// A process that waits on its stdin and leads the process group the
+/// burst's plugins join, so that they and only they are reaped by group.
+struct GroupLeader(std::process::Child);
+
+impl GroupLeader {
+    fn start(floor: &Path) -> GroupLeader {
+        let child = Command::new(floor)
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        GroupLeader(child)
+    }
+
+    fn pgid(&self) -> i32 {
+        i32::try_from(self.0.id()).unwrap()
+    }
+}
+
+impl Drop for GroupLeader {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        let _ = self.0.wait();
+    }
+}
+
+/// Reaps `n` exits of group `pgid` as they come: (pid, when, success).
+fn reap(pgid: i32, n: usize) -> Vec<(i32, Instant, bool)> {
+    (0..n)
+        .map(|_| match waitpid(Pid::from_raw(-pgid), None).unwrap() {
+            WaitStatus::Exited(pid, code) => (pid.as_raw(), Instant::now(), code == 0),
+            other => panic!("a burst ADD ended with {other:?}"),
+        })
+        .collect()
+}
+
+/// One launcher thread spawns `n` plugin ADDs back to back, as a runtime
+/// starting a burst of pods does; another reaps each as it exits. An ADD's
+/// latency runs from its spawn's start to its exit being reaped.
+pub fn burst(build: &Build, floor: &Path, n: usize) -> Burst {
     let dir = TempDir::new(&format!("burst-{}", build.name()));
     let _daemon = build.daemon(&dir, &[]);
-    let conf = Arc::new(metis_conf(&dir, RANGE_V4));
+    let conf = metis_conf(&dir, RANGE_V4);
     // Create the block first: the burst measures allocations, not the
     // one-time population of a /16.
     Invocation {
@@ -265,43 +355,57 @@ pub fn burst(build: &Build, n: usize) -> Burst {
         stdin: &conf,
     }
     .run();
-    // The wall time runs from the first thread let go to the last ADD's
-    // end, both taken by the ADD threads: the main thread may be scheduled
-    // late on a loaded machine.
-    let barrier = Arc::new(Barrier::new(n));
-    let threads: Vec<_> = (0..n)
+    let conf_path = dir.join("burst-conf.json");
+    std::fs::write(&conf_path, &conf).unwrap();
+    let leader = GroupLeader::start(floor);
+    let pgid = leader.pgid();
+    let reaper = std::thread::spawn(move || reap(pgid, n));
+    let mut started = std::collections::HashMap::new();
+    for i in 0..n {
+        let container_id = format!("bench-burst-{i:04}");
+        let output = std::fs::File::create(dir.join(&format!("{container_id}.out"))).unwrap();
+        let start = Instant::now();
+        let mut command = Invocation {
+            program: &build.binary,
+            command: "ADD",
+            container_id: &container_id,
+            stdin: &conf,
+        }
+        .command();
+        // Reaped by the group's `waitpid` in `reap`, not through `Child`.
+        #[allow(clippy::zombie_processes)]
+        let child = command
+            .process_group(pgid)
+            .stdin(std::fs::File::open(&conf_path).unwrap())
+            .stdout(output)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        started.insert(i32::try_from(child.id()).unwrap(), start);
+    }
+    let ends = reaper.join().unwrap();
+    drop(leader);
+    assert!(ends.iter().all(|end| end.2), "a burst ADD failed");
+    let latencies: Vec<Duration> = ends
+        .iter()
+        .map(|(pid, end, _)| *end - started[pid])
+        .collect();
+    let first = started.values().min().unwrap();
+    let last = ends.iter().map(|end| end.1).max().unwrap();
+    let addresses: HashSet<String> = (0..n)
         .map(|i| {
-            let barrier = Arc::clone(&barrier);
-            let conf = Arc::clone(&conf);
-            let program = build.binary.clone();
-            std::thread::spawn(move || {
-                let container_id = format!("bench-burst-{i:04}");
-                barrier.wait();
-                let released = Instant::now();
-                let (result, took) = Invocation {
-                    program: &program,
-                    command: "ADD",
-                    container_id: &container_id,
-                    stdin: &conf,
-                }
-                .run();
-                (result_address(&result), took, released, Instant::now())
-            })
+            let out =
+                std::fs::read_to_string(dir.join(&format!("bench-burst-{i:04}.out"))).unwrap();
+            result_address(&out)
         })
         .collect();
-    let runs: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-    let first = runs.iter().map(|run| run.2).min().unwrap();
-    let last = runs.iter().map(|run| run.3).max().unwrap();
-    let latencies: Vec<Duration> = runs.iter().map(|run| run.1).collect();
-    let addresses: HashSet<&String> = runs.iter().map(|run| &run.0).collect();
     let log = std::fs::read_to_string(dir.join("cni.log")).unwrap_or_default();
-    let direct_mode = log.matches("using direct mode").count();
     Burst {
         count: latencies.len(),
-        wall: last - first,
+        wall: last - *first,
         latency: Summary::of(&latencies),
         distinct: addresses.len(),
-        direct_mode,
+        direct_mode: log.matches("using direct mode").count(),
     }
 }
 
@@ -309,19 +413,19 @@ pub fn burst(build: &Build, n: usize) -> Burst {
 pub fn report_burst(bench: &Bench, report: &mut Report) {
     let n = bench.plan.burst;
     for build in &bench.builds {
-        let b = burst(build, n);
+        let b = burst(build, &bench.floor, n);
         assert_eq!(b.count, n);
         assert_eq!(b.distinct, n, "burst addresses must be distinct");
         report.rows.push(
             Row::plain(
-                format!("burst: {n} concurrent ADDs, wall time"),
+                format!("burst: {n} ADDs launched back to back, wall time"),
                 build.name(),
                 ms(b.wall),
             )
             .target("all succeed, distinct", b.distinct == b.count),
         );
         report.rows.push(Row::plain(
-            "burst: ADD latency median / p99",
+            "burst: ADD latency median / p99 (spawn to exit)",
             build.name(),
             format!("{} / {}", ms(b.latency.median), ms(b.latency.p99)),
         ));

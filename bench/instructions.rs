@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 use crate::Bench;
 use crate::report::{Report, Row};
-use crate::util::{Build, Invocation, RANGE_V4, TempDir, metis_conf, with_prev_result};
+use crate::util::{
+    Build, Invocation, RANGE_V4, TempDir, allocate_request, allocated, client, metis_conf,
+    release_request, released, with_prev_result,
+};
 
 /// Unrecorded ADD+DEL pairs before counting: the block populated, the
 /// database warm, as in the timed cycles.
@@ -118,8 +121,9 @@ struct CountedDaemon {
 }
 
 impl CountedDaemon {
-    fn start(valgrind: &Path, build: &Build) -> CountedDaemon {
-        let dir = TempDir::new(&format!("count-daemon-{}", build.name()));
+    /// The daemon under callgrind on `dir` (its database kept), with
+    /// `extra` arguments.
+    fn start(valgrind: &Path, build: &Build, dir: TempDir, extra: &[&str]) -> CountedDaemon {
         let socket = dir.join("metis.sock");
         let child = Command::new(valgrind)
             .arg("--tool=callgrind")
@@ -134,6 +138,7 @@ impl CountedDaemon {
             .arg(&socket)
             .arg("--db-path")
             .arg(dir.join("metis.sqlite"))
+            .args(extra)
             .env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -177,9 +182,10 @@ impl CountedDaemon {
         summary(&self.dir.join(&format!("daemon.callgrind.{}", self.dumps)))
     }
 
-    /// The daemon's instructions per ADD and per DEL over `n` of each (each
-    /// figure includes the little the idle loop does meanwhile).
-    fn per_request(&mut self, build: &Build, n: usize) -> Pair {
+    /// The daemon's instructions per ADD and per DEL over `n` of each, or
+    /// per ADD alone unless `release` (each figure includes the little the
+    /// idle loop does meanwhile).
+    fn per_request(&mut self, build: &Build, n: usize, release: bool) -> Pair {
         let conf = metis_conf(&self.dir, RANGE_V4);
         for i in 0..WARMUP {
             pair_natively(&build.binary, &conf, &format!("count-daemon-warm-{i}"));
@@ -198,6 +204,12 @@ impl CountedDaemon {
         self.dump();
         let results: Vec<String> = ids.iter().map(|id| invocation("ADD", id, &conf)).collect();
         let add = self.dump();
+        if !release {
+            return Pair {
+                add: add / n as u64,
+                del: 0,
+            };
+        }
         for (id, result) in ids.iter().zip(&results) {
             invocation("DEL", id, &with_prev_result(&conf, result));
         }
@@ -224,8 +236,9 @@ pub struct Counts {
 }
 
 fn counts(valgrind: &Path, build: &Build, requests: usize) -> Counts {
-    let mut daemon = CountedDaemon::start(valgrind, build);
-    let daemon_pair = daemon.per_request(build, requests);
+    let dir = TempDir::new(&format!("count-daemon-{}", build.name()));
+    let mut daemon = CountedDaemon::start(valgrind, build, dir, &[]);
+    let daemon_pair = daemon.per_request(build, requests, true);
     // The plugin counted against a daemon that runs natively.
     let plugin_dir = TempDir::new(&format!("count-plugin-{}", build.name()));
     let _native = build.daemon(&plugin_dir, &[]);
@@ -253,6 +266,82 @@ fn counts(valgrind: &Path, build: &Build, requests: usize) -> Counts {
         daemon: daemon_pair,
         direct,
     }
+}
+
+/// A release cooldown no run outlasts: every released row stays cooling.
+const LONG_COOLDOWN: &[&str] = &["--release-cooldown", "1h"];
+
+/// A database of `build` with `rows` addresses released under
+/// [`LONG_COOLDOWN`] (allocated and released through a daemon's socket),
+/// the cooldown recorded for direct mode.
+fn cooled(build: &Build, rows: usize, tag: &str) -> TempDir {
+    let dir = TempDir::new(&format!("count-cooling-{tag}-{}-{rows}", build.name()));
+    let daemon = build.daemon(&dir, LONG_COOLDOWN);
+    let mut client = client(&daemon);
+    for i in 0..rows {
+        let id = format!("count-cooling-{i}");
+        allocated(&client.call(&allocate_request(&id, &[RANGE_V4])).unwrap());
+        released(&client.call(&release_request(&id)).unwrap());
+    }
+    drop(client);
+    assert!(daemon.stop().success());
+    dir
+}
+
+/// ADD instructions with `rows` rows cooling: (the daemon's, direct mode's).
+fn cooling_adds(valgrind: &Path, build: &Build, rows: usize, direct_pairs: u64) -> (u64, u64) {
+    let mut daemon = CountedDaemon::start(
+        valgrind,
+        build,
+        cooled(build, rows, "daemon"),
+        LONG_COOLDOWN,
+    );
+    let in_daemon = daemon.per_request(build, 20, false).add;
+    drop(daemon);
+    let dir = cooled(build, rows, "direct");
+    let conf = metis_conf(&dir, RANGE_V4);
+    let direct = plugin_pair(valgrind, &build.binary, &conf, &dir, "cool", direct_pairs).add;
+    (in_daemon, direct)
+}
+
+/// Rows of ADD instructions with 0, 600 and 2,000 rows cooling (a busy
+/// node's minute of churn and more), each against the count with none:
+/// the claim's walk over cooling rows (issue 35).
+fn report_cooling(valgrind: &Path, bench: &Bench, report: &mut Report) {
+    let (levels, direct_pairs): (&[usize], u64) = match bench.plan.smoke {
+        true => (&[0, 20], 1),
+        false => (&[0, 600, 2000], DIRECT_PAIRS),
+    };
+    for build in &bench.builds {
+        let counts: Vec<(u64, u64)> = levels
+            .iter()
+            .map(|&rows| cooling_adds(valgrind, build, rows, direct_pairs))
+            .collect();
+        let (base_daemon, base_direct) = counts[0];
+        for (&rows, &(in_daemon, direct)) in levels.iter().zip(&counts).skip(1) {
+            for (what, ours, base) in [
+                ("in the daemon per ADD", in_daemon, base_daemon),
+                ("per exec, direct-mode ADD", direct, base_direct),
+            ] {
+                let r = ours as f64 / base as f64;
+                report.rows.push(
+                    Row::plain(
+                        format!("instructions {what}, {rows} rows cooling / none cooling"),
+                        build.name(),
+                        thousands(ours),
+                    )
+                    .against(thousands(base), r)
+                    .target("≤ 1.05×", r <= 1.05),
+                );
+            }
+        }
+    }
+    report.notes.push(format!(
+        "instructions with rows cooling: a database where a daemon with `--release-cooldown 1h` \
+         allocated and released that many addresses; the daemon's over 20 ADDs under callgrind \
+         (after {WARMUP} warm-up pairs), direct mode's the mean of {direct_pairs} ADDs (the \
+         cooldown the daemon recorded)."
+    ));
 }
 
 fn thousands(n: u64) -> String {
@@ -316,6 +405,7 @@ pub fn report(bench: &Bench, report: &mut Report) {
             thousands(c.direct.add + c.direct.del),
         ));
     }
+    report_cooling(&valgrind, bench, report);
     report.notes.push(
         "instructions: callgrind's count (`valgrind --tool=callgrind`) of one exec after \
          warm-up pairs (direct mode: the mean of 8 pairs), for the floor one exec fed the \

@@ -32,6 +32,7 @@ mod cni;
 mod common;
 mod controller;
 mod instructions;
+mod limit;
 mod memory;
 mod report;
 mod scale;
