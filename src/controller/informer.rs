@@ -19,7 +19,7 @@ use super::status::Status;
 use crate::kube::backoff::{ApiTiming, Backoff};
 use crate::kube::client::{ApiClient, KubeError};
 use crate::kube::nnc::{Meta, Nnc, resource_version};
-use crate::kube::worker::needs_relist;
+use crate::kube::worker::{needs_relist, watch_error};
 use crate::log;
 use crate::metrics::ControllerMetrics;
 
@@ -358,11 +358,7 @@ fn cycle(
                 continue;
             }
             _ => {
-                let err = KubeError::Status {
-                    code: u16::try_from(event.object["code"].as_u64().unwrap_or(0)).unwrap_or(0),
-                    body: event.object.to_string(),
-                    retry_after: None,
-                };
+                let err = watch_error(&event.object);
                 if !needs_relist(&err) {
                     *resume = Some(version);
                 }
