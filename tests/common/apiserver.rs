@@ -570,20 +570,15 @@ fn respond(stream: &mut dyn Stream, status: u16, body: &Value) {
 
 /// Answers with an optional `Retry-After` (seconds).
 fn respond_after(stream: &mut dyn Stream, status: u16, body: &Value, retry_after: Option<u64>) {
-    let text = body.to_string();
     let retry = retry_after
         .map(|s| format!("Retry-After: {s}\r\n"))
         .unwrap_or_default();
-    let reason = http::reason(status);
-    let _ = write!(
-        stream,
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{retry}Content-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        text.len()
-    );
+    let headers = format!("{retry}Connection: close\r\n");
+    http::respond(stream, status, &body.to_string(), &headers);
 }
 
 fn status_body(code: u16, reason: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code})
+    http::failure(code, reason, reason)
 }
 
 /// Serves one connection (after its TLS handshake, with `tls`), then cuts it
@@ -779,19 +774,15 @@ fn watch(
                     "details": {"causes": [{"reason": "ResourceVersionTooLarge"}]}, "code": 504}),
                 false => status_body(410, "Expired"),
             };
-            let gone = json!({"type": "ERROR", "object": body});
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-            );
-            let _ = write_chunk(stream, &format!("{gone}\n"));
-            let _ = write!(stream, "0\r\n\r\n");
+            if http::start_watch(stream).is_ok() {
+                http::end_watch_with_error(stream, &body);
+            }
             return;
         }
         state.generation
     };
     shared.changed.notify_all();
-    if write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").is_err() {
+    if http::start_watch(stream).is_err() {
         return;
     }
     let mut sent = from;
@@ -803,14 +794,14 @@ fn watch(
         if state.generation != generation {
             // Restored from a backup: the API server drops its watches.
             drop(state);
-            let _ = write!(stream, "0\r\n\r\n");
+            http::end_watch(stream);
             return;
         }
         if state.compacted_below > sent {
             // History this watch stands on was compacted: end it; the
             // client's next watch from its version gets 410 Gone.
             drop(state);
-            let _ = write!(stream, "0\r\n\r\n");
+            http::end_watch(stream);
             return;
         }
         let pending: Vec<(u64, &'static str, Value)> = state
@@ -835,7 +826,7 @@ fn watch(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             drop(state);
-            let _ = write!(stream, "0\r\n\r\n");
+            http::end_watch(stream);
             return;
         }
         state = shared

@@ -1,7 +1,7 @@
 //! The HTTP/1.1 both loopback API servers speak (`apiserver.rs`, the
 //! one-node server, and `kube_api.rs`, the many-object one): reading a
-//! request, the status line's reason, chunked watch lines and JSON merge
-//! patch.
+//! request, writing an answer (whole, or a chunked watch and its end), the
+//! `Status` failure body and JSON merge patch.
 
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
@@ -275,6 +275,42 @@ pub fn reason(status: u16) -> &'static str {
         500 => "Internal Server Error",
         _ => "Error",
     }
+}
+
+/// A whole answer with a JSON body, in one write; `headers` are extra
+/// header lines, each ending in CRLF.
+pub fn respond(stream: &mut (impl Write + ?Sized), status: u16, text: &str, headers: &str) {
+    let reason = reason(status);
+    let whole = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{text}",
+        text.len()
+    );
+    let _ = stream.write_all(whole.as_bytes());
+}
+
+/// A `Status` failure object, as the API server answers a refused request.
+pub fn failure(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+/// The head of a watch's chunked answer (its connection closes after it).
+pub fn start_watch(stream: &mut (impl Write + ?Sized)) -> std::io::Result<()> {
+    stream.write_all(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+    )
+}
+
+/// The end of a chunked watch answer.
+pub fn end_watch(stream: &mut (impl Write + ?Sized)) {
+    let _ = stream.write_all(b"0\r\n\r\n");
+}
+
+/// An `ERROR` event carrying `status`, and the end of the watch.
+pub fn end_watch_with_error(stream: &mut (impl Write + ?Sized), status: &Value) {
+    let event = json!({"type": "ERROR", "object": status});
+    let _ = write_chunk(stream, &format!("{event}\n"));
+    end_watch(stream);
 }
 
 /// One chunk of a chunked watch response, flushed.

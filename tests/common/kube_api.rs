@@ -744,11 +744,7 @@ fn precondition(current: &Value, given: &str, name: &str) -> Result<(), Refusal>
 
 /// A `Status` failure object.
 pub fn refusal(code: u16, reason: &str, message: &str) -> Refusal {
-    (
-        code,
-        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-               "message": message, "reason": reason, "code": code}),
-    )
+    (code, http::failure(code, reason, message))
 }
 
 fn invalid(message: &str) -> Refusal {
@@ -1314,12 +1310,7 @@ fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watc
         Ok(from) => from,
         Err(refused) => return respond_closing(stream, &text(refused)),
     };
-    if write!(
-        stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    )
-    .is_err()
-    {
+    if http::start_watch(stream).is_err() {
         return;
     }
     let state = shared.state.lock().unwrap();
@@ -1333,14 +1324,14 @@ fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watc
                 &format!("too old resource version: {version}"),
             )
             .1;
-            return end_with_error(stream, &gone);
+            return http::end_watch_with_error(stream, &gone);
         }
         Some(version) if version > state.version => {
             drop(state);
             let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                 "message": "Too large resource version", "reason": "Timeout",
                 "details": {"causes": [{"reason": "ResourceVersionTooLarge"}]}, "code": 504});
-            return end_with_error(stream, &body);
+            return http::end_watch_with_error(stream, &body);
         }
         Some(version) => version,
         None => {
@@ -1355,13 +1346,6 @@ fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watc
     };
     drop(state);
     follow(stream, shared, stop, watch, (selector, sent, pending));
-}
-
-/// An `ERROR` event, and the end of the stream.
-fn end_with_error(stream: &mut TcpStream, status: &Value) {
-    let event = json!({"type": "ERROR", "object": status});
-    let _ = http::write_chunk(stream, &format!("{event}\n"));
-    let _ = write!(stream, "0\r\n\r\n");
 }
 
 /// Sends a watch's events from version `sent` on (after `pending`) until
@@ -1459,24 +1443,15 @@ fn send_events(stream: &mut TcpStream, events: &[Arc<str>]) -> std::io::Result<u
     Ok(u64::try_from(buffer.len()).unwrap_or(u64::MAX))
 }
 
-fn respond(stream: &mut TcpStream, answer: &Answer) {
-    respond_with(stream, answer, "");
+fn respond(stream: &mut TcpStream, (status, text): &Answer) {
+    http::respond(stream, *status, text, "");
 }
 
 /// Answers a request whose connection must close after it (a watch that
 /// fails before its stream, a body too large to read): the client is told
 /// so (else it could reuse it).
-fn respond_closing(stream: &mut TcpStream, answer: &Answer) {
-    respond_with(stream, answer, "Connection: close\r\n");
-}
-
-fn respond_with(stream: &mut TcpStream, (status, text): &Answer, headers: &str) {
-    let reason = http::reason(*status);
-    let whole = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{text}",
-        text.len()
-    );
-    let _ = stream.write_all(whole.as_bytes());
+fn respond_closing(stream: &mut TcpStream, (status, text): &Answer) {
+    http::respond(stream, *status, text, "Connection: close\r\n");
 }
 
 impl KubeApi {
