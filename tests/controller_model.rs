@@ -293,7 +293,9 @@ impl Sim {
             let Some(pool) = self.pools.get(&write.name) else {
                 continue;
             };
-            if pool["metadata"]["resourceVersion"] != write.resource_version.as_str() {
+            if pool["metadata"]["resourceVersion"] != write.resource_version.as_str()
+                || self.failing.as_ref() == Some(&write.name)
+            {
                 continue;
             }
             let rv = self.bump();
@@ -962,6 +964,29 @@ fn writes_that_always_fail_for_one_node_delay_no_other() {
     sim.failing = None;
     sim.settle();
     assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2);
+    sim.check();
+}
+
+#[test]
+fn writes_that_always_fail_for_one_pool_delay_no_grant() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    let before = sim.pools["v4"]["status"].clone();
+    sim.failing = Some("v4".into());
+    sim.set_demand("a", 10);
+    sim.set_demand("b", 10);
+    sim.settle();
+    // Both nodes hold a block of each pool: no grant waits for the pool's
+    // counts, which were never written.
+    for node in ["a", "b"] {
+        assert_eq!(cidrs_of(&sim.nncs[node]).len(), 2, "{node}");
+    }
+    assert_eq!(sim.pools["v4"]["status"], before);
+    sim.failing = None;
+    sim.settle();
+    assert_eq!(sim.pools["v4"]["status"]["ipv4"]["blocksGranted"], 2);
     sim.check();
 }
 
