@@ -386,9 +386,9 @@ impl Model {
     /// Whether `msg` passes `ip` over as "the gateway of the result
     /// container C interface I holds in network N", and the model agrees:
     /// (N, C, I) still holds an address, and `ip` is the gateway (base + 1)
-    /// of a block of some configuration holding that address — the result
-    /// it was handed out with named it, and while that allocation lives no
-    /// one else may hold it (`store::named_gateway`).
+    /// of a block of some configuration or `--cidr` flag holding that
+    /// address — the result it was handed out with named it, and while
+    /// that allocation lives no one else may hold it (`store::named_gateway`).
     fn named_gateway_as_said(&self, ip: IpAddr, msg: &str) -> bool {
         // The message is JSON-escaped: quotes come as \".
         let msg = msg.replace("\\\"", "\"");
@@ -407,12 +407,25 @@ impl Model {
             return false;
         };
         let owner: Owner = ((*network).into(), (*container).into(), (*ifname).into());
+        // The result may have come from a `--cidr` block of an earlier start.
+        let flag_blocks = self
+            .flag_sets
+            .iter()
+            .flat_map(|set| set.iter())
+            .filter_map(|flag| flag.split_once('='))
+            .filter(|(net, _)| net == network)
+            .map(|(_, cidr)| Block::parse(cidr));
+        let blocks: Vec<Block> = self
+            .configs
+            .iter()
+            .flat_map(NetConf::blocks)
+            .chain(flag_blocks)
+            .collect();
         self.held.get(&owner).is_some_and(|ips| {
             ips.iter().any(|held| {
                 let held = strip_prefix(held);
-                self.configs
+                blocks
                     .iter()
-                    .flat_map(NetConf::blocks)
                     .any(|b| b.size() >= 4 && b.contains(held) && b.nth(1) == ip)
             })
         })
