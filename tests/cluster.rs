@@ -1176,6 +1176,8 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
     for index in 0..4 {
         sim.add_node(index);
     }
+    // The answers to the new NNCs land before the phase counts its writes.
+    sim.settle();
     sim.begin_phase();
     sim.churn(&mut rng, 60, 14);
     let (_, refused) = sim.fill(0, 6);
