@@ -386,8 +386,6 @@ const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_
 /// before IPv4 grew lazily); an IPv6 block continues after its highest row
 /// (a scan, once per block, as upstream records no frontier).
 pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
-    // A read-only look at an earlier release's file reads the frontier
-    // its key holds through `migrate::shadow_for_reading`.
     let recorded = conn
         .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")?
         .query_row([block_id], |r| r.get::<_, Option<String>>(0))

@@ -370,8 +370,8 @@ fn sqlite_verdict(
     Ok(false)
 }
 
-/// Opens the database at `path` read-only — nothing is created, repaired or
-/// migrated — and checks it.
+/// Opens the database at `path` read-only — nothing is created or repaired —
+/// and checks it.
 pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
     if !path.is_file() {
         return Err(StoreError::Open {
@@ -388,7 +388,7 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
         source: Box::new(e),
     })?;
     conn.busy_timeout(std::time::Duration::from_millis(5000))?;
-    super::migrate::shadow_for_reading(&conn)?;
+    super::schema::shadow_missing_tables(&conn)?;
     check_connection(&conn, depth)
 }
 
@@ -510,30 +510,19 @@ fn check_upstream_leftovers(
     Ok(())
 }
 
-/// Metis's own tables: the state of an earlier release not yet moved into
-/// typed columns (see `migrate`), and the quarantined blocks.
+/// Metis's own tables: the quarantined blocks.
 fn check_metis_tables(
     conn: &Connection,
     has: &dyn Fn(&str) -> bool,
     report: &mut Report,
 ) -> Result<(), StoreError> {
-    if has("metis_settings") && has("metis_blocks") {
-        for left in super::migrate::leftovers(conn)? {
-            report.problems.push(format!(
-                "metis tables: {left} (state of an earlier release, not yet moved into typed \
-                 columns); the next open by the daemon or the plugin moves it"
-            ));
-        }
-    }
     if has("metis_blocks") {
         list_quarantined(conn, report)?;
     }
     Ok(())
 }
 
-/// The isolated networks. Every connection checked reads today's
-/// `metis_networks`: a writable open moved an earlier release's keys into
-/// it, a read-only one reads it through `migrate::shadow_for_reading`.
+/// The isolated networks.
 fn isolated_networks(conn: &Connection) -> Result<HashSet<String>, StoreError> {
     let names = conn
         .prepare("SELECT network FROM metis_networks WHERE isolated = 1")?

@@ -29,7 +29,6 @@ mod handout;
 mod layout;
 mod lifecycle;
 mod listings;
-mod migrate;
 mod named_gateway;
 pub mod ownership;
 mod repair;
@@ -1005,9 +1004,9 @@ impl Store {
         if version != SCHEMA_VERSION {
             return Ok(None);
         }
-        // Nothing may move here: an earlier release's shapes are read
-        // through views of what the move would make of them.
-        migrate::shadow_for_reading(&conn)?;
+        // Nothing may be created here: Metis's tables a file lacks are
+        // read through empty stand-ins.
+        schema::shadow_missing_tables(&conn)?;
         // Upstream databases have no settings table: default mode then.
         let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
             .ok()
@@ -1108,14 +1107,6 @@ impl Store {
                 tx.execute_batch(create).during("open: Metis's tables")?;
                 tx.commit().during("open: COMMIT (Metis's tables)")?;
             }
-        }
-        if migrate::needed(&self.conn).during("open: migration check")? {
-            let tx = self
-                .conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .during("open: BEGIN IMMEDIATE (migration)")?;
-            migrate::migrate(&tx).during("open: migration")?;
-            tx.commit().during("open: COMMIT (migration)")?;
         }
         Ok(upstream_only)
     }

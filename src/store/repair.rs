@@ -258,8 +258,7 @@ fn settles_clean(plan: &Plan, left: &rollback::Leftovers) -> bool {
 
 /// Whether the file is exactly as the healing last left it clean: its
 /// [`healed_state`] is the one recorded under [`schema::KEY_HEALED`] then.
-/// An open may then skip the schema check, the migration check and the
-/// healing: whoever wrote since (Metis's own requests, upstream's
+/// An open may then skip the schema check and the healing: whoever wrote since (Metis's own requests, upstream's
 /// allocations and releases) only allocated and released rows that were
 /// there, which leaves nothing to heal in a clean file; any other write (a
 /// block added, drained, undrained, a row inserted, a retirement, bounds,
