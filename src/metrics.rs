@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::log;
 use crate::store::Store;
-use crate::store::rollback::Healed;
+use crate::store::upkeep::rollback::Healed;
 
 /// Upper bounds (seconds) of the request latency histogram.
 const LATENCY_BUCKETS: [f64; 14] = [

@@ -12,32 +12,13 @@
 //! in force. Timestamps are Unix milliseconds passed in by the caller.
 
 mod alloc;
-mod block;
-mod boot;
-mod bounds;
-mod busy;
-mod check;
-mod checkpoint;
-pub mod co_writer;
-pub mod downgrade;
-mod files;
-mod free;
-pub mod gateway;
-mod gc;
-mod grants;
-mod handout;
-mod layout;
-mod lifecycle;
-mod listings;
-mod named_gateway;
-pub mod ownership;
-mod repair;
-pub mod rollback;
-mod schema;
-mod stats;
+pub mod db;
+pub mod layout;
+mod queries;
+mod rows;
 #[cfg(test)]
 mod tests;
-mod withhold;
+pub mod upkeep;
 
 use std::fmt;
 use std::fs::{DirBuilder, OpenOptions};
@@ -53,16 +34,16 @@ use rusqlite::{
 
 use crate::cidr::{Cidr, CidrError, Family};
 
-pub use alloc::Released;
-pub use block::{Quarantined, reserved_offsets};
-pub use boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
-pub use busy::{Contended, patiently};
-pub use check::{Depth, Report, check_file};
-pub use checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
-pub use grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
-pub use handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
-pub use layout::{Isolation, LayoutChanges, Source};
-pub use schema::{SCHEMA, SCHEMA_VERSION};
+pub use alloc::allocate::Released;
+pub use db::busy::{Contended, patiently};
+pub use db::checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
+pub use db::schema::{SCHEMA, SCHEMA_VERSION};
+pub use layout::blocks::{Isolation, LayoutChanges, Source};
+pub use layout::grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
+pub use rows::block::{Quarantined, reserved_offsets};
+pub use rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
+pub use upkeep::boot::{BOOT_ID_ENV, BOOT_ID_PATH, BootRecovery, boot_id_path, read_boot_id};
+pub use upkeep::check::{Depth, Report, check_file};
 
 /// How hard SQLite syncs: `synchronous=NORMAL` (default, safe with WAL
 /// against application crashes) or `FULL` (also against power loss).
@@ -508,7 +489,7 @@ impl fmt::Display for StoreError {
             }
             StoreError::Sqlite(e) => write!(f, "store: sqlite: {e}"),
             StoreError::Busy { during, source } => {
-                let code = busy::code_name(source);
+                let code = db::busy::code_name(source);
                 match *during {
                     "" => write!(f, "store: database is busy ({code}): {source}"),
                     step => write!(f, "store: database is busy ({code} at {step}): {source}"),
@@ -629,16 +610,16 @@ pub struct Store {
     file: (PathBuf, Option<(u64, u64)>),
     batch: Batch,
     /// What the hand-out check passed over: logged (each once), counted.
-    passed_over: alloc::PassedOver,
+    passed_over: alloc::allocate::PassedOver,
     /// What the open-time repair healed of a rollback to upstream.
-    healed: rollback::Healed,
+    healed: upkeep::rollback::Healed,
     /// Whether the open ran the healing.
     healing: Healing,
 }
 
 /// What an open did about healing (`repair`): ran it (checking everything,
 /// healing what it found), or skipped it on proof that the file is as the
-/// healing last left it clean (`repair::proven_healed`). A read-only open
+/// healing last left it clean (`upkeep::repair::proven_healed`). A read-only open
 /// never heals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Healing {
@@ -814,8 +795,8 @@ impl Store {
                 Err(e) => return Err(open_err(e)),
             }
         }
-        let file_warnings = files::tighten(path);
-        busy::patiently("open the database", OPEN_PATIENCE, || {
+        let file_warnings = db::files::tighten(path);
+        db::busy::patiently("open the database", OPEN_PATIENCE, || {
             Store::open_once(path, opts, file_warnings.clone())
         })
     }
@@ -827,7 +808,7 @@ impl Store {
         opts: &StoreOptions,
         warnings: Vec<String>,
     ) -> Result<Store, StoreError> {
-        use busy::During;
+        use db::busy::During;
         let conn = Connection::open(path).map_err(|e| StoreError::Open {
             path: path.to_path_buf(),
             source: Box::new(e),
@@ -867,13 +848,13 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
             passed_over: Default::default(),
-            healed: rollback::Healed::default(),
+            healed: upkeep::rollback::Healed::default(),
             healing: Healing::Ran,
         };
         // A file as the healing last left it clean needs neither the
-        // schema check nor the healing (see `repair::proven_healed`): most
+        // schema check nor the healing (see `upkeep::repair::proven_healed`): most
         // of what a one-request process (direct mode) spent opening it.
-        let proven = repair::proven_healed(&store.conn);
+        let proven = upkeep::repair::proven_healed(&store.conn);
         let upstream_only = match proven {
             true => false,
             false => store.install_schema()?,
@@ -920,7 +901,7 @@ impl Store {
     /// (`BEGIN IMMEDIATE`) if none is open, then a savepoint for the
     /// request, so that [`Store::end_request`] can undo this request alone.
     pub fn begin_request(&mut self) -> Result<(), StoreError> {
-        use busy::During;
+        use db::busy::During;
         if self.batch == Batch::None {
             self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
             self.batch = Batch::Open;
@@ -953,7 +934,7 @@ impl Store {
     pub fn commit_batch(&mut self) -> Result<(), StoreError> {
         let result = match std::mem::replace(&mut self.batch, Batch::None) {
             Batch::None => return Ok(()),
-            Batch::Open => busy::During::during(self.control("COMMIT"), "COMMIT"),
+            Batch::Open => db::busy::During::during(self.control("COMMIT"), "COMMIT"),
             Batch::Lost => Err(StoreError::BatchAborted),
         };
         // A failed COMMIT may leave the transaction open (SQLITE_BUSY,
@@ -1006,9 +987,9 @@ impl Store {
         }
         // Nothing may be created here: Metis's tables a file lacks are
         // read through empty stand-ins.
-        schema::shadow_missing_tables(&conn)?;
+        db::schema::shadow_missing_tables(&conn)?;
         // Upstream databases have no settings table: default mode then.
-        let reserve = get_setting(&conn, schema::KEY_RESERVE_MODE)
+        let reserve = get_setting(&conn, db::schema::KEY_RESERVE_MODE)
             .ok()
             .flatten()
             .and_then(|text| ReserveMode::parse(&text))
@@ -1022,7 +1003,7 @@ impl Store {
             file: (path.to_path_buf(), file_identity(path)),
             batch: Batch::None,
             passed_over: Default::default(),
-            healed: rollback::Healed::default(),
+            healed: upkeep::rollback::Healed::default(),
             healing: Healing::Skipped,
         }))
     }
@@ -1057,26 +1038,26 @@ impl Store {
 
     /// What this open healed of what upstream's store left (see
     /// `rollback`).
-    pub fn rollback_repairs(&self) -> rollback::Healed {
+    pub fn rollback_repairs(&self) -> upkeep::rollback::Healed {
         self.healed
     }
 
     /// What would go wrong under upstream's store that Metis does not
-    /// change (see `rollback::gateway_above_range`), in words.
+    /// change (see `upkeep::rollback::gateway_above_range`), in words.
     pub fn upstream_hazards(&self) -> Result<Vec<String>, StoreError> {
-        rollback::gateway_above_range(&self.conn)
+        upkeep::rollback::gateway_above_range(&self.conn)
     }
 
     /// Blocks whose gateway a pod holds (not served; see `gateway`).
-    pub fn held_gateways(&self) -> Result<Vec<gateway::HeldGateway>, StoreError> {
-        gateway::all_held(&self.conn, self.reserve)
+    pub fn held_gateways(&self) -> Result<Vec<layout::gateway::HeldGateway>, StoreError> {
+        layout::gateway::all_held(&self.conn, self.reserve)
     }
 
     /// Installs upstream's schema and Metis's tables where missing; true
     /// when the file had upstream's schema but none of Metis's settings (a
     /// database only upstream has written).
     fn install_schema(&mut self) -> Result<bool, StoreError> {
-        use busy::During;
+        use db::busy::During;
         let version: i64 = self
             .conn
             .pragma_query_value(None, "user_version", |r| r.get(0))
@@ -1098,7 +1079,7 @@ impl Store {
             .during("open: schema check")?;
         let upstream_only =
             version == SCHEMA_VERSION && !present.iter().any(|table| table == "metis_settings");
-        for (name, create) in schema::METIS_TABLES {
+        for (name, create) in db::schema::METIS_TABLES {
             if !present.iter().any(|table| table == name) {
                 let tx = self
                     .conn
@@ -1130,7 +1111,10 @@ impl Store {
     fn settle_release_cooldown(&mut self, requested: Option<i64>) -> Result<i64, StoreError> {
         match requested {
             Some(cooldown_ms) => {
-                self.put_setting(schema::KEY_RELEASE_COOLDOWN, Some(&cooldown_ms.to_string()))?;
+                self.put_setting(
+                    db::schema::KEY_RELEASE_COOLDOWN,
+                    Some(&cooldown_ms.to_string()),
+                )?;
                 Ok(cooldown_ms)
             }
             None => Ok(recorded_cooldown(&self.conn)),
@@ -1221,7 +1205,7 @@ impl Store {
         &mut self,
         requested: Option<ReserveMode>,
     ) -> Result<(ReserveMode, bool), StoreError> {
-        let stored = match get_setting(&self.conn, schema::KEY_RESERVE_MODE)? {
+        let stored = match get_setting(&self.conn, db::schema::KEY_RESERVE_MODE)? {
             None => None,
             Some(text) => {
                 let parsed = ReserveMode::parse(&text);
@@ -1241,7 +1225,7 @@ impl Store {
                     let tx = self
                         .conn
                         .transaction_with_behavior(TransactionBehavior::Immediate)?;
-                    set_setting(&tx, schema::KEY_RESERVE_MODE, mode.as_str())?;
+                    set_setting(&tx, db::schema::KEY_RESERVE_MODE, mode.as_str())?;
                     tx.commit()?;
                 }
                 Ok((mode, changed))
@@ -1252,7 +1236,7 @@ impl Store {
     /// Blocks whose `allocated_ips` differs from their count of allocated
     /// rows: `(block id, allocated_ips, actual)`.
     pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
-        block::counter_mismatches(&self.conn)
+        rows::block::counter_mismatches(&self.conn)
     }
 }
 
@@ -1265,7 +1249,7 @@ fn file_identity(path: &Path) -> Option<(u64, u64)> {
 /// The release cooldown the daemon last recorded; 0 when there is none
 /// (never recorded, an upstream database, or an unreadable value).
 fn recorded_cooldown(conn: &Connection) -> i64 {
-    get_setting(conn, schema::KEY_RELEASE_COOLDOWN)
+    get_setting(conn, db::schema::KEY_RELEASE_COOLDOWN)
         .ok()
         .flatten()
         .and_then(|text| text.parse().ok())

@@ -8,7 +8,7 @@ use rusqlite::params;
 use super::rollback::{upstream_allocate, upstream_expand};
 use super::*;
 use crate::cidr::Bounds;
-use crate::store::repair;
+use crate::store::upkeep::repair;
 use crate::testutil::Rng;
 
 /// Opens as direct mode does (or with a reserve mode, as a daemon does)

@@ -320,7 +320,7 @@ fn release_cooldown_is_settled_at_open() {
     let store = dir.store_with_cooldown(0);
     assert_eq!(
         store
-            .setting(schema::KEY_RELEASE_COOLDOWN)
+            .setting(db::schema::KEY_RELEASE_COOLDOWN)
             .unwrap()
             .as_deref(),
         Some("0")
@@ -353,7 +353,7 @@ fn an_open_beside_another_opener_of_a_new_file_waits_for_it() {
     );
     let mut maker = Some(maker);
     let mut attempts = 0;
-    let store = super::super::busy::patiently("test", Duration::from_secs(60), || {
+    let store = crate::store::db::busy::patiently("test", Duration::from_secs(60), || {
         attempts += 1;
         let attempt = Store::open_once(&path, &opts, Vec::new());
         // The other opener finishes once this one has met its lock.

@@ -214,7 +214,7 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     drop(store);
     assert_eq!(
         open(&dir.db()).rollback_repairs(),
-        super::super::rollback::Healed::default()
+        crate::store::upkeep::rollback::Healed::default()
     );
 }
 
@@ -453,7 +453,7 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
     // Idempotent.
     assert_eq!(
         store.downgrade(NOW).unwrap(),
-        downgrade::Downgraded::default()
+        upkeep::downgrade::Downgraded::default()
     );
     drop(store);
 

@@ -14,15 +14,15 @@ use std::time::{Duration, Instant};
 
 use rusqlite::ffi;
 
-use super::StoreError;
 use crate::log;
+use crate::store::StoreError;
 
 /// First pause between attempts; doubles up to [`LONGEST_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(2);
 const LONGEST_PAUSE: Duration = Duration::from_millis(100);
 
 /// SQLite's name for the (extended) result code of a busy or locked error.
-pub(super) fn code_name(err: &rusqlite::Error) -> String {
+pub(in crate::store) fn code_name(err: &rusqlite::Error) -> String {
     let rusqlite::Error::SqliteFailure(failure, _) = err else {
         return "not an SQLite result".into();
     };

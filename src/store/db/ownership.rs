@@ -9,7 +9,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::files::companion;
+use crate::store::db::files::companion;
 
 /// The copy a restore writes, beside the database, until it is in place.
 pub const RESTORING: &str = ".restoring";

@@ -4,19 +4,17 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{
+use crate::cidr::{Cidr, Family};
+use crate::store::rows::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
     insert_rows, parse_text, quarantined_in, set_frontier, text_at,
 };
-use super::free::{Holder, RowView, Taken, availability, free_now};
-use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
-use super::{
+use crate::store::rows::free::{Holder, RowView, Taken, availability, free_now};
+use crate::store::rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
+use crate::store::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
     parse_cidr, parse_state, validate_owner,
 };
-use crate::cidr::{Cidr, Family};
-
-mod room;
 
 /// How many distinct passed-over rows and blocks a store logs.
 const MAX_LOGGED_PASSED_OVER: usize = 1024;
@@ -25,7 +23,7 @@ const MAX_LOGGED_PASSED_OVER: usize = 1024;
 /// logged (each once), and the count by reason since the daemon last took
 /// them ([`Store::take_passed_over_counts`]).
 #[derive(Debug, Default)]
-pub(super) struct PassedOver {
+pub(in crate::store) struct PassedOver {
     logged: std::collections::HashSet<String>,
     counts: std::collections::BTreeMap<&'static str, u64>,
 }
@@ -50,11 +48,11 @@ impl PassedOver {
 const NOT_AN_ADDRESS: &str = "not_an_address";
 
 /// Bound on expand-then-claim rounds per block within one allocation.
-const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
+pub(super) const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
-pub(super) fn held(
+pub(in crate::store) fn held(
     conn: &Connection,
     network: &str,
     container_id: &str,
@@ -166,7 +164,7 @@ enum Reach {
 
 /// Allocated rows of owner (container, interface) in every network:
 /// (network, row), network order.
-pub(super) fn held_in_any_network(
+pub(in crate::store) fn held_in_any_network(
     conn: &Connection,
     container_id: &str,
     interface_name: &str,
@@ -240,7 +238,7 @@ fn kept(
 
 /// Records the gateway the result for row `row_id` of block `cidr` names
 /// under the configuration in force, so that no later hand-out takes it
-/// while the allocation lives ([`super::named_gateway::record`]).
+/// while the allocation lives ([`crate::store::rows::named_gateway::record`]).
 fn record_gateway(
     conn: &Connection,
     judge: &Judge,
@@ -248,14 +246,19 @@ fn record_gateway(
     cidr: &Cidr,
     allocation: RowAllocation,
 ) -> Result<(), StoreError> {
-    let gateway =
-        super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
+    let gateway = crate::store::layout::gateway::result_gateway(
+        conn,
+        judge.mode,
+        judge.network,
+        cidr,
+        judge.in_force(),
+    )?;
     let Some(gateway) = gateway else {
         return Ok(());
     };
     match allocation {
-        RowAllocation::Kept => super::named_gateway::record(conn, row_id, gateway),
-        RowAllocation::Taken { owner, at_ms } => super::named_gateway::record_taken(
+        RowAllocation::Kept => crate::store::rows::named_gateway::record(conn, row_id, gateway),
+        RowAllocation::Taken { owner, at_ms } => crate::store::rows::named_gateway::record_taken(
             conn,
             row_id,
             gateway,
@@ -277,14 +280,14 @@ enum RowAllocation<'o> {
 
 /// Refuses (code 11, naming the gateway and its holder) an address of
 /// block `id` whose result would name a gateway a pod holds
-/// ([`super::gateway`]), under the configuration in force.
+/// ([`crate::store::layout::gateway`]), under the configuration in force.
 fn refuse_held_gateway(
     conn: &Connection,
     judge: &Judge,
     id: i64,
     cidr: &Cidr,
 ) -> Result<(), StoreError> {
-    let Some(held) = super::gateway::held(
+    let Some(held) = crate::store::layout::gateway::held(
         conn,
         judge.mode,
         id,
@@ -316,7 +319,7 @@ fn take_row(
     owner: &Owner,
     now_ms: i64,
 ) -> Result<bool, StoreError> {
-    let host_local = super::co_writer::before_take(
+    let host_local = crate::store::db::co_writer::before_take(
         conn,
         owner.network,
         address,
@@ -359,28 +362,28 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 16] = [
+pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
     OWNER_ROWS_SQL,
     BLOCK_OF_ROW_SQL,
-    super::free::ALLOCATED_ELSEWHERE_SQL,
+    crate::store::rows::free::ALLOCATED_ELSEWHERE_SQL,
     HELD_ELSEWHERE_SQL,
-    super::named_gateway::NAMED_AT_ALL_SQL,
-    super::named_gateway::NAMING_SQL,
+    crate::store::rows::named_gateway::NAMED_AT_ALL_SQL,
+    crate::store::rows::named_gateway::NAMING_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
-    super::block::BLOCK_RECORD_SQL,
-    super::block::NETWORK_BLOCKS_SQL,
+    crate::store::rows::block::BLOCK_RECORD_SQL,
+    crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
-    super::block::RELEASE_ROW_SQL,
-    super::block::COUNT_RELEASED_SQL,
-    super::block::RETURN_RESERVED_SQL,
+    crate::store::rows::block::RELEASE_ROW_SQL,
+    crate::store::rows::block::COUNT_RELEASED_SQL,
+    crate::store::rows::block::RETURN_RESERVED_SQL,
 ];
 
 /// The lowest-id free, non-cooling row of block ?1 at time ?2 after row
 /// id ?3 (the rows before it were passed over).
-pub(super) const CLAIM_SQL: &str = concat!(
+pub(in crate::store) const CLAIM_SQL: &str = concat!(
     "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
     free_now!("", "?2"),
     " ORDER BY id LIMIT 1"
@@ -409,8 +412,8 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
 /// Why `address` of block `block_id` is another allocation's, in the
 /// node's address space as `network` sees it, if it is: its owner in
 /// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
-/// as its gateway ([`super::named_gateway::naming`]).
-pub(super) fn taken_elsewhere(
+/// as its gateway ([`crate::store::rows::named_gateway::naming`]).
+pub(in crate::store) fn taken_elsewhere(
     conn: &Connection,
     network: &str,
     isolated: bool,
@@ -419,43 +422,47 @@ pub(super) fn taken_elsewhere(
 ) -> Result<Option<Unfit>, StoreError> {
     let address_text = address.to_string();
     // The join only where the cheap probe finds the address allocated.
-    let held =
-        match super::free::allocated_elsewhere(conn, &address_text, Some(block_id), Holder::Any)? {
-            false => None,
-            true => conn
-                .prepare_cached(HELD_ELSEWHERE_SQL)?
-                .query_row(params![address_text, block_id, network, isolated], |r| {
-                    Ok(Unfit::HeldElsewhere {
-                        container_id: r.get(0)?,
-                        interface_name: r.get(1)?,
-                        network: r.get(2)?,
-                        block: r.get(3)?,
-                    })
+    let held = match crate::store::rows::free::allocated_elsewhere(
+        conn,
+        &address_text,
+        Some(block_id),
+        Holder::Any,
+    )? {
+        false => None,
+        true => conn
+            .prepare_cached(HELD_ELSEWHERE_SQL)?
+            .query_row(params![address_text, block_id, network, isolated], |r| {
+                Ok(Unfit::HeldElsewhere {
+                    container_id: r.get(0)?,
+                    interface_name: r.get(1)?,
+                    network: r.get(2)?,
+                    block: r.get(3)?,
                 })
-                .optional()?,
-        };
+            })
+            .optional()?,
+    };
     match held {
         Some(unfit) => Ok(Some(unfit)),
-        None => super::named_gateway::naming(conn, network, isolated, address),
+        None => crate::store::rows::named_gateway::naming(conn, network, isolated, address),
     }
 }
 
-/// The hand-out check of one allocation ([`super::handout`]): the
+/// The hand-out check of one allocation ([`crate::store::rows::handout`]): the
 /// configuration in force, Metis's record of each block looked at, and
 /// what was passed over, for the exhaustion message.
-struct Judge<'s> {
+pub(super) struct Judge<'s> {
     conf: InForce,
     /// No configuration was given: each block's recorded bounds stand in.
     recorded: bool,
-    mode: ReserveMode,
-    network: &'s str,
+    pub(super) mode: ReserveMode,
+    pub(super) network: &'s str,
     /// Whether `network` is isolated (read once: nothing an allocation
     /// does changes it).
     isolated: bool,
     /// Metis's record of each block asked about, read once per allocation.
-    records: super::block::Records,
+    pub(super) records: crate::store::rows::block::Records,
     blocks: Vec<(i64, BlockRecord)>,
-    passed_over: Vec<String>,
+    pub(super) passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts
     /// (`None`: a read-only question, STATUS's, which logs and counts
     /// nothing).
@@ -463,7 +470,7 @@ struct Judge<'s> {
 }
 
 impl<'s> Judge<'s> {
-    fn new(
+    pub(super) fn new(
         conn: &Connection,
         conf: Option<&InForce>,
         mode: ReserveMode,
@@ -475,8 +482,8 @@ impl<'s> Judge<'s> {
             recorded: conf.is_none(),
             mode,
             network,
-            isolated: super::layout::is_isolated(conn, network)?,
-            records: super::block::Records::default(),
+            isolated: crate::store::layout::blocks::is_isolated(conn, network)?,
+            records: crate::store::rows::block::Records::default(),
             blocks: Vec::new(),
             passed_over: Vec::new(),
             seen,
@@ -484,22 +491,27 @@ impl<'s> Judge<'s> {
     }
 
     /// Where a holder of the network's gateway is looked for.
-    fn space(&self) -> super::gateway::Space {
-        super::gateway::Space::Shared {
+    pub(super) fn space(&self) -> crate::store::layout::gateway::Space {
+        crate::store::layout::gateway::Space::Shared {
             isolated: self.isolated,
         }
     }
 
     /// Where Metis's record of block `id` is in `blocks` (read once per
     /// allocation).
-    fn record(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<usize, StoreError> {
+    pub(super) fn record(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+    ) -> Result<usize, StoreError> {
         if let Some(at) = self.blocks.iter().position(|(block, _)| *block == id) {
             return Ok(at);
         }
         let record = self.records.get(conn, id)?.cloned();
         let record = block_record(conn, self.mode, self.network, id, cidr, record)?;
         if self.recorded
-            && let Some(bounds) = super::block::bounds_of(conn, self.network, cidr)?
+            && let Some(bounds) = crate::store::rows::block::bounds_of(conn, self.network, cidr)?
         {
             self.conf.bounds.push((*cidr, bounds));
         }
@@ -509,12 +521,17 @@ impl<'s> Judge<'s> {
 
     /// The bounds of the configuration in force, for the held-gateway rule
     /// (`None`: none given, each block's recorded bounds stand in).
-    fn in_force(&self) -> super::gateway::InForceBounds<'_> {
+    pub(super) fn in_force(&self) -> crate::store::layout::gateway::InForceBounds<'_> {
         (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
     /// Whether anything of block `id` may be handed out (noted when not).
-    fn block(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<bool, StoreError> {
+    pub(super) fn block(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+    ) -> Result<bool, StoreError> {
         let at = self.record(conn, id, cidr)?;
         let verdict = block_fit(&self.blocks[at].1, &self.conf);
         match verdict {
@@ -528,7 +545,7 @@ impl<'s> Judge<'s> {
 
     /// The hand-out check of `address` in block `id`: every address the
     /// store returns passes here.
-    fn address(
+    pub(super) fn address(
         &mut self,
         conn: &Connection,
         id: i64,
@@ -541,7 +558,12 @@ impl<'s> Judge<'s> {
 
     /// Notes what was passed over and why (and tells the store, which
     /// logs and counts it: [`PassedOver::note`]).
-    fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
+    pub(super) fn pass_over(
+        &mut self,
+        what: String,
+        reason: &'static str,
+        why: &dyn std::fmt::Display,
+    ) {
         let line = format!("{what}: {why}");
         if let Some(seen) = self.seen.as_deref_mut() {
             seen.note(reason, &line, self.network);
@@ -557,27 +579,27 @@ fn block_record(
     network: &str,
     id: i64,
     cidr: &Cidr,
-    record: Option<super::block::Record>,
+    record: Option<crate::store::rows::block::Record>,
 ) -> Result<BlockRecord, StoreError> {
-    let super::block::Record {
+    let crate::store::rows::block::Record {
         sources,
         retired,
         quarantined,
     } = record.unwrap_or_default();
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
-        && super::block::is_first_v4(conn, network, id)?;
+        && crate::store::rows::block::is_first_v4(conn, network, id)?;
     Ok(BlockRecord {
         cidr: *cidr,
-        fixed: super::block::reserved_offsets(cidr, mode, first),
+        fixed: crate::store::rows::block::reserved_offsets(cidr, mode, first),
         retired,
         quarantined,
         // No record of its sources: upstream's block (or an older
         // Metis's), which the layout keeps as it is (`layout::record_sources`).
         granted: sources.is_none_or(|text| {
-            super::layout::parse_sources(&text)
+            crate::store::layout::blocks::parse_sources(&text)
                 .iter()
-                .any(|source| *source != super::Source::Cni)
+                .any(|source| *source != crate::store::Source::Cni)
         }),
     })
 }
@@ -623,7 +645,7 @@ fn claim(
 /// The address of row `text` of block `block_id` when the hand-out check
 /// passes it (else it is noted as passed over): what [`claim`] takes and
 /// STATUS counts as room ([`room`]).
-fn fit_row(
+pub(super) fn fit_row(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -644,7 +666,7 @@ fn fit_row(
 /// `address` of block `block_id` when the hand-out check passes it (else
 /// noted as passed over): the configuration in force, then the rest of
 /// the node's address space ([`taken_elsewhere`]).
-fn fit_address(
+pub(super) fn fit_address(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -714,7 +736,7 @@ impl Store {
         }
         self.set_network_column::<String, &str>(
             network,
-            super::NetworkColumn::ConfName,
+            crate::store::NetworkColumn::ConfName,
             Some(conf_name),
         )
     }
@@ -757,7 +779,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
@@ -772,7 +794,7 @@ impl Store {
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
-            let held = super::gateway::held(
+            let held = crate::store::layout::gateway::held(
                 &tx,
                 mode,
                 id,
@@ -847,7 +869,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
@@ -980,8 +1002,14 @@ impl Store {
     ) -> Result<Vec<(String, Allocation)>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
-        super::co_writer::before_release(&tx, network, container_id, interface_name, family)?;
+        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        crate::store::db::co_writer::before_release(
+            &tx,
+            network,
+            container_id,
+            interface_name,
+            family,
+        )?;
         let mut rows: Vec<(String, HeldRow)> =
             held(&tx, network, container_id, interface_name, family)?
                 .into_iter()
@@ -1154,14 +1182,14 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
 
 /// Ready, unquarantined blocks of network+family with room, oldest
 /// (lowest id) first.
-pub(super) fn candidates_of(
+pub(in crate::store) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,
-    records: &mut super::block::Records,
+    records: &mut crate::store::rows::block::Records,
 ) -> Result<Vec<(i64, Cidr)>, StoreError> {
     let mut out = Vec::new();
-    for block in super::block::network_blocks(conn, network, family)? {
+    for block in crate::store::rows::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") || !block.has_room {
             continue;
         }

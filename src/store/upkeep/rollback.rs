@@ -23,10 +23,10 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::RESERVE_ROW_SQL;
-use super::withhold::{self, Misaligned};
-use super::{StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::rows::block::RESERVE_ROW_SQL;
+use crate::store::rows::withhold::{self, Misaligned};
+use crate::store::{StoreError, parse_addr, parse_cidr};
 
 /// A row outside what its block may hand out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,7 +141,7 @@ fn block_name(stray: &Stray) -> String {
 }
 
 /// What upstream left, read only.
-pub(super) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
+pub(in crate::store) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
     Ok(Leftovers {
         misaligned: withhold::misaligned(conn)?,
         beyond_bounds: beyond_bounds(conn)?,
@@ -151,7 +151,7 @@ pub(super) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
 
 /// Heals what [`find`] found (inside the caller's write transaction, which
 /// found it under the same lock).
-pub(super) fn heal(
+pub(in crate::store) fn heal(
     conn: &Connection,
     found: &Leftovers,
     now_ms: i64,
@@ -247,7 +247,7 @@ fn beyond_bounds(conn: &Connection) -> Result<Vec<Stray>, StoreError> {
 /// IPv6 ADD of upstream's in that network fails (nothing is handed out
 /// past the range). In words; the daemon logs them at start, `admin
 /// downgrade` prints them.
-pub(super) fn gateway_above_range(conn: &Connection) -> Result<Vec<String>, StoreError> {
+pub(in crate::store) fn gateway_above_range(conn: &Connection) -> Result<Vec<String>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, b.cidr, b.network, r.range_end, r.gateway FROM metis_bounds r \
          JOIN cidr_blocks b ON b.network = r.network AND b.cidr = r.cidr \

@@ -6,15 +6,15 @@ use std::collections::{HashMap, HashSet};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{
+use crate::cidr::{Cidr, Family};
+use crate::store::rows::block::{
     FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
 };
-use super::rollback;
-use super::{
-    BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
-    schema, set_setting,
+use crate::store::upkeep::rollback;
+use crate::store::{
+    BlockState, ReserveMode, Store, StoreError, db::schema, get_setting, parse_cidr, parse_family,
+    parse_state, set_setting,
 };
-use crate::cidr::{Cidr, Family};
 
 #[derive(Default)]
 struct Plan {
@@ -194,7 +194,7 @@ impl Store {
     /// Brings reservations in line with the mode and heals what other
     /// writers left (`rollback`). Read-only unless something must change,
     /// or the file is clean and not yet stamped so ([`proven_healed`]).
-    pub(super) fn repair(&mut self) -> Result<(), StoreError> {
+    pub(in crate::store) fn repair(&mut self) -> Result<(), StoreError> {
         let mode = self.reserve;
         let first = plan(&self.conn, mode)?;
         let left = rollback::find(&self.conn)?;
@@ -203,7 +203,7 @@ impl Store {
             self.warnings.extend(store_lines(left.describe(false)));
             return Ok(());
         }
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::write(&mut self.conn, self.batch)?;
         // Re-plan under the write lock: another process may have repaired.
         let plan = plan(&tx, mode)?;
         let left = rollback::find(&tx)?;
@@ -265,7 +265,7 @@ fn settles_clean(plan: &Plan, left: &rollback::Leftovers) -> bool {
 /// the mode, the schema) changes the state. False when it cannot be read
 /// (no settings table yet, an old file): the open then checks and heals
 /// everything, as before.
-pub(super) fn proven_healed(conn: &Connection) -> bool {
+pub(in crate::store) fn proven_healed(conn: &Connection) -> bool {
     match get_setting(conn, schema::KEY_HEALED) {
         Ok(Some(recorded)) => healed_state(conn).is_ok_and(|now| now == recorded),
         _ => false,
@@ -322,7 +322,10 @@ fn store_lines(lines: Vec<String>) -> impl Iterator<Item = String> {
 /// What the healing would do to the file as it is: lines naming each thing
 /// it would change or leave pending (none: the file is healed clean).
 #[cfg(test)]
-pub(super) fn pending(conn: &Connection, mode: ReserveMode) -> Result<Vec<String>, StoreError> {
+pub(in crate::store) fn pending(
+    conn: &Connection,
+    mode: ReserveMode,
+) -> Result<Vec<String>, StoreError> {
     let plan = plan(conn, mode)?;
     let left = rollback::find(conn)?;
     let mut lines = left.describe(false);

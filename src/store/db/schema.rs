@@ -102,7 +102,7 @@ pub const BOUNDS: &str = "CREATE TABLE IF NOT EXISTS metis_bounds (\
 /// Metis's tables the file lacks — a database only upstream has written —
 /// so every read of them finds "nothing recorded" instead of failing.
 /// `sqlite_master` still lists only the file's own tables.
-pub(super) fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+pub(in crate::store) fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     // In memory: a read-only root filesystem has no temporary directory.
     conn.pragma_update(None, "temp_store", "MEMORY")?;
     let present: Vec<String> = conn
