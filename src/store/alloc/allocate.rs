@@ -5,44 +5,17 @@ use std::net::IpAddr;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{Cidr, Family};
+use crate::store::db::connection::PassedOver;
+use crate::store::db::{
+    Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
+    parse_cidr, parse_state, validate_owner,
+};
 use crate::store::rows::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
     insert_rows, parse_text, quarantined_in, set_frontier, text_at,
 };
 use crate::store::rows::free::{Holder, RowView, Taken, availability, free_now};
 use crate::store::rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
-use crate::store::{
-    Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
-    parse_cidr, parse_state, validate_owner,
-};
-
-/// How many distinct passed-over rows and blocks a store logs.
-const MAX_LOGGED_PASSED_OVER: usize = 1024;
-
-/// What the hand-out check passed over, as one store saw it: the lines it
-/// logged (each once), and the count by reason since the daemon last took
-/// them ([`Store::take_passed_over_counts`]).
-#[derive(Debug, Default)]
-pub(in crate::store) struct PassedOver {
-    logged: std::collections::HashSet<String>,
-    counts: std::collections::BTreeMap<&'static str, u64>,
-}
-
-impl PassedOver {
-    /// Counts one passed-over `line` of `network` by `reason`; logs it
-    /// once per store (the first [`MAX_LOGGED_PASSED_OVER`]: a writer
-    /// planting rows by the million costs no memory).
-    fn note(&mut self, reason: &'static str, line: &str, network: &str) {
-        *self.counts.entry(reason).or_default() += 1;
-        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.to_string()) {
-            crate::log::warn(
-                "store",
-                "passed over what does not fit the configuration in force (another writer made it)",
-                &[("network", &network), ("row", &line)],
-            );
-        }
-    }
-}
 
 /// The `reason` of a row that holds no address.
 const NOT_AN_ADDRESS: &str = "not_an_address";
@@ -599,7 +572,7 @@ fn block_record(
         granted: sources.is_none_or(|text| {
             crate::store::layout::blocks::parse_sources(&text)
                 .iter()
-                .any(|source| *source != crate::store::Source::Cni)
+                .any(|source| *source != crate::store::layout::blocks::Source::Cni)
         }),
     })
 }
@@ -736,7 +709,7 @@ impl Store {
         }
         self.set_network_column::<String, &str>(
             network,
-            crate::store::NetworkColumn::ConfName,
+            crate::store::db::NetworkColumn::ConfName,
             Some(conf_name),
         )
     }
@@ -779,7 +752,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
@@ -869,7 +842,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
@@ -1002,7 +975,7 @@ impl Store {
     ) -> Result<Vec<(String, Allocation)>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         crate::store::db::co_writer::before_release(
             &tx,
             network,

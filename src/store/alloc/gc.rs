@@ -8,10 +8,10 @@ use std::collections::HashSet;
 use rusqlite::{Connection, params};
 
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::store::rows::block::{HeldRow, bounds_of, give_back, quarantined_in};
 use crate::store::rows::free::pod_held;
 use crate::store::rows::handout::InForce;
-use crate::store::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 
 /// An allocated row GC may release.
 struct Candidate {
@@ -42,7 +42,7 @@ impl Store {
     ) -> Result<Vec<(String, Allocation)>, StoreError> {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut released = Vec::new();
         for covered in covered_networks(&tx, network, conf_name)? {
             let files =

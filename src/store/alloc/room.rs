@@ -15,9 +15,9 @@ use crate::cidr::{Cidr, Family};
 use crate::store::alloc::allocate::{
     CLAIM_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row,
 };
+use crate::store::db::{ReserveMode, Store, StoreError, parse_cidr};
 use crate::store::rows::block::{GROWTH_BATCH, UNDRAINABLE_SQL, block_reserved, frontier};
 use crate::store::rows::handout::InForce;
-use crate::store::{ReserveMode, Store, StoreError, parse_cidr};
 
 impl Store {
     /// `Ok(())` when an allocation of `family` in `network` under `conf`

@@ -29,9 +29,10 @@ use std::time::{Duration, SystemTime};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use super::connection::{Store, write};
+use super::types::StoreError;
 use crate::cidr::Family;
 use crate::host_local_dir::{self, DirError, Held, Lock};
-use crate::store::{Store, StoreError, write};
 
 fn store_error(err: DirError) -> StoreError {
     StoreError::HostLocal(err.0)

@@ -6,6 +6,12 @@
 pub(crate) mod busy;
 pub(crate) mod checkpoint;
 pub mod co_writer;
+pub(crate) mod connection;
 pub(crate) mod files;
 pub mod ownership;
 pub(crate) mod schema;
+pub(crate) mod types;
+
+pub(crate) use connection::*;
+pub(crate) use schema::SCHEMA_VERSION;
+pub(crate) use types::*;

@@ -9,7 +9,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::store::db::files::companion;
+use super::files::companion;
 
 /// The copy a restore writes, beside the database, until it is in place.
 pub const RESTORING: &str = ".restoring";

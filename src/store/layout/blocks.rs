@@ -36,14 +36,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{self, Cidr, Family};
-use crate::store::rows::block::{
-    Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
-    parse_text, quarantine, quarantined, recount, set_frontier, settle, text_at,
-};
-use crate::store::rows::free::{cooling, pod_held};
-use crate::store::{
+use crate::store::db::{
     BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, total_ips,
 };
+use crate::store::rows::block::{
+    Quarantined, bounds_of, delete_block, ensure_record, frontier, insert_block, parse_text,
+    quarantined, set_frontier, settle, text_at,
+};
+use crate::store::rows::free::{cooling, pod_held};
 
 /// Where a block comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -150,9 +150,9 @@ impl Store {
         &mut self,
         network: &str,
         cidr: &Cidr,
-    ) -> Result<crate::store::AddOutcome, StoreError> {
+    ) -> Result<crate::store::db::AddOutcome, StoreError> {
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
         tx.commit()?;
         Ok(outcome)
@@ -207,7 +207,7 @@ impl Store {
             return Ok(LayoutChanges::default());
         }
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let was_isolated = is_isolated(&tx, network)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
@@ -296,36 +296,6 @@ impl Store {
             return Ok(Vec::new());
         }
         quarantined(&self.conn)
-    }
-
-    /// Fail safe instead of fail stop, run by the daemon at start (`admin
-    /// check` only reports): after a row-level check recounts wrong
-    /// counters; deletes the pod-less side of overlapping blocks, and
-    /// quarantines every block it cannot trust (`suspects` from a check,
-    /// and overlaps with pods on both sides). Quarantine is recomputed from
-    /// scratch each time, so a block whose problem is gone is served again.
-    pub fn isolate_problems(
-        &mut self,
-        report: &crate::store::Report,
-        now_ms: i64,
-    ) -> Result<Isolation, StoreError> {
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
-        let mut isolation = Isolation {
-            // Only the blocks a row-level check found miscounted: counting
-            // a block's rows reads every row.
-            recounted: recount(&tx, &report.miscounted)?,
-            ..Isolation::default()
-        };
-        clear_quarantines(&tx)?;
-        let mut marks = report.suspects.clone();
-        resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
-        for (id, why) in &marks {
-            quarantine(&tx, *id, why)?;
-        }
-        crate::store::rows::withhold::settle(&tx, now_ms)?;
-        isolation.quarantined = quarantined(&tx)?;
-        tx.commit()?;
-        Ok(isolation)
     }
 }
 
@@ -620,7 +590,7 @@ pub(in crate::store) fn add_block(
     cidr: &Cidr,
     source: Option<Source>,
     now_ms: i64,
-) -> Result<crate::store::AddOutcome, StoreError> {
+) -> Result<crate::store::db::AddOutcome, StoreError> {
     let blocks = placed(conn, network, cidr.family())?;
     if let Some(same) = blocks.iter().find(|b| b.cidr == *cidr) {
         if let Some(source) = source {
@@ -633,7 +603,7 @@ pub(in crate::store) fn add_block(
                 set_retired(conn, same.id, false, now_ms)?;
             }
         }
-        return Ok(crate::store::AddOutcome::Exists(same.id));
+        return Ok(crate::store::db::AddOutcome::Exists(same.id));
     }
     if let Some(other) = blocks.iter().find(|b| b.cidr.overlaps(cidr)) {
         return Err(StoreError::Overlap {
@@ -650,7 +620,7 @@ pub(in crate::store) fn add_block(
         ensure_record(conn, id)?;
         write_sources(conn, id, &BTreeSet::from([source]))?;
     }
-    Ok(crate::store::AddOutcome::Added(id))
+    Ok(crate::store::db::AddOutcome::Added(id))
 }
 
 /// Refuses a prefix that overlaps a block of another network, unless one
@@ -993,7 +963,7 @@ fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), 
 /// or two networks neither of which is isolated). The side no pod uses is
 /// deleted (its addresses stay covered by the other); when both have pods,
 /// both are marked for quarantine.
-fn resolve_overlaps(
+pub(in crate::store) fn resolve_overlaps(
     conn: &Connection,
     marks: &mut BTreeMap<i64, String>,
     deleted: &mut Vec<String>,

@@ -20,9 +20,9 @@ use std::net::IpAddr;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{Bounds, Cidr, gateway_for};
+use crate::store::db::{ReserveMode, StoreError, parse_cidr};
 use crate::store::rows::block::bounds_of;
 use crate::store::rows::free::Holder;
-use crate::store::{ReserveMode, StoreError, parse_cidr};
 
 /// A pod holding the address a block advertises as its gateway (?1), in
 /// any block of that network (?2): for a database without Metis's tables
@@ -243,6 +243,15 @@ pub(in crate::store) fn all_held(
         }
     }
     Ok(out)
+}
+
+impl crate::store::db::connection::Store {
+    /// Blocks whose gateway a pod holds (not served; see `gateway`).
+    pub fn held_gateways(
+        &self,
+    ) -> Result<Vec<crate::store::layout::gateway::HeldGateway>, StoreError> {
+        crate::store::layout::gateway::all_held(&self.conn, self.reserve)
+    }
 }
 
 #[cfg(test)]

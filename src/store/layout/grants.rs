@@ -10,8 +10,8 @@
 use rusqlite::{Connection, params};
 
 use crate::cidr::{Cidr, Family};
+use crate::store::db::{Store, StoreError, parse_cidr};
 use crate::store::layout::blocks::{self, Placed, Source};
-use crate::store::{Store, StoreError, parse_cidr};
 
 /// A block the store could not take from the cluster, with the owner of
 /// the block it overlaps in words.
@@ -81,7 +81,7 @@ impl Store {
         now_ms: i64,
     ) -> Result<GrantChanges, StoreError> {
         let mode = self.reserve;
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut changes = GrantChanges::default();
         let name = source.as_str();
         for (network, family) in networks(&tx, families)? {
@@ -119,10 +119,10 @@ impl Store {
                 .iter()
                 .any(|b| b.cidr == *cidr && b.retired && !b.quarantined);
             match blocks::add_block(&tx, mode, network, cidr, Some(source), now_ms) {
-                Ok(crate::store::AddOutcome::Added(_)) => {
+                Ok(crate::store::db::AddOutcome::Added(_)) => {
                     changes.added.push((network.clone(), *cidr))
                 }
-                Ok(crate::store::AddOutcome::Exists(id)) => {
+                Ok(crate::store::db::AddOutcome::Exists(id)) => {
                     tx.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
                         .execute([id])?;
                     if was_retired {
@@ -157,7 +157,7 @@ impl Store {
         if self.taken_back()?.is_empty() {
             return Ok(Vec::new());
         }
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let deleted = sweep(&tx, now_ms)?;
         tx.commit()?;
         Ok(deleted)
@@ -195,7 +195,7 @@ impl Store {
         reusable: bool,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         tx.prepare_cached(
             "INSERT INTO metis_released (network, cidr, reusable, released_at) \
              VALUES (?1, ?2, ?3, ?4) ON CONFLICT (network, cidr) DO UPDATE SET \
@@ -227,7 +227,7 @@ impl Store {
 
     /// Forgets a reusable release: the cluster granted the block again.
     pub fn forget_release(&mut self, network: &str, cidr: &Cidr) -> Result<(), StoreError> {
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         tx.prepare_cached(
             "DELETE FROM metis_released WHERE network = ?1 AND cidr = ?2 AND reusable = 1",
         )?
@@ -246,7 +246,7 @@ fn networks(conn: &Connection, families: &[Family]) -> Result<Vec<(String, Famil
     let mut rows = stmt.query([])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
-        let family = crate::store::parse_family(&row.get::<_, String>(1)?)?;
+        let family = crate::store::db::parse_family(&row.get::<_, String>(1)?)?;
         if families.contains(&family) {
             out.push((row.get(0)?, family));
         }

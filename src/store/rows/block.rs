@@ -13,7 +13,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
 use crate::cidr::{Bounds, Cidr, Family};
-use crate::store::{
+use crate::store::db::{
     Allocation, BlockInfo, BlockState, ReserveMode, StoreError, parse_addr, parse_cidr,
     parse_family, parse_state, total_ips,
 };
@@ -738,4 +738,12 @@ pub(in crate::store) fn query_blocks(
         out.push(block_info(row)?);
     }
     Ok(out)
+}
+
+impl crate::store::db::connection::Store {
+    /// Blocks whose `allocated_ips` differs from their count of allocated
+    /// rows: `(block id, allocated_ips, actual)`.
+    pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+        crate::store::rows::block::counter_mismatches(&self.conn)
+    }
 }

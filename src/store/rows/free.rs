@@ -17,7 +17,7 @@
 
 use rusqlite::{Connection, params};
 
-use crate::store::StoreError;
+use crate::store::db::StoreError;
 
 /// SQL: the row is free now (not allocated, not cooling at `$now`).
 macro_rules! free_now {

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::store::StoreError;
+use crate::store::db::StoreError;
 use crate::store::rows::handout::Unfit;
 
 /// Records that the result returned for allocation row `row_id` names

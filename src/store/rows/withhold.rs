@@ -16,7 +16,7 @@
 
 use rusqlite::{Connection, params};
 
-use crate::store::{BlockState, StoreError};
+use crate::store::db::{BlockState, StoreError};
 
 /// Blocks Metis retired or quarantined (`metis_blocks` rows), as a subquery.
 macro_rules! withheld_ids {

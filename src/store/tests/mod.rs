@@ -19,10 +19,13 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::time::Duration;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 use super::*;
+use crate::cidr::{Cidr, Family};
+use crate::store::db::*;
 
 const NOW: i64 = 1_700_000_000_000;
 

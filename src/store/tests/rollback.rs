@@ -214,7 +214,7 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     drop(store);
     assert_eq!(
         open(&dir.db()).rollback_repairs(),
-        crate::store::upkeep::rollback::Healed::default()
+        crate::store::Healed::default()
     );
 }
 

@@ -9,11 +9,11 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::store::rows::block::{HeldRow, give_back};
-use crate::store::rows::free::pod_held;
-use crate::store::{
+use crate::store::db::{
     Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting,
 };
+use crate::store::rows::block::{HeldRow, give_back};
+use crate::store::rows::free::pod_held;
 
 /// `metis_settings` key: the kernel boot id the database was last used under.
 const KEY_BOOT_ID: &str = "boot_id";
@@ -88,7 +88,7 @@ impl Store {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
         let tx = crate::store::db::busy::During::during(
-            crate::store::write(&mut self.conn, self.batch),
+            crate::store::db::write(&mut self.conn, self.batch),
             "BEGIN IMMEDIATE (boot recovery)",
         )?;
         // Re-read under the write lock: another process may have recovered.

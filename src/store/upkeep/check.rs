@@ -13,11 +13,12 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::cidr::Cidr;
-use crate::store::rows::block::{Reserved, block_reserved, quarantined};
-use crate::store::{
-    ReserveMode, SCHEMA_VERSION, Store, StoreError, db::schema, get_setting, parse_addr,
-    parse_cidr, parse_family, parse_state, total_ips,
+use crate::store::db::schema;
+use crate::store::db::{
+    ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
+    parse_family, parse_state, total_ips,
 };
+use crate::store::rows::block::{Reserved, block_reserved, quarantined};
 
 /// How much of SQLite's own verification to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -604,7 +605,7 @@ fn check_blocks(
             fail(format!("allocated_ips {allocated} is outside 0..={total}"));
         }
         block.reserved = match state {
-            crate::store::BlockState::Deleting => None,
+            crate::store::db::BlockState::Deleting => None,
             _ => Some(block_reserved(conn, mode, id, &block.network, &cidr)?),
         };
         block.cidr = Some(cidr);

@@ -2,19 +2,22 @@
 //! by upstream — in line with the reservation mode in force (reserved rows
 //! where the mode reserves, none elsewhere, no row outside its prefix).
 
+use crate::store::layout::blocks::{self, Isolation};
+use crate::store::upkeep::check::Report;
 use std::collections::{HashMap, HashSet};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{Cidr, Family};
+use crate::store::db::schema;
+use crate::store::db::{
+    BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
+    set_setting,
+};
 use crate::store::rows::block::{
     FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
 };
 use crate::store::upkeep::rollback;
-use crate::store::{
-    BlockState, ReserveMode, Store, StoreError, db::schema, get_setting, parse_cidr, parse_family,
-    parse_state, set_setting,
-};
 
 #[derive(Default)]
 struct Plan {
@@ -203,7 +206,7 @@ impl Store {
             self.warnings.extend(store_lines(left.describe(false)));
             return Ok(());
         }
-        let tx = crate::store::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         // Re-plan under the write lock: another process may have repaired.
         let plan = plan(&tx, mode)?;
         let left = rollback::find(&tx)?;
@@ -342,4 +345,36 @@ pub(in crate::store) fn pending(
         }
     }
     Ok(lines)
+}
+
+impl Store {
+    /// Fail safe instead of fail stop, run by the daemon at start (`admin
+    /// check` only reports): after a row-level check recounts wrong
+    /// counters; deletes the pod-less side of overlapping blocks, and
+    /// quarantines every block it cannot trust (`suspects` from a check,
+    /// and overlaps with pods on both sides). Quarantine is recomputed from
+    /// scratch each time, so a block whose problem is gone is served again.
+    pub fn isolate_problems(
+        &mut self,
+        report: &Report,
+        now_ms: i64,
+    ) -> Result<Isolation, StoreError> {
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
+        let mut isolation = Isolation {
+            // Only the blocks a row-level check found miscounted: counting
+            // a block's rows reads every row.
+            recounted: crate::store::rows::block::recount(&tx, &report.miscounted)?,
+            ..Isolation::default()
+        };
+        crate::store::rows::block::clear_quarantines(&tx)?;
+        let mut marks = report.suspects.clone();
+        blocks::resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
+        for (id, why) in &marks {
+            crate::store::rows::block::quarantine(&tx, *id, why)?;
+        }
+        crate::store::rows::withhold::settle(&tx, now_ms)?;
+        isolation.quarantined = crate::store::rows::block::quarantined(&tx)?;
+        tx.commit()?;
+        Ok(isolation)
+    }
 }

@@ -24,9 +24,10 @@
 use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::connection::Healed;
+use crate::store::db::{StoreError, parse_addr, parse_cidr};
 use crate::store::rows::block::RESERVE_ROW_SQL;
 use crate::store::rows::withhold::{self, Misaligned};
-use crate::store::{StoreError, parse_addr, parse_cidr};
 
 /// A row outside what its block may hand out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,29 +49,6 @@ pub struct Leftovers {
     pub beyond_bounds: Vec<Stray>,
     /// Rows of small IPv6 blocks outside the prefix.
     pub outside_prefix: Vec<Stray>,
-}
-
-/// How many of each kind one open healed (the daemon counts them in
-/// `metis_daemon_rollback_repairs_total`).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Healed {
-    /// Retired blocks made `Ready` by someone else, withheld again.
-    pub revived_blocks: u64,
-    /// Free rows beyond a block's bounds, reserved.
-    pub rows_beyond_bounds: u64,
-    /// Free rows outside a block's prefix, deleted.
-    pub rows_outside_prefix: u64,
-}
-
-impl Healed {
-    /// (kind label, count), the metric's series.
-    pub fn by_kind(&self) -> [(&'static str, u64); 3] {
-        [
-            ("revived_block", self.revived_blocks),
-            ("row_beyond_bounds", self.rows_beyond_bounds),
-            ("row_outside_prefix", self.rows_outside_prefix),
-        ]
-    }
 }
 
 impl Leftovers {
@@ -338,4 +316,17 @@ fn block_rows(conn: &Connection, block_id: i64) -> Result<Vec<Row>, StoreError> 
         })?
         .collect::<Result<_, _>>()?;
     Ok(rows)
+}
+
+impl crate::store::db::connection::Store {
+    /// What this open healed of what upstream's store left (see
+    /// `rollback`).
+    pub fn rollback_repairs(&self) -> crate::store::upkeep::rollback::Healed {
+        self.healed
+    }
+    /// What would go wrong under upstream's store that Metis does not
+    /// change (see `crate::store::upkeep::rollback::gateway_above_range`), in words.
+    pub fn upstream_hazards(&self) -> Result<Vec<String>, StoreError> {
+        crate::store::upkeep::rollback::gateway_above_range(&self.conn)
+    }
 }
