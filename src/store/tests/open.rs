@@ -7,7 +7,7 @@ use super::*;
 fn schema_objects_are_exact() {
     let dir = TempDir::new();
     let path = dir.0.join("nested/dir/metis.sqlite");
-    let store = open(&path);
+    let store = Store::open(&path, &StoreOptions::default()).unwrap();
     let conn = &store.conn;
 
     let mut objects: Vec<(String, String)> = conn
@@ -216,7 +216,7 @@ fn two_stores_allocate_concurrently() {
         .map(|t| {
             let path = dir.db();
             std::thread::spawn(move || {
-                let mut store = open(&path);
+                let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
                 (0..100)
                     .map(|i| {
                         alloc(
