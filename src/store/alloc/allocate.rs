@@ -251,6 +251,20 @@ enum RowAllocation<'o> {
     Taken { owner: &'o Owner<'o>, at_ms: i64 },
 }
 
+/// A block being allocated from: its id and prefix.
+#[derive(Clone, Copy)]
+struct BlockAt<'c> {
+    id: i64,
+    cidr: &'c Cidr,
+}
+
+/// Who takes an address, and when.
+#[derive(Clone, Copy)]
+struct Claimant<'o> {
+    owner: &'o Owner<'o>,
+    now_ms: i64,
+}
+
 /// Refuses (code 11, naming the gateway and its holder) an address of
 /// block `id` whose result would name a gateway a pod holds
 /// ([`crate::store::layout::gateway`]), under the configuration in force.
@@ -289,9 +303,9 @@ fn take_row(
     row_id: i64,
     block_id: i64,
     address: IpAddr,
-    owner: &Owner,
-    now_ms: i64,
+    claimant: Claimant,
 ) -> Result<bool, StoreError> {
+    let Claimant { owner, now_ms } = claimant;
     let host_local = crate::store::db::co_writer::before_take(
         conn,
         owner.network,
@@ -584,12 +598,12 @@ fn block_record(
 fn claim(
     conn: &Connection,
     judge: &mut Judge,
-    block_id: i64,
-    cidr: &Cidr,
-    owner: &Owner,
-    now_ms: i64,
+    block: BlockAt,
+    claimant: Claimant,
     after: &mut i64,
 ) -> Result<Option<IpAddr>, StoreError> {
+    let BlockAt { id: block_id, cidr } = block;
+    let Claimant { owner, now_ms } = claimant;
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
@@ -604,7 +618,7 @@ fn claim(
         let Some(address) = fit_row(conn, judge, block_id, cidr, &text)? else {
             continue;
         };
-        if take_row(conn, row_id, block_id, address, owner, now_ms)? {
+        if take_row(conn, row_id, block_id, address, claimant)? {
             let taken = RowAllocation::Taken {
                 owner,
                 at_ms: now_ms,
@@ -665,12 +679,12 @@ pub(super) fn fit_address(
 fn expand(
     conn: &Connection,
     mode: ReserveMode,
-    block_id: i64,
-    network: &str,
-    cidr: &Cidr,
-    now_ms: i64,
+    block: BlockAt,
+    claimant: Claimant,
     after: i64,
 ) -> Result<u64, StoreError> {
+    let BlockAt { id: block_id, cidr } = block;
+    let (network, now_ms) = (claimant.owner.network, claimant.now_ms);
     let has_free: bool = conn
         .prepare_cached(HAS_FREE_AFTER_SQL)?
         .query_row(params![block_id, now_ms, after], |r| r.get(0))?;
@@ -764,6 +778,7 @@ impl Store {
         // first: the first with a free row ends it, and the rest are looked
         // at only when none has one (their held gateways then go into the
         // exhaustion message).
+        let claimant = Claimant { owner, now_ms };
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
@@ -784,7 +799,8 @@ impl Store {
                 continue;
             }
             let mut after = 0i64;
-            if let Some(address) = claim(&tx, &mut judge, id, &cidr, owner, now_ms, &mut after)? {
+            let block = BlockAt { id, cidr: &cidr };
+            if let Some(address) = claim(&tx, &mut judge, block, claimant, &mut after)? {
                 tx.commit()?;
                 return Ok(Allocation {
                     address,
@@ -795,10 +811,11 @@ impl Store {
         }
         for (id, cidr, after) in &mut candidates {
             for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
-                if expand(&tx, mode, *id, owner.network, cidr, now_ms, *after)? == 0 {
+                let block = BlockAt { id: *id, cidr };
+                if expand(&tx, mode, block, claimant, *after)? == 0 {
                     break;
                 }
-                if let Some(address) = claim(&tx, &mut judge, *id, cidr, owner, now_ms, after)? {
+                if let Some(address) = claim(&tx, &mut judge, block, claimant, after)? {
                     tx.commit()?;
                     return Ok(Allocation {
                         address,
@@ -886,7 +903,7 @@ impl Store {
         let offset = cidr.offset_of(address).unwrap_or(0);
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;
-        if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
+        if !take_row(&tx, row_id, block_id, address, Claimant { owner, now_ms })? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
         let taken = RowAllocation::Taken {
