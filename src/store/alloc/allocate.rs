@@ -251,7 +251,7 @@ enum RowAllocation<'o> {
     Taken { owner: &'o Owner<'o>, at_ms: i64 },
 }
 
-/// A block being allocated from: its id and prefix.
+/// A block as the allocation walks it: its id and prefix.
 #[derive(Clone, Copy)]
 struct BlockAt<'c> {
     id: i64,
@@ -496,7 +496,7 @@ impl<'s> Judge<'s> {
             return Ok(at);
         }
         let record = self.records.get(conn, id)?.cloned();
-        let record = block_record(conn, self.mode, self.network, id, cidr, record)?;
+        let record = block_record(conn, self.mode, self.network, BlockAt { id, cidr }, record)?;
         if self.recorded
             && let Some(bounds) = crate::store::rows::block::bounds_of(conn, self.network, cidr)?
         {
@@ -564,10 +564,10 @@ fn block_record(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
-    id: i64,
-    cidr: &Cidr,
+    block: BlockAt,
     record: Option<crate::store::rows::block::Record>,
 ) -> Result<BlockRecord, StoreError> {
+    let BlockAt { id, cidr } = block;
     let crate::store::rows::block::Record {
         sources,
         retired,
