@@ -274,15 +274,7 @@ fn refuse_held_gateway(
     id: i64,
     cidr: &Cidr,
 ) -> Result<(), StoreError> {
-    let Some(held) = crate::store::layout::gateway::held(
-        conn,
-        judge.mode,
-        id,
-        judge.network,
-        cidr,
-        judge.in_force(),
-        judge.space(),
-    )?
+    let Some(held) = crate::store::layout::gateway::held(conn, judge.gateway_rule(), id, cidr)?
     else {
         return Ok(());
     };
@@ -477,10 +469,16 @@ impl<'s> Judge<'s> {
         })
     }
 
-    /// Where a holder of the network's gateway is looked for.
-    pub(super) fn space(&self) -> crate::store::layout::gateway::Space {
-        crate::store::layout::gateway::Space::Shared {
-            isolated: self.isolated,
+    /// The held-gateway rule of this allocation: where a holder of the
+    /// network's gateway is looked for, under the bounds in force.
+    pub(super) fn gateway_rule(&self) -> crate::store::layout::gateway::GatewayRule<'_> {
+        crate::store::layout::gateway::GatewayRule {
+            mode: self.mode,
+            network: self.network,
+            in_force: self.in_force(),
+            space: crate::store::layout::gateway::Space::Shared {
+                isolated: self.isolated,
+            },
         }
     }
 
@@ -508,7 +506,7 @@ impl<'s> Judge<'s> {
 
     /// The bounds of the configuration in force, for the held-gateway rule
     /// (`None`: none given, each block's recorded bounds stand in).
-    pub(super) fn in_force(&self) -> crate::store::layout::gateway::InForceBounds<'_> {
+    fn in_force(&self) -> crate::store::layout::gateway::InForceBounds<'_> {
         (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
@@ -782,15 +780,7 @@ impl Store {
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
-            let held = crate::store::layout::gateway::held(
-                &tx,
-                mode,
-                id,
-                owner.network,
-                &cidr,
-                judge.in_force(),
-                judge.space(),
-            )?;
+            let held = crate::store::layout::gateway::held(&tx, judge.gateway_rule(), id, &cidr)?;
             if let Some(held) = held {
                 held_gateways.push(held);
                 continue;

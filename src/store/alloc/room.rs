@@ -86,14 +86,8 @@ fn has_room(
     candidates: Vec<(i64, Cidr)>,
     now_ms: i64,
 ) -> Result<bool, StoreError> {
-    let (servable, _) = crate::store::layout::gateway::servable(
-        conn,
-        judge.mode,
-        judge.network,
-        judge.in_force(),
-        judge.space(),
-        candidates,
-    )?;
+    let (servable, _) =
+        crate::store::layout::gateway::servable(conn, judge.gateway_rule(), candidates)?;
     let mut blocks = Vec::with_capacity(servable.len());
     for (id, cidr) in servable {
         if judge.block(conn, id, &cidr)? {

@@ -96,19 +96,32 @@ pub(in crate::store) fn result_gateway(
     })
 }
 
-/// Who holds the gateway block `id` (`cidr` of `network`) advertises
-/// under `in_force` — the conflist's explicit `gateway`, else the block's
-/// computed one — if a pod does and the rule applies under `mode`: a few
-/// indexed reads.
+/// What a network's gateways are judged by: the reservation mode, the
+/// network, the bounds in force and where a holder is looked for.
+#[derive(Clone, Copy)]
+pub(in crate::store) struct GatewayRule<'c> {
+    pub(in crate::store) mode: ReserveMode,
+    pub(in crate::store) network: &'c str,
+    pub(in crate::store) in_force: InForceBounds<'c>,
+    pub(in crate::store) space: Space,
+}
+
+/// Who holds the gateway block `id` (`cidr` of the rule's network)
+/// advertises under the bounds in force — the conflist's explicit
+/// `gateway`, else the block's computed one — if a pod does and the rule
+/// applies under its mode: a few indexed reads.
 pub(in crate::store) fn held(
     conn: &Connection,
-    mode: ReserveMode,
+    rule: GatewayRule,
     id: i64,
-    network: &str,
     cidr: &Cidr,
-    in_force: InForceBounds,
-    space: Space,
 ) -> Result<Option<HeldGateway>, StoreError> {
+    let GatewayRule {
+        mode,
+        network,
+        in_force,
+        space,
+    } = rule;
     let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
         return Ok(None);
     };
@@ -178,16 +191,13 @@ pub(in crate::store) type Blocks = Vec<(i64, Cidr)>;
 /// ones it may not (their gateway is a pod's address).
 pub(in crate::store) fn servable(
     conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    in_force: InForceBounds,
-    space: Space,
+    rule: GatewayRule,
     candidates: Blocks,
 ) -> Result<(Blocks, Vec<HeldGateway>), StoreError> {
     let mut served = Vec::with_capacity(candidates.len());
     let mut refused = Vec::new();
     for (id, cidr) in candidates {
-        match held(conn, mode, id, network, &cidr, in_force, space)? {
+        match held(conn, rule, id, &cidr)? {
             Some(gateway) => refused.push(gateway),
             None => served.push((id, cidr)),
         }
@@ -204,14 +214,19 @@ pub(in crate::store) fn held_in(
     family: crate::cidr::Family,
     in_force: InForceBounds,
 ) -> Result<Vec<HeldGateway>, StoreError> {
-    let space = Space::of(conn, network)?;
+    let rule = GatewayRule {
+        mode,
+        network,
+        in_force,
+        space: Space::of(conn, network)?,
+    };
     let mut out = Vec::new();
     for block in crate::store::rows::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") {
             continue;
         }
         let cidr = block.prefix()?;
-        if let Some(gateway) = held(conn, mode, block.id, network, &cidr, in_force, space)? {
+        if let Some(gateway) = held(conn, rule, block.id, &cidr)? {
             out.push(gateway);
         }
     }
@@ -237,8 +252,13 @@ pub(in crate::store) fn all_held(
         let Ok(cidr) = parse_cidr(&cidr) else {
             continue;
         };
-        let space = Space::of(conn, &network)?;
-        if let Some(gateway) = held(conn, mode, id, &network, &cidr, None, space)? {
+        let rule = GatewayRule {
+            mode,
+            network: &network,
+            in_force: None,
+            space: Space::of(conn, &network)?,
+        };
+        if let Some(gateway) = held(conn, rule, id, &cidr)? {
             out.push(gateway);
         }
     }
