@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use super::client::{ApiClient, KubeError};
 use super::objects::{
     Allocation, Condition, NNC_API_VERSION, NNC_KIND, NewNnc, ObjectMeta, OwnerReference,
-    PatchMeta, PatchSpec, PodCidrEntry, SpecPatch, entries, lenient,
+    PatchMeta, PatchSpec, PodCidrEntry, SpecPatch, entries, lenient, to_json,
 };
 use crate::defaults::DEFAULT_NETWORK;
 
@@ -419,12 +419,6 @@ impl NncPatch {
             },
         })
     }
-}
-
-/// A body as JSON. The types written have string keys only, so this
-/// cannot fail; `null` would be refused by the API server if it did.
-fn to_json(body: &impl serde::Serialize) -> Value {
-    serde_json::to_value(body).unwrap_or(Value::Null)
 }
 
 #[cfg(test)]

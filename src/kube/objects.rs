@@ -1,5 +1,6 @@
-//! The NodeNetworkConfig (`networking.gke.io/v1`) as serde types: the
-//! fields Metis reads and writes, shared by the daemon and the controller.
+//! Kubernetes objects as serde types — the NodeNetworkConfig
+//! (`networking.gke.io/v1`) and the coordination Lease: the fields Metis
+//! reads and writes, shared by the daemon and the controller.
 //! Every type keeps the fields it does not name (`rest`), so an object or
 //! entry written back (a PodCIDR echoed into `releasableCIDRs`) is exactly
 //! what was read. Reading is lenient where the cloud owns the data: each
@@ -17,7 +18,7 @@ pub const NNC_KIND: &str = "NodeNetworkConfig";
 
 /// Reads a field as `T`, or `T`'s default when it does not read: a
 /// malformed field of an object the cloud owns costs that field alone.
-fn lenient_field<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+pub fn lenient_field<'de, D, T>(deserializer: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: DeserializeOwned + Default,
@@ -77,6 +78,18 @@ pub struct ObjectMeta {
         skip_serializing_if = "Map::is_empty"
     )]
     pub annotations: Map<String, Value>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Map::is_empty"
+    )]
+    pub labels: Map<String, Value>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub creation_timestamp: String,
     #[serde(
         default,
         deserialize_with = "lenient_field",
@@ -181,6 +194,60 @@ pub fn lenient<T: DeserializeOwned + Default>(value: &Value) -> T {
     T::deserialize(value).unwrap_or_default()
 }
 
+/// A `coordination.k8s.io/v1` Lease, read and written back whole.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub spec: LeaseSpec,
+    /// `apiVersion`, `kind` and whatever else the object holds.
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A Lease's `spec`; a malformed field reads as missing.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseSpec {
+    /// Empty or missing: the Lease is free.
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub holder_identity: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lease_duration_seconds: Option<u64>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub acquire_time: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub renew_time: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lease_transitions: Option<i64>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A body as JSON. The types written have string keys only, so this
+/// cannot fail; `null` would be refused by the API server if it did.
+pub fn to_json(body: &impl Serialize) -> Value {
+    serde_json::to_value(body).unwrap_or(Value::Null)
+}
+
 /// The body of a NodeNetworkConfig's creation.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -263,6 +330,31 @@ mod tests {
         assert_eq!(odd.condition, Some(Condition::default()));
         let none: PodCidrEntry = lenient(&json!({"cidr": "198.18.0.0/28", "condition": null}));
         assert_eq!(none.condition, None);
+    }
+
+    #[test]
+    fn a_lease_keeps_unknown_fields_through_a_read_modify_write() {
+        let read = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "l", "resourceVersion": "4", "labels": {"a": "b"}},
+            "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15,
+                     "preferredHolder": "b", "strategy": "OldestEmulationVersion"}});
+        let mut lease: Lease = lenient(&read);
+        assert_eq!(lease.spec.lease_duration_seconds, Some(15));
+        lease.spec.holder_identity = String::new();
+        let mut expected = read.clone();
+        expected["spec"]["holderIdentity"] = json!("");
+        assert_eq!(serde_json::to_value(&lease).unwrap(), expected);
+        // A malformed field reads as missing, the rest of the Lease stands.
+        let odd: Lease = lenient(&json!({"spec": {"holderIdentity": 7, "leaseTransitions": 2}}));
+        assert_eq!(
+            (
+                odd.spec.holder_identity.as_str(),
+                odd.spec.lease_transitions
+            ),
+            ("", Some(2))
+        );
+        let none: Lease = lenient(&json!({"spec": "x", "metadata": 3}));
+        assert_eq!(none, Lease::default());
     }
 
     #[test]
