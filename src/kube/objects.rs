@@ -144,6 +144,8 @@ pub struct Condition {
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
     #[serde(flatten)]
     pub rest: Map<String, Value>,
 }
