@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use crate::cidr::Cidr;
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
-use crate::kube::objects::{Condition, ObjectMeta, entries, lenient, lenient_field};
+use crate::kube::objects::{Condition, Metadata, entries, lenient, lenient_field};
 
 /// The end of the Ready message that says the Node is gone past the grace
 /// and its blocks were taken back.
@@ -119,13 +119,6 @@ struct EntryFields {
     network: Option<String>,
     #[serde(rename = "type", default, deserialize_with = "lenient_field")]
     kind: Option<String>,
-}
-
-/// The metadata of an object, the rest left unread.
-#[derive(Default, Deserialize)]
-struct Metadata {
-    #[serde(default, deserialize_with = "lenient_field")]
-    metadata: ObjectMeta,
 }
 
 /// The conditions of a status; one that is no condition is skipped.

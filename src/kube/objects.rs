@@ -190,6 +190,37 @@ pub fn entries<T: DeserializeOwned>(list: &Value, cap: usize) -> (Vec<T>, bool) 
     (read, all.len() > cap)
 }
 
+/// A list read entry by entry ([`entries`]): at most `CAP` entries that
+/// read as `T`, and whether the list held more. Not a list: empty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Capped<T, const CAP: usize> {
+    pub items: Vec<T>,
+    pub truncated: bool,
+}
+
+impl<T, const CAP: usize> Default for Capped<T, CAP> {
+    fn default() -> Self {
+        Capped {
+            items: Vec::new(),
+            truncated: false,
+        }
+    }
+}
+
+impl<'de, T: DeserializeOwned, const CAP: usize> Deserialize<'de> for Capped<T, CAP> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let (items, truncated) = entries(&Value::deserialize(deserializer)?, CAP);
+        Ok(Capped { items, truncated })
+    }
+}
+
+/// An object's metadata, the rest of it left unread.
+#[derive(Debug, Default, Deserialize)]
+pub struct Metadata {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+}
+
 /// `value` read as `T`, or `T`'s default when it does not read (the cloud
 /// owns the object: a malformed part is not fatal).
 pub fn lenient<T: DeserializeOwned + Default>(value: &Value) -> T {
@@ -357,6 +388,16 @@ mod tests {
         );
         let none: Lease = lenient(&json!({"spec": "x", "metadata": 3}));
         assert_eq!(none, Lease::default());
+    }
+
+    #[test]
+    fn a_capped_list_skips_what_does_not_read_and_says_it_was_cut() {
+        let read: Capped<String, 2> = lenient(&json!(["a", 7, "b"]));
+        assert_eq!((read.items, read.truncated), (vec!["a".to_string()], true));
+        let none: Capped<String, 2> = lenient(&json!({"a": 1}));
+        assert_eq!(none, Capped::default());
+        let meta: Metadata = lenient(&json!({"metadata": {"resourceVersion": "3"}, "spec": 1}));
+        assert_eq!(meta.metadata.resource_version, "3");
     }
 
     #[test]
