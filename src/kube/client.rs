@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use ureq::Agent;
 use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
@@ -292,21 +292,25 @@ impl Iterator for WatchStream {
     }
 }
 
-/// One line of a watch stream: `{"type": ..., "object": ...}`.
 /// A request body as JSON text (a typed object or a `Value`).
 fn encode<T: Serialize + ?Sized>(body: &T) -> Result<String, KubeError> {
     serde_json::to_string(body).map_err(|err| KubeError::Decode(format!("request body: {err}")))
 }
 
+/// A watch event line as sent.
+#[derive(Deserialize)]
+struct EventLine {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    object: Value,
+}
+
+/// One line of a watch stream: `{"type": ..., "object": ...}`.
 pub fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
-    let mut value: Value = serde_json::from_slice(line)
+    let EventLine { kind, object } = serde_json::from_slice(line)
         .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
-    let kind = value["type"]
-        .as_str()
-        .ok_or_else(|| KubeError::Decode("watch event without a type".into()))?
-        .to_string();
-    // Taken, not cloned: an event's object is the bulk of it.
-    let object = value.get_mut("object").map(Value::take).unwrap_or_default();
+    let kind = kind.ok_or_else(|| KubeError::Decode("watch event without a type".into()))?;
     Ok(WatchEvent { kind, object })
 }
 

@@ -214,6 +214,30 @@ impl<'de, T: DeserializeOwned, const CAP: usize> Deserialize<'de> for Capped<T, 
     }
 }
 
+/// A LIST answer: its items, and its metadata (the version to watch from).
+#[derive(Debug, Default, Deserialize)]
+pub struct ObjectList {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub items: Vec<Value>,
+}
+
+impl ObjectList {
+    /// `list` read, taken (its items are moved, not copied); a list of
+    /// the wrong shape is empty.
+    pub fn read(list: Value) -> ObjectList {
+        serde_json::from_value(list).unwrap_or_default()
+    }
+}
+
+/// A `Status` object (an API error, an `ERROR` watch event).
+#[derive(Debug, Default, Deserialize)]
+pub struct ApiStatus {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub code: u64,
+}
+
 /// An object's metadata, the rest of it left unread.
 #[derive(Debug, Default, Deserialize)]
 pub struct Metadata {
@@ -398,6 +422,18 @@ mod tests {
         assert_eq!(none, Capped::default());
         let meta: Metadata = lenient(&json!({"metadata": {"resourceVersion": "3"}, "spec": 1}));
         assert_eq!(meta.metadata.resource_version, "3");
+        let list = ObjectList::read(json!({"metadata": {"resourceVersion": "9"},
+                                           "items": [{"a": 1}, "b"]}));
+        assert_eq!(
+            (list.metadata.resource_version.as_str(), list.items.len()),
+            ("9", 2)
+        );
+        let odd = ObjectList::read(json!({"metadata": 5, "items": []}));
+        assert_eq!(odd.metadata, ObjectMeta::default());
+        assert!(ObjectList::read(json!({"items": "x"})).items.is_empty());
+        let status: ApiStatus = lenient(&json!({"kind": "Status", "code": 410}));
+        assert_eq!(status.code, 410);
+        assert_eq!(lenient::<ApiStatus>(&json!({"code": "gone"})).code, 0);
     }
 
     #[test]
