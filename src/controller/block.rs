@@ -9,9 +9,10 @@
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::{Map, Value};
 
 use crate::cidr::Cidr;
+use crate::kube::objects::{ObjectMeta, lenient, lenient_field, to_json};
 
 pub const BLOCK_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metisblocks";
 pub const POOL_LABEL: &str = "metis.x-k8s.io/pool";
@@ -46,18 +47,18 @@ pub struct BlockSpec {
     pub reason: String,
 }
 
-#[derive(Deserialize)]
-struct ObjectMeta {
+/// A `MetisBlock` object as read and written: the spec is kept as read
+/// until [`Block::parse`] judges it, so that a malformed one costs that
+/// block alone.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MetisBlock {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
     #[serde(default)]
-    name: String,
-    #[serde(rename = "resourceVersion", default)]
-    resource_version: String,
-}
-
-#[derive(Deserialize)]
-struct BlockObject {
-    metadata: ObjectMeta,
-    spec: Option<BlockSpec>,
+    pub spec: Value,
+    /// `apiVersion`, `kind` and whatever else the object holds.
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
 }
 
 /// A block as read from the API server.
@@ -73,22 +74,16 @@ pub struct Block {
 
 impl Block {
     pub fn parse(object: Value) -> Block {
-        let name = object["metadata"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let resource_version = object["metadata"]["resourceVersion"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let spec = serde_json::from_value::<BlockObject>(object)
-            .ok()
-            .and_then(|o| {
-                let spec = o.spec?;
-                let cidr: Cidr = spec.cidr.parse().ok()?;
-                (block_name(&cidr) == o.metadata.name && o.metadata.resource_version.len() < 64)
-                    .then_some((cidr, spec))
-            });
+        let object: MetisBlock = lenient(&object);
+        let ObjectMeta {
+            name,
+            resource_version,
+            ..
+        } = object.metadata;
+        let spec = BlockSpec::deserialize(&object.spec).ok().and_then(|spec| {
+            let cidr: Cidr = spec.cidr.parse().ok()?;
+            (block_name(&cidr) == name && resource_version.len() < 64).then_some((cidr, spec))
+        });
         Block {
             name,
             resource_version,
@@ -133,27 +128,31 @@ fn is_label_value(value: &str) -> bool {
 /// that is no label value (a node name may be 253 characters) goes
 /// without that label: the spec is what the controller reads.
 pub fn object(spec: &BlockSpec, name: &str, resource_version: &str) -> Value {
-    let mut labels = serde_json::Map::new();
+    let mut labels = Map::new();
     for (key, value) in [(POOL_LABEL, &spec.pool), (NODE_LABEL, &spec.node)] {
         if is_label_value(value) {
             labels.insert(key.into(), Value::from(value.as_str()));
         }
     }
-    let mut metadata = json!({"name": name, "labels": labels});
-    if !resource_version.is_empty() {
-        metadata["resourceVersion"] = Value::from(resource_version);
-    }
-    json!({
-        "apiVersion": "metis.x-k8s.io/v1alpha1",
-        "kind": "MetisBlock",
-        "metadata": metadata,
-        "spec": spec,
+    let mut rest = Map::new();
+    rest.insert("apiVersion".into(), Value::from("metis.x-k8s.io/v1alpha1"));
+    rest.insert("kind".into(), Value::from("MetisBlock"));
+    to_json(&MetisBlock {
+        metadata: ObjectMeta {
+            name: name.into(),
+            resource_version: resource_version.into(),
+            labels,
+            ..ObjectMeta::default()
+        },
+        spec: to_json(spec),
+        rest,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn spec(cidr: &str) -> BlockSpec {
         BlockSpec {
@@ -194,11 +193,33 @@ mod tests {
         read["spec"]["state"] = json!("Stolen");
         assert_eq!(Block::parse(read.clone()).spec, None);
         assert_eq!(Block::parse(json!({"metadata": {"name": "x"}})).spec, None);
+        // A field of the wrong type, or no object at all: unreadable, no panic.
+        read["spec"]["state"] = json!("Granted");
+        read["spec"]["node"] = json!(7);
+        assert_eq!(Block::parse(read.clone()).spec, None);
+        read["metadata"]["name"] = json!(["v4-198-18-0-16-28"]);
+        assert_eq!(Block::parse(read.clone()).name, "");
+        assert_eq!(Block::parse(json!("text")).spec, None);
         // A node name that is no label value goes without the label.
         let mut long = spec("198.18.0.16/28");
         long.node = "n".repeat(64);
         let written = object(&long, "v4-198-18-0-16-28", "3");
         assert!(written["metadata"]["labels"].get(NODE_LABEL).is_none());
         assert_eq!(written["metadata"]["resourceVersion"], "3");
+    }
+
+    #[test]
+    fn a_block_object_keeps_unknown_fields_through_a_read_modify_write() {
+        let read = json!({"apiVersion": "metis.x-k8s.io/v1alpha1", "kind": "MetisBlock",
+            "metadata": {"name": "v4-198-18-0-16-28", "resourceVersion": "7",
+                         "labels": {"team": "a"}, "finalizers": ["x"]},
+            "spec": {"pool": "p", "network": "default", "cidr": "198.18.0.16/28",
+                     "node": "n1", "state": "Granted", "reason": "Granted", "zone": "z"},
+            "status": {"note": "kept"}});
+        let mut object: MetisBlock = lenient(&read);
+        object.spec["node"] = json!("n2");
+        let mut expected = read.clone();
+        expected["spec"]["node"] = json!("n2");
+        assert_eq!(serde_json::to_value(&object).unwrap(), expected);
     }
 }

@@ -16,9 +16,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::kube::client::{ApiClient, KubeError};
+use crate::kube::objects::{Lease, ObjectMeta, lenient};
 use crate::log::{self, now_ms, rfc3339_seconds};
 use crate::metrics::ControllerMetrics;
 
@@ -32,7 +33,7 @@ pub struct LeaseTiming {
 
 /// The Lease as last read, and when (locally) its record last changed.
 struct Observed {
-    record: Value,
+    record: crate::kube::objects::LeaseSpec,
     resource_version: String,
     at: Instant,
 }
@@ -124,18 +125,18 @@ impl Elector {
     ) -> Result<bool, KubeError> {
         let sent = Instant::now();
         metrics.api_request("get", "leases");
-        let current = match client.get(&self.path()) {
-            Ok(lease) => lease,
+        let current: Lease = match client.get(&self.path()) {
+            Ok(lease) => lenient(&lease),
             Err(err) if err.is_status(404) => {
                 metrics.api_request("post", "leases");
-                let body = self.lease_body(None, 0, None);
+                let body = self.hold(self.new_lease(), 0, None);
                 let collection = format!(
                     "/apis/coordination.k8s.io/v1/namespaces/{}/leases",
                     self.namespace
                 );
                 return match client.post(&collection, &body) {
                     Ok(created) => {
-                        self.observe(&created, sent);
+                        self.observe(&lenient(&created), sent);
                         self.renewed_at(sent);
                         Ok(true)
                     }
@@ -146,23 +147,18 @@ impl Elector {
             Err(err) => return Err(err),
         };
         self.observe(&current, Instant::now());
-        let spec = &current["spec"];
-        let holder = spec["holderIdentity"].as_str().unwrap_or_default();
+        let holder = current.spec.holder_identity.clone();
         let mine = holder == self.identity;
-        if !mine && !holder.is_empty() && !self.expired(spec) {
+        if !mine && !holder.is_empty() && !self.expired(&current) {
             return Ok(false);
         }
-        let transitions = spec["leaseTransitions"].as_i64().unwrap_or(0) + i64::from(!mine);
+        let transitions = current.spec.lease_transitions.unwrap_or(0) + i64::from(!mine);
         let acquired = if mine {
-            spec["acquireTime"].as_str().map(str::to_string)
+            current.spec.acquire_time.clone()
         } else {
             None
         };
-        let rv = current["metadata"]["resourceVersion"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let body = self.lease_body(Some(&rv), transitions, acquired);
+        let body = self.hold(current, transitions, acquired);
         metrics.api_request("put", "leases");
         match client.put(&self.path(), &body) {
             Ok(updated) => {
@@ -173,7 +169,7 @@ impl Elector {
                         &[("identity", &self.identity), ("previous", &holder)],
                     );
                 }
-                self.observe(&updated, sent);
+                self.observe(&lenient(&updated), sent);
                 self.renewed_at(sent);
                 Ok(true)
             }
@@ -190,12 +186,12 @@ impl Elector {
         let Ok(current) = client.get(&self.path()) else {
             return;
         };
-        if current["spec"]["holderIdentity"].as_str() != Some(self.identity.as_str()) {
+        let mut body: Lease = lenient(&current);
+        if body.spec.holder_identity != self.identity {
             return;
         }
-        let mut body = current.clone();
-        body["spec"]["holderIdentity"] = json!("");
-        body["spec"]["leaseDurationSeconds"] = json!(1);
+        body.spec.holder_identity.clear();
+        body.spec.lease_duration_seconds = Some(1);
         metrics.api_request("put", "leases");
         match client.put(&self.path(), &body) {
             Ok(_) => log::info(
@@ -216,12 +212,9 @@ impl Elector {
     }
 
     /// Remembers the Lease; a changed record restarts its clock.
-    fn observe(&mut self, lease: &Value, at: Instant) {
-        let record = lease["spec"].clone();
-        let resource_version = lease["metadata"]["resourceVersion"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+    fn observe(&mut self, lease: &Lease, at: Instant) {
+        let record = lease.spec.clone();
+        let resource_version = lease.metadata.resource_version.clone();
         let changed = self.observed.as_ref().is_none_or(|o| o.record != record);
         if changed {
             self.observed = Some(Observed {
@@ -235,9 +228,10 @@ impl Elector {
     }
 
     /// Another holder's record has not changed for its lease duration.
-    fn expired(&self, spec: &Value) -> bool {
-        let duration = spec["leaseDurationSeconds"]
-            .as_u64()
+    fn expired(&self, lease: &Lease) -> bool {
+        let duration = lease
+            .spec
+            .lease_duration_seconds
             .filter(|s| *s > 0)
             .map_or(self.timing.duration, Duration::from_secs);
         self.observed
@@ -245,30 +239,34 @@ impl Elector {
             .is_some_and(|o| o.at.elapsed() >= duration)
     }
 
-    fn lease_body(
-        &self,
-        resource_version: Option<&str>,
-        transitions: i64,
-        acquired: Option<String>,
-    ) -> Value {
-        let now = micro_time(now_ms());
-        let mut metadata = json!({"name": self.name, "namespace": self.namespace});
-        if let Some(rv) = resource_version {
-            metadata["resourceVersion"] = json!(rv);
-        }
-        json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": metadata,
-            "spec": {
-                "holderIdentity": self.identity,
-                // Whole seconds: parse_config refuses a fraction.
-                "leaseDurationSeconds": self.timing.duration.as_secs(),
-                "acquireTime": acquired.unwrap_or_else(|| now.clone()),
-                "renewTime": now,
-                "leaseTransitions": transitions,
+    /// A Lease not yet created: its name, namespace, group and kind.
+    fn new_lease(&self) -> Lease {
+        let mut lease = Lease {
+            metadata: ObjectMeta {
+                name: self.name.clone(),
+                namespace: self.namespace.clone(),
+                ..ObjectMeta::default()
             },
-        })
+            ..Lease::default()
+        };
+        for (key, value) in [("apiVersion", "coordination.k8s.io/v1"), ("kind", "Lease")] {
+            lease.rest.insert(key.into(), Value::from(value));
+        }
+        lease
+    }
+
+    /// `lease` (its version and unknown fields kept) held by this
+    /// candidate, renewed now, acquired at `acquired` (now when `None`).
+    fn hold(&self, mut lease: Lease, transitions: i64, acquired: Option<String>) -> Lease {
+        let now = micro_time(now_ms());
+        let spec = &mut lease.spec;
+        spec.holder_identity.clone_from(&self.identity);
+        // Whole seconds: parse_config refuses a fraction.
+        spec.lease_duration_seconds = Some(self.timing.duration.as_secs());
+        spec.acquire_time = Some(acquired.unwrap_or_else(|| now.clone()));
+        spec.renew_time = Some(now);
+        spec.lease_transitions = Some(transitions);
+        lease
     }
 }
 
@@ -325,6 +323,7 @@ fn micro_time(ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn elector() -> Elector {
         let timing = LeaseTiming {
@@ -338,17 +337,21 @@ mod tests {
     #[test]
     fn another_holder_expires_only_after_its_record_stood_still_a_lease_duration() {
         let mut e = elector();
-        let lease = json!({"metadata": {"resourceVersion": "1"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15}});
+        let lease: Lease = lenient(
+            &json!({"metadata": {"resourceVersion": "1"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15}}),
+        );
         let long_ago = Instant::now().checked_sub(Duration::from_secs(16)).unwrap();
         e.observe(&lease, long_ago);
-        assert!(e.expired(&lease["spec"]));
+        assert!(e.expired(&lease));
         // The same record seen again later does not restart the clock...
         e.observe(&lease, Instant::now());
-        assert!(e.expired(&lease["spec"]));
+        assert!(e.expired(&lease));
         // ...a renewal (a changed record) does.
-        let renewed = json!({"metadata": {"resourceVersion": "2"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15, "renewTime": "x"}});
+        let renewed: Lease = lenient(
+            &json!({"metadata": {"resourceVersion": "2"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15, "renewTime": "x"}}),
+        );
         e.observe(&renewed, Instant::now());
-        assert!(!e.expired(&renewed["spec"]));
+        assert!(!e.expired(&renewed));
     }
 
     #[test]
@@ -368,8 +371,13 @@ mod tests {
     #[test]
     fn lease_bodies_carry_the_version_and_micro_times() {
         let e = elector();
-        let body = e.lease_body(Some("7"), 3, None);
+        let mut read = e.new_lease();
+        read.metadata.resource_version = "7".into();
+        read.spec.rest.insert("preferredHolder".into(), json!("b"));
+        let body = serde_json::to_value(e.hold(read, 3, None)).unwrap();
+        assert_eq!(body["apiVersion"], "coordination.k8s.io/v1");
         assert_eq!(body["metadata"]["resourceVersion"], "7");
+        assert_eq!(body["spec"]["preferredHolder"], "b", "unknown fields kept");
         assert_eq!(body["spec"]["holderIdentity"], "a");
         assert_eq!(body["spec"]["leaseDurationSeconds"], 15);
         assert_eq!(body["spec"]["leaseTransitions"], 3);
@@ -384,8 +392,8 @@ mod tests {
             retry_period: Duration::from_millis(500),
         };
         let e = Elector::new("kube-system", "metis-controller", "a", timing);
-        let body = e.lease_body(None, 0, None);
-        assert_eq!(body["spec"]["leaseDurationSeconds"], 2);
+        let body = e.hold(e.new_lease(), 0, None);
+        assert_eq!(body.spec.lease_duration_seconds, Some(2));
         // Another holder's record with that body expires after exactly it.
         let seen = |ago_ms| {
             let mut other = elector();
@@ -395,7 +403,7 @@ mod tests {
                     .checked_sub(Duration::from_millis(ago_ms))
                     .unwrap(),
             );
-            other.expired(&body["spec"])
+            other.expired(&body)
         };
         assert!(!seen(1900), "1.9 s < 2 s");
         assert!(seen(2000));

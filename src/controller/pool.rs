@@ -6,12 +6,13 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::block::{Block, BlockState, NODE_GONE};
 use crate::cidr::{Cidr, Family};
 use crate::duration::parse_duration_ms;
+use crate::kube::objects::{ObjectMeta, lenient, lenient_field};
 
 pub const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
 pub const DEFAULT_V4_BLOCK: u8 = 28;
@@ -166,44 +167,96 @@ pub struct Pool {
     pub conditions: Value,
 }
 
+/// A `MetisPool` object as read: the spec's fields are kept as read for
+/// [`parse_spec`] to judge (its errors quote the offending value).
+#[derive(Debug, Default, Deserialize)]
+struct MetisPool {
+    #[serde(default, deserialize_with = "lenient_field")]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Value,
+    /// Kept whole: written again only when it changes.
+    #[serde(default)]
+    status: Value,
+}
+
+/// The `conditions` of a status.
+#[derive(Debug, Default, Deserialize)]
+struct StatusConditions {
+    #[serde(default)]
+    conditions: Value,
+}
+
+/// The fields of `spec`, each as read (missing: `null`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecFields {
+    #[serde(default)]
+    network: Value,
+    #[serde(default)]
+    ipv4: Value,
+    #[serde(default)]
+    ipv6: Value,
+    #[serde(default)]
+    max_blocks_per_node: Value,
+    #[serde(default)]
+    reclaim_delay: Value,
+}
+
+/// The fields of a family's range, each as read.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RangeFields {
+    #[serde(default)]
+    block_prefix_length: Value,
+    #[serde(default)]
+    cidrs: Value,
+}
+
 impl Pool {
     pub fn parse(object: &Value) -> Pool {
-        let meta = &object["metadata"];
-        let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+        let MetisPool {
+            metadata,
+            spec,
+            status,
+        } = lenient(object);
+        let StatusConditions { conditions } = lenient(&status);
         Pool {
-            name: text(&meta["name"]),
-            resource_version: text(&meta["resourceVersion"]),
-            generation: meta["generation"].as_i64().unwrap_or(0),
-            created: text(&meta["creationTimestamp"]),
-            spec: parse_spec(&object["spec"]),
+            name: metadata.name,
+            resource_version: metadata.resource_version,
+            generation: metadata.generation,
+            created: metadata.creation_timestamp,
+            spec: parse_spec(&spec),
             ledger: Ledger::default(),
-            status_text: object["status"].to_string(),
-            conditions: object["status"]["conditions"].clone(),
+            status_text: status.to_string(),
+            conditions,
         }
     }
 }
 
 /// Checks a spec alone; overlaps between pools are [`validate`]'s.
 pub fn parse_spec(spec: &Value) -> Result<PoolSpec, String> {
-    let network = spec["network"]
+    let spec: SpecFields = lenient(spec);
+    let network = spec
+        .network
         .as_str()
         .filter(|n| !n.is_empty())
         .ok_or("spec.network is required (the NodeNetworkConfig network, e.g. \"default\")")?
         .to_string();
     let mut ranges = Vec::new();
-    for (key, family, default) in [
-        ("ipv4", Family::V4, DEFAULT_V4_BLOCK),
-        ("ipv6", Family::V6, DEFAULT_V6_BLOCK),
+    for (range, key, family, default) in [
+        (&spec.ipv4, "ipv4", Family::V4, DEFAULT_V4_BLOCK),
+        (&spec.ipv6, "ipv6", Family::V6, DEFAULT_V6_BLOCK),
     ] {
-        if spec[key].is_null() {
+        if range.is_null() {
             continue;
         }
-        ranges.push(parse_range(&spec[key], key, family, default)?);
+        ranges.push(parse_range(range, key, family, default)?);
     }
     if ranges.is_empty() {
         return Err("the pool has neither spec.ipv4 nor spec.ipv6".into());
     }
-    let max_blocks_per_node = match &spec["maxBlocksPerNode"] {
+    let max_blocks_per_node = match &spec.max_blocks_per_node {
         Value::Null => DEFAULT_MAX_BLOCKS_PER_NODE,
         value => value
             .as_u64()
@@ -211,7 +264,7 @@ pub fn parse_spec(spec: &Value) -> Result<PoolSpec, String> {
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| format!("spec.maxBlocksPerNode {value} is not a number in 1..4096"))?,
     };
-    let reclaim_delay_ms = match &spec["reclaimDelay"] {
+    let reclaim_delay_ms = match &spec.reclaim_delay {
         Value::Null => DEFAULT_RECLAIM_DELAY_MS,
         value => value
             .as_str()
@@ -232,7 +285,8 @@ fn parse_range(
     family: Family,
     default: u8,
 ) -> Result<FamilyRange, String> {
-    let block_prefix = match &value["blockPrefixLength"] {
+    let value: RangeFields = lenient(value);
+    let block_prefix = match &value.block_prefix_length {
         Value::Null => default,
         v => v
             .as_u64()
@@ -245,7 +299,8 @@ fn parse_range(
                 )
             })?,
     };
-    let list = value["cidrs"]
+    let list = value
+        .cidrs
         .as_array()
         .filter(|l| !l.is_empty())
         .ok_or_else(|| format!("spec.{key}.cidrs must list at least one CIDR"))?;
@@ -522,5 +577,28 @@ mod tests {
         assert_eq!(ledger.non_reusable, [cidr("198.18.0.48/28")]);
         assert_eq!(ledger.versions.len(), 4);
         assert_eq!(ledger.versions[&cidr("198.18.0.48/28")], "4");
+    }
+
+    #[test]
+    fn a_malformed_pool_object_is_refused_or_read_as_far_as_it_goes() {
+        let read = Pool::parse(&json!({
+            "metadata": {"name": "p", "generation": "two", "resourceVersion": 3},
+            "spec": "ipv4",
+            "status": {"conditions": [{"type": "Ready"}], "counts": {"granted": 2}},
+        }));
+        assert_eq!((read.name.as_str(), read.generation), ("p", 0));
+        assert_eq!(read.resource_version, "");
+        assert!(read.spec.unwrap_err().contains("spec.network is required"));
+        assert_eq!(read.conditions, json!([{"type": "Ready"}]));
+        assert_eq!(
+            read.status_text,
+            r#"{"conditions":[{"type":"Ready"}],"counts":{"granted":2}}"#
+        );
+        let nothing = Pool::parse(&json!("text"));
+        assert_eq!(
+            (nothing.status_text.as_str(), nothing.conditions),
+            ("null", Value::Null)
+        );
+        assert!(nothing.spec.is_err());
     }
 }

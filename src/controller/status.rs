@@ -6,11 +6,13 @@
 //! are: the decision compares texts, and parses only the small part it
 //! rewrites (the conditions) and the statuses it writes.
 
-use serde_json::Value;
+use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use crate::cidr::Cidr;
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
+use crate::kube::objects::{Condition, Metadata, entries, lenient, lenient_field};
 
 /// The end of the Ready message that says the Node is gone past the grace
 /// and its blocks were taken back.
@@ -32,16 +34,18 @@ pub struct Entry {
 
 impl Entry {
     pub fn parse(entry: &Value) -> Entry {
-        let cidr_text = entry["cidr"].as_str();
+        let read: EntryFields = lenient(entry);
+        let cidr_text = read.cidr.as_deref();
         Entry {
             cidr_text: cidr_text.map(Box::from),
             cidr: cidr_text.and_then(|c| c.parse().ok()),
-            network: entry["network"]
-                .as_str()
+            network: read
+                .network
+                .as_deref()
                 .filter(|n| !n.is_empty())
                 .unwrap_or(DEFAULT_NETWORK)
                 .into(),
-            reusable: entry["type"].as_str() != Some("NonReusable"),
+            reusable: read.kind.as_deref() != Some("NonReusable"),
             text: entry.to_string().into(),
         }
     }
@@ -86,8 +90,11 @@ const MAX_SERVING: usize = 4096;
 /// The CIDRs an NNC's `serving` annotation lists; what is not a
 /// canonical CIDR is skipped (the rest still count).
 pub fn serving(object: &Value) -> Vec<Cidr> {
-    let text = object["metadata"]["annotations"][SERVING_ANNOTATION]
-        .as_str()
+    let Metadata { metadata } = lenient(object);
+    let text = metadata
+        .annotations
+        .get(SERVING_ANNOTATION)
+        .and_then(Value::as_str)
         .unwrap_or_default();
     let mut cidrs: Vec<Cidr> = text
         .split(',')
@@ -102,23 +109,44 @@ pub fn serving(object: &Value) -> Vec<Cidr> {
     cidrs
 }
 
+/// The fields of a `podCIDRs` entry the decision reads, field by field:
+/// a malformed one costs that field (the entry itself is kept as text).
+#[derive(Default, Deserialize)]
+struct EntryFields {
+    #[serde(default, deserialize_with = "lenient_field")]
+    cidr: Option<String>,
+    #[serde(default, deserialize_with = "lenient_field")]
+    network: Option<String>,
+    #[serde(rename = "type", default, deserialize_with = "lenient_field")]
+    kind: Option<String>,
+}
+
+/// The conditions of a status; one that is no condition is skipped.
+#[derive(Default, Deserialize)]
+struct Conditions {
+    #[serde(default)]
+    conditions: Value,
+}
+
+impl Conditions {
+    fn read(status: &Value) -> Vec<Condition> {
+        let Conditions { conditions } = lenient(status);
+        entries(&conditions, usize::MAX).0
+    }
+}
+
 impl Status {
     /// Reads `status` (taken: its parts are turned into text).
     pub fn parse(mut status: Value) -> Status {
         let Some(object) = status.as_object_mut() else {
             return Status::default();
         };
-        let pod_cidrs = object.remove("podCIDRs");
-        let told_until = told_until(&status["conditions"]);
-        let refused_since = refused_since(&status["conditions"]);
-        let gone_told = status["conditions"].as_array().is_some_and(|list| {
-            list.iter().any(|c| {
-                c["type"] == "Ready"
-                    && c["status"] == "False"
-                    && c["message"]
-                        .as_str()
-                        .is_some_and(|m| m.ends_with(GONE_TOLD))
-            })
+        let pod_cidrs = object.remove(POD_CIDRS);
+        let conditions = Conditions::read(&status);
+        let told_until = told_until(&conditions);
+        let refused_since = refused_since(&conditions);
+        let gone_told = conditions.iter().any(|c| {
+            is_ready(c, "False") && c.message.as_deref().is_some_and(|m| m.ends_with(GONE_TOLD))
         });
         let entries: Vec<Entry> = pod_cidrs
             .as_ref()
@@ -153,38 +181,44 @@ impl Status {
     }
 }
 
+/// `condition` is the Ready condition with `status`.
+fn is_ready(condition: &Condition, status: &str) -> bool {
+    condition.kind.as_deref() == Some("Ready") && condition.status.as_deref() == Some(status)
+}
+
 /// When a `QuotaExceeded` Ready condition among `conditions` says its
 /// refusal ends (the time after `QUOTA_UNTIL` in its message).
-fn told_until(conditions: &Value) -> Option<i64> {
-    let ready = conditions
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "Ready" && c["reason"] == QUOTA_EXCEEDED)?;
-    match QuotaEnd::of(ready["message"].as_str()?) {
+fn told_until(conditions: &[Condition]) -> Option<i64> {
+    let ready = conditions.iter().find(|c| {
+        c.kind.as_deref() == Some("Ready") && c.reason.as_deref() == Some(QUOTA_EXCEEDED)
+    })?;
+    match QuotaEnd::of(ready.message.as_deref()?) {
         QuotaEnd::At(until) => Some(until),
         QuotaEnd::Unsaid | QuotaEnd::Unreadable => None,
     }
 }
 
 /// When the `QuotaExceeded` Ready=False condition among `conditions` began.
-fn refused_since(conditions: &Value) -> Option<i64> {
-    let ready = conditions
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "Ready" && c["status"] == "False")?;
-    (ready["reason"] == QUOTA_EXCEEDED)
-        .then(|| ready["lastTransitionTime"].as_str())
+fn refused_since(conditions: &[Condition]) -> Option<i64> {
+    let ready = conditions.iter().find(|c| is_ready(c, "False"))?;
+    (ready.reason.as_deref() == Some(QUOTA_EXCEEDED))
+        .then_some(ready.last_transition_time.as_deref())
         .flatten()
         .and_then(crate::log::parse_rfc3339_ms)
 }
 
+/// The status field holding the granted blocks.
+const POD_CIDRS: &str = "podCIDRs";
+
 /// `rest` with `entries` as its `podCIDRs`: the status to write.
-pub fn assemble(mut rest: Value, entries: &[&Entry]) -> Value {
-    if !rest.is_object() {
-        rest = Value::Object(serde_json::Map::new());
-    }
-    rest["podCIDRs"] = Value::Array(entries.iter().map(|e| e.to_value()).collect());
-    rest
+pub fn assemble(rest: Value, entries: &[&Entry]) -> Value {
+    let mut rest = match rest {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    };
+    let pod_cidrs = entries.iter().map(|e| e.to_value()).collect();
+    rest.insert(POD_CIDRS.into(), Value::Array(pod_cidrs));
+    Value::Object(rest)
 }
 
 #[cfg(test)]
@@ -240,6 +274,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    #[test]
+    fn a_malformed_condition_is_skipped_not_the_status() {
+        let read = json!({"conditions": [
+            "text", {"type": 7}, {"type": "Other", "status": "False"},
+            {"type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED,
+             "lastTransitionTime": "2026-01-02T03:04:05Z", "message": "node n1 is gone: its blocks were taken back"}],
+            "podCIDRs": [{"cidr": "198.18.0.0/28", "type": 5}]});
+        let status = Status::parse(read.clone());
+        assert_eq!(
+            status.refused_since,
+            crate::log::parse_rfc3339_ms("2026-01-02T03:04:05Z")
+        );
+        assert!(status.gone_told);
+        assert_eq!(status.told_until, None, "the message says no end");
+        // A malformed entry field costs that field; the entry is kept as read.
+        assert_eq!(
+            status.entries[0].cidr,
+            Some("198.18.0.0/28".parse().unwrap())
+        );
+        assert!(status.entries[0].reusable);
+        let entries: Vec<&Entry> = status.entries.iter().collect();
+        assert_eq!(assemble(status.rest(), &entries), read);
     }
 
     #[test]

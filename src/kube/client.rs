@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use ureq::Agent;
 use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
@@ -198,18 +199,19 @@ impl ApiClient {
         self.failed(streamed_body(response, seed))
     }
 
-    pub fn post(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
+    pub fn post<T: Serialize + ?Sized>(&self, path: &str, body: &T) -> Result<Value, KubeError> {
+        let body = encode(body)?;
         let (agent, _) = self.agents()?;
         let request = agent.post(self.url(path)).content_type("application/json");
-        let response = with_auth(request, &self.auth)?.send(body.to_string());
+        let response = with_auth(request, &self.auth)?.send(body);
         self.failed(json_body(response))
     }
 
     /// A whole-object update (the controller's status writes); the body's
     /// `metadata.resourceVersion` is the precondition (a stale one answers
     /// 409).
-    pub fn put(&self, path: &str, body: &Value) -> Result<Value, KubeError> {
-        self.put_text(path, body.to_string())
+    pub fn put<T: Serialize + ?Sized>(&self, path: &str, body: &T) -> Result<Value, KubeError> {
+        self.put_text(path, encode(body)?)
     }
 
     /// [`ApiClient::put`] of a body already serialised.
@@ -290,16 +292,25 @@ impl Iterator for WatchStream {
     }
 }
 
+/// A request body as JSON text (a typed object or a `Value`).
+fn encode<T: Serialize + ?Sized>(body: &T) -> Result<String, KubeError> {
+    serde_json::to_string(body).map_err(|err| KubeError::Decode(format!("request body: {err}")))
+}
+
+/// A watch event line as sent.
+#[derive(Deserialize)]
+struct EventLine {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    object: Value,
+}
+
 /// One line of a watch stream: `{"type": ..., "object": ...}`.
 pub fn parse_event(line: &[u8]) -> Result<WatchEvent, KubeError> {
-    let mut value: Value = serde_json::from_slice(line)
+    let EventLine { kind, object } = serde_json::from_slice(line)
         .map_err(|err| KubeError::Decode(format!("watch event: {err}")))?;
-    let kind = value["type"]
-        .as_str()
-        .ok_or_else(|| KubeError::Decode("watch event without a type".into()))?
-        .to_string();
-    // Taken, not cloned: an event's object is the bulk of it.
-    let object = value.get_mut("object").map(Value::take).unwrap_or_default();
+    let kind = kind.ok_or_else(|| KubeError::Decode("watch event without a type".into()))?;
     Ok(WatchEvent { kind, object })
 }
 

@@ -4,12 +4,13 @@
 //! are kept whole so the ones given back in `releasableCIDRs` are exactly
 //! what the status published.
 
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::client::{ApiClient, KubeError};
 use super::objects::{
-    Allocation, Condition, NNC_API_VERSION, NNC_KIND, NewNnc, ObjectMeta, OwnerReference,
-    PatchMeta, PatchSpec, PodCidrEntry, SpecPatch, entries, lenient,
+    Allocation, Capped, Condition, Metadata, NNC_API_VERSION, NNC_KIND, NewNnc, ObjectMeta,
+    OwnerReference, PatchMeta, PatchSpec, PodCidrEntry, SpecPatch, lenient, lenient_field, to_json,
 };
 use crate::defaults::DEFAULT_NETWORK;
 
@@ -97,7 +98,7 @@ pub struct Meta {
 
 impl Meta {
     pub fn parse(object: &Value) -> Meta {
-        let meta: ObjectMeta = lenient(&object["metadata"]);
+        let Metadata { metadata: meta } = lenient(object);
         Meta {
             name: meta.name,
             namespace: meta.namespace,
@@ -235,18 +236,58 @@ impl QuotaEnd {
     }
 }
 
+/// A NodeNetworkConfig as read; each list read entry by entry.
+#[derive(Debug, Default, Deserialize)]
+struct NncObject {
+    #[serde(default, deserialize_with = "lenient_field")]
+    metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "lenient_field")]
+    spec: NncSpec,
+    #[serde(default, deserialize_with = "lenient_field")]
+    status: NncStatus,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NncSpec {
+    #[serde(default)]
+    allocations: Capped<Allocation, MAX_ENTRIES>,
+    #[serde(rename = "releasableCIDRs", default)]
+    releasable_cidrs: Capped<PodCidrEntry, MAX_ENTRIES>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NncStatus {
+    #[serde(rename = "podCIDRs", default)]
+    pod_cidrs: Capped<PodCidrEntry, MAX_ENTRIES>,
+    #[serde(default)]
+    conditions: Capped<Condition, MAX_ENTRIES>,
+}
+
+/// A Node as read: the fields Metis uses.
+#[derive(Debug, Default, Deserialize)]
+struct NodeObject {
+    #[serde(default, deserialize_with = "lenient_field")]
+    spec: NodeSpec,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NodeSpec {
+    #[serde(rename = "podCIDRs", default)]
+    pod_cidrs: Capped<String, MAX_ENTRIES>,
+    #[serde(rename = "podCIDR", default, deserialize_with = "lenient_field")]
+    pod_cidr: Option<String>,
+}
+
 impl Nnc {
     /// Parses the resource; malformed parts are skipped rather than fatal,
     /// since the cloud controller owns the status.
     pub fn parse(value: &Value) -> Nnc {
-        let meta: ObjectMeta = lenient(&value["metadata"]);
-        let (spec, status) = (&value["spec"], &value["status"]);
-        let (allocations, long_allocations) =
-            entries::<Allocation>(&spec["allocations"], MAX_ENTRIES);
-        let (releasable, long_releasable) =
-            entries::<PodCidrEntry>(&spec["releasableCIDRs"], MAX_ENTRIES);
-        let (entries_read, long_status) = entries::<PodCidrEntry>(&status["podCIDRs"], MAX_ENTRIES);
-        let (conditions, _) = entries::<Condition>(&status["conditions"], MAX_ENTRIES);
+        let NncObject {
+            metadata: meta,
+            spec,
+            status,
+        } = lenient(value);
+        let conditions = status.conditions.items;
         let generation = meta.generation;
         let ready = conditions
             .iter()
@@ -263,19 +304,28 @@ impl Nnc {
             .map_or(QuotaEnd::Unsaid, QuotaEnd::of);
         Nnc {
             meta: Meta::parse(value),
+            truncated: spec.allocations.truncated
+                || spec.releasable_cidrs.truncated
+                || status.pod_cidrs.truncated,
             serving: meta
                 .annotations
                 .get(SERVING_ANNOTATION)
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_string(),
-            allocations: allocations
+            allocations: spec
+                .allocations
+                .items
                 .into_iter()
                 .map(|a| (network_or_default(Some(&a.network)), a.pods))
                 .collect(),
-            releasable,
-            pod_cidrs: entries_read.iter().filter_map(StatusCidr::parse).collect(),
-            truncated: long_allocations || long_releasable || long_status,
+            releasable: spec.releasable_cidrs.items,
+            pod_cidrs: status
+                .pod_cidrs
+                .items
+                .iter()
+                .filter_map(StatusCidr::parse)
+                .collect(),
             generation,
             quota_exceeded,
             quota_until,
@@ -301,15 +351,16 @@ pub struct Node {
 
 impl Node {
     pub fn parse(node: &Value) -> Node {
-        let pod_cidrs = list(&node["spec"]["podCIDRs"])
-            .filter_map(|cidr| cidr.as_str().map(str::to_string))
-            .chain(node["spec"]["podCIDR"].as_str().map(str::to_string))
-            .fold(Vec::new(), |mut all, cidr| {
+        let NodeObject { spec } = lenient(node);
+        let pod_cidrs = spec.pod_cidrs.items.into_iter().chain(spec.pod_cidr).fold(
+            Vec::new(),
+            |mut all, cidr| {
                 if !all.contains(&cidr) {
                     all.push(cidr);
                 }
                 all
-            });
+            },
+        );
         Node {
             meta: Meta::parse(node),
             pod_cidrs,
@@ -321,10 +372,8 @@ impl Node {
 /// for equality only, never ordered (see docs/design.md, "Following the
 /// control plane").
 pub fn resource_version(value: &Value) -> String {
-    value["metadata"]["resourceVersion"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
+    let Metadata { metadata } = lenient(value);
+    metadata.resource_version
 }
 
 /// A network's name as an entry gives it: empty or missing is the
@@ -334,10 +383,6 @@ fn network_or_default(network: Option<&str>) -> String {
         .filter(|n| !n.is_empty())
         .unwrap_or(DEFAULT_NETWORK)
         .to_string()
-}
-
-fn list(value: &Value) -> impl Iterator<Item = &Value> {
-    value.as_array().into_iter().flatten().take(MAX_ENTRIES)
 }
 
 /// Makes sure this node's NodeNetworkConfig exists, created with the Node
@@ -419,12 +464,6 @@ impl NncPatch {
             },
         })
     }
-}
-
-/// A body as JSON. The types written have string keys only, so this
-/// cannot fail; `null` would be refused by the API server if it did.
-fn to_json(body: &impl serde::Serialize) -> Value {
-    serde_json::to_value(body).unwrap_or(Value::Null)
 }
 
 #[cfg(test)]
@@ -591,6 +630,13 @@ mod tests {
         assert_eq!(nnc.pod_cidrs.len(), MAX_ENTRIES);
         assert!(nnc.truncated);
         assert!(!Nnc::parse(&json!({"status": {"podCIDRs": []}})).truncated);
+        // Parts of the wrong shape read as empty; the rest stands.
+        let odd = Nnc::parse(&json!({"metadata": {"name": "n", "generation": "1"},
+            "spec": {"allocations": {"pods": 3}, "releasableCIDRs": [{"cidr": "198.18.0.0/28"}]},
+            "status": "text"}));
+        assert_eq!((odd.meta.name.as_str(), odd.generation), ("n", 0));
+        assert!(odd.allocations.is_empty() && odd.pod_cidrs.is_empty());
+        assert_eq!(odd.releasable.len(), 1);
     }
 
     #[test]
@@ -601,6 +647,16 @@ mod tests {
         assert_eq!(parsed.pod_cidrs, vec!["198.18.0.0/24", "2001:db8::/64"]);
         assert_eq!(parsed.meta.uid, "u1");
         assert!(Node::parse(&json!({})).pod_cidrs.is_empty());
+        // A field of the wrong type costs that field alone.
+        let odd = json!({"metadata": {"name": "n1", "uid": 3},
+            "spec": {"podCIDR": 7, "podCIDRs": ["198.18.0.0/24", 5]}});
+        let parsed = Node::parse(&odd);
+        assert_eq!(parsed.pod_cidrs, vec!["198.18.0.0/24"]);
+        assert_eq!(
+            (parsed.meta.name.as_str(), parsed.meta.uid.as_str()),
+            ("n1", "")
+        );
+        assert!(Node::parse(&json!({"spec": "x"})).pod_cidrs.is_empty());
         let namespaced = json!({"metadata": {"name": "n1", "namespace": "kube-system"}});
         assert!(!Meta::parse(&namespaced).is_of_node("n1"));
     }

@@ -1,5 +1,6 @@
-//! The NodeNetworkConfig (`networking.gke.io/v1`) as serde types: the
-//! fields Metis reads and writes, shared by the daemon and the controller.
+//! Kubernetes objects as serde types — the NodeNetworkConfig
+//! (`networking.gke.io/v1`) and the coordination Lease: the fields Metis
+//! reads and writes, shared by the daemon and the controller.
 //! Every type keeps the fields it does not name (`rest`), so an object or
 //! entry written back (a PodCIDR echoed into `releasableCIDRs`) is exactly
 //! what was read. Reading is lenient where the cloud owns the data: each
@@ -17,7 +18,7 @@ pub const NNC_KIND: &str = "NodeNetworkConfig";
 
 /// Reads a field as `T`, or `T`'s default when it does not read: a
 /// malformed field of an object the cloud owns costs that field alone.
-fn lenient_field<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+pub fn lenient_field<'de, D, T>(deserializer: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: DeserializeOwned + Default,
@@ -80,6 +81,18 @@ pub struct ObjectMeta {
     #[serde(
         default,
         deserialize_with = "lenient_field",
+        skip_serializing_if = "Map::is_empty"
+    )]
+    pub labels: Map<String, Value>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub creation_timestamp: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
         skip_serializing_if = "Vec::is_empty"
     )]
     pub owner_references: Vec<OwnerReference>,
@@ -131,6 +144,8 @@ pub struct Condition {
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
     #[serde(flatten)]
     pub rest: Map<String, Value>,
 }
@@ -175,10 +190,119 @@ pub fn entries<T: DeserializeOwned>(list: &Value, cap: usize) -> (Vec<T>, bool) 
     (read, all.len() > cap)
 }
 
+/// A list read entry by entry ([`entries`]): at most `CAP` entries that
+/// read as `T`, and whether the list held more. Not a list: empty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Capped<T, const CAP: usize> {
+    pub items: Vec<T>,
+    pub truncated: bool,
+}
+
+impl<T, const CAP: usize> Default for Capped<T, CAP> {
+    fn default() -> Self {
+        Capped {
+            items: Vec::new(),
+            truncated: false,
+        }
+    }
+}
+
+impl<'de, T: DeserializeOwned, const CAP: usize> Deserialize<'de> for Capped<T, CAP> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let (items, truncated) = entries(&Value::deserialize(deserializer)?, CAP);
+        Ok(Capped { items, truncated })
+    }
+}
+
+/// A LIST answer: its items, and its metadata (the version to watch from).
+#[derive(Debug, Default, Deserialize)]
+pub struct ObjectList {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub items: Vec<Value>,
+}
+
+impl ObjectList {
+    /// `list` read, taken (its items are moved, not copied); a list of
+    /// the wrong shape is empty.
+    pub fn read(list: Value) -> ObjectList {
+        serde_json::from_value(list).unwrap_or_default()
+    }
+}
+
+/// A `Status` object (an API error, an `ERROR` watch event).
+#[derive(Debug, Default, Deserialize)]
+pub struct ApiStatus {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub code: u64,
+}
+
+/// An object's metadata, the rest of it left unread.
+#[derive(Debug, Default, Deserialize)]
+pub struct Metadata {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+}
+
 /// `value` read as `T`, or `T`'s default when it does not read (the cloud
 /// owns the object: a malformed part is not fatal).
 pub fn lenient<T: DeserializeOwned + Default>(value: &Value) -> T {
     T::deserialize(value).unwrap_or_default()
+}
+
+/// A `coordination.k8s.io/v1` Lease, read and written back whole.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub spec: LeaseSpec,
+    /// `apiVersion`, `kind` and whatever else the object holds.
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A Lease's `spec`; a malformed field reads as missing.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseSpec {
+    /// Empty or missing: the Lease is free.
+    #[serde(default, deserialize_with = "lenient_field")]
+    pub holder_identity: String,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lease_duration_seconds: Option<u64>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub acquire_time: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub renew_time: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "lenient_field",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub lease_transitions: Option<i64>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A body as JSON. The types written have string keys only, so this
+/// cannot fail; `null` would be refused by the API server if it did.
+pub fn to_json(body: &impl Serialize) -> Value {
+    serde_json::to_value(body).unwrap_or(Value::Null)
 }
 
 /// The body of a NodeNetworkConfig's creation.
@@ -263,6 +387,53 @@ mod tests {
         assert_eq!(odd.condition, Some(Condition::default()));
         let none: PodCidrEntry = lenient(&json!({"cidr": "198.18.0.0/28", "condition": null}));
         assert_eq!(none.condition, None);
+    }
+
+    #[test]
+    fn a_lease_keeps_unknown_fields_through_a_read_modify_write() {
+        let read = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "l", "resourceVersion": "4", "labels": {"a": "b"}},
+            "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15,
+                     "preferredHolder": "b", "strategy": "OldestEmulationVersion"}});
+        let mut lease: Lease = lenient(&read);
+        assert_eq!(lease.spec.lease_duration_seconds, Some(15));
+        lease.spec.holder_identity = String::new();
+        let mut expected = read.clone();
+        expected["spec"]["holderIdentity"] = json!("");
+        assert_eq!(serde_json::to_value(&lease).unwrap(), expected);
+        // A malformed field reads as missing, the rest of the Lease stands.
+        let odd: Lease = lenient(&json!({"spec": {"holderIdentity": 7, "leaseTransitions": 2}}));
+        assert_eq!(
+            (
+                odd.spec.holder_identity.as_str(),
+                odd.spec.lease_transitions
+            ),
+            ("", Some(2))
+        );
+        let none: Lease = lenient(&json!({"spec": "x", "metadata": 3}));
+        assert_eq!(none, Lease::default());
+    }
+
+    #[test]
+    fn a_capped_list_skips_what_does_not_read_and_says_it_was_cut() {
+        let read: Capped<String, 2> = lenient(&json!(["a", 7, "b"]));
+        assert_eq!((read.items, read.truncated), (vec!["a".to_string()], true));
+        let none: Capped<String, 2> = lenient(&json!({"a": 1}));
+        assert_eq!(none, Capped::default());
+        let meta: Metadata = lenient(&json!({"metadata": {"resourceVersion": "3"}, "spec": 1}));
+        assert_eq!(meta.metadata.resource_version, "3");
+        let list = ObjectList::read(json!({"metadata": {"resourceVersion": "9"},
+                                           "items": [{"a": 1}, "b"]}));
+        assert_eq!(
+            (list.metadata.resource_version.as_str(), list.items.len()),
+            ("9", 2)
+        );
+        let odd = ObjectList::read(json!({"metadata": 5, "items": []}));
+        assert_eq!(odd.metadata, ObjectMeta::default());
+        assert!(ObjectList::read(json!({"items": "x"})).items.is_empty());
+        let status: ApiStatus = lenient(&json!({"kind": "Status", "code": 410}));
+        assert_eq!(status.code, 410);
+        assert_eq!(lenient::<ApiStatus>(&json!({"code": "gone"})).code, 0);
     }
 
     #[test]

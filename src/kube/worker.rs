@@ -14,6 +14,7 @@ use super::backoff::{ApiTiming, Backoff};
 use super::client::{ApiClient, KubeError, WatchEvent};
 use super::follow::StreamGuard;
 use super::nnc::{self, Kind, Meta, Nnc, NncPatch, Node};
+use super::objects::{ApiStatus, ObjectList, lenient};
 use crate::log;
 
 /// What the API threads tell the loop.
@@ -366,17 +367,17 @@ impl Watcher<'_> {
     /// version to watch from (`None`: the loop is gone).
     fn list(&self, stream: &mut StreamGuard) -> Result<Option<String>, KubeError> {
         let (client, node, kind) = (self.client, self.node, self.kind);
-        let mut list = client.get(&kind.list_path(node))?;
+        let mut list = ObjectList::read(client.get(&kind.list_path(node))?);
         let epoch = stream.new_epoch();
-        if kind == Kind::Nnc && !stream.any_ours(items(&list)) {
+        if kind == Kind::Nnc && !stream.any_ours(&list.items) {
             nnc::ensure(client, node, &self.serving.get())?;
-            list = client.get(&kind.list_path(node))?;
-            if !stream.any_ours(items(&list)) {
+            list = ObjectList::read(client.get(&kind.list_path(node))?);
+            if !stream.any_ours(&list.items) {
                 return Err(KubeError::Decode("NodeNetworkConfig vanished".into()));
             }
         }
         let mut found = false;
-        for item in items(&list) {
+        for item in &list.items {
             let meta = Meta::parse(item);
             if !stream.is_ours(&meta) {
                 continue;
@@ -390,7 +391,7 @@ impl Watcher<'_> {
         if !found && !self.send.send(KubeEvent::Gone { epoch }) {
             return Ok(None);
         }
-        Ok(Some(nnc::resource_version(&list)))
+        Ok(Some(list.metadata.resource_version))
     }
 
     fn forward(&self, object: &Value, epoch: u64) -> bool {
@@ -424,14 +425,10 @@ pub fn needs_relist(err: &KubeError) -> bool {
 /// The error an `ERROR` event of a watch carries (a `Status` object).
 pub fn watch_error(status: &Value) -> KubeError {
     KubeError::Status {
-        code: u16::try_from(status["code"].as_u64().unwrap_or(0)).unwrap_or(0),
+        code: u16::try_from(lenient::<ApiStatus>(status).code).unwrap_or(0),
         body: status.to_string(),
         retry_after: None,
     }
-}
-
-fn items(list: &Value) -> &[Value] {
-    list["items"].as_array().map_or(&[], Vec::as_slice)
 }
 
 /// Consecutive conflicts after which a 409 storm is reported (health
