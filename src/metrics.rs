@@ -14,8 +14,8 @@ use std::thread;
 use std::time::Duration;
 
 use crate::log;
+use crate::store::Healed;
 use crate::store::Store;
-use crate::store::rollback::Healed;
 
 /// Upper bounds (seconds) of the request latency histogram.
 const LATENCY_BUCKETS: [f64; 14] = [

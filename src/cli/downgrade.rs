@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::Path;
 
 use crate::flags::{self, FlagSpec};
-use crate::store::downgrade::{self, FileKind};
+use crate::store::upkeep::downgrade::{self, FileKind};
 use crate::store::{Store, StoreOptions};
 
 const FLAGS: &[FlagSpec] = &[flags::db_path_flag(
@@ -58,13 +58,13 @@ fn downgrade_file(path: &Path, out: &mut dyn Write) -> Result<(), String> {
         FileKind::Metis => {}
     }
     // Held until the end: a daemon started meanwhile waits for it.
-    let _ownership = crate::store::ownership::try_hold(path)
-        .map_err(|e| format!("cannot lock {}: {e}", crate::store::ownership::lock_path(path).display()))?
+    let _ownership = crate::store::db::ownership::try_hold(path)
+        .map_err(|e| format!("cannot lock {}: {e}", crate::store::db::ownership::lock_path(path).display()))?
         .ok_or_else(|| {
             format!(
                 "a daemon holds this database (its lock {} is taken); stop the daemon \
                  (remove the DaemonSet's pod from the node) and run this again; nothing was changed",
-                crate::store::ownership::lock_path(path).display()
+                crate::store::db::ownership::lock_path(path).display()
             )
         })?;
     let mut store = Store::open(path, &StoreOptions::default()).map_err(|e| e.to_string())?;

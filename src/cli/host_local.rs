@@ -7,7 +7,7 @@
 //! while the daemon runs, exactly as direct mode is) and under host-local's
 //! lock, through the same engine a plugin in direct mode uses. Both
 //! register host-local's directory, which makes Metis co-write it while it
-//! exists (see [`crate::store::co_writer`]): so either plugin may serve the
+//! exists (see [`crate::store::db::co_writer`]): so either plugin may serve the
 //! network during the switch. Going through the daemon would add a wire
 //! message for a one-off operation and fail when the daemon is down, which
 //! is exactly when an operator may want to import.
@@ -23,7 +23,7 @@ use crate::cni::plugin::ip_config;
 use crate::engine::Engine;
 use crate::flags::{self, FlagSpec};
 use crate::host_local_dir::{self, DirError, Held, Lock};
-use crate::store::{self, AddressFilter, Source, Store, StoreOptions, co_writer};
+use crate::store::{self, AddressFilter, Source, Store, StoreOptions, db::co_writer};
 use crate::wire::ipam;
 
 const FLAGS: &[FlagSpec] = &[

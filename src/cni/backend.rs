@@ -168,13 +168,13 @@ fn holds_files(dir: &Path) -> bool {
 /// (`daemon::restore`), and an empty one made here would hand its pods'
 /// addresses out again.
 fn refuse_a_deleted_database(db_path: &Path) -> Result<(), CniError> {
-    if !db_path.exists() && store::ownership::database_owned(db_path) {
+    if !db_path.exists() && store::db::ownership::database_owned(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing while its daemon runs; the daemon restores it, retry",
             db_path.display()
         )));
     }
-    if store::ownership::restore_interrupted(db_path) {
+    if store::db::ownership::restore_interrupted(db_path) {
         return Err(CniError::try_again_later(format!(
             "the database {} is missing and a restore of it was interrupted; start the \
              daemon to finish it",
@@ -243,7 +243,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // After the answer is settled: a failed checkpoint loses nothing.
     if let Err(err) = engine
         .store()
-        .trim_wal(|| store::ownership::database_owned(db_path))
+        .trim_wal(|| store::db::ownership::database_owned(db_path))
     {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }

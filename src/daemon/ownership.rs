@@ -17,7 +17,7 @@ use nix::sys::signalfd::SignalFd;
 
 use super::DaemonError;
 use crate::log;
-use crate::store::ownership::{Ownership, lock_path, open_lock_file};
+use crate::store::db::ownership::{Ownership, lock_path, open_lock_file};
 
 /// The database's lock file, open but not yet locked: opened first, so that
 /// a database directory the daemon cannot write is reported as such.
@@ -155,7 +155,7 @@ fn record_pid(file: &mut File) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::ownership::database_owned;
+    use crate::store::db::ownership::database_owned;
 
     #[test]
     fn owned_only_while_the_lock_is_held() {

@@ -30,7 +30,7 @@ use super::checkpoints::defer_checkpoints;
 use crate::engine::Engine;
 use crate::log;
 use crate::metrics::Metrics;
-use crate::store::ownership::{RESTORING, restore_interrupted};
+use crate::store::db::ownership::{RESTORING, restore_interrupted};
 use crate::store::{Checkpointer, Store, StoreOptions};
 
 /// Keeps the daemon's database at its path.

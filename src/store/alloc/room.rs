@@ -1,7 +1,7 @@
 //! STATUS's question about the blocks a network already has: would an ADD
 //! of a new owner be handed an address from them now? Answered read-only
 //! by walking what [`Store::allocate_under`] walks, in its order, through
-//! the same hand-out check ([`super::fit_row`]): the populated free
+//! the same hand-out check ([`crate::store::alloc::allocate::fit_row`]): the populated free
 //! rows of the servable Ready blocks, then what their growth would add,
 //! then (IPv4) the Draining block exhaustion takes back. So a row the
 //! check passes over — the gateway a live result names, an address held
@@ -11,11 +11,13 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::super::block::{GROWTH_BATCH, UNDRAINABLE_SQL, block_reserved, frontier};
-use super::super::handout::InForce;
-use super::super::{ReserveMode, Store, StoreError, parse_cidr};
-use super::{CLAIM_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row};
 use crate::cidr::{Cidr, Family};
+use crate::store::alloc::allocate::{
+    CLAIM_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row,
+};
+use crate::store::db::{ReserveMode, Store, StoreError, parse_cidr};
+use crate::store::rows::block::{GROWTH_BATCH, UNDRAINABLE_SQL, block_reserved, frontier};
+use crate::store::rows::handout::InForce;
 
 impl Store {
     /// `Ok(())` when an allocation of `family` in `network` under `conf`
@@ -76,7 +78,7 @@ const WITH_ROOM_SQL: &str =
     "SELECT id, cidr FROM cidr_blocks WHERE id = ?1 AND total_ips > allocated_ips";
 
 /// Whether an allocation would find an address in `candidates`: the
-/// servable ones ([`super::super::gateway::servable`]) the block check passes,
+/// servable ones ([`crate::store::layout::gateway::servable`]) the block check passes,
 /// their free rows first, then their growth.
 fn has_room(
     conn: &Connection,
@@ -84,14 +86,8 @@ fn has_room(
     candidates: Vec<(i64, Cidr)>,
     now_ms: i64,
 ) -> Result<bool, StoreError> {
-    let (servable, _) = super::super::gateway::servable(
-        conn,
-        judge.mode,
-        judge.network,
-        judge.in_force(),
-        judge.space(),
-        candidates,
-    )?;
+    let (servable, _) =
+        crate::store::layout::gateway::servable(conn, judge.gateway_rule(), candidates)?;
     let mut blocks = Vec::with_capacity(servable.len());
     for (id, cidr) in servable {
         if judge.block(conn, id, &cidr)? {
@@ -112,7 +108,7 @@ fn has_room(
 }
 
 /// Whether a populated free, non-cooling row of block `id` passes the
-/// hand-out check (the rows [`super::claim`] walks).
+/// hand-out check (the rows [`crate::store::alloc::allocate::claim`] walks).
 fn free_row_fits(
     conn: &Connection,
     judge: &mut Judge,

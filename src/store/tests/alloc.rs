@@ -832,7 +832,7 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
         )
         .unwrap();
     let named: Option<String> = rusqlite::OptionalExtension::optional(store.conn.query_row(
-        crate::store::named_gateway::NAMING_SQL,
+        crate::store::rows::named_gateway::NAMING_SQL,
         rusqlite::params!["198.18.40.6", "pods", false],
         |r| r.get(0),
     ))

@@ -8,7 +8,7 @@ use rusqlite::params;
 use super::rollback::{upstream_allocate, upstream_expand};
 use super::*;
 use crate::cidr::Bounds;
-use crate::store::repair;
+use crate::store::upkeep::repair;
 use crate::testutil::Rng;
 
 /// Opens as direct mode does (or with a reserve mode, as a daemon does)
@@ -294,27 +294,27 @@ fn a_skipped_healing_never_had_anything_to_do_whoever_wrote_between_opens() {
 #[test]
 fn an_open_skips_healing_while_only_requests_wrote_since_it_last_ran() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     assert_eq!(store.healing(), Healing::Ran);
     store
         .configure(Source::Cni, "n", Family::V4, &[cidr(V4[0])], false, NOW)
         .unwrap();
     drop(store);
     // The block (and its rows) was added since: healed again, then stamped.
-    assert_eq!(open(&dir.db()).healing(), Healing::Ran);
-    let mut store = open(&dir.db());
+    assert_eq!(dir.store().healing(), Healing::Ran);
+    let mut store = dir.store();
     assert_eq!(store.healing(), Healing::Skipped);
     let held = alloc(&mut store, "n", "pod", Family::V4, NOW);
     drop(store);
     upstream_allocate(&raw(&dir.db()), "n", "ipv4", "up", NOW).unwrap();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     assert_eq!(store.healing(), Healing::Skipped);
     assert_eq!(store.check("n", "pod", "eth0").unwrap()[0].address, held);
     store.release("n", "pod", "eth0", NOW).unwrap();
     drop(store);
-    assert_eq!(open(&dir.db()).healing(), Healing::Skipped);
+    assert_eq!(dir.store().healing(), Healing::Skipped);
     // A daemon asking for another reservation mode heals at once.
-    let store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+    let store = store_mode(&dir, ReserveMode::FirstBlock);
     assert_eq!(store.healing(), Healing::Ran);
 }
 
@@ -365,7 +365,7 @@ fn every_other_write_the_healing_looks_at_makes_the_next_open_heal() {
     ];
     for (what, sql) in writes {
         let dir = TempDir::new();
-        let mut store = open(&dir.db());
+        let mut store = dir.store();
         store
             .configure(Source::Cni, "n", Family::V4, &[cidr(V4[1])], false, NOW)
             .unwrap();
@@ -375,9 +375,9 @@ fn every_other_write_the_healing_looks_at_makes_the_next_open_heal() {
             .configure(Source::Cni, "n", Family::V4, &[cidr(V4[0])], false, NOW)
             .unwrap();
         drop(store);
-        assert_eq!(open(&dir.db()).healing(), Healing::Ran, "{what}");
-        assert_eq!(open(&dir.db()).healing(), Healing::Skipped, "{what}");
+        assert_eq!(dir.store().healing(), Healing::Ran, "{what}");
+        assert_eq!(dir.store().healing(), Healing::Skipped, "{what}");
         raw(&dir.db()).execute_batch(sql).unwrap();
-        assert_eq!(open(&dir.db()).healing(), Healing::Ran, "{what}");
+        assert_eq!(dir.store().healing(), Healing::Ran, "{what}");
     }
 }

@@ -1,4 +1,5 @@
 //! The store's unit tests, by concern, and the helpers they share.
+//! Convention: a store comes from a `TempDir` (`dir.store()`, `dir.store_with_cooldown(ms)`, `store_mode(&dir, mode)`, or `store_with(blocks)` holding blocks); `Store::open` by hand only where the path or the options are the point; every shared helper lives here.
 
 mod alloc;
 mod batch;
@@ -19,10 +20,13 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::time::Duration;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 use super::*;
+use crate::cidr::{Cidr, Family};
+use crate::store::db::*;
 
 const NOW: i64 = 1_700_000_000_000;
 
@@ -36,17 +40,9 @@ fn opts(reserve: Option<ReserveMode>, release_cooldown: Option<i64>) -> StoreOpt
     }
 }
 
-fn open(path: &Path) -> Store {
-    Store::open(path, &opts(None, None)).unwrap()
-}
-
-fn open_mode(path: &Path, mode: ReserveMode) -> Store {
-    Store::open(path, &opts(Some(mode), None)).unwrap()
-}
-
-/// A store whose released addresses rest for `cooldown_ms`.
-fn open_cooling(path: &Path, cooldown_ms: i64) -> Store {
-    Store::open(path, &opts(None, Some(cooldown_ms))).unwrap()
+/// `dir`'s store opened with reservation mode `mode` (stored if different).
+fn store_mode(dir: &TempDir, mode: ReserveMode) -> Store {
+    Store::open(&dir.db(), &opts(Some(mode), None)).unwrap()
 }
 
 /// Adds blocks (network, cidr) in order: block ids 1, 2, … on a new store.

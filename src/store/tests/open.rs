@@ -7,7 +7,7 @@ use super::*;
 fn schema_objects_are_exact() {
     let dir = TempDir::new();
     let path = dir.0.join("nested/dir/metis.sqlite");
-    let store = open(&path);
+    let store = Store::open(&path, &StoreOptions::default()).unwrap();
     let conn = &store.conn;
 
     let mut objects: Vec<(String, String)> = conn
@@ -216,7 +216,7 @@ fn two_stores_allocate_concurrently() {
         .map(|t| {
             let path = dir.db();
             std::thread::spawn(move || {
-                let mut store = open(&path);
+                let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
                 (0..100)
                     .map(|i| {
                         alloc(
@@ -320,7 +320,7 @@ fn release_cooldown_is_settled_at_open() {
     let store = dir.store_with_cooldown(0);
     assert_eq!(
         store
-            .setting(schema::KEY_RELEASE_COOLDOWN)
+            .setting(db::schema::KEY_RELEASE_COOLDOWN)
             .unwrap()
             .as_deref(),
         Some("0")
@@ -353,7 +353,7 @@ fn an_open_beside_another_opener_of_a_new_file_waits_for_it() {
     );
     let mut maker = Some(maker);
     let mut attempts = 0;
-    let store = super::super::busy::patiently("test", Duration::from_secs(60), || {
+    let store = crate::store::db::busy::patiently("test", Duration::from_secs(60), || {
         attempts += 1;
         let attempt = Store::open_once(&path, &opts, Vec::new());
         // The other opener finishes once this one has met its lock.

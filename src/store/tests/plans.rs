@@ -10,7 +10,7 @@ fn claim_query_uses_partial_index() {
         .conn
         .prepare(&format!(
             "EXPLAIN QUERY PLAN {}",
-            crate::store::alloc::CLAIM_SQL
+            crate::store::alloc::allocate::CLAIM_SQL
         ))
         .unwrap()
         .query_map([1, 2, 0], |r| r.get::<_, String>(3))
@@ -34,7 +34,7 @@ fn cached_statements_are_not_reprepared() {
     }
     let claim = store
         .conn
-        .prepare_cached(crate::store::alloc::CLAIM_SQL)
+        .prepare_cached(crate::store::alloc::allocate::CLAIM_SQL)
         .unwrap();
     assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0);
 }
@@ -43,7 +43,7 @@ fn cached_statements_are_not_reprepared() {
 fn allocation_path_never_scans_the_address_table() {
     let dir = TempDir::new();
     let store = dir.store();
-    for sql in crate::store::alloc::ALLOCATION_PATH {
+    for sql in crate::store::alloc::allocate::ALLOCATION_PATH {
         let mut stmt = store
             .conn
             .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))

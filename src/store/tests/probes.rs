@@ -11,12 +11,12 @@
 use rusqlite::{OptionalExtension, Row, params};
 
 use super::*;
-use crate::store::alloc::{candidates_of, held, held_in_any_network, taken_elsewhere};
-use crate::store::block::HeldRow;
-use crate::store::free::{Holder, allocated_elsewhere};
-use crate::store::gateway::{HELD_GATEWAY_IN_NETWORK_SQL, HELD_GATEWAY_SQL};
-use crate::store::layout::{Placed, Source, parse_sources, placed, sweepable, wanted};
-use crate::store::named_gateway::{NAMED_AT_ALL_SQL, NAMING_SQL, record, record_taken};
+use crate::store::alloc::allocate::{candidates_of, held, held_in_any_network, taken_elsewhere};
+use crate::store::layout::blocks::{Placed, Source, parse_sources, placed, sweepable, wanted};
+use crate::store::layout::gateway::{HELD_GATEWAY_IN_NETWORK_SQL, HELD_GATEWAY_SQL};
+use crate::store::rows::block::HeldRow;
+use crate::store::rows::free::{Holder, allocated_elsewhere};
+use crate::store::rows::named_gateway::{NAMED_AT_ALL_SQL, NAMING_SQL, record, record_taken};
 use crate::testutil::Rng;
 
 const OLD_HELD_SQL: &str = "SELECT a.id, a.address, b.id, b.cidr FROM ip_addresses a \
@@ -340,7 +340,7 @@ fn old_sweepable_ids(conn: &Connection, network: &str, family: Family) -> Vec<i6
         .query_map(params![network, family.as_str()], |r| r.get(0))
         .unwrap()
         .map(Result::unwrap)
-        .filter(|id| !crate::store::layout::in_use(conn, *id, NOW).unwrap())
+        .filter(|id| !crate::store::layout::blocks::in_use(conn, *id, NOW).unwrap())
         .collect()
 }
 
@@ -369,13 +369,13 @@ fn old_taken_elsewhere(
     isolated: bool,
     block_id: i64,
     address: IpAddr,
-) -> Result<Option<crate::store::handout::Unfit>, StoreError> {
+) -> Result<Option<crate::store::rows::handout::Unfit>, StoreError> {
     let held = conn
         .query_row(
             OLD_HELD_ELSEWHERE_SQL,
             params![address.to_string(), block_id, network, isolated],
             |r| {
-                Ok(crate::store::handout::Unfit::HeldElsewhere {
+                Ok(crate::store::rows::handout::Unfit::HeldElsewhere {
                     container_id: r.get(0)?,
                     interface_name: r.get(1)?,
                     network: r.get(2)?,
@@ -386,7 +386,7 @@ fn old_taken_elsewhere(
         .optional()?;
     match held {
         Some(unfit) => Ok(Some(unfit)),
-        None => crate::store::named_gateway::naming(conn, network, isolated, address),
+        None => crate::store::rows::named_gateway::naming(conn, network, isolated, address),
     }
 }
 

@@ -61,7 +61,7 @@ fn second_block_reservation_depends_on_mode() {
         assert_eq!(block(&store, 2).allocated_ips, 3);
     }
     let dir2 = TempDir::new();
-    let mut store = open_mode(&dir2.db(), ReserveMode::FirstBlock);
+    let mut store = store_mode(&dir2, ReserveMode::FirstBlock);
     assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
     store
         .add_cidr_block("default", &cidr("2001:db8::/120"))
@@ -91,10 +91,10 @@ fn second_block_reservation_depends_on_mode() {
     drop(store);
 
     // The stored mode persists; switching to EveryBlock repairs the layout.
-    let store = open(&dir2.db());
+    let store = dir2.store();
     assert_eq!(store.reserve_mode(), ReserveMode::FirstBlock);
     drop(store);
-    let store = open_mode(&dir2.db(), ReserveMode::EveryBlock);
+    let store = store_mode(&dir2, ReserveMode::EveryBlock);
     assert_eq!(reserved_addrs(&store, 3), vec!["198.18.2.1", "198.18.2.7"]);
     assert_eq!(reserved_addrs(&store, 1), vec!["2001:db8::1"]);
     assert_eq!(
@@ -118,7 +118,7 @@ fn second_block_reservation_depends_on_mode() {
     assert_counters(&store);
     drop(store);
     // And back: the stray reservations of the later blocks are freed.
-    let mut store = open_mode(&dir2.db(), ReserveMode::FirstBlock);
+    let mut store = store_mode(&dir2, ReserveMode::FirstBlock);
     assert!(reserved_addrs(&store, 3).is_empty());
     assert!(reserved_addrs(&store, 1).is_empty());
     assert_eq!(reserved_addrs(&store, 2).len(), 3);
@@ -169,7 +169,7 @@ fn a_mode_change_reserves_the_unpopulated_end_of_a_lazy_block() {
     // every-block must reserve its broadcast address, which has no row yet.
     let dir = TempDir::new();
     {
-        let mut store = open_mode(&dir.db(), ReserveMode::FirstBlock);
+        let mut store = store_mode(&dir, ReserveMode::FirstBlock);
         add_blocks(
             &mut store,
             &[("default", "198.18.0.0/16"), ("default", "198.19.0.0/16")],
@@ -177,7 +177,7 @@ fn a_mode_change_reserves_the_unpopulated_end_of_a_lazy_block() {
         assert_eq!(block(&store, 2).allocated_ips, 0);
         assert_eq!(rows(&store, 2).len(), 64);
     }
-    let store = open_mode(&dir.db(), ReserveMode::EveryBlock);
+    let store = store_mode(&dir, ReserveMode::EveryBlock);
     assert_eq!(
         reserved_addrs(&store, 2),
         vec!["198.19.0.0", "198.19.0.1", "198.19.255.255"]

@@ -131,7 +131,7 @@ fn v6_range(store: &mut Store, network: &str, prefix: &str, start: &str, end: &s
 #[test]
 fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     let (old, new) = (cidr("198.18.12.0/28"), cidr("198.18.13.0/28"));
     store
         .configure(Source::Cni, "n", Family::V4, &[old], false, NOW)
@@ -213,8 +213,8 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     assert_eq!(state(&store, retired), "Ready");
     drop(store);
     assert_eq!(
-        open(&dir.db()).rollback_repairs(),
-        super::super::rollback::Healed::default()
+        dir.store().rollback_repairs(),
+        crate::store::Healed::default()
     );
 }
 
@@ -233,7 +233,7 @@ fn a_quarantined_block_is_withheld_until_its_quarantine_lifts() {
 #[test]
 fn rows_upstream_expanded_past_range_end_are_reserved_and_never_handed_out_again() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     v6_range(
         &mut store,
         "v6",
@@ -271,7 +271,7 @@ fn rows_upstream_expanded_past_range_end_are_reserved_and_never_handed_out_again
         ),
         "{report:?}"
     );
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     assert_eq!(store.rollback_repairs().rows_beyond_bounds, 57);
     // Metis continues with nothing beyond rangeEnd.
     assert!(
@@ -312,7 +312,7 @@ fn rows_upstream_expanded_past_range_end_are_reserved_and_never_handed_out_again
 #[test]
 fn rows_of_a_small_ipv6_block_upstream_added_later_are_removed_when_free() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     store
         .configure(
             Source::Cni,
@@ -358,7 +358,7 @@ fn rows_of_a_small_ipv6_block_upstream_added_later_are_removed_when_free() {
         let outside = upstream_allocate(&conn, "small", "ipv6", "up2", NOW).unwrap();
         assert_eq!(outside, "2001:db8:3::2");
     }
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     assert_eq!(store.rollback_repairs().rows_outside_prefix, 61);
     assert!(
         store
@@ -385,7 +385,7 @@ fn rows_of_a_small_ipv6_block_upstream_added_later_are_removed_when_free() {
 #[test]
 fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     // A bounded IPv4 /24 populated lazily, a pod in a block then retired,
     // a quarantined block, and a bounded IPv6 range.
     let wide = cidr("198.18.30.0/24");
@@ -453,7 +453,7 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
     // Idempotent.
     assert_eq!(
         store.downgrade(NOW).unwrap(),
-        downgrade::Downgraded::default()
+        upkeep::downgrade::Downgraded::default()
     );
     drop(store);
 
@@ -503,7 +503,7 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
 #[test]
 fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     let block = cidr("2001:db8:5::/64");
     let bounds = Bounds::new(
         &block,
@@ -549,7 +549,7 @@ fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
 #[test]
 fn bounds_narrowed_under_pods_are_a_note_that_blames_no_one() {
     let dir = TempDir::new();
-    let mut store = open(&dir.db());
+    let mut store = dir.store();
     let block = cidr("2001:db8:40::/124");
     store
         .configure(Source::Cni, "pods", Family::V6, &[block], false, NOW)
@@ -595,7 +595,7 @@ fn reopened_with_state(
         )
         .unwrap();
     drop(store);
-    let store = open(db);
+    let store = Store::open(db, &StoreOptions::default()).unwrap();
     assert_eq!(state(&store, id), "Withheld");
     assert!(
         store.open_warnings().iter().any(|w| w.contains(warning)),

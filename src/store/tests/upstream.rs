@@ -74,7 +74,7 @@ fn upstream_database_is_repaired_and_served() {
             .collect();
     }
 
-    let mut store = open_cooling(&path, 30_000);
+    let mut store = dir.store_with_cooldown(30_000);
     assert_eq!(store.reserve_mode(), ReserveMode::EveryBlock);
     assert_eq!(
         reserved_addrs(&store, 1),
@@ -188,7 +188,7 @@ fn upstream_database_is_repaired_and_served() {
     assert_counters(&store);
     drop(store);
     // Reopening finds nothing left to do.
-    let store = open(&path);
+    let store = dir.store();
     assert!(store.open_warnings().is_empty());
 }
 
@@ -220,14 +220,14 @@ fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
         "a read-only look wrote"
     );
 
-    let store = open(&path);
+    let store = dir.store();
     assert_eq!(store.release_cooldown(), 60_000);
     drop(store);
-    assert_eq!(open(&path).release_cooldown(), 60_000, "recorded");
-    assert_eq!(open_cooling(&path, 5_000).release_cooldown(), 5_000);
+    assert_eq!(dir.store().release_cooldown(), 60_000, "recorded");
+    assert_eq!(dir.store_with_cooldown(5_000).release_cooldown(), 5_000);
 
     let fresh = TempDir::new();
-    assert_eq!(open(&fresh.db()).release_cooldown(), 0, "Metis's own file");
+    assert_eq!(fresh.store().release_cooldown(), 0, "Metis's own file");
 }
 
 /// Upstream's `AddCIDR` (after a rollback) adds a block of network

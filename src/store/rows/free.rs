@@ -17,7 +17,7 @@
 
 use rusqlite::{Connection, params};
 
-use super::StoreError;
+use crate::store::db::StoreError;
 
 /// SQL: the row is free now (not allocated, not cooling at `$now`).
 macro_rules! free_now {
@@ -64,7 +64,7 @@ macro_rules! pod_held {
     };
 }
 
-pub(super) use {cooling, free_now, pod_held};
+pub(in crate::store) use {cooling, free_now, pod_held};
 
 /// For each row of address ?1: whether it is allocated in a block other
 /// than ?2 (in any block when ?2 is NULL), to a pod only when ?3. One
@@ -76,7 +76,7 @@ pub(super) use {cooling, free_now, pod_held};
 /// mode, which prepares every statement it runs) 3–4 times as much to
 /// prepare; they can answer only where this does, which on the allocation
 /// path is almost never.
-pub(super) const ALLOCATED_ELSEWHERE_SQL: &str = concat!(
+pub(in crate::store) const ALLOCATED_ELSEWHERE_SQL: &str = concat!(
     "SELECT is_allocated = 1 AND cidr_block_id IS NOT ?2 AND (?3 = 0 OR ",
     pod_held!(""),
     ") FROM ip_addresses WHERE address = ?1"
@@ -84,7 +84,7 @@ pub(super) const ALLOCATED_ELSEWHERE_SQL: &str = concat!(
 
 /// Whose allocation [`allocated_elsewhere`] looks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Holder {
+pub(in crate::store) enum Holder {
     /// A pod's or a reservation's.
     Any,
     /// A pod's ([`pod_held`]).
@@ -93,7 +93,7 @@ pub(super) enum Holder {
 
 /// [`ALLOCATED_ELSEWHERE_SQL`]: `address` allocated to `holder` in a block
 /// other than `except_block` (any block when `None`).
-pub(super) fn allocated_elsewhere(
+pub(in crate::store) fn allocated_elsewhere(
     conn: &Connection,
     address: &str,
     except_block: Option<i64>,
@@ -112,17 +112,17 @@ pub(super) fn allocated_elsewhere(
 
 /// What a requested-address check reads of one row.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct RowView {
-    pub(super) allocated: bool,
+pub(in crate::store) struct RowView {
+    pub(in crate::store) allocated: bool,
     /// The owner, or the last one of a free row (upstream keeps it).
-    pub(super) container_id: String,
-    pub(super) interface_name: String,
-    pub(super) release_at: Option<i64>,
+    pub(in crate::store) container_id: String,
+    pub(in crate::store) interface_name: String,
+    pub(in crate::store) release_at: Option<i64>,
 }
 
 /// Why a row is not free for someone.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Taken {
+pub(in crate::store) enum Taken {
     /// Allocated without an owner: network, gateway, broadcast or bounds.
     Reserved,
     /// A pod holds it.
@@ -133,7 +133,7 @@ pub(super) enum Taken {
 
 /// Whether `row` is free at `now_ms` for the owner (`container_id`,
 /// `interface_name`): [`free_now`] plus the last owner's exception.
-pub(super) fn availability(
+pub(in crate::store) fn availability(
     row: &RowView,
     container_id: &str,
     interface_name: &str,

@@ -1,5 +1,5 @@
 //! The gateways live results name (`metis_gateways`, see
-//! [`super::schema::GATEWAYS`]): two conflists of one network on one subnet
+//! [`crate::store::db::schema::GATEWAYS`]): two conflists of one network on one subnet
 //! with different gateways each hand out, as an ordinary address, the
 //! gateway the other's results name. Every result Metis returns records
 //! its gateway in the allocation's transaction; no hand-out takes an
@@ -12,14 +12,18 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::StoreError;
-use super::handout::Unfit;
+use crate::store::db::StoreError;
+use crate::store::rows::handout::Unfit;
 
 /// Records that the result returned for allocation row `row_id` names
-/// `gateway` ([`super::schema::GATEWAYS`]): the row's owner and
+/// `gateway` ([`crate::store::db::schema::GATEWAYS`]): the row's owner and
 /// `allocated_at` are copied from it, and records of an earlier allocation
 /// of the row (released by a writer that does not know the table) go.
-pub(super) fn record(conn: &Connection, row_id: i64, gateway: IpAddr) -> Result<(), StoreError> {
+pub(in crate::store) fn record(
+    conn: &Connection,
+    row_id: i64,
+    gateway: IpAddr,
+) -> Result<(), StoreError> {
     conn.prepare_cached(FORGET_STALE_SQL)?.execute([row_id])?;
     conn.prepare_cached(RECORD_NAMED_SQL)?
         .execute(params![row_id, gateway.to_string()])?;
@@ -34,7 +38,7 @@ pub(super) fn record(conn: &Connection, row_id: i64, gateway: IpAddr) -> Result<
 /// [`record`]'s copy from the row costs a one-request process (direct mode,
 /// which prepares every statement it runs) three times as much to
 /// prepare.
-pub(super) fn record_taken(
+pub(in crate::store) fn record_taken(
     conn: &Connection,
     row_id: i64,
     gateway: IpAddr,
@@ -63,7 +67,7 @@ const RECORD_TAKEN_SQL: &str = "INSERT OR IGNORE INTO metis_gateways \
 
 /// Forgets the gateways results for row `row_id` named: its allocation
 /// ends (DEL, GC, roll-back, boot recovery).
-pub(super) fn forget(conn: &Connection, row_id: i64) -> Result<(), StoreError> {
+pub(in crate::store) fn forget(conn: &Connection, row_id: i64) -> Result<(), StoreError> {
     conn.prepare_cached("DELETE FROM metis_gateways WHERE row_id = ?1")?
         .execute([row_id])?;
     Ok(())
@@ -72,7 +76,7 @@ pub(super) fn forget(conn: &Connection, row_id: i64) -> Result<(), StoreError> {
 /// The live result naming `address` as its gateway, in network `network`
 /// or, unless it is isolated, any network sharing the node's address space:
 /// `Unfit::NamedGateway`, else `None`.
-pub(super) fn naming(
+pub(in crate::store) fn naming(
     conn: &Connection,
     network: &str,
     isolated: bool,
@@ -117,13 +121,14 @@ const FORGET_STALE_SQL: &str = "DELETE FROM metis_gateways AS g WHERE g.row_id =
 
 /// Whether any record, live or not, names ?1 as a gateway: one probe of
 /// the gateway index.
-pub(super) const NAMED_AT_ALL_SQL: &str = "SELECT 1 FROM metis_gateways WHERE gateway = ?1 LIMIT 1";
+pub(in crate::store) const NAMED_AT_ALL_SQL: &str =
+    "SELECT 1 FROM metis_gateways WHERE gateway = ?1 LIMIT 1";
 
 /// A live record naming ?1 as a gateway — its row still the same
 /// allocation (allocated, same owner, same stamp) — in network ?2 or, unless
 /// ?3 (the asking network is isolated), any network not isolated: one probe
 /// of the gateway index, then the row by its primary key.
-pub(super) const NAMING_SQL: &str = "SELECT g.container_id, g.interface_name, b.network \
+pub(in crate::store) const NAMING_SQL: &str = "SELECT g.container_id, g.interface_name, b.network \
      FROM metis_gateways g JOIN ip_addresses a ON a.id = g.row_id \
        JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE g.gateway = ?1 AND a.is_allocated = 1 AND a.container_id = g.container_id \

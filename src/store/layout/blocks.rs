@@ -35,15 +35,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{
-    Quarantined, bounds_of, clear_quarantines, delete_block, ensure_record, frontier, insert_block,
-    parse_text, quarantine, quarantined, recount, set_frontier, settle, text_at,
-};
-use super::free::{cooling, pod_held};
-use super::{
+use crate::cidr::{self, Cidr, Family};
+use crate::store::db::{
     BlockState, ReserveMode, Store, StoreError, parse_addr, parse_cidr, parse_family, total_ips,
 };
-use crate::cidr::{self, Cidr, Family};
+use crate::store::rows::block::{
+    Quarantined, bounds_of, delete_block, ensure_record, frontier, insert_block, parse_text,
+    quarantined, set_frontier, settle, text_at,
+};
+use crate::store::rows::free::{cooling, pod_held};
 
 /// Where a block comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -85,21 +85,21 @@ impl Source {
 
 /// A block's sources as `metis_blocks.sources` stores them: names, comma
 /// separated. A name no release wrote is skipped.
-pub(super) fn parse_sources(text: &str) -> BTreeSet<Source> {
+pub(in crate::store) fn parse_sources(text: &str) -> BTreeSet<Source> {
     text.split(',').filter_map(Source::parse).collect()
 }
 
 /// A non-Deleting block as the layout sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Placed {
-    pub(super) id: i64,
-    pub(super) cidr: Cidr,
-    pub(super) state: BlockState,
+pub(in crate::store) struct Placed {
+    pub(in crate::store) id: i64,
+    pub(in crate::store) cidr: Cidr,
+    pub(in crate::store) state: BlockState,
     /// `None`: no Metis record of its sources (written by upstream or an
     /// older Metis, or added without a source).
-    pub(super) sources: Option<BTreeSet<Source>>,
-    pub(super) retired: bool,
-    pub(super) quarantined: bool,
+    pub(in crate::store) sources: Option<BTreeSet<Source>>,
+    pub(in crate::store) retired: bool,
+    pub(in crate::store) quarantined: bool,
 }
 
 impl Placed {
@@ -150,9 +150,9 @@ impl Store {
         &mut self,
         network: &str,
         cidr: &Cidr,
-    ) -> Result<super::AddOutcome, StoreError> {
+    ) -> Result<crate::store::db::AddOutcome, StoreError> {
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
         tx.commit()?;
         Ok(outcome)
@@ -207,7 +207,7 @@ impl Store {
             return Ok(LayoutChanges::default());
         }
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let was_isolated = is_isolated(&tx, network)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
@@ -297,36 +297,6 @@ impl Store {
         }
         quarantined(&self.conn)
     }
-
-    /// Fail safe instead of fail stop, run by the daemon at start (`admin
-    /// check` only reports): after a row-level check recounts wrong
-    /// counters; deletes the pod-less side of overlapping blocks, and
-    /// quarantines every block it cannot trust (`suspects` from a check,
-    /// and overlaps with pods on both sides). Quarantine is recomputed from
-    /// scratch each time, so a block whose problem is gone is served again.
-    pub fn isolate_problems(
-        &mut self,
-        report: &super::Report,
-        now_ms: i64,
-    ) -> Result<Isolation, StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
-        let mut isolation = Isolation {
-            // Only the blocks a row-level check found miscounted: counting
-            // a block's rows reads every row.
-            recounted: recount(&tx, &report.miscounted)?,
-            ..Isolation::default()
-        };
-        clear_quarantines(&tx)?;
-        let mut marks = report.suspects.clone();
-        resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
-        for (id, why) in &marks {
-            quarantine(&tx, *id, why)?;
-        }
-        super::withhold::settle(&tx, now_ms)?;
-        isolation.quarantined = quarantined(&tx)?;
-        tx.commit()?;
-        Ok(isolation)
-    }
 }
 
 impl Store {
@@ -334,7 +304,7 @@ impl Store {
     /// do, read only (STATUS): the refusal an ADD would get, else the
     /// ranges that would become new room (a block added or grown, not
     /// quarantined).
-    pub(super) fn would_lay_out(
+    pub(in crate::store) fn would_lay_out(
         &self,
         network: &str,
         family: Family,
@@ -613,14 +583,14 @@ fn record_sources(
 
 /// Adds one block (the `--cidr`-less primitive behind
 /// [`Store::add_cidr_block`] and [`Store::follow_grants`]).
-pub(super) fn add_block(
+pub(in crate::store) fn add_block(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     cidr: &Cidr,
     source: Option<Source>,
     now_ms: i64,
-) -> Result<super::AddOutcome, StoreError> {
+) -> Result<crate::store::db::AddOutcome, StoreError> {
     let blocks = placed(conn, network, cidr.family())?;
     if let Some(same) = blocks.iter().find(|b| b.cidr == *cidr) {
         if let Some(source) = source {
@@ -633,7 +603,7 @@ pub(super) fn add_block(
                 set_retired(conn, same.id, false, now_ms)?;
             }
         }
-        return Ok(super::AddOutcome::Exists(same.id));
+        return Ok(crate::store::db::AddOutcome::Exists(same.id));
     }
     if let Some(other) = blocks.iter().find(|b| b.cidr.overlaps(cidr)) {
         return Err(StoreError::Overlap {
@@ -650,7 +620,7 @@ pub(super) fn add_block(
         ensure_record(conn, id)?;
         write_sources(conn, id, &BTreeSet::from([source]))?;
     }
-    Ok(super::AddOutcome::Added(id))
+    Ok(crate::store::db::AddOutcome::Added(id))
 }
 
 /// Refuses a prefix that overlaps a block of another network, unless one
@@ -832,7 +802,7 @@ fn narrow(
 
 /// Retired blocks of the network that may go: no pod holds an address in
 /// them and no address is still cooling down.
-pub(super) fn sweepable(
+pub(in crate::store) fn sweepable(
     conn: &Connection,
     blocks: &[Placed],
     now_ms: i64,
@@ -849,7 +819,7 @@ pub(super) fn sweepable(
     Ok(out)
 }
 
-pub(super) fn set_retired(
+pub(in crate::store) fn set_retired(
     conn: &Connection,
     id: i64,
     retired: bool,
@@ -858,10 +828,10 @@ pub(super) fn set_retired(
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET retired = ?2 WHERE block_id = ?1")?
         .execute(params![id, retired])?;
-    super::withhold::settle_block(conn, id, now_ms)
+    crate::store::rows::withhold::settle_block(conn, id, now_ms)
 }
 
-pub(super) fn write_sources(
+pub(in crate::store) fn write_sources(
     conn: &Connection,
     id: i64,
     sources: &BTreeSet<Source>,
@@ -874,17 +844,17 @@ pub(super) fn write_sources(
 }
 
 /// Non-Deleting blocks of a network and family, oldest first.
-pub(super) fn placed(
+pub(in crate::store) fn placed(
     conn: &Connection,
     network: &str,
     family: Family,
 ) -> Result<Vec<Placed>, StoreError> {
     let mut out = Vec::new();
-    for block in super::block::network_blocks(conn, network, family)? {
+    for block in crate::store::rows::block::network_blocks(conn, network, family)? {
         if block.is("Deleting") {
             continue;
         }
-        let record = super::block::record_of(conn, block.id)?;
+        let record = crate::store::rows::block::record_of(conn, block.id)?;
         let record = record.as_ref();
         out.push(Placed {
             id: block.id,
@@ -900,7 +870,7 @@ pub(super) fn placed(
 
 /// The ranges static sources want for a network and family (one source,
 /// or all): (range, source). A source name no release wrote is skipped.
-pub(super) fn wanted(
+pub(in crate::store) fn wanted(
     conn: &Connection,
     source: Option<Source>,
     network: &str,
@@ -972,7 +942,7 @@ fn replace_wanted(
     Ok(())
 }
 
-pub(super) fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
+pub(in crate::store) fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached("SELECT isolated FROM metis_networks WHERE network = ?1")?
         .query_row([network], |r| r.get(0))
@@ -993,7 +963,7 @@ fn set_isolated(conn: &Connection, network: &str, isolated: bool) -> Result<(), 
 /// or two networks neither of which is isolated). The side no pod uses is
 /// deleted (its addresses stay covered by the other); when both have pods,
 /// both are marked for quarantine.
-fn resolve_overlaps(
+pub(in crate::store) fn resolve_overlaps(
     conn: &Connection,
     marks: &mut BTreeMap<i64, String>,
     deleted: &mut Vec<String>,
@@ -1131,7 +1101,11 @@ fn overlap_verdicts(entries: &[Entry]) -> Vec<Verdict> {
 }
 
 /// Whether any pod holds an address in the block, or an address is cooling.
-pub(super) fn in_use(conn: &Connection, id: i64, now_ms: i64) -> Result<bool, StoreError> {
+pub(in crate::store) fn in_use(
+    conn: &Connection,
+    id: i64,
+    now_ms: i64,
+) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached(concat!(
             "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND (",

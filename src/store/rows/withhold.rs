@@ -16,7 +16,7 @@
 
 use rusqlite::{Connection, params};
 
-use super::{BlockState, StoreError};
+use crate::store::db::{BlockState, StoreError};
 
 /// Blocks Metis retired or quarantined (`metis_blocks` rows), as a subquery.
 macro_rules! withheld_ids {
@@ -72,7 +72,7 @@ impl Misaligned {
 
 /// Blocks whose state [`settle`] would change; one indexed read of
 /// Metis's block records (cheap on every open).
-pub(super) fn misaligned(conn: &Connection) -> Result<Vec<Misaligned>, StoreError> {
+pub(in crate::store) fn misaligned(conn: &Connection) -> Result<Vec<Misaligned>, StoreError> {
     let mut stmt = conn.prepare_cached(concat!(
         "SELECT b.id, b.cidr, b.network, b.state, COALESCE(m.retired, 0), \
                 b.id IN (",
@@ -107,7 +107,10 @@ pub(super) fn misaligned(conn: &Connection) -> Result<Vec<Misaligned>, StoreErro
 /// caller's write transaction); returns what it changed. A block already
 /// in line is not written (its `updated_at`, which upstream's draining
 /// expiry reads, stays).
-pub(super) fn settle(conn: &Connection, now_ms: i64) -> Result<Vec<Misaligned>, StoreError> {
+pub(in crate::store) fn settle(
+    conn: &Connection,
+    now_ms: i64,
+) -> Result<Vec<Misaligned>, StoreError> {
     let found = misaligned(conn)?;
     let mut update =
         conn.prepare_cached("UPDATE cidr_blocks SET state = ?2, updated_at = ?3 WHERE id = ?1")?;
@@ -119,7 +122,11 @@ pub(super) fn settle(conn: &Connection, now_ms: i64) -> Result<Vec<Misaligned>, 
 
 /// The state block `id` gets from Metis's record: withheld while retired
 /// or quarantined, else `Ready`.
-pub(super) fn settle_block(conn: &Connection, id: i64, now_ms: i64) -> Result<(), StoreError> {
+pub(in crate::store) fn settle_block(
+    conn: &Connection,
+    id: i64,
+    now_ms: i64,
+) -> Result<(), StoreError> {
     let withheld: bool = conn
         .prepare_cached(concat!("SELECT ?1 IN (", withheld_ids!(), ")"))?
         .query_row([id], |r| r.get(0))?;

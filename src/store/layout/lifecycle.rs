@@ -4,16 +4,18 @@
 use rusqlite::types::Value;
 use rusqlite::{OptionalExtension, params};
 
-use super::block::{BLOCK_COLUMNS, UNDRAINABLE_SQL, block_reserved, forget_block, query_blocks};
-use super::free::pod_held;
-use super::{BlockFilter, BlockInfo, BlockState, Store, StoreError, parse_cidr};
 use crate::cidr::Family;
+use crate::store::db::{BlockFilter, BlockInfo, BlockState, Store, StoreError, parse_cidr};
+use crate::store::rows::block::{
+    BLOCK_COLUMNS, UNDRAINABLE_SQL, block_reserved, forget_block, query_blocks,
+};
+use crate::store::rows::free::pod_held;
 
 impl Store {
     /// Marks a block Draining (no state guard, like upstream). False if no
     /// such block.
     pub fn drain_block(&mut self, id: i64, now_ms: i64) -> Result<bool, StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let n = tx
             .prepare_cached(
                 "UPDATE cidr_blocks SET state = 'Draining', updated_at = ?2 WHERE id = ?1",
@@ -31,7 +33,7 @@ impl Store {
         family: Family,
         now_ms: i64,
     ) -> Result<Option<i64>, StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let id: Option<i64> = tx
             .prepare_cached(UNDRAINABLE_SQL)?
             .query_row(params![network, family.as_str()], |r| r.get(0))
@@ -59,7 +61,7 @@ impl Store {
         now_ms: i64,
     ) -> Result<Vec<BlockInfo>, StoreError> {
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let draining = query_blocks(
             &tx,
             &format!(
@@ -121,7 +123,7 @@ impl Store {
 
     /// Deletes a block (and, by cascade, its rows) only if it is Deleting.
     pub fn delete_block(&mut self, id: i64) -> Result<bool, StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let n = tx
             .prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1 AND state = 'Deleting'")?
             .execute([id])?;

@@ -23,10 +23,11 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::RESERVE_ROW_SQL;
-use super::withhold::{self, Misaligned};
-use super::{StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::connection::Healed;
+use crate::store::db::{StoreError, parse_addr, parse_cidr};
+use crate::store::rows::block::RESERVE_ROW_SQL;
+use crate::store::rows::withhold::{self, Misaligned};
 
 /// A row outside what its block may hand out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,29 +49,6 @@ pub struct Leftovers {
     pub beyond_bounds: Vec<Stray>,
     /// Rows of small IPv6 blocks outside the prefix.
     pub outside_prefix: Vec<Stray>,
-}
-
-/// How many of each kind one open healed (the daemon counts them in
-/// `metis_daemon_rollback_repairs_total`).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Healed {
-    /// Retired blocks made `Ready` by someone else, withheld again.
-    pub revived_blocks: u64,
-    /// Free rows beyond a block's bounds, reserved.
-    pub rows_beyond_bounds: u64,
-    /// Free rows outside a block's prefix, deleted.
-    pub rows_outside_prefix: u64,
-}
-
-impl Healed {
-    /// (kind label, count), the metric's series.
-    pub fn by_kind(&self) -> [(&'static str, u64); 3] {
-        [
-            ("revived_block", self.revived_blocks),
-            ("row_beyond_bounds", self.rows_beyond_bounds),
-            ("row_outside_prefix", self.rows_outside_prefix),
-        ]
-    }
 }
 
 impl Leftovers {
@@ -141,7 +119,7 @@ fn block_name(stray: &Stray) -> String {
 }
 
 /// What upstream left, read only.
-pub(super) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
+pub(in crate::store) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
     Ok(Leftovers {
         misaligned: withhold::misaligned(conn)?,
         beyond_bounds: beyond_bounds(conn)?,
@@ -151,7 +129,7 @@ pub(super) fn find(conn: &Connection) -> Result<Leftovers, StoreError> {
 
 /// Heals what [`find`] found (inside the caller's write transaction, which
 /// found it under the same lock).
-pub(super) fn heal(
+pub(in crate::store) fn heal(
     conn: &Connection,
     found: &Leftovers,
     now_ms: i64,
@@ -247,7 +225,7 @@ fn beyond_bounds(conn: &Connection) -> Result<Vec<Stray>, StoreError> {
 /// IPv6 ADD of upstream's in that network fails (nothing is handed out
 /// past the range). In words; the daemon logs them at start, `admin
 /// downgrade` prints them.
-pub(super) fn gateway_above_range(conn: &Connection) -> Result<Vec<String>, StoreError> {
+pub(in crate::store) fn gateway_above_range(conn: &Connection) -> Result<Vec<String>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, b.cidr, b.network, r.range_end, r.gateway FROM metis_bounds r \
          JOIN cidr_blocks b ON b.network = r.network AND b.cidr = r.cidr \
@@ -338,4 +316,17 @@ fn block_rows(conn: &Connection, block_id: i64) -> Result<Vec<Row>, StoreError> 
         })?
         .collect::<Result<_, _>>()?;
     Ok(rows)
+}
+
+impl crate::store::db::connection::Store {
+    /// What this open healed of what upstream's store left (see
+    /// `rollback`).
+    pub fn rollback_repairs(&self) -> crate::store::upkeep::rollback::Healed {
+        self.healed
+    }
+    /// What would go wrong under upstream's store that Metis does not
+    /// change (see `crate::store::upkeep::rollback::gateway_above_range`), in words.
+    pub fn upstream_hazards(&self) -> Result<Vec<String>, StoreError> {
+        crate::store::upkeep::rollback::gateway_above_range(&self.conn)
+    }
 }

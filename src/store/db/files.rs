@@ -50,7 +50,7 @@ pub fn tighten(db: &Path) -> Vec<String> {
     warnings
 }
 
-pub(super) fn companion(db: &Path, suffix: &str) -> PathBuf {
+pub(in crate::store) fn companion(db: &Path, suffix: &str) -> PathBuf {
     let mut name = db.as_os_str().to_os_string();
     name.push(suffix);
     PathBuf::from(name)

@@ -7,11 +7,11 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, params};
 
-use super::block::{HeldRow, bounds_of, give_back, quarantined_in};
-use super::free::pod_held;
-use super::handout::InForce;
-use super::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::{Allocation, Store, StoreError, parse_addr, parse_cidr};
+use crate::store::rows::block::{HeldRow, bounds_of, give_back, quarantined_in};
+use crate::store::rows::free::pod_held;
+use crate::store::rows::handout::InForce;
 
 /// An allocated row GC may release.
 struct Candidate {
@@ -42,10 +42,11 @@ impl Store {
     ) -> Result<Vec<(String, Allocation)>, StoreError> {
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut released = Vec::new();
         for covered in covered_networks(&tx, network, conf_name)? {
-            let files = super::co_writer::before_gc(&tx, &covered, valid, allocated_until_ms)?;
+            let files =
+                crate::store::db::co_writer::before_gc(&tx, &covered, valid, allocated_until_ms)?;
             if !files.is_empty() {
                 crate::log::info(
                     "gc",
@@ -63,7 +64,7 @@ impl Store {
                     candidate.container_id.clone(),
                     candidate.interface_name.clone(),
                 )) {
-                    super::co_writer::before_release(
+                    crate::store::db::co_writer::before_release(
                         &tx,
                         &covered,
                         &candidate.container_id,
@@ -114,8 +115,13 @@ impl Store {
         // Ready blocks whose gateway a pod holds serve nothing, re-bounded
         // or not (see `gateway`); the gateway is the one a result would
         // name under these bounds (the explicit `gateway`, else computed).
-        let held =
-            super::gateway::held_in(&self.conn, self.reserve, network, family, Some(bounds))?;
+        let held = crate::store::layout::gateway::held_in(
+            &self.conn,
+            self.reserve,
+            network,
+            family,
+            Some(bounds),
+        )?;
         let unserved: HashSet<i64> = held.iter().map(|g| g.block_id).collect();
         // The ADD re-bounds a block whose bounds the configuration changed:
         // counted as room, as a range not yet added is.
@@ -491,7 +497,7 @@ mod tests {
         assert_eq!(can(&store, "net-x", true, &[]).unwrap(), Ok(()));
         // Every block quarantined: nothing to hand out, and it is named.
         let id = store.find_block("net-y", &range[0]).unwrap().unwrap();
-        super::super::block::quarantine(&store.conn, id, "a test said so").unwrap();
+        crate::store::rows::block::quarantine(&store.conn, id, "a test said so").unwrap();
         assert_eq!(
             can(&store, "net-y", false, &[]).unwrap(),
             Err(vec![

@@ -9,9 +9,11 @@
 
 use std::path::{Path, PathBuf};
 
-use super::block::{HeldRow, give_back};
-use super::free::pod_held;
-use super::{Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting};
+use crate::store::db::{
+    Allocation, Store, StoreError, get_setting, parse_addr, parse_cidr, set_setting,
+};
+use crate::store::rows::block::{HeldRow, give_back};
+use crate::store::rows::free::pod_held;
 
 /// `metis_settings` key: the kernel boot id the database was last used under.
 const KEY_BOOT_ID: &str = "boot_id";
@@ -85,8 +87,8 @@ impl Store {
         }
         let mode = self.reserve;
         let release_at = self.release_at(now_ms);
-        let tx = super::busy::During::during(
-            super::write(&mut self.conn, self.batch),
+        let tx = crate::store::db::busy::During::during(
+            crate::store::db::write(&mut self.conn, self.batch),
             "BEGIN IMMEDIATE (boot recovery)",
         )?;
         // Re-read under the write lock: another process may have recovered.

@@ -4,57 +4,28 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{
-    GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
-    insert_rows, parse_text, quarantined_in, set_frontier, text_at,
-};
-use super::free::{Holder, RowView, Taken, availability, free_now};
-use super::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
-use super::{
+use crate::cidr::{Cidr, Family};
+use crate::store::db::connection::PassedOver;
+use crate::store::db::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
     parse_cidr, parse_state, validate_owner,
 };
-use crate::cidr::{Cidr, Family};
-
-mod room;
-
-/// How many distinct passed-over rows and blocks a store logs.
-const MAX_LOGGED_PASSED_OVER: usize = 1024;
-
-/// What the hand-out check passed over, as one store saw it: the lines it
-/// logged (each once), and the count by reason since the daemon last took
-/// them ([`Store::take_passed_over_counts`]).
-#[derive(Debug, Default)]
-pub(super) struct PassedOver {
-    logged: std::collections::HashSet<String>,
-    counts: std::collections::BTreeMap<&'static str, u64>,
-}
-
-impl PassedOver {
-    /// Counts one passed-over `line` of `network` by `reason`; logs it
-    /// once per store (the first [`MAX_LOGGED_PASSED_OVER`]: a writer
-    /// planting rows by the million costs no memory).
-    fn note(&mut self, reason: &'static str, line: &str, network: &str) {
-        *self.counts.entry(reason).or_default() += 1;
-        if self.logged.len() < MAX_LOGGED_PASSED_OVER && self.logged.insert(line.to_string()) {
-            crate::log::warn(
-                "store",
-                "passed over what does not fit the configuration in force (another writer made it)",
-                &[("network", &network), ("row", &line)],
-            );
-        }
-    }
-}
+use crate::store::rows::block::{
+    GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
+    insert_rows, parse_text, quarantined_in, set_frontier, text_at,
+};
+use crate::store::rows::free::{Holder, RowView, Taken, availability, free_now};
+use crate::store::rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
 
 /// The `reason` of a row that holds no address.
 const NOT_AN_ADDRESS: &str = "not_an_address";
 
 /// Bound on expand-then-claim rounds per block within one allocation.
-const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
+pub(super) const MAX_EXPANSIONS_PER_BLOCK: usize = 4;
 
 /// Allocated rows of an owner in blocks of `network` (optionally one
 /// family), IPv4 first.
-pub(super) fn held(
+pub(in crate::store) fn held(
     conn: &Connection,
     network: &str,
     container_id: &str,
@@ -166,7 +137,7 @@ enum Reach {
 
 /// Allocated rows of owner (container, interface) in every network:
 /// (network, row), network order.
-pub(super) fn held_in_any_network(
+pub(in crate::store) fn held_in_any_network(
     conn: &Connection,
     container_id: &str,
     interface_name: &str,
@@ -240,7 +211,7 @@ fn kept(
 
 /// Records the gateway the result for row `row_id` of block `cidr` names
 /// under the configuration in force, so that no later hand-out takes it
-/// while the allocation lives ([`super::named_gateway::record`]).
+/// while the allocation lives ([`crate::store::rows::named_gateway::record`]).
 fn record_gateway(
     conn: &Connection,
     judge: &Judge,
@@ -248,14 +219,19 @@ fn record_gateway(
     cidr: &Cidr,
     allocation: RowAllocation,
 ) -> Result<(), StoreError> {
-    let gateway =
-        super::gateway::result_gateway(conn, judge.mode, judge.network, cidr, judge.in_force())?;
+    let gateway = crate::store::layout::gateway::result_gateway(
+        conn,
+        judge.mode,
+        judge.network,
+        cidr,
+        judge.in_force(),
+    )?;
     let Some(gateway) = gateway else {
         return Ok(());
     };
     match allocation {
-        RowAllocation::Kept => super::named_gateway::record(conn, row_id, gateway),
-        RowAllocation::Taken { owner, at_ms } => super::named_gateway::record_taken(
+        RowAllocation::Kept => crate::store::rows::named_gateway::record(conn, row_id, gateway),
+        RowAllocation::Taken { owner, at_ms } => crate::store::rows::named_gateway::record_taken(
             conn,
             row_id,
             gateway,
@@ -275,24 +251,30 @@ enum RowAllocation<'o> {
     Taken { owner: &'o Owner<'o>, at_ms: i64 },
 }
 
+/// A block as the allocation walks it: its id and prefix.
+#[derive(Clone, Copy)]
+struct BlockAt<'c> {
+    id: i64,
+    cidr: &'c Cidr,
+}
+
+/// Who takes an address, and when.
+#[derive(Clone, Copy)]
+struct Claimant<'o> {
+    owner: &'o Owner<'o>,
+    now_ms: i64,
+}
+
 /// Refuses (code 11, naming the gateway and its holder) an address of
 /// block `id` whose result would name a gateway a pod holds
-/// ([`super::gateway`]), under the configuration in force.
+/// ([`crate::store::layout::gateway`]), under the configuration in force.
 fn refuse_held_gateway(
     conn: &Connection,
     judge: &Judge,
     id: i64,
     cidr: &Cidr,
 ) -> Result<(), StoreError> {
-    let Some(held) = super::gateway::held(
-        conn,
-        judge.mode,
-        id,
-        judge.network,
-        cidr,
-        judge.in_force(),
-        judge.space(),
-    )?
+    let Some(held) = crate::store::layout::gateway::held(conn, judge.gateway_rule(), id, cidr)?
     else {
         return Ok(());
     };
@@ -313,10 +295,10 @@ fn take_row(
     row_id: i64,
     block_id: i64,
     address: IpAddr,
-    owner: &Owner,
-    now_ms: i64,
+    claimant: Claimant,
 ) -> Result<bool, StoreError> {
-    let host_local = super::co_writer::before_take(
+    let Claimant { owner, now_ms } = claimant;
+    let host_local = crate::store::db::co_writer::before_take(
         conn,
         owner.network,
         address,
@@ -359,28 +341,28 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(super) const ALLOCATION_PATH: [&str; 16] = [
+pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
     OWNER_ROWS_SQL,
     BLOCK_OF_ROW_SQL,
-    super::free::ALLOCATED_ELSEWHERE_SQL,
+    crate::store::rows::free::ALLOCATED_ELSEWHERE_SQL,
     HELD_ELSEWHERE_SQL,
-    super::named_gateway::NAMED_AT_ALL_SQL,
-    super::named_gateway::NAMING_SQL,
+    crate::store::rows::named_gateway::NAMED_AT_ALL_SQL,
+    crate::store::rows::named_gateway::NAMING_SQL,
     FIND_BLOCK_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
-    super::block::BLOCK_RECORD_SQL,
-    super::block::NETWORK_BLOCKS_SQL,
+    crate::store::rows::block::BLOCK_RECORD_SQL,
+    crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
     COUNT_TAKEN_SQL,
-    super::block::RELEASE_ROW_SQL,
-    super::block::COUNT_RELEASED_SQL,
-    super::block::RETURN_RESERVED_SQL,
+    crate::store::rows::block::RELEASE_ROW_SQL,
+    crate::store::rows::block::COUNT_RELEASED_SQL,
+    crate::store::rows::block::RETURN_RESERVED_SQL,
 ];
 
 /// The lowest-id free, non-cooling row of block ?1 at time ?2 after row
 /// id ?3 (the rows before it were passed over).
-pub(super) const CLAIM_SQL: &str = concat!(
+pub(in crate::store) const CLAIM_SQL: &str = concat!(
     "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
     free_now!("", "?2"),
     " ORDER BY id LIMIT 1"
@@ -409,8 +391,8 @@ const HELD_ELSEWHERE_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_na
 /// Why `address` of block `block_id` is another allocation's, in the
 /// node's address space as `network` sees it, if it is: its owner in
 /// another block (see [`HELD_ELSEWHERE_SQL`]), or a live result naming it
-/// as its gateway ([`super::named_gateway::naming`]).
-pub(super) fn taken_elsewhere(
+/// as its gateway ([`crate::store::rows::named_gateway::naming`]).
+pub(in crate::store) fn taken_elsewhere(
     conn: &Connection,
     network: &str,
     isolated: bool,
@@ -419,43 +401,47 @@ pub(super) fn taken_elsewhere(
 ) -> Result<Option<Unfit>, StoreError> {
     let address_text = address.to_string();
     // The join only where the cheap probe finds the address allocated.
-    let held =
-        match super::free::allocated_elsewhere(conn, &address_text, Some(block_id), Holder::Any)? {
-            false => None,
-            true => conn
-                .prepare_cached(HELD_ELSEWHERE_SQL)?
-                .query_row(params![address_text, block_id, network, isolated], |r| {
-                    Ok(Unfit::HeldElsewhere {
-                        container_id: r.get(0)?,
-                        interface_name: r.get(1)?,
-                        network: r.get(2)?,
-                        block: r.get(3)?,
-                    })
+    let held = match crate::store::rows::free::allocated_elsewhere(
+        conn,
+        &address_text,
+        Some(block_id),
+        Holder::Any,
+    )? {
+        false => None,
+        true => conn
+            .prepare_cached(HELD_ELSEWHERE_SQL)?
+            .query_row(params![address_text, block_id, network, isolated], |r| {
+                Ok(Unfit::HeldElsewhere {
+                    container_id: r.get(0)?,
+                    interface_name: r.get(1)?,
+                    network: r.get(2)?,
+                    block: r.get(3)?,
                 })
-                .optional()?,
-        };
+            })
+            .optional()?,
+    };
     match held {
         Some(unfit) => Ok(Some(unfit)),
-        None => super::named_gateway::naming(conn, network, isolated, address),
+        None => crate::store::rows::named_gateway::naming(conn, network, isolated, address),
     }
 }
 
-/// The hand-out check of one allocation ([`super::handout`]): the
+/// The hand-out check of one allocation ([`crate::store::rows::handout`]): the
 /// configuration in force, Metis's record of each block looked at, and
 /// what was passed over, for the exhaustion message.
-struct Judge<'s> {
+pub(super) struct Judge<'s> {
     conf: InForce,
     /// No configuration was given: each block's recorded bounds stand in.
     recorded: bool,
-    mode: ReserveMode,
-    network: &'s str,
+    pub(super) mode: ReserveMode,
+    pub(super) network: &'s str,
     /// Whether `network` is isolated (read once: nothing an allocation
     /// does changes it).
     isolated: bool,
     /// Metis's record of each block asked about, read once per allocation.
-    records: super::block::Records,
+    pub(super) records: crate::store::rows::block::Records,
     blocks: Vec<(i64, BlockRecord)>,
-    passed_over: Vec<String>,
+    pub(super) passed_over: Vec<String>,
     /// What this store already logged as passed over, and the counts
     /// (`None`: a read-only question, STATUS's, which logs and counts
     /// nothing).
@@ -463,7 +449,7 @@ struct Judge<'s> {
 }
 
 impl<'s> Judge<'s> {
-    fn new(
+    pub(super) fn new(
         conn: &Connection,
         conf: Option<&InForce>,
         mode: ReserveMode,
@@ -475,31 +461,42 @@ impl<'s> Judge<'s> {
             recorded: conf.is_none(),
             mode,
             network,
-            isolated: super::layout::is_isolated(conn, network)?,
-            records: super::block::Records::default(),
+            isolated: crate::store::layout::blocks::is_isolated(conn, network)?,
+            records: crate::store::rows::block::Records::default(),
             blocks: Vec::new(),
             passed_over: Vec::new(),
             seen,
         })
     }
 
-    /// Where a holder of the network's gateway is looked for.
-    fn space(&self) -> super::gateway::Space {
-        super::gateway::Space::Shared {
-            isolated: self.isolated,
+    /// The held-gateway rule of this allocation: where a holder of the
+    /// network's gateway is looked for, under the bounds in force.
+    pub(super) fn gateway_rule(&self) -> crate::store::layout::gateway::GatewayRule<'_> {
+        crate::store::layout::gateway::GatewayRule {
+            mode: self.mode,
+            network: self.network,
+            in_force: self.in_force(),
+            space: crate::store::layout::gateway::Space::Shared {
+                isolated: self.isolated,
+            },
         }
     }
 
     /// Where Metis's record of block `id` is in `blocks` (read once per
     /// allocation).
-    fn record(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<usize, StoreError> {
+    pub(super) fn record(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+    ) -> Result<usize, StoreError> {
         if let Some(at) = self.blocks.iter().position(|(block, _)| *block == id) {
             return Ok(at);
         }
         let record = self.records.get(conn, id)?.cloned();
-        let record = block_record(conn, self.mode, self.network, id, cidr, record)?;
+        let record = block_record(conn, self.mode, self.network, BlockAt { id, cidr }, record)?;
         if self.recorded
-            && let Some(bounds) = super::block::bounds_of(conn, self.network, cidr)?
+            && let Some(bounds) = crate::store::rows::block::bounds_of(conn, self.network, cidr)?
         {
             self.conf.bounds.push((*cidr, bounds));
         }
@@ -509,12 +506,17 @@ impl<'s> Judge<'s> {
 
     /// The bounds of the configuration in force, for the held-gateway rule
     /// (`None`: none given, each block's recorded bounds stand in).
-    fn in_force(&self) -> super::gateway::InForceBounds<'_> {
+    fn in_force(&self) -> crate::store::layout::gateway::InForceBounds<'_> {
         (!self.recorded).then_some(self.conf.bounds.as_slice())
     }
 
     /// Whether anything of block `id` may be handed out (noted when not).
-    fn block(&mut self, conn: &Connection, id: i64, cidr: &Cidr) -> Result<bool, StoreError> {
+    pub(super) fn block(
+        &mut self,
+        conn: &Connection,
+        id: i64,
+        cidr: &Cidr,
+    ) -> Result<bool, StoreError> {
         let at = self.record(conn, id, cidr)?;
         let verdict = block_fit(&self.blocks[at].1, &self.conf);
         match verdict {
@@ -528,7 +530,7 @@ impl<'s> Judge<'s> {
 
     /// The hand-out check of `address` in block `id`: every address the
     /// store returns passes here.
-    fn address(
+    pub(super) fn address(
         &mut self,
         conn: &Connection,
         id: i64,
@@ -541,7 +543,12 @@ impl<'s> Judge<'s> {
 
     /// Notes what was passed over and why (and tells the store, which
     /// logs and counts it: [`PassedOver::note`]).
-    fn pass_over(&mut self, what: String, reason: &'static str, why: &dyn std::fmt::Display) {
+    pub(super) fn pass_over(
+        &mut self,
+        what: String,
+        reason: &'static str,
+        why: &dyn std::fmt::Display,
+    ) {
         let line = format!("{what}: {why}");
         if let Some(seen) = self.seen.as_deref_mut() {
             seen.note(reason, &line, self.network);
@@ -555,29 +562,29 @@ fn block_record(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
-    id: i64,
-    cidr: &Cidr,
-    record: Option<super::block::Record>,
+    block: BlockAt,
+    record: Option<crate::store::rows::block::Record>,
 ) -> Result<BlockRecord, StoreError> {
-    let super::block::Record {
+    let BlockAt { id, cidr } = block;
+    let crate::store::rows::block::Record {
         sources,
         retired,
         quarantined,
     } = record.unwrap_or_default();
     let first = mode == ReserveMode::FirstBlock
         && cidr.family() == Family::V4
-        && super::block::is_first_v4(conn, network, id)?;
+        && crate::store::rows::block::is_first_v4(conn, network, id)?;
     Ok(BlockRecord {
         cidr: *cidr,
-        fixed: super::block::reserved_offsets(cidr, mode, first),
+        fixed: crate::store::rows::block::reserved_offsets(cidr, mode, first),
         retired,
         quarantined,
         // No record of its sources: upstream's block (or an older
         // Metis's), which the layout keeps as it is (`layout::record_sources`).
         granted: sources.is_none_or(|text| {
-            super::layout::parse_sources(&text)
+            crate::store::layout::blocks::parse_sources(&text)
                 .iter()
-                .any(|source| *source != super::Source::Cni)
+                .any(|source| *source != crate::store::layout::blocks::Source::Cni)
         }),
     })
 }
@@ -589,12 +596,12 @@ fn block_record(
 fn claim(
     conn: &Connection,
     judge: &mut Judge,
-    block_id: i64,
-    cidr: &Cidr,
-    owner: &Owner,
-    now_ms: i64,
+    block: BlockAt,
+    claimant: Claimant,
     after: &mut i64,
 ) -> Result<Option<IpAddr>, StoreError> {
+    let BlockAt { id: block_id, cidr } = block;
+    let Claimant { owner, now_ms } = claimant;
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
@@ -609,7 +616,7 @@ fn claim(
         let Some(address) = fit_row(conn, judge, block_id, cidr, &text)? else {
             continue;
         };
-        if take_row(conn, row_id, block_id, address, owner, now_ms)? {
+        if take_row(conn, row_id, block_id, address, claimant)? {
             let taken = RowAllocation::Taken {
                 owner,
                 at_ms: now_ms,
@@ -623,7 +630,7 @@ fn claim(
 /// The address of row `text` of block `block_id` when the hand-out check
 /// passes it (else it is noted as passed over): what [`claim`] takes and
 /// STATUS counts as room ([`room`]).
-fn fit_row(
+pub(super) fn fit_row(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -644,7 +651,7 @@ fn fit_row(
 /// `address` of block `block_id` when the hand-out check passes it (else
 /// noted as passed over): the configuration in force, then the rest of
 /// the node's address space ([`taken_elsewhere`]).
-fn fit_address(
+pub(super) fn fit_address(
     conn: &Connection,
     judge: &mut Judge,
     block_id: i64,
@@ -670,12 +677,12 @@ fn fit_address(
 fn expand(
     conn: &Connection,
     mode: ReserveMode,
-    block_id: i64,
-    network: &str,
-    cidr: &Cidr,
-    now_ms: i64,
+    block: BlockAt,
+    claimant: Claimant,
     after: i64,
 ) -> Result<u64, StoreError> {
+    let BlockAt { id: block_id, cidr } = block;
+    let (network, now_ms) = (claimant.owner.network, claimant.now_ms);
     let has_free: bool = conn
         .prepare_cached(HAS_FREE_AFTER_SQL)?
         .query_row(params![block_id, now_ms, after], |r| r.get(0))?;
@@ -714,7 +721,7 @@ impl Store {
         }
         self.set_network_column::<String, &str>(
             network,
-            super::NetworkColumn::ConfName,
+            crate::store::db::NetworkColumn::ConfName,
             Some(conf_name),
         )
     }
@@ -757,7 +764,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, family)? {
             let kept = kept(&tx, &mut judge, owner, existing)?;
@@ -769,18 +776,11 @@ impl Store {
         // first: the first with a free row ends it, and the rest are looked
         // at only when none has one (their held gateways then go into the
         // exhaustion message).
+        let claimant = Claimant { owner, now_ms };
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
-            let held = super::gateway::held(
-                &tx,
-                mode,
-                id,
-                owner.network,
-                &cidr,
-                judge.in_force(),
-                judge.space(),
-            )?;
+            let held = crate::store::layout::gateway::held(&tx, judge.gateway_rule(), id, &cidr)?;
             if let Some(held) = held {
                 held_gateways.push(held);
                 continue;
@@ -789,7 +789,8 @@ impl Store {
                 continue;
             }
             let mut after = 0i64;
-            if let Some(address) = claim(&tx, &mut judge, id, &cidr, owner, now_ms, &mut after)? {
+            let block = BlockAt { id, cidr: &cidr };
+            if let Some(address) = claim(&tx, &mut judge, block, claimant, &mut after)? {
                 tx.commit()?;
                 return Ok(Allocation {
                     address,
@@ -800,10 +801,11 @@ impl Store {
         }
         for (id, cidr, after) in &mut candidates {
             for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
-                if expand(&tx, mode, *id, owner.network, cidr, now_ms, *after)? == 0 {
+                let block = BlockAt { id: *id, cidr };
+                if expand(&tx, mode, block, claimant, *after)? == 0 {
                     break;
                 }
-                if let Some(address) = claim(&tx, &mut judge, *id, cidr, owner, now_ms, after)? {
+                if let Some(address) = claim(&tx, &mut judge, block, claimant, after)? {
                     tx.commit()?;
                     return Ok(Allocation {
                         address,
@@ -847,7 +849,7 @@ impl Store {
     ) -> Result<Allocation, StoreError> {
         validate_owner(owner.container_id, owner.interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut judge = Judge::new(&tx, conf, mode, owner.network, Some(&mut self.passed_over))?;
         if let Some(existing) = held_row_by_owner(&tx, owner, Family::of(address))? {
             let existing = kept(&tx, &mut judge, owner, existing)?;
@@ -891,7 +893,7 @@ impl Store {
         let offset = cidr.offset_of(address).unwrap_or(0);
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;
-        if !take_row(&tx, row_id, block_id, address, owner, now_ms)? {
+        if !take_row(&tx, row_id, block_id, address, Claimant { owner, now_ms })? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
         let taken = RowAllocation::Taken {
@@ -980,8 +982,14 @@ impl Store {
     ) -> Result<Vec<(String, Allocation)>, StoreError> {
         validate_owner(container_id, interface_name)?;
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
-        super::co_writer::before_release(&tx, network, container_id, interface_name, family)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
+        crate::store::db::co_writer::before_release(
+            &tx,
+            network,
+            container_id,
+            interface_name,
+            family,
+        )?;
         let mut rows: Vec<(String, HeldRow)> =
             held(&tx, network, container_id, interface_name, family)?
                 .into_iter()
@@ -1154,14 +1162,14 @@ fn find_block(conn: &Connection, network: &str, cidr: &str) -> Result<Option<i64
 
 /// Ready, unquarantined blocks of network+family with room, oldest
 /// (lowest id) first.
-pub(super) fn candidates_of(
+pub(in crate::store) fn candidates_of(
     conn: &Connection,
     network: &str,
     family: Family,
-    records: &mut super::block::Records,
+    records: &mut crate::store::rows::block::Records,
 ) -> Result<Vec<(i64, Cidr)>, StoreError> {
     let mut out = Vec::new();
-    for block in super::block::network_blocks(conn, network, family)? {
+    for block in crate::store::rows::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") || !block.has_room {
             continue;
         }

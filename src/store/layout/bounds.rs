@@ -3,9 +3,9 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{block_reserved, bounds_of, frontier, set_frontier, settle};
-use super::{ReserveMode, Store, StoreError, parse_cidr};
 use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::{ReserveMode, Store, StoreError, parse_cidr};
+use crate::store::rows::block::{block_reserved, bounds_of, frontier, set_frontier, settle};
 
 /// After a block's bounds changed: rows exist from the old range start up
 /// to the frontier, so a range that now starts lower needs growth from its
@@ -80,7 +80,7 @@ impl Store {
         changed.sort();
         changed.dedup();
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         for (cidr, _) in &have {
             tx.prepare_cached("DELETE FROM metis_bounds WHERE network = ?1 AND cidr = ?2")?
                 .execute(params![network, cidr])?;
@@ -121,7 +121,7 @@ impl Store {
 mod tests {
     use super::*;
     use crate::store::Source;
-    use crate::store::block::Reserved;
+    use crate::store::rows::block::Reserved;
     use crate::testutil::{TempDir, assert_sound, cidr, owner};
 
     const NOW: i64 = 1_000_000;

@@ -6,9 +6,11 @@ use std::collections::BTreeMap;
 
 use rusqlite::params;
 
-use super::free::cooling;
-use super::{BlockState, Cooling, Store, StoreError, Usage, parse_cidr, parse_family, parse_state};
 use crate::cidr::Family;
+use crate::store::db::{
+    BlockState, Cooling, Store, StoreError, Usage, parse_cidr, parse_family, parse_state,
+};
+use crate::store::rows::free::cooling;
 
 /// Counts the rows of the non-Deleting blocks of network ?1 and family ?2
 /// that meet a condition, appended.

@@ -26,9 +26,10 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, params};
 
-use super::block::{block_reserved, insert_rows, set_frontier};
-use super::{Store, StoreError, parse_addr, parse_cidr, withhold};
 use crate::cidr::{Cidr, Family};
+use crate::store::db::{Store, StoreError, parse_addr, parse_cidr};
+use crate::store::rows::block::{block_reserved, insert_rows, set_frontier};
+use crate::store::rows::withhold;
 
 /// Most rows of a bounded IPv6 range written ahead for upstream.
 pub const MAX_RANGE_ROWS: u128 = 65_536;
@@ -51,7 +52,7 @@ impl Store {
     /// Readies the database for upstream's store (see the module docs).
     pub fn downgrade(&mut self, now_ms: i64) -> Result<Downgraded, StoreError> {
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut out = Downgraded::default();
         for block in withhold::settle(&tx, now_ms)? {
             out.done.push(block.describe());
@@ -105,7 +106,7 @@ impl Store {
                 }
             }
         }
-        let leftovers = super::rollback::find(&tx)?;
+        let leftovers = crate::store::upkeep::rollback::find(&tx)?;
         out.warnings.extend(
             leftovers
                 .describe(false)
@@ -113,8 +114,8 @@ impl Store {
                 .filter(|line| line.contains("is held by")),
         );
         out.warnings
-            .extend(super::rollback::gateway_above_range(&tx)?);
-        for held in super::gateway::all_held(&tx, mode)? {
+            .extend(crate::store::upkeep::rollback::gateway_above_range(&tx)?);
+        for held in crate::store::layout::gateway::all_held(&tx, mode)? {
             out.warnings.push(format!(
                 "{}; upstream will hand out the block's addresses with that gateway",
                 held.describe()
@@ -230,7 +231,7 @@ impl std::fmt::Display for Refusal {
                 f,
                 "schema version {version} is newer than this release understands ({}); \
                  downgrade with the release that wrote it",
-                super::SCHEMA_VERSION
+                crate::store::db::SCHEMA_VERSION
             ),
             Refusal::NotMetis(why) => write!(f, "not a Metis or upstream Metis database: {why}"),
         }
@@ -262,7 +263,7 @@ pub fn inspect(path: &std::path::Path) -> Result<FileKind, Refusal> {
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .map_err(|e| Refusal::NotADatabase(e.to_string()))?;
-    if version > super::SCHEMA_VERSION {
+    if version > crate::store::db::SCHEMA_VERSION {
         return Err(Refusal::Newer(version));
     }
     let tables: Vec<String> = conn
@@ -273,7 +274,7 @@ pub fn inspect(path: &std::path::Path) -> Result<FileKind, Refusal> {
         })
         .map_err(|e| Refusal::NotADatabase(e.to_string()))?;
     let has = |name: &str| tables.iter().any(|t| t == name);
-    if version != super::SCHEMA_VERSION || !has("cidr_blocks") || !has("ip_addresses") {
+    if version != crate::store::db::SCHEMA_VERSION || !has("cidr_blocks") || !has("ip_addresses") {
         return Err(Refusal::NotMetis(format!(
             "user_version {version}, tables cidr_blocks and ip_addresses {}",
             match has("cidr_blocks") && has("ip_addresses") {

@@ -29,7 +29,8 @@ use std::time::{Duration, SystemTime};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::{Store, StoreError, write};
+use super::connection::{Store, write};
+use super::types::StoreError;
 use crate::cidr::Family;
 use crate::host_local_dir::{self, DirError, Held, Lock};
 
@@ -155,7 +156,7 @@ impl Store {
 /// `container_id`/`ifname`'s: `None` when the owner may take it (its
 /// host-local file now exists, or the network is not co-written), else
 /// the owner host-local's file records, who holds it.
-pub(super) fn before_take(
+pub(in crate::store) fn before_take(
     conn: &Connection,
     network: &str,
     address: IpAddr,
@@ -183,7 +184,7 @@ pub(super) fn before_take(
 /// Called inside the write transaction before row `row_id` (holding
 /// `address`) of `network` is released: removes host-local's file if it
 /// names the row's owner.
-pub(super) fn before_give_back(
+pub(in crate::store) fn before_give_back(
     conn: &Connection,
     network: &str,
     row_id: i64,
@@ -210,7 +211,7 @@ pub(super) fn before_give_back(
 /// family of a failed ADD) of `container_id`/`ifname` in `network`: removes
 /// every host-local file naming the owner, as host-local's DEL would, also
 /// of a pod host-local served and Metis never recorded.
-pub(super) fn before_release(
+pub(in crate::store) fn before_release(
     conn: &Connection,
     network: &str,
     container_id: &str,
@@ -230,7 +231,7 @@ pub(super) fn before_release(
 /// `allocated_until_ms` (ms since the epoch), as host-local's own GC
 /// would — also of pods Metis never recorded. A legacy file (container
 /// only) is kept while any attachment of its container is valid.
-pub(super) fn before_gc(
+pub(in crate::store) fn before_gc(
     conn: &Connection,
     network: &str,
     valid: &HashSet<(&str, &str)>,

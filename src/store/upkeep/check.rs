@@ -12,12 +12,13 @@ use std::path::Path;
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::block::{Reserved, block_reserved, quarantined};
-use super::{
-    ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
-    parse_family, parse_state, schema, total_ips,
-};
 use crate::cidr::Cidr;
+use crate::store::db::schema;
+use crate::store::db::{
+    ReserveMode, SCHEMA_VERSION, Store, StoreError, get_setting, parse_addr, parse_cidr,
+    parse_family, parse_state, total_ips,
+};
+use crate::store::rows::block::{Reserved, block_reserved, quarantined};
 
 /// How much of SQLite's own verification to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -370,8 +371,8 @@ fn sqlite_verdict(
     Ok(false)
 }
 
-/// Opens the database at `path` read-only — nothing is created, repaired or
-/// migrated — and checks it.
+/// Opens the database at `path` read-only — nothing is created or repaired —
+/// and checks it.
 pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
     if !path.is_file() {
         return Err(StoreError::Open {
@@ -388,7 +389,7 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
         source: Box::new(e),
     })?;
     conn.busy_timeout(std::time::Duration::from_millis(5000))?;
-    super::migrate::shadow_for_reading(&conn)?;
+    crate::store::db::schema::shadow_missing_tables(&conn)?;
     check_connection(&conn, depth)
 }
 
@@ -484,56 +485,45 @@ fn check_upstream_leftovers(
     if has("metis_blocks") && has("metis_bounds") {
         // Rows outside their prefix are `check_rows`'s to name. What the
         // next open heals is a problem; a row a pod still holds is a note.
-        let found = super::rollback::find(conn)?;
+        let found = crate::store::upkeep::rollback::find(conn)?;
         let (held, free): (Vec<_>, Vec<_>) = found
             .beyond_bounds
             .into_iter()
             .partition(|stray| stray.holder.is_some());
-        let heals = super::rollback::Leftovers {
+        let heals = crate::store::upkeep::rollback::Leftovers {
             misaligned: found.misaligned,
             beyond_bounds: free,
             outside_prefix: Vec::new(),
         };
         push_limited(report, heals.describe(false), |line| line);
-        let kept = super::rollback::Leftovers {
+        let kept = crate::store::upkeep::rollback::Leftovers {
             beyond_bounds: held,
-            ..super::rollback::Leftovers::default()
+            ..crate::store::upkeep::rollback::Leftovers::default()
         };
         report.notes.extend(kept.describe(false));
     }
     // A read-only open of a file only upstream wrote reads empty stand-ins
     // for Metis's tables (`schema::shadow_missing_tables`).
     if conn.prepare("SELECT 1 FROM metis_bounds LIMIT 0").is_ok() {
-        let held = super::gateway::all_held(conn, mode)?;
+        let held = crate::store::layout::gateway::all_held(conn, mode)?;
         report.notes.extend(held.iter().map(|g| g.describe()));
     }
     Ok(())
 }
 
-/// Metis's own tables: the state of an earlier release not yet moved into
-/// typed columns (see `migrate`), and the quarantined blocks.
+/// Metis's own tables: the quarantined blocks.
 fn check_metis_tables(
     conn: &Connection,
     has: &dyn Fn(&str) -> bool,
     report: &mut Report,
 ) -> Result<(), StoreError> {
-    if has("metis_settings") && has("metis_blocks") {
-        for left in super::migrate::leftovers(conn)? {
-            report.problems.push(format!(
-                "metis tables: {left} (state of an earlier release, not yet moved into typed \
-                 columns); the next open by the daemon or the plugin moves it"
-            ));
-        }
-    }
     if has("metis_blocks") {
         list_quarantined(conn, report)?;
     }
     Ok(())
 }
 
-/// The isolated networks. Every connection checked reads today's
-/// `metis_networks`: a writable open moved an earlier release's keys into
-/// it, a read-only one reads it through `migrate::shadow_for_reading`.
+/// The isolated networks.
 fn isolated_networks(conn: &Connection) -> Result<HashSet<String>, StoreError> {
     let names = conn
         .prepare("SELECT network FROM metis_networks WHERE isolated = 1")?
@@ -615,7 +605,7 @@ fn check_blocks(
             fail(format!("allocated_ips {allocated} is outside 0..={total}"));
         }
         block.reserved = match state {
-            super::BlockState::Deleting => None,
+            crate::store::db::BlockState::Deleting => None,
             _ => Some(block_reserved(conn, mode, id, &block.network, &cidr)?),
         };
         block.cidr = Some(cidr);

@@ -19,15 +19,15 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::bounds_of;
-use super::free::Holder;
-use super::{ReserveMode, StoreError, parse_cidr};
 use crate::cidr::{Bounds, Cidr, gateway_for};
+use crate::store::db::{ReserveMode, StoreError, parse_cidr};
+use crate::store::rows::block::bounds_of;
+use crate::store::rows::free::Holder;
 
 /// A pod holding the address a block advertises as its gateway (?1), in
 /// any block of that network (?2): for a database without Metis's tables
 /// (`admin check` of an upstream-only file).
-pub(super) const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
+pub(in crate::store) const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
      FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE a.address = ?1 AND b.network = ?2 AND a.is_allocated = 1 AND a.container_id != '' \
      LIMIT 1";
@@ -36,7 +36,7 @@ pub(super) const HELD_GATEWAY_IN_NETWORK_SQL: &str = "SELECT a.container_id, COA
 /// any block of that network (?2) or, unless it is isolated (?3), of any
 /// network sharing the node's address space (an overlapping block
 /// upstream added).
-pub(super) const HELD_GATEWAY_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
+pub(in crate::store) const HELD_GATEWAY_SQL: &str = "SELECT a.container_id, COALESCE(a.interface_name, '') \
      FROM ip_addresses a JOIN cidr_blocks b ON b.id = a.cidr_block_id \
      WHERE a.address = ?1 AND a.is_allocated = 1 AND a.container_id != '' \
        AND (b.network = ?2 OR (?3 = 0 AND b.network NOT IN \
@@ -47,7 +47,7 @@ pub(super) const HELD_GATEWAY_SQL: &str = "SELECT a.container_id, COALESCE(a.int
 /// ranges with `rangeStart`/`rangeEnd`/`gateway`), keyed by subnet:
 /// the gateway a result names is its block's there, else Metis's. `None`:
 /// no configuration given, the bounds recorded for each block stand in.
-pub(super) type InForceBounds<'c> = Option<&'c [(Cidr, Bounds)]>;
+pub(in crate::store) type InForceBounds<'c> = Option<&'c [(Cidr, Bounds)]>;
 
 /// A block whose gateway a pod holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,7 +75,7 @@ impl HeldGateway {
 /// block's computed one — where the rule applies under `mode` (`None`:
 /// `first-block` mode without bounds, where base + 1 of a later block is a
 /// pod address by upstream's rule).
-pub(super) fn result_gateway(
+pub(in crate::store) fn result_gateway(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
@@ -96,25 +96,38 @@ pub(super) fn result_gateway(
     })
 }
 
-/// Who holds the gateway block `id` (`cidr` of `network`) advertises
-/// under `in_force` — the conflist's explicit `gateway`, else the block's
-/// computed one — if a pod does and the rule applies under `mode`: a few
-/// indexed reads.
-pub(super) fn held(
+/// What a network's gateways are judged by: the reservation mode, the
+/// network, the bounds in force and where a holder is looked for.
+#[derive(Clone, Copy)]
+pub(in crate::store) struct GatewayRule<'c> {
+    pub(in crate::store) mode: ReserveMode,
+    pub(in crate::store) network: &'c str,
+    pub(in crate::store) in_force: InForceBounds<'c>,
+    pub(in crate::store) space: Space,
+}
+
+/// Who holds the gateway block `id` (`cidr` of the rule's network)
+/// advertises under the bounds in force — the conflist's explicit
+/// `gateway`, else the block's computed one — if a pod does and the rule
+/// applies under its mode: a few indexed reads.
+pub(in crate::store) fn held(
     conn: &Connection,
-    mode: ReserveMode,
+    rule: GatewayRule,
     id: i64,
-    network: &str,
     cidr: &Cidr,
-    in_force: InForceBounds,
-    space: Space,
 ) -> Result<Option<HeldGateway>, StoreError> {
+    let GatewayRule {
+        mode,
+        network,
+        in_force,
+        space,
+    } = rule;
     let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
         return Ok(None);
     };
     let gateway_text = gateway.to_string();
     // The joins only where the cheap probe finds a pod holding the address.
-    if !super::free::allocated_elsewhere(conn, &gateway_text, None, Holder::Pod)? {
+    if !crate::store::rows::free::allocated_elsewhere(conn, &gateway_text, None, Holder::Pod)? {
         return Ok(None);
     }
     let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
@@ -141,7 +154,7 @@ pub(super) fn held(
 /// Where a holder of a network's gateway is looked for: the node's
 /// address space as that network sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Space {
+pub(in crate::store) enum Space {
     /// The network's own blocks, or (unless `isolated`) those of every
     /// network not isolated either.
     Shared { isolated: bool },
@@ -155,7 +168,7 @@ impl Space {
     /// always has `metis_networks` (the open creates it), and knows its
     /// network's space once per allocation ([`Space::Shared`] with
     /// `layout::is_isolated`); this is for the readers.
-    pub(super) fn of(conn: &Connection, network: &str) -> Result<Space, StoreError> {
+    pub(in crate::store) fn of(conn: &Connection, network: &str) -> Result<Space, StoreError> {
         let has_networks: bool = conn
             .prepare_cached(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'metis_networks')",
@@ -163,7 +176,7 @@ impl Space {
             .query_row([], |r| r.get(0))?;
         Ok(if has_networks {
             Space::Shared {
-                isolated: super::layout::is_isolated(conn, network)?,
+                isolated: crate::store::layout::blocks::is_isolated(conn, network)?,
             }
         } else {
             Space::NetworkOnly
@@ -172,22 +185,19 @@ impl Space {
 }
 
 /// Candidate blocks of an allocation: (block id, prefix).
-pub(super) type Blocks = Vec<(i64, Cidr)>;
+pub(in crate::store) type Blocks = Vec<(i64, Cidr)>;
 
 /// The blocks of `candidates` an allocation may be served from, and the
 /// ones it may not (their gateway is a pod's address).
-pub(super) fn servable(
+pub(in crate::store) fn servable(
     conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    in_force: InForceBounds,
-    space: Space,
+    rule: GatewayRule,
     candidates: Blocks,
 ) -> Result<(Blocks, Vec<HeldGateway>), StoreError> {
     let mut served = Vec::with_capacity(candidates.len());
     let mut refused = Vec::new();
     for (id, cidr) in candidates {
-        match held(conn, mode, id, network, &cidr, in_force, space)? {
+        match held(conn, rule, id, &cidr)? {
             Some(gateway) => refused.push(gateway),
             None => served.push((id, cidr)),
         }
@@ -197,21 +207,26 @@ pub(super) fn servable(
 
 /// The network's Ready blocks of `family` whose gateway a pod holds (STATUS
 /// counts nothing in them, as ADD takes nothing from them).
-pub(super) fn held_in(
+pub(in crate::store) fn held_in(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     family: crate::cidr::Family,
     in_force: InForceBounds,
 ) -> Result<Vec<HeldGateway>, StoreError> {
-    let space = Space::of(conn, network)?;
+    let rule = GatewayRule {
+        mode,
+        network,
+        in_force,
+        space: Space::of(conn, network)?,
+    };
     let mut out = Vec::new();
-    for block in super::block::network_blocks(conn, network, family)? {
+    for block in crate::store::rows::block::network_blocks(conn, network, family)? {
         if !block.is("Ready") {
             continue;
         }
         let cidr = block.prefix()?;
-        if let Some(gateway) = held(conn, mode, block.id, network, &cidr, in_force, space)? {
+        if let Some(gateway) = held(conn, rule, block.id, &cidr)? {
             out.push(gateway);
         }
     }
@@ -221,7 +236,7 @@ pub(super) fn held_in(
 /// Every block Metis may serve from (Ready, or Draining: taken back on
 /// exhaustion) whose gateway a pod holds (start-up log, `admin check`, the
 /// metric).
-pub(super) fn all_held(
+pub(in crate::store) fn all_held(
     conn: &Connection,
     mode: ReserveMode,
 ) -> Result<Vec<HeldGateway>, StoreError> {
@@ -237,12 +252,26 @@ pub(super) fn all_held(
         let Ok(cidr) = parse_cidr(&cidr) else {
             continue;
         };
-        let space = Space::of(conn, &network)?;
-        if let Some(gateway) = held(conn, mode, id, &network, &cidr, None, space)? {
+        let rule = GatewayRule {
+            mode,
+            network: &network,
+            in_force: None,
+            space: Space::of(conn, &network)?,
+        };
+        if let Some(gateway) = held(conn, rule, id, &cidr)? {
             out.push(gateway);
         }
     }
     Ok(out)
+}
+
+impl crate::store::db::connection::Store {
+    /// Blocks whose gateway a pod holds (not served; see `gateway`).
+    pub fn held_gateways(
+        &self,
+    ) -> Result<Vec<crate::store::layout::gateway::HeldGateway>, StoreError> {
+        crate::store::layout::gateway::all_held(&self.conn, self.reserve)
+    }
 }
 
 #[cfg(test)]
@@ -252,8 +281,10 @@ mod tests {
     #[test]
     fn the_gateway_lookup_searches_an_index() {
         let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch(super::super::schema::SCHEMA).unwrap();
-        conn.execute_batch(super::super::schema::NETWORKS).unwrap();
+        conn.execute_batch(crate::store::db::schema::SCHEMA)
+            .unwrap();
+        conn.execute_batch(crate::store::db::schema::NETWORKS)
+            .unwrap();
         let plan: Vec<String> = conn
             .prepare(&format!("EXPLAIN QUERY PLAN {HELD_GATEWAY_SQL}"))
             .unwrap()

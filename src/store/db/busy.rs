@@ -12,32 +12,12 @@
 
 use std::time::{Duration, Instant};
 
-use rusqlite::ffi;
-
-use super::StoreError;
+use super::types::StoreError;
 use crate::log;
 
 /// First pause between attempts; doubles up to [`LONGEST_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(2);
 const LONGEST_PAUSE: Duration = Duration::from_millis(100);
-
-/// SQLite's name for the (extended) result code of a busy or locked error.
-pub(super) fn code_name(err: &rusqlite::Error) -> String {
-    let rusqlite::Error::SqliteFailure(failure, _) = err else {
-        return "not an SQLite result".into();
-    };
-    let name = match failure.extended_code {
-        ffi::SQLITE_BUSY => "SQLITE_BUSY",
-        ffi::SQLITE_BUSY_RECOVERY => "SQLITE_BUSY_RECOVERY",
-        ffi::SQLITE_BUSY_SNAPSHOT => "SQLITE_BUSY_SNAPSHOT",
-        ffi::SQLITE_BUSY_TIMEOUT => "SQLITE_BUSY_TIMEOUT",
-        ffi::SQLITE_LOCKED => "SQLITE_LOCKED",
-        ffi::SQLITE_LOCKED_SHAREDCACHE => "SQLITE_LOCKED_SHAREDCACHE",
-        ffi::SQLITE_LOCKED_VTAB => "SQLITE_LOCKED_VTAB",
-        other => return format!("SQLite result {other}"),
-    };
-    name.into()
-}
 
 /// Names the step a busy error struck, where it is not named yet.
 pub(crate) trait During<T> {
@@ -125,6 +105,8 @@ fn jitter(pause: Duration) -> Duration {
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::ffi;
+
     use super::*;
 
     fn busy(extended: i32) -> StoreError {
@@ -148,7 +130,10 @@ mod tests {
         assert!(outer.contains("at BEGIN IMMEDIATE"), "{outer}");
         let plain = busy(ffi::SQLITE_LOCKED).to_string();
         assert!(plain.contains("(SQLITE_LOCKED)"), "{plain}");
-        let other = code_name(&rusqlite::Error::SqliteFailure(ffi::Error::new(1234), None));
+        let other = super::super::types::code_name(&rusqlite::Error::SqliteFailure(
+            ffi::Error::new(1234),
+            None,
+        ));
         assert_eq!(other, "SQLite result 1234");
         // Other errors pass through unnamed.
         let full = Err::<(), _>(busy(ffi::SQLITE_FULL)).during("COMMIT");

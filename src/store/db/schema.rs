@@ -84,14 +84,6 @@ pub const NETWORKS: &str = "CREATE TABLE IF NOT EXISTS metis_networks (\
      low_utilization_since INTEGER, host_local_dir TEXT, host_local_dir_identity TEXT, \
      conf_name TEXT)";
 
-/// The columns `metis_networks` gained after its first release, added to
-/// a table created without them by [`super::migrate`].
-pub const NETWORKS_ADDED: [(&str, &str); 3] = [
-    ("host_local_dir", "TEXT"),
-    ("host_local_dir_identity", "TEXT"),
-    ("conf_name", "TEXT"),
-];
-
 /// The ranges each static source (cni, flag) wants, per network.
 pub const RANGES: &str = "CREATE TABLE IF NOT EXISTS metis_ranges (\
      source TEXT NOT NULL, network TEXT NOT NULL, cidr TEXT NOT NULL, \
@@ -109,15 +101,12 @@ pub const BOUNDS: &str = "CREATE TABLE IF NOT EXISTS metis_bounds (\
 /// On a read-only connection, empty TEMP stand-ins (never in the file) for
 /// Metis's tables the file lacks — a database only upstream has written —
 /// so every read of them finds "nothing recorded" instead of failing.
-/// `sqlite_master` still lists only the file's own tables. See
-/// `migrate::shadow_for_reading`, which calls it.
-pub(super) fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
-    // The file's tables, and the TEMP views in front of earlier shapes.
+/// `sqlite_master` still lists only the file's own tables.
+pub(in crate::store) fn shadow_missing_tables(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    // In memory: a read-only root filesystem has no temporary directory.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
     let present: Vec<String> = conn
-        .prepare(
-            "SELECT name FROM sqlite_master WHERE type = 'table' \
-             UNION ALL SELECT name FROM sqlite_temp_master WHERE type = 'view'",
-        )?
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
         .query_map([], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for (name, create) in METIS_TABLES {
@@ -208,11 +197,3 @@ pub const HEALED_STATE: &str = "\
      UNION ALL SELECT 'b', id, state, NULL, NULL FROM cidr_blocks \
      UNION ALL SELECT 'm', block_id, retired, quarantine IS NULL, NULL FROM metis_blocks \
      UNION ALL SELECT 'r', network || ' ' || cidr, range_start, range_end, gateway FROM metis_bounds";
-
-/// Keys earlier versions kept per block or per network in
-/// `metis_settings`, each a prefix followed by the block id or the network:
-/// the population frontier (named when only IPv6 blocks grew lazily),
-/// isolation, and the start of low use. The typed tables replaced them;
-/// [`super::migrate`] moves what it finds. Upstream reads none of them (it
-/// knows no Metis table), so nothing needs to stay behind.
-pub const LEGACY_KEYS: [&str; 3] = ["ipv6_frontier/", "isolated/", "low_utilization_since/"];

@@ -12,11 +12,11 @@ use std::collections::btree_map::Entry;
 use rusqlite::types::Value;
 use rusqlite::{Connection, OptionalExtension, Row, params, params_from_iter};
 
-use super::{
+use crate::cidr::{Bounds, Cidr, Family};
+use crate::store::db::{
     Allocation, BlockInfo, BlockState, ReserveMode, StoreError, parse_addr, parse_cidr,
     parse_family, parse_state, total_ips,
 };
-use crate::cidr::{Bounds, Cidr, Family};
 
 /// Rows are populated lazily, this many at a time, from a block's frontier
 /// (IPv4 and IPv6 alike), so adding a block of any size is O(1).
@@ -39,7 +39,11 @@ pub fn reserved_offsets(cidr: &Cidr, mode: ReserveMode, first_v4_block: bool) ->
 }
 
 /// Whether block `id` is the lowest-id IPv4 block of `network`.
-pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<bool, StoreError> {
+pub(in crate::store) fn is_first_v4(
+    conn: &Connection,
+    network: &str,
+    id: i64,
+) -> Result<bool, StoreError> {
     let first: Option<i64> = conn
         .prepare_cached(
             "SELECT MIN(id) FROM cidr_blocks WHERE network = ?1 AND ip_family = 'ipv4'",
@@ -55,31 +59,31 @@ pub(super) fn is_first_v4(conn: &Connection, network: &str, id: i64) -> Result<b
 /// ([`BLOCK_RECORD_SQL`]): a one-request process (direct mode) prepares
 /// every statement it runs, and each join with that record, or subquery
 /// of it, cost more to prepare than the two together.
-pub(super) const NETWORK_BLOCKS_SQL: &str = "SELECT id, cidr, state, total_ips > allocated_ips \
+pub(in crate::store) const NETWORK_BLOCKS_SQL: &str = "SELECT id, cidr, state, total_ips > allocated_ips \
      FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 ORDER BY id";
 
 /// A row of [`NETWORK_BLOCKS_SQL`]. A prefix or state that is not text
 /// (another writer's) is `None`.
-pub(super) struct Listed {
-    pub(super) id: i64,
-    pub(super) cidr: Option<String>,
-    pub(super) state: Option<String>,
-    pub(super) has_room: bool,
+pub(in crate::store) struct Listed {
+    pub(in crate::store) id: i64,
+    pub(in crate::store) cidr: Option<String>,
+    pub(in crate::store) state: Option<String>,
+    pub(in crate::store) has_room: bool,
 }
 
 impl Listed {
     /// Whether its state is `state` (SQL's `state = ...`).
-    pub(super) fn is(&self, state: &str) -> bool {
+    pub(in crate::store) fn is(&self, state: &str) -> bool {
         self.state.as_deref() == Some(state)
     }
 
-    pub(super) fn prefix(&self) -> Result<Cidr, StoreError> {
+    pub(in crate::store) fn prefix(&self) -> Result<Cidr, StoreError> {
         parse_text(self.cidr.as_deref(), parse_cidr, || {
             format!("the prefix of block {}", self.id)
         })
     }
 
-    pub(super) fn parsed_state(&self) -> Result<BlockState, StoreError> {
+    pub(in crate::store) fn parsed_state(&self) -> Result<BlockState, StoreError> {
         parse_text(self.state.as_deref(), parse_state, || {
             format!("the state of block {}", self.id)
         })
@@ -87,7 +91,7 @@ impl Listed {
 }
 
 /// The blocks of `network` and `family`, oldest first.
-pub(super) fn network_blocks(
+pub(in crate::store) fn network_blocks(
     conn: &Connection,
     network: &str,
     family: Family,
@@ -108,13 +112,13 @@ pub(super) fn network_blocks(
 
 /// Column `i` of `row` when it holds text; `None` for any other value
 /// (another writer's), which a comparison with text in SQL never matches.
-pub(super) fn text_at(row: &Row, i: usize) -> rusqlite::Result<Option<String>> {
+pub(in crate::store) fn text_at(row: &Row, i: usize) -> rusqlite::Result<Option<String>> {
     Ok(row.get_ref(i)?.as_str().ok().map(str::to_owned))
 }
 
 /// A column read by [`text_at`], parsed by `parse`; a value that was not
 /// text is corrupt, as `what` names it.
-pub(super) fn parse_text<T>(
+pub(in crate::store) fn parse_text<T>(
     text: Option<&str>,
     parse: impl FnOnce(&str) -> Result<T, StoreError>,
     what: impl FnOnce() -> String,
@@ -130,21 +134,24 @@ pub(super) fn parse_text<T>(
 /// cost a one-request process (direct mode) more to prepare; a scan of
 /// every block's record instead would make each ADD pay for the blocks of
 /// every other network on the node.
-pub(super) const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
+pub(in crate::store) const BLOCK_RECORD_SQL: &str = "SELECT sources, retired != 0, quarantine IS NOT NULL \
      FROM metis_blocks WHERE block_id = ?1";
 
 /// Metis's record of a block ([`BLOCK_RECORD_SQL`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(super) struct Record {
+pub(in crate::store) struct Record {
     /// `None`: no record of where the block comes from (or one that is
     /// not text: another writer's).
-    pub(super) sources: Option<String>,
-    pub(super) retired: bool,
-    pub(super) quarantined: bool,
+    pub(in crate::store) sources: Option<String>,
+    pub(in crate::store) retired: bool,
+    pub(in crate::store) quarantined: bool,
 }
 
 /// Metis's record of block `id`, if it has one.
-pub(super) fn record_of(conn: &Connection, id: i64) -> Result<Option<Record>, StoreError> {
+pub(in crate::store) fn record_of(
+    conn: &Connection,
+    id: i64,
+) -> Result<Option<Record>, StoreError> {
     Ok(conn
         .prepare_cached(BLOCK_RECORD_SQL)?
         .query_row([id], |r| {
@@ -161,11 +168,11 @@ pub(super) fn record_of(conn: &Connection, id: i64) -> Result<Option<Record>, St
 /// where its candidates and its hand-out check ask for the same blocks
 /// (nothing an allocation writes changes a record).
 #[derive(Debug, Default)]
-pub(super) struct Records(BTreeMap<i64, Option<Record>>);
+pub(in crate::store) struct Records(BTreeMap<i64, Option<Record>>);
 
 impl Records {
     /// Block `id`'s record, read the first time it is asked for.
-    pub(super) fn get(
+    pub(in crate::store) fn get(
         &mut self,
         conn: &Connection,
         id: i64,
@@ -249,7 +256,7 @@ impl Reserved {
 }
 
 /// The host-local bounds recorded for block `cidr` of `network`, if any.
-pub(super) fn bounds_of(
+pub(in crate::store) fn bounds_of(
     conn: &Connection,
     network: &str,
     cidr: &Cidr,
@@ -275,7 +282,7 @@ pub(super) fn bounds_of(
 
 /// The reserved positions of an existing block under `mode`: its
 /// host-local bounds when it has some, else the mode's fixed offsets.
-pub(super) fn block_reserved(
+pub(in crate::store) fn block_reserved(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
@@ -293,7 +300,7 @@ pub(super) fn block_reserved(
 
 /// Inserts the rows at `offsets` of a block, reserving those in `reserved`;
 /// bumps the block's counter by the number reserved. Returns rows inserted.
-pub(super) fn insert_rows(
+pub(in crate::store) fn insert_rows(
     conn: &Connection,
     block_id: i64,
     cidr: &Cidr,
@@ -333,7 +340,7 @@ pub(super) fn insert_rows(
 /// Inserts the rows at a block's fixed reserved offsets that do not exist
 /// yet (beyond the frontier: an IPv4 block's last address), reserved, so
 /// the block's counter counts them from the start.
-pub(super) fn insert_reserved_rows(
+pub(in crate::store) fn insert_reserved_rows(
     conn: &Connection,
     id: i64,
     cidr: &Cidr,
@@ -348,7 +355,7 @@ pub(super) fn insert_reserved_rows(
 /// Inserts a Ready block and its first batch of rows, plus its reserved
 /// rows (so counters count every reservation from the start), and records
 /// its frontier: O(1) whatever the block's size. Returns its id.
-pub(super) fn insert_block(
+pub(in crate::store) fn insert_block(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
@@ -385,9 +392,11 @@ const HIGHEST_ROW_SCAN_SQL: &str = "SELECT address FROM ip_addresses WHERE cidr_
 /// an IPv4 block was populated whole when added (by upstream, or by Metis
 /// before IPv4 grew lazily); an IPv6 block continues after its highest row
 /// (a scan, once per block, as upstream records no frontier).
-pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<u128, StoreError> {
-    // A read-only look at an earlier release's file reads the frontier
-    // its key holds through `migrate::shadow_for_reading`.
+pub(in crate::store) fn frontier(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+) -> Result<u128, StoreError> {
     let recorded = conn
         .prepare_cached("SELECT frontier FROM metis_blocks WHERE block_id = ?1")?
         .query_row([block_id], |r| r.get::<_, Option<String>>(0))
@@ -405,7 +414,11 @@ pub(super) fn frontier(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<
 
 /// Records the next offset of a block to populate (a Metis record of the
 /// block without one of its sources, if it had none).
-pub(super) fn set_frontier(conn: &Connection, block_id: i64, next: u128) -> Result<(), StoreError> {
+pub(in crate::store) fn set_frontier(
+    conn: &Connection,
+    block_id: i64,
+    next: u128,
+) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO metis_blocks (block_id, frontier) VALUES (?1, ?2) \
          ON CONFLICT(block_id) DO UPDATE SET frontier = excluded.frontier",
@@ -434,20 +447,20 @@ fn highest_offset(
 }
 
 /// An allocated row: its id, its block's id, and what it holds.
-pub(super) struct HeldRow {
-    pub(super) row_id: i64,
-    pub(super) block_id: i64,
-    pub(super) allocation: Allocation,
+pub(in crate::store) struct HeldRow {
+    pub(in crate::store) row_id: i64,
+    pub(in crate::store) block_id: i64,
+    pub(in crate::store) allocation: Allocation,
 }
 
-pub(super) const RELEASE_ROW_SQL: &str =
+pub(in crate::store) const RELEASE_ROW_SQL: &str =
     "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2 WHERE id = ?1";
 
-pub(super) const COUNT_RELEASED_SQL: &str =
+pub(in crate::store) const COUNT_RELEASED_SQL: &str =
     "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1 WHERE id = ?1";
 
 /// A pod gives a reserved position back to the reservation.
-pub(super) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
+pub(in crate::store) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
      pod_name = NULL, pod_namespace = NULL, release_at = NULL WHERE id = ?1";
 
 /// Frees one allocated row of a block of `network`: it rests until
@@ -456,28 +469,33 @@ pub(super) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_
 /// there by an upstream database), which goes back to the reservation and
 /// stays counted, and a row outside the block's prefix is deleted. Every
 /// release (DEL, GC, boot recovery) ends here.
-pub(super) fn give_back(
+pub(in crate::store) fn give_back(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     row: &HeldRow,
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
-    super::co_writer::before_give_back(conn, network, row.row_id, row.allocation.address)?;
+    crate::store::db::co_writer::before_give_back(
+        conn,
+        network,
+        row.row_id,
+        row.allocation.address,
+    )?;
     give_back_row(conn, mode, network, row, release_at)
 }
 
 /// [`give_back`] once host-local's file of the row was dealt with: a DEL
 /// removes every file of the owner in its network first
 /// (`co_writer::before_release`).
-pub(super) fn give_back_row(
+pub(in crate::store) fn give_back_row(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     row: &HeldRow,
     release_at: Option<i64>,
 ) -> Result<(), StoreError> {
-    super::named_gateway::forget(conn, row.row_id)?;
+    crate::store::rows::named_gateway::forget(conn, row.row_id)?;
     let Some(offset) = row.allocation.block.offset_of(row.allocation.address) else {
         // Outside the prefix (upstream's rows of a /127 or /128): the row
         // goes with its last pod, so no one is handed it again.
@@ -504,7 +522,7 @@ pub(super) fn give_back_row(
 /// Brings a reshaped block's rows in line: its fixed reserved positions
 /// have rows, positions it reserves are reserved unless a pod holds them,
 /// reserved rows elsewhere are freed, and the counters are recounted.
-pub(super) fn settle(
+pub(in crate::store) fn settle(
     conn: &Connection,
     mode: ReserveMode,
     id: i64,
@@ -543,16 +561,16 @@ pub(super) fn settle(
 }
 
 /// Reserves a free row (no owner, no cooldown); touches nothing else.
-pub(super) const RESERVE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = '', \
+pub(in crate::store) const RESERVE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = '', \
      interface_name = '', pod_name = NULL, pod_namespace = NULL, release_at = NULL \
      WHERE id = ?1 AND is_allocated = FALSE";
 
 /// Frees a reserved row (allocated, no owner) at once.
-pub(super) const FREE_RESERVED_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL \
+pub(in crate::store) const FREE_RESERVED_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL \
      WHERE id = ?1 AND is_allocated = 1 AND COALESCE(container_id, '') = ''";
 
 /// Deletes a block, its rows and Metis's records of it.
-pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+pub(in crate::store) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
     conn.prepare_cached("DELETE FROM ip_addresses WHERE cidr_block_id = ?1")?
         .execute([id])?;
     conn.prepare_cached("DELETE FROM cidr_blocks WHERE id = ?1")?
@@ -561,7 +579,7 @@ pub(super) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError>
 }
 
 /// Drops Metis's records of a deleted block.
-pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
+pub(in crate::store) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
     conn.prepare_cached("DELETE FROM metis_blocks WHERE block_id = ?1")?
         .execute([id])?;
     Ok(())
@@ -569,7 +587,9 @@ pub(super) fn forget_block(conn: &Connection, id: i64) -> Result<(), StoreError>
 
 /// Blocks whose `allocated_ips` differs from their count of allocated
 /// rows: `(block id, allocated_ips, actual)`.
-pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+pub(in crate::store) fn counter_mismatches(
+    conn: &Connection,
+) -> Result<Vec<(i64, i64, i64)>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, COALESCE(b.allocated_ips, 0), \
                 (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = b.id AND a.is_allocated = 1) \
@@ -595,7 +615,7 @@ pub(super) fn counter_mismatches(conn: &Connection) -> Result<Vec<(i64, i64, i64
 /// Sets the `allocated_ips` of each block in `ids` (those a row-level
 /// check found wrong) to its count of allocated rows, counted again here
 /// under the caller's write lock; returns how many were wrong.
-pub(super) fn recount(conn: &Connection, ids: &[i64]) -> Result<usize, StoreError> {
+pub(in crate::store) fn recount(conn: &Connection, ids: &[i64]) -> Result<usize, StoreError> {
     let mut fix = conn.prepare_cached(
         "UPDATE cidr_blocks SET allocated_ips = \
            (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1) \
@@ -610,7 +630,7 @@ pub(super) fn recount(conn: &Connection, ids: &[i64]) -> Result<usize, StoreErro
 }
 
 /// Gives a block a Metis record of its sources (none yet) if it has none.
-pub(super) fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
+pub(in crate::store) fn ensure_record(conn: &Connection, id: i64) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO metis_blocks (block_id, sources) VALUES (?1, '') \
          ON CONFLICT(block_id) DO UPDATE SET sources = COALESCE(sources, '')",
@@ -629,7 +649,7 @@ pub struct Quarantined {
 }
 
 /// Quarantined blocks, id order.
-pub(super) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreError> {
+pub(in crate::store) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT b.id, b.cidr, b.network, m.quarantine FROM metis_blocks m \
          JOIN cidr_blocks b ON b.id = m.block_id WHERE m.quarantine IS NOT NULL ORDER BY b.id",
@@ -648,7 +668,7 @@ pub(super) fn quarantined(conn: &Connection) -> Result<Vec<Quarantined>, StoreEr
 }
 
 /// The quarantined blocks of `network` and `family`, in words.
-pub(super) fn quarantined_in(
+pub(in crate::store) fn quarantined_in(
     conn: &Connection,
     network: &str,
     family: Family,
@@ -664,27 +684,31 @@ pub(super) fn quarantined_in(
 
 /// The Draining block of network ?1 and family ?2 that exhaustion takes
 /// back: the oldest one Metis neither retired nor quarantined.
-pub(super) const UNDRAINABLE_SQL: &str = "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
+pub(in crate::store) const UNDRAINABLE_SQL: &str = "SELECT id FROM cidr_blocks WHERE network = ?1 AND ip_family = ?2 \
      AND state = 'Draining' AND id NOT IN \
        (SELECT block_id FROM metis_blocks WHERE retired = 1 OR quarantine IS NOT NULL) \
      ORDER BY id LIMIT 1";
 
 /// Lifts every quarantine (before it is recomputed from scratch).
-pub(super) fn clear_quarantines(conn: &Connection) -> Result<(), StoreError> {
+pub(in crate::store) fn clear_quarantines(conn: &Connection) -> Result<(), StoreError> {
     conn.execute("UPDATE metis_blocks SET quarantine = NULL", [])?;
     Ok(())
 }
 
 /// Quarantines block `id`, saying why.
-pub(super) fn quarantine(conn: &Connection, id: i64, why: &str) -> Result<(), StoreError> {
+pub(in crate::store) fn quarantine(
+    conn: &Connection,
+    id: i64,
+    why: &str,
+) -> Result<(), StoreError> {
     ensure_record(conn, id)?;
     conn.prepare_cached("UPDATE metis_blocks SET quarantine = ?2 WHERE block_id = ?1")?
         .execute(params![id, why])?;
-    super::withhold::settle_block(conn, id, crate::log::now_ms())
+    crate::store::rows::withhold::settle_block(conn, id, crate::log::now_ms())
 }
 
 /// The columns [`block_info`] reads, of `cidr_blocks b`.
-pub(super) const BLOCK_COLUMNS: &str = "b.id, b.cidr, b.network, b.ip_family, b.total_ips, \
+pub(in crate::store) const BLOCK_COLUMNS: &str = "b.id, b.cidr, b.network, b.ip_family, b.total_ips, \
      COALESCE(b.allocated_ips, 0), b.state, COALESCE(b.created_at, 0), COALESCE(b.updated_at, 0)";
 
 fn block_info(row: &Row) -> Result<BlockInfo, StoreError> {
@@ -702,7 +726,7 @@ fn block_info(row: &Row) -> Result<BlockInfo, StoreError> {
 }
 
 /// The blocks a query selecting [`BLOCK_COLUMNS`] finds.
-pub(super) fn query_blocks(
+pub(in crate::store) fn query_blocks(
     conn: &Connection,
     sql: &str,
     params: &[Value],
@@ -714,4 +738,12 @@ pub(super) fn query_blocks(
         out.push(block_info(row)?);
     }
     Ok(out)
+}
+
+impl crate::store::db::connection::Store {
+    /// Blocks whose `allocated_ips` differs from their count of allocated
+    /// rows: `(block id, allocated_ips, actual)`.
+    pub fn counter_mismatches(&self) -> Result<Vec<(i64, i64, i64)>, StoreError> {
+        crate::store::rows::block::counter_mismatches(&self.conn)
+    }
 }

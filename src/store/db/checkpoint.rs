@@ -21,7 +21,8 @@ use std::time::Duration;
 use rusqlite::config::DbConfig;
 use rusqlite::{Connection, OpenFlags};
 
-use super::{Store, StoreError};
+use super::connection::Store;
+use super::types::StoreError;
 use crate::log;
 
 /// The loop connection's own automatic checkpoint, in pages (64 MiB of
@@ -47,7 +48,7 @@ impl Checkpointer {
     pub fn start(path: &Path) -> std::io::Result<Checkpointer> {
         let (stop, stopped) = mpsc::channel::<()>();
         let path = path.to_path_buf();
-        let file = super::file_identity(&path);
+        let file = super::connection::file_identity(&path);
         let thread = std::thread::Builder::new()
             .name("metis-checkpoint".into())
             .spawn(move || run(&path, file, &stopped))?;
@@ -335,7 +336,7 @@ fn open(path: &Path, file: Option<(u64, u64)>) -> Result<Connection, rusqlite::E
         path,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
-    if super::file_identity(path) != file {
+    if super::connection::file_identity(path) != file {
         return Err(rusqlite::Error::SqliteFailure(
             rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
             Some("the file at the path is no longer the daemon's database".into()),
@@ -418,7 +419,7 @@ mod tests {
     fn another_file_put_at_the_path_is_not_checkpointed() {
         let dir = TempDir::new();
         drop(dir.store());
-        let daemons = super::super::file_identity(&dir.db());
+        let daemons = crate::store::db::connection::file_identity(&dir.db());
         let other = dir.0.join("other.sqlite");
         Connection::open(&other)
             .unwrap()
@@ -487,7 +488,7 @@ mod tests {
         }
         let grown = wal_size(&dir);
         // The thread's pass: everything copied, nothing pinned.
-        let file = super::super::file_identity(&dir.db());
+        let file = crate::store::db::connection::file_identity(&dir.db());
         let mut conn = None;
         let state = checkpoint_passive(opened(&mut conn, &dir.db(), file).unwrap()).unwrap();
         assert!(state.done(), "{state:?}");
@@ -514,7 +515,7 @@ mod tests {
         store
             .add_cidr_block("pods", &"198.18.0.0/22".parse().unwrap())
             .unwrap();
-        let file = super::super::file_identity(&dir.db());
+        let file = crate::store::db::connection::file_identity(&dir.db());
         let mut conn = None;
         let mut pin = pinned.map(|limit| Pin::new(open(&dir.db(), file).unwrap(), limit));
         let mut states = Vec::new();

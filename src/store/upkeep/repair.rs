@@ -2,19 +2,22 @@
 //! by upstream — in line with the reservation mode in force (reserved rows
 //! where the mode reserves, none elsewhere, no row outside its prefix).
 
+use crate::store::layout::blocks::{self, Isolation};
+use crate::store::upkeep::check::Report;
 use std::collections::{HashMap, HashSet};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::block::{
+use crate::cidr::{Cidr, Family};
+use crate::store::db::schema;
+use crate::store::db::{
+    BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
+    set_setting,
+};
+use crate::store::rows::block::{
     FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
 };
-use super::rollback;
-use super::{
-    BlockState, ReserveMode, Store, StoreError, get_setting, parse_cidr, parse_family, parse_state,
-    schema, set_setting,
-};
-use crate::cidr::{Cidr, Family};
+use crate::store::upkeep::rollback;
 
 #[derive(Default)]
 struct Plan {
@@ -194,7 +197,7 @@ impl Store {
     /// Brings reservations in line with the mode and heals what other
     /// writers left (`rollback`). Read-only unless something must change,
     /// or the file is clean and not yet stamped so ([`proven_healed`]).
-    pub(super) fn repair(&mut self) -> Result<(), StoreError> {
+    pub(in crate::store) fn repair(&mut self) -> Result<(), StoreError> {
         let mode = self.reserve;
         let first = plan(&self.conn, mode)?;
         let left = rollback::find(&self.conn)?;
@@ -203,7 +206,7 @@ impl Store {
             self.warnings.extend(store_lines(left.describe(false)));
             return Ok(());
         }
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         // Re-plan under the write lock: another process may have repaired.
         let plan = plan(&tx, mode)?;
         let left = rollback::find(&tx)?;
@@ -258,15 +261,14 @@ fn settles_clean(plan: &Plan, left: &rollback::Leftovers) -> bool {
 
 /// Whether the file is exactly as the healing last left it clean: its
 /// [`healed_state`] is the one recorded under [`schema::KEY_HEALED`] then.
-/// An open may then skip the schema check, the migration check and the
-/// healing: whoever wrote since (Metis's own requests, upstream's
+/// An open may then skip the schema check and the healing: whoever wrote since (Metis's own requests, upstream's
 /// allocations and releases) only allocated and released rows that were
 /// there, which leaves nothing to heal in a clean file; any other write (a
 /// block added, drained, undrained, a row inserted, a retirement, bounds,
 /// the mode, the schema) changes the state. False when it cannot be read
 /// (no settings table yet, an old file): the open then checks and heals
 /// everything, as before.
-pub(super) fn proven_healed(conn: &Connection) -> bool {
+pub(in crate::store) fn proven_healed(conn: &Connection) -> bool {
     match get_setting(conn, schema::KEY_HEALED) {
         Ok(Some(recorded)) => healed_state(conn).is_ok_and(|now| now == recorded),
         _ => false,
@@ -323,7 +325,10 @@ fn store_lines(lines: Vec<String>) -> impl Iterator<Item = String> {
 /// What the healing would do to the file as it is: lines naming each thing
 /// it would change or leave pending (none: the file is healed clean).
 #[cfg(test)]
-pub(super) fn pending(conn: &Connection, mode: ReserveMode) -> Result<Vec<String>, StoreError> {
+pub(in crate::store) fn pending(
+    conn: &Connection,
+    mode: ReserveMode,
+) -> Result<Vec<String>, StoreError> {
     let plan = plan(conn, mode)?;
     let left = rollback::find(conn)?;
     let mut lines = left.describe(false);
@@ -340,4 +345,36 @@ pub(super) fn pending(conn: &Connection, mode: ReserveMode) -> Result<Vec<String
         }
     }
     Ok(lines)
+}
+
+impl Store {
+    /// Fail safe instead of fail stop, run by the daemon at start (`admin
+    /// check` only reports): after a row-level check recounts wrong
+    /// counters; deletes the pod-less side of overlapping blocks, and
+    /// quarantines every block it cannot trust (`suspects` from a check,
+    /// and overlaps with pods on both sides). Quarantine is recomputed from
+    /// scratch each time, so a block whose problem is gone is served again.
+    pub fn isolate_problems(
+        &mut self,
+        report: &Report,
+        now_ms: i64,
+    ) -> Result<Isolation, StoreError> {
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
+        let mut isolation = Isolation {
+            // Only the blocks a row-level check found miscounted: counting
+            // a block's rows reads every row.
+            recounted: crate::store::rows::block::recount(&tx, &report.miscounted)?,
+            ..Isolation::default()
+        };
+        crate::store::rows::block::clear_quarantines(&tx)?;
+        let mut marks = report.suspects.clone();
+        blocks::resolve_overlaps(&tx, &mut marks, &mut isolation.deleted, now_ms)?;
+        for (id, why) in &marks {
+            crate::store::rows::block::quarantine(&tx, *id, why)?;
+        }
+        crate::store::rows::withhold::settle(&tx, now_ms)?;
+        isolation.quarantined = crate::store::rows::block::quarantined(&tx)?;
+        tx.commit()?;
+        Ok(isolation)
+    }
 }

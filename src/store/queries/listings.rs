@@ -4,9 +4,11 @@
 use rusqlite::types::{Value, ValueRef};
 use rusqlite::{Connection, params_from_iter};
 
-use super::block::{BLOCK_COLUMNS, query_blocks};
-use super::{AddressFilter, BlockFilter, BlockInfo, BlockState, Store, StoreError, Table};
 use crate::cidr::Family;
+use crate::store::db::{
+    AddressFilter, BlockFilter, BlockInfo, BlockState, Store, StoreError, Table,
+};
+use crate::store::rows::block::{BLOCK_COLUMNS, query_blocks};
 
 /// Appends `AND <fragment with ?N>` for each set filter field. Only fixed
 /// SQL fragments are appended; values are bound.

@@ -9,9 +9,9 @@
 
 use rusqlite::{Connection, params};
 
-use super::layout::{self, Placed, Source};
-use super::{Store, StoreError, parse_cidr};
 use crate::cidr::{Cidr, Family};
+use crate::store::db::{Store, StoreError, parse_cidr};
+use crate::store::layout::blocks::{self, Placed, Source};
 
 /// A block the store could not take from the cluster, with the owner of
 /// the block it overlaps in words.
@@ -81,11 +81,11 @@ impl Store {
         now_ms: i64,
     ) -> Result<GrantChanges, StoreError> {
         let mode = self.reserve;
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let mut changes = GrantChanges::default();
         let name = source.as_str();
         for (network, family) in networks(&tx, families)? {
-            for block in layout::placed(&tx, &network, family)? {
+            for block in blocks::placed(&tx, &network, family)? {
                 let Some(sources) = &block.sources else {
                     continue;
                 };
@@ -97,9 +97,9 @@ impl Store {
                 }
                 let mut left = sources.clone();
                 left.remove(&source);
-                layout::write_sources(&tx, block.id, &left)?;
+                blocks::write_sources(&tx, block.id, &left)?;
                 if left.is_empty() && !block.quarantined {
-                    layout::set_retired(&tx, block.id, true, now_ms)?;
+                    blocks::set_retired(&tx, block.id, true, now_ms)?;
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO metis_taken_back (block_id, source, since_ms) \
                          VALUES (?1, ?2, ?3)",
@@ -114,13 +114,15 @@ impl Store {
                 changes.releasing.push((network.clone(), *cidr));
                 continue;
             }
-            let before = layout::placed(&tx, network, cidr.family())?;
+            let before = blocks::placed(&tx, network, cidr.family())?;
             let was_retired = before
                 .iter()
                 .any(|b| b.cidr == *cidr && b.retired && !b.quarantined);
-            match layout::add_block(&tx, mode, network, cidr, Some(source), now_ms) {
-                Ok(super::AddOutcome::Added(_)) => changes.added.push((network.clone(), *cidr)),
-                Ok(super::AddOutcome::Exists(id)) => {
+            match blocks::add_block(&tx, mode, network, cidr, Some(source), now_ms) {
+                Ok(crate::store::db::AddOutcome::Added(_)) => {
+                    changes.added.push((network.clone(), *cidr))
+                }
+                Ok(crate::store::db::AddOutcome::Exists(id)) => {
                     tx.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
                         .execute([id])?;
                     if was_retired {
@@ -155,7 +157,7 @@ impl Store {
         if self.taken_back()?.is_empty() {
             return Ok(Vec::new());
         }
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         let deleted = sweep(&tx, now_ms)?;
         tx.commit()?;
         Ok(deleted)
@@ -193,7 +195,7 @@ impl Store {
         reusable: bool,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         tx.prepare_cached(
             "INSERT INTO metis_released (network, cidr, reusable, released_at) \
              VALUES (?1, ?2, ?3, ?4) ON CONFLICT (network, cidr) DO UPDATE SET \
@@ -225,7 +227,7 @@ impl Store {
 
     /// Forgets a reusable release: the cluster granted the block again.
     pub fn forget_release(&mut self, network: &str, cidr: &Cidr) -> Result<(), StoreError> {
-        let tx = super::write(&mut self.conn, self.batch)?;
+        let tx = crate::store::db::write(&mut self.conn, self.batch)?;
         tx.prepare_cached(
             "DELETE FROM metis_released WHERE network = ?1 AND cidr = ?2 AND reusable = 1",
         )?
@@ -244,7 +246,7 @@ fn networks(conn: &Connection, families: &[Family]) -> Result<Vec<(String, Famil
     let mut rows = stmt.query([])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
-        let family = super::parse_family(&row.get::<_, String>(1)?)?;
+        let family = crate::store::db::parse_family(&row.get::<_, String>(1)?)?;
         if families.contains(&family) {
             out.push((row.get(0)?, family));
         }
@@ -268,10 +270,10 @@ fn sweep(conn: &Connection, now_ms: i64) -> Result<Vec<(String, Cidr)>, StoreErr
         .collect::<Result<_, _>>()?;
     let mut deleted = Vec::new();
     for (id, network, cidr) in candidates {
-        if layout::in_use(conn, id, now_ms)? {
+        if blocks::in_use(conn, id, now_ms)? {
             continue;
         }
-        super::block::delete_block(conn, id)?;
+        crate::store::rows::block::delete_block(conn, id)?;
         conn.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
             .execute([id])?;
         deleted.push((network, parse_cidr(&cidr)?));
@@ -294,7 +296,7 @@ fn owner_of(conn: &Connection, network: &str, cidr: &str) -> Result<String, Stor
     let Ok(parsed) = cidr.parse::<Cidr>() else {
         return Ok("an unreadable block".to_string());
     };
-    let block: Option<Placed> = layout::placed(conn, network, parsed.family())?
+    let block: Option<Placed> = blocks::placed(conn, network, parsed.family())?
         .into_iter()
         .find(|b| b.cidr == parsed);
     let Some(block) = block else {
