@@ -33,6 +33,10 @@ pub struct Cache {
     specs: BTreeMap<String, Result<PoolSpec, String>>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
+    /// How many NodeNetworkConfigs and blocks follow each Node name (a
+    /// granted block, one taken from a gone Node): kept as objects come
+    /// and go, so a missing Node is noted in what one change costs.
+    followed: BTreeMap<String, usize>,
     /// Objects whose copy came from outside the stream (a GET after a 409,
     /// a PUT's answer), by version: the stream's copies of them are older
     /// until it delivers that very version (its order is the objects').
@@ -70,6 +74,7 @@ impl Cache {
             self.cooling_seen
                 .retain(|name, _| blocks.get(name).is_some_and(is_cooling));
         }
+        self.recount_followed();
         self.listed.insert(kind);
     }
 
@@ -153,12 +158,16 @@ impl Cache {
         }
         match item {
             Item::Nnc(nnc, status) => {
-                let old = self.statuses.insert(nnc.meta.name.clone(), status);
-                self.left_status(old, Some(&nnc.meta.name));
-                self.nncs.insert(nnc.meta.name.clone(), *nnc);
+                let name = nnc.meta.name.clone();
+                let old = self.statuses.insert(name.clone(), status);
+                self.left_status(old, Some(&name));
+                if self.nncs.insert(name.clone(), *nnc).is_none() {
+                    self.follow(&name, true);
+                }
             }
             Item::Node(name) => {
-                self.nodes.insert(name);
+                self.nodes.insert(name.clone());
+                self.note_absence(&name);
             }
             Item::Pool(pool) => {
                 self.specs.insert(pool.name.clone(), pool.spec.clone());
@@ -174,7 +183,13 @@ impl Cache {
                 } else {
                     self.cooling_seen.remove(&block.name);
                 }
-                self.blocks.insert(block.name.clone(), *block);
+                let follows = followed_node(&block).map(str::to_string);
+                let old = self.blocks.insert(block.name.clone(), *block);
+                let followed = old.as_ref().and_then(followed_node).map(str::to_string);
+                if followed != follows {
+                    followed.inspect(|n| self.follow(n, false));
+                    follows.inspect(|n| self.follow(n, true));
+                }
             }
         }
     }
@@ -183,12 +198,15 @@ impl Cache {
         self.ahead.remove(&(kind, name.to_string()));
         match kind {
             Resource::Nnc => {
-                self.nncs.remove(name);
+                if self.nncs.remove(name).is_some() {
+                    self.follow(name, false);
+                }
                 let old = self.statuses.remove(name);
                 self.left_status(old, None);
             }
             Resource::Node => {
                 self.nodes.remove(name);
+                self.note_absence(name);
             }
             Resource::Pool => {
                 self.specs.remove(name);
@@ -196,7 +214,10 @@ impl Cache {
                 self.revalidate();
             }
             Resource::Block => {
-                self.blocks.remove(name);
+                let old = self.blocks.remove(name);
+                if let Some(node) = old.as_ref().and_then(followed_node) {
+                    self.follow(node, false);
+                }
                 self.cooling_seen.remove(name);
             }
         }
@@ -218,24 +239,49 @@ impl Cache {
         Arc::clone(&self.pools)
     }
 
-    /// Notes which Nodes are missing now: those of NodeNetworkConfigs,
-    /// of granted blocks and of blocks taken from a gone Node.
-    pub fn update_absent(&mut self, now_ms: i64) {
-        let of_blocks = self.blocks.values().filter_map(|b| {
-            let (_, spec) = b.spec.as_ref()?;
-            let follows = spec.state == BlockState::Granted
-                || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
-            follows.then_some(&spec.node)
-        });
-        let names: BTreeSet<&String> = self.nncs.keys().chain(of_blocks).collect();
-        let missing: BTreeSet<String> = names
-            .into_iter()
-            .filter(|n| !self.nodes.contains(*n))
+    /// One NodeNetworkConfig or block more (`more`) or less follows Node
+    /// `name`.
+    fn follow(&mut self, name: &str, more: bool) {
+        let count = self.followed.entry(name.to_string()).or_default();
+        *count = if more {
+            count.saturating_add(1)
+        } else {
+            count.saturating_sub(1)
+        };
+        if *count == 0 {
+            self.followed.remove(name);
+        }
+        self.note_absence(name);
+    }
+
+    /// Notes whether Node `name` is missing now: something follows it and
+    /// it is not there (since when it is kept while that stays so).
+    fn note_absence(&mut self, name: &str) {
+        if self.followed.contains_key(name) && !self.nodes.contains(name) {
+            let now = self.now_ms;
+            self.absent.entry(name.to_string()).or_insert(now);
+        } else {
+            self.absent.remove(name);
+        }
+    }
+
+    /// Counts again what follows each Node name (after a list replaced a
+    /// kind whole), and notes which are missing.
+    fn recount_followed(&mut self) {
+        let mut followed: BTreeMap<String, usize> = BTreeMap::new();
+        let of_blocks = self.blocks.values().filter_map(followed_node);
+        for name in self.nncs.keys().map(String::as_str).chain(of_blocks) {
+            *followed.entry(name.to_string()).or_default() += 1;
+        }
+        self.followed = followed;
+        let names: BTreeSet<String> = self
+            .followed
+            .keys()
+            .chain(self.absent.keys())
             .cloned()
             .collect();
-        self.absent.retain(|name, _| missing.contains(name));
-        for name in missing {
-            self.absent.entry(name).or_insert(now_ms);
+        for name in names {
+            self.note_absence(&name);
         }
     }
 
@@ -270,6 +316,15 @@ pub struct Clock {
     pub now_ms: i64,
     /// Unix ms: only for times written.
     pub wall_ms: i64,
+}
+
+/// The Node a block follows: the one it is granted to, or the gone one it
+/// was taken from (back to it if it returns).
+fn followed_node(block: &Block) -> Option<&str> {
+    let (_, spec) = block.spec.as_ref()?;
+    let follows = spec.state == BlockState::Granted
+        || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
+    follows.then_some(spec.node.as_str())
 }
 
 fn is_cooling(block: &Block) -> bool {
@@ -321,6 +376,77 @@ mod tests {
         cache.remove(Resource::Nnc, "n1");
         cache.put(Resource::Nnc, nnc("10", 1));
         assert_eq!(version(&cache), "10");
+    }
+
+    /// The missing Nodes as the old full pass computed them: the names of
+    /// NodeNetworkConfigs and of blocks that follow a Node, without a Node.
+    fn absent_from_scratch(cache: &Cache) -> BTreeSet<String> {
+        let of_blocks = cache.blocks.values().filter_map(followed_node);
+        cache
+            .nncs
+            .keys()
+            .map(String::as_str)
+            .chain(of_blocks)
+            .filter(|n| !cache.nodes.contains(*n))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Kept change by change, the missing Nodes are always what a full
+    /// count finds, and each keeps the time it was first seen missing.
+    #[test]
+    fn missing_nodes_kept_change_by_change_match_a_full_count() {
+        use crate::controller::block::{self, BlockSpec, RELEASED};
+        let mut cache = Cache::default();
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut since: BTreeMap<String, i64> = BTreeMap::new();
+        for step in 0..3_000i64 {
+            cache.at(step);
+            let node = format!("n{}", next(6));
+            let block = format!("b{}", next(8));
+            match next(7) {
+                0 => cache.put(Resource::Node, Item::Node(node)),
+                1 => cache.remove(Resource::Node, &node),
+                2 => cache.put(
+                    Resource::Nnc,
+                    Item::parse(
+                        Resource::Nnc,
+                        json!({"metadata": {"name": node, "resourceVersion": step.to_string()}}),
+                    ),
+                ),
+                3 => cache.remove(Resource::Nnc, &node),
+                4 | 5 => {
+                    let (state, reason) = [
+                        (BlockState::Granted, block::GRANTED),
+                        (BlockState::Cooling, NODE_GONE),
+                        (BlockState::Cooling, RELEASED),
+                    ][usize::try_from(next(3)).unwrap()];
+                    let spec = BlockSpec {
+                        pool: "p".into(),
+                        network: "default".into(),
+                        cidr: "198.18.0.0/28".into(),
+                        node,
+                        state,
+                        reason: reason.into(),
+                    };
+                    let object = block::object(&spec, &block, &step.to_string());
+                    cache.put(Resource::Block, Item::parse(Resource::Block, object));
+                }
+                _ => cache.remove(Resource::Block, &block),
+            }
+            let missing: BTreeSet<String> = cache.absent.keys().cloned().collect();
+            assert_eq!(missing, absent_from_scratch(&cache), "step {step}");
+            since.retain(|name, _| missing.contains(name));
+            for (name, at) in &cache.absent {
+                assert_eq!(*since.entry(name.clone()).or_insert(*at), *at, "{name}");
+            }
+        }
     }
 
     #[test]

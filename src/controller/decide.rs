@@ -34,7 +34,7 @@ use super::block::{self, BlockSpec, BlockState, GRANTED, NODE_GONE, RELEASED};
 use super::pool::{
     BlockCounts, Cooling, FamilyRange, Holder, Ledger, Pool, PoolCondition, PoolSpec, PoolStatus,
 };
-use super::status::{self, Entry, Status};
+use super::status::{self, Entry, ReadyRead, Status, merge_condition};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
 use crate::log::{rfc3339_millis, rfc3339_seconds};
@@ -496,20 +496,20 @@ impl<'a> Pass<'a> {
     fn finish_claims(&mut self) {
         let world = self.world;
         for i in 0..self.ledgers.len() {
-            let claims: Vec<(Cidr, Holder)> = self.ledgers[i]
+            let plans = &self.plans;
+            let held = |cidr: &Cidr, holder: &Holder| {
+                plans
+                    .get(holder.node.as_str())
+                    .is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(*cidr)))
+            };
+            let missing: Vec<(Cidr, Holder)> = self.ledgers[i]
                 .claims
                 .iter()
+                .filter(|(cidr, holder)| !held(cidr, holder))
                 .map(|(c, h)| (*c, h.clone()))
                 .collect();
-            for (cidr, holder) in claims {
+            for (cidr, holder) in missing {
                 let nnc = world.nncs.get(&holder.node);
-                let held = self
-                    .plans
-                    .get(holder.node.as_str())
-                    .is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(cidr)));
-                if held {
-                    continue;
-                }
                 let gone = self.gone(&holder.node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
                 if listed || gone {
@@ -851,6 +851,10 @@ fn status_write(
 ) -> Option<(Write, BTreeSet<Cidr>)> {
     let nnc = world.nncs.get(name)?;
     let read = world.statuses.get(name);
+    let stands = read.is_some_and(|r| unchanged(r, &plan, nnc.generation, world.wall_ms));
+    if stands && !cfg!(debug_assertions) {
+        return None;
+    }
     // The status as read, without podCIDRs (compared as text below).
     let old = read.map_or(Value::Null, Status::rest);
     let (condition, event) =
@@ -865,6 +869,10 @@ fn status_write(
     if read.is_some_and(|r| r.is(&status, &entries)) {
         return None;
     }
+    debug_assert!(
+        !stands,
+        "{name}: the status stands, yet its rebuild differs"
+    );
     if let Some((reason, message)) = event {
         events.push(NodeEvent {
             node: name.to_string(),
@@ -881,13 +889,29 @@ fn status_write(
     Some((write, plan.blocks))
 }
 
+/// Whether `plan` leaves the status `read` as it is, told without
+/// rebuilding it: the same entries, and a Ready condition that stands.
+fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
+    read.listed
+        && read.entries.len() == plan.entries.len()
+        && read
+            .entries
+            .iter()
+            .zip(&plan.entries)
+            .all(|(a, b)| *a == **b)
+        && read
+            .ready
+            .as_ref()
+            .is_some_and(|r| ready_stands(r, plan.trouble.as_ref(), generation, now))
+}
+
 /// A block's state in a ledger: (state, node, reason).
-fn state_in(ledger: &Ledger, cidr: &Cidr) -> Option<(BlockState, String, &'static str)> {
+fn state_in<'l>(ledger: &'l Ledger, cidr: &Cidr) -> Option<(BlockState, &'l str, &'static str)> {
     if ledger.non_reusable.contains(cidr) {
-        return Some((BlockState::NonReusable, String::new(), RELEASED));
+        return Some((BlockState::NonReusable, "", RELEASED));
     }
     if let Some(holder) = ledger.claims.get(cidr) {
-        return Some((BlockState::Granted, holder.node.clone(), GRANTED));
+        return Some((BlockState::Granted, &holder.node, GRANTED));
     }
     if let Some(cooling) = ledger.cooling.get(cidr) {
         let reason = if cooling.node_gone {
@@ -895,7 +919,7 @@ fn state_in(ledger: &Ledger, cidr: &Cidr) -> Option<(BlockState, String, &'stati
         } else {
             RELEASED
         };
-        return Some((BlockState::Cooling, cooling.node.clone(), reason));
+        return Some((BlockState::Cooling, &cooling.node, reason));
     }
     None
 }
@@ -931,7 +955,7 @@ fn block_writes(
             pool: pool.name.clone(),
             network: network.to_string(),
             cidr: cidr.to_string(),
-            node,
+            node: node.to_string(),
             state,
             reason: reason.to_string(),
         });
@@ -1193,14 +1217,10 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
     }))
 }
 
-/// The node's Ready condition, and the Event its change calls for.
-fn ready_condition(
-    old: &Value,
-    trouble: Option<&Trouble>,
-    generation: i64,
-    now: i64,
-) -> (Value, Option<(&'static str, String)>) {
-    let (status, reason, message) = match trouble {
+/// What a node's Ready condition says of `trouble`: (status, reason,
+/// message).
+fn ready_says(trouble: Option<&Trouble>) -> (&'static str, &'static str, String) {
+    match trouble {
         None => (
             "True",
             READY,
@@ -1209,17 +1229,16 @@ fn ready_condition(
         Some(Trouble::Quota(why)) => ("False", QUOTA_EXCEEDED, why.clone()),
         Some(Trouble::Conflict(why)) => ("False", INVALID, why.clone()),
         Some(Trouble::Gone(why)) => ("False", INVALID, why.clone()),
-    };
-    let previous = old["conditions"]
-        .as_array()
-        .and_then(|l| l.iter().find(|c| c["type"] == "Ready"));
-    let same = previous.is_some_and(|p| p["status"] == status && p["reason"] == reason);
-    // A refusal whose substance stands keeps the time it told until that
-    // time has passed, wherever the promise moved meanwhile: an earlier
-    // block is a grant (a write anyway), a later one or none is told once
-    // the old time passes. Only a refusal told no time learns a new one at
-    // once (the node would fail fast past it).
-    let message = match previous.and_then(|p| p["message"].as_str()) {
+    }
+}
+
+/// The message to write: a refusal whose substance stands keeps the time
+/// it `told` until that time has passed, wherever the promise moved
+/// meanwhile: an earlier block is a grant (a write anyway), a later one or
+/// none is told once the old time passes. Only a refusal told no time
+/// learns a new one at once (the node would fail fast past it).
+fn kept_message(told: Option<&str>, same: bool, reason: &str, message: String, now: i64) -> String {
+    match told {
         Some(told) if same && reason == QUOTA_EXCEEDED => {
             let (base, told_until) = split_until(told);
             let (new_base, _) = split_until(&message);
@@ -1230,7 +1249,34 @@ fn ready_condition(
             }
         }
         _ => message,
-    };
+    }
+}
+
+/// Whether the Ready condition read (`ready`) already says what `trouble`
+/// makes it say for `generation`: then, with the same entries, the status
+/// write would change nothing (checked against the full rebuild in
+/// debug builds, which every test runs).
+fn ready_stands(ready: &ReadyRead, trouble: Option<&Trouble>, generation: i64, now: i64) -> bool {
+    let (status, reason, message) = ready_says(trouble);
+    let same = *ready.status == *status && *ready.reason == *reason;
+    same && ready.observed_generation == generation
+        && *kept_message(Some(&ready.message), same, reason, message, now) == *ready.message
+}
+
+/// The node's Ready condition, and the Event its change calls for.
+fn ready_condition(
+    old: &Value,
+    trouble: Option<&Trouble>,
+    generation: i64,
+    now: i64,
+) -> (Value, Option<(&'static str, String)>) {
+    let (status, reason, message) = ready_says(trouble);
+    let previous = old["conditions"]
+        .as_array()
+        .and_then(|l| l.iter().find(|c| c["type"] == "Ready"));
+    let same = previous.is_some_and(|p| p["status"] == status && p["reason"] == reason);
+    let told = previous.and_then(|p| p["message"].as_str());
+    let message = kept_message(told, same, reason, message, now);
     // To the millisecond: refused nodes are served in this order, and
     // whole seconds would make most of a burst a tie (then by name).
     let since = match previous {
@@ -1257,20 +1303,6 @@ fn ready_condition(
         "observedGeneration": generation,
     });
     (condition, event)
-}
-
-/// `conditions` with the one of `condition`'s type replaced (others kept).
-fn merge_condition(conditions: &Value, condition: Value) -> Value {
-    let mut list: Vec<Value> = conditions
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| c["type"] != condition["type"])
-        .cloned()
-        .collect();
-    list.push(condition);
-    list.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
-    Value::Array(list)
 }
 
 fn count(n: u128) -> u64 {
@@ -1436,6 +1468,27 @@ mod tests {
         assert_eq!(again.status_text, text);
         // Unchanged, the next pass writes the same text.
         assert_eq!(pool_status(&again, &ledger, 2, now + 1_000).0, text);
+    }
+
+    /// A Ready condition as this controller writes it reads back as one
+    /// that stands for the same trouble and generation (the pass then
+    /// skips the rebuild), and not for another.
+    #[test]
+    fn a_written_ready_condition_stands_until_its_substance_changes() {
+        let now = 1_795_971_700_000;
+        let quota = Trouble::Quota(format!(
+            "pool p has no free block; {UNTIL}2030-01-01T00:00:00.000Z"
+        ));
+        for trouble in [None, Some(quota), Some(Trouble::Conflict("x".into()))] {
+            let (condition, _) = ready_condition(&Value::Null, trouble.as_ref(), 4, now);
+            let read = Status::parse(json!({"podCIDRs": [], "conditions": [
+                {"type": "Other", "status": "True"}, condition]}));
+            let ready = read.ready.as_ref().expect("a written condition is read");
+            assert!(ready_stands(ready, trouble.as_ref(), 4, now + 1));
+            assert!(!ready_stands(ready, trouble.as_ref(), 5, now + 1));
+            let other = Trouble::Gone("gone".into());
+            assert!(!ready_stands(ready, Some(&other), 4, now + 1));
+        }
     }
 
     #[test]

@@ -446,9 +446,6 @@ impl<'c> Controller<'c> {
             return;
         }
         let clock = self.clock();
-        // Also while standing by: a Node's grace counts from when this
-        // process saw it go, not from when it came to lead.
-        self.cache.update_absent(clock.now_ms);
         let now = Instant::now();
         let is_due = self.due.is_some_and(|at| now >= at);
         if !(self.pending || is_due) || now < self.next_pass {

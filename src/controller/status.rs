@@ -79,6 +79,19 @@ pub struct Status {
     /// Its Ready condition says the Node is gone and its blocks were taken
     /// back ([`GONE_TOLD`]): that write landed.
     pub gone_told: bool,
+    /// Its Ready condition, when it is exactly as the controller writes one
+    /// and putting it back changes no condition: a pass that would write the
+    /// same skips rebuilding the status.
+    pub ready: Option<ReadyRead>,
+}
+
+/// The fields of a Ready condition the controller decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyRead {
+    pub status: Box<str>,
+    pub reason: Box<str>,
+    pub message: Box<str>,
+    pub observed_generation: i64,
 }
 
 /// The annotation in which a node lists the cluster's blocks it still
@@ -161,6 +174,7 @@ impl Status {
             refused_since,
             serving: Vec::new(),
             gone_told,
+            ready: ready_read(&status["conditions"]),
         }
     }
 
@@ -184,6 +198,51 @@ impl Status {
 /// `condition` is the Ready condition with `status`.
 fn is_ready(condition: &Condition, status: &str) -> bool {
     condition.kind.as_deref() == Some("Ready") && condition.status.as_deref() == Some(status)
+}
+
+/// The Ready condition among `conditions` when it has exactly the keys the
+/// controller writes and merging it back leaves `conditions` as they are.
+fn ready_read(conditions: &Value) -> Option<ReadyRead> {
+    let ready = conditions
+        .as_array()?
+        .iter()
+        .find(|c| c.get("type") == Some(&Value::from("Ready")))?;
+    if merge_condition(conditions, ready.clone()) != *conditions {
+        return None;
+    }
+    let Condition {
+        status: Some(status),
+        reason: Some(reason),
+        message: Some(message),
+        observed_generation: Some(observed_generation),
+        last_transition_time: Some(_),
+        rest,
+        ..
+    } = serde_json::from_value(ready.clone()).ok()?
+    else {
+        return None;
+    };
+    rest.is_empty().then(|| ReadyRead {
+        status: status.into(),
+        reason: reason.into(),
+        message: message.into(),
+        observed_generation,
+    })
+}
+
+/// `conditions` with the one of `condition`'s type replaced (others kept),
+/// sorted by type.
+pub fn merge_condition(conditions: &Value, condition: Value) -> Value {
+    let mut list: Vec<Value> = conditions
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["type"] != condition["type"])
+        .cloned()
+        .collect();
+    list.push(condition);
+    list.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
+    Value::Array(list)
 }
 
 /// When a `QuotaExceeded` Ready condition among `conditions` says its
@@ -274,6 +333,35 @@ mod tests {
         )
         .unwrap();
         assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    /// Only a Ready condition exactly as the controller writes it, in a
+    /// list that merging it back leaves as it is, is read as one that can
+    /// stand: anything else makes the pass rebuild the status.
+    #[test]
+    fn a_ready_condition_is_read_only_when_rewriting_it_changes_nothing() {
+        let ready = json!({"type": "Ready", "status": "True", "reason": "R", "message": "m",
+            "lastTransitionTime": "2026-01-01T00:00:00.000Z", "observedGeneration": 2});
+        let other = json!({"type": "Other", "status": "True"});
+        let read = |conditions: Value| {
+            Status::parse(json!({"podCIDRs": [], "conditions": conditions})).ready
+        };
+        let expected = ReadyRead {
+            status: "True".into(),
+            reason: "R".into(),
+            message: "m".into(),
+            observed_generation: 2,
+        };
+        assert_eq!(read(json!([other.clone(), ready.clone()])), Some(expected));
+        // Unsorted, doubled, with a field more or a generation not a number.
+        assert_eq!(read(json!([ready.clone(), other])), None);
+        assert_eq!(read(json!([ready.clone(), ready.clone()])), None);
+        let mut extra = ready.clone();
+        extra["note"] = json!(1);
+        assert_eq!(read(json!([extra])), None);
+        let mut text = ready;
+        text["observedGeneration"] = json!("2");
+        assert_eq!(read(json!([text])), None);
     }
 
     #[test]
