@@ -359,14 +359,18 @@ impl<'a> Pass<'a> {
     }
 
     /// Moves `cidr`, released by (or taken from) `node`, to cooling (or
-    /// retires it); false when it is another node's block (a copy of it
-    /// leaves this status only) or no pool accounts for it.
+    /// retires it); false when it is another node's block, granted or
+    /// cooling (a copy of it leaves this status only) or no pool accounts
+    /// for it.
     fn release_block(&mut self, node: &str, cidr: Cidr, reusable: bool, gone: bool) -> bool {
         let now = self.world.now_ms;
-        let foreign = self
-            .ledgers
-            .iter()
-            .any(|l| l.claims.get(&cidr).is_some_and(|h| h.node != node));
+        // Another node's block, granted or cooling for it: this status
+        // held a copy, and its release must not restart or take over
+        // that node's delay.
+        let foreign = self.ledgers.iter().any(|l| {
+            l.claims.get(&cidr).is_some_and(|h| h.node != node)
+                || l.cooling.get(&cidr).is_some_and(|c| c.node != node)
+        });
         let Some(i) = pool_of(self.world.pools, &self.ledgers, &cidr).filter(|_| !foreign) else {
             return false;
         };
@@ -639,6 +643,20 @@ impl<'a> Pass<'a> {
     /// Adds blocks of `ask`'s network and family to its node until they
     /// cover its pods; says why when no pool can.
     fn grant(&mut self, ask: &Ask<'a>, state: &mut GrantState) {
+        let Some(plan) = self.plans.get(ask.name.as_str()) else {
+            return;
+        };
+        let mut capacity: u128 = plan
+            .entries
+            .iter()
+            .filter(|e| *e.network == **ask.network)
+            .filter_map(|e| e.cidr)
+            .filter(|c| c.family() == ask.family)
+            .map(|c| c.size())
+            .fold(0, u128::saturating_add);
+        if capacity >= ask.pods {
+            return;
+        }
         let pools = self.world.pools;
         let serving: Vec<usize> = pools
             .iter()
@@ -653,17 +671,6 @@ impl<'a> Pass<'a> {
         if serving.is_empty() {
             return;
         }
-        let Some(plan) = self.plans.get(ask.name.as_str()) else {
-            return;
-        };
-        let mut capacity: u128 = plan
-            .entries
-            .iter()
-            .filter(|e| *e.network == **ask.network)
-            .filter_map(|e| e.cidr)
-            .filter(|c| c.family() == ask.family)
-            .map(|c| c.size())
-            .fold(0, u128::saturating_add);
         while capacity < ask.pods {
             match self.grant_one(ask, &serving, state.taken) {
                 Ok(size) => capacity = capacity.saturating_add(size),
@@ -981,16 +988,18 @@ fn block_writes(
 /// name), then the rest by name.
 fn grant_order<'a>(world: &World<'a>) -> Vec<(&'a String, &'a Nnc)> {
     let refused_since = |name: &str| world.statuses.get(name)?.refused_since;
-    let mut order: Vec<(Option<i64>, &'a String, &'a Nnc)> = world
-        .nncs
-        .iter()
-        .map(|(name, nnc)| (refused_since(name), name, nnc))
-        .collect();
-    order.sort_by_key(|(since, name, _)| (since.is_none(), *since, *name));
-    order
-        .into_iter()
-        .map(|(_, name, nnc)| (name, nnc))
-        .collect()
+    // The map is in name order already: only the refused few are sorted.
+    let mut refused: Vec<(i64, &'a String, &'a Nnc)> = Vec::new();
+    let mut rest: Vec<(&'a String, &'a Nnc)> = Vec::with_capacity(world.nncs.len());
+    for (name, nnc) in world.nncs {
+        match refused_since(name) {
+            Some(since) => refused.push((since, name, nnc)),
+            None => rest.push((name, nnc)),
+        }
+    }
+    refused.sort_by_key(|(since, name, _)| (*since, *name));
+    let first = refused.into_iter().map(|(_, name, nnc)| (name, nnc));
+    first.chain(rest).collect()
 }
 
 /// Promises a refused node the cooling blocks of its `empty` pools that
@@ -1488,6 +1497,60 @@ mod tests {
             assert!(!ready_stands(ready, trouble.as_ref(), 5, now + 1));
             let other = Trouble::Gone("gone".into());
             assert!(!ready_stands(ready, Some(&other), 4, now + 1));
+        }
+    }
+
+    /// A node whose status holds a copy of a block cooling for another
+    /// node (an edit by hand) drops the copy when it releases it, and
+    /// takes neither the other node's delay nor the block: saying it still
+    /// serves the block afterwards is a conflict until the block cooled.
+    #[test]
+    fn releasing_a_copy_of_another_nodes_cooling_block_takes_nothing() {
+        use crate::controller::informer::{Item, Resource};
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let mut p = pool(json!({}));
+        let cooling = Cooling {
+            node: "n1".into(),
+            since_ms: 1_000,
+            node_gone: false,
+        };
+        p.ledger.cooling.insert(block, cooling);
+        p.ledger.versions.insert(block, "9".into());
+        let nnc = |releasable: bool| {
+            let listed = if releasable {
+                json!([{"cidr": "198.18.0.0/28"}])
+            } else {
+                json!([])
+            };
+            let object = json!({
+                "metadata": {"name": "n0", "resourceVersion": "5",
+                             "annotations": {"metis.x-k8s.io/serving": "198.18.0.0/28"}},
+                "spec": {"allocations": [], "releasableCIDRs": listed},
+                "status": {"podCIDRs": [{"cidr": "198.18.0.0/28", "network": "default"}]}});
+            match Item::parse(Resource::Nnc, object) {
+                Item::Nnc(nnc, status) => (*nnc, status),
+                _ => unreachable!(),
+            }
+        };
+        for releasable in [true, false] {
+            let (n0, status) = nnc(releasable);
+            let nncs = BTreeMap::from([("n0".to_string(), n0)]);
+            let statuses = BTreeMap::from([("n0".to_string(), status)]);
+            let pools = [p.clone()];
+            let decision = decide(&World {
+                pools: &pools,
+                nncs: &nncs,
+                statuses: &statuses,
+                absent: &BTreeMap::new(),
+                now_ms: 2_000,
+                wall_ms: 1_795_971_700_000,
+                node_grace_ms: 60_000,
+            });
+            assert!(
+                decision.block_writes.is_empty(),
+                "{releasable}: {decision:?}"
+            );
+            assert!(decision.cooling_restarts.is_empty(), "{releasable}");
         }
     }
 
