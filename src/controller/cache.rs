@@ -33,9 +33,6 @@ pub struct Cache {
     specs: BTreeMap<String, Result<PoolSpec, String>>,
     listed: BTreeSet<Resource>,
     absent: BTreeMap<String, i64>,
-    /// A Node, an NNC or a block's node changed since `absent` was last
-    /// worked out: only then is it worked out again (it reads every one).
-    absent_stale: bool,
     /// Objects whose copy came from outside the stream (a GET after a 409,
     /// a PUT's answer), by version: the stream's copies of them are older
     /// until it delivers that very version (its order is the objects').
@@ -49,7 +46,6 @@ impl Cache {
     }
 
     pub fn listed(&mut self, kind: Resource, items: Vec<Item>) {
-        self.absent_stale |= kind != Resource::Pool;
         match kind {
             Resource::Nnc => {
                 self.nncs.clear();
@@ -159,11 +155,10 @@ impl Cache {
             Item::Nnc(nnc, status) => {
                 let old = self.statuses.insert(nnc.meta.name.clone(), status);
                 self.left_status(old, Some(&nnc.meta.name));
-                let new = self.nncs.insert(nnc.meta.name.clone(), *nnc).is_none();
-                self.absent_stale |= new;
+                self.nncs.insert(nnc.meta.name.clone(), *nnc);
             }
             Item::Node(name) => {
-                self.absent_stale |= self.nodes.insert(name);
+                self.nodes.insert(name);
             }
             Item::Pool(pool) => {
                 self.specs.insert(pool.name.clone(), pool.spec.clone());
@@ -179,9 +174,7 @@ impl Cache {
                 } else {
                     self.cooling_seen.remove(&block.name);
                 }
-                let follows = followed_node(&block).cloned();
-                let old = self.blocks.insert(block.name.clone(), *block);
-                self.absent_stale |= old.as_ref().and_then(followed_node) != follows.as_ref();
+                self.blocks.insert(block.name.clone(), *block);
             }
         }
     }
@@ -190,12 +183,12 @@ impl Cache {
         self.ahead.remove(&(kind, name.to_string()));
         match kind {
             Resource::Nnc => {
-                self.absent_stale |= self.nncs.remove(name).is_some();
+                self.nncs.remove(name);
                 let old = self.statuses.remove(name);
                 self.left_status(old, None);
             }
             Resource::Node => {
-                self.absent_stale |= self.nodes.remove(name);
+                self.nodes.remove(name);
             }
             Resource::Pool => {
                 self.specs.remove(name);
@@ -203,8 +196,7 @@ impl Cache {
                 self.revalidate();
             }
             Resource::Block => {
-                let old = self.blocks.remove(name);
-                self.absent_stale |= old.as_ref().and_then(followed_node).is_some();
+                self.blocks.remove(name);
                 self.cooling_seen.remove(name);
             }
         }
@@ -229,10 +221,12 @@ impl Cache {
     /// Notes which Nodes are missing now: those of NodeNetworkConfigs,
     /// of granted blocks and of blocks taken from a gone Node.
     pub fn update_absent(&mut self, now_ms: i64) {
-        if !std::mem::take(&mut self.absent_stale) {
-            return;
-        }
-        let of_blocks = self.blocks.values().filter_map(followed_node);
+        let of_blocks = self.blocks.values().filter_map(|b| {
+            let (_, spec) = b.spec.as_ref()?;
+            let follows = spec.state == BlockState::Granted
+                || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
+            follows.then_some(&spec.node)
+        });
         let names: BTreeSet<&String> = self.nncs.keys().chain(of_blocks).collect();
         let missing: BTreeSet<String> = names
             .into_iter()
@@ -266,15 +260,6 @@ impl Cache {
             node_grace_ms,
         }
     }
-}
-
-/// The Node a block follows: its holder while granted or taken from a
-/// gone Node.
-fn followed_node(block: &Block) -> Option<&String> {
-    let (_, spec) = block.spec.as_ref()?;
-    let follows = spec.state == BlockState::Granted
-        || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
-    follows.then_some(&spec.node)
 }
 
 /// One reading of both clocks.
@@ -415,64 +400,5 @@ mod tests {
         assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
         cache.listed(Resource::Pool, Vec::new());
         assert!(cache.pools().is_empty());
-    }
-
-    /// One step of the world the missing Nodes are worked out from.
-    fn step(cache: &mut Cache, roll: u64) {
-        use crate::controller::block::{self, BlockSpec, GRANTED, RELEASED};
-        let node = format!("n{}", roll % 5);
-        match (roll / 5) % 8 {
-            0 => cache.put(Resource::Node, Item::Node(node)),
-            1 => cache.remove(Resource::Node, &node),
-            2 | 3 => {
-                let object = json!({"metadata": {"name": node, "resourceVersion": roll.to_string()},
-                                    "spec": {"allocations": [{"network": "default", "pods": roll % 3}]}});
-                cache.put(Resource::Nnc, Item::parse(Resource::Nnc, object));
-            }
-            4 => cache.remove(Resource::Nnc, &node),
-            5 | 6 => {
-                let (state, reason) = match roll % 3 {
-                    0 => (BlockState::Granted, GRANTED),
-                    1 => (BlockState::Cooling, NODE_GONE),
-                    _ => (BlockState::Cooling, RELEASED),
-                };
-                let cidr = format!("198.18.0.{}/29", (roll / 40) % 4 * 8);
-                let spec = BlockSpec {
-                    pool: "p".into(),
-                    network: "default".into(),
-                    cidr: cidr.clone(),
-                    node,
-                    state,
-                    reason: reason.into(),
-                };
-                let name = block_name(&cidr.parse().unwrap());
-                let object = block::object(&spec, &name, &roll.to_string());
-                cache.put(Resource::Block, Item::parse(Resource::Block, object));
-            }
-            _ => {
-                let cidr = format!("198.18.0.{}/29", (roll / 40) % 4 * 8);
-                cache.remove(Resource::Block, &block_name(&cidr.parse().unwrap()));
-            }
-        }
-    }
-
-    #[test]
-    fn the_missing_nodes_worked_out_on_change_equal_those_worked_out_every_time() {
-        let (mut on_change, mut every_time) = (Cache::default(), Cache::default());
-        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-        for now_ms in 0..3_000 {
-            // xorshift: the same steps for both.
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            for cache in [&mut on_change, &mut every_time] {
-                step(cache, seed % 1_000);
-            }
-            every_time.absent_stale = true;
-            on_change.update_absent(now_ms);
-            every_time.update_absent(now_ms);
-            assert_eq!(on_change.absent, every_time.absent, "step {now_ms}");
-        }
-        assert!(!every_time.absent.is_empty(), "some Node went missing");
     }
 }
