@@ -743,14 +743,13 @@ impl<'a> Pass<'a> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let free_at = promise(
+        let free_at = Promise {
             pools,
-            &self.ledgers,
-            ask,
+            ledgers: &self.ledgers,
             empty,
-            ask.pods.saturating_sub(capacity),
-            state.promised,
-        );
+            need: ask.pods.saturating_sub(capacity),
+        }
+        .first_free_at(ask, state.promised);
         let (network, family, name, want) = (ask.network, ask.family, ask.name, ask.pods);
         let why = if empty.is_empty() {
             format!(
@@ -1002,56 +1001,66 @@ fn grant_order<'a>(world: &World<'a>) -> Vec<(&'a String, &'a Nnc)> {
     first.chain(rest).collect()
 }
 
-/// Promises a refused node the cooling blocks of its `empty` pools that
-/// come free first, not promised to a node before it, until they cover
-/// `need` addresses (within each pool's `maxBlocksPerNode`); returns when
-/// the first comes free, or `None` when no cooling block is left for it.
-fn promise(
-    pools: &[Pool],
-    ledgers: &[Ledger],
-    ask: &Ask,
-    empty: &[usize],
+/// What a refused node can be promised: the cooling blocks of its `empty`
+/// pools (indexes into `pools` and `ledgers`), to cover `need` addresses.
+struct Promise<'p> {
+    pools: &'p [Pool],
+    ledgers: &'p [Ledger],
+    empty: &'p [usize],
     need: u128,
-    promised: &mut BTreeSet<Cidr>,
-) -> Option<i64> {
-    let family = ask.family;
-    // Never granted to it while it lists the block releasable.
-    let skip = |c: &Cidr| lists_releasable(ask.nnc, &c.to_string());
-    let mut cooling: Vec<(i64, Cidr, usize)> = Vec::new();
-    for &i in empty {
-        let Ok(spec) = &pools[i].spec else { continue };
-        let Some(range) = spec.range(family) else {
-            continue;
-        };
-        cooling.extend(
-            ledgers[i]
-                .cooling
-                .iter()
-                .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
-                .map(|(c, cool)| (cool.since_ms.saturating_add(spec.reclaim_delay_ms), *c, i)),
-        );
-    }
-    cooling.sort();
-    let mut room: BTreeMap<usize, usize> = BTreeMap::new();
-    let mut covered: u128 = 0;
-    let mut first = None;
-    for (at, cidr, i) in cooling {
-        if covered >= need {
-            break;
+}
+
+impl Promise<'_> {
+    /// Promises `ask`'s node the cooling blocks that come free first, not
+    /// promised to a node before it, until they cover `need` addresses
+    /// (within each pool's `maxBlocksPerNode`); returns when the first
+    /// comes free, or `None` when no cooling block is left for it.
+    fn first_free_at(&self, ask: &Ask, promised: &mut BTreeSet<Cidr>) -> Option<i64> {
+        let Promise {
+            pools,
+            ledgers,
+            empty,
+            need,
+        } = *self;
+        let family = ask.family;
+        // Never granted to it while it lists the block releasable.
+        let skip = |c: &Cidr| lists_releasable(ask.nnc, &c.to_string());
+        let mut cooling: Vec<(i64, Cidr, usize)> = Vec::new();
+        for &i in empty {
+            let Ok(spec) = &pools[i].spec else { continue };
+            let Some(range) = spec.range(family) else {
+                continue;
+            };
+            cooling.extend(
+                ledgers[i]
+                    .cooling
+                    .iter()
+                    .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
+                    .map(|(c, cool)| (cool.since_ms.saturating_add(spec.reclaim_delay_ms), *c, i)),
+            );
         }
-        let left = room.entry(i).or_insert_with(|| {
-            let cap = pools[i].spec.as_ref().map_or(0, |s| s.max_blocks_per_node);
-            cap.saturating_sub(held_in(&ledgers[i], ask.name, family))
-        });
-        if *left == 0 {
-            continue;
+        cooling.sort();
+        let mut room: BTreeMap<usize, usize> = BTreeMap::new();
+        let mut covered: u128 = 0;
+        let mut first = None;
+        for (at, cidr, i) in cooling {
+            if covered >= need {
+                break;
+            }
+            let left = room.entry(i).or_insert_with(|| {
+                let cap = pools[i].spec.as_ref().map_or(0, |s| s.max_blocks_per_node);
+                cap.saturating_sub(held_in(&ledgers[i], ask.name, family))
+            });
+            if *left == 0 {
+                continue;
+            }
+            *left -= 1;
+            promised.insert(cidr);
+            covered = covered.saturating_add(cidr.size());
+            first.get_or_insert(at);
         }
-        *left -= 1;
-        promised.insert(cidr);
-        covered = covered.saturating_add(cidr.size());
-        first.get_or_insert(at);
+        first
     }
-    first
 }
 
 /// How long a released block of `pool` cools (the default under a

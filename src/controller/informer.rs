@@ -271,6 +271,15 @@ pub fn spawn(
     Ok(())
 }
 
+/// What one informer's thread follows: `kind` from `client`, into `updates`.
+struct Follower<'f> {
+    client: &'f ApiClient,
+    kind: Resource,
+    timing: ApiTiming,
+    updates: &'f Sender<Update>,
+    metrics: &'f ControllerMetrics,
+}
+
 fn follow(
     client: &ApiClient,
     kind: Resource,
@@ -278,18 +287,17 @@ fn follow(
     updates: &Sender<Update>,
     metrics: &ControllerMetrics,
 ) {
+    let follower = Follower {
+        client,
+        kind,
+        timing,
+        updates,
+        metrics,
+    };
     let mut backoff = Backoff::new(timing.max_backoff);
     let mut resume: Option<String> = None;
     loop {
-        match cycle(
-            client,
-            kind,
-            timing,
-            updates,
-            metrics,
-            &mut backoff,
-            &mut resume,
-        ) {
+        match follower.cycle(&mut backoff, &mut resume) {
             Ok(true) => {}
             Ok(false) => return,
             Err(err) => {
@@ -310,71 +318,72 @@ fn follow(
     }
 }
 
-/// One list (unless resuming) and one watch; `Ok(false)` once the loop is gone.
-fn cycle(
-    client: &ApiClient,
-    kind: Resource,
-    timing: ApiTiming,
-    updates: &Sender<Update>,
-    metrics: &ControllerMetrics,
-    backoff: &mut Backoff,
-    resume: &mut Option<String>,
-) -> Result<bool, KubeError> {
-    let mut version = match resume.take() {
-        Some(version) => version,
-        None => {
-            let (items, version) = list(client, kind, metrics)?;
-            if updates.send(Update::Listed(kind, items)).is_err() {
-                return Ok(false);
-            }
-            version
-        }
-    };
-    let seconds = backoff.watch_seconds(timing.watch_timeout);
-    metrics.api_request("watch", kind.plural());
-    let events = match client.watch(&kind.watch_path(&version, seconds)) {
-        Ok(events) => events,
-        Err(err) => {
-            if !needs_relist(&err) {
-                *resume = Some(version);
-            }
-            return Err(err);
-        }
-    };
-    for event in events {
-        let event = match event {
-            Ok(event) => event,
-            Err(err) => {
-                *resume = Some(version);
-                return Err(err);
+impl Follower<'_> {
+    /// One list (unless resuming) and one watch; `Ok(false)` once the loop is gone.
+    fn cycle(&self, backoff: &mut Backoff, resume: &mut Option<String>) -> Result<bool, KubeError> {
+        let Follower {
+            client,
+            kind,
+            timing,
+            updates,
+            metrics,
+        } = *self;
+        let mut version = match resume.take() {
+            Some(version) => version,
+            None => {
+                let (items, version) = list(client, kind, metrics)?;
+                if updates.send(Update::Listed(kind, items)).is_err() {
+                    return Ok(false);
+                }
+                version
             }
         };
-        let next = resource_version(&event.object);
-        let update = match event.kind.as_str() {
-            "ADDED" | "MODIFIED" => Update::Changed(kind, Item::parse(kind, event.object)),
-            "DELETED" => Update::Deleted(kind, Meta::parse(&event.object).name),
-            "BOOKMARK" => {
-                version = resource_version(&event.object);
-                continue;
-            }
-            _ => {
-                let err = watch_error(&event.object);
+        let seconds = backoff.watch_seconds(timing.watch_timeout);
+        metrics.api_request("watch", kind.plural());
+        let events = match client.watch(&kind.watch_path(&version, seconds)) {
+            Ok(events) => events,
+            Err(err) => {
                 if !needs_relist(&err) {
                     *resume = Some(version);
                 }
                 return Err(err);
             }
         };
-        if !next.is_empty() {
-            version = next;
+        for event in events {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    *resume = Some(version);
+                    return Err(err);
+                }
+            };
+            let next = resource_version(&event.object);
+            let update = match event.kind.as_str() {
+                "ADDED" | "MODIFIED" => Update::Changed(kind, Item::parse(kind, event.object)),
+                "DELETED" => Update::Deleted(kind, Meta::parse(&event.object).name),
+                "BOOKMARK" => {
+                    version = resource_version(&event.object);
+                    continue;
+                }
+                _ => {
+                    let err = watch_error(&event.object);
+                    if !needs_relist(&err) {
+                        *resume = Some(version);
+                    }
+                    return Err(err);
+                }
+            };
+            if !next.is_empty() {
+                version = next;
+            }
+            if updates.send(update).is_err() {
+                return Ok(false);
+            }
         }
-        if updates.send(update).is_err() {
-            return Ok(false);
-        }
+        backoff.reset();
+        *resume = Some(version);
+        Ok(true)
     }
-    backoff.reset();
-    *resume = Some(version);
-    Ok(true)
 }
 
 #[cfg(test)]

@@ -165,57 +165,10 @@ pub fn parse_config(
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, FlagError> {
     let parsed = flags::parse(SPECS, args)?;
-    let lease = LeaseTiming {
-        duration: duration(&parsed, "--lease-duration", "15s")?,
-        renew_deadline: duration(&parsed, "--renew-deadline", "10s")?,
-        retry_period: duration(&parsed, "--retry-period", "2s")?,
-    };
-    // The Lease carries whole seconds (leaseDurationSeconds): a fraction
-    // would be obeyed here but not by the other candidates reading it.
-    if lease.duration.subsec_nanos() != 0 {
-        return Err(FlagError::BadValue(
-            "--lease-duration",
-            "must be whole seconds (the Lease's leaseDurationSeconds), such as \"2s\"".into(),
-        ));
-    }
-    if lease.renew_deadline >= lease.duration {
-        return Err(FlagError::BadValue("--renew-deadline", "must be shorter than --lease-duration, so a holder stops writing before its lease can pass on".into()));
-    }
-    if lease.retry_period >= lease.renew_deadline {
-        return Err(FlagError::BadValue(
-            "--retry-period",
-            "must be shorter than --renew-deadline".into(),
-        ));
-    }
+    let lease = lease_timing(&parsed)?;
     let node_grace = duration(&parsed, "--node-grace", "5m")?;
-    let api = match parsed.get("--kubeconfig") {
-        Some(path) => config::from_kubeconfig(&PathBuf::from(path))
-            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string()))?,
-        None => config::from_environment(lookup)
-            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string()))?
-            .ok_or_else(|| {
-                FlagError::BadValue(
-                    "--kubeconfig",
-                    "no cluster: give --kubeconfig, set KUBECONFIG or run in a pod".into(),
-                )
-            })?,
-    };
-    let identity = match parsed.get("--identity") {
-        Some(name) => name.to_string(),
-        None => nix::unistd::gethostname()
-            .ok()
-            .and_then(|n| n.into_string().ok())
-            .unwrap_or_default(),
-    };
-    if identity.is_empty()
-        || identity.len() > 253
-        || identity.chars().any(|c| c.is_control() || c == '"')
-    {
-        return Err(FlagError::BadValue(
-            "--identity",
-            format!("{identity:?} is not a usable name"),
-        ));
-    }
+    let api = api_config(&parsed, lookup)?;
+    let identity = identity(&parsed)?;
     let name_flag = |flag: &'static str, default: &str| -> Result<String, FlagError> {
         let value = parsed.get(flag).unwrap_or(default);
         if crate::names::is_dns_subdomain(value) {
@@ -250,6 +203,70 @@ pub fn parse_config(
         log_file: parsed.get("--log-file").map(PathBuf::from),
         verbosity,
     })
+}
+
+fn lease_timing(parsed: &flags::Parsed) -> Result<LeaseTiming, FlagError> {
+    let lease = LeaseTiming {
+        duration: duration(parsed, "--lease-duration", "15s")?,
+        renew_deadline: duration(parsed, "--renew-deadline", "10s")?,
+        retry_period: duration(parsed, "--retry-period", "2s")?,
+    };
+    // The Lease carries whole seconds (leaseDurationSeconds): a fraction
+    // would be obeyed here but not by the other candidates reading it.
+    if lease.duration.subsec_nanos() != 0 {
+        return Err(FlagError::BadValue(
+            "--lease-duration",
+            "must be whole seconds (the Lease's leaseDurationSeconds), such as \"2s\"".into(),
+        ));
+    }
+    if lease.renew_deadline >= lease.duration {
+        return Err(FlagError::BadValue("--renew-deadline", "must be shorter than --lease-duration, so a holder stops writing before its lease can pass on".into()));
+    }
+    if lease.retry_period >= lease.renew_deadline {
+        return Err(FlagError::BadValue(
+            "--retry-period",
+            "must be shorter than --renew-deadline".into(),
+        ));
+    }
+    Ok(lease)
+}
+
+fn api_config(
+    parsed: &flags::Parsed,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<ApiConfig, FlagError> {
+    match parsed.get("--kubeconfig") {
+        Some(path) => config::from_kubeconfig(&PathBuf::from(path))
+            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string())),
+        None => config::from_environment(lookup)
+            .map_err(|err| FlagError::BadValue("--kubeconfig", err.to_string()))?
+            .ok_or_else(|| {
+                FlagError::BadValue(
+                    "--kubeconfig",
+                    "no cluster: give --kubeconfig, set KUBECONFIG or run in a pod".into(),
+                )
+            }),
+    }
+}
+
+fn identity(parsed: &flags::Parsed) -> Result<String, FlagError> {
+    let identity = match parsed.get("--identity") {
+        Some(name) => name.to_string(),
+        None => nix::unistd::gethostname()
+            .ok()
+            .and_then(|n| n.into_string().ok())
+            .unwrap_or_default(),
+    };
+    if identity.is_empty()
+        || identity.len() > 253
+        || identity.chars().any(|c| c.is_control() || c == '"')
+    {
+        return Err(FlagError::BadValue(
+            "--identity",
+            format!("{identity:?} is not a usable name"),
+        ));
+    }
+    Ok(identity)
 }
 
 /// Runs until SIGTERM or SIGINT; gives the Lease up before returning.

@@ -61,20 +61,24 @@ pub fn apply(
     decision: &Decision,
     retries: &mut Retries,
 ) -> Applied {
-    let mut applied = Applied::default();
+    let mut books = Books {
+        cache,
+        retries,
+        applied: Applied::default(),
+    };
     let mut blocks_written = BTreeSet::new();
     for write in &decision.block_writes {
-        if !retries.ready(Resource::Block, &write.name, ctx.now) {
-            applied.deferred += 1;
+        if !books.retries.ready(Resource::Block, &write.name, ctx.now) {
+            books.applied.deferred += 1;
             continue;
         }
         if !(ctx.leading)() {
-            applied.stopped = true;
-            return applied;
+            books.applied.stopped = true;
+            return books.applied;
         }
         let result = write_block(ctx, write);
         let key = (Resource::Block, write.name.as_str());
-        if landed(ctx, cache, retries, key, result, &mut applied) {
+        if landed(ctx, &mut books, key, result) {
             blocks_written.insert(write.name.as_str());
         }
     }
@@ -89,17 +93,17 @@ pub fn apply(
             .after_blocks
             .iter()
             .all(|b| blocks_written.contains(b.as_str()));
-        if !relied_on || !retries.ready(kind, &write.name, ctx.now) {
-            applied.deferred += 1;
+        if !relied_on || !books.retries.ready(kind, &write.name, ctx.now) {
+            books.applied.deferred += 1;
             continue;
         }
         if !(ctx.leading)() {
-            applied.stopped = true;
-            return applied;
+            books.applied.stopped = true;
+            return books.applied;
         }
         let result = put_status(ctx, kind, write);
         let key = (kind, write.name.as_str());
-        if landed(ctx, cache, retries, key, result, &mut applied) && kind == Resource::Nnc {
+        if landed(ctx, &mut books, key, result) && kind == Resource::Nnc {
             nodes_written.insert(write.name.as_str());
         }
     }
@@ -120,7 +124,15 @@ pub fn apply(
             &event.message,
         );
     }
-    applied
+    books.applied
+}
+
+/// What the answers of one decision's writes update: the cache, each
+/// object's pause and the tally.
+struct Books<'b> {
+    cache: &'b mut Cache,
+    retries: &'b mut Retries,
+    applied: Applied,
 }
 
 /// One block write: POST, PUT or DELETE.
@@ -179,12 +191,15 @@ fn put_status(ctx: &Context, kind: Resource, write: &Write) -> Result<Option<Val
 /// landed.
 fn landed(
     ctx: &Context,
-    cache: &mut Cache,
-    retries: &mut Retries,
+    books: &mut Books,
     (kind, name): (Resource, &str),
     result: Result<Option<Value>, KubeError>,
-    applied: &mut Applied,
 ) -> bool {
+    let Books {
+        cache,
+        retries,
+        applied,
+    } = books;
     match result {
         Ok(object) => {
             match object {
