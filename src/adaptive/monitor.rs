@@ -226,15 +226,13 @@ pub fn pass(
         for _ in 0..drain_if_idle(store, &network, load, config, now_ms)? {
             outcome.actions.push(("drain", network.clone()));
         }
-        let released = release_expired(
-            store,
+        let at = PassAt {
             nnc,
-            &network,
             config,
             now_ms,
-            &mut releasable,
-            &mut outcome.actions,
-        )?;
+        };
+        let released =
+            release_expired(store, &at, &network, &mut releasable, &mut outcome.actions)?;
         let wanted = policy::final_pods(desired, released);
         set_request(&mut allocations, &network, wanted, &mut outcome.actions);
     }
@@ -422,18 +420,29 @@ fn drain_if_idle(
     }
 }
 
+/// What one monitor pass reads: the node's NNC, the flags and the time.
+#[derive(Clone, Copy)]
+struct PassAt<'a> {
+    nnc: &'a Nnc,
+    config: MonitorConfig,
+    now_ms: i64,
+}
+
 /// Expires idle Draining blocks and lists every Deleting block that the
 /// status still holds as releasable. Returns the addresses newly given
 /// back (to take off the pod request once).
 fn release_expired(
     store: &mut Store,
-    nnc: &Nnc,
+    at: &PassAt,
     network: &str,
-    config: MonitorConfig,
-    now_ms: i64,
     releasable: &mut Vec<PodCidr>,
     actions: &mut Vec<(&'static str, String)>,
 ) -> Result<i64, StoreError> {
+    let PassAt {
+        nnc,
+        config,
+        now_ms,
+    } = *at;
     for block in
         store.expire_draining(network, Family::V4, config.draining_expiration_ms, now_ms)?
     {
