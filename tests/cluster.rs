@@ -135,9 +135,15 @@ struct Sim {
     phase_demands: u64,
     phase_conflicts: u64,
     pool_edits: u64,
-    /// Leaders replaced in the phase (each new leader finishes at most one
-    /// pass its predecessor left).
+    /// Leaders replaced in the phase by the test (each new leader finishes
+    /// at most one pass its predecessor left).
     takeovers: u64,
+    /// The Lease's `leaseTransitions` at the start of the phase: a leader
+    /// starved past its lease on a loaded machine is replaced too.
+    phase_transitions: u64,
+    /// NNCs whose spec generation was not answered yet when the phase
+    /// began (a daemon's write just before it): each answered once in it.
+    pending_answers: u64,
     /// NNCs of deleted Nodes emptied in the phase.
     gone: u64,
     /// Writes the API server was told to fail in the phase (not 409).
@@ -165,6 +171,8 @@ impl Sim {
             phase_started: Instant::now(),
             phase_demands: 0,
             phase_conflicts: 0,
+            phase_transitions: 0,
+            pending_answers: 0,
             pool_edits: 0,
             takeovers: 0,
             gone: 0,
@@ -216,6 +224,29 @@ impl Sim {
             .as_str()
             .filter(|h| !h.is_empty())
             .map(str::to_string)
+    }
+
+    /// NNCs whose Ready condition does not answer their spec's generation.
+    fn unanswered_generations(&self) -> u64 {
+        let state = self.api.state();
+        let unanswered = state.list(NNCS).filter(|(_, nnc)| {
+            let ready = nnc["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["type"] == "Ready");
+            ready.is_none_or(|r| r["observedGeneration"] != nnc["metadata"]["generation"])
+        });
+        u64::try_from(unanswered.count()).unwrap()
+    }
+
+    /// How often the Lease changed hands (its `leaseTransitions`).
+    fn lease_transitions(&self) -> u64 {
+        let state = self.api.state();
+        let lease = state.get(&Key::new(LEASES, "kube-system", "metis-controller"));
+        lease
+            .and_then(|l| l["spec"]["leaseTransitions"].as_u64())
+            .unwrap_or(0)
     }
 
     fn wait_for_leader(&mut self, not: Option<&str>) -> String {
@@ -694,6 +725,8 @@ impl Sim {
         self.phase_started = Instant::now();
         self.phase_demands = self.demand_writes();
         self.phase_conflicts = self.api.state().conflicts_of("controller");
+        self.phase_transitions = self.lease_transitions();
+        self.pending_answers = self.unanswered_generations();
         self.pool_edits = 0;
         self.takeovers = 0;
         self.gone = 0;
@@ -832,12 +865,13 @@ impl Sim {
     /// phase, term by term with what the controller writes:
     /// - a GET of one object only after a 409; lists <= 4 per replica;
     /// - NNC status writes <= demands (each spec change of a node answered
-    ///   once) plus started (a block starting to cool tells at most one
+    ///   once, those not yet answered when the phase began too) plus started (a block starting to cool tells at most one
     ///   refused node when it comes free) plus 2 x ended (a block coming
     ///   free is granted to at most one node, and ends at most one told
     ///   time it no longer keeps) plus gone (an NNC emptied after its
     ///   Node's grace) plus 2 x NNCs re-created (its blocks back, and the
-    ///   answer to its first spec) plus nodes x (pool edits plus takeovers) plus
+    ///   answer to its first spec) plus nodes x (pool edits plus takeovers:
+    ///   the test's, or the Lease's hand-overs when more) plus
     ///   refused writes (409s and injected failures, each written again);
     /// - pool status writes <= NNC status writes (a pass that grants or
     ///   releases writes the pool first) plus ended, pool edits, refused
@@ -852,9 +886,14 @@ impl Sim {
         let seconds = self.phase_started.elapsed().as_secs() + 1;
         let controllers = u64::try_from(self.controllers.len()).unwrap();
         let nodes = u64::try_from(self.nodes.len()).unwrap();
-        let demands = self.demand_writes() - self.phase_demands + self.edited_demands;
+        let demands =
+            self.demand_writes() - self.phase_demands + self.edited_demands + self.pending_answers;
         let conflicts = self.api.state().conflicts_of("controller") - self.phase_conflicts;
         let refused = conflicts + self.injected_failures;
+        let handovers = self
+            .lease_transitions()
+            .saturating_sub(self.phase_transitions);
+        let takeovers = self.takeovers.max(handovers);
         for resource in [NNCS, NODES, POOLS, BLOCKS] {
             let gets = spent("get", resource);
             assert!(
@@ -878,7 +917,7 @@ impl Sim {
             + 2 * ended
             + self.gone
             + 2 * self.recreated
-            + nodes * (self.pool_edits + self.takeovers)
+            + nodes * (self.pool_edits + takeovers)
             + refused;
         assert!(
             writes <= budget,
@@ -887,7 +926,7 @@ impl Sim {
         );
         let pool_writes =
             spent("update", "metispools/status") + spent("patch", "metispools/status");
-        let pool_budget = writes + ended + self.pool_edits + refused + self.takeovers;
+        let pool_budget = writes + ended + self.pool_edits + refused + takeovers;
         assert!(
             pool_writes <= pool_budget,
             "{phase}: {pool_writes} pool status writes (budget {pool_budget})"
@@ -902,7 +941,7 @@ impl Sim {
             "{phase}: requests: {writes} NNC status writes (budget {budget}) for {demands} demand \
              changes, {started} blocks cooling and {ended} come free ({kinds:?}), {pool_writes} pool \
              writes (budget {pool_budget}), {lease_writes} lease writes in {seconds} s, {conflicts} \
-             conflicts"
+             conflicts, {takeovers} takeovers"
         );
     }
 }

@@ -360,17 +360,26 @@ impl<'a> Pass<'a> {
 
     /// Moves `cidr`, released by (or taken from) `node`, to cooling (or
     /// retires it); false when it is another node's block, granted or
-    /// cooling (a copy of it leaves this status only) or no pool accounts
-    /// for it.
+    /// cooling (a copy of it leaves this status only: a cooling one's
+    /// delay starts over, for its own node) or no pool accounts for it.
     fn release_block(&mut self, node: &str, cidr: Cidr, reusable: bool, gone: bool) -> bool {
         let now = self.world.now_ms;
-        // Another node's block, granted or cooling for it: this status
-        // held a copy, and its release must not restart or take over
-        // that node's delay.
-        let foreign = self.ledgers.iter().any(|l| {
-            l.claims.get(&cidr).is_some_and(|h| h.node != node)
-                || l.cooling.get(&cidr).is_some_and(|c| c.node != node)
-        });
+        let cooling_elsewhere = self
+            .ledgers
+            .iter_mut()
+            .find_map(|l| l.cooling.get_mut(&cidr).filter(|c| c.node != node));
+        if let Some(cooling) = cooling_elsewhere {
+            // Pods of this node may have used the copy: no other node gets
+            // the block sooner than the delay after it left this status
+            // either, and this node never takes it over.
+            cooling.since_ms = now;
+            self.restarts.push((block::block_name(&cidr), now));
+            return false;
+        }
+        let foreign = self
+            .ledgers
+            .iter()
+            .any(|l| l.claims.get(&cidr).is_some_and(|h| h.node != node));
         let Some(i) = pool_of(self.world.pools, &self.ledgers, &cidr).filter(|_| !foreign) else {
             return false;
         };
@@ -1510,9 +1519,9 @@ mod tests {
     }
 
     /// A node whose status holds a copy of a block cooling for another
-    /// node (an edit by hand) drops the copy when it releases it, and
-    /// takes neither the other node's delay nor the block: saying it still
-    /// serves the block afterwards is a conflict until the block cooled.
+    /// node (an edit by hand) drops the copy when it releases it (the
+    /// block's delay starts over, still that node's) and never takes the
+    /// block over: saying it still serves it is a conflict until it cooled.
     #[test]
     fn releasing_a_copy_of_another_nodes_cooling_block_takes_nothing() {
         use crate::controller::informer::{Item, Resource};
@@ -1559,7 +1568,9 @@ mod tests {
                 decision.block_writes.is_empty(),
                 "{releasable}: {decision:?}"
             );
-            assert!(decision.cooling_restarts.is_empty(), "{releasable}");
+            // Released, the copy restarts the block's delay, which stays n1's.
+            let restarts = usize::from(releasable);
+            assert_eq!(decision.cooling_restarts.len(), restarts, "{releasable}");
         }
     }
 
