@@ -212,8 +212,16 @@ impl Sim {
     fn apply(&mut self, decision: &Decision, limit: usize) -> usize {
         let mut done = 0;
         let mut written = BTreeSet::new();
+        // As `Cache::restart_cooling`: only blocks cooling now (a stale
+        // controller's restart of a block granted since is not kept).
         for (name, since) in &decision.cooling_restarts {
-            self.cooling_seen.insert(name.clone(), *since);
+            let cooling = self
+                .blocks
+                .get(name)
+                .is_some_and(|b| b["spec"]["state"] == "Cooling");
+            if cooling {
+                self.cooling_seen.insert(name.clone(), *since);
+            }
         }
         for write in decision.block_writes.iter().take(limit) {
             if let Some(changed) = self.write_block(write) {

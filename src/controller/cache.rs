@@ -102,9 +102,13 @@ impl Cache {
     }
 
     /// The delay of these blocks, released again, starts over.
+    /// Only blocks cooling now: a restart noted for one granted since
+    /// would make its next cooling start early.
     pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
         for (name, since) in restarts {
-            self.cooling_seen.insert(name.clone(), *since);
+            if self.blocks.get(name).is_some_and(is_cooling) {
+                self.cooling_seen.insert(name.clone(), *since);
+            }
         }
     }
 
