@@ -174,7 +174,7 @@ impl Status {
             refused_since,
             serving: Vec::new(),
             gone_told,
-            ready: ready_read(&status["conditions"]),
+            ready: ready_read(&status["conditions"], &conditions),
         }
     }
 
@@ -200,16 +200,11 @@ fn is_ready(condition: &Condition, status: &str) -> bool {
     condition.kind.as_deref() == Some("Ready") && condition.status.as_deref() == Some(status)
 }
 
-/// The Ready condition among `conditions` when it has exactly the keys the
-/// controller writes and merging it back leaves `conditions` as they are.
-fn ready_read(conditions: &Value) -> Option<ReadyRead> {
-    let ready = conditions
-        .as_array()?
-        .iter()
-        .find(|c| c.get("type") == Some(&Value::from("Ready")))?;
-    if merge_condition(conditions, ready.clone()) != *conditions {
-        return None;
-    }
+/// The Ready condition among `conditions` (`read`: as decoded) when it has
+/// exactly the keys the controller writes and merging it back leaves
+/// `conditions` as they are (so it is the list's only Ready condition).
+fn ready_read(conditions: &Value, read: &[Condition]) -> Option<ReadyRead> {
+    let ready = read.iter().find(|c| c.kind.as_deref() == Some("Ready"))?;
     let Condition {
         status: Some(status),
         reason: Some(reason),
@@ -218,15 +213,19 @@ fn ready_read(conditions: &Value) -> Option<ReadyRead> {
         last_transition_time: Some(_),
         rest,
         ..
-    } = serde_json::from_value(ready.clone()).ok()?
+    } = ready
     else {
         return None;
     };
-    rest.is_empty().then(|| ReadyRead {
-        status: status.into(),
-        reason: reason.into(),
-        message: message.into(),
-        observed_generation,
+    let written = serde_json::to_value(ready).ok()?;
+    if !rest.is_empty() || merge_condition(conditions, written) != *conditions {
+        return None;
+    }
+    Some(ReadyRead {
+        status: status.as_str().into(),
+        reason: reason.as_str().into(),
+        message: message.as_str().into(),
+        observed_generation: *observed_generation,
     })
 }
 
