@@ -15,6 +15,7 @@ use metis::wire::{Code, Request, ipam, request};
 
 use crate::Bench;
 use crate::report::{Report, Row, mib};
+use crate::util::typed;
 use crate::util::{
     Daemon, METIS, RANGE_V4, Summary, TempDir, allocate_request, allocated, client,
     daemon_peak_rss_kib, ms, ratio, release_request, released,
@@ -64,7 +65,7 @@ pub fn add_loop_time(count: usize) -> Summary {
         .map(|n| {
             let request = big_add(&format!("big{n}"));
             let started = Instant::now();
-            let outcome = engine.handle(&request, metis::log::now_ms());
+            let outcome = engine.handle(&typed(request), metis::log::now_ms());
             let took = started.elapsed();
             assert_eq!(allocated(&outcome.into_response()), "198.16.0.2");
             took

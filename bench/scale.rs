@@ -16,6 +16,7 @@ use metis::store::{Source, Store, StoreOptions};
 
 use crate::Bench;
 use crate::report::{Report, Row};
+use crate::util::typed;
 use crate::util::{
     Summary, TempDir, allocate_request, allocated, ms, ratio, release_request, released, us,
 };
@@ -136,13 +137,13 @@ fn pairs(engine: &mut Engine, ranges: &[&str], samples: usize, tag: &str) -> Sum
         let id = format!("bench-scale-{tag}-{i}");
         let start = Instant::now();
         let response = engine
-            .handle(&allocate_request(&id, ranges), metis::log::now_ms())
+            .handle(&typed(allocate_request(&id, ranges)), metis::log::now_ms())
             .into_response();
         latencies.push(start.elapsed());
         allocated(&response);
         released(
             &engine
-                .handle(&release_request(&id), metis::log::now_ms())
+                .handle(&typed(release_request(&id)), metis::log::now_ms())
                 .into_response(),
         );
     }
@@ -233,7 +234,7 @@ pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
         let id = format!("bench-v6-fill-{i}");
         allocated(
             &engine
-                .handle(&allocate_request(&id, &ranges), metis::log::now_ms())
+                .handle(&typed(allocate_request(&id, &ranges)), metis::log::now_ms())
                 .into_response(),
         );
     }
@@ -244,7 +245,7 @@ pub fn v6(allocations: usize, samples: usize) -> (Point, Point) {
         let id = format!("bench-v6-grow-{i}");
         let start = Instant::now();
         let response = engine
-            .handle(&allocate_request(&id, &ranges), metis::log::now_ms())
+            .handle(&typed(allocate_request(&id, &ranges)), metis::log::now_ms())
             .into_response();
         growth.push(start.elapsed());
         allocated(&response);

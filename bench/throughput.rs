@@ -14,6 +14,7 @@ use metis::wire::client::Client;
 
 use crate::Bench;
 use crate::report::{Report, Row};
+use crate::util::typed;
 use crate::util::{
     Build, Daemon, Flavour, RANGE_V4, TempDir, allocate_request, allocated, client,
     release_request, released,
@@ -70,12 +71,15 @@ struct Figure {
 fn engine_pair(engine: &mut Engine, id: &str) {
     allocated(
         &engine
-            .handle(&allocate_request(id, &[RANGE_V4]), metis::log::now_ms())
+            .handle(
+                &typed(allocate_request(id, &[RANGE_V4])),
+                metis::log::now_ms(),
+            )
             .into_response(),
     );
     released(
         &engine
-            .handle(&release_request(id), metis::log::now_ms())
+            .handle(&typed(release_request(id)), metis::log::now_ms())
             .into_response(),
     );
 }

@@ -257,6 +257,11 @@ pub fn allocate_request(container_id: &str, ranges: &[&str]) -> Request {
     }
 }
 
+/// A wire request as the daemon reads it, for the engine run in-process.
+pub fn typed(request: Request) -> metis::engine::request::Command {
+    metis::decode::decode(request).expect("the bench's requests are well formed")
+}
+
 pub fn release_request(container_id: &str) -> Request {
     Request {
         kind: Some(request::Kind::Deallocate(ipam::DeallocatePodIpRequest {

@@ -11,6 +11,7 @@ pub mod cni;
 #[cfg(feature = "kube")]
 pub mod controller;
 pub mod daemon;
+pub mod decode;
 pub mod defaults;
 pub mod duration;
 pub mod encode;

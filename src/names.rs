@@ -125,6 +125,43 @@ pub fn pod_field(text: &str) -> Result<(), NameError> {
     }
 }
 
+/// What an allocation is keyed by besides its network: a container and the
+/// interface inside it (the CNI spec's attachment). Made only through
+/// [`Attachment::new`], so holding one means both names were checked, once,
+/// at whichever edge the request came in by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Attachment {
+    container_id: String,
+    interface: String,
+}
+
+/// Which name of an attachment was refused, and why; callers name the field
+/// as their input spells it (`CNI_CONTAINERID`, `container_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttachmentError {
+    ContainerId(NameError),
+    Interface(NameError),
+}
+
+impl Attachment {
+    pub fn new(container_id: &str, interface: &str) -> Result<Attachment, AttachmentError> {
+        self::container_id(container_id).map_err(AttachmentError::ContainerId)?;
+        self::interface(interface).map_err(AttachmentError::Interface)?;
+        Ok(Attachment {
+            container_id: container_id.to_string(),
+            interface: interface.to_string(),
+        })
+    }
+
+    pub fn container_id(&self) -> &str {
+        &self.container_id
+    }
+
+    pub fn interface(&self) -> &str {
+        &self.interface
+    }
+}
+
 /// `namespace/name` for messages, or `container <id>` when the runtime sent
 /// no pod name (Podman never does).
 pub fn describe_owner(namespace: &str, pod: &str, container_id: &str) -> String {

@@ -252,6 +252,22 @@ fn status_is_truthful_and_creates_nothing() {
     assert_eq!(data, vec!["metis.sqlite"]);
 }
 
+/// A dual-stack conflist whose IPv4 range has host-local bounds: STATUS
+/// takes each bound with the ranges of its own family (it once checked the
+/// IPv4 bound against the IPv6 ranges and refused every such STATUS).
+#[test]
+fn status_of_a_dual_stack_conflist_with_bounds_is_ready() {
+    let dir = TestDir::new("limits-status-dual");
+    let ranges = r#"[[{"subnet":"198.18.0.0/24","rangeStart":"198.18.0.10","rangeEnd":"198.18.0.20"}],[{"subnet":"2001:db8::/64"}]]"#;
+    let conf = common::conf(&dir, "1.1.0", ranges, "");
+    let added = Plugin::new("ADD", "ctr-1").run(&conf);
+    assert_ok(&added);
+    assert_eq!(json(&added)["ips"][0]["address"], "198.18.0.10/24");
+    let status = Plugin::new("STATUS", "").run(&conf);
+    assert_ok(&status);
+    assert!(status.stdout.is_empty(), "{:?}", status.stdout);
+}
+
 /// Files are as private as documented: directories the plugin creates are
 /// 0700, and a database that exists with mode 0644 is tightened to 0600.
 #[test]

@@ -11,7 +11,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use metis::cidr::Cidr;
 use metis::cni::{args, conf};
-use metis::engine::Engine;
+use metis::decode::{decode, to_wire};
+use metis::engine::{Engine, Outcome};
 use metis::store::{Depth, Store, StoreOptions};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, PREFIX_LEN};
 use metis::wire::{Request, Response, ipam, request};
@@ -284,10 +285,16 @@ fn the_engine_survives_hostile_requests_with_its_invariants() {
     });
     runner
         .run(&kind, |kind| {
-            let response = engine
-                .borrow_mut()
-                .handle(&Request { kind: Some(kind) }, 1_700_000_000_000)
-                .into_response();
+            // Served as the daemon serves it: decoded at the edge, and what
+            // decodes goes back on the wire unchanged.
+            let outcome = match decode(Request { kind: Some(kind) }) {
+                Ok(command) => {
+                    prop_assert_eq!(decode(to_wire(&command)), Ok(command.clone()));
+                    engine.borrow_mut().handle(&command, 1_700_000_000_000)
+                }
+                Err(failure) => Outcome::from(failure),
+            };
+            let response = outcome.into_response();
             prop_assert!(response.status.is_some() || response.kind.is_some());
             Ok(())
         })

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use super::cluster::{Applied, Cluster};
 use super::monitor::{self, MonitorConfig};
 use crate::cidr::Family;
+use crate::engine::request::{Command, Del};
 use crate::engine::{Engine, Failure, Outcome, Readiness, Reply};
 use crate::kube::nnc::{Kind, QuotaEnd};
 use crate::kube::worker::{self, KubeEvent, KubeLink};
 use crate::log;
 use crate::metrics::Metrics;
-use crate::wire::adaptiveipam::v1::DeallocatePodIpRequest;
-use crate::wire::{Code, Request, reason, request};
+use crate::wire::{Code, reason};
 
 /// Settings of the adaptive side.
 #[derive(Debug, Clone)]
@@ -42,7 +42,7 @@ pub type Delivery = (u64, Outcome);
 
 struct Parked {
     conn_id: u64,
-    request: Request,
+    command: Command,
     network: String,
     parked_at: Instant,
     deadline: Instant,
@@ -178,15 +178,12 @@ impl Adaptive {
     pub fn intercept(
         &mut self,
         conn_id: u64,
-        request: Request,
+        command: Command,
         outcome: Outcome,
         now: Instant,
     ) -> Option<Outcome> {
-        let Some(kind) = &request.kind else {
-            return Some(outcome);
-        };
-        match kind {
-            request::Kind::Allocate(_) => match outcome {
+        match &command {
+            Command::Add(_) => match outcome {
                 Outcome::Exhausted {
                     network,
                     family: Family::V4,
@@ -199,39 +196,38 @@ impl Adaptive {
                         family: Family::V4,
                     }),
                     None => {
-                        self.park(conn_id, request, network, now);
+                        self.park(conn_id, command, network, now);
                         None
                     }
                 },
                 other => Some(other),
             },
-            request::Kind::Deallocate(req) => {
-                self.cancel_parked(req, now);
+            Command::Del(del) => {
+                self.cancel_parked(del, now);
                 if matches!(&outcome, Outcome::Done(Reply::Released(released)) if !released.is_empty())
                 {
-                    self.woken
-                        .push(network_or_default(&req.network).to_string());
+                    self.woken.push(del.network.clone());
                 }
                 Some(outcome)
             }
-            request::Kind::Health(_) => Some(self.annotate_health(outcome)),
-            request::Kind::NetworkStatus(_) => Some(self.status_with_cluster(outcome)),
-            request::Kind::Check(_)
-            | request::Kind::ListCidrBlocks(_)
-            | request::Kind::ListIpAddresses(_)
-            | request::Kind::Usage(_)
-            | request::Kind::Gc(_) => Some(outcome),
+            Command::Health => Some(self.annotate_health(outcome)),
+            Command::Status(_) => Some(self.status_with_cluster(outcome)),
+            Command::Check(_)
+            | Command::ListBlocks(_)
+            | Command::ListAddresses(_)
+            | Command::Usage(_)
+            | Command::Gc(_) => Some(outcome),
         }
     }
 
     /// A DEL overtook its owner's parked ADD: the ADD must not allocate
     /// after the DEL has returned, so it is taken out of the queue before
     /// the DEL is answered and told why.
-    fn cancel_parked(&mut self, del: &DeallocatePodIpRequest, now: Instant) {
-        let network = network_or_default(&del.network);
+    fn cancel_parked(&mut self, del: &Del, now: Instant) {
+        let network = del.network.as_str();
         let (cancelled, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
             .into_iter()
-            .partition(|p| p.network == network && same_owner(&p.request, del));
+            .partition(|p| p.network == network && same_owner(&p.command, del));
         self.parked = waiting;
         if cancelled.is_empty() {
             return;
@@ -241,14 +237,17 @@ impl Adaptive {
             log::info(
                 "daemon",
                 "DEL arrived for a waiting ADD; cancelling the ADD",
-                &[("network", &network), ("container", &del.container_id)],
+                &[
+                    ("network", &network),
+                    ("container", &del.owner.container_id()),
+                ],
             );
             let reply = Outcome::Failed(Failure {
                 code: Code::Unavailable,
                 reason: reason::ADD_CANCELLED,
                 message: format!(
                     "ADD cancelled: a DEL for container {} arrived while it waited for addresses",
-                    del.container_id
+                    del.owner.container_id()
                 ),
                 scope: None,
                 busy: false,
@@ -258,7 +257,7 @@ impl Adaptive {
         }
     }
 
-    fn park(&mut self, conn_id: u64, request: Request, network: String, now: Instant) {
+    fn park(&mut self, conn_id: u64, command: Command, network: String, now: Instant) {
         log::info(
             "daemon",
             "Local store IP exhaustion detected, requesting scale up",
@@ -266,7 +265,7 @@ impl Adaptive {
         );
         self.parked.push(Parked {
             conn_id,
-            request,
+            command,
             network,
             parked_at: now,
             deadline: now + self.config.pending_timeout,
@@ -680,7 +679,7 @@ impl Adaptive {
             let Some(parked) = self.parked.get(index) else {
                 break;
             };
-            let outcome = engine.handle_alone(&parked.request, log::now_ms());
+            let outcome = engine.handle_alone(&parked.command, log::now_ms());
             if let Outcome::Exhausted {
                 family: Family::V4, ..
             } = outcome
@@ -726,24 +725,16 @@ fn quota_message(network: &str, why: &str) -> String {
     )
 }
 
-fn network_or_default(network: &str) -> &str {
-    if network.is_empty() {
-        crate::defaults::DEFAULT_NETWORK
-    } else {
-        network
-    }
-}
-
 /// Whether a parked request is an ADD of the DEL's owner (container and
 /// interface, either family).
-fn same_owner(parked: &Request, del: &DeallocatePodIpRequest) -> bool {
-    let Some(request::Kind::Allocate(add)) = &parked.kind else {
+fn same_owner(parked: &Command, del: &Del) -> bool {
+    let Command::Add(add) = parked else {
         return false;
     };
-    [&add.ipv4_config, &add.ipv6_config]
+    add.families()
         .into_iter()
-        .flatten()
-        .any(|c| c.container_id == del.container_id && c.interface_name == del.interface_name)
+        .filter_map(|(_, part)| part)
+        .any(|part| part.owner == del.owner)
 }
 
 #[cfg(test)]

@@ -19,12 +19,13 @@ use std::path::{Path, PathBuf};
 
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::cni::conf::{self, NetConf};
-use crate::cni::plugin::ip_config;
+use crate::cni::plugin::family_add;
+use crate::decode;
 use crate::engine::Engine;
+use crate::engine::request::{Add, Pod};
 use crate::flags::{self, FlagSpec};
 use crate::host_local_dir::{self, DirError, Held, Lock};
 use crate::store::{self, AddressFilter, Source, Store, StoreOptions, db::co_writer};
-use crate::wire::ipam;
 
 const FLAGS: &[FlagSpec] = &[
     FlagSpec {
@@ -703,13 +704,17 @@ fn record(engine: &mut Engine, conf: &NetConf, owners: &ByOwner, now: i64) -> Re
             ));
             continue;
         }
-        match engine.allocate(&request(conf, container, ifname, addresses), now) {
+        let recorded = request(conf, container, ifname, addresses).and_then(|add| {
+            engine
+                .allocate(&add, now)
+                .map_err(|failure| failure.message)
+        });
+        match recorded {
             Ok(_) => done.push(format!(
                 "recorded {list} for container {container:?} interface {ifname:?}"
             )),
-            Err(failure) => conflicts.push(format!(
-                "{list} of container {container:?} interface {ifname:?}: {}",
-                failure.message
+            Err(why) => conflicts.push(format!(
+                "{list} of container {container:?} interface {ifname:?}: {why}"
             )),
         }
     }
@@ -836,23 +841,23 @@ fn request(
     container: &str,
     ifname: &str,
     addresses: &BTreeMap<Family, IpAddr>,
-) -> ipam::AllocatePodIpRequest {
+) -> Result<Add, String> {
+    let owner = decode::owner(container, ifname).map_err(|failure| failure.message)?;
     let wanted: Vec<IpAddr> = addresses.values().copied().collect();
-    let config = |family: Family| {
+    let part = |family: Family| {
         addresses
             .contains_key(&family)
-            .then(|| ip_config(conf, family, container, ifname, &wanted))
+            .then(|| family_add(conf, family, &owner, &wanted))
             .flatten()
     };
-    ipam::AllocatePodIpRequest {
+    Ok(Add {
         network: conf.network.clone(),
-        ipv4_config: config(Family::V4),
-        ipv6_config: config(Family::V6),
-        pod_name: String::new(),
-        pod_namespace: String::new(),
+        pod: Pod::default(),
+        ipv4: part(Family::V4),
+        ipv6: part(Family::V6),
         isolated: conf.isolated,
         conf_name: String::new(),
-    }
+    })
 }
 
 fn export(conf: &NetConf, dir: &Path, db: &Path) -> Result<Lines, Lines> {

@@ -12,11 +12,13 @@ use nix::unistd::{self, AccessFlags};
 use std::time::Duration;
 
 use crate::cni::error::CniError;
+use crate::decode::to_wire;
+use crate::engine::request::Command;
 use crate::engine::{Engine, Outcome};
 use crate::log;
 use crate::store::{self, Store, StoreOptions};
+use crate::wire::Response;
 use crate::wire::client::{ClientError, Daemon};
-use crate::wire::{Request, Response};
 
 /// How long the plugin waits for a daemon that is there but cannot take the
 /// connection yet: one that is starting (its marker is locked, see
@@ -39,12 +41,12 @@ const DIRECT_PATIENCE: Duration = Duration::from_secs(30);
 /// What the plugin's verbs talk to; unit tests put a fake here.
 pub trait Backend {
     /// Serves one request; an error status comes back as a [`Response`].
-    fn call(&mut self, request: Request) -> Result<Response, CniError>;
+    fn call(&mut self, command: Command) -> Result<Response, CniError>;
 
     /// Like [`Backend::call`] for requests that only read (STATUS): `Ok(None)`
     /// means there is nothing to read yet (no database; the first ADD will
     /// create it).
-    fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError>;
+    fn call_read_only(&mut self, command: Command) -> Result<Option<Response>, CniError>;
 }
 
 /// The node's IPAM as the plugin reaches it: the daemon at its socket, else
@@ -71,10 +73,10 @@ impl Node {
 
     /// The daemon's answer, or the request back (nothing was sent) when the
     /// daemon cannot be reached at all.
-    fn ask_daemon(&self, request: Request) -> Result<Reached, CniError> {
-        match self.daemon.exchange(&request) {
+    fn ask_daemon(&self, command: Command) -> Result<Reached, CniError> {
+        match self.daemon.exchange(&to_wire(&command)) {
             Ok(response) => Ok(Reached::Answered(response)),
-            Err(err) if err.is_connect() => Ok(Reached::Unreachable(Box::new(request), err)),
+            Err(err) if err.is_connect() => Ok(Reached::Unreachable(Box::new(command), err)),
             Err(err) => Err(CniError::from_client(&err)),
         }
     }
@@ -84,29 +86,29 @@ impl Node {
 enum Reached {
     Answered(Response),
     /// Boxed: a request is much larger than a response.
-    Unreachable(Box<Request>, ClientError),
+    Unreachable(Box<Command>, ClientError),
 }
 
 impl Backend for Node {
-    fn call(&mut self, request: Request) -> Result<Response, CniError> {
-        match self.ask_daemon(request)? {
+    fn call(&mut self, command: Command) -> Result<Response, CniError> {
+        match self.ask_daemon(command)? {
             Reached::Answered(response) => Ok(response),
-            Reached::Unreachable(request, err) => {
+            Reached::Unreachable(command, err) => {
                 log::info(
                     "cni",
                     "daemon unreachable, using direct mode",
                     &[("error", &err), ("db", &self.db_path.display())],
                 );
-                call_direct(&self.db_path, *request)
+                call_direct(&self.db_path, &command)
             }
         }
     }
 
     /// In direct mode the database is opened read-only and never created.
-    fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError> {
-        match self.ask_daemon(request)? {
+    fn call_read_only(&mut self, command: Command) -> Result<Option<Response>, CniError> {
+        match self.ask_daemon(command)? {
             Reached::Answered(response) => Ok(Some(response)),
-            Reached::Unreachable(request, err) => {
+            Reached::Unreachable(command, err) => {
                 log::debug(
                     "cni",
                     "daemon unreachable, reading the database",
@@ -118,7 +120,7 @@ impl Backend for Node {
                 else {
                     return can_create(db_path).map(|()| None);
                 };
-                Ok(Some(serve(store, *request)))
+                Ok(Some(serve(store, &command)))
             }
         }
     }
@@ -204,7 +206,7 @@ fn recover_after_reboot(store: &mut Store, db_path: &Path) -> Result<(), CniErro
     Ok(())
 }
 
-fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
+fn call_direct(db_path: &Path, command: &Command) -> Result<Response, CniError> {
     refuse_a_deleted_database(db_path)?;
     let mut store = Store::open(
         db_path,
@@ -234,7 +236,7 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
     // Made again as a whole while the database is busy: a failed attempt
     // leaves nothing.
     let served = store::patiently("serve the request", DIRECT_PATIENCE, || {
-        match engine.handle_alone(&request, log::now_ms()) {
+        match engine.handle_alone(command, log::now_ms()) {
             Outcome::Failed(failure) if failure.busy => Err(failure),
             outcome => Ok(outcome),
         }
@@ -258,8 +260,8 @@ fn call_direct(db_path: &Path, request: Request) -> Result<Response, CniError> {
 }
 
 /// The engine run on a read-only store, as the daemon would serve it.
-fn serve(store: Store, request: Request) -> Response {
+fn serve(store: Store, command: &Command) -> Response {
     Engine::new(store)
-        .handle(&request, log::now_ms())
+        .handle(command, log::now_ms())
         .into_response()
 }

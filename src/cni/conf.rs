@@ -9,7 +9,7 @@
 
 use super::args::{CniArgs, parse_ip_maybe_prefix};
 use super::error::CniError;
-use super::version;
+use super::version::CniVersion;
 use crate::cidr::{Bounds, Cidr, Family, gateway_for};
 use crate::duration::parse_duration_ms;
 use crate::names;
@@ -58,8 +58,8 @@ pub struct Attachment {
 /// The validated configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConf {
-    /// Checked against [`version::SUPPORTED`].
-    pub cni_version: String,
+    /// `cniVersion`, 0.1.0 when absent or empty.
+    pub cni_version: CniVersion,
     pub name: String,
     /// The top-level `type`.
     pub plugin_type: String,
@@ -228,20 +228,16 @@ impl<'de, T: Deserialize<'de> + Named> Deserialize<'de> for Object<T> {
     }
 }
 
-/// The version a configuration without `cniVersion` is read as.
-const LEGACY_CNI_VERSION: &str = "0.1.0";
-
 /// Parses and validates the configuration.
 pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let Object(raw): Object<RawConf> = serde_json::from_slice(stdin)
         .map_err(|e| CniError::decode(format!("failed to parse network configuration: {e}")))?;
     // libcni and host-local read a missing or empty cniVersion as 0.1.0,
     // the version before the key existed.
-    let cni_version = raw
-        .cni_version
-        .filter(|v| !v.is_empty())
-        .unwrap_or_else(|| LEGACY_CNI_VERSION.to_string());
-    version::check_supported(&cni_version)?;
+    let cni_version = match raw.cni_version.as_deref() {
+        None | Some("") => CniVersion::LEGACY,
+        Some(text) => CniVersion::parse(text)?,
+    };
     let name = required(raw.name, "name")?;
     names::network(&name)
         .map_err(|err| CniError::invalid_config(format!("invalid network name {err}")))?;
@@ -743,7 +739,7 @@ mod tests {
             "ipam": {"type": "metis", "ranges": [[{"subnet": "198.19.0.0/24"}]],
                      "routes": [{"dst": "0.0.0.0/0"}]}
         }));
-        assert_eq!(conf.cni_version, "0.4.0");
+        assert_eq!(conf.cni_version, CniVersion::V0_4_0);
         assert_eq!(conf.name, "metis-network");
         assert_eq!(conf.plugin_type, "metis");
         assert_eq!(conf.ipam_type, "metis");
@@ -843,7 +839,7 @@ mod tests {
         for version in [json!(null), json!("")] {
             let mut value = with_ipam(json!({}));
             value["cniVersion"] = version;
-            assert_eq!(ok(value).cni_version, "0.1.0");
+            assert_eq!(ok(value).cni_version, CniVersion::LEGACY);
         }
         let e = err(json!({"cniVersion": "1.0.0"}));
         assert_eq!(

@@ -4,7 +4,7 @@
 //! follow it.
 
 use super::error::CniError;
-use crate::names;
+use crate::names::{Attachment, AttachmentError};
 
 /// The operation requested by `CNI_COMMAND`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +68,9 @@ pub struct CniEnv {
     pub container_id: String,
     pub netns: String,
     pub ifname: String,
+    /// `CNI_CONTAINERID` and `CNI_IFNAME`, checked, for the verbs that
+    /// require them (ADD, CHECK, DEL).
+    pub attachment: Option<Attachment>,
     pub args: String,
     pub path: Option<String>,
 }
@@ -88,19 +91,22 @@ pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<CniEnv
     }
     let verb = Verb::parse(&command)
         .ok_or_else(|| CniError::invalid_env(format!("unknown CNI_COMMAND: {command}")))?;
-    let env = CniEnv {
+    let mut env = CniEnv {
         verb,
         container_id: read(CONTAINER_ID),
         netns: read(NETNS),
         ifname: read(IFNAME),
+        attachment: None,
         args: read(ARGS),
         path: get(PATH).filter(|p| !p.is_empty()),
     };
-    check_required(&env)?;
+    env.attachment = check_required(&env)?;
     Ok(Some(env))
 }
 
-fn check_required(env: &CniEnv) -> Result<(), CniError> {
+/// The attachment of a verb that requires one (every verb requiring
+/// `CNI_CONTAINERID` also requires `CNI_IFNAME`).
+fn check_required(env: &CniEnv) -> Result<Option<Attachment>, CniError> {
     let required = env.verb.required();
     let missing: Vec<&str> = required
         .iter()
@@ -114,15 +120,19 @@ fn check_required(env: &CniEnv) -> Result<(), CniError> {
             missing.join(", ")
         )));
     }
-    if required.contains(&CONTAINER_ID) {
-        names::container_id(&env.container_id)
-            .map_err(|err| CniError::invalid_env(format!("invalid CNI_CONTAINERID {err}")))?;
+    if !required.contains(&CONTAINER_ID) {
+        return Ok(None);
     }
-    if required.contains(&IFNAME) {
-        names::interface(&env.ifname)
-            .map_err(|err| CniError::invalid_env(format!("invalid CNI_IFNAME {err}")))?;
-    }
-    Ok(())
+    Attachment::new(&env.container_id, &env.ifname)
+        .map(Some)
+        .map_err(|err| match err {
+            AttachmentError::ContainerId(err) => {
+                CniError::invalid_env(format!("invalid CNI_CONTAINERID {err}"))
+            }
+            AttachmentError::Interface(err) => {
+                CniError::invalid_env(format!("invalid CNI_IFNAME {err}"))
+            }
+        })
 }
 
 fn value_of<'a>(env: &'a CniEnv, key: &str) -> &'a str {
@@ -138,6 +148,7 @@ fn value_of<'a>(env: &'a CniEnv, key: &str) -> &'a str {
 mod tests {
     use super::*;
     use crate::cni::error::INVALID_ENV;
+    use crate::names;
     use std::collections::HashMap;
 
     fn lookup(pairs: &[(&str, &str)]) -> Result<Option<CniEnv>, CniError> {
@@ -194,6 +205,7 @@ mod tests {
                 container_id: "abc123".into(),
                 netns: "/var/run/netns/x".into(),
                 ifname: "eth0".into(),
+                attachment: Attachment::new("abc123", "eth0").ok(),
                 args: "K8S_POD_NAME=p".into(),
                 path: Some("/opt/cni/bin".into()),
             }

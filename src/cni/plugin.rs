@@ -17,9 +17,11 @@ use crate::cni::env::{self, CniEnv, Verb};
 use crate::cni::error::CniError;
 use crate::cni::result::{self, AllocatedIp};
 use crate::cni::version;
+use crate::engine::request::{Add, Check, Command, Del, FamilyAdd, Gc, Pod, StatusQuery};
 use crate::log;
-use crate::wire::envelope::v1 as envelope;
-use crate::wire::{Request, client, ipam, request, response};
+use crate::names::Attachment;
+use crate::store::InForce;
+use crate::wire::{client, ipam, response};
 
 /// Largest network configuration accepted on stdin.
 const MAX_STDIN: usize = 1024 * 1024;
@@ -111,7 +113,7 @@ fn execute<B: Backend>(
         return Ok(Reply::Stdout(Some(version::version_reply(&input))));
     }
     let net_conf = conf::parse(&input).map_err(no_version)?;
-    let with_version = |err: CniError| (err, net_conf.cni_version.clone());
+    let with_version = |err: CniError| (err, net_conf.cni_version.as_str().to_string());
     open_log(&net_conf.log_file, &cni_env);
     log::info(
         "cni",
@@ -125,10 +127,22 @@ fn execute<B: Backend>(
     );
     let cni_args = args::parse(&cni_env.args).map_err(with_version)?;
     let backend = &mut backend_for(&net_conf);
+    // `env` checked the attachment of every verb that requires one.
+    let owner = || {
+        cni_env.attachment.as_ref().ok_or_else(|| {
+            CniError::invalid_env("CNI_CONTAINERID and CNI_IFNAME are required".to_string())
+        })
+    };
     let outcome = match cni_env.verb {
-        Verb::Add => add(backend, &net_conf, &cni_env, &cni_args).map(Some),
-        Verb::Del => del(backend, &net_conf, &cni_env, &cni_args).map(|()| None),
-        Verb::Check => check(backend, &net_conf, &cni_env, &cni_args).map(|()| None),
+        Verb::Add => owner()
+            .and_then(|owner| add(backend, &net_conf, owner, &cni_env, &cni_args))
+            .map(Some),
+        Verb::Del => owner()
+            .and_then(|owner| del(backend, &net_conf, owner, &cni_args))
+            .map(|()| None),
+        Verb::Check => owner()
+            .and_then(|owner| check(backend, &net_conf, owner))
+            .map(|()| None),
         Verb::Status => status(backend, &net_conf).map(|()| None),
         Verb::Gc => gc(backend, &net_conf).map(|()| None),
         Verb::Version => Ok(Some(version::version_reply(&input))),
@@ -200,6 +214,7 @@ fn open_log_creating_dir(path: &Path) -> io::Result<fs::File> {
 fn add(
     backend: &mut dyn Backend,
     net_conf: &NetConf,
+    owner: &Attachment,
     cni_env: &CniEnv,
     cni_args: &CniArgs,
 ) -> Result<String, CniError> {
@@ -209,27 +224,14 @@ fn add(
         None => Dns::default(),
         Some(path) => Dns::parse(&read_resolv_conf(path)?),
     };
-    let request = request::Kind::Allocate(ipam::AllocatePodIpRequest {
+    let request = Command::Add(Box::new(Add {
         network: net_conf.network.clone(),
-        ipv4_config: ip_config(
-            net_conf,
-            Family::V4,
-            &cni_env.container_id,
-            &cni_env.ifname,
-            &requested,
-        ),
-        ipv6_config: ip_config(
-            net_conf,
-            Family::V6,
-            &cni_env.container_id,
-            &cni_env.ifname,
-            &requested,
-        ),
-        pod_name: cni_args.pod_name.clone(),
-        pod_namespace: cni_args.pod_namespace.clone(),
+        pod: pod(cni_args),
+        ipv4: family_add(net_conf, Family::V4, owner, &requested),
+        ipv6: family_add(net_conf, Family::V6, owner, &requested),
         isolated: net_conf.isolated,
         conf_name: net_conf.name.clone(),
-    });
+    }));
     let Some(response::Kind::Allocate(allocated)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("allocate"));
     };
@@ -261,46 +263,46 @@ fn add(
 /// The allocation request's part for one family: the configuration's
 /// ranges of that family with their host-local bounds, and the address of
 /// that family among `requested`, if any. `None` without ranges of it.
-pub fn ip_config(
+pub fn family_add(
     net_conf: &NetConf,
     family: Family,
-    container_id: &str,
-    ifname: &str,
+    owner: &Attachment,
     requested: &[IpAddr],
-) -> Option<ipam::IpConfig> {
+) -> Option<FamilyAdd> {
+    let ranges = in_force(net_conf, family);
+    (!ranges.ranges.is_empty()).then(|| FamilyAdd {
+        owner: owner.clone(),
+        ranges,
+        requested: requested
+            .iter()
+            .copied()
+            .find(|ip| Family::of(*ip) == family),
+    })
+}
+
+/// The configuration's `family` ranges with the host-local bounds of those
+/// that have them.
+fn in_force(net_conf: &NetConf, family: Family) -> InForce {
     let ranges = match family {
         Family::V4 => &net_conf.ipv4_ranges,
         Family::V6 => &net_conf.ipv6_ranges,
     };
-    let (first, rest) = ranges.split_first()?;
-    Some(ipam::IpConfig {
-        interface_name: ifname.to_string(),
-        container_id: container_id.to_string(),
-        initial_pod_cidr: first.to_string(),
-        additional_pod_cidrs: rest.iter().map(Cidr::to_string).collect(),
-        requested_ip: requested
+    InForce {
+        ranges: ranges.clone(),
+        bounds: net_conf
+            .bounds
             .iter()
-            .find(|ip| Family::of(**ip) == family)
-            .map(IpAddr::to_string)
-            .unwrap_or_default(),
-        bounds: range_bounds(net_conf, family),
-    })
+            .filter(|(subnet, _)| subnet.family() == family)
+            .cloned()
+            .collect(),
+    }
 }
 
-/// The host-local bounds of the configuration's `family` ranges that have
-/// them, as the wire carries them.
-fn range_bounds(net_conf: &NetConf, family: Family) -> Vec<ipam::RangeBounds> {
-    net_conf
-        .bounds
-        .iter()
-        .filter(|(subnet, _)| subnet.family() == family)
-        .map(|(subnet, bounds)| ipam::RangeBounds {
-            subnet: subnet.to_string(),
-            range_start: bounds.start.to_string(),
-            range_end: bounds.end.to_string(),
-            gateway: bounds.gateway.to_string(),
-        })
-        .collect()
+fn pod(cni_args: &CniArgs) -> Pod {
+    Pod {
+        namespace: cni_args.pod_namespace.clone(),
+        name: cni_args.pod_name.clone(),
+    }
 }
 
 /// Reads `ipam.resolvConf`, at most [`MAX_RESOLV_CONF_BYTES`], before
@@ -330,15 +332,13 @@ fn read_resolv_conf(path: &std::path::Path) -> Result<String, CniError> {
 fn del(
     backend: &mut dyn Backend,
     net_conf: &NetConf,
-    cni_env: &CniEnv,
+    owner: &Attachment,
     cni_args: &CniArgs,
 ) -> Result<(), CniError> {
-    let request = request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
+    let request = Command::Del(Del {
         network: net_conf.network.clone(),
-        interface_name: cni_env.ifname.clone(),
-        container_id: cni_env.container_id.clone(),
-        pod_name: cni_args.pod_name.clone(),
-        pod_namespace: cni_args.pod_namespace.clone(),
+        owner: owner.clone(),
+        pod: pod(cni_args),
     });
     send(backend, request).map(|_| ())
 }
@@ -346,21 +346,17 @@ fn del(
 fn check(
     backend: &mut dyn Backend,
     net_conf: &NetConf,
-    cni_env: &CniEnv,
-    cni_args: &CniArgs,
+    owner: &Attachment,
 ) -> Result<(), CniError> {
-    if !version::has_check(&net_conf.cni_version) {
+    if !net_conf.cni_version.has_check() {
         return Err(CniError::incompatible_version(format!(
             "config version {} does not allow CHECK",
-            net_conf.cni_version
+            net_conf.cni_version.as_str()
         )));
     }
-    let request = request::Kind::Check(ipam::CheckPodIpRequest {
+    let request = Command::Check(Check {
         network: net_conf.network.clone(),
-        interface_name: cni_env.ifname.clone(),
-        container_id: cni_env.container_id.clone(),
-        pod_name: cni_args.pod_name.clone(),
-        pod_namespace: cni_args.pod_namespace.clone(),
+        owner: owner.clone(),
     });
     let Some(response::Kind::Check(checked)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("check"));
@@ -396,20 +392,12 @@ fn check(
 fn status(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
     require_gc_and_status(net_conf, "STATUS")?;
     net_conf.require_ranges()?;
-    let request = Request {
-        kind: Some(request::Kind::NetworkStatus(
-            envelope::NetworkStatusRequest {
-                network: net_conf.network.clone(),
-                ipv4_ranges: net_conf.ipv4_ranges.iter().map(Cidr::to_string).collect(),
-                ipv6_ranges: net_conf.ipv6_ranges.iter().map(Cidr::to_string).collect(),
-                isolated: net_conf.isolated,
-                bounds: [Family::V4, Family::V6]
-                    .into_iter()
-                    .flat_map(|family| range_bounds(net_conf, family))
-                    .collect(),
-            },
-        )),
-    };
+    let request = Command::Status(StatusQuery {
+        network: net_conf.network.clone(),
+        isolated: net_conf.isolated,
+        ipv4: in_force(net_conf, Family::V4),
+        ipv6: in_force(net_conf, Family::V6),
+    });
     let unavailable = |err: CniError| CniError::plugin_not_available(err.to_string());
     let Some(response) = backend.call_read_only(request).map_err(unavailable)? else {
         return Ok(());
@@ -435,16 +423,13 @@ fn gc(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
         .valid_attachments
         .iter()
         .flatten()
-        .map(|a| envelope::Attachment {
-            container_id: a.container_id.clone(),
-            interface_name: a.ifname.clone(),
-        })
+        .map(|a| (a.container_id.clone(), a.ifname.clone()))
         .collect();
-    let request = request::Kind::Gc(envelope::GcRequest {
+    let request = Command::Gc(Gc {
         network: net_conf.network.clone(),
-        valid,
-        grace_period_ms: net_conf.gc_grace_period_ms,
         conf_name: net_conf.name.clone(),
+        valid,
+        grace_ms: net_conf.gc_grace_period_ms,
     });
     let Some(response::Kind::Gc(collected)) = send(backend, request)? else {
         return Err(CniError::unexpected_response("gc"));
@@ -463,22 +448,19 @@ fn gc(backend: &mut dyn Backend, net_conf: &NetConf) -> Result<(), CniError> {
 }
 
 fn require_gc_and_status(net_conf: &NetConf, verb: &str) -> Result<(), CniError> {
-    if version::has_gc_and_status(&net_conf.cni_version) {
+    if net_conf.cni_version.has_gc_and_status() {
         return Ok(());
     }
     Err(CniError::incompatible_version(format!(
         "config version {} does not allow {verb}",
-        net_conf.cni_version
+        net_conf.cni_version.as_str()
     )))
 }
 
 /// Sends a request; the payload of an OK answer, else the CNI error its
 /// status maps to.
-fn send(
-    backend: &mut dyn Backend,
-    kind: request::Kind,
-) -> Result<Option<response::Kind>, CniError> {
-    let response = backend.call(Request { kind: Some(kind) })?;
+fn send(backend: &mut dyn Backend, command: Command) -> Result<Option<response::Kind>, CniError> {
+    let response = backend.call(command)?;
     client::accepted(response, |refused| {
         CniError::from_status(refused.status.as_ref())
     })
@@ -499,8 +481,10 @@ fn allocated_ip(pod_ip: &ipam::PodIp) -> Result<AllocatedIp, CniError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::decode::to_wire;
     use crate::testutil::TempDir;
-    use crate::wire::{Code, Response, reason};
+    use crate::wire::envelope::v1 as envelope;
+    use crate::wire::{Code, Request, Response, reason, request};
     use serde_json::json;
 
     /// Answers from a script and keeps what the plugin sent.
@@ -510,13 +494,14 @@ mod tests {
     }
 
     impl Backend for Fake<'_> {
-        fn call(&mut self, request: Request) -> Result<Response, CniError> {
-            self.sent.push(request);
+        /// Keeps what the daemon would have received.
+        fn call(&mut self, command: Command) -> Result<Response, CniError> {
+            self.sent.push(to_wire(&command));
             self.replies.remove(0)
         }
 
-        fn call_read_only(&mut self, request: Request) -> Result<Option<Response>, CniError> {
-            self.call(request).map(Some)
+        fn call_read_only(&mut self, command: Command) -> Result<Option<Response>, CniError> {
+            self.call(command).map(Some)
         }
     }
 

@@ -6,6 +6,7 @@
 use super::conf::{NetConf, Route};
 use super::dns::Dns;
 use super::error::pretty_json;
+use super::version::CniVersion;
 use crate::cidr::{Cidr, Family, gateway_for};
 use serde::Serialize;
 use std::net::IpAddr;
@@ -22,8 +23,7 @@ pub struct AllocatedIp {
 /// newline). Delegated IPAM returns the spec's abbreviated result (no
 /// `interfaces`, no `ips[].interface`); as the top-level plugin Metis
 /// reports `CNI_IFNAME` in `CNI_NETNS` as interface 0, only when there is at
-/// least one address (upstream behaviour). `conf.cni_version` was checked by
-/// `conf::parse`; an unknown one would get the 1.x shape.
+/// least one address (upstream behaviour).
 pub fn success(
     conf: &NetConf,
     netns: &str,
@@ -33,12 +33,14 @@ pub fn success(
 ) -> String {
     let ips = v4_first(ips);
     let routes = result_routes(conf, &ips);
-    match conf.cni_version.as_str() {
-        "0.1.0" | "0.2.0" => pretty_json(&legacy(conf, &ips, &routes, dns)),
-        "0.3.0" | "0.3.1" | "0.4.0" => {
+    match conf.cni_version {
+        CniVersion::V0_1_0 | CniVersion::V0_2_0 => pretty_json(&legacy(conf, &ips, &routes, dns)),
+        CniVersion::V0_3_0 | CniVersion::V0_3_1 | CniVersion::V0_4_0 => {
             pretty_json(&current(conf, netns, ifname, &ips, routes, dns, true))
         }
-        _ => pretty_json(&current(conf, netns, ifname, &ips, routes, dns, false)),
+        CniVersion::V1_0_0 | CniVersion::V1_1_0 => {
+            pretty_json(&current(conf, netns, ifname, &ips, routes, dns, false))
+        }
     }
 }
 
@@ -141,7 +143,7 @@ fn current<'a>(
         })
         .collect();
     ResultOut {
-        cni_version: &conf.cni_version,
+        cni_version: conf.cni_version.as_str(),
         interfaces,
         ips,
         routes,
@@ -157,7 +159,7 @@ fn address_with_prefix(ip: &AllocatedIp) -> String {
 /// gateway of the first address of the route's family (none if that family
 /// was not allocated). 1.1.0-only fields are dropped for older versions.
 fn result_routes(conf: &NetConf, ips: &[AllocatedIp]) -> Vec<RouteOut> {
-    let has_v11_fields = conf.cni_version == "1.1.0";
+    let has_v11_fields = conf.cni_version >= CniVersion::V1_1_0;
     conf.routes
         .iter()
         .map(|route| route_out(conf, route, ips, has_v11_fields))
@@ -226,7 +228,7 @@ fn legacy<'a>(
             })
     };
     LegacyOut {
-        cni_version: &conf.cni_version,
+        cni_version: conf.cni_version.as_str(),
         ip4: per_family(Family::V4),
         ip6: per_family(Family::V6),
         dns,

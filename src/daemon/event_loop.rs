@@ -518,10 +518,15 @@ impl Batch<'_> {
         self.handled += 1;
         let started = Instant::now();
         let method = request.method();
-        let outcome = self.engine.handle_in_batch(&request, log::now_ms());
-        let outcome = match self.adaptive.as_deref_mut() {
-            None => Some(outcome),
-            Some(adaptive) => adaptive.intercept(conn_id, request, outcome, self.now),
+        let outcome = match crate::decode::decode(request) {
+            Err(failure) => Some(Outcome::from(failure)),
+            Ok(command) => {
+                let outcome = self.engine.handle_in_batch(&command, log::now_ms());
+                match self.adaptive.as_deref_mut() {
+                    None => Some(outcome),
+                    Some(adaptive) => adaptive.intercept(conn_id, command, outcome, self.now),
+                }
+            }
         };
         match outcome {
             Some(outcome) => {

@@ -6,8 +6,8 @@
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
+use crate::engine::request::Command;
 use crate::engine::{Engine, Outcome};
-use crate::wire::Request;
 
 /// A parked request's outcome for its connection.
 pub type Delivery = (u64, Outcome);
@@ -27,7 +27,7 @@ impl Adaptive {
     pub fn intercept(
         &mut self,
         _conn_id: u64,
-        _request: Request,
+        _command: Command,
         _outcome: Outcome,
         _now: Instant,
     ) -> Option<Outcome> {

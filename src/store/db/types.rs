@@ -180,7 +180,7 @@ pub struct Table {
 }
 
 /// Typed filter on blocks; every field set must match.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockFilter {
     pub network: Option<String>,
     pub state: Option<BlockState>,
@@ -188,7 +188,7 @@ pub struct BlockFilter {
 }
 
 /// Typed filter on addresses; network/state/family apply to the owning block.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddressFilter {
     pub network: Option<String>,
     pub state: Option<BlockState>,

@@ -7,45 +7,46 @@ use std::sync::{Arc, Mutex};
 use rusqlite::trace::{TraceEvent, TraceEventCodes};
 
 use crate::cni::conf;
-use crate::cni::plugin::ip_config;
+use crate::cni::plugin::family_add;
+use crate::engine::request::{Add, Command, Del, Pod};
 use crate::engine::{Engine, Outcome};
-use crate::wire::envelope::v1::{Request, request};
-use crate::wire::ipam;
+use crate::names::Attachment;
 
 use super::*;
 
 const CONF: &str = r#"{"cniVersion":"1.0.0","name":"bench","type":"metis","ipam":{"type":"metis","ranges":[[{"subnet":"198.18.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}"#;
 
-fn add(container: &str) -> Request {
-    let net_conf = conf::parse(CONF.as_bytes()).unwrap();
-    Request {
-        kind: Some(request::Kind::Allocate(ipam::AllocatePodIpRequest {
-            network: net_conf.network.clone(),
-            ipv4_config: ip_config(&net_conf, Family::V4, container, "eth0", &[]),
-            ipv6_config: None,
-            pod_name: "p".into(),
-            pod_namespace: "ns".into(),
-            isolated: false,
-            conf_name: "bench".into(),
-        })),
+fn pod() -> Pod {
+    Pod {
+        namespace: "ns".into(),
+        name: "p".into(),
     }
 }
 
-fn del(container: &str) -> Request {
-    Request {
-        kind: Some(request::Kind::Deallocate(ipam::DeallocatePodIpRequest {
-            network: "bench".into(),
-            interface_name: "eth0".into(),
-            container_id: container.into(),
-            pod_name: "p".into(),
-            pod_namespace: "ns".into(),
-        })),
-    }
+fn add(container: &str) -> Command {
+    let net_conf = conf::parse(CONF.as_bytes()).unwrap();
+    let owner = Attachment::new(container, "eth0").unwrap();
+    Command::Add(Box::new(Add {
+        network: net_conf.network.clone(),
+        pod: pod(),
+        ipv4: family_add(&net_conf, Family::V4, &owner, &[]),
+        ipv6: None,
+        isolated: false,
+        conf_name: "bench".into(),
+    }))
+}
+
+fn del(container: &str) -> Command {
+    Command::Del(Del {
+        network: "bench".into(),
+        owner: Attachment::new(container, "eth0").unwrap(),
+        pod: pod(),
+    })
 }
 
 /// The statements (SQL, VDBE steps) `request` runs, served as the
 /// daemon serves it: in a batch, then committed.
-fn traced(engine: &mut Engine, request: &Request) -> Vec<(String, i32)> {
+fn traced(engine: &mut Engine, request: &Command) -> Vec<(String, i32)> {
     let seen: Arc<Mutex<Vec<(String, i32)>>> = Arc::default();
     let sink = Arc::clone(&seen);
     engine

@@ -3,23 +3,22 @@
 //! in-process in direct mode, so both paths share every rule. Outcomes are
 //! domain values; `crate::encode` turns them into wire responses at the
 //! edge, so the adaptive side can amend them without parsing text.
+//! Requests come in typed ([`request::Command`]); `crate::decode` reads
+//! them off the wire.
+
+pub mod request;
 
 use std::collections::HashSet;
-use std::net::IpAddr;
 
-use crate::cidr::{Bounds, Cidr, Family};
-use crate::defaults::DEFAULT_NETWORK;
-use crate::names;
+use crate::cidr::Family;
+use crate::names::{self, Attachment};
 use crate::store::Usage;
 use crate::store::{
-    AddressFilter, Allocation, BlockFilter, BlockState, InForce, Owner, Source, Store, StoreError,
-    Table, TakenBack,
+    AddressFilter, Allocation, BlockFilter, InForce, Owner, Source, Store, StoreError, Table,
+    TakenBack,
 };
-use crate::wire::admin::v1 as admin;
-use crate::wire::envelope::v1 as envelope;
-use crate::wire::envelope::v1::UsageRequest;
-use crate::wire::ipam;
-use crate::wire::{Code, Request, reason, request};
+use crate::wire::{Code, reason};
+use request::{Add, Check, Command, Del, FamilyAdd, Gc, StatusQuery, UsageQuery};
 
 /// A request-level failure: what the client is told.
 #[derive(Debug, PartialEq, Eq)]
@@ -47,7 +46,8 @@ impl std::fmt::Display for Failure {
 }
 
 impl Failure {
-    fn invalid(message: impl Into<String>) -> Failure {
+    /// A request that is malformed, whatever the store holds.
+    pub fn invalid(message: impl Into<String>) -> Failure {
         Failure {
             code: Code::InvalidArgument,
             reason: reason::INVALID_REQUEST,
@@ -213,31 +213,20 @@ impl Engine {
 
     /// Handles one request at time `now_ms`. Never panics on input: every
     /// failure becomes an error status.
-    pub fn handle(&mut self, request: &Request, now_ms: i64) -> Outcome {
+    pub fn handle(&mut self, command: &Command, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.ensure_file_unchanged() {
             return Failure::from_store("database", &err).into();
         }
-        let result = match &request.kind {
-            Some(request::Kind::Allocate(req)) => self.allocate(req, now_ms).map(Reply::Allocated),
-            Some(request::Kind::Deallocate(req)) => {
-                self.deallocate(req, now_ms).map(Reply::Released)
-            }
-            Some(request::Kind::Check(req)) => self.check(req).map(Reply::Held),
-            Some(request::Kind::ListCidrBlocks(req)) => self.list_blocks(req).map(Reply::Table),
-            Some(request::Kind::ListIpAddresses(req)) => self.list_addresses(req).map(Reply::Table),
-            Some(request::Kind::Health(_)) => self.health().map(Reply::Health),
-            Some(request::Kind::Usage(req)) => self.usage(req, now_ms).map(Reply::Usage),
-            Some(request::Kind::Gc(req)) => self.gc(req, now_ms).map(Reply::Collected),
-            Some(request::Kind::NetworkStatus(req)) => {
-                self.network_status(req, now_ms).map(Reply::Readiness)
-            }
-            None => Err(Failure {
-                code: Code::Unimplemented,
-                reason: reason::UNKNOWN_REQUEST,
-                message: "request carries no known message".to_string(),
-                scope: None,
-                busy: false,
-            }),
+        let result = match command {
+            Command::Add(add) => self.allocate(add, now_ms).map(Reply::Allocated),
+            Command::Del(del) => self.deallocate(del, now_ms).map(Reply::Released),
+            Command::Check(check) => self.check(check).map(Reply::Held),
+            Command::ListBlocks(filter) => self.list_blocks(filter).map(Reply::Table),
+            Command::ListAddresses(filter) => self.list_addresses(filter).map(Reply::Table),
+            Command::Health => self.health().map(Reply::Health),
+            Command::Usage(query) => self.usage(query, now_ms).map(Reply::Usage),
+            Command::Gc(gc) => self.gc(gc, now_ms).map(Reply::Collected),
+            Command::Status(query) => self.network_status(query, now_ms).map(Reply::Readiness),
         };
         match result {
             Ok(reply) => Outcome::Done(reply),
@@ -249,17 +238,17 @@ impl Engine {
     /// the batch's transaction, kept only when the request succeeded, so a
     /// failed request leaves nothing and never undoes another. Nothing is
     /// durable, so nothing may be answered, before [`Engine::commit_batch`].
-    pub fn handle_in_batch(&mut self, request: &Request, now_ms: i64) -> Outcome {
+    pub fn handle_in_batch(&mut self, command: &Command, now_ms: i64) -> Outcome {
         // Reads take no write lock, as alone: a health probe never waits
         // for another process's writer. In an open batch they see its
         // writes, which is why their answers wait for the commit too.
-        if !request.writes() {
-            return self.handle(request, now_ms);
+        if !command.writes() {
+            return self.handle(command, now_ms);
         }
         if let Err(err) = self.store.begin_request() {
             return Failure::from_store("database", &err).into();
         }
-        let outcome = self.handle(request, now_ms);
+        let outcome = self.handle(command, now_ms);
         let succeeded = matches!(outcome, Outcome::Done(_));
         match self.store.end_request(succeeded) {
             Ok(()) => outcome,
@@ -274,8 +263,8 @@ impl Engine {
     /// bounds, the address — is made under one `BEGIN IMMEDIATE` lock on
     /// what is true then, and a failed request leaves nothing, exactly as
     /// in the daemon's group commit. Never called with a batch open.
-    pub fn handle_alone(&mut self, request: &Request, now_ms: i64) -> Outcome {
-        let outcome = self.handle_in_batch(request, now_ms);
+    pub fn handle_alone(&mut self, command: &Command, now_ms: i64) -> Outcome {
+        let outcome = self.handle_in_batch(command, now_ms);
         match self.commit_batch() {
             None => outcome,
             Some(failure) => failure.into(),
@@ -311,48 +300,35 @@ impl Engine {
     /// mode alike. The earlier families are also released here when a
     /// later one fails: a co-written host-local file is not in the
     /// database, and that release is what removes it.
-    pub fn allocate(
-        &mut self,
-        req: &ipam::AllocatePodIpRequest,
-        now_ms: i64,
-    ) -> Result<Allocated, Failure> {
-        let network = network_or_default(&req.network)?;
-        let configs = [
-            (Family::V4, req.ipv4_config.as_ref()),
-            (Family::V6, req.ipv6_config.as_ref()),
-        ];
-        if configs.iter().all(|(_, config)| config.is_none()) {
-            return Err(Failure::invalid(
-                "both ipv4_config and ipv6_config are missing",
-            ));
-        }
-        require_pod_fields(&req.pod_namespace, &req.pod_name)?;
+    pub fn allocate(&mut self, add: &Add, now_ms: i64) -> Result<Allocated, Failure> {
+        let network = add.network.as_str();
+        let parts = add.families();
         let mut reply = Allocated::default();
         // Families this request newly took: only those are undone when a
         // later family fails. What the owner held before (a repeated ADD)
         // stays untouched, whatever this request's outcome.
-        let mut taken: Vec<(Family, &ipam::IpConfig)> = Vec::new();
-        for (at, (family, config)) in configs.iter().enumerate() {
-            let (family, Some(config)) = (*family, *config) else {
+        let mut taken: Vec<(Family, &Attachment)> = Vec::new();
+        for (at, (family, part)) in parts.iter().enumerate() {
+            let (family, Some(part)) = (*family, *part) else {
                 continue;
             };
             // Only a later family's failure undoes this one: without one,
             // the lookup is not needed (the store makes its own).
-            let later = configs[at + 1..].iter().any(|(_, later)| later.is_some());
-            let held_before = later && self.holds(network, family, config)?;
-            match self.allocate_family(network, family, config, req, now_ms) {
+            let later = parts[at + 1..].iter().any(|(_, later)| later.is_some());
+            let held_before = later && self.holds(network, family, &part.owner)?;
+            match self.allocate_family(add, family, part, now_ms) {
                 Ok(allocation) => {
                     match family {
                         Family::V4 => reply.ipv4 = Some(allocation),
                         Family::V6 => reply.ipv6 = Some(allocation),
                     }
                     if !held_before {
-                        taken.push((family, config));
+                        taken.push((family, &part.owner));
                     }
                 }
                 Err(failure) => {
-                    for (family, config) in taken {
-                        self.roll_back(network, family, config);
+                    for (family, owner) in taken {
+                        self.roll_back(network, family, owner);
                     }
                     return Err(failure);
                 }
@@ -361,25 +337,17 @@ impl Engine {
         // The conflist that served the network last: its GC covers the
         // network after a rename of `ipam.network`.
         self.store
-            .note_served_by(network, &req.conf_name)
+            .note_served_by(network, &add.conf_name)
             .map_err(|err| Failure::from_store(&format!("network {network:?}"), &err))?;
         Ok(reply)
     }
 
-    /// Whether the owner named by `config` already holds a `family` address
-    /// in `network` (one indexed read).
-    fn holds(
-        &self,
-        network: &str,
-        family: Family,
-        config: &ipam::IpConfig,
-    ) -> Result<bool, Failure> {
-        if config.container_id.is_empty() || config.interface_name.is_empty() {
-            return Ok(false);
-        }
+    /// Whether `owner` already holds a `family` address in `network` (one
+    /// indexed read).
+    fn holds(&self, network: &str, family: Family, owner: &Attachment) -> Result<bool, Failure> {
         let held = self
             .store
-            .check(network, &config.container_id, &config.interface_name)
+            .check(network, owner.container_id(), owner.interface())
             .map_err(|err| Failure::from_store("allocation lookup failed", &err))?;
         Ok(held
             .iter()
@@ -388,38 +356,26 @@ impl Engine {
 
     fn allocate_family(
         &mut self,
-        network: &str,
+        add: &Add,
         family: Family,
-        config: &ipam::IpConfig,
-        req: &ipam::AllocatePodIpRequest,
+        part: &FamilyAdd,
         now_ms: i64,
     ) -> Result<Allocation, Failure> {
-        require_owner(&config.container_id, &config.interface_name)?;
-        let in_force = self.ensure_initial_blocks(network, family, config, req.isolated, now_ms)?;
-        let in_force = in_force.as_ref();
+        let network = add.network.as_str();
+        let in_force =
+            self.ensure_initial_blocks(network, family, &part.ranges, add.isolated, now_ms)?;
         let owner = Owner {
             network,
-            container_id: &config.container_id,
-            interface_name: &config.interface_name,
-            pod_name: &req.pod_name,
-            pod_namespace: &req.pod_namespace,
+            container_id: part.owner.container_id(),
+            interface_name: part.owner.interface(),
+            pod_name: &add.pod.name,
+            pod_namespace: &add.pod.namespace,
         };
         let context = format!(
             "failed to allocate {family} for {}",
-            names::describe_owner(&req.pod_namespace, &req.pod_name, &config.container_id)
+            names::describe_owner(&add.pod.namespace, &add.pod.name, part.owner.container_id())
         );
-        if !config.requested_ip.is_empty() {
-            let address: IpAddr = config.requested_ip.parse().map_err(|_| {
-                Failure::invalid(format!(
-                    "requested_ip {:?} is not an IP address",
-                    config.requested_ip
-                ))
-            })?;
-            if Family::of(address) != family {
-                return Err(Failure::invalid(format!(
-                    "requested_ip {address} is not an {family} address"
-                )));
-            }
+        if let Some(address) = part.requested {
             return self
                 .store
                 .allocate_requested_under(&owner, address, in_force, now_ms)
@@ -453,44 +409,37 @@ impl Engine {
     /// (reads only when nothing changed: this runs on every ADD). Returns
     /// the configuration in force that every address handed out for the
     /// request is checked against (`None`: the request names no ranges).
-    fn ensure_initial_blocks(
+    fn ensure_initial_blocks<'a>(
         &mut self,
         network: &str,
         family: Family,
-        config: &ipam::IpConfig,
+        ranges: &'a InForce,
         isolated: bool,
         now_ms: i64,
-    ) -> Result<Option<InForce>, Failure> {
-        let ranges = std::iter::once(&config.initial_pod_cidr)
-            .filter(|cidr| !cidr.is_empty())
-            .chain(config.additional_pod_cidrs.iter())
-            .map(|text| {
-                let cidr: Cidr = text
-                    .parse()
-                    .map_err(|err| Failure::invalid(format!("initial pod CIDR: {err}")))?;
-                if cidr.family() != family {
-                    return Err(Failure::invalid(format!(
-                        "initial pod CIDR {cidr} is not an {family} block"
-                    )));
-                }
-                Ok(cidr)
-            })
-            .collect::<Result<Vec<Cidr>, Failure>>()?;
-        if ranges.is_empty() {
+    ) -> Result<Option<&'a InForce>, Failure> {
+        if ranges.ranges.is_empty() {
             return Ok(None);
         }
+        let failed =
+            |err: StoreError| Failure::from_store(&format!("ranges of network {network:?}"), &err);
         let changes = self
             .store
-            .configure(Source::Cni, network, family, &ranges, isolated, now_ms)
-            .map_err(|err| Failure::from_store(&format!("ranges of network {network:?}"), &err))?;
+            .configure(
+                Source::Cni,
+                network,
+                family,
+                &ranges.ranges,
+                isolated,
+                now_ms,
+            )
+            .map_err(failed)?;
         for line in &changes.lines {
             crate::log::info("engine", line, &[("network", &network)]);
         }
-        let bounds = range_bounds(family, &ranges, &config.bounds)?;
         let rebounded = self
             .store
-            .set_bounds(network, family, &bounds)
-            .map_err(|err| Failure::from_store(&format!("ranges of network {network:?}"), &err))?;
+            .set_bounds(network, family, &ranges.bounds)
+            .map_err(failed)?;
         for cidr in &rebounded {
             crate::log::info(
                 "engine",
@@ -498,46 +447,43 @@ impl Engine {
                 &[("network", &network), ("cidr", cidr)],
             );
         }
-        Ok(Some(InForce { ranges, bounds }))
+        Ok(Some(ranges))
     }
 
     /// Undoes what this request took of `family`. No cooldown: the address
     /// never reached a pod.
-    fn roll_back(&mut self, network: &str, family: Family, config: &ipam::IpConfig) {
-        if let Err(err) = self.store.roll_back(
-            network,
-            &config.container_id,
-            &config.interface_name,
-            family,
-        ) {
+    fn roll_back(&mut self, network: &str, family: Family, owner: &Attachment) {
+        if let Err(err) =
+            self.store
+                .roll_back(network, owner.container_id(), owner.interface(), family)
+        {
             crate::log::error(
                 "engine",
                 "failed to roll back a partial allocation",
                 &[
                     ("network", &network),
-                    ("container_id", &config.container_id),
+                    ("container_id", &owner.container_id()),
                     ("error", &err),
                 ],
             );
         }
     }
 
-    pub fn deallocate(
-        &mut self,
-        req: &ipam::DeallocatePodIpRequest,
-        now_ms: i64,
-    ) -> Result<Vec<Allocation>, Failure> {
-        let network = network_or_default(&req.network)?;
-        require_owner(&req.container_id, &req.interface_name)?;
-        require_pod_fields(&req.pod_namespace, &req.pod_name)?;
+    pub fn deallocate(&mut self, del: &Del, now_ms: i64) -> Result<Vec<Allocation>, Failure> {
+        let network = del.network.as_str();
+        let owner = &del.owner;
         let released = self
             .store
-            .release(network, &req.container_id, &req.interface_name, now_ms)
+            .release(network, owner.container_id(), owner.interface(), now_ms)
             .map_err(|err| {
                 Failure::from_store(
                     &format!(
                         "failed to deallocate ips for {}",
-                        names::describe_owner(&req.pod_namespace, &req.pod_name, &req.container_id)
+                        names::describe_owner(
+                            &del.pod.namespace,
+                            &del.pod.name,
+                            owner.container_id()
+                        )
                     ),
                     &err,
                 )
@@ -549,20 +495,19 @@ impl Engine {
                 &[
                     ("network", &network),
                     ("held_in", held_in),
-                    ("container_id", &req.container_id),
-                    ("interface_name", &req.interface_name),
+                    ("container_id", &owner.container_id()),
+                    ("interface_name", &owner.interface()),
                 ],
             );
         }
         Ok(released.addresses)
     }
 
-    pub fn check(&self, req: &ipam::CheckPodIpRequest) -> Result<Vec<Allocation>, Failure> {
-        let network = network_or_default(&req.network)?;
-        require_owner(&req.container_id, &req.interface_name)?;
+    pub fn check(&self, check: &Check) -> Result<Vec<Allocation>, Failure> {
+        let (network, owner) = (&check.network, &check.owner);
         let allocated = self
             .store
-            .check(network, &req.container_id, &req.interface_name)
+            .check(network, owner.container_id(), owner.interface())
             .map_err(|err| Failure::from_store("allocation check failed", &err))?;
         if allocated.is_empty() {
             return Err(Failure {
@@ -570,7 +515,8 @@ impl Engine {
                 reason: reason::ALLOCATION_NOT_FOUND,
                 message: format!(
                     "no active allocation found for container {} interface {} on network {network}",
-                    req.container_id, req.interface_name
+                    owner.container_id(),
+                    owner.interface()
                 ),
                 scope: None,
                 busy: false,
@@ -581,30 +527,20 @@ impl Engine {
 
     /// CNI GC: releases the network's allocations whose owners the runtime
     /// no longer lists, sparing those younger than the grace period.
-    pub fn gc(
-        &mut self,
-        req: &envelope::GcRequest,
-        now_ms: i64,
-    ) -> Result<Vec<Allocation>, Failure> {
-        let network = network_or_default(&req.network)?;
-        if req.grace_period_ms < 0 {
-            return Err(Failure::invalid(format!(
-                "grace_period_ms {} is negative",
-                req.grace_period_ms
-            )));
-        }
-        let valid: HashSet<(&str, &str)> = req
+    pub fn gc(&mut self, gc: &Gc, now_ms: i64) -> Result<Vec<Allocation>, Failure> {
+        let network = gc.network.as_str();
+        let valid: HashSet<(&str, &str)> = gc
             .valid
             .iter()
-            .map(|a| (a.container_id.as_str(), a.interface_name.as_str()))
+            .map(|(container_id, interface)| (container_id.as_str(), interface.as_str()))
             .collect();
         let released = self
             .store
             .gc(
                 network,
-                &req.conf_name,
+                &gc.conf_name,
                 &valid,
-                now_ms.saturating_sub(req.grace_period_ms),
+                now_ms.saturating_sub(gc.grace_ms),
                 now_ms,
             )
             .map_err(|err| Failure::from_store(&format!("GC of network {network:?}"), &err))?;
@@ -632,29 +568,23 @@ impl Engine {
 
     /// CNI STATUS: whether an ADD with these ranges could be served now.
     /// Reads only, so it is cheap enough for a 5-second poll.
-    pub fn network_status(
-        &self,
-        req: &envelope::NetworkStatusRequest,
-        now_ms: i64,
-    ) -> Result<Readiness, Failure> {
-        let network = network_or_default(&req.network)?;
-        for (family, texts) in [
-            (Family::V4, &req.ipv4_ranges),
-            (Family::V6, &req.ipv6_ranges),
-        ] {
-            if texts.is_empty() {
+    pub fn network_status(&self, query: &StatusQuery, now_ms: i64) -> Result<Readiness, Failure> {
+        let network = query.network.as_str();
+        for (family, in_force) in [(Family::V4, &query.ipv4), (Family::V6, &query.ipv6)] {
+            if in_force.ranges.is_empty() {
                 continue;
             }
-            let ranges = texts
-                .iter()
-                .map(|text| text.parse::<Cidr>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|err| Failure::invalid(format!("range: {err}")))?;
-            let bounds = range_bounds(family, &ranges, &req.bounds)?;
             let context = format!("status of network {network:?}");
             let room = self
                 .store
-                .can_allocate(network, family, &ranges, &bounds, req.isolated, now_ms)
+                .can_allocate(
+                    network,
+                    family,
+                    &in_force.ranges,
+                    &in_force.bounds,
+                    query.isolated,
+                    now_ms,
+                )
                 .map_err(|err| Failure::from_store(&context, &err))?;
             if let Err(blocked) = room {
                 return Ok(Readiness::Full {
@@ -668,43 +598,33 @@ impl Engine {
         Ok(Readiness::Ready)
     }
 
-    fn list_blocks(&self, req: &admin::ListCidrBlocksRequest) -> Result<Table, Failure> {
-        refuse_sql_filter(&req.filter)?;
-        let filter = BlockFilter {
-            network: non_empty(&req.network),
-            state: parse_state(&req.state)?,
-            family: parse_family(&req.ip_family)?,
-        };
+    fn list_blocks(&self, filter: &BlockFilter) -> Result<Table, Failure> {
         self.store
-            .list_blocks(&filter)
+            .list_blocks(filter)
             .map_err(|err| Failure::from_store("failed to list CIDR blocks", &err))
     }
 
-    fn list_addresses(&self, req: &admin::ListIpAddressesRequest) -> Result<Table, Failure> {
-        refuse_sql_filter(&req.filter)?;
-        let filter = AddressFilter {
-            network: non_empty(&req.network),
-            state: parse_state(&req.state)?,
-            family: parse_family(&req.ip_family)?,
-            container_id: non_empty(&req.container_id),
-            allocated: req.allocated,
-        };
+    fn list_addresses(&self, filter: &AddressFilter) -> Result<Table, Failure> {
         self.store
-            .list_addresses(&filter)
+            .list_addresses(filter)
             .map_err(|err| Failure::from_store("failed to list IP addresses", &err))
     }
 
     /// Usage of every network (or the one asked for) and family that has
     /// non-Deleting blocks.
-    fn usage(&self, req: &UsageRequest, now_ms: i64) -> Result<Vec<NetworkUsage>, Failure> {
-        let families = match parse_family(&req.ip_family)? {
+    fn usage(&self, query: &UsageQuery, now_ms: i64) -> Result<Vec<NetworkUsage>, Failure> {
+        let families = match query.family {
             Some(family) => vec![family],
             None => vec![Family::V4, Family::V6],
         };
         let failed = |err: StoreError| Failure::from_store("failed to compute usage", &err);
         let mut usage = Vec::new();
         for network in self.store.networks().map_err(failed)? {
-            if !req.network.is_empty() && req.network != network {
+            if query
+                .network
+                .as_ref()
+                .is_some_and(|wanted| *wanted != network)
+            {
                 continue;
             }
             for &family in &families {
@@ -722,182 +642,70 @@ impl Engine {
     }
 }
 
-/// The request's network, or the default; refused unless it meets the
-/// bounds the plugin applies to `name` and `ipam.network` ([`names`]).
-fn network_or_default(network: &str) -> Result<&str, Failure> {
-    if network.is_empty() {
-        return Ok(DEFAULT_NETWORK);
-    }
-    names::network(network).map_err(|err| Failure::invalid(format!("invalid network {err}")))?;
-    Ok(network)
-}
-
-/// The plugin's edge bounds ([`names`]), applied again here: a client that
-/// bypasses the plugin must not store an owner no DEL could name.
-fn require_owner(container_id: &str, interface_name: &str) -> Result<(), Failure> {
-    names::container_id(container_id)
-        .map_err(|err| Failure::invalid(format!("invalid container_id {err}")))?;
-    names::interface(interface_name)
-        .map_err(|err| Failure::invalid(format!("invalid interface_name {err}")))
-}
-
-/// Pod name and namespace only label rows and messages; bounded all the same.
-fn require_pod_fields(namespace: &str, pod: &str) -> Result<(), Failure> {
-    for (field, value) in [("pod_namespace", namespace), ("pod_name", pod)] {
-        names::pod_field(value)
-            .map_err(|err| Failure::invalid(format!("invalid {field} {err}")))?;
-    }
-    Ok(())
-}
-
-/// Upstream's admin requests carried a raw SQL WHERE clause. Metis never
-/// runs caller text as SQL; answering with the unfiltered table would look
-/// like an answer to the question asked, so the request is refused.
-fn refuse_sql_filter(filter: &str) -> Result<(), Failure> {
-    if filter.is_empty() {
-        return Ok(());
-    }
-    Err(Failure::invalid(
-        "the raw SQL `filter` of upstream's admin API is not supported; \
-         use the typed fields network, state, ip_family, container_id and allocated",
-    ))
-}
-
-fn non_empty(text: &str) -> Option<String> {
-    (!text.is_empty()).then(|| text.to_string())
-}
-
-fn parse_state(text: &str) -> Result<Option<BlockState>, Failure> {
-    if text.is_empty() {
-        return Ok(None);
-    }
-    BlockState::parse(text).map(Some).ok_or_else(|| {
-        Failure::invalid(format!(
-            "unknown block state {text:?} (Ready, Draining, Deleting or Withheld)"
-        ))
-    })
-}
-
-fn parse_family(text: &str) -> Result<Option<Family>, Failure> {
-    if text.is_empty() {
-        return Ok(None);
-    }
-    Family::parse(text)
-        .map(Some)
-        .ok_or_else(|| Failure::invalid(format!("unknown IP family {text:?} (ipv4 or ipv6)")))
-}
-
-/// The request's host-local bounds, each checked as the plugin checks it
-/// (the wire is not trusted): of a range of the request, canonical.
-fn range_bounds(
-    family: Family,
-    ranges: &[Cidr],
-    wire: &[ipam::RangeBounds],
-) -> Result<Vec<(Cidr, Bounds)>, Failure> {
-    wire.iter()
-        .map(|entry| {
-            let cidr: Cidr = entry
-                .subnet
-                .parse()
-                .map_err(|err| Failure::invalid(format!("range bounds: {err}")))?;
-            if cidr.family() != family || !ranges.contains(&cidr) {
-                return Err(Failure::invalid(format!(
-                    "range bounds of {cidr}: not an {family} range of the request"
-                )));
-            }
-            let ip = |text: &str| -> Result<IpAddr, Failure> {
-                text.parse().map_err(|_| {
-                    Failure::invalid(format!(
-                        "range bounds of {cidr}: {text:?} is not an address"
-                    ))
-                })
-            };
-            let bounds = Bounds::new(
-                &cidr,
-                Some(ip(&entry.range_start)?),
-                Some(ip(&entry.range_end)?),
-                Some(ip(&entry.gateway)?),
-            )
-            .map_err(|err| Failure::invalid(format!("range bounds of {cidr}: {err}")))?;
-            Ok((cidr, bounds))
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cidr::{Bounds, Cidr};
+    use crate::engine::request::Pod;
     use crate::testutil::TempDir;
 
-    fn config(container: &str, cidr: &str) -> Option<ipam::IpConfig> {
-        Some(ipam::IpConfig {
-            interface_name: "eth0".into(),
-            container_id: container.into(),
-            initial_pod_cidr: cidr.into(),
-            ..Default::default()
+    fn owner(container: &str) -> Attachment {
+        Attachment::new(container, "eth0").unwrap()
+    }
+
+    fn part(container: &str, cidr: &str) -> Option<FamilyAdd> {
+        (!cidr.is_empty()).then(|| FamilyAdd {
+            owner: owner(container),
+            ranges: InForce {
+                ranges: vec![cidr.parse().unwrap()],
+                bounds: Vec::new(),
+            },
+            requested: None,
         })
     }
 
-    fn request(container: &str, v4: &str, v6: &str) -> ipam::AllocatePodIpRequest {
-        ipam::AllocatePodIpRequest {
+    fn request(container: &str, v4: &str, v6: &str) -> Add {
+        Add {
             network: "net".into(),
-            ipv4_config: (!v4.is_empty()).then(|| config(container, v4)).flatten(),
-            ipv6_config: (!v6.is_empty()).then(|| config(container, v6)).flatten(),
-            pod_name: "p".into(),
-            pod_namespace: "ns".into(),
+            pod: Pod {
+                namespace: "ns".into(),
+                name: "p".into(),
+            },
+            ipv4: part(container, v4),
+            ipv6: part(container, v6),
             isolated: false,
             conf_name: String::new(),
         }
     }
 
+    fn asking(container: &str, v4: &str, v6: &str, address: &str) -> Add {
+        let mut wanted = request(container, v4, v6);
+        let address: std::net::IpAddr = address.parse().unwrap();
+        let part = match Family::of(address) {
+            Family::V4 => wanted.ipv4.as_mut(),
+            Family::V6 => wanted.ipv6.as_mut(),
+        };
+        part.unwrap().requested = Some(address);
+        wanted
+    }
+
     #[test]
-    fn bounds_from_the_wire_are_checked_and_applied() {
+    fn bounds_of_a_range_are_applied() {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
-        let bounded = |container: &str, subnet: &str, start: &str, end: &str, gateway: &str| {
-            let mut wanted = request(container, "198.18.0.0/24", "");
-            if let Some(c) = wanted.ipv4_config.as_mut() {
-                c.bounds = vec![ipam::RangeBounds {
-                    subnet: subnet.into(),
-                    range_start: start.into(),
-                    range_end: end.into(),
-                    gateway: gateway.into(),
-                }];
-            }
-            wanted
-        };
-        let hostile = [
-            ("198.18.9.0/24", "198.18.9.10", "198.18.9.20", "198.18.9.1"),
-            ("2001:db8::/64", "2001:db8::1", "2001:db8::2", "2001:db8::1"),
-            ("nope", "198.18.0.10", "198.18.0.20", "198.18.0.1"),
-            ("198.18.0.0/24", "", "198.18.0.20", "198.18.0.1"),
-            ("198.18.0.0/24", "198.18.0.30", "198.18.0.20", "198.18.0.1"),
-            ("198.18.0.0/24", "198.18.1.30", "198.18.0.20", "198.18.0.1"),
-            ("198.18.0.0/24", "198.18.0.10", "198.18.0.20", "2001:db8::1"),
-        ];
-        for (subnet, start, end, gateway) in hostile {
-            let failure = engine
-                .allocate(&bounded("h", subnet, start, end, gateway), now)
-                .unwrap_err();
-            assert_eq!(
-                failure.code,
-                Code::InvalidArgument,
-                "{subnet} {start} {end} {gateway}"
-            );
-        }
-        let got = engine
-            .allocate(
-                &bounded(
-                    "a",
-                    "198.18.0.0/24",
-                    "198.18.0.10",
-                    "198.18.0.20",
-                    "198.18.0.10",
-                ),
-                now,
-            )
-            .unwrap();
+        let mut bounded = request("a", "198.18.0.0/24", "");
+        let subnet: Cidr = "198.18.0.0/24".parse().unwrap();
+        let ip = |text: &str| Some(text.parse().unwrap());
+        let bounds = Bounds::new(
+            &subnet,
+            ip("198.18.0.10"),
+            ip("198.18.0.20"),
+            ip("198.18.0.10"),
+        )
+        .unwrap();
+        bounded.ipv4.as_mut().unwrap().ranges.bounds = vec![(subnet, bounds)];
+        let got = engine.allocate(&bounded, now).unwrap();
         assert_eq!(got.ipv4.unwrap().address.to_string(), "198.18.0.11");
     }
 
@@ -933,10 +741,7 @@ mod tests {
             .allocate(&request("a", "198.18.0.0/24", "2001:db8::/120"), now)
             .unwrap();
         // The same owner asks again, now for a v6 address it cannot have.
-        let mut repeat = request("a", "198.18.0.0/24", "2001:db8::/120");
-        if let Some(c) = repeat.ipv6_config.as_mut() {
-            c.requested_ip = "2001:db8:1::9".into();
-        }
+        let repeat = asking("a", "198.18.0.0/24", "2001:db8::/120", "2001:db8:1::9");
         let failure = engine.allocate(&repeat, now).unwrap_err();
         assert_eq!(failure.reason, reason::REQUESTED_IP_UNAVAILABLE);
         let held: Vec<String> = engine
@@ -966,33 +771,26 @@ mod tests {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store_with_cooldown(60_000));
         let now = crate::log::now_ms();
-        let asking = |container: &str| {
-            let mut wanted = request(container, "198.18.0.0/24", "");
-            if let Some(c) = wanted.ipv4_config.as_mut() {
-                c.requested_ip = "198.18.0.2".into();
-            }
-            wanted
-        };
         engine
             .allocate(&request("a", "198.18.0.0/24", ""), now)
             .unwrap();
-        engine
-            .deallocate(
-                &ipam::DeallocatePodIpRequest {
-                    network: "net".into(),
-                    container_id: "a".into(),
-                    interface_name: "eth0".into(),
-                    ..Default::default()
-                },
-                now,
-            )
-            .unwrap();
+        let del = Del {
+            network: "net".into(),
+            owner: owner("a"),
+            pod: Pod::default(),
+        };
+        engine.deallocate(&del, now).unwrap();
         assert_eq!(
-            engine.allocate(&asking("b"), now).unwrap_err().reason,
+            engine
+                .allocate(&asking("b", "198.18.0.0/24", "", "198.18.0.2"), now)
+                .unwrap_err()
+                .reason,
             reason::REQUESTED_IP_UNAVAILABLE,
             "another container waits out the cooldown"
         );
-        let back = engine.allocate(&asking("a"), now).unwrap();
+        let back = engine
+            .allocate(&asking("a", "198.18.0.0/24", "", "198.18.0.2"), now)
+            .unwrap();
         assert_eq!(back.ipv4.unwrap().address.to_string(), "198.18.0.2");
     }
 
@@ -1028,13 +826,8 @@ mod tests {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
-        let add = |container: &str| Request {
-            kind: Some(request::Kind::Allocate(request(
-                container,
-                "",
-                "2001:db8::1/128",
-            ))),
-        };
+        let add =
+            |container: &str| Command::Add(Box::new(request(container, "", "2001:db8::1/128")));
         let first = engine.handle(&add("a"), now);
         assert!(matches!(first, Outcome::Done(_)), "{first:?}");
         let outcome = engine.handle(&add("b"), now);
@@ -1053,14 +846,11 @@ mod tests {
     }
 
     #[test]
-    fn requested_addresses_and_bad_requests() {
+    fn requested_addresses() {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
-        let mut wanted = request("a", "198.18.0.0/24", "");
-        if let Some(c) = wanted.ipv4_config.as_mut() {
-            c.requested_ip = "198.18.0.77".into();
-        }
+        let wanted = asking("a", "198.18.0.0/24", "", "198.18.0.77");
         assert_eq!(
             engine
                 .allocate(&wanted, now)
@@ -1071,34 +861,10 @@ mod tests {
                 .to_string(),
             "198.18.0.77"
         );
-        let mut taken = request("b", "198.18.0.0/24", "");
-        if let Some(c) = taken.ipv4_config.as_mut() {
-            c.requested_ip = "198.18.0.77".into();
-        }
+        let taken = asking("b", "198.18.0.0/24", "", "198.18.0.77");
         assert_eq!(
             engine.allocate(&taken, now).unwrap_err().reason,
             reason::REQUESTED_IP_UNAVAILABLE
-        );
-        for bad in ["not-an-ip", "2001:db8::1"] {
-            let mut wrong = request("c", "198.18.0.0/24", "");
-            if let Some(c) = wrong.ipv4_config.as_mut() {
-                c.requested_ip = bad.into();
-            }
-            assert_eq!(
-                engine.allocate(&wrong, now).unwrap_err().code,
-                Code::InvalidArgument,
-                "{bad}"
-            );
-        }
-        let wrong_family = request("d", "2001:db8::/64", "");
-        assert_eq!(
-            engine.allocate(&wrong_family, now).unwrap_err().code,
-            Code::InvalidArgument
-        );
-        let host_bits = request("e", "198.18.0.1/24", "");
-        assert_eq!(
-            engine.allocate(&host_bits, now).unwrap_err().code,
-            Code::InvalidArgument
         );
     }
 
@@ -1107,19 +873,18 @@ mod tests {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
-        let add = |req| Request {
-            kind: Some(request::Kind::Allocate(req)),
-        };
-        let held = engine.handle_alone(&add(request("a", "198.18.0.0/24", "")), now);
+        let held = engine.handle_alone(
+            &Command::Add(Box::new(request("a", "198.18.0.0/24", ""))),
+            now,
+        );
         assert_eq!(held.into_response().code(), Code::Ok);
         // The range moves (a block added, the old one retired) and the
         // IPv4 address is taken before the IPv6 request fails.
-        let mut failing = request("b", "198.18.1.0/24", "2001:db8::/64");
-        if let Some(config) = failing.ipv6_config.as_mut() {
-            config.requested_ip = "2001:db8:1::1".into();
-        }
+        let failing = asking("b", "198.18.1.0/24", "2001:db8::/64", "2001:db8:1::1");
         let before = engine.store().blocks(&BlockFilter::default()).unwrap();
-        let failed = engine.handle_alone(&add(failing), now).into_response();
+        let failed = engine
+            .handle_alone(&Command::Add(Box::new(failing)), now)
+            .into_response();
         assert_eq!(failed.reason(), reason::REQUESTED_IP_UNAVAILABLE);
         assert_eq!(
             engine.store().blocks(&BlockFilter::default()).unwrap(),
@@ -1127,7 +892,10 @@ mod tests {
         );
         assert!(engine.store().check("net", "b", "eth0").unwrap().is_empty());
         // Nothing is left open: the next request commits on its own.
-        let next = engine.handle_alone(&add(request("c", "198.18.0.0/24", "")), now);
+        let next = engine.handle_alone(
+            &Command::Add(Box::new(request("c", "198.18.0.0/24", ""))),
+            now,
+        );
         assert_eq!(next.into_response().code(), Code::Ok);
         drop(engine);
         let reopened = dir.store();
@@ -1139,18 +907,17 @@ mod tests {
         let dir = TempDir::new();
         let mut engine = Engine::new(dir.store());
         let now = crate::log::now_ms();
-        let add = |req| Request {
-            kind: Some(request::Kind::Allocate(req)),
-        };
-        let first = engine.handle_in_batch(&add(request("a", "198.18.0.0/24", "")), now);
+        let first = engine.handle_in_batch(
+            &Command::Add(Box::new(request("a", "198.18.0.0/24", ""))),
+            now,
+        );
         assert_eq!(first.into_response().code(), Code::Ok);
         // Its IPv6 range is new, so this request adds that block before its
         // requested address turns out to lie outside it.
-        let mut failing = request("b", "198.18.0.0/24", "2001:db8::/64");
-        if let Some(config) = failing.ipv6_config.as_mut() {
-            config.requested_ip = "2001:db8:1::1".into();
-        }
-        let failed = engine.handle_in_batch(&add(failing), now).into_response();
+        let failing = asking("b", "198.18.0.0/24", "2001:db8::/64", "2001:db8:1::1");
+        let failed = engine
+            .handle_in_batch(&Command::Add(Box::new(failing)), now)
+            .into_response();
         assert_eq!(failed.code(), Code::InvalidArgument, "{failed:?}");
         assert_eq!(failed.reason(), reason::REQUESTED_IP_UNAVAILABLE);
         assert_eq!(engine.commit_batch(), None);
