@@ -97,34 +97,8 @@ impl Parsed {
     }
 }
 
-/// Exit status of a command asked for `--help`.
-pub const EXIT_HELP: u8 = 0;
 /// Exit status of a command given a bad command line.
 pub const EXIT_USAGE: u8 = 2;
-
-/// What every subcommand does with its parsed command line: help prints
-/// the usage on `out` (exit [`EXIT_HELP`]), a flag error prints itself
-/// and the usage on `err` (exit [`EXIT_USAGE`]); `Err` carries that exit
-/// status.
-pub fn or_usage<T>(
-    parsed: Result<T, FlagError>,
-    command: &str,
-    usage: impl FnOnce() -> String,
-    out: &mut dyn std::io::Write,
-    err: &mut dyn std::io::Write,
-) -> Result<T, u8> {
-    match parsed {
-        Ok(parsed) => Ok(parsed),
-        Err(FlagError::Help) => {
-            let _ = write!(out, "{}", usage());
-            Err(EXIT_HELP)
-        }
-        Err(e) => {
-            let _ = writeln!(err, "{command}: {e}\n\n{}", usage());
-            Err(EXIT_USAGE)
-        }
-    }
-}
 
 /// Parses `args` (without the program and subcommand names).
 pub fn parse(specs: &[FlagSpec], args: &[String]) -> Result<Parsed, FlagError> {

@@ -4,9 +4,9 @@
 
 use std::process::ExitCode;
 
-use metis::cli::{ArgsError, admin, health, host_local, install};
-use metis::flags::{self, EXIT_USAGE};
-use metis::{cli, cni, daemon, log};
+use metis::cli::{ArgsError, CommandError, admin, check, downgrade, health, host_local, install};
+use metis::flags::EXIT_USAGE;
+use metis::{cni, daemon, log};
 
 const ABOUT: &str = "Metis: node-local adaptive IPAM for Kubernetes pods.
 
@@ -45,185 +45,154 @@ fn main() -> ExitCode {
         eprintln!("{}", cni::plugin::about());
         return ExitCode::SUCCESS;
     };
-    match command.as_str() {
-        "daemon" => run_daemon(rest),
-        "controller" => run_controller(rest),
-        "health" => run_health(rest),
-        "install" => run_install(rest),
+    let (name, result) = match command.as_str() {
+        "daemon" => ("metis daemon", run_daemon(rest)),
+        "controller" => ("metis controller", run_controller(rest)),
+        "health" => ("metis health", run_health(rest)),
+        "install" => ("metis install", run_install(rest)),
         "admin" => run_admin(rest),
         "import" => run_host_local(host_local::Direction::Import, rest),
         "export" => run_host_local(host_local::Direction::Export, rest),
         "-h" | "--help" | "help" => {
             println!("{ABOUT}");
-            ExitCode::SUCCESS
+            return ExitCode::SUCCESS;
         }
         "--version" | "version" => {
             println!("metis {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
+            return ExitCode::SUCCESS;
         }
         other => {
             eprintln!("metis: unknown command {other:?}\n\n{ABOUT}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    exit_status(name, result)
+}
+
+/// The one place a subcommand's outcome becomes its exit status: help on
+/// stdout (0), misuse on stderr with the usage (2), a failure's lines on
+/// stderr (1).
+fn exit_status(command: &str, result: Result<(), CommandError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CommandError::Args(ArgsError::Help(text))) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(CommandError::Args(ArgsError::Usage { message, usage })) => {
+            eprintln!("{command}: {message}\n\n{usage}");
             ExitCode::from(EXIT_USAGE)
+        }
+        Err(CommandError::Failed(lines)) => {
+            for line in lines {
+                eprintln!("{command}: {line}");
+            }
+            ExitCode::FAILURE
         }
     }
 }
 
-fn run_daemon(args: &[String]) -> ExitCode {
-    let config = match flags::or_usage(
-        daemon::parse_config(args, &|name| std::env::var(name).ok()),
-        "metis daemon",
-        daemon::usage,
-        &mut std::io::stdout(),
-        &mut std::io::stderr(),
-    ) {
-        Ok(config) => config,
-        Err(status) => return ExitCode::from(status),
-    };
+fn run_daemon(args: &[String]) -> Result<(), CommandError> {
+    let config = daemon::parse_config(args, &|name| std::env::var(name).ok())
+        .map_err(|err| ArgsError::from_flags(err, daemon::usage()))?;
     log::init(Box::new(std::io::stderr()), config.verbosity);
-    match daemon::run(&config) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            log::error("daemon", "daemon failed to run", &[("error", &err)]);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::run(&config).map_err(|err| {
+        log::error("daemon", "daemon failed to run", &[("error", &err)]);
+        CommandError::Failed(Vec::new())
+    })
 }
 
 #[cfg(feature = "kube")]
-fn run_controller(args: &[String]) -> ExitCode {
+fn run_controller(args: &[String]) -> Result<(), CommandError> {
     use metis::controller;
-    let config = match flags::or_usage(
-        controller::parse_config(args, &|name| std::env::var(name).ok()),
-        "metis controller",
-        controller::usage,
-        &mut std::io::stdout(),
-        &mut std::io::stderr(),
-    ) {
-        Ok(config) => config,
-        Err(status) => return ExitCode::from(status),
-    };
+    let config = controller::parse_config(args, &|name| std::env::var(name).ok())
+        .map_err(|err| ArgsError::from_flags(err, controller::usage()))?;
     let sink: Box<dyn std::io::Write + Send> = match &config.log_file {
-        Some(path) => match log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o640) {
-            Ok(file) => Box::new(file),
-            Err(err) => {
-                eprintln!(
-                    "metis controller: cannot open --log-file {}: {err}",
-                    path.display()
-                );
-                return ExitCode::FAILURE;
-            }
-        },
+        Some(path) => Box::new(
+            log::open_rotating(path, log::MAX_LOG_FILE_BYTES, 0o640).map_err(|err| {
+                CommandError::failed(format!("cannot open --log-file {}: {err}", path.display()))
+            })?,
+        ),
         None => Box::new(std::io::stderr()),
     };
     log::init(sink, config.verbosity);
-    match controller::run(&config) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            log::error("controller", "controller failed to run", &[("error", &err)]);
-            ExitCode::FAILURE
-        }
-    }
+    controller::run(&config).map_err(|err| {
+        log::error("controller", "controller failed to run", &[("error", &err)]);
+        CommandError::Failed(Vec::new())
+    })
 }
 
 /// The edge build has no Kubernetes client: say so, as a usage error.
 #[cfg(not(feature = "kube"))]
-fn run_controller(_args: &[String]) -> ExitCode {
-    eprintln!(
-        "metis controller: this build of metis does not have Kubernetes support (built with \
-         --no-default-features); the controller needs the full build (cargo build --release, \
-         default features)"
-    );
-    ExitCode::from(EXIT_USAGE)
+fn run_controller(_args: &[String]) -> Result<(), CommandError> {
+    Err(CommandError::Args(ArgsError::Usage {
+        message: "this build of metis does not have Kubernetes support (built with \
+                  --no-default-features); the controller needs the full build (cargo build \
+                  --release, default features)"
+            .to_string(),
+        usage: String::new(),
+    }))
 }
 
-/// Help goes to stdout (exit 0); misuse to stderr with the usage (exit 2).
-fn args_failure(command: &str, err: ArgsError) -> ExitCode {
-    match err {
-        ArgsError::Help(text) => {
-            print!("{text}");
-            ExitCode::SUCCESS
-        }
-        ArgsError::Usage { message, usage } => {
-            eprintln!("{command}: {message}\n\n{usage}");
-            ExitCode::from(EXIT_USAGE)
-        }
-    }
-}
-
-fn run_health(args: &[String]) -> ExitCode {
-    let options = match health::parse(args) {
-        Ok(options) => options,
-        Err(err) => return args_failure("metis health", err),
-    };
+/// Healthy on stdout, unhealthy on stderr, each as the probe's docs say.
+fn run_health(args: &[String]) -> Result<(), CommandError> {
+    let options = health::parse(args)?;
     match health::check(&options) {
         Ok(detail) => {
             println!("Healthy: {detail}");
-            ExitCode::SUCCESS
+            Ok(())
         }
         Err(err) => {
             eprintln!("Unhealthy: {err}");
-            ExitCode::FAILURE
+            Err(CommandError::Failed(Vec::new()))
         }
     }
 }
 
-fn run_install(args: &[String]) -> ExitCode {
-    let options = match install::parse(args, std::env::var("CNI_DIR").ok()) {
-        Ok(options) => options,
-        Err(err) => return args_failure("metis install", err),
-    };
-    let installed = std::env::current_exe()
+fn run_install(args: &[String]) -> Result<(), CommandError> {
+    let options = install::parse(args, std::env::var("CNI_DIR").ok())?;
+    let binary = std::env::current_exe()
         .map_err(install::InstallError::Source)
-        .and_then(|binary| install::run(&options, &binary));
-    match installed {
-        Ok(paths) => {
-            for path in paths {
-                println!("installed {}", path.display());
-            }
-            ExitCode::SUCCESS
-        }
-        Err(err) => {
-            eprintln!("metis install: {err}");
-            ExitCode::FAILURE
-        }
+        .map_err(CommandError::failed)?;
+    for path in install::run(&options, &binary).map_err(CommandError::failed)? {
+        println!("installed {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_host_local(
+    direction: host_local::Direction,
+    args: &[String],
+) -> (&'static str, Result<(), CommandError>) {
+    let result = host_local::parse(direction, args)
+        .map_err(CommandError::from)
+        .and_then(|options| {
+            host_local::run(&options, &mut std::io::stdout(), &mut std::io::stderr())
+        });
+    (direction.command(), result)
+}
+
+fn run_admin(args: &[String]) -> (&'static str, Result<(), CommandError>) {
+    let mut out = std::io::stdout();
+    match args.split_first() {
+        Some((sub, rest)) if sub == "check" => (
+            "metis admin check",
+            check::parse(rest)
+                .map_err(CommandError::from)
+                .and_then(|options| check::run(&options, &mut out)),
+        ),
+        Some((sub, rest)) if sub == "downgrade" => (
+            "metis admin downgrade",
+            downgrade::parse(rest)
+                .map_err(CommandError::from)
+                .and_then(|options| downgrade::run(&options, &mut out)),
+        ),
+        _ => ("metis admin", run_listing(args)),
     }
 }
 
-fn run_host_local(direction: host_local::Direction, args: &[String]) -> ExitCode {
-    ExitCode::from(host_local::run(
-        direction,
-        args,
-        &mut std::io::stdout(),
-        &mut std::io::stderr(),
-    ))
-}
-
-fn run_admin(args: &[String]) -> ExitCode {
-    if let Some((sub, rest)) = args.split_first() {
-        let run = match sub.as_str() {
-            "check" => Some(
-                cli::check::run
-                    as fn(&[String], &mut dyn std::io::Write, &mut dyn std::io::Write) -> u8,
-            ),
-            "downgrade" => Some(cli::downgrade::run as _),
-            _ => None,
-        };
-        if let Some(run) = run {
-            return ExitCode::from(run(rest, &mut std::io::stdout(), &mut std::io::stderr()));
-        }
-    }
-    let options = match admin::parse(args) {
-        Ok(options) => options,
-        Err(err) => return args_failure("metis admin", err),
-    };
-    match admin::run(&options) {
-        Ok(text) => {
-            print!("{text}");
-            ExitCode::SUCCESS
-        }
-        Err(err) => {
-            eprintln!("metis admin: {err}");
-            ExitCode::FAILURE
-        }
-    }
+fn run_listing(args: &[String]) -> Result<(), CommandError> {
+    let options = admin::parse(args)?;
+    print!("{}", admin::run(&options).map_err(CommandError::failed)?);
+    Ok(())
 }

@@ -3,6 +3,9 @@
 //! fails or the database cannot be read, 2 on a usage error.
 
 use std::io::Write;
+use std::path::PathBuf;
+
+use super::{ArgsError, CommandError};
 
 use crate::flags::{self, FlagSpec};
 use crate::store::{self, Depth};
@@ -18,44 +21,35 @@ const FLAGS: &[FlagSpec] = &[
     },
 ];
 
-/// Exit status: every invariant holds.
-pub const EXIT_OK: u8 = 0;
-/// Exit status: an invariant fails or the database cannot be read.
-pub const EXIT_PROBLEMS: u8 = 1;
-/// Exit status: bad command line (every command's).
-pub use crate::flags::EXIT_USAGE;
+/// What to check, and how deeply.
+#[derive(Debug)]
+pub struct Options {
+    path: PathBuf,
+    depth: Depth,
+}
 
-/// Runs `metis admin check ARGS` and returns the exit status.
-pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let parsed = match flags::or_usage(
-        flags::parse(FLAGS, args),
-        "metis admin check",
-        usage,
+pub fn parse(args: &[String]) -> Result<Options, ArgsError> {
+    let parsed = flags::parse(FLAGS, args).map_err(|err| ArgsError::from_flags(err, usage()))?;
+    Ok(Options {
+        path: flags::db_path(&parsed),
+        depth: match parsed.has("--quick") {
+            true => Depth::Quick,
+            false => Depth::Full,
+        },
+    })
+}
+
+/// Prints the report; a failed invariant is a failure already reported.
+pub fn run(options: &Options, out: &mut dyn Write) -> Result<(), CommandError> {
+    let report = store::check_file(&options.path, options.depth).map_err(CommandError::failed)?;
+    let _ = write!(
         out,
-        err,
-    ) {
-        Ok(parsed) => parsed,
-        Err(status) => return status,
-    };
-    let path = flags::db_path(&parsed);
-    let depth = if parsed.has("--quick") {
-        Depth::Quick
-    } else {
-        Depth::Full
-    };
-    match store::check_file(&path, depth) {
-        Ok(report) => {
-            let _ = write!(out, "{}", report.describe(&path.display().to_string()));
-            if report.is_ok() {
-                EXIT_OK
-            } else {
-                EXIT_PROBLEMS
-            }
-        }
-        Err(e) => {
-            let _ = writeln!(err, "metis admin check: {e}");
-            EXIT_PROBLEMS
-        }
+        "{}",
+        report.describe(&options.path.display().to_string())
+    );
+    match report.is_ok() {
+        true => Ok(()),
+        false => Err(CommandError::Failed(Vec::new())),
     }
 }
 

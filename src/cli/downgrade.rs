@@ -6,7 +6,9 @@
 //! was refused or failed, 2 on a usage error.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use super::{ArgsError, CommandError};
 
 use crate::flags::{self, FlagSpec};
 use crate::store::upkeep::downgrade::{self, FileKind};
@@ -16,33 +18,22 @@ const FLAGS: &[FlagSpec] = &[flags::db_path_flag(
     "the database to ready for upstream (no daemon may hold it)",
 )];
 
-/// Exit status: the database is ready for upstream.
-pub const EXIT_OK: u8 = 0;
-/// Exit status: refused (a daemon holds it, bad file) or failed.
-pub const EXIT_REFUSED: u8 = 1;
-/// Exit status: bad command line (every command's).
-pub use crate::flags::EXIT_USAGE;
+/// The database to ready.
+#[derive(Debug)]
+pub struct Options {
+    path: PathBuf,
+}
 
-/// Runs `metis admin downgrade ARGS` and returns the exit status.
-pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let parsed = match flags::or_usage(
-        flags::parse(FLAGS, args),
-        "metis admin downgrade",
-        usage,
-        out,
-        err,
-    ) {
-        Ok(parsed) => parsed,
-        Err(status) => return status,
-    };
-    let path = flags::db_path(&parsed);
-    match downgrade_file(&path, out) {
-        Ok(()) => EXIT_OK,
-        Err(why) => {
-            let _ = writeln!(err, "metis admin downgrade: {}: {why}", path.display());
-            EXIT_REFUSED
-        }
-    }
+pub fn parse(args: &[String]) -> Result<Options, ArgsError> {
+    let parsed = flags::parse(FLAGS, args).map_err(|err| ArgsError::from_flags(err, usage()))?;
+    Ok(Options {
+        path: flags::db_path(&parsed),
+    })
+}
+
+pub fn run(options: &Options, out: &mut dyn Write) -> Result<(), CommandError> {
+    downgrade_file(&options.path, out)
+        .map_err(|why| CommandError::failed(format!("{}: {why}", options.path.display())))
 }
 
 fn downgrade_file(path: &Path, out: &mut dyn Write) -> Result<(), String> {

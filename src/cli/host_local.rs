@@ -17,6 +17,7 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
+use super::{ArgsError, CommandError};
 use crate::cidr::{Bounds, Cidr, Family};
 use crate::cni::conf::{self, NetConf};
 use crate::cni::plugin::family_add;
@@ -58,13 +59,6 @@ const FLAGS: &[FlagSpec] = &[
     },
 ];
 
-/// Exit status: done (or, with `--dry-run`, it would succeed).
-pub const EXIT_OK: u8 = 0;
-/// Exit status: refused (a conflict) or failed; nothing was written.
-pub const EXIT_FAILED: u8 = 1;
-/// Exit status: bad command line (every command's).
-pub use crate::flags::EXIT_USAGE;
-
 /// Config files are small; a bigger one is a mistake.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -76,7 +70,8 @@ pub enum Direction {
 }
 
 impl Direction {
-    fn command(self) -> &'static str {
+    /// The command's name in messages.
+    pub fn command(self) -> &'static str {
         match self {
             Direction::Import => "metis import host-local",
             Direction::Export => "metis export host-local",
@@ -84,84 +79,78 @@ impl Direction {
     }
 }
 
-/// Runs `metis import|export host-local ARGS` and returns the exit status.
-pub fn run(direction: Direction, args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let command = direction.command();
+/// A checked command line of `metis import|export host-local`.
+#[derive(Debug)]
+pub struct Options {
+    direction: Direction,
+    config: PathBuf,
+    data_dir: Option<PathBuf>,
+    db_path: Option<PathBuf>,
+    run: Run,
+}
+
+pub fn parse(direction: Direction, args: &[String]) -> Result<Options, ArgsError> {
+    let misuse = |message: &str| ArgsError::Usage {
+        message: message.to_string(),
+        usage: usage(direction),
+    };
     let (first, rest) = args
         .split_first()
         .map_or(("", args), |(f, r)| (f.as_str(), r));
     if first != "host-local" {
-        let _ = writeln!(
-            err,
-            "{command}: the only source is `host-local`\n\n{}",
-            usage(direction)
-        );
-        return EXIT_USAGE;
+        return Err(misuse("the only source is `host-local`"));
     }
-    let parsed = match flags::or_usage(
-        flags::parse(FLAGS, rest),
-        command,
-        || usage(direction),
-        out,
-        err,
-    ) {
-        Ok(parsed) => parsed,
-        Err(status) => return status,
-    };
+    let parsed =
+        flags::parse(FLAGS, rest).map_err(|err| ArgsError::from_flags(err, usage(direction)))?;
     let Some(config) = parsed.get("--config").filter(|c| !c.is_empty()) else {
-        let _ = writeln!(
-            err,
-            "{command}: --config FILE is required\n\n{}",
-            usage(direction)
-        );
-        return EXIT_USAGE;
+        return Err(misuse("--config FILE is required"));
     };
     if direction == Direction::Export && parsed.has("--dry-run") {
-        let _ = writeln!(
-            err,
-            "{command}: --dry-run is for import\n\n{}",
-            usage(direction)
-        );
-        return EXIT_USAGE;
+        return Err(misuse("--dry-run is for import"));
     }
-    let result = load_config(Path::new(config)).and_then(|(conf, notes)| {
-        let data_dir = parsed
-            .get("--data-dir")
-            .map_or_else(|| conf.data_dir.clone(), PathBuf::from)
-            .join(&conf.name);
-        // Registered for the daemon, whose working directory is another.
-        let data_dir = std::path::absolute(&data_dir).unwrap_or(data_dir);
-        let db = parsed
-            .get("--db-path")
-            .map_or_else(|| conf.db_path.clone(), PathBuf::from);
-        let run = if parsed.has("--dry-run") {
-            Run::Dry
-        } else {
-            Run::Real
-        };
-        let result = match direction {
-            Direction::Import => import(&conf, &data_dir, &db, run),
-            Direction::Export => export(&conf, &data_dir, &db),
-        };
-        for note in notes {
-            let _ = writeln!(err, "{command}: {note}");
-        }
-        result
-    });
-    match result {
-        Ok(lines) => {
-            for line in lines {
-                let _ = writeln!(out, "{line}");
-            }
-            EXIT_OK
-        }
-        Err(lines) => {
-            for line in lines {
-                let _ = writeln!(err, "{command}: {line}");
-            }
-            EXIT_FAILED
-        }
+    Ok(Options {
+        direction,
+        config: PathBuf::from(config),
+        data_dir: parsed.get("--data-dir").map(PathBuf::from),
+        db_path: parsed.get("--db-path").map(PathBuf::from),
+        run: match parsed.has("--dry-run") {
+            true => Run::Dry,
+            false => Run::Real,
+        },
+    })
+}
+
+/// Imports or exports; what was done goes to `out`, the config's notes to
+/// `err`, and a refusal's reasons into the error.
+pub fn run(
+    options: &Options,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<(), CommandError> {
+    let (conf, notes) = load_config(&options.config).map_err(CommandError::Failed)?;
+    for note in notes {
+        let _ = writeln!(err, "{}: {note}", options.direction.command());
     }
+    let data_dir = options
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| conf.data_dir.clone())
+        .join(&conf.name);
+    // Registered for the daemon, whose working directory is another.
+    let data_dir = std::path::absolute(&data_dir).unwrap_or(data_dir);
+    let db = options
+        .db_path
+        .clone()
+        .unwrap_or_else(|| conf.db_path.clone());
+    let lines = match options.direction {
+        Direction::Import => import(&conf, &data_dir, &db, options.run),
+        Direction::Export => export(&conf, &data_dir, &db),
+    }
+    .map_err(CommandError::Failed)?;
+    for line in lines {
+        let _ = writeln!(out, "{line}");
+    }
+    Ok(())
 }
 
 fn usage(direction: Direction) -> String {

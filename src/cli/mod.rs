@@ -1,8 +1,9 @@
 //! The operator's subcommands: `health` (an exec liveness probe), `install`
 //! (put the plugin and a network config on a node), `admin` (read the
 //! daemon's tables) `admin check` (verify a database's invariants), `admin downgrade` (ready a database for upstream), `import`/`export host-local` (move a
-//! node's allocations from and to host-local). Each parses its own flags with [`crate::flags`] and
-//! returns typed errors; `main` alone turns them into exit codes.
+//! node's allocations from and to host-local). Each parses its own flags with [`crate::flags`]
+//! (`parse`, an [`ArgsError`]) and runs (`run`, a [`CommandError`]); `main` alone turns them
+//! into exit codes.
 
 pub mod admin;
 pub mod check;
@@ -54,6 +55,30 @@ impl fmt::Display for ArgsError {
 }
 
 impl std::error::Error for ArgsError {}
+
+/// How a subcommand ended short of success. Every subcommand is a `parse`
+/// giving [`ArgsError`] and a `run` giving this; `main` alone turns it into
+/// an exit status: help 0, a wrong command line 2, a failure 1.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CommandError {
+    Args(ArgsError),
+    /// The command ran and failed, or found what it looks for (a check's
+    /// problems). Each line goes to stderr after the command's name; none
+    /// when the command reported it already.
+    Failed(Vec<String>),
+}
+
+impl CommandError {
+    pub fn failed(why: impl fmt::Display) -> CommandError {
+        CommandError::Failed(vec![why.to_string()])
+    }
+}
+
+impl From<ArgsError> for CommandError {
+    fn from(err: ArgsError) -> CommandError {
+        CommandError::Args(err)
+    }
+}
 
 /// `--socket-path`, defaulting to the daemon's; an empty one is refused.
 pub fn socket_path(parsed: &Parsed) -> Result<PathBuf, FlagError> {
