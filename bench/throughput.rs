@@ -246,7 +246,7 @@ pub fn report(bench: &Bench, report: &mut Report) {
         "throughput: allocate+release pairs for {:.1} s per figure in {SLICES} slices, every \
          figure's slice in turn (order rotating), release cooldown 0; in-process is the \
          bench's own build of the engine, whose code is the same in both builds (the `kube` \
-         feature does not reach src/engine.rs or src/store/).",
+         feature does not reach src/engine/, src/decode.rs or src/store/).",
         bench.plan.throughput_for.as_secs_f64()
     ));
 }

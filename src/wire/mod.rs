@@ -66,24 +66,6 @@ pub mod reason {
 }
 
 impl request::Kind {
-    /// Whether serving the request may change the store. Every kind says
-    /// so here (no wildcard): the daemon runs writes in a savepoint of its
-    /// group commit and reads without the write lock, so a new kind must
-    /// decide which it is before it compiles.
-    pub fn writes(&self) -> bool {
-        match self {
-            request::Kind::Allocate(_) | request::Kind::Deallocate(_) | request::Kind::Gc(_) => {
-                true
-            }
-            request::Kind::Check(_)
-            | request::Kind::ListCidrBlocks(_)
-            | request::Kind::ListIpAddresses(_)
-            | request::Kind::Health(_)
-            | request::Kind::Usage(_)
-            | request::Kind::NetworkStatus(_) => false,
-        }
-    }
-
     /// The kind's name in metrics and logs.
     pub fn method(&self) -> &'static str {
         match self {
@@ -101,12 +83,6 @@ impl request::Kind {
 }
 
 impl Request {
-    /// Whether the request may change the store (one without a known kind
-    /// changes nothing).
-    pub fn writes(&self) -> bool {
-        self.kind.as_ref().is_some_and(request::Kind::writes)
-    }
-
     /// The request's name in metrics and logs.
     pub fn method(&self) -> &'static str {
         self.kind.as_ref().map_or("unknown", request::Kind::method)
