@@ -326,10 +326,7 @@ pub fn to_wire(command: &Command) -> Request {
             request::Kind::ListCidrBlocks(admin::ListCidrBlocksRequest {
                 filter: String::new(),
                 network: filter.network.clone().unwrap_or_default(),
-                state: filter
-                    .state
-                    .map(|s| s.as_str().to_string())
-                    .unwrap_or_default(),
+                state: state_text(filter.state),
                 ip_family: family_text(filter.family),
             })
         }
@@ -361,10 +358,7 @@ fn list_addresses(filter: &AddressFilter) -> request::Kind {
     request::Kind::ListIpAddresses(admin::ListIpAddressesRequest {
         filter: String::new(),
         network: filter.network.clone().unwrap_or_default(),
-        state: filter
-            .state
-            .map(|s| s.as_str().to_string())
-            .unwrap_or_default(),
+        state: state_text(filter.state),
         ip_family: family_text(filter.family),
         container_id: filter.container_id.clone().unwrap_or_default(),
         allocated: filter.allocated,
@@ -410,6 +404,10 @@ fn wire_bounds(bounds: &[(Cidr, Bounds)]) -> Vec<ipam::RangeBounds> {
             gateway: bounds.gateway.to_string(),
         })
         .collect()
+}
+
+fn state_text(state: Option<BlockState>) -> String {
+    state.map(|s| s.as_str().to_string()).unwrap_or_default()
 }
 
 fn family_text(family: Option<Family>) -> String {
