@@ -95,15 +95,9 @@ impl Store {
         Ok(())
     }
 
-    /// For a process that opens the database for one request and exits
-    /// (direct mode): closing leaves the WAL to the next process instead of
-    /// checkpointing and deleting it, which cost four syncs per request
-    /// (the WAL and its directory when the next process recreated it, the
-    /// WAL and the database at the checkpoint); [`Store::trim_wal`] then
-    /// checkpoints every few requests. Durability is that of
-    /// `synchronous=NORMAL`, as in the daemon: a commit not yet synced can
-    /// be lost only with the machine, and the next boot releases every
-    /// allocation of this one anyway.
+    /// For a process that serves one request and exits (direct mode):
+    /// closing leaves the WAL to the next process instead of checkpointing
+    /// it; [`Store::trim_wal`] checkpoints every few requests instead.
     pub fn leave_wal_on_close(&self) -> Result<(), StoreError> {
         self.conn
             .set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)?;
@@ -111,28 +105,12 @@ impl Store {
         Ok(())
     }
 
-    /// Once the WAL has passed [`ONE_REQUEST_WAL_LIMIT`], copies it into
-    /// the database and truncates it, so that the next process neither
-    /// reads a long WAL nor finds one it cannot restart (a process that
-    /// rebuilds the WAL's index no longer knows what was copied back).
-    /// Only `TRUNCATE` leaves a mark that outlives the process: after
-    /// `PASSIVE` or `RESTART` the WAL file still holds its frames under its
-    /// old header, and the next process would read them all again and
-    /// append. Each of its syncs protects something, even at
-    /// `synchronous=NORMAL`: the WAL before its frames overwrite database
-    /// pages (a crash mid-copy is redone from it), the database before the
-    /// WAL is emptied; and the next writer's sync of the new WAL header,
-    /// without which a write reordered after the restart could corrupt the
-    /// database (SQLite's `sqlite3WalFrames`, ticket ff5be73dee).
-    /// Gives up quietly when other processes keep the database busy: the
-    /// next one tries again. Returns whether it checkpointed.
-    ///
-    /// Leaves the WAL alone while `daemon_owns` (asked only past the limit)
-    /// says a daemon owns the database: its checkpoint thread bounds the
-    /// WAL, and the reader it pins there would make this checkpoint wait
-    /// out [`ONE_REQUEST_CHECKPOINT_WAIT`] holding the write lock, and fail —
-    /// in every direct-mode exec beside a starting daemon, one after the
-    /// other, stalling the daemon's own writes past their busy timeout.
+    /// Past [`ONE_REQUEST_WAL_LIMIT`], copies the WAL into the database and
+    /// truncates it (only `TRUNCATE` leaves a mark the next process sees),
+    /// giving up quietly while others keep the database busy. Never while
+    /// `daemon_owns` (asked only past the limit): the daemon's thread bounds
+    /// the WAL, and the reader it pins would make this checkpoint fail while
+    /// holding the write lock. Returns whether it checkpointed.
     pub fn trim_wal(&self, daemon_owns: impl FnOnce() -> bool) -> Result<bool, StoreError> {
         let mut wal = self.file.0.as_os_str().to_owned();
         wal.push("-wal");
@@ -154,15 +132,9 @@ impl Store {
 /// 75 ADD+DEL pairs, 4 MiB. See [`Pin`].
 const RESTART_FRAMES: i64 = 1_000;
 
-/// The size the daemon's WAL file is cut back to by the first commit
-/// after it starts over (`PRAGMA journal_size_limit` on the writer's
-/// connection): a quarter above what it holds when the thread lets it
-/// start over ([`RESTART_FRAMES`] frames of 4 KiB pages), so a steady
-/// cycle reuses the file as it is. Without it the file kept whatever size
-/// a burst grew it to until the daemon stopped: 14 MB after 3,000 ADDs
-/// from 8 plugins at once, measured, and up to the loop's own
-/// [`LOOP_AUTOCHECKPOINT_PAGES`] (64 MiB) under sustained writes. Cutting
-/// it is an `ftruncate` of frames already copied into the database.
+/// The size the daemon's WAL file is cut back to when it starts over
+/// (`journal_size_limit`): a quarter above [`RESTART_FRAMES`] frames, so a
+/// steady cycle reuses the file and a burst's growth does not stay.
 pub const WAL_SIZE_LIMIT_BYTES: i64 = RESTART_FRAMES * 5 / 4 * (4096 + 24);
 
 /// A read transaction the thread holds at the WAL's end, so that the
