@@ -512,24 +512,28 @@ impl fmt::Display for StoreError {
                     f,
                     "store: {cidr} of network {network:?} overlaps block {other_cidr} "
                 )?;
-                if !isolation_helps {
-                    return f.write_str(
-                        "that the cluster granted to the same network; use a range that does \
-                         not overlap it",
-                    );
-                }
-                write!(
-                    f,
-                    "of network {other_network:?}, and one address must have one owner on a \
-                     node. If this network replaces {other_network:?} (as after an upgrade from \
-                     upstream Metis, which keeps every pod under network \"default\"), set \
-                     \"ipam\": {{\"network\": {other_network:?}}}; if the two networks' pods can \
-                     never reach each other (separate VRFs or links), set \"ipam\": \
-                     {{\"isolated\": true}}"
-                )
+                overlap_advice(f, other_network, *isolation_helps)
             }
         }
     }
+}
+
+/// What an operator can do about an overlap: nothing but another range when
+/// the cluster granted the block, else name the network or isolate it.
+fn overlap_advice(f: &mut fmt::Formatter<'_>, other: &str, isolation_helps: bool) -> fmt::Result {
+    if !isolation_helps {
+        return f.write_str(
+            "that the cluster granted to the same network; use a range that does not overlap it",
+        );
+    }
+    write!(
+        f,
+        "of network {other:?}, and one address must have one owner on a node. If this network \
+         replaces {other:?} (as after an upgrade from upstream Metis, which keeps every pod \
+         under network \"default\"), set \"ipam\": {{\"network\": {other:?}}}; if the two \
+         networks' pods can never reach each other (separate VRFs or links), set \"ipam\": \
+         {{\"isolated\": true}}"
+    )
 }
 
 impl std::error::Error for StoreError {
