@@ -35,13 +35,15 @@ pub fn success(
     let routes = result_routes(conf, &ips);
     match conf.cni_version {
         CniVersion::V0_1_0 | CniVersion::V0_2_0 => pretty_json(&legacy(conf, &ips, &routes, dns)),
-        CniVersion::V0_3_0 | CniVersion::V0_3_1 | CniVersion::V0_4_0 => {
-            pretty_json(&current(conf, netns, ifname, &ips, routes, dns, true))
-        }
-        CniVersion::V1_0_0 | CniVersion::V1_1_0 => {
-            pretty_json(&current(conf, netns, ifname, &ips, routes, dns, false))
+        _ => {
+            let interface = InterfaceOut {
+                name: ifname,
+                sandbox: netns,
+            };
+            pretty_json(&current(conf, interface, &ips, routes, dns))
         }
     }
+
 }
 
 /// The gateway advertised for an address: the configured one of its
@@ -111,24 +113,20 @@ struct RouteOut {
     family: Option<Family>,
 }
 
-/// The 1.x shape, or with `with_version` the 0.3.x/0.4.0 one.
+/// The 0.3.0-and-later shape: 0.3.x and 0.4.0 give each address its
+/// `version`, 1.x does not.
 fn current<'a>(
     conf: &'a NetConf,
-    netns: &'a str,
-    ifname: &'a str,
+    interface: InterfaceOut<'a>,
     ips: &[AllocatedIp],
     routes: Vec<RouteOut>,
     dns: &'a Dns,
-    with_version: bool,
 ) -> ResultOut<'a> {
+    let with_version = conf.cni_version < CniVersion::V1_0_0;
     let top_level = !conf.delegated && !ips.is_empty();
-    let interfaces = if top_level {
-        vec![InterfaceOut {
-            name: ifname,
-            sandbox: netns,
-        }]
-    } else {
-        Vec::new()
+    let interfaces = match top_level {
+        true => vec![interface],
+        false => Vec::new(),
     };
     let ips = ips
         .iter()

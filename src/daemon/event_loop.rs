@@ -57,6 +57,18 @@ impl Admission {
     }
 }
 
+/// What the daemon's start hands the loop: where requests and signals come
+/// from, what serves them, and who may ask.
+pub struct LoopParts {
+    pub listener: Served,
+    pub signals: SignalFd,
+    pub engine: Engine,
+    pub keeper: Keeper,
+    pub adaptive: Option<Adaptive>,
+    pub metrics: Arc<Metrics>,
+    pub admission: Admission,
+}
+
 pub struct EventLoop {
     listener: Served,
     signals: SignalFd,
@@ -72,15 +84,16 @@ pub struct EventLoop {
 }
 
 impl EventLoop {
-    pub fn new(
-        listener: Served,
-        signals: SignalFd,
-        engine: Engine,
-        keeper: Keeper,
-        adaptive: Option<Adaptive>,
-        metrics: Arc<Metrics>,
-        admission: Admission,
-    ) -> EventLoop {
+    pub fn new(parts: LoopParts) -> EventLoop {
+        let LoopParts {
+            listener,
+            signals,
+            engine,
+            keeper,
+            adaptive,
+            metrics,
+            admission,
+        } = parts;
         EventLoop {
             listener,
             signals,

@@ -8,7 +8,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::checkpoints::defer_checkpoints;
-use super::event_loop::{Admission, EventLoop};
+use super::event_loop::{Admission, EventLoop, LoopParts};
 use super::restore::{self, Keeper};
 use super::socket::announce_start;
 use super::{Config, DaemonError, handover, ownership};
@@ -68,19 +68,19 @@ pub fn run(config: &Config) -> Result<(), DaemonError> {
         "listening",
         &[("socket", &config.socket_path.display())],
     );
-    let mut engine = EventLoop::new(
+    let mut engine = EventLoop::new(LoopParts {
         listener,
         signals,
         engine,
         keeper,
         adaptive,
         metrics,
-        Admission {
+        admission: Admission {
             max_connections: config.max_connections,
             limits: config.limits,
             allowed_uids: config.allowed_uids.clone(),
         },
-    )
+    })
     .run();
     // Lets the next start skip reading every row (see verify_at_start).
     if let Err(err) = engine.store_mut().mark_clean_stop() {
