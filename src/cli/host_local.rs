@@ -493,12 +493,12 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
     }
     let in_metis = pod_rows(engine.store(), network).map_err(|e| fail(&e))?;
     if co_written {
+        let read = HostLocalFiles { dir, files: &held };
         done.extend(release_gone(
             engine.store_mut(),
             network,
-            &held,
+            read,
             &in_metis,
-            dir,
             run,
         )?);
     }
@@ -624,14 +624,20 @@ fn defer_cooling(owners: &mut ByOwner, cooling: &BTreeMap<IpAddr, (Held, i64)>) 
 /// host-local released those pods (its DEL removed the file). The release
 /// removes the owner's files of that family, as a DEL does; one the owner
 /// holds now (host-local gave the container another address) is put back.
+/// host-local's directory of a network and the files read from it.
+struct HostLocalFiles<'a> {
+    dir: &'a Path,
+    files: &'a [Held],
+}
+
 fn release_gone(
     store: &mut Store,
     network: &str,
-    files: &[Held],
+    host_local: HostLocalFiles<'_>,
     in_metis: &[Held],
-    dir: &Path,
     run: Run,
 ) -> Result<Lines, Lines> {
+    let HostLocalFiles { dir, files } = host_local;
     let fail = |e: &dyn std::fmt::Display| vec![e.to_string()];
     let mut lines = Vec::new();
     for row in in_metis {
@@ -888,7 +894,8 @@ fn export_in(store: &mut Store, conf: &NetConf, dir: &Path) -> Result<(Lines, Li
     let files = host_local_dir::read(dir).map_err(|e| fail(&e))?;
     let mut lines = Vec::new();
     if co_written {
-        lines = release_gone(store, network, &files, &in_metis, dir, Run::Real)?;
+        let read = HostLocalFiles { dir, files: &files };
+        lines = release_gone(store, network, read, &in_metis, Run::Real)?;
         in_metis.retain(|row| files.contains(row));
     }
     let mut problems = Vec::new();

@@ -43,7 +43,6 @@ pub fn success(
             pretty_json(&current(conf, interface, &ips, routes, dns))
         }
     }
-
 }
 
 /// The gateway advertised for an address: the configured one of its
