@@ -64,11 +64,13 @@ fn build_v4(dir: &TempDir, blocks: &[Block]) -> (Engine, u64) {
         // an isolated address space (one address, one owner otherwise).
         store
             .configure(
-                Source::Cni,
-                network,
-                Family::V4,
-                &ranges,
-                network != "bench",
+                &metis::store::Wish {
+                    source: Source::Cni,
+                    network,
+                    family: Family::V4,
+                    ranges: &ranges,
+                    isolated: network != "bench",
+                },
                 metis::log::now_ms(),
             )
             .unwrap();

@@ -485,7 +485,16 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         }
         let store = engine.store_mut();
         store
-            .configure(Source::Cni, network, family, ranges, conf.isolated, now)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network,
+                    family,
+                    ranges,
+                    isolated: conf.isolated,
+                },
+                now,
+            )
             .map_err(|e| fail(&e))?;
         store
             .set_bounds(network, family, &conf.bounds)

@@ -425,11 +425,13 @@ impl Engine {
         let changes = self
             .store
             .configure(
-                Source::Cni,
-                network,
-                family,
-                &ranges.ranges,
-                isolated,
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network,
+                    family,
+                    ranges: &ranges.ranges,
+                    isolated,
+                },
                 now_ms,
             )
             .map_err(failed)?;

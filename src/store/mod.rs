@@ -27,7 +27,7 @@ pub use db::checkpoint::{Checkpointer, ONE_REQUEST_WAL_LIMIT};
 pub use db::connection::{Healed, Healing, Store};
 pub use db::schema::{SCHEMA, SCHEMA_VERSION};
 pub use db::types::*;
-pub use layout::blocks::{Isolation, LayoutChanges, Source};
+pub use layout::blocks::{Isolation, LayoutChanges, Source, Wish};
 pub use layout::grants::{GrantChanges, Refusal, ReleasedBlock, TakenBack};
 pub use rows::block::{Quarantined, reserved_offsets};
 pub use rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};

@@ -472,7 +472,16 @@ mod tests {
             store.can_allocate(network, Family::V4, &range, bounds, isolated, NOW)
         };
         store
-            .configure(Source::Cni, "net-y", Family::V4, &range, false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "net-y",
+                    family: Family::V4,
+                    ranges: &range,
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         // Another network over Y's block: ADD gets code 7, so does STATUS.
         let refused = can(&store, "net-x", false, &[]);
@@ -487,7 +496,16 @@ mod tests {
         );
         // Isolated, then the conflist drops `isolated`: refused likewise.
         store
-            .configure(Source::Cni, "net-x", Family::V4, &range, true, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "net-x",
+                    family: Family::V4,
+                    ranges: &range,
+                    isolated: true,
+                },
+                NOW,
+            )
             .unwrap();
         let refused = can(&store, "net-x", false, &[]);
         assert!(

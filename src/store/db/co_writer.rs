@@ -337,7 +337,16 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let mut store = tmp.store();
         store
-            .configure(Source::Cni, "pods", Family::V4, &[cidr(block)], false, 0)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "pods",
+                    family: Family::V4,
+                    ranges: &[cidr(block)],
+                    isolated: false,
+                },
+                0,
+            )
             .unwrap();
         (tmp, dir, store)
     }

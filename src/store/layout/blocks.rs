@@ -110,14 +110,15 @@ impl Placed {
     }
 }
 
-/// What a source wants for one network and family.
-#[derive(Clone, Copy)]
-struct Wish<'a> {
-    source: Source,
-    network: &'a str,
-    family: Family,
-    ranges: &'a [Cidr],
-    isolated: bool,
+/// What a source wants for one network and family: these ranges, in the
+/// node's shared address space or isolated from it.
+#[derive(Debug, Clone, Copy)]
+pub struct Wish<'a> {
+    pub source: Source,
+    pub network: &'a str,
+    pub family: Family,
+    pub ranges: &'a [Cidr],
+    pub isolated: bool,
 }
 
 /// What a layout pass changed, for the caller to log.
@@ -163,23 +164,8 @@ impl Store {
     /// Reads only when nothing changed, so it can run on every ADD. A range
     /// of `source` that cannot be laid out fails the call and changes
     /// nothing; other sources' ranges that cannot are skipped and reported.
-    pub fn configure(
-        &mut self,
-        source: Source,
-        network: &str,
-        family: Family,
-        ranges: &[Cidr],
-        isolated: bool,
-        now_ms: i64,
-    ) -> Result<LayoutChanges, StoreError> {
-        let wish = Wish {
-            source,
-            network,
-            family,
-            ranges,
-            isolated,
-        };
-        self.lay_out(&wish, true, now_ms)
+    pub fn configure(&mut self, wish: &Wish, now_ms: i64) -> Result<LayoutChanges, StoreError> {
+        self.lay_out(wish, true, now_ms)
     }
 
     /// [`Store::configure`]; with `strict`, a range of the wish's own source
@@ -203,7 +189,11 @@ impl Store {
             .filter(|range| range.family() == family)
             .copied()
             .collect();
-        if self.configured_as(source, network, family, &ranges, isolated, now_ms)? {
+        let of_family = Wish {
+            ranges: &ranges,
+            ..*wish
+        };
+        if self.configured_as(&of_family, now_ms)? {
             return Ok(LayoutChanges::default());
         }
         let mode = self.reserve;
@@ -335,15 +325,14 @@ impl Store {
     /// The fast path of [`Store::configure`]: the recorded ranges, the
     /// isolation and the blocks already match, and no retired block of
     /// the network is ready to be deleted.
-    fn configured_as(
-        &self,
-        source: Source,
-        network: &str,
-        family: Family,
-        ranges: &[Cidr],
-        isolated: bool,
-        now_ms: i64,
-    ) -> Result<bool, StoreError> {
+    fn configured_as(&self, wish: &Wish, now_ms: i64) -> Result<bool, StoreError> {
+        let Wish {
+            source,
+            network,
+            family,
+            ranges,
+            isolated,
+        } = *wish;
         let conn = &self.conn;
         let recorded: BTreeSet<String> = wanted(conn, Some(source), network, family)?
             .into_iter()
@@ -1130,7 +1119,16 @@ mod tests {
         let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
         let family = ranges.first().map_or(Family::V4, Cidr::family);
         store
-            .configure(source, network, family, &ranges, false, NOW)
+            .configure(
+                &Wish {
+                    source,
+                    network,
+                    family,
+                    ranges: &ranges,
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
     }
 
@@ -1238,11 +1236,13 @@ mod tests {
         take(&mut store, &in_network("default", "a"));
         let refused = store
             .configure(
-                Source::Cni,
-                "k8s-pod-network",
-                Family::V4,
-                &[cidr("198.18.12.0/24")],
-                false,
+                &Wish {
+                    source: Source::Cni,
+                    network: "k8s-pod-network",
+                    family: Family::V4,
+                    ranges: &[cidr("198.18.12.0/24")],
+                    isolated: false,
+                },
                 NOW,
             )
             .unwrap_err();
@@ -1255,11 +1255,13 @@ mod tests {
         // Opting in to a separate address space allows it.
         store
             .configure(
-                Source::Cni,
-                "vrf-b",
-                Family::V4,
-                &[cidr("198.18.12.0/24")],
-                true,
+                &Wish {
+                    source: Source::Cni,
+                    network: "vrf-b",
+                    family: Family::V4,
+                    ranges: &[cidr("198.18.12.0/24")],
+                    isolated: true,
+                },
                 NOW,
             )
             .unwrap();
@@ -1276,13 +1278,31 @@ mod tests {
         let ranges = [cidr("198.18.70.0/28")];
         let (source, network, family, ranges) = (Source::Cni, "net-x", Family::V4, &ranges[..]);
         store
-            .configure(source, network, family, ranges, true, NOW)
+            .configure(
+                &Wish {
+                    source,
+                    network,
+                    family,
+                    ranges,
+                    isolated: true,
+                },
+                NOW,
+            )
             .unwrap();
         assert_eq!(take(&mut store, &in_network("net-x", "x1")), "198.18.70.2");
         let before = layout(&store, "net-x");
         // The conflist drops `isolated`: refused, with the way out named.
         let refused = store
-            .configure(source, network, family, ranges, false, NOW)
+            .configure(
+                &Wish {
+                    source,
+                    network,
+                    family,
+                    ranges,
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap_err();
         assert!(matches!(refused, StoreError::Overlap { .. }), "{refused}");
         let message = refused.to_string();
@@ -1293,13 +1313,31 @@ mod tests {
         // Also when the other family is the one asked about, and when the
         // ranges move at the same time (the old block keeps its pod).
         let v6 = [cidr("2001:db8:70::/120")];
-        let refused = store.configure(source, network, Family::V6, &v6, false, NOW);
+        let refused = store.configure(
+            &Wish {
+                source,
+                network,
+                family: Family::V6,
+                ranges: &v6,
+                isolated: false,
+            },
+            NOW,
+        );
         assert!(
             matches!(refused, Err(StoreError::Overlap { .. })),
             "{refused:?}"
         );
         let moved = [cidr("198.18.71.0/28")];
-        let refused = store.configure(source, network, family, &moved, false, NOW);
+        let refused = store.configure(
+            &Wish {
+                source,
+                network,
+                family,
+                ranges: &moved,
+                isolated: false,
+            },
+            NOW,
+        );
         assert!(
             matches!(refused, Err(StoreError::Overlap { .. })),
             "{refused:?}"
@@ -1313,7 +1351,16 @@ mod tests {
         store.release("net-x", "x1", "eth0", NOW).unwrap();
         store.release("net-x", "x2", "eth0", NOW).unwrap();
         store
-            .configure(source, network, family, &moved, false, NOW)
+            .configure(
+                &Wish {
+                    source,
+                    network,
+                    family,
+                    ranges: &moved,
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         assert!(!store.is_isolated("net-x").unwrap());
     }
@@ -1344,11 +1391,13 @@ mod tests {
         );
         store
             .configure(
-                Source::Cni,
-                "pods",
-                Family::V4,
-                &[cidr("198.18.13.0/24")],
-                false,
+                &Wish {
+                    source: Source::Cni,
+                    network: "pods",
+                    family: Family::V4,
+                    ranges: &[cidr("198.18.13.0/24")],
+                    isolated: false,
+                },
                 NOW + COOLDOWN,
             )
             .unwrap();

@@ -135,7 +135,16 @@ mod tests {
     ) -> Vec<String> {
         let net = cidr(subnet);
         store
-            .configure(Source::Cni, "pods", net.family(), &[net], false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "pods",
+                    family: net.family(),
+                    ranges: &[net],
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         let bounds = Bounds::new(
             &net,
@@ -362,7 +371,16 @@ mod tests {
         assert_eq!(take_all(&mut store, Family::V4).len(), 2);
         let half = cidr("198.18.0.0/25");
         store
-            .configure(Source::Cni, "pods", Family::V4, &[half], false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "pods",
+                    family: Family::V4,
+                    ranges: &[half],
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         store.set_bounds("pods", Family::V4, &[]).unwrap();
         let rest: Vec<String> = (0..)

@@ -541,11 +541,13 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
     let mut store = dir.store();
     store
         .configure(
-            Source::Cni,
-            "default",
-            Family::V4,
-            &[cidr("198.18.40.0/28")],
-            false,
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "default",
+                family: Family::V4,
+                ranges: &[cidr("198.18.40.0/28")],
+                isolated: false,
+            },
             NOW,
         )
         .unwrap();

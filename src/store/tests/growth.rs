@@ -191,7 +191,16 @@ fn a_narrowed_off_part_taken_back_grows_the_addresses_it_never_populated() {
     let configure = |store: &mut Store, ranges: &[&str]| {
         let ranges: Vec<Cidr> = ranges.iter().map(|r| cidr(r)).collect();
         store
-            .configure(Source::Cni, "pods", Family::V4, &ranges, false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "pods",
+                    family: Family::V4,
+                    ranges: &ranges,
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
     };
     // A /24 populated as far as its first batch, and a pod beyond it.
@@ -233,7 +242,16 @@ fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
         .set_bounds("pods", Family::V4, &[(wide, bounds)])
         .unwrap();
     store
-        .configure(Source::Cni, "pods", Family::V4, &[wide], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "pods",
+                family: Family::V4,
+                ranges: &[wide],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     // Rows exist only inside the range: a pod holds its first address.
     assert_eq!(
@@ -244,22 +262,26 @@ fn a_bounded_block_narrowed_off_and_taken_back_grows_past_its_old_range() {
     // `--cidr` flag naming it) without the bounds.
     store
         .configure(
-            Source::Cni,
-            "pods",
-            Family::V4,
-            &[cidr("198.18.20.0/29")],
-            false,
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "pods",
+                family: Family::V4,
+                ranges: &[cidr("198.18.20.0/29")],
+                isolated: false,
+            },
             NOW,
         )
         .unwrap();
     store.set_bounds("pods", Family::V4, &[]).unwrap();
     store
         .configure(
-            Source::Flag,
-            "pods",
-            Family::V4,
-            &[cidr("198.18.20.8/29")],
-            false,
+            &crate::store::Wish {
+                source: Source::Flag,
+                network: "pods",
+                family: Family::V4,
+                ranges: &[cidr("198.18.20.8/29")],
+                isolated: false,
+            },
             NOW,
         )
         .unwrap();

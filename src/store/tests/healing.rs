@@ -66,7 +66,16 @@ fn metis_step(path: &Path, rng: &mut Rng, n: u64, context: &dyn Fn() -> String) 
                 1 => vec![cidr(V4[1])],
                 _ => V4.iter().map(|r| cidr(r)).collect(),
             };
-            let done = store.configure(Source::Cni, "n", Family::V4, &ranges, false, NOW);
+            let done = store.configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "n",
+                    family: Family::V4,
+                    ranges: &ranges,
+                    isolated: false,
+                },
+                NOW,
+            );
             format!("configure n {ranges:?}: {:?}", done.map(|_| ()))
         }
         1 => {
@@ -86,7 +95,16 @@ fn metis_step(path: &Path, rng: &mut Rng, n: u64, context: &dyn Fn() -> String) 
             };
             let bounded = !bounds.is_empty();
             let set = store.set_bounds("v6", Family::V6, &bounds).map(|_| ());
-            let done = store.configure(Source::Cni, "v6", Family::V6, &[block], false, NOW);
+            let done = store.configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "v6",
+                    family: Family::V6,
+                    ranges: &[block],
+                    isolated: false,
+                },
+                NOW,
+            );
             format!(
                 "configure v6 bounded={bounded}: {set:?} {:?}",
                 done.map(|_| ())
@@ -297,7 +315,16 @@ fn an_open_skips_healing_while_only_requests_wrote_since_it_last_ran() {
     let mut store = dir.store();
     assert_eq!(store.healing(), Healing::Ran);
     store
-        .configure(Source::Cni, "n", Family::V4, &[cidr(V4[0])], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "n",
+                family: Family::V4,
+                ranges: &[cidr(V4[0])],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     drop(store);
     // The block (and its rows) was added since: healed again, then stamped.
@@ -367,12 +394,30 @@ fn every_other_write_the_healing_looks_at_makes_the_next_open_heal() {
         let dir = TempDir::new();
         let mut store = dir.store();
         store
-            .configure(Source::Cni, "n", Family::V4, &[cidr(V4[1])], false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "n",
+                    family: Family::V4,
+                    ranges: &[cidr(V4[1])],
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         // Retired under its pod: Withheld.
         alloc(&mut store, "n", "pod", Family::V4, NOW);
         store
-            .configure(Source::Cni, "n", Family::V4, &[cidr(V4[0])], false, NOW)
+            .configure(
+                &crate::store::Wish {
+                    source: Source::Cni,
+                    network: "n",
+                    family: Family::V4,
+                    ranges: &[cidr(V4[0])],
+                    isolated: false,
+                },
+                NOW,
+            )
             .unwrap();
         drop(store);
         assert_eq!(dir.store().healing(), Healing::Ran, "{what}");

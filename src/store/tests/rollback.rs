@@ -124,7 +124,16 @@ fn v6_range(store: &mut Store, network: &str, prefix: &str, start: &str, end: &s
         .set_bounds(network, Family::V6, &[(block, bounds)])
         .unwrap();
     store
-        .configure(Source::Cni, network, Family::V6, &[block], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network,
+                family: Family::V6,
+                ranges: &[block],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
 }
 
@@ -134,11 +143,29 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     let mut store = dir.store();
     let (old, new) = (cidr("198.18.12.0/28"), cidr("198.18.13.0/28"));
     store
-        .configure(Source::Cni, "n", Family::V4, &[old], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "n",
+                family: Family::V4,
+                ranges: &[old],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     let held = alloc(&mut store, "n", "old-pod", Family::V4, NOW);
     store
-        .configure(Source::Cni, "n", Family::V4, &[new], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "n",
+                family: Family::V4,
+                ranges: &[new],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     let retired = block_id(&store, "n", "198.18.12.0/28");
     assert_eq!(state(&store, retired), "Withheld");
@@ -208,7 +235,16 @@ fn a_retired_block_is_withheld_from_every_upstream_query_and_healed_when_revived
     assert_eq!(store.rollback_repairs().revived_blocks, 0);
     // Configured again: Ready again.
     store
-        .configure(Source::Cni, "n", Family::V4, &[old, new], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "n",
+                family: Family::V4,
+                ranges: &[old, new],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     assert_eq!(state(&store, retired), "Ready");
     drop(store);
@@ -315,11 +351,13 @@ fn rows_of_a_small_ipv6_block_upstream_added_later_are_removed_when_free() {
     let mut store = dir.store();
     store
         .configure(
-            Source::Cni,
-            "v6",
-            Family::V6,
-            &[cidr("2001:db8:2::/64")],
-            false,
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "v6",
+                family: Family::V6,
+                ranges: &[cidr("2001:db8:2::/64")],
+                isolated: false,
+            },
             NOW,
         )
         .unwrap();
@@ -401,11 +439,13 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
         .unwrap();
     store
         .configure(
-            Source::Cni,
-            "v4",
-            Family::V4,
-            &[wide, cidr("198.18.31.0/28")],
-            false,
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "v4",
+                family: Family::V4,
+                ranges: &[wide, cidr("198.18.31.0/28")],
+                isolated: false,
+            },
             NOW,
         )
         .unwrap();
@@ -416,7 +456,16 @@ fn downgrade_readies_the_file_for_upstream_and_is_idempotent() {
         .allocate_requested(&owner("v4", "old"), ip("198.18.31.5"), NOW)
         .unwrap();
     store
-        .configure(Source::Cni, "v4", Family::V4, &[wide], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "v4",
+                family: Family::V4,
+                ranges: &[wide],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     store.add_cidr_block("q", &cidr("198.18.32.0/28")).unwrap();
     let mut report = Report::default();
@@ -516,7 +565,16 @@ fn a_gateway_row_just_above_range_end_is_reported_as_upstreams_dead_end() {
         .set_bounds("v6", Family::V6, &[(block, bounds)])
         .unwrap();
     store
-        .configure(Source::Cni, "v6", Family::V6, &[block], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "v6",
+                family: Family::V6,
+                ranges: &[block],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     let hazards = store.upstream_hazards().unwrap();
     assert_eq!(hazards.len(), 1, "{hazards:?}");
@@ -552,7 +610,16 @@ fn bounds_narrowed_under_pods_are_a_note_that_blames_no_one() {
     let mut store = dir.store();
     let block = cidr("2001:db8:40::/124");
     store
-        .configure(Source::Cni, "pods", Family::V6, &[block], false, NOW)
+        .configure(
+            &crate::store::Wish {
+                source: Source::Cni,
+                network: "pods",
+                family: Family::V6,
+                ranges: &[block],
+                isolated: false,
+            },
+            NOW,
+        )
         .unwrap();
     let held: Vec<IpAddr> = (0..6)
         .map(|i| alloc(&mut store, "pods", &format!("p{i}"), Family::V6, NOW))
