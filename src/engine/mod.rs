@@ -579,14 +579,7 @@ impl Engine {
             let context = format!("status of network {network:?}");
             let room = self
                 .store
-                .can_allocate(
-                    network,
-                    family,
-                    &in_force.ranges,
-                    &in_force.bounds,
-                    query.isolated,
-                    now_ms,
-                )
+                .can_allocate(network, family, in_force, query.isolated, now_ms)
                 .map_err(|err| Failure::from_store(&context, &err))?;
             if let Err(blocked) = room {
                 return Ok(Readiness::Full {

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use rusqlite::{Connection, params};
 
-use crate::cidr::{Bounds, Cidr, Family};
+use crate::cidr::{Cidr, Family};
 use crate::store::db::{Allocation, Store, StoreError, parse_addr, parse_cidr};
 use crate::store::rows::block::{HeldRow, bounds_of, give_back, quarantined_in};
 use crate::store::rows::free::pod_held;
@@ -98,11 +98,11 @@ impl Store {
         &self,
         network: &str,
         family: Family,
-        ranges: &[Cidr],
-        bounds: &[(Cidr, Bounds)],
+        conf: &InForce,
         isolated: bool,
         now_ms: i64,
     ) -> Result<Result<(), Vec<String>>, StoreError> {
+        let InForce { ranges, bounds } = conf;
         let leaves_an_address = |range: &Cidr| {
             bounds
                 .iter()
@@ -223,6 +223,7 @@ fn gc_candidates(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cidr::Bounds;
     use crate::store::{Owner, Source};
     use crate::testutil::{TempDir, cidr};
     use rusqlite::OptionalExtension;
@@ -420,7 +421,16 @@ mod tests {
         let range = [cidr("198.18.0.0/30")];
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok(),
             "range not added yet"
@@ -428,35 +438,80 @@ mod tests {
         store.add_cidr_block("net", &range[0]).unwrap();
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok()
         );
         take(&mut store, "net", "a", Family::V4, NOW);
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_err()
         );
         store.release("net", "a", "eth0", NOW).unwrap();
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_err(),
             "cooling down"
         );
         assert!(
             store
-                .can_allocate("net", Family::V4, &range, &[], false, NOW + 60_000)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW + 60_000
+                )
                 .unwrap()
                 .is_ok()
         );
         let more = [range[0], cidr("198.18.0.4/30")];
         assert!(
             store
-                .can_allocate("net", Family::V4, &more, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: more.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok(),
             "a range left to add"
@@ -469,7 +524,16 @@ mod tests {
         let mut store = dir.store();
         let range = [cidr("198.18.70.0/28")];
         let can = |store: &Store, network, isolated, bounds: &[(Cidr, Bounds)]| {
-            store.can_allocate(network, Family::V4, &range, bounds, isolated, NOW)
+            store.can_allocate(
+                network,
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: range.to_vec(),
+                    bounds: (bounds).to_vec(),
+                },
+                isolated,
+                NOW,
+            )
         };
         store
             .configure(
@@ -536,8 +600,10 @@ mod tests {
             store.can_allocate(
                 "net-z",
                 Family::V4,
-                &[small],
-                &[(small, bounds)],
+                &crate::store::InForce {
+                    ranges: [small].to_vec(),
+                    bounds: [(small, bounds)].to_vec(),
+                },
                 false,
                 NOW,
             )
@@ -564,7 +630,16 @@ mod tests {
         }
         assert!(
             store
-                .can_allocate("net", Family::V6, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V6,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok()
         );
@@ -573,7 +648,16 @@ mod tests {
         }
         assert!(
             store
-                .can_allocate("net", Family::V6, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V6,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_err()
         );
@@ -600,7 +684,16 @@ mod tests {
         let range = [cidr("198.18.0.0/29")];
         assert!(
             read_only
-                .can_allocate("net", Family::V4, &range, &[], false, NOW)
+                .can_allocate(
+                    "net",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: range.to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok()
         );

@@ -313,7 +313,16 @@ mod tests {
         assert!(row_count(&store) < 200, "{}", row_count(&store));
         assert!(
             store
-                .can_allocate("pods", Family::V4, &[], &[], false, NOW)
+                .can_allocate(
+                    "pods",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: [].to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_err()
         );
@@ -333,7 +342,16 @@ mod tests {
             .unwrap();
         assert!(
             store
-                .can_allocate("pods", Family::V4, &[], &[], false, NOW)
+                .can_allocate(
+                    "pods",
+                    Family::V4,
+                    &crate::store::InForce {
+                        ranges: [].to_vec(),
+                        bounds: [].to_vec()
+                    },
+                    false,
+                    NOW
+                )
                 .unwrap()
                 .is_ok()
         );

@@ -669,13 +669,31 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     // STATUS: an ADD of that configuration cannot succeed; of the other, it can.
     assert!(
         store
-            .can_allocate("pods", Family::V4, &[range], &[(range, gw)], false, NOW)
+            .can_allocate(
+                "pods",
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: [range].to_vec(),
+                    bounds: [(range, gw)].to_vec()
+                },
+                false,
+                NOW
+            )
             .unwrap()
             .is_err()
     );
     assert!(
         store
-            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .can_allocate(
+                "pods",
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: [range].to_vec(),
+                    bounds: [].to_vec()
+                },
+                false,
+                NOW
+            )
             .unwrap()
             .is_ok()
     );
@@ -869,7 +887,16 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
     store.set_bounds("pods", Family::V4, &[]).unwrap();
     let status = |store: &Store| {
         store
-            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .can_allocate(
+                "pods",
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: [range].to_vec(),
+                    bounds: [].to_vec(),
+                },
+                false,
+                NOW,
+            )
             .unwrap()
             .is_ok()
     };
@@ -898,7 +925,16 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
     assert_eq!(counts.into_keys().collect::<Vec<_>>(), ["named_gateway"]);
     assert!(!status(&store), "STATUS must say what the ADD found");
     let why = store
-        .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+        .can_allocate(
+            "pods",
+            Family::V4,
+            &crate::store::InForce {
+                ranges: [range].to_vec(),
+                bounds: [].to_vec(),
+            },
+            false,
+            NOW,
+        )
         .unwrap();
     assert_eq!(
         why,
@@ -920,7 +956,16 @@ fn status_counts_no_row_a_live_result_names_as_its_gateway() {
     }
     assert_eq!(
         store
-            .can_allocate("pods", Family::V4, &[range], &[], false, NOW)
+            .can_allocate(
+                "pods",
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: [range].to_vec(),
+                    bounds: [].to_vec()
+                },
+                false,
+                NOW
+            )
             .unwrap(),
         Err(vec![]),
         "full now, and nothing passed over"

@@ -209,7 +209,16 @@ fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
     let range = [cidr("198.18.1.0/29")];
     assert!(
         read_only
-            .can_allocate("default", Family::V4, &range, &[], false, NOW)
+            .can_allocate(
+                "default",
+                Family::V4,
+                &crate::store::InForce {
+                    ranges: range.to_vec(),
+                    bounds: [].to_vec()
+                },
+                false,
+                NOW
+            )
             .unwrap()
             .is_ok()
     );
