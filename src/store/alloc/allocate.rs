@@ -231,14 +231,9 @@ fn record_gateway(
     };
     match allocation {
         RowAllocation::Kept => crate::store::rows::named_gateway::record(conn, row_id, gateway),
-        RowAllocation::Taken { owner, at_ms } => crate::store::rows::named_gateway::record_taken(
-            conn,
-            row_id,
-            gateway,
-            owner.container_id,
-            owner.interface_name,
-            at_ms,
-        ),
+        RowAllocation::Taken { owner, at_ms } => {
+            crate::store::rows::named_gateway::record_taken(conn, row_id, gateway, owner, at_ms)
+        }
     }
 }
 

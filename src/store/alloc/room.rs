@@ -15,7 +15,7 @@ use crate::cidr::{Cidr, Family};
 use crate::store::alloc::allocate::{
     CLAIM_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row,
 };
-use crate::store::db::{ReserveMode, Store, StoreError, parse_cidr};
+use crate::store::db::{Store, StoreError, parse_cidr};
 use crate::store::rows::block::{GROWTH_BATCH, UNDRAINABLE_SQL, block_reserved, frontier};
 use crate::store::rows::handout::InForce;
 
@@ -31,45 +31,35 @@ impl Store {
         conf: &InForce,
         now_ms: i64,
     ) -> Result<Result<(), Vec<String>>, StoreError> {
-        first_fit(&self.conn, self.reserve, network, family, conf, now_ms)
-    }
-}
-
-fn first_fit(
-    conn: &Connection,
-    mode: ReserveMode,
-    network: &str,
-    family: Family,
-    conf: &InForce,
-    now_ms: i64,
-) -> Result<Result<(), Vec<String>>, StoreError> {
-    let mut judge = Judge::new(conn, Some(conf), mode, network, None)?;
-    let ready = candidates_of(conn, network, family, &mut judge.records)?;
-    if has_room(conn, &mut judge, ready, now_ms)? {
-        return Ok(Ok(()));
-    }
-    // On IPv4 exhaustion the ADD takes back the oldest Draining block and
-    // allocates again (`Engine::allocate_family`): judged as a candidate.
-    if family == Family::V4 {
-        let undrainable: Option<(i64, String)> = conn
-            .prepare_cached(UNDRAINABLE_SQL)?
-            .query_row(params![network, family.as_str()], |r| r.get(0))
-            .optional()?
-            .map(|id: i64| {
-                conn.prepare_cached(WITH_ROOM_SQL)?
-                    .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
-                    .optional()
-            })
-            .transpose()?
-            .flatten();
-        if let Some((id, cidr)) = undrainable {
-            let taken_back = vec![(id, parse_cidr(&cidr)?)];
-            if has_room(conn, &mut judge, taken_back, now_ms)? {
-                return Ok(Ok(()));
+        let (conn, mode) = (&self.conn, self.reserve);
+        let mut judge = Judge::new(conn, Some(conf), mode, network, None)?;
+        let ready = candidates_of(conn, network, family, &mut judge.records)?;
+        if has_room(conn, &mut judge, ready, now_ms)? {
+            return Ok(Ok(()));
+        }
+        // On IPv4 exhaustion the ADD takes back the oldest Draining block and
+        // allocates again (`Engine::allocate_family`): judged as a candidate.
+        if family == Family::V4 {
+            let undrainable: Option<(i64, String)> = conn
+                .prepare_cached(UNDRAINABLE_SQL)?
+                .query_row(params![network, family.as_str()], |r| r.get(0))
+                .optional()?
+                .map(|id: i64| {
+                    conn.prepare_cached(WITH_ROOM_SQL)?
+                        .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .optional()
+                })
+                .transpose()?
+                .flatten();
+            if let Some((id, cidr)) = undrainable {
+                let taken_back = vec![(id, parse_cidr(&cidr)?)];
+                if has_room(conn, &mut judge, taken_back, now_ms)? {
+                    return Ok(Ok(()));
+                }
             }
         }
+        Ok(Err(judge.passed_over))
     }
-    Ok(Err(judge.passed_over))
 }
 
 /// Block ?1 (id, cidr) when its counter leaves room, as [`candidates_of`]

@@ -154,7 +154,7 @@ impl Store {
     ) -> Result<crate::store::db::AddOutcome, StoreError> {
         let mode = self.reserve;
         let tx = crate::store::db::write(&mut self.conn, self.batch)?;
-        let outcome = add_block(&tx, mode, network, cidr, None, 0)?;
+        let outcome = add_block(&tx, mode, network, cidr, None)?;
         tx.commit()?;
         Ok(outcome)
     }
@@ -201,8 +201,7 @@ impl Store {
         let was_isolated = is_isolated(&tx, network)?;
         set_isolated(&tx, network, isolated)?;
         replace_wanted(&tx, source, network, family, &ranges)?;
-        let strict = strict.then_some(source);
-        let changes = relayout(&tx, mode, network, family, strict, now_ms)?;
+        let changes = relayout(&tx, mode, &of_family, strict, now_ms)?;
         if was_isolated && !isolated {
             // Its blocks were checked against nobody: joining the shared
             // address space over another network's block would hand out
@@ -366,19 +365,24 @@ impl Store {
 fn relayout(
     conn: &Connection,
     mode: ReserveMode,
-    network: &str,
-    family: Family,
-    strict: Option<Source>,
+    wish: &Wish,
+    strict: bool,
     now_ms: i64,
 ) -> Result<LayoutChanges, StoreError> {
+    let (network, family) = (wish.network, wish.family);
+    let strict = strict.then_some(wish.source);
     let mut changes = LayoutChanges::default();
     let wanted = wanted(conn, None, network, family)?;
     let cidrs: Vec<Cidr> = wanted.iter().map(|(cidr, _)| *cidr).collect();
     for target in cidr::maximal(&cidrs) {
         // Each placement reshapes blocks: the next one sees them anew.
         let decided = placement(&target, &placed(conn, network, family)?);
-        let Some(refusal) = place(conn, mode, network, &target, decided, &mut changes)? else {
-            continue;
+        let refusal = match place(conn, mode, network, &target, decided)? {
+            Ok(line) => {
+                changes.lines.extend(line);
+                continue;
+            }
+            Err(refusal) => refusal,
         };
         let strict_wants = wanted.iter().any(|(cidr, source)| {
             strict == Some(*source) && (*cidr == target || target.strictly_contains(cidr))
@@ -388,7 +392,8 @@ fn relayout(
         }
         changes.refused.push(refusal.to_string());
     }
-    record_sources(conn, network, family, &wanted, now_ms, &mut changes)?;
+    let sources_changed = record_sources(conn, network, family, &wanted, now_ms)?;
+    changes.lines.extend(sources_changed);
     for (id, cidr) in sweepable(conn, &placed(conn, network, family)?, now_ms)? {
         delete_block(conn, id)?;
         changes.lines.push(format!(
@@ -445,19 +450,19 @@ fn placement(target: &Cidr, blocks: &[Placed]) -> Placement {
     }
 }
 
-/// Carries out a placement of `target`; returns the refusal when it
-/// overlaps a block it may not take (a granted one, or another network's).
+/// Carries out a placement of `target`: what changed, in words (`None`:
+/// nothing), or the refusal when it overlaps a block it may not take (a
+/// granted one, or another network's).
 fn place(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
     target: &Cidr,
     decided: Placement,
-    changes: &mut LayoutChanges,
-) -> Result<Option<StoreError>, StoreError> {
+) -> Result<Result<Option<String>, StoreError>, StoreError> {
     let line = match decided {
-        Placement::Served => return Ok(None),
-        Placement::Granted(granted) => return Ok(Some(granted_overlap(network, target, &granted))),
+        Placement::Served => return Ok(Ok(None)),
+        Placement::Granted(granted) => return Ok(Err(granted_overlap(network, target, &granted))),
         Placement::Quarantined(q) => format!(
             "range {target} of network {network:?} overlaps quarantined block {q}; not served until `metis admin check` passes"
         ),
@@ -470,7 +475,7 @@ fn place(
         }
         Placement::Add => {
             if let Some(refusal) = other_network_refusal(conn, network, target)? {
-                return Ok(Some(refusal));
+                return Ok(Err(refusal));
             }
             let id = insert_block(conn, mode, network, target)?;
             ensure_record(conn, id)?;
@@ -478,7 +483,7 @@ fn place(
         }
         Placement::Grow(inner) => {
             if let Some(refusal) = other_network_refusal(conn, network, target)? {
-                return Ok(Some(refusal));
+                return Ok(Err(refusal));
             }
             grow(conn, mode, network, &inner, target)?;
             format!(
@@ -487,8 +492,7 @@ fn place(
             )
         }
     };
-    changes.lines.push(line);
-    Ok(None)
+    Ok(Ok(Some(line)))
 }
 
 /// [`check_other_networks`], its refusal as a value.
@@ -519,15 +523,16 @@ fn other_network_refusal(
 /// Writes which static sources want each block (adaptive sources are
 /// kept), retires blocks no one wants and takes back retired blocks that
 /// are wanted again. Blocks without a Metis record that nothing wants are
-/// left as they are: their origin is unknown.
+/// left as they are: their origin is unknown. Returns what changed, in
+/// words.
 fn record_sources(
     conn: &Connection,
     network: &str,
     family: Family,
     wanted: &[(Cidr, Source)],
     now_ms: i64,
-    changes: &mut LayoutChanges,
-) -> Result<(), StoreError> {
+) -> Result<Vec<String>, StoreError> {
+    let mut lines = Vec::new();
     for block in placed(conn, network, family)? {
         let mut sources: BTreeSet<Source> = wanted
             .iter()
@@ -555,19 +560,26 @@ fn record_sources(
         }
         if sources.is_empty() && block.state == BlockState::Ready {
             set_retired(conn, block.id, true, now_ms)?;
-            changes.lines.push(format!(
+            lines.push(format!(
                 "retired block {} of network {network:?}: no longer configured; its pods keep their addresses",
                 block.cidr
             ));
         } else if !sources.is_empty() && block.retired {
             set_retired(conn, block.id, false, now_ms)?;
-            changes.lines.push(format!(
+            lines.push(format!(
                 "block {} of network {network:?} is configured again",
                 block.cidr
             ));
         }
     }
-    Ok(())
+    Ok(lines)
+}
+
+/// The source that grants a block, and when.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::store) struct Grant {
+    pub(in crate::store) source: Source,
+    pub(in crate::store) at_ms: i64,
 }
 
 /// Adds one block (the `--cidr`-less primitive behind
@@ -577,19 +589,18 @@ pub(in crate::store) fn add_block(
     mode: ReserveMode,
     network: &str,
     cidr: &Cidr,
-    source: Option<Source>,
-    now_ms: i64,
+    grant: Option<Grant>,
 ) -> Result<crate::store::db::AddOutcome, StoreError> {
     let blocks = placed(conn, network, cidr.family())?;
     if let Some(same) = blocks.iter().find(|b| b.cidr == *cidr) {
-        if let Some(source) = source {
+        if let Some(Grant { source, at_ms }) = grant {
             ensure_record(conn, same.id)?;
             let mut sources = same.sources.clone().unwrap_or_default();
             if sources.insert(source) {
                 write_sources(conn, same.id, &sources)?;
             }
             if same.retired {
-                set_retired(conn, same.id, false, now_ms)?;
+                set_retired(conn, same.id, false, at_ms)?;
             }
         }
         return Ok(crate::store::db::AddOutcome::Exists(same.id));
@@ -605,7 +616,7 @@ pub(in crate::store) fn add_block(
     }
     check_other_networks(conn, network, cidr)?;
     let id = insert_block(conn, mode, network, cidr)?;
-    if let Some(source) = source {
+    if let Some(Grant { source, .. }) = grant {
         ensure_record(conn, id)?;
         write_sources(conn, id, &BTreeSet::from([source]))?;
     }

@@ -118,7 +118,11 @@ impl Store {
             let was_retired = before
                 .iter()
                 .any(|b| b.cidr == *cidr && b.retired && !b.quarantined);
-            match blocks::add_block(&tx, mode, network, cidr, Some(source), now_ms) {
+            let grant = blocks::Grant {
+                source,
+                at_ms: now_ms,
+            };
+            match blocks::add_block(&tx, mode, network, cidr, Some(grant)) {
                 Ok(crate::store::db::AddOutcome::Added(_)) => {
                     changes.added.push((network.clone(), *cidr))
                 }

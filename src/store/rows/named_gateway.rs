@@ -12,7 +12,7 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::store::db::StoreError;
+use crate::store::db::{Owner, StoreError};
 use crate::store::rows::handout::Unfit;
 
 /// Records that the result returned for allocation row `row_id` names
@@ -42,19 +42,18 @@ pub(in crate::store) fn record_taken(
     conn: &Connection,
     row_id: i64,
     gateway: IpAddr,
-    container_id: &str,
-    interface_name: &str,
+    owner: &Owner,
     allocated_at: i64,
 ) -> Result<(), StoreError> {
     forget(conn, row_id)?;
-    if container_id.is_empty() {
+    if owner.container_id.is_empty() {
         return Ok(());
     }
     conn.prepare_cached(RECORD_TAKEN_SQL)?.execute(params![
         row_id,
         gateway.to_string(),
-        container_id,
-        interface_name,
+        owner.container_id,
+        owner.interface_name,
         allocated_at
     ])?;
     Ok(())

@@ -430,7 +430,16 @@ fn check_record_taken(conn: &Connection, row: i64, at: i64, rng: &mut Rng, conte
         conn.execute_batch("SAVEPOINT probe").unwrap();
         conn.execute_batch(&take).unwrap();
         match new {
-            true => record_taken(conn, row, gateway, container, interface, at).unwrap(),
+            true => {
+                let owner = Owner {
+                    network: "",
+                    container_id: container,
+                    interface_name: interface,
+                    pod_name: "",
+                    pod_namespace: "",
+                };
+                record_taken(conn, row, gateway, &owner, at).unwrap()
+            }
             false => record(conn, row, gateway).unwrap(),
         }
         after.push(gateway_records(conn));
