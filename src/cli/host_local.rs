@@ -463,43 +463,8 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         owners.len(),
         dir.display(),
     )];
-    // As a plugin in direct mode does before allocating: were the boot's
-    // recovery left to the daemon, it would release what we record now.
-    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
-    if let Some(boot_id) = store::read_boot_id(&boot_id_path) {
-        let recovered = engine
-            .store_mut()
-            .recover_after_reboot(&boot_id, None, now)
-            .map_err(|e| fail(&e))?;
-        if recovered.released() > 0 {
-            done.push(format!(
-                "released {} allocation(s) of the previous boot first",
-                recovered.released()
-            ));
-        }
-    }
-    for family in [Family::V4, Family::V6] {
-        let ranges = ranges_of(conf, family);
-        if ranges.is_empty() {
-            continue;
-        }
-        let store = engine.store_mut();
-        store
-            .configure(
-                &crate::store::Wish {
-                    source: Source::Cni,
-                    network,
-                    family,
-                    ranges,
-                    isolated: conf.isolated,
-                },
-                now,
-            )
-            .map_err(|e| fail(&e))?;
-        store
-            .set_bounds(network, family, &conf.bounds)
-            .map_err(|e| fail(&e))?;
-    }
+    done.extend(recover_boot(engine.store_mut(), now)?);
+    lay_out(engine.store_mut(), conf, now).map_err(|e| fail(&e))?;
     let in_metis = pod_rows(engine.store(), network).map_err(|e| fail(&e))?;
     if co_written {
         let read = HostLocalFiles { dir, files: &held };
@@ -524,6 +489,44 @@ fn import_in(engine: &mut Engine, conf: &NetConf, dir: &Path, run: Run) -> Resul
         co_writer::register(engine.store_mut(), network, dir).map_err(|e| fail(&e))?;
     }
     Ok(done)
+}
+
+/// As a plugin in direct mode does before allocating: were the boot's
+/// recovery left to the daemon, it would release what the import records.
+fn recover_boot(store: &mut Store, now: i64) -> Result<Option<String>, Lines> {
+    let boot_id_path = store::boot_id_path(&|name| std::env::var(name).ok());
+    let Some(boot_id) = store::read_boot_id(&boot_id_path) else {
+        return Ok(None);
+    };
+    let recovered = store
+        .recover_after_reboot(&boot_id, None, now)
+        .map_err(|e| vec![e.to_string()])?;
+    Ok((recovered.released() > 0).then(|| {
+        format!(
+            "released {} allocation(s) of the previous boot first",
+            recovered.released()
+        )
+    }))
+}
+
+/// The config's blocks and bounds, as its ADDs lay them out.
+fn lay_out(store: &mut Store, conf: &NetConf, now: i64) -> Result<(), store::StoreError> {
+    for family in [Family::V4, Family::V6] {
+        let ranges = ranges_of(conf, family);
+        if ranges.is_empty() {
+            continue;
+        }
+        let wish = store::Wish {
+            source: Source::Cni,
+            network: &conf.network,
+            family,
+            ranges,
+            isolated: conf.isolated,
+        };
+        store.configure(&wish, now)?;
+        store.set_bounds(&conf.network, family, &conf.bounds)?;
+    }
+    Ok(())
 }
 
 /// Every pod allocation of `network` in Metis.

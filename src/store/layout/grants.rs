@@ -10,7 +10,7 @@
 use rusqlite::{Connection, params};
 
 use crate::cidr::{Cidr, Family};
-use crate::store::db::{Store, StoreError, parse_cidr};
+use crate::store::db::{ReserveMode, Store, StoreError, parse_cidr};
 use crate::store::layout::blocks::{self, Placed, Source};
 
 /// A block the store could not take from the cluster, with the owner of
@@ -82,74 +82,15 @@ impl Store {
     ) -> Result<GrantChanges, StoreError> {
         let mode = self.reserve;
         let tx = crate::store::db::write(&mut self.conn, self.batch)?;
-        let mut changes = GrantChanges::default();
-        let name = source.as_str();
-        for (network, family) in networks(&tx, families)? {
-            for block in blocks::placed(&tx, &network, family)? {
-                let Some(sources) = &block.sources else {
-                    continue;
-                };
-                let wanted = granted
-                    .iter()
-                    .any(|(n, c)| *n == network && *c == block.cidr);
-                if wanted || !sources.contains(&source) {
-                    continue;
-                }
-                let mut left = sources.clone();
-                left.remove(&source);
-                blocks::write_sources(&tx, block.id, &left)?;
-                if left.is_empty() && !block.quarantined {
-                    blocks::set_retired(&tx, block.id, true, now_ms)?;
-                    tx.prepare_cached(
-                        "INSERT OR REPLACE INTO metis_taken_back (block_id, source, since_ms) \
-                         VALUES (?1, ?2, ?3)",
-                    )?
-                    .execute(params![block.id, name, now_ms])?;
-                    changes.taken_back.push((network.clone(), block.cidr));
-                }
-            }
-        }
-        for (network, cidr) in granted {
-            if is_deleting(&tx, network, cidr)? {
-                changes.releasing.push((network.clone(), *cidr));
-                continue;
-            }
-            let before = blocks::placed(&tx, network, cidr.family())?;
-            let was_retired = before
-                .iter()
-                .any(|b| b.cidr == *cidr && b.retired && !b.quarantined);
-            let grant = blocks::Grant {
-                source,
-                at_ms: now_ms,
-            };
-            match blocks::add_block(&tx, mode, network, cidr, Some(grant)) {
-                Ok(crate::store::db::AddOutcome::Added(_)) => {
-                    changes.added.push((network.clone(), *cidr))
-                }
-                Ok(crate::store::db::AddOutcome::Exists(id)) => {
-                    tx.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
-                        .execute([id])?;
-                    if was_retired {
-                        changes.granted_again.push((network.clone(), *cidr));
-                    }
-                }
-                Err(StoreError::Overlap {
-                    other_cidr,
-                    other_network,
-                    ..
-                }) => {
-                    let owner = owner_of(&tx, &other_network, &other_cidr)?;
-                    changes.refused.push(Refusal {
-                        network: network.clone(),
-                        cidr: *cidr,
-                        other_cidr,
-                        other_network,
-                        owner,
-                    });
-                }
-                Err(err) => return Err(err),
-            }
-        }
+        let grant = blocks::Grant {
+            source,
+            at_ms: now_ms,
+        };
+        let mut changes = GrantChanges {
+            taken_back: take_back_ungranted(&tx, grant, families, granted)?,
+            ..GrantChanges::default()
+        };
+        add_granted(&tx, mode, grant, granted, &mut changes)?;
         changes.deleted = sweep(&tx, now_ms)?;
         tx.commit()?;
         Ok(changes)
@@ -239,6 +180,94 @@ impl Store {
         tx.commit()?;
         Ok(())
     }
+}
+
+/// Takes `grant`'s source off every block of `families` it no longer
+/// grants; a block left with no source is retired and recorded as taken
+/// back. Returns those.
+fn take_back_ungranted(
+    tx: &Connection,
+    grant: blocks::Grant,
+    families: &[Family],
+    granted: &[(String, Cidr)],
+) -> Result<Vec<(String, Cidr)>, StoreError> {
+    let blocks::Grant { source, at_ms } = grant;
+    let mut taken_back = Vec::new();
+    for (network, family) in networks(tx, families)? {
+        for block in blocks::placed(tx, &network, family)? {
+            let Some(sources) = &block.sources else {
+                continue;
+            };
+            let wanted = granted
+                .iter()
+                .any(|(n, c)| *n == network && *c == block.cidr);
+            if wanted || !sources.contains(&source) {
+                continue;
+            }
+            let mut left = sources.clone();
+            left.remove(&source);
+            blocks::write_sources(tx, block.id, &left)?;
+            if left.is_empty() && !block.quarantined {
+                blocks::set_retired(tx, block.id, true, at_ms)?;
+                tx.prepare_cached(
+                    "INSERT OR REPLACE INTO metis_taken_back (block_id, source, since_ms) \
+                     VALUES (?1, ?2, ?3)",
+                )?
+                .execute(params![block.id, source.as_str(), at_ms])?;
+                taken_back.push((network.clone(), block.cidr));
+            }
+        }
+    }
+    Ok(taken_back)
+}
+
+/// Adds every granted block (or takes it back from retirement); one that
+/// overlaps another block is refused and reported with that block's owner.
+fn add_granted(
+    tx: &Connection,
+    mode: ReserveMode,
+    grant: blocks::Grant,
+    granted: &[(String, Cidr)],
+    changes: &mut GrantChanges,
+) -> Result<(), StoreError> {
+    for (network, cidr) in granted {
+        if is_deleting(tx, network, cidr)? {
+            changes.releasing.push((network.clone(), *cidr));
+            continue;
+        }
+        let before = blocks::placed(tx, network, cidr.family())?;
+        let was_retired = before
+            .iter()
+            .any(|b| b.cidr == *cidr && b.retired && !b.quarantined);
+        match blocks::add_block(tx, mode, network, cidr, Some(grant)) {
+            Ok(crate::store::db::AddOutcome::Added(_)) => {
+                changes.added.push((network.clone(), *cidr))
+            }
+            Ok(crate::store::db::AddOutcome::Exists(id)) => {
+                tx.prepare_cached("DELETE FROM metis_taken_back WHERE block_id = ?1")?
+                    .execute([id])?;
+                if was_retired {
+                    changes.granted_again.push((network.clone(), *cidr));
+                }
+            }
+            Err(StoreError::Overlap {
+                other_cidr,
+                other_network,
+                ..
+            }) => {
+                let owner = owner_of(tx, &other_network, &other_cidr)?;
+                changes.refused.push(Refusal {
+                    network: network.clone(),
+                    cidr: *cidr,
+                    other_cidr,
+                    other_network,
+                    owner,
+                });
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(())
 }
 
 /// (network, family) of every non-Deleting block of `families`.

@@ -458,7 +458,12 @@ fn check_with(conn: &Connection, sqlite: Sqlite, rows: Rows) -> Result<Report, S
     };
     let blocks = check_blocks(conn, mode, &mut report)?;
     let isolated = isolated_networks(conn)?;
-    match check_address_rows(conn, mode, &blocks, &isolated, rows, &mut report) {
+    let expected = Expected {
+        mode,
+        blocks: &blocks,
+        isolated: &isolated,
+    };
+    match check_address_rows(conn, &expected, rows, &mut report) {
         Err(StoreError::Sqlite(err)) if is_corrupt(&err) => {
             report
                 .problems
@@ -692,6 +697,15 @@ impl RowScan {
 
 /// The blocks of a row-level check, looked up by id; rows come mostly
 /// grouped by block, so the last one found is kept.
+/// What every address row is checked against: the reservation mode, the
+/// blocks as the block pass read them, and the isolated networks.
+#[derive(Clone, Copy)]
+struct Expected<'a> {
+    mode: ReserveMode,
+    blocks: &'a HashMap<i64, Block>,
+    isolated: &'a HashSet<String>,
+}
+
 struct Lookup<'b> {
     blocks: &'b HashMap<i64, Block>,
     last: Option<(i64, &'b Block)>,
@@ -731,12 +745,15 @@ enum Rows {
 /// pod-held rows are remembered, so memory follows the pods, not the rows.
 fn check_address_rows(
     conn: &Connection,
-    mode: ReserveMode,
-    blocks: &HashMap<i64, Block>,
-    isolated: &HashSet<String>,
+    expected: &Expected,
     rows: Rows,
     report: &mut Report,
 ) -> Result<(), StoreError> {
+    let Expected {
+        mode,
+        blocks,
+        isolated,
+    } = *expected;
     const COLUMNS: &str = "SELECT id, address, cidr_block_id, is_allocated, container_id, \
                            interface_name, updated_at FROM ip_addresses";
     let (mut stmt, mark) = match rows {
