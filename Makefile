@@ -5,34 +5,18 @@ SHELL := /bin/bash
 CARGO ?= cargo
 # Where cargo puts its output: CARGO_TARGET_DIR when set, as cargo does.
 TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
-# Release binaries are linked statically (glibc, non-PIE, as the image's):
-# each plugin exec then maps one file and resolves no symbols, which takes a
-# third off its CPU time and a sixth off its peak RSS (bench/history.md,
-# "Plugin exec"). The host's triple is given explicitly so +crt-static reaches
-# the binary but not build scripts and proc macros (which cannot link
-# statically), and so `cargo bench`, which builds target/release/metis its own
-# way, never overwrites it.
-# Three more flags for size and exec cost (bench/history.md, "Size of the edge
-# build"; docs/design.md, "Per exec"):
-# - relocation-model=static: a static non-PIE executable. It has no table of
-#   ~3,900 relative relocations to apply at every exec (plugin ADD 180k ->
-#   129k instructions, 100 KB less); the price is no ASLR for the binary's own
-#   image (stack, heap and mmap stay randomised), as Debian's host-local.
-# - SQLite's C at -Os without unwind tables (CFLAGS_<triple>, read by the cc
-#   crate after its own -O3): 660 KB less, the daemon +5-10 % per request,
-#   the plugin (which opens no database) unchanged.
-# - no unwind tables (src/discard-eh-frame.ld, and no .eh_frame_hdr): with
-#   panic = "abort" nothing unwinds; std's, glibc's and libgcc's tables were
-#   187 KB of the edge build. What is lost: the frames of RUST_BACKTRACE=1
-#   (a stripped binary printed none anyway) and pthread_cancel/pthread_exit,
-#   which Metis never calls.
+# Release binaries: static glibc, non-PIE, no unwind tables, SQLite's C at
+# -Os, for a cheaper exec and a smaller binary (the figures: bench/history.md,
+# "Build tuning, as once told in comments"). The host's triple is explicit so
+# +crt-static reaches the binary but not build scripts and proc macros, and so
+# `cargo bench` never overwrites it. The Containerfile's builder runs `make
+# build`: these flags are set here and nowhere else.
 HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
 NO_UNWIND := -C link-arg=-Wl,-T,$(CURDIR)/src/discard-eh-frame.ld -C link-arg=-Wl,--no-eh-frame-hdr
 STATIC := RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static $(NO_UNWIND)" \
   CFLAGS_$(subst -,_,$(HOST))="-Os -fno-asynchronous-unwind-tables -fno-unwind-tables"
-# Optimisation levels are Cargo.toml's, the same for both builds (and the
-# Containerfile's builder): Metis's own code at "s", the Kubernetes client's
-# crates at "z" (bench/history.md, "Size, fourth round").
+# Optimisation levels are Cargo.toml's `[profile.release.package]`, the same
+# for both builds.
 METIS := $(TARGET_DIR)/$(HOST)/release/metis
 EDGE := $(TARGET_DIR)/edge/$(HOST)/release/metis
 # The bench's floor, linked by `make build` exactly as $(METIS) (Cargo.toml).
