@@ -250,19 +250,10 @@ impl Sim {
     }
 
     fn wait_for_leader(&mut self, not: Option<&str>) -> String {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(leader) = self.leader().filter(|l| Some(l.as_str()) != not) {
-                self.takeovers += u64::from(not.is_some());
-                return leader;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no new leader (not {not:?}): {}",
-                self.controller_logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let leader = common::poll(WAIT, || self.leader().filter(|l| Some(l.as_str()) != not))
+            .unwrap_or_else(|| panic!("no new leader (not {not:?}): {}", self.controller_logs()));
+        self.takeovers += u64::from(not.is_some());
+        leader
     }
 
     fn controller_logs(&self) -> String {
@@ -452,9 +443,9 @@ impl Sim {
         // Generous slack: on a loaded machine a pass and its pool write can
         // lag by seconds; a block that never comes back fails all the same.
         let most = NODE_GRACE + RECLAIM + SLACK * 3;
-        let deadline = Instant::now() + most;
-        loop {
-            let held: Vec<String> = {
+        let mut held: Vec<String> = Vec::new();
+        let back = common::poll(most, || {
+            held = {
                 let state = self.api.state();
                 let objects = block_objects(&state);
                 let cooling: BTreeSet<String> = objects
@@ -492,15 +483,13 @@ impl Sim {
                     })
                     .collect()
             };
-            if held.is_empty() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
+            held.is_empty().then_some(())
+        });
+        if back.is_none() {
+            panic!(
                 "not back in the pool after {most:?}: {held:?}\n{}",
                 self.controller_logs()
             );
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
@@ -757,25 +746,21 @@ impl Sim {
             .filter(|n| n.daemon.is_some())
             .map(|n| n.name.clone())
             .collect();
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let unanswered: Vec<String> = {
-                let state = self.api.state();
-                names
-                    .iter()
-                    .filter(|name| !answered(state.get(&Key::cluster(NNCS, name))))
-                    .cloned()
-                    .collect()
-            };
-            if unanswered.is_empty() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
+        let mut unanswered: Vec<String> = Vec::new();
+        let settled = common::poll(WAIT, || {
+            let state = self.api.state();
+            unanswered = names
+                .iter()
+                .filter(|name| !answered(state.get(&Key::cluster(NNCS, name))))
+                .cloned()
+                .collect();
+            unanswered.is_empty().then_some(())
+        });
+        if settled.is_none() {
+            panic!(
                 "demand of {unanswered:?} unanswered: {}",
                 self.controller_logs()
             );
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 

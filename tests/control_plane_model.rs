@@ -246,25 +246,21 @@ fn followed(model: &Model, node: &Node) -> bool {
 /// Waits until the daemon has followed the model; says what differs if it
 /// does not in time.
 fn wait_followed(model: &Model, node: &Node, api: &ApiServer, step: usize, what: &str) {
-    let deadline = std::time::Instant::now() + SYNC;
-    while !followed(model, node) {
-        if std::time::Instant::now() > deadline {
-            panic!(
-                "step {step} ({what}) not followed in {SYNC:?}\nstatus: {:?}\nnever again: {:?}\n\
-                 released ever: {:?}\nblocks: {:?}\nremembered: {:?}\nserver: {}\nlog:\n{}",
-                model.status,
-                model.never_again,
-                model.released_ever,
-                node.blocks(),
-                node.released(),
-                api.state().nnc.clone().unwrap_or_default(),
-                node.daemon
-                    .as_ref()
-                    .map(TestDaemon::log)
-                    .unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if common::poll(SYNC, || followed(model, node).then_some(())).is_none() {
+        panic!(
+            "step {step} ({what}) not followed in {SYNC:?}\nstatus: {:?}\nnever again: {:?}\n\
+             released ever: {:?}\nblocks: {:?}\nremembered: {:?}\nserver: {}\nlog:\n{}",
+            model.status,
+            model.never_again,
+            model.released_ever,
+            node.blocks(),
+            node.released(),
+            api.state().nnc.clone().unwrap_or_default(),
+            node.daemon
+                .as_ref()
+                .map(TestDaemon::log)
+                .unwrap_or_default()
+        );
     }
 }
 
@@ -444,10 +440,10 @@ fn control_step(
             // watch is answered ResourceVersionTooLarge). Without that
             // pause the same version could name two contents on a silent
             // stream, which no client can tell apart (docs/design.md).
-            let deadline = std::time::Instant::now() + Duration::from_secs(3);
-            while lists(api) == before && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            // A pause, not a check: a node may have nothing to list again.
+            let _ = common::poll(Duration::from_secs(3), || {
+                (lists(api) != before).then_some(())
+            });
             api.set_status(model.status_json());
             "etcd restore".into()
         }
@@ -501,10 +497,10 @@ fn control_step(
                 node.del(&container);
                 model.pods.remove(&container);
             }
-            let deadline = std::time::Instant::now() + Duration::from_secs(3);
-            while releasable(api).is_empty() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
+            // A pause, not a check: the node may have nothing to give back.
+            let _ = common::poll(Duration::from_secs(3), || {
+                (!releasable(api).is_empty()).then_some(())
+            });
             "idle: every pod leaves, blocks are given back".into()
         }
         94..=96 => rotate_ca(model, api),

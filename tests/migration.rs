@@ -310,14 +310,10 @@ fn metis_within(args: &[&str], deadline: std::time::Duration) -> Output {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{args:?} still running after {deadline:?}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
+    if common::poll(deadline, || child.try_wait().unwrap()).is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("{args:?} still running after {deadline:?}");
     }
     child.wait_with_output().unwrap()
 }

@@ -374,13 +374,8 @@ impl ApiServer {
 
     /// Waits until `condition` holds on the state (re-checked on every change).
     pub fn wait_until(&self, what: &str, timeout: Duration, condition: impl Fn(&State) -> bool) {
-        http::wait_until(
-            &self.shared.state,
-            &self.shared.changed,
-            what,
-            timeout,
-            condition,
-        );
+        super::poll(timeout, || condition(&self.state()).then_some(()))
+            .unwrap_or_else(|| panic!("timed out waiting for {what}"));
     }
 
     fn serve(&mut self, listener: TcpListener) {

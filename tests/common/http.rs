@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -84,28 +84,6 @@ impl Acceptor {
         // Unblock accept() with a throwaway connection.
         let _ = TcpStream::connect(self.addr);
         let _ = self.thread.join();
-    }
-}
-
-/// Waits until `condition` holds on `state`, re-checked whenever `changed`
-/// is notified (and at least every 100 ms); panics naming `what` after
-/// `timeout`.
-pub fn wait_until<S>(
-    state: &Mutex<S>,
-    changed: &Condvar,
-    what: &str,
-    timeout: Duration,
-    condition: impl Fn(&S) -> bool,
-) {
-    let deadline = Instant::now() + timeout;
-    let mut guard = state.lock().unwrap();
-    while !condition(&guard) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "timed out waiting for {what}");
-        guard = changed
-            .wait_timeout(guard, left.min(Duration::from_millis(100)))
-            .unwrap()
-            .0;
     }
 }
 
@@ -343,14 +321,6 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
 /// Listens again on the address a stopped server used, waiting (up to
 /// 10 s) for the kernel to let go of it.
 pub fn rebind(addr: SocketAddr) -> TcpListener {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match TcpListener::bind(addr) {
-            Ok(listener) => return listener,
-            Err(err) => {
-                assert!(Instant::now() < deadline, "cannot rebind {addr}: {err}");
-                thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
+    super::poll(Duration::from_secs(10), || TcpListener::bind(addr).ok())
+        .unwrap_or_else(|| panic!("cannot rebind {addr}: {:?}", TcpListener::bind(addr).err()))
 }

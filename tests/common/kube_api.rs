@@ -827,13 +827,8 @@ impl KubeApi {
     /// Waits until `condition` holds (re-checked on every change); panics
     /// naming `what` after `timeout`.
     pub fn wait_until(&self, what: &str, timeout: Duration, condition: impl Fn(&State) -> bool) {
-        http::wait_until(
-            &self.shared.state,
-            &self.shared.changed,
-            what,
-            timeout,
-            condition,
-        );
+        super::poll(timeout, || condition(&self.state()).then_some(()))
+            .unwrap_or_else(|| panic!("timed out waiting for {what}"));
     }
 
     /// Stops listening and cuts every open connection (watches included).

@@ -63,13 +63,30 @@ impl Drop for TestDir {
     }
 }
 
-/// Polls `condition` until it holds or `timeout` passes.
-pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+/// How often [`poll`] tries again.
+const POLL_EVERY: Duration = Duration::from_millis(10);
+
+/// The one way the tests wait for something: tries `attempt` every 10 ms
+/// until it gives a value, and returns it; `None` once `timeout` has passed
+/// without one (the caller then panics with what it knows, or goes on when
+/// the wait was only a pause). Never a sleep taken as proof.
+pub fn poll<T>(timeout: Duration, mut attempt: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
+    loop {
+        if let Some(value) = attempt() {
+            return Some(value);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(POLL_EVERY);
     }
+}
+
+/// Polls `condition` until it holds; panics naming `what` after `timeout`.
+pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    poll(timeout, || condition().then_some(()))
+        .unwrap_or_else(|| panic!("timed out waiting for {what}"))
 }
 
 /// A `metis daemon` child process, killed on drop.
@@ -101,17 +118,14 @@ impl TestDaemon {
     fn launch(binary: &Path, dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
         let mut daemon = TestDaemon::spawn_logging(binary, dir, extra, env, "daemon.log");
         let socket = daemon.socket.clone();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while UnixStream::connect(&socket).is_err() {
+        let listening = poll(Duration::from_secs(10), || {
             if let Ok(Some(status)) = daemon.child.try_wait() {
                 panic!("daemon exited with {status}: {}", daemon.log());
             }
-            assert!(
-                Instant::now() < deadline,
-                "daemon did not listen: {}",
-                daemon.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+            UnixStream::connect(&socket).ok().map(drop)
+        });
+        if listening.is_none() {
+            panic!("daemon did not listen: {}", daemon.log());
         }
         daemon
     }
@@ -190,20 +204,20 @@ impl TestDaemon {
     /// Waits until the daemon's log contains `text`; panics with the log
     /// if it exits first or `timeout` passes.
     pub fn wait_for_log(&mut self, text: &str, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        while !self.log().contains(text) {
+        let logged = poll(timeout, || {
+            if self.log().contains(text) {
+                return Some(());
+            }
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!(
                     "daemon exited with {status} before {text:?}: {}",
                     self.log()
                 );
             }
-            assert!(
-                Instant::now() < deadline,
-                "daemon did not log {text:?}: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+            None
+        });
+        if logged.is_none() {
+            panic!("daemon did not log {text:?}: {}", self.log());
         }
     }
 
@@ -215,17 +229,9 @@ impl TestDaemon {
 
     /// Waits for the exit status (after [`TestDaemon::terminate`]).
     pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon did not exit: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+        match poll(timeout, || self.child.try_wait().unwrap()) {
+            Some(status) => status,
+            None => panic!("daemon did not exit: {}", self.log()),
         }
     }
 
