@@ -975,10 +975,7 @@ pub(in crate::store) fn resolve_overlaps(
             Verdict::Delete(victim) => {
                 delete_block(conn, victim.id)?;
                 marks.remove(&victim.id);
-                deleted.push(format!(
-                    "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
-                    victim.cidr, victim.network
-                ));
+                deleted.push(deleted_line(&victim));
             }
             Verdict::Quarantine { id, why } => {
                 marks.entry(id).or_insert(why);
@@ -986,6 +983,45 @@ pub(in crate::store) fn resolve_overlaps(
         }
     }
     Ok(())
+}
+
+/// What the start logs of a block [`resolve_overlaps`] deleted.
+fn deleted_line(victim: &Entry) -> String {
+    format!(
+        "deleted block {} of network {:?}: it overlapped another block and no pod held an address in it",
+        victim.cidr, victim.network
+    )
+}
+
+/// What [`resolve_overlaps`] would do now, read-only and in the words the
+/// start logs: for `metis admin check`, the vet before an upgrade.
+#[derive(Debug, Default)]
+pub(in crate::store) struct Foreseen {
+    /// Blocks it would quarantine: (id, cidr, network, why).
+    pub(in crate::store) quarantined: Vec<(i64, Cidr, String, String)>,
+    /// The lines of the blocks it would delete.
+    pub(in crate::store) deleted: Vec<String>,
+}
+
+pub(in crate::store) fn foreseen_overlaps(
+    conn: &Connection,
+    now_ms: i64,
+) -> Result<Foreseen, StoreError> {
+    let mut unreadable = BTreeMap::new();
+    let entries = overlap_entries(conn, &mut unreadable, now_ms)?;
+    let mut foreseen = Foreseen::default();
+    for verdict in overlap_verdicts(&entries) {
+        match verdict {
+            Verdict::Delete(victim) => foreseen.deleted.push(deleted_line(&victim)),
+            Verdict::Quarantine { id, why } => {
+                if let Some(entry) = entries.iter().find(|e| e.id == id) {
+                    let (cidr, network) = (entry.cidr, entry.network.clone());
+                    foreseen.quarantined.push((id, cidr, network, why));
+                }
+            }
+        }
+    }
+    Ok(foreseen)
 }
 
 /// A non-Deleting block as the overlap resolution sees it.

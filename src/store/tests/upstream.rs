@@ -337,3 +337,76 @@ fn an_isolated_networks_holdings_do_not_block_another_network() {
         ip("198.18.40.2")
     );
 }
+
+/// The pre-upgrade vet: on a file only upstream wrote whose two networks
+/// overlap, `metis admin check` names what the first start will do, in the
+/// start's words: quarantine both blocks when both hold pods, delete the
+/// side no pod uses.
+#[test]
+fn the_check_of_an_upstream_file_foresees_what_the_start_does_about_overlaps() {
+    let dir = TempDir::new();
+    let path = dir.db();
+    {
+        let conn = upstream_with_first_block(&path);
+        // Network "other" over "default"'s 198.18.1.0/29; a pod in each
+        // (.3 in default's block, .4 in other's), so both hold pods.
+        conn.execute_batch(
+            "INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) \
+             VALUES ('198.18.1.0/29', 'other', 'ipv4', 8, 1); \
+             UPDATE ip_addresses SET is_allocated = 1, container_id = 'pod-a', interface_name = 'eth0' \
+             WHERE cidr_block_id = 1 AND address = '198.18.1.3'; \
+             UPDATE cidr_blocks SET allocated_ips = 4 WHERE id = 1; \
+             INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) \
+             VALUES ('198.18.9.0/29', 'default', 'ipv4', 8, 0); \
+             INSERT INTO cidr_blocks (cidr, network, ip_family, total_ips, allocated_ips) \
+             VALUES ('198.18.9.0/30', 'spare', 'ipv4', 4, 0);",
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO ip_addresses (address, cidr_block_id, container_id, interface_name, is_allocated) \
+             VALUES ('198.18.1.4', 2, 'pod-b', 'eth0', 1)",
+            [],
+        )
+        .unwrap();
+    }
+    let report = check_file(&path, Depth::Full).unwrap();
+    let quarantines: Vec<&String> = report
+        .problems
+        .iter()
+        .filter(|p| p.contains("both hold pods"))
+        .collect();
+    assert_eq!(
+        quarantines,
+        [
+            "block 198.18.1.0/29 of network \"default\": it overlaps block 198.18.1.0/29 of network \"other\" and both hold pods; the daemon quarantines the block(s) at start",
+            "block 198.18.1.0/29 of network \"other\": it overlaps block 198.18.1.0/29 of network \"default\" and both hold pods; the daemon quarantines the block(s) at start",
+        ],
+        "{report:?}"
+    );
+    let deletion = "deleted block 198.18.9.0/29 of network \"default\": it overlapped another block and no pod held an address in it";
+    assert!(
+        report.notes.iter().any(|n| n.ends_with(deletion)),
+        "{report:?}"
+    );
+    assert!(!report.is_ok());
+
+    // The start does exactly that.
+    let mut store = Store::open(&path, &StoreOptions::default()).unwrap();
+    let isolation = store
+        .isolate_problems(&store.verify(Depth::Full).unwrap(), NOW)
+        .unwrap();
+    assert_eq!(isolation.deleted, [deletion]);
+    let mut quarantined: Vec<(String, String)> = isolation
+        .quarantined
+        .iter()
+        .map(|q| (q.cidr.to_string(), q.network.clone()))
+        .collect();
+    quarantined.sort();
+    assert_eq!(
+        quarantined,
+        [
+            ("198.18.1.0/29".to_string(), "default".to_string()),
+            ("198.18.1.0/29".to_string(), "other".to_string())
+        ]
+    );
+}

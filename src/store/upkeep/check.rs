@@ -390,7 +390,34 @@ pub fn check_file(path: &Path, depth: Depth) -> Result<Report, StoreError> {
     })?;
     conn.busy_timeout(std::time::Duration::from_millis(5000))?;
     crate::store::db::schema::shadow_missing_tables(&conn)?;
-    check_connection(&conn, depth)
+    let mut report = check_connection(&conn, depth)?;
+    if !report.damaged {
+        foresee_overlaps(&conn, &mut report)?;
+    }
+    Ok(report)
+}
+
+/// What the daemon's next start does about overlapping blocks that share
+/// an address space (upstream's `AddCIDR` checks nothing): a block it would
+/// quarantine is a problem (unless another problem already quarantines it,
+/// as the start keeps the first reason), one it would delete (no pod uses
+/// it) a note.
+fn foresee_overlaps(conn: &Connection, report: &mut Report) -> Result<(), StoreError> {
+    let foreseen = crate::store::layout::blocks::foreseen_overlaps(conn, crate::log::now_ms())?;
+    for (id, cidr, network, why) in foreseen.quarantined {
+        if report.suspects.contains_key(&id) {
+            continue;
+        }
+        report.problems.push(format!(
+            "block {cidr} of network {network:?}: {why}{QUARANTINED}"
+        ));
+    }
+    for line in foreseen.deleted {
+        report
+            .notes
+            .push(format!("the next start will log: {line}"));
+    }
+    Ok(())
 }
 
 /// How much SQLite checks of its own structures before the invariants.
