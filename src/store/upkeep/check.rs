@@ -722,8 +722,6 @@ impl RowScan {
     }
 }
 
-/// The blocks of a row-level check, looked up by id; rows come mostly
-/// grouped by block, so the last one found is kept.
 /// What every address row is checked against: the reservation mode, the
 /// blocks as the block pass read them, and the isolated networks.
 #[derive(Clone, Copy)]
@@ -733,6 +731,8 @@ struct Expected<'a> {
     isolated: &'a HashSet<String>,
 }
 
+/// The blocks of a row-level check, looked up by id; rows come mostly
+/// grouped by block, so the last one found is kept.
 struct Lookup<'b> {
     blocks: &'b HashMap<i64, Block>,
     last: Option<(i64, &'b Block)>,
