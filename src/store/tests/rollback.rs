@@ -671,3 +671,68 @@ fn reopened_with_state(
     );
     store
 }
+
+/// Upstream's IPv6 expansion inserts up to 64 addresses after the
+/// block's highest-id row. After requested addresses (the last one the
+/// lowest), a downgrade writes the holes below the highest address and
+/// gives that address the highest id: the expansion starts past every
+/// row, the holes serve upstream as free rows, and a second run has
+/// nothing to do.
+#[test]
+fn downgrade_lets_upstreams_ipv6_expansion_pass_every_requested_address() {
+    let (dir, mut store) = store_with(&[("v6", "2001:db8::/120")]);
+    for (i, wanted) in ["2001:db8::50", "2001:db8::c8", "2001:db8::41"]
+        .iter()
+        .enumerate()
+    {
+        store
+            .allocate_requested(&owner("v6", &format!("r{i}")), ip(wanted), NOW)
+            .unwrap();
+    }
+    let done = store.downgrade(NOW).unwrap();
+    assert!(
+        done.done
+            .iter()
+            .any(|l| l.contains("2001:db8::c8 (its highest address)")),
+        "{done:?}"
+    );
+    assert_counters(&store);
+    let block_id = store
+        .find_block("v6", &cidr("2001:db8::/120"))
+        .unwrap()
+        .unwrap();
+    let (top_id, top): (i64, String) = store
+        .conn
+        .query_row(
+            "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id DESC LIMIT 1",
+            [block_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(top, "2001:db8::c8", "row {top_id}");
+    // Every address up to the highest has its row: upstream serves them.
+    let below: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1",
+            [block_id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(below, 0xc8 + 1);
+    // Upstream's expansion from ::c9 meets no row of the block.
+    for offset in 0xc9..=0xff_u32 {
+        let taken: bool = store
+            .conn
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE address = ?1)",
+                [format!("2001:db8::{offset:x}")],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(!taken, "2001:db8::{offset:x}");
+    }
+    assert_eq!(store.downgrade(NOW).unwrap().done, Vec::<String>::new());
+    drop(store);
+    assert!(check_file(&dir.db(), Depth::Full).unwrap().is_ok());
+}

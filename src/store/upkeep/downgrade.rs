@@ -17,7 +17,13 @@
 //!   given to a row whose successor already has a row, so upstream's
 //!   expansion fails on the UNIQUE index instead of handing out addresses
 //!   past `rangeEnd`: an exhausted range is an error, never an address
-//!   outside it.
+//!   outside it;
+//! - **other IPv6 blocks**: the same expansion hits the UNIQUE index (and
+//!   fails the allocation) on any row above the highest-id row's address —
+//!   a requested address, a row Metis wrote lazily. The block's missing
+//!   rows below its highest row are written (up to [`MAX_RANGE_ROWS`]) and
+//!   that highest row is given the highest id, so upstream serves the holes
+//!   and expands past every existing row.
 //!
 //! What it cannot fix is reported: a pod holding a block's gateway, a row
 //! held outside its bounds.
@@ -74,13 +80,12 @@ impl Store {
                         ));
                     }
                 }
+                Family::V6 if !reserved.is_bounded() => {
+                    out.done
+                        .extend(order_for_expansion(&tx, &block, &reserved)?);
+                }
                 Family::V6 => {
-                    let Some(usable) = reserved
-                        .is_bounded()
-                        .then(|| reserved.usable(block.cidr.size()))
-                    else {
-                        continue;
-                    };
+                    let usable = reserved.usable(block.cidr.size());
                     let len = usable.end.saturating_sub(usable.start);
                     let written = match len <= MAX_RANGE_ROWS {
                         true => insert_rows(&tx, block.id, &block.cidr, usable.clone(), &reserved)?,
@@ -147,6 +152,88 @@ fn live_blocks(conn: &Connection) -> Result<Vec<Live>, StoreError> {
         .collect()
 }
 
+/// For an IPv6 block without bounds: writes its missing rows below its
+/// highest row (when at most [`MAX_RANGE_ROWS`]) and gives that row the
+/// highest id, so that upstream's expansion, which starts after the
+/// highest-id row, never meets an existing row. What it did, in words.
+fn order_for_expansion(
+    conn: &Connection,
+    block: &Live,
+    reserved: &crate::store::rows::block::Reserved,
+) -> Result<Vec<String>, StoreError> {
+    let name = format!(
+        "block {} ({}, network {:?})",
+        block.id, block.cidr, block.network
+    );
+    let rows = offsets_by_id(conn, block.id, &block.cidr)?;
+    let Some(top) = rows.iter().filter_map(|(_, offset, _)| *offset).max() else {
+        return Ok(Vec::new());
+    };
+    let mut done = Vec::new();
+    if top < MAX_RANGE_ROWS {
+        let written = insert_rows(conn, block.id, &block.cidr, 0..top, reserved)?;
+        if written > 0 {
+            done.push(format!(
+                "{name}: wrote {written} row(s) below its highest address for upstream"
+            ));
+        }
+    }
+    let (top_id, _, text) = rows
+        .iter()
+        .find(|(_, offset, _)| *offset == Some(top))
+        .cloned()
+        .unwrap_or_default();
+    let block_highest: i64 = conn.query_row(
+        "SELECT MAX(id) FROM ip_addresses WHERE cidr_block_id = ?1",
+        [block.id],
+        |r| r.get(0),
+    )?;
+    if top_id != block_highest && renumber_last(conn, top_id)? {
+        done.push(format!(
+            "{name}: row {text} (its highest address) now has the highest id, so upstream's \
+             IPv6 expansion starts past every existing row"
+        ));
+    }
+    Ok(done)
+}
+
+/// The block's rows in id order: (id, offset in the block, address).
+fn offsets_by_id(
+    conn: &Connection,
+    block_id: i64,
+    cidr: &Cidr,
+) -> Result<Vec<(i64, Option<u128>, String)>, StoreError> {
+    let rows: Vec<(i64, String)> = conn
+        .prepare("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id")?
+        .query_map([block_id], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, text)| {
+            let offset = parse_addr(&text).ok().and_then(|a| cidr.offset_of(a));
+            (id, offset, text)
+        })
+        .collect())
+}
+
+/// Gives row `id` the highest id of the table, unless it has it already.
+/// Row ids are referenced only by `metis_gateways`, which follows.
+fn renumber_last(conn: &Connection, id: i64) -> Result<bool, StoreError> {
+    let highest: i64 = conn.query_row("SELECT MAX(id) FROM ip_addresses", [], |r| r.get(0))?;
+    if highest == id {
+        return Ok(false);
+    }
+    conn.execute(
+        "UPDATE ip_addresses SET id = ?2 WHERE id = ?1",
+        params![id, highest + 1],
+    )?;
+    conn.execute(
+        "UPDATE metis_gateways SET row_id = ?2 WHERE row_id = ?1",
+        params![id, highest + 1],
+    )?;
+    Ok(true)
+}
+
 enum Fence {
     /// The highest-id row's successor already has a row.
     Already,
@@ -161,17 +248,7 @@ enum Fence {
 /// the UNIQUE index). Row ids are referenced only by `metis_gateways`, which
 /// follows.
 fn fence_expansion(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<Fence, StoreError> {
-    let rows: Vec<(i64, String)> = conn
-        .prepare("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 ORDER BY id")?
-        .query_map([block_id], |r| Ok((r.get(0)?, r.get(1)?)))?
-        .collect::<Result<_, _>>()?;
-    let offsets: Vec<(i64, Option<u128>, String)> = rows
-        .into_iter()
-        .map(|(id, text)| {
-            let offset = parse_addr(&text).ok().and_then(|a| cidr.offset_of(a));
-            (id, offset, text)
-        })
-        .collect();
+    let offsets = offsets_by_id(conn, block_id, cidr)?;
     let present: HashSet<u128> = offsets.iter().filter_map(|(_, o, _)| *o).collect();
     let fenced = |offset: &Option<u128>| offset.is_some_and(|o| present.contains(&(o + 1)));
     if offsets.last().is_some_and(|(_, offset, _)| fenced(offset)) {
@@ -185,16 +262,7 @@ fn fence_expansion(conn: &Connection, block_id: i64, cidr: &Cidr) -> Result<Fenc
     else {
         return Ok(Fence::Impossible);
     };
-    let moved_to: i64 = conn.query_row("SELECT MAX(id) + 1 FROM ip_addresses", [], |r| r.get(0))?;
-    conn.execute(
-        "UPDATE ip_addresses SET id = ?2 WHERE id = ?1",
-        params![id, moved_to],
-    )?;
-    // The gateways its results named go with the row.
-    conn.execute(
-        "UPDATE metis_gateways SET row_id = ?2 WHERE row_id = ?1",
-        params![id, moved_to],
-    )?;
+    renumber_last(conn, *id)?;
     Ok(Fence::Moved(text.clone()))
 }
 
