@@ -736,3 +736,32 @@ fn downgrade_lets_upstreams_ipv6_expansion_pass_every_requested_address() {
     drop(store);
     assert!(check_file(&dir.db(), Depth::Full).unwrap().is_ok());
 }
+
+/// A requested address deep in a /64: the rows below it are too many to
+/// write, so the downgrade says so, and still gives it the highest id.
+#[test]
+fn downgrade_names_the_holes_it_cannot_write_below_a_deep_ipv6_address() {
+    let (_dir, mut store) = store_with(&[("v6", "2001:db8:1::/64")]);
+    for (i, wanted) in ["2001:db8:1::1:86a0", "2001:db8:1::50"].iter().enumerate() {
+        store
+            .allocate_requested(&owner("v6", &format!("r{i}")), ip(wanted), NOW)
+            .unwrap();
+    }
+    let done = store.downgrade(NOW).unwrap();
+    assert!(
+        done.warnings
+            .iter()
+            .any(|w| w.contains("more than 65536 addresses into the block")),
+        "{done:?}"
+    );
+    let top: String = store
+        .conn
+        .query_row(
+            "SELECT address FROM ip_addresses ORDER BY id DESC LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(top, "2001:db8:1::1:86a0");
+    assert!(store.downgrade(NOW).unwrap().done.is_empty());
+}

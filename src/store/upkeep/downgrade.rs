@@ -81,8 +81,7 @@ impl Store {
                     }
                 }
                 Family::V6 if !reserved.is_bounded() => {
-                    out.done
-                        .extend(order_for_expansion(&tx, &block, &reserved)?);
+                    order_for_expansion(&tx, &block, &reserved, &mut out)?;
                 }
                 Family::V6 => {
                     let usable = reserved.usable(block.cidr.size());
@@ -155,28 +154,35 @@ fn live_blocks(conn: &Connection) -> Result<Vec<Live>, StoreError> {
 /// For an IPv6 block without bounds: writes its missing rows below its
 /// highest row (when at most [`MAX_RANGE_ROWS`]) and gives that row the
 /// highest id, so that upstream's expansion, which starts after the
-/// highest-id row, never meets an existing row. What it did, in words.
+/// highest-id row, never meets an existing row. Says what it did, and the
+/// holes it had to leave.
 fn order_for_expansion(
     conn: &Connection,
     block: &Live,
     reserved: &crate::store::rows::block::Reserved,
-) -> Result<Vec<String>, StoreError> {
+    out: &mut Downgraded,
+) -> Result<(), StoreError> {
     let name = format!(
         "block {} ({}, network {:?})",
         block.id, block.cidr, block.network
     );
     let rows = offsets_by_id(conn, block.id, &block.cidr)?;
     let Some(top) = rows.iter().filter_map(|(_, offset, _)| *offset).max() else {
-        return Ok(Vec::new());
+        return Ok(());
     };
-    let mut done = Vec::new();
     if top < MAX_RANGE_ROWS {
         let written = insert_rows(conn, block.id, &block.cidr, 0..top, reserved)?;
         if written > 0 {
-            done.push(format!(
+            out.done.push(format!(
                 "{name}: wrote {written} row(s) below its highest address for upstream"
             ));
         }
+    } else if (rows.len() as u128) <= top {
+        out.warnings.push(format!(
+            "{name}: its highest row lies more than {MAX_RANGE_ROWS} addresses into the block; \
+             the addresses below it that have no row are not written, and upstream never \
+             hands them out"
+        ));
     }
     let (top_id, _, text) = rows
         .iter()
@@ -189,12 +195,12 @@ fn order_for_expansion(
         |r| r.get(0),
     )?;
     if top_id != block_highest && renumber_last(conn, top_id)? {
-        done.push(format!(
+        out.done.push(format!(
             "{name}: row {text} (its highest address) now has the highest id, so upstream's \
              IPv6 expansion starts past every existing row"
         ));
     }
-    Ok(done)
+    Ok(())
 }
 
 /// The block's rows in id order: (id, offset in the block, address).
