@@ -381,11 +381,18 @@ impl Sim {
             .enumerate()
             .map(|(thread, picks)| {
                 let nodes = nodes.clone();
+                let live = live.clone();
                 let adds = Arc::clone(&self.adds);
                 let api = self.api.handle();
                 std::thread::spawn(move || {
                     for (pick, add, salt) in picks {
+                        // The thread's node of the pick's group: only a live
+                        // one (a node gone has no daemon, and its plugin
+                        // would serve itself from the old database).
                         let index = pick - pick % threads + thread;
+                        if !live.contains(&index) {
+                            continue;
+                        }
                         let Some(node) = nodes.get(index) else {
                             continue;
                         };
