@@ -14,7 +14,7 @@ use crate::store::rows::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
     insert_rows, parse_text, quarantined_in, set_frontier, text_at,
 };
-use crate::store::rows::free::{Holder, RowView, Taken, availability, free_now};
+use crate::store::rows::free::{Holder, RowView, Taken, availability, cooled, unused};
 use crate::store::rows::handout::{BlockRecord, InForce, Unfit, address_fit, block_fit};
 
 /// The `reason` of a row that holds no address.
@@ -336,7 +336,7 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
+pub(in crate::store) const ALLOCATION_PATH: [&str; 18] = [
     OWNER_ROWS_SQL,
     BLOCK_OF_ROW_SQL,
     crate::store::rows::free::ALLOCATED_ELSEWHERE_SQL,
@@ -344,8 +344,10 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
     crate::store::rows::named_gateway::NAMED_AT_ALL_SQL,
     crate::store::rows::named_gateway::NAMING_SQL,
     FIND_BLOCK_SQL,
+    SETTLE_COOLED_SQL,
     CLAIM_SQL,
     HAS_FREE_AFTER_SQL,
+    crate::store::alloc::room::COOLED_SQL,
     crate::store::rows::block::BLOCK_RECORD_SQL,
     crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
@@ -355,18 +357,30 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
     crate::store::rows::block::RETURN_RESERVED_SQL,
 ];
 
-/// The lowest-id free, non-cooling row of block ?1 at time ?2 after row
-/// id ?3 (the rows before it were passed over).
+/// Ends the cooldown of block ?1's rows whose cooldown is over at time ?2
+/// (their `release_at` back to NULL, as a row never released): free now is
+/// then exactly [`unused`], which its own index holds in id order, so a
+/// claim never walks the rows still cooling. Each released row is settled
+/// once, whoever released it: the index of [`cooled`] rows is SQLite's, kept
+/// by every writer of the file.
+pub(in crate::store) const SETTLE_COOLED_SQL: &str = concat!(
+    "UPDATE ip_addresses SET release_at = NULL WHERE cidr_block_id = ?1 AND ",
+    cooled!("", "?2")
+);
+
+/// The lowest-id unused row of block ?1 after row id ?2 (the rows before
+/// it were passed over): once the block is settled ([`SETTLE_COOLED_SQL`]),
+/// its lowest-id free, non-cooling row, upstream's order.
 pub(in crate::store) const CLAIM_SQL: &str = concat!(
-    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
-    free_now!("", "?2"),
+    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?2 AND ",
+    unused!(""),
     " ORDER BY id LIMIT 1"
 );
 
-/// Whether block ?1 has a free, non-cooling row at time ?2 after row id ?3.
+/// Whether settled block ?1 has an unused row after row id ?2.
 const HAS_FREE_AFTER_SQL: &str = concat!(
-    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?3 AND ",
-    free_now!("", "?2"),
+    "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?2 AND ",
+    unused!(""),
     ")"
 );
 
@@ -597,10 +611,12 @@ fn claim(
 ) -> Result<Option<IpAddr>, StoreError> {
     let BlockAt { id: block_id, cidr } = block;
     let Claimant { owner, now_ms } = claimant;
+    conn.prepare_cached(SETTLE_COOLED_SQL)?
+        .execute(params![block_id, now_ms])?;
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
-            .query_row(params![block_id, now_ms, *after], |r| {
+            .query_row(params![block_id, *after], |r| {
                 Ok((r.get(0)?, r.get(1)?))
             })
             .optional()?;
@@ -677,10 +693,11 @@ fn expand(
     after: i64,
 ) -> Result<u64, StoreError> {
     let BlockAt { id: block_id, cidr } = block;
-    let (network, now_ms) = (claimant.owner.network, claimant.now_ms);
+    let network = claimant.owner.network;
+    // `claim` settled the block in this transaction.
     let has_free: bool = conn
         .prepare_cached(HAS_FREE_AFTER_SQL)?
-        .query_row(params![block_id, now_ms, after], |r| r.get(0))?;
+        .query_row(params![block_id, after], |r| r.get(0))?;
     if has_free {
         return Ok(0);
     }

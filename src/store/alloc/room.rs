@@ -110,17 +110,36 @@ fn free_row_fits(
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
-            .query_row(params![id, now_ms, after], |r| Ok((r.get(0)?, r.get(1)?)))
+            .query_row(params![id, after], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
         let Some((row_id, text)) = row else {
-            return Ok(false);
+            break;
         };
         after = row_id;
         if fit_row(conn, judge, id, cidr, &text)?.is_some() {
             return Ok(true);
         }
     }
+    // Read-only, so the cooled rows a claim would settle first are read
+    // as they are: only those released since the block's last claim.
+    let cooled: Vec<String> = conn
+        .prepare_cached(COOLED_SQL)?
+        .query_map(params![id, now_ms], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    for text in cooled {
+        if fit_row(conn, judge, id, cidr, &text)?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
+
+/// The addresses of block ?1 whose cooldown is over at ?2 but that no
+/// claim has settled yet (`allocate::SETTLE_COOLED_SQL`).
+pub(in crate::store) const COOLED_SQL: &str = concat!(
+    "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    crate::store::rows::free::cooled!("", "?2")
+);
 
 /// Whether an address block `id`'s growth would add passes the hand-out
 /// check: the offsets from its frontier as far as one allocation grows it

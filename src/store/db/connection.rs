@@ -343,22 +343,27 @@ impl Store {
             tx.execute_batch(SCHEMA).during("open: schema creation")?;
             tx.commit().during("open: COMMIT (schema)")?;
         }
-        // One read for Metis's tables: every statement costs a parse in
-        // a process that opens the database for one request (direct mode).
+        // One read for Metis's tables and indexes: every statement costs a
+        // parse in a process that opens the database for one request
+        // (direct mode).
         let present: Vec<String> = self
             .conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")
             .and_then(|mut stmt| stmt.query_map([], |r| r.get(0))?.collect())
             .during("open: schema check")?;
         let upstream_only =
             version == SCHEMA_VERSION && !present.iter().any(|table| table == "metis_settings");
-        for (name, create) in super::schema::METIS_TABLES {
+        let own = super::schema::METIS_TABLES
+            .iter()
+            .chain(super::schema::METIS_INDEXES.iter());
+        for (name, create) in own {
             if !present.iter().any(|table| table == name) {
                 let tx = self
                     .conn
                     .transaction_with_behavior(TransactionBehavior::Immediate)
                     .during("open: BEGIN IMMEDIATE (Metis's tables)")?;
-                tx.execute_batch(create).during("open: Metis's tables")?;
+                tx.execute_batch(create)
+                    .during("open: Metis's tables and indexes")?;
                 tx.commit().during("open: COMMIT (Metis's tables)")?;
             }
         }

@@ -8,6 +8,10 @@
 //! runtime re-adding the same container (`podman network reload`) is that
 //! old owner.
 //!
+//! A claim reads free rows through [`unused`] alone: it first settles the
+//! block's [`cooled`] rows (their `release_at` back to NULL), so the rows
+//! still cooling, however many, are never walked.
+//!
 //! The SQL side is made of macros that expand to string literals, so every
 //! query stays a `const` prepared once and cached (nothing is formatted on
 //! the allocation path). `$row` is the column prefix (`""` or `"a."`) and
@@ -19,23 +23,6 @@ use rusqlite::{Connection, params};
 
 use crate::store::db::StoreError;
 
-/// SQL: the row is free now (not allocated, not cooling at `$now`).
-macro_rules! free_now {
-    ($row:literal, $now:literal) => {
-        concat!(
-            "(",
-            $row,
-            "is_allocated = FALSE AND (",
-            $row,
-            "release_at IS NULL OR ",
-            $row,
-            "release_at <= ",
-            $now,
-            "))"
-        )
-    };
-}
-
 /// SQL: the row is free but still cooling at `$now`.
 macro_rules! cooling {
     ($row:literal, $now:literal) => {
@@ -45,6 +32,37 @@ macro_rules! cooling {
             "is_allocated = FALSE AND ",
             $row,
             "release_at > ",
+            $now,
+            ")"
+        )
+    };
+}
+
+/// SQL: the row is free and was never released with a cooldown, or a
+/// claim settled its cooldown since. Free now is this or [`cooled`].
+macro_rules! unused {
+    ($row:literal) => {
+        concat!(
+            "(",
+            $row,
+            "is_allocated = FALSE AND ",
+            $row,
+            "release_at IS NULL)"
+        )
+    };
+}
+
+/// SQL: the row is free and its cooldown is over at `$now`, not yet settled.
+macro_rules! cooled {
+    ($row:literal, $now:literal) => {
+        concat!(
+            "(",
+            $row,
+            "is_allocated = FALSE AND ",
+            $row,
+            "release_at IS NOT NULL AND ",
+            $row,
+            "release_at <= ",
             $now,
             ")"
         )
@@ -64,7 +82,7 @@ macro_rules! pod_held {
     };
 }
 
-pub(in crate::store) use {cooling, free_now, pod_held};
+pub(in crate::store) use {cooled, cooling, pod_held, unused};
 
 /// For each row of address ?1: whether it is allocated in a block other
 /// than ?2 (in any block when ?2 is NULL), to a pod only when ?3. One
@@ -187,7 +205,9 @@ mod tests {
         conn.query_row(
             concat!(
                 "SELECT ",
-                free_now!("", "?4"),
+                unused!(""),
+                " OR ",
+                cooled!("", "?4"),
                 ", ",
                 cooling!("", "?4"),
                 ", ",

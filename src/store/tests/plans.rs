@@ -2,24 +2,40 @@
 
 use super::*;
 
-#[test]
-fn claim_query_uses_partial_index() {
-    let dir = TempDir::new();
-    let store = dir.store();
-    let plan: Vec<String> = store
+/// The plan of `sql` with every parameter NULL, one step per line.
+fn plan_of(store: &Store, sql: &str) -> Vec<String> {
+    let mut stmt = store
         .conn
-        .prepare(&format!(
-            "EXPLAIN QUERY PLAN {}",
-            crate::store::alloc::allocate::CLAIM_SQL
-        ))
-        .unwrap()
-        .query_map([1, 2, 0], |r| r.get::<_, String>(3))
+        .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+        .unwrap();
+    let nulls = std::iter::repeat_n(rusqlite::types::Null, stmt.parameter_count());
+    stmt.query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
         .unwrap()
         .map(Result::unwrap)
-        .collect();
-    assert!(
-        plan.iter().any(|p| p.contains("idx_available_ips")),
-        "{plan:?}"
+        .collect()
+}
+
+/// The claim reads unused rows through their own index, and its settling
+/// reaches the cooled ones through theirs: no cooling row is stepped over.
+#[test]
+fn claim_and_its_settling_use_metis_indexes() {
+    let dir = TempDir::new();
+    let store = dir.store();
+    let uses = |sql: &str, index: &str| {
+        let plan = plan_of(&store, sql);
+        assert!(plan.iter().any(|p| p.contains(index)), "{sql}\n{plan:?}");
+    };
+    uses(
+        crate::store::alloc::allocate::CLAIM_SQL,
+        "metis_unused_addresses",
+    );
+    uses(
+        crate::store::alloc::allocate::SETTLE_COOLED_SQL,
+        "metis_released_addresses",
+    );
+    uses(
+        crate::store::alloc::room::COOLED_SQL,
+        "metis_released_addresses",
     );
 }
 
@@ -44,16 +60,7 @@ fn allocation_path_never_scans_the_address_table() {
     let dir = TempDir::new();
     let store = dir.store();
     for sql in crate::store::alloc::allocate::ALLOCATION_PATH {
-        let mut stmt = store
-            .conn
-            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-            .unwrap();
-        let nulls = std::iter::repeat_n(rusqlite::types::Null, stmt.parameter_count());
-        let plan: Vec<String> = stmt
-            .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let plan = plan_of(&store, sql);
         // `a` is ip_addresses in the joins, `g` metis_gateways (a row per
         // live allocation); cidr_blocks has one row per block and
         // upstream's schema gives it no index by network.
