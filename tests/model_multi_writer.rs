@@ -16,7 +16,8 @@
 //! - a rollback to upstream: the daemon stops, `metis admin downgrade`
 //!   readies the file (half the time), and an upstream-like writer
 //!   ([`common::upstream::Upstream::open`]: upstream's store as SQL on the
-//!   file) allocates, releases (1-minute cooldown), adds blocks (overlapping
+//!   file) allocates, releases (with upstream's 1-minute cooldown, or 1 s so
+//!   that its releases come back within the sequence), adds blocks (overlapping
 //!   ones, a /127 and a /128 with 64 rows) and undrains.
 //!
 //! A model records who holds what, and by whom it was handed out. After
@@ -370,6 +371,8 @@ struct Sequence {
     step: usize,
     /// The gateways this step's ADDs returned, with the asking owner.
     gateways: Vec<(Owner, Vec<IpAddr>)>,
+    /// The cooldown the upstream-like writer releases with.
+    upstream_cooldown_ms: i64,
     stats: Stats,
 }
 
@@ -381,7 +384,10 @@ fn now_ms() -> i64 {
 
 impl Sequence {
     fn new(rng: &mut Rng) -> Sequence {
-        let cooldown = ["0", "1m"][rng.index(2)];
+        // "1s": released rows come back within the sequence, so every
+        // writer meets rows whose cooldown ended (settled or not).
+        let cooldown = ["0", "1s", "1m"][rng.index(3)];
+        let upstream_cooldown_ms = [UPSTREAM_COOLDOWN_MS, 1_000][rng.index(2)];
         Sequence {
             node: Node::new("writers-model", cooldown),
             confs: conflists(),
@@ -391,6 +397,7 @@ impl Sequence {
             upstream_blocks: Vec::new(),
             step: 0,
             gateways: Vec::new(),
+            upstream_cooldown_ms,
             stats: Stats::default(),
         }
     }
@@ -877,8 +884,13 @@ impl Sequence {
                 container,
                 ifname,
             } => {
-                let released =
-                    upstream.release(network, container, ifname, UPSTREAM_COOLDOWN_MS, now_ms());
+                let released = upstream.release(
+                    network,
+                    container,
+                    ifname,
+                    self.upstream_cooldown_ms,
+                    now_ms(),
+                );
                 let owner = (network.to_string(), container.clone(), ifname.to_string());
                 self.held.remove(&owner);
                 // Upstream frees a row at a position Metis reserves (a pod
@@ -1160,7 +1172,10 @@ fn run_call(plugin: usize, call: &Call, stdin: &str) -> Answer {
 fn run_sequence(seed: u64, steps: u64, trace: &mut Vec<String>) -> Result<Stats, String> {
     let mut rng = Rng::new(seed);
     let mut sequence = Sequence::new(&mut rng);
-    trace.push(format!("start: cooldown {}", sequence.node.cooldown));
+    trace.push(format!(
+        "start: cooldown {}, upstream's {} ms",
+        sequence.node.cooldown, sequence.upstream_cooldown_ms
+    ));
     if rng.chance(70) {
         trace.push("daemon Up".into());
         sequence.event(DaemonEvent::Up);

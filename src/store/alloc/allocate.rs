@@ -336,7 +336,7 @@ const COUNT_TAKEN_SQL: &str =
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(in crate::store) const ALLOCATION_PATH: [&str; 18] = [
+pub(in crate::store) const ALLOCATION_PATH: [&str; 17] = [
     OWNER_ROWS_SQL,
     BLOCK_OF_ROW_SQL,
     crate::store::rows::free::ALLOCATED_ELSEWHERE_SQL,
@@ -344,10 +344,9 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 18] = [
     crate::store::rows::named_gateway::NAMED_AT_ALL_SQL,
     crate::store::rows::named_gateway::NAMING_SQL,
     FIND_BLOCK_SQL,
-    SETTLE_COOLED_SQL,
     CLAIM_SQL,
+    COOLED_SQL,
     HAS_FREE_AFTER_SQL,
-    crate::store::alloc::room::COOLED_SQL,
     crate::store::rows::block::BLOCK_RECORD_SQL,
     crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
@@ -357,27 +356,24 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 18] = [
     crate::store::rows::block::RETURN_RESERVED_SQL,
 ];
 
-/// Ends the cooldown of block ?1's rows whose cooldown is over at time ?2
-/// (their `release_at` back to NULL, as a row never released): free now is
-/// then exactly [`unused`], which its own index holds in id order, so a
-/// claim never walks the rows still cooling. Each released row is settled
-/// once, whoever released it: the index of [`cooled`] rows is SQLite's, kept
-/// by every writer of the file.
-pub(in crate::store) const SETTLE_COOLED_SQL: &str = concat!(
-    "UPDATE ip_addresses SET release_at = NULL WHERE cidr_block_id = ?1 AND ",
-    cooled!("", "?2")
-);
-
 /// The lowest-id unused row of block ?1 after row id ?2 (the rows before
-/// it were passed over): once the block is settled ([`SETTLE_COOLED_SQL`]),
-/// its lowest-id free, non-cooling row, upstream's order.
+/// it were passed over), from Metis's index of free rows: the rows still
+/// cooling are not in its range, however many there are.
 pub(in crate::store) const CLAIM_SQL: &str = concat!(
     "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?2 AND ",
     unused!(""),
     " ORDER BY id LIMIT 1"
 );
 
-/// Whether settled block ?1 has an unused row after row id ?2.
+/// Block ?1's rows whose cooldown is over at ?2, the longest-rested first:
+/// the same index's range below ?2, stepped only as far as a claim goes.
+pub(in crate::store) const COOLED_SQL: &str = concat!(
+    "SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
+    cooled!("", "?2"),
+    " ORDER BY release_at"
+);
+
+/// Whether block ?1 has an unused row after row id ?2.
 const HAS_FREE_AFTER_SQL: &str = concat!(
     "SELECT EXISTS (SELECT 1 FROM ip_addresses WHERE cidr_block_id = ?1 AND id > ?2 AND ",
     unused!(""),
@@ -598,44 +594,78 @@ fn block_record(
     })
 }
 
-/// Claims the lowest-id free, non-cooling row of a block after row
-/// `after` (passing over rows that fail the hand-out check, and those
-/// host-local turns out to hold: each is recorded for its holder);
-/// `after` ends at the last row looked at.
+/// How far one allocation's claims walked a block's free rows: the unused
+/// ones up to row `after`, and whether the cooled ones were walked (they
+/// do not change within the allocation's transaction).
+#[derive(Debug, Default, Clone, Copy)]
+struct Walk {
+    after: i64,
+    cooled_walked: bool,
+}
+
+/// Claims a free row of a block: the lowest-id unused one after
+/// `walk.after`, else (once per allocation) the cooled one that rested
+/// longest — passing over rows that fail the hand-out check, and those
+/// host-local turns out to hold (each recorded for its holder). Unused
+/// first keeps upstream's order where no cooldown is in force, and
+/// otherwise lets released addresses rest as long as the block allows.
 fn claim(
     conn: &Connection,
     judge: &mut Judge,
     block: BlockAt,
     claimant: Claimant,
-    after: &mut i64,
+    walk: &mut Walk,
 ) -> Result<Option<IpAddr>, StoreError> {
-    let BlockAt { id: block_id, cidr } = block;
-    let Claimant { owner, now_ms } = claimant;
-    conn.prepare_cached(SETTLE_COOLED_SQL)?
-        .execute(params![block_id, now_ms])?;
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
-            .query_row(params![block_id, *after], |r| {
+            .query_row(params![block.id, walk.after], |r| {
                 Ok((r.get(0)?, r.get(1)?))
             })
             .optional()?;
         let Some((row_id, text)) = row else {
-            return Ok(None);
+            break;
         };
-        *after = row_id;
-        let Some(address) = fit_row(conn, judge, block_id, cidr, &text)? else {
-            continue;
-        };
-        if take_row(conn, row_id, block_id, address, claimant)? {
-            let taken = RowAllocation::Taken {
-                owner,
-                at_ms: now_ms,
-            };
-            record_gateway(conn, judge, row_id, cidr, taken)?;
+        walk.after = row_id;
+        if let Some(address) = take_if_fit(conn, judge, block, claimant, (row_id, &text))? {
             return Ok(Some(address));
         }
     }
+    if std::mem::replace(&mut walk.cooled_walked, true) {
+        return Ok(None);
+    }
+    let mut stmt = conn.prepare_cached(COOLED_SQL)?;
+    let mut rows = stmt.query(params![block.id, claimant.now_ms])?;
+    while let Some(row) = rows.next()? {
+        let (row_id, text): (i64, String) = (row.get(0)?, row.get(1)?);
+        if let Some(address) = take_if_fit(conn, judge, block, claimant, (row_id, &text))? {
+            return Ok(Some(address));
+        }
+    }
+    Ok(None)
+}
+
+/// Takes row (id, address text) of `block` for the claimant when it passes
+/// the hand-out check and host-local holds no other owner for it.
+fn take_if_fit(
+    conn: &Connection,
+    judge: &mut Judge,
+    block: BlockAt,
+    claimant: Claimant,
+    (row_id, text): (i64, &str),
+) -> Result<Option<IpAddr>, StoreError> {
+    let Some(address) = fit_row(conn, judge, block.id, block.cidr, text)? else {
+        return Ok(None);
+    };
+    if !take_row(conn, row_id, block.id, address, claimant)? {
+        return Ok(None);
+    }
+    let taken = RowAllocation::Taken {
+        owner: claimant.owner,
+        at_ms: claimant.now_ms,
+    };
+    record_gateway(conn, judge, row_id, block.cidr, taken)?;
+    Ok(Some(address))
 }
 
 /// The address of row `text` of block `block_id` when the hand-out check
@@ -694,7 +724,6 @@ fn expand(
 ) -> Result<u64, StoreError> {
     let BlockAt { id: block_id, cidr } = block;
     let network = claimant.owner.network;
-    // `claim` settled the block in this transaction.
     let has_free: bool = conn
         .prepare_cached(HAS_FREE_AFTER_SQL)?
         .query_row(params![block_id, after], |r| r.get(0))?;
@@ -800,24 +829,24 @@ impl Store {
             if !judge.block(&tx, id, &cidr)? {
                 continue;
             }
-            let mut after = 0i64;
+            let mut walk = Walk::default();
             let block = BlockAt { id, cidr: &cidr };
-            if let Some(address) = claim(&tx, &mut judge, block, claimant, &mut after)? {
+            if let Some(address) = claim(&tx, &mut judge, block, claimant, &mut walk)? {
                 tx.commit()?;
                 return Ok(Allocation {
                     address,
                     block: cidr,
                 });
             }
-            candidates.push((id, cidr, after));
+            candidates.push((id, cidr, walk));
         }
-        for (id, cidr, after) in &mut candidates {
+        for (id, cidr, walk) in &mut candidates {
             for _ in 0..MAX_EXPANSIONS_PER_BLOCK {
                 let block = BlockAt { id: *id, cidr };
-                if expand(&tx, mode, block, claimant, *after)? == 0 {
+                if expand(&tx, mode, block, claimant, walk.after)? == 0 {
                     break;
                 }
-                if let Some(address) = claim(&tx, &mut judge, block, claimant, after)? {
+                if let Some(address) = claim(&tx, &mut judge, block, claimant, walk)? {
                     tx.commit()?;
                     return Ok(Allocation {
                         address,

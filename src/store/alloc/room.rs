@@ -13,7 +13,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::cidr::{Cidr, Family};
 use crate::store::alloc::allocate::{
-    CLAIM_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row,
+    CLAIM_SQL, COOLED_SQL, Judge, MAX_EXPANSIONS_PER_BLOCK, candidates_of, fit_address, fit_row,
 };
 use crate::store::db::{Store, StoreError, parse_cidr};
 use crate::store::rows::block::{GROWTH_BATCH, UNDRAINABLE_SQL, block_reserved, frontier};
@@ -120,26 +120,15 @@ fn free_row_fits(
             return Ok(true);
         }
     }
-    // Read-only, so the cooled rows a claim would settle first are read
-    // as they are: only those released since the block's last claim.
-    let cooled: Vec<String> = conn
-        .prepare_cached(COOLED_SQL)?
-        .query_map(params![id, now_ms], |r| r.get(0))?
-        .collect::<Result<_, _>>()?;
-    for text in cooled {
-        if fit_row(conn, judge, id, cidr, &text)?.is_some() {
+    let mut stmt = conn.prepare_cached(COOLED_SQL)?;
+    let mut rows = stmt.query(params![id, now_ms])?;
+    while let Some(row) = rows.next()? {
+        if fit_row(conn, judge, id, cidr, &row.get::<_, String>(1)?)?.is_some() {
             return Ok(true);
         }
     }
     Ok(false)
 }
-
-/// The addresses of block ?1 whose cooldown is over at ?2 but that no
-/// claim has settled yet (`allocate::SETTLE_COOLED_SQL`).
-pub(in crate::store) const COOLED_SQL: &str = concat!(
-    "SELECT address FROM ip_addresses WHERE cidr_block_id = ?1 AND ",
-    crate::store::rows::free::cooled!("", "?2")
-);
 
 /// Whether an address block `id`'s growth would add passes the hand-out
 /// check: the offsets from its frontier as far as one allocation grows it

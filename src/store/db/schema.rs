@@ -153,26 +153,18 @@ pub const METIS_TABLES: [(&str, &str); 8] = [
     ("metis_gateways", GATEWAYS),
 ];
 
-/// Metis's own indexes on upstream's `ip_addresses`, created on every open
-/// if missing. They split upstream's free-row index in two: rows never
-/// released (or whose cooldown a claim already settled) by id, and rows
-/// released with a cooldown by its end. A claim then skips the cooling
-/// rows instead of walking them (`alloc::allocate::claim`). SQLite keeps
-/// an index for every writer of the file, upstream's store included, so
-/// they are never stale; upstream's own tables and indexes stay as they
-/// are.
-pub const METIS_INDEXES: [(&str, &str); 2] = [
-    (
-        "metis_unused_addresses",
-        "CREATE INDEX IF NOT EXISTS metis_unused_addresses ON ip_addresses(cidr_block_id, id) \
-         WHERE is_allocated = FALSE AND release_at IS NULL",
-    ),
-    (
-        "metis_released_addresses",
-        "CREATE INDEX IF NOT EXISTS metis_released_addresses ON ip_addresses(cidr_block_id, release_at) \
-         WHERE is_allocated = FALSE AND release_at IS NOT NULL",
-    ),
-];
+/// Metis's own index on upstream's `ip_addresses`, created on every open
+/// if missing: the free rows by the end of their cooldown (NULL first, then
+/// by id). A claim reads the rows with none in id order, and those whose
+/// cooldown is over from the longest-rested, without walking the rows still
+/// cooling (`alloc::allocate::claim`). SQLite keeps an index for every
+/// writer of the file, upstream's store included, so it is never stale;
+/// upstream's own tables and indexes stay as they are.
+pub const METIS_INDEXES: [(&str, &str); 1] = [(
+    "metis_free_addresses",
+    "CREATE INDEX IF NOT EXISTS metis_free_addresses ON ip_addresses(cidr_block_id, release_at) \
+     WHERE is_allocated = FALSE",
+)];
 
 /// `metis_settings` key holding the reservation mode.
 pub const KEY_RESERVE_MODE: &str = "reserve_mode";

@@ -8,9 +8,9 @@
 //! runtime re-adding the same container (`podman network reload`) is that
 //! old owner.
 //!
-//! A claim reads free rows through [`unused`] alone: it first settles the
-//! block's [`cooled`] rows (their `release_at` back to NULL), so the rows
-//! still cooling, however many, are never walked.
+//! A claim reads the free rows in two tiers, each from Metis's index
+//! without walking the rows still cooling: [`unused`] ones (no cooldown
+//! recorded) by id, then [`cooled`] ones by the end of their cooldown.
 //!
 //! The SQL side is made of macros that expand to string literals, so every
 //! query stays a `const` prepared once and cached (nothing is formatted on
@@ -38,8 +38,8 @@ macro_rules! cooling {
     };
 }
 
-/// SQL: the row is free and was never released with a cooldown, or a
-/// claim settled its cooldown since. Free now is this or [`cooled`].
+/// SQL: the row is free with no cooldown recorded (never released, or
+/// released without one). Free now is this or [`cooled`].
 macro_rules! unused {
     ($row:literal) => {
         concat!(
@@ -52,7 +52,7 @@ macro_rules! unused {
     };
 }
 
-/// SQL: the row is free and its cooldown is over at `$now`, not yet settled.
+/// SQL: the row is free and its cooldown is over at `$now`.
 macro_rules! cooled {
     ($row:literal, $now:literal) => {
         concat!(

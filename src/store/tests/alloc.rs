@@ -213,10 +213,7 @@ fn cooldown_skips_then_reuses() {
         alloc(&mut store, "default", "b", Family::V4, NOW + 999),
         ip("198.18.1.3")
     );
-    assert_eq!(
-        alloc(&mut store, "default", "c", Family::V4, NOW + 1000),
-        ip("198.18.1.2")
-    );
+    // Rested: free again, but the unused rows come first.
     assert_eq!(
         store
             .usage("default", Family::V4, NOW + 1000)
@@ -224,13 +221,17 @@ fn cooldown_skips_then_reuses() {
             .cooldown,
         0
     );
-    // Cooldown 0 → release_at NULL, immediately reusable.
+    assert_eq!(
+        alloc(&mut store, "default", "c", Family::V4, NOW + 1000),
+        ip("198.18.1.4")
+    );
+    // Cooldown 0 → release_at NULL, unused again at once (lowest id).
     let mut store = dir.store_with_cooldown(0);
-    store.release("default", "c", "eth0", NOW + 2000).unwrap();
-    assert_eq!(rows(&store, 1)[2].3, None);
+    store.release("default", "b", "eth0", NOW + 2000).unwrap();
+    assert_eq!(rows(&store, 1)[3].3, None);
     assert_eq!(
         alloc(&mut store, "default", "d", Family::V4, NOW + 2000),
-        ip("198.18.1.2")
+        ip("198.18.1.3")
     );
     assert_counters(&store);
 }
@@ -1008,22 +1009,26 @@ fn a_repeated_add_under_another_gateway_records_it() {
     }
 }
 
-/// Rows cooling below the first unused one are skipped, and each comes
-/// back in upstream's order (lowest id first) once its cooldown ends —
-/// also one another writer released with a cooldown of its own, which
-/// Metis's indexes see as they see its own releases.
+/// A claim takes unused rows first, lowest id first, skipping the rows
+/// still cooling below them; with none left, the cooled row that rested
+/// longest — also one another writer released with a cooldown of its own,
+/// which Metis's index sees as it sees its own releases.
 #[test]
-fn cooling_rows_are_skipped_and_come_back_lowest_first() {
+fn unused_rows_first_then_the_longest_rested() {
+    // A /27: .2 to .30 usable (the network's first block reserves .0, .1
+    // and the broadcast).
     let (_dir, mut store) =
-        store_opts_with(&opts(None, Some(60_000)), &[("default", "198.18.1.0/24")]);
+        store_opts_with(&opts(None, Some(60_000)), &[("default", "198.18.1.0/27")]);
     let low = alloc(&mut store, "default", "low", Family::V4, NOW);
     assert_eq!(low, ip("198.18.1.2"));
-    for k in 0..50 {
+    for k in 0..20 {
         alloc(&mut store, "default", &format!("c{k}"), Family::V4, NOW);
     }
-    for k in 0..50 {
+    // c19 (.22) first: the later rows rested longest.
+    for k in (0..20).rev() {
+        let at = NOW + i64::from(19 - k);
         store
-            .release("default", &format!("c{k}"), "eth0", NOW)
+            .release("default", &format!("c{k}"), "eth0", at)
             .unwrap();
     }
     // Upstream-like SQL: released with its own 10 s cooldown.
@@ -1035,26 +1040,35 @@ fn cooling_rows_are_skipped_and_come_back_lowest_first() {
             NOW + 10_000
         ))
         .unwrap();
-    assert_eq!(
-        alloc(&mut store, "default", "fresh", Family::V4, NOW + 9_999),
-        ip("198.18.1.53")
-    );
+    let fresh: Vec<IpAddr> = (0..8)
+        .map(|k| {
+            alloc(
+                &mut store,
+                "default",
+                &format!("f{k}"),
+                Family::V4,
+                NOW + 10_000,
+            )
+        })
+        .collect();
+    assert_eq!(fresh.first(), Some(&ip("198.18.1.23")));
+    assert_eq!(fresh.last(), Some(&ip("198.18.1.30")));
+    // No unused row left: the cooled one, then nothing until 60 s.
     assert_eq!(
         alloc(&mut store, "default", "again", Family::V4, NOW + 10_000),
         low
     );
+    let err = store
+        .allocate(&owner("default", "early"), Family::V4, NOW + 59_999)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NoAvailableIps { .. }), "{err}");
     assert_eq!(
         alloc(&mut store, "default", "later", Family::V4, NOW + 60_000),
-        ip("198.18.1.3")
+        ip("198.18.1.22")
     );
-    // Settled rows read as never released.
-    assert!(rows(&store, 1).iter().all(|row| row.3.is_none()));
     assert_eq!(
-        store
-            .usage("default", Family::V4, NOW + 60_000)
-            .unwrap()
-            .cooldown,
-        0
+        alloc(&mut store, "default", "last", Family::V4, NOW + 60_019),
+        ip("198.18.1.21")
     );
     assert_counters(&store);
 }

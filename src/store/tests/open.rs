@@ -21,9 +21,8 @@ fn schema_objects_are_exact() {
     let expected: Vec<(String, String)> = [
         ("index", "idx_available_ips"),
         ("index", "idx_ip_idempotency"),
+        ("index", "metis_free_addresses"),
         ("index", "metis_gateways_by_gateway"),
-        ("index", "metis_released_addresses"),
-        ("index", "metis_unused_addresses"),
         ("table", "cidr_blocks"),
         ("table", "ip_addresses"),
         ("table", "metis_blocks"),
