@@ -14,7 +14,9 @@
 //!   exhaustion code (well before `--scale-up-wait`) when it had none;
 //! - no block moved to another node before the reclaim delay, and every
 //!   released block is back in the pool within the delay (+ slack);
-//! - the controllers' requests are within the budget of docs/controller.md.
+//! - the controllers' requests are within the budget of docs/controller.md;
+//! - no node asks for more than its pods plus the policy's headroom, nor
+//!   holds more blocks than that needs.
 //!
 //! A second run (issue 32) keeps a machine serving its pods while its
 //! objects go: the Node and its NNC (the garbage collector) re-created
@@ -153,6 +155,11 @@ struct Sim {
     /// Demand changes the test wrote into the store itself, past the
     /// HTTP counters (each answered once).
     edited_demands: u64,
+    /// ADDs served per node in the phases before this one.
+    given_before: BTreeMap<String, usize>,
+    /// Nodes whose request the test wrote itself (the daemon never asks
+    /// for less than the request it finds).
+    demand_written: BTreeSet<String>,
 }
 
 impl Sim {
@@ -179,6 +186,8 @@ impl Sim {
             injected_failures: 0,
             recreated: 0,
             edited_demands: 0,
+            given_before: BTreeMap::new(),
+            demand_written: BTreeSet::new(),
         };
         sim.api.with_state(|s| {
             s.create(POOLS, "", &pool(&[FIRST_CIDR])).unwrap();
@@ -729,7 +738,11 @@ impl Sim {
         self.injected_failures = 0;
         self.recreated = 0;
         self.edited_demands = 0;
-        self.adds.lock().unwrap().clear();
+        for add in self.adds.lock().unwrap().drain(..) {
+            if add.ok {
+                *self.given_before.entry(add.node).or_default() += 1;
+            }
+        }
     }
 
     fn demand_writes(&self) -> u64 {
@@ -840,6 +853,7 @@ impl Sim {
             );
         }
         self.check_budget(phase);
+        self.check_demand(phase);
         let unserved = self.api.state().unserved.clone();
         assert!(
             unserved.is_empty(),
@@ -851,6 +865,58 @@ impl Sim {
             holder.len(),
             self.adds.lock().unwrap().len()
         );
+    }
+
+    /// No runaway (issue 32): a node asks for at most what upstream's rule
+    /// gives its pods — ceil(4/3 x used), `used` at most every pod it was
+    /// ever given, the one ADD that may wait (each node has one churn
+    /// thread) and the 3 rows each cluster block reserves; or what its
+    /// blocks hold plus that waiter (the request never drops below what is
+    /// held) — and its status holds no more blocks than cover the request.
+    /// Its own /30 range is counted by neither side (docs/design.md, "The
+    /// monitor"). Before the fix a node with 10 pods asked for 328.
+    ///
+    /// The bound is checked at every look (a request over it is never
+    /// right); the blocks are waited for, as a node needs a monitor pass
+    /// to re-assert its request on a re-created NNC or to drain a block.
+    fn check_demand(&self, phase: &str) {
+        let mut excess = String::new();
+        let within = common::poll(WAIT, || {
+            excess = self.demand_excess(phase);
+            excess.is_empty().then_some(())
+        });
+        assert!(within.is_some(), "{phase}: {excess}");
+    }
+
+    /// The nodes whose status holds more blocks than their request needs,
+    /// in words (empty: none); panics on a request over the bound.
+    fn demand_excess(&self, phase: &str) -> String {
+        let adds = self.adds.lock().unwrap();
+        let state = self.api.state();
+        let mut excess = String::new();
+        for node in self.nodes.iter().filter(|n| n.daemon.is_some()) {
+            let Some(nnc) = state.get(&Key::cluster(NNCS, &node.name)) else {
+                continue;
+            };
+            let given = self.given_before.get(&node.name).copied().unwrap_or(0)
+                + adds.iter().filter(|a| a.node == node.name && a.ok).count();
+            let used = given + 1 + 3 * MAX_BLOCKS_PER_NODE;
+            let bound = (4 * used).div_ceil(3).max(BLOCK * MAX_BLOCKS_PER_NODE + 1);
+            let asked = asked_pods(nnc);
+            let blocks = status_cidrs(nnc).len();
+            assert!(
+                asked <= bound || self.demand_written.contains(&node.name),
+                "{phase}: {} asks for {asked} pods, given {given} in all and holding {blocks} block(s)",
+                node.name
+            );
+            if blocks > asked.div_ceil(BLOCK).max(1) {
+                excess += &format!(
+                    "{} holds {blocks} blocks for {asked} pods asked; ",
+                    node.name
+                );
+            }
+        }
+        excess
     }
 
     /// The request budget of docs/controller.md, "Request budget", per
@@ -1101,17 +1167,23 @@ fn status_cidrs(nnc: &Value) -> Vec<String> {
         .collect()
 }
 
-/// Whether a node's demand is answered: its Ready blocks (16 each) cover
-/// its pods, or the controller says it cannot (Ready=False for quota).
-fn answered(nnc: Option<&Value>) -> bool {
-    let Some(nnc) = nnc else { return false };
-    let pods = nnc["spec"]["allocations"]
+/// The pods a node's NNC asks for in the sim's network.
+fn asked_pods(nnc: &Value) -> usize {
+    nnc["spec"]["allocations"]
         .as_array()
         .into_iter()
         .flatten()
         .filter(|a| a["network"] == "default")
-        .filter_map(|a| a["pods"].as_i64())
-        .sum::<i64>();
+        .filter_map(|a| a["pods"].as_u64())
+        .map(|pods| usize::try_from(pods).unwrap_or(usize::MAX))
+        .sum()
+}
+
+/// Whether a node's demand is answered: its Ready blocks (16 each) cover
+/// its pods, or the controller says it cannot (Ready=False for quota).
+fn answered(nnc: Option<&Value>) -> bool {
+    let Some(nnc) = nnc else { return false };
+    let pods = i64::try_from(asked_pods(nnc)).unwrap_or(i64::MAX);
     let blocks = i64::try_from(status_cidrs(nnc).len()).unwrap_or(0);
     let refused = nnc["status"]["conditions"]
         .as_array()
@@ -1258,6 +1330,7 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
         });
     });
     sim.edited_demands += 1;
+    sim.demand_written.insert(failing.clone());
     for index in [1, 2] {
         let (_, refused) = sim.fill(index, 8);
         assert!(!refused, "node {index} refused while node 3 fails");
