@@ -36,8 +36,9 @@
 //! - no ADD fails but with code 7 or 11 (or 100 for an owner that already
 //!   holds an address no result may carry), no DEL fails (while the daemon is
 //!   SIGKILLed, a call it had taken may fail; the runtime retries it);
-//! - after `metis admin downgrade`, upstream hands out nothing another
-//!   owner holds and nothing outside every conflist of the network;
+//! - after `metis admin downgrade`, upstream hands out no gateway a live
+//!   result names, nothing another owner holds and nothing outside every
+//!   conflist of the network;
 //! - `metis admin check` is clean, or every problem it names is something
 //!   upstream made (a block it added, a row it wrote or handed out);
 //! - a running daemon serves.
@@ -942,6 +943,18 @@ impl Sequence {
             return Err(format!(
                 "after metis admin downgrade, upstream handed out {address} in network {network}, \
                  which {owner:?} holds"
+            ));
+        }
+        // Nor the gateway a live result names (the downgrade reserves it).
+        let named_by = self.held.iter().find(|(owner, held)| {
+            let shared =
+                owner.0 == network || (!isolated.contains(&owner.0) && !isolated.contains(network));
+            shared && held.iter().any(|h| h.gateway == Some(address))
+        });
+        if let Some((owner, _)) = named_by {
+            return Err(format!(
+                "after metis admin downgrade, upstream handed out {address} in network {network}, \
+                 the gateway of the live result of {owner:?}"
             ));
         }
         let in_range = self.confs.iter().any(|conf| {

@@ -232,6 +232,64 @@ fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
     drop(daemon);
 }
 
+/// Two conflists of one network and subnet with different gateways (.9,
+/// .10): each names as its results' gateway an address the other hands
+/// out. `admin check` names the rollback's hazard, `admin downgrade`
+/// reserves the gateway Metis kept out by its record alone (and says so,
+/// never "nothing to do"), and upstream's allocation then hands out every
+/// other address of the subnet, never a gateway a live result names.
+#[test]
+fn downgrade_reserves_the_gateways_live_results_name() {
+    let mut node = Node::new("rollback-named", "0s");
+    let gateway = |name, gateway| NetConf {
+        network: Some("shared"),
+        gateway: Some(gateway),
+        ..NetConf::new(name, &["198.18.44.0/28"])
+    };
+    let (nine, ten) = (
+        gateway("nine", "198.18.44.9"),
+        gateway("ten", "198.18.44.10"),
+    );
+    node.start(&[]);
+    for (conf, pod) in [(&nine, "a"), (&ten, "b"), (&nine, "c"), (&ten, "d")] {
+        let outcome = node.add(conf, pod, Request::None);
+        assert!(matches!(outcome, Outcome::Ok(_)), "{outcome:?}");
+    }
+    node.stop();
+    let check = node.admin_check();
+    let (out, err) = out_err(&check);
+    assert!(check.status.success(), "{out}{err}");
+    assert!(out.contains("before a rollback: 198.18.44."), "{out}");
+    let db = node.db_path();
+    let (code, out, err) = downgrade(&db);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("live result(s) name: reserved, so that upstream never hands it out"),
+        "{out}"
+    );
+    assert!(!out.contains("nothing to do"), "{out}");
+    let check = node.admin_check();
+    let (out, err) = out_err(&check);
+    assert!(check.status.success(), "{out}{err}");
+    assert!(out.contains("reserved by `metis admin downgrade`"), "{out}");
+    let mut handed = Vec::new();
+    while let Some(address) =
+        allocate_like_upstream(&db, "shared", "ipv4", &format!("u{}", handed.len()))
+    {
+        handed.push(address);
+    }
+    // 16 less the network, broadcast, both gateways and the 4 pods.
+    assert_eq!(handed.len(), 8, "{handed:?}");
+    assert!(
+        !handed
+            .iter()
+            .any(|a| a == "198.18.44.9" || a == "198.18.44.10"),
+        "{handed:?}"
+    );
+    let holdings = node.holdings();
+    assert!(held_twice(&holdings, |_| true).is_empty(), "{holdings:?}");
+}
+
 /// A retired block upstream's undrain made Ready again (a file from before
 /// Metis withheld retired blocks): the daemon's start retires it again,
 /// logs and counts it; the pod upstream left there keeps its address.

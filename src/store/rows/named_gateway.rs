@@ -12,7 +12,7 @@ use std::net::IpAddr;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::store::db::{Owner, StoreError};
+use crate::store::db::{Owner, ReserveMode, StoreError};
 use crate::store::rows::handout::Unfit;
 
 /// Records that the result returned for allocation row `row_id` names
@@ -123,15 +123,123 @@ const FORGET_STALE_SQL: &str = "DELETE FROM metis_gateways AS g WHERE g.row_id =
 pub(in crate::store) const NAMED_AT_ALL_SQL: &str =
     "SELECT 1 FROM metis_gateways WHERE gateway = ?1 LIMIT 1";
 
-/// A live record naming ?1 as a gateway — its row still the same
-/// allocation (allocated, same owner, same stamp) — in network ?2 or, unless
-/// ?3 (the asking network is isolated), any network not isolated: one probe
-/// of the gateway index, then the row by its primary key.
-pub(in crate::store) const NAMING_SQL: &str = "SELECT g.container_id, g.interface_name, b.network \
+/// SQL: record `g` is live — its row `a` is still the allocation it was
+/// made for (allocated, same owner, same stamp).
+macro_rules! live_record {
+    () => {
+        "a.is_allocated = 1 AND a.container_id = g.container_id \
+         AND COALESCE(a.interface_name, '') = g.interface_name AND a.allocated_at IS g.allocated_at"
+    };
+}
+
+/// A live record naming ?1 as a gateway in network ?2 or, unless ?3 (the
+/// asking network is isolated), any network not isolated: one probe of
+/// the gateway index, then the row by its primary key.
+pub(in crate::store) const NAMING_SQL: &str = concat!(
+    "SELECT g.container_id, g.interface_name, b.network \
      FROM metis_gateways g JOIN ip_addresses a ON a.id = g.row_id \
        JOIN cidr_blocks b ON b.id = a.cidr_block_id \
-     WHERE g.gateway = ?1 AND a.is_allocated = 1 AND a.container_id = g.container_id \
-       AND COALESCE(a.interface_name, '') = g.interface_name AND a.allocated_at IS g.allocated_at \
-       AND (b.network = ?2 OR (?3 = 0 AND b.network NOT IN \
+     WHERE g.gateway = ?1 AND ",
+    live_record!(),
+    " AND (b.network = ?2 OR (?3 = 0 AND b.network NOT IN \
          (SELECT network FROM metis_networks WHERE isolated = 1))) \
-     LIMIT 1";
+     LIMIT 1"
+);
+
+/// Every gateway live records name, by the block of the allocations
+/// naming it, with how many do.
+const LIVE_BY_BLOCK_SQL: &str = concat!(
+    "SELECT a.cidr_block_id, g.gateway, COUNT(*) \
+     FROM metis_gateways g JOIN ip_addresses a ON a.id = g.row_id WHERE ",
+    live_record!(),
+    " GROUP BY a.cidr_block_id, g.gateway ORDER BY a.cidr_block_id, g.gateway"
+);
+
+/// A gateway live results name, in the block of the allocations naming it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in crate::store) struct NamedIn {
+    pub(in crate::store) block_id: i64,
+    pub(in crate::store) gateway: String,
+    /// How many live results name it.
+    pub(in crate::store) results: i64,
+}
+
+/// Every gateway live results name. Metis keeps each out of its hand-outs
+/// by the record alone, which upstream's store does not read: to upstream
+/// it is an ordinary address unless its row is reserved.
+pub(in crate::store) fn live_by_block(conn: &Connection) -> Result<Vec<NamedIn>, StoreError> {
+    Ok(conn
+        .prepare_cached(LIVE_BY_BLOCK_SQL)?
+        .query_map([], |r| {
+            Ok(NamedIn {
+                block_id: r.get(0)?,
+                gateway: r.get(1)?,
+                results: r.get(2)?,
+            })
+        })?
+        .collect::<Result<_, _>>()?)
+}
+
+/// How the row of a named gateway's address stands in its block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in crate::store) enum GatewayRow {
+    /// Reserved (allocated, no owner): upstream never hands it out.
+    Reserved,
+    /// Free: row id.
+    Free(i64),
+    /// No row yet (a lazily populated block) at a position the block does
+    /// not reserve: a downgrade's or upstream's IPv6 expansion would write
+    /// it free. (At a reserved position it is [`GatewayRow::Reserved`]:
+    /// its row is written reserved.)
+    Missing,
+    /// Not an address of its block.
+    Outside,
+    /// A pod holds it: container id.
+    Held(String),
+}
+
+/// The row of `named`'s gateway in its block, under reservation mode
+/// `mode`.
+pub(in crate::store) fn gateway_row(
+    conn: &Connection,
+    mode: ReserveMode,
+    named: &NamedIn,
+) -> Result<GatewayRow, StoreError> {
+    let row: Option<(i64, Option<bool>, String)> = conn
+        .prepare_cached(
+            "SELECT id, is_allocated, COALESCE(container_id, '') FROM ip_addresses \
+             WHERE address = ?1 AND cidr_block_id = ?2",
+        )?
+        .query_row(params![named.gateway, named.block_id], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()?;
+    Ok(match row {
+        None => missing_row(conn, mode, named)?,
+        Some((id, None | Some(false), _)) => GatewayRow::Free(id),
+        Some((_, Some(true), holder)) if holder.is_empty() => GatewayRow::Reserved,
+        Some((_, Some(true), holder)) => GatewayRow::Held(holder),
+    })
+}
+
+/// A named gateway without a row: reserved, missing or outside its block.
+fn missing_row(
+    conn: &Connection,
+    mode: ReserveMode,
+    named: &NamedIn,
+) -> Result<GatewayRow, StoreError> {
+    let (cidr, network): (String, String) = conn
+        .prepare_cached("SELECT cidr, network FROM cidr_blocks WHERE id = ?1")?
+        .query_row([named.block_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let cidr = crate::store::db::parse_cidr(&cidr)?;
+    let address = crate::store::db::parse_addr(&named.gateway)?;
+    let Some(offset) = cidr.offset_of(address) else {
+        return Ok(GatewayRow::Outside);
+    };
+    let reserved =
+        crate::store::rows::block::block_reserved(conn, mode, named.block_id, &network, &cidr)?;
+    Ok(match reserved.contains(&offset) {
+        true => GatewayRow::Reserved,
+        false => GatewayRow::Missing,
+    })
+}

@@ -765,3 +765,119 @@ fn downgrade_names_the_holes_it_cannot_write_below_a_deep_ipv6_address() {
     assert_eq!(top, "2001:db8:1::1:86a0");
     assert!(store.downgrade(NOW).unwrap().done.is_empty());
 }
+
+/// Two conflists of one subnet with different gateways (.6 recorded as the
+/// block's bounds, .9 named by the other's results): .9 is an ordinary
+/// free row to upstream. `admin check` names the hazard; the downgrade
+/// reserves it and says so; upstream never hands it out and the check of
+/// the downgraded file is clean, with a note. Metis's next open frees the
+/// reservation, its record still keeping .9 out while the result lives.
+#[test]
+fn downgrade_reserves_the_gateways_live_results_name() {
+    let (dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let range = cidr("198.18.40.0/28");
+    let gateway = |gw: &str| Bounds {
+        start: ip("198.18.40.1"),
+        end: ip("198.18.40.14"),
+        gateway: ip(gw),
+    };
+    store
+        .set_bounds("pods", Family::V4, &[(range, gateway("198.18.40.6"))])
+        .unwrap();
+    let other = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gateway("198.18.40.9"))],
+    };
+    let named = store
+        .allocate_under(&owner("pods", "b"), Family::V4, Some(&other), NOW)
+        .unwrap()
+        .address;
+    drop(store);
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    assert!(
+        report.notes.iter().any(|n| n.starts_with(
+            "before a rollback: 198.18.40.9 of block 1, the gateway 1 live result(s) name"
+        )),
+        "{report:?}"
+    );
+    let mut store = dir.store();
+    let done = store.downgrade(NOW).unwrap();
+    assert!(
+        done.done.iter().any(|l| l
+            == "block 1: 198.18.40.9, the gateway 1 live result(s) name: reserved, so that upstream \
+                never hands it out (Metis's next start frees it)"),
+        "{done:?}"
+    );
+    assert_counters(&store);
+    drop(store);
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("198.18.40.9") && n.contains("reserved by `metis admin downgrade`")),
+        "{report:?}"
+    );
+    // Upstream: every address of .1 to .14 but b's and the two gateways,
+    // then nothing.
+    let conn = Connection::open(dir.db()).unwrap();
+    let mut handed = Vec::new();
+    while let Some(address) = upstream_allocate(&conn, "pods", "ipv4", "u", NOW) {
+        handed.push(address);
+    }
+    assert_eq!(handed.len(), 14 - 3, "{handed:?}");
+    assert!(
+        !handed
+            .iter()
+            .any(|a| a == "198.18.40.9" || a == "198.18.40.6"),
+        "{handed:?}"
+    );
+    // Upstream's pods go; Metis opens the file again.
+    conn.execute(
+        "UPDATE ip_addresses SET is_allocated = 0 WHERE container_id = 'u'",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE cidr_blocks SET allocated_ips = allocated_ips - ?1 WHERE id = 1",
+        [i64::try_from(handed.len()).unwrap()],
+    )
+    .unwrap();
+    drop(conn);
+    let mut store = dir.store();
+    let fenced: bool = store
+        .conn
+        .query_row(
+            "SELECT is_allocated FROM ip_addresses WHERE address = '198.18.40.9'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(!fenced, "the next open frees the reservation");
+    assert_counters(&store);
+    // Under the conflist of the recorded bounds (gateway .6), whose
+    // results name a reserved row.
+    let recorded = InForce {
+        ranges: vec![range],
+        bounds: vec![(range, gateway("198.18.40.6"))],
+    };
+    let allocate = |store: &mut Store, pod: &str| {
+        store
+            .allocate_under(&owner("pods", pod), Family::V4, Some(&recorded), NOW)
+            .map(|a| a.address)
+    };
+    let mut got = Vec::new();
+    while let Ok(address) = allocate(&mut store, &format!("m{}", got.len())) {
+        got.push(address);
+    }
+    assert_eq!(got.len(), 14 - 3, "{got:?}");
+    assert!(!got.contains(&ip("198.18.40.9")), "{got:?}");
+    store.release("pods", "b", "eth0", NOW).unwrap();
+    let after = [
+        allocate(&mut store, "x").unwrap(),
+        allocate(&mut store, "y").unwrap(),
+    ];
+    assert_eq!(after, [named, ip("198.18.40.9")]);
+}

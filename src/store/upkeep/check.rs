@@ -485,10 +485,12 @@ fn check_with(conn: &Connection, sqlite: Sqlite, rows: Rows) -> Result<Report, S
     };
     let blocks = check_blocks(conn, mode, &mut report)?;
     let isolated = isolated_networks(conn)?;
+    let named = named_gateways(conn)?;
     let expected = Expected {
         mode,
         blocks: &blocks,
         isolated: &isolated,
+        named: &named,
     };
     match check_address_rows(conn, &expected, rows, &mut report) {
         Err(StoreError::Sqlite(err)) if is_corrupt(&err) => {
@@ -539,8 +541,31 @@ fn check_upstream_leftovers(
     if conn.prepare("SELECT 1 FROM metis_bounds LIMIT 0").is_ok() {
         let held = crate::store::layout::gateway::all_held(conn, mode)?;
         report.notes.extend(held.iter().map(|g| g.describe()));
+        report.notes.extend(rollback_hazards(conn, mode)?);
     }
     Ok(())
+}
+
+/// What a rollback to upstream would get wrong here unless `admin
+/// downgrade` readies the file first: each gateway live results name whose
+/// row upstream would hand out (free, or written free by the downgrade's or
+/// upstream's own population).
+fn rollback_hazards(conn: &Connection, mode: ReserveMode) -> Result<Vec<String>, StoreError> {
+    use crate::store::rows::named_gateway::{GatewayRow, gateway_row, live_by_block};
+    let mut out = Vec::new();
+    for named in live_by_block(conn)? {
+        if matches!(
+            gateway_row(conn, mode, &named)?,
+            GatewayRow::Free(_) | GatewayRow::Missing
+        ) {
+            out.push(format!(
+                "before a rollback: {} of block {}, the gateway {} live result(s) name, is an \
+                 ordinary address to upstream's store; `metis admin downgrade` reserves it",
+                named.gateway, named.block_id, named.results
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// Metis's own tables: the quarantined blocks.
@@ -553,6 +578,16 @@ fn check_metis_tables(
         list_quarantined(conn, report)?;
     }
     Ok(())
+}
+
+/// Every address a result names as its gateway, live or not (a file
+/// without Metis's tables reads an empty stand-in).
+fn named_gateways(conn: &Connection) -> Result<HashSet<String>, StoreError> {
+    let names = conn
+        .prepare("SELECT DISTINCT gateway FROM metis_gateways")?
+        .query_map([], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    Ok(names)
 }
 
 /// The isolated networks.
@@ -658,6 +693,8 @@ struct RowScan {
     owners: BTreeMap<(String, String), i64>,
     /// Rows outside their block or at odds with its reservations.
     misplaced: Vec<String>,
+    /// Gateways `admin downgrade` reserved (notes).
+    fenced: Vec<String>,
 }
 
 impl RowScan {
@@ -688,20 +725,34 @@ impl RowScan {
 
     /// Checks a row against its block; a row outside it makes the block a
     /// suspect.
+    /// A reserved row no position explains whose address a result names
+    /// as its gateway is `admin downgrade`'s doing: a note.
     fn place(
         &mut self,
         fields: (i64, &str, bool, &str),
         block_id: i64,
         block: &Block,
-        mode: ReserveMode,
+        expected: &Expected,
         report: &mut Report,
     ) {
-        if let Some((line, suspect)) = misplaced(fields, block_id, block, mode) {
-            if let Some(why) = suspect {
+        let Some((line, suspect)) = misplaced(fields, block_id, block, expected.mode) else {
+            return;
+        };
+        let (_, address, allocated, container) = fields;
+        match suspect {
+            Some(why) => {
                 report.suspects.entry(block_id).or_insert(why);
             }
-            self.misplaced.push(line);
+            None if allocated && container.is_empty() && expected.named.contains(address) => {
+                self.fenced.push(format!(
+                    "{line}: a gateway live results name, reserved by `metis admin downgrade` \
+                     so that upstream never hands it out; Metis's next start frees it"
+                ));
+                return;
+            }
+            None => {}
         }
+        self.misplaced.push(line);
     }
 
     /// The findings, into `report`, in a fixed order.
@@ -719,6 +770,7 @@ impl RowScan {
             },
         );
         push_limited(report, self.misplaced, |line| line);
+        report.notes.extend(self.fenced);
     }
 }
 
@@ -729,6 +781,8 @@ struct Expected<'a> {
     mode: ReserveMode,
     blocks: &'a HashMap<i64, Block>,
     isolated: &'a HashSet<String>,
+    /// Every address a result names as its gateway (`metis_gateways`).
+    named: &'a HashSet<String>,
 }
 
 /// The blocks of a row-level check, looked up by id; rows come mostly
@@ -777,9 +831,7 @@ fn check_address_rows(
     report: &mut Report,
 ) -> Result<(), StoreError> {
     let Expected {
-        mode,
-        blocks,
-        isolated,
+        blocks, isolated, ..
     } = *expected;
     const COLUMNS: &str = "SELECT id, address, cidr_block_id, is_allocated, container_id, \
                            interface_name, updated_at FROM ip_addresses";
@@ -838,7 +890,7 @@ fn check_address_rows(
                 (id, address, flag != 0, container),
                 block_id,
                 block,
-                mode,
+                expected,
                 report,
             );
         }

@@ -25,6 +25,14 @@
 //!   that highest row is given the highest id, so upstream serves the holes
 //!   and expands past every existing row.
 //!
+//! - **gateways live results name**: Metis keeps each out of its
+//!   hand-outs by its record (`metis_gateways`), which upstream does not
+//!   read — two conflists of one subnet with different gateways each
+//!   name one the other hands out. Its row is reserved (written reserved
+//!   where the block had none yet), so upstream never hands it out; the
+//!   next open by Metis frees it again (`repair`), its record being enough
+//!   there.
+//!
 //! What it cannot fix is reported: a pod holding a block's gateway, a row
 //! held outside its bounds.
 
@@ -33,8 +41,8 @@ use std::collections::HashSet;
 use rusqlite::{Connection, params};
 
 use crate::cidr::{Cidr, Family};
-use crate::store::db::{Store, StoreError, parse_addr, parse_cidr};
-use crate::store::rows::block::{block_reserved, insert_rows, set_frontier};
+use crate::store::db::{ReserveMode, Store, StoreError, parse_addr, parse_cidr};
+use crate::store::rows::block::{RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier};
 use crate::store::rows::withhold;
 
 /// Most rows of a bounded IPv6 range written ahead for upstream.
@@ -63,6 +71,9 @@ impl Store {
         for block in withhold::settle(&tx, now_ms)? {
             out.done.push(block.describe());
         }
+        // Before the blocks' rows: a gateway's row written here is one
+        // the IPv6 ordering below accounts for.
+        fence_named_gateways(&tx, mode, &mut out)?;
         for block in live_blocks(&tx)? {
             let reserved = block_reserved(&tx, mode, block.id, &block.network, &block.cidr)?;
             let name = format!(
@@ -128,6 +139,61 @@ impl Store {
         tx.commit()?;
         Ok(out)
     }
+}
+
+/// Reserves the row of every gateway live results name (see the module
+/// docs), saying what it did; a gateway a pod holds is a warning. When it
+/// reserves any, the file's healed state is forgotten, so that the next
+/// open by Metis heals (frees) them.
+fn fence_named_gateways(
+    conn: &Connection,
+    mode: ReserveMode,
+    out: &mut Downgraded,
+) -> Result<(), StoreError> {
+    use crate::store::rows::named_gateway::{GatewayRow, gateway_row, live_by_block};
+    let mut fenced = false;
+    for named in live_by_block(conn)? {
+        let what = format!(
+            "block {}: {}, the gateway {} live result(s) name",
+            named.block_id, named.gateway, named.results
+        );
+        match gateway_row(conn, mode, &named)? {
+            GatewayRow::Reserved => continue,
+            GatewayRow::Held(holder) => {
+                out.warnings.push(format!(
+                    "{what}, is held by container {holder:?}; upstream sees it as that pod's"
+                ));
+                continue;
+            }
+            GatewayRow::Free(row_id) => {
+                conn.prepare_cached(RESERVE_ROW_SQL)?.execute([row_id])?;
+            }
+            GatewayRow::Outside => {
+                out.warnings.push(format!("{what}, lies outside the block"));
+                continue;
+            }
+            GatewayRow::Missing => {
+                conn.prepare_cached(
+                    "INSERT INTO ip_addresses (address, cidr_block_id, container_id, \
+                     interface_name, is_allocated) VALUES (?1, ?2, '', '', TRUE)",
+                )?
+                .execute(params![named.gateway, named.block_id])?;
+            }
+        }
+        conn.prepare_cached(
+            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1 WHERE id = ?1",
+        )?
+        .execute([named.block_id])?;
+        out.done.push(format!(
+            "{what}: reserved, so that upstream never hands it out (Metis's next start frees it)"
+        ));
+        fenced = true;
+    }
+    if fenced {
+        conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
+            .execute([crate::store::db::schema::KEY_HEALED])?;
+    }
+    Ok(())
 }
 
 /// Non-Deleting, non-withheld blocks (a withheld one is out of upstream's

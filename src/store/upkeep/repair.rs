@@ -42,6 +42,17 @@ impl Plan {
     }
 }
 
+/// Every reserved row (allocated, no owner).
+const RESERVED_ROWS_SQL: &str = "SELECT id, address, cidr_block_id FROM ip_addresses \
+     WHERE container_id = '' AND is_allocated = 1";
+
+/// The reserved rows whose address a result names as its gateway: what
+/// `admin downgrade` reserved for upstream (`downgrade::fence_named_gateways`).
+/// One probe of the address index per recorded gateway.
+const FENCED_GATEWAYS_SQL: &str = "SELECT id, address, cidr_block_id FROM ip_addresses \
+     WHERE address IN (SELECT gateway FROM metis_gateways) \
+       AND container_id = '' AND is_allocated = 1";
+
 /// A block the repair looks at (not Deleting, parseable).
 struct RepairBlock {
     id: i64,
@@ -57,9 +68,13 @@ fn plan(conn: &Connection, mode: ReserveMode) -> Result<Plan, StoreError> {
     plan.mark = layout.as_deref() != Some(mode.as_str());
     let (blocks, first_v4) = plan.live_blocks(conn)?;
     let expected = plan.reserve_positions(conn, mode, &blocks, &first_v4)?;
-    if plan.mark {
-        plan.free_stray_reservations(conn, &expected)?;
-    }
+    // The full pass frees every stray; otherwise only the gateways a
+    // downgrade reserved for upstream (their records keep them out here).
+    let strays = match plan.mark {
+        true => RESERVED_ROWS_SQL,
+        false => FENCED_GATEWAYS_SQL,
+    };
+    plan.free_stray_reservations(conn, &expected, strays)?;
     Ok(plan)
 }
 
@@ -160,16 +175,15 @@ impl Plan {
         Ok(expected)
     }
 
-    /// Plans freeing reserved rows at positions the mode does not reserve.
+    /// Plans freeing the reserved rows `strays` selects (id, address,
+    /// block) at positions the mode does not reserve.
     fn free_stray_reservations(
         &mut self,
         conn: &Connection,
         expected: &HashMap<i64, HashSet<String>>,
+        strays: &str,
     ) -> Result<(), StoreError> {
-        let mut stmt = conn.prepare_cached(
-            "SELECT id, address, cidr_block_id FROM ip_addresses \
-             WHERE container_id = '' AND is_allocated = 1",
-        )?;
+        let mut stmt = conn.prepare_cached(strays)?;
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {
             let row_id: i64 = row.get(0)?;
