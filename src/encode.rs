@@ -64,6 +64,10 @@ fn pod_ip(allocation: &Allocation) -> ipam::PodIp {
     ipam::PodIp {
         ip_address: allocation.address.to_string(),
         cidr: allocation.block.to_string(),
+        gateway: allocation
+            .gateway
+            .map(|gateway| gateway.to_string())
+            .unwrap_or_default(),
     }
 }
 

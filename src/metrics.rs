@@ -280,12 +280,12 @@ const RECOVERED_AT_BOOT: Metric = Metric::new(
     &[],
     "Allocations of a previous boot released at start.",
 );
-/// Blocks not served while a pod holds their gateway (see `store::gateway`).
+/// Blocks whose gateway a pod holds (see `store::layout::gateway`).
 const GATEWAY_HELD: Metric = Metric::new(
     "metis_local_store_gateway_held_block_total",
     Type::Gauge,
     &[],
-    "CIDR blocks not served while a pod holds the address they advertise as gateway.",
+    "CIDR blocks whose advertised gateway a pod holds; their results name a stand-in gateway.",
 );
 const ROLLBACK_REPAIRS: Metric = Metric::new(
     "metis_daemon_rollback_repairs_total",

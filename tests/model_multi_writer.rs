@@ -33,6 +33,8 @@
 //!   record of its source, so it serves it as granted, as it serves the
 //!   blocks of a node upgraded from upstream), and no result's gateway is a
 //!   pod's address;
+//! - a repeated ADD returns exactly what its owner holds, also an owner
+//!   upstream served (its block's gateway held by a pod or not);
 //! - no ADD fails but with code 7 or 11 (or 100 for an owner that already
 //!   holds an address no result may carry), no DEL fails (while the daemon is
 //!   SIGKILLed, a call it had taken may fail; the runtime retries it);
@@ -752,6 +754,14 @@ impl Sequence {
                     .unwrap_or_default();
                 let mut now: Vec<Holding> = Vec::new();
                 for ip in ips.iter().map(|ip| strip_prefix(ip)) {
+                    // A repeated ADD returns exactly what the owner holds
+                    // (upstream's pods too, whatever their block's gateway).
+                    let repeat = before.iter().any(|b| b.is_ipv6() == ip.is_ipv6());
+                    if repeat && !before.contains(&ip) {
+                        return Err(format!(
+                            "a repeated ADD returned {ip}, not what {owner:?} holds: {before:?}"
+                        ));
+                    }
                     if !before.contains(&ip) {
                         self.inside(call, ip)?;
                     }

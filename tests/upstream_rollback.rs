@@ -3,7 +3,7 @@
 //! then readies the file so that upstream's allocation finds every usable
 //! address of the conflist's ranges and nothing else; a daemon started on
 //! a file upstream wrote after Metis heals it and says so (log, metric,
-//! `admin check`), and never serves a block whose gateway a pod holds.
+//! `admin check`), and never names a pod's address as a result's gateway.
 
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -161,9 +161,27 @@ fn downgrade_refuses_what_it_cannot_vouch_for_and_changes_nothing() {
     assert_eq!(bad.status.code(), Some(2), "{:?}", out_err(&bad));
 }
 
+/// An ADD through the real plugin: the addresses and the gateways its
+/// result names, or the failure.
+fn add_with_gateways(
+    node: &Node,
+    conf: &NetConf,
+    container: &str,
+) -> Result<(Vec<IpAddr>, Vec<IpAddr>), Outcome> {
+    let output = common::Plugin::new("ADD", container).run(&conf.render(&node.dir, &[], None));
+    match Outcome::of(&output) {
+        ok @ Outcome::Ok(_) => Ok((ok.addresses(), common::node::gateways(&output))),
+        other => Err(other),
+    }
+}
+
 /// A node upgraded from upstream: a pod holds the second block's gateway.
 /// The daemon says so at start, counts it, `admin check` names it, and the
-/// network is served from its first block only until that pod is deleted.
+/// block is served: its results name a stand-in — its highest address no
+/// pod holds, .14 — never pod-x's address, and no pod is given the
+/// stand-in; pod-x's own repeated ADD returns its address, naming it too,
+/// as does pod-y's, on the block's network address. Once pod-x is deleted,
+/// results name .9 again.
 #[test]
 fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
     let node = Node::new("rollback-gateway", "0s");
@@ -171,19 +189,18 @@ fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
     upstream.block("198.18.43.0/29", "default", true);
     let second = upstream.block("198.18.43.8/29", "default", false);
     upstream.hold(second, "198.18.43.9", "pod-x", "eth0");
+    upstream.hold(second, "198.18.43.8", "pod-y", "eth0");
     drop(upstream);
     let check = node.admin_check();
     let (out, _) = out_err(&check);
-    // Named as a note (no invariant is broken; the block is not served);
-    // the check fails for the reservations upstream left, which the first
-    // open repairs.
+    // Named as a note (no invariant is broken); the check fails for the
+    // reservations upstream left, which the first open repairs.
     assert!(!check.status.success());
-    assert!(out.contains("note: block 198.18.43.8/29"), "{out}");
     assert!(
-        out.contains("block 198.18.43.8/29 (network \"default\") is not served while its gateway 198.18.43.9 is held by container \"pod-x\""),
+        out.contains("note: block 198.18.43.8/29 (network \"default\"): its gateway 198.18.43.9 is held by container \"pod-x\""),
         "{out}"
     );
-    let daemon = started_saying(&node.dir, "is not served while its gateway 198.18.43.9");
+    let daemon = started_saying(&node.dir, "its gateway 198.18.43.9 is held by container");
     let (_, body) = http_get(&metrics_addr(&daemon), "/metrics");
     assert_eq!(
         series(&body, "metis_local_store_gateway_held_block_total"),
@@ -193,43 +210,98 @@ fn a_gateway_held_by_a_pod_is_reported_and_never_advertised() {
         network: Some("default"),
         ..NetConf::new("k8s-pod-network", &["198.18.43.0/29", "198.18.43.8/29"])
     };
+    let ip = |last: u8| -> IpAddr { format!("198.18.43.{last}").parse().unwrap() };
     let mut got = Vec::new();
     let refused = loop {
-        match node.add(&conf, &format!("c{}", got.len()), Request::None) {
-            ok @ Outcome::Ok(_) => got.extend(ok.addresses()),
-            other => break other,
+        match add_with_gateways(&node, &conf, &format!("c{}", got.len())) {
+            Ok((addresses, gateways)) => got.push((addresses[0], gateways[0])),
+            Err(other) => break other,
         }
     };
-    let first: Vec<IpAddr> = (2..7)
-        .map(|i| format!("198.18.43.{i}").parse().unwrap())
+    let want: Vec<(IpAddr, IpAddr)> = (2..7)
+        .map(|i| (ip(i), ip(1)))
+        .chain((10..14).map(|i| (ip(i), ip(14))))
         .collect();
-    assert_eq!(got, first);
-    match refused {
-        Outcome::Error { code: 11, msg } => {
-            assert!(msg.contains("its gateway 198.18.43.9"), "{msg}")
-        }
-        other => panic!("{other:?}"),
-    }
-    // STATUS agrees: no ADD of this configuration can succeed now.
-    let mut status_conf: serde_json::Value =
-        serde_json::from_str(&conf.render(&node.dir, &[], None)).unwrap();
-    status_conf["cniVersion"] = "1.1.0".into();
-    let status = common::Plugin::new("STATUS", "").run(&status_conf.to_string());
-    let error: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
-    assert_eq!(error["code"], 50, "{error}");
-    assert!(
-        error.to_string().contains("its gateway 198.18.43.9"),
-        "{error}"
-    );
-    // pod-x's DEL gives the gateway back to the reservation: served again.
-    assert!(matches!(node.del(&conf, "pod-x"), Outcome::Ok(_)));
-    let after = node.add(&conf, "after", Request::None);
+    assert_eq!(got, want);
+    assert_eq!(refused.code(), Some(11), "{refused:?}");
+    // pod-x's repeated ADD: its own address, the stand-in as gateway; the
+    // same for pod-y, on the block's network address.
     assert_eq!(
-        after.addresses(),
-        ["198.18.43.10".parse::<IpAddr>().unwrap()],
-        "{after:?}"
+        add_with_gateways(&node, &conf, "pod-x").unwrap(),
+        (vec![ip(9)], vec![ip(14)])
+    );
+    assert_eq!(
+        add_with_gateways(&node, &conf, "pod-y").unwrap(),
+        (vec![ip(8)], vec![ip(14)])
+    );
+    // pod-x's DEL gives the gateway back to the reservation: results name
+    // it again.
+    assert!(matches!(node.del(&conf, "pod-x"), Outcome::Ok(_)));
+    assert!(matches!(node.del(&conf, "c5"), Outcome::Ok(_)));
+    assert_eq!(
+        add_with_gateways(&node, &conf, "after").unwrap(),
+        (vec![ip(10)], vec![ip(9)])
     );
     drop(daemon);
+}
+
+/// A dual-stack node upgraded from upstream with two pods, as upstream
+/// allocated them: no reservation in the IPv6 block, so the second pod
+/// holds `::1`, the gateway Metis advertises. Both pods' repeated ADDs
+/// return exactly what they hold, new dual-stack ADDs are served, and no
+/// result names a pod's address as its gateway.
+#[test]
+fn an_upstream_dual_stack_node_keeps_serving_its_pods_and_new_ones() {
+    let node = Node::new("rollback-dual", "0s");
+    let mut upstream = Upstream::create(&node.db_path());
+    upstream.add_cidr("default", "198.18.45.0/28").unwrap();
+    upstream.add_cidr("default", "2001:db8:45::/120").unwrap();
+    let now_ms = 1_700_000_000_000;
+    for pod in ["up-a", "up-b"] {
+        for v6 in [false, true] {
+            upstream
+                .allocate("default", v6, pod, "eth0", now_ms)
+                .unwrap();
+        }
+    }
+    drop(upstream);
+    let held_by = |pod: &str| -> Vec<IpAddr> {
+        let mut held = node.held_by("default", pod);
+        held.sort();
+        held
+    };
+    let ip = |text: &str| -> IpAddr { text.parse().unwrap() };
+    assert_eq!(held_by("up-b"), [ip("198.18.45.3"), ip("2001:db8:45::1")]);
+    let _daemon = started_saying(&node.dir, "its gateway 2001:db8:45::1 is held by container");
+    let conf = NetConf {
+        network: Some("default"),
+        ..NetConf::new("k8s-pod-network", &["198.18.45.0/28", "2001:db8:45::/120"])
+    };
+    let mut pods: Vec<(String, Vec<IpAddr>)> = Vec::new();
+    for pod in ["up-a", "up-b"] {
+        let (addresses, gateways) = add_with_gateways(&node, &conf, pod).unwrap();
+        let mut sorted = addresses.clone();
+        sorted.sort();
+        assert_eq!(sorted, held_by(pod), "{pod}'s repeated ADD");
+        pods.push((pod.to_string(), gateways));
+    }
+    for n in 0..4 {
+        let pod = format!("new{n}");
+        let (addresses, gateways) = add_with_gateways(&node, &conf, &pod).unwrap();
+        assert_eq!(addresses.len(), 2, "{pod}: {addresses:?}");
+        pods.push((pod, gateways));
+    }
+    // No result names an address a pod holds.
+    let holdings = node.holdings();
+    for (pod, gateways) in &pods {
+        for gateway in gateways {
+            assert!(
+                !holdings.iter().any(|h| h.address == *gateway),
+                "{pod}'s result names {gateway}, a pod's address: {holdings:?}"
+            );
+        }
+    }
+    assert!(held_twice(&holdings, |_| true).is_empty(), "{holdings:?}");
 }
 
 /// Two conflists of one network and subnet with different gateways (.9,

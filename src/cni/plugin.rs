@@ -475,7 +475,18 @@ fn allocated_ip(pod_ip: &ipam::PodIp) -> Result<AllocatedIp, CniError> {
         .cidr
         .parse()
         .map_err(|_| CniError::unexpected_response("allocate"))?;
-    Ok(AllocatedIp { address, block })
+    let gateway = match pod_ip.gateway.as_str() {
+        "" => None,
+        text => Some(
+            text.parse()
+                .map_err(|_| CniError::unexpected_response("allocate"))?,
+        ),
+    };
+    Ok(AllocatedIp {
+        address,
+        block,
+        gateway,
+    })
 }
 
 #[cfg(test)]
@@ -568,6 +579,7 @@ mod tests {
         ipam::PodIp {
             ip_address: address.into(),
             cidr: block.into(),
+            gateway: String::new(),
         }
     }
 

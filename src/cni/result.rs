@@ -17,6 +17,9 @@ use std::net::IpAddr;
 pub struct AllocatedIp {
     pub address: IpAddr,
     pub block: Cidr,
+    /// The gateway to name instead of the block's advertised one, which a
+    /// pod holds (the store's stand-in).
+    pub gateway: Option<IpAddr>,
 }
 
 /// The result JSON for a successful ADD (4-space indent, no trailing
@@ -45,13 +48,16 @@ pub fn success(
     }
 }
 
-/// The gateway advertised for an address: the configured one of its
-/// block (host-local's `gateway`), else Metis's.
-fn gateway(conf: &NetConf, block: &Cidr) -> IpAddr {
-    conf.bounds
-        .iter()
-        .find(|(subnet, _)| subnet == block)
-        .map_or_else(|| gateway_for(block), |(_, bounds)| bounds.gateway)
+/// The gateway a result names for an address: the store's stand-in while
+/// a pod holds the advertised one, else the one advertised — the
+/// configured one of its block (host-local's `gateway`), else Metis's.
+fn gateway(conf: &NetConf, ip: &AllocatedIp) -> IpAddr {
+    ip.gateway.unwrap_or_else(|| {
+        conf.bounds
+            .iter()
+            .find(|(subnet, _)| *subnet == ip.block)
+            .map_or_else(|| gateway_for(&ip.block), |(_, bounds)| bounds.gateway)
+    })
 }
 
 /// IPv4 entries first, order otherwise kept.
@@ -136,7 +142,7 @@ fn current<'a>(
             }),
             interface: top_level.then_some(0),
             address: address_with_prefix(ip),
-            gateway: gateway(conf, &ip.block).to_string(),
+            gateway: gateway(conf, ip).to_string(),
         })
         .collect();
     ResultOut {
@@ -168,7 +174,7 @@ fn route_out(conf: &NetConf, route: &Route, ips: &[AllocatedIp], has_v11_fields:
     let gw = route.gw.or_else(|| {
         ips.iter()
             .find(|ip| Family::of(ip.address) == family)
-            .map(|ip| gateway(conf, &ip.block))
+            .map(|ip| gateway(conf, ip))
     });
     let v11 = |field: Option<u32>| field.filter(|_| has_v11_fields);
     RouteOut {
@@ -216,7 +222,7 @@ fn legacy<'a>(
             .find(|ip| Family::of(ip.address) == family)
             .map(|ip| LegacyIpOut {
                 ip: address_with_prefix(ip),
-                gateway: gateway(conf, &ip.block).to_string(),
+                gateway: gateway(conf, ip).to_string(),
                 routes: routes
                     .iter()
                     .filter(|r| r.family == Some(family))
@@ -242,6 +248,7 @@ mod tests {
         AllocatedIp {
             address: address.parse().unwrap(),
             block: cidr(block),
+            gateway: None,
         }
     }
 

@@ -28,8 +28,9 @@ pub struct Limits {
 
 /// What became of one request handed to the loop.
 pub enum Answer {
-    /// Its reply, to be sent once the loop's batch is committed.
-    Reply(Response),
+    /// Its reply, to be sent once the loop's batch is committed (boxed: a
+    /// reply is ten times the size of the other answers).
+    Reply(Box<Response>),
     /// Parked: the reply comes later through [`Conn::deliver`].
     Parked,
     /// The batch is full: the request stays buffered for the next turn.
@@ -200,7 +201,7 @@ impl Conn {
                         None => break,
                     };
                     match answer {
-                        Answer::Reply(reply) => self.held.push((reply, true)),
+                        Answer::Reply(reply) => self.held.push((*reply, true)),
                         Answer::Parked => self.awaiting = true,
                         Answer::Later => break,
                     }
@@ -427,7 +428,9 @@ mod tests {
         client.write_all(&health()).unwrap();
         client.shutdown(Shutdown::Write).unwrap();
         let now = Instant::now();
-        let state = conn.on_readable(now, false, &mut |_, _| Answer::Reply(answer(Code::Ok)));
+        let state = conn.on_readable(now, false, &mut |_, _| {
+            Answer::Reply(Box::new(answer(Code::Ok)))
+        });
         assert_eq!(state, State::Open, "the reply waits for the commit");
         // Sent, then closed: no wake-up for a hang-up is needed.
         assert_eq!(conn.release(None, now), State::Closed);
@@ -440,7 +443,7 @@ mod tests {
         let (mut conn, mut client) = pair();
         client.write_all(&health()).unwrap();
         let now = Instant::now();
-        let reply = &mut |_, _| Answer::Reply(answer(Code::Ok));
+        let reply = &mut |_, _| Answer::Reply(Box::new(answer(Code::Ok)));
         assert_eq!(conn.on_readable(now, false, reply), State::Open);
         client.shutdown(Shutdown::Write).unwrap();
         assert_eq!(conn.release(None, now), State::Closed);
@@ -532,7 +535,7 @@ mod tests {
         let mut handled = false;
         let state = conn.on_readable(now, false, &mut |_, _| {
             handled = true;
-            Answer::Reply(answer(Code::Ok))
+            Answer::Reply(Box::new(answer(Code::Ok)))
         });
         assert!(!handled);
         assert_eq!(state, State::Open, "the refusal waits behind the commit");
@@ -552,7 +555,7 @@ mod tests {
             State::Open
         );
         assert!(conn.has_buffered_request());
-        let state = conn.process(now, &mut |_, _| Answer::Reply(answer(Code::Ok)));
+        let state = conn.process(now, &mut |_, _| Answer::Reply(Box::new(answer(Code::Ok))));
         assert_eq!(state, State::Open);
         assert_eq!(conn.release(None, now), State::Closed);
         drop(conn);
@@ -564,7 +567,7 @@ mod tests {
         let (mut conn, mut client) = pair();
         client.shutdown(Shutdown::Write).unwrap();
         let state = conn.on_readable(Instant::now(), false, &mut |_, _| {
-            Answer::Reply(answer(Code::Ok))
+            Answer::Reply(Box::new(answer(Code::Ok)))
         });
         assert_eq!(state, State::Closed);
         assert!(conn.is_settled());

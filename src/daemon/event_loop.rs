@@ -544,7 +544,7 @@ impl Batch<'_> {
         match outcome {
             Some(outcome) => {
                 self.answered.push((method, started, outcome.code()));
-                Answer::Reply(outcome.into_response())
+                Answer::Reply(Box::new(outcome.into_response()))
             }
             None => Answer::Parked,
         }

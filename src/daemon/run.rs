@@ -177,7 +177,7 @@ fn isolate_problems(store: &mut Store, config: &Config) -> Result<(), DaemonErro
     match store.held_gateways() {
         Ok(held) => {
             for gateway in &held {
-                log::error("store", &gateway.describe(), &[]);
+                log::warn("store", &gateway.describe(), &[]);
             }
         }
         Err(err) => log::warn(

@@ -61,6 +61,7 @@ impl OwnerRow {
             allocation: Allocation {
                 address: parse_addr(&self.address)?,
                 block,
+                gateway: None,
             },
         })
     }
@@ -180,10 +181,12 @@ fn kept(
     owner: &Owner,
     existing: HeldRow,
 ) -> Result<Allocation, StoreError> {
-    let Allocation { address, block } = existing.allocation;
+    let Allocation { address, block, .. } = existing.allocation;
     match judge.address(conn, existing.block_id, &block, address)? {
-        Ok(()) => {}
-        Err(unfit @ (Unfit::OutsideBlock | Unfit::Gateway(_))) => {
+        // The owner holds the gateway its result would name: it names a
+        // stand-in (`layout::gateway`).
+        Ok(()) | Err(Unfit::Gateway(_)) => {}
+        Err(unfit @ Unfit::OutsideBlock) => {
             return Err(StoreError::HeldUnfit {
                 address,
                 container_id: owner.container_id.to_string(),
@@ -203,38 +206,74 @@ fn kept(
             );
         }
     }
-    // Nor is a result returned whose gateway another pod holds.
-    refuse_held_gateway(conn, judge, existing.block_id, &block)?;
-    record_gateway(conn, judge, existing.row_id, &block, RowAllocation::Kept)?;
-    Ok(existing.allocation)
+    let at = BlockAt {
+        id: existing.block_id,
+        cidr: &block,
+    };
+    let names = names(conn, judge, at)?;
+    let gateway = record_gateway(conn, existing.row_id, names, RowAllocation::Kept)?;
+    Ok(Allocation {
+        gateway,
+        ..existing.allocation
+    })
 }
 
-/// Records the gateway the result for row `row_id` of block `cidr` names
-/// under the configuration in force, so that no later hand-out takes it
-/// while the allocation lives ([`crate::store::rows::named_gateway::record`]).
+/// The gateway the results for a block's addresses name under the
+/// configuration in force ([`crate::store::layout::gateway`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Names {
+    /// None Metis keeps track of (`first-block` mode's later blocks).
+    Nothing,
+    /// The one the block advertises, as the plugin computes it.
+    Advertised(IpAddr),
+    /// A pod holds the advertised one: this stands in.
+    StandIn(IpAddr),
+}
+
+/// What results for block `at` name: the advertised gateway, or the stand-in
+/// while a pod holds it; refused (code 11, naming the gateway and its
+/// holder) when no address can stand in.
+fn names(conn: &Connection, judge: &Judge, at: BlockAt) -> Result<Names, StoreError> {
+    use crate::store::layout::gateway::{held, result_gateway, stand_in};
+    let rule = judge.gateway_rule();
+    let Some(held) = held(conn, rule, at.id, at.cidr)? else {
+        let advertised = result_gateway(conn, rule.mode, rule.network, at.cidr, rule.in_force)?;
+        return Ok(advertised.map_or(Names::Nothing, Names::Advertised));
+    };
+    match stand_in(conn, rule, at.cidr, held.gateway)? {
+        Some(stand_in) => Ok(Names::StandIn(stand_in)),
+        None => Err(StoreError::NoAvailableIps {
+            network: judge.network.to_string(),
+            family: at.cidr.family(),
+            quarantined: Vec::new(),
+            held_gateways: vec![held.describe_refused()],
+            passed_over: Vec::new(),
+        }),
+    }
+}
+
+/// Records the gateway `names` says the result for row `row_id` names, so
+/// that no later hand-out takes it while the allocation lives
+/// ([`crate::store::rows::named_gateway::record`]); returns the stand-in,
+/// which the result must name instead of the advertised one.
 fn record_gateway(
     conn: &Connection,
-    judge: &Judge,
     row_id: i64,
-    cidr: &Cidr,
+    names: Names,
     allocation: RowAllocation,
-) -> Result<(), StoreError> {
-    let gateway = crate::store::layout::gateway::result_gateway(
-        conn,
-        judge.mode,
-        judge.network,
-        cidr,
-        judge.in_force(),
-    )?;
-    let Some(gateway) = gateway else {
-        return Ok(());
+) -> Result<Option<IpAddr>, StoreError> {
+    let (gateway, stand_in) = match names {
+        Names::Nothing => return Ok(None),
+        Names::Advertised(gateway) => (gateway, None),
+        Names::StandIn(gateway) => (gateway, Some(gateway)),
     };
     match allocation {
-        RowAllocation::Kept => crate::store::rows::named_gateway::record(conn, row_id, gateway),
+        RowAllocation::Kept => crate::store::rows::named_gateway::record(conn, row_id, gateway)?,
         RowAllocation::Taken { owner, at_ms } => {
-            crate::store::rows::named_gateway::record_taken(conn, row_id, gateway, owner, at_ms)
+            crate::store::rows::named_gateway::record_taken(conn, row_id, gateway, owner, at_ms)?
         }
     }
+    Ok(stand_in)
 }
 
 /// Which allocation of a row a gateway record is for.
@@ -258,28 +297,6 @@ struct BlockAt<'c> {
 struct Claimant<'o> {
     owner: &'o Owner<'o>,
     now_ms: i64,
-}
-
-/// Refuses (code 11, naming the gateway and its holder) an address of
-/// block `id` whose result would name a gateway a pod holds
-/// ([`crate::store::layout::gateway`]), under the configuration in force.
-fn refuse_held_gateway(
-    conn: &Connection,
-    judge: &Judge,
-    id: i64,
-    cidr: &Cidr,
-) -> Result<(), StoreError> {
-    let Some(held) = crate::store::layout::gateway::held(conn, judge.gateway_rule(), id, cidr)?
-    else {
-        return Ok(());
-    };
-    Err(StoreError::NoAvailableIps {
-        network: judge.network.to_string(),
-        family: cidr.family(),
-        quarantined: Vec::new(),
-        held_gateways: vec![held.describe()],
-        passed_over: Vec::new(),
-    })
 }
 
 /// Marks row `row_id` (holding `address`) of block `block_id` allocated to
@@ -594,13 +611,25 @@ fn block_record(
     })
 }
 
-/// How far one allocation's claims walked a block's free rows: the unused
-/// ones up to row `after`, and whether the cooled ones were walked (they
-/// do not change within the allocation's transaction).
-#[derive(Debug, Default, Clone, Copy)]
+/// One allocation's claims in a block: how far they walked its free rows
+/// (the unused ones up to row `after`, and whether the cooled ones were
+/// walked: they do not change within the allocation's transaction), and
+/// the gateway the result will name.
+#[derive(Debug, Clone, Copy)]
 struct Walk {
     after: i64,
     cooled_walked: bool,
+    names: Names,
+}
+
+impl Walk {
+    fn new(names: Names) -> Walk {
+        Walk {
+            after: 0,
+            cooled_walked: false,
+            names,
+        }
+    }
 }
 
 /// Claims a free row of a block: the lowest-id unused one after
@@ -615,7 +644,7 @@ fn claim(
     block: BlockAt,
     claimant: Claimant,
     walk: &mut Walk,
-) -> Result<Option<IpAddr>, StoreError> {
+) -> Result<Option<Allocation>, StoreError> {
     loop {
         let row: Option<(i64, String)> = conn
             .prepare_cached(CLAIM_SQL)?
@@ -627,8 +656,9 @@ fn claim(
             break;
         };
         walk.after = row_id;
-        if let Some(address) = take_if_fit(conn, judge, block, claimant, (row_id, &text))? {
-            return Ok(Some(address));
+        let row = (row_id, text.as_str());
+        if let Some(taken) = take_if_fit(conn, judge, block, claimant, (row, walk.names))? {
+            return Ok(Some(taken));
         }
     }
     if std::mem::replace(&mut walk.cooled_walked, true) {
@@ -638,34 +668,44 @@ fn claim(
     let mut rows = stmt.query(params![block.id, claimant.now_ms])?;
     while let Some(row) = rows.next()? {
         let (row_id, text): (i64, String) = (row.get(0)?, row.get(1)?);
-        if let Some(address) = take_if_fit(conn, judge, block, claimant, (row_id, &text))? {
-            return Ok(Some(address));
+        let row = (row_id, text.as_str());
+        if let Some(taken) = take_if_fit(conn, judge, block, claimant, (row, walk.names))? {
+            return Ok(Some(taken));
         }
     }
     Ok(None)
 }
 
 /// Takes row (id, address text) of `block` for the claimant when it passes
-/// the hand-out check and host-local holds no other owner for it.
+/// the hand-out check and host-local holds no other owner for it; its
+/// result names what `names` says (looked for again when the row taken
+/// was the stand-in itself).
 fn take_if_fit(
     conn: &Connection,
     judge: &mut Judge,
     block: BlockAt,
     claimant: Claimant,
-    (row_id, text): (i64, &str),
-) -> Result<Option<IpAddr>, StoreError> {
+    ((row_id, text), names): ((i64, &str), Names),
+) -> Result<Option<Allocation>, StoreError> {
     let Some(address) = fit_row(conn, judge, block.id, block.cidr, text)? else {
         return Ok(None);
     };
     if !take_row(conn, row_id, block.id, address, claimant)? {
         return Ok(None);
     }
+    let names = match names {
+        Names::StandIn(stand_in) if stand_in == address => self::names(conn, judge, block)?,
+        names => names,
+    };
     let taken = RowAllocation::Taken {
         owner: claimant.owner,
         at_ms: claimant.now_ms,
     };
-    record_gateway(conn, judge, row_id, block.cidr, taken)?;
-    Ok(Some(address))
+    Ok(Some(Allocation {
+        address,
+        block: *block.cidr,
+        gateway: record_gateway(conn, row_id, names, taken)?,
+    }))
 }
 
 /// The address of row `text` of block `block_id` when the hand-out check
@@ -821,22 +861,24 @@ impl Store {
         let mut held_gateways = Vec::new();
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
-            let held = crate::store::layout::gateway::held(&tx, judge.gateway_rule(), id, &cidr)?;
-            if let Some(held) = held {
-                held_gateways.push(held);
-                continue;
-            }
+            let block = BlockAt { id, cidr: &cidr };
+            let names = match names(&tx, &judge, block) {
+                Err(StoreError::NoAvailableIps {
+                    held_gateways: held,
+                    ..
+                }) => {
+                    held_gateways.extend(held);
+                    continue;
+                }
+                names => names?,
+            };
             if !judge.block(&tx, id, &cidr)? {
                 continue;
             }
-            let mut walk = Walk::default();
-            let block = BlockAt { id, cidr: &cidr };
-            if let Some(address) = claim(&tx, &mut judge, block, claimant, &mut walk)? {
+            let mut walk = Walk::new(names);
+            if let Some(allocation) = claim(&tx, &mut judge, block, claimant, &mut walk)? {
                 tx.commit()?;
-                return Ok(Allocation {
-                    address,
-                    block: cidr,
-                });
+                return Ok(allocation);
             }
             candidates.push((id, cidr, walk));
         }
@@ -846,12 +888,9 @@ impl Store {
                 if expand(&tx, mode, block, claimant, walk.after)? == 0 {
                     break;
                 }
-                if let Some(address) = claim(&tx, &mut judge, block, claimant, walk)? {
+                if let Some(allocation) = claim(&tx, &mut judge, block, claimant, walk)? {
                     tx.commit()?;
-                    return Ok(Allocation {
-                        address,
-                        block: *cidr,
-                    });
+                    return Ok(allocation);
                 }
             }
         }
@@ -863,7 +902,7 @@ impl Store {
             network: owner.network.to_string(),
             family,
             quarantined,
-            held_gateways: held_gateways.iter().map(|g| g.describe()).collect(),
+            held_gateways,
             passed_over,
         })
     }
@@ -930,22 +969,31 @@ impl Store {
             }
             None => {}
         }
-        refuse_held_gateway(&tx, &judge, block_id, &cidr)?;
+        let block = BlockAt {
+            id: block_id,
+            cidr: &cidr,
+        };
+        let names = names(&tx, &judge, block)?;
         let offset = cidr.offset_of(address).unwrap_or(0);
         let (row_id, row) = requested_row(&tx, block_id, &cidr, address, offset)?;
         ensure_free(&row, owner, &cidr, address, now_ms)?;
         if !take_row(&tx, row_id, block_id, address, Claimant { owner, now_ms })? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
+        let names = match names {
+            Names::StandIn(stand_in) if stand_in == address => self::names(&tx, &judge, block)?,
+            names => names,
+        };
         let taken = RowAllocation::Taken {
             owner,
             at_ms: now_ms,
         };
-        record_gateway(&tx, &judge, row_id, &cidr, taken)?;
+        let gateway = record_gateway(&tx, row_id, names, taken)?;
         tx.commit()?;
         Ok(Allocation {
             address,
             block: cidr,
+            gateway,
         })
     }
 

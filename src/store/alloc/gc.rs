@@ -112,10 +112,11 @@ impl Store {
         if new_room.iter().any(leaves_an_address) {
             return Ok(Ok(()));
         }
-        // Ready blocks whose gateway a pod holds serve nothing, re-bounded
-        // or not (see `gateway`); the gateway is the one a result would
-        // name under these bounds (the explicit `gateway`, else computed).
-        let held = crate::store::layout::gateway::held_in(
+        // Ready blocks whose gateway a pod holds, with no address to stand
+        // in for it, serve nothing, re-bounded or not (see `gateway`); the
+        // gateway is the one a result would name under these bounds (the
+        // explicit `gateway`, else computed).
+        let held = crate::store::layout::gateway::refused_in(
             &self.conn,
             self.reserve,
             network,
@@ -213,6 +214,7 @@ fn gc_candidates(
                 allocation: Allocation {
                     address: parse_addr(&row.get::<_, String>(4)?)?,
                     block: parse_cidr(&row.get::<_, String>(5)?)?,
+                    gateway: None,
                 },
             },
         });

@@ -115,6 +115,10 @@ pub struct Owner<'a> {
 pub struct Allocation {
     pub address: IpAddr,
     pub block: Cidr,
+    /// The gateway its result names instead of the one the block
+    /// advertises, which a pod holds (`layout::gateway::stand_in`); `None`
+    /// otherwise, and in lists of released or held addresses.
+    pub gateway: Option<IpAddr>,
 }
 
 /// Result of [`Store::add_cidr_block`]: the block id, new or existing.

@@ -1,13 +1,20 @@
 //! A block's gateway held by a pod. Upstream reserves the network, gateway
-//! and broadcast addresses only in a network's first IPv4 block, so on a
-//! node upgraded from upstream a pod can hold the address a later block
-//! advertises as its gateway (`gateway` of its host-local bounds, else
-//! base + 1). A result naming it would make the host (bridge `isGateway`)
-//! take that pod's address. So an allocation is never served from such a
-//! block: the network is served from its other blocks, and when none is
+//! and broadcast addresses only in a network's first IPv4 block, and
+//! nothing in an IPv6 block, so on a node upgraded from upstream a pod can
+//! hold the address a block advertises as its gateway (`gateway` of its
+//! host-local bounds, else base + 1; the second pod of an IPv6 block holds
+//! `::1`). A result naming it would make the host take that pod's address
+//! (bridge `isGateway` puts the gateway on the bridge, ptp on every host
+//! veth). So the block keeps being served, and its results name a
+//! *stand-in* instead ([`stand_in`]): an address near the top of the block
+//! that no pod holds, which the results' records (`named_gateway`) keep out
+//! of every hand-out while one lives. A repeated ADD returns what its owner
+//! holds, with the stand-in, also when the owner is the pod on the
+//! gateway. Only when no address near the top is free is the block not
+//! served: the network is served from its other blocks, and when none is
 //! left the ADD fails with "no available IPs" naming the block and the
 //! holder. Once that pod's DEL gives the address back to the reservation,
-//! the block is served again (no restart needed).
+//! results name the block's own gateway again (no restart needed).
 //!
 //! The rule applies where Metis's reservation keeps the gateway out of
 //! allocation — `every-block` mode, and every block with host-local bounds.
@@ -61,13 +68,53 @@ pub struct HeldGateway {
 }
 
 impl HeldGateway {
-    /// In words, for the log, `admin check` and the exhaustion error.
+    /// In words, for the log, `admin check` and the metric's help.
     pub fn describe(&self) -> String {
         format!(
-            "block {} (network {:?}) is not served while its gateway {} is held by container {:?} interface {:?}",
+            "block {} (network {:?}): its gateway {} is held by container {:?} interface {:?}; \
+             results name a stand-in gateway near the top of the block until that pod is deleted",
             self.cidr, self.network, self.gateway, self.container_id, self.interface_name
         )
     }
+
+    /// In words, when no stand-in is free either (the exhaustion error).
+    pub fn describe_refused(&self) -> String {
+        format!(
+            "block {} (network {:?}) is not served while its gateway {} is held by container {:?} \
+             interface {:?} and pods hold the {STAND_IN_REACH} addresses that could stand in",
+            self.cidr, self.network, self.gateway, self.container_id, self.interface_name
+        )
+    }
+}
+
+/// How many addresses from the top of a block [`stand_in`] looks at.
+pub(in crate::store) const STAND_IN_REACH: usize = 64;
+
+/// The gateway results for block `cidr` name while a pod holds the one it
+/// advertises (`advertised`): the highest address of the block — below an
+/// IPv4 block's broadcast, above its base — that no pod holds in the
+/// rule's address space. Nothing takes it meanwhile (the results' records
+/// keep it out of every hand-out), so each result of the block names the
+/// same one. `None`: pods hold the top [`STAND_IN_REACH`] addresses.
+pub(in crate::store) fn stand_in(
+    conn: &Connection,
+    rule: GatewayRule,
+    cidr: &Cidr,
+    advertised: IpAddr,
+) -> Result<Option<IpAddr>, StoreError> {
+    let top = match cidr.family() {
+        crate::cidr::Family::V4 => cidr.size().saturating_sub(2),
+        crate::cidr::Family::V6 => cidr.size().saturating_sub(1),
+    };
+    for offset in (1..=top).rev().take(STAND_IN_REACH) {
+        let Some(address) = cidr.nth(offset) else {
+            continue;
+        };
+        if address != advertised && holder(conn, rule, address)?.is_none() {
+            return Ok(Some(address));
+        }
+    }
+    Ok(None)
 }
 
 /// The gateway a result for an address of block `cidr` (of `network`)
@@ -120,27 +167,12 @@ pub(in crate::store) fn held(
         mode,
         network,
         in_force,
-        space,
+        ..
     } = rule;
     let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
         return Ok(None);
     };
-    let gateway_text = gateway.to_string();
-    // The joins only where the cheap probe finds a pod holding the address.
-    if !crate::store::rows::free::allocated_elsewhere(conn, &gateway_text, None, Holder::Pod)? {
-        return Ok(None);
-    }
-    let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
-    let holder: Option<(String, String)> = match space {
-        Space::Shared { isolated } => conn
-            .prepare_cached(HELD_GATEWAY_SQL)?
-            .query_row(params![gateway_text, network, isolated], row)
-            .optional()?,
-        Space::NetworkOnly => conn
-            .prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
-            .query_row(params![gateway_text, network], row)
-            .optional()?,
-    };
+    let holder = holder(conn, rule, gateway)?;
     Ok(holder.map(|(container_id, interface_name)| HeldGateway {
         block_id: id,
         cidr: *cidr,
@@ -149,6 +181,31 @@ pub(in crate::store) fn held(
         container_id,
         interface_name,
     }))
+}
+
+/// The pod (container, interface) holding `address` in the rule's address
+/// space, if any: the joins only where the cheap probe finds a pod holding
+/// the address at all.
+fn holder(
+    conn: &Connection,
+    rule: GatewayRule,
+    address: IpAddr,
+) -> Result<Option<(String, String)>, StoreError> {
+    let text = address.to_string();
+    if !crate::store::rows::free::allocated_elsewhere(conn, &text, None, Holder::Pod)? {
+        return Ok(None);
+    }
+    let row = |r: &rusqlite::Row| Ok((r.get(0)?, r.get(1)?));
+    Ok(match rule.space {
+        Space::Shared { isolated } => conn
+            .prepare_cached(HELD_GATEWAY_SQL)?
+            .query_row(params![text, rule.network, isolated], row)
+            .optional()?,
+        Space::NetworkOnly => conn
+            .prepare_cached(HELD_GATEWAY_IN_NETWORK_SQL)?
+            .query_row(params![text, rule.network], row)
+            .optional()?,
+    })
 }
 
 /// Where a holder of a network's gateway is looked for: the node's
@@ -187,27 +244,44 @@ impl Space {
 /// Candidate blocks of an allocation: (block id, prefix).
 pub(in crate::store) type Blocks = Vec<(i64, Cidr)>;
 
+/// The refusal of block `id` when a pod holds its gateway and no address
+/// can stand in for it ([`stand_in`]); `None` when it is served.
+pub(in crate::store) fn refused(
+    conn: &Connection,
+    rule: GatewayRule,
+    id: i64,
+    cidr: &Cidr,
+) -> Result<Option<HeldGateway>, StoreError> {
+    let Some(held) = held(conn, rule, id, cidr)? else {
+        return Ok(None);
+    };
+    match stand_in(conn, rule, cidr, held.gateway)? {
+        Some(_) => Ok(None),
+        None => Ok(Some(held)),
+    }
+}
+
 /// The blocks of `candidates` an allocation may be served from, and the
-/// ones it may not (their gateway is a pod's address).
+/// ones it may not ([`refused`]).
 pub(in crate::store) fn servable(
     conn: &Connection,
     rule: GatewayRule,
     candidates: Blocks,
 ) -> Result<(Blocks, Vec<HeldGateway>), StoreError> {
     let mut served = Vec::with_capacity(candidates.len());
-    let mut refused = Vec::new();
+    let mut not_served = Vec::new();
     for (id, cidr) in candidates {
-        match held(conn, rule, id, &cidr)? {
-            Some(gateway) => refused.push(gateway),
+        match refused(conn, rule, id, &cidr)? {
+            Some(gateway) => not_served.push(gateway),
             None => served.push((id, cidr)),
         }
     }
-    Ok((served, refused))
+    Ok((served, not_served))
 }
 
-/// The network's Ready blocks of `family` whose gateway a pod holds (STATUS
-/// counts nothing in them, as ADD takes nothing from them).
-pub(in crate::store) fn held_in(
+/// The network's Ready blocks of `family` that are not served ([`refused`]:
+/// STATUS counts nothing in them, as ADD takes nothing from them).
+pub(in crate::store) fn refused_in(
     conn: &Connection,
     mode: ReserveMode,
     network: &str,
@@ -226,7 +300,7 @@ pub(in crate::store) fn held_in(
             continue;
         }
         let cidr = block.prefix()?;
-        if let Some(gateway) = held(conn, rule, block.id, &cidr)? {
+        if let Some(gateway) = refused(conn, rule, block.id, &cidr)? {
             out.push(gateway);
         }
     }

@@ -195,7 +195,8 @@ fn cooldown_skips_then_reuses() {
         released.addresses,
         vec![Allocation {
             address: ip("198.18.1.2"),
-            block: cidr("198.18.1.0/29")
+            block: cidr("198.18.1.0/29"),
+            gateway: None,
         }]
     );
     let r = rows(&store, 1);
@@ -393,7 +394,8 @@ fn allocate_requested_cases() {
         a,
         Allocation {
             address: ip("198.18.1.5"),
-            block: cidr("198.18.1.0/29")
+            block: cidr("198.18.1.0/29"),
+            gateway: None,
         }
     );
     assert_eq!(
@@ -537,7 +539,7 @@ fn del_under_a_renamed_network_releases_the_old_networks_allocation() {
 }
 
 #[test]
-fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
+fn a_repeated_add_returns_what_the_owner_holds() {
     let dir = TempDir::new();
     let mut store = dir.store();
     store
@@ -579,21 +581,17 @@ fn a_repeated_add_returns_what_the_owner_holds_unless_no_result_may_carry_it() {
         ),
         "{err}"
     );
-    // Another writer gave owner "b" the block's gateway: no result may
-    // carry it, so the repeat is refused and the row is left for the DEL.
-    store
-        .conn
-        .execute(
-            "UPDATE ip_addresses SET container_id = 'b', interface_name = 'eth0' \
-             WHERE address = '198.18.40.1'",
-            [],
-        )
-        .unwrap();
-    let err = store
+    // Another writer (upstream) gave owner "b" the block's gateway: the
+    // repeat returns it, and its result names a stand-in, the block's
+    // highest address no pod holds.
+    give_row_to(&store, "198.18.40.1", "b");
+    let again = store
         .allocate(&owner("default", "b"), Family::V4, NOW)
-        .unwrap_err();
-    assert!(matches!(err, StoreError::HeldUnfit { .. }), "{err}");
-    assert!(err.to_string().contains("gateway 198.18.40.1"), "{err}");
+        .unwrap();
+    assert_eq!(
+        (again.address, again.gateway),
+        (ip("198.18.40.1"), Some(ip("198.18.40.14")))
+    );
     assert_eq!(store.check("default", "b", "eth0").unwrap().len(), 1);
 }
 
@@ -620,9 +618,10 @@ fn two_gateways() -> (Cidr, crate::cidr::Bounds, InForce, InForce) {
 
 /// A conflist whose explicit `gateway` a pod holds (it got the address
 /// under another conflist of the network, or from upstream): no result
-/// naming it is returned — neither a new address nor the one an owner
-/// already holds — the refusal names the gateway and its holder, and
-/// STATUS's question says no.
+/// names it — neither a new address's nor the one an owner already holds:
+/// they name a stand-in, the block's highest address no pod holds, which
+/// no later hand-out takes while a result names it — and STATUS's question
+/// says yes.
 #[test]
 fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
@@ -639,72 +638,61 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
     let earlier = store
         .allocate_under(&owner("pods", "earlier"), Family::V4, Some(&plain), NOW)
         .unwrap();
-    let refused = |err: StoreError| match err {
-        StoreError::NoAvailableIps { held_gateways, .. } => {
-            assert_eq!(held_gateways.len(), 1, "{held_gateways:?}");
-            assert!(
-                held_gateways[0].contains("gateway 198.18.40.6")
-                    && held_gateways[0].contains("\"holder\""),
-                "{held_gateways:?}"
-            );
-        }
-        other => panic!("expected code 11 naming the held gateway, got {other:?}"),
-    };
     // A new ADD under the conflist with `gateway` 198.18.40.6.
-    refused(
-        store
-            .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
-            .unwrap_err(),
-    );
+    let new = store
+        .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
+        .unwrap();
+    assert_eq!(new.gateway, Some(ip("198.18.40.14")), "{new:?}");
     // A repeated ADD of an owner that holds an address of the block.
-    refused(
-        store
-            .allocate_under(
-                &owner("pods", "earlier"),
-                Family::V4,
-                Some(&with_gateway),
-                NOW,
-            )
-            .unwrap_err(),
-    );
-    // STATUS: an ADD of that configuration cannot succeed; of the other, it can.
-    assert!(
-        store
-            .can_allocate(
-                "pods",
-                Family::V4,
-                &crate::store::InForce {
-                    ranges: [range].to_vec(),
-                    bounds: [(range, gw)].to_vec()
-                },
-                false,
-                NOW
-            )
-            .unwrap()
-            .is_err()
-    );
-    assert!(
-        store
-            .can_allocate(
-                "pods",
-                Family::V4,
-                &crate::store::InForce {
-                    ranges: [range].to_vec(),
-                    bounds: [].to_vec()
-                },
-                false,
-                NOW
-            )
-            .unwrap()
-            .is_ok()
-    );
-    // Nothing was handed out by the refusals; the earlier owner keeps its address.
+    let again = store
+        .allocate_under(
+            &owner("pods", "earlier"),
+            Family::V4,
+            Some(&with_gateway),
+            NOW,
+        )
+        .unwrap();
     assert_eq!(
-        store
-            .allocate_under(&owner("pods", "earlier"), Family::V4, Some(&plain), NOW)
-            .unwrap(),
-        earlier
+        (again.address, again.gateway),
+        (earlier.address, Some(ip("198.18.40.14")))
     );
+    // The stand-in is handed to no one while those results live.
+    let mut rest = Vec::new();
+    while let Ok(got) = store.allocate_under(
+        &owner("pods", &format!("r{}", rest.len())),
+        Family::V4,
+        Some(&with_gateway),
+        NOW,
+    ) {
+        assert_eq!(got.gateway, Some(ip("198.18.40.14")), "{got:?}");
+        rest.push(got.address);
+    }
+    assert!(!rest.contains(&ip("198.18.40.14")), "{rest:?}");
+    assert!(!rest.is_empty());
+    for pod in ["new", "earlier"] {
+        store.release("pods", pod, "eth0", NOW).unwrap();
+    }
+    for pod in &rest
+        .iter()
+        .enumerate()
+        .map(|(k, _)| format!("r{k}"))
+        .collect::<Vec<_>>()
+    {
+        store.release("pods", pod, "eth0", NOW).unwrap();
+    }
+    // STATUS: an ADD of either configuration can succeed.
+    for bounds in [vec![(range, gw)], Vec::new()] {
+        let conf = crate::store::InForce {
+            ranges: vec![range],
+            bounds,
+        };
+        assert!(
+            store
+                .can_allocate("pods", Family::V4, &conf, false, NOW)
+                .unwrap()
+                .is_ok()
+        );
+    }
     let held: i64 = store
         .conn
         .query_row(
@@ -713,12 +701,13 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
             |r| r.get(0),
         )
         .unwrap();
-    assert_eq!(held, 2);
-    // Once the holder's DEL gives .6 back, the conflist is served again.
+    assert_eq!(held, 1);
+    // Once the holder's DEL gives .6 back, results name it again.
     store.release("pods", "holder", "eth0", NOW).unwrap();
-    store
-        .allocate_under(&owner("pods", "new"), Family::V4, Some(&with_gateway), NOW)
+    let own = store
+        .allocate_under(&owner("pods", "own"), Family::V4, Some(&with_gateway), NOW)
         .unwrap();
+    assert_eq!(own.gateway, None, "{own:?}");
 }
 
 /// Two conflists of one network on one subnet with different gateways
@@ -808,9 +797,9 @@ fn a_gateway_a_live_result_names_is_never_handed_out_under_another_conflist() {
     assert_eq!(records, 0);
 }
 
-/// The other order: a pod of "pods-gw" holds .1, so "pods" (whose results
-/// name .1) is refused with code 11 naming the gateway and its holder; and a
-/// record whose row another writer released and reused counts for nothing.
+/// The other order: a pod of "pods-gw" holds .1, so the results of "pods"
+/// (which would name .1) name a stand-in; and a record whose row another
+/// writer released and reused counts for nothing.
 #[test]
 fn a_gateway_record_counts_only_while_its_allocation_lives() {
     let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
@@ -828,18 +817,11 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
         .unwrap();
     assert_eq!(first.address, ip("198.18.40.1"));
     store.set_bounds("pods", Family::V4, &[]).unwrap();
-    match store
+    let a = store
         .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
-        .unwrap_err()
-    {
-        StoreError::NoAvailableIps { held_gateways, .. } => assert!(
-            held_gateways.len() == 1
-                && held_gateways[0].contains("gateway 198.18.40.1")
-                && held_gateways[0].contains("\"first\""),
-            "{held_gateways:?}"
-        ),
-        other => panic!("expected code 11 naming the held gateway, got {other:?}"),
-    }
+        .unwrap();
+    assert_eq!(a.gateway, Some(ip("198.18.40.14")), "{a:?}");
+    store.release("pods", "a", "eth0", NOW).unwrap();
     // first's result names .6: not handed out under "pods-gw"'s own rule,
     // nor under "pods" (were it served). Another writer (upstream after
     // a rollback) releases first's row and hands it to "u", without
@@ -859,11 +841,11 @@ fn a_gateway_record_counts_only_while_its_allocation_lives() {
     ))
     .unwrap();
     assert_eq!(named, None);
-    // u's row still holds .1: "pods" stays refused, naming u.
-    let err = store
-        .allocate_under(&owner("pods", "a"), Family::V4, Some(&plain), NOW)
-        .unwrap_err();
-    assert!(err.to_string().contains("\"u\""), "{err}");
+    // u's row still holds .1: "pods" results name the stand-in.
+    let b = store
+        .allocate_under(&owner("pods", "b"), Family::V4, Some(&plain), NOW)
+        .unwrap();
+    assert_eq!(b.gateway, Some(ip("198.18.40.14")), "{b:?}");
 }
 
 /// STATUS asks what the ADD's hand-out check would pass: when the
@@ -1071,4 +1053,52 @@ fn unused_rows_first_then_the_longest_rested() {
         ip("198.18.1.21")
     );
     assert_counters(&store);
+}
+
+/// A stand-in is the block's highest address no pod holds, among its top
+/// 64: when pods hold all of them as well as the gateway, the block is not
+/// served (code 11 naming the gateway and its holder), and STATUS agrees.
+#[test]
+fn a_block_with_no_address_to_stand_in_for_its_gateway_is_not_served() {
+    let (_dir, mut store) = store_with(&[("default", "198.18.50.0/24")]);
+    for last in 191..=254 {
+        store
+            .allocate_requested(
+                &owner("default", &format!("top{last}")),
+                ip(&format!("198.18.50.{last}")),
+                NOW,
+            )
+            .unwrap();
+    }
+    // A pod on the gateway (upstream gave it, or another conflist's rule).
+    give_row_to(&store, "198.18.50.1", "x");
+    let err = store
+        .allocate(&owner("default", "new"), Family::V4, NOW)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "block 198.18.50.0/24 (network \"default\") is not served while its gateway \
+             198.18.50.1 is held by container \"x\""
+        ),
+        "{err}"
+    );
+    let status = store
+        .can_allocate(
+            "default",
+            Family::V4,
+            &InForce {
+                ranges: vec![cidr("198.18.50.0/24")],
+                bounds: Vec::new(),
+            },
+            false,
+            NOW,
+        )
+        .unwrap();
+    assert!(status.is_err(), "{status:?}");
+    // One of them goes: it stands in.
+    store.release("default", "top200", "eth0", NOW).unwrap();
+    let served = store
+        .allocate(&owner("default", "new"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(served.gateway, Some(ip("198.18.50.200")), "{served:?}");
 }

@@ -130,6 +130,18 @@ fn reserved_addrs(store: &Store, block_id: i64) -> Vec<String> {
         .collect()
 }
 
+/// Another writer (upstream, a hand edit) puts pod `container` on the row
+/// of `address`, whatever it was.
+fn give_row_to(store: &Store, address: &str, container: &str) {
+    store
+        .conn
+        .execute(
+            "UPDATE ip_addresses SET container_id = ?2, interface_name = 'eth0' WHERE address = ?1",
+            [address, container],
+        )
+        .unwrap();
+}
+
 fn assert_counters(store: &Store) {
     assert_eq!(store.counter_mismatches().unwrap(), Vec::new());
 }

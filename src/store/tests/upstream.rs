@@ -123,8 +123,8 @@ fn upstream_database_is_repaired_and_served() {
     assert_eq!(tables_after, upstream_tables);
 
     // Served: the held pod is recognised, new pods get non-reserved
-    // addresses — from the first block only while pod-x holds the second
-    // block's gateway (a result would name pod-x's address as gateway).
+    // addresses, first block first; the second block's results name a
+    // stand-in (its highest address, .6) while pod-x holds its gateway.
     assert_eq!(
         store.check("default", "pod-x", "eth0").unwrap()[0].address,
         ip("198.18.2.1")
@@ -149,25 +149,28 @@ fn upstream_database_is_repaired_and_served() {
     .map(|s| ip(s))
     .collect();
     assert_eq!(got, want);
-    let refused = store
+    let c5 = store
         .allocate(&owner("default", "c5"), Family::V4, NOW)
-        .unwrap_err();
-    assert!(
-        matches!(&refused, StoreError::NoAvailableIps { held_gateways, .. } if held_gateways.len() == 1),
-        "{refused:?}"
+        .unwrap();
+    assert_eq!(
+        (c5.address, c5.gateway),
+        (ip("198.18.2.2"), Some(ip("198.18.2.6")))
     );
-    assert!(
-        refused.to_string().contains(
-            "block 198.18.2.0/29 (network \"default\") is not served while its gateway 198.18.2.1 is held by container \"pod-x\""
-        ),
-        "{refused}"
+    // pod-x's repeated ADD returns its address, naming the stand-in too.
+    let x = store
+        .allocate(&owner("default", "pod-x"), Family::V4, NOW)
+        .unwrap();
+    assert_eq!(
+        (x.address, x.gateway),
+        (ip("198.18.2.1"), Some(ip("198.18.2.6")))
     );
     assert_eq!(
         alloc(&mut store, "default", "v6", Family::V6, NOW),
         ip("2001:db8::")
     );
-    // Releasing the held reserved position returns it to the reservation,
-    // and the second block is served again.
+    // Releasing the held reserved position returns it to the reservation;
+    // results name the block's own gateway again, and the stand-in stays
+    // out while c5's result names it.
     let released = store.release("default", "pod-x", "eth0", NOW).unwrap();
     assert_eq!(released.addresses[0].address, ip("198.18.2.1"));
     assert_eq!(
@@ -175,10 +178,20 @@ fn upstream_database_is_repaired_and_served() {
         vec!["198.18.2.0", "198.18.2.1", "198.18.2.7"]
     );
     assert!(store.held_gateways().unwrap().is_empty());
-    let got: Vec<IpAddr> = (5..10)
-        .map(|i| alloc(&mut store, "default", &format!("c{i}"), Family::V4, NOW))
+    let got: Vec<Allocation> = (6..9)
+        .map(|i| {
+            store
+                .allocate(&owner("default", &format!("c{i}")), Family::V4, NOW)
+                .unwrap()
+        })
         .collect();
-    let want: Vec<IpAddr> = (2..7).map(|i| ip(&format!("198.18.2.{i}"))).collect();
+    let want: Vec<Allocation> = (3..6)
+        .map(|i| Allocation {
+            address: ip(&format!("198.18.2.{i}")),
+            block: cidr("198.18.2.0/29"),
+            gateway: None,
+        })
+        .collect();
     assert_eq!(got, want);
     assert!(
         store

@@ -123,6 +123,7 @@ impl Store {
                             allocation: Allocation {
                                 address: parse_addr(&address)?,
                                 block: parse_cidr(&cidr)?,
+                                gateway: None,
                             },
                         };
                         rows.push((held, row.get::<_, String>(4)?));

@@ -65,6 +65,11 @@ pub struct PodIp {
     /// The block the address came from, e.g. "198.18.0.0/24".
     #[prost(string, tag = "2")]
     pub cidr: ::prost::alloc::string::String,
+    /// The gateway the CNI result names instead of the one the block
+    /// advertises, which a pod holds (a node upgraded from upstream); empty:
+    /// the advertised one. Metis addition.
+    #[prost(string, tag = "3")]
+    pub gateway: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct AllocatePodIpResponse {
