@@ -304,6 +304,78 @@ fn an_upstream_dual_stack_node_keeps_serving_its_pods_and_new_ones() {
     assert!(held_twice(&holdings, |_| true).is_empty(), "{holdings:?}");
 }
 
+/// The pre-upgrade vet through the real binary: on a file only upstream
+/// wrote, whose two networks overlap with a pod in each (upstream's
+/// `AddCIDR` checks nothing) and whose first pods got the same address,
+/// `metis admin check` fails naming the address, both networks and what the
+/// start will do, and the first start quarantines exactly those blocks.
+#[test]
+fn the_pre_upgrade_check_names_the_overlap_the_start_quarantines() {
+    let node = Node::new("upgrade-vet", "0s");
+    let mut upstream = Upstream::create(&node.db_path());
+    upstream.add_cidr("default", "198.18.47.0/28").unwrap();
+    upstream.add_cidr("other", "198.18.47.0/28").unwrap();
+    let now_ms = 1_700_000_000_000;
+    upstream
+        .allocate("default", false, "pod-a", "eth0", now_ms)
+        .unwrap();
+    upstream
+        .allocate("other", false, "pod-b", "eth0", now_ms)
+        .unwrap();
+    drop(upstream);
+    let check = node.admin_check();
+    let (out, _) = out_err(&check);
+    assert!(!check.status.success(), "{out}");
+    // Upstream gave each network's first pod .2: one address, two owners.
+    let line = "network \"default\", \"other\": address 198.18.47.2 is allocated 2 times; \
+                the daemon quarantines the block(s) at start";
+    assert!(out.contains(line), "{out}");
+    let daemon = started_saying(&node.dir, "block quarantined");
+    let quarantined = daemon
+        .log()
+        .lines()
+        .filter(|l| l.contains("block quarantined") && l.contains("cidr=198.18.47.0/28"))
+        .count();
+    assert_eq!(quarantined, 2, "{}", daemon.log());
+}
+
+/// Addresses requested with `IP=` in an IPv6 block without bounds, the last
+/// one the block's highest row id but not its highest address: `admin
+/// downgrade` writes the rows below the highest address and gives that one
+/// the highest id, so upstream's expansion (after the highest-id row, 64
+/// rows, no bounds check) never meets an existing row — every one of 150
+/// upstream allocations succeeds, and no address is held twice.
+#[test]
+fn downgrade_lets_upstreams_expansion_pass_requested_ipv6_addresses() {
+    let mut node = Node::new("rollback-requested", "0s");
+    let conf = NetConf::new("req", &["198.18.48.0/24", "2001:db8:48::/120"]);
+    node.start(&[]);
+    for (n, wanted) in ["2001:db8:48::50", "2001:db8:48::c8", "2001:db8:48::41"]
+        .iter()
+        .enumerate()
+    {
+        let ip: IpAddr = wanted.parse().unwrap();
+        let outcome = node.add(&conf, &format!("r{n}"), Request::CniArgs(ip));
+        assert!(outcome.addresses().contains(&ip), "{outcome:?}");
+    }
+    node.stop();
+    let (code, out, err) = downgrade(&node.db_path());
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("2001:db8:48::c8 (its highest address)"),
+        "{out}"
+    );
+    let mut handed = Vec::new();
+    for n in 0..150 {
+        match allocate_like_upstream(&node.db_path(), "req", "ipv6", &format!("u{n}")) {
+            Some(address) => handed.push(address),
+            None => panic!("upstream's allocation {n} failed after {handed:?}"),
+        }
+    }
+    let holdings = node.holdings();
+    assert!(held_twice(&holdings, |_| true).is_empty(), "{holdings:?}");
+}
+
 /// Two conflists of one network and subnet with different gateways (.9,
 /// .10): each names as its results' gateway an address the other hands
 /// out. `admin check` names the rollback's hazard, `admin downgrade`
