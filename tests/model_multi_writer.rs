@@ -8,7 +8,8 @@
 //!   conflists: two with different ranges for one `ipam.network`, one with
 //!   a `gateway` a pod may hold, bounded ranges of both families, an
 //!   isolated network over the same subnet and its conflist without
-//!   `isolated`;
+//!   `isolated`; now and then an ADD asks for an address of its conflist's
+//!   blocks with `IP=`;
 //! - during a burst or between them, the daemon restarted by SIGTERM or by
 //!   SIGKILL, stopped (direct mode), started, or replaced by a second daemon
 //!   started beside it (a DaemonSet surge update);
@@ -40,7 +41,8 @@
 //!   SIGKILLed, a call it had taken may fail; the runtime retries it);
 //! - after `metis admin downgrade`, upstream hands out no gateway a live
 //!   result names, nothing another owner holds and nothing outside every
-//!   conflist of the network;
+//!   conflist of the network, and its IPv6 expansion in a range without
+//!   bounds never meets an existing row;
 //! - `metis admin check` is clean, or every problem it names is something
 //!   upstream made (a block it added, a row it wrote or handed out);
 //! - a running daemon serves.
@@ -238,6 +240,8 @@ struct Call {
     conf: usize,
     container: String,
     ifname: &'static str,
+    /// An address asked for with `IP=` (ADD only).
+    requested: Option<IpAddr>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -450,11 +454,19 @@ impl Sequence {
         {
             conf = pods;
         }
+        let verb = if rng.chance(60) { Verb::Add } else { Verb::Del };
+        // Now and then an address of the conflist's blocks asked for.
+        let blocks = self.confs[conf].blocks();
+        let requested = (verb == Verb::Add && !blocks.is_empty() && rng.chance(15)).then(|| {
+            let block = blocks[rng.index(blocks.len())];
+            block.nth(u128::from(rng.next_u64()) % block.size())
+        });
         Call {
-            verb: if rng.chance(60) { Verb::Add } else { Verb::Del },
+            verb,
             conf,
             container: format!("p{plugin}-{}", rng.below(3)),
             ifname: IFNAMES[rng.index(IFNAMES.len())],
+            requested,
         }
     }
 
@@ -631,12 +643,17 @@ impl Sequence {
         let mut retries = Vec::new();
         for answer in answers {
             trace.push(format!(
-                "  plugin {} {:?} {}/{} conf {}: {:?} gateways {:?}",
+                "  plugin {} {:?} {}/{} conf {}{}: {:?} gateways {:?}",
                 answer.plugin,
                 answer.call.verb,
                 answer.call.container,
                 answer.call.ifname,
                 answer.call.conf,
+                answer
+                    .call
+                    .requested
+                    .map(|ip| format!(" IP={ip}"))
+                    .unwrap_or_default(),
                 answer.outcome,
                 answer.gateways
             ));
@@ -742,6 +759,7 @@ impl Sequence {
         let owner = self.owner(call);
         let del = Call {
             verb: Verb::Del,
+            requested: None,
             ..call.clone()
         };
         match (call.verb, &answer.outcome) {
@@ -761,6 +779,10 @@ impl Sequence {
                         return Err(format!(
                             "a repeated ADD returned {ip}, not what {owner:?} holds: {before:?}"
                         ));
+                    }
+                    let asked = call.requested.filter(|r| r.is_ipv6() == ip.is_ipv6());
+                    if !repeat && asked.is_some_and(|asked| asked != ip) {
+                        return Err(format!("ADD asked for {asked:?} and got {ip}"));
                     }
                     if !before.contains(&ip) {
                         self.inside(call, ip)?;
@@ -803,7 +825,9 @@ impl Sequence {
                 *self.stats.refusals.entry(*code).or_default() += 1;
                 // Code 100 only for an owner that holds an address no
                 // result may carry any more (its block quarantined, say).
-                let repeat = self.held.contains_key(&owner);
+                // And for an address asked for that is taken, reserved,
+                // cooling or outside every block.
+                let repeat = self.held.contains_key(&owner) || call.requested.is_some();
                 let legitimate =
                     (matches!(code, 7 | 11) || (*code == 100 && repeat)) && !msg.contains("UNIQUE");
                 if !legitimate && !killed {
@@ -888,6 +912,15 @@ impl Sequence {
                     Ok(format!("{got:?}"))
                 }
                 Ok(got) => Ok(format!("{got:?}")),
+                // After a downgrade, IPv6 expansion in a range without
+                // bounds never meets an existing row (requested addresses,
+                // Metis's lazy rows): only a bounded range ends that way.
+                Err(e) if readied && *v6 && e.contains("UNIQUE") && self.unbounded(network) => {
+                    Err(format!(
+                        "after metis admin downgrade, upstream's IPv6 allocation in network \
+                         {network} failed on an existing row: {e}"
+                    ))
+                }
                 Err(e) => Ok(e),
             },
             UpstreamOp::Release {
@@ -928,6 +961,15 @@ impl Sequence {
                 Ok(format!("undrained {id:?}"))
             }
         }
+    }
+
+    /// Whether no conflist of `network` bounds its ranges or names a
+    /// gateway.
+    fn unbounded(&self, network: &str) -> bool {
+        self.confs
+            .iter()
+            .filter(|conf| conf.network() == network)
+            .all(|conf| conf.bounds.is_none() && conf.gateway.is_none())
     }
 
     /// An address upstream handed out in `network` after `metis admin
@@ -1178,8 +1220,13 @@ fn run_call(plugin: usize, call: &Call, stdin: &str) -> Answer {
         Verb::Add => "ADD",
         Verb::Del => "DEL",
     };
+    let args = match call.requested {
+        Some(ip) => format!("K8S_POD_NAMESPACE=default;K8S_POD_NAME=pod;IP={ip}"),
+        None => "K8S_POD_NAMESPACE=default;K8S_POD_NAME=pod".to_string(),
+    };
     let output = Plugin {
         ifname: call.ifname,
+        args: &args,
         ..Plugin::new(verb, &call.container)
     }
     .run(stdin);
