@@ -689,6 +689,13 @@ fn downgrade_lets_upstreams_ipv6_expansion_pass_every_requested_address() {
             .allocate_requested(&owner("v6", &format!("r{i}")), ip(wanted), NOW)
             .unwrap();
     }
+    let hazard = "upstream's IPv6 expansion starts after its highest-id row 2001:db8::41 and \
+                  would meet the row of 2001:db8::c8";
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(
+        report.notes.iter().any(|n| n.contains(hazard)),
+        "{report:?}"
+    );
     let done = store.downgrade(NOW).unwrap();
     assert!(
         done.done
@@ -734,7 +741,12 @@ fn downgrade_lets_upstreams_ipv6_expansion_pass_every_requested_address() {
     }
     assert_eq!(store.downgrade(NOW).unwrap().done, Vec::<String>::new());
     drop(store);
-    assert!(check_file(&dir.db(), Depth::Full).unwrap().is_ok());
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    assert!(
+        !report.notes.iter().any(|n| n.contains("before a rollback")),
+        "{report:?}"
+    );
 }
 
 /// A requested address deep in a /64: the rows below it are too many to

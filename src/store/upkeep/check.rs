@@ -542,6 +542,11 @@ fn check_upstream_leftovers(
         let held = crate::store::layout::gateway::all_held(conn, mode)?;
         report.notes.extend(held.iter().map(|g| g.describe()));
         report.notes.extend(rollback_hazards(conn, mode)?);
+        report
+            .notes
+            .extend(crate::store::upkeep::downgrade::expansion_hazards(
+                conn, mode,
+            )?);
     }
     Ok(())
 }

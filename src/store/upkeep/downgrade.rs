@@ -269,6 +269,42 @@ fn order_for_expansion(
     Ok(())
 }
 
+/// What upstream's IPv6 expansion would trip on in the file as it is: each
+/// live IPv6 block without bounds whose highest-id row is not its highest
+/// address (a requested address, a row Metis wrote lazily), in words.
+/// [`order_for_expansion`] is the fix.
+pub(in crate::store) fn expansion_hazards(
+    conn: &Connection,
+    mode: ReserveMode,
+) -> Result<Vec<String>, StoreError> {
+    let mut out = Vec::new();
+    for block in live_blocks(conn)? {
+        if block.cidr.family() != Family::V6
+            || block_reserved(conn, mode, block.id, &block.network, &block.cidr)?.is_bounded()
+        {
+            continue;
+        }
+        let rows = offsets_by_id(conn, block.id, &block.cidr)?;
+        let (Some(last), Some(top)) = (
+            rows.last(),
+            rows.iter()
+                .filter(|(_, offset, _)| offset.is_some())
+                .max_by_key(|(_, offset, _)| *offset),
+        ) else {
+            continue;
+        };
+        if last.1 < top.1 {
+            out.push(format!(
+                "before a rollback: block {} ({}, network {:?}): upstream's IPv6 expansion starts \
+                 after its highest-id row {} and would meet the row of {}, failing IPv6 allocations; \
+                 `metis admin downgrade` gives that row the highest id",
+                block.id, block.cidr, block.network, last.2, top.2
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// The block's rows in id order: (id, offset in the block, address).
 fn offsets_by_id(
     conn: &Connection,
