@@ -756,6 +756,18 @@ struct Shared {
     changed: Condvar,
 }
 
+impl Shared {
+    /// The state, also after a test's assertion failed while it held it:
+    /// the unwinding that follows drops the daemons and controllers the test
+    /// started, which must not abort on a poisoned lock and leave them
+    /// running.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// The server's state, shared with another thread.
 #[derive(Clone)]
 pub struct Handle(Arc<Shared>);
@@ -763,7 +775,7 @@ pub struct Handle(Arc<Shared>);
 impl Handle {
     /// Runs `look` on the state under the lock and wakes open watches.
     pub fn with<T>(&self, look: impl FnOnce(&mut State) -> T) -> T {
-        let out = look(&mut self.0.state.lock().unwrap());
+        let out = look(&mut self.0.lock());
         self.0.changed.notify_all();
         out
     }
@@ -814,7 +826,7 @@ impl KubeApi {
     }
 
     pub fn state(&self) -> MutexGuard<'_, State> {
-        self.shared.state.lock().unwrap()
+        self.shared.lock()
     }
 
     /// Changes the state under the lock and wakes open watches.
@@ -964,7 +976,7 @@ fn refuse_too_large(stream: &mut TcpStream, shared: &Shared, too_large: &http::T
         (route.verb(head), route.counted())
     });
     {
-        let mut state = shared.state.lock().unwrap();
+        let mut state = shared.lock();
         state.account(&head.token, verb, &counted, 0);
         *state.answers.entry((head.token.clone(), 413)).or_insert(0) += 1;
     }
@@ -983,7 +995,7 @@ fn refuse_too_large(stream: &mut TcpStream, shared: &Shared, too_large: &http::T
 fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &Request) -> bool {
     let Some(route) = route(&request.path) else {
         let unserved = (request.method.clone(), request.path.clone());
-        shared.state.lock().unwrap().unserved.push(unserved);
+        shared.lock().unserved.push(unserved);
         respond(
             stream,
             &text(refusal(
@@ -997,7 +1009,7 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
     let counted = route.counted();
     let verb = route.verb(request);
     let answer = {
-        let mut state = shared.state.lock().unwrap();
+        let mut state = shared.lock();
         state.account(&request.token, verb, &counted, request.body.len());
         if verb == "unsupported" {
             let unserved = (request.method.clone(), request.path.clone());
@@ -1308,7 +1320,7 @@ fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watc
     if http::start_watch(stream).is_err() {
         return;
     }
-    let state = shared.state.lock().unwrap();
+    let state = shared.lock();
     let mut pending: Vec<Arc<str>> = Vec::new();
     let sent = match from {
         Some(version) if version < state.compacted_below => {
@@ -1359,7 +1371,7 @@ fn follow(
         .and_then(|v| v.parse().ok())
         .unwrap_or(1800);
     let deadline = Instant::now() + Duration::from_secs(seconds);
-    let mut state = shared.state.lock().unwrap();
+    let mut state = shared.lock();
     let epoch = state.watch_epoch;
     let mut last_sent = Instant::now();
     let mut written = 0u64;
@@ -1409,7 +1421,7 @@ fn follow(
             }
             pending.clear();
             last_sent = Instant::now();
-            state = shared.state.lock().unwrap();
+            state = shared.lock();
             continue;
         }
         if timed_out {
@@ -1421,7 +1433,7 @@ fn follow(
         state = shared
             .changed
             .wait_timeout(state, left.min(Duration::from_millis(100)))
-            .unwrap()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .0;
     }
 }
