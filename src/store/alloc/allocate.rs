@@ -10,6 +10,7 @@ use crate::store::db::{
     Allocation, BlockState, Owner, ReserveMode, Store, StoreError, Unavailable, parse_addr,
     parse_cidr, parse_state, validate_owner,
 };
+use crate::store::layout::gateway::Names;
 use crate::store::rows::block::{
     GROWTH_BATCH, HeldRow, Reserved, block_reserved, frontier, give_back, give_back_row,
     insert_rows, parse_text, quarantined_in, set_frontier, text_at,
@@ -218,37 +219,34 @@ fn kept(
     })
 }
 
-/// The gateway the results for a block's addresses name under the
-/// configuration in force ([`crate::store::layout::gateway`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Names {
-    /// None Metis keeps track of (`first-block` mode's later blocks).
-    Nothing,
-    /// The one the block advertises, as the plugin computes it.
-    Advertised(IpAddr),
-    /// A pod holds the advertised one: this stands in.
-    StandIn(IpAddr),
-}
-
-/// What results for block `at` name: the advertised gateway, or the stand-in
-/// while a pod holds it; refused (code 11, naming the gateway and its
-/// holder) when no address can stand in.
+/// What results for block `at` name under the configuration in force
+/// ([`crate::store::layout::gateway::naming`]); refused (code 11, naming
+/// the gateway and its holder) when no address can stand in for the one a
+/// pod holds.
 fn names(conn: &Connection, judge: &Judge, at: BlockAt) -> Result<Names, StoreError> {
-    use crate::store::layout::gateway::{held, result_gateway, stand_in};
-    let rule = judge.gateway_rule();
-    let Some(held) = held(conn, rule, at.id, at.cidr)? else {
-        let advertised = result_gateway(conn, rule.mode, rule.network, at.cidr, rule.in_force)?;
-        return Ok(advertised.map_or(Names::Nothing, Names::Advertised));
-    };
-    match stand_in(conn, rule, at.cidr, held.gateway)? {
-        Some(stand_in) => Ok(Names::StandIn(stand_in)),
-        None => Err(StoreError::NoAvailableIps {
+    crate::store::layout::gateway::naming(conn, judge.gateway_rule(), at.id, at.cidr)?.map_err(
+        |held| StoreError::NoAvailableIps {
             network: judge.network.to_string(),
             family: at.cidr.family(),
             quarantined: Vec::new(),
             held_gateways: vec![held.describe_refused()],
             passed_over: Vec::new(),
-        }),
+        },
+    )
+}
+
+/// `names` once row `address` of block `at` is taken: the stand-in is
+/// looked for again when it was that very address.
+fn names_after_take(
+    conn: &Connection,
+    judge: &Judge,
+    at: BlockAt,
+    names: Names,
+    address: IpAddr,
+) -> Result<Names, StoreError> {
+    match names {
+        Names::StandIn(stand_in) if stand_in == address => self::names(conn, judge, at),
+        names => Ok(names),
     }
 }
 
@@ -693,10 +691,7 @@ fn take_if_fit(
     if !take_row(conn, row_id, block.id, address, claimant)? {
         return Ok(None);
     }
-    let names = match names {
-        Names::StandIn(stand_in) if stand_in == address => self::names(conn, judge, block)?,
-        names => names,
-    };
+    let names = names_after_take(conn, judge, block, names, address)?;
     let taken = RowAllocation::Taken {
         owner: claimant.owner,
         at_ms: claimant.now_ms,
@@ -862,15 +857,13 @@ impl Store {
         let mut candidates = Vec::new();
         for (id, cidr) in candidates_of(&tx, owner.network, family, &mut judge.records)? {
             let block = BlockAt { id, cidr: &cidr };
-            let names = match names(&tx, &judge, block) {
-                Err(StoreError::NoAvailableIps {
-                    held_gateways: held,
-                    ..
-                }) => {
-                    held_gateways.extend(held);
+            let rule = judge.gateway_rule();
+            let names = match crate::store::layout::gateway::naming(&tx, rule, id, &cidr)? {
+                Ok(names) => names,
+                Err(held) => {
+                    held_gateways.push(held.describe_refused());
                     continue;
                 }
-                names => names?,
             };
             if !judge.block(&tx, id, &cidr)? {
                 continue;
@@ -980,10 +973,7 @@ impl Store {
         if !take_row(&tx, row_id, block_id, address, Claimant { owner, now_ms })? {
             return Err(unavailable(address, Unavailable::HeldByHostLocal));
         }
-        let names = match names {
-            Names::StandIn(stand_in) if stand_in == address => self::names(&tx, &judge, block)?,
-            names => names,
-        };
+        let names = names_after_take(&tx, &judge, block, names, address)?;
         let taken = RowAllocation::Taken {
             owner,
             at_ms: now_ms,

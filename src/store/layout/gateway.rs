@@ -163,24 +163,62 @@ pub(in crate::store) fn held(
     id: i64,
     cidr: &Cidr,
 ) -> Result<Option<HeldGateway>, StoreError> {
-    let GatewayRule {
-        mode,
-        network,
-        in_force,
-        ..
-    } = rule;
-    let Some(gateway) = result_gateway(conn, mode, network, cidr, in_force)? else {
-        return Ok(None);
-    };
+    match result_gateway(conn, rule.mode, rule.network, cidr, rule.in_force)? {
+        Some(gateway) => held_at(conn, rule, (id, cidr), gateway),
+        None => Ok(None),
+    }
+}
+
+/// Who holds `gateway`, the one block (`id`, `cidr`) advertises, if a pod
+/// does.
+fn held_at(
+    conn: &Connection,
+    rule: GatewayRule,
+    (id, cidr): (i64, &Cidr),
+    gateway: IpAddr,
+) -> Result<Option<HeldGateway>, StoreError> {
     let holder = holder(conn, rule, gateway)?;
     Ok(holder.map(|(container_id, interface_name)| HeldGateway {
         block_id: id,
         cidr: *cidr,
-        network: network.to_string(),
+        network: rule.network.to_string(),
         gateway,
         container_id,
         interface_name,
     }))
+}
+
+/// The gateway the results for a block's addresses name under a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::store) enum Names {
+    /// None Metis keeps track of (`first-block` mode's later blocks).
+    Nothing,
+    /// The one the block advertises, as the plugin computes it.
+    Advertised(IpAddr),
+    /// A pod holds the advertised one: this stands in ([`stand_in`]).
+    StandIn(IpAddr),
+}
+
+/// What results for block `id` (`cidr`) name under `rule`: the advertised
+/// gateway, or the stand-in while a pod holds it; `Err` (the block is not
+/// served) when a pod holds it and no address can stand in.
+pub(in crate::store) fn naming(
+    conn: &Connection,
+    rule: GatewayRule,
+    id: i64,
+    cidr: &Cidr,
+) -> Result<Result<Names, HeldGateway>, StoreError> {
+    let Some(advertised) = result_gateway(conn, rule.mode, rule.network, cidr, rule.in_force)?
+    else {
+        return Ok(Ok(Names::Nothing));
+    };
+    let Some(held) = held_at(conn, rule, (id, cidr), advertised)? else {
+        return Ok(Ok(Names::Advertised(advertised)));
+    };
+    Ok(match stand_in(conn, rule, cidr, advertised)? {
+        Some(stand_in) => Ok(Names::StandIn(stand_in)),
+        None => Err(held),
+    })
 }
 
 /// The pod (container, interface) holding `address` in the rule's address
@@ -252,13 +290,7 @@ pub(in crate::store) fn refused(
     id: i64,
     cidr: &Cidr,
 ) -> Result<Option<HeldGateway>, StoreError> {
-    let Some(held) = held(conn, rule, id, cidr)? else {
-        return Ok(None);
-    };
-    match stand_in(conn, rule, cidr, held.gateway)? {
-        Some(_) => Ok(None),
-        None => Ok(Some(held)),
-    }
+    Ok(naming(conn, rule, id, cidr)?.err())
 }
 
 /// The blocks of `candidates` an allocation may be served from, and the
