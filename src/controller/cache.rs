@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
-use super::pool::{self, Pool, PoolSpec};
+use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::Status;
 use crate::kube::nnc::Nnc;
 
@@ -20,7 +20,8 @@ pub struct Cache {
     pub statuses: BTreeMap<String, Status>,
     pub nodes: BTreeSet<String>,
     /// The pools, checked against each other when one changes (not at
-    /// every pass).
+    /// every pass), each with its ledger as the blocks say (kept block by
+    /// block: a pass reads it, never rebuilds it).
     pools: Arc<Vec<Pool>>,
     /// The MetisBlocks by name.
     pub blocks: BTreeMap<String, Block>,
@@ -73,6 +74,7 @@ impl Cache {
             let blocks = &self.blocks;
             self.cooling_seen
                 .retain(|name, _| blocks.get(name).is_some_and(is_cooling));
+            self.rebuild_ledgers();
         }
         self.recount_followed();
         self.listed.insert(kind);
@@ -90,14 +92,16 @@ impl Cache {
     fn left_status(&mut self, old: Option<Status>, name: Option<&String>) {
         let Some(old) = old else { return };
         let now = name.and_then(|n| self.statuses.get(n));
-        for cidr in old.entries.iter().filter_map(|e| e.cidr) {
-            if now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(cidr))) {
-                continue;
-            }
-            let name = block_name(&cidr);
-            if self.blocks.get(&name).is_some_and(is_cooling) {
-                self.cooling_seen.insert(name, self.now_ms);
-            }
+        let left: Vec<String> = old
+            .entries
+            .iter()
+            .filter_map(|e| e.cidr)
+            .filter(|cidr| !now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(*cidr))))
+            .map(|cidr| block_name(&cidr))
+            .filter(|name| self.blocks.get(name).is_some_and(is_cooling))
+            .collect();
+        for name in left {
+            self.cool_since(&name, self.now_ms);
         }
     }
 
@@ -107,7 +111,7 @@ impl Cache {
     pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
         for (name, since) in restarts {
             if self.blocks.get(name).is_some_and(is_cooling) {
-                self.cooling_seen.insert(name.clone(), *since);
+                self.cool_since(name, *since);
             }
         }
     }
@@ -188,7 +192,9 @@ impl Cache {
                     self.cooling_seen.remove(&block.name);
                 }
                 let follows = followed_node(&block).map(str::to_string);
-                let old = self.blocks.insert(block.name.clone(), *block);
+                let name = block.name.clone();
+                let old = self.blocks.insert(name.clone(), *block);
+                self.enter_ledger(old.as_ref(), &name);
                 let followed = old.as_ref().and_then(followed_node).map(str::to_string);
                 if followed != follows {
                     followed.inspect(|n| self.follow(n, false));
@@ -219,6 +225,7 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
+                self.enter_ledger(old.as_ref(), name);
                 if let Some(node) = old.as_ref().and_then(followed_node) {
                     self.follow(node, false);
                 }
@@ -236,6 +243,46 @@ impl Cache {
             }
         }
         pool::validate(pools);
+        self.rebuild_ledgers();
+    }
+
+    /// Every ledger again from the blocks (the pools changed, or a list
+    /// replaced the blocks).
+    fn rebuild_ledgers(&mut self) {
+        let pools = Arc::make_mut(&mut self.pools);
+        for pool in pools.iter_mut() {
+            pool.ledger = Ledger::default();
+        }
+        for block in self.blocks.values() {
+            let since = self.cooling_seen.get(&block.name).copied();
+            pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
+        }
+    }
+
+    /// The ledgers follow block `name`, which was `old` and is now as
+    /// `self.blocks` holds it (or gone).
+    fn enter_ledger(&mut self, old: Option<&Block>, name: &str) {
+        let pools = Arc::make_mut(&mut self.pools);
+        if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref()) {
+            pool::leave_block(pools, cidr);
+        }
+        if let Some(block) = self.blocks.get(name) {
+            let since = self.cooling_seen.get(name).copied();
+            pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
+        }
+    }
+
+    /// Cooling block `name` cools from `since` (monotonic ms).
+    fn cool_since(&mut self, name: &str, since: i64) {
+        self.cooling_seen.insert(name.to_string(), since);
+        let Some((cidr, _)) = self.blocks.get(name).and_then(|b| b.spec.as_ref()) else {
+            return;
+        };
+        for pool in Arc::make_mut(&mut self.pools).iter_mut() {
+            if let Some(cooling) = pool.ledger.cooling.get_mut(cidr) {
+                cooling.since_ms = since;
+            }
+        }
     }
 
     /// The pools, checked against each other.
@@ -289,14 +336,29 @@ impl Cache {
         }
     }
 
-    /// The pools with their ledgers, as the blocks say now.
-    pub fn pools_with_ledgers(&self, now_ms: i64) -> Vec<Pool> {
-        pool::with_ledgers(
-            &self.pools,
-            self.blocks.values(),
-            &self.cooling_seen,
-            now_ms,
-        )
+    /// The pools with their ledgers, as the blocks say now (kept as they
+    /// come; debug builds check them against a rebuild from every block).
+    pub fn pools_with_ledgers(&self, now_ms: i64) -> Arc<Vec<Pool>> {
+        #[cfg(debug_assertions)]
+        {
+            let bare: Vec<Pool> = self
+                .pools
+                .iter()
+                .map(|p| Pool {
+                    ledger: Ledger::default(),
+                    ..p.clone()
+                })
+                .collect();
+            let mut rebuilt =
+                pool::with_ledgers(&bare, self.blocks.values(), &self.cooling_seen, now_ms);
+            let mut kept = self.pools.to_vec();
+            for pool in rebuilt.iter_mut().chain(kept.iter_mut()) {
+                pool.ledger.non_reusable.sort();
+            }
+            debug_assert_eq!(kept, rebuilt, "the ledgers kept are not the blocks'");
+        }
+        let _ = now_ms;
+        Arc::clone(&self.pools)
     }
 
     pub fn world<'a>(&'a self, pools: &'a [Pool], clock: Clock, node_grace_ms: i64) -> World<'a> {

@@ -257,6 +257,23 @@ fn lists_releasable(nnc: &Nnc, cidr: &str) -> bool {
     nnc.releasable.iter().any(|r| r.cidr() == Some(cidr))
 }
 
+/// [`lists_releasable`] of a parsed block (its text made only when the
+/// node lists something).
+fn lists_releasable_cidr(nnc: &Nnc, cidr: &Cidr) -> bool {
+    !nnc.releasable.is_empty() && lists_releasable(nnc, &cidr.to_string())
+}
+
+/// The first status (by node name) holding each block.
+fn statuses_holding(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, &str> {
+    let mut holding: BTreeMap<Cidr, &str> = BTreeMap::new();
+    for (name, status) in statuses {
+        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+            holding.entry(cidr).or_insert(name);
+        }
+    }
+    holding
+}
+
 /// One pass being decided: the ledgers as they become and each node's
 /// status as it becomes.
 struct Pass<'a> {
@@ -270,7 +287,11 @@ struct Pass<'a> {
 pub fn decide(world: &World) -> Decision {
     let mut pass = Pass {
         world: *world,
-        ledgers: world.pools.iter().map(|p| p.ledger.clone()).collect(),
+        ledgers: world
+            .pools
+            .iter()
+            .map(|p| p.ledger.working_copy())
+            .collect(),
         plans: BTreeMap::new(),
         restarts: Vec::new(),
     };
@@ -415,24 +436,22 @@ impl<'a> Pass<'a> {
     /// nothing (their daemon is gone).
     fn reassert(&mut self) {
         let world = self.world;
-        let mut in_statuses: BTreeMap<Cidr, &str> = BTreeMap::new();
+        // Which status holds each block, read only when a block served
+        // is in no ledger (rare: most are the node's own claims).
+        let mut in_statuses: Option<BTreeMap<Cidr, &str>> = None;
         for (name, status) in world.statuses {
-            for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-                in_statuses.entry(cidr).or_insert(name);
+            if status.serving.is_empty() || world.absent.contains_key(name) {
+                continue;
             }
-        }
-        for (name, status) in world.statuses {
             let Some(nnc) = world.nncs.get(name) else {
                 continue;
             };
-            if world.absent.contains_key(name) {
-                continue;
-            }
             for cidr in &status.serving {
-                if lists_releasable(nnc, &cidr.to_string()) {
+                if lists_releasable_cidr(nnc, cidr) || self.claimed_by(cidr, name) {
                     continue;
                 }
-                let elsewhere = in_statuses.get(cidr).filter(|n| **n != name.as_str());
+                let index = in_statuses.get_or_insert_with(|| statuses_holding(world.statuses));
+                let elsewhere = index.get(cidr).filter(|n| **n != name.as_str());
                 if let Err(why) = self.keep_serving(name, cidr, elsewhere.copied())
                     && let Some(plan) = self.plans.get_mut(name.as_str())
                     && !matches!(plan.trouble, Some(Trouble::Gone(_)))
@@ -441,6 +460,15 @@ impl<'a> Pass<'a> {
                 }
             }
         }
+    }
+
+    /// Whether `cidr` is granted to node `name` now (then keeping it
+    /// serving changes nothing).
+    fn claimed_by(&self, cidr: &Cidr, name: &str) -> bool {
+        self.ledgers
+            .iter()
+            .find_map(|l| l.claims.get(cidr))
+            .is_some_and(|h| h.node == name)
     }
 
     /// Keeps `cidr`, which node `name` serves, the node's; why not when
@@ -509,16 +537,18 @@ impl<'a> Pass<'a> {
     fn finish_claims(&mut self) {
         let world = self.world;
         for i in 0..self.ledgers.len() {
-            let plans = &self.plans;
-            let held = |cidr: &Cidr, holder: &Holder| {
-                plans
-                    .get(holder.node.as_str())
-                    .is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(*cidr)))
-            };
-            let missing: Vec<(Cidr, Holder)> = self.ledgers[i]
-                .claims
+            // The claims whose node's status keeps them: looked up from
+            // the entries (a block's key), not per claim by node name.
+            let claims = &self.ledgers[i].claims;
+            let mut held: Vec<Cidr> = Vec::new();
+            for (name, plan) in &self.plans {
+                let of_node = |c: &Cidr| claims.get(c).is_some_and(|h| h.node == *name);
+                held.extend(plan.entries.iter().filter_map(|e| e.cidr).filter(of_node));
+            }
+            held.sort_unstable();
+            let missing: Vec<(Cidr, Holder)> = claims
                 .iter()
-                .filter(|(cidr, holder)| !held(cidr, holder))
+                .filter(|(cidr, _)| held.binary_search(cidr).is_err())
                 .map(|(c, h)| (*c, h.clone()))
                 .collect();
             for (cidr, holder) in missing {
@@ -585,13 +615,15 @@ impl<'a> Pass<'a> {
                     trouble.get_or_insert(Trouble::Conflict(why));
                     continue;
                 }
-                let claimed = self.ledgers.iter().any(|l| l.claims.contains_key(&cidr));
+                if self.ledgers.iter().any(|l| l.claims.contains_key(&cidr)) {
+                    continue;
+                }
                 let adopter = pools.iter().position(|p| {
                     p.spec
                         .as_ref()
                         .is_ok_and(|s| s.range(cidr.family()).is_some_and(|r| r.is_block(&cidr)))
                 });
-                if !claimed && let Some(i) = adopter {
+                if let Some(i) = adopter {
                     adopted.push((i, cidr, name));
                     plan.blocks.insert(cidr);
                 }
@@ -620,9 +652,20 @@ impl<'a> Pass<'a> {
         let mut waiting: BTreeMap<usize, usize> = BTreeMap::new();
         let mut promised: BTreeSet<Cidr> = BTreeSet::new();
         let world = self.world;
+        // The networks and families some valid pool serves.
+        let served: Vec<(&str, Family)> = world
+            .pools
+            .iter()
+            .filter_map(|p| p.spec.as_ref().ok())
+            .flat_map(|s| s.ranges.iter().map(|r| (s.network.as_str(), r.family)))
+            .collect();
         for (name, nnc) in grant_order(&world) {
-            if world.absent.contains_key(name) || !self.plans.contains_key(name.as_str()) {
+            if world.absent.contains_key(name) {
                 continue;
+            }
+            match self.plans.get(name.as_str()) {
+                Some(plan) if !covered(plan, nnc, &served) => {}
+                _ => continue,
             }
             let mut networks = BTreeSet::new();
             for (network, pods) in &nnc.allocations {
@@ -830,6 +873,35 @@ impl<'a> Pass<'a> {
     }
 }
 
+/// Whether `plan`'s entries already cover every network and family
+/// `nnc` asks for that a pool serves (`served`), so that granting adds
+/// nothing: told from one walk of the entries, as most nodes are in any
+/// pass.
+fn covered(plan: &Plan, nnc: &Nnc, served: &[(&str, Family)]) -> bool {
+    let pods = |network: &str| {
+        let asked = nnc.allocations.iter().find(|(n, _)| n == network);
+        asked.map_or(0, |(_, pods)| u128::try_from(*pods).unwrap_or(0))
+    };
+    match nnc.allocations.as_slice() {
+        [] => true,
+        [(network, _)] => {
+            let want = pods(network);
+            let mut have = [0u128; 2];
+            for entry in plan.entries.iter().filter(|e| *e.network == **network) {
+                if let Some(cidr) = entry.cidr {
+                    let at = usize::from(cidr.family() == Family::V6);
+                    have[at] = have[at].saturating_add(cidr.size());
+                }
+            }
+            FAMILIES.iter().zip(have).all(|(family, have)| {
+                have >= want || !served.contains(&(network.as_str(), *family))
+            })
+        }
+        // Several networks: `grant` tells each.
+        _ => false,
+    }
+}
+
 /// What one node asks of one network and family.
 struct Ask<'a> {
     name: &'a String,
@@ -913,7 +985,11 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
             .entries
             .iter()
             .zip(&plan.entries)
-            .all(|(a, b)| *a == **b)
+            .all(|(a, b)| match b {
+                // Kept from this very status: itself (most entries).
+                Cow::Borrowed(b) => std::ptr::eq(a, *b) || a == *b,
+                Cow::Owned(b) => a == b,
+            })
         && read
             .ready
             .as_ref()
@@ -1247,15 +1323,17 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
 /// What a node's Ready condition says of `trouble`: (status, reason,
 /// message).
 fn ready_says(trouble: Option<&Trouble>) -> (&'static str, &'static str, String) {
+    let (status, reason, message) = ready_text(trouble);
+    (status, reason, message.to_string())
+}
+
+/// [`ready_says`], its message borrowed (a pass asks it of every node).
+fn ready_text(trouble: Option<&Trouble>) -> (&'static str, &'static str, &str) {
     match trouble {
-        None => (
-            "True",
-            READY,
-            "the granted blocks cover the demand".to_string(),
-        ),
-        Some(Trouble::Quota(why)) => ("False", QUOTA_EXCEEDED, why.clone()),
-        Some(Trouble::Conflict(why)) => ("False", INVALID, why.clone()),
-        Some(Trouble::Gone(why)) => ("False", INVALID, why.clone()),
+        None => ("True", READY, "the granted blocks cover the demand"),
+        Some(Trouble::Quota(why)) => ("False", QUOTA_EXCEEDED, why),
+        Some(Trouble::Conflict(why)) => ("False", INVALID, why),
+        Some(Trouble::Gone(why)) => ("False", INVALID, why),
     }
 }
 
@@ -1284,10 +1362,20 @@ fn kept_message(told: Option<&str>, same: bool, reason: &str, message: String, n
 /// write would change nothing (checked against the full rebuild in
 /// debug builds, which every test runs).
 fn ready_stands(ready: &ReadyRead, trouble: Option<&Trouble>, generation: i64, now: i64) -> bool {
-    let (status, reason, message) = ready_says(trouble);
-    let same = *ready.status == *status && *ready.reason == *reason;
-    same && ready.observed_generation == generation
-        && *kept_message(Some(&ready.message), same, reason, message, now) == *ready.message
+    let (status, reason, message) = ready_text(trouble);
+    if !(*ready.status == *status
+        && *ready.reason == *reason
+        && ready.observed_generation == generation)
+    {
+        return false;
+    }
+    // As `kept_message` would keep it, without building the text: the
+    // message itself, or a told time that still stands.
+    *ready.message == *message
+        || (reason == QUOTA_EXCEEDED && {
+            let (base, told_until) = split_until(&ready.message);
+            base == split_until(message).0 && told_until.is_some_and(|t| t > now)
+        })
 }
 
 /// The node's Ready condition, and the Event its change calls for.

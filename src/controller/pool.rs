@@ -386,36 +386,67 @@ pub fn with_ledgers<'a>(
 ) -> Vec<Pool> {
     let mut pools = pools.to_vec();
     for block in blocks {
-        let Some((cidr, spec)) = &block.spec else {
-            continue;
-        };
-        let Some(i) = pool_index(&pools, cidr, &spec.pool) else {
-            continue;
-        };
-        let ledger = &mut pools[i].ledger;
-        ledger
-            .versions
-            .insert(*cidr, block.resource_version.clone());
-        match spec.state {
-            BlockState::Granted => {
-                let holder = Holder {
-                    node: spec.node.clone(),
-                };
-                ledger.claims.insert(*cidr, holder);
-            }
-            BlockState::Cooling => {
-                let since_ms = cooling_seen.get(&block.name).copied().unwrap_or(now_ms);
-                let cooling = Cooling {
-                    node: spec.node.clone(),
-                    since_ms,
-                    node_gone: spec.reason == NODE_GONE,
-                };
-                ledger.cooling.insert(*cidr, cooling);
-            }
-            BlockState::NonReusable => ledger.non_reusable.push(*cidr),
-        }
+        let since_ms = cooling_seen.get(&block.name).copied().unwrap_or(now_ms);
+        enter_block(&mut pools, block, since_ms);
     }
     pools
+}
+
+/// Enters `block` into the ledger of its pool, as [`with_ledgers`] does
+/// (a cooling one cooling since `since_ms`); one no pool knows, or
+/// unreadable, is left out.
+pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
+    let Some((cidr, spec)) = &block.spec else {
+        return;
+    };
+    let Some(i) = pool_index(pools, cidr, &spec.pool) else {
+        return;
+    };
+    let ledger = &mut pools[i].ledger;
+    ledger
+        .versions
+        .insert(*cidr, block.resource_version.clone());
+    match spec.state {
+        BlockState::Granted => {
+            let holder = Holder {
+                node: spec.node.clone(),
+            };
+            ledger.claims.insert(*cidr, holder);
+        }
+        BlockState::Cooling => {
+            let cooling = Cooling {
+                node: spec.node.clone(),
+                since_ms,
+                node_gone: spec.reason == NODE_GONE,
+            };
+            ledger.cooling.insert(*cidr, cooling);
+        }
+        BlockState::NonReusable => ledger.non_reusable.push(*cidr),
+    }
+}
+
+/// Takes `cidr`'s block out of every ledger (its object changed or left).
+pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
+    for pool in pools {
+        let ledger = &mut pool.ledger;
+        ledger.versions.remove(cidr);
+        ledger.claims.remove(cidr);
+        ledger.cooling.remove(cidr);
+        ledger.non_reusable.retain(|c| c != cidr);
+    }
+}
+
+impl Ledger {
+    /// What a pass changes: the blocks by state, without the versions
+    /// (read from the ledger as read).
+    pub fn working_copy(&self) -> Ledger {
+        Ledger {
+            claims: self.claims.clone(),
+            cooling: self.cooling.clone(),
+            non_reusable: self.non_reusable.clone(),
+            versions: BTreeMap::new(),
+        }
+    }
 }
 
 #[cfg(test)]
