@@ -149,6 +149,10 @@ enum Trouble {
 /// One node's status being rebuilt: the entries it keeps, borrowed from
 /// the status read, and those it gains.
 struct Plan<'a> {
+    name: &'a String,
+    nnc: &'a Nnc,
+    /// The status as read (none yet: a new object).
+    read: Option<&'a Status>,
     entries: Vec<Cow<'a, Entry>>,
     /// Blocks whose object must be written before this status.
     blocks: BTreeSet<Cidr>,
@@ -162,7 +166,32 @@ struct Taken {
     v6: Vec<(u128, u128)>,
 }
 
+/// Who holds each status entry, sorted by block (the holders of one
+/// block in name order).
+type Holders<'a> = Vec<(Cidr, &'a str)>;
+
+/// Whether a status holds `cidr`.
+fn held(holders: &Holders, cidr: &Cidr) -> bool {
+    holders.binary_search_by_key(cidr, |(c, _)| *c).is_ok()
+}
+
 impl Taken {
+    /// The intervals `cidrs` take, merged: sorted once, not inserted one
+    /// by one.
+    fn of_all(mut cidrs: Vec<Cidr>) -> Taken {
+        cidrs.sort_unstable();
+        let mut taken = Taken::default();
+        for cidr in cidrs {
+            let (lo, hi) = span(&cidr);
+            let list = taken.of(cidr.family());
+            match list.last_mut() {
+                Some(last) if last.1.saturating_add(1) >= lo => last.1 = last.1.max(hi),
+                _ => list.push((lo, hi)),
+            }
+        }
+        taken
+    }
+
     fn of(&mut self, family: Family) -> &mut Vec<(u128, u128)> {
         match family {
             Family::V4 => &mut self.v4,
@@ -281,6 +310,9 @@ struct Pass<'a> {
     ledgers: Vec<Ledger>,
     plans: BTreeMap<&'a str, Plan<'a>>,
     restarts: Vec<(String, i64)>,
+    /// Blocks whose state in a ledger this pass may have changed: only
+    /// they (and those a status relies on) can need a block write.
+    touched: BTreeSet<Cidr>,
 }
 
 /// Decides one pass.
@@ -294,6 +326,7 @@ pub fn decide(world: &World) -> Decision {
             .collect(),
         plans: BTreeMap::new(),
         restarts: Vec::new(),
+        touched: BTreeSet::new(),
     };
     pass.cool_down();
     pass.release();
@@ -327,6 +360,7 @@ impl<'a> Pass<'a> {
                 .map(|(cidr, _)| *cidr)
                 .collect();
             for cidr in back {
+                self.touched.insert(cidr);
                 if let Some(cooling) = ledger.cooling.remove(&cidr) {
                     let holder = Holder { node: cooling.node };
                     ledger.claims.insert(cidr, holder);
@@ -339,8 +373,14 @@ impl<'a> Pass<'a> {
                     && !world.statuses.get(node).is_some_and(|s| s.gone_told)
             };
             let delay = reclaim_delay_ms(pool);
-            ledger.cooling.retain(|_, c| {
-                world.now_ms.saturating_sub(c.since_ms) < delay || (c.node_gone && untold(&c.node))
+            let touched = &mut self.touched;
+            ledger.cooling.retain(|cidr, c| {
+                let keep = world.now_ms.saturating_sub(c.since_ms) < delay
+                    || (c.node_gone && untold(&c.node));
+                if !keep {
+                    touched.insert(*cidr);
+                }
+                keep
             });
         }
     }
@@ -349,34 +389,47 @@ impl<'a> Pass<'a> {
     /// blocks of a Node gone past the grace, leave its status and cool.
     fn release(&mut self) {
         let world = self.world;
+        // Both maps are by name: walked side by side, without a lookup per
+        // node, and the plans built in one go in that order.
+        let mut statuses = world.statuses.iter().peekable();
+        let mut plans = Vec::with_capacity(world.nncs.len());
         for (name, nnc) in world.nncs {
-            let gone = self.gone(name);
-            let mut plan = Plan {
-                entries: Vec::new(),
-                blocks: BTreeSet::new(),
-                trouble: gone.then(|| Trouble::Gone(format!("Node {name} {}", status::GONE_TOLD))),
-            };
-            let raw_entries = world
-                .statuses
-                .get(name)
-                .map_or(&[][..], |s| s.entries.as_slice());
-            for raw in raw_entries {
-                let released = gone
-                    || raw
-                        .cidr_text
-                        .as_deref()
-                        .is_some_and(|cidr| lists_releasable(nnc, cidr));
-                match (released, raw.cidr) {
-                    (true, Some(cidr)) => {
-                        if self.release_block(name, cidr, raw.reusable, gone) {
-                            plan.blocks.insert(cidr);
-                        }
-                    }
-                    _ => plan.entries.push(Cow::Borrowed(raw)),
-                }
-            }
-            self.plans.insert(name, plan);
+            while statuses.next_if(|(n, _)| *n < name).is_some() {}
+            let read = statuses.next_if(|(n, _)| *n == name).map(|(_, s)| s);
+            plans.push((name.as_str(), self.release_of(name, nnc, read)));
         }
+        self.plans = plans.into_iter().collect();
+    }
+
+    /// Node `name`'s plan: its status as `read`, without what it releases.
+    fn release_of(&mut self, name: &'a String, nnc: &'a Nnc, read: Option<&'a Status>) -> Plan<'a> {
+        let gone = self.gone(name);
+        let mut plan = Plan {
+            name,
+            nnc,
+            read,
+            entries: Vec::new(),
+            blocks: BTreeSet::new(),
+            trouble: gone.then(|| Trouble::Gone(format!("Node {name} {}", status::GONE_TOLD))),
+        };
+        let raw_entries = read.map_or(&[][..], |s| s.entries.as_slice());
+        plan.entries.reserve(raw_entries.len());
+        for raw in raw_entries {
+            let released = gone
+                || raw
+                    .cidr_text
+                    .as_deref()
+                    .is_some_and(|cidr| lists_releasable(nnc, cidr));
+            match (released, raw.cidr) {
+                (true, Some(cidr)) => {
+                    if self.release_block(name, cidr, raw.reusable, gone) {
+                        plan.blocks.insert(cidr);
+                    }
+                }
+                _ => plan.entries.push(Cow::Borrowed(raw)),
+            }
+        }
+        plan
     }
 
     /// Moves `cidr`, released by (or taken from) `node`, to cooling (or
@@ -404,6 +457,7 @@ impl<'a> Pass<'a> {
         let Some(i) = pool_of(self.world.pools, &self.ledgers, &cidr).filter(|_| !foreign) else {
             return false;
         };
+        self.touched.insert(cidr);
         let ledger = &mut self.ledgers[i];
         ledger.claims.remove(&cidr);
         if ledger.non_reusable.contains(&cidr) {
@@ -439,13 +493,13 @@ impl<'a> Pass<'a> {
         // Which status holds each block, read only when a block served
         // is in no ledger (rare: most are the node's own claims).
         let mut in_statuses: Option<BTreeMap<Cidr, &str>> = None;
-        for (name, status) in world.statuses {
-            if status.serving.is_empty() || world.absent.contains_key(name) {
-                continue;
-            }
-            let Some(nnc) = world.nncs.get(name) else {
-                continue;
-            };
+        let serving: Vec<(&'a String, &'a Nnc, &'a Status)> = self
+            .plans
+            .values()
+            .filter_map(|p| Some((p.name, p.nnc, p.read?)))
+            .filter(|(name, _, s)| !s.serving.is_empty() && !world.absent.contains_key(*name))
+            .collect();
+        for (name, nnc, status) in serving {
             for cidr in &status.serving {
                 if lists_releasable_cidr(nnc, cidr) || self.claimed_by(cidr, name) {
                     continue;
@@ -502,6 +556,7 @@ impl<'a> Pass<'a> {
                     node: name.to_string(),
                 };
                 self.ledgers[i].claims.insert(*cidr, holder);
+                self.touched.insert(*cidr);
             }
             return Ok(());
         };
@@ -514,6 +569,7 @@ impl<'a> Pass<'a> {
         }
         match ledger.cooling.get(cidr) {
             Some(cooling) if cooling.node == name => {
+                self.touched.insert(*cidr);
                 ledger.cooling.remove(cidr);
                 let holder = Holder {
                     node: name.to_string(),
@@ -556,6 +612,7 @@ impl<'a> Pass<'a> {
                 let gone = self.gone(&holder.node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
                 if listed || gone {
+                    self.touched.insert(cidr);
                     let ledger = &mut self.ledgers[i];
                     ledger.claims.remove(&cidr);
                     let cooling = Cooling {
@@ -580,31 +637,25 @@ impl<'a> Pass<'a> {
 
     /// What every status, claim, cooling and retired block takes, and who
     /// holds each status entry.
-    fn taken(&self) -> (Taken, BTreeMap<Cidr, Vec<&'a str>>) {
-        let mut taken = Taken::default();
-        let mut holders: BTreeMap<Cidr, Vec<&'a str>> = BTreeMap::new();
+    fn taken(&self) -> (Taken, Holders<'a>) {
+        let mut holders: Holders<'a> = Vec::new();
         for (name, plan) in &self.plans {
-            for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
-                taken.add(&cidr);
-                holders.entry(cidr).or_default().push(*name);
-            }
+            holders.extend(plan.entries.iter().filter_map(|e| Some((e.cidr?, *name))));
         }
+        // Stable: the holders of one block stay in name order.
+        holders.sort_by_key(|(cidr, _)| *cidr);
+        let mut cidrs: Vec<Cidr> = holders.iter().map(|(cidr, _)| *cidr).collect();
         for ledger in &self.ledgers {
-            for cidr in ledger
-                .claims
-                .keys()
-                .chain(ledger.cooling.keys())
-                .chain(&ledger.non_reusable)
-            {
-                taken.add(cidr);
-            }
+            cidrs.extend(ledger.claims.keys());
+            cidrs.extend(ledger.cooling.keys());
+            cidrs.extend(&ledger.non_reusable);
         }
-        (taken, holders)
+        (Taken::of_all(cidrs), holders)
     }
 
     /// Overlaps nobody granted are reported; blocks in a status but not
     /// claimed (a pool grown over them) are adopted.
-    fn check_overlaps(&mut self, holders: &BTreeMap<Cidr, Vec<&'a str>>) {
+    fn check_overlaps(&mut self, holders: &Holders<'a>) {
         let index = Overlaps::new(holders, &self.ledgers);
         let pools = self.world.pools;
         let mut adopted: Vec<(usize, Cidr, &str)> = Vec::new();
@@ -639,6 +690,7 @@ impl<'a> Pass<'a> {
                 node: name.to_string(),
             };
             self.ledgers[i].claims.insert(cidr, holder);
+            self.touched.insert(cidr);
         }
     }
 
@@ -659,14 +711,10 @@ impl<'a> Pass<'a> {
             .filter_map(|p| p.spec.as_ref().ok())
             .flat_map(|s| s.ranges.iter().map(|r| (s.network.as_str(), r.family)))
             .collect();
-        for (name, nnc) in grant_order(&world) {
-            if world.absent.contains_key(name) {
-                continue;
-            }
-            match self.plans.get(name.as_str()) {
-                Some(plan) if !covered(plan, nnc, &served) => {}
-                _ => continue,
-            }
+        // Only a node's own grants change what it holds: who still needs
+        // a block is told once, before any grant.
+        let wants = |p: &Plan| !world.absent.contains_key(p.name) && !covered(p, p.nnc, &served);
+        for (name, nnc) in grant_order(&self.plans, wants) {
             let mut networks = BTreeSet::new();
             for (network, pods) in &nnc.allocations {
                 if !networks.insert(network.as_str()) {
@@ -764,6 +812,7 @@ impl<'a> Pass<'a> {
                 node: ask.name.clone(),
             };
             self.ledgers[i].claims.insert(block, holder);
+            self.touched.insert(block);
             let entry = granted_entry(&pools[i].name, ask.network, &block, self.world.wall_ms);
             if let Some(plan) = self.plans.get_mut(ask.name.as_str()) {
                 plan.entries.push(Cow::Owned(entry));
@@ -836,25 +885,32 @@ impl<'a> Pass<'a> {
 
     /// The writes: node statuses (on change), the block objects they rely
     /// on (and those that changed), and the pools' counts.
-    fn into_decision(
-        self,
-        holders: &BTreeMap<Cidr, Vec<&str>>,
-        waiting: &BTreeMap<usize, usize>,
-    ) -> Decision {
+    fn into_decision(self, holders: &Holders, waiting: &BTreeMap<usize, usize>) -> Decision {
         let world = self.world;
         let mut decision = Decision {
             cooling_restarts: self.restarts,
             ..Decision::default()
         };
         let mut needed: BTreeSet<Cidr> = BTreeSet::new();
-        for (name, plan) in self.plans {
-            if let Some(write) = status_write(&world, name, plan, &mut decision.events) {
+        for plan in self.plans.into_values() {
+            if let Some(write) = status_write(&world, plan, &mut decision.events) {
                 needed.extend(write.1);
                 decision.nnc_writes.push(write.0);
             }
         }
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
-            let writes = block_writes(pool, ledger, &needed, holders);
+            let writes = block_writes(pool, ledger, &needed, holders, &self.touched);
+            #[cfg(debug_assertions)]
+            {
+                let every: BTreeSet<Cidr> = (pool.ledger.versions.keys())
+                    .chain(ledger.claims.keys())
+                    .chain(ledger.cooling.keys())
+                    .chain(&ledger.non_reusable)
+                    .copied()
+                    .collect();
+                let all = block_writes(pool, ledger, &needed, holders, &every);
+                debug_assert_eq!(writes, all, "a block changed that the pass did not note");
+            }
             decision.block_writes.extend(writes);
             let waiting = waiting.get(&i).copied().unwrap_or(0);
             let (status, gauges) = pool_status(pool, ledger, waiting, world.wall_ms);
@@ -932,12 +988,10 @@ fn held_in(ledger: &Ledger, node: &str, family: Family) -> usize {
 /// on; its Event goes to `events`.
 fn status_write(
     world: &World,
-    name: &str,
     plan: Plan,
     events: &mut Vec<NodeEvent>,
 ) -> Option<(Write, BTreeSet<Cidr>)> {
-    let nnc = world.nncs.get(name)?;
-    let read = world.statuses.get(name);
+    let (name, nnc, read) = (plan.name, plan.nnc, plan.read);
     let stands = read.is_some_and(|r| unchanged(r, &plan, nnc.generation, world.wall_ms));
     if stands && !cfg!(debug_assertions) {
         return None;
@@ -1023,17 +1077,14 @@ fn block_writes(
     pool: &Pool,
     ledger: &Ledger,
     needed: &BTreeSet<Cidr>,
-    holders: &BTreeMap<Cidr, Vec<&str>>,
+    holders: &Holders,
+    touched: &BTreeSet<Cidr>,
 ) -> Vec<BlockWrite> {
     let read = &pool.ledger;
     let network = pool.spec.as_ref().map_or("", |s| s.network.as_str());
-    let cidrs: BTreeSet<&Cidr> = read
-        .versions
-        .keys()
-        .chain(ledger.claims.keys())
-        .chain(ledger.cooling.keys())
-        .chain(&ledger.non_reusable)
-        .collect();
+    // A block this pass did not touch is as read: written only when a
+    // status relies on it.
+    let cidrs: BTreeSet<&Cidr> = touched.iter().chain(needed).collect();
     let mut writes = Vec::new();
     for cidr in cidrs {
         let before = state_in(read, cidr);
@@ -1053,9 +1104,7 @@ fn block_writes(
         let op = match (version, spec) {
             (None, Some(spec)) => BlockOp::Create(spec),
             (Some(version), Some(spec)) => BlockOp::Update(version.clone(), spec),
-            (Some(version), None) if !holders.contains_key(cidr) => {
-                BlockOp::Delete(version.clone())
-            }
+            (Some(version), None) if !held(holders, cidr) => BlockOp::Delete(version.clone()),
             _ => continue,
         };
         writes.push(BlockWrite {
@@ -1067,18 +1116,20 @@ fn block_writes(
     writes
 }
 
-/// The NodeNetworkConfigs in the order they are granted to: those whose
-/// Ready condition says QuotaExceeded first, by when that began (then by
-/// name), then the rest by name.
-fn grant_order<'a>(world: &World<'a>) -> Vec<(&'a String, &'a Nnc)> {
-    let refused_since = |name: &str| world.statuses.get(name)?.refused_since;
+/// The NodeNetworkConfigs of `plans` that `wants`, in the order they are
+/// granted to: those whose Ready condition says QuotaExceeded first, by
+/// when that began (then by name), then the rest by name.
+fn grant_order<'a>(
+    plans: &BTreeMap<&'a str, Plan<'a>>,
+    wants: impl Fn(&Plan) -> bool,
+) -> Vec<(&'a String, &'a Nnc)> {
     // The map is in name order already: only the refused few are sorted.
     let mut refused: Vec<(i64, &'a String, &'a Nnc)> = Vec::new();
-    let mut rest: Vec<(&'a String, &'a Nnc)> = Vec::with_capacity(world.nncs.len());
-    for (name, nnc) in world.nncs {
-        match refused_since(name) {
-            Some(since) => refused.push((since, name, nnc)),
-            None => rest.push((name, nnc)),
+    let mut rest: Vec<(&'a String, &'a Nnc)> = Vec::new();
+    for plan in plans.values().filter(|p| wants(p)) {
+        match plan.read.and_then(|s| s.refused_since) {
+            Some(since) => refused.push((since, plan.name, plan.nnc)),
+            None => rest.push((plan.name, plan.nnc)),
         }
     }
     refused.sort_by_key(|(since, name, _)| (*since, *name));
@@ -1223,16 +1274,14 @@ enum Taker<'i> {
 }
 
 impl<'i> Overlaps<'i> {
-    fn new(holders: &'i BTreeMap<Cidr, Vec<&'i str>>, ledgers: &'i [Ledger]) -> Overlaps<'i> {
+    fn new(holders: &'i Holders<'i>, ledgers: &'i [Ledger]) -> Overlaps<'i> {
         let mut spans = Vec::new();
         let mut push = |cidr: &Cidr, taker| {
             let (lo, hi) = span(cidr);
             spans.push(((cidr.family() == Family::V6, lo), hi, *cidr, taker));
         };
-        for (cidr, names) in holders {
-            for name in names {
-                push(cidr, Taker::Status(name));
-            }
+        for (cidr, name) in holders {
+            push(cidr, Taker::Status(name));
         }
         for ledger in ledgers {
             for (cidr, holder) in &ledger.claims {
