@@ -151,18 +151,24 @@ impl Cache {
         }
     }
 
-    /// A copy the stream delivered.
-    pub fn put(&mut self, kind: Resource, item: Item) {
+    /// A copy the stream delivered; whether it changed the view (the
+    /// echo of this process's own write, or a version held already, does
+    /// not, and calls for no pass).
+    pub fn put(&mut self, kind: Resource, item: Item) -> bool {
         let name = item.name().to_string();
         let version = item.resource_version().to_string();
         let key = (kind, name);
         match self.ahead.get(&key) {
             Some(fetched) if *fetched == version => {
                 self.ahead.remove(&key);
+                return false;
             }
             // Older than the copy fetched: the stream still catches up.
-            Some(_) => return,
+            Some(_) => return false,
             None => {}
+        }
+        if !version.is_empty() && self.version_of(kind, &key.1) == Some(version.as_str()) {
+            return false;
         }
         match item {
             Item::Nnc(nnc, status) => {
@@ -174,7 +180,10 @@ impl Cache {
                 }
             }
             Item::Node(name) => {
-                self.nodes.insert(name.clone());
+                // A Node's heartbeats change nothing the decision reads.
+                if !self.nodes.insert(name.clone()) {
+                    return false;
+                }
                 self.note_absence(&name);
             }
             Item::Pool(pool) => {
@@ -202,10 +211,21 @@ impl Cache {
                 }
             }
         }
+        true
     }
 
-    pub fn remove(&mut self, kind: Resource, name: &str) {
+    /// Object `name` was deleted; whether the view held it.
+    pub fn remove(&mut self, kind: Resource, name: &str) -> bool {
         self.ahead.remove(&(kind, name.to_string()));
+        let held = match kind {
+            Resource::Nnc => self.nncs.contains_key(name),
+            Resource::Node => self.nodes.contains(name),
+            Resource::Pool => self.specs.contains_key(name),
+            Resource::Block => self.blocks.contains_key(name),
+        };
+        if !held {
+            return false;
+        }
         match kind {
             Resource::Nnc => {
                 if self.nncs.remove(name).is_some() {
@@ -232,6 +252,7 @@ impl Cache {
                 self.cooling_seen.remove(name);
             }
         }
+        true
     }
 
     /// Checks the pools against each other again, from their specs as read.
@@ -338,7 +359,7 @@ impl Cache {
 
     /// The pools with their ledgers, as the blocks say now (kept as they
     /// come; debug builds check them against a rebuild from every block).
-    pub fn pools_with_ledgers(&self, now_ms: i64) -> Arc<Vec<Pool>> {
+    pub fn pools_with_ledgers(&self) -> Arc<Vec<Pool>> {
         #[cfg(debug_assertions)]
         {
             let bare: Vec<Pool> = self
@@ -350,14 +371,13 @@ impl Cache {
                 })
                 .collect();
             let mut rebuilt =
-                pool::with_ledgers(&bare, self.blocks.values(), &self.cooling_seen, now_ms);
+                pool::with_ledgers(&bare, self.blocks.values(), &self.cooling_seen, self.now_ms);
             let mut kept = self.pools.to_vec();
             for pool in rebuilt.iter_mut().chain(kept.iter_mut()) {
                 pool.ledger.non_reusable.sort();
             }
             debug_assert_eq!(kept, rebuilt, "the ledgers kept are not the blocks'");
         }
-        let _ = now_ms;
         Arc::clone(&self.pools)
     }
 
@@ -403,7 +423,7 @@ fn is_cooling(block: &Block) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn nnc(version: &str, pods: i64) -> Item {
         Item::parse(
@@ -472,21 +492,31 @@ mod tests {
             seed % n
         };
         let mut since: BTreeMap<String, i64> = BTreeMap::new();
+        // The last copy delivered: delivered again, it changes nothing.
+        let mut last: Option<(Resource, Value)> = None;
+        let view = |c: &Cache| {
+            let of = (&c.nncs, &c.statuses, &c.nodes, &c.blocks, &c.absent);
+            format!("{of:?} {:?}", c.pools)
+        };
         for step in 0..3_000i64 {
             cache.at(step);
             let node = format!("n{}", next(6));
             let block = format!("b{}", next(8));
-            match next(7) {
+            let before = view(&cache);
+            let changed = match next(8) {
                 0 => cache.put(Resource::Node, Item::Node(node)),
                 1 => cache.remove(Resource::Node, &node),
-                2 => cache.put(
-                    Resource::Nnc,
-                    Item::parse(
-                        Resource::Nnc,
-                        json!({"metadata": {"name": node, "resourceVersion": step.to_string()}}),
-                    ),
-                ),
+                2 => {
+                    let object =
+                        json!({"metadata": {"name": node, "resourceVersion": step.to_string()}});
+                    last = Some((Resource::Nnc, object.clone()));
+                    cache.put(Resource::Nnc, Item::parse(Resource::Nnc, object))
+                }
                 3 => cache.remove(Resource::Nnc, &node),
+                7 => match &last {
+                    Some((kind, object)) => cache.put(*kind, Item::parse(*kind, object.clone())),
+                    None => false,
+                },
                 4 | 5 => {
                     let (state, reason) = [
                         (BlockState::Granted, block::GRANTED),
@@ -502,9 +532,17 @@ mod tests {
                         reason: reason.into(),
                     };
                     let object = block::object(&spec, &block, &step.to_string());
-                    cache.put(Resource::Block, Item::parse(Resource::Block, object));
+                    last = Some((Resource::Block, object.clone()));
+                    cache.put(Resource::Block, Item::parse(Resource::Block, object))
                 }
                 _ => cache.remove(Resource::Block, &block),
+            };
+            if !changed {
+                assert_eq!(
+                    view(&cache),
+                    before,
+                    "step {step}: a change said to be none"
+                );
             }
             let missing: BTreeSet<String> = cache.absent.keys().cloned().collect();
             assert_eq!(missing, absent_from_scratch(&cache), "step {step}");
@@ -539,7 +577,7 @@ mod tests {
                           "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}});
         cache.put(Resource::Nnc, Item::parse(Resource::Nnc, held));
         let since = |cache: &Cache| {
-            let pools = cache.pools_with_ledgers(0);
+            let pools = cache.pools_with_ledgers();
             pools[0].ledger.cooling.values().next().unwrap().since_ms
         };
         assert_eq!(since(&cache), 1_000, "first seen cooling");

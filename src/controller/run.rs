@@ -431,13 +431,17 @@ impl<'c> Controller<'c> {
 
     /// Takes one update in; false on Stop (after giving the Lease up).
     fn take(&mut self, update: Update) -> bool {
-        self.pending = true;
         self.standing_by = false;
-        match update {
-            Update::Listed(kind, items) => self.cache.listed(kind, items),
+        // An update that changes nothing the decision reads (the echo of
+        // this process's own write, a Node's heartbeat) calls for no pass.
+        self.pending |= match update {
+            Update::Listed(kind, items) => {
+                self.cache.listed(kind, items);
+                true
+            }
             Update::Changed(kind, item) => self.cache.put(kind, item),
             Update::Deleted(kind, name) => self.cache.remove(kind, &name),
-            Update::Leadership(_) => {}
+            Update::Leadership(_) => true,
             Update::Stop => {
                 log::info("controller", "stopping: giving the lease up", &[]);
                 let config = self.config;
@@ -452,7 +456,7 @@ impl<'c> Controller<'c> {
                 releaser.release(&self.client, &self.metrics);
                 return false;
             }
-        }
+        };
         true
     }
 
@@ -482,9 +486,11 @@ impl<'c> Controller<'c> {
 
     fn pass(&mut self, clock: Clock) {
         let grace_ms = i64::try_from(self.config.node_grace.as_millis()).unwrap_or(i64::MAX);
-        let pools = self.cache.pools_with_ledgers(clock.now_ms);
+        let started = Instant::now();
+        let pools = self.cache.pools_with_ledgers();
         let mut decision = decide(&self.cache.world(&pools, clock, grace_ms));
         drop(pools);
+        self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);
         let now = Instant::now();
         self.due = decision.next_due_ms.map(|at| {

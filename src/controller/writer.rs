@@ -204,7 +204,9 @@ fn landed(
         Ok(object) => {
             match object {
                 Some(object) => cache.put_fetched(kind, Item::parse(kind, object)),
-                None => cache.remove(kind, name),
+                None => {
+                    cache.remove(kind, name);
+                }
             }
             retries.written(kind, name);
             applied.written += 1;
@@ -263,7 +265,9 @@ fn read_again(ctx: &Context, cache: &mut Cache, kind: Resource, name: &str) {
     ctx.metrics.api_request("get", kind.plural());
     match ctx.client.get(&item) {
         Ok(object) => cache.put_fetched(kind, Item::parse(kind, object)),
-        Err(err) if err.is_status(404) => cache.remove(kind, name),
+        Err(err) if err.is_status(404) => {
+            cache.remove(kind, name);
+        }
         // Unreachable: the stream tells.
         Err(err) => log::debug(
             "controller",
