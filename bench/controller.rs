@@ -50,6 +50,7 @@ mod scale {
     use crate::Bench;
     use crate::common::kube_api::{Key, KubeApi, LEASES, NNCS, NODES, POOLS, State};
     use crate::common::rng::Rng;
+    use crate::common::scrape::{http_get, series};
     use crate::report::{Report, Row, mib};
     use crate::util::{Build, Flavour, Summary, TempDir, ms, status_kib};
 
@@ -77,6 +78,12 @@ mod scale {
         peak_rss: u64,
         watch_bytes: u64,
         writes: String,
+        /// Passes decided, and the time deciding them took (the
+        /// controller's own metrics).
+        passes: u64,
+        deciding: f64,
+        /// How long the window's changes took.
+        seconds: f64,
     }
 
     /// How long each window issues changes, and how long past its end an
@@ -131,7 +138,7 @@ mod scale {
 
     /// A loopback API server holding the pool, `nodes` Nodes and their
     /// empty NNCs, and the controller leading it.
-    fn start(build: &Build, dir: &TempDir, nodes: usize) -> (KubeApi, Child) {
+    fn start(build: &Build, dir: &TempDir, nodes: usize) -> (KubeApi, Controller) {
         let api = KubeApi::start();
         let kubeconfig = dir.join(&format!("kubeconfig-{nodes}"));
         api.kubeconfig_as(&kubeconfig, CLIENT);
@@ -160,12 +167,13 @@ mod scale {
                 .unwrap();
             }
         });
-        let log = std::fs::File::create(dir.join(&format!("controller-{nodes}.log"))).unwrap();
+        let log_path = dir.join(&format!("controller-{nodes}.log"));
+        let log = std::fs::File::create(&log_path).unwrap();
         let child = Command::new(&build.binary)
             .arg("controller")
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .args(["--identity", "bench"])
+            .args(["--identity", "bench", "--metrics-address", "127.0.0.1:0"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -176,13 +184,38 @@ mod scale {
             s.get(&lease)
                 .is_some_and(|l| l["spec"]["holderIdentity"] == "bench")
         });
-        (api, child)
+        let metrics = std::fs::read_to_string(&log_path)
+            .unwrap()
+            .lines()
+            .find(|l| l.contains("serving metrics"))
+            .and_then(|l| l.rsplit("address=").next())
+            .map(|a| a.trim().to_string())
+            .expect("the controller's metrics address in its log");
+        (api, Controller { child, metrics })
+    }
+
+    /// The controller's process and the address of its metrics.
+    struct Controller {
+        child: Child,
+        metrics: String,
+    }
+
+    impl Controller {
+        /// (passes decided, seconds spent deciding) so far.
+        fn passes(&self) -> (u64, f64) {
+            let (_, body) = http_get(&self.metrics, "/metrics");
+            let passes = series(&body, "metis_controller_passes_total");
+            (
+                passes as u64,
+                series(&body, "metis_controller_pass_seconds_total"),
+            )
+        }
     }
 
     /// Peak RSS of the controller leading a cluster with the pool and no
     /// NNC, once it wrote the pool's status.
     fn floor_rss(build: &Build, dir: &TempDir) -> u64 {
-        let (api, mut child) = start(build, dir, 0);
+        let (api, Controller { mut child, .. }) = start(build, dir, 0);
         api.wait_until("the pool's status", Duration::from_secs(60), |s| {
             s.get(&Key::cluster(POOLS, "bench"))
                 .is_some_and(|p| p["status"].is_object())
@@ -197,7 +230,7 @@ mod scale {
     /// one window per rate.
     fn cluster(build: &Build, dir: &TempDir, nodes: usize, timing: &Timing) -> Vec<Window> {
         eprintln!("  controller: {nodes} nodes, first blocks");
-        let (api, mut child) = start(build, dir, nodes);
+        let (api, mut controller) = start(build, dir, nodes);
         let mut sim = Sim::new(nodes);
         sim.first_demands(&api);
         let deadline = Instant::now() + timing.setup;
@@ -214,11 +247,11 @@ mod scale {
             .iter()
             .map(|rate| {
                 eprintln!("  controller: {nodes} nodes, {rate} changes/s");
-                sim.window(&api, child.id(), *rate, timing)
+                sim.window(&api, &controller, *rate, timing)
             })
             .collect();
-        let _ = child.kill();
-        let _ = child.wait();
+        let _ = controller.child.kill();
+        let _ = controller.child.wait();
         windows
     }
 
@@ -433,13 +466,21 @@ mod scale {
     impl Sim {
         /// Changes at `rate` for the window, then the grace; what the
         /// controller did meanwhile.
-        fn window(&mut self, api: &KubeApi, pid: u32, rate: u32, timing: &Timing) -> Window {
+        fn window(
+            &mut self,
+            api: &KubeApi,
+            controller: &Controller,
+            rate: u32,
+            timing: &Timing,
+        ) -> Window {
+            let pid = controller.child.id();
             self.observe(api);
             self.answered.clear();
             let before = api.with_state(|s| {
                 s.largest_body.remove(CLIENT);
                 written(s)
             });
+            let passes_before = controller.passes();
             let cpu_before = cpu_time(pid);
             let server_before = cpu_time(std::process::id());
             let total = u64::from(rate) * timing.window.as_secs().max(1);
@@ -457,6 +498,7 @@ mod scale {
                 self.observe(api);
             }
             let cpu = cpu_time(pid).saturating_sub(cpu_before);
+            let passes_after = controller.passes();
             let server = cpu_time(std::process::id()).saturating_sub(server_before);
             let ended = Instant::now();
             let elapsed = ended.duration_since(started).as_secs_f64();
@@ -483,6 +525,9 @@ mod scale {
                 peak_rss: status_kib(pid, "VmHWM:") * 1024,
                 watch_bytes: after.2 - before.2,
                 writes: writes_between(&before.1, &after.1),
+                passes: passes_after.0 - passes_before.0,
+                deciding: passes_after.1 - passes_before.1,
+                seconds: elapsed,
             }
         }
     }
@@ -541,6 +586,7 @@ mod scale {
         let per_change = w.body_bytes as f64 / w.changes.max(1) as f64;
         let largest = w.largest.as_ref().map_or(0, |l| l.0) as f64;
         let p99_limit = if w.rate <= 20 { 1.0 } else { 2.0 };
+        let per_pass = w.deciding / w.passes.max(1) as f64;
         let figure = |what, value: f64, text: String, limit: Option<(f64, &str)>| Figure {
             what,
             value,
@@ -584,6 +630,18 @@ mod scale {
                 w.peak_rss as f64,
                 mib(w.peak_rss),
                 Some((64.0 * 1_048_576.0, "≤ 64 MiB")),
+            ),
+            figure(
+                "passes per second",
+                w.passes as f64 / w.seconds,
+                format!("{:.1}", w.passes as f64 / w.seconds),
+                None,
+            ),
+            figure(
+                "deciding, per pass",
+                per_pass,
+                ms(Duration::from_secs_f64(per_pass)),
+                None,
             ),
             figure(
                 "watch bytes sent",

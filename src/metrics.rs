@@ -365,9 +365,21 @@ const CONTROLLER_WRITE_FAILURES: Metric = Metric::new(
     &["resource", "code"],
     "Controller writes the API server refused (not 409), by resource and HTTP status (0: no answer).",
 );
+const CONTROLLER_PASSES: Metric = Metric::new(
+    "metis_controller_passes_total",
+    Type::Counter,
+    &[],
+    "Passes decided: one follows each batch of changes to what the controller reads, and each due time.",
+);
+const CONTROLLER_PASS_SECONDS: Metric = Metric::new(
+    "metis_controller_pass_seconds_total",
+    Type::Counter,
+    &[],
+    "Time spent deciding passes, without their writes: divided by the passes, what one costs.",
+);
 
 /// The controller's metrics (`metis controller --metrics-address`).
-pub const CONTROLLER_METRICS: [&Metric; 7] = [
+pub const CONTROLLER_METRICS: [&Metric; 9] = [
     &BUILD_INFO,
     &CONTROLLER_LEADER,
     &CONTROLLER_POOL_BLOCKS,
@@ -375,6 +387,8 @@ pub const CONTROLLER_METRICS: [&Metric; 7] = [
     &CONTROLLER_CONFLICTS,
     &CONTROLLER_API_REQUESTS,
     &CONTROLLER_WRITE_FAILURES,
+    &CONTROLLER_PASSES,
+    &CONTROLLER_PASS_SECONDS,
 ];
 
 #[derive(Default)]
@@ -386,6 +400,8 @@ struct ControllerCounters {
     conflicts: u64,
     api_requests: BTreeMap<(&'static str, &'static str), u64>,
     write_failures: BTreeMap<(&'static str, u16), u64>,
+    passes: u64,
+    pass_time: Duration,
 }
 
 /// Shared by the controller's threads and its metrics server.
@@ -421,6 +437,14 @@ impl ControllerMetrics {
         self.with(|c| *c.api_requests.entry((verb, resource)).or_default() += 1);
     }
 
+    /// One pass decided, in `took`.
+    pub fn pass(&self, took: Duration) {
+        self.with(|c| {
+            c.passes += 1;
+            c.pass_time += took;
+        });
+    }
+
     pub fn write_failure(&self, resource: &'static str, code: u16) {
         self.with(|c| *c.write_failures.entry((resource, code)).or_default() += 1);
     }
@@ -446,10 +470,13 @@ impl ControllerMetrics {
             for (metric, value) in [
                 (&CONTROLLER_EXHAUSTED, c.exhausted),
                 (&CONTROLLER_CONFLICTS, c.conflicts),
+                (&CONTROLLER_PASSES, c.passes),
             ] {
                 metric.header(&mut out);
                 metric.sample(&mut out, &[], value);
             }
+            CONTROLLER_PASS_SECONDS.header(&mut out);
+            CONTROLLER_PASS_SECONDS.sample(&mut out, &[], c.pass_time.as_secs_f64());
             CONTROLLER_API_REQUESTS.header(&mut out);
             for ((verb, resource), count) in &c.api_requests {
                 CONTROLLER_API_REQUESTS.sample(&mut out, &[verb, resource], count);
@@ -819,6 +846,8 @@ mod tests {
         metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
         metrics.exhausted();
         metrics.write_failure("nodenetworkconfigs", 422);
+        metrics.pass(Duration::from_millis(1500));
+        metrics.pass(Duration::from_millis(250));
         let text = metrics.render();
         for metric in CONTROLLER_METRICS {
             assert!(text.contains(&format!("# TYPE {} ", metric.name)), "{text}");
@@ -830,6 +859,8 @@ mod tests {
             "metis_controller_conflicts_total 0\n",
             "metis_controller_api_requests_total{verb=\"put\",resource=\"nodenetworkconfigs\"} 1\n",
             "metis_controller_write_failures_total{resource=\"nodenetworkconfigs\",code=\"422\"} 1\n",
+            "metis_controller_passes_total 2\n",
+            "metis_controller_pass_seconds_total 1.75\n",
         ] {
             assert!(text.contains(line), "{line} missing from {text}");
         }
