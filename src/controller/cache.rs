@@ -42,6 +42,12 @@ pub struct Cache {
     /// a PUT's answer), by version: the stream's copies of them are older
     /// until it delivers that very version (its order is the objects').
     ahead: BTreeMap<(Resource, String), String>,
+    /// Nodes whose NodeNetworkConfig, Node or blocks changed since the
+    /// last pass: the next pass decides them.
+    dirty: BTreeSet<String>,
+    /// The next pass decides every node (a list, a pool changed, this
+    /// process began to lead).
+    whole: bool,
 }
 
 impl Cache {
@@ -67,6 +73,7 @@ impl Cache {
         // of it any more (at worst a copy older than a GET's, which costs
         // one more 409, never a stuck object).
         self.ahead.retain(|(k, _), _| *k != kind);
+        self.whole = true;
         for item in items {
             self.put(kind, item);
         }
@@ -173,6 +180,7 @@ impl Cache {
         match item {
             Item::Nnc(nnc, status) => {
                 let name = nnc.meta.name.clone();
+                self.dirty.insert(name.clone());
                 let old = self.statuses.insert(name.clone(), status);
                 self.left_status(old, Some(&name));
                 if self.nncs.insert(name.clone(), *nnc).is_none() {
@@ -185,6 +193,7 @@ impl Cache {
                     return false;
                 }
                 self.note_absence(&name);
+                self.dirty.insert(name);
             }
             Item::Pool(pool) => {
                 self.specs.insert(pool.name.clone(), pool.spec.clone());
@@ -192,6 +201,7 @@ impl Cache {
                 pools.retain(|p| p.name != pool.name);
                 pools.push(*pool);
                 self.revalidate();
+                self.whole = true;
             }
             Item::Block(block) => {
                 if is_cooling(&block) {
@@ -204,6 +214,7 @@ impl Cache {
                 let name = block.name.clone();
                 let old = self.blocks.insert(name.clone(), *block);
                 self.enter_ledger(old.as_ref(), &name);
+                self.dirty_holders(old.as_ref(), &name);
                 let followed = old.as_ref().and_then(followed_node).map(str::to_string);
                 if followed != follows {
                     followed.inspect(|n| self.follow(n, false));
@@ -227,6 +238,13 @@ impl Cache {
             return false;
         }
         match kind {
+            Resource::Nnc | Resource::Node => {
+                self.dirty.insert(name.to_string());
+            }
+            Resource::Pool => self.whole = true,
+            Resource::Block => {}
+        }
+        match kind {
             Resource::Nnc => {
                 if self.nncs.remove(name).is_some() {
                     self.follow(name, false);
@@ -246,6 +264,7 @@ impl Cache {
             Resource::Block => {
                 let old = self.blocks.remove(name);
                 self.enter_ledger(old.as_ref(), name);
+                self.dirty_holders(old.as_ref(), name);
                 if let Some(node) = old.as_ref().and_then(followed_node) {
                     self.follow(node, false);
                 }
@@ -291,6 +310,35 @@ impl Cache {
             let since = self.cooling_seen.get(name).copied();
             pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
         }
+    }
+
+    /// The nodes block `name` named before (`old`) and names now are
+    /// decided again.
+    fn dirty_holders(&mut self, old: Option<&Block>, name: &str) {
+        let now = self.blocks.get(name);
+        for block in old.into_iter().chain(now) {
+            if let Some((_, spec)) = &block.spec {
+                self.dirty.insert(spec.node.clone());
+            }
+        }
+    }
+
+    /// What the next pass decides: the nodes changed since the last one
+    /// and those it left unsettled (`carried`), or every node (`None`).
+    /// Both start over.
+    pub fn take_scope(&mut self, carried: BTreeSet<String>) -> Option<BTreeSet<String>> {
+        let dirty = std::mem::take(&mut self.dirty);
+        if std::mem::take(&mut self.whole) {
+            return None;
+        }
+        let mut scope = carried;
+        scope.extend(dirty);
+        Some(scope)
+    }
+
+    /// The next pass decides every node.
+    pub fn decide_all(&mut self) {
+        self.whole = true;
     }
 
     /// Cooling block `name` cools from `since` (monotonic ms).
@@ -381,8 +429,15 @@ impl Cache {
         Arc::clone(&self.pools)
     }
 
-    pub fn world<'a>(&'a self, pools: &'a [Pool], clock: Clock, node_grace_ms: i64) -> World<'a> {
+    pub fn world<'a>(
+        &'a self,
+        pools: &'a [Pool],
+        clock: Clock,
+        node_grace_ms: i64,
+        scope: Option<&'a BTreeSet<String>>,
+    ) -> World<'a> {
         World {
+            scope,
             pools,
             nncs: &self.nncs,
             statuses: &self.statuses,

@@ -67,6 +67,10 @@ pub struct World<'a> {
     /// (informational, and the refusal's end time the node reads).
     pub wall_ms: i64,
     pub node_grace_ms: i64,
+    /// The nodes this pass decides (with those whose Node is missing);
+    /// the rest are as the last pass left them: settled, their statuses
+    /// only read (taken blocks, overlaps). `None`: every node.
+    pub scope: Option<&'a BTreeSet<String>>,
 }
 
 /// One write of a `MetisBlock` object (named by its CIDR).
@@ -136,6 +140,10 @@ pub struct Decision {
     /// Blocks released again while still cooling (their status write was
     /// lost): their delay starts over now (block name, monotonic ms).
     pub cooling_restarts: Vec<(String, i64)>,
+    /// The nodes decided that this pass did not leave settled (a status
+    /// written, a trouble said, a block still wanted, a refusal's time
+    /// running): the next pass decides them again, changed or not.
+    pub unsettled: BTreeSet<String>,
 }
 
 /// Why a node's Ready condition is not `NodeNetworkConfigReady`.
@@ -313,10 +321,53 @@ struct Pass<'a> {
     /// Blocks whose state in a ledger this pass may have changed: only
     /// they (and those a status relies on) can need a block write.
     touched: BTreeSet<Cidr>,
+    /// Nodes that wanted a block in this pass.
+    wanted: BTreeSet<&'a str>,
+    /// A node outside the scope is in a conflict this pass found: only a
+    /// pass over every node decides it as it would alone.
+    widen: bool,
 }
 
-/// Decides one pass.
+/// Decides one pass. A pass over a scope decides what a pass over every
+/// node would (debug builds check it), or is one when a conflict reaches
+/// a node outside it.
 pub fn decide(world: &World) -> Decision {
+    let every_node = World {
+        scope: None,
+        ..*world
+    };
+    // A pass over every node never widens.
+    let whole = || decide_in(&every_node).unwrap_or_default();
+    if world.scope.is_none() {
+        return whole();
+    }
+    let Some(decision) = decide_in(world) else {
+        return whole();
+    };
+    #[cfg(debug_assertions)]
+    {
+        let whole = whole();
+        let writes = |d: &Decision| {
+            let of = (&d.block_writes, &d.pool_writes, &d.nnc_writes, &d.events);
+            (
+                format!("{of:?}"),
+                d.gauges.clone(),
+                d.next_due_ms,
+                d.cooling_restarts.clone(),
+            )
+        };
+        debug_assert_eq!(
+            writes(&decision),
+            writes(&whole),
+            "a pass over {:?} decided otherwise than one over every node",
+            world.scope
+        );
+    }
+    decision
+}
+
+/// One pass over `world`'s scope; none when a conflict reaches outside it.
+fn decide_in(world: &World) -> Option<Decision> {
     let mut pass = Pass {
         world: *world,
         ledgers: world
@@ -327,6 +378,8 @@ pub fn decide(world: &World) -> Decision {
         plans: BTreeMap::new(),
         restarts: Vec::new(),
         touched: BTreeSet::new(),
+        wanted: BTreeSet::new(),
+        widen: false,
     };
     pass.cool_down();
     pass.release();
@@ -334,8 +387,11 @@ pub fn decide(world: &World) -> Decision {
     pass.finish_claims();
     let (mut taken, holders) = pass.taken();
     pass.check_overlaps(&holders);
+    if pass.widen {
+        return None;
+    }
     let waiting = pass.grant_all(&mut taken);
-    pass.into_decision(&holders, &waiting)
+    Some(pass.into_decision(&holders, &waiting))
 }
 
 impl<'a> Pass<'a> {
@@ -389,6 +445,18 @@ impl<'a> Pass<'a> {
     /// blocks of a Node gone past the grace, leave its status and cool.
     fn release(&mut self) {
         let world = self.world;
+        if let Some(scope) = world.scope {
+            // Nodes whose Node is missing are always decided: their grace
+            // runs out with time alone.
+            let names: BTreeSet<&String> = scope.iter().chain(world.absent.keys()).collect();
+            for name in names {
+                if let Some((name, nnc)) = world.nncs.get_key_value(name.as_str()) {
+                    let plan = self.release_of(name, nnc, world.statuses.get(name));
+                    self.plans.insert(name, plan);
+                }
+            }
+            return;
+        }
         // Both maps are by name: walked side by side, without a lookup per
         // node, and the plans built in one go in that order.
         let mut statuses = world.statuses.iter().peekable();
@@ -602,9 +670,16 @@ impl<'a> Pass<'a> {
                 held.extend(plan.entries.iter().filter_map(|e| e.cidr).filter(of_node));
             }
             held.sort_unstable();
+            // A node outside the scope is settled: its status holds its
+            // claims (a change to either would have put it in the scope).
+            let decided = |node: &str| {
+                world.scope.is_none()
+                    || self.plans.contains_key(node)
+                    || world.absent.contains_key(node)
+            };
             let missing: Vec<(Cidr, Holder)> = claims
                 .iter()
-                .filter(|(cidr, _)| held.binary_search(cidr).is_err())
+                .filter(|(cidr, h)| held.binary_search(cidr).is_err() && decided(&h.node))
                 .map(|(c, h)| (*c, h.clone()))
                 .collect();
             for (cidr, holder) in missing {
@@ -642,8 +717,17 @@ impl<'a> Pass<'a> {
         for (name, plan) in &self.plans {
             holders.extend(plan.entries.iter().filter_map(|e| Some((e.cidr?, *name))));
         }
-        // Stable: the holders of one block stay in name order.
-        holders.sort_by_key(|(cidr, _)| *cidr);
+        if self.world.scope.is_some() {
+            // The nodes outside the scope hold what their statuses say.
+            for (name, status) in self.world.statuses {
+                if !self.plans.contains_key(name.as_str()) {
+                    let entries = status.entries.iter();
+                    holders.extend(entries.filter_map(|e| Some((e.cidr?, name.as_str()))));
+                }
+            }
+        }
+        // The holders of one block in name order.
+        holders.sort_unstable();
         let mut cidrs: Vec<Cidr> = holders.iter().map(|(cidr, _)| *cidr).collect();
         for ledger in &self.ledgers {
             cidrs.extend(ledger.claims.keys());
@@ -659,11 +743,22 @@ impl<'a> Pass<'a> {
         let index = Overlaps::new(holders, &self.ledgers);
         let pools = self.world.pools;
         let mut adopted: Vec<(usize, Cidr, &str)> = Vec::new();
+        // Borrowed apart from the plans: which nodes this pass decides.
+        let scoped = self.world.scope.is_some();
+        let decided: BTreeSet<&str> = match scoped {
+            true => self.plans.keys().copied().collect(),
+            false => BTreeSet::new(),
+        };
         for (name, plan) in self.plans.iter_mut() {
             let mut trouble = None;
             for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
                 if let Some(why) = index.conflict(name, &cidr) {
                     trouble.get_or_insert(Trouble::Conflict(why));
+                    // The other status's node has this conflict too.
+                    self.widen |= scoped
+                        && index.overlapping(&cidr).any(
+                            |(_, taker)| matches!(taker, Taker::Status(n) if !decided.contains(n)),
+                        );
                     continue;
                 }
                 if self.ledgers.iter().any(|l| l.claims.contains_key(&cidr)) {
@@ -715,6 +810,7 @@ impl<'a> Pass<'a> {
         // a block is told once, before any grant.
         let wants = |p: &Plan| !world.absent.contains_key(p.name) && !covered(p, p.nnc, &served);
         for (name, nnc) in grant_order(&self.plans, wants) {
+            self.wanted.insert(name.as_str());
             let mut networks = BTreeSet::new();
             for (network, pods) in &nnc.allocations {
                 if !networks.insert(network.as_str()) {
@@ -893,9 +989,19 @@ impl<'a> Pass<'a> {
         };
         let mut needed: BTreeSet<Cidr> = BTreeSet::new();
         for plan in self.plans.into_values() {
-            if let Some(write) = status_write(&world, plan, &mut decision.events) {
-                needed.extend(write.1);
-                decision.nnc_writes.push(write.0);
+            let name = plan.name;
+            let waits = plan.trouble.is_some()
+                || self.wanted.contains(name.as_str())
+                || plan
+                    .read
+                    .is_some_and(|s| s.told_until.is_some() || s.refused_since.is_some());
+            let write = status_write(&world, plan, &mut decision.events);
+            if waits || write.is_some() {
+                decision.unsettled.insert(name.clone());
+            }
+            if let Some((write, blocks)) = write {
+                needed.extend(blocks);
+                decision.nnc_writes.push(write);
             }
         }
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
@@ -1307,16 +1413,8 @@ impl<'i> Overlaps<'i> {
     /// is: another status holds an overlapping block, or another node's
     /// claim, a cooling or a retired block overlaps it.
     fn conflict(&self, name: &str, cidr: &Cidr) -> Option<String> {
-        let (lo, hi) = span(cidr);
-        let v6 = cidr.family() == Family::V6;
-        let end = self.spans.partition_point(|(key, ..)| *key <= (v6, hi));
-        let earliest = (v6, lo.saturating_sub(self.max_span));
-        let from = self.spans.partition_point(|(key, ..)| *key < earliest);
         let mut found: Option<(u8, String)> = None;
-        for ((family, start), stop, other, taker) in &self.spans[from..end] {
-            if *family != v6 || *stop < lo || *start > hi {
-                continue;
-            }
+        for (other, taker) in self.overlapping(cidr) {
             let (rank, why) = match taker {
                 Taker::Status(n) if *n != name || other != cidr => (
                     0,
@@ -1341,6 +1439,19 @@ impl<'i> Overlaps<'i> {
             }
         }
         found.map(|(_, why)| why)
+    }
+
+    /// What overlaps `cidr`: each block and who takes it.
+    fn overlapping(&self, cidr: &Cidr) -> impl Iterator<Item = (&Cidr, &Taker<'i>)> {
+        let (lo, hi) = span(cidr);
+        let v6 = cidr.family() == Family::V6;
+        let end = self.spans.partition_point(|(key, ..)| *key <= (v6, hi));
+        let earliest = (v6, lo.saturating_sub(self.max_span));
+        let from = self.spans.partition_point(|(key, ..)| *key < earliest);
+        self.spans[from..end]
+            .iter()
+            .filter(move |((family, start), stop, ..)| *family == v6 && *stop >= lo && *start <= hi)
+            .map(|(_, _, other, taker)| (other, taker))
     }
 }
 
@@ -1700,6 +1811,7 @@ mod tests {
                 now_ms: 2_000,
                 wall_ms: 1_795_971_700_000,
                 node_grace_ms: 60_000,
+                scope: None,
             });
             assert!(
                 decision.block_writes.is_empty(),

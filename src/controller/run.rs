@@ -1,7 +1,7 @@
 //! `metis controller`: its flags, and the loop that keeps the informers'
 //! view, decides while this process leads and writes what changed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -353,6 +353,8 @@ struct Controller<'c> {
     /// Not leading at the last pass: only an update (Leadership(true) from
     /// the lease thread, or any event) wakes the loop.
     standing_by: bool,
+    /// The nodes the last pass left unsettled: the next decides them too.
+    unsettled: BTreeSet<String>,
     /// When each pool's counts were last written: at most once per
     /// [`POOL_STATUS_INTERVAL`].
     pools_written: BTreeMap<String, Instant>,
@@ -382,6 +384,7 @@ impl<'c> Controller<'c> {
             pending: true,
             due: None,
             standing_by: false,
+            unsettled: BTreeSet::new(),
             pools_written: BTreeMap::new(),
         }
     }
@@ -441,7 +444,11 @@ impl<'c> Controller<'c> {
             }
             Update::Changed(kind, item) => self.cache.put(kind, item),
             Update::Deleted(kind, name) => self.cache.remove(kind, &name),
-            Update::Leadership(_) => true,
+            Update::Leadership(_) => {
+                // A new leader trusts no earlier pass to have settled.
+                self.cache.decide_all();
+                true
+            }
             Update::Stop => {
                 log::info("controller", "stopping: giving the lease up", &[]);
                 let config = self.config;
@@ -487,9 +494,12 @@ impl<'c> Controller<'c> {
     fn pass(&mut self, clock: Clock) {
         let grace_ms = i64::try_from(self.config.node_grace.as_millis()).unwrap_or(i64::MAX);
         let started = Instant::now();
+        let scope = self.cache.take_scope(std::mem::take(&mut self.unsettled));
         let pools = self.cache.pools_with_ledgers();
-        let mut decision = decide(&self.cache.world(&pools, clock, grace_ms));
+        let world = self.cache.world(&pools, clock, grace_ms, scope.as_ref());
+        let mut decision = decide(&world);
         drop(pools);
+        self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);
         let now = Instant::now();
