@@ -615,11 +615,16 @@ impl Sim {
                             .flatten()
                             .any(|r| r["cidr"].as_str() == Some(&c.to_string()))
                     };
+                    // A block whose delay ran out is no longer promised:
+                    // it is free, or a status still holds it (an overlap).
+                    let cools = |c: &metis::controller::pool::Cooling| {
+                        self.now - c.since_ms < spec.reclaim_delay_ms
+                    };
                     cooling += pool
                         .ledger
                         .cooling
-                        .keys()
-                        .filter(|c| range.is_block(c) && !listed(c))
+                        .iter()
+                        .filter(|(c, cool)| range.is_block(c) && !listed(c) && cools(cool))
                         .count();
                 }
                 // Cooling blocks are promised first come, first served: a

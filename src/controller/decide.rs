@@ -272,13 +272,20 @@ fn first_free(
 }
 
 /// The pool whose ledger or ranges account for `cidr`: the one that
-/// claims or cools it, else a valid one covering it, else (a block nobody
-/// granted, maybe from a pool refused for now) any pool, so that a block
-/// released is timed somewhere and can never come back early.
+/// claims or cools it, else the one its object names (it cooled out this
+/// pass, its object not yet deleted), else a valid one covering it, else
+/// (a block nobody granted, maybe from a pool refused for now) any pool,
+/// so that a block released is timed somewhere and can never come back
+/// early.
 fn pool_of(pools: &[Pool], ledgers: &[Ledger], cidr: &Cidr) -> Option<usize> {
     ledgers
         .iter()
         .position(|l| l.claims.contains_key(cidr) || l.cooling.contains_key(cidr))
+        .or_else(|| {
+            pools
+                .iter()
+                .position(|p| p.ledger.versions.contains_key(cidr))
+        })
         .or_else(|| {
             pools.iter().position(|p| {
                 p.spec
