@@ -944,8 +944,10 @@ fn replace_wanted(
 
 pub(in crate::store) fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
     Ok(conn
-        .prepare_cached("SELECT isolated FROM metis_networks WHERE network = ?1")?
-        .query_row([network], |r| r.get(0))
+        .prepare_cached(crate::store::db::NETWORK_ROW_SQL)?
+        .query_row([network], |r| {
+            r.get(crate::store::db::network_row::ISOLATED)
+        })
         .optional()?
         .unwrap_or(false))
 }
