@@ -47,13 +47,10 @@ fn identity_text((dev, ino): (u64, u64)) -> String {
 /// its identity then, if any.
 fn registration(conn: &Connection, network: &str) -> Result<Option<(PathBuf, String)>, StoreError> {
     let row: Option<(Option<String>, Option<String>)> = conn
-        .prepare_cached(super::NETWORK_ROW_SQL)?
-        .query_row([network], |r| {
-            Ok((
-                r.get(super::network_row::HOST_LOCAL_DIR)?,
-                r.get(super::network_row::HOST_LOCAL_DIR_IDENTITY)?,
-            ))
-        })
+        .prepare_cached(
+            "SELECT host_local_dir, host_local_dir_identity FROM metis_networks WHERE network = ?1",
+        )?
+        .query_row([network], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?;
     Ok(match row {
         Some((Some(dir), Some(identity))) => Some((PathBuf::from(dir), identity)),

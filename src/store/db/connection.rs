@@ -114,18 +114,16 @@ pub(in crate::store) fn control(conn: &Connection, sql: &str) -> rusqlite::Resul
     conn.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
-/// Every column of `metis_networks` a request reads, in one statement that
-/// each reader shares and takes its own column from: a process prepares it
-/// once, where a direct-mode ADD read three columns by three statements.
-pub(in crate::store) const NETWORK_ROW_SQL: &str = "SELECT isolated, host_local_dir, \
-     host_local_dir_identity, conf_name, low_utilization_since FROM metis_networks WHERE network = ?1";
+/// The columns of `metis_networks` read one network at a time, in one
+/// statement that each reader shares and takes its own column from: a
+/// process prepares it once, where a direct-mode ADD prepared one for its
+/// isolation and one for the conflist that served it. (The co-writer's
+/// registration, read by ADD and DEL alike, has its own.)
+pub(in crate::store) const NETWORK_ROW_SQL: &str =
+    "SELECT isolated, conf_name, low_utilization_since FROM metis_networks WHERE network = ?1";
 
-/// Where [`NETWORK_ROW_SQL`] puts each column.
-pub(in crate::store) mod network_row {
-    pub const ISOLATED: usize = 0;
-    pub const HOST_LOCAL_DIR: usize = 1;
-    pub const HOST_LOCAL_DIR_IDENTITY: usize = 2;
-}
+/// Where [`NETWORK_ROW_SQL`] puts the isolation.
+pub(in crate::store) const NETWORK_ROW_ISOLATED: usize = 0;
 
 /// The columns of `metis_networks` that are set one network at a time;
 /// each names its statements, so no SQL is built from strings.
@@ -141,8 +139,8 @@ impl NetworkColumn {
     /// The column's place in [`NETWORK_ROW_SQL`].
     pub(in crate::store) fn index(self) -> usize {
         match self {
-            NetworkColumn::ConfName => 3,
-            NetworkColumn::LowUtilizationSince => 4,
+            NetworkColumn::ConfName => 1,
+            NetworkColumn::LowUtilizationSince => 2,
         }
     }
 

@@ -945,9 +945,7 @@ fn replace_wanted(
 pub(in crate::store) fn is_isolated(conn: &Connection, network: &str) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached(crate::store::db::NETWORK_ROW_SQL)?
-        .query_row([network], |r| {
-            r.get(crate::store::db::network_row::ISOLATED)
-        })
+        .query_row([network], |r| r.get(crate::store::db::NETWORK_ROW_ISOLATED))
         .optional()?
         .unwrap_or(false))
 }
