@@ -257,14 +257,29 @@ impl Engine {
     }
 
     /// Handles one request in a write transaction of its own: a batch of
-    /// one ([`Engine::handle_in_batch`], then [`Engine::commit_batch`]).
+    /// one without the request's savepoint, then [`Engine::commit_batch`].
     /// Direct mode and the daemon's retries of parked ADDs serve this way,
     /// so every decision a write takes — laying the network out, its
     /// bounds, the address — is made under one `BEGIN IMMEDIATE` lock on
     /// what is true then, and a failed request leaves nothing, exactly as
     /// in the daemon's group commit. Never called with a batch open.
     pub fn handle_alone(&mut self, command: &Command, now_ms: i64) -> Outcome {
-        let outcome = self.handle_in_batch(command, now_ms);
+        if !command.writes() {
+            return self.handle(command, now_ms);
+        }
+        // Alone in its transaction, the request needs no savepoint: a
+        // failure rolls the transaction back, and a one-request process
+        // prepares two statements fewer.
+        if let Err(err) = self.store.begin_alone() {
+            return Failure::from_store("database", &err).into();
+        }
+        let outcome = self.handle(command, now_ms);
+        if !matches!(outcome, Outcome::Done(_)) {
+            return match self.store.abandon_batch() {
+                Ok(()) => outcome,
+                Err(err) => Failure::from_store("database", &err).into(),
+            };
+        }
         match self.commit_batch() {
             None => outcome,
             Some(failure) => failure.into(),

@@ -211,6 +211,26 @@ impl Store {
         Ok(())
     }
 
+    /// Starts a request served alone ([`crate::engine::Engine::handle_alone`]):
+    /// the batch's transaction without a savepoint for the request, which
+    /// shares it with nothing; a failed one ends it ([`Store::abandon_batch`]).
+    pub fn begin_alone(&mut self) -> Result<(), StoreError> {
+        use super::busy::During;
+        self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
+        self.batch = Batch::Open;
+        Ok(())
+    }
+
+    /// Undoes the batch's transaction and ends it (nothing to do without
+    /// one, or once SQLite rolled it back itself).
+    pub fn abandon_batch(&mut self) -> Result<(), StoreError> {
+        self.batch = Batch::None;
+        if !self.conn.is_autocommit() {
+            self.control("ROLLBACK")?;
+        }
+        Ok(())
+    }
+
     /// Ends the request [`Store::begin_request`] started: keeps what it
     /// wrote (`RELEASE`) or undoes it (`ROLLBACK TO`). Nothing is durable
     /// before [`Store::commit_batch`].
