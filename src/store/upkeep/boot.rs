@@ -80,8 +80,12 @@ impl Store {
         now_ms: i64,
     ) -> Result<BootRecovery, StoreError> {
         let stored = get_setting(&self.conn, KEY_BOOT_ID)?;
-        let recorded_off = get_setting(&self.conn, KEY_BOOT_RECOVERY)?.as_deref() == Some("off");
-        let setting_matches = enabled.is_none_or(|e| e != recorded_off);
+        // Only a choice to record is compared with the recorded one: a
+        // plugin (`None`) reads one setting, not two.
+        let setting_matches = match enabled {
+            None => true,
+            Some(e) => e != (get_setting(&self.conn, KEY_BOOT_RECOVERY)?.as_deref() == Some("off")),
+        };
         if stored.as_deref() == Some(boot_id) && setting_matches {
             return Ok(BootRecovery::SameBoot);
         }
