@@ -383,8 +383,9 @@ impl Model {
             })
     }
 
-    /// Whether `msg` passes `ip` over as "the gateway of the result
-    /// container C interface I holds in network N", and the model agrees:
+    /// Whether `msg` passes `ip` over (or refuses it, requested) as "the
+    /// gateway of the result container C interface I holds in network N",
+    /// and the model agrees:
     /// (N, C, I) still holds an address, and `ip` is the gateway (base + 1)
     /// of a block of some configuration or `--cidr` flag holding that
     /// address — the result it was handed out with named it, and while
@@ -393,7 +394,7 @@ impl Model {
         // The message is JSON-escaped: quotes come as \".
         let msg = msg.replace("\\\"", "\"");
         let Some(rest) = msg
-            .split(&format!("{ip} of block "))
+            .split(&format!("{ip} "))
             .nth(1)
             .and_then(|rest| rest.split_once(": it is the gateway of the result container \""))
             .map(|(_, rest)| rest)
@@ -788,6 +789,7 @@ impl Sequence {
                             || request.address().is_some_and(|ip| {
                                 holds_other(ip)
                                     || !self.model.surely_free(ip, &owner, conf, &db_blocks, true)
+                                    || self.model.named_gateway_as_said(ip, &msg)
                             })
                     }
                     _ => false,
