@@ -37,6 +37,7 @@ use super::pool::{
 use super::status::{self, Entry, ReadyRead, Status, merge_condition};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
+use crate::kube::objects::Condition;
 use crate::log::{rfc3339_millis, rfc3339_seconds};
 
 pub const READY: &str = "NodeNetworkConfigReady";
@@ -1111,14 +1112,16 @@ fn status_write(
     }
     // The status as read, without podCIDRs (compared as text below).
     let old = read.map_or(Value::Null, Status::rest);
-    let (condition, event) =
-        ready_condition(&old, plan.trouble.as_ref(), nnc.generation, world.wall_ms);
-    let mut status = if old.is_object() {
-        old.clone()
-    } else {
-        json!({})
-    };
-    status["conditions"] = merge_condition(&old["conditions"], condition);
+    let conditions = status::conditions(&old);
+    let (condition, event) = ready_condition(
+        &conditions,
+        plan.trouble.as_ref(),
+        nnc.generation,
+        world.wall_ms,
+    );
+    let mut status = if old.is_object() { old } else { json!({}) };
+    let merged = merge_condition(conditions, condition);
+    status["conditions"] = serde_json::to_value(merged).unwrap_or_default();
     let entries: Vec<&Entry> = plan.entries.iter().map(|e| &**e).collect();
     if read.is_some_and(|r| r.is(&status, &entries)) {
         return None;
@@ -1545,45 +1548,49 @@ fn ready_stands(ready: &ReadyRead, trouble: Option<&Trouble>, generation: i64, n
         })
 }
 
-/// The node's Ready condition, and the Event its change calls for.
+/// The node's Ready condition (replacing the one among `conditions`),
+/// and the Event its change calls for.
 fn ready_condition(
-    old: &Value,
+    conditions: &[Condition],
     trouble: Option<&Trouble>,
     generation: i64,
     now: i64,
-) -> (Value, Option<(&'static str, String)>) {
+) -> (Condition, Option<(&'static str, String)>) {
     let (status, reason, message) = ready_says(trouble);
-    let previous = old["conditions"]
-        .as_array()
-        .and_then(|l| l.iter().find(|c| c["type"] == "Ready"));
-    let same = previous.is_some_and(|p| p["status"] == status && p["reason"] == reason);
-    let told = previous.and_then(|p| p["message"].as_str());
+    let previous = conditions
+        .iter()
+        .find(|c| c.kind.as_deref() == Some("Ready"));
+    let same = previous.is_some_and(|p| {
+        p.status.as_deref() == Some(status) && p.reason.as_deref() == Some(reason)
+    });
+    let told = previous.and_then(|p| p.message.as_deref());
     let message = kept_message(told, same, reason, message, now);
     // To the millisecond: refused nodes are served in this order, and
     // whole seconds would make most of a burst a tie (then by name).
-    let since = match previous {
-        Some(p) if same => p["lastTransitionTime"].clone(),
-        _ => Value::from(rfc3339_millis(now).to_string()),
-    };
+    let since = previous
+        .filter(|_| same)
+        .and_then(|p| p.last_transition_time.clone())
+        .unwrap_or_else(|| rfc3339_millis(now).to_string());
     let event = match trouble {
         Some(Trouble::Quota(why)) if !same => Some((QUOTA_EVENT, why.clone())),
         Some(Trouble::Conflict(why))
-            if !same || previous.is_some_and(|p| p["message"] != why.as_str()) =>
+            if !same || previous.is_some_and(|p| p.message.as_deref() != Some(why)) =>
         {
             Some((CONFLICT_EVENT, why.clone()))
         }
         _ => None,
     };
-    let condition = json!({
-        "type": "Ready",
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
+    let condition = Condition {
+        kind: Some("Ready".to_string()),
+        status: Some(status.to_string()),
+        reason: Some(reason.to_string()),
+        message: Some(message),
+        last_transition_time: Some(since),
         // Which spec this answers: a node fails fast on QuotaExceeded only
         // when it answers the demand it has now.
-        "observedGeneration": generation,
-    });
+        observed_generation: Some(generation),
+        rest: serde_json::Map::new(),
+    };
     (condition, event)
 }
 
@@ -1638,12 +1645,12 @@ fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Strin
     for (kind, (state, reason, message)) in [("Exhausted", exhausted), ("Valid", valid)] {
         let previous = pool
             .conditions
-            .as_array()
-            .and_then(|l| l.iter().find(|c| c["type"] == kind));
-        let since = match previous.and_then(|p| p["lastTransitionTime"].as_str()) {
-            Some(since) if previous.is_some_and(|p| p["status"] == state) => since.to_string(),
-            _ => rfc3339_seconds(now).to_string(),
-        };
+            .iter()
+            .find(|c| c.kind.as_deref() == Some(kind));
+        let since = previous
+            .filter(|p| p.status.as_deref() == Some(state))
+            .and_then(|p| p.last_transition_time.clone())
+            .unwrap_or_else(|| rfc3339_seconds(now).to_string());
         status.conditions.push(PoolCondition {
             last_transition_time: since,
             message,
@@ -1762,7 +1769,7 @@ mod tests {
             "pool p has no free block; {UNTIL}2030-01-01T00:00:00.000Z"
         ));
         for trouble in [None, Some(quota), Some(Trouble::Conflict("x".into()))] {
-            let (condition, _) = ready_condition(&Value::Null, trouble.as_ref(), 4, now);
+            let (condition, _) = ready_condition(&[], trouble.as_ref(), 4, now);
             let read = Status::parse(json!({"podCIDRs": [], "conditions": [
                 {"type": "Other", "status": "True"}, condition]}));
             let ready = read.ready.as_ref().expect("a written condition is read");
@@ -1828,6 +1835,65 @@ mod tests {
             let restarts = usize::from(releasable);
             assert_eq!(decision.cooling_restarts.len(), restarts, "{releasable}");
         }
+    }
+
+    /// The Ready condition is replaced, typed; another condition keeps
+    /// its fields unknown here, and an entry that is no condition is
+    /// dropped with the rewrite.
+    #[test]
+    fn a_rewritten_status_keeps_other_conditions_whole() {
+        use crate::controller::informer::{Item, Resource};
+        let object = json!({
+            "metadata": {"name": "n0", "resourceVersion": "5", "generation": 2},
+            "spec": {"allocations": []},
+            "status": {"podCIDRs": [], "note": {"kept": 1}, "conditions": [
+                "text",
+                {"type": "Zeta", "status": "True", "since": "then", "observedGeneration": 1},
+                {"type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED, "message": "m",
+                 "lastTransitionTime": "2026-01-01T00:00:00.000Z"}]}});
+        let Item::Nnc(nnc, status) = Item::parse(Resource::Nnc, object) else {
+            unreachable!()
+        };
+        let nncs = BTreeMap::from([("n0".to_string(), *nnc)]);
+        let statuses = BTreeMap::from([("n0".to_string(), status)]);
+        let wall_ms = 1_795_971_700_000;
+        let decision = decide(&World {
+            pools: &[],
+            nncs: &nncs,
+            statuses: &statuses,
+            absent: &BTreeMap::new(),
+            now_ms: 2_000,
+            wall_ms,
+            node_grace_ms: 60_000,
+            scope: None,
+        });
+        let [write] = decision.nnc_writes.as_slice() else {
+            panic!("one status write: {decision:?}")
+        };
+        let written: Value = serde_json::from_str(&write.status).unwrap();
+        let since = rfc3339_millis(wall_ms).to_string();
+        assert_eq!(
+            written,
+            json!({"podCIDRs": [], "note": {"kept": 1}, "conditions": [
+                {"type": "Ready", "status": "True", "reason": READY,
+                 "message": "the granted blocks cover the demand",
+                 "lastTransitionTime": since, "observedGeneration": 2},
+                {"type": "Zeta", "status": "True", "since": "then", "observedGeneration": 1}]})
+        );
+        // Written back, it stands: the next pass writes nothing.
+        let again = Status::parse(written);
+        let statuses = BTreeMap::from([("n0".to_string(), again)]);
+        let decision = decide(&World {
+            pools: &[],
+            nncs: &nncs,
+            statuses: &statuses,
+            absent: &BTreeMap::new(),
+            now_ms: 3_000,
+            wall_ms: wall_ms + 1_000,
+            node_grace_ms: 60_000,
+            scope: None,
+        });
+        assert!(decision.nnc_writes.is_empty(), "{decision:?}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::block::{Block, BlockState, NODE_GONE};
 use crate::cidr::{Cidr, Family};
 use crate::duration::parse_duration_ms;
-use crate::kube::objects::{ObjectMeta, lenient, lenient_field};
+use crate::kube::objects::{Condition, ObjectMeta, lenient, lenient_field};
 
 pub const POOL_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metispools";
 pub const DEFAULT_V4_BLOCK: u8 = 28;
@@ -163,8 +163,8 @@ pub struct Pool {
     /// The status as read, compact JSON text (keys sorted, so an equal
     /// status has an equal text), to write only on change.
     pub status_text: String,
-    /// Its `conditions`.
-    pub conditions: Value,
+    /// Its `conditions` (what is no condition skipped).
+    pub conditions: Vec<Condition>,
 }
 
 /// A `MetisPool` object as read: the spec's fields are kept as read for
@@ -178,13 +178,6 @@ struct MetisPool {
     /// Kept whole: written again only when it changes.
     #[serde(default)]
     status: Value,
-}
-
-/// The `conditions` of a status.
-#[derive(Debug, Default, Deserialize)]
-struct StatusConditions {
-    #[serde(default)]
-    conditions: Value,
 }
 
 /// The fields of `spec`, each as read (missing: `null`).
@@ -220,7 +213,6 @@ impl Pool {
             spec,
             status,
         } = lenient(object);
-        let StatusConditions { conditions } = lenient(&status);
         Pool {
             name: metadata.name,
             resource_version: metadata.resource_version,
@@ -229,7 +221,7 @@ impl Pool {
             spec: parse_spec(&spec),
             ledger: Ledger::default(),
             status_text: status.to_string(),
-            conditions,
+            conditions: super::status::conditions(&status),
         }
     }
 }
@@ -615,20 +607,24 @@ mod tests {
         let read = Pool::parse(&json!({
             "metadata": {"name": "p", "generation": "two", "resourceVersion": 3},
             "spec": "ipv4",
-            "status": {"conditions": [{"type": "Ready"}], "counts": {"granted": 2}},
+            "status": {"conditions": [{"type": "Ready"}, "text", {"type": 7}], "counts": {"granted": 2}},
         }));
         assert_eq!((read.name.as_str(), read.generation), ("p", 0));
         assert_eq!(read.resource_version, "");
         assert!(read.spec.unwrap_err().contains("spec.network is required"));
-        assert_eq!(read.conditions, json!([{"type": "Ready"}]));
+        let ready = Condition {
+            kind: Some("Ready".into()),
+            ..Condition::default()
+        };
+        assert_eq!(read.conditions, [ready], "what is no condition is skipped");
         assert_eq!(
             read.status_text,
-            r#"{"conditions":[{"type":"Ready"}],"counts":{"granted":2}}"#
+            r#"{"conditions":[{"type":"Ready"},"text",{"type":7}],"counts":{"granted":2}}"#
         );
         let nothing = Pool::parse(&json!("text"));
         assert_eq!(
             (nothing.status_text.as_str(), nothing.conditions),
-            ("null", Value::Null)
+            ("null", Vec::new())
         );
         assert!(nothing.spec.is_err());
     }

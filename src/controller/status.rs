@@ -141,11 +141,12 @@ struct Conditions {
     conditions: Value,
 }
 
-impl Conditions {
-    fn read(status: &Value) -> Vec<Condition> {
-        let Conditions { conditions } = lenient(status);
-        entries(&conditions, usize::MAX).0
-    }
+/// The conditions of `status` (an object's status, or `null`), decoded;
+/// an entry that is no condition is skipped (and dropped when they are
+/// written back).
+pub fn conditions(status: &Value) -> Vec<Condition> {
+    let Conditions { conditions } = lenient(status);
+    entries(&conditions, usize::MAX).0
 }
 
 impl Status {
@@ -155,7 +156,7 @@ impl Status {
             return Status::default();
         };
         let pod_cidrs = object.remove(POD_CIDRS);
-        let conditions = Conditions::read(&status);
+        let conditions = conditions(&status);
         let told_until = told_until(&conditions);
         let refused_since = refused_since(&conditions);
         let gone_told = conditions.iter().any(|c| {
@@ -217,8 +218,8 @@ fn ready_read(conditions: &Value, read: &[Condition]) -> Option<ReadyRead> {
     else {
         return None;
     };
-    let written = serde_json::to_value(ready).ok()?;
-    if !rest.is_empty() || merge_condition(conditions, written) != *conditions {
+    let merged = merge_condition(read.to_vec(), ready.clone());
+    if !rest.is_empty() || serde_json::to_value(merged).ok()? != *conditions {
         return None;
     }
     Some(ReadyRead {
@@ -231,17 +232,11 @@ fn ready_read(conditions: &Value, read: &[Condition]) -> Option<ReadyRead> {
 
 /// `conditions` with the one of `condition`'s type replaced (others kept),
 /// sorted by type.
-pub fn merge_condition(conditions: &Value, condition: Value) -> Value {
-    let mut list: Vec<Value> = conditions
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| c["type"] != condition["type"])
-        .cloned()
-        .collect();
-    list.push(condition);
-    list.sort_by(|a, b| a["type"].as_str().cmp(&b["type"].as_str()));
-    Value::Array(list)
+pub fn merge_condition(mut conditions: Vec<Condition>, condition: Condition) -> Vec<Condition> {
+    conditions.retain(|c| c.kind != condition.kind);
+    conditions.push(condition);
+    conditions.sort_by(|a, b| a.kind.cmp(&b.kind));
+    conditions
 }
 
 /// When a `QuotaExceeded` Ready condition among `conditions` says its
