@@ -256,8 +256,9 @@ impl Engine {
         }
     }
 
-    /// Handles one request in a write transaction of its own: a batch of
-    /// one without the request's savepoint, then [`Engine::commit_batch`].
+    /// Handles one request in a write transaction of its own, without
+    /// savepoints, then [`Engine::commit_batch`] (served again as a batch
+    /// of one, [`Engine::handle_in_batch`], if a write could not finish).
     /// Direct mode and the daemon's retries of parked ADDs serve this way,
     /// so every decision a write takes — laying the network out, its
     /// bounds, the address — is made under one `BEGIN IMMEDIATE` lock on
@@ -267,19 +268,34 @@ impl Engine {
         if !command.writes() {
             return self.handle(command, now_ms);
         }
-        // Alone in its transaction, the request needs no savepoint: a
+        // Alone in its transaction, the request needs no savepoints: a
         // failure rolls the transaction back, and a one-request process
-        // prepares two statements fewer.
+        // prepares and runs four statements fewer.
         if let Err(err) = self.store.begin_alone() {
             return Failure::from_store("database", &err).into();
         }
         let outcome = self.handle(command, now_ms);
+        if self.store.alone_ended() {
+            // A write was dropped unfinished, which only a savepoint undoes
+            // alone: the attempt left nothing, and is made again with them.
+            if let Err(err) = self.store.abandon_batch() {
+                return Failure::from_store("database", &err).into();
+            }
+            let outcome = self.handle_in_batch(command, now_ms);
+            return self.committed(outcome);
+        }
         if !matches!(outcome, Outcome::Done(_)) {
             return match self.store.abandon_batch() {
                 Ok(()) => outcome,
                 Err(err) => Failure::from_store("database", &err).into(),
             };
         }
+        self.committed(outcome)
+    }
+
+    /// `outcome` once the transaction is committed, or what a failed
+    /// commit tells instead.
+    fn committed(&mut self, outcome: Outcome) -> Outcome {
         match self.commit_batch() {
             None => outcome,
             Some(failure) => failure.into(),

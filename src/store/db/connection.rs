@@ -45,6 +45,10 @@ pub(crate) enum Batch {
     None,
     /// A transaction is open; writes are savepoints inside it.
     Open,
+    /// A request served alone holds the transaction; its writes take no
+    /// savepoint, and one dropped unfinished ends the transaction (see
+    /// [`Store::alone_ended`]).
+    Alone,
     /// SQLite rolled the batch's transaction back: nothing may be written
     /// until [`Store::commit_batch`] reports it and ends the batch.
     Lost,
@@ -74,7 +78,10 @@ impl Write<'_> {
             Write::Alone(tx) => tx.commit(),
             Write::InBatch(mut sp) => {
                 sp.open = false;
-                control(sp.conn, "RELEASE write")
+                match sp.savepoint {
+                    true => control(sp.conn, "RELEASE write"),
+                    false => Ok(()),
+                }
             }
         }
     }
@@ -87,18 +94,29 @@ impl Write<'_> {
 pub(crate) struct InBatch<'c> {
     conn: &'c Connection,
     open: bool,
+    /// False in a request served alone: nothing else shares its
+    /// transaction, which a dropped write then ends.
+    savepoint: bool,
 }
 
 impl<'c> InBatch<'c> {
     pub(in crate::store) fn begin(conn: &'c Connection) -> rusqlite::Result<InBatch<'c>> {
         control(conn, "SAVEPOINT write")?;
-        Ok(InBatch { conn, open: true })
+        Ok(InBatch {
+            conn,
+            open: true,
+            savepoint: true,
+        })
     }
 }
 
 impl Drop for InBatch<'_> {
     fn drop(&mut self) {
-        if self.open {
+        if self.open && !self.savepoint {
+            // Without a savepoint the write cannot be undone alone: the
+            // whole transaction is, and the request is served again.
+            let _ = control(self.conn, "ROLLBACK");
+        } else if self.open {
             // A failure here leaves the savepoint to the request's own
             // `ROLLBACK TO` (the request failed) or to SQLite's rollback
             // of the batch, which `ensure_batch` reports.
@@ -167,7 +185,12 @@ pub(crate) fn write(conn: &mut Connection, batch: Batch) -> Result<Write<'_>, St
             conn.transaction_with_behavior(TransactionBehavior::Immediate)?,
         )),
         Batch::Open if !conn.is_autocommit() => Ok(Write::InBatch(InBatch::begin(conn)?)),
-        Batch::Open | Batch::Lost => Err(StoreError::BatchAborted),
+        Batch::Alone if !conn.is_autocommit() => Ok(Write::InBatch(InBatch {
+            conn,
+            open: true,
+            savepoint: false,
+        })),
+        Batch::Open | Batch::Alone | Batch::Lost => Err(StoreError::BatchAborted),
     }
 }
 
@@ -212,13 +235,22 @@ impl Store {
     }
 
     /// Starts a request served alone ([`crate::engine::Engine::handle_alone`]):
-    /// the batch's transaction without a savepoint for the request, which
-    /// shares it with nothing; a failed one ends it ([`Store::abandon_batch`]).
+    /// a transaction without savepoints, neither the request's nor its
+    /// writes', as it shares the transaction with nothing; a failed request
+    /// ends it ([`Store::abandon_batch`]).
     pub fn begin_alone(&mut self) -> Result<(), StoreError> {
         use super::busy::During;
         self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
-        self.batch = Batch::Open;
+        self.batch = Batch::Alone;
         Ok(())
+    }
+
+    /// Whether the transaction of a request served alone has ended before
+    /// its commit: a write dropped unfinished rolled it back (or SQLite
+    /// did), so nothing the request did stays and its outcome must not be
+    /// told.
+    pub fn alone_ended(&self) -> bool {
+        self.batch == Batch::Alone && self.conn.is_autocommit()
     }
 
     /// Undoes the batch's transaction and ends it (nothing to do without
@@ -254,7 +286,9 @@ impl Store {
     pub fn commit_batch(&mut self) -> Result<(), StoreError> {
         let result = match std::mem::replace(&mut self.batch, Batch::None) {
             Batch::None => return Ok(()),
-            Batch::Open => super::busy::During::during(self.control("COMMIT"), "COMMIT"),
+            Batch::Open | Batch::Alone => {
+                super::busy::During::during(self.control("COMMIT"), "COMMIT")
+            }
             Batch::Lost => Err(StoreError::BatchAborted),
         };
         // A failed COMMIT may leave the transaction open (SQLITE_BUSY,
@@ -278,7 +312,7 @@ impl Store {
         }
         match self.batch {
             Batch::Lost => Err(StoreError::BatchAborted),
-            Batch::None | Batch::Open => Ok(()),
+            Batch::None | Batch::Open | Batch::Alone => Ok(()),
         }
     }
 
