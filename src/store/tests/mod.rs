@@ -2,6 +2,7 @@
 //! Convention: a store comes from a `TempDir` (`dir.store()`, `dir.store_with_cooldown(ms)`, `store_mode(&dir, mode)`, or `store_with(blocks)` holding blocks); `Store::open` by hand only where the path or the options are the point; every shared helper lives here.
 
 mod alloc;
+mod alone;
 mod batch;
 mod growth;
 mod handout;
@@ -26,6 +27,10 @@ use rusqlite::{Connection, OptionalExtension};
 
 use super::*;
 use crate::cidr::{Cidr, Family};
+use crate::cni::conf;
+use crate::cni::plugin::family_add;
+use crate::engine::request::{Add, Command, Del, Pod};
+use crate::names::Attachment;
 use crate::store::db::*;
 
 const NOW: i64 = 1_700_000_000_000;
@@ -144,4 +149,37 @@ fn give_row_to(store: &Store, address: &str, container: &str) {
 
 fn assert_counters(store: &Store) {
     assert_eq!(store.counter_mismatches().unwrap(), Vec::new());
+}
+
+/// The network the engine-level tests serve (statements, alone).
+const CONF: &str = r#"{"cniVersion":"1.0.0","name":"bench","type":"metis","ipam":{"type":"metis","ranges":[[{"subnet":"198.18.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}"#;
+
+fn pod() -> Pod {
+    Pod {
+        namespace: "ns".into(),
+        name: "p".into(),
+    }
+}
+
+/// A CNI ADD of `container` on [`CONF`]'s network.
+fn add(container: &str) -> Command {
+    let net_conf = conf::parse(CONF.as_bytes()).unwrap();
+    let owner = Attachment::new(container, "eth0").unwrap();
+    Command::Add(Box::new(Add {
+        network: net_conf.network.clone(),
+        pod: pod(),
+        ipv4: family_add(&net_conf, Family::V4, &owner, &[]),
+        ipv6: None,
+        isolated: false,
+        conf_name: "bench".into(),
+    }))
+}
+
+/// A CNI DEL of `container` on [`CONF`]'s network.
+fn del(container: &str) -> Command {
+    Command::Del(Del {
+        network: "bench".into(),
+        owner: Attachment::new(container, "eth0").unwrap(),
+        pod: pod(),
+    })
 }

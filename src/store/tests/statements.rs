@@ -6,43 +6,10 @@ use std::sync::{Arc, Mutex};
 
 use rusqlite::trace::{TraceEvent, TraceEventCodes};
 
-use crate::cni::conf;
-use crate::cni::plugin::family_add;
-use crate::engine::request::{Add, Command, Del, Pod};
+use crate::engine::request::Command;
 use crate::engine::{Engine, Outcome};
-use crate::names::Attachment;
 
 use super::*;
-
-const CONF: &str = r#"{"cniVersion":"1.0.0","name":"bench","type":"metis","ipam":{"type":"metis","ranges":[[{"subnet":"198.18.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}"#;
-
-fn pod() -> Pod {
-    Pod {
-        namespace: "ns".into(),
-        name: "p".into(),
-    }
-}
-
-fn add(container: &str) -> Command {
-    let net_conf = conf::parse(CONF.as_bytes()).unwrap();
-    let owner = Attachment::new(container, "eth0").unwrap();
-    Command::Add(Box::new(Add {
-        network: net_conf.network.clone(),
-        pod: pod(),
-        ipv4: family_add(&net_conf, Family::V4, &owner, &[]),
-        ipv6: None,
-        isolated: false,
-        conf_name: "bench".into(),
-    }))
-}
-
-fn del(container: &str) -> Command {
-    Command::Del(Del {
-        network: "bench".into(),
-        owner: Attachment::new(container, "eth0").unwrap(),
-        pod: pod(),
-    })
-}
 
 /// The statements (SQL, VDBE steps) `request` runs, served as the
 /// daemon serves it: in a batch, then committed.

@@ -1,0 +1,187 @@
+//! A request served alone (direct mode, the daemon's parked retries): one
+//! transaction without savepoints; a write dropped unfinished ends it, and
+//! the request is served again as a batch of one, with savepoints.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rusqlite::functions::FunctionFlags;
+use rusqlite::trace::{TraceEvent, TraceEventCodes};
+use rusqlite::types::ValueRef;
+
+use super::*;
+use crate::engine::{Engine, Outcome, Reply};
+
+/// Direct mode's store on `dir`: the options `call_direct` opens it with.
+fn direct_store(dir: &TempDir) -> Store {
+    Store::open(&dir.db(), &opts(None, None)).unwrap()
+}
+
+/// Whether `sql` is a transaction-control statement (a transaction's or a
+/// savepoint's beginning or end).
+fn is_control(sql: &str) -> bool {
+    ["BEGIN", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE"]
+        .iter()
+        .any(|word| sql.starts_with(word))
+}
+
+/// `request` served alone, with the transaction-control statements it ran
+/// in order.
+fn served_alone(engine: &mut Engine, request: &Command) -> (Outcome, Vec<String>) {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sink = Arc::clone(&seen);
+    let conn = &mut engine.store_mut().conn;
+    conn.trace_v2(
+        TraceEventCodes::SQLITE_TRACE_PROFILE,
+        Some(move |event: TraceEvent<'_>| {
+            if let TraceEvent::Profile(stmt, _) = event {
+                let sql = stmt.sql();
+                if is_control(&sql) {
+                    sink.lock().unwrap().push(sql.into_owned());
+                }
+            }
+        }),
+    )
+    .unwrap();
+    let outcome = engine.handle_alone(request, NOW);
+    let conn = &mut engine.store_mut().conn;
+    conn.trace_v2(TraceEventCodes::empty(), None::<fn(TraceEvent<'_>)>)
+        .unwrap();
+    let controls = std::mem::take(&mut *seen.lock().unwrap());
+    (outcome, controls)
+}
+
+/// Makes the claim of `container`'s row fail once, mid-write (the block's
+/// rows and layout already written in the same transaction), as a failed
+/// statement would. Returns how many times that claim was attempted.
+fn fail_claim_once(store: &Store, container: &str) -> Arc<AtomicUsize> {
+    let claims = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&claims);
+    store
+        .conn
+        .create_scalar_function(
+            "metis_test_first_claim",
+            0,
+            FunctionFlags::SQLITE_UTF8,
+            move |_| Ok(count.fetch_add(1, Ordering::SeqCst) == 0),
+        )
+        .unwrap();
+    store
+        .conn
+        .execute_batch(&format!(
+            "CREATE TEMP TRIGGER test_fault BEFORE UPDATE OF container_id ON main.ip_addresses \
+             WHEN NEW.container_id = '{container}' AND metis_test_first_claim() \
+             BEGIN SELECT RAISE(ABORT, 'injected fault'); END"
+        ))
+        .unwrap();
+    claims
+}
+
+/// Every table's rows as another connection sees them (what is committed),
+/// as text, sorted. `created_at` and `updated_at` are left out: SQLite's
+/// own clock stamps them, never the request's time.
+fn committed(path: &Path) -> Vec<String> {
+    let conn = Connection::open(path).unwrap();
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let mut rows = Vec::new();
+    for table in tables {
+        let mut statement = conn.prepare(&format!("SELECT * FROM \"{table}\"")).unwrap();
+        let columns: Vec<usize> = (0..statement.column_count())
+            .filter(|&i| !matches!(statement.column_name(i), Ok("created_at" | "updated_at")))
+            .collect();
+        let mut cursor = statement.query([]).unwrap();
+        while let Some(row) = cursor.next().unwrap() {
+            let values: Vec<String> = columns
+                .iter()
+                .map(|&i| match row.get_ref(i).unwrap() {
+                    ValueRef::Text(text) => String::from_utf8_lossy(text).into_owned(),
+                    value => format!("{value:?}"),
+                })
+                .collect();
+            rows.push(format!("{table}: {}", values.join(" | ")));
+        }
+    }
+    rows.sort();
+    rows
+}
+
+/// The IPv4 address an ADD's outcome returned.
+fn address(outcome: &Outcome) -> IpAddr {
+    match outcome {
+        Outcome::Done(Reply::Allocated(allocated)) => allocated.ipv4.as_ref().unwrap().address,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_write_dropped_unfinished_serves_the_request_again_as_a_batch_of_one() {
+    // The twin: the same requests on another database, without a fault.
+    let twin_dir = TempDir::new();
+    let mut twin = Engine::new(direct_store(&twin_dir));
+    let (expected, controls) = served_alone(&mut twin, &add("b"));
+    assert_eq!(
+        controls,
+        ["BEGIN IMMEDIATE", "COMMIT"],
+        "no savepoint alone"
+    );
+
+    let dir = TempDir::new();
+    let mut engine = Engine::new(direct_store(&dir));
+    let claims = fail_claim_once(engine.store(), "b");
+    let (outcome, controls) = served_alone(&mut engine, &add("b"));
+    assert_eq!(
+        claims.load(Ordering::SeqCst),
+        2,
+        "claimed, faulted, claimed again"
+    );
+    // The first attempt took no savepoint, so its failed write ended the
+    // transaction; the second is a batch of one, savepoints and all.
+    let n = controls.len();
+    assert!(n >= 6, "{controls:?}");
+    assert_eq!(
+        controls[..2],
+        ["BEGIN IMMEDIATE", "ROLLBACK"],
+        "{controls:?}"
+    );
+    assert_eq!(
+        controls[2..4],
+        ["BEGIN IMMEDIATE", "SAVEPOINT request"],
+        "{controls:?}"
+    );
+    assert_eq!(
+        controls[n - 2..],
+        ["RELEASE request", "COMMIT"],
+        "{controls:?}"
+    );
+    assert!(
+        controls[4..n - 2]
+            .chunks(2)
+            .all(|write| write == ["SAVEPOINT write", "RELEASE write"]),
+        "{controls:?}"
+    );
+    assert_eq!(outcome, expected);
+    assert_eq!(address(&outcome), address(&expected));
+    // Nothing of the first attempt remains, nor any transaction: what is
+    // committed is the twin's, row for row.
+    assert!(engine.store().conn.is_autocommit());
+    assert_counters(engine.store());
+    assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
+
+    // Later requests are served alone again, without savepoints, as the
+    // twin serves them.
+    for request in [add("c"), del("b")] {
+        let (outcome, controls) = served_alone(&mut engine, &request);
+        assert_eq!(controls, ["BEGIN IMMEDIATE", "COMMIT"]);
+        assert_eq!(outcome, served_alone(&mut twin, &request).0);
+        assert!(matches!(outcome, Outcome::Done(_)), "{outcome:?}");
+    }
+    assert_eq!(claims.load(Ordering::SeqCst), 2);
+    assert_counters(engine.store());
+    assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
+}
