@@ -36,6 +36,9 @@ const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(1);
 pub const WALL_OFFSET_ENV: &str = "METIS_TEST_WALL_CLOCK_OFFSET_MS";
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
+/// A pass decides every node at least this often, changed or not: what a
+/// scoped pass might leave undecided is decided again (level-triggered).
+const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
 /// How long each watch stays open (1–2× this) and the backoff's cap.
 const TIMING: ApiTiming = ApiTiming {
     watch_timeout: Duration::from_secs(300),
@@ -358,6 +361,8 @@ struct Controller<'c> {
     /// When each pool's counts were last written: at most once per
     /// [`POOL_STATUS_INTERVAL`].
     pools_written: BTreeMap<String, Instant>,
+    /// When the next pass decides every node ([`RESYNC_INTERVAL`]).
+    resync_at: Instant,
 }
 
 impl<'c> Controller<'c> {
@@ -386,6 +391,7 @@ impl<'c> Controller<'c> {
             standing_by: false,
             unsettled: BTreeSet::new(),
             pools_written: BTreeMap::new(),
+            resync_at: Instant::now() + RESYNC_INTERVAL,
         }
     }
 
@@ -494,7 +500,13 @@ impl<'c> Controller<'c> {
     fn pass(&mut self, clock: Clock) {
         let grace_ms = i64::try_from(self.config.node_grace.as_millis()).unwrap_or(i64::MAX);
         let started = Instant::now();
+        if started >= self.resync_at {
+            self.cache.decide_all();
+        }
         let scope = self.cache.take_scope(std::mem::take(&mut self.unsettled));
+        if scope.is_none() {
+            self.resync_at = started + RESYNC_INTERVAL;
+        }
         let pools = self.cache.pools_with_ledgers();
         let world = self.cache.world(&pools, clock, grace_ms, scope.as_ref());
         let mut decision = decide(&world);
@@ -503,13 +515,14 @@ impl<'c> Controller<'c> {
         self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);
         let now = Instant::now();
-        self.due = decision.next_due_ms.map(|at| {
+        let due = decision.next_due_ms.map(|at| {
             let batched =
                 at.saturating_add(DUE_GRANULARITY_MS - 1) / DUE_GRANULARITY_MS * DUE_GRANULARITY_MS;
             now + Duration::from_millis(
                 u64::try_from(batched.saturating_sub(clock.now_ms)).unwrap_or(0),
             )
         });
+        self.due = Some(due.map_or(self.resync_at, |at| at.min(self.resync_at)));
         self.metrics.set_pool_blocks(
             decision
                 .gauges
