@@ -196,6 +196,10 @@ impl Cache {
                 self.dirty.insert(name);
             }
             Item::Pool(pool) => {
+                if self.same_spec(&pool) {
+                    self.pool_status_changed(*pool);
+                    return true;
+                }
                 self.specs.insert(pool.name.clone(), pool.spec.clone());
                 let pools = Arc::make_mut(&mut self.pools);
                 pools.retain(|p| p.name != pool.name);
@@ -272,6 +276,30 @@ impl Cache {
             }
         }
         true
+    }
+
+    /// Whether `pool` is held with the same spec (as read, before the
+    /// overlap check) and the same creation: what validation and the
+    /// ledgers depend on.
+    fn same_spec(&self, pool: &Pool) -> bool {
+        self.specs.get(&pool.name) == Some(&pool.spec)
+            && self
+                .pools
+                .iter()
+                .any(|p| p.name == pool.name && p.created == pool.created)
+    }
+
+    /// A pool whose spec stands changed elsewhere (its status, the echo of
+    /// the controller's own write of its counts): no node's decision reads
+    /// that, so the ledgers stay and no pass over every node is called for.
+    fn pool_status_changed(&mut self, read: Pool) {
+        let pools = Arc::make_mut(&mut self.pools);
+        if let Some(pool) = pools.iter_mut().find(|p| p.name == read.name) {
+            pool.resource_version = read.resource_version;
+            pool.generation = read.generation;
+            pool.status_text = read.status_text;
+            pool.conditions = read.conditions;
+        }
     }
 
     /// Checks the pools against each other again, from their specs as read.
@@ -685,5 +713,41 @@ mod tests {
         assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
         cache.listed(Resource::Pool, Vec::new());
         assert!(cache.pools().is_empty());
+    }
+
+    /// A pool's new status (the echo of the controller's own write of its
+    /// counts) is taken in without a pass over every node; a new spec or a
+    /// re-created pool calls for one.
+    #[test]
+    fn a_pools_status_alone_calls_for_no_pass_over_every_node() {
+        let mut cache = Cache::default();
+        let created = "2026-01-01T00:00:00Z";
+        cache.listed(Resource::Pool, vec![pool("p", created, "198.18.0.0/24")]);
+        assert_eq!(
+            cache.take_scope(BTreeSet::new()),
+            None,
+            "a list: every node"
+        );
+        let mut counted = pool("p", created, "198.18.0.0/24");
+        if let Item::Pool(p) = &mut counted {
+            p.resource_version = "2".into();
+            p.status_text = r#"{"observedGeneration":1}"#.into();
+        }
+        assert!(cache.put(Resource::Pool, counted));
+        assert_eq!(cache.take_scope(BTreeSet::new()), Some(BTreeSet::new()));
+        let held = cache.pools();
+        assert_eq!(held[0].resource_version, "2");
+        assert_eq!(held[0].status_text, r#"{"observedGeneration":1}"#);
+        for (version, changed) in [
+            ("3", pool("p", created, "198.18.0.0/25")),
+            ("4", pool("p", "2026-03-01T00:00:00Z", "198.18.0.0/25")),
+        ] {
+            let mut changed = changed;
+            if let Item::Pool(p) = &mut changed {
+                p.resource_version = version.into();
+            }
+            assert!(cache.put(Resource::Pool, changed));
+            assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        }
     }
 }
