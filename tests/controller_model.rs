@@ -32,9 +32,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
+use metis::controller::cache::serving_index;
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
-use metis::controller::status::Status;
+use metis::controller::status::{self, Status};
 use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
@@ -212,7 +213,7 @@ impl Sim {
             .iter()
             .map(|(k, v)| {
                 let mut status = Status::parse(v["status"].clone());
-                status.serving = metis::controller::status::serving(v);
+                status.serving = status::serving(v);
                 (k.clone(), status)
             })
             .collect();
@@ -226,6 +227,7 @@ impl Sim {
             pools: &pools,
             nncs: &nncs,
             statuses: &statuses,
+            serving: &serving_index(&statuses),
             absent: &self.absent,
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,
@@ -247,15 +249,33 @@ impl Sim {
     /// changed (or at first).
     fn scope(&self) -> Option<BTreeSet<String>> {
         let last = self.last.borrow();
-        let seen = last.as_ref().filter(|seen| seen.pools == self.pools)?;
+        // A pool's status alone (its counts) calls for no whole pass.
+        let specs = |pools: &BTreeMap<String, Value>| -> Vec<(String, Value, Value)> {
+            let of = |(n, p): (&String, &Value)| {
+                let created = p["metadata"]["creationTimestamp"].clone();
+                (n.clone(), created, p["spec"].clone())
+            };
+            pools.iter().map(of).collect()
+        };
+        let seen = last
+            .as_ref()
+            .filter(|seen| specs(&seen.pools) == specs(&self.pools))?;
         let mut scope = seen.unsettled.clone();
         scope.extend(changed(&seen.nncs, &self.nncs).cloned());
         scope.extend(changed(&seen.absent, &self.absent).cloned());
+        let nncs = || seen.nncs.iter().chain(&self.nncs);
         for name in changed(&seen.blocks, &self.blocks) {
             for block in [seen.blocks.get(name), self.blocks.get(name)] {
                 if let Some(node) = block.and_then(|b| b["spec"]["node"].as_str()) {
                     scope.insert(node.to_string());
                 }
+                // And the nodes that say they serve it.
+                let cidr = block.and_then(|b| b["spec"]["cidr"].as_str());
+                let Some(cidr) = cidr.and_then(|c| c.parse::<Cidr>().ok()) else {
+                    continue;
+                };
+                let serving = nncs().filter(|(_, n)| status::serving(n).contains(&cidr));
+                scope.extend(serving.map(|(name, _)| name.clone()));
             }
         }
         Some(scope)

@@ -12,12 +12,16 @@ use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::Status;
+use crate::cidr::Cidr;
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default)]
 pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
     pub statuses: BTreeMap<String, Status>,
+    /// Which nodes say they still serve each block (their statuses'
+    /// `serving`): a change to the block decides them again.
+    serving: BTreeMap<Cidr, BTreeSet<String>>,
     pub nodes: BTreeSet<String>,
     /// The pools, checked against each other when one changes (not at
     /// every pass), each with its ledger as the blocks say (kept block by
@@ -61,6 +65,7 @@ impl Cache {
             Resource::Nnc => {
                 self.nncs.clear();
                 self.statuses.clear();
+                self.serving.clear();
             }
             Resource::Node => self.nodes.clear(),
             Resource::Pool => {
@@ -109,6 +114,26 @@ impl Cache {
             .collect();
         for name in left {
             self.cool_since(&name, self.now_ms);
+        }
+    }
+
+    /// The serving index follows node `name`'s status, which was `old`.
+    fn reindex_serving(&mut self, old: Option<&Status>, name: &str) {
+        for cidr in old.map_or(&[][..], |s| s.serving.as_slice()) {
+            if let Some(nodes) = self.serving.get_mut(cidr) {
+                nodes.remove(name);
+                if nodes.is_empty() {
+                    self.serving.remove(cidr);
+                }
+            }
+        }
+        let now = self
+            .statuses
+            .get(name)
+            .map_or(&[][..], |s| s.serving.as_slice());
+        for cidr in now {
+            let nodes = self.serving.entry(*cidr).or_default();
+            nodes.insert(name.to_string());
         }
     }
 
@@ -182,6 +207,7 @@ impl Cache {
                 let name = nnc.meta.name.clone();
                 self.dirty.insert(name.clone());
                 let old = self.statuses.insert(name.clone(), status);
+                self.reindex_serving(old.as_ref(), &name);
                 self.left_status(old, Some(&name));
                 if self.nncs.insert(name.clone(), *nnc).is_none() {
                     self.follow(&name, true);
@@ -254,6 +280,7 @@ impl Cache {
                     self.follow(name, false);
                 }
                 let old = self.statuses.remove(name);
+                self.reindex_serving(old.as_ref(), name);
                 self.left_status(old, None);
             }
             Resource::Node => {
@@ -340,13 +367,15 @@ impl Cache {
         }
     }
 
-    /// The nodes block `name` named before (`old`) and names now are
-    /// decided again.
+    /// The nodes block `name` named before (`old`) and names now, and
+    /// those that say they serve it, are decided again.
     fn dirty_holders(&mut self, old: Option<&Block>, name: &str) {
         let now = self.blocks.get(name);
         for block in old.into_iter().chain(now) {
-            if let Some((_, spec)) = &block.spec {
+            if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
+                let serving = self.serving.get(cidr).into_iter().flatten();
+                self.dirty.extend(serving.cloned());
             }
         }
     }
@@ -464,17 +493,34 @@ impl Cache {
         node_grace_ms: i64,
         scope: Option<&'a BTreeSet<String>>,
     ) -> World<'a> {
+        debug_assert_eq!(
+            self.serving,
+            serving_index(&self.statuses),
+            "the serving index kept is not the statuses'"
+        );
         World {
             scope,
             pools,
             nncs: &self.nncs,
             statuses: &self.statuses,
+            serving: &self.serving,
             absent: &self.absent,
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
             node_grace_ms,
         }
     }
+}
+
+/// Which nodes say they still serve each block, from their statuses.
+pub fn serving_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, BTreeSet<String>> {
+    let mut index: BTreeMap<Cidr, BTreeSet<String>> = BTreeMap::new();
+    for (name, status) in statuses {
+        for cidr in &status.serving {
+            index.entry(*cidr).or_default().insert(name.clone());
+        }
+    }
+    index
 }
 
 /// One reading of both clocks.

@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 
 use super::block::{self, BlockSpec, BlockState, GRANTED, NODE_GONE, RELEASED};
 use super::pool::{
-    BlockCounts, Cooling, FamilyRange, Holder, Ledger, Pool, PoolCondition, PoolSpec, PoolStatus,
+    BlockCounts, Cooling, FamilyRange, Pool, PoolCondition, PoolSpec, PoolStatus, Slot, Working,
 };
 use super::status::{self, Entry, ReadyRead, Status, merge_condition};
 use crate::cidr::{Cidr, Family, from_u128, to_u128};
@@ -58,6 +58,9 @@ pub struct World<'a> {
     pub nncs: &'a BTreeMap<String, Nnc>,
     /// The status of each NodeNetworkConfig as read (kept whole).
     pub statuses: &'a BTreeMap<String, Status>,
+    /// Which nodes say they still serve each block (their statuses'
+    /// `serving`; `cache::serving_index`).
+    pub serving: &'a BTreeMap<Cidr, BTreeSet<String>>,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
     /// missing, and since when this process saw it missing.
     pub absent: &'a BTreeMap<String, i64>,
@@ -278,10 +281,10 @@ fn first_free(
 /// (a block nobody granted, maybe from a pool refused for now) any pool,
 /// so that a block released is timed somewhere and can never come back
 /// early.
-fn pool_of(pools: &[Pool], ledgers: &[Ledger], cidr: &Cidr) -> Option<usize> {
+fn pool_of(pools: &[Pool], ledgers: &[Working], cidr: &Cidr) -> Option<usize> {
     ledgers
         .iter()
-        .position(|l| l.claims.contains_key(cidr) || l.cooling.contains_key(cidr))
+        .position(|l| l.claim(cidr).is_some() || l.cooling(cidr).is_some())
         .or_else(|| {
             pools
                 .iter()
@@ -323,12 +326,11 @@ fn statuses_holding(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, &str>
 /// status as it becomes.
 struct Pass<'a> {
     world: World<'a>,
-    ledgers: Vec<Ledger>,
+    /// The pools' ledgers as this pass changes them: only the blocks it
+    /// changed (and those a status relies on) can need a block write.
+    ledgers: Vec<Working<'a>>,
     plans: BTreeMap<&'a str, Plan<'a>>,
     restarts: Vec<(String, i64)>,
-    /// Blocks whose state in a ledger this pass may have changed: only
-    /// they (and those a status relies on) can need a block write.
-    touched: BTreeSet<Cidr>,
     /// Nodes that wanted a block in this pass.
     wanted: BTreeSet<&'a str>,
     /// A node outside the scope is in a conflict this pass found: only a
@@ -381,11 +383,10 @@ fn decide_in(world: &World) -> Option<Decision> {
         ledgers: world
             .pools
             .iter()
-            .map(|p| p.ledger.working_copy())
+            .map(|p| Working::new(&p.ledger))
             .collect(),
         plans: BTreeMap::new(),
         restarts: Vec::new(),
-        touched: BTreeSet::new(),
         wanted: BTreeSet::new(),
         widen: false,
     };
@@ -395,7 +396,7 @@ fn decide_in(world: &World) -> Option<Decision> {
     pass.finish_claims();
     let (mut taken, holders) = pass.taken();
     pass.check_overlaps(&holders);
-    if pass.widen {
+    if pass.widen || pass.serves_outside() {
         return None;
     }
     let waiting = pass.grant_all(&mut taken);
@@ -403,6 +404,19 @@ fn decide_in(world: &World) -> Option<Decision> {
 }
 
 impl<'a> Pass<'a> {
+    /// Whether a block this pass changed is one a node outside the scope
+    /// says it serves: what that node is told of it may change.
+    fn serves_outside(&self) -> bool {
+        let world = self.world;
+        world.scope.is_some()
+            && self.ledgers.iter().flat_map(Working::changed).any(|cidr| {
+                let nodes = world.serving.get(cidr).into_iter().flatten();
+                nodes
+                    .into_iter()
+                    .any(|n| !self.plans.contains_key(n.as_str()))
+            })
+    }
+
     /// Whether Node `name` is gone past the grace.
     fn gone(&self, name: &str) -> bool {
         let world = &self.world;
@@ -417,19 +431,6 @@ impl<'a> Pass<'a> {
     fn cool_down(&mut self) {
         let world = self.world;
         for (pool, ledger) in world.pools.iter().zip(&mut self.ledgers) {
-            let back: Vec<Cidr> = ledger
-                .cooling
-                .iter()
-                .filter(|(_, c)| c.node_gone && !world.absent.contains_key(&c.node))
-                .map(|(cidr, _)| *cidr)
-                .collect();
-            for cidr in back {
-                self.touched.insert(cidr);
-                if let Some(cooling) = ledger.cooling.remove(&cidr) {
-                    let holder = Holder { node: cooling.node };
-                    ledger.claims.insert(cidr, holder);
-                }
-            }
             // A gone Node's block stays until its NNC (if any) says so:
             // that write is what refuses a stale controller's old grant.
             let untold = |node: &str| {
@@ -437,15 +438,23 @@ impl<'a> Pass<'a> {
                     && !world.statuses.get(node).is_some_and(|s| s.gone_told)
             };
             let delay = reclaim_delay_ms(pool);
-            let touched = &mut self.touched;
-            ledger.cooling.retain(|cidr, c| {
-                let keep = world.now_ms.saturating_sub(c.since_ms) < delay
-                    || (c.node_gone && untold(&c.node));
-                if !keep {
-                    touched.insert(*cidr);
+            let mut back = Vec::new();
+            let mut cooled = Vec::new();
+            for (cidr, c) in ledger.coolings() {
+                if c.node_gone && !world.absent.contains_key(&c.node) {
+                    back.push((*cidr, c.node.clone()));
+                } else if world.now_ms.saturating_sub(c.since_ms) >= delay
+                    && !(c.node_gone && untold(&c.node))
+                {
+                    cooled.push(*cidr);
                 }
-                keep
-            });
+            }
+            for (cidr, node) in back {
+                ledger.set_claim(cidr, &node);
+            }
+            for cidr in cooled {
+                ledger.set(cidr, None);
+            }
         }
     }
 
@@ -514,34 +523,37 @@ impl<'a> Pass<'a> {
     /// delay starts over, for its own node) or no pool accounts for it.
     fn release_block(&mut self, node: &str, cidr: Cidr, reusable: bool, gone: bool) -> bool {
         let now = self.world.now_ms;
-        let cooling_elsewhere = self
-            .ledgers
-            .iter_mut()
-            .find_map(|l| l.cooling.get_mut(&cidr).filter(|c| c.node != node));
-        if let Some(cooling) = cooling_elsewhere {
+        let cooling_elsewhere = self.ledgers.iter_mut().find_map(|l| {
+            let cooling = l.cooling(&cidr).filter(|c| c.node != node)?.clone();
+            Some((l, cooling))
+        });
+        if let Some((ledger, cooling)) = cooling_elsewhere {
             // Pods of this node may have used the copy: no other node gets
             // the block sooner than the delay after it left this status
             // either, and this node never takes it over.
-            cooling.since_ms = now;
+            let restarted = Cooling {
+                since_ms: now,
+                ..cooling
+            };
+            ledger.set(cidr, Some(Slot::Cooling(restarted)));
             self.restarts.push((block::block_name(&cidr), now));
             return false;
         }
         let foreign = self
             .ledgers
             .iter()
-            .any(|l| l.claims.get(&cidr).is_some_and(|h| h.node != node));
+            .any(|l| l.claim(&cidr).is_some_and(|h| h.node != node));
         let Some(i) = pool_of(self.world.pools, &self.ledgers, &cidr).filter(|_| !foreign) else {
             return false;
         };
-        self.touched.insert(cidr);
         let ledger = &mut self.ledgers[i];
-        ledger.claims.remove(&cidr);
-        if ledger.non_reusable.contains(&cidr) {
+        if ledger.retired(&cidr) {
             // Retired for good, whatever a copy of it says.
+            ledger.set(cidr, Some(Slot::Retired));
         } else if reusable {
             // Still in a status: the delay counts from now, when it leaves
             // it (again, after a lost write), also when it had cooled out.
-            if self.world.pools[i].ledger.cooling.contains_key(&cidr) {
+            if ledger.read.cooling.contains_key(&cidr) {
                 self.restarts.push((block::block_name(&cidr), now));
             }
             let cooling = Cooling {
@@ -549,10 +561,9 @@ impl<'a> Pass<'a> {
                 since_ms: now,
                 node_gone: gone,
             };
-            ledger.cooling.insert(cidr, cooling);
+            ledger.set(cidr, Some(Slot::Cooling(cooling)));
         } else {
-            ledger.non_reusable.push(cidr);
-            ledger.cooling.remove(&cidr);
+            ledger.set(cidr, Some(Slot::Retired));
         }
         true
     }
@@ -597,7 +608,7 @@ impl<'a> Pass<'a> {
     fn claimed_by(&self, cidr: &Cidr, name: &str) -> bool {
         self.ledgers
             .iter()
-            .find_map(|l| l.claims.get(cidr))
+            .find_map(|l| l.claim(cidr))
             .is_some_and(|h| h.node == name)
     }
 
@@ -610,11 +621,10 @@ impl<'a> Pass<'a> {
         elsewhere: Option<&str>,
     ) -> Result<(), String> {
         let pools = self.world.pools;
-        let known = self.ledgers.iter().position(|l| {
-            l.claims.contains_key(cidr)
-                || l.cooling.contains_key(cidr)
-                || l.non_reusable.contains(cidr)
-        });
+        let known = self
+            .ledgers
+            .iter()
+            .position(|l| l.claim(cidr).is_some() || l.cooling(cidr).is_some() || l.retired(cidr));
         let served = format!("podCIDR {cidr}, which node {name} still serves,");
         let Some(i) = known else {
             if let Some(other) = elsewhere {
@@ -628,29 +638,20 @@ impl<'a> Pass<'a> {
                 })
             });
             if let Some(i) = owner {
-                let holder = Holder {
-                    node: name.to_string(),
-                };
-                self.ledgers[i].claims.insert(*cidr, holder);
-                self.touched.insert(*cidr);
+                self.ledgers[i].set_claim(*cidr, name);
             }
             return Ok(());
         };
         let ledger = &mut self.ledgers[i];
-        if let Some(holder) = ledger.claims.get(cidr) {
+        if let Some(holder) = ledger.claim(cidr) {
             return match holder.node == name {
                 true => Ok(()),
                 false => Err(format!("{served} is granted to {}", holder.node)),
             };
         }
-        match ledger.cooling.get(cidr) {
+        match ledger.cooling(cidr) {
             Some(cooling) if cooling.node == name => {
-                self.touched.insert(*cidr);
-                ledger.cooling.remove(cidr);
-                let holder = Holder {
-                    node: name.to_string(),
-                };
-                ledger.claims.insert(*cidr, holder);
+                ledger.set_claim(*cidr, name);
                 Ok(())
             }
             Some(cooling) => Err(format!(
@@ -669,42 +670,26 @@ impl<'a> Pass<'a> {
     fn finish_claims(&mut self) {
         let world = self.world;
         for i in 0..self.ledgers.len() {
-            // The claims whose node's status keeps them: looked up from
-            // the entries (a block's key), not per claim by node name.
-            let claims = &self.ledgers[i].claims;
-            let mut held: Vec<Cidr> = Vec::new();
-            for (name, plan) in &self.plans {
-                let of_node = |c: &Cidr| claims.get(c).is_some_and(|h| h.node == *name);
-                held.extend(plan.entries.iter().filter_map(|e| e.cidr).filter(of_node));
-            }
-            held.sort_unstable();
-            // A node outside the scope is settled: its status holds its
-            // claims (a change to either would have put it in the scope).
-            let decided = |node: &str| {
-                world.scope.is_none()
-                    || self.plans.contains_key(node)
-                    || world.absent.contains_key(node)
-            };
-            let missing: Vec<(Cidr, Holder)> = claims
-                .iter()
-                .filter(|(cidr, h)| held.binary_search(cidr).is_err() && decided(&h.node))
-                .map(|(c, h)| (*c, h.clone()))
+            let missing: Vec<(Cidr, String)> = self
+                .claims_decided(i)
+                .into_iter()
+                .filter(|(cidr, node)| {
+                    let plan = self.plans.get(node.as_str());
+                    !plan.is_some_and(|p| p.entries.iter().any(|e| e.cidr == Some(*cidr)))
+                })
                 .collect();
-            for (cidr, holder) in missing {
-                let nnc = world.nncs.get(&holder.node);
-                let gone = self.gone(&holder.node);
+            for (cidr, node) in missing {
+                let nnc = world.nncs.get(&node);
+                let gone = self.gone(&node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
                 if listed || gone {
-                    self.touched.insert(cidr);
-                    let ledger = &mut self.ledgers[i];
-                    ledger.claims.remove(&cidr);
                     let cooling = Cooling {
-                        node: holder.node.clone(),
+                        node,
                         since_ms: world.now_ms,
                         node_gone: gone,
                     };
-                    ledger.cooling.entry(cidr).or_insert(cooling);
-                } else if let Some(plan) = self.plans.get_mut(holder.node.as_str()) {
+                    self.ledgers[i].set(cidr, Some(Slot::Cooling(cooling)));
+                } else if let Some(plan) = self.plans.get_mut(node.as_str()) {
                     let pool = &world.pools[i];
                     let network = pool
                         .spec
@@ -716,6 +701,28 @@ impl<'a> Pass<'a> {
                 }
             }
         }
+    }
+
+    /// The claims of ledger `i` whose node this pass decides, in block
+    /// order: every claim, or those of the nodes in the scope and of the
+    /// nodes whose Node is missing (read from their own claims). A node
+    /// outside the scope is settled: its status holds its claims (a
+    /// change to either would have put it in the scope).
+    fn claims_decided(&self, i: usize) -> Vec<(Cidr, String)> {
+        let ledger = &self.ledgers[i];
+        let mut claims: Vec<(Cidr, String)> = match self.world.scope {
+            None => ledger.claims().map(|(c, h)| (*c, h.node.clone())).collect(),
+            Some(_) => {
+                let absent = self.world.absent.keys().map(String::as_str);
+                let nodes: BTreeSet<&str> = self.plans.keys().copied().chain(absent).collect();
+                nodes
+                    .into_iter()
+                    .flat_map(|n| ledger.claims_of(n).into_iter().map(|c| (c, n.to_string())))
+                    .collect()
+            }
+        };
+        claims.sort_unstable();
+        claims
     }
 
     /// What every status, claim, cooling and retired block takes, and who
@@ -738,9 +745,9 @@ impl<'a> Pass<'a> {
         holders.sort_unstable();
         let mut cidrs: Vec<Cidr> = holders.iter().map(|(cidr, _)| *cidr).collect();
         for ledger in &self.ledgers {
-            cidrs.extend(ledger.claims.keys());
-            cidrs.extend(ledger.cooling.keys());
-            cidrs.extend(&ledger.non_reusable);
+            cidrs.extend(ledger.claims().map(|(c, _)| c));
+            cidrs.extend(ledger.coolings().map(|(c, _)| c));
+            cidrs.extend(ledger.retired_all());
         }
         (Taken::of_all(cidrs), holders)
     }
@@ -769,7 +776,7 @@ impl<'a> Pass<'a> {
                         );
                     continue;
                 }
-                if self.ledgers.iter().any(|l| l.claims.contains_key(&cidr)) {
+                if self.ledgers.iter().any(|l| l.claim(&cidr).is_some()) {
                     continue;
                 }
                 let adopter = pools.iter().position(|p| {
@@ -789,11 +796,7 @@ impl<'a> Pass<'a> {
             }
         }
         for (i, cidr, name) in adopted {
-            let holder = Holder {
-                node: name.to_string(),
-            };
-            self.ledgers[i].claims.insert(cidr, holder);
-            self.touched.insert(cidr);
+            self.ledgers[i].set_claim(cidr, name);
         }
     }
 
@@ -912,11 +915,7 @@ impl<'a> Pass<'a> {
                 continue;
             };
             taken.add(&block);
-            let holder = Holder {
-                node: ask.name.clone(),
-            };
-            self.ledgers[i].claims.insert(block, holder);
-            self.touched.insert(block);
+            self.ledgers[i].set_claim(block, ask.name);
             let entry = granted_entry(&pools[i].name, ask.network, &block, self.world.wall_ms);
             if let Some(plan) = self.plans.get_mut(ask.name.as_str()) {
                 plan.entries.push(Cow::Owned(entry));
@@ -1013,18 +1012,7 @@ impl<'a> Pass<'a> {
             }
         }
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
-            let writes = block_writes(pool, ledger, &needed, holders, &self.touched);
-            #[cfg(debug_assertions)]
-            {
-                let every: BTreeSet<Cidr> = (pool.ledger.versions.keys())
-                    .chain(ledger.claims.keys())
-                    .chain(ledger.cooling.keys())
-                    .chain(&ledger.non_reusable)
-                    .copied()
-                    .collect();
-                let all = block_writes(pool, ledger, &needed, holders, &every);
-                debug_assert_eq!(writes, all, "a block changed that the pass did not note");
-            }
+            let writes = block_writes(pool, ledger, &needed, holders);
             decision.block_writes.extend(writes);
             let waiting = waiting.get(&i).copied().unwrap_or(0);
             let (status, gauges) = pool_status(pool, ledger, waiting, world.wall_ms);
@@ -1090,12 +1078,9 @@ struct GrantState<'s> {
 
 /// Blocks of `family` in `ledger` granted to `node`: `maxBlocksPerNode`
 /// counts each family on its own.
-fn held_in(ledger: &Ledger, node: &str, family: Family) -> usize {
-    ledger
-        .claims
-        .iter()
-        .filter(|(c, h)| c.family() == family && h.node == node)
-        .count()
+fn held_in(ledger: &Working, node: &str, family: Family) -> usize {
+    let held = ledger.claims_of(node);
+    held.iter().filter(|c| c.family() == family).count()
 }
 
 /// `name`'s status write, if its status changes, and the blocks it relies
@@ -1167,14 +1152,14 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
 }
 
 /// A block's state in a ledger: (state, node, reason).
-fn state_in<'l>(ledger: &'l Ledger, cidr: &Cidr) -> Option<(BlockState, &'l str, &'static str)> {
-    if ledger.non_reusable.contains(cidr) {
+fn state_in<'l>(ledger: &'l Working, cidr: &Cidr) -> Option<(BlockState, &'l str, &'static str)> {
+    if ledger.retired(cidr) {
         return Some((BlockState::NonReusable, "", RELEASED));
     }
-    if let Some(holder) = ledger.claims.get(cidr) {
+    if let Some(holder) = ledger.claim(cidr) {
         return Some((BlockState::Granted, &holder.node, GRANTED));
     }
-    if let Some(cooling) = ledger.cooling.get(cidr) {
+    if let Some(cooling) = ledger.cooling(cidr) {
         let reason = if cooling.node_gone {
             NODE_GONE
         } else {
@@ -1191,21 +1176,20 @@ fn state_in<'l>(ledger: &'l Ledger, cidr: &Cidr) -> Option<(BlockState, &'l str,
 /// left the ledger (cooled) is deleted only when no status holds it.
 fn block_writes(
     pool: &Pool,
-    ledger: &Ledger,
+    ledger: &Working,
     needed: &BTreeSet<Cidr>,
     holders: &Holders,
-    touched: &BTreeSet<Cidr>,
 ) -> Vec<BlockWrite> {
-    let read = &pool.ledger;
+    let read = &Working::new(ledger.read);
     let network = pool.spec.as_ref().map_or("", |s| s.network.as_str());
-    // A block this pass did not touch is as read: written only when a
+    // A block this pass did not change is as read: written only when a
     // status relies on it.
-    let cidrs: BTreeSet<&Cidr> = touched.iter().chain(needed).collect();
+    let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).collect();
     let mut writes = Vec::new();
     for cidr in cidrs {
         let before = state_in(read, cidr);
         let after = state_in(ledger, cidr);
-        let version = read.versions.get(cidr);
+        let version = pool.ledger.versions.get(cidr);
         if before == after && !(needed.contains(cidr) && version.is_some()) {
             continue;
         }
@@ -1257,7 +1241,7 @@ fn grant_order<'a>(
 /// pools (indexes into `pools` and `ledgers`), to cover `need` addresses.
 struct Promise<'p> {
     pools: &'p [Pool],
-    ledgers: &'p [Ledger],
+    ledgers: &'p [Working<'p>],
     empty: &'p [usize],
     need: u128,
 }
@@ -1285,8 +1269,7 @@ impl Promise<'_> {
             };
             cooling.extend(
                 ledgers[i]
-                    .cooling
-                    .iter()
+                    .coolings()
                     .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
                     .map(|(c, cool)| (cool.since_ms.saturating_add(spec.reclaim_delay_ms), *c, i)),
             );
@@ -1328,13 +1311,12 @@ fn reclaim_delay_ms(pool: &Pool) -> i64 {
 /// The first time after `world.now_ms` at which a cooling block of
 /// `ledgers` comes free, a missing Node's grace ends or the time a refused
 /// node was told passes.
-fn next_due(world: &World, ledgers: &[Ledger]) -> Option<i64> {
+fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
     let cooled = world.pools.iter().zip(ledgers).flat_map(|(pool, ledger)| {
         let delay = reclaim_delay_ms(pool);
         ledger
-            .cooling
-            .values()
-            .map(move |c| c.since_ms.saturating_add(delay))
+            .coolings()
+            .map(move |(_, c)| c.since_ms.saturating_add(delay))
     });
     let graced = world
         .absent
@@ -1390,7 +1372,7 @@ enum Taker<'i> {
 }
 
 impl<'i> Overlaps<'i> {
-    fn new(holders: &'i Holders<'i>, ledgers: &'i [Ledger]) -> Overlaps<'i> {
+    fn new(holders: &'i Holders<'i>, ledgers: &'i [Working<'i>]) -> Overlaps<'i> {
         let mut spans = Vec::new();
         let mut push = |cidr: &Cidr, taker| {
             let (lo, hi) = span(cidr);
@@ -1400,13 +1382,13 @@ impl<'i> Overlaps<'i> {
             push(cidr, Taker::Status(name));
         }
         for ledger in ledgers {
-            for (cidr, holder) in &ledger.claims {
+            for (cidr, holder) in ledger.claims() {
                 push(cidr, Taker::Claim(&holder.node));
             }
-            for (cidr, cooling) in &ledger.cooling {
+            for (cidr, cooling) in ledger.coolings() {
                 push(cidr, Taker::Cooling(&cooling.node));
             }
-            for cidr in &ledger.non_reusable {
+            for cidr in ledger.retired_all() {
                 push(cidr, Taker::Retired);
             }
         }
@@ -1602,7 +1584,7 @@ fn count(n: u128) -> u64 {
 /// unchanged status reads equal to the one the pool holds): its
 /// generation, counts per family and conditions — nothing that grows with
 /// nodes or blocks.
-fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (String, Vec<Gauge>) {
+fn pool_status(pool: &Pool, ledger: &Working, waiting: usize, now: i64) -> (String, Vec<Gauge>) {
     let mut status = PoolStatus {
         conditions: Vec::new(),
         ipv4: None,
@@ -1664,11 +1646,11 @@ fn pool_status(pool: &Pool, ledger: &Ledger, waiting: usize, now: i64) -> (Strin
 }
 
 /// The blocks of one range by state.
-fn block_counts(range: &FamilyRange, ledger: &Ledger) -> BlockCounts {
+fn block_counts(range: &FamilyRange, ledger: &Working) -> BlockCounts {
     let inside = |c: &&Cidr| range.is_block(c);
-    let granted = ledger.claims.keys().filter(inside).count() as u128;
-    let cooling = ledger.cooling.keys().filter(inside).count() as u128;
-    let retired = ledger.non_reusable.iter().filter(inside).count() as u128;
+    let granted = ledger.claims().map(|(c, _)| c).filter(inside).count() as u128;
+    let cooling = ledger.coolings().map(|(c, _)| c).filter(inside).count() as u128;
+    let retired = ledger.retired_all().filter(inside).count() as u128;
     let free = range
         .blocks_total()
         .saturating_sub(granted + cooling + retired);
@@ -1700,6 +1682,7 @@ fn describe(spec: &PoolSpec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controller::pool::Ledger;
 
     fn pool(status: Value) -> Pool {
         Pool::parse(&json!({
@@ -1722,10 +1705,7 @@ mod tests {
             .iter()
             .enumerate()
         {
-            let holder = Holder {
-                node: format!("n{i}"),
-            };
-            ledger.claims.insert(cidr.parse().unwrap(), holder);
+            ledger.claim(cidr.parse().unwrap(), &format!("n{i}"));
         }
         let cooling = Cooling {
             node: "b".into(),
@@ -1736,7 +1716,7 @@ mod tests {
             .cooling
             .insert("198.18.0.32/28".parse().unwrap(), cooling);
         let now = 1_795_971_700_000;
-        let (text, gauges) = pool_status(&pool(json!({})), &ledger, 2, now);
+        let (text, gauges) = pool_status(&pool(json!({})), &Working::new(&ledger), 2, now);
         let tree: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(tree.to_string(), text);
         assert_eq!(tree["ipv4"]["blocksGranted"], 2);
@@ -1756,7 +1736,10 @@ mod tests {
         let again = pool(tree);
         assert_eq!(again.status_text, text);
         // Unchanged, the next pass writes the same text.
-        assert_eq!(pool_status(&again, &ledger, 2, now + 1_000).0, text);
+        assert_eq!(
+            pool_status(&again, &Working::new(&ledger), 2, now + 1_000).0,
+            text
+        );
     }
 
     /// A Ready condition as this controller writes it reads back as one
@@ -1821,6 +1804,7 @@ mod tests {
                 pools: &pools,
                 nncs: &nncs,
                 statuses: &statuses,
+                serving: &crate::controller::cache::serving_index(&statuses),
                 absent: &BTreeMap::new(),
                 now_ms: 2_000,
                 wall_ms: 1_795_971_700_000,
@@ -1861,6 +1845,7 @@ mod tests {
             pools: &[],
             nncs: &nncs,
             statuses: &statuses,
+            serving: &crate::controller::cache::serving_index(&statuses),
             absent: &BTreeMap::new(),
             now_ms: 2_000,
             wall_ms,
@@ -1887,6 +1872,7 @@ mod tests {
             pools: &[],
             nncs: &nncs,
             statuses: &statuses,
+            serving: &crate::controller::cache::serving_index(&statuses),
             absent: &BTreeMap::new(),
             now_ms: 3_000,
             wall_ms: wall_ms + 1_000,

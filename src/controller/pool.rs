@@ -4,7 +4,7 @@
 //! cooling or retired, as the `MetisBlock` objects say (`block`). The
 //! pool's own status holds only counts and conditions.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -108,6 +108,8 @@ pub struct Ledger {
     pub non_reusable: Vec<Cidr>,
     /// The resourceVersion of each block's object (absent: no object).
     pub versions: BTreeMap<Cidr, String>,
+    /// The claims by node: a pass reads one node's without walking all.
+    pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
 }
 
 /// A pool's status as the controller writes it. Fields in key order, so
@@ -399,12 +401,7 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
         .versions
         .insert(*cidr, block.resource_version.clone());
     match spec.state {
-        BlockState::Granted => {
-            let holder = Holder {
-                node: spec.node.clone(),
-            };
-            ledger.claims.insert(*cidr, holder);
-        }
+        BlockState::Granted => ledger.claim(*cidr, &spec.node),
         BlockState::Cooling => {
             let cooling = Cooling {
                 node: spec.node.clone(),
@@ -422,22 +419,150 @@ pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
     for pool in pools {
         let ledger = &mut pool.ledger;
         ledger.versions.remove(cidr);
-        ledger.claims.remove(cidr);
+        if let Some(holder) = ledger.claims.remove(cidr)
+            && let Some(held) = ledger.by_node.get_mut(&holder.node)
+        {
+            held.remove(cidr);
+            if held.is_empty() {
+                ledger.by_node.remove(&holder.node);
+            }
+        }
         ledger.cooling.remove(cidr);
         ledger.non_reusable.retain(|c| c != cidr);
     }
 }
 
 impl Ledger {
-    /// What a pass changes: the blocks by state, without the versions
-    /// (read from the ledger as read).
-    pub fn working_copy(&self) -> Ledger {
-        Ledger {
-            claims: self.claims.clone(),
-            cooling: self.cooling.clone(),
-            non_reusable: self.non_reusable.clone(),
-            versions: BTreeMap::new(),
+    /// Grants `cidr` to `node` (the block's object says so).
+    pub fn claim(&mut self, cidr: Cidr, node: &str) {
+        let holder = Holder {
+            node: node.to_string(),
+        };
+        self.claims.insert(cidr, holder);
+        self.by_node
+            .entry(node.to_string())
+            .or_default()
+            .insert(cidr);
+    }
+}
+
+/// A block's state in a ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Slot {
+    Claim(Holder),
+    Cooling(Cooling),
+    Retired,
+}
+
+/// A pass's view of a ledger: the ledger as read (kept by the cache,
+/// never copied) and the blocks whose state the pass set.
+#[derive(Debug, Clone)]
+pub struct Working<'r> {
+    pub read: &'r Ledger,
+    /// Each block the pass set, and its state now (`None`: out of the
+    /// ledger).
+    changed: BTreeMap<Cidr, Option<Slot>>,
+}
+
+impl<'r> Working<'r> {
+    pub fn new(read: &'r Ledger) -> Working<'r> {
+        Working {
+            read,
+            changed: BTreeMap::new(),
         }
+    }
+
+    /// The blocks whose state the pass set (maybe back to as read).
+    pub fn changed(&self) -> impl Iterator<Item = &Cidr> {
+        self.changed.keys()
+    }
+
+    pub fn claim(&self, cidr: &Cidr) -> Option<&Holder> {
+        match self.changed.get(cidr) {
+            Some(slot) => match slot {
+                Some(Slot::Claim(holder)) => Some(holder),
+                _ => None,
+            },
+            None => self.read.claims.get(cidr),
+        }
+    }
+
+    pub fn cooling(&self, cidr: &Cidr) -> Option<&Cooling> {
+        match self.changed.get(cidr) {
+            Some(slot) => match slot {
+                Some(Slot::Cooling(cooling)) => Some(cooling),
+                _ => None,
+            },
+            None => self.read.cooling.get(cidr),
+        }
+    }
+
+    pub fn retired(&self, cidr: &Cidr) -> bool {
+        match self.changed.get(cidr) {
+            Some(slot) => matches!(slot, Some(Slot::Retired)),
+            None => self.read.non_reusable.contains(cidr),
+        }
+    }
+
+    /// Sets `cidr`'s state (`None`: out of the ledger).
+    pub fn set(&mut self, cidr: Cidr, slot: Option<Slot>) {
+        self.changed.insert(cidr, slot);
+    }
+
+    pub fn set_claim(&mut self, cidr: Cidr, node: &str) {
+        let holder = Holder {
+            node: node.to_string(),
+        };
+        self.set(cidr, Some(Slot::Claim(holder)));
+    }
+
+    /// Every claim, in no particular order.
+    pub fn claims(&self) -> impl Iterator<Item = (&Cidr, &Holder)> {
+        let changed = &self.changed;
+        let read = self.read.claims.iter();
+        let kept = read.filter(move |(c, _)| changed.is_empty() || !changed.contains_key(c));
+        kept.chain(changed.iter().filter_map(|(c, slot)| match slot {
+            Some(Slot::Claim(holder)) => Some((c, holder)),
+            _ => None,
+        }))
+    }
+
+    /// Every cooling block, in no particular order.
+    pub fn coolings(&self) -> impl Iterator<Item = (&Cidr, &Cooling)> {
+        let changed = &self.changed;
+        let read = self.read.cooling.iter();
+        let kept = read.filter(move |(c, _)| changed.is_empty() || !changed.contains_key(c));
+        kept.chain(changed.iter().filter_map(|(c, slot)| match slot {
+            Some(Slot::Cooling(cooling)) => Some((c, cooling)),
+            _ => None,
+        }))
+    }
+
+    /// Every retired block, in no particular order.
+    pub fn retired_all(&self) -> impl Iterator<Item = &Cidr> {
+        let changed = &self.changed;
+        let read = self.read.non_reusable.iter();
+        let kept = read.filter(move |c| changed.is_empty() || !changed.contains_key(c));
+        kept.chain(changed.iter().filter_map(|(c, slot)| match slot {
+            Some(Slot::Retired) => Some(c),
+            _ => None,
+        }))
+    }
+
+    /// The blocks granted to `node`, in order: read from the node's own
+    /// claims and what the pass changed, not from every claim.
+    pub fn claims_of(&self, node: &str) -> Vec<Cidr> {
+        let read = self.read.by_node.get(node).into_iter().flatten();
+        let mut held: Vec<Cidr> = read
+            .filter(|c| !self.changed.contains_key(c))
+            .copied()
+            .collect();
+        held.extend(self.changed.iter().filter_map(|(c, slot)| match slot {
+            Some(Slot::Claim(holder)) if holder.node == node => Some(*c),
+            _ => None,
+        }));
+        held.sort_unstable();
+        held
     }
 }
 
