@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::http::{self, MAX_REQUEST, Request, merge_patch, read_request_within};
+use super::tls::{Accepted, Stream, TlsServer};
 
 /// One resource the server serves.
 #[derive(Debug)]
@@ -283,6 +284,86 @@ pub struct State {
     events: Vec<Arc<str>>,
     /// Keys of the objects that have ownerReferences (the collector's).
     owned: BTreeSet<Key>,
+    /// Every request answered, in order, while `logging` (off by default:
+    /// the controller bench's millions of requests would fill memory).
+    pub log: Vec<Logged>,
+    pub logging: bool,
+    /// Asked about every request before it is answered: the first to
+    /// give a status (and `Retry-After` seconds) refuses it with that.
+    pub faults: Vec<Fault>,
+    /// Run after each client write (create, update, patch) under the lock,
+    /// before it is answered: a controller acting on the write at once
+    /// (they may write in turn); the answer is the object after them.
+    pub reactors: Vec<Reactor>,
+    /// While set, open watches send nothing (a lagging watch).
+    pub hold_watches: bool,
+    /// Open watches send each change only this long after it was made.
+    pub watch_lag: Option<Duration>,
+    /// Resource versions are opaque strings (see [`State::rv`]), not the
+    /// revision's digits: clients may only compare them for equality.
+    pub opaque: bool,
+    /// Objects every list of their resource returns beside those that
+    /// match (a proxy that ignores the selectors).
+    pub list_extras: Vec<(&'static str, Value)>,
+    /// Client certificates (DER) of accepted TLS handshakes, in order
+    /// (consecutive repeats dropped).
+    pub client_certs: Vec<Vec<u8>>,
+    /// Why each refused TLS handshake failed, in order.
+    pub tls_refused: Vec<String>,
+}
+
+/// One answered request, as [`State::log`] keeps it.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    /// The HTTP method, `WATCH` for a watch.
+    pub method: String,
+    pub path: String,
+    /// The query as sent.
+    pub query: String,
+    pub status: u16,
+    /// The bearer token, empty for none.
+    pub token: String,
+    pub body: Vec<u8>,
+    pub at: Instant,
+}
+
+/// What a fault hook is asked about: one request, before it is answered.
+pub struct Call<'a> {
+    /// The API server's verb (get, list, watch, create, update, patch, delete).
+    pub verb: &'a str,
+    /// The resource as counted (`RESOURCE/status` for the subresource).
+    pub resource: &'a str,
+    pub request: &'a Request,
+}
+
+/// A fault hook: `Some((status, retry_after_seconds))` refuses the call.
+pub type Fault = Box<dyn FnMut(&Call) -> Option<(u16, Option<u64>)> + Send>;
+
+/// A controller acting on a client write of the object at the key.
+pub type Reactor = Box<dyn FnMut(&mut State, &Key) + Send>;
+
+/// Every request of `verb` fails with `status` (and `Retry-After`).
+pub fn fail(verb: &'static str, status: u16, retry_after: Option<u64>) -> Fault {
+    Box::new(move |call| (call.verb == verb).then_some((status, retry_after)))
+}
+
+/// The next `count` requests of `verb` fail with `status`.
+pub fn fail_next(verb: &'static str, count: u32, status: u16) -> Fault {
+    let mut left = count;
+    Box::new(move |call| {
+        if call.verb != verb || left == 0 {
+            return None;
+        }
+        left -= 1;
+        Some((status, None))
+    })
+}
+
+/// The whole store at one version, as an etcd backup holds it.
+#[derive(Clone)]
+pub struct Backup {
+    version: u64,
+    objects: BTreeMap<Key, Value>,
 }
 
 /// What happens to the objects between two pages of a list.
@@ -419,7 +500,7 @@ impl State {
         meta["uid"] = json!(format!("uid-{:06}", self.uids));
         meta["creationTimestamp"] =
             json!(metis::log::rfc3339_seconds(metis::log::now_ms()).to_string());
-        meta["resourceVersion"] = json!(version.to_string());
+        meta["resourceVersion"] = json!(self.rv(version));
         if res.has_generation() {
             meta["generation"] = json!(1);
         }
@@ -553,6 +634,89 @@ impl State {
         self.watch_epoch += 1;
     }
 
+    /// A copy of the whole store at the current version.
+    pub fn backup(&self) -> Backup {
+        Backup {
+            version: self.version,
+            objects: self.objects.clone(),
+        }
+    }
+
+    /// etcd restored from `backup`: versions go back to it, history after
+    /// it is gone and every open watch ends; a watch from a later version
+    /// is answered `ResourceVersionTooLarge`.
+    pub fn restore(&mut self, backup: Backup) {
+        let kept = self
+            .changes
+            .partition_point(|c| c.version <= backup.version);
+        self.changes.truncate(kept);
+        self.events.truncate(kept);
+        self.version = backup.version;
+        self.owned = (backup.objects.iter())
+            .filter(|(_, object)| object["metadata"]["ownerReferences"].is_array())
+            .map(|(key, _)| key.clone())
+            .collect();
+        self.objects = backup.objects;
+        self.snapshots.clear();
+        self.watch_epoch += 1;
+    }
+
+    /// An event on the stream of watches that follow `key`, at a new
+    /// version, that changes no stored object: a late copy delivered
+    /// again, or another object a proxy passes off as this one.
+    pub fn inject_event(&mut self, key: Key, kind: &'static str, object: Value) {
+        self.version += 1;
+        self.events.push(event_text(kind, &object.to_string()));
+        self.changes.push(Change {
+            version: self.version,
+            key,
+            kind,
+            object,
+            at: Instant::now(),
+        });
+    }
+
+    /// The resource version of revision `version`: its digits, or with
+    /// `opaque` a string that sorts unlike the revisions.
+    pub fn rv(&self, version: u64) -> String {
+        match self.opaque {
+            false => version.to_string(),
+            true => format!("{:x}.{version}", version.wrapping_mul(0x9e37_79b9) % 4093),
+        }
+    }
+
+    /// The revision a resource version names (either spelling).
+    pub fn position(&self, rv: &str) -> Option<u64> {
+        match self.opaque {
+            false => rv.parse().ok(),
+            true => rv.rsplit('.').next()?.parse().ok(),
+        }
+    }
+
+    /// Logged requests of `method` (`WATCH` for watches) answered `status`.
+    pub fn answered(&self, method: &str, status: u16) -> usize {
+        self.times(method, status).len()
+    }
+
+    /// When the logged requests of `method` answered `status` were answered.
+    pub fn times(&self, method: &str, status: u16) -> Vec<Instant> {
+        (self.log.iter())
+            .filter(|r| r.method == method && r.status == status)
+            .map(|r| r.at)
+            .collect()
+    }
+
+    /// The bearer tokens of logged requests, consecutive repeats dropped.
+    pub fn tokens(&self) -> Vec<String> {
+        let mut tokens: Vec<String> = Vec::new();
+        for request in self.log.iter().filter(|r| !r.token.is_empty()) {
+            if tokens.last() != Some(&request.token) {
+                tokens.push(request.token.clone());
+            }
+        }
+        tokens
+    }
+
     fn current(&self, key: &Key) -> Result<Value, Refusal> {
         self.objects.get(key).cloned().ok_or_else(|| {
             refusal(
@@ -601,7 +765,7 @@ impl State {
         if &next == current {
             return Ok(next);
         }
-        next["metadata"]["resourceVersion"] = json!((self.version + 1).to_string());
+        next["metadata"]["resourceVersion"] = json!(self.rv(self.version + 1));
         let text = stored_text(&next)?;
         self.commit(key.clone(), Some((next.clone(), text)), "MODIFIED");
         Ok(next)
@@ -618,7 +782,7 @@ impl State {
             }
             None => {
                 let mut gone = self.objects.remove(&key).unwrap_or(Value::Null);
-                gone["metadata"]["resourceVersion"] = json!(self.version.to_string());
+                gone["metadata"]["resourceVersion"] = json!(self.rv(self.version));
                 let text = gone.to_string();
                 (gone, text)
             }
@@ -786,11 +950,31 @@ pub struct KubeApi {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
     running: Option<http::Acceptor>,
+    tls: Option<Https>,
+}
+
+/// The HTTPS side: the server's TLS and the CA file kubeconfigs name.
+struct Https {
+    server: Arc<TlsServer>,
+    ca_file: std::path::PathBuf,
 }
 
 impl KubeApi {
     /// An empty server listening on a free loopback port.
     pub fn start() -> KubeApi {
+        KubeApi::start_with(None)
+    }
+
+    /// Like [`KubeApi::start`], speaking HTTPS through `tls`; the
+    /// kubeconfigs it writes trust the CA bundle in `ca_file`.
+    pub fn start_tls(tls: Arc<TlsServer>, ca_file: &std::path::Path) -> KubeApi {
+        KubeApi::start_with(Some(Https {
+            server: tls,
+            ca_file: ca_file.to_path_buf(),
+        }))
+    }
+
+    fn start_with(tls: Option<Https>) -> KubeApi {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut api = KubeApi {
@@ -800,6 +984,7 @@ impl KubeApi {
                 changed: Condvar::new(),
             }),
             running: None,
+            tls,
         };
         api.serve(listener);
         api
@@ -813,11 +998,36 @@ impl KubeApi {
     /// Writes a kubeconfig whose bearer token is `client`: the server
     /// counts that client's requests apart (`State::counts_of`).
     pub fn kubeconfig_as(&self, path: &std::path::Path, client: &str) {
+        self.kubeconfig_with_user(path, &format!("    token: {client}"));
+    }
+
+    /// Writes a kubeconfig whose user entry is `user` (indented YAML lines).
+    pub fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str) {
+        let cluster = match &self.tls {
+            None => format!("    server: http://{}", self.addr),
+            Some(https) => format!(
+                "    server: https://{}\n    certificate-authority: {}",
+                self.addr,
+                https.ca_file.display()
+            ),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: sim\nclusters:\n- name: sim\n  cluster:\n    server: http://{}\ncontexts:\n- name: sim\n  context:\n    cluster: sim\n    user: sim\nusers:\n- name: sim\n  user:\n    token: {client}\n",
-            self.addr
+            "apiVersion: v1\nkind: Config\ncurrent-context: sim\nclusters:\n- name: sim\n  cluster:\n{cluster}\ncontexts:\n- name: sim\n  context:\n    cluster: sim\n    user: sim\nusers:\n- name: sim\n  user:\n{user}\n",
         );
         std::fs::write(path, text).unwrap();
+    }
+
+    /// The server's TLS side (panics on a plain HTTP server).
+    pub fn tls(&self) -> &TlsServer {
+        &self.tls.as_ref().expect("an HTTPS server").server
+    }
+
+    /// Cuts every open connection (watches included) and keeps listening:
+    /// an API server restarted with a rotated certificate.
+    pub fn cut_connections(&self) {
+        if let Some(running) = &self.running {
+            running.cut();
+        }
     }
 
     /// A handle other threads can read and change the state through.
@@ -858,8 +1068,9 @@ impl KubeApi {
 
     fn serve(&mut self, listener: TcpListener) {
         let shared = Arc::clone(&self.shared);
+        let tls = self.tls.as_ref().map(|https| Arc::clone(&https.server));
         self.running = Some(http::Acceptor::spawn(listener, move |stream, stop| {
-            connection(stream, &shared, stop)
+            connection(stream, tls.as_deref(), &shared, stop)
         }));
     }
 }
@@ -941,36 +1152,65 @@ impl Route {
     }
 }
 
-fn connection(stream: TcpStream, shared: &Shared, stop: &AtomicBool) {
-    let Ok(read_half) = stream.try_clone() else {
+/// Serves one connection (after its TLS handshake, with `tls`), then cuts
+/// it (the acceptor keeps a clone for `stop`: closing needs a shutdown).
+fn connection(tcp: TcpStream, tls: Option<&TlsServer>, shared: &Shared, stop: &AtomicBool) {
+    let Ok(closer) = tcp.try_clone() else {
         return;
     };
-    let mut reader = BufReader::new(read_half);
-    let mut stream = stream;
-    let _ = stream.set_nodelay(true);
+    let _ = tcp.set_nodelay(true);
+    let Some(stream) = handshake(tcp, tls, shared) else {
+        let _ = closer.shutdown(Shutdown::Both);
+        return;
+    };
+    let mut reader = BufReader::new(stream);
     loop {
         let request = match read_request_within(&mut reader, MAX_REQUEST) {
             Ok(Some(request)) => request,
             Ok(None) => break,
             Err(too_large) => {
-                refuse_too_large(&mut stream, shared, &too_large);
+                refuse_too_large(reader.get_mut().as_mut(), shared, &too_large);
                 break;
             }
         };
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let keep = handle(&mut stream, shared, stop, &request);
+        let keep = handle(reader.get_mut().as_mut(), shared, stop, &request);
         if !keep || request.close {
             break;
         }
     }
-    let _ = stream.shutdown(Shutdown::Both);
+    reader.get_mut().finish();
+    let _ = closer.shutdown(Shutdown::Both);
+}
+
+/// The connection as requests are read from it: TLS up (the client's
+/// certificate recorded), or plain; `None` for a refused handshake.
+fn handshake(tcp: TcpStream, tls: Option<&TlsServer>, shared: &Shared) -> Option<Box<dyn Stream>> {
+    let Some(tls) = tls else {
+        return Some(Box::new(tcp));
+    };
+    let (stream, client) = match tls.accept(tcp) {
+        Accepted::Up { stream, client } => (stream, client),
+        Accepted::Refused(why) => {
+            shared.lock().tls_refused.push(why);
+            shared.changed.notify_all();
+            return None;
+        }
+    };
+    let mut state = shared.lock();
+    if let Some(cert) = client
+        && state.client_certs.last() != Some(&cert)
+    {
+        state.client_certs.push(cert);
+    }
+    Some(stream)
 }
 
 /// A body over the API server's limit: 413, counted, and the connection
 /// closed (the body is left unread).
-fn refuse_too_large(stream: &mut TcpStream, shared: &Shared, too_large: &http::TooLarge) {
+fn refuse_too_large(stream: &mut dyn Stream, shared: &Shared, too_large: &http::TooLarge) {
     let head = &too_large.head;
     let (verb, counted) = route(&head.path).map_or(("unsupported", String::new()), |route| {
         (route.verb(head), route.counted())
@@ -992,10 +1232,13 @@ fn refuse_too_large(stream: &mut TcpStream, shared: &Shared, too_large: &http::T
 }
 
 /// Answers one request; false when the connection must close (a watch).
-fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &Request) -> bool {
+fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool, request: &Request) -> bool {
     let Some(route) = route(&request.path) else {
+        let mut state = shared.lock();
         let unserved = (request.method.clone(), request.path.clone());
-        shared.lock().unserved.push(unserved);
+        state.unserved.push(unserved);
+        state.note(request, "", 404);
+        drop(state);
         respond(
             stream,
             &text(refusal(
@@ -1015,10 +1258,21 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
             let unserved = (request.method.clone(), request.path.clone());
             state.unserved.push(unserved);
         }
-        if verb == "watch" {
+        let call = Call {
+            verb,
+            resource: &counted,
+            request,
+        };
+        let fault = state.faults.iter_mut().find_map(|fault| fault(&call));
+        if let Some((status, retry_after)) = fault {
+            state.note(request, verb, status);
+            Some(injected(status, retry_after))
+        } else if verb == "watch" {
+            state.note(request, verb, 200);
             None
         } else {
             let answer = answer(&mut state, &route, verb, request);
+            state.note(request, verb, answer.0);
             *state
                 .answers
                 .entry((request.token.clone(), answer.0))
@@ -1026,13 +1280,13 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
             if answer.0 == 409 {
                 *state.conflicts.entry(request.token.clone()).or_insert(0) += 1;
             }
-            Some(answer)
+            Some((answer.0, answer.1, String::new()))
         }
     };
     shared.changed.notify_all();
     match answer {
-        Some(answer) => {
-            respond(stream, &answer);
+        Some((status, body, headers)) => {
+            http::respond(stream, status, &body, &headers);
             true
         }
         None => {
@@ -1047,7 +1301,41 @@ fn handle(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, request: &
     }
 }
 
+/// A fault hook's refusal: (status, body, extra headers).
+fn injected(status: u16, retry_after: Option<u64>) -> (u16, String, String) {
+    let reason = match status {
+        409 => "Conflict",
+        500 => "InternalError",
+        _ => "Injected",
+    };
+    let headers = retry_after
+        .map(|seconds| format!("Retry-After: {seconds}\r\n"))
+        .unwrap_or_default();
+    let body = http::failure(status, reason, "injected by the test").to_string();
+    (status, body, headers)
+}
+
 impl State {
+    /// Logs one answered request (`verb` "watch" as `WATCH`), if logging.
+    fn note(&mut self, request: &Request, verb: &str, status: u16) {
+        if !self.logging {
+            return;
+        }
+        let method = match verb {
+            "watch" => "WATCH".to_string(),
+            _ => request.method.clone(),
+        };
+        self.log.push(Logged {
+            method,
+            path: request.path.clone(),
+            query: request.raw_query.clone(),
+            status,
+            token: request.token.clone(),
+            body: request.body.clone(),
+            at: Instant::now(),
+        });
+    }
+
     /// Counts one request of `client` and its body's bytes.
     fn account(&mut self, client: &str, verb: &str, resource: &str, body: usize) {
         *self
@@ -1117,8 +1405,14 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> An
             None => done(state.current(&key(name)), 200),
         },
         ("list", None) => list(state, route, request),
-        ("create", None) => done(state.create(plural, &route.namespace, &body), 201),
-        ("update", Some(name)) => done(state.update(&key(name), &body, route.status), 200),
+        ("create", None) => {
+            let made = state.create(plural, &route.namespace, &body);
+            done(reacted(state, route, made), 201)
+        }
+        ("update", Some(name)) => {
+            let updated = state.update(&key(name), &body, route.status);
+            done(reacted(state, route, updated), 200)
+        }
         ("patch", Some(name)) => {
             if !request
                 .content_type
@@ -1130,7 +1424,8 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> An
                     "only JSON merge patches are served",
                 ));
             }
-            done(state.patch(&key(name), &body, route.status), 200)
+            let patched = state.patch(&key(name), &body, route.status);
+            done(reacted(state, route, patched), 200)
         }
         ("delete", Some(name)) => done(state.delete(&key(name), &body), 200),
         _ => text(refusal(
@@ -1139,6 +1434,30 @@ fn answer(state: &mut State, route: &Route, verb: &str, request: &Request) -> An
             "the server does not allow this method",
         )),
     }
+}
+
+/// A client write's result once the reactors have acted on it: the
+/// object as stored after them.
+fn reacted(
+    state: &mut State,
+    route: &Route,
+    written: Result<Value, Refusal>,
+) -> Result<Value, Refusal> {
+    let Ok(object) = written else {
+        return written;
+    };
+    if state.reactors.is_empty() {
+        return Ok(object);
+    }
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    let key = Key::new(route.resource.plural, &route.namespace, name);
+    let mut reactors = std::mem::take(&mut state.reactors);
+    for react in &mut reactors {
+        react(state, &key);
+    }
+    reactors.append(&mut state.reactors);
+    state.reactors = reactors;
+    Ok(state.objects.get(&key).cloned().unwrap_or(object))
 }
 
 /// The selectors of a list or watch: `metadata.name=` and equality labels.
@@ -1207,7 +1526,9 @@ fn list(state: &mut State, route: &Route, request: &Request) -> Answer {
                 Ok(selector) => selector,
                 Err(refused) => return text(refused),
             };
-            if let Some(Ok(asked)) = request.param("resourceVersion").map(str::parse::<u64>)
+            if let Some(asked) = request
+                .param("resourceVersion")
+                .and_then(|v| state.position(v))
                 && asked != 0
                 && asked < state.compacted_below
             {
@@ -1217,10 +1538,14 @@ fn list(state: &mut State, route: &Route, request: &Request) -> Answer {
                     &format!("too old resource version: {asked}"),
                 ));
             }
+            let extras = (state.list_extras.iter())
+                .filter(|(plural, _)| *plural == route.resource.plural)
+                .map(|(_, object)| object);
             let matching: Vec<&Value> = state
                 .of_resource(route.resource.plural, &route.namespace)
                 .filter(|(key, object)| selector.matches(route, key, object))
                 .map(|(_, object)| object)
+                .chain(extras)
                 .collect();
             let cut = limit.min(matching.len());
             let rest: Vec<Value> = matching[cut..].iter().map(|o| (*o).clone()).collect();
@@ -1234,7 +1559,7 @@ fn list(state: &mut State, route: &Route, request: &Request) -> Answer {
             "the list cannot be serialised",
         ));
     };
-    let mut metadata = json!({"resourceVersion": version.to_string()});
+    let mut metadata = json!({"resourceVersion": state.rv(version)});
     if !rest.is_empty() {
         state.snapshot_ids += 1;
         let id = state.snapshot_ids;
@@ -1297,23 +1622,22 @@ fn event_text(kind: &str, object: &str) -> Arc<str> {
 
 /// Where a watch starts: `None` for the current objects (as ADDED), or
 /// the version to follow from; an error event ends it at once.
-fn watch_start(request: &Request) -> Result<Option<u64>, Refusal> {
+fn watch_start(state: &State, request: &Request) -> Result<Option<u64>, Refusal> {
     match request.param("resourceVersion").unwrap_or("") {
         "" | "0" => Ok(None),
-        text => text
-            .parse::<u64>()
+        text => (state.position(text))
             .map(Some)
-            .map_err(|_| invalid(&format!("invalid resource version {text:?}"))),
+            .ok_or_else(|| invalid(&format!("invalid resource version {text:?}"))),
     }
 }
 
-fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watch: &Watch) {
+fn watch_stream(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool, watch: &Watch) {
     let (route, request) = (watch.route, watch.request);
     let selector = match Selector::parse(request) {
         Ok(selector) => selector,
         Err(refused) => return respond_closing(stream, &text(refused)),
     };
-    let from = match watch_start(request) {
+    let from = match watch_start(&shared.lock(), request) {
         Ok(from) => from,
         Err(refused) => return respond_closing(stream, &text(refused)),
     };
@@ -1358,7 +1682,7 @@ fn watch_stream(stream: &mut TcpStream, shared: &Shared, stop: &AtomicBool, watc
 /// Sends a watch's events from version `sent` on (after `pending`) until
 /// it times out, the server stops or compacts, or the client goes.
 fn follow(
-    stream: &mut TcpStream,
+    stream: &mut dyn Stream,
     shared: &Shared,
     stop: &AtomicBool,
     watch: &Watch,
@@ -1391,26 +1715,14 @@ fn follow(
             let _ = write!(stream, "0\r\n\r\n");
             return;
         }
-        let start = state.changes.partition_point(|c| c.version <= sent);
-        // Each change's event was serialised once, when it was made (a
-        // test that edited `changes` by hand gets its events made here).
-        let aligned = state.events.len() == state.changes.len();
-        for (at, change) in state.changes.iter().enumerate().skip(start) {
-            if selector.matches(route, &change.key, &change.object) {
-                pending.push(match aligned {
-                    true => Arc::clone(&state.events[at]),
-                    false => event_text(change.kind, &change.object.to_string()),
-                });
-            }
-        }
-        sent = state.version;
+        sent = pending_since(&state, route, &selector, sent, &mut pending);
         let idle = state
             .bookmark_every
             .is_some_and(|every| last_sent.elapsed() >= every);
         let timed_out = Instant::now() >= deadline;
         if bookmarks && pending.is_empty() && (idle || timed_out) {
             let bookmark = json!({"apiVersion": route.resource.api_version, "kind": route.resource.kind,
-                "metadata": {"resourceVersion": sent.to_string()}});
+                "metadata": {"resourceVersion": state.rv(sent)}});
             pending.push(event_text("BOOKMARK", &bookmark.to_string()));
         }
         if !pending.is_empty() {
@@ -1438,9 +1750,42 @@ fn follow(
     }
 }
 
+/// Adds to `pending` the events of changes after version `sent` that the
+/// watch may send now; returns the version it has then followed to.
+fn pending_since(
+    state: &State,
+    route: &Route,
+    selector: &Selector,
+    sent: u64,
+    pending: &mut Vec<Arc<str>>,
+) -> u64 {
+    let start = state.changes.partition_point(|c| c.version <= sent);
+    // Each change's event was serialised once, when it was made (a
+    // test that edited `changes` by hand gets its events made here).
+    let aligned = state.events.len() == state.changes.len();
+    let delayed = state.hold_watches || state.watch_lag.is_some();
+    for (at, change) in state.changes.iter().enumerate().skip(start) {
+        let due =
+            !state.hold_watches && state.watch_lag.is_none_or(|lag| change.at.elapsed() >= lag);
+        if delayed && !due {
+            // A lagging watch: this change and the later ones wait.
+            return state.changes[..at]
+                .last()
+                .map_or(sent, |c| c.version.max(sent));
+        }
+        if selector.matches(route, &change.key, &change.object) {
+            pending.push(match aligned {
+                true => Arc::clone(&state.events[at]),
+                false => event_text(change.kind, &change.object.to_string()),
+            });
+        }
+    }
+    state.version
+}
+
 /// Events as chunks, in one write (no small segments for Nagle to hold);
 /// the bytes sent.
-fn send_events(stream: &mut TcpStream, events: &[Arc<str>]) -> std::io::Result<u64> {
+fn send_events(stream: &mut dyn Stream, events: &[Arc<str>]) -> std::io::Result<u64> {
     let mut buffer = Vec::with_capacity(events.iter().map(|e| e.len() + 12).sum());
     for event in events {
         write!(buffer, "{:x}\r\n{event}\r\n", event.len())?;
@@ -1450,14 +1795,14 @@ fn send_events(stream: &mut TcpStream, events: &[Arc<str>]) -> std::io::Result<u
     Ok(u64::try_from(buffer.len()).unwrap_or(u64::MAX))
 }
 
-fn respond(stream: &mut TcpStream, (status, text): &Answer) {
+fn respond(stream: &mut dyn Stream, (status, text): &Answer) {
     http::respond(stream, *status, text, "");
 }
 
 /// Answers a request whose connection must close after it (a watch that
 /// fails before its stream, a body too large to read): the client is told
 /// so (else it could reuse it).
-fn respond_closing(stream: &mut TcpStream, (status, text): &Answer) {
+fn respond_closing(stream: &mut dyn Stream, (status, text): &Answer) {
     http::respond(stream, *status, text, "Connection: close\r\n");
 }
 
