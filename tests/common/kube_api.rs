@@ -1699,11 +1699,17 @@ fn follow(
     let epoch = state.watch_epoch;
     let mut last_sent = Instant::now();
     let mut written = 0u64;
+    let mut ended = false;
     loop {
         if written > 0 {
             let key = (request.token.clone(), watch.counted.to_string());
             *state.watch_bytes.entry(key).or_insert(0) += written;
             written = 0;
+        }
+        if ended {
+            drop(state);
+            let _ = write!(stream, "0\r\n\r\n");
+            return;
         }
         if stop.load(Ordering::SeqCst) {
             return;
@@ -1733,6 +1739,9 @@ fn follow(
             }
             pending.clear();
             last_sent = Instant::now();
+            // Timed out: what was pending (its last bookmark) was the
+            // watch's last word.
+            ended = timed_out;
             state = shared.lock();
             continue;
         }
