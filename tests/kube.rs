@@ -9,11 +9,12 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::apiserver::ApiServer;
+use common::cloud::{Cloud, NodeView};
 use common::cluster::{
     FAST, NODE, blocks_in_db, default_conf, health_detail, start_daemon, start_daemon_over_https,
     status_entry,
 };
+use common::kube_api::{fail, fail_next};
 use common::{Plugin, TestDaemon, TestDir, add_concurrently, assert_ok, db, wait_for};
 
 const INITIAL: &str = r#"[[{"subnet":"198.18.0.0/26"}]]"#;
@@ -31,17 +32,17 @@ fn block_count(dir: &TestDir, state: &str) -> i64 {
 #[test]
 fn scale_up_parks_requests_until_new_blocks_arrive() {
     let dir = TestDir::new("kube-scale-up");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
+        s.nnc().is_some()
     });
     {
         let state = api.state();
-        let owner = &state.nnc.as_ref().unwrap()["metadata"]["ownerReferences"][0];
+        let owner = &state.nnc().unwrap()["metadata"]["ownerReferences"][0];
         assert_eq!(owner["kind"], "Node");
         assert_eq!(owner["name"], NODE);
-        assert_eq!(owner["uid"], "uid-of-node");
+        assert_eq!(owner["uid"], state.node().unwrap()["metadata"]["uid"]);
         assert_eq!(owner["controller"], true);
     }
 
@@ -70,7 +71,7 @@ fn scale_up_parks_requests_until_new_blocks_arrive() {
         "requested only {pods} pods"
     );
     assert!(state.status_cidrs().len() >= 2);
-    assert!(state.count("PATCH", 200) >= 1);
+    assert!(state.answered("PATCH", 200) >= 1);
     drop(state);
     assert!(block_count(&dir, "Ready") >= 3);
     // Periodic no-op messages stay out of the default log level.
@@ -80,7 +81,7 @@ fn scale_up_parks_requests_until_new_blocks_arrive() {
 #[test]
 fn high_verbosity_shows_periodic_no_op_messages() {
     let dir = TestDir::new("kube-verbose");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
@@ -98,7 +99,7 @@ fn high_verbosity_shows_periodic_no_op_messages() {
 #[test]
 fn idle_blocks_drain_expire_and_are_released_but_never_the_oldest() {
     let dir = TestDir::new("kube-release");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let _daemon = start_daemon(
         &dir,
         &api,
@@ -123,7 +124,7 @@ fn idle_blocks_drain_expire_and_are_released_but_never_the_oldest() {
     api.wait_until(
         "released blocks to leave the status",
         Duration::from_secs(30),
-        |s| s.status_cidrs().len() < grown && s.releasable_cidrs().is_empty() && s.nnc.is_some(),
+        |s| s.status_cidrs().len() < grown && s.releasable_cidrs().is_empty() && s.nnc().is_some(),
     );
     wait_for(
         "released blocks to leave the database",
@@ -153,10 +154,10 @@ fn idle_blocks_drain_expire_and_are_released_but_never_the_oldest() {
 #[test]
 fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
     let dir = TestDir::new("kube-outage");
-    let mut api = ApiServer::start(NODE, &[]);
+    let mut api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
+        s.nnc().is_some()
     });
     let config = default_conf(&dir, "1.0.0", INITIAL);
 
@@ -168,14 +169,17 @@ fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
     assert!(detail.contains("degraded"), "{detail}");
 
     // Back, with one patch conflict to survive: scale-up resumes.
-    api.state().inject_conflicts = 1;
+    api.state().faults.push(fail_next("patch", 1, 409));
     api.restart();
     let more = add_concurrently(&config, 40..80);
     assert!(more.iter().any(|a| a.starts_with("198.19.")));
     let state = api.state();
-    assert!(state.count("PATCH", 409) >= 1, "the conflict was never hit");
     assert!(
-        state.count("PATCH", 200) >= 1,
+        state.answered("PATCH", 409) >= 1,
+        "the conflict was never hit"
+    );
+    assert!(
+        state.answered("PATCH", 200) >= 1,
         "no patch succeeded after the conflict"
     );
 }
@@ -183,37 +187,25 @@ fn api_server_outage_degrades_gracefully_and_conflicts_are_retried() {
 #[test]
 fn stale_watch_versions_relist() {
     let dir = TestDir::new("kube-relist");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let _daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("a watch", Duration::from_secs(10), |s| {
-        s.log.iter().any(|(m, _, _)| m == "WATCH")
+        s.log.iter().any(|r| r.method == "WATCH")
     });
-    let lists_before = api
-        .state()
-        .log
-        .iter()
-        .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
-        .count();
-    api.compact();
-    // Hand a block to the daemon directly through the status: it must be
-    // picked up after the relist that the 410 forces.
-    {
-        let mut state = api.state();
-        state.controller = false;
-        // A new version (as every change has) but no event: only a relist
-        // can show it.
-        state.version += 1;
-        let version = state.version.to_string();
-        let nnc = state.nnc.as_mut().unwrap();
-        nnc["status"]["podCIDRs"] = serde_json::json!([status_entry("x", "198.19.200.0/28")]);
-        nnc["metadata"]["resourceVersion"] = serde_json::json!(version);
-    }
+    let lists_before = api.state().requests("GET", "nodenetworkconfigs");
+    // Hand a block to the daemon directly through the status, then compact
+    // under the same lock: a new version whose event no watch sends, so it
+    // must be picked up after the relist that the 410 forces.
+    api.set_controller(false);
+    api.with_state(|state| {
+        let entries = serde_json::json!([status_entry("x", "198.19.200.0/28")]);
+        state.edit(&common::cloud::nnc_key(), |nnc| {
+            nnc["status"]["podCIDRs"] = entries;
+        });
+        state.compact();
+    });
     api.wait_until("a relist", Duration::from_secs(90), |s| {
-        s.log
-            .iter()
-            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
-            .count()
-            > lists_before
+        s.requests("GET", "nodenetworkconfigs") > lists_before
     });
     wait_for("the block from the relist", Duration::from_secs(10), || {
         db(&dir.join("metis.sqlite"))
@@ -230,7 +222,7 @@ fn stale_watch_versions_relist() {
 #[test]
 fn node_source_adds_pod_cidrs_as_blocks() {
     let dir = TestDir::new("kube-node");
-    let api = ApiServer::start(NODE, &["198.18.8.0/24", "2001:db8:8::/64"]);
+    let api = Cloud::start(&["198.18.8.0/24", "2001:db8:8::/64"]);
     let _daemon = start_daemon(&dir, &api, "node", &[]);
     wait_for("node podCIDRs as blocks", Duration::from_secs(10), || {
         dir.join("metis.sqlite").exists()
@@ -244,7 +236,7 @@ fn node_source_adds_pod_cidrs_as_blocks() {
                 == 2
     });
     assert!(
-        api.state().nnc.is_none(),
+        api.state().nnc().is_none(),
         "node source must not create a NodeNetworkConfig"
     );
 }
@@ -267,7 +259,7 @@ fn cluster_source_without_cluster_is_a_usage_error() {
 /// ADD parked in it: the daemon, the config, and the parked plugin's thread.
 fn daemon_with_a_parked_add(
     dir: &TestDir,
-    api: &ApiServer,
+    api: &Cloud,
     wait: &str,
 ) -> (
     TestDaemon,
@@ -281,7 +273,7 @@ fn daemon_with_a_parked_add(
 /// holder's ADD and the `more` ADDs (conflist, container) ran.
 fn daemon_with_a_parked_add_of(
     dir: &TestDir,
-    api: &ApiServer,
+    api: &Cloud,
     wait: &str,
     ranges: &str,
     more: &[(&str, &str)],
@@ -290,10 +282,10 @@ fn daemon_with_a_parked_add_of(
     String,
     std::thread::JoinHandle<std::process::Output>,
 ) {
-    api.state().controller = false;
+    api.set_controller(false);
     let daemon = start_daemon(dir, api, "nnc", &["--scale-up-wait", wait]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
+        s.nnc().is_some()
     });
     let config = default_conf(dir, "1.0.0", ranges);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
@@ -329,7 +321,7 @@ fn released_addresses_wake_waiting_requests() {
     // Upstream leaves a waiter parked until a new block arrives, even when
     // a release freed an address meanwhile.
     let dir = TestDir::new("kube-wake-on-release");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let (_daemon, config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
     assert_ok(&Plugin::new("DEL", "holder").run(&config));
     let output = waiter.join().unwrap();
@@ -359,7 +351,7 @@ fn held_by(dir: &TestDir, container: &str) -> Vec<(String, String)> {
 #[test]
 fn a_parked_add_retried_after_a_grant_gets_a_valid_address() {
     let dir = TestDir::new("kube-parked-grant");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let (_daemon, _config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
     api.set_status(serde_json::json!([status_entry("grant", "198.19.5.0/28")]));
     let output = waiter.join().unwrap();
@@ -402,7 +394,7 @@ fn a_parked_add_retried_after_a_grant_gets_a_valid_address() {
 #[test]
 fn a_parked_add_whose_retry_fails_leaves_nothing() {
     let dir = TestDir::new("kube-parked-fails");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     // The /126 has two usable addresses: the holder takes one, a pod of an
     // IPv6-only conflist of the network the other.
     let v6_only = default_conf(&dir, "1.0.0", r#"[[{"subnet":"2001:db8:5::/126"}]]"#);
@@ -443,7 +435,7 @@ fn a_parked_add_whose_retry_fails_leaves_nothing() {
 #[test]
 fn rotated_token_files_are_read_again() {
     let dir = TestDir::new("kube-token");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let token = dir.join("token");
     std::fs::write(&token, "first-token\n").unwrap();
     let kubeconfig = dir.join("kubeconfig");
@@ -457,13 +449,13 @@ fn rotated_token_files_are_read_again() {
         &[("KUBECONFIG", &kubeconfig), ("NODE_NAME", NODE)],
     );
     api.wait_until("the first token", Duration::from_secs(10), |s| {
-        s.tokens.iter().any(|t| t == "first-token")
+        s.tokens().iter().any(|t| t == "first-token")
     });
     std::fs::write(&token, "second-token\n").unwrap();
     // Force new requests: a relist follows the compaction.
     api.compact();
     api.wait_until("the rotated token", Duration::from_secs(30), |s| {
-        s.tokens.iter().any(|t| t == "second-token")
+        s.tokens().iter().any(|t| t == "second-token")
     });
 }
 
@@ -472,7 +464,7 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
     // The test API server speaks plain HTTP: an https client fails its
     // handshake, which must surface as a degraded daemon, never a crash.
     let dir = TestDir::new("kube-tls");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon_over_https(&dir, &api, "insecure-skip-tls-verify: true", &[]);
     // The plain server never answers a ClientHello: the request deadline ends it.
     wait_for("a TLS failure in the log", Duration::from_secs(30), || {
@@ -481,7 +473,7 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "local").run(&config));
     assert!(
-        api.state().nnc.is_none(),
+        api.state().nnc().is_none(),
         "no plain-HTTP request may have succeeded"
     );
 }
@@ -489,7 +481,7 @@ fn tls_failures_leave_the_daemon_serving_and_degraded() {
 #[test]
 fn shutdown_answers_waiting_requests() {
     let dir = TestDir::new("kube-shutdown");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let (daemon, _config, waiter) = daemon_with_a_parked_add(&dir, &api, "60s");
     assert!(daemon.stop().success());
     let output = waiter.join().unwrap();
@@ -508,17 +500,17 @@ fn shutdown_answers_waiting_requests() {
 #[test]
 fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
     let dir = TestDir::new("kube-status");
-    let mut api = ApiServer::start(NODE, &[]);
+    let mut api = Cloud::start(&[]);
     let _daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
+        s.nnc().is_some()
     });
     // The cluster takes the node's demand but grants nothing, so the node
     // stays exhausted: a grant arriving before the stop below (the daemon
     // asks within a monitor pass, 100 ms — sooner than a loaded machine
     // runs the next plugins) would give it room, and STATUS would rightly
     // say ready for ever.
-    api.state().controller = false;
+    api.set_controller(false);
     let config = default_conf(&dir, "1.1.0", r#"[[{"subnet":"198.18.0.0/30"}]]"#);
     assert_ok(&Plugin::new("ADD", "holder").run(&config));
     // Full, but the cluster can add blocks: ADD can be served (it waits).
@@ -550,11 +542,11 @@ fn status_sees_the_cluster_grow_an_exhausted_pool_and_reports_it_unreachable() {
 #[test]
 fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
     let dir = TestDir::new("kube-overlap");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().controller = false;
+    let api = Cloud::start(&[]);
+    api.set_controller(false);
     let daemon = start_daemon(&dir, &api, "nnc", &[]);
     api.wait_until("the NodeNetworkConfig", Duration::from_secs(10), |s| {
-        s.nnc.is_some()
+        s.nnc().is_some()
     });
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "first").run(&config));
@@ -605,7 +597,7 @@ fn overlapping_and_oversized_status_entries_are_skipped_one_by_one() {
 #[test]
 fn a_late_event_never_resurrects_a_released_block() {
     let dir = TestDir::new("kube-late-event");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(
         &dir,
         &api,
@@ -624,7 +616,7 @@ fn a_late_event_never_resurrects_a_released_block() {
     let granted = api.state().status_cidrs();
     assert!(!granted.is_empty(), "scale-up did not happen");
     // The version that lists the blocks as Ready, kept for later.
-    let old = api.state().nnc.clone().unwrap();
+    let old = api.state().nnc().cloned().unwrap();
     for i in 0..20 {
         assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
     }
@@ -651,7 +643,7 @@ fn a_late_event_never_resurrects_a_released_block() {
 #[test]
 fn a_del_cancels_its_parked_add() {
     let dir = TestDir::new("kube-del-cancels");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let (_daemon, config, waiter) = daemon_with_a_parked_add(&dir, &api, "30s");
     assert_ok(&Plugin::new("DEL", "waiter").run(&config));
     let output = waiter.join().unwrap();
@@ -680,14 +672,14 @@ fn a_del_cancels_its_parked_add() {
 #[test]
 fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
     let dir = TestDir::new("kube-recreated");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     add_concurrently(&config, 0..30);
     for i in 0..30 {
         assert_ok(&Plugin::new("DEL", &format!("pod-{i}")).run(&config));
     }
-    let handed_out = api.state().next_block;
+    let handed_out = api.handed_out();
     assert!(handed_out >= 2, "scale-up did not happen");
     // Someone deletes the object; the daemon re-creates it and keeps its
     // blocks, which the new status does not list.
@@ -704,7 +696,7 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
         passes(&daemon.log()) >= before + 20
     });
     let state = api.state();
-    assert_eq!(state.next_block, handed_out, "the cloud was asked for more");
+    assert_eq!(api.handed_out(), handed_out, "the cloud was asked for more");
     assert!(state.status_cidrs().is_empty());
     assert_eq!(
         state.pods("default"),
@@ -715,9 +707,9 @@ fn a_recreated_object_is_not_asked_to_cover_local_leftovers() {
 
 /// Once the API server answers `method` again: one succeeds and the
 /// daemon's health is no longer degraded.
-fn clears_after_a_success(api: &ApiServer, daemon: &TestDaemon, method: &str) {
+fn clears_after_a_success(api: &Cloud, daemon: &TestDaemon, method: &str) {
     api.wait_until(&format!("a {method}"), Duration::from_secs(10), |s| {
-        s.count(method, 200) >= 1
+        s.answered(method, 200) >= 1
     });
     wait_for("health to clear", Duration::from_secs(10), || {
         !health_detail(daemon).contains("degraded")
@@ -736,21 +728,19 @@ fn assert_gaps_at_least(times: &[std::time::Instant], floor: Duration, what: &st
 #[test]
 fn a_failing_watch_backs_off_to_the_cap_without_relisting() {
     let dir = TestDir::new("kube-watch-storm");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().fail_watches = Some((500, None));
+    let api = Cloud::start(&[]);
+    api.state().faults.push(fail("watch", 500, None));
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
     api.wait_until("eight failed watches", Duration::from_secs(30), |s| {
-        s.count("WATCH", 500) >= 8
+        s.answered("WATCH", 500) >= 8
     });
     let state = api.state();
     // Listed (and created) once, then only watches: one request per
     // failure, each after a pause of at least the cap (500 ms first step,
     // capped at 300 ms).
-    let first_watch = state.log.iter().position(|(m, _, _)| m == "WATCH").unwrap();
+    let first_watch = state.log.iter().position(|r| r.method == "WATCH").unwrap();
     assert!(
-        state.log[first_watch..]
-            .iter()
-            .all(|(m, _, _)| m == "WATCH"),
+        state.log[first_watch..].iter().all(|r| r.method == "WATCH"),
         "{:?}",
         state.log
     );
@@ -764,18 +754,18 @@ fn a_failing_watch_backs_off_to_the_cap_without_relisting() {
     );
     assert!(daemon.log().contains("API watch failed, retrying"));
     // Back: a watch opens and health is clean again.
-    api.state().fail_watches = None;
+    api.state().faults.clear();
     clears_after_a_success(&api, &daemon, "WATCH");
 }
 
 #[test]
 fn retry_after_is_honoured() {
     let dir = TestDir::new("kube-retry-after");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().fail_watches = Some((429, Some(1)));
+    let api = Cloud::start(&[]);
+    api.state().faults.push(fail("watch", 429, Some(1)));
     let _daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "50ms"]);
     api.wait_until("three throttled watches", Duration::from_secs(30), |s| {
-        s.count("WATCH", 429) >= 3
+        s.answered("WATCH", 429) >= 3
     });
     let watches = api.state().times("WATCH", 429);
     assert_gaps_at_least(&watches, Duration::from_secs(1), "Retry-After: 1");
@@ -784,14 +774,14 @@ fn retry_after_is_honoured() {
 #[test]
 fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
     let dir = TestDir::new("kube-patch-403");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().fail_patches = Some((403, None));
+    let api = Cloud::start(&[]);
+    api.state().faults.push(fail("patch", 403, None));
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
     // A first block makes the monitor ask for its pods.
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
     api.wait_until("four refused patches", Duration::from_secs(30), |s| {
-        s.count("PATCH", 403) >= 4
+        s.answered("PATCH", 403) >= 4
     });
     let patches = api.state().times("PATCH", 403);
     // Monitor passes run every 100 ms; patches only after each pause.
@@ -802,21 +792,21 @@ fn failed_patches_back_off_and_degrade_health_until_one_succeeds() {
         "{detail}"
     );
     assert!(detail.contains("403"), "{detail}");
-    api.state().fail_patches = None;
+    api.state().faults.clear();
     clears_after_a_success(&api, &daemon, "PATCH");
 }
 
 #[test]
 fn a_conflict_storm_is_paced_and_reported() {
     let dir = TestDir::new("kube-409-storm");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().inject_conflicts = 1_000;
+    let api = Cloud::start(&[]);
+    api.state().faults.push(fail_next("patch", 1_000, 409));
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "300ms"]);
     // A first block makes the monitor ask for its pods.
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "one").run(&config));
     api.wait_until("six conflicts", Duration::from_secs(30), |s| {
-        s.count("PATCH", 409) >= 6
+        s.answered("PATCH", 409) >= 6
     });
     let state = api.state();
     let conflicts = state.times("PATCH", 409);
@@ -825,7 +815,7 @@ fn a_conflict_storm_is_paced_and_reported() {
     let reads = state
         .log
         .iter()
-        .filter(|(m, p, s)| m == "GET" && p.ends_with(NODE) && *s == 200)
+        .filter(|r| r.method == "GET" && r.path.ends_with(NODE) && r.status == 200)
         .count();
     assert!(
         reads <= conflicts.len() + 1,
@@ -841,19 +831,19 @@ fn a_conflict_storm_is_paced_and_reported() {
 #[test]
 fn an_idle_node_sends_one_request_per_watch() {
     let dir = TestDir::new("kube-idle");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let _daemon = start_daemon(&dir, &api, "nnc", &["--api-watch-timeout", "1s"]);
     api.wait_until("the first watch", Duration::from_secs(10), |s| {
-        s.count("WATCH", 200) >= 1
+        s.answered("WATCH", 200) >= 1
     });
     let first = api.state().log.len() - 1;
     api.wait_until("four more watches", Duration::from_secs(30), |s| {
-        s.count("WATCH", 200) >= 5
+        s.answered("WATCH", 200) >= 5
     });
     let state = api.state();
     let since: Vec<_> = state.log[first..]
         .iter()
-        .map(|(m, _, _)| m.as_str())
+        .map(|r| r.method.as_str())
         .collect();
     // Idle, the only requests are watches, each lasting its timeout: with
     // the default --api-watch-timeout (5m, so 5-10 min) that is at most
@@ -861,7 +851,7 @@ fn an_idle_node_sends_one_request_per_watch() {
     assert!(since.iter().all(|m| *m == "WATCH"), "{since:?}");
     let watches = state.times("WATCH", 200);
     assert_gaps_at_least(&watches, Duration::from_secs(1), "idle watches");
-    for query in &state.queries[first..] {
+    for query in state.log[first..].iter().map(|r| &r.query) {
         assert!(
             query.contains("timeoutSeconds=1&") || query.contains("timeoutSeconds=2&"),
             "{query}"
@@ -872,7 +862,7 @@ fn an_idle_node_sends_one_request_per_watch() {
 #[test]
 fn a_malformed_ca_degrades_like_other_tls_failures() {
     let dir = TestDir::new("kube-bad-ca");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     // "-----BEGIN" and nothing else: not a certificate bundle.
     let daemon = start_daemon_over_https(
         &dir,
@@ -900,7 +890,7 @@ fn a_malformed_ca_degrades_like_other_tls_failures() {
 fn the_shipped_conflist_grows_in_nnc_mode() {
     let dir = TestDir::new("kube-deploy-conflist");
     // The cloud counts the node's /24 as capacity already there.
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let _daemon = start_daemon(&dir, &api, "nnc", &[]);
     let shipped = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -928,7 +918,7 @@ fn the_shipped_conflist_grows_in_nnc_mode() {
     assert_eq!(addresses.len(), 270, "duplicate addresses");
     assert!(addresses.iter().any(|a| a.starts_with("198.19.")));
     let state = api.state();
-    assert!(state.pods("default").unwrap() >= 270, "{:?}", state.nnc);
+    assert!(state.pods("default").unwrap() >= 270, "{:?}", state.nnc());
     assert!(
         state.pods("pods").is_none(),
         "capacity asked for the wrong network"
@@ -946,11 +936,25 @@ fn rss_kib(daemon: &TestDaemon) -> u64 {
         .unwrap()
 }
 
+/// Writes `pod_cidrs` into the status however large, and sends the object
+/// to open watches: the store of a cluster whose etcd takes larger requests
+/// than its default (which the loopback server enforces on writes).
+fn store_oversized_status(api: &Cloud, pod_cidrs: serde_json::Value) {
+    api.with_state(|state| {
+        let key = common::cloud::nnc_key();
+        let mut nnc = state.get(&key).cloned().unwrap();
+        nnc["status"]["podCIDRs"] = pod_cidrs;
+        nnc["metadata"]["resourceVersion"] = state.rv(state.version + 1).into();
+        state.objects.insert(key.clone(), nnc.clone());
+        state.inject_event(key, "MODIFIED", nnc);
+    });
+}
+
 #[test]
 fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
     let dir = TestDir::new("kube-huge");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().controller = false;
+    let api = Cloud::start(&[]);
+    api.set_controller(false);
     // Passes 10 times a second (`FAST`) over 257 blocks would keep a debug
     // build's loop busy back to back, and on a loaded machine one pass
     // outlasts the health call's 5 s reply timeout; this test needs no
@@ -962,7 +966,7 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
         &["--api-max-backoff", "100ms", "--monitor-interval", "10s"],
     );
     api.wait_until("a watch", Duration::from_secs(10), |s| {
-        s.count("WATCH", 200) >= 1
+        s.answered("WATCH", 200) >= 1
     });
     let config = default_conf(&dir, "1.0.0", INITIAL);
     assert_ok(&Plugin::new("ADD", "first").run(&config));
@@ -994,7 +998,7 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
             entry
         })
         .collect();
-    api.set_status(serde_json::Value::Array(padded));
+    store_oversized_status(&api, serde_json::Value::Array(padded));
     wait_for("the refusal", Duration::from_secs(60), || {
         let detail = health_detail(&daemon);
         detail.contains("degraded") && detail.contains("watch: ")
@@ -1008,9 +1012,9 @@ fn an_oversized_object_is_refused_and_a_long_list_is_capped() {
 #[test]
 fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
     let dir = TestDir::new("kube-cooling");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     // No new blocks ever: only the cooling address can serve the waiter.
-    api.state().controller = false;
+    api.set_controller(false);
     let kubeconfig = dir.join("kubeconfig");
     api.kubeconfig(&kubeconfig);
     let kubeconfig = kubeconfig.display().to_string();
@@ -1036,7 +1040,7 @@ fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
         s.pods("default").is_some()
     });
     let requested = api.state().pods("default");
-    let patches = api.state().count("PATCH", 200);
+    let patches = api.state().answered("PATCH", 200);
     assert_ok(&Plugin::new("DEL", "holder").run(&config));
     // The only address cools for a second; the waiter parks meanwhile and
     // is served when it comes free.
@@ -1053,5 +1057,5 @@ fn a_waiter_gets_a_cooling_address_when_it_comes_free() {
     // The cooling address was enough: nothing more was asked for.
     let state = api.state();
     assert_eq!(state.pods("default"), requested);
-    assert_eq!(state.count("PATCH", 200), patches);
+    assert_eq!(state.answered("PATCH", 200), patches);
 }

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 #[cfg(feature = "kube")]
 pub mod apiserver;
 #[cfg(feature = "kube")]
+pub mod cloud;
+#[cfg(feature = "kube")]
 pub mod cluster;
 pub mod host_local;
 #[cfg(feature = "kube")]
