@@ -12,11 +12,12 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::apiserver::ApiServer;
+use common::cloud::{Cloud, NodeView};
 use common::cluster::{
     NODE, block_state, blocks_in_db, default_conf, health_detail, start_daemon,
     start_daemon_over_https, status_entry,
 };
+use common::kube_api::{NNCS, fail_next};
 use common::scrape::{http_get, metrics_addr, series};
 use common::{Plugin, TestDir, assert_ok, json, metis, wait_for};
 use serde_json::{Value, json};
@@ -48,16 +49,12 @@ fn wait_state(dir: &TestDir, cidr: &str, state: Option<&str>) {
     });
 }
 
-/// Requests of `method` answered `status` on paths ending in `suffix`.
-fn requests(api: &ApiServer, method: &str, suffix: &str) -> usize {
-    api.state()
-        .log
-        .iter()
-        .filter(|(m, p, _)| m == method && p.ends_with(suffix))
-        .count()
+/// Requests of `method` answered on paths ending in `suffix`.
+fn requests(api: &Cloud, method: &str, suffix: &str) -> usize {
+    api.state().requests(method, suffix)
 }
 
-fn lists(api: &ApiServer) -> usize {
+fn lists(api: &Cloud) -> usize {
     requests(api, "GET", "nodenetworkconfigs")
 }
 
@@ -77,12 +74,12 @@ fn admin_blocks(daemon: &common::TestDaemon) -> Value {
 
 /// A daemon in NNC mode whose cluster hands out blocks only as the test
 /// writes them into the status.
-fn quiet_cluster(name: &str, extra: &[&str]) -> (TestDir, ApiServer, common::TestDaemon, String) {
+fn quiet_cluster(name: &str, extra: &[&str]) -> (TestDir, Cloud, common::TestDaemon, String) {
     let dir = TestDir::new(name);
-    let api = ApiServer::start(NODE, &[]);
-    api.state().controller = false;
+    let api = Cloud::start(&[]);
+    api.set_controller(false);
     let daemon = start_daemon(&dir, &api, "nnc", extra);
-    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
+    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc().is_some());
     let config = default_conf(&dir, "1.0.0", TINY);
     (dir, api, daemon, config)
 }
@@ -151,7 +148,7 @@ fn item1_a_block_taken_back_serves_no_new_pod_keeps_its_pods_and_goes_with_the_l
     // Following a status costs no list; a patch in flight while the status
     // changes may conflict, once per change at most.
     assert_eq!(lists(&api), lists_before);
-    assert!(api.state().count("PATCH", 409) <= 2);
+    assert!(api.state().answered("PATCH", 409) <= 2);
 
     // Emptied status, every pod gone, a restart: nothing of the cluster's stays.
     for i in 13..23 {
@@ -168,7 +165,7 @@ fn item1_a_block_taken_back_serves_no_new_pod_keeps_its_pods_and_goes_with_the_l
 #[test]
 fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
     let dir = TestDir::new("cp-node");
-    let api = ApiServer::start(NODE, &["198.19.4.0/28"]);
+    let api = Cloud::start(&["198.19.4.0/28"]);
     let daemon = start_daemon(&dir, &api, "node", &[]);
     wait_state(&dir, "198.19.4.0/28", Some("Ready"));
     let config = default_conf(&dir, "1.0.0", TINY);
@@ -206,11 +203,7 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
     assert!(!health_detail(&daemon).contains("degraded"));
     // Lists: the first, and one after each DELETED (after the backoff).
     api.wait_until("the list after the second delete", WAIT, |s| {
-        s.log
-            .iter()
-            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodes"))
-            .count()
-            >= 3
+        s.requests("GET", "nodes") >= 3
     });
     assert_eq!(requests(&api, "GET", "nodes"), 3);
 }
@@ -218,7 +211,7 @@ fn item1_node_mode_retires_an_old_pod_cidr_and_a_deleted_node_grants_nothing() {
 #[test]
 fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
     let dir = TestDir::new("cp-node-cooldown");
-    let api = ApiServer::start(NODE, &["198.19.4.0/28"]);
+    let api = Cloud::start(&["198.19.4.0/28"]);
     let daemon = start_daemon(&dir, &api, "node", &["--release-cooldown", "3s"]);
     wait_state(&dir, "198.19.4.0/28", Some("Ready"));
     let config = default_conf(&dir, "1.0.0", TINY);
@@ -235,11 +228,7 @@ fn node_mode_deletes_an_empty_taken_back_block_when_its_cooldown_ends() {
     api.recreate_node(&["198.19.5.0/28"]);
     wait_state(&dir, "198.19.4.0/28", Some("Withheld"));
     api.wait_until("the watch after the relist", WAIT, |s| {
-        let lists = s
-            .log
-            .iter()
-            .filter(|(m, p, _)| m == "GET" && p.ends_with("nodes"));
-        lists.count() == 2 && s.log.last().is_some_and(|(m, _, _)| m == "WATCH")
+        s.requests("GET", "nodes") == 2 && s.log.last().is_some_and(|r| r.method == "WATCH")
     });
     let requests = api.state().log.len();
 
@@ -275,8 +264,8 @@ fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
     // Injected into open watches only: a daemon still to list would take
     // a version past them and see the namespaced one nowhere.
     api.wait_until("the daemon's NodeNetworkConfig watch", WAIT, |s| {
-        s.log.iter().any(|(m, path, code)| {
-            m == "WATCH" && path.contains("nodenetworkconfigs") && *code == 200
+        s.log.iter().any(|r| {
+            r.method == "WATCH" && r.path.contains("nodenetworkconfigs") && r.status == 200
         })
     });
     let foreign = json!({
@@ -286,12 +275,12 @@ fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
         "spec": {"allocations": [{"network": "default", "pods": 40}]},
         "status": {"podCIDRs": [status_entry("b1", "198.19.8.0/28"), status_entry("b2", "198.19.9.0/28")]},
     });
-    api.inject_foreign("nnc", foreign.clone(), true);
+    api.inject_foreign(foreign.clone(), true);
     // The same object, namespaced: not a NodeNetworkConfig of this node either.
     let mut namespaced = foreign;
     namespaced["metadata"]["name"] = json!(NODE);
     namespaced["metadata"]["namespace"] = json!("kube-system");
-    api.inject_foreign("nnc", namespaced, false);
+    api.inject_foreign(namespaced, false);
     wait_for("the foreign objects to be skipped", WAIT, || {
         daemon
             .log()
@@ -325,10 +314,10 @@ fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
     api.wait_until("a patch after the relist", WAIT, |s| {
         s.log[relist_at..]
             .iter()
-            .any(|(m, _, code)| m == "PATCH" && *code == 200)
+            .any(|r| r.method == "PATCH" && r.status == 200)
     });
     assert!(
-        api.state().count("PATCH", 409) <= 3,
+        api.state().answered("PATCH", 409) <= 3,
         "{:?}",
         api.state().log
     );
@@ -338,7 +327,7 @@ fn item2_another_nodes_object_is_never_applied_in_watch_or_list() {
 #[test]
 fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() {
     let dir = TestDir::new("cp-opaque");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     api.state().opaque = true;
     let daemon = start_daemon(
         &dir,
@@ -355,7 +344,7 @@ fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() 
     common::add_concurrently(&config, 0..20);
     let granted = api.state().status_cidrs();
     assert!(!granted.is_empty(), "scale-up did not happen");
-    let old = api.state().nnc.clone().unwrap();
+    let old = api.state().nnc().cloned().unwrap();
     assert!(
         old["metadata"]["resourceVersion"]
             .as_str()
@@ -388,13 +377,13 @@ fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() 
 #[test]
 fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
     let dir = TestDir::new("cp-restore");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "200ms"]);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     common::add_concurrently(&config, 0..10);
     api.wait_until("the first request", WAIT, |s| s.pods("default").is_some());
     // The backup: the object as it is now.
-    let backup = api.state().nnc.clone().unwrap();
+    let backup = api.state().backup();
     common::add_concurrently(&config, 10..40);
     let grown = api.state().status_cidrs();
     // etcd comes back from the backup: versions go back, watches end.
@@ -412,7 +401,7 @@ fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
     let since_restore = |status: u16| {
         state.log[restored_at..]
             .iter()
-            .filter(|(method, _, s)| method == "PATCH" && *s == status)
+            .filter(|r| r.method == "PATCH" && r.status == status)
             .count()
     };
     assert!(since_restore(200) >= 1, "{:?}", state.log);
@@ -421,7 +410,7 @@ fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
         "patches kept conflicting: {:?}",
         state.log
     );
-    assert!(state.count("PATCH", 200) >= 2);
+    assert!(state.answered("PATCH", 200) >= 2);
     drop(state);
     // The restore dropped blocks the node had used: those still holding pods
     // are kept for them and reported, none is served to new pods.
@@ -444,8 +433,8 @@ fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
 #[test]
 fn item4_a_released_non_reusable_block_is_never_used_again() {
     let dir = TestDir::new("cp-non-reusable");
-    let api = ApiServer::start(NODE, &[]);
-    api.state().block_type = "NonReusable";
+    let api = Cloud::start(&[]);
+    api.set_block_type("NonReusable");
     let daemon = start_daemon(
         &dir,
         &api,
@@ -459,7 +448,7 @@ fn item4_a_released_non_reusable_block_is_never_used_again() {
     );
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     common::add_concurrently(&config, 0..20);
-    let granted = api.state().nnc.clone().unwrap()["status"]["podCIDRs"].clone();
+    let granted = api.state().nnc().cloned().unwrap()["status"]["podCIDRs"].clone();
     let cidrs = api.state().status_cidrs();
     assert!(!cidrs.is_empty());
     for i in 0..20 {
@@ -483,7 +472,7 @@ fn item4_a_released_non_reusable_block_is_never_used_again() {
     }
     // The controller lists them again, Ready: they left and came back, but
     // NonReusable ones never return.
-    api.state().controller = false;
+    api.set_controller(false);
     api.set_status(granted);
     wait_for("the refusal", WAIT, || {
         daemon
@@ -571,17 +560,17 @@ fn item5_a_block_whose_condition_leaves_ready_takes_no_new_allocations() {
 #[test]
 fn item6_with_a_lagging_watch_growth_follows_the_patch_answers() {
     let dir = TestDir::new("cp-patch-answer");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &[]);
-    api.wait_until("a watch", WAIT, |s| s.count("WATCH", 200) >= 1);
+    api.wait_until("a watch", WAIT, |s| s.answered("WATCH", 200) >= 1);
     // The watch delivers nothing from now on: only PATCH answers tell the
     // daemon what the cluster granted.
     api.state().hold_watches = true;
-    let reads = |api: &ApiServer| {
+    let reads = |api: &Cloud| {
         api.state()
             .log
             .iter()
-            .filter(|(m, p, _)| m == "GET" && p.ends_with(NODE))
+            .filter(|r| r.method == "GET" && r.path.ends_with(NODE))
             .count()
     };
     let reads_before = reads(&api);
@@ -594,10 +583,10 @@ fn item6_with_a_lagging_watch_growth_follows_the_patch_answers() {
         assert_eq!(addresses.len(), 15);
     }
     let state = api.state();
-    let patches = state.count("PATCH", 200);
+    let patches = state.answered("PATCH", 200);
     assert!(patches >= 2, "{:?}", state.log);
     // Every grant cost one PATCH: no conflict, no re-read.
-    assert_eq!(state.count("PATCH", 409), 0, "{:?}", state.log);
+    assert_eq!(state.answered("PATCH", 409), 0, "{:?}", state.log);
     drop(state);
     assert_eq!(reads(&api), reads_before);
     assert!(!health_detail(&daemon).contains("degraded"));
@@ -609,7 +598,7 @@ const TEST_CA: &str = include_str!("../testdata/kube/test-ca.pem");
 #[test]
 fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
     let dir = TestDir::new("cp-ca-rotation");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let ca = dir.join("ca.crt");
     std::fs::write(&ca, "-----BEGIN").unwrap();
     let daemon = start_daemon_over_https(
@@ -634,7 +623,7 @@ fn item7_a_rotated_ca_file_is_read_again_without_a_restart() {
 
 #[test]
 fn item8_exec_and_auth_provider_users_are_refused_at_start() {
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     for (user, what) in [
         (
             "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: gke-gcloud-auth-plugin",
@@ -703,13 +692,14 @@ fn item9_refusals_are_told_once_per_cause_and_name_the_real_owner() {
 
 /// (pods asked, blocks granted) of every version of the object the API
 /// server recorded, in order, consecutive repeats dropped.
-fn demand_history(api: &ApiServer) -> Vec<(i64, usize)> {
+fn demand_history(api: &Cloud) -> Vec<(i64, usize)> {
     let state = api.state();
     let mut seen: Vec<(i64, usize)> = Vec::new();
-    for (_, kind, _, object) in &state.events {
-        if *kind != "nnc" {
+    for change in &state.changes {
+        if change.key.resource != NNCS {
             continue;
         }
+        let object = &change.object;
         let pods = object["spec"]["allocations"][0]["pods"]
             .as_i64()
             .unwrap_or(0);
@@ -724,7 +714,7 @@ fn demand_history(api: &ApiServer) -> Vec<(i64, usize)> {
 #[test]
 fn issue32_item2_a_static_range_does_not_make_the_demand_run_away() {
     let dir = TestDir::new("cp-runaway");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["-v", "4"]);
     // A static /24: every pod fits in it, yet the node asks the cluster
     // for its pods' need (the contract: neither side counts own ranges).
@@ -753,7 +743,7 @@ fn issue32_item2_a_static_range_does_not_make_the_demand_run_away() {
             .all(|(pods, blocks)| *pods <= 32 && *blocks <= 2),
         "{history:?}"
     );
-    assert_eq!(api.state().next_block, 2, "{history:?}");
+    assert_eq!(api.handed_out(), 2, "{history:?}");
 }
 
 /// Monitor passes that found nothing to change, so far.
@@ -780,12 +770,12 @@ fn issue32_the_serving_annotation_lists_the_blocks_in_use_on_every_object() {
         s.serving().as_deref() == Some(both)
     });
     // Nothing changes: no PATCH of its own.
-    let patches = api.state().count("PATCH", 200);
+    let patches = api.state().answered("PATCH", 200);
     let before = idle_passes(&daemon);
     wait_for("ten idle passes", WAIT, || {
         idle_passes(&daemon) >= before + 10
     });
-    assert_eq!(api.state().count("PATCH", 200), patches);
+    assert_eq!(api.state().answered("PATCH", 200), patches);
     let used = held[0]
         .rsplit_once('.')
         .map(|(net, _)| format!("{net}.0/28"));
@@ -798,20 +788,22 @@ fn issue32_the_serving_annotation_lists_the_blocks_in_use_on_every_object() {
     // Deleted by hand: re-created by the daemon, naming the block its pods
     // still hold (the empty one was dropped with the old object).
     api.delete_nnc();
-    api.wait_until("the re-created object", WAIT, |s| s.nnc.is_some());
+    api.wait_until("the re-created object", WAIT, |s| s.nnc().is_some());
     assert_eq!(api.state().serving(), Some(used.clone()));
     // The Node deleted and re-created, the object with it (the garbage
     // collector): created again with the new owner and the annotation.
     api.delete_node();
-    api.wait_until("the object to go with its Node", WAIT, |s| s.nnc.is_none());
+    api.wait_until("the object to go with its Node", WAIT, |s| {
+        s.nnc().is_none()
+    });
     api.recreate_node(&[]);
-    api.wait_until("the object of the new Node", WAIT, |s| s.nnc.is_some());
+    api.wait_until("the object of the new Node", WAIT, |s| s.nnc().is_some());
     {
         let state = api.state();
-        let nnc = state.nnc.as_ref().unwrap();
+        let nnc = state.nnc().unwrap();
         assert_eq!(
             nnc["metadata"]["ownerReferences"][0]["uid"],
-            state.node["metadata"]["uid"]
+            state.node().unwrap()["metadata"]["uid"]
         );
         assert_eq!(state.serving(), Some(used.clone()));
     }
@@ -828,13 +820,13 @@ fn issue32_the_serving_annotation_lists_the_blocks_in_use_on_every_object() {
 
 /// Versions of the object whose spec differs from the version before:
 /// the useful spec changes.
-fn spec_changes(api: &ApiServer) -> usize {
+fn spec_changes(api: &Cloud) -> usize {
     let state = api.state();
     let specs: Vec<&Value> = state
-        .events
+        .changes
         .iter()
-        .filter(|(_, kind, event, _)| *kind == "nnc" && *event != "DELETED")
-        .map(|(_, _, _, object)| &object["spec"])
+        .filter(|c| c.key.resource == NNCS && c.kind != "DELETED")
+        .map(|c| &c.object["spec"])
         .collect();
     specs.windows(2).filter(|pair| pair[0] != pair[1]).count()
 }
@@ -842,9 +834,9 @@ fn spec_changes(api: &ApiServer) -> usize {
 #[test]
 fn issue32_item7_behind_a_lagging_watch_a_conflict_is_read_not_resent() {
     let dir = TestDir::new("cp-lagging-watch");
-    let api = ApiServer::start(NODE, &[]);
+    let api = Cloud::start(&[]);
     let _daemon = start_daemon(&dir, &api, "nnc", &["--monitor-interval", "2s"]);
-    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
+    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc().is_some());
     api.state().watch_lag = Some(Duration::from_secs(3));
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     let mut failed = 0usize;
@@ -854,7 +846,7 @@ fn issue32_item7_behind_a_lagging_watch_a_conflict_is_read_not_resent() {
         for wave in 0..12 {
             let started = std::time::Instant::now();
             if wave == 2 {
-                api.state().inject_conflicts = 1;
+                api.state().faults.push(fail_next("patch", 1, 409));
             }
             let adds: Vec<_> = (wave * 5..(wave + 1) * 5)
                 .map(|i| {
@@ -870,7 +862,7 @@ fn issue32_item7_behind_a_lagging_watch_a_conflict_is_read_not_resent() {
     });
     let useful = spec_changes(&api);
     let state = api.state();
-    let (ok, conflicts) = (state.count("PATCH", 200), state.count("PATCH", 409));
+    let (ok, conflicts) = (state.answered("PATCH", 200), state.answered("PATCH", 409));
     let ratio = (ok + conflicts) as f64 / useful as f64;
     eprintln!(
         "lagging watch: {} PATCHes ({ok} applied, {conflicts} conflicts) for {useful} spec changes: {ratio:.2} per change; {failed} of 60 ADDs failed",
@@ -879,7 +871,7 @@ fn issue32_item7_behind_a_lagging_watch_a_conflict_is_read_not_resent() {
     // No older copy replaced a newer one: the versions the patches were
     // computed from never go back.
     let bases: Vec<u64> = state
-        .patch_bases
+        .patch_bases()
         .iter()
         .map(|rv| state.position(rv).unwrap())
         .collect();
