@@ -27,8 +27,9 @@ use crate::common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use common::apiserver::ApiServer;
-use common::cluster::{NODE, start_daemon};
+use common::cloud::{Cloud, NodeView};
+use common::cluster::start_daemon;
+use common::kube_api::Backup;
 use common::rng::Rng;
 use common::tls::{Authority, TlsServer, replace_file};
 use common::{TestDaemon, TestDir, db, v4_add_request};
@@ -86,8 +87,8 @@ struct Model {
     /// Live pods: container → address.
     pods: BTreeMap<String, String>,
     next_pod: u64,
-    /// Copies of the object kept for a restore.
-    backups: Vec<(Value, Vec<Entry>)>,
+    /// Copies of the store kept for a restore, with the status they hold.
+    backups: Vec<(Backup, Vec<Entry>)>,
     /// Entries Ready in a version between the last step's and this one's
     /// (a lagging watch delivers them after the model has moved on, in
     /// order): the daemon may serve them until it reaches the last.
@@ -245,7 +246,7 @@ fn followed(model: &Model, node: &Node) -> bool {
 
 /// Waits until the daemon has followed the model; says what differs if it
 /// does not in time.
-fn wait_followed(model: &Model, node: &Node, api: &ApiServer, step: usize, what: &str) {
+fn wait_followed(model: &Model, node: &Node, api: &Cloud, step: usize, what: &str) {
     if common::poll(SYNC, || followed(model, node).then_some(())).is_none() {
         panic!(
             "step {step} ({what}) not followed in {SYNC:?}\nstatus: {:?}\nnever again: {:?}\n\
@@ -255,7 +256,7 @@ fn wait_followed(model: &Model, node: &Node, api: &ApiServer, step: usize, what:
             model.released_ever,
             node.blocks(),
             node.released(),
-            api.state().nnc.clone().unwrap_or_default(),
+            api.state().nnc().cloned().unwrap_or_default(),
             node.daemon
                 .as_ref()
                 .map(TestDaemon::log)
@@ -265,9 +266,9 @@ fn wait_followed(model: &Model, node: &Node, api: &ApiServer, step: usize, what:
 }
 
 /// The releases the daemon asked for: (cidr, reusable).
-fn releasable(api: &ApiServer) -> Vec<(String, bool)> {
+fn releasable(api: &Cloud) -> Vec<(String, bool)> {
     let state = api.state();
-    let Some(nnc) = state.nnc.as_ref() else {
+    let Some(nnc) = state.nnc() else {
         return Vec::new();
     };
     nnc["spec"]["releasableCIDRs"]
@@ -292,11 +293,9 @@ fn run(seed: u64, steps: usize) {
     let ca = Authority::new("model-0");
     std::fs::write(&ca_file, ca.pem()).unwrap();
     let tls = TlsServer::new(&ca.server(), None);
-    let api = ApiServer::start_tls(NODE, &[], tls, &ca_file);
-    api.with_state(|s| {
-        s.controller = false;
-        s.opaque = rng.chance(50);
-    });
+    let api = Cloud::start_tls(&[], tls, &ca_file);
+    api.set_controller(false);
+    api.with_state(|s| s.opaque = rng.chance(50));
     let flags: Vec<String> = vec![
         "--cidr".into(),
         format!("default={FLAG}"),
@@ -312,7 +311,7 @@ fn run(seed: u64, steps: usize) {
         dir: &dir,
         daemon: Some(start_daemon(&dir, &api, "nnc", &flags)),
     };
-    api.wait_until("the NodeNetworkConfig", SYNC, |s| s.nnc.is_some());
+    api.wait_until("the NodeNetworkConfig", SYNC, |s| s.nnc().is_some());
     let mut model = Model {
         rng: rng.fork(),
         status: Vec::new(),
@@ -361,7 +360,7 @@ fn run(seed: u64, steps: usize) {
 fn control_step(
     action: u64,
     model: &mut Model,
-    api: &ApiServer,
+    api: &Cloud,
     node: &mut Node,
     dir: &TestDir,
     flags: &[&str],
@@ -410,8 +409,9 @@ fn control_step(
             "re-create the object (new uid)".into()
         }
         56..=63 => {
-            if let Some(nnc) = api.state().nnc.clone() {
-                model.backups.push((nnc, model.status.clone()));
+            let state = api.state();
+            if state.nnc().is_some() {
+                model.backups.push((state.backup(), model.status.clone()));
             }
             "take a backup".into()
         }
@@ -426,13 +426,7 @@ fn control_step(
                 .into_iter()
                 .filter(|e| !model.released_ever.contains(&e.cidr))
                 .collect();
-            let lists = |api: &ApiServer| {
-                api.state()
-                    .log
-                    .iter()
-                    .filter(|(m, p, _)| m == "GET" && p.ends_with("nodenetworkconfigs"))
-                    .count()
-            };
+            let lists = |api: &Cloud| api.state().requests("GET", "nodenetworkconfigs");
             let before = lists(api);
             api.restore(backup);
             // Writes resume once the API servers restarted on the restored
@@ -476,7 +470,7 @@ fn control_step(
                 "metadata": {"name": "node-b", "uid": "uid-b"},
                 "status": {"podCIDRs": [Entry { cidr: pool_cidr(n), ready: true, reusable: true }.json()]},
             });
-            api.inject_foreign("nnc", foreign, model.rng.chance(50));
+            api.inject_foreign(foreign, model.rng.chance(50));
             "another node's object".into()
         }
         80..=83 => {
@@ -511,10 +505,10 @@ fn control_step(
 /// The cluster's CA is rotated: the API server restarts with a certificate
 /// of a new CA and the node's CA file is rewritten, in either order. The
 /// daemon follows without a restart: a watch is open again in time.
-fn rotate_ca(model: &mut Model, api: &ApiServer) -> String {
+fn rotate_ca(model: &mut Model, api: &Cloud) -> String {
     model.rotations += 1;
     let ca = Authority::new(&format!("model-{}", model.rotations));
-    let before = api.state().count("WATCH", 200);
+    let before = api.state().answered("WATCH", 200);
     let server_first = model.rng.chance(50);
     if server_first {
         api.tls().set(&ca.server(), None);
@@ -526,13 +520,13 @@ fn rotate_ca(model: &mut Model, api: &ApiServer) -> String {
         api.cut_connections();
     }
     api.wait_until("a watch through the new CA", SYNC, |s| {
-        s.count("WATCH", 200) > before
+        s.answered("WATCH", 200) > before
     });
     format!("CA rotation (server first: {server_first})")
 }
 
 /// The cluster takes what the node released: drops it from the status.
-fn honour_releases(model: &mut Model, api: &ApiServer) {
+fn honour_releases(model: &mut Model, api: &Cloud) {
     let released = releasable(api);
     if released.is_empty() {
         return;
