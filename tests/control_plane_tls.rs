@@ -16,8 +16,9 @@ use crate::common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::apiserver::{ApiServer, State};
-use common::cluster::{NODE, default_conf, health_detail, start_daemon_as};
+use common::cloud::{Cloud, NodeView};
+use common::cluster::{default_conf, health_detail, start_daemon_as};
+use common::kube_api::State;
 use common::scrape::{http_get, metrics_addr, series};
 use common::tls::{Authority, Issued, TlsServer, Validity, replace_file};
 use common::{TestDaemon, TestDir, wait_for};
@@ -72,7 +73,7 @@ impl Files {
 }
 
 /// Requests the server answered (refused handshakes are not requests).
-fn answered(api: &ApiServer) -> usize {
+fn answered(api: &Cloud) -> usize {
     api.state().log.len()
 }
 
@@ -109,7 +110,7 @@ fn wait_healthy(daemon: &TestDaemon) {
 
 /// ADDs that outgrow what the node has make it patch its spec; returns the
 /// pods the spec asks for once it asks for at least `pods`.
-fn grow(api: &ApiServer, config: &str, ids: std::ops::Range<usize>) -> i64 {
+fn grow(api: &Cloud, config: &str, ids: std::ops::Range<usize>) -> i64 {
     let want = i64::try_from(ids.end).unwrap();
     let addresses = common::add_concurrently(config, ids.clone());
     assert_eq!(addresses.len(), ids.len());
@@ -122,13 +123,13 @@ fn grow(api: &ApiServer, config: &str, ids: std::ops::Range<usize>) -> i64 {
 /// A pod count the current request does not cover (the request includes
 /// the headroom the blocks granted so far hold): growing to it needs a
 /// PATCH.
-fn beyond_the_request(api: &ApiServer) -> usize {
+fn beyond_the_request(api: &Cloud) -> usize {
     let asked = api.state().pods("default").unwrap_or(0);
     usize::try_from(asked).unwrap() + 1
 }
 
 fn patches_ok(state: &State) -> usize {
-    state.count("PATCH", 200)
+    state.answered("PATCH", 200)
 }
 
 #[test]
@@ -139,11 +140,11 @@ fn a_server_moved_to_a_new_ca_is_followed_once_the_ca_file_is_rewritten() {
     std::fs::write(&files.ca, old_ca.pem()).unwrap();
     std::fs::write(&files.token, "first-token").unwrap();
     let tls = TlsServer::new(&old_ca.server(), None);
-    let api = ApiServer::start_tls(NODE, &[], tls, &files.ca);
+    let api = Cloud::start_tls(&[], tls, &files.ca);
     let daemon = start_daemon_as(&dir, &api, "nnc", &files.user(false), FLAGS);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     assert!(grow(&api, &config, 0..20) >= 20);
-    assert_eq!(api.state().tokens, ["first-token"]);
+    assert_eq!(api.state().tokens(), ["first-token"]);
 
     // The API server restarts with a certificate of a new CA; the node
     // still trusts the old one: refused, loudly, nothing sent.
@@ -174,7 +175,7 @@ fn a_server_moved_to_a_new_ca_is_followed_once_the_ca_file_is_rewritten() {
     let more = beyond_the_request(&api);
     assert!(grow(&api, &config, 20..more) >= i64::try_from(more).unwrap());
     assert!(patches_ok(&api.state()) > patched);
-    assert_eq!(api.state().tokens.last().unwrap(), "second-token");
+    assert_eq!(api.state().tokens().last().unwrap(), "second-token");
     assert!(daemon.log().contains("TLS material changed on disk"));
 }
 
@@ -193,7 +194,7 @@ fn a_rotated_client_certificate_is_presented_and_the_old_one_no_longer_is() {
     files.client(&first);
     let server_cert = ca.server();
     let tls = TlsServer::new(&server_cert, Some(&first_users));
-    let api = ApiServer::start_tls(NODE, &[], tls, &files.ca);
+    let api = Cloud::start_tls(&[], tls, &files.ca);
     let daemon = start_daemon_as(&dir, &api, "nnc", &files.user(true), FLAGS);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     assert!(grow(&api, &config, 0..20) >= 20);
@@ -233,16 +234,16 @@ fn bad_credentials_are_refused_loudly_write_nothing_and_recover_when_fixed() {
     std::fs::write(&files.token, "token").unwrap();
     files.client(&good);
     let tls = TlsServer::new(&ca.server(), Some(&users));
-    let api = ApiServer::start_tls(NODE, &[], tls, &files.ca);
+    let api = Cloud::start_tls(&[], tls, &files.ca);
     let daemon = start_daemon_as(&dir, &api, "nnc", &files.user(true), FLAGS);
 
     // A CA that did not sign the server's certificate.
     wait_degraded(&daemon, "UnknownIssuer");
     assert!(api_errors(&daemon) >= 1.0);
     assert_eq!(answered(&api), 0, "{:?}", api.state().log);
-    assert!(api.state().nnc.is_none());
+    assert!(api.state().nnc().is_none());
     replace_file(&files.ca, ca.pem());
-    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc.is_some());
+    api.wait_until("the NodeNetworkConfig", WAIT, |s| s.nnc().is_some());
     wait_healthy(&daemon);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     grow(&api, &config, 0..20);
@@ -276,7 +277,7 @@ fn bad_credentials_are_refused_loudly_write_nothing_and_recover_when_fixed() {
         &daemon,
         "the client key does not belong to the client certificate",
     );
-    let handshakes = |api: &ApiServer| {
+    let handshakes = |api: &Cloud| {
         let state = api.state();
         state.tls_refused.len() + state.client_certs.len()
     };
