@@ -1,38 +1,9 @@
 //! A daemon following the test API server, and what tests read back from
 //! it: blocks in its database, its health (its metrics: `scrape`).
 
-use std::ops::Deref;
 use std::time::Duration;
 
-use super::apiserver::ApiServer;
-use super::cloud::Cloud;
-
-/// The server a daemon's kubeconfig names: either loopback server, while
-/// tests move from `apiserver.rs` to `kube_api.rs`.
-pub trait Server {
-    fn addr(&self) -> std::net::SocketAddr;
-    fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str);
-}
-
-impl Server for ApiServer {
-    fn addr(&self) -> std::net::SocketAddr {
-        self.addr
-    }
-
-    fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str) {
-        ApiServer::kubeconfig_with_user(self, path, user);
-    }
-}
-
-impl Server for Cloud {
-    fn addr(&self) -> std::net::SocketAddr {
-        self.addr
-    }
-
-    fn kubeconfig_with_user(&self, path: &std::path::Path, user: &str) {
-        self.deref().kubeconfig_with_user(path, user);
-    }
-}
+use super::kube_api::KubeApi;
 use super::{TestDaemon, TestDir, conf, db};
 
 pub const NODE: &str = "edge-node-1";
@@ -42,7 +13,7 @@ pub const FAST: &[&str] = &["--monitor-interval", "100ms", "--release-cooldown",
 
 /// A daemon following `api` with [`FAST`] settings; a flag of `extra`
 /// replaces the same flag of `FAST`.
-pub fn start_daemon(dir: &TestDir, api: &impl Server, source: &str, extra: &[&str]) -> TestDaemon {
+pub fn start_daemon(dir: &TestDir, api: &KubeApi, source: &str, extra: &[&str]) -> TestDaemon {
     start_daemon_as(dir, api, source, "    token: test-token", extra)
 }
 
@@ -50,7 +21,7 @@ pub fn start_daemon(dir: &TestDir, api: &impl Server, source: &str, extra: &[&st
 /// (indented YAML lines: a token file, a client certificate, …).
 pub fn start_daemon_as(
     dir: &TestDir,
-    api: &impl Server,
+    api: &KubeApi,
     source: &str,
     user: &str,
     extra: &[&str],
@@ -77,7 +48,7 @@ pub fn start_daemon_as(
 /// every request fails in TLS.
 pub fn start_daemon_over_https(
     dir: &TestDir,
-    api: &impl Server,
+    api: &KubeApi,
     tls_line: &str,
     extra: &[&str],
 ) -> TestDaemon {
@@ -86,7 +57,7 @@ pub fn start_daemon_over_https(
         &kubeconfig,
         format!(
             "current-context: c\nclusters:\n- name: k\n  cluster:\n    server: https://{}\n    {tls_line}\ncontexts:\n- name: c\n  context:\n    cluster: k\n",
-            api.addr()
+            api.addr
         ),
     )
     .unwrap();

@@ -1,5 +1,4 @@
-//! The HTTP/1.1 both loopback API servers speak (`apiserver.rs`, the
-//! one-node server, and `kube_api.rs`, the many-object one): reading a
+//! The HTTP/1.1 the loopback API server (`kube_api.rs`) speaks: reading a
 //! request, writing an answer (whole, or a chunked watch and its end), the
 //! `Status` failure body and JSON merge patch.
 
@@ -113,13 +112,6 @@ impl Request {
             .find(|(key, _)| key == name)
             .map(|(_, value)| value.as_str())
     }
-}
-
-/// Reads one request; `None` at the end of the connection or on a
-/// request that cannot be read, or whose body is over [`MAX_REQUEST`]
-/// (then the connection is dropped).
-pub fn read_request(stream: &mut impl BufRead) -> Option<Request> {
-    read_request_within(stream, MAX_REQUEST).ok().flatten()
 }
 
 /// A request whose `Content-Length` is over the limit: its head, its body

@@ -40,8 +40,8 @@
 //! watches walk only their resource's objects (keys are ordered by
 //! resource), and the garbage collector only objects with owners.
 //!
-//! The older `apiserver.rs` is a one-node server that plays the cloud
-//! controller itself; this one plays no controller.
+//! It plays no controller: one node's cloud controller is a reactor of
+//! `cloud.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufReader, Read, Write};
@@ -327,31 +327,24 @@ pub struct Logged {
     pub at: Instant,
 }
 
-/// What a fault hook is asked about: one request, before it is answered.
-pub struct Call<'a> {
-    /// The API server's verb (get, list, watch, create, update, patch, delete).
-    pub verb: &'a str,
-    /// The resource as counted (`RESOURCE/status` for the subresource).
-    pub resource: &'a str,
-    pub request: &'a Request,
-}
-
-/// A fault hook: `Some((status, retry_after_seconds))` refuses the call.
-pub type Fault = Box<dyn FnMut(&Call) -> Option<(u16, Option<u64>)> + Send>;
+/// A fault hook, asked about every request by its verb (get, list, watch,
+/// create, update, patch, delete) before it is answered:
+/// `Some((status, retry_after_seconds))` refuses it.
+pub type Fault = Box<dyn FnMut(&str) -> Option<(u16, Option<u64>)> + Send>;
 
 /// A controller acting on a client write of the object at the key.
 pub type Reactor = Box<dyn FnMut(&mut State, &Key) + Send>;
 
 /// Every request of `verb` fails with `status` (and `Retry-After`).
 pub fn fail(verb: &'static str, status: u16, retry_after: Option<u64>) -> Fault {
-    Box::new(move |call| (call.verb == verb).then_some((status, retry_after)))
+    Box::new(move |asked| (asked == verb).then_some((status, retry_after)))
 }
 
 /// The next `count` requests of `verb` fail with `status`.
 pub fn fail_next(verb: &'static str, count: u32, status: u16) -> Fault {
     let mut left = count;
-    Box::new(move |call| {
-        if call.verb != verb || left == 0 {
+    Box::new(move |asked| {
+        if asked != verb || left == 0 {
             return None;
         }
         left -= 1;
@@ -1258,12 +1251,7 @@ fn handle(stream: &mut dyn Stream, shared: &Shared, stop: &AtomicBool, request: 
             let unserved = (request.method.clone(), request.path.clone());
             state.unserved.push(unserved);
         }
-        let call = Call {
-            verb,
-            resource: &counted,
-            request,
-        };
-        let fault = state.faults.iter_mut().find_map(|fault| fault(&call));
+        let fault = state.faults.iter_mut().find_map(|fault| fault(verb));
         if let Some((status, retry_after)) = fault {
             state.note(request, verb, status);
             Some(injected(status, retry_after))

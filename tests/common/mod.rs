@@ -10,8 +10,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "kube")]
-pub mod apiserver;
-#[cfg(feature = "kube")]
 pub mod cloud;
 #[cfg(feature = "kube")]
 pub mod cluster;
