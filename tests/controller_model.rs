@@ -36,6 +36,7 @@ use metis::controller::cache::serving_index;
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
 use metis::controller::status::{self, Status};
+use metis::controller::taken::{TakenIndex, held_index};
 use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
@@ -223,17 +224,22 @@ impl Sim {
     fn decide(&self) -> Decision {
         let (pools, nncs, statuses) = self.world();
         let scope = self.scope();
-        let decision = decide::decide(&World {
+        let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
+        let before = taken.clone();
+        let world = World {
             pools: &pools,
             nncs: &nncs,
             statuses: &statuses,
             serving: &serving_index(&statuses),
+            held: &held_index(&statuses),
             absent: &self.absent,
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,
             node_grace_ms: GRACE_MS,
             scope: scope.as_ref(),
-        });
+        };
+        let decision = decide::decide(&world, &mut taken);
+        assert_eq!(taken, before, "a pass left the taken index changed");
         *self.last.borrow_mut() = Some(Seen {
             pools: self.pools.clone(),
             nncs: self.nncs.clone(),

@@ -12,6 +12,7 @@ use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::Status;
+use super::taken::{self, TakenIndex};
 use crate::cidr::Cidr;
 use crate::kube::nnc::Nnc;
 
@@ -22,6 +23,10 @@ pub struct Cache {
     /// Which nodes say they still serve each block (their statuses'
     /// `serving`): a change to the block decides them again.
     serving: BTreeMap<Cidr, BTreeSet<String>>,
+    /// Which nodes' statuses hold each block.
+    held: BTreeMap<Cidr, BTreeSet<String>>,
+    /// What the statuses and the ledgers take (lent to each pass).
+    taken: TakenIndex,
     pub nodes: BTreeSet<String>,
     /// The pools, checked against each other when one changes (not at
     /// every pass), each with its ledger as the blocks say (kept block by
@@ -65,7 +70,6 @@ impl Cache {
             Resource::Nnc => {
                 self.nncs.clear();
                 self.statuses.clear();
-                self.serving.clear();
             }
             Resource::Node => self.nodes.clear(),
             Resource::Pool => {
@@ -89,7 +93,17 @@ impl Cache {
             self.rebuild_ledgers();
         }
         self.recount_followed();
+        self.reindex();
         self.listed.insert(kind);
+    }
+
+    /// The indexes over the statuses and ledgers again, from scratch
+    /// (after a list replaced a kind whole, or the pools changed).
+    fn reindex(&mut self) {
+        self.serving = serving_index(&self.statuses);
+        self.held = taken::held_index(&self.statuses);
+        let ledgers = self.pools.iter().map(|p| &p.ledger);
+        self.taken = TakenIndex::of(&self.statuses, ledgers);
     }
 
     /// What arrives from now on arrives at `now_ms` (monotonic).
@@ -117,23 +131,26 @@ impl Cache {
         }
     }
 
-    /// The serving index follows node `name`'s status, which was `old`.
-    fn reindex_serving(&mut self, old: Option<&Status>, name: &str) {
-        for cidr in old.map_or(&[][..], |s| s.serving.as_slice()) {
-            if let Some(nodes) = self.serving.get_mut(cidr) {
-                nodes.remove(name);
-                if nodes.is_empty() {
-                    self.serving.remove(cidr);
-                }
-            }
+    /// The indexes follow node `name`'s status, which was `old`.
+    fn reindex_status(&mut self, old: Option<&Status>, name: &str) {
+        let now = self.statuses.get(name);
+        if let Some(old) = old {
+            self.taken.remove_status(old);
+            let entries = old.entries.iter().filter_map(|e| e.cidr);
+            unindex(&mut self.held, entries, name);
+            unindex(&mut self.serving, old.serving.iter().copied(), name);
         }
-        let now = self
-            .statuses
-            .get(name)
-            .map_or(&[][..], |s| s.serving.as_slice());
-        for cidr in now {
-            let nodes = self.serving.entry(*cidr).or_default();
-            nodes.insert(name.to_string());
+        if let Some(now) = now {
+            self.taken.add_status(now);
+            for cidr in now.entries.iter().filter_map(|e| e.cidr) {
+                self.held.entry(cidr).or_default().insert(name.to_string());
+            }
+            for cidr in &now.serving {
+                self.serving
+                    .entry(*cidr)
+                    .or_default()
+                    .insert(name.to_string());
+            }
         }
     }
 
@@ -207,7 +224,7 @@ impl Cache {
                 let name = nnc.meta.name.clone();
                 self.dirty.insert(name.clone());
                 let old = self.statuses.insert(name.clone(), status);
-                self.reindex_serving(old.as_ref(), &name);
+                self.reindex_status(old.as_ref(), &name);
                 self.left_status(old, Some(&name));
                 if self.nncs.insert(name.clone(), *nnc).is_none() {
                     self.follow(&name, true);
@@ -280,7 +297,7 @@ impl Cache {
                     self.follow(name, false);
                 }
                 let old = self.statuses.remove(name);
-                self.reindex_serving(old.as_ref(), name);
+                self.reindex_status(old.as_ref(), name);
                 self.left_status(old, None);
             }
             Resource::Node => {
@@ -352,18 +369,32 @@ impl Cache {
             let since = self.cooling_seen.get(&block.name).copied();
             pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
         }
+        self.reindex();
     }
 
     /// The ledgers follow block `name`, which was `old` and is now as
     /// `self.blocks` holds it (or gone).
     fn enter_ledger(&mut self, old: Option<&Block>, name: &str) {
         let pools = Arc::make_mut(&mut self.pools);
+        let in_ledgers = |pools: &[Pool], cidr: &Cidr| {
+            pools
+                .iter()
+                .any(|p| taken::ledger_cidrs(&p.ledger).any(|c| c == *cidr))
+        };
         if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref()) {
+            if in_ledgers(pools, cidr) {
+                self.taken.remove(*cidr);
+            }
             pool::leave_block(pools, cidr);
         }
         if let Some(block) = self.blocks.get(name) {
             let since = self.cooling_seen.get(name).copied();
             pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
+            if let Some((cidr, _)) = &block.spec
+                && in_ledgers(pools, cidr)
+            {
+                self.taken.add(*cidr);
+            }
         }
     }
 
@@ -486,6 +517,25 @@ impl Cache {
         Arc::clone(&self.pools)
     }
 
+    /// What the statuses and ledgers take, lent to a pass (which leaves it
+    /// as it found it): given back with [`Cache::give_back_taken`].
+    pub fn lend_taken(&mut self) -> TakenIndex {
+        #[cfg(debug_assertions)]
+        {
+            let ledgers = self.pools.iter().map(|p| &p.ledger);
+            let rebuilt = TakenIndex::of(&self.statuses, ledgers);
+            debug_assert_eq!(
+                self.taken, rebuilt,
+                "the taken index kept is not the view's"
+            );
+        }
+        std::mem::take(&mut self.taken)
+    }
+
+    pub fn give_back_taken(&mut self, taken: TakenIndex) {
+        self.taken = taken;
+    }
+
     pub fn world<'a>(
         &'a self,
         pools: &'a [Pool],
@@ -498,16 +548,38 @@ impl Cache {
             serving_index(&self.statuses),
             "the serving index kept is not the statuses'"
         );
+        debug_assert_eq!(
+            self.held,
+            taken::held_index(&self.statuses),
+            "the status index kept is not the statuses'"
+        );
         World {
             scope,
             pools,
             nncs: &self.nncs,
             statuses: &self.statuses,
             serving: &self.serving,
+            held: &self.held,
             absent: &self.absent,
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
             node_grace_ms,
+        }
+    }
+}
+
+/// `name` no longer stands for `cidrs` in `index`.
+fn unindex(
+    index: &mut BTreeMap<Cidr, BTreeSet<String>>,
+    cidrs: impl Iterator<Item = Cidr>,
+    name: &str,
+) {
+    for cidr in cidrs {
+        if let Some(nodes) = index.get_mut(&cidr) {
+            nodes.remove(name);
+            if nodes.is_empty() {
+                index.remove(&cidr);
+            }
         }
     }
 }

@@ -35,7 +35,8 @@ use super::pool::{
     BlockCounts, Cooling, FamilyRange, Pool, PoolCondition, PoolSpec, PoolStatus, Slot, Working,
 };
 use super::status::{self, Entry, ReadyRead, Status, merge_condition};
-use crate::cidr::{Cidr, Family, from_u128, to_u128};
+use super::taken::{Applied, TakenIndex, span};
+use crate::cidr::{Cidr, Family, from_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
 use crate::kube::objects::Condition;
 use crate::log::{rfc3339_millis, rfc3339_seconds};
@@ -61,6 +62,8 @@ pub struct World<'a> {
     /// Which nodes say they still serve each block (their statuses'
     /// `serving`; `cache::serving_index`).
     pub serving: &'a BTreeMap<Cidr, BTreeSet<String>>,
+    /// Which nodes' statuses hold each block (`taken::held_index`).
+    pub held: &'a BTreeMap<Cidr, BTreeSet<String>>,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
     /// missing, and since when this process saw it missing.
     pub absent: &'a BTreeMap<String, i64>,
@@ -171,80 +174,41 @@ struct Plan<'a> {
     trouble: Option<Trouble>,
 }
 
-/// Address intervals taken, per family, kept merged and sorted.
-#[derive(Default)]
-struct Taken {
-    v4: Vec<(u128, u128)>,
-    v6: Vec<(u128, u128)>,
+/// Who holds each status entry in this pass: the statuses as read, but
+/// for the nodes it decides, whose statuses are their plans.
+struct Holders<'a> {
+    read: &'a BTreeMap<Cidr, BTreeSet<String>>,
+    decided: BTreeSet<&'a str>,
+    planned: BTreeMap<Cidr, Vec<&'a str>>,
 }
 
-/// Who holds each status entry, sorted by block (the holders of one
-/// block in name order).
-type Holders<'a> = Vec<(Cidr, &'a str)>;
-
-/// Whether a status holds `cidr`.
-fn held(holders: &Holders, cidr: &Cidr) -> bool {
-    holders.binary_search_by_key(cidr, |(c, _)| *c).is_ok()
-}
-
-impl Taken {
-    /// The intervals `cidrs` take, merged: sorted once, not inserted one
-    /// by one.
-    fn of_all(mut cidrs: Vec<Cidr>) -> Taken {
-        cidrs.sort_unstable();
-        let mut taken = Taken::default();
-        for cidr in cidrs {
-            let (lo, hi) = span(&cidr);
-            let list = taken.of(cidr.family());
-            match list.last_mut() {
-                Some(last) if last.1.saturating_add(1) >= lo => last.1 = last.1.max(hi),
-                _ => list.push((lo, hi)),
-            }
-        }
-        taken
+impl<'a> Holders<'a> {
+    /// The nodes whose status holds `cidr`, in name order.
+    fn of(&self, cidr: &Cidr) -> Vec<&'a str> {
+        let read = self.read.get(cidr).into_iter().flatten();
+        let mut names: Vec<&'a str> = read
+            .map(String::as_str)
+            .filter(|n| !self.decided.contains(n))
+            .collect();
+        names.extend(self.planned.get(cidr).into_iter().flatten());
+        names.sort_unstable();
+        names
     }
 
-    fn of(&mut self, family: Family) -> &mut Vec<(u128, u128)> {
-        match family {
-            Family::V4 => &mut self.v4,
-            Family::V6 => &mut self.v6,
-        }
+    /// Whether a status holds `cidr`.
+    fn held(&self, cidr: &Cidr) -> bool {
+        self.planned.contains_key(cidr)
+            || self
+                .read
+                .get(cidr)
+                .is_some_and(|names| names.iter().any(|n| !self.decided.contains(n.as_str())))
     }
-
-    fn add(&mut self, cidr: &Cidr) {
-        let (lo, hi) = span(cidr);
-        let list = self.of(cidr.family());
-        let at = list.partition_point(|(_, end)| end.saturating_add(1) < lo);
-        let mut lo = lo;
-        let mut hi = hi;
-        let mut until = at;
-        while until < list.len() && list[until].0 <= hi.saturating_add(1) {
-            lo = lo.min(list[until].0);
-            hi = hi.max(list[until].1);
-            until += 1;
-        }
-        list.splice(at..until, [(lo, hi)]);
-    }
-
-    /// The end of the first taken interval overlapping `lo..=hi`.
-    fn overlap(&mut self, family: Family, lo: u128, hi: u128) -> Option<u128> {
-        let list = self.of(family);
-        let at = list.partition_point(|(_, end)| *end < lo);
-        list.get(at)
-            .filter(|(start, _)| *start <= hi)
-            .map(|(_, end)| *end)
-    }
-}
-
-fn span(cidr: &Cidr) -> (u128, u128) {
-    let lo = to_u128(cidr.base());
-    (lo, lo.saturating_add(cidr.size().saturating_sub(1)))
 }
 
 /// The first block of `range` that nothing takes and `skip` allows.
 fn first_free(
     range: &FamilyRange,
-    taken: &mut Taken,
+    taken: &TakenIndex,
     skip: &dyn Fn(&Cidr) -> bool,
 ) -> Option<Cidr> {
     let size = range.block_size();
@@ -311,17 +275,6 @@ fn lists_releasable_cidr(nnc: &Nnc, cidr: &Cidr) -> bool {
     !nnc.releasable.is_empty() && lists_releasable(nnc, &cidr.to_string())
 }
 
-/// The first status (by node name) holding each block.
-fn statuses_holding(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, &str> {
-    let mut holding: BTreeMap<Cidr, &str> = BTreeMap::new();
-    for (name, status) in statuses {
-        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-            holding.entry(cidr).or_insert(name);
-        }
-    }
-    holding
-}
-
 /// One pass being decided: the ledgers as they become and each node's
 /// status as it becomes.
 struct Pass<'a> {
@@ -340,23 +293,24 @@ struct Pass<'a> {
 
 /// Decides one pass. A pass over a scope decides what a pass over every
 /// node would (debug builds check it), or is one when a conflict reaches
-/// a node outside it.
-pub fn decide(world: &World) -> Decision {
+/// a node outside it. `taken` is what the world's statuses and ledgers
+/// take (`TakenIndex::of`); the pass leaves it as it found it.
+pub fn decide(world: &World, taken: &mut TakenIndex) -> Decision {
     let every_node = World {
         scope: None,
         ..*world
     };
     // A pass over every node never widens.
-    let whole = || decide_in(&every_node).unwrap_or_default();
+    let whole = |taken: &mut TakenIndex| decide_in(&every_node, taken).unwrap_or_default();
     if world.scope.is_none() {
-        return whole();
+        return whole(taken);
     }
-    let Some(decision) = decide_in(world) else {
-        return whole();
+    let Some(decision) = decide_in(world, taken) else {
+        return whole(taken);
     };
     #[cfg(debug_assertions)]
     {
-        let whole = whole();
+        let whole = whole(taken);
         let writes = |d: &Decision| {
             let of = (&d.block_writes, &d.pool_writes, &d.nnc_writes, &d.events);
             (
@@ -377,7 +331,7 @@ pub fn decide(world: &World) -> Decision {
 }
 
 /// One pass over `world`'s scope; none when a conflict reaches outside it.
-fn decide_in(world: &World) -> Option<Decision> {
+fn decide_in(world: &World, taken: &mut TakenIndex) -> Option<Decision> {
     let mut pass = Pass {
         world: *world,
         ledgers: world
@@ -394,12 +348,14 @@ fn decide_in(world: &World) -> Option<Decision> {
     pass.release();
     pass.reassert();
     pass.finish_claims();
-    let (mut taken, holders) = pass.taken();
-    pass.check_overlaps(&holders);
+    // What this pass sees taken, applied to the index until `view` drops.
+    let mut view = Applied::new(taken);
+    let holders = pass.apply_view(&mut view);
+    pass.check_overlaps(&holders, view.index());
     if pass.widen || pass.serves_outside() {
         return None;
     }
-    let waiting = pass.grant_all(&mut taken);
+    let waiting = pass.grant_all(&mut view);
     Some(pass.into_decision(&holders, &waiting))
 }
 
@@ -577,9 +533,6 @@ impl<'a> Pass<'a> {
     /// nothing (their daemon is gone).
     fn reassert(&mut self) {
         let world = self.world;
-        // Which status holds each block, read only when a block served
-        // is in no ledger (rare: most are the node's own claims).
-        let mut in_statuses: Option<BTreeMap<Cidr, &str>> = None;
         let serving: Vec<(&'a String, &'a Nnc, &'a Status)> = self
             .plans
             .values()
@@ -591,9 +544,10 @@ impl<'a> Pass<'a> {
                 if lists_releasable_cidr(nnc, cidr) || self.claimed_by(cidr, name) {
                     continue;
                 }
-                let index = in_statuses.get_or_insert_with(|| statuses_holding(world.statuses));
-                let elsewhere = index.get(cidr).filter(|n| **n != name.as_str());
-                if let Err(why) = self.keep_serving(name, cidr, elsewhere.copied())
+                // The first status (by node name) holding it, if not its own.
+                let first = world.held.get(cidr).and_then(|names| names.first());
+                let elsewhere = first.map(String::as_str).filter(|n| *n != name.as_str());
+                if let Err(why) = self.keep_serving(name, cidr, elsewhere)
                     && let Some(plan) = self.plans.get_mut(name.as_str())
                     && !matches!(plan.trouble, Some(Trouble::Gone(_)))
                 {
@@ -725,55 +679,63 @@ impl<'a> Pass<'a> {
         claims
     }
 
-    /// What every status, claim, cooling and retired block takes, and who
-    /// holds each status entry.
-    fn taken(&self) -> (Taken, Holders<'a>) {
-        let mut holders: Holders<'a> = Vec::new();
+    /// Applies to `view` what this pass changed of what is taken: the
+    /// statuses of the nodes it decides are their plans, and the ledgers
+    /// as it left them. Returns who holds each status entry now.
+    fn apply_view(&self, view: &mut Applied) -> Holders<'a> {
+        let mut planned: BTreeMap<Cidr, Vec<&'a str>> = BTreeMap::new();
         for (name, plan) in &self.plans {
-            holders.extend(plan.entries.iter().filter_map(|e| Some((e.cidr?, *name))));
+            for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
+                planned.entry(cidr).or_default().push(name);
+                view.add(cidr);
+            }
         }
-        if self.world.scope.is_some() {
-            // The nodes outside the scope hold what their statuses say.
-            for (name, status) in self.world.statuses {
-                if !self.plans.contains_key(name.as_str()) {
-                    let entries = status.entries.iter();
-                    holders.extend(entries.filter_map(|e| Some((e.cidr?, name.as_str()))));
+        for ledger in &self.ledgers {
+            for cidr in ledger.changed() {
+                if ledger.holds(cidr) {
+                    view.add(*cidr);
                 }
             }
         }
-        // The holders of one block in name order.
-        holders.sort_unstable();
-        let mut cidrs: Vec<Cidr> = holders.iter().map(|(cidr, _)| *cidr).collect();
-        for ledger in &self.ledgers {
-            cidrs.extend(ledger.claims().map(|(c, _)| c));
-            cidrs.extend(ledger.coolings().map(|(c, _)| c));
-            cidrs.extend(ledger.retired_all());
+        // Taken back only once added again: no interval is split for a
+        // block that stays.
+        for plan in self.plans.values() {
+            let read = plan.read.map_or(&[][..], |s| s.entries.as_slice());
+            for cidr in read.iter().filter_map(|e| e.cidr) {
+                view.remove(cidr);
+            }
         }
-        (Taken::of_all(cidrs), holders)
+        for ledger in &self.ledgers {
+            let read = Working::new(ledger.read);
+            for cidr in ledger.changed().filter(|c| read.holds(c)) {
+                view.remove(*cidr);
+            }
+        }
+        Holders {
+            read: self.world.held,
+            decided: self.plans.keys().copied().collect(),
+            planned,
+        }
     }
 
     /// Overlaps nobody granted are reported; blocks in a status but not
     /// claimed (a pool grown over them) are adopted.
-    fn check_overlaps(&mut self, holders: &Holders<'a>) {
-        let index = Overlaps::new(holders, &self.ledgers);
+    fn check_overlaps(&mut self, holders: &Holders<'a>, taken: &TakenIndex) {
         let pools = self.world.pools;
         let mut adopted: Vec<(usize, Cidr, &str)> = Vec::new();
-        // Borrowed apart from the plans: which nodes this pass decides.
         let scoped = self.world.scope.is_some();
-        let decided: BTreeSet<&str> = match scoped {
-            true => self.plans.keys().copied().collect(),
-            false => BTreeSet::new(),
-        };
-        for (name, plan) in self.plans.iter_mut() {
+        let mut troubles: Vec<(&'a str, Trouble)> = Vec::new();
+        for (name, plan) in self.plans.iter() {
             let mut trouble = None;
             for cidr in plan.entries.iter().filter_map(|e| e.cidr) {
-                if let Some(why) = index.conflict(name, &cidr) {
+                let takers = takers(&cidr, holders, taken, &self.ledgers);
+                if let Some(why) = conflict(name, &cidr, &takers) {
                     trouble.get_or_insert(Trouble::Conflict(why));
                     // The other status's node has this conflict too.
                     self.widen |= scoped
-                        && index.overlapping(&cidr).any(
-                            |(_, taker)| matches!(taker, Taker::Status(n) if !decided.contains(n)),
-                        );
+                        && takers.iter().any(|(_, taker)| {
+                            matches!(taker, Taker::Status(n) if !holders.decided.contains(n))
+                        });
                     continue;
                 }
                 if self.ledgers.iter().any(|l| l.claim(&cidr).is_some()) {
@@ -786,16 +748,21 @@ impl<'a> Pass<'a> {
                 });
                 if let Some(i) = adopter {
                     adopted.push((i, cidr, name));
-                    plan.blocks.insert(cidr);
                 }
             }
-            if let Some(t) = trouble
-                && plan.trouble.is_none()
-            {
-                plan.trouble = Some(t);
+            if let Some(trouble) = trouble {
+                troubles.push((name, trouble));
+            }
+        }
+        for (name, trouble) in troubles {
+            if let Some(plan) = self.plans.get_mut(name) {
+                plan.trouble.get_or_insert(trouble);
             }
         }
         for (i, cidr, name) in adopted {
+            if let Some(plan) = self.plans.get_mut(name) {
+                plan.blocks.insert(cidr);
+            }
             self.ledgers[i].set_claim(cidr, name);
         }
     }
@@ -806,7 +773,7 @@ impl<'a> Pass<'a> {
     /// refused node is told is the time its block comes free if nothing
     /// else changes, and a block coming free is one write (the grant), not
     /// one per refused node. Returns how many nodes wait on each pool.
-    fn grant_all(&mut self, taken: &mut Taken) -> BTreeMap<usize, usize> {
+    fn grant_all(&mut self, taken: &mut Applied) -> BTreeMap<usize, usize> {
         let mut waiting: BTreeMap<usize, usize> = BTreeMap::new();
         let mut promised: BTreeSet<Cidr> = BTreeSet::new();
         let world = self.world;
@@ -895,7 +862,7 @@ impl<'a> Pass<'a> {
         &mut self,
         ask: &Ask<'a>,
         serving: &[usize],
-        taken: &mut Taken,
+        taken: &mut Applied,
     ) -> Result<u128, (Vec<usize>, Vec<usize>)> {
         let pools = self.world.pools;
         let mut at_cap = Vec::new();
@@ -910,11 +877,11 @@ impl<'a> Pass<'a> {
                 continue;
             }
             let skip = |c: &Cidr| lists_releasable(ask.nnc, &c.to_string());
-            let Some(block) = first_free(range, taken, &skip) else {
+            let Some(block) = first_free(range, taken.index(), &skip) else {
                 empty.push(i);
                 continue;
             };
-            taken.add(&block);
+            taken.add(block);
             self.ledgers[i].set_claim(block, ask.name);
             let entry = granted_entry(&pools[i].name, ask.network, &block, self.world.wall_ms);
             if let Some(plan) = self.plans.get_mut(ask.name.as_str()) {
@@ -1070,8 +1037,8 @@ struct Ask<'a> {
 }
 
 /// What the grants of one pass share.
-struct GrantState<'s> {
-    taken: &'s mut Taken,
+struct GrantState<'s, 't> {
+    taken: &'s mut Applied<'t>,
     waiting: &'s mut BTreeMap<usize, usize>,
     promised: &'s mut BTreeSet<Cidr>,
 }
@@ -1204,7 +1171,7 @@ fn block_writes(
         let op = match (version, spec) {
             (None, Some(spec)) => BlockOp::Create(spec),
             (Some(version), Some(spec)) => BlockOp::Update(version.clone(), spec),
-            (Some(version), None) if !held(holders, cidr) => BlockOp::Delete(version.clone()),
+            (Some(version), None) if !holders.held(cidr) => BlockOp::Delete(version.clone()),
             _ => continue,
         };
         writes.push(BlockWrite {
@@ -1352,17 +1319,6 @@ fn split_until(message: &str) -> (&str, Option<i64>) {
     }
 }
 
-/// Who takes which addresses, sorted by family and first address, to
-/// find what overlaps a status entry without scanning every entry and
-/// block (`max_span` bounds how far back an overlapping one can start).
-struct Overlaps<'i> {
-    spans: Vec<(SpanKey, u128, Cidr, Taker<'i>)>,
-    max_span: u128,
-}
-
-/// (IPv6, first address): the index's order.
-type SpanKey = (bool, u128);
-
 #[derive(Clone, Copy)]
 enum Taker<'i> {
     Status(&'i str),
@@ -1371,80 +1327,67 @@ enum Taker<'i> {
     Retired,
 }
 
-impl<'i> Overlaps<'i> {
-    fn new(holders: &'i Holders<'i>, ledgers: &'i [Working<'i>]) -> Overlaps<'i> {
-        let mut spans = Vec::new();
-        let mut push = |cidr: &Cidr, taker| {
-            let (lo, hi) = span(cidr);
-            spans.push(((cidr.family() == Family::V6, lo), hi, *cidr, taker));
-        };
-        for (cidr, name) in holders {
-            push(cidr, Taker::Status(name));
-        }
+/// What takes a block overlapping `cidr` (`taken`: everything taken in
+/// this pass), each block's takers together: blocks by first and last
+/// address, a block's statuses (by name) before the ledgers' states.
+fn takers<'i>(
+    cidr: &Cidr,
+    holders: &Holders<'i>,
+    taken: &TakenIndex,
+    ledgers: &'i [Working<'i>],
+) -> Vec<(Cidr, Taker<'i>)> {
+    let mut others = taken.overlapping(cidr);
+    others.sort_unstable_by_key(span);
+    let mut found = Vec::new();
+    for other in others {
+        let statuses = holders.of(&other).into_iter().map(Taker::Status);
+        found.extend(statuses.map(|t| (other, t)));
         for ledger in ledgers {
-            for (cidr, holder) in ledger.claims() {
-                push(cidr, Taker::Claim(&holder.node));
+            if let Some(holder) = ledger.claim(&other) {
+                found.push((other, Taker::Claim(&holder.node)));
             }
-            for (cidr, cooling) in ledger.coolings() {
-                push(cidr, Taker::Cooling(&cooling.node));
+            if let Some(cooling) = ledger.cooling(&other) {
+                found.push((other, Taker::Cooling(&cooling.node)));
             }
-            for cidr in ledger.retired_all() {
-                push(cidr, Taker::Retired);
-            }
-        }
-        spans.sort_by_key(|(key, hi, _, _)| (*key, *hi));
-        let max_span = spans
-            .iter()
-            .map(|((_, lo), hi, _, _)| hi - lo)
-            .max()
-            .unwrap_or(0);
-        Overlaps { spans, max_span }
-    }
-
-    /// Why `cidr` in `name`'s status is an overlap nobody granted, if it
-    /// is: another status holds an overlapping block, or another node's
-    /// claim, a cooling or a retired block overlaps it.
-    fn conflict(&self, name: &str, cidr: &Cidr) -> Option<String> {
-        let mut found: Option<(u8, String)> = None;
-        for (other, taker) in self.overlapping(cidr) {
-            let (rank, why) = match taker {
-                Taker::Status(n) if *n != name || other != cidr => (
-                    0,
-                    format!("podCIDR {cidr} overlaps {other} in the status of {n}"),
-                ),
-                Taker::Claim(node) if *node != name => (
-                    1,
-                    format!("podCIDR {cidr} overlaps {other}, granted to {node}"),
-                ),
-                Taker::Cooling(node) => (
-                    2,
-                    format!("podCIDR {cidr} overlaps {other}, released by {node} and cooling"),
-                ),
-                Taker::Retired => (
-                    3,
-                    format!("podCIDR {cidr} overlaps {other}, which is NonReusable"),
-                ),
-                _ => continue,
-            };
-            if found.as_ref().is_none_or(|(r, _)| rank < *r) {
-                found = Some((rank, why));
+            if ledger.retired(&other) {
+                found.push((other, Taker::Retired));
             }
         }
-        found.map(|(_, why)| why)
     }
+    found
+}
 
-    /// What overlaps `cidr`: each block and who takes it.
-    fn overlapping(&self, cidr: &Cidr) -> impl Iterator<Item = (&Cidr, &Taker<'i>)> {
-        let (lo, hi) = span(cidr);
-        let v6 = cidr.family() == Family::V6;
-        let end = self.spans.partition_point(|(key, ..)| *key <= (v6, hi));
-        let earliest = (v6, lo.saturating_sub(self.max_span));
-        let from = self.spans.partition_point(|(key, ..)| *key < earliest);
-        self.spans[from..end]
-            .iter()
-            .filter(move |((family, start), stop, ..)| *family == v6 && *stop >= lo && *start <= hi)
-            .map(|(_, _, other, taker)| (other, taker))
+/// Why `cidr` in `name`'s status is an overlap nobody granted, if it is
+/// (`takers`: what overlaps it): another status holds an overlapping
+/// block, or another node's claim, a cooling or a retired block overlaps
+/// it.
+fn conflict(name: &str, cidr: &Cidr, takers: &[(Cidr, Taker)]) -> Option<String> {
+    let mut found: Option<(u8, String)> = None;
+    for (other, taker) in takers {
+        let (rank, why) = match taker {
+            Taker::Status(n) if *n != name || other != cidr => (
+                0,
+                format!("podCIDR {cidr} overlaps {other} in the status of {n}"),
+            ),
+            Taker::Claim(node) if *node != name => (
+                1,
+                format!("podCIDR {cidr} overlaps {other}, granted to {node}"),
+            ),
+            Taker::Cooling(node) => (
+                2,
+                format!("podCIDR {cidr} overlaps {other}, released by {node} and cooling"),
+            ),
+            Taker::Retired => (
+                3,
+                format!("podCIDR {cidr} overlaps {other}, which is NonReusable"),
+            ),
+            _ => continue,
+        };
+        if found.as_ref().is_none_or(|(r, _)| rank < *r) {
+            found = Some((rank, why));
+        }
     }
+    found.map(|(_, why)| why)
 }
 
 fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
@@ -1647,10 +1590,7 @@ fn pool_status(pool: &Pool, ledger: &Working, waiting: usize, now: i64) -> (Stri
 
 /// The blocks of one range by state.
 fn block_counts(range: &FamilyRange, ledger: &Working) -> BlockCounts {
-    let inside = |c: &&Cidr| range.is_block(c);
-    let granted = ledger.claims().map(|(c, _)| c).filter(inside).count() as u128;
-    let cooling = ledger.coolings().map(|(c, _)| c).filter(inside).count() as u128;
-    let retired = ledger.retired_all().filter(inside).count() as u128;
+    let [granted, cooling, retired] = ledger.tally(range).map(u128::from);
     let free = range
         .blocks_total()
         .saturating_sub(granted + cooling + retired);
@@ -1682,7 +1622,6 @@ fn describe(spec: &PoolSpec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::pool::Ledger;
 
     fn pool(status: Value) -> Pool {
         Pool::parse(&json!({
@@ -1700,21 +1639,24 @@ mod tests {
     /// write the pool).
     #[test]
     fn a_pool_status_holds_counts_only_and_reads_back_as_the_same_text() {
-        let mut ledger = Ledger::default();
-        for (i, cidr) in ["198.18.0.0/28", "198.18.0.16/28", "2001:db8::10/124"]
-            .iter()
-            .enumerate()
-        {
-            ledger.claim(cidr.parse().unwrap(), &format!("n{i}"));
-        }
-        let cooling = Cooling {
-            node: "b".into(),
-            since_ms: 0,
-            node_gone: false,
-        };
-        ledger
-            .cooling
-            .insert("198.18.0.32/28".parse().unwrap(), cooling);
+        // Entered as the blocks' objects say, as the cache enters them.
+        let blocks = [
+            ("198.18.0.0/28", "Granted"),
+            ("198.18.0.16/28", "Granted"),
+            ("2001:db8::10/124", "Granted"),
+            ("198.18.0.32/28", "Cooling"),
+            ("198.18.9.0/28", "Granted"),
+        ]
+        .map(|(cidr, state)| {
+            let name = block::block_name(&cidr.parse().unwrap());
+            crate::controller::block::Block::parse(json!({
+                "metadata": {"name": name, "resourceVersion": "1"},
+                "spec": {"pool": "p", "network": "default", "cidr": cidr, "node": "n",
+                         "state": state, "reason": state}}))
+        });
+        let pools =
+            crate::controller::pool::with_ledgers(&[pool(json!({}))], &blocks, &BTreeMap::new(), 0);
+        let ledger = pools[0].ledger.clone();
         let now = 1_795_971_700_000;
         let (text, gauges) = pool_status(&pool(json!({})), &Working::new(&ledger), 2, now);
         let tree: Value = serde_json::from_str(&text).unwrap();
@@ -1800,17 +1742,21 @@ mod tests {
             let nncs = BTreeMap::from([("n0".to_string(), n0)]);
             let statuses = BTreeMap::from([("n0".to_string(), status)]);
             let pools = [p.clone()];
-            let decision = decide(&World {
-                pools: &pools,
-                nncs: &nncs,
-                statuses: &statuses,
-                serving: &crate::controller::cache::serving_index(&statuses),
-                absent: &BTreeMap::new(),
-                now_ms: 2_000,
-                wall_ms: 1_795_971_700_000,
-                node_grace_ms: 60_000,
-                scope: None,
-            });
+            let decision = decide(
+                &World {
+                    pools: &pools,
+                    nncs: &nncs,
+                    statuses: &statuses,
+                    serving: &crate::controller::cache::serving_index(&statuses),
+                    held: &crate::controller::taken::held_index(&statuses),
+                    absent: &BTreeMap::new(),
+                    now_ms: 2_000,
+                    wall_ms: 1_795_971_700_000,
+                    node_grace_ms: 60_000,
+                    scope: None,
+                },
+                &mut TakenIndex::of(&statuses, pools.iter().map(|p: &Pool| &p.ledger)),
+            );
             assert!(
                 decision.block_writes.is_empty(),
                 "{releasable}: {decision:?}"
@@ -1841,17 +1787,21 @@ mod tests {
         let nncs = BTreeMap::from([("n0".to_string(), *nnc)]);
         let statuses = BTreeMap::from([("n0".to_string(), status)]);
         let wall_ms = 1_795_971_700_000;
-        let decision = decide(&World {
-            pools: &[],
-            nncs: &nncs,
-            statuses: &statuses,
-            serving: &crate::controller::cache::serving_index(&statuses),
-            absent: &BTreeMap::new(),
-            now_ms: 2_000,
-            wall_ms,
-            node_grace_ms: 60_000,
-            scope: None,
-        });
+        let decision = decide(
+            &World {
+                pools: &[],
+                nncs: &nncs,
+                statuses: &statuses,
+                serving: &crate::controller::cache::serving_index(&statuses),
+                held: &crate::controller::taken::held_index(&statuses),
+                absent: &BTreeMap::new(),
+                now_ms: 2_000,
+                wall_ms,
+                node_grace_ms: 60_000,
+                scope: None,
+            },
+            &mut TakenIndex::of(&statuses, std::iter::empty().map(|p: &Pool| &p.ledger)),
+        );
         let [write] = decision.nnc_writes.as_slice() else {
             panic!("one status write: {decision:?}")
         };
@@ -1868,17 +1818,21 @@ mod tests {
         // Written back, it stands: the next pass writes nothing.
         let again = Status::parse(written);
         let statuses = BTreeMap::from([("n0".to_string(), again)]);
-        let decision = decide(&World {
-            pools: &[],
-            nncs: &nncs,
-            statuses: &statuses,
-            serving: &crate::controller::cache::serving_index(&statuses),
-            absent: &BTreeMap::new(),
-            now_ms: 3_000,
-            wall_ms: wall_ms + 1_000,
-            node_grace_ms: 60_000,
-            scope: None,
-        });
+        let decision = decide(
+            &World {
+                pools: &[],
+                nncs: &nncs,
+                statuses: &statuses,
+                serving: &crate::controller::cache::serving_index(&statuses),
+                held: &crate::controller::taken::held_index(&statuses),
+                absent: &BTreeMap::new(),
+                now_ms: 3_000,
+                wall_ms: wall_ms + 1_000,
+                node_grace_ms: 60_000,
+                scope: None,
+            },
+            &mut TakenIndex::of(&statuses, std::iter::empty().map(|p: &Pool| &p.ledger)),
+        );
         assert!(decision.nnc_writes.is_empty(), "{decision:?}");
     }
 

@@ -17,6 +17,7 @@ pub mod pool;
 pub mod retry;
 pub mod run;
 pub mod status;
+pub mod taken;
 pub mod writer;
 
 pub use run::{Config, parse_config, run, usage};

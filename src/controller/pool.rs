@@ -110,6 +110,9 @@ pub struct Ledger {
     pub versions: BTreeMap<Cidr, String>,
     /// The claims by node: a pass reads one node's without walking all.
     pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
+    /// The blocks of the pool's range of each family (IPv4, IPv6) in each
+    /// state ([`Working::state`]): its counts without a walk.
+    pub tally: [[u64; 3]; 2],
 }
 
 /// A pool's status as the controller writes it. Fields in key order, so
@@ -396,6 +399,7 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
     let Some(i) = pool_index(pools, cidr, &spec.pool) else {
         return;
     };
+    let counted = in_range(&pools[i], cidr);
     let ledger = &mut pools[i].ledger;
     ledger
         .versions
@@ -412,11 +416,34 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
         }
         BlockState::NonReusable => ledger.non_reusable.push(*cidr),
     }
+    let state = match spec.state {
+        BlockState::Granted => 0,
+        BlockState::Cooling => 1,
+        BlockState::NonReusable => 2,
+    };
+    if counted {
+        ledger.tally[family_slot(cidr)][state] += 1;
+    }
+}
+
+/// Whether `cidr` is a block of `pool`'s range (what its counts count).
+fn in_range(pool: &Pool, cidr: &Cidr) -> bool {
+    let spec = pool.spec.as_ref();
+    spec.is_ok_and(|s| s.range(cidr.family()).is_some_and(|r| r.is_block(cidr)))
+}
+
+fn family_slot(cidr: &Cidr) -> usize {
+    usize::from(cidr.family() == Family::V6)
 }
 
 /// Takes `cidr`'s block out of every ledger (its object changed or left).
 pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
     for pool in pools {
+        let state = Working::new(&pool.ledger).state(cidr);
+        if let Some(state) = state.filter(|_| in_range(pool, cidr)) {
+            let tally = &mut pool.ledger.tally[family_slot(cidr)][state];
+            *tally = tally.saturating_sub(1);
+        }
         let ledger = &mut pool.ledger;
         ledger.versions.remove(cidr);
         if let Some(holder) = ledger.claims.remove(cidr)
@@ -502,6 +529,40 @@ impl<'r> Working<'r> {
             Some(slot) => matches!(slot, Some(Slot::Retired)),
             None => self.read.non_reusable.contains(cidr),
         }
+    }
+
+    /// Whether `cidr` is in the ledger, in any state.
+    pub fn holds(&self, cidr: &Cidr) -> bool {
+        self.state(cidr).is_some()
+    }
+
+    /// `cidr`'s state: 0 granted, 1 cooling, 2 retired (the order of
+    /// [`Ledger::tally`]).
+    pub fn state(&self, cidr: &Cidr) -> Option<usize> {
+        if self.claim(cidr).is_some() {
+            Some(0)
+        } else if self.cooling(cidr).is_some() {
+            Some(1)
+        } else {
+            self.retired(cidr).then_some(2)
+        }
+    }
+
+    /// The blocks of `range` in each state, as the pass left them: the
+    /// ledger's tally and what the pass changed.
+    pub fn tally(&self, range: &FamilyRange) -> [u64; 3] {
+        let slot = usize::from(range.family == Family::V6);
+        let mut tally = self.read.tally[slot];
+        let read = Working::new(self.read);
+        for cidr in self.changed().filter(|c| range.is_block(c)) {
+            if let Some(state) = read.state(cidr) {
+                tally[state] = tally[state].saturating_sub(1);
+            }
+            if let Some(state) = self.state(cidr) {
+                tally[state] += 1;
+            }
+        }
+        tally
     }
 
     /// Sets `cidr`'s state (`None`: out of the ledger).

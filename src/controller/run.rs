@@ -508,9 +508,11 @@ impl<'c> Controller<'c> {
             self.resync_at = started + RESYNC_INTERVAL;
         }
         let pools = self.cache.pools_with_ledgers();
+        let mut taken = self.cache.lend_taken();
         let world = self.cache.world(&pools, clock, grace_ms, scope.as_ref());
-        let mut decision = decide(&world);
+        let mut decision = decide(&world, &mut taken);
         drop(pools);
+        self.cache.give_back_taken(taken);
         self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);

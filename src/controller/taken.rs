@@ -1,0 +1,377 @@
+//! What the statuses and the ledgers take, kept as objects come and go:
+//! every CIDR counted once per status entry or ledger block naming it, and
+//! the address intervals they cover, merged. A pass finds a free block and
+//! what overlaps an entry in a few lookups instead of a walk over every
+//! entry and block; it applies its own changes and takes them back after
+//! ([`Applied`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::pool::Ledger;
+use super::status::Status;
+use crate::cidr::{Cidr, Family, to_u128};
+
+/// (IPv6, first address, prefix length): the count's order, so that the
+/// CIDRs starting inside an interval are one range.
+type Key = (bool, u128, u8);
+
+/// The CIDRs taken, counted, and their intervals merged.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TakenIndex {
+    count: BTreeMap<Key, (Cidr, u32)>,
+    /// How many counted CIDRs have each (IPv6, prefix length): the lengths
+    /// a CIDR containing another can have.
+    lengths: BTreeMap<(bool, u8), u32>,
+    /// Per family (IPv4, IPv6): first address → last, disjoint and not
+    /// adjacent.
+    merged: [BTreeMap<u128, u128>; 2],
+}
+
+fn key(cidr: &Cidr) -> Key {
+    (
+        cidr.family() == Family::V6,
+        to_u128(cidr.base()),
+        cidr.prefix_len(),
+    )
+}
+
+/// The first and last address of `cidr`.
+pub fn span(cidr: &Cidr) -> (u128, u128) {
+    let lo = to_u128(cidr.base());
+    (lo, lo.saturating_add(cidr.size().saturating_sub(1)))
+}
+
+fn slot(family: Family) -> usize {
+    usize::from(family == Family::V6)
+}
+
+impl TakenIndex {
+    /// What `statuses` and `ledgers` take.
+    pub fn of<'l>(
+        statuses: &BTreeMap<String, Status>,
+        ledgers: impl IntoIterator<Item = &'l Ledger>,
+    ) -> TakenIndex {
+        let mut index = TakenIndex::default();
+        for status in statuses.values() {
+            index.add_status(status);
+        }
+        for ledger in ledgers {
+            for cidr in ledger_cidrs(ledger) {
+                index.add(cidr);
+            }
+        }
+        index
+    }
+
+    pub fn add_status(&mut self, status: &Status) {
+        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+            self.add(cidr);
+        }
+    }
+
+    pub fn remove_status(&mut self, status: &Status) {
+        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+            self.remove(cidr);
+        }
+    }
+
+    /// One taker more of `cidr`.
+    pub fn add(&mut self, cidr: Cidr) {
+        let entry = self.count.entry(key(&cidr)).or_insert((cidr, 0));
+        entry.1 += 1;
+        if entry.1 > 1 {
+            return;
+        }
+        let (v6, _, len) = key(&cidr);
+        *self.lengths.entry((v6, len)).or_default() += 1;
+        let (lo, hi) = span(&cidr);
+        self.merge(slot(cidr.family()), lo, hi);
+    }
+
+    /// One taker less of `cidr` (none counted: nothing).
+    pub fn remove(&mut self, cidr: Cidr) {
+        let k = key(&cidr);
+        let Some(entry) = self.count.get_mut(&k) else {
+            return;
+        };
+        entry.1 -= 1;
+        if entry.1 > 0 {
+            return;
+        }
+        self.count.remove(&k);
+        let length = (k.0, k.2);
+        if let Some(n) = self.lengths.get_mut(&length) {
+            *n -= 1;
+            if *n == 0 {
+                self.lengths.remove(&length);
+            }
+        }
+        self.uncover(cidr);
+    }
+
+    /// Takes `cidr`, counted no more, out of the merged intervals. Two
+    /// prefixes overlap only when one holds the other, so the interval
+    /// loses at most what of `cidr` the prefixes inside it do not cover
+    /// (nothing, when one holding it is still counted).
+    fn uncover(&mut self, cidr: Cidr) {
+        let rest = self.overlapping(&cidr);
+        if rest.iter().any(|c| c.prefix_len() <= cidr.prefix_len()) {
+            return;
+        }
+        let merged = &mut self.merged[slot(cidr.family())];
+        let (lo, hi) = span(&cidr);
+        let Some((&start, &end)) = merged.range(..=lo).next_back() else {
+            return;
+        };
+        merged.remove(&start);
+        let mut pieces: Vec<(u128, u128)> = rest.iter().map(span).collect();
+        pieces.sort_unstable();
+        if start < lo {
+            pieces.insert(0, (start, lo - 1));
+        }
+        if hi < end {
+            pieces.push((hi + 1, end));
+        }
+        let mut run: Option<(u128, u128)> = None;
+        for (piece_lo, piece_hi) in pieces {
+            match &mut run {
+                Some((_, run_hi)) if run_hi.saturating_add(1) >= piece_lo => {
+                    *run_hi = (*run_hi).max(piece_hi);
+                }
+                _ => {
+                    if let Some((run_lo, run_hi)) = run {
+                        merged.insert(run_lo, run_hi);
+                    }
+                    run = Some((piece_lo, piece_hi));
+                }
+            }
+        }
+        if let Some((run_lo, run_hi)) = run {
+            merged.insert(run_lo, run_hi);
+        }
+    }
+
+    fn merge(&mut self, family: usize, lo: u128, hi: u128) {
+        let merged = &mut self.merged[family];
+        let (mut lo, mut hi) = (lo, hi);
+        if let Some((&start, &end)) = merged.range(..=lo).next_back()
+            && end.saturating_add(1) >= lo
+        {
+            lo = start;
+            hi = hi.max(end);
+            merged.remove(&start);
+        }
+        while let Some((&start, &end)) = merged.range(lo..).next() {
+            if start > hi.saturating_add(1) {
+                break;
+            }
+            hi = hi.max(end);
+            merged.remove(&start);
+        }
+        merged.insert(lo, hi);
+    }
+
+    /// The end of the first taken interval overlapping `lo..=hi`.
+    pub fn overlap(&self, family: Family, lo: u128, hi: u128) -> Option<u128> {
+        let merged = &self.merged[slot(family)];
+        if let Some((_, &end)) = merged.range(..=lo).next_back()
+            && end >= lo
+        {
+            return Some(end);
+        }
+        merged.range(lo..=hi).next().map(|(_, &end)| end)
+    }
+
+    /// The counted CIDRs overlapping `cidr`: those starting inside it, and
+    /// those containing it (looked up by the lengths counted).
+    pub fn overlapping(&self, cidr: &Cidr) -> Vec<Cidr> {
+        let (v6, lo, len) = key(cidr);
+        let (_, hi) = span(cidr);
+        let inside = self.count.range((v6, lo, 0)..=(v6, hi, u8::MAX));
+        let mut found: Vec<Cidr> = inside.map(|(_, (c, _))| *c).collect();
+        let wider = self.lengths.range((v6, 0)..(v6, len)).map(|((_, l), _)| *l);
+        for length in wider {
+            let bits = if v6 { 128 } else { 32 };
+            let shift = u32::from(bits - length);
+            let base = lo.checked_shr(shift).map_or(0, |b| b << shift);
+            // One starting where `cidr` does is among those inside.
+            if base < lo
+                && let Some((c, _)) = self.count.get(&(v6, base, length))
+            {
+                found.push(*c);
+            }
+        }
+        found
+    }
+}
+
+/// The blocks a ledger holds in any state.
+pub fn ledger_cidrs(ledger: &Ledger) -> impl Iterator<Item = Cidr> + '_ {
+    let claims = ledger.claims.keys();
+    claims
+        .chain(ledger.cooling.keys())
+        .chain(&ledger.non_reusable)
+        .copied()
+}
+
+/// Which nodes' statuses hold each block.
+pub fn held_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, BTreeSet<String>> {
+    let mut index: BTreeMap<Cidr, BTreeSet<String>> = BTreeMap::new();
+    for (name, status) in statuses {
+        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+            index.entry(cidr).or_default().insert(name.clone());
+        }
+    }
+    index
+}
+
+/// Changes applied to an index for one pass, taken back when dropped (the
+/// index is then exactly as before: it is a function of its counts).
+pub struct Applied<'t> {
+    index: &'t mut TakenIndex,
+    /// Each change: the CIDR, and whether it was added.
+    done: Vec<(Cidr, bool)>,
+}
+
+impl<'t> Applied<'t> {
+    pub fn new(index: &'t mut TakenIndex) -> Applied<'t> {
+        Applied {
+            index,
+            done: Vec::new(),
+        }
+    }
+
+    pub fn add(&mut self, cidr: Cidr) {
+        self.index.add(cidr);
+        self.done.push((cidr, true));
+    }
+
+    /// One taker less (only of a CIDR counted).
+    pub fn remove(&mut self, cidr: Cidr) {
+        if self.index.count.contains_key(&key(&cidr)) {
+            self.index.remove(cidr);
+            self.done.push((cidr, false));
+        }
+    }
+
+    pub fn index(&self) -> &TakenIndex {
+        self.index
+    }
+}
+
+impl Drop for Applied<'_> {
+    fn drop(&mut self) {
+        for (cidr, added) in self.done.drain(..).rev() {
+            match added {
+                true => self.index.remove(cidr),
+                false => self.index.add(cidr),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::Rng;
+
+    /// The union of the counted spans, merged by a sort.
+    fn merged_of(index: &TakenIndex) -> [BTreeMap<u128, u128>; 2] {
+        let mut spans: Vec<(usize, u128, u128)> = index
+            .count
+            .values()
+            .map(|(c, _)| (slot(c.family()), span(c).0, span(c).1))
+            .collect();
+        spans.sort_unstable();
+        let mut merged: [BTreeMap<u128, u128>; 2] = Default::default();
+        let mut last: Option<(usize, u128, u128)> = None;
+        for (family, lo, hi) in spans {
+            match &mut last {
+                Some((f, _, end)) if *f == family && end.saturating_add(1) >= lo => {
+                    *end = (*end).max(hi)
+                }
+                _ => {
+                    if let Some((f, start, end)) = last {
+                        merged[f].insert(start, end);
+                    }
+                    last = Some((family, lo, hi));
+                }
+            }
+        }
+        if let Some((f, start, end)) = last {
+            merged[f].insert(start, end);
+        }
+        merged
+    }
+
+    fn overlapping_by_walk(index: &TakenIndex, cidr: &Cidr) -> BTreeSet<Cidr> {
+        let all = index.count.values().map(|(c, _)| *c);
+        all.filter(|c| c.overlaps(cidr)).collect()
+    }
+
+    /// Random adds and removes of nested and adjacent CIDRs of both
+    /// families: after each, the merged intervals are those a fresh index
+    /// makes, overlaps are those a walk finds, and taking an [`Applied`]'s
+    /// changes back leaves the index as it was.
+    #[test]
+    fn kept_change_by_change_it_is_what_a_fresh_count_makes() {
+        let mut rng = Rng(7);
+        // Nested, adjacent and overlapping prefixes of 198.18.0.0/22 and
+        // 2001:db8::/116.
+        let pick = |rng: &mut Rng| -> Cidr {
+            let below = |rng: &mut Rng, n: u64| u128::from(rng.below(n));
+            let (family, bits, len, address) = match rng.below(4) {
+                0 => (
+                    Family::V6,
+                    128,
+                    120 + below(rng, 9),
+                    (0x2001_0db8 << 96) | below(rng, 4096),
+                ),
+                _ => (
+                    Family::V4,
+                    32,
+                    22 + below(rng, 11),
+                    0xc612_0000 | below(rng, 1024),
+                ),
+            };
+            let host = bits - len;
+            let base = crate::cidr::from_u128(family, address >> host << host);
+            Cidr::new(base, u8::try_from(len).unwrap()).unwrap()
+        };
+        let mut index = TakenIndex::default();
+        let mut held: Vec<Cidr> = Vec::new();
+        for step in 0..3000 {
+            if held.is_empty() || rng.below(3) > 0 {
+                let cidr = pick(&mut rng);
+                index.add(cidr);
+                held.push(cidr);
+            } else {
+                let at = rng.below(u64::try_from(held.len()).unwrap());
+                let cidr = held.swap_remove(usize::try_from(at).unwrap());
+                index.remove(cidr);
+            }
+            assert_eq!(index.merged, merged_of(&index), "step {step}");
+            let probe = pick(&mut rng);
+            let found: BTreeSet<Cidr> = index.overlapping(&probe).into_iter().collect();
+            let walked = overlapping_by_walk(&index, &probe);
+            assert_eq!(found, walked, "step {step}");
+            // The first interval overlapping the probe ends where the
+            // merged union says.
+            let (lo, hi) = span(&probe);
+            let union = &merged_of(&index)[slot(probe.family())];
+            let first = union.iter().find(|(s, e)| **e >= lo && **s <= hi);
+            let end = index.overlap(probe.family(), lo, hi);
+            assert_eq!(end, first.map(|(_, e)| *e), "step {step}");
+            if step % 100 == 0 {
+                let before = index.clone();
+                let mut applied = Applied::new(&mut index);
+                for cidr in held.iter().take(5) {
+                    applied.remove(*cidr);
+                }
+                applied.add(pick(&mut rng));
+                drop(applied);
+                assert_eq!(index, before, "step {step}");
+            }
+        }
+    }
+}
