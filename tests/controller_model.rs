@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
-use metis::controller::cache::serving_index;
+use metis::controller::cache::{serving_index, told_index};
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
 use metis::controller::status::{self, Status};
@@ -232,6 +232,7 @@ impl Sim {
             statuses: &statuses,
             serving: &serving_index(&statuses),
             held: &held_index(&statuses),
+            told: &told_index(&statuses),
             absent: &self.absent,
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,

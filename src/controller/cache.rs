@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
-use super::pool::{self, Ledger, Pool, PoolSpec};
+use super::pool::{self, Ledger, Pool, PoolSpec, Working};
 use super::status::Status;
 use super::taken::{self, TakenIndex};
 use crate::cidr::Cidr;
@@ -25,6 +25,8 @@ pub struct Cache {
     serving: BTreeMap<Cidr, BTreeSet<String>>,
     /// Which nodes' statuses hold each block.
     held: BTreeMap<Cidr, BTreeSet<String>>,
+    /// The refused nodes told a time their refusal stands until.
+    told: BTreeMap<String, i64>,
     /// What the statuses and the ledgers take (lent to each pass).
     taken: TakenIndex,
     pub nodes: BTreeSet<String>,
@@ -102,6 +104,7 @@ impl Cache {
     fn reindex(&mut self) {
         self.serving = serving_index(&self.statuses);
         self.held = taken::held_index(&self.statuses);
+        self.told = told_index(&self.statuses);
         let ledgers = self.pools.iter().map(|p| &p.ledger);
         self.taken = TakenIndex::of(&self.statuses, ledgers);
     }
@@ -134,6 +137,10 @@ impl Cache {
     /// The indexes follow node `name`'s status, which was `old`.
     fn reindex_status(&mut self, old: Option<&Status>, name: &str) {
         let now = self.statuses.get(name);
+        match now.and_then(|s| s.told_until) {
+            Some(until) => self.told.insert(name.to_string(), until),
+            None => self.told.remove(name),
+        };
         if let Some(old) = old {
             self.taken.remove_status(old);
             let entries = old.entries.iter().filter_map(|e| e.cidr);
@@ -376,11 +383,8 @@ impl Cache {
     /// `self.blocks` holds it (or gone).
     fn enter_ledger(&mut self, old: Option<&Block>, name: &str) {
         let pools = Arc::make_mut(&mut self.pools);
-        let in_ledgers = |pools: &[Pool], cidr: &Cidr| {
-            pools
-                .iter()
-                .any(|p| taken::ledger_cidrs(&p.ledger).any(|c| c == *cidr))
-        };
+        let in_ledgers =
+            |pools: &[Pool], cidr: &Cidr| pools.iter().any(|p| Working::new(&p.ledger).holds(cidr));
         if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref()) {
             if in_ledgers(pools, cidr) {
                 self.taken.remove(*cidr);
@@ -553,6 +557,7 @@ impl Cache {
             taken::held_index(&self.statuses),
             "the status index kept is not the statuses'"
         );
+        debug_assert_eq!(self.told, told_index(&self.statuses));
         World {
             scope,
             pools,
@@ -560,6 +565,7 @@ impl Cache {
             statuses: &self.statuses,
             serving: &self.serving,
             held: &self.held,
+            told: &self.told,
             absent: &self.absent,
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
@@ -582,6 +588,14 @@ fn unindex(
             }
         }
     }
+}
+
+/// The time each refused node was told its refusal stands until.
+pub fn told_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<String, i64> {
+    let told = statuses
+        .iter()
+        .filter_map(|(n, s)| Some((n.clone(), s.told_until?)));
+    told.collect()
 }
 
 /// Which nodes say they still serve each block, from their statuses.

@@ -64,6 +64,9 @@ pub struct World<'a> {
     pub serving: &'a BTreeMap<Cidr, BTreeSet<String>>,
     /// Which nodes' statuses hold each block (`taken::held_index`).
     pub held: &'a BTreeMap<Cidr, BTreeSet<String>>,
+    /// The time (wall ms) each refused node was told its refusal stands
+    /// until (`cache::told_index`).
+    pub told: &'a BTreeMap<String, i64>,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
     /// missing, and since when this process saw it missing.
     pub absent: &'a BTreeMap<String, i64>,
@@ -1291,12 +1294,9 @@ fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
         .map(|since| since.saturating_add(world.node_grace_ms));
     // A refusal told "until" a time is rewritten once it passed (the node
     // stops failing fast then and waits for the next answer).
-    let told = world.statuses.values().filter_map(|status| {
-        let wall = status.told_until?;
-        Some(
-            wall.saturating_sub(world.wall_ms)
-                .saturating_add(world.now_ms),
-        )
+    let told = world.told.values().map(|wall| {
+        wall.saturating_sub(world.wall_ms)
+            .saturating_add(world.now_ms)
     });
     cooled
         .chain(graced)
@@ -1749,6 +1749,7 @@ mod tests {
                     statuses: &statuses,
                     serving: &crate::controller::cache::serving_index(&statuses),
                     held: &crate::controller::taken::held_index(&statuses),
+                    told: &crate::controller::cache::told_index(&statuses),
                     absent: &BTreeMap::new(),
                     now_ms: 2_000,
                     wall_ms: 1_795_971_700_000,
@@ -1794,6 +1795,7 @@ mod tests {
                 statuses: &statuses,
                 serving: &crate::controller::cache::serving_index(&statuses),
                 held: &crate::controller::taken::held_index(&statuses),
+                told: &crate::controller::cache::told_index(&statuses),
                 absent: &BTreeMap::new(),
                 now_ms: 2_000,
                 wall_ms,
@@ -1825,6 +1827,7 @@ mod tests {
                 statuses: &statuses,
                 serving: &crate::controller::cache::serving_index(&statuses),
                 held: &crate::controller::taken::held_index(&statuses),
+                told: &crate::controller::cache::told_index(&statuses),
                 absent: &BTreeMap::new(),
                 now_ms: 3_000,
                 wall_ms: wall_ms + 1_000,
