@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
-use super::pool::{self, Ledger, Pool, PoolSpec, Working};
+use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::Status;
 use super::taken::{self, TakenIndex};
 use crate::cidr::Cidr;
@@ -384,7 +384,7 @@ impl Cache {
     fn enter_ledger(&mut self, old: Option<&Block>, name: &str) {
         let pools = Arc::make_mut(&mut self.pools);
         let in_ledgers =
-            |pools: &[Pool], cidr: &Cidr| pools.iter().any(|p| Working::new(&p.ledger).holds(cidr));
+            |pools: &[Pool], cidr: &Cidr| pools.iter().any(|p| p.ledger.held(cidr).is_some());
         if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref()) {
             if in_ledgers(pools, cidr) {
                 self.taken.remove(*cidr);

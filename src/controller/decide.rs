@@ -32,7 +32,8 @@ use serde_json::{Value, json};
 
 use super::block::{self, BlockSpec, BlockState, GRANTED, NODE_GONE, RELEASED};
 use super::pool::{
-    BlockCounts, Cooling, FamilyRange, Pool, PoolCondition, PoolSpec, PoolStatus, Slot, Working,
+    BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
+    Working,
 };
 use super::status::{self, Entry, ReadyRead, Status, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
@@ -709,8 +710,7 @@ impl<'a> Pass<'a> {
             }
         }
         for ledger in &self.ledgers {
-            let read = Working::new(ledger.read);
-            for cidr in ledger.changed().filter(|c| read.holds(c)) {
+            for cidr in ledger.changed().filter(|c| ledger.read.held(c).is_some()) {
                 view.remove(*cidr);
             }
         }
@@ -1121,23 +1121,16 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
             .is_some_and(|r| ready_stands(r, plan.trouble.as_ref(), generation, now))
 }
 
-/// A block's state in a ledger: (state, node, reason).
-fn state_in<'l>(ledger: &'l Working, cidr: &Cidr) -> Option<(BlockState, &'l str, &'static str)> {
-    if ledger.retired(cidr) {
-        return Some((BlockState::NonReusable, "", RELEASED));
-    }
-    if let Some(holder) = ledger.claim(cidr) {
-        return Some((BlockState::Granted, &holder.node, GRANTED));
-    }
-    if let Some(cooling) = ledger.cooling(cidr) {
-        let reason = if cooling.node_gone {
-            NODE_GONE
-        } else {
-            RELEASED
-        };
-        return Some((BlockState::Cooling, &cooling.node, reason));
-    }
-    None
+/// What a block object says for a ledger state: (state, node, reason).
+fn block_state(held: Option<Held<'_>>) -> Option<(BlockState, &str, &'static str)> {
+    Some(match held? {
+        Held::Retired => (BlockState::NonReusable, "", RELEASED),
+        Held::Claim(holder) => (BlockState::Granted, &holder.node, GRANTED),
+        Held::Cooling(cooling) if cooling.node_gone => {
+            (BlockState::Cooling, &cooling.node, NODE_GONE)
+        }
+        Held::Cooling(cooling) => (BlockState::Cooling, &cooling.node, RELEASED),
+    })
 }
 
 /// The writes that make `pool`'s block objects say `ledger`: the blocks
@@ -1150,15 +1143,14 @@ fn block_writes(
     needed: &BTreeSet<Cidr>,
     holders: &Holders,
 ) -> Vec<BlockWrite> {
-    let read = &Working::new(ledger.read);
     let network = pool.spec.as_ref().map_or("", |s| s.network.as_str());
     // A block this pass did not change is as read: written only when a
     // status relies on it.
     let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).collect();
     let mut writes = Vec::new();
     for cidr in cidrs {
-        let before = state_in(read, cidr);
-        let after = state_in(ledger, cidr);
+        let before = block_state(ledger.read.held(cidr));
+        let after = block_state(ledger.held(cidr));
         let version = pool.ledger.versions.get(cidr);
         if before == after && !(needed.contains(cidr) && version.is_some()) {
             continue;

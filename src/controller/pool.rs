@@ -111,7 +111,7 @@ pub struct Ledger {
     /// The claims by node: a pass reads one node's without walking all.
     pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
     /// The blocks of the pool's range of each family (IPv4, IPv6) in each
-    /// state ([`Working::state`]): its counts without a walk.
+    /// state (granted, cooling, retired): its counts without a walk.
     pub tally: [[u64; 3]; 2],
 }
 
@@ -416,13 +416,8 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
         }
         BlockState::NonReusable => ledger.non_reusable.push(*cidr),
     }
-    let state = match spec.state {
-        BlockState::Granted => 0,
-        BlockState::Cooling => 1,
-        BlockState::NonReusable => 2,
-    };
-    if counted {
-        ledger.tally[family_slot(cidr)][state] += 1;
+    if counted && let Some(held) = ledger.held(cidr) {
+        ledger.tally[family_slot(cidr)][held.tally_index()] += 1;
     }
 }
 
@@ -439,7 +434,7 @@ fn family_slot(cidr: &Cidr) -> usize {
 /// Takes `cidr`'s block out of every ledger (its object changed or left).
 pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
     for pool in pools {
-        let state = Working::new(&pool.ledger).state(cidr);
+        let state = pool.ledger.held(cidr).map(Held::tally_index);
         if let Some(state) = state.filter(|_| in_range(pool, cidr)) {
             let tally = &mut pool.ledger.tally[family_slot(cidr)][state];
             *tally = tally.saturating_sub(1);
@@ -459,7 +454,37 @@ pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
     }
 }
 
+/// A block's state in a ledger, borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held<'l> {
+    Claim(&'l Holder),
+    Cooling(&'l Cooling),
+    Retired,
+}
+
+impl Held<'_> {
+    /// Where [`Ledger::tally`] counts it.
+    fn tally_index(self) -> usize {
+        match self {
+            Held::Claim(_) => 0,
+            Held::Cooling(_) => 1,
+            Held::Retired => 2,
+        }
+    }
+}
+
 impl Ledger {
+    /// `cidr`'s state (a block is in one state at most: its object says one).
+    pub fn held(&self, cidr: &Cidr) -> Option<Held<'_>> {
+        if let Some(holder) = self.claims.get(cidr) {
+            Some(Held::Claim(holder))
+        } else if let Some(cooling) = self.cooling.get(cidr) {
+            Some(Held::Cooling(cooling))
+        } else {
+            self.non_reusable.contains(cidr).then_some(Held::Retired)
+        }
+    }
+
     /// Grants `cidr` to `node` (the block's object says so).
     pub fn claim(&mut self, cidr: Cidr, node: &str) {
         let holder = Holder {
@@ -504,48 +529,38 @@ impl<'r> Working<'r> {
         self.changed.keys()
     }
 
-    pub fn claim(&self, cidr: &Cidr) -> Option<&Holder> {
+    /// `cidr`'s state, as the pass left it.
+    pub fn held(&self, cidr: &Cidr) -> Option<Held<'_>> {
         match self.changed.get(cidr) {
-            Some(slot) => match slot {
-                Some(Slot::Claim(holder)) => Some(holder),
-                _ => None,
-            },
-            None => self.read.claims.get(cidr),
+            Some(Some(Slot::Claim(holder))) => Some(Held::Claim(holder)),
+            Some(Some(Slot::Cooling(cooling))) => Some(Held::Cooling(cooling)),
+            Some(Some(Slot::Retired)) => Some(Held::Retired),
+            Some(None) => None,
+            None => self.read.held(cidr),
+        }
+    }
+
+    pub fn claim(&self, cidr: &Cidr) -> Option<&Holder> {
+        match self.held(cidr) {
+            Some(Held::Claim(holder)) => Some(holder),
+            _ => None,
         }
     }
 
     pub fn cooling(&self, cidr: &Cidr) -> Option<&Cooling> {
-        match self.changed.get(cidr) {
-            Some(slot) => match slot {
-                Some(Slot::Cooling(cooling)) => Some(cooling),
-                _ => None,
-            },
-            None => self.read.cooling.get(cidr),
+        match self.held(cidr) {
+            Some(Held::Cooling(cooling)) => Some(cooling),
+            _ => None,
         }
     }
 
     pub fn retired(&self, cidr: &Cidr) -> bool {
-        match self.changed.get(cidr) {
-            Some(slot) => matches!(slot, Some(Slot::Retired)),
-            None => self.read.non_reusable.contains(cidr),
-        }
+        matches!(self.held(cidr), Some(Held::Retired))
     }
 
     /// Whether `cidr` is in the ledger, in any state.
     pub fn holds(&self, cidr: &Cidr) -> bool {
-        self.state(cidr).is_some()
-    }
-
-    /// `cidr`'s state: 0 granted, 1 cooling, 2 retired (the order of
-    /// [`Ledger::tally`]).
-    pub fn state(&self, cidr: &Cidr) -> Option<usize> {
-        if self.claim(cidr).is_some() {
-            Some(0)
-        } else if self.cooling(cidr).is_some() {
-            Some(1)
-        } else {
-            self.retired(cidr).then_some(2)
-        }
+        self.held(cidr).is_some()
     }
 
     /// The blocks of `range` in each state, as the pass left them: the
@@ -553,13 +568,13 @@ impl<'r> Working<'r> {
     pub fn tally(&self, range: &FamilyRange) -> [u64; 3] {
         let slot = usize::from(range.family == Family::V6);
         let mut tally = self.read.tally[slot];
-        let read = Working::new(self.read);
         for cidr in self.changed().filter(|c| range.is_block(c)) {
-            if let Some(state) = read.state(cidr) {
-                tally[state] = tally[state].saturating_sub(1);
+            if let Some(held) = self.read.held(cidr) {
+                let count = &mut tally[held.tally_index()];
+                *count = count.saturating_sub(1);
             }
-            if let Some(state) = self.state(cidr) {
-                tally[state] += 1;
+            if let Some(held) = self.held(cidr) {
+                tally[held.tally_index()] += 1;
             }
         }
         tally
@@ -595,17 +610,6 @@ impl<'r> Working<'r> {
         let kept = read.filter(move |(c, _)| changed.is_empty() || !changed.contains_key(c));
         kept.chain(changed.iter().filter_map(|(c, slot)| match slot {
             Some(Slot::Cooling(cooling)) => Some((c, cooling)),
-            _ => None,
-        }))
-    }
-
-    /// Every retired block, in no particular order.
-    pub fn retired_all(&self) -> impl Iterator<Item = &Cidr> {
-        let changed = &self.changed;
-        let read = self.read.non_reusable.iter();
-        let kept = read.filter(move |c| changed.is_empty() || !changed.contains_key(c));
-        kept.chain(changed.iter().filter_map(|(c, slot)| match slot {
-            Some(Slot::Retired) => Some(c),
             _ => None,
         }))
     }

@@ -56,8 +56,9 @@ impl TakenIndex {
             index.add_status(status);
         }
         for ledger in ledgers {
-            for cidr in ledger_cidrs(ledger) {
-                index.add(cidr);
+            let blocks = ledger.claims.keys().chain(ledger.cooling.keys());
+            for cidr in blocks.chain(&ledger.non_reusable) {
+                index.add(*cidr);
             }
         }
         index
@@ -203,15 +204,6 @@ impl TakenIndex {
         }
         found
     }
-}
-
-/// The blocks a ledger holds in any state.
-pub fn ledger_cidrs(ledger: &Ledger) -> impl Iterator<Item = Cidr> + '_ {
-    let claims = ledger.claims.keys();
-    claims
-        .chain(ledger.cooling.keys())
-        .chain(&ledger.non_reusable)
-        .copied()
 }
 
 /// Which nodes' statuses hold each block.
