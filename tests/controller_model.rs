@@ -32,11 +32,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
-use metis::controller::cache::{serving_index, told_index};
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
 use metis::controller::pool::{self, Pool};
-use metis::controller::status::{self, Status};
-use metis::controller::taken::{TakenIndex, held_index};
+use metis::controller::status::{self, Status, StatusIndex};
+use metis::controller::taken::TakenIndex;
 use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
@@ -230,9 +229,7 @@ impl Sim {
             pools: &pools,
             nncs: &nncs,
             statuses: &statuses,
-            serving: &serving_index(&statuses),
-            held: &held_index(&statuses),
-            told: &told_index(&statuses),
+            index: &StatusIndex::of(&statuses),
             absent: &self.absent,
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,

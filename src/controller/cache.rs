@@ -11,22 +11,16 @@ use super::block::{Block, BlockState, NODE_GONE, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
-use super::status::Status;
-use super::taken::{self, TakenIndex};
-use crate::cidr::Cidr;
+use super::status::{Status, StatusIndex};
+use super::taken::TakenIndex;
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default)]
 pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
     pub statuses: BTreeMap<String, Status>,
-    /// Which nodes say they still serve each block (their statuses'
-    /// `serving`): a change to the block decides them again.
-    serving: BTreeMap<Cidr, BTreeSet<String>>,
-    /// Which nodes' statuses hold each block.
-    held: BTreeMap<Cidr, BTreeSet<String>>,
-    /// The refused nodes told a time their refusal stands until.
-    told: BTreeMap<String, i64>,
+    /// What the statuses say, by block and by node.
+    index: StatusIndex,
     /// What the statuses and the ledgers take (lent to each pass).
     taken: TakenIndex,
     pub nodes: BTreeSet<String>,
@@ -102,9 +96,7 @@ impl Cache {
     /// The indexes over the statuses and ledgers again, from scratch
     /// (after a list replaced a kind whole, or the pools changed).
     fn reindex(&mut self) {
-        self.serving = serving_index(&self.statuses);
-        self.held = taken::held_index(&self.statuses);
-        self.told = told_index(&self.statuses);
+        self.index = StatusIndex::of(&self.statuses);
         let ledgers = self.pools.iter().map(|p| &p.ledger);
         self.taken = TakenIndex::of(&self.statuses, ledgers);
     }
@@ -136,28 +128,13 @@ impl Cache {
 
     /// The indexes follow node `name`'s status, which was `old`.
     fn reindex_status(&mut self, old: Option<&Status>, name: &str) {
-        let now = self.statuses.get(name);
-        match now.and_then(|s| s.told_until) {
-            Some(until) => self.told.insert(name.to_string(), until),
-            None => self.told.remove(name),
-        };
         if let Some(old) = old {
             self.taken.remove_status(old);
-            let entries = old.entries.iter().filter_map(|e| e.cidr);
-            unindex(&mut self.held, entries, name);
-            unindex(&mut self.serving, old.serving.iter().copied(), name);
+            self.index.remove(name, old);
         }
-        if let Some(now) = now {
+        if let Some(now) = self.statuses.get(name) {
             self.taken.add_status(now);
-            for cidr in now.entries.iter().filter_map(|e| e.cidr) {
-                self.held.entry(cidr).or_default().insert(name.to_string());
-            }
-            for cidr in &now.serving {
-                self.serving
-                    .entry(*cidr)
-                    .or_default()
-                    .insert(name.to_string());
-            }
+            self.index.add(name, now);
         }
     }
 
@@ -383,21 +360,15 @@ impl Cache {
     /// `self.blocks` holds it (or gone).
     fn enter_ledger(&mut self, old: Option<&Block>, name: &str) {
         let pools = Arc::make_mut(&mut self.pools);
-        let in_ledgers =
-            |pools: &[Pool], cidr: &Cidr| pools.iter().any(|p| p.ledger.held(cidr).is_some());
-        if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref()) {
-            if in_ledgers(pools, cidr) {
-                self.taken.remove(*cidr);
-            }
-            pool::leave_block(pools, cidr);
+        if let Some((cidr, _)) = old.and_then(|b| b.spec.as_ref())
+            && pool::leave_block(pools, cidr)
+        {
+            self.taken.remove(*cidr);
         }
         if let Some(block) = self.blocks.get(name) {
             let since = self.cooling_seen.get(name).copied();
-            pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
-            if let Some((cidr, _)) = &block.spec
-                && in_ledgers(pools, cidr)
-            {
-                self.taken.add(*cidr);
+            if let Some(cidr) = pool::enter_block(pools, block, since.unwrap_or(self.now_ms)) {
+                self.taken.add(cidr);
             }
         }
     }
@@ -409,7 +380,7 @@ impl Cache {
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
-                let serving = self.serving.get(cidr).into_iter().flatten();
+                let serving = self.index.serving.get(cidr).into_iter().flatten();
                 self.dirty.extend(serving.cloned());
             }
         }
@@ -548,65 +519,22 @@ impl Cache {
         scope: Option<&'a BTreeSet<String>>,
     ) -> World<'a> {
         debug_assert_eq!(
-            self.serving,
-            serving_index(&self.statuses),
-            "the serving index kept is not the statuses'"
-        );
-        debug_assert_eq!(
-            self.held,
-            taken::held_index(&self.statuses),
+            self.index,
+            StatusIndex::of(&self.statuses),
             "the status index kept is not the statuses'"
         );
-        debug_assert_eq!(self.told, told_index(&self.statuses));
         World {
             scope,
             pools,
             nncs: &self.nncs,
             statuses: &self.statuses,
-            serving: &self.serving,
-            held: &self.held,
-            told: &self.told,
+            index: &self.index,
             absent: &self.absent,
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
             node_grace_ms,
         }
     }
-}
-
-/// `name` no longer stands for `cidrs` in `index`.
-fn unindex(
-    index: &mut BTreeMap<Cidr, BTreeSet<String>>,
-    cidrs: impl Iterator<Item = Cidr>,
-    name: &str,
-) {
-    for cidr in cidrs {
-        if let Some(nodes) = index.get_mut(&cidr) {
-            nodes.remove(name);
-            if nodes.is_empty() {
-                index.remove(&cidr);
-            }
-        }
-    }
-}
-
-/// The time each refused node was told its refusal stands until.
-pub fn told_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<String, i64> {
-    let told = statuses
-        .iter()
-        .filter_map(|(n, s)| Some((n.clone(), s.told_until?)));
-    told.collect()
-}
-
-/// Which nodes say they still serve each block, from their statuses.
-pub fn serving_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, BTreeSet<String>> {
-    let mut index: BTreeMap<Cidr, BTreeSet<String>> = BTreeMap::new();
-    for (name, status) in statuses {
-        for cidr in &status.serving {
-            index.entry(*cidr).or_default().insert(name.clone());
-        }
-    }
-    index
 }
 
 /// One reading of both clocks.

@@ -35,7 +35,7 @@ use super::pool::{
     BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
     Working,
 };
-use super::status::{self, Entry, ReadyRead, Status, merge_condition};
+use super::status::{self, Entry, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
@@ -60,14 +60,8 @@ pub struct World<'a> {
     pub nncs: &'a BTreeMap<String, Nnc>,
     /// The status of each NodeNetworkConfig as read (kept whole).
     pub statuses: &'a BTreeMap<String, Status>,
-    /// Which nodes say they still serve each block (their statuses'
-    /// `serving`; `cache::serving_index`).
-    pub serving: &'a BTreeMap<Cidr, BTreeSet<String>>,
-    /// Which nodes' statuses hold each block (`taken::held_index`).
-    pub held: &'a BTreeMap<Cidr, BTreeSet<String>>,
-    /// The time (wall ms) each refused node was told its refusal stands
-    /// until (`cache::told_index`).
-    pub told: &'a BTreeMap<String, i64>,
+    /// What the statuses say by block and by node (`StatusIndex::of`).
+    pub index: &'a StatusIndex,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
     /// missing, and since when this process saw it missing.
     pub absent: &'a BTreeMap<String, i64>,
@@ -370,7 +364,7 @@ impl<'a> Pass<'a> {
         let world = self.world;
         world.scope.is_some()
             && self.ledgers.iter().flat_map(Working::changed).any(|cidr| {
-                let nodes = world.serving.get(cidr).into_iter().flatten();
+                let nodes = world.index.serving.get(cidr).into_iter().flatten();
                 nodes
                     .into_iter()
                     .any(|n| !self.plans.contains_key(n.as_str()))
@@ -549,7 +543,7 @@ impl<'a> Pass<'a> {
                     continue;
                 }
                 // The first status (by node name) holding it, if not its own.
-                let first = world.held.get(cidr).and_then(|names| names.first());
+                let first = world.index.held.get(cidr).and_then(|names| names.first());
                 let elsewhere = first.map(String::as_str).filter(|n| *n != name.as_str());
                 if let Err(why) = self.keep_serving(name, cidr, elsewhere)
                     && let Some(plan) = self.plans.get_mut(name.as_str())
@@ -715,7 +709,7 @@ impl<'a> Pass<'a> {
             }
         }
         Holders {
-            read: self.world.held,
+            read: &self.world.index.held,
             decided: self.plans.keys().copied().collect(),
             planned,
         }
@@ -1286,7 +1280,7 @@ fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
         .map(|since| since.saturating_add(world.node_grace_ms));
     // A refusal told "until" a time is rewritten once it passed (the node
     // stops failing fast then and waits for the next answer).
-    let told = world.told.values().map(|wall| {
+    let told = world.index.told.values().map(|wall| {
         wall.saturating_sub(world.wall_ms)
             .saturating_add(world.now_ms)
     });
@@ -1615,6 +1609,30 @@ fn describe(spec: &PoolSpec) -> String {
 mod tests {
     use super::*;
 
+    /// A pass over every node of this world (no Node missing, a minute's
+    /// grace), with the indexes its statuses and ledgers make.
+    fn decide_every(
+        pools: &[Pool],
+        nncs: &BTreeMap<String, Nnc>,
+        statuses: &BTreeMap<String, Status>,
+        now_ms: i64,
+        wall_ms: i64,
+    ) -> Decision {
+        let world = World {
+            pools,
+            nncs,
+            statuses,
+            index: &StatusIndex::of(statuses),
+            absent: &BTreeMap::new(),
+            now_ms,
+            wall_ms,
+            node_grace_ms: 60_000,
+            scope: None,
+        };
+        let mut taken = TakenIndex::of(statuses, pools.iter().map(|p| &p.ledger));
+        decide(&world, &mut taken)
+    }
+
     fn pool(status: Value) -> Pool {
         Pool::parse(&json!({
             "metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z",
@@ -1734,22 +1752,7 @@ mod tests {
             let nncs = BTreeMap::from([("n0".to_string(), n0)]);
             let statuses = BTreeMap::from([("n0".to_string(), status)]);
             let pools = [p.clone()];
-            let decision = decide(
-                &World {
-                    pools: &pools,
-                    nncs: &nncs,
-                    statuses: &statuses,
-                    serving: &crate::controller::cache::serving_index(&statuses),
-                    held: &crate::controller::taken::held_index(&statuses),
-                    told: &crate::controller::cache::told_index(&statuses),
-                    absent: &BTreeMap::new(),
-                    now_ms: 2_000,
-                    wall_ms: 1_795_971_700_000,
-                    node_grace_ms: 60_000,
-                    scope: None,
-                },
-                &mut TakenIndex::of(&statuses, pools.iter().map(|p: &Pool| &p.ledger)),
-            );
+            let decision = decide_every(&pools, &nncs, &statuses, 2_000, 1_795_971_700_000);
             assert!(
                 decision.block_writes.is_empty(),
                 "{releasable}: {decision:?}"
@@ -1780,22 +1783,7 @@ mod tests {
         let nncs = BTreeMap::from([("n0".to_string(), *nnc)]);
         let statuses = BTreeMap::from([("n0".to_string(), status)]);
         let wall_ms = 1_795_971_700_000;
-        let decision = decide(
-            &World {
-                pools: &[],
-                nncs: &nncs,
-                statuses: &statuses,
-                serving: &crate::controller::cache::serving_index(&statuses),
-                held: &crate::controller::taken::held_index(&statuses),
-                told: &crate::controller::cache::told_index(&statuses),
-                absent: &BTreeMap::new(),
-                now_ms: 2_000,
-                wall_ms,
-                node_grace_ms: 60_000,
-                scope: None,
-            },
-            &mut TakenIndex::of(&statuses, std::iter::empty().map(|p: &Pool| &p.ledger)),
-        );
+        let decision = decide_every(&[], &nncs, &statuses, 2_000, wall_ms);
         let [write] = decision.nnc_writes.as_slice() else {
             panic!("one status write: {decision:?}")
         };
@@ -1812,22 +1800,7 @@ mod tests {
         // Written back, it stands: the next pass writes nothing.
         let again = Status::parse(written);
         let statuses = BTreeMap::from([("n0".to_string(), again)]);
-        let decision = decide(
-            &World {
-                pools: &[],
-                nncs: &nncs,
-                statuses: &statuses,
-                serving: &crate::controller::cache::serving_index(&statuses),
-                held: &crate::controller::taken::held_index(&statuses),
-                told: &crate::controller::cache::told_index(&statuses),
-                absent: &BTreeMap::new(),
-                now_ms: 3_000,
-                wall_ms: wall_ms + 1_000,
-                node_grace_ms: 60_000,
-                scope: None,
-            },
-            &mut TakenIndex::of(&statuses, std::iter::empty().map(|p: &Pool| &p.ledger)),
-        );
+        let decision = decide_every(&[], &nncs, &statuses, 3_000, wall_ms + 1_000);
         assert!(decision.nnc_writes.is_empty(), "{decision:?}");
     }
 

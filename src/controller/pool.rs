@@ -391,14 +391,10 @@ pub fn with_ledgers<'a>(
 
 /// Enters `block` into the ledger of its pool, as [`with_ledgers`] does
 /// (a cooling one cooling since `since_ms`); one no pool knows, or
-/// unreadable, is left out.
-pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
-    let Some((cidr, spec)) = &block.spec else {
-        return;
-    };
-    let Some(i) = pool_index(pools, cidr, &spec.pool) else {
-        return;
-    };
+/// unreadable, is left out. Returns the block's CIDR if it entered.
+pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<Cidr> {
+    let (cidr, spec) = block.spec.as_ref()?;
+    let i = pool_index(pools, cidr, &spec.pool)?;
     let counted = in_range(&pools[i], cidr);
     let ledger = &mut pools[i].ledger;
     ledger
@@ -419,6 +415,7 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) {
     if counted && let Some(held) = ledger.held(cidr) {
         ledger.tally[family_slot(cidr)][held.tally_index()] += 1;
     }
+    Some(*cidr)
 }
 
 /// Whether `cidr` is a block of `pool`'s range (what its counts count).
@@ -431,10 +428,13 @@ fn family_slot(cidr: &Cidr) -> usize {
     usize::from(cidr.family() == Family::V6)
 }
 
-/// Takes `cidr`'s block out of every ledger (its object changed or left).
-pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
+/// Takes `cidr`'s block out of every ledger (its object changed or left);
+/// whether one held it.
+pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) -> bool {
+    let mut held_it = false;
     for pool in pools {
         let state = pool.ledger.held(cidr).map(Held::tally_index);
+        held_it |= state.is_some();
         if let Some(state) = state.filter(|_| in_range(pool, cidr)) {
             let tally = &mut pool.ledger.tally[family_slot(cidr)][state];
             *tally = tally.saturating_sub(1);
@@ -452,6 +452,7 @@ pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) {
         ledger.cooling.remove(cidr);
         ledger.non_reusable.retain(|c| c != cidr);
     }
+    held_it
 }
 
 /// A block's state in a ledger, borrowed.

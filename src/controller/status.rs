@@ -6,6 +6,8 @@
 //! are: the decision compares texts, and parses only the small part it
 //! rewrites (the conditions) and the statuses it writes.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -258,6 +260,69 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
         .then_some(ready.last_transition_time.as_deref())
         .flatten()
         .and_then(crate::log::parse_rfc3339_ms)
+}
+
+/// What the statuses say that a pass looks up by block or node, kept by
+/// the cache status by status ([`StatusIndex::add`], [`StatusIndex::remove`])
+/// or built whole ([`StatusIndex::of`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatusIndex {
+    /// Which nodes' statuses hold each block.
+    pub held: BTreeMap<Cidr, BTreeSet<String>>,
+    /// Which nodes say they still serve each block (`serving`): a change
+    /// to the block decides them again.
+    pub serving: BTreeMap<Cidr, BTreeSet<String>>,
+    /// The time (wall ms) each refused node was told its refusal stands
+    /// until.
+    pub told: BTreeMap<String, i64>,
+}
+
+impl StatusIndex {
+    pub fn of(statuses: &BTreeMap<String, Status>) -> StatusIndex {
+        let mut index = StatusIndex::default();
+        for (name, status) in statuses {
+            index.add(name, status);
+        }
+        index
+    }
+
+    /// Node `name`'s status is `status`.
+    pub fn add(&mut self, name: &str, status: &Status) {
+        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
+            self.held.entry(cidr).or_default().insert(name.to_string());
+        }
+        for cidr in &status.serving {
+            let nodes = self.serving.entry(*cidr).or_default();
+            nodes.insert(name.to_string());
+        }
+        if let Some(until) = status.told_until {
+            self.told.insert(name.to_string(), until);
+        }
+    }
+
+    /// Node `name`'s status is `status` no more.
+    pub fn remove(&mut self, name: &str, status: &Status) {
+        let entries = status.entries.iter().filter_map(|e| e.cidr);
+        unindex(&mut self.held, entries, name);
+        unindex(&mut self.serving, status.serving.iter().copied(), name);
+        self.told.remove(name);
+    }
+}
+
+/// `name` no longer stands for `cidrs` in `index`.
+fn unindex(
+    index: &mut BTreeMap<Cidr, BTreeSet<String>>,
+    cidrs: impl Iterator<Item = Cidr>,
+    name: &str,
+) {
+    for cidr in cidrs {
+        if let Some(nodes) = index.get_mut(&cidr) {
+            nodes.remove(name);
+            if nodes.is_empty() {
+                index.remove(&cidr);
+            }
+        }
+    }
 }
 
 /// The status field holding the granted blocks.

@@ -5,7 +5,7 @@
 //! entry and block; it applies its own changes and takes them back after
 //! ([`Applied`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use super::pool::Ledger;
 use super::status::Status;
@@ -206,17 +206,6 @@ impl TakenIndex {
     }
 }
 
-/// Which nodes' statuses hold each block.
-pub fn held_index(statuses: &BTreeMap<String, Status>) -> BTreeMap<Cidr, BTreeSet<String>> {
-    let mut index: BTreeMap<Cidr, BTreeSet<String>> = BTreeMap::new();
-    for (name, status) in statuses {
-        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-            index.entry(cidr).or_default().insert(name.clone());
-        }
-    }
-    index
-}
-
 /// Changes applied to an index for one pass, taken back when dropped (the
 /// index is then exactly as before: it is a function of its counts).
 pub struct Applied<'t> {
@@ -266,6 +255,7 @@ impl Drop for Applied<'_> {
 mod tests {
     use super::*;
     use crate::testutil::Rng;
+    use std::collections::BTreeSet;
 
     /// The union of the counted spans, merged by a sort.
     fn merged_of(index: &TakenIndex) -> [BTreeMap<u128, u128>; 2] {
