@@ -5,11 +5,12 @@
 //! the real one does (a block POST refused when the name exists, PUTs and
 //! DELETEs with a precondition; a stale version is refused). Random
 //! sequences change demand, release blocks, delete and re-create nodes and
-//! their NodeNetworkConfigs, grow, shrink, break and exhaust pools,
-//! hand-edit statuses, let a second controller decide from a stale copy,
-//! cut write sequences short (a crash), refuse every write of one node's
-//! NodeNetworkConfig and skew the deciding process's wall clock; after
-//! every step the invariants hold:
+//! their NodeNetworkConfigs, grow, shrink, break and exhaust pools, change
+//! a pool's block size while blocks of the old size are granted and
+//! cooling, hand-edit statuses, let a second controller decide from a stale
+//! copy, cut write sequences short (a crash), refuse every write of one
+//! node's NodeNetworkConfig and skew the deciding process's wall clock;
+//! after every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
 //! - a block granted to a node whose NodeNetworkConfig exists is in its
@@ -17,7 +18,8 @@
 //! - every node's demand is covered while its pools had room, otherwise
 //!   its NodeNetworkConfig says QuotaExceeded…;
 //! - a block that left a status is granted to another node only after the
-//!   reclaim delay, and a released NonReusable block never;
+//!   reclaim delay, and a released NonReusable block never (a block of
+//!   another size counts where it overlaps);
 //! - a controller that has nothing new to say writes nothing.
 //!
 //! `CONTROLLER_MODEL_SEED`, `CONTROLLER_MODEL_RUNS` and
@@ -329,21 +331,29 @@ impl Sim {
                 .filter_map(|e| e["cidr"].as_str().map(str::to_string))
                 .collect();
             for cidr in after.difference(&before) {
+                // Blocks of another size (the pool's block size changed)
+                // count where they overlap.
+                let block: Cidr = cidr.parse().unwrap();
+                let overlaps =
+                    |other: &String| other.parse::<Cidr>().is_ok_and(|o| o.overlaps(&block));
+                let retired = self.retired.iter().find(|r| overlaps(r));
                 assert!(
-                    !self.retired.contains(cidr),
-                    "NonReusable {cidr} granted again to {}: {:?}",
+                    retired.is_none(),
+                    "{cidr} granted to {} over NonReusable {retired:?}: {:?}",
                     write.name,
                     self.history.get(cidr)
                 );
-                if let Some((at, from)) = self.left.get(cidr)
-                    && *from != write.name
-                {
+                for (gone, (at, from)) in self.left.iter().filter(|(c, _)| overlaps(c)) {
+                    if *from == write.name {
+                        continue;
+                    }
                     assert!(
                         self.now - at >= DELAY_MS,
-                        "{cidr} granted to {} {} ms after it left a status: {:?}, pools {:#}",
+                        "{cidr} granted to {} {} ms after {gone} left a status: {:?} {:?}, pools {:#}",
                         write.name,
                         self.now - at,
                         self.history.get(cidr),
+                        self.history.get(gone),
                         json!(
                             self.pools
                                 .values()
@@ -1203,7 +1213,7 @@ fn a_stale_controller_cannot_grant_a_block_twice() {
 fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<String>) {
     let names = ["n0", "n1", "n2", "n3", "n4"];
     let node = names[rng.index(names.len())];
-    let action = rng.below(19);
+    let action = rng.below(20);
     trace.push(format!("{action} {node} @{}", sim.now - 1_800_000_000_000));
     match action {
         0..=3 if sim.nncs.contains_key(node) => {
@@ -1329,6 +1339,20 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             let served = serving_now(&sim.nncs[node]);
             sim.edit_nnc(node, |n| {
                 n["metadata"]["annotations"] = json!({SERVING: served});
+            });
+        }
+        17 => {
+            // The IPv4 pool's block size changes (or back) while blocks of
+            // the old size are granted and cooling.
+            let prefix = [None, Some(27), Some(29)][rng.index(3)];
+            sim.edit_pool("v4", |s| match prefix {
+                Some(p) => s["ipv4"]["blockPrefixLength"] = json!(p),
+                None => {
+                    s["ipv4"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("blockPrefixLength");
+                }
             });
         }
         15 => {
