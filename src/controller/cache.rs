@@ -13,6 +13,7 @@ use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::{Status, StatusIndex};
 use super::taken::TakenIndex;
+use crate::cidr::Cidr;
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default)]
@@ -244,6 +245,9 @@ impl Cache {
                 let follows = followed_node(&block).map(str::to_string);
                 let name = block.name.clone();
                 let old = self.blocks.insert(name.clone(), *block);
+                if self.other_size(old.as_ref(), &name) {
+                    return true;
+                }
                 self.enter_ledger(old.as_ref(), &name);
                 self.dirty_holders(old.as_ref(), &name);
                 let followed = old.as_ref().and_then(followed_node).map(str::to_string);
@@ -295,6 +299,10 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
+                if self.other_size(old.as_ref(), name) {
+                    self.cooling_seen.remove(name);
+                    return true;
+                }
                 self.enter_ledger(old.as_ref(), name);
                 self.dirty_holders(old.as_ref(), name);
                 if let Some(node) = old.as_ref().and_then(followed_node) {
@@ -330,6 +338,24 @@ impl Cache {
         }
     }
 
+    /// Whether block `name`, which was `old` (a new object, or gone now),
+    /// adds or takes a block of another size than a pool's for its
+    /// addresses: the pools are then checked again (`pool::validate`), the
+    /// ledgers and indexes rebuilt and every node decided.
+    fn other_size(&mut self, old: Option<&Block>, name: &str) -> bool {
+        let cidr = |b: Option<&Block>| b.and_then(|b| b.spec.as_ref()).map(|(c, _)| *c);
+        let (before, after) = (cidr(old), cidr(self.blocks.get(name)));
+        let odd =
+            |c: &Option<Cidr>| c.is_some_and(|c| pool::is_other_size(self.specs.values(), &c));
+        if before == after || !(odd(&before) || odd(&after)) {
+            return false;
+        }
+        self.revalidate();
+        self.recount_followed();
+        self.whole = true;
+        true
+    }
+
     /// Checks the pools against each other again, from their specs as read.
     fn revalidate(&mut self) {
         let pools = Arc::make_mut(&mut self.pools);
@@ -338,7 +364,12 @@ impl Cache {
                 pool.spec = spec.clone();
             }
         }
-        pool::validate(pools);
+        let blocks: Vec<_> = self
+            .blocks
+            .values()
+            .filter_map(|b| Some(b.spec.as_ref()?.0))
+            .collect();
+        pool::validate(pools, &blocks);
         self.rebuild_ledgers();
     }
 
@@ -773,6 +804,40 @@ mod tests {
         assert_eq!(valid(&cache), [("old".into(), true), ("new".into(), false)]);
         cache.listed(Resource::Pool, Vec::new());
         assert!(cache.pools().is_empty());
+    }
+
+    /// A block object of another size than its pool's (a stale leader's,
+    /// an older pool's) refuses the pool until it is gone; blocks of the
+    /// pool's own size change nothing of that. Each turn is a pass over
+    /// every node.
+    #[test]
+    fn a_block_of_another_size_refuses_its_pool_while_it_exists() {
+        let mut cache = Cache::default();
+        let created = "2026-01-01T00:00:00Z";
+        cache.listed(Resource::Pool, vec![pool("p", created, "198.18.0.0/24")]);
+        cache.listed(Resource::Block, Vec::new());
+        cache.take_scope(BTreeSet::new());
+        let block = |cidr: &str| {
+            let name = block_name(&cidr.parse().unwrap());
+            Item::parse(
+                Resource::Block,
+                json!({"metadata": {"name": name, "resourceVersion": "1"},
+                       "spec": {"pool": "p", "network": "default", "cidr": cidr, "node": "n1",
+                                "state": "Granted", "reason": "Granted"}}),
+            )
+        };
+        assert!(cache.put(Resource::Block, block("198.18.0.16/28")));
+        assert_eq!(valid(&cache), [("p".into(), true)]);
+        assert_ne!(cache.take_scope(BTreeSet::new()), None);
+        assert!(cache.put(Resource::Block, block("198.18.0.32/29")));
+        assert_eq!(valid(&cache), [("p".into(), false)]);
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        // Its blocks stay in its ledger, refused or not.
+        assert_eq!(cache.pools()[0].ledger.claims.len(), 2);
+        assert!(cache.remove(Resource::Block, "v4-198-18-0-32-29"));
+        assert_eq!(valid(&cache), [("p".into(), true)]);
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        assert_eq!(cache.pools()[0].ledger.claims.len(), 1);
     }
 
     /// A pool's new status (the echo of the controller's own write of its

@@ -344,7 +344,7 @@ fn decide_in(world: &World, taken: &mut TakenIndex) -> Option<Decision> {
     };
     pass.cool_down();
     pass.release();
-    pass.reassert();
+    pass.reassert(taken);
     pass.finish_claims();
     // What this pass sees taken, applied to the index until `view` drops.
     let mut view = Applied::new(taken);
@@ -477,8 +477,13 @@ impl<'a> Pass<'a> {
     /// delay starts over, for its own node) or no pool accounts for it.
     fn release_block(&mut self, node: &str, cidr: Cidr, reusable: bool, gone: bool) -> bool {
         let now = self.world.now_ms;
+        // Cooling for another node as read counts too: one this pass found
+        // cooled out is still held (its owner's status keeps it while its
+        // writes fail), and stays that node's.
         let cooling_elsewhere = self.ledgers.iter_mut().find_map(|l| {
-            let cooling = l.cooling(&cidr).filter(|c| c.node != node)?.clone();
+            let cooled_out = (!l.holds(&cidr)).then(|| l.read.cooling.get(&cidr));
+            let cooling = l.cooling(&cidr).or(cooled_out.flatten());
+            let cooling = cooling.filter(|c| c.node != node)?.clone();
             Some((l, cooling))
         });
         if let Some((ledger, cooling)) = cooling_elsewhere {
@@ -529,7 +534,7 @@ impl<'a> Pass<'a> {
     /// (within `maxBlocksPerNode`); one another node holds is a conflict,
     /// said on the node, never dropped silently. Nodes absent now say
     /// nothing (their daemon is gone).
-    fn reassert(&mut self) {
+    fn reassert(&mut self, taken: &TakenIndex) {
         let world = self.world;
         let serving: Vec<(&'a String, &'a Nnc, &'a Status)> = self
             .plans
@@ -545,7 +550,7 @@ impl<'a> Pass<'a> {
                 // The first status (by node name) holding it, if not its own.
                 let first = world.index.held.get(cidr).and_then(|names| names.first());
                 let elsewhere = first.map(String::as_str).filter(|n| *n != name.as_str());
-                if let Err(why) = self.keep_serving(name, cidr, elsewhere)
+                if let Err(why) = self.keep_serving(name, cidr, elsewhere, taken)
                     && let Some(plan) = self.plans.get_mut(name.as_str())
                     && !matches!(plan.trouble, Some(Trouble::Gone(_)))
                 {
@@ -565,12 +570,15 @@ impl<'a> Pass<'a> {
     }
 
     /// Keeps `cidr`, which node `name` serves, the node's; why not when
-    /// another holds it (`elsewhere`: another node's status holding it).
+    /// another holds it (`elsewhere`: another node's status holding it) or
+    /// something else in `taken` overlaps it (a block of another size or
+    /// pool, granted, cooling or retired).
     fn keep_serving(
         &mut self,
         name: &str,
         cidr: &Cidr,
         elsewhere: Option<&str>,
+        taken: &TakenIndex,
     ) -> Result<(), String> {
         let pools = self.world.pools;
         let known = self
@@ -581,6 +589,9 @@ impl<'a> Pass<'a> {
         let Some(i) = known else {
             if let Some(other) = elsewhere {
                 return Err(format!("{served} is in the status of {other}"));
+            }
+            if let Some(other) = taken.overlapping(cidr).into_iter().find(|o| o != cidr) {
+                return Err(format!("{served} overlaps {other}"));
             }
             // No object: claimed again for the node, within its quota.
             let owner = (0..pools.len()).find(|&j| {
@@ -911,6 +922,13 @@ impl<'a> Pass<'a> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        // A node in conflict or gone is told that, not a refusal: it is
+        // promised no cooling block another refused node could have.
+        let told_otherwise =
+            |p: &Plan| matches!(p.trouble, Some(Trouble::Conflict(_) | Trouble::Gone(_)));
+        if self.plans.get(ask.name.as_str()).is_none_or(told_otherwise) {
+            return;
+        }
         let free_at = Promise {
             pools,
             ledgers: &self.ledgers,
@@ -933,9 +951,6 @@ impl<'a> Pass<'a> {
         let Some(plan) = self.plans.get_mut(name.as_str()) else {
             return;
         };
-        if matches!(plan.trouble, Some(Trouble::Conflict(_) | Trouble::Gone(_))) {
-            return;
-        }
         // The told end time is the wall clock's now plus what remains on
         // the monotonic one (the node reads a wall-clock time).
         let world = &self.world;
@@ -976,7 +991,7 @@ impl<'a> Pass<'a> {
             }
         }
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
-            let writes = block_writes(pool, ledger, &needed, holders);
+            let writes = block_writes(pool, ledger, &needed, holders, world.pools);
             decision.block_writes.extend(writes);
             let waiting = waiting.get(&i).copied().unwrap_or(0);
             let (status, gauges) = pool_status(pool, ledger, waiting, world.wall_ms);
@@ -1130,12 +1145,15 @@ fn block_state(held: Option<Held<'_>>) -> Option<(BlockState, &str, &'static str
 /// The writes that make `pool`'s block objects say `ledger`: the blocks
 /// whose state changed, and those a status write relies on (`needed`: an
 /// unchanged one is PUT as read, to confirm it still is). A block that
-/// left the ledger (cooled) is deleted only when no status holds it.
+/// left the ledger (cooled) is deleted only when no status holds it. A
+/// block whose object another of `pools` knows (its pool refused now, a
+/// status adopting it here) is PUT over that object, never created again.
 fn block_writes(
     pool: &Pool,
     ledger: &Working,
     needed: &BTreeSet<Cidr>,
     holders: &Holders,
+    pools: &[Pool],
 ) -> Vec<BlockWrite> {
     let network = pool.spec.as_ref().map_or("", |s| s.network.as_str());
     // A block this pass did not change is as read: written only when a
@@ -1157,8 +1175,12 @@ fn block_writes(
             state,
             reason: reason.to_string(),
         });
+        let elsewhere = || pools.iter().find_map(|p| p.ledger.versions.get(cidr));
         let op = match (version, spec) {
-            (None, Some(spec)) => BlockOp::Create(spec),
+            (None, Some(spec)) => match elsewhere() {
+                Some(version) => BlockOp::Update(version.clone(), spec),
+                None => BlockOp::Create(spec),
+            },
             (Some(version), Some(spec)) => BlockOp::Update(version.clone(), spec),
             (Some(version), None) if !holders.held(cidr) => BlockOp::Delete(version.clone()),
             _ => continue,

@@ -334,22 +334,27 @@ fn parse_range(
     })
 }
 
-/// Refuses pools that overlap an older valid one: the older (by creation,
-/// then name) keeps its CIDRs, the newer is rejected whole.
-pub fn validate(pools: &mut [Pool]) {
+/// Refuses pools that overlap an older valid one (the older, by creation
+/// then name, keeps its CIDRs; the newer is rejected whole), and pools
+/// whose block size is not that of a block object inside their CIDRs
+/// (`blocks`, every object's CIDR): a block's name fences only blocks of
+/// its own size, so one size holds wherever a block object lies.
+pub fn validate(pools: &mut [Pool], blocks: &[Cidr]) {
     pools.sort_by(|a, b| (&a.created, &a.name).cmp(&(&b.created, &b.name)));
     for i in 0..pools.len() {
         let Ok(spec) = &pools[i].spec else { continue };
-        let clash = pools[..i].iter().find_map(|older| {
-            let older_spec = older.spec.as_ref().ok()?;
-            spec.ranges.iter().find_map(|range| {
-                range.cidrs.iter().find_map(|cidr| {
-                    let theirs = older_spec.range(range.family)?;
-                    let other = theirs.cidrs.iter().find(|c| c.overlaps(cidr))?;
-                    Some(format!(
-                        "{cidr} overlaps {other} of pool {:?}, which is older",
-                        older.name
-                    ))
+        let clash = other_size(spec, blocks).or_else(|| {
+            pools[..i].iter().find_map(|older| {
+                let older_spec = older.spec.as_ref().ok()?;
+                spec.ranges.iter().find_map(|range| {
+                    range.cidrs.iter().find_map(|cidr| {
+                        let theirs = older_spec.range(range.family)?;
+                        let other = theirs.cidrs.iter().find(|c| c.overlaps(cidr))?;
+                        Some(format!(
+                            "{cidr} overlaps {other} of pool {:?}, which is older",
+                            older.name
+                        ))
+                    })
                 })
             })
         });
@@ -357,6 +362,36 @@ pub fn validate(pools: &mut [Pool]) {
             pools[i].spec = Err(why);
         }
     }
+}
+
+/// Why `spec`'s block size cannot be in force: a block object of another
+/// size inside one of its CIDRs.
+fn other_size(spec: &PoolSpec, blocks: &[Cidr]) -> Option<String> {
+    spec.ranges.iter().find_map(|range| {
+        range.cidrs.iter().find_map(|cidr| {
+            let odd = blocks
+                .iter()
+                .find(|b| b.prefix_len() != range.block_prefix && cidr.overlaps(b))?;
+            let size = odd.prefix_len();
+            Some(format!(
+                "{cidr} holds blocks of /{size} ({odd} among them): its block size changes \
+                 only once they are gone (blockPrefixLength {size} until then)"
+            ))
+        })
+    })
+}
+
+/// Whether a block of `cidr` would make any of `specs` refused or valid
+/// again: it lies in a CIDR of another block size.
+pub fn is_other_size<'s>(
+    specs: impl IntoIterator<Item = &'s Result<PoolSpec, String>>,
+    cidr: &Cidr,
+) -> bool {
+    specs.into_iter().flatten().any(|spec| {
+        spec.range(cidr.family()).is_some_and(|range| {
+            range.block_prefix != cidr.prefix_len() && range.cidrs.iter().any(|c| c.overlaps(cidr))
+        })
+    })
 }
 
 /// The pool a block belongs to: the one its spec names, else a valid
@@ -721,6 +756,43 @@ mod tests {
         }
     }
 
+    /// A pool's block size holds only where no block object of another
+    /// size lies: block names fence blocks of one size. With them gone
+    /// (or elsewhere), it holds again; the older pool's clash still counts.
+    #[test]
+    fn a_block_size_other_than_that_of_existing_blocks_is_refused() {
+        let sized = |prefix: u8| {
+            pool(
+                "a",
+                "2026-01-01T00:00:00Z",
+                json!({"network": "d", "ipv4": {"cidrs": ["198.18.0.0/24"], "blockPrefixLength": prefix}}),
+            )
+        };
+        let cidr = |c: &str| c.parse::<Cidr>().unwrap();
+        let mut pools = vec![sized(29)];
+        validate(
+            &mut pools,
+            &[cidr("198.18.0.16/28"), cidr("198.18.0.32/29")],
+        );
+        let err = pools[0].spec.as_ref().unwrap_err();
+        assert!(
+            err.contains("198.18.0.0/24 holds blocks of /28 (198.18.0.16/28 among them)"),
+            "{err}"
+        );
+        for blocks in [
+            vec![cidr("198.18.0.32/29")],
+            vec![cidr("198.18.1.0/28")],
+            vec![],
+        ] {
+            let mut pools = vec![sized(29)];
+            validate(&mut pools, &blocks);
+            assert!(pools[0].spec.is_ok(), "{blocks:?}: {:?}", pools[0].spec);
+        }
+        assert!(is_other_size([&sized(29).spec], &cidr("198.18.0.16/28")));
+        assert!(!is_other_size([&sized(28).spec], &cidr("198.18.0.16/28")));
+        assert!(!is_other_size([&sized(29).spec], &cidr("198.18.1.0/28")));
+    }
+
     #[test]
     fn the_newer_of_two_overlapping_pools_is_refused_whole() {
         let mut pools = vec![
@@ -740,7 +812,7 @@ mod tests {
                 json!({"network": "d", "ipv4": {"cidrs": ["198.18.2.0/24"]}}),
             ),
         ];
-        validate(&mut pools);
+        validate(&mut pools, &[]);
         assert_eq!(pools[0].name, "a");
         assert!(pools[0].spec.is_ok());
         let err = pools[1].spec.as_ref().unwrap_err();
