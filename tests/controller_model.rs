@@ -42,6 +42,10 @@ use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
 const DELAY_MS: i64 = 60_000;
+/// The nodes whose statuses one of the leader's passes writes at most
+/// (`Decision::bound`; the controller's is 100): small, so that the
+/// random sequences defer nodes to later passes.
+const PASS_NODES: usize = 2;
 const GRACE_MS: i64 = 120_000;
 /// CIDRs pools may grow into (disjoint from the ones they start with).
 const SPARE_V4: [&str; 3] = ["198.18.1.0/27", "198.18.2.0/28", "198.18.3.0/27"];
@@ -77,6 +81,8 @@ struct Sim {
     /// the nodes changed since and those, as the controller's loop does
     /// (and debug builds check it against a pass over every node).
     last: RefCell<Option<Seen>>,
+    /// The last node a bounded pass wrote.
+    bound_after: RefCell<Option<String>>,
 }
 
 #[derive(Clone)]
@@ -118,6 +124,7 @@ impl Sim {
             writes: 0,
             history: BTreeMap::new(),
             last: RefCell::new(None),
+            bound_after: RefCell::new(None),
         }
     }
 
@@ -233,6 +240,12 @@ impl Sim {
     }
 
     fn decide(&self) -> Decision {
+        self.decide_bounded(usize::MAX).0
+    }
+
+    /// A pass of the controller's loop: at most `nodes` statuses written,
+    /// the others' nodes decided again next (and whether any were left).
+    fn decide_bounded(&self, nodes: usize) -> (Decision, bool) {
         let (pools, nncs, statuses) = self.world();
         let scope = self.scope();
         let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
@@ -248,8 +261,13 @@ impl Sim {
             node_grace_ms: GRACE_MS,
             scope: scope.as_ref(),
         };
-        let decision = decide::decide(&world, &mut taken);
+        let mut decision = decide::decide(&world, &mut taken);
         assert_eq!(taken, before, "a pass left the taken index changed");
+        let after = self.bound_after.borrow().clone();
+        let bounded = decision.bound(nodes, after.as_deref());
+        if bounded.is_some() {
+            *self.bound_after.borrow_mut() = bounded.clone();
+        }
         *self.last.borrow_mut() = Some(Seen {
             pools: self.pools.clone(),
             nncs: self.nncs.clone(),
@@ -257,7 +275,7 @@ impl Sim {
             absent: self.absent.clone(),
             unsettled: decision.unsettled.clone(),
         });
-        decision
+        (decision, bounded.is_some())
     }
 
     /// The nodes whose NodeNetworkConfig, Node or blocks changed since the
@@ -517,9 +535,9 @@ impl Sim {
 
     /// The leader's passes until it has nothing to write.
     fn settle(&mut self) {
-        for _ in 0..6 {
-            let decision = self.decide();
-            if self.apply(&decision, usize::MAX) == 0 {
+        for _ in 0..12 {
+            let (decision, bounded) = self.decide_bounded(PASS_NODES);
+            if self.apply(&decision, usize::MAX) == 0 && !bounded {
                 let again = self.decide();
                 assert!(
                     self.is_quiet(&again),
@@ -1520,13 +1538,13 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             if let Some(old) = stale.take() {
                 let mut old = old;
                 old.now = sim.now;
-                let decision = old.decide();
+                let (decision, _) = old.decide_bounded(PASS_NODES);
                 sim.apply(&decision, usize::MAX);
             }
         }
         13 => {
             // The leader dies in the middle of its writes.
-            let decision = sim.decide();
+            let (decision, _) = sim.decide_bounded(PASS_NODES);
             let total = decision.block_writes.len()
                 + decision.pool_writes.len()
                 + decision.nnc_writes.len();

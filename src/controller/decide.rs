@@ -151,6 +151,41 @@ pub struct Decision {
     pub unsettled: BTreeSet<String>,
 }
 
+impl Decision {
+    /// Keeps the status writes of at most `nodes` nodes, taken in name
+    /// order from just after `after` (round robin: no node waits behind
+    /// busier ones), and the block writes they rely on; the other nodes'
+    /// writes wait for the next pass, which decides those nodes again. So
+    /// what one pass writes, and the echoes it queues, stay bounded
+    /// whatever the cluster's size. Returns the last node kept.
+    pub fn bound(&mut self, nodes: usize, after: Option<&str>) -> Option<String> {
+        if self.nnc_writes.len() <= nodes {
+            return None;
+        }
+        // Name order from just after `after`, then from the start.
+        let wraps = |w: &Write| after.is_some_and(|a| w.name.as_str() <= a);
+        self.nnc_writes
+            .sort_by(|a, b| (wraps(a), &a.name).cmp(&(wraps(b), &b.name)));
+        let later = self.nnc_writes.split_off(nodes);
+        let kept: BTreeSet<&str> = self
+            .nnc_writes
+            .iter()
+            .flat_map(|w| w.after_blocks.iter().map(String::as_str))
+            .collect();
+        let waiting: BTreeSet<&str> = later
+            .iter()
+            .flat_map(|w| w.after_blocks.iter().map(String::as_str))
+            .filter(|b| !kept.contains(b))
+            .collect();
+        self.block_writes
+            .retain(|b| !waiting.contains(b.name.as_str()));
+        let deferred: BTreeSet<&str> = later.iter().map(|w| w.name.as_str()).collect();
+        self.events.retain(|e| !deferred.contains(e.node.as_str()));
+        self.unsettled.extend(later.iter().map(|w| w.name.clone()));
+        self.nnc_writes.last().map(|w| w.name.clone())
+    }
+}
+
 /// Why a node's Ready condition is not `NodeNetworkConfigReady`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Trouble {
@@ -1834,5 +1869,69 @@ mod tests {
             split_until("pool p has no free block").0,
             "pool p has no free block"
         );
+    }
+
+    /// A bounded pass keeps the first nodes' status writes from just after
+    /// the last node written, with the block writes they rely on; the rest
+    /// (their blocks and Events too) wait, their nodes unsettled.
+    #[test]
+    fn a_bounded_pass_writes_a_few_nodes_in_turn_and_leaves_the_rest_unsettled() {
+        let status = |name: &str, blocks: &[&str]| Write {
+            name: name.to_string(),
+            resource_version: "1".to_string(),
+            status: "{}".to_string(),
+            after_blocks: blocks.iter().map(|b| b.to_string()).collect(),
+        };
+        let block = |cidr: &str| BlockWrite {
+            name: block::block_name(&cidr.parse().unwrap()),
+            cidr: cidr.parse().unwrap(),
+            op: BlockOp::Delete("1".to_string()),
+        };
+        let event = |node: &str| NodeEvent {
+            node: node.to_string(),
+            reason: QUOTA_EVENT,
+            message: String::new(),
+        };
+        let [a, b, c, free] = [
+            "198.18.0.0/28",
+            "198.18.0.16/28",
+            "198.18.0.32/28",
+            "198.18.0.48/28",
+        ]
+        .map(block);
+        let full = Decision {
+            // A block write no status relies on (one cooled out) is kept.
+            block_writes: vec![a.clone(), b.clone(), c.clone(), free.clone()],
+            nnc_writes: vec![
+                status("n1", &[&a.name]),
+                status("n2", &[&b.name]),
+                status("n3", &[&c.name, &a.name]),
+            ],
+            events: vec![event("n2"), event("n3")],
+            ..Decision::default()
+        };
+        let mut first = full.clone();
+        assert_eq!(first.bound(2, None), Some("n2".to_string()));
+        let names = |d: &Decision| {
+            d.nnc_writes
+                .iter()
+                .map(|w| w.name.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&first), ["n1", "n2"]);
+        assert_eq!(first.block_writes, [a.clone(), b.clone(), free.clone()]);
+        assert_eq!(first.events, [event("n2")]);
+        assert_eq!(first.unsettled, BTreeSet::from(["n3".to_string()]));
+        // The next starts after n2 and wraps round.
+        let mut next = full.clone();
+        assert_eq!(next.bound(2, Some("n2")), Some("n1".to_string()));
+        assert_eq!(names(&next), ["n3", "n1"]);
+        assert_eq!(next.block_writes, [a, c, free]);
+        assert_eq!(next.events, [event("n3")]);
+        assert_eq!(next.unsettled, BTreeSet::from(["n2".to_string()]));
+        // Within the bound: nothing changes.
+        let mut all = full.clone();
+        assert_eq!(all.bound(3, Some("n1")), None);
+        assert_eq!(all, full);
     }
 }

@@ -36,6 +36,10 @@ const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(1);
 pub const WALL_OFFSET_ENV: &str = "METIS_TEST_WALL_CLOCK_OFFSET_MS";
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
+/// The nodes whose statuses one pass writes at most (`Decision::bound`):
+/// a burst (5,000 nodes asking at once) is written 100 at a time, each
+/// batch decided on what the previous one's answers and echoes left.
+const PASS_NODES: usize = 100;
 /// A pass decides every node at least this often, changed or not: what a
 /// scoped pass might leave undecided is decided again (level-triggered).
 const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
@@ -363,6 +367,8 @@ struct Controller<'c> {
     pools_written: BTreeMap<String, Instant>,
     /// When the next pass decides every node ([`RESYNC_INTERVAL`]).
     resync_at: Instant,
+    /// The last node a bounded pass wrote: the next starts after it.
+    bound_after: Option<String>,
 }
 
 impl<'c> Controller<'c> {
@@ -392,6 +398,7 @@ impl<'c> Controller<'c> {
             unsettled: BTreeSet::new(),
             pools_written: BTreeMap::new(),
             resync_at: Instant::now() + RESYNC_INTERVAL,
+            bound_after: None,
         }
     }
 
@@ -513,6 +520,11 @@ impl<'c> Controller<'c> {
         let mut decision = decide(&world, &mut taken);
         drop(pools);
         self.cache.give_back_taken(taken);
+        if let Some(last) = decision.bound(PASS_NODES, self.bound_after.as_deref()) {
+            // The nodes left for later are decided at the next pass.
+            self.bound_after = Some(last);
+            self.pending = true;
+        }
         self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);
