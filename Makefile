@@ -13,9 +13,10 @@ TARGET_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 # build`: these flags are set here and nowhere else.
 HOST := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
 NO_UNWIND := -C link-arg=-Wl,-T,$(CURDIR)/src/discard-eh-frame.ld -C link-arg=-Wl,--no-eh-frame-hdr
-# The plugin's code kept together, for fewer text pages mapped per exec: the
-# Kubernetes side's code in sections of its own (the script says why).
-LAYOUT := -C link-arg=-Wl,-T,$(CURDIR)/src/kube-apart.ld
+# Fewer text pages mapped per plugin exec: the Kubernetes side's code apart
+# (the script), and file offsets 2 MiB-congruent with addresses so the page
+# cache's large folios line up with fault-around's windows.
+LAYOUT := -C link-arg=-Wl,-T,$(CURDIR)/src/kube-apart.ld -C link-arg=-Wl,-z,max-page-size=0x200000
 STATIC := RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static $(NO_UNWIND) $(LAYOUT)" \
   CFLAGS_$(subst -,_,$(HOST))="-Os -fno-asynchronous-unwind-tables -fno-unwind-tables"
 # Optimisation levels are Cargo.toml's `[profile.release.package]`, the same
