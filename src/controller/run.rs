@@ -37,9 +37,9 @@ pub const WALL_OFFSET_ENV: &str = "METIS_TEST_WALL_CLOCK_OFFSET_MS";
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
 /// The nodes whose statuses one pass writes at most (`Decision::bound`):
-/// a burst (5,000 nodes asking at once) is written 100 at a time, each
+/// a burst (5,000 nodes asking at once) is written 500 at a time, each
 /// batch decided on what the previous one's answers and echoes left.
-const PASS_NODES: usize = 100;
+const PASS_NODES: usize = 500;
 /// A pass decides every node at least this often, changed or not: what a
 /// scoped pass might leave undecided is decided again (level-triggered).
 const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
@@ -521,9 +521,11 @@ impl<'c> Controller<'c> {
         drop(pools);
         self.cache.give_back_taken(taken);
         if let Some(last) = decision.bound(PASS_NODES, self.bound_after.as_deref()) {
-            // The nodes left for later are decided at the next pass.
+            // The nodes left for later are decided at the next pass, as
+            // soon as the events queued meanwhile are taken in.
             self.bound_after = Some(last);
             self.pending = true;
+            self.next_pass = Instant::now();
         }
         self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
