@@ -264,7 +264,7 @@ impl Sim {
         let mut decision = decide::decide(&world, &mut taken);
         assert_eq!(taken, before, "a pass left the taken index changed");
         let after = self.bound_after.borrow().clone();
-        let bounded = decision.bound(nodes, after.as_deref());
+        let bounded = decision.bound(nodes, after.as_deref(), &|_| true);
         if bounded.is_some() {
             *self.bound_after.borrow_mut() = bounded.clone();
         }

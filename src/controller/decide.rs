@@ -152,21 +152,34 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// Keeps the status writes of at most `nodes` nodes, taken in name
-    /// order from just after `after` (round robin: no node waits behind
-    /// busier ones), and the block writes they rely on; the other nodes'
-    /// writes wait for the next pass, which decides those nodes again. So
-    /// what one pass writes, and the echoes it queues, stay bounded
-    /// whatever the cluster's size. Returns the last node kept.
-    pub fn bound(&mut self, nodes: usize, after: Option<&str>) -> Option<String> {
-        if self.nnc_writes.len() <= nodes {
+    /// Keeps the status writes of at most `nodes` nodes that are `ready`
+    /// (a paused one costs its pass nothing: the writer skips it), taken in
+    /// name order from just after `after` (round robin: no node waits
+    /// behind busier ones), and the block writes they rely on; the other
+    /// nodes' writes wait for the next pass, which decides those nodes
+    /// again. So what one pass writes, and the echoes it queues, stay
+    /// bounded whatever the cluster's size. Returns the last node kept.
+    pub fn bound(
+        &mut self,
+        nodes: usize,
+        after: Option<&str>,
+        ready: &dyn Fn(&str) -> bool,
+    ) -> Option<String> {
+        let all = std::mem::take(&mut self.nnc_writes);
+        let (mut writes, paused): (Vec<Write>, Vec<Write>) =
+            all.into_iter().partition(|w| ready(&w.name));
+        if writes.len() <= nodes {
+            self.nnc_writes = writes;
+            self.nnc_writes.extend(paused);
             return None;
         }
         // Name order from just after `after`, then from the start.
         let wraps = |w: &Write| after.is_some_and(|a| w.name.as_str() <= a);
-        self.nnc_writes
-            .sort_by(|a, b| (wraps(a), &a.name).cmp(&(wraps(b), &b.name)));
-        let later = self.nnc_writes.split_off(nodes);
+        writes.sort_by(|a, b| (wraps(a), &a.name).cmp(&(wraps(b), &b.name)));
+        let later = writes.split_off(nodes);
+        let last = writes.last().map(|w| w.name.clone());
+        self.nnc_writes = writes;
+        self.nnc_writes.extend(paused);
         let kept: BTreeSet<&str> = self
             .nnc_writes
             .iter()
@@ -182,7 +195,7 @@ impl Decision {
         let deferred: BTreeSet<&str> = later.iter().map(|w| w.name.as_str()).collect();
         self.events.retain(|e| !deferred.contains(e.node.as_str()));
         self.unsettled.extend(later.iter().map(|w| w.name.clone()));
-        self.nnc_writes.last().map(|w| w.name.clone())
+        last
     }
 }
 
@@ -1911,7 +1924,7 @@ mod tests {
             ..Decision::default()
         };
         let mut first = full.clone();
-        assert_eq!(first.bound(2, None), Some("n2".to_string()));
+        assert_eq!(first.bound(2, None, &|_| true), Some("n2".to_string()));
         let names = |d: &Decision| {
             d.nnc_writes
                 .iter()
@@ -1924,14 +1937,23 @@ mod tests {
         assert_eq!(first.unsettled, BTreeSet::from(["n3".to_string()]));
         // The next starts after n2 and wraps round.
         let mut next = full.clone();
-        assert_eq!(next.bound(2, Some("n2")), Some("n1".to_string()));
+        assert_eq!(next.bound(2, Some("n2"), &|_| true), Some("n1".to_string()));
         assert_eq!(names(&next), ["n3", "n1"]);
         assert_eq!(next.block_writes, [a, c, free]);
         assert_eq!(next.events, [event("n3")]);
         assert_eq!(next.unsettled, BTreeSet::from(["n2".to_string()]));
         // Within the bound: nothing changes.
         let mut all = full.clone();
-        assert_eq!(all.bound(3, Some("n1")), None);
+        assert_eq!(all.bound(3, Some("n1"), &|_| true), None);
         assert_eq!(all, full);
+        // A paused node's write (the writer skips it) is kept and counts
+        // for nothing: two ready ones fit.
+        let mut paused = full.clone();
+        assert_eq!(paused.bound(2, None, &|n| n != "n1"), None);
+        assert_eq!(names(&paused), ["n2", "n3", "n1"]);
+        let mut one = full.clone();
+        assert_eq!(one.bound(1, None, &|n| n != "n1"), Some("n2".to_string()));
+        assert_eq!(names(&one), ["n2", "n1"]);
+        assert_eq!(one.unsettled, BTreeSet::from(["n3".to_string()]));
     }
 }

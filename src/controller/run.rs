@@ -520,13 +520,7 @@ impl<'c> Controller<'c> {
         let mut decision = decide(&world, &mut taken);
         drop(pools);
         self.cache.give_back_taken(taken);
-        if let Some(last) = decision.bound(PASS_NODES, self.bound_after.as_deref()) {
-            // The nodes left for later are decided at the next pass, as
-            // soon as the events queued meanwhile are taken in.
-            self.bound_after = Some(last);
-            self.pending = true;
-            self.next_pass = Instant::now();
-        }
+        self.bound(&mut decision);
         self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
         self.cache.restart_cooling(&decision.cooling_restarts);
@@ -585,6 +579,19 @@ impl<'c> Controller<'c> {
         self.pending |= applied.conflicts > 0;
         let retry = self.retries.next_due(Instant::now());
         self.due = [self.due, retry].into_iter().flatten().min();
+    }
+
+    /// Keeps [`PASS_NODES`] nodes' writes of `decision` (those paused count
+    /// for nothing); the nodes left for later are decided by the next pass,
+    /// as soon as the events queued meanwhile are taken in.
+    fn bound(&mut self, decision: &mut Decision) {
+        let now = Instant::now();
+        let ready = |name: &str| self.retries.ready(Resource::Nnc, name, now);
+        if let Some(last) = decision.bound(PASS_NODES, self.bound_after.as_deref(), &ready) {
+            self.bound_after = Some(last);
+            self.pending = true;
+            self.next_pass = now;
+        }
     }
 
     /// A pool's counts are written at most once per
