@@ -411,7 +411,7 @@ impl Cache {
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
-                let serving = self.index.serving.names(*cidr);
+                let serving = self.index.serving.get(cidr).into_iter().flatten();
                 self.dirty.extend(serving.cloned());
             }
         }

@@ -35,7 +35,7 @@ use super::pool::{
     BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
     Working,
 };
-use super::status::{self, Entry, NamesByCidr, ReadyRead, Status, StatusIndex, merge_condition};
+use super::status::{self, Entry, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
@@ -223,7 +223,7 @@ struct Plan<'a> {
 /// Who holds each status entry in this pass: the statuses as read, but
 /// for the nodes it decides, whose statuses are their plans.
 struct Holders<'a> {
-    read: &'a NamesByCidr,
+    read: &'a BTreeMap<Cidr, BTreeSet<String>>,
     decided: BTreeSet<&'a str>,
     planned: BTreeMap<Cidr, Vec<&'a str>>,
 }
@@ -231,7 +231,7 @@ struct Holders<'a> {
 impl<'a> Holders<'a> {
     /// The nodes whose status holds `cidr`, in name order.
     fn of(&self, cidr: &Cidr) -> Vec<&'a str> {
-        let read = self.read.names(*cidr);
+        let read = self.read.get(cidr).into_iter().flatten();
         let mut names: Vec<&'a str> = read
             .map(String::as_str)
             .filter(|n| !self.decided.contains(n))
@@ -246,8 +246,8 @@ impl<'a> Holders<'a> {
         self.planned.contains_key(cidr)
             || self
                 .read
-                .names(*cidr)
-                .any(|n| !self.decided.contains(n.as_str()))
+                .get(cidr)
+                .is_some_and(|names| names.iter().any(|n| !self.decided.contains(n.as_str())))
     }
 }
 
@@ -412,7 +412,7 @@ impl<'a> Pass<'a> {
         let world = self.world;
         world.scope.is_some()
             && self.ledgers.iter().flat_map(Working::changed).any(|cidr| {
-                let nodes = world.index.serving.names(*cidr);
+                let nodes = world.index.serving.get(cidr).into_iter().flatten();
                 nodes
                     .into_iter()
                     .any(|n| !self.plans.contains_key(n.as_str()))
@@ -596,7 +596,7 @@ impl<'a> Pass<'a> {
                     continue;
                 }
                 // The first status (by node name) holding it, if not its own.
-                let first = world.index.held.names(*cidr).next();
+                let first = world.index.held.get(cidr).and_then(|names| names.first());
                 let elsewhere = first.map(String::as_str).filter(|n| *n != name.as_str());
                 if let Err(why) = self.keep_serving(name, cidr, elsewhere, taken)
                     && let Some(plan) = self.plans.get_mut(name.as_str())

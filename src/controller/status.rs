@@ -268,10 +268,10 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatusIndex {
     /// Which nodes' statuses hold each block.
-    pub held: NamesByCidr,
+    pub held: BTreeMap<Cidr, BTreeSet<String>>,
     /// Which nodes say they still serve each block (`serving`): a change
     /// to the block decides them again.
-    pub serving: NamesByCidr,
+    pub serving: BTreeMap<Cidr, BTreeSet<String>>,
     /// The time (wall ms) each refused node was told its refusal stands
     /// until.
     pub told: BTreeMap<String, i64>,
@@ -289,10 +289,11 @@ impl StatusIndex {
     /// Node `name`'s status is `status`.
     pub fn add(&mut self, name: &str, status: &Status) {
         for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-            self.held.insert(cidr, name);
+            self.held.entry(cidr).or_default().insert(name.to_string());
         }
         for cidr in &status.serving {
-            self.serving.insert(*cidr, name);
+            let nodes = self.serving.entry(*cidr).or_default();
+            nodes.insert(name.to_string());
         }
         if let Some(until) = status.told_until {
             self.told.insert(name.to_string(), until);
@@ -301,36 +302,26 @@ impl StatusIndex {
 
     /// Node `name`'s status is `status` no more.
     pub fn remove(&mut self, name: &str, status: &Status) {
-        for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-            self.held.remove(cidr, name);
-        }
-        for cidr in &status.serving {
-            self.serving.remove(*cidr, name);
-        }
+        let entries = status.entries.iter().filter_map(|e| e.cidr);
+        unindex(&mut self.held, entries, name);
+        unindex(&mut self.serving, status.serving.iter().copied(), name);
         self.told.remove(name);
     }
 }
 
-/// Node names by block, as one set of (block, name) pairs: a block one
-/// node names (nearly every block) is one entry, not a set of its own.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NamesByCidr(BTreeSet<(Cidr, String)>);
-
-impl NamesByCidr {
-    /// The nodes that name `cidr`, in name order.
-    pub fn names(&self, cidr: Cidr) -> impl Iterator<Item = &String> {
-        self.0
-            .range((cidr, String::new())..)
-            .take_while(move |(c, _)| *c == cidr)
-            .map(|(_, name)| name)
-    }
-
-    fn insert(&mut self, cidr: Cidr, name: &str) {
-        self.0.insert((cidr, name.to_string()));
-    }
-
-    fn remove(&mut self, cidr: Cidr, name: &str) {
-        self.0.remove(&(cidr, name.to_string()));
+/// `name` no longer stands for `cidrs` in `index`.
+fn unindex(
+    index: &mut BTreeMap<Cidr, BTreeSet<String>>,
+    cidrs: impl Iterator<Item = Cidr>,
+    name: &str,
+) {
+    for cidr in cidrs {
+        if let Some(nodes) = index.get_mut(&cidr) {
+            nodes.remove(name);
+            if nodes.is_empty() {
+                index.remove(&cidr);
+            }
+        }
     }
 }
 
@@ -351,33 +342,6 @@ pub fn assemble(rest: Value, entries: &[&Entry]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A block's names are its own, in name order, whatever the blocks
-    /// beside it (one before, one holding it, one after) hold.
-    #[test]
-    fn names_by_cidr_are_the_blocks_own() {
-        let cidr = |c: &str| c.parse::<Cidr>().unwrap();
-        let mut index = NamesByCidr::default();
-        for (block, name) in [
-            ("198.18.0.16/28", "b"),
-            ("198.18.0.16/28", "a"),
-            ("198.18.0.0/28", "z"),
-            ("198.18.0.0/27", "y"),
-            ("198.18.0.32/28", "a"),
-        ] {
-            index.insert(cidr(block), name);
-        }
-        let names = |index: &NamesByCidr, block: &str| -> Vec<String> {
-            index.names(cidr(block)).cloned().collect()
-        };
-        assert_eq!(names(&index, "198.18.0.16/28"), ["a", "b"]);
-        assert_eq!(names(&index, "198.18.0.0/28"), ["z"]);
-        assert_eq!(names(&index, "198.18.0.0/27"), ["y"]);
-        assert!(names(&index, "198.18.0.48/28").is_empty());
-        index.remove(cidr("198.18.0.16/28"), "a");
-        index.remove(cidr("198.18.0.16/28"), "c");
-        assert_eq!(names(&index, "198.18.0.16/28"), ["b"]);
-    }
     use crate::kube::nnc::QUOTA_UNTIL;
     use serde_json::json;
 
