@@ -206,6 +206,26 @@ impl Sim {
         nnc["metadata"]["resourceVersion"] = json!(rv);
     }
 
+    /// `node`'s status entry for `cidr`.
+    fn status_entry(&self, node: &str, cidr: &str) -> Value {
+        let entries = self.nncs[node]["status"]["podCIDRs"].as_array().unwrap();
+        entries.iter().find(|e| e["cidr"] == cidr).cloned().unwrap()
+    }
+
+    /// Someone other than the controller adds `entry` to `node`'s status.
+    fn copy_by_hand(&mut self, node: &str, entry: Value) {
+        let cidr = entry["cidr"].as_str().unwrap().to_string();
+        let note = format!("{} copied by hand into {node}", self.now);
+        self.history.entry(cidr.clone()).or_default().push(note);
+        self.hand_made.insert((node.to_string(), cidr));
+        self.edit_nnc(node, |n| {
+            if !n["status"]["podCIDRs"].is_array() {
+                n["status"]["podCIDRs"] = json!([]);
+            }
+            n["status"]["podCIDRs"].as_array_mut().unwrap().push(entry);
+        });
+    }
+
     fn set_demand(&mut self, name: &str, pods: i64) {
         self.edit_nnc(name, |n| {
             n["spec"]["allocations"] = json!([{"network": "default", "pods": pods}])
@@ -834,13 +854,7 @@ fn two_pools(sim: &mut Sim) {
 }
 
 fn release(sim: &mut Sim, node: &str, cidr: &str) {
-    let entry = sim.nncs[node]["status"]["podCIDRs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["cidr"] == cidr)
-        .cloned()
-        .unwrap();
+    let entry = sim.status_entry(node, cidr);
     sim.edit_nnc(node, |n| {
         let list = n["spec"]["releasableCIDRs"].as_array_mut().unwrap();
         if !list.contains(&entry) {
@@ -1124,15 +1138,7 @@ fn a_block_of_a_refused_pool_is_taken_over_not_created_again() {
     sim.set_demand("a", 10);
     sim.settle();
     let block = "198.18.0.0/28".to_string();
-    let entry = sim.nncs["a"]["status"]["podCIDRs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["cidr"] == block.as_str())
-        .cloned()
-        .unwrap();
-    sim.hand_made.insert(("b".to_string(), block.clone()));
-    sim.edit_nnc("b", |n| n["status"]["podCIDRs"] = json!([entry]));
+    sim.copy_by_hand("b", sim.status_entry("a", &block));
     release(&mut sim, "a", &block);
     sim.settle();
     // The IPv4 pool is refused (blocks larger than one of its CIDRs); the
@@ -1172,10 +1178,7 @@ fn a_node_in_conflict_takes_no_promise_from_a_refused_one() {
     sim.settle();
     // a holds a copy of c's block (both in conflict) and, like b, wants
     // more.
-    let copied = sim.nncs["c"]["status"]["podCIDRs"][0].clone();
-    let cidr = copied["cidr"].as_str().unwrap().to_string();
-    sim.hand_made.insert(("a".to_string(), cidr));
-    sim.edit_nnc("a", |n| n["status"]["podCIDRs"] = json!([copied]));
+    sim.copy_by_hand("a", sim.nncs["c"]["status"]["podCIDRs"][0].clone());
     sim.set_demand("a", 30);
     sim.set_demand("b", 30);
     // The first pass tells b already (a, first by name, is passed over).
@@ -1208,15 +1211,7 @@ fn a_copy_taken_from_a_gone_node_does_not_make_the_block_its_own() {
     sim.set_demand("b", 10);
     sim.settle();
     let block = "198.18.0.0/28".to_string();
-    let entry = sim.nncs["b"]["status"]["podCIDRs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["cidr"] == block.as_str())
-        .cloned()
-        .unwrap();
-    sim.hand_made.insert(("a".to_string(), block.clone()));
-    sim.edit_nnc("a", |n| n["status"]["podCIDRs"] = json!([entry]));
+    sim.copy_by_hand("a", sim.status_entry("b", &block));
     sim.failing = Some("b".into());
     release(&mut sim, "b", &block);
     sim.set_demand("b", 0);
@@ -1360,9 +1355,7 @@ fn a_hand_edited_overlap_is_reported_and_never_granted_further() {
     sim.add_node("b");
     sim.set_demand("a", 10);
     sim.settle();
-    let stolen = sim.nncs["a"]["status"]["podCIDRs"][0].clone();
-    sim.edit_nnc("b", |n| n["status"]["podCIDRs"] = json!([stolen]));
-    sim.hand_made.insert(("b".into(), "198.18.0.0/28".into()));
+    sim.copy_by_hand("b", sim.status_entry("a", "198.18.0.0/28"));
     let decision = sim.decide();
     let conflicts: Vec<&str> = decision
         .events
@@ -1514,15 +1507,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 let entry = others[rng.index(others.len())].clone();
                 let cidr = entry["cidr"].as_str().unwrap().to_string();
                 if !cidrs_of(&sim.nncs[node]).contains(&cidr) {
-                    let note = format!("{} copied by hand into {node}", sim.now);
-                    sim.history.entry(cidr.clone()).or_default().push(note);
-                    sim.hand_made.insert((node.to_string(), cidr));
-                    sim.edit_nnc(node, |n| {
-                        if !n["status"]["podCIDRs"].is_array() {
-                            n["status"]["podCIDRs"] = json!([]);
-                        }
-                        n["status"]["podCIDRs"].as_array_mut().unwrap().push(entry);
-                    });
+                    sim.copy_by_hand(node, entry);
                 }
             } else if !cidrs_of(&sim.nncs[node]).is_empty() {
                 sim.edit_nnc(node, |n| {
