@@ -759,6 +759,56 @@ fn metis_blocks_are_claimed_by_name_and_written_with_their_version() {
     assert_eq!(api.state().count("create", BLOCKS), 4);
 }
 
+/// Finalizers: a DELETE only marks an object that has one; writes keep the
+/// mark, may not add a finalizer, and the object goes with its last.
+#[test]
+fn a_finalized_object_is_marked_on_delete_and_goes_with_its_last_finalizer() {
+    let dir = TestDir::new("kapi-finalizers");
+    let api = KubeApi::start();
+    let client = client(&api, &dir);
+    let mut held = block("v4-198-18-0-16-28", "n1", "Granted");
+    held["metadata"]["finalizers"] = json!(["metis.x-k8s.io/block-protection"]);
+    let made = client.post(BLOCK_PATH, &held).unwrap();
+    let path = format!("{BLOCK_PATH}/v4-198-18-0-16-28");
+    let (status, marked) = api.call("DELETE", &path, None);
+    assert_eq!(status, 200);
+    assert!(marked["metadata"]["deletionTimestamp"].is_string());
+    assert_ne!(rv(&marked), rv(&made));
+    // Marked again: nothing changes.
+    assert_eq!(rv(&api.call("DELETE", &path, None).1), rv(&marked));
+    // A write keeps the mark whatever its body says; no finalizer added.
+    let mut cooling = marked.clone();
+    cooling["spec"]["state"] = json!("Cooling");
+    cooling["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("deletionTimestamp");
+    let (status, cooled) = api.call("PUT", &path, Some(&cooling));
+    assert_eq!(status, 200);
+    assert_eq!(
+        cooled["metadata"]["deletionTimestamp"],
+        marked["metadata"]["deletionTimestamp"]
+    );
+    let mut more = cooled.clone();
+    more["metadata"]["finalizers"] = json!(["metis.x-k8s.io/block-protection", "x"]);
+    assert_eq!(api.call("PUT", &path, Some(&more)).0, 422);
+    // The last finalizer removed: gone, and the name free to claim.
+    let mut let_go = cooled.clone();
+    let_go["metadata"]["finalizers"] = json!([]);
+    assert_eq!(api.call("PUT", &path, Some(&let_go)).0, 200);
+    assert_eq!(code(&client.get(&path).unwrap_err()), 404);
+    let seen: Vec<String> = events(
+        &client,
+        &format!("{BLOCK_PATH}?watch=true&resourceVersion={}", rv(&made)),
+        3,
+    )
+    .into_iter()
+    .map(|e| e.kind)
+    .collect();
+    assert_eq!(seen, ["MODIFIED", "MODIFIED", "DELETED"]);
+    client.post(BLOCK_PATH, &held).unwrap();
+}
+
 /// The API server's limits: a body over 3 MiB is 413 (unread, the
 /// connection closed), an object over etcd's 1.5 MiB is 500 with etcd's
 /// words and nothing stored; every body is counted by client.

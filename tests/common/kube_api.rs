@@ -14,8 +14,10 @@
 //!   `metadata.resourceVersion` precondition (409 `Conflict`; custom
 //!   resources refuse a PUT without one, 422, as the API server does),
 //!   JSON merge PATCH (the same precondition when the patch carries one),
-//!   DELETE (with `preconditions`), and the owner-reference garbage
-//!   collector: deleting an object deletes its dependents.
+//!   DELETE (with `preconditions`; an object with finalizers is only
+//!   marked with a `deletionTimestamp`, goes with its last finalizer and
+//!   takes no new one), and the owner-reference garbage collector:
+//!   deleting an object deletes its dependents.
 //! - The status subresource: `PUT`/`PATCH …/status` changes only `status`;
 //!   writes to the main resource keep it; `metadata.generation` counts spec
 //!   changes. A write that changes nothing is not a new version (no event).
@@ -560,7 +562,8 @@ impl State {
     }
 
     /// Deletes an object (with `preconditions` from DeleteOptions) and,
-    /// unless `keep_dependents`, the objects it owns.
+    /// unless `keep_dependents`, the objects it owns; one with finalizers
+    /// is only marked (`deletionTimestamp`).
     pub fn delete(&mut self, key: &Key, options: &Value) -> Result<Value, Refusal> {
         let current = self.current(key)?;
         let wanted = &options["preconditions"];
@@ -575,6 +578,19 @@ impl State {
                 "Conflict",
                 "Precondition failed: UID mismatch",
             ));
+        }
+        // Finalizers hold it: marked, it goes with the last of them.
+        if !finalizers(&current).is_empty() {
+            if current["metadata"]["deletionTimestamp"].is_string() {
+                return Ok(current);
+            }
+            let mut marked = current;
+            marked["metadata"]["deletionTimestamp"] =
+                json!(metis::log::rfc3339_seconds(metis::log::now_ms()).to_string());
+            marked["metadata"]["resourceVersion"] = json!(self.rv(self.version + 1));
+            let text = stored_text(&marked)?;
+            self.commit(key.clone(), Some((marked.clone(), text)), "MODIFIED");
+            return Ok(marked);
         }
         self.commit(key.clone(), None, "DELETED");
         let gone = self
@@ -730,6 +746,7 @@ impl State {
             "name",
             "namespace",
             "generation",
+            "deletionTimestamp",
         ] {
             match current["metadata"].get(field) {
                 Some(value) => next["metadata"][field] = value.clone(),
@@ -753,14 +770,30 @@ impl State {
 
     /// Stores `next` for `key` unless it equals `current` (the API server
     /// writes nothing then); returns the object as stored.
+    /// An object marked for deletion goes with its last finalizer, and
+    /// takes no new one.
     fn write(&mut self, key: &Key, current: &Value, mut next: Value) -> Result<Value, Refusal> {
         next["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
         if &next == current {
             return Ok(next);
         }
+        let marked = current["metadata"]["deletionTimestamp"].is_string();
+        let before = finalizers(current);
+        let after: Vec<String> = finalizers(&next).into_iter().map(str::to_string).collect();
+        if marked && after.iter().any(|f| !before.contains(&f.as_str())) {
+            return Err(refusal(
+                422,
+                "Invalid",
+                "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted",
+            ));
+        }
         next["metadata"]["resourceVersion"] = json!(self.rv(self.version + 1));
         let text = stored_text(&next)?;
-        self.commit(key.clone(), Some((next.clone(), text)), "MODIFIED");
+        if marked && after.is_empty() {
+            self.commit(key.clone(), None, "DELETED");
+        } else {
+            self.commit(key.clone(), Some((next.clone(), text)), "MODIFIED");
+        }
         Ok(next)
     }
 
@@ -1832,4 +1865,13 @@ impl KubeApi {
             .unwrap_or(Value::Null);
         (status, body)
     }
+}
+
+/// An object's `metadata.finalizers`.
+fn finalizers(object: &Value) -> Vec<&str> {
+    let list = object["metadata"]["finalizers"].as_array();
+    list.into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect()
 }
