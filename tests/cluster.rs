@@ -20,7 +20,8 @@
 //!
 //! A second run (issue 32) keeps a machine serving its pods while its
 //! objects go: the Node and its NNC (the garbage collector) re-created
-//! inside and past `--node-grace`, the NNC alone re-created, one NNC whose
+//! inside and past `--node-grace`, the NNC alone re-created, its
+//! MetisBlocks deleted by hand as its Node goes, one NNC whose
 //! writes are all refused, and a leader whose wall clock is 10 minutes
 //! ahead; the same invariants after each phase.
 //!
@@ -1303,6 +1304,21 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
     sim.recreate(0, false, |_| true);
     sim.wait_status_holds(0, &held);
     sim.check("NNC deleted and re-created");
+
+    // An operator deletes the node's MetisBlocks as its Node and NNC go
+    // (the garbage collector): marked, the objects still fence its blocks.
+    sim.begin_phase();
+    sim.api.with_state(|s| {
+        for cidr in &held {
+            let name = metis::controller::block::block_name(&cidr.parse().unwrap());
+            s.delete(&Key::cluster(BLOCKS, &name), &Value::Null)
+                .unwrap();
+        }
+    });
+    sim.recreate(0, true, |_| true);
+    sim.wait_status_holds(0, &held);
+    sim.churn(&mut rng, 30, 14);
+    sim.check("MetisBlocks deleted by hand with the Node and its NNC");
 
     // Past the grace: its blocks cool (NodeGone); back while they cool,
     // the Node gets them back.

@@ -7,9 +7,10 @@
 //! sequences change demand, release blocks, delete and re-create nodes and
 //! their NodeNetworkConfigs, grow, shrink, break and exhaust pools, change
 //! a pool's block size while blocks of the old size are granted and
-//! cooling, hand-edit statuses, let a second controller decide from a stale
-//! copy, cut write sequences short (a crash), refuse every write of one
-//! node's NodeNetworkConfig and skew the deciding process's wall clock;
+//! cooling, hand-edit statuses, delete MetisBlocks by hand, let a second
+//! controller decide from a stale copy, cut write sequences short (a
+//! crash), refuse every write of one node's NodeNetworkConfig and skew the
+//! deciding process's wall clock;
 //! after every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
@@ -74,6 +75,9 @@ struct Sim {
     left: BTreeMap<String, (i64, String)>,
     /// Released NonReusable blocks.
     retired: BTreeSet<String>,
+    /// Retired blocks whose object an operator deleted, until they are
+    /// granted again: leaving a status starts no delay for them.
+    freed_by_hand: BTreeSet<String>,
     writes: usize,
     /// What happened to each block, for a failure's report.
     history: BTreeMap<String, Vec<String>>,
@@ -121,6 +125,7 @@ impl Sim {
             hand_made: BTreeSet::new(),
             left: BTreeMap::new(),
             retired: BTreeSet::new(),
+            freed_by_hand: BTreeSet::new(),
             writes: 0,
             history: BTreeMap::new(),
             last: RefCell::new(None),
@@ -224,6 +229,27 @@ impl Sim {
             }
             n["status"]["podCIDRs"].as_array_mut().unwrap().push(entry);
         });
+    }
+
+    /// An operator deletes a MetisBlock (`kubectl delete`): its finalizer
+    /// keeps it until its block is free. A retired block is never free: to
+    /// reuse one, the operator also removes the finalizer, and from then
+    /// on the block is no longer checked as retired, nor its delay timed.
+    fn delete_block_by_hand(&mut self, name: &str) {
+        let Some(object) = self.blocks.get(name).cloned() else {
+            return;
+        };
+        if let Some((cidr, spec)) = Block::parse(object).spec
+            && spec.state == BlockState::NonReusable
+        {
+            let cidr = cidr.to_string();
+            self.freed_by_hand.insert(cidr.clone());
+            self.left.remove(&cidr);
+            self.retired.remove(&cidr);
+            self.block_gone(name, "deleted by hand, its finalizer removed");
+            return;
+        }
+        self.delete_block(name, "deleted by hand");
     }
 
     fn set_demand(&mut self, name: &str, pods: i64) {
@@ -424,6 +450,7 @@ impl Sim {
                         ),
                     );
                 }
+                self.freed_by_hand.remove(cidr);
                 let note = format!("{} granted to {}", self.now, write.name);
                 self.history.entry(cidr.clone()).or_default().push(note);
             }
@@ -437,7 +464,8 @@ impl Sim {
                     .iter()
                     .find(|e| e["cidr"] == cidr.as_str())
                     .map(|e| e["type"].clone());
-                if kind == Some(json!("NonReusable")) && !copy {
+                if kind == Some(json!("NonReusable")) && !copy && !self.freed_by_hand.contains(cidr)
+                {
                     self.retired.insert(cidr.clone());
                 }
             }
@@ -469,7 +497,9 @@ impl Sim {
 
     /// A block write as the API server answers it: a POST refused when
     /// the name is taken, a PUT or DELETE when the version moved (`None`);
-    /// an unchanged PUT changes no version (`Some(false)`).
+    /// an unchanged PUT changes no version (`Some(false)`). Finalizers as
+    /// the API server keeps them: a DELETE only marks an object that has
+    /// one, and a marked object goes with its last.
     fn write_block(&mut self, write: &decide::BlockWrite) -> Option<bool> {
         let current = self.blocks.get(&write.name);
         let version = current.map(|b| {
@@ -478,33 +508,38 @@ impl Sim {
                 .unwrap()
                 .to_string()
         });
-        let spec = match &write.op {
-            BlockOp::Create(spec) if current.is_none() => spec,
-            BlockOp::Update(v, spec) if version.as_ref() == Some(v) => spec,
+        let marked = current.map(|b| b["metadata"]["deletionTimestamp"].clone());
+        let (spec, protected) = match &write.op {
+            BlockOp::Create(spec) if current.is_none() => (spec, true),
+            BlockOp::Update(v, spec) if version.as_ref() == Some(v) => (spec, true),
+            BlockOp::LetGo(v, spec) if version.as_ref() == Some(v) => (spec, false),
             BlockOp::Delete(v) if version.as_ref() == Some(v) => {
-                let note = format!("{} block deleted", self.now);
-                self.history
-                    .entry(write.cidr.to_string())
-                    .or_default()
-                    .push(note);
-                self.blocks.remove(&write.name);
-                self.cooling_seen.remove(&write.name);
+                self.delete_block(&write.name, "deleted");
                 return Some(true);
             }
             _ => return None,
         };
-        if let (Some(current), Some(v)) = (current, &version)
-            && *current == metis::controller::block::object(spec, &write.name, v)
-        {
+        let rv = match &version {
+            Some(v) => v.clone(),
+            None => String::new(),
+        };
+        let mut object = metis::controller::block::object(spec, &write.name, &rv, protected);
+        if let Some(marked) = marked.filter(Value::is_string) {
+            if !protected {
+                self.block_gone(&write.name, "let go, gone");
+                return Some(true);
+            }
+            object["metadata"]["deletionTimestamp"] = marked;
+        }
+        if current == Some(&object) {
             return Some(false);
         }
-        let rv = self.bump();
+        object["metadata"]["resourceVersion"] = json!(self.bump());
         let note = format!("{} block {:?} {}", self.now, spec.state, spec.node);
         self.history
             .entry(write.cidr.to_string())
             .or_default()
             .push(note);
-        let object = metis::controller::block::object(spec, &write.name, &rv);
         if spec.state == BlockState::Cooling {
             self.cooling_seen
                 .entry(write.name.clone())
@@ -514,6 +549,37 @@ impl Sim {
         }
         self.blocks.insert(write.name.clone(), object);
         Some(true)
+    }
+
+    /// A DELETE of block object `name` (`how`, for the history): marked
+    /// while it has a finalizer, gone otherwise.
+    fn delete_block(&mut self, name: &str, how: &str) {
+        let Some(object) = self.blocks.get(name) else {
+            return;
+        };
+        let finalized = object["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
+        if !finalized {
+            self.block_gone(name, how);
+        } else if !object["metadata"]["deletionTimestamp"].is_string() {
+            let note = format!("{} block {how}, marked", self.now);
+            let cidr = object["spec"]["cidr"].as_str().unwrap_or(name).to_string();
+            self.history.entry(cidr).or_default().push(note);
+            let rv = self.bump();
+            let object = self.blocks.get_mut(name).unwrap();
+            object["metadata"]["deletionTimestamp"] = json!("2026-12-05T23:00:00Z");
+            object["metadata"]["resourceVersion"] = json!(rv);
+        }
+    }
+
+    fn block_gone(&mut self, name: &str, how: &str) {
+        if let Some(object) = self.blocks.remove(name) {
+            let cidr = object["spec"]["cidr"].as_str().unwrap_or(name).to_string();
+            let note = format!("{} block {how}", self.now);
+            self.history.entry(cidr).or_default().push(note);
+        }
+        self.cooling_seen.remove(name);
     }
 
     /// Whether `decision` says nothing new: no write at all, or, while a
@@ -547,7 +613,8 @@ impl Sim {
     fn leaves(&mut self, node: &str, cidr: &str, how: &str) {
         let note = format!("{} {how} {node}", self.now);
         self.history.entry(cidr.to_string()).or_default().push(note);
-        if !self.hand_made.remove(&(node.to_string(), cidr.to_string())) {
+        let copy = self.hand_made.remove(&(node.to_string(), cidr.to_string()));
+        if !copy && !self.freed_by_hand.contains(cidr) {
             self.left
                 .insert(cidr.to_string(), (self.now, node.to_string()));
         }
@@ -1040,6 +1107,14 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
     let (mut sim, held) = a_granted_beside_b();
     // Deleted by hand (or by the garbage collector with its Node, which
     // comes back at once): nothing moves, whatever time passes.
+    a_keeps_its_blocks_through_its_nnc_gone(&mut sim, &held);
+    sim.check();
+}
+
+/// a's NodeNetworkConfig deleted, b asking for more than the pool has
+/// long past the grace and the delay: b gets none of a's `held` blocks,
+/// and a's NodeNetworkConfig re-created (a new uid) gets them back.
+fn a_keeps_its_blocks_through_its_nnc_gone(sim: &mut Sim, held: &[String]) {
     sim.nncs.remove("a");
     sim.settle();
     sim.now += GRACE_MS + DELAY_MS;
@@ -1049,10 +1124,28 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
         !cidrs_of(&sim.nncs["b"]).iter().any(|c| held.contains(c)),
         "b got a's blocks"
     );
-    // Re-created (a new uid): its status gets them back.
     sim.add_node("a");
     sim.settle();
     assert_eq!(cidrs_of(&sim.nncs["a"]), held);
+}
+
+#[test]
+fn a_block_object_deleted_by_hand_stays_until_its_block_is_free() {
+    let (mut sim, held) = a_granted_beside_b();
+    let name = metis::controller::block::block_name(&held[0].parse().unwrap());
+    // Deleted by hand, and the NodeNetworkConfig with it (the garbage
+    // collector): the object, marked, still says whose block it is.
+    sim.delete_block_by_hand(&name);
+    a_keeps_its_blocks_through_its_nnc_gone(&mut sim, &held);
+    assert!(sim.blocks[&name]["metadata"]["deletionTimestamp"].is_string());
+    // Released, it cools, then goes with its finalizer: free again.
+    release(&mut sim, "a", &held[0]);
+    sim.settle();
+    assert!(sim.blocks.contains_key(&name), "gone before it cooled");
+    sim.now += DELAY_MS;
+    sim.set_demand("b", 0);
+    sim.settle();
+    assert!(!sim.blocks.contains_key(&name), "kept after it cooled");
     sim.check();
 }
 
@@ -1564,6 +1657,12 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                         .remove("blockPrefixLength");
                 }
             });
+        }
+        18 if !sim.blocks.is_empty() => {
+            // An operator deletes a MetisBlock: granted, cooling or
+            // retired, held in a status or not.
+            let names: Vec<String> = sim.blocks.keys().cloned().collect();
+            sim.delete_block_by_hand(&names[rng.index(names.len())]);
         }
         15 => {
             // The deciding process's wall clock runs ahead (by up to 10

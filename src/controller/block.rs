@@ -4,7 +4,9 @@
 //! is a POST, and the loser of two claims gets 409 AlreadyExists. Its
 //! `spec.node` is the Node's name: blocks follow the machine, not its
 //! NodeNetworkConfig object. No ownerReferences: the garbage collector
-//! never deletes a block with its Node or NodeNetworkConfig.
+//! never deletes a block with its Node or NodeNetworkConfig. Each object
+//! carries the [`PROTECTION`] finalizer, so a DELETE by anyone only marks
+//! it: the controller lets it go once its block is free.
 
 use std::net::IpAddr;
 
@@ -17,6 +19,9 @@ use crate::kube::objects::{ObjectMeta, lenient, lenient_field, to_json};
 pub const BLOCK_PATH: &str = "/apis/metis.x-k8s.io/v1alpha1/metisblocks";
 pub const POOL_LABEL: &str = "metis.x-k8s.io/pool";
 pub const NODE_LABEL: &str = "metis.x-k8s.io/node";
+/// The finalizer that keeps a block's object, the fence, while its block is
+/// held or cooling, whoever deletes it (as `kubernetes.io/pvc-protection`).
+pub const PROTECTION: &str = "metis.x-k8s.io/block-protection";
 
 /// Where a block stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +75,8 @@ pub struct Block {
     /// whose name is not this object's (nobody but this controller writes
     /// blocks; such an object is reported, never trusted).
     pub spec: Option<(Cidr, BlockSpec)>,
+    /// Whether the object carries [`PROTECTION`].
+    pub protected: bool,
 }
 
 impl Block {
@@ -78,6 +85,7 @@ impl Block {
         let ObjectMeta {
             name,
             resource_version,
+            finalizers,
             ..
         } = object.metadata;
         let spec = BlockSpec::deserialize(&object.spec).ok().and_then(|spec| {
@@ -88,8 +96,16 @@ impl Block {
             name,
             resource_version,
             spec,
+            protected: finalizers.iter().any(|f| f == PROTECTION),
         }
     }
+}
+
+/// Whether a write's answer is an object the API server let go: marked
+/// for deletion and no finalizer left.
+pub fn is_gone(answer: &Value) -> bool {
+    let meta = &answer["metadata"];
+    meta["deletionTimestamp"].is_string() && meta["finalizers"].as_array().is_none_or(Vec::is_empty)
 }
 
 /// The object's name for `cidr`: `v4-198-18-0-16-28`, or
@@ -124,10 +140,11 @@ fn is_label_value(value: &str) -> bool {
             .is_none_or(|c| c.is_ascii_alphanumeric())
 }
 
-/// The whole object to POST (`resource_version` empty) or PUT. A name
-/// that is no label value (a node name may be 253 characters) goes
-/// without that label: the spec is what the controller reads.
-pub fn object(spec: &BlockSpec, name: &str, resource_version: &str) -> Value {
+/// The whole object to POST (`resource_version` empty) or PUT, protected
+/// or (to let it go) not. A name that is no label value (a node name may
+/// be 253 characters) goes without that label: the spec is what the
+/// controller reads.
+pub fn object(spec: &BlockSpec, name: &str, resource_version: &str, protected: bool) -> Value {
     let mut labels = Map::new();
     for (key, value) in [(POOL_LABEL, &spec.pool), (NODE_LABEL, &spec.node)] {
         if is_label_value(value) {
@@ -142,6 +159,10 @@ pub fn object(spec: &BlockSpec, name: &str, resource_version: &str) -> Value {
             name: name.into(),
             resource_version: resource_version.into(),
             labels,
+            finalizers: protected
+                .then(|| PROTECTION.to_string())
+                .into_iter()
+                .collect(),
             ..ObjectMeta::default()
         },
         spec: to_json(spec),
@@ -176,7 +197,7 @@ mod tests {
 
     #[test]
     fn a_block_reads_back_what_was_written_and_refuses_a_name_not_its_cidr() {
-        let written = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "");
+        let written = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "", true);
         assert_eq!(written["metadata"]["labels"][NODE_LABEL], "n1");
         assert!(written["metadata"].get("resourceVersion").is_none());
         let mut read = written.clone();
@@ -203,9 +224,27 @@ mod tests {
         // A node name that is no label value goes without the label.
         let mut long = spec("198.18.0.16/28");
         long.node = "n".repeat(64);
-        let written = object(&long, "v4-198-18-0-16-28", "3");
+        let written = object(&long, "v4-198-18-0-16-28", "3", true);
         assert!(written["metadata"]["labels"].get(NODE_LABEL).is_none());
         assert_eq!(written["metadata"]["resourceVersion"], "3");
+    }
+
+    #[test]
+    fn a_block_is_written_protected_and_goes_with_its_last_finalizer() {
+        let mut read = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "7", true);
+        assert_eq!(read["metadata"]["finalizers"], json!([PROTECTION]));
+        assert!(Block::parse(read.clone()).protected);
+        read["metadata"]["deletionTimestamp"] = json!("2026-12-05T23:00:00Z");
+        assert!(!is_gone(&read), "its finalizer still holds it");
+        let mut let_go = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "8", false);
+        assert!(let_go["metadata"].get("finalizers").is_none());
+        assert!(!Block::parse(let_go.clone()).protected);
+        assert!(!is_gone(&let_go), "not marked for deletion: it stays");
+        let_go["metadata"]["deletionTimestamp"] = json!("2026-12-05T23:00:00Z");
+        assert!(is_gone(&let_go));
+        // Someone else's finalizer still holds it.
+        let_go["metadata"]["finalizers"] = json!(["x"]);
+        assert!(!is_gone(&let_go));
     }
 
     #[test]

@@ -705,7 +705,7 @@ mod tests {
                         state,
                         reason: reason.into(),
                     };
-                    let object = block::object(&spec, &block, &step.to_string());
+                    let object = block::object(&spec, &block, &step.to_string(), true);
                     last = Some((Resource::Block, object.clone()));
                     cache.put(Resource::Block, Item::parse(Resource::Block, object))
                 }
@@ -745,7 +745,7 @@ mod tests {
         };
         let name = "v4-198-18-0-0-28";
         cache.at(1_000);
-        let object = block::object(&spec, name, "5");
+        let object = block::object(&spec, name, "5", true);
         cache.put(Resource::Block, Item::parse(Resource::Block, object));
         let held = json!({"metadata": {"name": "n1", "resourceVersion": "6"},
                           "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}});

@@ -93,8 +93,12 @@ pub enum BlockOp {
     /// PUT carrying the resourceVersion read (also unchanged, to confirm
     /// the block is still as read before a status relies on it).
     Update(String, BlockSpec),
-    /// DELETE with that resourceVersion as precondition: cooled, and in no
-    /// status: free again.
+    /// PUT without the protection finalizer, carrying the resourceVersion
+    /// read (the spec as read): cooled, and in no status. An object marked
+    /// for deletion goes with it; another is deleted by a later pass.
+    LetGo(String, BlockSpec),
+    /// DELETE with that resourceVersion as precondition: an unprotected
+    /// object whose block is free: free again.
     Delete(String),
 }
 
@@ -1054,6 +1058,13 @@ impl<'a> Pass<'a> {
             }
         }
         decision.next_due_ms = next_due(&world, &self.ledgers);
+        // An object let go is deleted by the next pass, which nothing
+        // else may bring soon.
+        let let_go = |w: &BlockWrite| matches!(w.op, BlockOp::LetGo(..));
+        if decision.block_writes.iter().any(let_go) {
+            let soon = world.now_ms.saturating_add(1);
+            decision.next_due_ms = Some(decision.next_due_ms.map_or(soon, |at| at.min(soon)));
+        }
         decision
     }
 }
@@ -1179,7 +1190,10 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
 }
 
 /// What a block object says for a ledger state: (state, node, reason).
-fn block_state(held: Option<Held<'_>>) -> Option<(BlockState, &str, &'static str)> {
+/// A block's state, node and reason, as its object says them.
+type BlockStateOf<'h> = (BlockState, &'h str, &'static str);
+
+fn block_state(held: Option<Held<'_>>) -> Option<BlockStateOf<'_>> {
     Some(match held? {
         Held::Retired => (BlockState::NonReusable, "", RELEASED),
         Held::Claim(holder) => (BlockState::Granted, &holder.node, GRANTED),
@@ -1188,6 +1202,22 @@ fn block_state(held: Option<Held<'_>>) -> Option<(BlockState, &str, &'static str
         }
         Held::Cooling(cooling) => (BlockState::Cooling, &cooling.node, RELEASED),
     })
+}
+
+/// `pool`'s object spec for `cidr` in `state`, for `node`, for `reason`.
+fn block_spec(pool: &Pool, cidr: &Cidr, (state, node, reason): BlockStateOf) -> BlockSpec {
+    BlockSpec {
+        pool: pool.name.clone(),
+        network: pool
+            .spec
+            .as_ref()
+            .map_or("", |s| s.network.as_str())
+            .to_string(),
+        cidr: cidr.to_string(),
+        node: node.to_string(),
+        state,
+        reason: reason.to_string(),
+    }
 }
 
 /// The writes that make `pool`'s block objects say `ledger`: the blocks
@@ -1203,7 +1233,6 @@ fn block_writes(
     holders: &Holders,
     pools: &[Pool],
 ) -> Vec<BlockWrite> {
-    let network = pool.spec.as_ref().map_or("", |s| s.network.as_str());
     // A block this pass did not change is as read: written only when a
     // status relies on it.
     let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).collect();
@@ -1215,14 +1244,7 @@ fn block_writes(
         if before == after && !(needed.contains(cidr) && version.is_some()) {
             continue;
         }
-        let spec = after.map(|(state, node, reason)| BlockSpec {
-            pool: pool.name.clone(),
-            network: network.to_string(),
-            cidr: cidr.to_string(),
-            node: node.to_string(),
-            state,
-            reason: reason.to_string(),
-        });
+        let spec = after.map(|after| block_spec(pool, cidr, after));
         let elsewhere = || pools.iter().find_map(|p| p.ledger.versions.get(cidr));
         let op = match (version, spec) {
             (None, Some(spec)) => match elsewhere() {
@@ -1230,7 +1252,12 @@ fn block_writes(
                 None => BlockOp::Create(spec),
             },
             (Some(version), Some(spec)) => BlockOp::Update(version.clone(), spec),
-            (Some(version), None) if !holders.held(cidr) => BlockOp::Delete(version.clone()),
+            (Some(version), None) if !holders.held(cidr) => {
+                match before.filter(|_| !pool.ledger.unprotected.contains(cidr)) {
+                    Some(read) => BlockOp::LetGo(version.clone(), block_spec(pool, cidr, read)),
+                    None => BlockOp::Delete(version.clone()),
+                }
+            }
             _ => continue,
         };
         writes.push(BlockWrite {
@@ -1785,14 +1812,9 @@ mod tests {
         }
     }
 
-    /// A node whose status holds a copy of a block cooling for another
-    /// node (an edit by hand) drops the copy when it releases it (the
-    /// block's delay starts over, still that node's) and never takes the
-    /// block over: saying it still serves it is a conflict until it cooled.
-    #[test]
-    fn releasing_a_copy_of_another_nodes_cooling_block_takes_nothing() {
-        use crate::controller::informer::{Item, Resource};
-        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+    /// The pool with `block` cooling for n1 since 1 s, its object at
+    /// version 9.
+    fn cooling_for_n1(block: Cidr) -> Pool {
         let mut p = pool(json!({}));
         let cooling = Cooling {
             node: "n1".into(),
@@ -1801,6 +1823,52 @@ mod tests {
         };
         p.ledger.cooling.insert(block, cooling);
         p.ledger.versions.insert(block, "9".into());
+        p
+    }
+
+    /// A block that cooled is let go first (its finalizer removed, the
+    /// next pass due at once), then deleted once its object is unprotected.
+    #[test]
+    fn a_cooled_block_is_let_go_then_deleted() {
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let mut p = cooling_for_n1(block);
+        let (nncs, statuses) = (BTreeMap::new(), BTreeMap::new());
+        let now = 1_000 + p.spec.as_ref().unwrap().reclaim_delay_ms;
+        let decision = decide_every(&[p.clone()], &nncs, &statuses, now, 1_795_971_700_000);
+        match &decision.block_writes[..] {
+            [
+                BlockWrite {
+                    op: BlockOp::LetGo(version, spec),
+                    ..
+                },
+            ] => {
+                assert_eq!(version, "9");
+                assert_eq!(
+                    (spec.state, spec.node.as_str()),
+                    (BlockState::Cooling, "n1")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(decision.next_due_ms, Some(now + 1));
+        // Before its delay ends: nothing.
+        let early = decide_every(&[p.clone()], &nncs, &statuses, now - 1, 1_795_971_700_000);
+        assert!(early.block_writes.is_empty(), "{early:?}");
+        p.ledger.unprotected.insert(block);
+        let decision = decide_every(&[p], &nncs, &statuses, now, 1_795_971_700_000);
+        assert_eq!(decision.block_writes[0].op, BlockOp::Delete("9".into()));
+        assert_ne!(decision.next_due_ms, Some(now + 1));
+    }
+
+    /// A node whose status holds a copy of a block cooling for another
+    /// node (an edit by hand) drops the copy when it releases it (the
+    /// block's delay starts over, still that node's) and never takes the
+    /// block over: saying it still serves it is a conflict until it cooled.
+    #[test]
+    fn releasing_a_copy_of_another_nodes_cooling_block_takes_nothing() {
+        use crate::controller::informer::{Item, Resource};
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let p = cooling_for_n1(block);
         let nnc = |releasable: bool| {
             let listed = if releasable {
                 json!([{"cidr": "198.18.0.0/28"}])

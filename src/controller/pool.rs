@@ -108,6 +108,9 @@ pub struct Ledger {
     pub non_reusable: Vec<Cidr>,
     /// The resourceVersion of each block's object (absent: no object).
     pub versions: BTreeMap<Cidr, String>,
+    /// Blocks whose object lacks the protection finalizer (let go, or
+    /// written before it): deleted once free, never let go again.
+    pub unprotected: BTreeSet<Cidr>,
     /// The claims by node: a pass reads one node's without walking all.
     pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
     /// The blocks of the pool's range of each family (IPv4, IPv6) in each
@@ -435,6 +438,9 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<C
     ledger
         .versions
         .insert(*cidr, block.resource_version.clone());
+    if !block.protected {
+        ledger.unprotected.insert(*cidr);
+    }
     match spec.state {
         BlockState::Granted => ledger.claim(*cidr, &spec.node),
         BlockState::Cooling => {
@@ -476,6 +482,7 @@ pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) -> bool {
         }
         let ledger = &mut pool.ledger;
         ledger.versions.remove(cidr);
+        ledger.unprotected.remove(cidr);
         if let Some(holder) = ledger.claims.remove(cidr)
             && let Some(held) = ledger.by_node.get_mut(&holder.node)
         {
@@ -841,7 +848,7 @@ mod tests {
                 reason: reason.into(),
             };
             let name = block::block_name(&cidr.parse().unwrap());
-            Block::parse(block::object(&spec, &name, version))
+            Block::parse(block::object(&spec, &name, version, true))
         };
         let blocks = [
             object("198.18.0.0/28", "p", BlockState::Granted, "", "1"),

@@ -135,19 +135,26 @@ struct Books<'b> {
     applied: Applied,
 }
 
-/// One block write: POST, PUT or DELETE.
+/// One block write: POST, PUT (protected or let go) or DELETE.
 fn write_block(ctx: &Context, write: &BlockWrite) -> Result<Option<Value>, KubeError> {
     let item = format!("{BLOCK_PATH}/{}", write.name);
     match &write.op {
         BlockOp::Create(spec) => {
             ctx.metrics.api_request("post", "metisblocks");
-            let body = block::object(spec, &write.name, "");
+            let body = block::object(spec, &write.name, "", true);
             ctx.client.post(BLOCK_PATH, &body).map(Some)
         }
         BlockOp::Update(version, spec) => {
             ctx.metrics.api_request("put", "metisblocks");
-            let body = block::object(spec, &write.name, version);
+            let body = block::object(spec, &write.name, version, true);
             ctx.client.put(&item, &body).map(Some)
+        }
+        BlockOp::LetGo(version, spec) => {
+            ctx.metrics.api_request("put", "metisblocks");
+            let body = block::object(spec, &write.name, version, false);
+            let answer = ctx.client.put(&item, &body)?;
+            // Marked for deletion, it is gone with its last finalizer.
+            Ok((!block::is_gone(&answer)).then_some(answer))
         }
         BlockOp::Delete(version) => {
             ctx.metrics.api_request("delete", "metisblocks");
