@@ -14,7 +14,11 @@ use crate::engine::{Engine, Outcome, Reply};
 
 /// Direct mode's store on `dir`: the options `call_direct` opens it with.
 fn direct_store(dir: &TempDir) -> Store {
-    Store::open(&dir.db(), &opts(None, None)).unwrap()
+    let direct = StoreOptions {
+        one_request: true,
+        ..opts(None, None)
+    };
+    Store::open(&dir.db(), &direct).unwrap()
 }
 
 /// Whether `sql` is a transaction-control statement (a transaction's or a
