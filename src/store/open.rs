@@ -145,8 +145,8 @@ fn configure(conn: &Connection, opts: &StoreOptions) -> Result<(), StoreError> {
     // on every reuse: a third of each allocation went to re-parsing.
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
     // Upstream's triggers only stamp `updated_at`, which every Metis UPDATE
-    // of those tables stamps itself, the same way; a process that prepares
-    // each UPDATE once would compile the trigger into each.
+    // of those tables stamps itself (SQLite's clock, or the caller's where
+    // it names one); a one-request process would compile them into each.
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, !opts.one_request)?;
     Ok(())
 }
