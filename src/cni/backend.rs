@@ -215,6 +215,7 @@ fn call_direct(db_path: &Path, command: &Command) -> Result<Response, CniError> 
             reserve: None,
             // The daemon's recorded cooldown: direct-mode releases rest as long.
             release_cooldown: None,
+            one_request: true,
         },
     )
     .map_err(|err| CniError::from_store_open(db_path, &err))?;
@@ -223,13 +224,6 @@ fn call_direct(db_path: &Path, command: &Command) -> Result<Response, CniError> 
     }
     if store.healing() == store::Healing::Skipped {
         log::debug("cni", "database as last healed, healing skipped", &[]);
-    }
-    if let Err(err) = store.leave_wal_on_close() {
-        log::warn(
-            "cni",
-            "closing checkpoints the database",
-            &[("error", &err)],
-        );
     }
     recover_after_reboot(&mut store, db_path)?;
     let mut engine = Engine::new(store);
@@ -250,7 +244,7 @@ fn call_direct(db_path: &Path, command: &Command) -> Result<Response, CniError> 
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }
     // Not closed: the plugin exits once the answer is printed. With
-    // `leave_wal_on_close` in force a close writes nothing (no checkpoint;
+    // `leave_wal_on_close` in force (`one_request`) a close writes nothing (no checkpoint;
     // the WAL and its index stay) and only finalizes statements and frees
     // memory, a twelfth of a direct-mode DEL. The exit closes the files and
     // drops the locks as a crash would, which the next opener handles as it

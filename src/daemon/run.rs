@@ -121,6 +121,7 @@ fn store_options(config: &Config) -> StoreOptions {
         durability: config.durability,
         reserve: Some(config.reserve),
         release_cooldown: Some(config.release_cooldown_ms),
+        one_request: false,
     }
 }
 

@@ -64,33 +64,7 @@ impl Store {
             path: path.to_path_buf(),
             source: Box::new(e),
         })?;
-        conn.busy_timeout(BUSY_TIMEOUT)?;
-        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        // Savepoints (the daemon's group commit) keep their undo in a
-        // sub-journal: in memory, as a read-only root filesystem (the
-        // DaemonSet's) has no temporary directory SQLite could use, and
-        // every grouped commit would fail with an I/O error.
-        conn.pragma_update(None, "temp_store", "MEMORY")?;
-        let mode: String = conn
-            .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-            .during("open: PRAGMA journal_mode=WAL")?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            return Err(StoreError::Corrupt(format!(
-                "journal_mode is {mode}, WAL could not be enabled"
-            )));
-        }
-        conn.pragma_update(None, "foreign_keys", "ON")?;
-        let sync = match opts.durability {
-            Durability::Normal => "NORMAL",
-            Durability::Full => "FULL",
-        };
-        conn.pragma_update(None, "synchronous", sync)?;
-        // Plans must not depend on bound values. Otherwise SQLite marks such
-        // statements (the claim query among them) to be re-prepared whenever
-        // their bindings are cleared, which rusqlite's statement cache does
-        // on every reuse: a third of each allocation went to re-parsing.
-        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
-
+        configure(&conn, opts)?;
         let mut store = Store {
             conn,
             reserve: ReserveMode::EveryBlock,
@@ -102,6 +76,14 @@ impl Store {
             healed: Healed::default(),
             healing: Healing::Ran,
         };
+        // Before any statement is cached: a change of the connection's
+        // flags expires every prepared statement, to be parsed again.
+        if opts.one_request
+            && let Err(err) = store.leave_wal_on_close()
+        {
+            let warning = format!("closing checkpoints the database: {err}");
+            store.warnings.push(warning);
+        }
         // A file as the healing last left it clean needs neither the
         // schema check nor the healing (see `upkeep::repair::proven_healed`): most
         // of what a one-request process (direct mode) spent opening it.
@@ -131,4 +113,40 @@ impl Store {
         };
         Ok(store)
     }
+}
+
+/// The connection's settings, before any statement is prepared.
+fn configure(conn: &Connection, opts: &StoreOptions) -> Result<(), StoreError> {
+    use db::busy::During;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    // Savepoints (the daemon's group commit) keep their undo in a
+    // sub-journal: in memory, as a read-only root filesystem (the
+    // DaemonSet's) has no temporary directory SQLite could use, and
+    // every grouped commit would fail with an I/O error.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .during("open: PRAGMA journal_mode=WAL")?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Corrupt(format!(
+            "journal_mode is {mode}, WAL could not be enabled"
+        )));
+    }
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    let sync = match opts.durability {
+        Durability::Normal => "NORMAL",
+        Durability::Full => "FULL",
+    };
+    conn.pragma_update(None, "synchronous", sync)?;
+    // Plans must not depend on bound values. Otherwise SQLite marks such
+    // statements (the claim query among them) to be re-prepared whenever
+    // their bindings are cleared, which rusqlite's statement cache does
+    // on every reuse: a third of each allocation went to re-parsing.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+    // Upstream's triggers only stamp `updated_at`, which every Metis UPDATE
+    // of those tables stamps itself (SQLite's clock, or the caller's where
+    // it names one); a one-request process would compile them into each.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, !opts.one_request)?;
+    Ok(())
 }

@@ -58,6 +58,9 @@ pub struct StoreOptions {
     /// direct-mode releases rest as long as the daemon's would.
     /// `Some(ms)` (the daemon): record `ms` (if different) and use it.
     pub release_cooldown: Option<i64>,
+    /// A process that serves one request and exits (direct mode): the
+    /// store leaves the WAL on close (`Store::leave_wal_on_close`).
+    pub one_request: bool,
 }
 
 /// Lifecycle state of a CIDR block (`cidr_blocks.state`).

@@ -713,7 +713,8 @@ fn grow(
     };
     set_frontier(conn, keep.id, next)?;
     conn.prepare_cached(
-        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4 WHERE id = ?1",
+        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4, \
+         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
     )?
     .execute(params![
         keep.id,
@@ -726,8 +727,11 @@ fn grow(
         .as_str()
     ])?;
     for other in inner.iter().filter(|b| b.id != keep.id) {
-        conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE cidr_block_id = ?1")?
-            .execute(params![other.id, keep.id])?;
+        conn.prepare_cached(
+            "UPDATE ip_addresses SET cidr_block_id = ?2, \
+             updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE cidr_block_id = ?1",
+        )?
+        .execute(params![other.id, keep.id])?;
         delete_block(conn, other.id)?;
     }
     if ready {
@@ -762,8 +766,11 @@ fn narrow(
         populated.map_or(0, |next| next.saturating_sub(shift).min(part.size()))
     };
     set_frontier(conn, wider.id, frontier_of(target))?;
-    conn.prepare_cached("UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3 WHERE id = ?1")?
-        .execute(params![wider.id, target.to_string(), total_ips(target)])?;
+    conn.prepare_cached(
+        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, \
+         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
+    )?
+    .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
     for piece in &pieces {
         conn.prepare_cached(
@@ -782,8 +789,10 @@ fn narrow(
         .prepare_cached("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1")?
         .query_map([wider.id], |r| Ok((r.get(0)?, r.get(1)?)))?
         .collect::<Result<_, _>>()?;
-    let mut move_row =
-        conn.prepare_cached("UPDATE ip_addresses SET cidr_block_id = ?2 WHERE id = ?1")?;
+    let mut move_row = conn.prepare_cached(
+        "UPDATE ip_addresses SET cidr_block_id = ?2, \
+         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
+    )?;
     for (row_id, text) in rows {
         let address = parse_addr(&text)?;
         if target.contains(address) {

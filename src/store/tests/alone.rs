@@ -14,7 +14,11 @@ use crate::engine::{Engine, Outcome, Reply};
 
 /// Direct mode's store on `dir`: the options `call_direct` opens it with.
 fn direct_store(dir: &TempDir) -> Store {
-    Store::open(&dir.db(), &opts(None, None)).unwrap()
+    let direct = StoreOptions {
+        one_request: true,
+        ..opts(None, None)
+    };
+    Store::open(&dir.db(), &direct).unwrap()
 }
 
 /// Whether `sql` is a transaction-control statement (a transaction's or a
@@ -184,4 +188,79 @@ fn a_write_dropped_unfinished_serves_the_request_again_as_a_batch_of_one() {
     assert_eq!(claims.load(Ordering::SeqCst), 2);
     assert_counters(engine.store());
     assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
+}
+
+/// Every row and block whose `updated_at` was stamped since
+/// [`unstamp`], by table and id.
+fn stamped(dir: &TempDir) -> Vec<(String, i64)> {
+    let conn = Connection::open(dir.db()).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT 'ip', id FROM ip_addresses WHERE updated_at IS NOT 0 \
+             UNION ALL SELECT 'block', id FROM cidr_blocks WHERE updated_at IS NOT 0 ORDER BY 1, 2",
+        )
+        .unwrap();
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)));
+    rows.unwrap().collect::<Result<_, _>>().unwrap()
+}
+
+/// Sets every `updated_at` to 0, without upstream's triggers stamping it.
+fn unstamp(dir: &TempDir) {
+    let conn = Connection::open(dir.db()).unwrap();
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER,
+        false,
+    )
+    .unwrap();
+    conn.execute_batch(
+        "UPDATE ip_addresses SET updated_at = 0; UPDATE cidr_blocks SET updated_at = 0",
+    )
+    .unwrap();
+}
+
+/// Boot recovery on `store` for boot `id`, as a process starts it.
+fn boot(mut store: Store, id: &str) {
+    store.recover_after_reboot(id, None, NOW).unwrap();
+}
+
+/// `request` served alone on `store`, as a process serves it; it must succeed.
+fn served_once(store: Store, request: &Command) {
+    let outcome = Engine::new(store).handle_alone(request, NOW);
+    assert!(matches!(outcome, Outcome::Done(_)), "{outcome:?}");
+}
+
+#[test]
+fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
+    // Twins: the daemon's store (triggers on) and direct mode's (off),
+    // each step on a store of its own, as processes would.
+    let (daemon, direct) = (TempDir::new(), TempDir::new());
+    drop((daemon.store(), direct.store()));
+    type Step = fn(Store);
+    let steps: [(&str, Option<ReserveMode>, Step); 9] = [
+        ("boot", None, |s| boot(s, "boot-1")),
+        ("ADD a", None, |s| served_once(s, &add("a"))),
+        ("ADD b", None, |s| served_once(s, &add("b"))),
+        ("DEL a", None, |s| served_once(s, &del("a"))),
+        ("first-block", Some(ReserveMode::FirstBlock), drop),
+        ("ADD c", None, |s| served_once(s, &add("c"))),
+        ("every-block", Some(ReserveMode::EveryBlock), drop),
+        ("new boot", None, |s| boot(s, "boot-2")),
+        ("ADD d", None, |s| served_once(s, &add("d"))),
+    ];
+    for (what, mode, step) in steps {
+        let mut touched = Vec::new();
+        for (dir, one_request) in [(&daemon, false), (&direct, true)] {
+            unstamp(dir);
+            let options = StoreOptions {
+                one_request,
+                ..opts(mode, None)
+            };
+            step(Store::open(&dir.db(), &options).unwrap());
+            touched.push(stamped(dir));
+        }
+        assert_eq!(touched[0], touched[1], "{what}");
+        if what.starts_with("ADD") || what.starts_with("DEL") || what == "new boot" {
+            assert!(!touched[0].is_empty(), "{what}: nothing stamped");
+        }
+    }
 }

@@ -42,6 +42,7 @@ fn opts(reserve: Option<ReserveMode>, release_cooldown: Option<i64>) -> StoreOpt
         durability: Durability::Normal,
         reserve,
         release_cooldown,
+        one_request: false,
     }
 }
 

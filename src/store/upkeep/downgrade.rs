@@ -181,7 +181,8 @@ fn fence_named_gateways(
             }
         }
         conn.prepare_cached(
-            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1 WHERE id = ?1",
+            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
+             updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
         )?
         .execute([named.block_id])?;
         out.done.push(format!(

@@ -228,7 +228,8 @@ impl Store {
             let mut reserve = tx.prepare_cached(RESERVE_ROW_SQL)?;
             let mut free = tx.prepare_cached(FREE_RESERVED_ROW_SQL)?;
             let mut bump = tx.prepare_cached(
-                "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2 WHERE id = ?1",
+                "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2, \
+                 updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
             )?;
             for &(row_id, block_id) in &plan.reserve {
                 if reserve.execute([row_id])? > 0 {
