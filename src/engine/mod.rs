@@ -236,8 +236,10 @@ impl Engine {
 
     /// Handles one request of the daemon's group commit: in a savepoint of
     /// the batch's transaction, kept only when the request succeeded, so a
-    /// failed request leaves nothing and never undoes another. Nothing is
-    /// durable, so nothing may be answered, before [`Engine::commit_batch`].
+    /// failed request leaves nothing and never undoes another. The turn's
+    /// first write shares the transaction with nothing yet, so it runs
+    /// without savepoints ([`Engine::opening`]). Nothing is durable, so
+    /// nothing may be answered, before [`Engine::commit_batch`].
     pub fn handle_in_batch(&mut self, command: &Command, now_ms: i64) -> Outcome {
         // Reads take no write lock, as alone: a health probe never waits
         // for another process's writer. In an open batch they see its
@@ -245,6 +247,14 @@ impl Engine {
         if !command.writes() {
             return self.handle(command, now_ms);
         }
+        if !self.store.holds_batch() {
+            return self.opening(command, now_ms);
+        }
+        self.in_savepoint(command, now_ms)
+    }
+
+    /// A write request in a savepoint of the open batch.
+    fn in_savepoint(&mut self, command: &Command, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.begin_request() {
             return Failure::from_store("database", &err).into();
         }
@@ -257,8 +267,8 @@ impl Engine {
     }
 
     /// Handles one request in a write transaction of its own, without
-    /// savepoints, then [`Engine::commit_batch`] (served again as a batch
-    /// of one, [`Engine::handle_in_batch`], if a write could not finish).
+    /// savepoints, then [`Engine::commit_batch`] (served again in a
+    /// savepoint if a write could not finish, see [`Engine::opening`]).
     /// Direct mode and the daemon's retries of parked ADDs serve this way,
     /// so every decision a write takes — laying the network out, its
     /// bounds, the address — is made under one `BEGIN IMMEDIATE` lock on
@@ -268,9 +278,16 @@ impl Engine {
         if !command.writes() {
             return self.handle(command, now_ms);
         }
-        // Alone in its transaction, the request needs no savepoints: a
-        // failure rolls the transaction back, and a one-request process
-        // prepares and runs four statements fewer.
+        let outcome = self.opening(command, now_ms);
+        self.committed(outcome)
+    }
+
+    /// A write request that opens the transaction: alone in it, the request
+    /// needs no savepoints (a failure rolls the transaction back), and
+    /// prepares and runs four statements fewer. Succeeded, it leaves the
+    /// transaction open for the commit, and for later requests of the batch
+    /// in savepoints of their own.
+    fn opening(&mut self, command: &Command, now_ms: i64) -> Outcome {
         if let Err(err) = self.store.begin_alone() {
             return Failure::from_store("database", &err).into();
         }
@@ -281,8 +298,7 @@ impl Engine {
             if let Err(err) = self.store.abandon_batch() {
                 return Failure::from_store("database", &err).into();
             }
-            let outcome = self.handle_in_batch(command, now_ms);
-            return self.committed(outcome);
+            return self.in_savepoint(command, now_ms);
         }
         if !matches!(outcome, Outcome::Done(_)) {
             return match self.store.abandon_batch() {
@@ -290,7 +306,7 @@ impl Engine {
                 Err(err) => Failure::from_store("database", &err).into(),
             };
         }
-        self.committed(outcome)
+        outcome
     }
 
     /// `outcome` once the transaction is committed, or what a failed

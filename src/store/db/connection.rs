@@ -45,9 +45,9 @@ pub(crate) enum Batch {
     None,
     /// A transaction is open; writes are savepoints inside it.
     Open,
-    /// A request served alone holds the transaction; its writes take no
-    /// savepoint, and one dropped unfinished ends the transaction (see
-    /// [`Store::alone_ended`]).
+    /// A request served alone (or a batch's first) holds the transaction;
+    /// its writes take no savepoint, and one dropped unfinished ends the
+    /// transaction (see [`Store::alone_ended`]).
     Alone,
     /// SQLite rolled the batch's transaction back: nothing may be written
     /// until [`Store::commit_batch`] reports it and ends the batch.
@@ -225,9 +225,15 @@ impl Store {
     /// request, so that [`Store::end_request`] can undo this request alone.
     pub fn begin_request(&mut self) -> Result<(), StoreError> {
         use super::busy::During;
-        if self.batch == Batch::None {
-            self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
-            self.batch = Batch::Open;
+        match self.batch {
+            Batch::None => {
+                self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
+                self.batch = Batch::Open;
+            }
+            // The batch's first request kept its writes without a savepoint
+            // (it was alone in the transaction); the later ones take theirs.
+            Batch::Alone => self.batch = Batch::Open,
+            Batch::Open | Batch::Lost => {}
         }
         self.ensure_batch()?;
         self.control("SAVEPOINT request").during("SAVEPOINT")?;
@@ -243,6 +249,12 @@ impl Store {
         self.control("BEGIN IMMEDIATE").during("BEGIN IMMEDIATE")?;
         self.batch = Batch::Alone;
         Ok(())
+    }
+
+    /// Whether a batch's transaction is open (or was lost and not yet
+    /// reported by [`Store::commit_batch`]).
+    pub fn holds_batch(&self) -> bool {
+        self.batch != Batch::None
     }
 
     /// Whether the transaction of a request served alone has ended before

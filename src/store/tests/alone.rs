@@ -1,6 +1,7 @@
 //! A request served alone (direct mode, the daemon's parked retries): one
 //! transaction without savepoints; a write dropped unfinished ends it, and
-//! the request is served again as a batch of one, with savepoints.
+//! the request is served again as a batch of one, with savepoints. The
+//! first write of a daemon's batch is served the same way.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -263,4 +264,101 @@ fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
             assert!(!touched[0].is_empty(), "{what}: nothing stamped");
         }
     }
+}
+
+/// `requests` served as one turn of the daemon serves them (in its batch,
+/// then committed), with the transaction-control statements they ran.
+fn served_in_batch(engine: &mut Engine, requests: &[Command]) -> (Vec<Outcome>, Vec<String>) {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sink = Arc::clone(&seen);
+    let conn = &mut engine.store_mut().conn;
+    conn.trace_v2(
+        TraceEventCodes::SQLITE_TRACE_PROFILE,
+        Some(move |event: TraceEvent<'_>| {
+            if let TraceEvent::Profile(stmt, _) = event {
+                let sql = stmt.sql();
+                if is_control(&sql) {
+                    sink.lock().unwrap().push(sql.into_owned());
+                }
+            }
+        }),
+    )
+    .unwrap();
+    let outcomes = requests
+        .iter()
+        .map(|request| engine.handle_in_batch(request, NOW))
+        .collect();
+    assert_eq!(engine.commit_batch(), None);
+    let conn = &mut engine.store_mut().conn;
+    conn.trace_v2(TraceEventCodes::empty(), None::<fn(TraceEvent<'_>)>)
+        .unwrap();
+    let controls = std::mem::take(&mut *seen.lock().unwrap());
+    (outcomes, controls)
+}
+
+#[test]
+fn a_batch_serves_its_first_write_without_savepoints_and_the_rest_with_them() {
+    let twin_dir = TempDir::new();
+    let mut twin = Engine::new(direct_store(&twin_dir));
+    let batch = [add("a"), add("b")];
+    let (expected, controls) = served_in_batch(&mut twin, &batch);
+    let n = controls.len();
+    assert_eq!(controls[..2], ["BEGIN IMMEDIATE", "SAVEPOINT request"]);
+    assert_eq!(controls[n - 2..], ["RELEASE request", "COMMIT"]);
+
+    // The first request's write fails once: that attempt is rolled back
+    // whole and the request served again in a savepoint, as alone.
+    let dir = TempDir::new();
+    let mut engine = Engine::new(direct_store(&dir));
+    let claims = fail_claim_once(engine.store(), "a");
+    let (outcomes, controls) = served_in_batch(&mut engine, &batch);
+    assert_eq!(claims.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        controls[..4],
+        [
+            "BEGIN IMMEDIATE",
+            "ROLLBACK",
+            "BEGIN IMMEDIATE",
+            "SAVEPOINT request"
+        ],
+        "{controls:?}"
+    );
+    assert_eq!(outcomes, expected);
+    assert!(engine.store().conn.is_autocommit());
+    assert_counters(engine.store());
+    assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
+
+    // A failed first request leaves nothing, and the batch goes on.
+    let failing = fail_claim_always(engine.store(), "x");
+    let (outcomes, _) = served_in_batch(&mut engine, &[add("x"), add("c")]);
+    assert!(failing.load(Ordering::SeqCst) >= 1);
+    assert!(!matches!(outcomes[0], Outcome::Done(_)), "{outcomes:?}");
+    assert_eq!(outcomes[1], served_alone(&mut twin, &add("c")).0);
+    assert_counters(engine.store());
+    assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
+}
+
+/// Makes every claim of `container`'s row fail, mid-write. Returns how
+/// many times it was attempted.
+fn fail_claim_always(store: &Store, container: &str) -> Arc<AtomicUsize> {
+    let claims = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&claims);
+    store
+        .conn
+        .create_scalar_function(
+            "metis_test_every_claim",
+            0,
+            FunctionFlags::SQLITE_UTF8,
+            move |_| Ok(count.fetch_add(1, Ordering::SeqCst) < usize::MAX),
+        )
+        .unwrap();
+    store
+        .conn
+        .execute_batch(&format!(
+            "CREATE TEMP TRIGGER test_always BEFORE UPDATE OF container_id ON main.ip_addresses \
+             WHEN NEW.container_id = '{container}' AND metis_test_every_claim() \
+             BEGIN SELECT RAISE(ABORT, 'injected fault'); END"
+        ))
+        .unwrap();
+    claims
 }
