@@ -213,8 +213,44 @@ impl FromStr for Cidr {
 
 impl fmt::Display for Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.base, self.prefix_len)
+        // As `write!(f, "{}/{}", ...)` wrote it (no padding), by hand: a
+        // block's text is bound to the statements of every request.
+        let mut text = address_text(self.base);
+        text.push('/');
+        push_decimal(&mut text, self.prefix_len);
+        f.write_str(&text)
     }
+}
+
+/// `address` as text, exactly as its `Display` writes it: IPv4 digit by
+/// digit, for every request binds addresses as text (upstream stores them
+/// so) and the standard formatter's machinery costs more than the
+/// statement's own work; IPv6 by the standard formatter (its `::` rules).
+pub fn address_text(address: IpAddr) -> String {
+    match address {
+        IpAddr::V4(v4) => {
+            let mut text = String::with_capacity(15);
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    text.push('.');
+                }
+                push_decimal(&mut text, octet);
+            }
+            text
+        }
+        IpAddr::V6(_) => address.to_string(),
+    }
+}
+
+/// `n` in decimal, as its `Display` writes it.
+fn push_decimal(text: &mut String, n: u8) {
+    if n >= 100 {
+        text.push(char::from(b'0' + n / 100));
+    }
+    if n >= 10 {
+        text.push(char::from(b'0' + n / 10 % 10));
+    }
+    text.push(char::from(b'0' + n % 10));
 }
 
 /// Upstream's gateway for blocks too small to spare base + 1 (/31, /32,
@@ -388,6 +424,56 @@ fn mask(family: Family, prefix_len: u8) -> u128 {
 mod tests {
     use super::*;
     use crate::testutil::cidr;
+
+    #[test]
+    fn address_text_is_what_display_writes() {
+        let samples = [
+            0u32,
+            1,
+            9,
+            10,
+            99,
+            100,
+            199,
+            255,
+            0x0a00_0001,
+            0xc612_0005,
+            u32::MAX,
+        ]
+        .into_iter()
+        .chain((0..=255u32).map(|octet| octet * 0x0101_0101))
+        .chain((0..20_000u32).map(|i| i.wrapping_mul(2_654_435_761)));
+        for bits in samples {
+            let address = IpAddr::V4(Ipv4Addr::from(bits));
+            assert_eq!(address_text(address), address.to_string());
+        }
+        for text in [
+            "::",
+            "::1",
+            "2001:db8::5",
+            "fe80::8893:b6ff:fe2c:7a0d",
+            "::ffff:1.2.3.4",
+        ] {
+            let address: IpAddr = text.parse().unwrap();
+            assert_eq!(address_text(address), address.to_string());
+        }
+        for text in [
+            "0.0.0.0/0",
+            "198.18.0.0/16",
+            "10.0.0.0/8",
+            "255.255.255.255/32",
+            "2001:db8::/64",
+            "::/0",
+            "fe80::/128",
+        ] {
+            let block: Cidr = text.parse().unwrap();
+            assert_eq!(block.to_string(), text);
+            assert_eq!(
+                format!("{block}"),
+                format!("{}/{}", block.base, block.prefix_len)
+            );
+        }
+    }
 
     #[test]
     fn parses_canonical_prefixes() {

@@ -62,11 +62,11 @@ fn allocate_response(allocated: &Allocated) -> ipam::AllocatePodIpResponse {
 
 fn pod_ip(allocation: &Allocation) -> ipam::PodIp {
     ipam::PodIp {
-        ip_address: allocation.address.to_string(),
+        ip_address: crate::cidr::address_text(allocation.address),
         cidr: allocation.block.to_string(),
         gateway: allocation
             .gateway
-            .map(|gateway| gateway.to_string())
+            .map(crate::cidr::address_text)
             .unwrap_or_default(),
     }
 }

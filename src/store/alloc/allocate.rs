@@ -419,7 +419,7 @@ pub(in crate::store) fn taken_elsewhere(
     block_id: i64,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
-    let address_text = address.to_string();
+    let address_text = crate::cidr::address_text(address);
     // The join only where the cheap probe finds the address allocated.
     let held = match crate::store::rows::free::allocated_elsewhere(
         conn,
@@ -1174,7 +1174,7 @@ fn requested_row(
     address: IpAddr,
     offset: u128,
 ) -> Result<(i64, RowView), StoreError> {
-    let text = address.to_string();
+    let text = crate::cidr::address_text(address);
     if let Some(row) = find_row(conn, &text, block_id)? {
         return Ok(row);
     }

@@ -229,7 +229,7 @@ fn holder(
     rule: GatewayRule,
     address: IpAddr,
 ) -> Result<Option<(String, String)>, StoreError> {
-    let text = address.to_string();
+    let text = crate::cidr::address_text(address);
     if !crate::store::rows::free::allocated_elsewhere(conn, &text, None, Holder::Pod)? {
         return Ok(None);
     }

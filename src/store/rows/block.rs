@@ -320,7 +320,12 @@ pub(in crate::store) fn insert_rows(
             break;
         };
         let is_reserved = reserved.contains(&offset);
-        if insert.execute(params![addr.to_string(), block_id, is_reserved])? == 0 {
+        if insert.execute(params![
+            crate::cidr::address_text(addr),
+            block_id,
+            is_reserved
+        ])? == 0
+        {
             continue;
         }
         inserted += 1;

@@ -26,7 +26,7 @@ pub(in crate::store) fn record(
 ) -> Result<(), StoreError> {
     conn.prepare_cached(FORGET_STALE_SQL)?.execute([row_id])?;
     conn.prepare_cached(RECORD_NAMED_SQL)?
-        .execute(params![row_id, gateway.to_string()])?;
+        .execute(params![row_id, crate::cidr::address_text(gateway)])?;
     Ok(())
 }
 
@@ -51,7 +51,7 @@ pub(in crate::store) fn record_taken(
     }
     conn.prepare_cached(RECORD_TAKEN_SQL)?.execute(params![
         row_id,
-        gateway.to_string(),
+        crate::cidr::address_text(gateway),
         owner.container_id,
         owner.interface_name,
         allocated_at
@@ -81,7 +81,7 @@ pub(in crate::store) fn naming(
     isolated: bool,
     address: IpAddr,
 ) -> Result<Option<Unfit>, StoreError> {
-    let address = address.to_string();
+    let address = crate::cidr::address_text(address);
     // The join only where a record names the address at all: the common
     // case, an address no result names, then costs one index probe to
     // prepare instead of a three-table join (direct mode prepares every
