@@ -30,9 +30,9 @@ fn is_control(sql: &str) -> bool {
         .any(|word| sql.starts_with(word))
 }
 
-/// `request` served alone, with the transaction-control statements it ran
-/// in order.
-fn served_alone(engine: &mut Engine, request: &Command) -> (Outcome, Vec<String>) {
+/// What `serve` returns, with the transaction-control statements it ran
+/// on `engine`'s store in order.
+fn traced<T>(engine: &mut Engine, serve: impl FnOnce(&mut Engine) -> T) -> (T, Vec<String>) {
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let sink = Arc::clone(&seen);
     let conn = &mut engine.store_mut().conn;
@@ -48,34 +48,58 @@ fn served_alone(engine: &mut Engine, request: &Command) -> (Outcome, Vec<String>
         }),
     )
     .unwrap();
-    let outcome = engine.handle_alone(request, NOW);
+    let served = serve(engine);
     let conn = &mut engine.store_mut().conn;
     conn.trace_v2(TraceEventCodes::empty(), None::<fn(TraceEvent<'_>)>)
         .unwrap();
     let controls = std::mem::take(&mut *seen.lock().unwrap());
-    (outcome, controls)
+    (served, controls)
+}
+
+/// `request` served alone, with the transaction-control statements it ran
+/// in order.
+fn served_alone(engine: &mut Engine, request: &Command) -> (Outcome, Vec<String>) {
+    traced(engine, |engine| engine.handle_alone(request, NOW))
 }
 
 /// Makes the claim of `container`'s row fail once, mid-write (the block's
 /// rows and layout already written in the same transaction), as a failed
 /// statement would. Returns how many times that claim was attempted.
 fn fail_claim_once(store: &Store, container: &str) -> Arc<AtomicUsize> {
+    fail_claim(store, container, |attempt| attempt == 0)
+}
+
+/// Makes every claim of `container`'s row fail, mid-write. Returns how
+/// many times it was attempted.
+fn fail_claim_always(store: &Store, container: &str) -> Arc<AtomicUsize> {
+    fail_claim(store, container, |_| true)
+}
+
+/// Makes the claims of `container`'s row (a plain name) fail, mid-write,
+/// where `fails(attempt)` (counted from 0) says so. Returns how many times
+/// that claim was attempted.
+fn fail_claim(
+    store: &Store,
+    container: &str,
+    fails: impl Fn(usize) -> bool + Send + 'static,
+) -> Arc<AtomicUsize> {
     let claims = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&claims);
     store
         .conn
         .create_scalar_function(
-            "metis_test_first_claim",
+            format!("metis_test_claim_{container}").as_str(),
             0,
             FunctionFlags::SQLITE_UTF8,
-            move |_| Ok(count.fetch_add(1, Ordering::SeqCst) == 0),
+            move |_| Ok(fails(count.fetch_add(1, Ordering::SeqCst))),
         )
         .unwrap();
     store
         .conn
         .execute_batch(&format!(
-            "CREATE TEMP TRIGGER test_fault BEFORE UPDATE OF container_id ON main.ip_addresses \
-             WHEN NEW.container_id = '{container}' AND metis_test_first_claim() \
+            "CREATE TEMP TRIGGER test_fault_{container} \
+             BEFORE UPDATE OF container_id ON main.ip_addresses \
+             WHEN NEW.container_id = '{container}' AND metis_test_claim_{container}() \
              BEGIN SELECT RAISE(ABORT, 'injected fault'); END"
         ))
         .unwrap();
@@ -269,31 +293,14 @@ fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
 /// `requests` served as one turn of the daemon serves them (in its batch,
 /// then committed), with the transaction-control statements they ran.
 fn served_in_batch(engine: &mut Engine, requests: &[Command]) -> (Vec<Outcome>, Vec<String>) {
-    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
-    let sink = Arc::clone(&seen);
-    let conn = &mut engine.store_mut().conn;
-    conn.trace_v2(
-        TraceEventCodes::SQLITE_TRACE_PROFILE,
-        Some(move |event: TraceEvent<'_>| {
-            if let TraceEvent::Profile(stmt, _) = event {
-                let sql = stmt.sql();
-                if is_control(&sql) {
-                    sink.lock().unwrap().push(sql.into_owned());
-                }
-            }
-        }),
-    )
-    .unwrap();
-    let outcomes = requests
-        .iter()
-        .map(|request| engine.handle_in_batch(request, NOW))
-        .collect();
-    assert_eq!(engine.commit_batch(), None);
-    let conn = &mut engine.store_mut().conn;
-    conn.trace_v2(TraceEventCodes::empty(), None::<fn(TraceEvent<'_>)>)
-        .unwrap();
-    let controls = std::mem::take(&mut *seen.lock().unwrap());
-    (outcomes, controls)
+    traced(engine, |engine| {
+        let outcomes = requests
+            .iter()
+            .map(|request| engine.handle_in_batch(request, NOW))
+            .collect();
+        assert_eq!(engine.commit_batch(), None);
+        outcomes
+    })
 }
 
 #[test]
@@ -336,29 +343,4 @@ fn a_batch_serves_its_first_write_without_savepoints_and_the_rest_with_them() {
     assert_eq!(outcomes[1], served_alone(&mut twin, &add("c")).0);
     assert_counters(engine.store());
     assert_eq!(committed(&dir.db()), committed(&twin_dir.db()));
-}
-
-/// Makes every claim of `container`'s row fail, mid-write. Returns how
-/// many times it was attempted.
-fn fail_claim_always(store: &Store, container: &str) -> Arc<AtomicUsize> {
-    let claims = Arc::new(AtomicUsize::new(0));
-    let count = Arc::clone(&claims);
-    store
-        .conn
-        .create_scalar_function(
-            "metis_test_every_claim",
-            0,
-            FunctionFlags::SQLITE_UTF8,
-            move |_| Ok(count.fetch_add(1, Ordering::SeqCst) < usize::MAX),
-        )
-        .unwrap();
-    store
-        .conn
-        .execute_batch(&format!(
-            "CREATE TEMP TRIGGER test_always BEFORE UPDATE OF container_id ON main.ip_addresses \
-             WHEN NEW.container_id = '{container}' AND metis_test_every_claim() \
-             BEGIN SELECT RAISE(ABORT, 'injected fault'); END"
-        ))
-        .unwrap();
-    claims
 }
