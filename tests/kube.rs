@@ -62,14 +62,16 @@ fn scale_up_parks_requests_until_new_blocks_arrive() {
         "only {dynamic} addresses came from new blocks"
     );
 
-    let state = api.state();
-    // The request covers at least the pods in the cluster's blocks (the
-    // /26 is the node's own: the request need not reach 80).
-    let pods = state.pods("default").unwrap();
-    assert!(
-        pods >= i64::try_from(dynamic).unwrap(),
-        "requested only {pods} pods"
+    // The request comes to cover at least the pods in the cluster's blocks
+    // (the /26 is the node's own: the request need not reach 80); the
+    // daemon's monitor writes it on its own time, after the last ADD.
+    let dynamic = i64::try_from(dynamic).unwrap();
+    api.wait_until(
+        "the request covering the pods",
+        Duration::from_secs(10),
+        |s| s.pods("default").is_some_and(|pods| pods >= dynamic),
     );
+    let state = api.state();
     assert!(state.status_cidrs().len() >= 2);
     assert!(state.answered("PATCH", 200) >= 1);
     drop(state);
