@@ -893,3 +893,97 @@ fn downgrade_reserves_the_gateways_live_results_name() {
     ];
     assert_eq!(after, [named, ip("198.18.40.9")]);
 }
+
+/// Pods of "other" hold addresses through a /29 upstream added inside
+/// "pods"'s /28, and a pod of "pods" one the /29 covers (both networks
+/// share the node's address space): downgrade reserves every free twin,
+/// so upstream never hands one out, `check` says whose doing the
+/// reservations are, and Metis's next open frees them.
+#[test]
+fn downgrade_reserves_the_free_twins_of_addresses_held_through_an_overlapping_block() {
+    let (dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let first = store
+        .allocate(&owner("pods", "p0"), Family::V4, NOW)
+        .unwrap()
+        .address;
+    // Upstream's AddCIDR, its network and broadcast rows reserved as
+    // Metis's repair leaves them.
+    let other = super::upstream::upstream_overlapping_block(&store);
+    store
+        .conn
+        .execute(
+            "UPDATE ip_addresses SET is_allocated = 1 WHERE cidr_block_id = ?1 \
+             AND address IN ('198.18.40.0', '198.18.40.7')",
+            [other],
+        )
+        .unwrap();
+    store
+        .conn
+        .execute(
+            "UPDATE cidr_blocks SET allocated_ips = 2 WHERE id = ?1",
+            [other],
+        )
+        .unwrap();
+    // Metis hands "other" the lowest addresses no row of the space holds.
+    let held = ["o1", "o2"].map(|pod| {
+        store
+            .allocate(&owner("other", pod), Family::V4, NOW)
+            .unwrap()
+            .address
+    });
+    assert!(!held.contains(&first));
+    let done = store.downgrade(NOW).unwrap();
+    for address in [first, held[0], held[1]] {
+        assert!(
+            done.done
+                .iter()
+                .any(|l| l.contains(&format!(": {address}, held by container"))),
+            "{address}: {done:?}"
+        );
+    }
+    assert_counters(&store);
+    drop(store);
+    // The overlap itself is reported (the daemon quarantines such
+    // blocks), the reservations only noted.
+    let report = check_file(&dir.db(), Depth::Full).unwrap();
+    let overlap = |p: &String| p.contains("overlaps block") && p.contains("both hold pods");
+    assert!(report.problems.iter().all(overlap), "{report:?}");
+    let fenced = |n: &&String| n.contains("held by a pod through an overlapping block");
+    assert_eq!(report.notes.iter().filter(fenced).count(), 3, "{report:?}");
+    // Upstream's "pods" hands out no address a pod holds.
+    let conn = Connection::open(dir.db()).unwrap();
+    let mut handed = Vec::new();
+    while let Some(address) = upstream_allocate(&conn, "pods", "ipv4", "u", NOW) {
+        handed.push(address);
+    }
+    let taken = [first, held[0], held[1]].map(|a| a.to_string());
+    assert!(!handed.iter().any(|a| taken.contains(a)), "{handed:?}");
+    // .5 to .14 (.1 its gateway, .2 p0's, .3 and .4 reserved).
+    assert_eq!(handed.len(), 10, "{handed:?}");
+    conn.execute(
+        "UPDATE ip_addresses SET is_allocated = 0, container_id = '' WHERE container_id = 'u'",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE cidr_blocks SET allocated_ips = \
+         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = cidr_blocks.id AND is_allocated = 1)",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    // Metis again: the reservations go (the overlapping blocks are its
+    // to quarantine).
+    let store = dir.store();
+    assert_counters(&store);
+    let stray: i64 = store
+        .conn
+        .query_row(
+            "SELECT COUNT(*) FROM ip_addresses WHERE is_allocated = 1 AND container_id = '' \
+             AND address NOT IN ('198.18.40.0', '198.18.40.1', '198.18.40.7', '198.18.40.15')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(stray, 0, "the next open frees the reservations");
+}

@@ -255,7 +255,7 @@ fn an_upstream_only_database_keeps_upstreams_cooldown_in_direct_mode() {
 /// Upstream's `AddCIDR` (after a rollback) adds a block of network
 /// "other" over network "pods"' block, every row free, as upstream writes
 /// it; no open since, so no repair has run.
-fn upstream_overlapping_block(store: &Store) -> i64 {
+pub(super) fn upstream_overlapping_block(store: &Store) -> i64 {
     store
         .conn
         .execute(

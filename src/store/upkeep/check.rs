@@ -700,6 +700,19 @@ struct RowScan {
     misplaced: Vec<String>,
     /// Gateways `admin downgrade` reserved (notes).
     fenced: Vec<String>,
+    /// Reserved rows no position explains, by (address space, address):
+    /// `admin downgrade`'s fence when a pod holds the address through
+    /// another block, misplaced otherwise (told once every row is read).
+    reserved_strays: Vec<((String, String), i64, String)>,
+}
+
+/// The address space a block's addresses are judged in: its network's
+/// own when isolated, else the one its non-isolated networks share.
+fn space_of(block: &Block, isolated: &HashSet<String>) -> String {
+    match isolated.contains(&block.network) {
+        true => block.network.clone(),
+        false => String::new(),
+    }
 }
 
 impl RowScan {
@@ -712,12 +725,8 @@ impl RowScan {
         owner: (&str, &str),
         isolated: &HashSet<String>,
     ) {
-        let space = match isolated.contains(&block.network) {
-            true => block.network.clone(),
-            false => String::new(),
-        };
         self.holders
-            .entry((space, address.to_string()))
+            .entry((space_of(block, isolated), address.to_string()))
             .or_default()
             .push(block_id);
         let (container, interface) = owner;
@@ -755,13 +764,29 @@ impl RowScan {
                 ));
                 return;
             }
+            None if allocated && container.is_empty() => {
+                let key = (space_of(block, expected.isolated), address.to_string());
+                self.reserved_strays.push((key, block_id, line));
+                return;
+            }
             None => {}
         }
         self.misplaced.push(line);
     }
 
     /// The findings, into `report`, in a fixed order.
-    fn report(self, blocks: &HashMap<i64, Block>, report: &mut Report) {
+    fn report(mut self, blocks: &HashMap<i64, Block>, report: &mut Report) {
+        for (key, block_id, line) in std::mem::take(&mut self.reserved_strays) {
+            let mut held = self.holders.get(&key).into_iter().flatten();
+            match held.any(|b| *b != block_id) {
+                true => self.fenced.push(format!(
+                    "{line}: held by a pod through an overlapping block, reserved by `metis \
+                     admin downgrade` so that upstream never hands it out; Metis's next start \
+                     frees it"
+                )),
+                false => self.misplaced.push(line),
+            }
+        }
         report_counters(blocks, &self.allocated, report);
         report_holders(blocks, self.holders, report);
         push_limited(

@@ -33,6 +33,14 @@
 //!   next open by Metis frees it again (`repair`), its record being enough
 //!   there.
 //!
+//! - **addresses held through an overlapping block**: two blocks of one
+//!   address space may overlap (upstream's `AddCIDR` after an earlier
+//!   rollback puts a /29 of one network inside another network's /28),
+//!   each with a row per address. Metis never hands out a row whose twin
+//!   a pod holds; upstream takes the lowest free row of its own block.
+//!   Every such free twin is reserved, and the next open by Metis runs its
+//!   full repair, which frees them again.
+//!
 //! What it cannot fix is reported: a pod holding a block's gateway, a row
 //! held outside its bounds.
 
@@ -41,7 +49,7 @@ use std::collections::HashSet;
 use rusqlite::{Connection, params};
 
 use crate::cidr::{Cidr, Family};
-use crate::store::db::{ReserveMode, Store, StoreError, parse_addr, parse_cidr};
+use crate::store::db::{ReserveMode, Store, StoreError, parse_addr, parse_cidr, schema};
 use crate::store::rows::block::{RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier};
 use crate::store::rows::withhold;
 
@@ -121,6 +129,8 @@ impl Store {
                 }
             }
         }
+        // After the rows written above: a new row may be such a twin.
+        fence_held_twins(&tx, &mut out)?;
         let leftovers = crate::store::upkeep::rollback::find(&tx)?;
         out.warnings.extend(
             leftovers
@@ -140,6 +150,10 @@ impl Store {
         Ok(out)
     }
 }
+
+/// One more reserved row in block ?1.
+const COUNT_RESERVED_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
+     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
 
 /// Reserves the row of every gateway live results name (see the module
 /// docs), saying what it did; a gateway a pod holds is a warning. When it
@@ -180,11 +194,8 @@ fn fence_named_gateways(
                 .execute(params![named.gateway, named.block_id])?;
             }
         }
-        conn.prepare_cached(
-            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
-             updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-        )?
-        .execute([named.block_id])?;
+        conn.prepare_cached(COUNT_RESERVED_SQL)?
+            .execute([named.block_id])?;
         out.done.push(format!(
             "{what}: reserved, so that upstream never hands it out (Metis's next start frees it)"
         ));
@@ -192,7 +203,49 @@ fn fence_named_gateways(
     }
     if fenced {
         conn.prepare_cached("DELETE FROM metis_settings WHERE key = ?1")?
-            .execute([crate::store::db::schema::KEY_HEALED])?;
+            .execute([schema::KEY_HEALED])?;
+    }
+    Ok(())
+}
+
+/// The free rows of live blocks whose address a pod holds through another
+/// block of the same address space (the same network, or two networks
+/// neither of which is isolated), as (row id, block id, address, holder).
+const HELD_TWINS_SQL: &str = "SELECT f.id, f.cidr_block_id, f.address, h.container_id \
+     FROM ip_addresses f JOIN cidr_blocks fb ON fb.id = f.cidr_block_id \
+     JOIN ip_addresses h ON h.address = f.address AND h.cidr_block_id != f.cidr_block_id \
+     JOIN cidr_blocks hb ON hb.id = h.cidr_block_id \
+     WHERE f.is_allocated = 0 AND fb.state IN ('Ready', 'Draining') \
+       AND h.is_allocated = 1 AND COALESCE(h.container_id, '') != '' \
+       AND (hb.network = fb.network OR (\
+         fb.network NOT IN (SELECT network FROM metis_networks WHERE isolated = 1) \
+         AND hb.network NOT IN (SELECT network FROM metis_networks WHERE isolated = 1))) \
+     ORDER BY f.id";
+
+/// Reserves every free row a pod holds through an overlapping block (see
+/// the module docs), saying so; then Metis's next open runs the full
+/// repair (its layout setting forgotten), which frees them.
+fn fence_held_twins(conn: &Connection, out: &mut Downgraded) -> Result<(), StoreError> {
+    let twins: Vec<(i64, i64, String, String)> = conn
+        .prepare(HELD_TWINS_SQL)?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<Result<_, _>>()?;
+    let mut fenced = HashSet::new();
+    for (row_id, block_id, address, holder) in twins {
+        if !fenced.insert(row_id) {
+            continue;
+        }
+        conn.prepare_cached(RESERVE_ROW_SQL)?.execute([row_id])?;
+        conn.prepare_cached(COUNT_RESERVED_SQL)?
+            .execute([block_id])?;
+        out.done.push(format!(
+            "block {block_id}: {address}, held by container {holder:?} through an overlapping \
+             block: reserved, so that upstream never hands it out (Metis's next start frees it)"
+        ));
+    }
+    if !fenced.is_empty() {
+        conn.prepare_cached("DELETE FROM metis_settings WHERE key IN (?1, ?2)")?
+            .execute([schema::KEY_HEALED, schema::KEY_LAYOUT])?;
     }
     Ok(())
 }
