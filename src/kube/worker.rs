@@ -455,19 +455,59 @@ fn patch_forever(
         path: Kind::Nnc.item_path(node),
         backoff: Backoff::new(timing.max_backoff),
     };
-    while let Ok(mut patch) = patches.recv() {
+    let mut queued = patches.recv().ok();
+    // The patch that landed last, while the next was already queued.
+    let mut landed: Option<Landed> = None;
+    while let Some(mut patch) = queued.take() {
         // Only the newest queued patch matters: each carries the full lists.
         while let Ok(newer) = patches.try_recv() {
             patch = newer;
         }
+        let bases = carry_over(&mut patch, landed.take());
         let (event, pause) = patcher.send(patch);
+        let answer = match &event {
+            KubeEvent::Patched { nnc, .. } => Some(nnc.meta.resource_version.clone()),
+            _ => None,
+        };
         if !send.send(event) {
             return;
         }
         if let Some(pause) = pause {
             thread::sleep(pause);
         }
+        // Only a patch queued meanwhile is carried over: one that comes
+        // later was decided on the answer (or, after an etcd restore, on a
+        // copy whose version may name another state).
+        queued = match patches.try_recv() {
+            Ok(next) => {
+                landed = answer.map(|answer| Landed { bases, answer });
+                Some(next)
+            }
+            Err(mpsc::TryRecvError::Empty) => patches.recv().ok(),
+            Err(mpsc::TryRecvError::Disconnected) => None,
+        };
     }
+}
+
+/// A patch that landed: the versions it was decided on and sent with, and
+/// the version its answer carries.
+struct Landed {
+    bases: Vec<String>,
+    answer: String,
+}
+
+/// A patch decided on the copy `landed` was sent from goes on `landed`'s
+/// answer (this process's own write); sent as it was, it could only
+/// conflict. Returns the versions `patch` was decided on and goes with.
+fn carry_over(patch: &mut NncPatch, landed: Option<Landed>) -> Vec<String> {
+    let mut bases = vec![patch.resource_version.clone()];
+    if let Some(landed) = landed
+        && landed.bases.contains(&patch.resource_version)
+    {
+        patch.resource_version = landed.answer;
+        bases.push(patch.resource_version.clone());
+    }
+    bases
 }
 
 /// The patcher thread's state.
@@ -542,5 +582,46 @@ impl Patcher<'_> {
                 KubeEvent::Conflict { streak }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn patch(version: &str) -> NncPatch {
+        NncPatch {
+            resource_version: version.into(),
+            allocations: vec![("default".into(), 3)],
+            releasable: Vec::new(),
+            serving: String::new(),
+        }
+    }
+
+    fn landed(bases: &[&str], answer: &str) -> Option<Landed> {
+        Some(Landed {
+            bases: bases.iter().map(|b| b.to_string()).collect(),
+            answer: answer.into(),
+        })
+    }
+
+    /// A patch decided on the version the last landed patch was decided
+    /// on, or sent with, goes on its answer; any other is sent as decided.
+    #[test]
+    fn a_patch_queued_behind_one_that_landed_goes_on_its_answer() {
+        let mut queued = patch("4");
+        assert_eq!(carry_over(&mut queued, landed(&["4"], "5")), ["4", "5"]);
+        assert_eq!(queued.resource_version, "5");
+        // Queued behind that one, decided on 4 or on 5: onto its answer.
+        for base in ["4", "5"] {
+            let mut next = patch(base);
+            carry_over(&mut next, landed(&["4", "5"], "6"));
+            assert_eq!(next.resource_version, "6", "{base}");
+        }
+        // Decided on another copy, or nothing landed: as decided.
+        let mut other = patch("7");
+        assert_eq!(carry_over(&mut other, landed(&["4"], "5")), ["7"]);
+        assert_eq!(other.resource_version, "7");
+        assert_eq!(carry_over(&mut other, None), ["7"]);
     }
 }
