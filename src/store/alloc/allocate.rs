@@ -332,7 +332,8 @@ fn take_row(
         pod_namespace,
         now_ms
     ])?;
-    conn.prepare_cached(COUNT_TAKEN_SQL)?.execute([block_id])?;
+    conn.prepare_cached(crate::store::rows::block::COUNT_TAKEN_SQL)?
+        .execute([block_id])?;
     Ok(host_local.is_none())
 }
 
@@ -341,9 +342,6 @@ const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND net
 /// An unknown pod name or namespace is stored as NULL, as upstream does.
 const TAKE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = ?2, interface_name = ?3, \
      pod_name = NULLIF(?4, ''), pod_namespace = NULLIF(?5, ''), allocated_at = ?6, release_at = NULL, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
-
-const COUNT_TAKEN_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
      updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
 
 /// Every statement that runs for each allocation, release or check, for
@@ -365,7 +363,7 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 17] = [
     crate::store::rows::block::BLOCK_RECORD_SQL,
     crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
-    COUNT_TAKEN_SQL,
+    crate::store::rows::block::COUNT_TAKEN_SQL,
     crate::store::rows::block::RELEASE_ROW_SQL,
     crate::store::rows::block::COUNT_RELEASED_SQL,
     crate::store::rows::block::RETURN_RESERVED_SQL,

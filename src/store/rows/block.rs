@@ -462,6 +462,10 @@ pub(in crate::store) struct HeldRow {
 pub(in crate::store) const RELEASE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2, \
      updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
 
+/// One more allocated (or reserved) row in block ?1.
+pub(in crate::store) const COUNT_TAKEN_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
+     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+
 pub(in crate::store) const COUNT_RELEASED_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1, \
      updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
 

@@ -50,7 +50,9 @@ use rusqlite::{Connection, params};
 
 use crate::cidr::{Cidr, Family};
 use crate::store::db::{ReserveMode, Store, StoreError, parse_addr, parse_cidr, schema};
-use crate::store::rows::block::{RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier};
+use crate::store::rows::block::{
+    COUNT_TAKEN_SQL, RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier,
+};
 use crate::store::rows::withhold;
 
 /// Most rows of a bounded IPv6 range written ahead for upstream.
@@ -151,10 +153,6 @@ impl Store {
     }
 }
 
-/// One more reserved row in block ?1.
-const COUNT_RESERVED_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
-
 /// Reserves the row of every gateway live results name (see the module
 /// docs), saying what it did; a gateway a pod holds is a warning. When it
 /// reserves any, the file's healed state is forgotten, so that the next
@@ -194,7 +192,7 @@ fn fence_named_gateways(
                 .execute(params![named.gateway, named.block_id])?;
             }
         }
-        conn.prepare_cached(COUNT_RESERVED_SQL)?
+        conn.prepare_cached(COUNT_TAKEN_SQL)?
             .execute([named.block_id])?;
         out.done.push(format!(
             "{what}: reserved, so that upstream never hands it out (Metis's next start frees it)"
@@ -210,7 +208,8 @@ fn fence_named_gateways(
 
 /// The free rows of live blocks whose address a pod holds through another
 /// block of the same address space (the same network, or two networks
-/// neither of which is isolated), as (row id, block id, address, holder).
+/// neither of which is isolated), as (row id, block id, address, holder),
+/// each row once (with one of its holders).
 const HELD_TWINS_SQL: &str = "SELECT f.id, f.cidr_block_id, f.address, h.container_id \
      FROM ip_addresses f JOIN cidr_blocks fb ON fb.id = f.cidr_block_id \
      JOIN ip_addresses h ON h.address = f.address AND h.cidr_block_id != f.cidr_block_id \
@@ -220,7 +219,7 @@ const HELD_TWINS_SQL: &str = "SELECT f.id, f.cidr_block_id, f.address, h.contain
        AND (hb.network = fb.network OR (\
          fb.network NOT IN (SELECT network FROM metis_networks WHERE isolated = 1) \
          AND hb.network NOT IN (SELECT network FROM metis_networks WHERE isolated = 1))) \
-     ORDER BY f.id";
+     GROUP BY f.id ORDER BY f.id";
 
 /// Reserves every free row a pod holds through an overlapping block (see
 /// the module docs), saying so; then Metis's next open runs the full
@@ -230,20 +229,15 @@ fn fence_held_twins(conn: &Connection, out: &mut Downgraded) -> Result<(), Store
         .prepare(HELD_TWINS_SQL)?
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
         .collect::<Result<_, _>>()?;
-    let mut fenced = HashSet::new();
-    for (row_id, block_id, address, holder) in twins {
-        if !fenced.insert(row_id) {
-            continue;
-        }
+    for (row_id, block_id, address, holder) in &twins {
         conn.prepare_cached(RESERVE_ROW_SQL)?.execute([row_id])?;
-        conn.prepare_cached(COUNT_RESERVED_SQL)?
-            .execute([block_id])?;
+        conn.prepare_cached(COUNT_TAKEN_SQL)?.execute([block_id])?;
         out.done.push(format!(
             "block {block_id}: {address}, held by container {holder:?} through an overlapping \
              block: reserved, so that upstream never hands it out (Metis's next start frees it)"
         ));
     }
-    if !fenced.is_empty() {
+    if !twins.is_empty() {
         conn.prepare_cached("DELETE FROM metis_settings WHERE key IN (?1, ?2)")?
             .execute([schema::KEY_HEALED, schema::KEY_LAYOUT])?;
     }

@@ -140,10 +140,7 @@ pub(in crate::store) fn heal(
         ..Healed::default()
     };
     let mut reserve = conn.prepare_cached(RESERVE_ROW_SQL)?;
-    let mut bump = conn.prepare_cached(
-        "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-    )?;
+    let mut bump = conn.prepare_cached(crate::store::rows::block::COUNT_TAKEN_SQL)?;
     for stray in found.beyond_bounds.iter().filter(|s| s.holder.is_none()) {
         if reserve.execute([stray.row_id])? > 0 {
             bump.execute([stray.block_id])?;
