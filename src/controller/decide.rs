@@ -1189,10 +1189,10 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
             .is_some_and(|r| ready_stands(r, plan.trouble.as_ref(), generation, now))
 }
 
-/// What a block object says for a ledger state: (state, node, reason).
 /// A block's state, node and reason, as its object says them.
 type BlockStateOf<'h> = (BlockState, &'h str, &'static str);
 
+/// What a block object says for a ledger state.
 fn block_state(held: Option<Held<'_>>) -> Option<BlockStateOf<'_>> {
     Some(match held? {
         Held::Retired => (BlockState::NonReusable, "", RELEASED),

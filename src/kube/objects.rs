@@ -102,14 +102,6 @@ pub struct ObjectMeta {
         skip_serializing_if = "Vec::is_empty"
     )]
     pub finalizers: Vec<String>,
-    /// Set by the API server when a DELETE finds finalizers: the object
-    /// goes once the last is removed.
-    #[serde(
-        default,
-        deserialize_with = "lenient_field",
-        skip_serializing_if = "String::is_empty"
-    )]
-    pub deletion_timestamp: String,
     #[serde(flatten)]
     pub rest: Map<String, Value>,
 }
