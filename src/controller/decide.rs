@@ -402,7 +402,7 @@ fn decide_in(world: &World, taken: &mut TakenIndex) -> Option<Decision> {
     let mut view = Applied::new(taken);
     let holders = pass.apply_view(&mut view);
     pass.check_overlaps(&holders, view.index());
-    if pass.widen || pass.serves_outside() {
+    if pass.widen || pass.reaches_outside(view.index()) {
         return None;
     }
     let waiting = pass.grant_all(&mut view);
@@ -410,17 +410,38 @@ fn decide_in(world: &World, taken: &mut TakenIndex) -> Option<Decision> {
 }
 
 impl<'a> Pass<'a> {
-    /// Whether a block this pass changed is one a node outside the scope
-    /// says it serves: what that node is told of it may change.
-    fn serves_outside(&self) -> bool {
+    /// Whether a block this pass changed (in a ledger, or in the status of
+    /// a node it decides) is one a node outside the scope says it serves,
+    /// or overlaps one in such a node's status: what that node is told of
+    /// it (a conflict and with whom, a cooling) may change.
+    fn reaches_outside(&self, taken: &TakenIndex) -> bool {
         let world = self.world;
-        world.scope.is_some()
-            && self.ledgers.iter().flat_map(Working::changed).any(|cidr| {
-                let nodes = world.index.serving.get(cidr).into_iter().flatten();
-                nodes
-                    .into_iter()
-                    .any(|n| !self.plans.contains_key(n.as_str()))
-            })
+        if world.scope.is_none() {
+            return false;
+        }
+        let outside = |nodes: Option<&BTreeSet<String>>| {
+            let mut nodes = nodes.into_iter().flatten();
+            nodes.any(|n| !self.plans.contains_key(n.as_str()))
+        };
+        let mut changed: BTreeSet<Cidr> = self
+            .ledgers
+            .iter()
+            .flat_map(Working::changed)
+            .copied()
+            .collect();
+        for plan in self.plans.values() {
+            let read = plan.read.map_or(&[][..], |s| s.entries.as_slice());
+            let before: BTreeSet<Cidr> = read.iter().filter_map(|e| e.cidr).collect();
+            let after: BTreeSet<Cidr> = plan.entries.iter().filter_map(|e| e.cidr).collect();
+            changed.extend(before.symmetric_difference(&after));
+        }
+        changed.iter().any(|cidr| {
+            outside(world.index.serving.get(cidr))
+                || taken
+                    .overlapping(cidr)
+                    .iter()
+                    .any(|held| outside(world.index.held.get(held)))
+        })
     }
 
     /// Whether Node `name` is gone past the grace.
@@ -1899,6 +1920,61 @@ mod tests {
             let restarts = usize::from(releasable);
             assert_eq!(decision.cooling_restarts.len(), restarts, "{releasable}");
         }
+    }
+
+    /// A node the scope leaves out, whose status holds a copy of a block,
+    /// is told with whom it conflicts: when a node of the scope drops its
+    /// own copy, that text changes, so the pass is one over every node.
+    #[test]
+    fn a_copy_dropped_in_scope_decides_the_other_copys_node_again() {
+        use crate::controller::informer::{Item, Resource};
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let mut p = pool(json!({}));
+        p.ledger.claim(block, "n2");
+        p.ledger.versions.insert(block, "9".into());
+        let nnc = |name: &str, releasable: bool| {
+            let listed = if releasable {
+                json!([{"cidr": "198.18.0.0/28"}])
+            } else {
+                json!([])
+            };
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": "5"},
+                "spec": {"allocations": [], "releasableCIDRs": listed},
+                "status": {"podCIDRs": [{"cidr": "198.18.0.0/28", "network": "default"}]}});
+            match Item::parse(Resource::Nnc, object) {
+                Item::Nnc(nnc, status) => (name.to_string(), (*nnc, status)),
+                _ => unreachable!(),
+            }
+        };
+        // n0 and n2 settled as before; n1 has just released its copy.
+        let objects = BTreeMap::from([nnc("n0", false), nnc("n1", true), nnc("n2", false)]);
+        let nncs = objects
+            .iter()
+            .map(|(n, (o, _))| (n.clone(), o.clone()))
+            .collect();
+        let statuses = objects.into_iter().map(|(n, (_, s))| (n, s)).collect();
+        let pools = [p];
+        let scope = BTreeSet::from(["n1".to_string()]);
+        let world = World {
+            pools: &pools,
+            nncs: &nncs,
+            statuses: &statuses,
+            index: &StatusIndex::of(&statuses),
+            absent: &BTreeMap::new(),
+            now_ms: 2_000,
+            wall_ms: 1_795_971_700_000,
+            node_grace_ms: 60_000,
+            scope: Some(&scope),
+        };
+        let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
+        assert_eq!(decide_in(&world, &mut taken).map(|d| d.nnc_writes), None);
+        let decision = decide(&world, &mut taken);
+        let n0 = decision.nnc_writes.iter().find(|w| w.name == "n0");
+        assert!(
+            n0.is_some_and(|w| w.status.contains("in the status of n2")),
+            "{decision:?}"
+        );
     }
 
     /// The Ready condition is replaced, typed; another condition keeps
