@@ -22,8 +22,10 @@
 //! objects go: the Node and its NNC (the garbage collector) re-created
 //! inside and past `--node-grace`, the NNC alone re-created, its
 //! MetisBlocks deleted by hand as its Node goes, one NNC whose
-//! writes are all refused, and a leader whose wall clock is 10 minutes
-//! ahead; the same invariants after each phase.
+//! writes are all refused, a leader whose wall clock is 10 minutes
+//! ahead, and etcd restored from a backup older than a block the node
+//! still serves (its daemon stopped meanwhile); the same invariants after
+//! each phase.
 //!
 //! `CLUSTER_SEED=N` replays a run; the seed is printed.
 
@@ -141,6 +143,8 @@ struct Sim {
     /// Leaders replaced in the phase by the test (each new leader finishes
     /// at most one pass its predecessor left).
     takeovers: u64,
+    /// The pool's reclaim delay.
+    reclaim: Duration,
     /// The Lease's `leaseTransitions` at the start of the phase: a leader
     /// starved past its lease on a loaded machine is replaced too.
     phase_transitions: u64,
@@ -183,6 +187,7 @@ impl Sim {
             pending_answers: 0,
             pool_edits: 0,
             takeovers: 0,
+            reclaim: RECLAIM,
             gone: 0,
             injected_failures: 0,
             recreated: 0,
@@ -675,7 +680,18 @@ impl Sim {
         lines.join("\n")
     }
 
-    /// Changes the pool's CIDRs (as an admin's edit).
+    /// Sets the pool's reclaim delay (an admin's edit); the checks follow.
+    fn set_reclaim_delay(&mut self, delay: Duration) {
+        self.pool_edits += 1;
+        self.reclaim = delay;
+        self.api.with_state(|s| {
+            s.edit(&Key::cluster(POOLS, POOL), |p| {
+                p["spec"]["reclaimDelay"] = json!(format!("{}s", delay.as_secs()));
+            })
+            .unwrap();
+        });
+    }
+
     /// Edits the pool's CIDRs and waits until the leader has decided on the
     /// new spec (its status counts the new CIDRs' blocks): a node asking
     /// before then would rightly be refused from the old pool.
@@ -815,7 +831,7 @@ impl Sim {
         for (name, since) in &cooling_since {
             let age = since.elapsed();
             assert!(
-                age <= RECLAIM + SLACK,
+                age <= self.reclaim + SLACK,
                 "{phase}: {name} still cooling after {age:?}"
             );
         }
@@ -1365,6 +1381,55 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
     assert!(hits > 0);
     sim.injected_failures += hits;
     sim.check("one NNC's writes all refused");
+
+    // etcd is restored from a backup older than a node's block, whose
+    // daemon is stopped meanwhile (it cannot say it still serves it): the
+    // controller saw the block's object with its finalizer, so within the
+    // reclaim delay (a minute here) it grants it to no other node; running
+    // again, the node gets it back.
+    sim.add_node(4);
+    sim.settle();
+    sim.begin_phase();
+    sim.set_reclaim_delay(Duration::from_secs(60));
+    let backup = sim.api.state().backup();
+    let (_, refused) = sim.fill(4, 4);
+    assert!(!refused, "node 4 refused: {}", sim.describe(4));
+    let served = sim.status_of(4);
+    assert!(!served.is_empty(), "no block: {}", sim.describe(4));
+    let daemon = sim.nodes[4].daemon.as_ref().unwrap().child.id();
+    let daemon = nix::unistd::Pid::from_raw(i32::try_from(daemon).unwrap());
+    nix::sys::signal::kill(daemon, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let relist = (String::from("list"), String::from(BLOCKS));
+    let lists = |sim: &Sim| {
+        sim.api
+            .state()
+            .counts_of("controller")
+            .get(&relist)
+            .copied()
+    };
+    let listed = lists(&sim);
+    sim.api.with_state(|s| s.restore(backup));
+    // What went back is written again, as a new leader would.
+    sim.takeovers += 1;
+    let relisted = common::poll(WAIT, || (lists(&sim) > listed).then_some(()));
+    assert!(
+        relisted.is_some(),
+        "the controller never listed the blocks again"
+    );
+    sim.add_node(5);
+    let (_, refused) = sim.fill(5, 4);
+    assert!(!refused, "node 5 refused: {}", sim.describe(5));
+    let held = sim.status_of(5);
+    let taken: Vec<&String> = served.iter().filter(|b| held.contains(b)).collect();
+    assert!(taken.is_empty(), "node 4's {taken:?} granted to node 5");
+    nix::sys::signal::kill(daemon, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let key = Key::cluster(NNCS, &sim.nodes[4].name);
+    let back = common::poll(WAIT, || {
+        let held = sim.api.state().get(&key).map(status_cidrs);
+        held.filter(|held| served.iter().all(|b| held.contains(b)))
+    });
+    assert!(back.is_some(), "{served:?} not back: {}", sim.describe(4));
+    sim.check("etcd restored from before a block a stopped node serves");
 }
 
 #[test]

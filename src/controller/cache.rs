@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use super::block::{Block, BlockState, NODE_GONE, block_name};
+use super::block::{Block, BlockSpec, BlockState, NODE_GONE, RELEASED, block_name};
 use super::decide::World;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
@@ -54,6 +54,11 @@ pub struct Cache {
     /// The next pass decides every node (a list, a pool changed, this
     /// process began to lead).
     whole: bool,
+    /// Blocks whose object vanished while it still carried its protection
+    /// finalizer (an etcd restored from a backup, a finalizer removed by
+    /// hand), by name, since when (monotonic ms): kept in `blocks` as
+    /// cooling for their node, without a version, for the reclaim delay.
+    vanished: BTreeMap<String, i64>,
 }
 
 impl Cache {
@@ -73,8 +78,12 @@ impl Cache {
                 Arc::make_mut(&mut self.pools).clear();
                 self.specs.clear();
             }
-            Resource::Block => self.blocks.clear(),
+            Resource::Block => {}
         }
+        let before = match kind {
+            Resource::Block => std::mem::take(&mut self.blocks),
+            _ => BTreeMap::new(),
+        };
         // A list is the whole truth of its moment: nothing is held ahead
         // of it any more (at worst a copy older than a GET's, which costs
         // one more 409, never a stuck object).
@@ -84,10 +93,11 @@ impl Cache {
             self.put(kind, item);
         }
         if kind == Resource::Block {
+            self.keep_vanished(before);
             let blocks = &self.blocks;
             self.cooling_seen
                 .retain(|name, _| blocks.get(name).is_some_and(is_cooling));
-            self.rebuild_ledgers();
+            self.revalidate();
         }
         self.recount_followed();
         self.reindex();
@@ -102,9 +112,46 @@ impl Cache {
         self.taken = TakenIndex::of(&self.statuses, ledgers);
     }
 
-    /// What arrives from now on arrives at `now_ms` (monotonic).
+    /// What arrives from now on arrives at `now_ms` (monotonic); blocks
+    /// that vanished a reclaim delay ago are let go.
     pub fn at(&mut self, now_ms: i64) {
         self.now_ms = now_ms;
+        let delay = |block: Option<&Block>| {
+            let pool = block.and_then(|b| b.spec.as_ref()).map(|(_, s)| &s.pool);
+            let pool = self.pools.iter().find(|p| Some(&p.name) == pool);
+            let spec = pool.and_then(|p| p.spec.as_ref().ok());
+            spec.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, |s| s.reclaim_delay_ms)
+        };
+        let cooled: Vec<String> = self
+            .vanished
+            .iter()
+            .filter(|(name, since)| now_ms.saturating_sub(**since) >= delay(self.blocks.get(*name)))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in cooled {
+            self.vanished.remove(&name);
+            self.remove(Resource::Block, &name);
+        }
+    }
+
+    /// The blocks of `before` (the view before a list) that the list
+    /// lacks: those that vanished are kept as [`vanished`](Cache::vanished)
+    /// ones, and so are those kept so before, until their delay ends.
+    fn keep_vanished(&mut self, before: BTreeMap<String, Block>) {
+        for (name, old) in before {
+            if self.blocks.contains_key(&name) {
+                continue;
+            }
+            if let Some(ghost) = vanished(&old) {
+                self.vanished.insert(name.clone(), self.now_ms);
+                self.cooling_seen.insert(name.clone(), self.now_ms);
+                self.blocks.insert(name, ghost);
+            } else if self.vanished.contains_key(&name) {
+                self.blocks.insert(name, old);
+            }
+        }
+        let blocks = &self.blocks;
+        self.vanished.retain(|name, _| blocks.contains_key(name));
     }
 
     /// Cooling blocks that `old` held and the status now kept for `name`
@@ -236,6 +283,7 @@ impl Cache {
                 self.whole = true;
             }
             Item::Block(block) => {
+                self.vanished.remove(&block.name);
                 if is_cooling(&block) {
                     let now = self.now_ms;
                     self.cooling_seen.entry(block.name.clone()).or_insert(now);
@@ -299,16 +347,30 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
+                self.cooling_seen.remove(name);
+                // An object that still carried its finalizer cannot have
+                // been deleted: the cluster's state went back. Its node may
+                // still serve its addresses, so it cools for that node.
+                if let Some(ghost) = old.as_ref().and_then(vanished) {
+                    self.vanished.insert(name.to_string(), self.now_ms);
+                    self.cooling_seen.insert(name.to_string(), self.now_ms);
+                    self.blocks.insert(name.to_string(), ghost);
+                } else {
+                    self.vanished.remove(name);
+                }
                 if self.other_size(old.as_ref(), name) {
-                    self.cooling_seen.remove(name);
                     return true;
                 }
                 self.enter_ledger(old.as_ref(), name);
                 self.dirty_holders(old.as_ref(), name);
-                if let Some(node) = old.as_ref().and_then(followed_node) {
-                    self.follow(node, false);
+                let follows = self.blocks.get(name).and_then(followed_node);
+                let followed = old.as_ref().and_then(followed_node);
+                if followed != follows {
+                    let (followed, follows) =
+                        (followed.map(str::to_string), follows.map(str::to_string));
+                    followed.inspect(|n| self.follow(n, false));
+                    follows.inspect(|n| self.follow(n, true));
                 }
-                self.cooling_seen.remove(name);
             }
         }
         true
@@ -587,6 +649,30 @@ fn followed_node(block: &Block) -> Option<&str> {
     follows.then_some(spec.node.as_str())
 }
 
+/// What is kept of `block` when its object vanished while it still
+/// carried its protection finalizer and gave its node addresses (granted
+/// or cooling): the block cooling for that node, with no version (none
+/// when the controller had let it go, or it was NonReusable).
+fn vanished(block: &Block) -> Option<Block> {
+    let (cidr, spec) = block.spec.as_ref()?;
+    let live = matches!(spec.state, BlockState::Granted | BlockState::Cooling);
+    if block.resource_version.is_empty() || !block.protected || !live {
+        return None;
+    }
+    let gone = spec.state == BlockState::Cooling && spec.reason == NODE_GONE;
+    let spec = BlockSpec {
+        state: BlockState::Cooling,
+        reason: (if gone { NODE_GONE } else { RELEASED }).to_string(),
+        ..spec.clone()
+    };
+    Some(Block {
+        name: block.name.clone(),
+        resource_version: String::new(),
+        spec: Some((*cidr, spec)),
+        protected: true,
+    })
+}
+
 fn is_cooling(block: &Block) -> bool {
     block
         .spec
@@ -759,6 +845,108 @@ mod tests {
         cache.at(9_000);
         cache.remove(Resource::Nnc, "n1");
         assert_eq!(since(&cache), 9_000);
+    }
+
+    /// A MetisBlock that vanishes while it still carries its finalizer
+    /// (etcd restored from a backup older than its grant, here by a list;
+    /// or a watch's DELETE) cools for its node: no other node is granted
+    /// it within the reclaim delay, and its node, saying it still serves
+    /// it, is granted it again. One the controller let go leaves no trace.
+    #[test]
+    fn a_block_that_vanished_with_its_finalizer_cools_for_its_node() {
+        use crate::controller::block::{self, BlockSpec, GRANTED};
+        use crate::controller::decide::{self, BlockOp};
+        let nnc = |name: &str, version: &str, pods: i64, serving: &str, held: &[&str]| {
+            let entries: Vec<Value> = held.iter().map(|c| json!({"cidr": c})).collect();
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": version,
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": [{"network": "default", "pods": pods}]},
+                "status": {"podCIDRs": entries}});
+            Item::parse(Resource::Nnc, object)
+        };
+        let granted = |node: &str, cidr: &str, version: &str, protected: bool| {
+            let spec = BlockSpec {
+                pool: "p".into(),
+                network: "default".into(),
+                cidr: cidr.into(),
+                node: node.into(),
+                state: BlockState::Granted,
+                reason: GRANTED.into(),
+            };
+            let name = block::block_name(&cidr.parse().unwrap());
+            Item::parse(
+                Resource::Block,
+                block::object(&spec, &name, version, protected),
+            )
+        };
+        let decide_at = |cache: &mut Cache, now_ms: i64| {
+            let pools = cache.pools_with_ledgers();
+            let mut taken = cache.lend_taken();
+            let clock = Clock {
+                now_ms,
+                wall_ms: 1_795_971_700_000 + now_ms,
+            };
+            let decision = decide::decide(&cache.world(&pools, clock, 60_000, None), &mut taken);
+            cache.give_back_taken(taken);
+            decision
+        };
+        let created: Vec<(String, String)> = Vec::new();
+        let creates = |d: &decide::Decision| -> Vec<(String, String)> {
+            let mut found = created.clone();
+            for w in &d.block_writes {
+                if let BlockOp::Create(spec) = &w.op {
+                    found.push((spec.cidr.clone(), spec.node.clone()));
+                }
+            }
+            found
+        };
+        for by_list in [true, false] {
+            let mut cache = Cache::default();
+            cache.at(1_000);
+            let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
+            cache.listed(Resource::Pool, pools);
+            let nodes =
+                ["n1", "n2"].map(|n| Item::parse(Resource::Node, json!({"metadata": {"name": n}})));
+            cache.listed(Resource::Node, nodes.to_vec());
+            let both = [
+                granted("n1", "198.18.0.0/28", "5", true),
+                granted("n2", "198.18.0.16/28", "6", false),
+            ];
+            cache.listed(Resource::Block, both.to_vec());
+            let statuses = vec![
+                nnc("n1", "7", 10, "198.18.0.0/28", &["198.18.0.0/28"]),
+                nnc("n2", "8", 10, "", &["198.18.0.16/28"]),
+            ];
+            cache.listed(Resource::Nnc, statuses);
+            assert!(decide_at(&mut cache, 1_000).block_writes.is_empty());
+            // etcd goes back to before both grants, when only n2 asked.
+            cache.at(2_000);
+            if by_list {
+                cache.listed(Resource::Block, Vec::new());
+            } else {
+                cache.remove(Resource::Block, "v4-198-18-0-0-28");
+                cache.remove(Resource::Block, "v4-198-18-0-16-28");
+            }
+            let restored = vec![nnc("n1", "7", 0, "", &[]), nnc("n2", "8", 10, "", &[])];
+            cache.listed(Resource::Nnc, restored);
+            // n2's block, written without the finalizer, is free again.
+            let d = decide_at(&mut cache, 2_000);
+            let to_n2 = ("198.18.0.16/28".to_string(), "n2".to_string());
+            assert_eq!(creates(&d), vec![to_n2.clone()], "{by_list}: {d:?}");
+            // n1 says it still serves its block: granted to it again.
+            cache.put(Resource::Nnc, nnc("n1", "9", 10, "198.18.0.0/28", &[]));
+            let d = decide_at(&mut cache, 3_000);
+            let to_n1 = ("198.18.0.0/28".to_string(), "n1".to_string());
+            assert_eq!(creates(&d), vec![to_n1, to_n2.clone()], "{by_list}: {d:?}");
+            // Said by nobody, it stays n1's for the delay, then is free.
+            cache.put(Resource::Nnc, nnc("n1", "10", 0, "", &[]));
+            let d = decide_at(&mut cache, 3_000);
+            assert_eq!(creates(&d), vec![to_n2.clone()], "{by_list}: {d:?}");
+            cache.at(2_000 + pool::DEFAULT_RECLAIM_DELAY_MS);
+            assert!(cache.vanished.is_empty(), "{by_list}");
+            assert!(!cache.blocks.contains_key("v4-198-18-0-0-28"), "{by_list}");
+        }
     }
 
     fn pool(name: &str, created: &str, cidr: &str) -> Item {

@@ -435,9 +435,13 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<C
     let i = pool_index(pools, cidr, &spec.pool)?;
     let counted = in_range(&pools[i], cidr);
     let ledger = &mut pools[i].ledger;
-    ledger
-        .versions
-        .insert(*cidr, block.resource_version.clone());
+    // A block whose object vanished has no version: it is never written
+    // over, only created again (`Cache::remove`).
+    if !block.resource_version.is_empty() {
+        ledger
+            .versions
+            .insert(*cidr, block.resource_version.clone());
+    }
     if !block.protected {
         ledger.unprotected.insert(*cidr);
     }
