@@ -142,7 +142,7 @@ impl Cache {
             if self.blocks.contains_key(&name) {
                 continue;
             }
-            if let Some(ghost) = vanished(&old) {
+            if let Some(ghost) = kept_when_vanished(&old) {
                 self.vanished.insert(name.clone(), self.now_ms);
                 self.cooling_seen.insert(name.clone(), self.now_ms);
                 self.blocks.insert(name, ghost);
@@ -351,7 +351,7 @@ impl Cache {
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
                 // still serve its addresses, so it cools for that node.
-                if let Some(ghost) = old.as_ref().and_then(vanished) {
+                if let Some(ghost) = old.as_ref().and_then(kept_when_vanished) {
                     self.vanished.insert(name.to_string(), self.now_ms);
                     self.cooling_seen.insert(name.to_string(), self.now_ms);
                     self.blocks.insert(name.to_string(), ghost);
@@ -653,7 +653,7 @@ fn followed_node(block: &Block) -> Option<&str> {
 /// carried its protection finalizer and gave its node addresses (granted
 /// or cooling): the block cooling for that node, with no version (none
 /// when the controller had let it go, or it was NonReusable).
-fn vanished(block: &Block) -> Option<Block> {
+fn kept_when_vanished(block: &Block) -> Option<Block> {
     let (cidr, spec) = block.spec.as_ref()?;
     let live = matches!(spec.state, BlockState::Granted | BlockState::Cooling);
     if block.resource_version.is_empty() || !block.protected || !live {
@@ -891,9 +891,8 @@ mod tests {
             cache.give_back_taken(taken);
             decision
         };
-        let created: Vec<(String, String)> = Vec::new();
         let creates = |d: &decide::Decision| -> Vec<(String, String)> {
-            let mut found = created.clone();
+            let mut found = Vec::new();
             for w in &d.block_writes {
                 if let BlockOp::Create(spec) = &w.op {
                     found.push((spec.cidr.clone(), spec.node.clone()));
