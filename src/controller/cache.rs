@@ -129,8 +129,7 @@ impl Cache {
             .map(|(name, _)| name.clone())
             .collect();
         for name in cooled {
-            self.vanished.remove(&name);
-            self.remove(Resource::Block, &name);
+            self.forget(Resource::Block, &name);
         }
     }
 
@@ -308,8 +307,20 @@ impl Cache {
         true
     }
 
-    /// Object `name` was deleted; whether the view held it.
+    /// Object `name` was deleted (the stream says so, or a write found it
+    /// gone); whether the view held it. A block whose copy still carried
+    /// its finalizer is kept as vanished.
     pub fn remove(&mut self, kind: Resource, name: &str) -> bool {
+        self.take_out(kind, name, true)
+    }
+
+    /// Object `name` went by this process's own write (a DELETE, or the
+    /// PUT that removed a marked block's last finalizer): nothing vanished.
+    pub fn forget(&mut self, kind: Resource, name: &str) {
+        self.take_out(kind, name, false);
+    }
+
+    fn take_out(&mut self, kind: Resource, name: &str, may_vanish: bool) -> bool {
         self.ahead.remove(&(kind, name.to_string()));
         let held = match kind {
             Resource::Nnc => self.nncs.contains_key(name),
@@ -351,7 +362,8 @@ impl Cache {
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
                 // still serve its addresses, so it cools for that node.
-                if let Some(ghost) = old.as_ref().and_then(kept_when_vanished) {
+                let ghost = old.as_ref().filter(|_| may_vanish);
+                if let Some(ghost) = ghost.and_then(kept_when_vanished) {
                     self.vanished.insert(name.to_string(), self.now_ms);
                     self.cooling_seen.insert(name.to_string(), self.now_ms);
                     self.blocks.insert(name.to_string(), ghost);
@@ -946,6 +958,33 @@ mod tests {
             assert!(cache.vanished.is_empty(), "{by_list}");
             assert!(!cache.blocks.contains_key("v4-198-18-0-0-28"), "{by_list}");
         }
+    }
+
+    /// A block this process let go (the PUT removing a marked object's
+    /// last finalizer, answered gone) is forgotten at once: the stream's
+    /// DELETE that follows finds nothing, and nothing is kept as vanished.
+    #[test]
+    fn a_block_let_go_by_this_process_leaves_nothing_behind() {
+        use crate::controller::block::{self, BlockSpec};
+        let mut cache = Cache::default();
+        cache.at(1_000);
+        let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
+        cache.listed(Resource::Pool, pools);
+        let spec = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: "198.18.0.0/28".into(),
+            node: "n1".into(),
+            state: BlockState::Cooling,
+            reason: RELEASED.into(),
+        };
+        let name = "v4-198-18-0-0-28";
+        let object = block::object(&spec, name, "5", true);
+        cache.listed(Resource::Block, vec![Item::parse(Resource::Block, object)]);
+        cache.forget(Resource::Block, name);
+        assert!(!cache.remove(Resource::Block, name));
+        assert!(cache.blocks.is_empty() && cache.vanished.is_empty());
+        assert!(cache.pools_with_ledgers()[0].ledger.cooling.is_empty());
     }
 
     fn pool(name: &str, created: &str, cidr: &str) -> Item {

@@ -211,9 +211,7 @@ fn landed(
         Ok(object) => {
             match object {
                 Some(object) => cache.put_fetched(kind, Item::parse(kind, object)),
-                None => {
-                    cache.remove(kind, name);
-                }
+                None => cache.forget(kind, name),
             }
             retries.written(kind, name);
             applied.written += 1;
