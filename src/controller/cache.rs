@@ -827,24 +827,14 @@ mod tests {
 
     #[test]
     fn a_cooling_block_cools_from_when_it_was_seen_leaving_a_status() {
-        use crate::controller::block::{self, BlockSpec, RELEASED};
         let mut cache = Cache::default();
         cache.listed(
             Resource::Pool,
             vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/24")],
         );
-        let spec = BlockSpec {
-            pool: "p".into(),
-            network: "default".into(),
-            cidr: "198.18.0.0/28".into(),
-            node: "n1".into(),
-            state: BlockState::Cooling,
-            reason: RELEASED.into(),
-        };
-        let name = "v4-198-18-0-0-28";
         cache.at(1_000);
-        let object = block::object(&spec, name, "5", true);
-        cache.put(Resource::Block, Item::parse(Resource::Block, object));
+        let cooling = block_item("198.18.0.0/28", "n1", BlockState::Cooling, "5", true);
+        cache.put(Resource::Block, cooling);
         let held = json!({"metadata": {"name": "n1", "resourceVersion": "6"},
                           "status": {"podCIDRs": [{"cidr": "198.18.0.0/28"}]}});
         cache.put(Resource::Nnc, Item::parse(Resource::Nnc, held));
@@ -866,7 +856,6 @@ mod tests {
     /// it, is granted it again. One the controller let go leaves no trace.
     #[test]
     fn a_block_that_vanished_with_its_finalizer_cools_for_its_node() {
-        use crate::controller::block::{self, BlockSpec, GRANTED};
         use crate::controller::decide::{self, BlockOp};
         let nnc = |name: &str, version: &str, pods: i64, serving: &str, held: &[&str]| {
             let entries: Vec<Value> = held.iter().map(|c| json!({"cidr": c})).collect();
@@ -878,19 +867,7 @@ mod tests {
             Item::parse(Resource::Nnc, object)
         };
         let granted = |node: &str, cidr: &str, version: &str, protected: bool| {
-            let spec = BlockSpec {
-                pool: "p".into(),
-                network: "default".into(),
-                cidr: cidr.into(),
-                node: node.into(),
-                state: BlockState::Granted,
-                reason: GRANTED.into(),
-            };
-            let name = block::block_name(&cidr.parse().unwrap());
-            Item::parse(
-                Resource::Block,
-                block::object(&spec, &name, version, protected),
-            )
+            block_item(cidr, node, BlockState::Granted, version, protected)
         };
         let decide_at = |cache: &mut Cache, now_ms: i64| {
             let pools = cache.pools_with_ledgers();
@@ -965,26 +942,46 @@ mod tests {
     /// DELETE that follows finds nothing, and nothing is kept as vanished.
     #[test]
     fn a_block_let_go_by_this_process_leaves_nothing_behind() {
-        use crate::controller::block::{self, BlockSpec};
         let mut cache = Cache::default();
         cache.at(1_000);
         let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
         cache.listed(Resource::Pool, pools);
-        let spec = BlockSpec {
-            pool: "p".into(),
-            network: "default".into(),
-            cidr: "198.18.0.0/28".into(),
-            node: "n1".into(),
-            state: BlockState::Cooling,
-            reason: RELEASED.into(),
-        };
         let name = "v4-198-18-0-0-28";
-        let object = block::object(&spec, name, "5", true);
-        cache.listed(Resource::Block, vec![Item::parse(Resource::Block, object)]);
+        let cooling = block_item("198.18.0.0/28", "n1", BlockState::Cooling, "5", true);
+        cache.listed(Resource::Block, vec![cooling]);
         cache.forget(Resource::Block, name);
         assert!(!cache.remove(Resource::Block, name));
         assert!(cache.blocks.is_empty() && cache.vanished.is_empty());
         assert!(cache.pools_with_ledgers()[0].ledger.cooling.is_empty());
+    }
+
+    /// Block `cidr` of pool "p" in `state` for `node`, as read at
+    /// `version`, with its finalizer or without.
+    fn block_item(
+        cidr: &str,
+        node: &str,
+        state: BlockState,
+        version: &str,
+        protected: bool,
+    ) -> Item {
+        use crate::controller::block::{self, BlockSpec, GRANTED};
+        let reason = match state {
+            BlockState::Granted => GRANTED,
+            _ => RELEASED,
+        };
+        let spec = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: cidr.into(),
+            node: node.into(),
+            state,
+            reason: reason.into(),
+        };
+        let name = block::block_name(&cidr.parse().unwrap());
+        Item::parse(
+            Resource::Block,
+            block::object(&spec, &name, version, protected),
+        )
     }
 
     fn pool(name: &str, created: &str, cidr: &str) -> Item {
