@@ -1399,23 +1399,22 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
     let daemon = sim.nodes[4].daemon.as_ref().unwrap().child.id();
     let daemon = nix::unistd::Pid::from_raw(i32::try_from(daemon).unwrap());
     nix::sys::signal::kill(daemon, nix::sys::signal::Signal::SIGSTOP).unwrap();
-    let relist = (String::from("list"), String::from(BLOCKS));
+    // The blocks and the statuses listed again: until then the controller
+    // still sees the block in node 4's status.
     let lists = |sim: &Sim| {
-        sim.api
-            .state()
-            .counts_of("controller")
-            .get(&relist)
-            .copied()
+        let counts = sim.api.state().counts_of("controller");
+        let of = |kind: &str| counts.get(&("list".to_string(), kind.to_string())).copied();
+        (of(BLOCKS).unwrap_or(0), of(NNCS).unwrap_or(0))
     };
     let listed = lists(&sim);
     sim.api.with_state(|s| s.restore(backup));
     // What went back is written again, as a new leader would.
     sim.takeovers += 1;
-    let relisted = common::poll(WAIT, || (lists(&sim) > listed).then_some(()));
-    assert!(
-        relisted.is_some(),
-        "the controller never listed the blocks again"
-    );
+    let relisted = common::poll(WAIT, || {
+        let now = lists(&sim);
+        (now.0 > listed.0 && now.1 > listed.1).then_some(())
+    });
+    assert!(relisted.is_some(), "the controller never listed again");
     sim.add_node(5);
     let (_, refused) = sim.fill(5, 4);
     assert!(!refused, "node 5 refused: {}", sim.describe(5));
