@@ -718,7 +718,34 @@ fn a_conflists_explicit_gateway_a_pod_holds_is_never_a_results_gateway() {
 /// refused with code 11 naming the gateway and its holder.
 #[test]
 fn a_gateway_a_live_result_names_is_never_handed_out_under_another_conflist() {
-    let (_dir, mut store) = store_with(&[("pods", "198.18.40.0/28")]);
+    let (_dir, store) = store_with(&[("pods", "198.18.40.0/28")]);
+    gateway_records_fence_hand_outs(store);
+}
+
+/// The same on a file made before `metis_gateways` was `WITHOUT ROWID`:
+/// its table keeps its rowids, and every statement serves it alike.
+#[test]
+fn a_gateway_table_with_rowids_fences_hand_outs_alike() {
+    let dir = TempDir::new();
+    let old = rusqlite::Connection::open(dir.db()).unwrap();
+    let rowid_shape = crate::store::db::schema::GATEWAYS.replace(" WITHOUT ROWID", "");
+    old.execute_batch(&rowid_shape).unwrap();
+    drop(old);
+    let mut store = Store::open(&dir.db(), &opts(None, None)).unwrap();
+    add_blocks(&mut store, &[("pods", "198.18.40.0/28")]);
+    let without_rowid: bool = store
+        .conn
+        .query_row(
+            "SELECT sql LIKE '%WITHOUT ROWID%' FROM sqlite_master WHERE name = 'metis_gateways'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(!without_rowid);
+    gateway_records_fence_hand_outs(store);
+}
+
+fn gateway_records_fence_hand_outs(mut store: Store) {
     let (range, gw, plain, with_gateway) = two_gateways();
     // An ADD of "pods": its result names 198.18.40.1.
     let a = store
