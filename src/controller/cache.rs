@@ -119,8 +119,7 @@ impl Cache {
         let delay = |block: Option<&Block>| {
             let pool = block.and_then(|b| b.spec.as_ref()).map(|(_, s)| &s.pool);
             let pool = self.pools.iter().find(|p| Some(&p.name) == pool);
-            let spec = pool.and_then(|p| p.spec.as_ref().ok());
-            spec.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, |s| s.reclaim_delay_ms)
+            pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms)
         };
         let cooled: Vec<String> = self
             .vanished

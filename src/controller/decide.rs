@@ -464,7 +464,7 @@ impl<'a> Pass<'a> {
                 world.nncs.contains_key(node)
                     && !world.statuses.get(node).is_some_and(|s| s.gone_told)
             };
-            let delay = reclaim_delay_ms(pool);
+            let delay = pool.reclaim_delay_ms();
             let mut back = Vec::new();
             let mut cooled = Vec::new();
             for (cidr, c) in ledger.coolings() {
@@ -1372,22 +1372,12 @@ impl Promise<'_> {
     }
 }
 
-/// How long a released block of `pool` cools (the default under a
-/// refused spec).
-fn reclaim_delay_ms(pool: &Pool) -> i64 {
-    pool.spec
-        .as_ref()
-        .map_or(super::pool::DEFAULT_RECLAIM_DELAY_MS, |s| {
-            s.reclaim_delay_ms
-        })
-}
-
 /// The first time after `world.now_ms` at which a cooling block of
 /// `ledgers` comes free, a missing Node's grace ends or the time a refused
 /// node was told passes.
 fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
     let cooled = world.pools.iter().zip(ledgers).flat_map(|(pool, ledger)| {
-        let delay = reclaim_delay_ms(pool);
+        let delay = pool.reclaim_delay_ms();
         ledger
             .coolings()
             .map(move |(_, c)| c.since_ms.saturating_add(delay))

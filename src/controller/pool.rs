@@ -232,6 +232,14 @@ impl Pool {
             conditions: super::status::conditions(&status),
         }
     }
+
+    /// How long a released block of this pool cools (the default under a
+    /// refused spec).
+    pub fn reclaim_delay_ms(&self) -> i64 {
+        self.spec
+            .as_ref()
+            .map_or(DEFAULT_RECLAIM_DELAY_MS, |s| s.reclaim_delay_ms)
+    }
 }
 
 /// Checks a spec alone; overlaps between pools are [`validate`]'s.
