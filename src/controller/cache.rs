@@ -56,9 +56,9 @@ pub struct Cache {
     whole: bool,
     /// Blocks whose object vanished while it still carried its protection
     /// finalizer (an etcd restored from a backup, a finalizer removed by
-    /// hand), by name, since when (monotonic ms): kept in `blocks` as
-    /// cooling for their node, without a version, for the reclaim delay.
-    vanished: BTreeMap<String, i64>,
+    /// hand), by name: kept in `blocks` as cooling for their node, without
+    /// a version, for the reclaim delay (from `cooling_seen`).
+    vanished: BTreeSet<String>,
 }
 
 impl Cache {
@@ -124,8 +124,11 @@ impl Cache {
         let cooled: Vec<String> = self
             .vanished
             .iter()
-            .filter(|(name, since)| now_ms.saturating_sub(**since) >= delay(self.blocks.get(*name)))
-            .map(|(name, _)| name.clone())
+            .filter(|name| {
+                let since = self.cooling_seen.get(*name).copied().unwrap_or(now_ms);
+                now_ms.saturating_sub(since) >= delay(self.blocks.get(*name))
+            })
+            .cloned()
             .collect();
         for name in cooled {
             self.forget(Resource::Block, &name);
@@ -140,16 +143,21 @@ impl Cache {
             if self.blocks.contains_key(&name) {
                 continue;
             }
-            if let Some(ghost) = kept_when_vanished(&old) {
-                self.vanished.insert(name.clone(), self.now_ms);
-                self.cooling_seen.insert(name.clone(), self.now_ms);
-                self.blocks.insert(name, ghost);
-            } else if self.vanished.contains_key(&name) {
+            if let Some(kept) = kept_when_vanished(&old) {
+                self.keep_as_vanished(name, kept);
+            } else if self.vanished.contains(&name) {
                 self.blocks.insert(name, old);
             }
         }
         let blocks = &self.blocks;
-        self.vanished.retain(|name, _| blocks.contains_key(name));
+        self.vanished.retain(|name| blocks.contains_key(name));
+    }
+
+    /// Block `name` vanished: `kept` cools for its node from now.
+    fn keep_as_vanished(&mut self, name: String, kept: Block) {
+        self.vanished.insert(name.clone());
+        self.cooling_seen.insert(name.clone(), self.now_ms);
+        self.blocks.insert(name, kept);
     }
 
     /// Cooling blocks that `old` held and the status now kept for `name`
@@ -361,11 +369,9 @@ impl Cache {
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
                 // still serve its addresses, so it cools for that node.
-                let ghost = old.as_ref().filter(|_| may_vanish);
-                if let Some(ghost) = ghost.and_then(kept_when_vanished) {
-                    self.vanished.insert(name.to_string(), self.now_ms);
-                    self.cooling_seen.insert(name.to_string(), self.now_ms);
-                    self.blocks.insert(name.to_string(), ghost);
+                let vanished = old.as_ref().filter(|_| may_vanish);
+                if let Some(kept) = vanished.and_then(kept_when_vanished) {
+                    self.keep_as_vanished(name.to_string(), kept);
                 } else {
                     self.vanished.remove(name);
                 }
