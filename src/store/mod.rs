@@ -11,6 +11,15 @@
 //! address handed out passes `handout`'s check against the configuration
 //! in force. Timestamps are Unix milliseconds passed in by the caller.
 
+/// `updated_at = …` with the expression of upstream's `updated_at`
+/// triggers, set by every Metis UPDATE of `ip_addresses` and `cidr_blocks`
+/// (a one-request process runs with the triggers off), spelled once.
+macro_rules! stamped {
+    () => {
+        "updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
 mod alloc;
 pub mod db;
 pub mod layout;

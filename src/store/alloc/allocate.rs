@@ -340,9 +340,12 @@ fn take_row(
 const FIND_BLOCK_SQL: &str = "SELECT id FROM cidr_blocks WHERE cidr = ?1 AND network = ?2";
 
 /// An unknown pod name or namespace is stored as NULL, as upstream does.
-const TAKE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = ?2, interface_name = ?3, \
-     pod_name = NULLIF(?4, ''), pod_namespace = NULLIF(?5, ''), allocated_at = ?6, release_at = NULL, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+const TAKE_ROW_SQL: &str = concat!(
+    "UPDATE ip_addresses SET is_allocated = 1, container_id = ?2, interface_name = ?3, \
+     pod_name = NULLIF(?4, ''), pod_namespace = NULLIF(?5, ''), allocated_at = ?6, release_at = NULL, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
 
 /// Every statement that runs for each allocation, release or check, for
 /// the query-plan test: none may scan `ip_addresses`, which holds every

@@ -712,10 +712,11 @@ fn grow(
         false => 0,
     };
     set_frontier(conn, keep.id, next)?;
-    conn.prepare_cached(
-        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4, \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-    )?
+    conn.prepare_cached(concat!(
+        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, state = ?4, ",
+        stamped!(),
+        " WHERE id = ?1"
+    ))?
     .execute(params![
         keep.id,
         target.to_string(),
@@ -727,10 +728,11 @@ fn grow(
         .as_str()
     ])?;
     for other in inner.iter().filter(|b| b.id != keep.id) {
-        conn.prepare_cached(
-            "UPDATE ip_addresses SET cidr_block_id = ?2, \
-             updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE cidr_block_id = ?1",
-        )?
+        conn.prepare_cached(concat!(
+            "UPDATE ip_addresses SET cidr_block_id = ?2, ",
+            stamped!(),
+            " WHERE cidr_block_id = ?1"
+        ))?
         .execute(params![other.id, keep.id])?;
         delete_block(conn, other.id)?;
     }
@@ -766,10 +768,11 @@ fn narrow(
         populated.map_or(0, |next| next.saturating_sub(shift).min(part.size()))
     };
     set_frontier(conn, wider.id, frontier_of(target))?;
-    conn.prepare_cached(
-        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-    )?
+    conn.prepare_cached(concat!(
+        "UPDATE cidr_blocks SET cidr = ?2, total_ips = ?3, ",
+        stamped!(),
+        " WHERE id = ?1"
+    ))?
     .execute(params![wider.id, target.to_string(), total_ips(target)])?;
     let mut piece_ids = Vec::with_capacity(pieces.len());
     for piece in &pieces {
@@ -789,10 +792,11 @@ fn narrow(
         .prepare_cached("SELECT id, address FROM ip_addresses WHERE cidr_block_id = ?1")?
         .query_map([wider.id], |r| Ok((r.get(0)?, r.get(1)?)))?
         .collect::<Result<_, _>>()?;
-    let mut move_row = conn.prepare_cached(
-        "UPDATE ip_addresses SET cidr_block_id = ?2, \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-    )?;
+    let mut move_row = conn.prepare_cached(concat!(
+        "UPDATE ip_addresses SET cidr_block_id = ?2, ",
+        stamped!(),
+        " WHERE id = ?1"
+    ))?;
     for (row_id, text) in rows {
         let address = parse_addr(&text)?;
         if target.contains(address) {

@@ -334,11 +334,8 @@ pub(in crate::store) fn insert_rows(
         }
     }
     if reserved_count > 0 {
-        conn.prepare_cached(
-            "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2, \
-             updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-        )?
-        .execute(params![block_id, reserved_count])?;
+        conn.prepare_cached(COUNT_TAKEN_MANY_SQL)?
+            .execute(params![block_id, reserved_count])?;
     }
     Ok(inserted)
 }
@@ -459,20 +456,39 @@ pub(in crate::store) struct HeldRow {
     pub(in crate::store) allocation: Allocation,
 }
 
-pub(in crate::store) const RELEASE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+pub(in crate::store) const RELEASE_ROW_SQL: &str = concat!(
+    "UPDATE ip_addresses SET is_allocated = 0, release_at = ?2, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
+
+/// ?2 more allocated (or reserved) rows in block ?1.
+pub(in crate::store) const COUNT_TAKEN_MANY_SQL: &str = concat!(
+    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
 
 /// One more allocated (or reserved) row in block ?1.
-pub(in crate::store) const COUNT_TAKEN_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+pub(in crate::store) const COUNT_TAKEN_SQL: &str = concat!(
+    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
 
-pub(in crate::store) const COUNT_RELEASED_SQL: &str = "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+pub(in crate::store) const COUNT_RELEASED_SQL: &str = concat!(
+    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
 
 /// A pod gives a reserved position back to the reservation.
-pub(in crate::store) const RETURN_RESERVED_SQL: &str = "UPDATE ip_addresses SET container_id = '', interface_name = '', \
-     pod_name = NULL, pod_namespace = NULL, release_at = NULL, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1";
+pub(in crate::store) const RETURN_RESERVED_SQL: &str = concat!(
+    "UPDATE ip_addresses SET container_id = '', interface_name = '', \
+     pod_name = NULL, pod_namespace = NULL, release_at = NULL, ",
+    stamped!(),
+    " WHERE id = ?1"
+);
 
 /// Frees one allocated row of a block of `network`: it rests until
 /// `release_at` (none if `None`) and the block's counter drops — unless
@@ -562,23 +578,30 @@ pub(in crate::store) fn settle(
         };
         conn.prepare_cached(sql)?.execute([row_id])?;
     }
-    conn.prepare_cached(
+    conn.prepare_cached(concat!(
         "UPDATE cidr_blocks SET allocated_ips = \
-         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1), \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-    )?
+         (SELECT COUNT(*) FROM ip_addresses WHERE cidr_block_id = ?1 AND is_allocated = 1), ",
+        stamped!(),
+        " WHERE id = ?1"
+    ))?
     .execute([id])?;
     Ok(())
 }
 
 /// Reserves a free row (no owner, no cooldown); touches nothing else.
-pub(in crate::store) const RESERVE_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 1, container_id = '', \
-     interface_name = '', pod_name = NULL, pod_namespace = NULL, release_at = NULL, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1 AND is_allocated = FALSE";
+pub(in crate::store) const RESERVE_ROW_SQL: &str = concat!(
+    "UPDATE ip_addresses SET is_allocated = 1, container_id = '', \
+     interface_name = '', pod_name = NULL, pod_namespace = NULL, release_at = NULL, ",
+    stamped!(),
+    " WHERE id = ?1 AND is_allocated = FALSE"
+);
 
 /// Frees a reserved row (allocated, no owner) at once.
-pub(in crate::store) const FREE_RESERVED_ROW_SQL: &str = "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL, \
-     updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1 AND is_allocated = 1 AND COALESCE(container_id, '') = ''";
+pub(in crate::store) const FREE_RESERVED_ROW_SQL: &str = concat!(
+    "UPDATE ip_addresses SET is_allocated = 0, release_at = NULL, ",
+    stamped!(),
+    " WHERE id = ?1 AND is_allocated = 1 AND COALESCE(container_id, '') = ''"
+);
 
 /// Deletes a block, its rows and Metis's records of it.
 pub(in crate::store) fn delete_block(conn: &Connection, id: i64) -> Result<(), StoreError> {
@@ -627,13 +650,13 @@ pub(in crate::store) fn counter_mismatches(
 /// check found wrong) to its count of allocated rows, counted again here
 /// under the caller's write lock; returns how many were wrong.
 pub(in crate::store) fn recount(conn: &Connection, ids: &[i64]) -> Result<usize, StoreError> {
-    let mut fix = conn.prepare_cached(
+    let mut fix = conn.prepare_cached(concat!(
         "UPDATE cidr_blocks SET allocated_ips = \
-           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1), \
-         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) \
-         WHERE id = ?1 AND COALESCE(allocated_ips, 0) != \
-           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1)",
-    )?;
+           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1), ",
+        stamped!(),
+        " WHERE id = ?1 AND COALESCE(allocated_ips, 0) != \
+           (SELECT COUNT(*) FROM ip_addresses a WHERE a.cidr_block_id = ?1 AND a.is_allocated = 1)"
+    ))?;
     let mut wrong = 0;
     for id in ids {
         wrong += fix.execute([id])?;

@@ -254,6 +254,14 @@ fn served_once(store: Store, request: &Command) {
     assert!(matches!(outcome, Outcome::Done(_)), "{outcome:?}");
 }
 
+/// Metis's own stamp is the expression of both of upstream's triggers.
+#[test]
+fn the_stamp_is_upstreams_trigger_expression() {
+    let expression = stamped!().trim_start_matches("updated_at = ");
+    let in_trigger = format!("SET updated_at = ({expression}) WHERE id = OLD.id");
+    assert_eq!(crate::store::SCHEMA.matches(&in_trigger).count(), 2);
+}
+
 #[test]
 fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
     // Twins: the daemon's store (triggers on) and direct mode's (off),

@@ -15,7 +15,8 @@ use crate::store::db::{
     set_setting,
 };
 use crate::store::rows::block::{
-    FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows, reserved_offsets,
+    COUNT_TAKEN_MANY_SQL, FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows,
+    reserved_offsets,
 };
 use crate::store::upkeep::rollback;
 
@@ -227,10 +228,7 @@ impl Store {
         {
             let mut reserve = tx.prepare_cached(RESERVE_ROW_SQL)?;
             let mut free = tx.prepare_cached(FREE_RESERVED_ROW_SQL)?;
-            let mut bump = tx.prepare_cached(
-                "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2, \
-                 updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) WHERE id = ?1",
-            )?;
+            let mut bump = tx.prepare_cached(COUNT_TAKEN_MANY_SQL)?;
             for &(row_id, block_id) in &plan.reserve {
                 if reserve.execute([row_id])? > 0 {
                     bump.execute([block_id, 1])?;
