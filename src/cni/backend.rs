@@ -243,10 +243,10 @@ fn call_direct(db_path: &Path, command: &Command) -> Result<Response, CniError> 
     {
         log::warn("cni", "WAL checkpoint failed", &[("error", &err)]);
     }
-    // Not closed: the plugin exits once the answer is printed. With
-    // `leave_wal_on_close` in force (`one_request`) a close writes nothing (no checkpoint;
-    // the WAL and its index stay) and only finalizes statements and frees
-    // memory, a twelfth of a direct-mode DEL. The exit closes the files and
+    // Not closed: the plugin exits once the answer is printed. A
+    // `one_request` store leaves the WAL on close, so a close writes nothing
+    // (no checkpoint; the WAL and its index stay) and only finalizes
+    // statements and frees memory, a twelfth of a direct-mode DEL. The exit closes the files and
     // drops the locks as a crash would, which the next opener handles as it
     // handles a close: it rebuilds the WAL index from the WAL either way.
     std::mem::forget(engine);
