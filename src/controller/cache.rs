@@ -59,6 +59,10 @@ pub struct Cache {
     /// hand), by name: kept in `blocks` as cooling for their node, without
     /// a version, for the reclaim delay (from `cooling_seen`).
     vanished: BTreeSet<String>,
+    /// No vanished block's delay ends before this time (monotonic ms):
+    /// until then [`Cache::at`] walks none of them. `None` when a pool or
+    /// a vanished block's cooling changed since the last walk.
+    vanished_due: Option<i64>,
 }
 
 impl Cache {
@@ -114,25 +118,37 @@ impl Cache {
 
     /// What arrives from now on arrives at `now_ms` (monotonic); blocks
     /// that vanished a reclaim delay ago are let go.
+    /// Between those times it costs nothing, however many vanished.
     pub fn at(&mut self, now_ms: i64) {
         self.now_ms = now_ms;
-        let delay = |block: Option<&Block>| {
-            let pool = block.and_then(|b| b.spec.as_ref()).map(|(_, s)| &s.pool);
-            let pool = self.pools.iter().find(|p| Some(&p.name) == pool);
-            pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms)
-        };
-        let cooled: Vec<String> = self
+        if self.vanished_due.is_some_and(|due| now_ms < due) {
+            return;
+        }
+        let (cooled, waiting): (Vec<_>, Vec<_>) = self
             .vanished
             .iter()
-            .filter(|name| {
-                let since = self.cooling_seen.get(*name).copied().unwrap_or(now_ms);
-                now_ms.saturating_sub(since) >= delay(self.blocks.get(*name))
-            })
-            .cloned()
-            .collect();
+            .map(|name| (name, self.vanished_until(name)))
+            .partition(|(_, until)| *until <= now_ms);
+        self.vanished_due = Some(
+            waiting
+                .iter()
+                .map(|(_, until)| *until)
+                .min()
+                .unwrap_or(i64::MAX),
+        );
+        let cooled: Vec<String> = cooled.into_iter().map(|(name, _)| name.clone()).collect();
         for name in cooled {
             self.forget(Resource::Block, &name);
         }
+    }
+
+    /// When vanished block `name`'s reclaim delay ends (monotonic ms).
+    fn vanished_until(&self, name: &str) -> i64 {
+        let since = self.cooling_seen.get(name).copied().unwrap_or(self.now_ms);
+        let block = self.blocks.get(name).and_then(|b| b.spec.as_ref());
+        let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| p.name == spec.pool));
+        let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
+        since.saturating_add(delay)
     }
 
     /// The blocks of `before` (the view before a list) that the list
@@ -157,7 +173,9 @@ impl Cache {
     fn keep_as_vanished(&mut self, name: String, kept: Block) {
         self.vanished.insert(name.clone());
         self.cooling_seen.insert(name.clone(), self.now_ms);
-        self.blocks.insert(name, kept);
+        self.blocks.insert(name.clone(), kept);
+        let until = self.vanished_until(&name);
+        self.vanished_due = self.vanished_due.map(|due| due.min(until));
     }
 
     /// Cooling blocks that `old` held and the status now kept for `name`
@@ -437,6 +455,7 @@ impl Cache {
 
     /// Checks the pools against each other again, from their specs as read.
     fn revalidate(&mut self) {
+        self.vanished_due = None;
         let pools = Arc::make_mut(&mut self.pools);
         for pool in pools.iter_mut() {
             if let Some(spec) = self.specs.get(&pool.name) {
@@ -517,6 +536,9 @@ impl Cache {
     /// Cooling block `name` cools from `since` (monotonic ms).
     fn cool_since(&mut self, name: &str, since: i64) {
         self.cooling_seen.insert(name.to_string(), since);
+        if self.vanished.contains(name) {
+            self.vanished_due = None;
+        }
         let Some((cidr, _)) = self.blocks.get(name).and_then(|b| b.spec.as_ref()) else {
             return;
         };
@@ -940,6 +962,46 @@ mod tests {
             assert!(cache.vanished.is_empty(), "{by_list}");
             assert!(!cache.blocks.contains_key("v4-198-18-0-0-28"), "{by_list}");
         }
+    }
+
+    /// Vanished blocks are let go each when its own delay ends, the pool's
+    /// as it is then; between those times `at` walks none of them.
+    #[test]
+    fn vanished_blocks_are_let_go_each_at_its_own_delay_end() {
+        let pool_with_delay = |delay: &str| {
+            let object = json!({"metadata": {"name": "p", "resourceVersion": delay,
+                                             "creationTimestamp": "2026-01-01T00:00:00Z"},
+                                "spec": {"network": "default", "reclaimDelay": delay,
+                                         "ipv4": {"cidrs": ["198.18.0.0/27"], "blockPrefixLength": 28}},
+                                "status": {}});
+            Item::parse(Resource::Pool, object)
+        };
+        let (first, second) = ("v4-198-18-0-0-28", "v4-198-18-0-16-28");
+        let mut cache = Cache::default();
+        cache.at(0);
+        cache.listed(Resource::Pool, vec![pool_with_delay("10s")]);
+        let blocks = vec![
+            block_item("198.18.0.0/28", "n1", BlockState::Granted, "5", true),
+            block_item("198.18.0.16/28", "n2", BlockState::Cooling, "6", true),
+        ];
+        cache.listed(Resource::Block, blocks);
+        cache.at(1_000);
+        cache.remove(Resource::Block, first);
+        cache.at(5_000);
+        cache.remove(Resource::Block, second);
+        assert_eq!(cache.vanished_due, Some(11_000));
+        cache.at(10_999);
+        assert_eq!(cache.vanished.len(), 2);
+        cache.at(11_000);
+        assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [second]);
+        assert_eq!(cache.vanished_due, Some(15_000));
+        // A shorter delay, edited into the pool, counts from the same start.
+        cache.put(Resource::Pool, pool_with_delay("8s"));
+        cache.at(12_999);
+        assert_eq!(cache.vanished.len(), 1);
+        cache.at(13_000);
+        assert!(cache.vanished.is_empty() && !cache.blocks.contains_key(second));
+        assert_eq!(cache.vanished_due, Some(i64::MAX));
     }
 
     /// A block this process let go (the PUT removing a marked object's
