@@ -332,17 +332,19 @@ impl Cache {
         true
     }
 
-    /// Object `name` was deleted (the stream says so, or a write found it
-    /// gone); whether the view held it. A block whose copy still carried
-    /// its finalizer is kept as vanished.
+    /// Object `name` was found gone by a write (a 404); whether the view
+    /// held it. A block whose copy here still carried its finalizer is
+    /// kept as vanished: nothing says how it went.
     pub fn remove(&mut self, kind: Resource, name: &str) -> bool {
         self.take_out(kind, name, true)
     }
 
-    /// Object `name` went by this process's own write (a DELETE, or the
-    /// PUT that removed a marked block's last finalizer): nothing vanished.
-    pub fn forget(&mut self, kind: Resource, name: &str) {
-        self.take_out(kind, name, false);
+    /// Object `name` was deleted: by this process's own write (a DELETE,
+    /// or the PUT that removed a marked block's last finalizer), or as a
+    /// DELETED event says (the API server deletes an object only once its
+    /// finalizers are gone). Nothing vanished; whether the view held it.
+    pub fn forget(&mut self, kind: Resource, name: &str) -> bool {
+        self.take_out(kind, name, false)
     }
 
     fn take_out(&mut self, kind: Resource, name: &str, may_vanish: bool) -> bool {
@@ -877,8 +879,8 @@ mod tests {
     }
 
     /// A MetisBlock that vanishes while it still carries its finalizer
-    /// (etcd restored from a backup older than its grant, here by a list;
-    /// or a watch's DELETE) cools for its node: no other node is granted
+    /// (etcd restored from a backup older than its grant, here seen by a
+    /// list, or by a write answered 404) cools for its node: no other node is granted
     /// it within the reclaim delay, and its node, saying it still serves
     /// it, is granted it again. One the controller let go leaves no trace.
     #[test]
@@ -940,6 +942,7 @@ mod tests {
             if by_list {
                 cache.listed(Resource::Block, Vec::new());
             } else {
+                // Writes to them answered 404.
                 cache.remove(Resource::Block, "v4-198-18-0-0-28");
                 cache.remove(Resource::Block, "v4-198-18-0-16-28");
             }

@@ -456,7 +456,9 @@ impl<'c> Controller<'c> {
                 true
             }
             Update::Changed(kind, item) => self.cache.put(kind, item),
-            Update::Deleted(kind, name) => self.cache.remove(kind, &name),
+            // An object goes only once its finalizers are gone (the event
+            // may still show the last one): a deletion, never a vanishing.
+            Update::Deleted(kind, name) => self.cache.forget(kind, &name),
             Update::Leadership(_) => {
                 // A new leader trusts no earlier pass to have settled.
                 self.cache.decide_all();

@@ -211,7 +211,9 @@ fn landed(
         Ok(object) => {
             match object {
                 Some(object) => cache.put_fetched(kind, Item::parse(kind, object)),
-                None => cache.forget(kind, name),
+                None => {
+                    cache.forget(kind, name);
+                }
             }
             retries.written(kind, name);
             applied.written += 1;
