@@ -10,8 +10,10 @@
 //! cooling, hand-edit statuses, delete MetisBlocks by hand, let a second
 //! controller decide from a stale copy, cut write sequences short (a
 //! crash), refuse every write of one node's NodeNetworkConfig and skew the
-//! deciding process's wall clock;
-//! after every step the invariants hold:
+//! deciding process's wall clock. Each pass decides the nodes the
+//! controller's own cache (`Cache`, fed every change as a watch would)
+//! says changed, so debug builds check its dirty sets against a pass over
+//! every node at every pass. After every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
 //! - a block granted to a node whose NodeNetworkConfig exists is in its
@@ -35,7 +37,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
+use metis::controller::cache::Cache;
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
+use metis::controller::informer::{Item, Resource};
 use metis::controller::pool::{self, Pool};
 use metis::controller::status::{self, Status, StatusIndex};
 use metis::controller::taken::TakenIndex;
@@ -81,21 +85,37 @@ struct Sim {
     writes: usize,
     /// What happened to each block, for a failure's report.
     history: BTreeMap<String, Vec<String>>,
-    /// What the last pass read and left unsettled: the next decides only
-    /// the nodes changed since and those, as the controller's loop does
-    /// (and debug builds check it against a pass over every node).
-    last: RefCell<Option<Seen>>,
+    /// The controller's own cache, fed what changed since the last pass as
+    /// a watch would: its dirty sets choose the nodes the next pass decides,
+    /// as in the controller's loop (and debug builds check that choice
+    /// against a pass over every node).
+    view: RefCell<View>,
     /// The last node a bounded pass wrote.
     bound_after: RefCell<Option<String>>,
 }
 
-#[derive(Clone)]
-struct Seen {
-    pools: BTreeMap<String, Value>,
-    nncs: BTreeMap<String, Value>,
-    blocks: BTreeMap<String, Value>,
-    absent: BTreeMap<String, i64>,
+/// What the controller's cache was fed, and what its last pass left
+/// unsettled. A copy of the simulation (a stale controller, a trial) is
+/// another process: its view starts empty and its first pass lists.
+#[derive(Default)]
+struct View {
+    cache: Cache,
+    fed: Option<Fed>,
     unsettled: BTreeSet<String>,
+}
+
+impl Clone for View {
+    fn clone(&self) -> View {
+        View::default()
+    }
+}
+
+/// The objects as the cache last read them.
+struct Fed {
+    pools: BTreeMap<String, Value>,
+    nodes: BTreeMap<String, Value>,
+    blocks: BTreeMap<String, Value>,
+    nncs: BTreeMap<String, Value>,
 }
 
 /// The keys whose values differ between `a` and `b` (either side missing
@@ -128,7 +148,7 @@ impl Sim {
             freed_by_hand: BTreeSet::new(),
             writes: 0,
             history: BTreeMap::new(),
-            last: RefCell::new(None),
+            view: RefCell::new(View::default()),
             bound_after: RefCell::new(None),
         }
     }
@@ -314,65 +334,61 @@ impl Sim {
         if bounded.is_some() {
             *self.bound_after.borrow_mut() = bounded.clone();
         }
-        *self.last.borrow_mut() = Some(Seen {
-            pools: self.pools.clone(),
-            nncs: self.nncs.clone(),
-            blocks: self.blocks.clone(),
-            absent: self.absent.clone(),
-            unsettled: decision.unsettled.clone(),
-        });
+        self.view.borrow_mut().unsettled = decision.unsettled.clone();
         (decision, bounded.is_some())
     }
 
-    /// The nodes whose NodeNetworkConfig, Node or blocks changed since the
-    /// last pass, and those it left unsettled; every node after a pool
-    /// changed (or at first).
+    /// What the next pass decides, as the controller's loop chooses it: the
+    /// cache is fed every object changed since the last pass (by kind, as
+    /// separate watches would deliver them), then asked for its scope.
     fn scope(&self) -> Option<BTreeSet<String>> {
-        let last = self.last.borrow();
-        // A pool's status alone (its counts) calls for no whole pass.
-        let specs = |pools: &BTreeMap<String, Value>| -> Vec<(String, Value, Value)> {
-            let of = |(n, p): (&String, &Value)| {
-                let created = p["metadata"]["creationTimestamp"].clone();
-                (n.clone(), created, p["spec"].clone())
-            };
-            pools.iter().map(of).collect()
+        let mut view = self.view.borrow_mut();
+        let View {
+            cache,
+            fed,
+            unsettled,
+        } = &mut *view;
+        cache.at(self.now);
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|n| (n.clone(), json!({"metadata": {"name": n}})))
+            .collect();
+        let now = Fed {
+            pools: self.pools.clone(),
+            nodes,
+            blocks: self.blocks.clone(),
+            nncs: self.nncs.clone(),
         };
-        let seen = last
-            .as_ref()
-            .filter(|seen| specs(&seen.pools) == specs(&self.pools))?;
-        // A block of another size than a pool's come or gone: the pools
-        // are checked again, and every node decided.
-        let pool_specs: Vec<_> = self.pools.values().map(|p| Pool::parse(p).spec).collect();
-        let other_size = |block: Option<&Value>| {
-            let cidr = block.and_then(|b| b["spec"]["cidr"].as_str()?.parse::<Cidr>().ok());
-            cidr.is_some_and(|c| pool::is_other_size(&pool_specs, &c))
+        let kinds = |f: &Fed| {
+            [
+                (Resource::Pool, f.pools.clone()),
+                (Resource::Node, f.nodes.clone()),
+                (Resource::Block, f.blocks.clone()),
+                (Resource::Nnc, f.nncs.clone()),
+            ]
         };
-        let came_or_went = changed(&seen.blocks, &self.blocks).any(|name| {
-            let (old, now) = (seen.blocks.get(name), self.blocks.get(name));
-            (old.is_none() || now.is_none()) && (other_size(old) || other_size(now))
-        });
-        if came_or_went {
-            return None;
-        }
-        let mut scope = seen.unsettled.clone();
-        scope.extend(changed(&seen.nncs, &self.nncs).cloned());
-        scope.extend(changed(&seen.absent, &self.absent).cloned());
-        let nncs = || seen.nncs.iter().chain(&self.nncs);
-        for name in changed(&seen.blocks, &self.blocks) {
-            for block in [seen.blocks.get(name), self.blocks.get(name)] {
-                if let Some(node) = block.and_then(|b| b["spec"]["node"].as_str()) {
-                    scope.insert(node.to_string());
+        match fed.take() {
+            None => {
+                for (kind, objects) in kinds(&now) {
+                    let items = objects.into_values().map(|o| Item::parse(kind, o));
+                    cache.listed(kind, items.collect());
                 }
-                // And the nodes that say they serve it.
-                let cidr = block.and_then(|b| b["spec"]["cidr"].as_str());
-                let Some(cidr) = cidr.and_then(|c| c.parse::<Cidr>().ok()) else {
-                    continue;
-                };
-                let serving = nncs().filter(|(_, n)| status::serving(n).contains(&cidr));
-                scope.extend(serving.map(|(name, _)| name.clone()));
+            }
+            Some(before) => {
+                for ((kind, old), (_, new)) in kinds(&before).into_iter().zip(kinds(&now)) {
+                    for name in changed(&old, &new) {
+                        match new.get(name) {
+                            Some(object) => cache.put(kind, Item::parse(kind, object.clone())),
+                            // A DELETED event, as the controller's loop takes it.
+                            None => cache.forget(kind, name),
+                        };
+                    }
+                }
             }
         }
-        Some(scope)
+        *fed = Some(now);
+        cache.take_scope(std::mem::take(unsettled))
     }
 
     /// Applies a decision as the API server would, cut after `limit`
