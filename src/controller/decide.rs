@@ -397,7 +397,7 @@ fn decide_in(world: &World, taken: &mut TakenIndex) -> Option<Decision> {
     pass.cool_down();
     pass.release();
     pass.reassert(taken);
-    pass.finish_claims();
+    pass.finish_claims(taken);
     // What this pass sees taken, applied to the index until `view` drops.
     let mut view = Applied::new(taken);
     let holders = pass.apply_view(&mut view);
@@ -702,8 +702,9 @@ impl<'a> Pass<'a> {
     /// stopped between the two writes, or the node's NodeNetworkConfig was
     /// re-created), or take the block back when the node released it or
     /// its Node is gone past the grace. A missing NodeNetworkConfig takes
-    /// nothing: blocks follow the Node.
-    fn finish_claims(&mut self) {
+    /// nothing: blocks follow the Node. A claim that overlaps a block of
+    /// another size in a status enters no status ([`Pass::stray`]).
+    fn finish_claims(&mut self, taken: &TakenIndex) {
         let world = self.world;
         for i in 0..self.ledgers.len() {
             let missing: Vec<(Cidr, String)> = self
@@ -718,7 +719,14 @@ impl<'a> Pass<'a> {
                 let nnc = world.nncs.get(&node);
                 let gone = self.gone(&node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
-                if listed || gone {
+                let stray = match listed || gone {
+                    true => None,
+                    false => self.stray(&cidr, &node, taken),
+                };
+                if stray == Some(true) {
+                    continue;
+                }
+                if listed || gone || stray.is_some() {
                     let cooling = Cooling {
                         node,
                         since_ms: world.now_ms,
@@ -737,6 +745,31 @@ impl<'a> Pass<'a> {
                 }
             }
         }
+    }
+
+    /// Whether claim `cidr` of `node`, missing from its status, overlaps a
+    /// block of another size in a status: a grant decided before a
+    /// block-size change (a stale controller's create; the names differ,
+    /// so the API server could not refuse it). It enters no status: `None`
+    /// when it does not overlap; `Some(false)` when the node does not say
+    /// it serves it (it cools out, so the pool's size change can finish);
+    /// `Some(true)` when it does (kept, and the node told of the conflict).
+    fn stray(&mut self, cidr: &Cidr, node: &str, taken: &TakenIndex) -> Option<bool> {
+        let held = &self.world.index.held;
+        let other = taken
+            .overlapping(cidr)
+            .into_iter()
+            .find(|o| o != cidr && held.get(o).is_some_and(|names| !names.is_empty()))?;
+        let serves = self.world.index.serving.get(cidr);
+        if !serves.is_some_and(|names| names.contains(node)) {
+            return Some(false);
+        }
+        let why =
+            format!("podCIDR {cidr}, which node {node} still serves, overlaps {other} in a status");
+        if let Some(plan) = self.plans.get_mut(node) {
+            plan.trouble.get_or_insert(Trouble::Conflict(why));
+        }
+        Some(true)
     }
 
     /// The claims of ledger `i` whose node this pass decides, in block
@@ -1750,6 +1783,70 @@ mod tests {
                      "ipv6": {"cidrs": ["2001:db8::/120"], "blockPrefixLength": 124}},
             "status": status,
         }))
+    }
+
+    /// A granted block that overlaps a block of another size in a status
+    /// (a stale controller's create across a block-size change: the API
+    /// server cannot refuse it, the names differ) enters no status. Its
+    /// node not serving it, it cools out; serving it, it stays, and the
+    /// node is told of the conflict.
+    #[test]
+    fn a_granted_block_overlapping_another_size_in_a_status_enters_none() {
+        use crate::controller::block::{self, Block, BlockSpec, BlockState};
+        use crate::controller::informer::{Item, Resource};
+        let stray = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: "198.18.0.0/28".into(),
+            node: "n1".into(),
+            state: BlockState::Granted,
+            reason: block::GRANTED.into(),
+        };
+        let object = block::object(&stray, "v4-198-18-0-0-28", "4", true);
+        let pools = crate::controller::pool::with_ledgers(
+            &[pool(json!({}))],
+            &[Block::parse(object)],
+            &BTreeMap::new(),
+            1_000,
+        );
+        let nnc = |name: &str, serving: &str, held: &[&str]| {
+            let entries: Vec<Value> = held.iter().map(|c| json!({"cidr": c})).collect();
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": "5",
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": [], "releasableCIDRs": []},
+                "status": {"podCIDRs": entries}});
+            match Item::parse(Resource::Nnc, object) {
+                Item::Nnc(nnc, status) => (name.to_string(), *nnc, status),
+                _ => unreachable!(),
+            }
+        };
+        for serving in ["", "198.18.0.0/28"] {
+            let all = [nnc("n1", serving, &[]), nnc("n2", "", &["198.18.0.0/27"])];
+            let nncs = all
+                .iter()
+                .map(|(n, nnc, _)| (n.clone(), nnc.clone()))
+                .collect();
+            let statuses = all.into_iter().map(|(n, _, s)| (n, s)).collect();
+            let decision = decide_every(&pools, &nncs, &statuses, 2_000, 1_795_971_700_000);
+            let to_n1: Vec<&Write> = decision
+                .nnc_writes
+                .iter()
+                .filter(|w| w.name == "n1")
+                .collect();
+            assert!(
+                to_n1.iter().all(|w| !w.status.contains("198.18.0.0/28\"")),
+                "{serving:?}: {decision:?}"
+            );
+            let cooled = decision.block_writes.iter().any(
+                |w| matches!(&w.op, BlockOp::Update(_, spec) if spec.state == BlockState::Cooling),
+            );
+            assert_eq!(cooled, serving.is_empty(), "{serving:?}: {decision:?}");
+            let told = to_n1
+                .iter()
+                .any(|w| w.status.contains("overlaps 198.18.0.0/27"));
+            assert_eq!(told, !serving.is_empty(), "{serving:?}: {decision:?}");
+        }
     }
 
     /// The pool's status is counts and conditions only, and an unchanged
