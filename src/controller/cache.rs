@@ -1007,6 +1007,40 @@ mod tests {
         assert_eq!(cache.vanished_due, Some(i64::MAX));
     }
 
+    /// A block written by someone else (a stale controller's create, an
+    /// operator's edit) puts the node it names and the nodes that say they
+    /// serve it into the next pass's scope, and no other node.
+    #[test]
+    fn a_block_changed_elsewhere_decides_its_node_and_those_serving_it() {
+        let nnc = |name: &str, serving: &str| {
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": "3",
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": []}, "status": {}});
+            Item::parse(Resource::Nnc, object)
+        };
+        let mut cache = Cache::default();
+        cache.at(1_000);
+        let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
+        cache.listed(Resource::Pool, pools);
+        cache.listed(Resource::Block, Vec::new());
+        let nodes =
+            ["n1", "n2", "n3"].map(|n| nnc(n, if n == "n2" { "198.18.0.0/28" } else { "" }));
+        cache.listed(Resource::Nnc, nodes.to_vec());
+        assert_eq!(
+            cache.take_scope(BTreeSet::new()),
+            None,
+            "a list decides every node"
+        );
+        let granted = block_item("198.18.0.0/28", "n1", BlockState::Granted, "9", true);
+        assert!(cache.put(Resource::Block, granted));
+        let scope = cache.take_scope(BTreeSet::new());
+        assert_eq!(
+            scope,
+            Some(BTreeSet::from(["n1".to_string(), "n2".to_string()]))
+        );
+    }
+
     /// A block this process let go (the PUT removing a marked object's
     /// last finalizer, answered gone) is forgotten at once: the stream's
     /// DELETE that follows finds nothing, and nothing is kept as vanished.
