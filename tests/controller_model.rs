@@ -95,22 +95,17 @@ struct Sim {
 }
 
 /// What the controller's cache was fed, and what its last pass left
-/// unsettled. A copy of the simulation (a stale controller, a trial) is
-/// another process: its view starts empty and its first pass lists.
-#[derive(Default)]
+/// unsettled. A copy of the simulation is the same process (a trial, the
+/// leader's passes after a step) unless made by [`Sim::another_process`].
+#[derive(Default, Clone)]
 struct View {
     cache: Cache,
     fed: Option<Fed>,
     unsettled: BTreeSet<String>,
 }
 
-impl Clone for View {
-    fn clone(&self) -> View {
-        View::default()
-    }
-}
-
 /// The objects as the cache last read them.
+#[derive(Clone)]
 struct Fed {
     pools: BTreeMap<String, Value>,
     nodes: BTreeMap<String, Value>,
@@ -151,6 +146,14 @@ impl Sim {
             view: RefCell::new(View::default()),
             bound_after: RefCell::new(None),
         }
+    }
+
+    /// A copy read by another controller (a stale one): its view starts
+    /// empty, and its first pass lists everything.
+    fn another_process(&self) -> Sim {
+        let mut copy = self.clone();
+        copy.view = RefCell::new(View::default());
+        copy
     }
 
     fn bump(&mut self) -> String {
@@ -1625,7 +1628,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             }
         }
         11 => {
-            *stale = Some(sim.clone());
+            *stale = Some(sim.another_process());
         }
         12 => {
             // A stale controller writes what it decided from an old copy.

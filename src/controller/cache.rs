@@ -16,7 +16,7 @@ use super::taken::TakenIndex;
 use crate::cidr::Cidr;
 use crate::kube::nnc::Nnc;
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Cache {
     pub nncs: BTreeMap<String, Nnc>,
     pub statuses: BTreeMap<String, Status>,
