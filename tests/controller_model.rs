@@ -10,10 +10,11 @@
 //! cooling, hand-edit statuses, delete MetisBlocks by hand, let a second
 //! controller decide from a stale copy, cut write sequences short (a
 //! crash), refuse every write of one node's NodeNetworkConfig and skew the
-//! deciding process's wall clock. Each pass decides the nodes the
-//! controller's own cache (`Cache`, fed every change as a watch would)
-//! says changed, so debug builds check its dirty sets against a pass over
-//! every node at every pass. After every step the invariants hold:
+//! deciding process's wall clock. Each pass decides on what the
+//! controller's own cache (`Cache`) holds, fed every change as a watch
+//! would when it happens: its ledgers, indexes and choice of the nodes
+//! changed, which debug builds check against a pass over every node at
+//! every pass. After every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
 //! - a block granted to a node whose NodeNetworkConfig exists is in its
@@ -37,12 +38,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
-use metis::controller::cache::Cache;
-use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED, World};
+use metis::controller::cache::{Cache, Clock};
+use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED};
 use metis::controller::informer::{Item, Resource};
 use metis::controller::pool::{self, Pool};
-use metis::controller::status::{self, Status, StatusIndex};
-use metis::controller::taken::TakenIndex;
+use metis::controller::status::{self, Status};
 use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
@@ -315,42 +315,51 @@ impl Sim {
     /// A pass of the controller's loop: at most `nodes` statuses written,
     /// the others' nodes decided again next (and whether any were left).
     fn decide_bounded(&self, nodes: usize) -> (Decision, bool) {
-        let (pools, nncs, statuses) = self.world();
         let scope = self.scope();
-        let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
+        let mut view = self.view.borrow_mut();
+        let cache = &mut view.cache;
+        let pools = cache.pools_with_ledgers();
+        let mut taken = cache.lend_taken();
         let before = taken.clone();
-        let world = World {
-            pools: &pools,
-            nncs: &nncs,
-            statuses: &statuses,
-            index: &StatusIndex::of(&statuses),
-            absent: &self.absent,
+        let clock = Clock {
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,
-            node_grace_ms: GRACE_MS,
-            scope: scope.as_ref(),
         };
+        let world = cache.world(&pools, clock, GRACE_MS, scope.as_ref());
         let mut decision = decide::decide(&world, &mut taken);
         assert_eq!(taken, before, "a pass left the taken index changed");
+        cache.give_back_taken(taken);
         let after = self.bound_after.borrow().clone();
         let bounded = decision.bound(nodes, after.as_deref(), &|_| true);
         if bounded.is_some() {
             *self.bound_after.borrow_mut() = bounded.clone();
         }
-        self.view.borrow_mut().unsettled = decision.unsettled.clone();
+        cache.restart_cooling(&decision.cooling_restarts);
+        view.unsettled = decision.unsettled.clone();
         (decision, bounded.is_some())
     }
 
     /// What the next pass decides, as the controller's loop chooses it: the
-    /// cache is fed every object changed since the last pass (by kind, as
-    /// separate watches would deliver them), then asked for its scope.
+    /// cache, fed what changed, is asked for its scope.
     fn scope(&self) -> Option<BTreeSet<String>> {
+        self.feed();
         let mut view = self.view.borrow_mut();
-        let View {
-            cache,
-            fed,
-            unsettled,
-        } = &mut *view;
+        let unsettled = std::mem::take(&mut view.unsettled);
+        view.cache.take_scope(unsettled)
+    }
+
+    /// Time passes: what changed until now reaches the cache first, at
+    /// the time it changed (as a watch delivers it).
+    fn advance(&mut self, ms: i64) {
+        self.feed();
+        self.now += ms;
+    }
+
+    /// Feeds the cache every object changed since it was last fed (by
+    /// kind, as separate watches would deliver them), at `now`.
+    fn feed(&self) {
+        let mut view = self.view.borrow_mut();
+        let View { cache, fed, .. } = &mut *view;
         cache.at(self.now);
         let nodes = self
             .nodes
@@ -391,7 +400,6 @@ impl Sim {
             }
         }
         *fed = Some(now);
-        cache.take_scope(std::mem::take(unsettled))
     }
 
     /// Applies a decision as the API server would, cut after `limit`
@@ -674,9 +682,11 @@ impl Sim {
             }
             None => self.now + 30 * 86_400_000,
         };
-        let now = std::mem::replace(&mut self.now, later);
-        let quiet = self.decide();
-        self.now = now;
+        // On a copy: the cache's clock never goes back.
+        let mut at_later = self.clone();
+        at_later.now = later;
+        let quiet = at_later.decide();
+        let now = self.now;
         assert!(
             self.is_quiet(&quiet),
             "writes at {later} before the due time {:?} (now {now}): {quiet:?}",
@@ -1024,10 +1034,10 @@ fn a_released_block_cools_before_another_node_gets_it() {
     assert_eq!(sim.pools["v4"]["status"]["ipv4"]["blocksCooling"], 1);
     // The controller wakes when it comes free, with no event needed.
     assert_eq!(sim.decide().next_due_ms, Some(sim.now + DELAY_MS));
-    sim.now += DELAY_MS - 1;
+    sim.advance(DELAY_MS - 1);
     sim.settle();
     assert!(!cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
-    sim.now += 1;
+    sim.advance(1);
     sim.settle();
     assert!(cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
     assert_eq!(sim.ready("b").unwrap().0, decide::READY);
@@ -1051,7 +1061,7 @@ fn a_nonreusable_block_is_never_granted_again() {
     sim.settle();
     let retired: Vec<String> = sim.blocks_in(BlockState::NonReusable).into_keys().collect();
     assert_eq!(retired, ["198.18.0.0/28"]);
-    sim.now += 3_600_000;
+    sim.advance(3_600_000);
     sim.edit_nnc("a", |n| n["spec"]["releasableCIDRs"] = json!([]));
     sim.settle();
     assert!(cidrs_of(&sim.nncs["a"]).is_empty());
@@ -1067,20 +1077,13 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.settle();
     sim.delete_node("a", false);
     assert_eq!(sim.decide().next_due_ms, Some(sim.now + GRACE_MS));
-    sim.now += GRACE_MS - 1;
+    sim.advance(GRACE_MS - 1);
     sim.settle();
     assert_eq!(cidrs_of(&sim.nncs["a"]).len(), 2, "kept within the grace");
-    sim.now += 1;
+    sim.advance(1);
     sim.settle();
     assert!(cidrs_of(&sim.nncs["a"]).is_empty());
     assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
-    eprintln!(
-        "DBG a {:?} b {:?} c {:?} {:?}",
-        sim.ready("a"),
-        sim.ready("b"),
-        sim.ready("c"),
-        sim.blocks_in(BlockState::Cooling)
-    );
     assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
     // The Node returns with a new object while its blocks cool: it gets
     // them back.
@@ -1096,9 +1099,9 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.check();
     // Gone again past the grace and the delay: it starts over.
     sim.delete_node("a", true);
-    sim.now += GRACE_MS;
+    sim.advance(GRACE_MS);
     sim.settle();
-    sim.now += DELAY_MS;
+    sim.advance(DELAY_MS);
     sim.settle();
     assert!(sim.blocks.is_empty(), "{:?}", sim.blocks.keys());
     sim.add_node("a");
@@ -1136,7 +1139,7 @@ fn blocks_follow_the_node_through_a_deleted_and_recreated_nnc() {
 fn a_keeps_its_blocks_through_its_nnc_gone(sim: &mut Sim, held: &[String]) {
     sim.nncs.remove("a");
     sim.settle();
-    sim.now += GRACE_MS + DELAY_MS;
+    sim.advance(GRACE_MS + DELAY_MS);
     sim.set_demand("b", 100);
     sim.settle();
     assert!(
@@ -1161,7 +1164,7 @@ fn a_block_object_deleted_by_hand_stays_until_its_block_is_free() {
     release(&mut sim, "a", &held[0]);
     sim.settle();
     assert!(sim.blocks.contains_key(&name), "gone before it cooled");
-    sim.now += DELAY_MS;
+    sim.advance(DELAY_MS);
     sim.set_demand("b", 0);
     sim.settle();
     assert!(!sim.blocks.contains_key(&name), "kept after it cooled");
@@ -1262,7 +1265,7 @@ fn a_block_of_a_refused_pool_is_taken_over_not_created_again() {
     });
     sim.edit_pool("v6", |s| s["ipv4"] = json!({"cidrs": ["198.18.0.0/24"]}));
     // A refused pool's blocks cool for the default delay.
-    sim.now += metis::controller::pool::DEFAULT_RECLAIM_DELAY_MS;
+    sim.advance(metis::controller::pool::DEFAULT_RECLAIM_DELAY_MS);
     sim.settle();
     let name = metis::controller::block::block_name(&block.parse().unwrap());
     let object = &sim.blocks[&name];
@@ -1328,10 +1331,10 @@ fn a_copy_taken_from_a_gone_node_does_not_make_the_block_its_own() {
     release(&mut sim, "b", &block);
     sim.set_demand("b", 0);
     sim.settle();
-    sim.now += DELAY_MS;
+    sim.advance(DELAY_MS);
     sim.settle();
     sim.delete_node("a", false);
-    sim.now += GRACE_MS;
+    sim.advance(GRACE_MS);
     sim.settle();
     sim.add_node("a");
     sim.set_demand("a", 10);
@@ -1342,7 +1345,7 @@ fn a_copy_taken_from_a_gone_node_does_not_make_the_block_its_own() {
     // Granted to a at the earliest a delay after it left b's status (the
     // model's apply checks that): not now.
     assert!(!cidrs_of(&sim.nncs["a"]).contains(&block));
-    sim.now += DELAY_MS;
+    sim.advance(DELAY_MS);
     sim.settle();
     sim.check();
 }
@@ -1358,24 +1361,17 @@ fn a_gone_nodes_blocks_stay_taken_until_its_nnc_says_it_is_gone() {
     // stale controller's write with an old version would not be refused.
     sim.failing = Some("a".into());
     sim.delete_node("a", false);
-    sim.now += GRACE_MS;
+    sim.advance(GRACE_MS);
     sim.settle();
-    sim.now += 2 * DELAY_MS;
+    sim.advance(2 * DELAY_MS);
     sim.settle();
     assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
     // It lands: the delay counts from when they left its status.
     sim.failing = None;
     sim.settle();
     assert_eq!(sim.ready("a").unwrap().0, decide::INVALID);
-    eprintln!(
-        "DBG a {:?} b {:?} c {:?} {:?}",
-        sim.ready("a"),
-        sim.ready("b"),
-        sim.ready("c"),
-        sim.blocks_in(BlockState::Cooling)
-    );
     assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 2);
-    sim.now += DELAY_MS;
+    sim.advance(DELAY_MS);
     sim.settle();
     assert!(sim.blocks.is_empty(), "{:?}", sim.blocks.keys());
     sim.check();
@@ -1688,7 +1684,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
             // more minutes): no delay may follow it.
             sim.wall_skew += i64::try_from(rng.below(600_000)).unwrap();
         }
-        _ => sim.now += i64::try_from(rng.below(DELAY_MS.unsigned_abs())).unwrap(),
+        _ => sim.advance(i64::try_from(rng.below(DELAY_MS.unsigned_abs())).unwrap()),
     }
 }
 
