@@ -332,8 +332,8 @@ fn take_row(
         pod_namespace,
         now_ms
     ])?;
-    conn.prepare_cached(crate::store::rows::block::COUNT_TAKEN_SQL)?
-        .execute([block_id])?;
+    conn.prepare_cached(crate::store::rows::block::COUNT_CHANGE_SQL)?
+        .execute([block_id, 1])?;
     Ok(host_local.is_none())
 }
 
@@ -352,7 +352,7 @@ const TAKE_ROW_SQL: &str = concat!(
 /// populated address of every block. (Growth continues from a frontier
 /// recorded per block, so it scans nothing either.)
 #[cfg(test)]
-pub(in crate::store) const ALLOCATION_PATH: [&str; 17] = [
+pub(in crate::store) const ALLOCATION_PATH: [&str; 16] = [
     OWNER_ROWS_SQL,
     BLOCK_OF_ROW_SQL,
     crate::store::rows::free::ALLOCATED_ELSEWHERE_SQL,
@@ -366,9 +366,8 @@ pub(in crate::store) const ALLOCATION_PATH: [&str; 17] = [
     crate::store::rows::block::BLOCK_RECORD_SQL,
     crate::store::rows::block::NETWORK_BLOCKS_SQL,
     TAKE_ROW_SQL,
-    crate::store::rows::block::COUNT_TAKEN_SQL,
+    crate::store::rows::block::COUNT_CHANGE_SQL,
     crate::store::rows::block::RELEASE_ROW_SQL,
-    crate::store::rows::block::COUNT_RELEASED_SQL,
     crate::store::rows::block::RETURN_RESERVED_SQL,
 ];
 

@@ -334,7 +334,7 @@ pub(in crate::store) fn insert_rows(
         }
     }
     if reserved_count > 0 {
-        conn.prepare_cached(COUNT_TAKEN_MANY_SQL)?
+        conn.prepare_cached(COUNT_CHANGE_SQL)?
             .execute(params![block_id, reserved_count])?;
     }
     Ok(inserted)
@@ -462,22 +462,10 @@ pub(in crate::store) const RELEASE_ROW_SQL: &str = concat!(
     " WHERE id = ?1"
 );
 
-/// ?2 more allocated (or reserved) rows in block ?1.
-pub(in crate::store) const COUNT_TAKEN_MANY_SQL: &str = concat!(
+/// ?2 more allocated (or reserved) rows in block ?1; fewer when ?2 is
+/// negative (a release is -1).
+pub(in crate::store) const COUNT_CHANGE_SQL: &str = concat!(
     "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + ?2, ",
-    stamped!(),
-    " WHERE id = ?1"
-);
-
-/// One more allocated (or reserved) row in block ?1.
-pub(in crate::store) const COUNT_TAKEN_SQL: &str = concat!(
-    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) + 1, ",
-    stamped!(),
-    " WHERE id = ?1"
-);
-
-pub(in crate::store) const COUNT_RELEASED_SQL: &str = concat!(
-    "UPDATE cidr_blocks SET allocated_ips = COALESCE(allocated_ips, 0) - 1, ",
     stamped!(),
     " WHERE id = ?1"
 );
@@ -528,8 +516,8 @@ pub(in crate::store) fn give_back_row(
         // goes with its last pod, so no one is handed it again.
         conn.prepare_cached("DELETE FROM ip_addresses WHERE id = ?1")?
             .execute([row.row_id])?;
-        conn.prepare_cached(COUNT_RELEASED_SQL)?
-            .execute([row.block_id])?;
+        conn.prepare_cached(COUNT_CHANGE_SQL)?
+            .execute([row.block_id, -1])?;
         return Ok(());
     };
     let reserved = block_reserved(conn, mode, row.block_id, network, &row.allocation.block)?;
@@ -541,8 +529,8 @@ pub(in crate::store) fn give_back_row(
     }
     conn.prepare_cached(RELEASE_ROW_SQL)?
         .execute(params![row.row_id, release_at])?;
-    conn.prepare_cached(COUNT_RELEASED_SQL)?
-        .execute([row.block_id])?;
+    conn.prepare_cached(COUNT_CHANGE_SQL)?
+        .execute([row.block_id, -1])?;
     Ok(())
 }
 

@@ -51,7 +51,7 @@ use rusqlite::{Connection, params};
 use crate::cidr::{Cidr, Family};
 use crate::store::db::{ReserveMode, Store, StoreError, parse_addr, parse_cidr, schema};
 use crate::store::rows::block::{
-    COUNT_TAKEN_SQL, RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier,
+    COUNT_CHANGE_SQL, RESERVE_ROW_SQL, block_reserved, insert_rows, set_frontier,
 };
 use crate::store::rows::withhold;
 
@@ -192,8 +192,8 @@ fn fence_named_gateways(
                 .execute(params![named.gateway, named.block_id])?;
             }
         }
-        conn.prepare_cached(COUNT_TAKEN_SQL)?
-            .execute([named.block_id])?;
+        conn.prepare_cached(COUNT_CHANGE_SQL)?
+            .execute([named.block_id, 1])?;
         out.done.push(format!(
             "{what}: reserved, so that upstream never hands it out (Metis's next start frees it)"
         ));
@@ -231,7 +231,8 @@ fn fence_held_twins(conn: &Connection, out: &mut Downgraded) -> Result<(), Store
         .collect::<Result<_, _>>()?;
     for (row_id, block_id, address, holder) in &twins {
         conn.prepare_cached(RESERVE_ROW_SQL)?.execute([row_id])?;
-        conn.prepare_cached(COUNT_TAKEN_SQL)?.execute([block_id])?;
+        conn.prepare_cached(COUNT_CHANGE_SQL)?
+            .execute([*block_id, 1])?;
         out.done.push(format!(
             "block {block_id}: {address}, held by container {holder:?} through an overlapping \
              block: reserved, so that upstream never hands it out (Metis's next start frees it)"

@@ -15,7 +15,7 @@ use crate::store::db::{
     set_setting,
 };
 use crate::store::rows::block::{
-    COUNT_TAKEN_MANY_SQL, FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows,
+    COUNT_CHANGE_SQL, FREE_RESERVED_ROW_SQL, RESERVE_ROW_SQL, Reserved, bounds_of, insert_rows,
     reserved_offsets,
 };
 use crate::store::upkeep::rollback;
@@ -228,7 +228,7 @@ impl Store {
         {
             let mut reserve = tx.prepare_cached(RESERVE_ROW_SQL)?;
             let mut free = tx.prepare_cached(FREE_RESERVED_ROW_SQL)?;
-            let mut bump = tx.prepare_cached(COUNT_TAKEN_MANY_SQL)?;
+            let mut bump = tx.prepare_cached(COUNT_CHANGE_SQL)?;
             for &(row_id, block_id) in &plan.reserve {
                 if reserve.execute([row_id])? > 0 {
                     bump.execute([block_id, 1])?;

@@ -140,10 +140,10 @@ pub(in crate::store) fn heal(
         ..Healed::default()
     };
     let mut reserve = conn.prepare_cached(RESERVE_ROW_SQL)?;
-    let mut bump = conn.prepare_cached(crate::store::rows::block::COUNT_TAKEN_SQL)?;
+    let mut bump = conn.prepare_cached(crate::store::rows::block::COUNT_CHANGE_SQL)?;
     for stray in found.beyond_bounds.iter().filter(|s| s.holder.is_none()) {
         if reserve.execute([stray.row_id])? > 0 {
-            bump.execute([stray.block_id])?;
+            bump.execute([stray.block_id, 1])?;
             healed.rows_beyond_bounds += 1;
         }
     }
