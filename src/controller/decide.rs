@@ -703,7 +703,9 @@ impl<'a> Pass<'a> {
     /// re-created), or take the block back when the node released it or
     /// its Node is gone past the grace. A missing NodeNetworkConfig takes
     /// nothing: blocks follow the Node. A claim that overlaps a block of
-    /// another size in a status enters no status ([`Pass::stray`]).
+    /// another size in a status enters no status ([`overlap_in_a_status`]):
+    /// it cools out, unless its node says it serves it (then it stays, and
+    /// the node is told of the conflict).
     fn finish_claims(&mut self, taken: &TakenIndex) {
         let world = self.world;
         for i in 0..self.ledgers.len() {
@@ -719,14 +721,27 @@ impl<'a> Pass<'a> {
                 let nnc = world.nncs.get(&node);
                 let gone = self.gone(&node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
-                let stray = match listed || gone {
+                let overlap = match listed || gone {
                     true => None,
-                    false => self.stray(&cidr, &node, taken),
+                    false => overlap_in_a_status(&cidr, world.index, taken),
                 };
-                if stray == Some(true) {
+                if let Some(other) = overlap
+                    && world
+                        .index
+                        .serving
+                        .get(&cidr)
+                        .is_some_and(|n| n.contains(&node))
+                {
+                    // Kept granted, never put beside the other: said.
+                    let why = format!(
+                        "podCIDR {cidr}, which node {node} still serves, overlaps {other} in a status"
+                    );
+                    if let Some(plan) = self.plans.get_mut(node.as_str()) {
+                        plan.trouble.get_or_insert(Trouble::Conflict(why));
+                    }
                     continue;
                 }
-                if listed || gone || stray.is_some() {
+                if listed || gone || overlap.is_some() {
                     let cooling = Cooling {
                         node,
                         since_ms: world.now_ms,
@@ -745,31 +760,6 @@ impl<'a> Pass<'a> {
                 }
             }
         }
-    }
-
-    /// Whether claim `cidr` of `node`, missing from its status, overlaps a
-    /// block of another size in a status: a grant decided before a
-    /// block-size change (a stale controller's create; the names differ,
-    /// so the API server could not refuse it). It enters no status: `None`
-    /// when it does not overlap; `Some(false)` when the node does not say
-    /// it serves it (it cools out, so the pool's size change can finish);
-    /// `Some(true)` when it does (kept, and the node told of the conflict).
-    fn stray(&mut self, cidr: &Cidr, node: &str, taken: &TakenIndex) -> Option<bool> {
-        let held = &self.world.index.held;
-        let other = taken
-            .overlapping(cidr)
-            .into_iter()
-            .find(|o| o != cidr && held.get(o).is_some_and(|names| !names.is_empty()))?;
-        let serves = self.world.index.serving.get(cidr);
-        if !serves.is_some_and(|names| names.contains(node)) {
-            return Some(false);
-        }
-        let why =
-            format!("podCIDR {cidr}, which node {node} still serves, overlaps {other} in a status");
-        if let Some(plan) = self.plans.get_mut(node) {
-            plan.trouble.get_or_insert(Trouble::Conflict(why));
-        }
-        Some(true)
     }
 
     /// The claims of ledger `i` whose node this pass decides, in block
@@ -1515,6 +1505,18 @@ fn conflict(name: &str, cidr: &Cidr, takers: &[(Cidr, Taker)]) -> Option<String>
         }
     }
     found.map(|(_, why)| why)
+}
+
+/// A block of another size in a status that `cidr`, a claim missing from
+/// its node's status, overlaps: the claim was decided before a block-size
+/// change (a stale controller's create, which the API server could not
+/// refuse: the names differ).
+fn overlap_in_a_status(cidr: &Cidr, index: &StatusIndex, taken: &TakenIndex) -> Option<Cidr> {
+    let held = |o: &Cidr| index.held.get(o).is_some_and(|names| !names.is_empty());
+    taken
+        .overlapping(cidr)
+        .into_iter()
+        .find(|o| o != cidr && held(o))
 }
 
 fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
