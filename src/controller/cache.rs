@@ -208,6 +208,52 @@ impl Cache {
             self.taken.add_status(now);
             self.index.add(name, now);
         }
+        self.dirty_overlapping(old, name);
+    }
+
+    /// The nodes whose statuses hold a block overlapping one that entered
+    /// or left `name`'s status (`old` is the status before) are decided
+    /// again: what they are told of an overlap may change with it.
+    fn dirty_overlapping(&mut self, old: Option<&Status>, name: &str) {
+        let cidrs = |s: Option<&Status>| -> BTreeSet<Cidr> {
+            s.into_iter()
+                .flat_map(|s| s.entries.iter().filter_map(|e| e.cidr))
+                .collect()
+        };
+        let (before, after) = (cidrs(old), cidrs(self.statuses.get(name)));
+        for cidr in before.symmetric_difference(&after) {
+            self.dirty_status_holders(cidr);
+        }
+    }
+
+    /// Whether a missing Node's NodeNetworkConfig exists and says the Node
+    /// is gone decides whether the blocks taken from it still count as
+    /// taken: when that changes, the nodes holding or serving a block
+    /// overlapping one of them are decided again. A walk over every block,
+    /// on a rare change (a missing Node's object written or deleted).
+    fn dirty_around_blocks_of(&mut self, node: &str) {
+        // Only a missing Node's blocks are kept for it by that.
+        if !self.absent.contains_key(node) {
+            return;
+        }
+        let cidrs: Vec<Cidr> = (self.blocks.values())
+            .filter_map(|b| b.spec.as_ref())
+            .filter(|(_, spec)| spec.node == node)
+            .map(|(cidr, _)| *cidr)
+            .collect();
+        for cidr in &cidrs {
+            let serving = self.index.serving.get(cidr).into_iter().flatten();
+            self.dirty.extend(serving.cloned());
+            self.dirty_status_holders(cidr);
+        }
+    }
+
+    /// The nodes whose statuses hold a block overlapping `cidr`.
+    fn dirty_status_holders(&mut self, cidr: &Cidr) {
+        for other in self.taken.overlapping(cidr) {
+            let holders = self.index.held.get(&other).into_iter().flatten();
+            self.dirty.extend(holders.cloned());
+        }
     }
 
     /// The delay of these blocks, released again, starts over.
@@ -279,7 +325,11 @@ impl Cache {
             Item::Nnc(nnc, status) => {
                 let name = nnc.meta.name.clone();
                 self.dirty.insert(name.clone());
+                let told = status.gone_told;
                 let old = self.statuses.insert(name.clone(), status);
+                if old.as_ref().is_none_or(|o| o.gone_told != told) {
+                    self.dirty_around_blocks_of(&name);
+                }
                 self.reindex_status(old.as_ref(), &name);
                 self.left_status(old, Some(&name));
                 if self.nncs.insert(name.clone(), *nnc).is_none() {
@@ -373,6 +423,7 @@ impl Cache {
                 let old = self.statuses.remove(name);
                 self.reindex_status(old.as_ref(), name);
                 self.left_status(old, None);
+                self.dirty_around_blocks_of(name);
             }
             Resource::Node => {
                 self.nodes.remove(name);
@@ -504,16 +555,22 @@ impl Cache {
         }
     }
 
-    /// The nodes block `name` named before (`old`) and names now, and
-    /// those that say they serve it, are decided again.
+    /// The nodes block `name` named before (`old`) and names now, those
+    /// that say they serve it and those whose statuses hold it (or an
+    /// overlapping block) are decided again.
     fn dirty_holders(&mut self, old: Option<&Block>, name: &str) {
         let now = self.blocks.get(name);
+        let mut cidrs = BTreeSet::new();
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
                 let serving = self.index.serving.get(cidr).into_iter().flatten();
                 self.dirty.extend(serving.cloned());
+                cidrs.insert(*cidr);
             }
+        }
+        for cidr in &cidrs {
+            self.dirty_status_holders(cidr);
         }
     }
 
@@ -919,10 +976,7 @@ mod tests {
             found
         };
         for by_list in [true, false] {
-            let mut cache = Cache::default();
-            cache.at(1_000);
-            let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
-            cache.listed(Resource::Pool, pools);
+            let mut cache = with_pool("198.18.0.0/27");
             let nodes =
                 ["n1", "n2"].map(|n| Item::parse(Resource::Node, json!({"metadata": {"name": n}})));
             cache.listed(Resource::Node, nodes.to_vec());
@@ -1019,10 +1073,7 @@ mod tests {
                 "spec": {"allocations": []}, "status": {}});
             Item::parse(Resource::Nnc, object)
         };
-        let mut cache = Cache::default();
-        cache.at(1_000);
-        let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
-        cache.listed(Resource::Pool, pools);
+        let mut cache = with_pool("198.18.0.0/27");
         cache.listed(Resource::Block, Vec::new());
         let nodes =
             ["n1", "n2", "n3"].map(|n| nnc(n, if n == "n2" { "198.18.0.0/28" } else { "" }));
@@ -1041,15 +1092,94 @@ mod tests {
         );
     }
 
+    /// NodeNetworkConfig `name` at `version` whose status holds `cidrs`,
+    /// its Ready condition saying `ready` (a message) when given.
+    fn nnc_holding(name: &str, version: &str, cidrs: &[&str], ready: Option<&str>) -> Item {
+        let entries: Vec<Value> = cidrs.iter().map(|c| json!({"cidr": c})).collect();
+        let conditions: Vec<Value> = ready
+            .map(|message| {
+                json!({"type": "Ready", "status": "False", "reason": "InvalidParametersToUpdateNetworkInterfacePodCIDRs",
+                       "message": message, "lastTransitionTime": "2026-12-06T00:00:00Z"})
+            })
+            .into_iter()
+            .collect();
+        let object = json!({
+            "metadata": {"name": name, "resourceVersion": version},
+            "spec": {"allocations": []},
+            "status": {"podCIDRs": entries, "conditions": conditions}});
+        Item::parse(Resource::Nnc, object)
+    }
+
+    /// A status written by someone else (a stale controller, a hand edit)
+    /// that gains or loses a block decides the nodes whose statuses hold
+    /// an overlapping one: what they are told of the overlap changes.
+    #[test]
+    fn a_status_changed_elsewhere_decides_the_holders_of_overlapping_blocks() {
+        let mut cache = with_pool("198.18.0.0/26");
+        cache.listed(Resource::Block, Vec::new());
+        let statuses = vec![
+            nnc_holding("n1", "1", &["198.18.0.0/28"], None),
+            nnc_holding("n2", "2", &[], None),
+            nnc_holding("n3", "3", &["198.18.0.0/27"], None),
+            nnc_holding("n4", "4", &["198.18.0.32/28"], None),
+        ];
+        cache.listed(Resource::Nnc, statuses);
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        let names = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect());
+        let copied = nnc_holding("n2", "5", &["198.18.0.0/28"], None);
+        assert!(cache.put(Resource::Nnc, copied));
+        assert_eq!(
+            cache.take_scope(BTreeSet::new()),
+            names(&["n1", "n2", "n3"])
+        );
+        let dropped = nnc_holding("n2", "6", &[], None);
+        assert!(cache.put(Resource::Nnc, dropped));
+        assert_eq!(
+            cache.take_scope(BTreeSet::new()),
+            names(&["n1", "n2", "n3"])
+        );
+        let unrelated = nnc_holding("n2", "7", &["198.18.0.48/28"], None);
+        assert!(cache.put(Resource::Nnc, unrelated));
+        assert_eq!(cache.take_scope(BTreeSet::new()), names(&["n2"]));
+    }
+
+    /// A missing Node's blocks count as taken until its NodeNetworkConfig
+    /// says it is gone (or is deleted): that write decides the nodes
+    /// holding a block overlapping one of them.
+    #[test]
+    fn a_gone_node_told_decides_the_holders_of_its_blocks() {
+        use crate::controller::block::NODE_GONE;
+        let mut cache = with_pool("198.18.0.0/26");
+        let taken = block_item("198.18.0.0/28", "gone", BlockState::Cooling, "9", true);
+        let Item::Block(mut taken) = taken else {
+            unreachable!()
+        };
+        if let Some((_, spec)) = taken.spec.as_mut() {
+            spec.reason = NODE_GONE.to_string();
+        }
+        cache.listed(Resource::Block, vec![Item::Block(taken)]);
+        cache.listed(Resource::Node, vec![Item::Node("n1".into())]);
+        let statuses = vec![
+            nnc_holding("gone", "1", &[], None),
+            nnc_holding("n1", "2", &["198.18.0.0/28"], None),
+            nnc_holding("n2", "3", &["198.18.0.16/28"], None),
+        ];
+        cache.listed(Resource::Nnc, statuses);
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        let told = format!("Node gone {}", crate::controller::status::GONE_TOLD);
+        assert!(cache.put(Resource::Nnc, nnc_holding("gone", "4", &[], Some(&told))));
+        let scope = cache.take_scope(BTreeSet::new());
+        assert_eq!(scope, Some(["gone", "n1"].map(String::from).into()));
+        assert!(cache.forget(Resource::Nnc, "gone"));
+        assert_eq!(cache.take_scope(BTreeSet::new()), scope);
+    }
+
     /// A block this process let go (the PUT removing a marked object's
     /// last finalizer, answered gone) is forgotten at once: the stream's
     /// DELETE that follows finds nothing, and nothing is kept as vanished.
     #[test]
     fn a_block_let_go_by_this_process_leaves_nothing_behind() {
-        let mut cache = Cache::default();
-        cache.at(1_000);
-        let pools = vec![pool("p", "2026-01-01T00:00:00Z", "198.18.0.0/27")];
-        cache.listed(Resource::Pool, pools);
+        let mut cache = with_pool("198.18.0.0/27");
         let name = "v4-198-18-0-0-28";
         let cooling = block_item("198.18.0.0/28", "n1", BlockState::Cooling, "5", true);
         cache.listed(Resource::Block, vec![cooling]);
@@ -1086,6 +1216,15 @@ mod tests {
             Resource::Block,
             block::object(&spec, &name, version, protected),
         )
+    }
+
+    /// A cache at 1 s that has listed pool "p" of `cidr` (/28 blocks).
+    fn with_pool(cidr: &str) -> Cache {
+        let mut cache = Cache::default();
+        cache.at(1_000);
+        let pools = vec![pool("p", "2026-01-01T00:00:00Z", cidr)];
+        cache.listed(Resource::Pool, pools);
+        cache
     }
 
     fn pool(name: &str, created: &str, cidr: &str) -> Item {
