@@ -17,6 +17,10 @@
 //! every pass. After every step the invariants hold:
 //! - no block in two nodes' statuses unless someone other than the
 //!   controller put it there, and then both nodes say so (Ready=False);
+//! - no address served by two machines: a daemon serves a block from when
+//!   the controller puts it into its status until the node lists it
+//!   releasable or its Node is gone past the grace, whatever happens to
+//!   its objects meanwhile (the `serving` annotation says what it serves);
 //! - a block granted to a node whose NodeNetworkConfig exists is in its
 //!   status (blocks follow the Node, whatever happened to the object);
 //! - every node's demand is covered while its pools had room, otherwise
@@ -85,6 +89,12 @@ struct Sim {
     writes: usize,
     /// What happened to each block, for a failure's report.
     history: BTreeMap<String, Vec<String>>,
+    /// The blocks each machine's daemon serves pods from: taken when they
+    /// enter its status, kept until the node lists them releasable (it
+    /// drained them), or until its Node is gone past the grace (the
+    /// machine is gone). Neither a deleted NodeNetworkConfig nor a Node
+    /// re-created inside the grace ends them.
+    served: BTreeMap<String, BTreeSet<String>>,
     /// The controller's own cache, fed what changed since the last pass as
     /// a watch would: its dirty sets choose the nodes the next pass decides,
     /// as in the controller's loop (and debug builds check that choice
@@ -143,6 +153,7 @@ impl Sim {
             freed_by_hand: BTreeSet::new(),
             writes: 0,
             history: BTreeMap::new(),
+            served: BTreeMap::new(),
             view: RefCell::new(View::default()),
             bound_after: RefCell::new(None),
         }
@@ -353,6 +364,21 @@ impl Sim {
     fn advance(&mut self, ms: i64) {
         self.feed();
         self.now += ms;
+        let gone: Vec<String> = (self.absent.keys())
+            .filter(|n| self.is_machine_gone(n))
+            .cloned()
+            .collect();
+        for node in gone {
+            self.served.remove(&node);
+        }
+    }
+
+    /// `node`'s Node has been gone past the grace: its machine is taken
+    /// for gone, and no daemon serves anything there.
+    fn is_machine_gone(&self, node: &str) -> bool {
+        self.absent
+            .get(node)
+            .is_some_and(|since| self.now - since >= GRACE_MS)
     }
 
     /// Feeds the cache every object changed since it was last fed (by
@@ -478,6 +504,10 @@ impl Sim {
                     );
                 }
                 self.freed_by_hand.remove(cidr);
+                if !self.is_machine_gone(&write.name) {
+                    let served = self.served.entry(write.name.clone()).or_default();
+                    served.insert(cidr.clone());
+                }
                 let note = format!("{} granted to {}", self.now, write.name);
                 self.history.entry(cidr.clone()).or_default().push(note);
             }
@@ -746,6 +776,7 @@ impl Sim {
                 }
             }
         }
+        self.check_served_once();
         self.check_blocks_follow_nodes();
         // Demand covered while the pools had room.
         let (pools, _, _) = self.world();
@@ -854,6 +885,26 @@ impl Sim {
         );
     }
 
+    /// No address is served by two machines' daemons, whatever happened to
+    /// their objects.
+    fn check_served_once(&self) {
+        let served: Vec<(&String, Cidr)> = self
+            .served
+            .iter()
+            .flat_map(|(n, cidrs)| cidrs.iter().map(move |c| (n, c.parse().unwrap())))
+            .collect();
+        for (i, (a, ca)) in served.iter().enumerate() {
+            for (b, cb) in &served[i + 1..] {
+                assert!(
+                    a == b || !ca.overlaps(cb),
+                    "{ca} served by {a} and {cb} by {b}: {:?} {:?}",
+                    self.history.get(&ca.to_string()),
+                    self.history.get(&cb.to_string()),
+                );
+            }
+        }
+    }
+
     /// A block granted to a node whose NodeNetworkConfig exists is in its
     /// status (unless the node is told why not, or its writes fail).
     fn check_blocks_follow_nodes(&self) {
@@ -914,19 +965,20 @@ impl Sim {
 
 const SERVING: &str = metis::controller::status::SERVING_ANNOTATION;
 
-/// What a daemon would write as its `serving` annotation: the blocks in
-/// its status it has not listed releasable.
-fn serving_now(nnc: &Value) -> String {
-    let listed = |c: &String| {
+/// What `node`'s daemon would write as its `serving` annotation: the
+/// blocks it serves and has not listed releasable.
+fn serving_now(sim: &Sim, node: &str) -> String {
+    let nnc = &sim.nncs[node];
+    let listed = |c: &&String| {
         nnc["spec"]["releasableCIDRs"]
             .as_array()
             .into_iter()
             .flatten()
             .any(|r| r["cidr"] == c.as_str())
     };
-    let mut served: Vec<String> = cidrs_of(nnc).into_iter().filter(|c| !listed(c)).collect();
-    served.sort();
-    served.join(",")
+    let served = sim.served.get(node).into_iter().flatten();
+    let served: Vec<&String> = served.filter(|c| !listed(c)).collect();
+    served.into_iter().cloned().collect::<Vec<_>>().join(",")
 }
 
 fn cidrs_of(nnc: &Value) -> Vec<String> {
@@ -949,7 +1001,12 @@ fn two_pools(sim: &mut Sim) {
     );
 }
 
+/// `node` has drained `cidr` and lists it releasable: its daemon serves
+/// nothing from it any more.
 fn release(sim: &mut Sim, node: &str, cidr: &str) {
+    if let Some(served) = sim.served.get_mut(node) {
+        served.remove(cidr);
+    }
     let entry = sim.status_entry(node, cidr);
     sim.edit_nnc(node, |n| {
         let list = n["spec"]["releasableCIDRs"].as_array_mut().unwrap();
@@ -1174,7 +1231,7 @@ fn a_block_object_deleted_by_hand_stays_until_its_block_is_free() {
 #[test]
 fn what_a_node_still_serves_stays_its_own_and_is_never_given_to_another() {
     let (mut sim, held) = a_granted_beside_b();
-    let served = serving_now(&sim.nncs["a"]);
+    let served = serving_now(&sim, "a");
     // A controller that lost everything (its block objects gone, the NNC
     // re-created empty): the node says what it serves, and gets it back.
     sim.blocks.clear();
@@ -1654,7 +1711,7 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
         16 if sim.nncs.contains_key(node) => {
             // The daemon says what it still serves: its blocks not listed
             // releasable.
-            let served = serving_now(&sim.nncs[node]);
+            let served = serving_now(sim, node);
             sim.edit_nnc(node, |n| {
                 n["metadata"]["annotations"] = json!({SERVING: served});
             });
