@@ -107,11 +107,21 @@ struct Sim {
 /// What the controller's cache was fed, and what its last pass left
 /// unsettled. A copy of the simulation is the same process (a trial, the
 /// leader's passes after a step) unless made by [`Sim::another_process`].
-#[derive(Default, Clone)]
+#[derive(Clone)]
 struct View {
     cache: Cache,
     fed: Option<Fed>,
     unsettled: BTreeSet<String>,
+}
+
+impl Default for View {
+    fn default() -> View {
+        View {
+            cache: Cache::with_node_grace(GRACE_MS),
+            fed: None,
+            unsettled: BTreeSet::new(),
+        }
+    }
 }
 
 /// The objects as the cache last read them.
@@ -336,7 +346,7 @@ impl Sim {
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,
         };
-        let world = cache.world(&pools, clock, GRACE_MS, scope.as_ref());
+        let world = cache.world(&pools, clock, scope.as_ref());
         let mut decision = decide::decide(&world, &mut taken);
         assert_eq!(taken, before, "a pass left the taken index changed");
         cache.give_back_taken(taken);
@@ -843,8 +853,10 @@ impl Sim {
                     };
                     // A block whose delay ran out is no longer promised:
                     // it is free, or a status still holds it (an overlap).
+                    // A missing Node's blocks cool until its grace ends.
                     let cools = |c: &metis::controller::pool::Cooling| {
-                        self.now - c.since_ms < spec.reclaim_delay_ms
+                        let graced = self.absent.get(&c.node).map(|since| since + GRACE_MS);
+                        self.now < (c.since_ms + spec.reclaim_delay_ms).max(graced.unwrap_or(0))
                     };
                     cooling += pool
                         .ledger
@@ -864,8 +876,11 @@ impl Sim {
                     let told = metis::kube::nnc::QuotaEnd::of(&message);
                     let until = matches!(told, metis::kube::nnc::QuotaEnd::At(_));
                     let wall = self.now + self.wall_skew;
+                    // A missing Node's blocks come free no sooner than its
+                    // grace ends.
+                    let ahead = DELAY_MS.max(GRACE_MS);
                     assert!(
-                        !until || cooling > 0 || !told.stands_at(wall + DELAY_MS),
+                        !until || cooling > 0 || !told.stands_at(wall + ahead),
                         "{name}: {cooling} blocks cooling, refusal {message:?}"
                     );
                     if cooling > 0 {
@@ -1165,6 +1180,38 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.set_demand("a", 10);
     sim.settle();
     assert_eq!(sim.blocks_in(BlockState::Granted).len(), 2);
+    sim.check();
+}
+
+/// A block a node released cools for the reclaim delay, but no longer
+/// than that goes to another node only once the node's Node, if missing,
+/// is gone past the grace: a machine whose Node is missing may still
+/// serve what it has.
+#[test]
+fn a_missing_nodes_blocks_go_to_no_other_node_before_its_grace_ends() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.add_node("b");
+    sim.set_demand("a", 40);
+    sim.settle();
+    sim.set_demand("b", 16);
+    sim.settle();
+    assert_eq!(cidrs_of(&sim.nncs["b"])[0], "198.18.0.48/28");
+    release(&mut sim, "a", "198.18.0.0/28");
+    sim.settle();
+    sim.delete_node("a", false);
+    sim.set_demand("b", 32);
+    sim.advance(DELAY_MS);
+    sim.settle();
+    assert!(
+        !cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()),
+        "granted to b while a's Node is missing inside its grace"
+    );
+    assert_eq!(sim.ready("b").unwrap().0, QUOTA_EXCEEDED);
+    sim.advance(GRACE_MS - DELAY_MS);
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["b"]).contains(&"198.18.0.0/28".to_string()));
     sim.check();
 }
 

@@ -63,9 +63,21 @@ pub struct Cache {
     /// until then [`Cache::at`] walks none of them. `None` when a pool or
     /// a vanished block's cooling changed since the last walk.
     vanished_due: Option<i64>,
+    /// How long a missing Node may come back (`--node-grace`): a vanished
+    /// block of a missing Node is kept at least until its grace ends.
+    node_grace_ms: i64,
 }
 
 impl Cache {
+    /// An empty view for a controller whose `--node-grace` is
+    /// `node_grace_ms`.
+    pub fn with_node_grace(node_grace_ms: i64) -> Cache {
+        Cache {
+            node_grace_ms,
+            ..Cache::default()
+        }
+    }
+
     /// Every kind was listed at least once: the view is whole.
     pub fn synced(&self) -> bool {
         Resource::ALL.iter().all(|kind| self.listed.contains(kind))
@@ -142,13 +154,17 @@ impl Cache {
         }
     }
 
-    /// When vanished block `name`'s reclaim delay ends (monotonic ms).
+    /// When vanished block `name`'s reclaim delay ends (monotonic ms), and
+    /// its node's grace if its Node is missing (as `decide::frees_at`).
     fn vanished_until(&self, name: &str) -> i64 {
         let since = self.cooling_seen.get(name).copied().unwrap_or(self.now_ms);
         let block = self.blocks.get(name).and_then(|b| b.spec.as_ref());
         let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| p.name == spec.pool));
         let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
-        since.saturating_add(delay)
+        let graced = block
+            .and_then(|(_, spec)| self.absent.get(&spec.node))
+            .map(|missing| missing.saturating_add(self.node_grace_ms));
+        since.saturating_add(delay).max(graced.unwrap_or(i64::MIN))
     }
 
     /// The blocks of `before` (the view before a list) that the list
@@ -631,11 +647,16 @@ impl Cache {
     /// Notes whether Node `name` is missing now: something follows it and
     /// it is not there (since when it is kept while that stays so).
     fn note_absence(&mut self, name: &str) {
+        let was = self.absent.contains_key(name);
         if self.followed.contains_key(name) && !self.nodes.contains(name) {
             let now = self.now_ms;
             self.absent.entry(name.to_string()).or_insert(now);
         } else {
             self.absent.remove(name);
+        }
+        // A vanished block of this node may be kept longer or shorter now.
+        if was != self.absent.contains_key(name) {
+            self.vanished_due = None;
         }
     }
 
@@ -706,7 +727,6 @@ impl Cache {
         &'a self,
         pools: &'a [Pool],
         clock: Clock,
-        node_grace_ms: i64,
         scope: Option<&'a BTreeSet<String>>,
     ) -> World<'a> {
         debug_assert_eq!(
@@ -723,7 +743,7 @@ impl Cache {
             absent: &self.absent,
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
-            node_grace_ms,
+            node_grace_ms: self.node_grace_ms,
         }
     }
 }
@@ -962,7 +982,7 @@ mod tests {
                 now_ms,
                 wall_ms: 1_795_971_700_000 + now_ms,
             };
-            let decision = decide::decide(&cache.world(&pools, clock, 60_000, None), &mut taken);
+            let decision = decide::decide(&cache.world(&pools, clock, None), &mut taken);
             cache.give_back_taken(taken);
             decision
         };
@@ -1218,9 +1238,10 @@ mod tests {
         )
     }
 
-    /// A cache at 1 s that has listed pool "p" of `cidr` (/28 blocks).
+    /// A cache at 1 s, with a minute's grace for missing Nodes, that has
+    /// listed pool "p" of `cidr` (/28 blocks).
     fn with_pool(cidr: &str) -> Cache {
-        let mut cache = Cache::default();
+        let mut cache = Cache::with_node_grace(60_000);
         cache.at(1_000);
         let pools = vec![pool("p", "2026-01-01T00:00:00Z", cidr)];
         cache.listed(Resource::Pool, pools);

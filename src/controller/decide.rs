@@ -470,7 +470,7 @@ impl<'a> Pass<'a> {
             for (cidr, c) in ledger.coolings() {
                 if c.node_gone && !world.absent.contains_key(&c.node) {
                     back.push((*cidr, c.node.clone()));
-                } else if world.now_ms.saturating_sub(c.since_ms) >= delay
+                } else if world.now_ms >= frees_at(&world, c, delay)
                     && !(c.node_gone && untold(&c.node))
                 {
                     cooled.push(*cidr);
@@ -613,7 +613,7 @@ impl<'a> Pass<'a> {
             .plans
             .values()
             .filter_map(|p| Some((p.name, p.nnc, p.read?)))
-            .filter(|(name, _, s)| !s.serving.is_empty() && !world.absent.contains_key(*name))
+            .filter(|(name, _, s)| !s.serving.is_empty() && !self.gone(name))
             .collect();
         for (name, nnc, status) in serving {
             for cidr in &status.serving {
@@ -1026,6 +1026,7 @@ impl<'a> Pass<'a> {
             return;
         }
         let free_at = Promise {
+            world: &self.world,
             pools,
             ledgers: &self.ledgers,
             empty,
@@ -1337,6 +1338,7 @@ fn grant_order<'a>(
 /// What a refused node can be promised: the cooling blocks of its `empty`
 /// pools (indexes into `pools` and `ledgers`), to cover `need` addresses.
 struct Promise<'p> {
+    world: &'p World<'p>,
     pools: &'p [Pool],
     ledgers: &'p [Working<'p>],
     empty: &'p [usize],
@@ -1350,6 +1352,7 @@ impl Promise<'_> {
     /// comes free, or `None` when no cooling block is left for it.
     fn first_free_at(&self, ask: &Ask, promised: &mut BTreeSet<Cidr>) -> Option<i64> {
         let Promise {
+            world,
             pools,
             ledgers,
             empty,
@@ -1368,7 +1371,7 @@ impl Promise<'_> {
                 ledgers[i]
                     .coolings()
                     .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
-                    .map(|(c, cool)| (cool.since_ms.saturating_add(spec.reclaim_delay_ms), *c, i)),
+                    .map(|(c, cool)| (frees_at(world, cool, spec.reclaim_delay_ms), *c, i)),
             );
         }
         cooling.sort();
@@ -1395,6 +1398,19 @@ impl Promise<'_> {
     }
 }
 
+/// When `cooling` comes free: `delay` after it began, and not before its
+/// node's Node, if missing, is gone past the grace. A node whose Node is
+/// missing may still serve what it released or lost track of (a block
+/// whose object an etcd restore took away): until the grace ends, nothing
+/// of its comes free.
+fn frees_at(world: &World, cooling: &Cooling, delay: i64) -> i64 {
+    let freed = cooling.since_ms.saturating_add(delay);
+    match world.absent.get(&cooling.node) {
+        Some(since) => freed.max(since.saturating_add(world.node_grace_ms)),
+        None => freed,
+    }
+}
+
 /// The first time after `world.now_ms` at which a cooling block of
 /// `ledgers` comes free, a missing Node's grace ends or the time a refused
 /// node was told passes.
@@ -1403,7 +1419,7 @@ fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
         let delay = pool.reclaim_delay_ms();
         ledger
             .coolings()
-            .map(move |(_, c)| c.since_ms.saturating_add(delay))
+            .map(move |(_, c)| frees_at(world, c, delay))
     });
     let graced = world
         .absent

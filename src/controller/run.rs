@@ -387,7 +387,9 @@ impl<'c> Controller<'c> {
             client,
             metrics,
             leadership,
-            cache: Cache::default(),
+            cache: Cache::with_node_grace(
+                i64::try_from(config.node_grace.as_millis()).unwrap_or(i64::MAX),
+            ),
             retries: Retries::new(TIMING.max_backoff),
             origin: Instant::now(),
             wall_offset_ms,
@@ -507,7 +509,6 @@ impl<'c> Controller<'c> {
     }
 
     fn pass(&mut self, clock: Clock) {
-        let grace_ms = i64::try_from(self.config.node_grace.as_millis()).unwrap_or(i64::MAX);
         let started = Instant::now();
         if started >= self.resync_at {
             self.cache.decide_all();
@@ -518,7 +519,7 @@ impl<'c> Controller<'c> {
         }
         let pools = self.cache.pools_with_ledgers();
         let mut taken = self.cache.lend_taken();
-        let world = self.cache.world(&pools, clock, grace_ms, scope.as_ref());
+        let world = self.cache.world(&pools, clock, scope.as_ref());
         let mut decision = decide(&world, &mut taken);
         drop(pools);
         self.cache.give_back_taken(taken);
