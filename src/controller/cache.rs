@@ -136,22 +136,16 @@ impl Cache {
         if self.vanished_due.is_some_and(|due| now_ms < due) {
             return;
         }
-        let (cooled, waiting): (Vec<_>, Vec<_>) = self
-            .vanished
-            .iter()
-            .map(|name| (name, self.vanished_until(name)))
-            .partition(|(_, until)| *until <= now_ms);
-        self.vanished_due = Some(
-            waiting
-                .iter()
-                .map(|(_, until)| *until)
-                .min()
-                .unwrap_or(i64::MAX),
-        );
-        let cooled: Vec<String> = cooled.into_iter().map(|(name, _)| name.clone()).collect();
+        let cooled: Vec<String> = (self.vanished.iter())
+            .filter(|name| self.vanished_until(name) <= now_ms)
+            .cloned()
+            .collect();
         for name in cooled {
             self.forget(Resource::Block, &name);
         }
+        // After the forgetting: a Node no longer followed is not missing.
+        let until = self.vanished.iter().map(|name| self.vanished_until(name));
+        self.vanished_due = Some(until.min().unwrap_or(i64::MAX));
     }
 
     /// When vanished block `name`'s reclaim delay ends (monotonic ms), and
@@ -758,12 +752,15 @@ pub struct Clock {
     pub wall_ms: i64,
 }
 
-/// The Node a block follows: the one it is granted to, or the gone one it
-/// was taken from (back to it if it returns).
+/// The Node a block follows: the one it is granted to, the gone one it
+/// was taken from (back to it if it returns), or the one it cools for
+/// after its object vanished (kept without a version: that node may still
+/// serve it, and its grace counts).
 fn followed_node(block: &Block) -> Option<&str> {
     let (_, spec) = block.spec.as_ref()?;
     let follows = spec.state == BlockState::Granted
-        || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE);
+        || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE)
+        || block.resource_version.is_empty();
     follows.then_some(spec.node.as_str())
 }
 
@@ -1066,8 +1063,8 @@ mod tests {
         cache.remove(Resource::Block, first);
         cache.at(5_000);
         cache.remove(Resource::Block, second);
-        assert_eq!(cache.vanished_due, Some(11_000));
         cache.at(10_999);
+        assert_eq!(cache.vanished_due, Some(11_000));
         assert_eq!(cache.vanished.len(), 2);
         cache.at(11_000);
         assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [second]);
@@ -1079,6 +1076,38 @@ mod tests {
         cache.at(13_000);
         assert!(cache.vanished.is_empty() && !cache.blocks.contains_key(second));
         assert_eq!(cache.vanished_due, Some(i64::MAX));
+    }
+
+    /// A vanished block of a node whose Node is missing is kept until the
+    /// grace ends, longer than its delay; once the Node is back, its delay
+    /// alone counts.
+    #[test]
+    fn a_missing_nodes_vanished_block_is_kept_until_its_grace_ends() {
+        let object = json!({"metadata": {"name": "p", "resourceVersion": "1",
+                                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+                            "spec": {"network": "default", "reclaimDelay": "10s",
+                                     "ipv4": {"cidrs": ["198.18.0.0/27"], "blockPrefixLength": 28}},
+                            "status": {}});
+        let (missing, present) = ("v4-198-18-0-0-28", "v4-198-18-0-16-28");
+        let mut cache = Cache::with_node_grace(30_000);
+        cache.at(0);
+        cache.listed(Resource::Pool, vec![Item::parse(Resource::Pool, object)]);
+        cache.listed(Resource::Node, vec![Item::Node("n2".into())]);
+        let blocks = vec![
+            block_item("198.18.0.0/28", "n1", BlockState::Granted, "5", true),
+            block_item("198.18.0.16/28", "n2", BlockState::Granted, "6", true),
+        ];
+        cache.listed(Resource::Block, blocks);
+        cache.at(1_000);
+        cache.listed(Resource::Block, Vec::new());
+        assert_eq!(cache.vanished.len(), 2);
+        cache.at(11_000);
+        assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [missing]);
+        cache.at(19_000);
+        assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [missing]);
+        assert!(cache.put(Resource::Node, Item::Node("n1".into())));
+        cache.at(19_001);
+        assert!(cache.vanished.is_empty() && !cache.blocks.contains_key(present));
     }
 
     /// A block written by someone else (a stale controller's create, an
