@@ -252,8 +252,8 @@ impl Cache {
             .map(|(cidr, _)| *cidr)
             .collect();
         for cidr in &cidrs {
-            let serving = self.index.serving.get(cidr).into_iter().flatten();
-            self.dirty.extend(serving.cloned());
+            let serving = self.index.serving_overlapping(cidr);
+            self.dirty.extend(serving.into_iter().cloned());
             self.dirty_status_holders(cidr);
         }
     }
@@ -574,8 +574,8 @@ impl Cache {
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
-                let serving = self.index.serving.get(cidr).into_iter().flatten();
-                self.dirty.extend(serving.cloned());
+                let serving = self.index.serving_overlapping(cidr);
+                self.dirty.extend(serving.into_iter().cloned());
                 cidrs.insert(*cidr);
             }
         }

@@ -423,6 +423,10 @@ impl<'a> Pass<'a> {
             let mut nodes = nodes.into_iter().flatten();
             nodes.any(|n| !self.plans.contains_key(n.as_str()))
         };
+        let serving_outside = |cidr: &Cidr| {
+            let nodes = world.index.serving_overlapping(cidr);
+            nodes.iter().any(|n| !self.plans.contains_key(n.as_str()))
+        };
         let mut changed: BTreeSet<Cidr> = self
             .ledgers
             .iter()
@@ -436,7 +440,7 @@ impl<'a> Pass<'a> {
             changed.extend(before.symmetric_difference(&after));
         }
         changed.iter().any(|cidr| {
-            outside(world.index.serving.get(cidr))
+            serving_outside(cidr)
                 || taken
                     .overlapping(cidr)
                     .iter()

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::cidr::Cidr;
+use crate::cidr::{Cidr, from_u128, to_u128};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
 use crate::kube::objects::{Condition, Metadata, entries, lenient, lenient_field};
@@ -300,6 +300,24 @@ impl StatusIndex {
         }
     }
 
+    /// The nodes that say they serve a block overlapping `cidr`: one
+    /// inside it, or one holding it (a block of another size).
+    pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&String> {
+        let family = cidr.family();
+        let (lo, hi) = super::taken::span(cidr);
+        let inside = (self.serving.range(*cidr..))
+            .take_while(|(c, _)| c.family() == family && to_u128(c.base()) <= hi);
+        let mut found: BTreeSet<&String> = inside.flat_map(|(_, nodes)| nodes).collect();
+        for length in 0..cidr.prefix_len() {
+            let shift = u32::from(family.bits() - length);
+            let base = lo.checked_shr(shift).map_or(0, |b| b << shift);
+            let wider = Cidr::new(from_u128(family, base), length).ok();
+            let nodes = wider.and_then(|w| self.serving.get(&w));
+            found.extend(nodes.into_iter().flatten());
+        }
+        found
+    }
+
     /// Node `name`'s status is `status` no more.
     pub fn remove(&mut self, name: &str, status: &Status) {
         let entries = status.entries.iter().filter_map(|e| e.cidr);
@@ -344,6 +362,35 @@ mod tests {
     use super::*;
     use crate::kube::nnc::QUOTA_UNTIL;
     use serde_json::json;
+
+    /// The nodes serving a block overlapping one: inside it, holding it
+    /// or the same; neither a neighbour nor the other family.
+    #[test]
+    fn serving_overlapping_finds_blocks_inside_and_around() {
+        let serving = |cidrs: &[&str]| Status {
+            serving: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            ..Status::default()
+        };
+        let statuses = BTreeMap::from([
+            ("wider".to_string(), serving(&["198.18.0.0/26"])),
+            ("same".to_string(), serving(&["198.18.0.32/28"])),
+            ("inside".to_string(), serving(&["198.18.0.40/29"])),
+            (
+                "beside".to_string(),
+                serving(&["198.18.0.48/28", "198.18.0.16/28"]),
+            ),
+            ("v6".to_string(), serving(&["2001:db8::/120"])),
+        ]);
+        let index = StatusIndex::of(&statuses);
+        let found = |cidr: &str| -> Vec<&str> {
+            let found = index.serving_overlapping(&cidr.parse().unwrap());
+            found.into_iter().map(String::as_str).collect()
+        };
+        assert_eq!(found("198.18.0.32/28"), ["inside", "same", "wider"]);
+        assert_eq!(found("198.18.0.32/29"), ["same", "wider"]);
+        assert_eq!(found("198.18.1.0/24"), Vec::<&str>::new());
+        assert_eq!(found("2001:db8::10/124"), ["v6"]);
+    }
 
     #[test]
     fn a_status_keeps_what_it_read_in_text_and_compares_by_it() {
