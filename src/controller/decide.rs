@@ -1031,7 +1031,6 @@ impl<'a> Pass<'a> {
         }
         let free_at = Promise {
             world: &self.world,
-            pools,
             ledgers: &self.ledgers,
             empty,
             need: ask.pods.saturating_sub(capacity),
@@ -1340,10 +1339,10 @@ fn grant_order<'a>(
 }
 
 /// What a refused node can be promised: the cooling blocks of its `empty`
-/// pools (indexes into `pools` and `ledgers`), to cover `need` addresses.
+/// pools (indexes into the world's pools and `ledgers`), to cover `need`
+/// addresses.
 struct Promise<'p> {
     world: &'p World<'p>,
-    pools: &'p [Pool],
     ledgers: &'p [Working<'p>],
     empty: &'p [usize],
     need: u128,
@@ -1357,11 +1356,11 @@ impl Promise<'_> {
     fn first_free_at(&self, ask: &Ask, promised: &mut BTreeSet<Cidr>) -> Option<i64> {
         let Promise {
             world,
-            pools,
             ledgers,
             empty,
             need,
         } = *self;
+        let pools = world.pools;
         let family = ask.family;
         // Never granted to it while it lists the block releasable.
         let skip = |c: &Cidr| lists_releasable(ask.nnc, &c.to_string());
