@@ -174,6 +174,16 @@ impl Cidr {
         self.contains(other.base) || other.contains(self.base)
     }
 
+    /// The prefix of `prefix_len` that holds this one, when that is no
+    /// longer than its own.
+    pub fn widened(&self, prefix_len: u8) -> Option<Cidr> {
+        let family = self.family();
+        (prefix_len <= self.prefix_len).then(|| Cidr {
+            base: from_u128(family, to_u128(self.base) & mask(family, prefix_len)),
+            prefix_len,
+        })
+    }
+
     /// `self` strictly contains `inner`.
     pub fn strictly_contains(&self, inner: &Cidr) -> bool {
         self.prefix_len < inner.prefix_len && self.contains(inner.base)
@@ -423,6 +433,18 @@ fn mask(family: Family, prefix_len: u8) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widened_is_the_holding_prefix_of_a_length_no_longer() {
+        let cidr: Cidr = "198.18.0.40/29".parse().unwrap();
+        let widened = |len| cidr.widened(len).map(|c| c.to_string());
+        assert_eq!(widened(26).as_deref(), Some("198.18.0.0/26"));
+        assert_eq!(widened(29).as_deref(), Some("198.18.0.40/29"));
+        assert_eq!(widened(0).as_deref(), Some("0.0.0.0/0"));
+        assert_eq!(widened(30), None);
+        let v6: Cidr = "2001:db8::10/124".parse().unwrap();
+        assert_eq!(v6.widened(120).unwrap().to_string(), "2001:db8::/120");
+    }
     use crate::testutil::cidr;
 
     #[test]

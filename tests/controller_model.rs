@@ -1183,10 +1183,10 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.check();
 }
 
-/// A block a node released cools for the reclaim delay, but no longer
-/// than that goes to another node only once the node's Node, if missing,
-/// is gone past the grace: a machine whose Node is missing may still
-/// serve what it has.
+/// A block a node released cools for the reclaim delay, and if the
+/// node's Node is missing, goes to another node only once that Node is
+/// gone past the grace: a machine whose Node is missing may still serve
+/// what it has.
 #[test]
 fn a_missing_nodes_blocks_go_to_no_other_node_before_its_grace_ends() {
     let mut sim = Sim::new();

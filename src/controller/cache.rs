@@ -252,10 +252,16 @@ impl Cache {
             .map(|(cidr, _)| *cidr)
             .collect();
         for cidr in &cidrs {
-            let serving = self.index.serving_overlapping(cidr);
-            self.dirty.extend(serving.into_iter().cloned());
-            self.dirty_status_holders(cidr);
+            self.dirty_around(cidr);
         }
+    }
+
+    /// The nodes that say they serve a block overlapping `cidr`, and those
+    /// whose statuses hold one.
+    fn dirty_around(&mut self, cidr: &Cidr) {
+        let serving = self.index.serving_overlapping(cidr);
+        self.dirty.extend(serving.into_iter().cloned());
+        self.dirty_status_holders(cidr);
     }
 
     /// The nodes whose statuses hold a block overlapping `cidr`.
@@ -574,13 +580,11 @@ impl Cache {
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
                 self.dirty.insert(spec.node.clone());
-                let serving = self.index.serving_overlapping(cidr);
-                self.dirty.extend(serving.into_iter().cloned());
                 cidrs.insert(*cidr);
             }
         }
         for cidr in &cidrs {
-            self.dirty_status_holders(cidr);
+            self.dirty_around(cidr);
         }
     }
 

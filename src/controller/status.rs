@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::cidr::{Cidr, from_u128, to_u128};
+use crate::cidr::{Cidr, to_u128};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
 use crate::kube::objects::{Condition, Metadata, entries, lenient, lenient_field};
@@ -304,16 +304,13 @@ impl StatusIndex {
     /// inside it, or one holding it (a block of another size).
     pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&String> {
         let family = cidr.family();
-        let (lo, hi) = super::taken::span(cidr);
+        let (_, hi) = super::taken::span(cidr);
         let inside = (self.serving.range(*cidr..))
             .take_while(|(c, _)| c.family() == family && to_u128(c.base()) <= hi);
         let mut found: BTreeSet<&String> = inside.flat_map(|(_, nodes)| nodes).collect();
         for length in 0..cidr.prefix_len() {
-            let shift = u32::from(family.bits() - length);
-            let base = lo.checked_shr(shift).map_or(0, |b| b << shift);
-            let wider = Cidr::new(from_u128(family, base), length).ok();
-            let nodes = wider.and_then(|w| self.serving.get(&w));
-            found.extend(nodes.into_iter().flatten());
+            let wider = cidr.widened(length).and_then(|w| self.serving.get(&w));
+            found.extend(wider.into_iter().flatten());
         }
         found
     }

@@ -192,9 +192,10 @@ impl TakenIndex {
         let mut found: Vec<Cidr> = inside.map(|(_, (c, _))| *c).collect();
         let wider = self.lengths.range((v6, 0)..(v6, len)).map(|((_, l), _)| *l);
         for length in wider {
-            let bits = if v6 { 128 } else { 32 };
-            let shift = u32::from(bits - length);
-            let base = lo.checked_shr(shift).map_or(0, |b| b << shift);
+            let Some(holder) = cidr.widened(length) else {
+                continue;
+            };
+            let (_, base, _) = key(&holder);
             // One starting where `cidr` does is among those inside.
             if base < lo
                 && let Some((c, _)) = self.count.get(&(v6, base, length))
