@@ -239,13 +239,18 @@ impl Cache {
     /// Whether a missing Node's NodeNetworkConfig exists and says the Node
     /// is gone decides whether the blocks taken from it still count as
     /// taken: when that changes, the nodes holding or serving a block
-    /// overlapping one of them are decided again. A walk over every block,
-    /// on a rare change (a missing Node's object written or deleted).
-    fn dirty_around_blocks_of(&mut self, node: &str) {
+    /// overlapping one of them are decided again.
+    fn dirty_around_blocks_of_missing(&mut self, node: &str) {
         // Only a missing Node's blocks are kept for it by that.
-        if !self.absent.contains_key(node) {
-            return;
+        if self.absent.contains_key(node) {
+            self.dirty_around_blocks_of(node);
         }
+    }
+
+    /// The nodes holding or serving a block overlapping one of `node`'s:
+    /// a walk over every block, on a rare change (a missing Node's object
+    /// written or deleted, a Node gone missing or back).
+    fn dirty_around_blocks_of(&mut self, node: &str) {
         let cidrs: Vec<Cidr> = (self.blocks.values())
             .filter_map(|b| b.spec.as_ref())
             .filter(|(_, spec)| spec.node == node)
@@ -344,7 +349,7 @@ impl Cache {
                 let told = status.gone_told;
                 let old = self.statuses.insert(name.clone(), status);
                 if old.as_ref().is_none_or(|o| o.gone_told != told) {
-                    self.dirty_around_blocks_of(&name);
+                    self.dirty_around_blocks_of_missing(&name);
                 }
                 self.reindex_status(old.as_ref(), &name);
                 self.left_status(old, Some(&name));
@@ -439,7 +444,7 @@ impl Cache {
                 let old = self.statuses.remove(name);
                 self.reindex_status(old.as_ref(), name);
                 self.left_status(old, None);
-                self.dirty_around_blocks_of(name);
+                self.dirty_around_blocks_of_missing(name);
             }
             Resource::Node => {
                 self.nodes.remove(name);
@@ -652,9 +657,12 @@ impl Cache {
         } else {
             self.absent.remove(name);
         }
-        // A vanished block of this node may be kept longer or shorter now.
+        // Its blocks cool until its grace ends while it is missing: a
+        // vanished one may be kept longer or shorter now, and what
+        // overlapping blocks' holders are told of them changes.
         if was != self.absent.contains_key(name) {
             self.vanished_due = None;
+            self.dirty_around_blocks_of(name);
         }
     }
 
@@ -1224,6 +1232,30 @@ mod tests {
         let scope = cache.take_scope(BTreeSet::new());
         assert_eq!(scope, Some(["gone", "n1"].map(String::from).into()));
         assert!(cache.forget(Resource::Nnc, "gone"));
+        assert_eq!(cache.take_scope(BTreeSet::new()), scope);
+    }
+
+    /// A node's released blocks cool until its grace ends while its Node
+    /// is missing: the Node going or coming back decides the nodes holding
+    /// a block overlapping one of them (what they are told changes).
+    #[test]
+    fn a_node_gone_missing_or_back_decides_the_holders_of_its_blocks() {
+        let mut cache = with_pool("198.18.0.0/26");
+        let released = block_item("198.18.0.0/28", "n1", BlockState::Cooling, "9", true);
+        cache.listed(Resource::Block, vec![released]);
+        let nodes = ["n1", "n2", "n3"].map(|n| Item::Node(n.into()));
+        cache.listed(Resource::Node, nodes.to_vec());
+        let statuses = vec![
+            nnc_holding("n1", "1", &[], None),
+            nnc_holding("n2", "2", &["198.18.0.0/29"], None),
+            nnc_holding("n3", "3", &["198.18.0.32/28"], None),
+        ];
+        cache.listed(Resource::Nnc, statuses);
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        let scope = Some(["n1", "n2"].map(String::from).into());
+        assert!(cache.forget(Resource::Node, "n1"));
+        assert_eq!(cache.take_scope(BTreeSet::new()), scope);
+        assert!(cache.put(Resource::Node, Item::Node("n1".into())));
         assert_eq!(cache.take_scope(BTreeSet::new()), scope);
     }
 
