@@ -188,15 +188,22 @@ impl Node<'_> {
             .collect()
     }
 
+    /// The blocks the daemon released and remembers releasing.
+    fn release_memory(&self) -> BTreeSet<String> {
+        self.cidrs("SELECT cidr FROM metis_released")
+    }
+
     /// Blocks the daemon remembers releasing, and those it is releasing.
     fn released(&self) -> BTreeSet<String> {
+        self.cidrs(
+            "SELECT cidr FROM metis_released UNION SELECT cidr FROM cidr_blocks \
+             WHERE state = 'Deleting'",
+        )
+    }
+
+    fn cidrs(&self, sql: &str) -> BTreeSet<String> {
         let conn = db(&self.dir.join("metis.sqlite"));
-        let mut stmt = conn
-            .prepare(
-                "SELECT cidr FROM metis_released UNION SELECT cidr FROM cidr_blocks \
-                 WHERE state = 'Deleting'",
-            )
-            .unwrap();
+        let mut stmt = conn.prepare(sql).unwrap();
         stmt.query_map([], |r| r.get(0))
             .unwrap()
             .map(Result::unwrap)
@@ -421,7 +428,15 @@ fn control_step(
             };
             // A restore brings back what the backup listed, except blocks
             // released since (the cloud holds them no more): the cluster's
-            // status controller drops those at once.
+            // status controller drops those at once. Until the daemon
+            // reaches that drop it may serve what the restored version
+            // grants, but never a block whose release it remembers.
+            let remembered = node.release_memory();
+            model.transient.extend(
+                (status.iter())
+                    .filter(|e| !remembered.contains(&e.cidr))
+                    .cloned(),
+            );
             model.status = status
                 .into_iter()
                 .filter(|e| !model.released_ever.contains(&e.cidr))
@@ -565,9 +580,15 @@ fn pods_step(model: &mut Model, node: &Node) {
         if let Some(address) = node.add(&container) {
             assert!(
                 model.allowed(&address),
-                "ADD {container} got {address}, outside what is granted now: {:?}; never again: {:?}",
+                "ADD {container} got {address}, outside what is granted now: {:?}; never again: {:?}; \
+                 transient: {:?}\nlog:\n{}",
                 model.status,
-                model.never_again
+                model.never_again,
+                model.transient,
+                node.daemon
+                    .as_ref()
+                    .map(TestDaemon::log)
+                    .unwrap_or_default()
             );
             model.pods.insert(container, address);
         }

@@ -486,6 +486,12 @@ fn release_expired(
             continue;
         }
         if let Some(entry) = status_entry(nnc, network, &cidr) {
+            // Given back as NonReusable now (a restored or edited status
+            // says so): the cluster retires it, so this node never takes
+            // it again either, whatever a later copy says.
+            if release.reusable && !entry.reusable {
+                store.record_release(network, &release.cidr, false, release.released_at)?;
+            }
             releasable.push(entry.raw.clone());
         }
     }
@@ -803,6 +809,54 @@ mod tests {
                 .unwrap()
                 .len(),
             1
+        );
+    }
+
+    /// A reusable release that the status lists again as NonReusable (a
+    /// restored or edited status) is given back as NonReusable: from then
+    /// on this node never takes it again, whatever a later copy says.
+    #[test]
+    fn a_release_given_back_as_nonreusable_is_never_taken_again() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let own = "198.18.0.0/28".parse().unwrap();
+        store.add_cidr_block("default", &own).unwrap();
+        let block = "198.18.1.0/28";
+        let now = crate::log::now_ms();
+        store
+            .record_release("default", &block.parse().unwrap(), true, now)
+            .unwrap();
+        let with = |version: &str, kind: &str| {
+            Nnc::parse(&json!({
+                "metadata": {"resourceVersion": version},
+                "spec": {"allocations": [{"network": "default", "pods": 0}]},
+                "status": {"podCIDRs": [{"id": "b", "network": "default", "cidr": block, "type": kind,
+                    "condition": {"type": "Ready", "status": "True"}}]},
+            }))
+        };
+        let listed = with("7", "NonReusable");
+        let outcome = pass(&mut store, &listed, &|_| 0, CONFIG, now).unwrap();
+        let releasable = outcome.patch.unwrap().releasable;
+        assert_eq!(releasable.len(), 1);
+        assert_eq!(releasable[0].cidr(), Some(block));
+        assert!(!store.released().unwrap()[0].reusable);
+        // The status drops it, then lists it again as reusable: withheld.
+        let mut returns = Returns::default();
+        let gone = nnc("8", Some(0), &[], &[]);
+        sync_blocks(&mut store, Some(&gone), 1, &mut returns, now).unwrap();
+        let back = with("9", "");
+        let synced = sync_blocks(&mut store, Some(&back), 1, &mut returns, now).unwrap();
+        let ready = store
+            .ready_blocks_newest_first("default", Family::V4)
+            .unwrap();
+        assert!(ready.iter().all(|b| b.cidr != block), "{ready:?}");
+        assert!(
+            synced
+                .notices
+                .iter()
+                .any(|n| n.text.contains("never taken again")),
+            "{:?}",
+            synced.notices
         );
     }
 

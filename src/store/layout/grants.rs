@@ -132,7 +132,8 @@ impl Store {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// Records that this node released a block.
+    /// Records that this node released a block. A NonReusable release
+    /// stays so: it is never recorded reusable again.
     pub fn record_release(
         &mut self,
         network: &str,
@@ -144,7 +145,7 @@ impl Store {
         tx.prepare_cached(
             "INSERT INTO metis_released (network, cidr, reusable, released_at) \
              VALUES (?1, ?2, ?3, ?4) ON CONFLICT (network, cidr) DO UPDATE SET \
-             reusable = excluded.reusable, released_at = excluded.released_at",
+             reusable = MIN(reusable, excluded.reusable), released_at = excluded.released_at",
         )?
         .execute(params![network, cidr.to_string(), reusable, now_ms])?;
         tx.commit()?;
@@ -518,9 +519,13 @@ mod tests {
         store
             .record_release("default", &cidr("198.19.0.16/28"), true, 6)
             .unwrap();
+        // A NonReusable release stays so.
+        store
+            .record_release("default", &cidr("198.19.0.0/28"), true, 7)
+            .unwrap();
         let released = store.released().unwrap();
         assert_eq!(released.len(), 2);
-        assert!(!released[0].reusable && released[1].reusable);
+        assert!(!released[1].reusable && released[0].reusable);
         // Only a reusable release is ever forgotten.
         store
             .forget_release("default", &cidr("198.19.0.0/28"))
