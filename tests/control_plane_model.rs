@@ -349,7 +349,15 @@ fn run(seed: u64, steps: usize) {
         let cost = api.state().log.len() - requests_before;
         assert!(
             cost <= STEP_BUDGET,
-            "step {step} ({what}) cost {cost} requests"
+            "step {step} ({what}) cost {cost} requests: {:#?}\nlog:\n{}",
+            api.state().log[requests_before..]
+                .iter()
+                .map(|l| format!("{} {}?{} {}", l.method, l.path, l.query, l.status))
+                .collect::<Vec<_>>(),
+            node.daemon
+                .as_ref()
+                .map(TestDaemon::log)
+                .unwrap_or_default()
         );
         dearest = dearest.max(cost);
     }

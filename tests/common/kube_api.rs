@@ -660,6 +660,10 @@ impl State {
             .partition_point(|c| c.version <= backup.version);
         self.changes.truncate(kept);
         self.events.truncate(kept);
+        // A compaction since the backup dropped history below a version
+        // the store now goes back under: only the restored version itself
+        // can still be watched from (as from a snapshot's revision).
+        self.compacted_below = self.compacted_below.min(backup.version);
         self.version = backup.version;
         self.owned = (backup.objects.iter())
             .filter(|(_, object)| object["metadata"]["ownerReferences"].is_array())
