@@ -251,6 +251,10 @@ impl Cache {
     /// a walk over every block, on a rare change (a missing Node's object
     /// written or deleted, a Node gone missing or back).
     fn dirty_around_blocks_of(&mut self, node: &str) {
+        // A pass over every node comes anyway (after a list, say).
+        if self.whole {
+            return;
+        }
         let cidrs: Vec<Cidr> = (self.blocks.values())
             .filter_map(|b| b.spec.as_ref())
             .filter(|(_, spec)| spec.node == node)
