@@ -1183,6 +1183,57 @@ fn a_gone_node_is_reclaimed_after_the_grace_and_comes_back_new() {
     sim.check();
 }
 
+/// Two granted blocks of different sizes, one inside the other (a stale
+/// controller's create across a block-size change, kept because the node
+/// says it serves both), taken from the node when its Node is gone past
+/// the grace: when the Node returns, at most one goes back into its
+/// status; the other cools out.
+#[test]
+fn overlapping_blocks_given_back_to_a_returning_node_enter_its_status_one_at_most() {
+    let mut sim = Sim::new();
+    two_pools(&mut sim);
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    assert!(cidrs_of(&sim.nncs["a"]).contains(&"198.18.0.0/28".to_string()));
+    let inner: Cidr = "198.18.0.0/29".parse().unwrap();
+    let spec = metis::controller::block::BlockSpec {
+        pool: "v4".into(),
+        network: "default".into(),
+        cidr: inner.to_string(),
+        node: "a".into(),
+        state: BlockState::Granted,
+        reason: metis::controller::block::GRANTED.into(),
+    };
+    let create = decide::BlockWrite {
+        name: metis::controller::block::block_name(&inner),
+        cidr: inner,
+        op: BlockOp::Create(spec),
+    };
+    assert_eq!(sim.write_block(&create), Some(true));
+    sim.edit_nnc("a", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: "198.18.0.0/28,198.18.0.0/29"});
+    });
+    sim.settle();
+    assert_eq!(sim.blocks_in(BlockState::Granted).len(), 3);
+    sim.delete_node("a", true);
+    sim.advance(GRACE_MS);
+    sim.settle();
+    assert_eq!(sim.blocks_in(BlockState::Cooling).len(), 3);
+    sim.add_node("a");
+    sim.settle();
+    let held: Vec<Cidr> = cidrs_of(&sim.nncs["a"])
+        .iter()
+        .map(|c| c.parse().unwrap())
+        .collect();
+    let v4: Vec<&Cidr> = held
+        .iter()
+        .filter(|c| c.family() == metis::cidr::Family::V4)
+        .collect();
+    assert_eq!(v4.len(), 1, "{held:?}");
+    sim.check();
+}
+
 /// A block a node released cools for the reclaim delay, and if the
 /// node's Node is missing, goes to another node only once that Node is
 /// gone past the grace: a machine whose Node is missing may still serve

@@ -712,6 +712,10 @@ impl<'a> Pass<'a> {
     /// the node is told of the conflict).
     fn finish_claims(&mut self, taken: &TakenIndex) {
         let world = self.world;
+        // Claims put into a status by this pass: two blocks of different
+        // sizes (a stale create across a size change, both given back to
+        // a returning Node) never enter together either.
+        let mut entered: Vec<Cidr> = Vec::new();
         for i in 0..self.ledgers.len() {
             let missing: Vec<(Cidr, String)> = self
                 .claims_decided(i)
@@ -727,7 +731,8 @@ impl<'a> Pass<'a> {
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
                 let overlap = match listed || gone {
                     true => None,
-                    false => overlap_in_a_status(&cidr, world.index, taken),
+                    false => overlap_in_a_status(&cidr, world.index, taken)
+                        .or_else(|| entered.iter().find(|e| e.overlaps(&cidr)).copied()),
                 };
                 if let Some(other) = overlap
                     && world
@@ -761,6 +766,7 @@ impl<'a> Pass<'a> {
                     let entry = granted_entry(&pool.name, network, &cidr, world.wall_ms);
                     plan.entries.push(Cow::Owned(entry));
                     plan.blocks.insert(cidr);
+                    entered.push(cidr);
                 }
             }
         }
