@@ -715,7 +715,7 @@ impl<'a> Pass<'a> {
         // Claims put into a status by this pass: two blocks of different
         // sizes (a stale create across a size change, both given back to
         // a returning Node) never enter together either.
-        let mut entered: Vec<Cidr> = Vec::new();
+        let mut entered = TakenIndex::default();
         for i in 0..self.ledgers.len() {
             let missing: Vec<(Cidr, String)> = self
                 .claims_decided(i)
@@ -732,7 +732,7 @@ impl<'a> Pass<'a> {
                 let overlap = match listed || gone {
                     true => None,
                     false => overlap_in_a_status(&cidr, world.index, taken)
-                        .or_else(|| entered.iter().find(|e| e.overlaps(&cidr)).copied()),
+                        .or_else(|| entered.overlapping(&cidr).first().copied()),
                 };
                 if let Some(other) = overlap
                     && world
@@ -766,7 +766,7 @@ impl<'a> Pass<'a> {
                     let entry = granted_entry(&pool.name, network, &cidr, world.wall_ms);
                     plan.entries.push(Cow::Owned(entry));
                     plan.blocks.insert(cidr);
-                    entered.push(cidr);
+                    entered.add(cidr);
                 }
             }
         }
