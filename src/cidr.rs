@@ -433,6 +433,7 @@ fn mask(family: Family, prefix_len: u8) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::cidr;
 
     #[test]
     fn widened_is_the_holding_prefix_of_a_length_no_longer() {
@@ -445,7 +446,6 @@ mod tests {
         let v6: Cidr = "2001:db8::10/124".parse().unwrap();
         assert_eq!(v6.widened(120).unwrap().to_string(), "2001:db8::/120");
     }
-    use crate::testutil::cidr;
 
     #[test]
     fn address_text_is_what_display_writes() {
