@@ -39,6 +39,8 @@ pub struct Cluster {
     /// When taken-back blocks were last swept (wall-clock ms): a cooldown
     /// that ended before it was already looked at.
     swept_at_ms: i64,
+    /// The object's uids as the store records them (`None`: not read yet).
+    uids_recorded: Option<Vec<String>>,
 }
 
 impl Cluster {
@@ -52,7 +54,43 @@ impl Cluster {
             notices: BTreeSet::new(),
             taken_back: Vec::new(),
             swept_at_ms: 0,
+            uids_recorded: None,
         }
+    }
+
+    /// A copy from the stream, judged as [`Follower::stream`] does, with
+    /// the uids this node's earlier processes followed: their record is
+    /// read once and kept up to date, so that an earlier object coming back
+    /// after a restart is still known for one.
+    fn follow_stream(&mut self, store: &mut Store, epoch: u64, meta: &Meta) -> Verdict {
+        let kind = self.source.name();
+        if self.uids_recorded.is_none() {
+            let recorded = store.followed_uids(kind).unwrap_or_else(|err| {
+                log::error(
+                    "daemon",
+                    "reading the followed uids failed",
+                    &[("error", &err)],
+                );
+                Vec::new()
+            });
+            self.follower.resume(recorded.clone());
+            self.uids_recorded = Some(recorded);
+        }
+        let verdict = self.follower.stream(epoch, meta);
+        let uids = self.follower.uids();
+        if self.uids_recorded.as_ref() != Some(&uids) {
+            match store.set_followed_uids(kind, &uids) {
+                Ok(()) => self.uids_recorded = Some(uids),
+                Err(err) => {
+                    log::error(
+                        "daemon",
+                        "recording the followed uids failed",
+                        &[("error", &err)],
+                    );
+                }
+            }
+        }
+        verdict
     }
 
     /// The NodeNetworkConfig as last applied.
@@ -73,7 +111,7 @@ impl Cluster {
         nnc: Nnc,
         epoch: u64,
     ) -> Applied {
-        let verdict = self.follower.stream(epoch, &nnc.meta);
+        let verdict = self.follow_stream(store, epoch, &nnc.meta);
         if verdict == Verdict::Ignore {
             log::debug(
                 "daemon",
@@ -114,12 +152,12 @@ impl Cluster {
         node: Node,
         epoch: u64,
     ) -> Applied {
-        let verdict = self.follower.stream(epoch, &node.meta);
+        let verdict = self.follow_stream(store, epoch, &node.meta);
         self.log_recreated(verdict, &node.meta);
         let network = self.node_network.clone();
         let synced = monitor::sync_node(store, &network, Some(&node), log::now_ms());
         let mut applied = self.finish(store, metrics, synced);
-        applied.new_object = verdict == Verdict::Recreated;
+        applied.new_object = matches!(verdict, Verdict::Recreated | Verdict::WentBack);
         applied
     }
 
@@ -202,6 +240,9 @@ impl Cluster {
         }
         self.log_recreated(verdict, &nnc.meta);
         let epoch = self.follower.epoch();
+        if verdict == Verdict::WentBack {
+            self.returns.went_back(epoch);
+        }
         if verdict == Verdict::Recreated
             && let Err(err) = monitor::start_over(store, &mut self.returns, epoch)
         {
@@ -215,18 +256,27 @@ impl Cluster {
             monitor::sync_blocks(store, Some(&nnc), epoch, &mut self.returns, log::now_ms());
         self.latest = Some(nnc);
         let mut applied = self.finish(store, metrics, synced);
-        applied.new_object = verdict == Verdict::Recreated;
+        applied.new_object = matches!(verdict, Verdict::Recreated | Verdict::WentBack);
         applied
     }
 
     fn log_recreated(&self, verdict: Verdict, meta: &Meta) {
-        if verdict == Verdict::Recreated {
-            log::warn(
-                "daemon",
-                "this node's object was created anew (another uid): starting over from what it grants",
-                &[("kind", &self.source.name()), ("uid", &meta.uid)],
-            );
-        }
+        let message = match verdict {
+            Verdict::Recreated => {
+                "this node's object was created anew (another uid): starting over from what it grants"
+            }
+            Verdict::WentBack => {
+                "this node's object went back to an earlier one (a uid it saw replaced): the \
+                 cluster's state was restored; what it lists is old, and blocks this node \
+                 released stay released"
+            }
+            Verdict::Apply | Verdict::Ignore => return,
+        };
+        log::warn(
+            "daemon",
+            message,
+            &[("kind", &self.source.name()), ("uid", &meta.uid)],
+        );
     }
 
     /// Reports a sync: metrics, each new notice once, and the taken-back
@@ -283,5 +333,71 @@ impl Cluster {
                 &[("error", &err)],
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cidr::Family;
+    use crate::testutil::TempDir;
+    use serde_json::json;
+
+    const BLOCK: &str = "198.19.0.0/28";
+
+    fn copy(uid: &str, version: &str, listed: &[&str]) -> Nnc {
+        let ready = json!({"type": "Ready", "status": "True"});
+        let entries: Vec<_> = (listed.iter())
+            .map(|c| json!({"network": "default", "cidr": c, "condition": ready}))
+            .collect();
+        Nnc::parse(&json!({
+            "metadata": {"name": "n1", "uid": uid, "resourceVersion": version},
+            "spec": {"allocations": [{"network": "default", "pods": 0}]},
+            "status": {"podCIDRs": entries},
+        }))
+    }
+
+    fn held(store: &Store) -> bool {
+        let ready = store.ready_blocks_newest_first("default", Family::V4);
+        ready.unwrap().iter().any(|b| b.cidr == BLOCK)
+    }
+
+    /// A block this node released, its object re-created since, then etcd
+    /// restored to the earlier object, which still lists the block: that
+    /// uid is known as an earlier one (by a later process of the daemon
+    /// too), so the block stays released. A new object listing it is a
+    /// grant, and takes it again.
+    #[test]
+    fn an_earlier_object_back_grants_nothing_this_node_released() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        let metrics = Metrics::default();
+        let mut cluster = Cluster::new(Kind::Nnc, "default");
+        cluster.on_nnc(&mut store, &metrics, copy("uid-a", "1", &[BLOCK]), 1);
+        assert!(held(&store));
+        let now = log::now_ms();
+        let cidr = BLOCK.parse().unwrap();
+        store.record_release("default", &cidr, true, now).unwrap();
+        cluster.on_nnc(&mut store, &metrics, copy("uid-a", "2", &[]), 1);
+        assert!(!held(&store));
+        let applied = cluster.on_nnc(&mut store, &metrics, copy("uid-b", "3", &[]), 1);
+        assert!(applied.new_object);
+        // A later process of the daemon; then the restore, and its relist.
+        let mut cluster = Cluster::new(Kind::Nnc, "default");
+        cluster.on_nnc(&mut store, &metrics, copy("uid-b", "3", &[]), 1);
+        let applied = cluster.on_nnc(&mut store, &metrics, copy("uid-a", "1", &[BLOCK]), 2);
+        assert!(applied.new_object);
+        assert!(
+            !held(&store),
+            "a released block taken from a restored object"
+        );
+        assert_eq!(store.released().unwrap().len(), 1);
+        // The current object back, then a new one that lists the block.
+        cluster.on_nnc(&mut store, &metrics, copy("uid-b", "4", &[]), 2);
+        assert!(!held(&store));
+        cluster.on_nnc(&mut store, &metrics, copy("uid-c", "5", &[BLOCK]), 2);
+        assert!(held(&store), "a new object's grant refused");
+        let uids = store.followed_uids(Kind::Nnc.name()).unwrap();
+        assert_eq!(uids, ["uid-a", "uid-b", "uid-c"]);
     }
 }

@@ -88,6 +88,13 @@ impl Returns {
             .collect();
     }
 
+    /// The object went back to an earlier one (an etcd restore): what it
+    /// lists of this node's releases is old, not granted again.
+    pub fn went_back(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.left.clear();
+    }
+
     /// Takes note of a copy of stream `epoch` (`None`: the object is gone)
     /// before [`decide`] reads it.
     pub fn observe(&mut self, epoch: u64, nnc: Option<&Nnc>, released: &[ReleasedBlock]) {

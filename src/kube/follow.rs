@@ -125,6 +125,10 @@ pub enum Verdict {
     /// The truth now, of an object created anew (another `uid`): start
     /// over from it, as after a delete.
     Recreated,
+    /// The truth now, of an object this node saw replaced before (an
+    /// earlier `uid` back): the cluster's state went back (an etcd
+    /// restore). What it lists is old, not granted anew.
+    WentBack,
     /// Not news (the stream is already past it): ignore it.
     Ignore,
 }
@@ -138,7 +142,13 @@ pub struct Follower {
     fresh: Freshness,
     /// The version (and its epoch) the patch in flight was computed from.
     sent: Option<(String, u64)>,
+    /// Uids of this name seen replaced by another, oldest first.
+    superseded: VecDeque<String>,
 }
+
+/// Replaced uids remembered: an object is re-created a few times in a
+/// node's life, and a restore goes back to a recent one.
+const SUPERSEDED_UIDS: usize = 16;
 
 impl Follower {
     /// A copy from the stream (list or watch; the watch thread already
@@ -197,10 +207,37 @@ impl Follower {
         self.version.as_deref()
     }
 
+    /// Picks up where an earlier process left off: `uids` as
+    /// [`Follower::uids`] gave them.
+    pub fn resume(&mut self, mut uids: Vec<String>) {
+        self.uid = uids.pop();
+        let first = uids.len().saturating_sub(SUPERSEDED_UIDS);
+        self.superseded = uids.split_off(first).into();
+    }
+
+    /// The uids followed: those replaced, oldest first, then the current.
+    pub fn uids(&self) -> Vec<String> {
+        self.superseded.iter().chain(&self.uid).cloned().collect()
+    }
+
     fn adopt_uid(&mut self, uid: &str) -> Verdict {
-        match self.uid.replace(uid.to_string()) {
-            Some(previous) if previous != uid => Verdict::Recreated,
-            _ => Verdict::Apply,
+        let went_back = self.superseded.iter().any(|u| u == uid);
+        self.superseded.retain(|u| u != uid);
+        let changed = match self.uid.replace(uid.to_string()) {
+            Some(previous) if previous == uid => return Verdict::Apply,
+            Some(previous) => {
+                if self.superseded.len() == SUPERSEDED_UIDS {
+                    self.superseded.pop_front();
+                }
+                self.superseded.push_back(previous);
+                true
+            }
+            None => false,
+        };
+        match (went_back, changed) {
+            (true, _) => Verdict::WentBack,
+            (false, true) => Verdict::Recreated,
+            (false, false) => Verdict::Apply,
         }
     }
 }
@@ -266,6 +303,39 @@ mod tests {
             Verdict::Recreated
         );
         assert_eq!(follower.stream(2, &meta("n", "u2", "4")), Verdict::Apply);
+    }
+
+    /// An earlier uid back is the state going back, not a new object; a
+    /// later process resumed from the recorded uids knows them too, and
+    /// at most [`SUPERSEDED_UIDS`] are kept.
+    #[test]
+    fn an_earlier_uid_back_is_the_state_going_back() {
+        let mut follower = Follower::default();
+        assert_eq!(follower.stream(1, &meta("n", "u1", "1")), Verdict::Apply);
+        assert_eq!(
+            follower.stream(1, &meta("n", "u2", "2")),
+            Verdict::Recreated
+        );
+        assert_eq!(follower.stream(2, &meta("n", "u1", "1")), Verdict::WentBack);
+        assert_eq!(follower.stream(3, &meta("n", "u2", "3")), Verdict::WentBack);
+        assert_eq!(
+            follower.stream(3, &meta("n", "u3", "4")),
+            Verdict::Recreated
+        );
+        assert_eq!(follower.uids(), ["u1", "u2", "u3"]);
+        let mut later = Follower::default();
+        later.resume(follower.uids());
+        assert_eq!(later.stream(1, &meta("n", "u3", "4")), Verdict::Apply);
+        assert_eq!(later.stream(2, &meta("n", "u1", "1")), Verdict::WentBack);
+        assert_eq!(later.uids(), ["u2", "u3", "u1"]);
+        for n in 0..2 * SUPERSEDED_UIDS {
+            later.stream(3, &meta("n", &format!("x{n}"), "9"));
+        }
+        assert_eq!(later.uids().len(), SUPERSEDED_UIDS + 1);
+        let mut resumed = Follower::default();
+        resumed.resume((0..40).map(|n| format!("y{n}")).collect());
+        assert_eq!(resumed.uids().len(), SUPERSEDED_UIDS + 1);
+        assert_eq!(resumed.uids().last().map(String::as_str), Some("y39"));
     }
 
     #[test]

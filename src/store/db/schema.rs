@@ -180,6 +180,12 @@ pub const KEY_LAYOUT: &str = "reserve_layout";
 /// milliseconds, read by the plugin in direct mode.
 pub const KEY_RELEASE_COOLDOWN: &str = "release_cooldown_ms";
 
+/// `metis_settings` key prefix (the source's kind follows) holding the
+/// uids of this node's object the daemon followed, space-separated, the
+/// current one last: an earlier uid coming back is the cluster's state
+/// going back (an etcd restore), not a new object.
+pub const KEY_FOLLOWED_UIDS: &str = "followed_uids_";
+
 /// `metis_settings` key holding the fingerprint of the file as the daemon
 /// left it at its last clean stop (absent while a daemon runs).
 pub const KEY_CLEAN_STOP: &str = "clean_stop";
