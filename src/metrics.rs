@@ -352,6 +352,13 @@ const CONTROLLER_CONFLICTS: Metric = Metric::new(
     &[],
     "Writes refused with 409 (re-read and decided again), and overlaps nobody granted.",
 );
+const CONTROLLER_VANISHED: Metric = Metric::new(
+    "metis_controller_vanished_blocks_total",
+    Type::Counter,
+    &[],
+    "MetisBlocks that vanished while their finalizer held them (the cluster's state went back, \
+     as after an etcd restore): each cools for its node.",
+);
 const CONTROLLER_API_REQUESTS: Metric = Metric::new(
     "metis_controller_api_requests_total",
     Type::Counter,
@@ -379,12 +386,13 @@ const CONTROLLER_PASS_SECONDS: Metric = Metric::new(
 );
 
 /// The controller's metrics (`metis controller --metrics-address`).
-pub const CONTROLLER_METRICS: [&Metric; 9] = [
+pub const CONTROLLER_METRICS: [&Metric; 10] = [
     &BUILD_INFO,
     &CONTROLLER_LEADER,
     &CONTROLLER_POOL_BLOCKS,
     &CONTROLLER_EXHAUSTED,
     &CONTROLLER_CONFLICTS,
+    &CONTROLLER_VANISHED,
     &CONTROLLER_API_REQUESTS,
     &CONTROLLER_WRITE_FAILURES,
     &CONTROLLER_PASSES,
@@ -398,6 +406,7 @@ struct ControllerCounters {
     pool_blocks: BTreeMap<(String, &'static str), (u64, u64, u64)>,
     exhausted: u64,
     conflicts: u64,
+    vanished: u64,
     api_requests: BTreeMap<(&'static str, &'static str), u64>,
     write_failures: BTreeMap<(&'static str, u16), u64>,
     passes: u64,
@@ -431,6 +440,10 @@ impl ControllerMetrics {
 
     pub fn conflict(&self) {
         self.with(|c| c.conflicts += 1);
+    }
+
+    pub fn vanished(&self) {
+        self.with(|c| c.vanished += 1);
     }
 
     pub fn api_request(&self, verb: &'static str, resource: &'static str) {
@@ -470,6 +483,7 @@ impl ControllerMetrics {
             for (metric, value) in [
                 (&CONTROLLER_EXHAUSTED, c.exhausted),
                 (&CONTROLLER_CONFLICTS, c.conflicts),
+                (&CONTROLLER_VANISHED, c.vanished),
                 (&CONTROLLER_PASSES, c.passes),
             ] {
                 metric.header(&mut out);
@@ -845,6 +859,7 @@ mod tests {
         metrics.api_request("put", "nodenetworkconfigs");
         metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
         metrics.exhausted();
+        metrics.vanished();
         metrics.write_failure("nodenetworkconfigs", 422);
         metrics.pass(Duration::from_millis(1500));
         metrics.pass(Duration::from_millis(250));
@@ -857,6 +872,7 @@ mod tests {
             "metis_controller_pool_blocks{pool=\"p\",family=\"ipv4\",state=\"cooling\"} 1\n",
             "metis_controller_exhausted_total 1\n",
             "metis_controller_conflicts_total 0\n",
+            "metis_controller_vanished_blocks_total 1\n",
             "metis_controller_api_requests_total{verb=\"put\",resource=\"nodenetworkconfigs\"} 1\n",
             "metis_controller_write_failures_total{resource=\"nodenetworkconfigs\",code=\"422\"} 1\n",
             "metis_controller_passes_total 2\n",

@@ -231,6 +231,12 @@ impl Sim {
         });
     }
 
+    /// Sends `signal` to the controller named `identity`.
+    fn signal_controller(&self, identity: &str, signal: nix::sys::signal::Signal) {
+        let controller = self.controllers.iter().find(|c| c.identity == identity);
+        controller.unwrap().signal(signal);
+    }
+
     /// The identity holding the Lease, if any.
     fn leader(&self) -> Option<String> {
         let state = self.api.state();
@@ -1428,7 +1434,63 @@ fn blocks_follow_their_node_through_recreation_failing_writes_and_a_skewed_leade
         held.filter(|held| served.iter().all(|b| held.contains(b)))
     });
     assert!(back.is_some(), "{served:?} not back: {}", sim.describe(4));
+    // Said loudly: each vanished block named, with its node.
+    let node = sim.nodes[4].name.clone();
+    let told = sim.controllers[0]
+        .log()
+        .lines()
+        .filter(|l| l.contains(VANISHED) && l.contains(&node))
+        .count();
+    assert!(
+        told >= served.len(),
+        "{told} vanished blocks told for {served:?}: {}",
+        sim.controller_logs()
+    );
     sim.check("etcd restored from before a block a stopped node serves");
+}
+
+/// The WARN line of a MetisBlock that vanished with its finalizer.
+const VANISHED: &str = "MetisBlock vanished while its finalizer held it";
+
+/// A block the leader let go (its object deleted once it cooled) is free
+/// to the standby that takes over: the DELETED event it saw is a
+/// deletion, not a vanishing, so it holds nothing back — not even with
+/// the pool's reclaim delay an hour long by then.
+#[test]
+fn a_block_the_leader_let_go_is_free_to_its_successor() {
+    const ONLY_BLOCK: &str = "198.19.0.0/28";
+    let mut sim = Sim::start();
+    sim.start_controller();
+    sim.start_controller();
+    let first = sim.wait_for_leader(None);
+    sim.set_pool(&[ONLY_BLOCK]);
+    sim.add_node(0);
+    let (held, refused) = sim.fill(0, 2);
+    assert!(!refused && held == 2, "node 0: {}", sim.describe(0));
+    assert_eq!(sim.status_of(0), [ONLY_BLOCK]);
+    // Its machine goes: past the grace its block cools, then is let go.
+    sim.remove_node(0, true, &mut BTreeMap::new());
+    sim.api
+        .wait_until("the block let go", NODE_GRACE + RECLAIM + WAIT, |s| {
+            block_objects(s).is_empty()
+        });
+    sim.set_reclaim_delay(Duration::from_secs(3600));
+    sim.signal_controller(&first, nix::sys::signal::Signal::SIGKILL);
+    sim.wait_for_leader(Some(&first));
+    sim.add_node(1);
+    let (held, refused) = sim.fill(1, 2);
+    assert!(
+        !refused && held == 2,
+        "node 1 refused the let-go block: {}\n{}",
+        sim.describe(1),
+        sim.controller_logs()
+    );
+    assert_eq!(sim.status_of(1), [ONLY_BLOCK]);
+    let logs = sim.controller_logs();
+    assert!(
+        !logs.contains(VANISHED),
+        "a deletion taken for a vanishing: {logs}"
+    );
 }
 
 #[test]
@@ -1450,12 +1512,7 @@ fn a_simulated_cluster_keeps_every_block_and_address_single_owned() {
 
     // The leader is SIGKILLed mid-churn: the other takes over.
     sim.begin_phase();
-    let victim = sim
-        .controllers
-        .iter()
-        .position(|c| c.identity == first)
-        .unwrap();
-    sim.controllers[victim].signal(nix::sys::signal::Signal::SIGKILL);
+    sim.signal_controller(&first, nix::sys::signal::Signal::SIGKILL);
     sim.churn(&mut rng, 80, 14);
     let second = sim.wait_for_leader(Some(&first));
     sim.start_controller();
@@ -1475,15 +1532,10 @@ fn a_simulated_cluster_keeps_every_block_and_address_single_owned() {
     // The new leader is SIGSTOPped (it thinks it still leads when it
     // wakes): a third takes over; the stopped one is woken mid-churn.
     sim.begin_phase();
-    let frozen = sim
-        .controllers
-        .iter()
-        .position(|c| c.identity == second)
-        .unwrap();
-    sim.controllers[frozen].signal(nix::sys::signal::Signal::SIGSTOP);
+    sim.signal_controller(&second, nix::sys::signal::Signal::SIGSTOP);
     sim.churn(&mut rng, 60, 14);
     let third = sim.wait_for_leader(Some(&second));
-    sim.controllers[frozen].signal(nix::sys::signal::Signal::SIGCONT);
+    sim.signal_controller(&second, nix::sys::signal::Signal::SIGCONT);
     sim.churn(&mut rng, 60, 14);
     sim.check(&format!("leader stopped ({second} → {third})"));
 

@@ -66,6 +66,9 @@ pub struct Cache {
     /// How long a missing Node may come back (`--node-grace`): a vanished
     /// block of a missing Node is kept at least until its grace ends.
     node_grace_ms: i64,
+    /// Blocks kept as vanished since the loop last asked, with their node
+    /// ([`Cache::take_vanished`]): the loop says so loudly.
+    vanished_news: Vec<(String, String)>,
 }
 
 impl Cache {
@@ -169,9 +172,8 @@ impl Cache {
             if self.blocks.contains_key(&name) {
                 continue;
             }
-            if let Some(kept) = kept_when_vanished(&old) {
-                self.keep_as_vanished(name, kept);
-            } else if self.vanished.contains(&name) {
+            let seen = self.cooling_seen.get(&name).copied();
+            if !self.keep_if_vanished(&name, &old, seen) && self.vanished.contains(&name) {
                 self.blocks.insert(name, old);
             }
         }
@@ -179,13 +181,41 @@ impl Cache {
         self.vanished.retain(|name| blocks.contains_key(name));
     }
 
-    /// Block `name` vanished: `kept` cools for its node from now.
-    fn keep_as_vanished(&mut self, name: String, kept: Block) {
-        self.vanished.insert(name.clone());
-        self.cooling_seen.insert(name.clone(), self.now_ms);
-        self.blocks.insert(name.clone(), kept);
-        let until = self.vanished_until(&name);
+    /// Block `name`'s object went from under its copy `old` (seen cooling
+    /// since `seen`) without a deletion: if that copy still carried its
+    /// finalizer, its block cools for its node — from now, or for what is
+    /// left of its delay if it was cooling already. Whether it is kept.
+    fn keep_if_vanished(&mut self, name: &str, old: &Block, seen: Option<i64>) -> bool {
+        let Some(kept) = kept_when_vanished(old) else {
+            return false;
+        };
+        let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
+        let since = match seen {
+            Some(seen) if is_cooling(old) => seen,
+            _ => self.now_ms,
+        };
+        self.cooling_seen.insert(name.to_string(), since);
+        self.blocks.insert(name.to_string(), kept);
+        let until = self.vanished_until(name);
+        if until <= self.now_ms {
+            // Cooled already: another replica let it go while this one
+            // was not listening (a relist after a 410), or nothing is left
+            // to wait for either way.
+            self.blocks.remove(name);
+            self.cooling_seen.remove(name);
+            return false;
+        }
+        self.vanished.insert(name.to_string());
         self.vanished_due = self.vanished_due.map(|due| due.min(until));
+        self.vanished_news
+            .push((name.to_string(), node.unwrap_or_default()));
+        true
+    }
+
+    /// The blocks kept as vanished since the last call, each with the node
+    /// it cools for.
+    pub fn take_vanished(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.vanished_news)
     }
 
     /// Cooling blocks that `old` held and the status now kept for `name`
@@ -461,14 +491,12 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
-                self.cooling_seen.remove(name);
+                let seen = self.cooling_seen.remove(name);
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
                 // still serve its addresses, so it cools for that node.
                 let vanished = old.as_ref().filter(|_| may_vanish);
-                if let Some(kept) = vanished.and_then(kept_when_vanished) {
-                    self.keep_as_vanished(name.to_string(), kept);
-                } else {
+                if !vanished.is_some_and(|old| self.keep_if_vanished(name, old, seen)) {
                     self.vanished.remove(name);
                 }
                 if self.other_size(old.as_ref(), name) {
@@ -1033,6 +1061,10 @@ mod tests {
                 cache.remove(Resource::Block, "v4-198-18-0-0-28");
                 cache.remove(Resource::Block, "v4-198-18-0-16-28");
             }
+            // Said once, for the block its finalizer held.
+            let told = vec![("v4-198-18-0-0-28".to_string(), "n1".to_string())];
+            assert_eq!(cache.take_vanished(), told, "{by_list}");
+            assert!(cache.take_vanished().is_empty());
             let restored = vec![nnc("n1", "7", 0, "", &[]), nnc("n2", "8", 10, "", &[])];
             cache.listed(Resource::Nnc, restored);
             // n2's block, written without the finalizer, is free again.
@@ -1072,7 +1104,7 @@ mod tests {
         cache.listed(Resource::Pool, vec![pool_with_delay("10s")]);
         let blocks = vec![
             block_item("198.18.0.0/28", "n1", BlockState::Granted, "5", true),
-            block_item("198.18.0.16/28", "n2", BlockState::Cooling, "6", true),
+            block_item("198.18.0.16/28", "n2", BlockState::Granted, "6", true),
         ];
         cache.listed(Resource::Block, blocks);
         cache.at(1_000);
@@ -1092,6 +1124,56 @@ mod tests {
         cache.at(13_000);
         assert!(cache.vanished.is_empty() && !cache.blocks.contains_key(second));
         assert_eq!(cache.vanished_due, Some(i64::MAX));
+    }
+
+    /// A cooling block whose object goes without a deletion cools for what
+    /// is left of its delay; one with nothing left (another replica let it
+    /// go while this one was not listening: a relist after a 410) is not
+    /// kept, nor is a deleted one. What is kept is told once.
+    #[test]
+    fn a_cooling_block_that_vanishes_keeps_only_what_is_left_of_its_delay() {
+        let delay = pool::DEFAULT_RECLAIM_DELAY_MS;
+        let [cooled, cooling, granted, deleted] =
+            ["0", "16", "32", "48"].map(|at| format!("v4-198-18-0-{at}-28"));
+        let mut cache = with_pool("198.18.0.0/26");
+        cache.listed(
+            Resource::Node,
+            (1..=4).map(|n| Item::Node(format!("n{n}"))).collect(),
+        );
+        let blocks = vec![
+            block_item("198.18.0.0/28", "n1", BlockState::Cooling, "5", true),
+            block_item("198.18.0.16/28", "n2", BlockState::Granted, "6", true),
+            block_item("198.18.0.32/28", "n3", BlockState::Granted, "7", true),
+            block_item("198.18.0.48/28", "n4", BlockState::Granted, "8", true),
+        ];
+        cache.listed(Resource::Block, blocks);
+        cache.at(1_000 + delay / 2);
+        let released = block_item("198.18.0.16/28", "n2", BlockState::Cooling, "9", true);
+        assert!(cache.put(Resource::Block, released));
+        let now = 1_000 + delay;
+        cache.at(now);
+        assert!(cache.forget(Resource::Block, &deleted));
+        assert!(cache.remove(Resource::Block, &cooled));
+        let listed = block_item("198.18.0.16/28", "n2", BlockState::Cooling, "9", true);
+        cache.listed(Resource::Block, vec![listed]);
+        cache.listed(Resource::Block, Vec::new());
+        let kept: Vec<&String> = cache.vanished.iter().collect();
+        assert_eq!(kept, [&cooling, &granted]);
+        assert!(!cache.blocks.contains_key(&cooled) && !cache.blocks.contains_key(&deleted));
+        let told = |name: &String, node: &str| (name.clone(), node.to_string());
+        // In the order they went: `granted` with the first list.
+        assert_eq!(
+            cache.take_vanished(),
+            [told(&granted, "n3"), told(&cooling, "n2")]
+        );
+        assert!(cache.take_vanished().is_empty());
+        cache.at(1_000 + delay / 2 + delay - 1);
+        assert_eq!(cache.vanished.len(), 2);
+        cache.at(1_000 + delay / 2 + delay);
+        assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [&granted]);
+        cache.at(now + delay);
+        assert!(cache.vanished.is_empty() && cache.blocks.is_empty());
+        assert!(cache.take_vanished().is_empty());
     }
 
     /// A vanished block of a node whose Node is missing is kept until the

@@ -443,6 +443,7 @@ impl<'c> Controller<'c> {
                     return;
                 }
             }
+            self.report_vanished();
             self.maybe_pass();
         }
     }
@@ -482,6 +483,21 @@ impl<'c> Controller<'c> {
             }
         };
         true
+    }
+
+    /// Says loudly what the view kept as vanished: a MetisBlock gone while
+    /// its finalizer held it means the cluster's state went back (an etcd
+    /// restore) or someone removed the finalizer by hand.
+    fn report_vanished(&mut self) {
+        for (block, node) in self.cache.take_vanished() {
+            self.metrics.vanished();
+            log::warn(
+                "controller",
+                "a MetisBlock vanished while its finalizer held it (an etcd restore?): \
+                 its block cools for its node, given to no other meanwhile",
+                &[("block", &block), ("node", &node)],
+            );
+        }
     }
 
     /// Decides and writes, if something is pending or due and this
@@ -564,6 +580,7 @@ impl<'c> Controller<'c> {
             now,
         };
         let applied = writer::apply(&ctx, &mut self.cache, &decision, &mut self.retries);
+        self.report_vanished();
         log::debug(
             "controller",
             "pass written",
