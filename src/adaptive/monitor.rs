@@ -492,7 +492,14 @@ fn release_expired(
             if release.reusable && !entry.reusable {
                 store.record_release(network, &release.cidr, false, release.released_at)?;
             }
-            releasable.push(entry.raw.clone());
+            let mut given_back = entry.raw.clone();
+            // Released as NonReusable, listed again as reusable (a status
+            // restored from before the release): said again, so that the
+            // cluster retires it again instead of granting it elsewhere.
+            if !release.reusable && entry.reusable {
+                given_back.kind = Some("NonReusable".to_string());
+            }
+            releasable.push(given_back);
         }
     }
     Ok(released)
@@ -858,6 +865,35 @@ mod tests {
             "{:?}",
             synced.notices
         );
+    }
+
+    /// A NonReusable release that a restored status lists again without
+    /// its type is given back as NonReusable again: the cluster forgot,
+    /// and retires it once more instead of granting it elsewhere.
+    #[test]
+    fn a_nonreusable_release_listed_again_as_reusable_is_given_back_as_nonreusable() {
+        let dir = TempDir::new();
+        let mut store = dir.store();
+        store
+            .add_cidr_block("default", &"198.18.0.0/28".parse().unwrap())
+            .unwrap();
+        let block = "198.18.1.0/28";
+        let now = crate::log::now_ms();
+        store
+            .record_release("default", &block.parse().unwrap(), false, now)
+            .unwrap();
+        let restored = Nnc::parse(&json!({
+            "metadata": {"resourceVersion": "7"},
+            "spec": {"allocations": [{"network": "default", "pods": 0}]},
+            "status": {"podCIDRs": [{"id": "b", "network": "default", "cidr": block,
+                "condition": {"type": "Ready", "status": "True"}}]},
+        }));
+        let outcome = pass(&mut store, &restored, &|_| 0, CONFIG, now).unwrap();
+        let releasable = outcome.patch.unwrap().releasable;
+        assert_eq!(releasable.len(), 1);
+        assert_eq!(releasable[0].cidr(), Some(block));
+        assert_eq!(releasable[0].kind.as_deref(), Some("NonReusable"));
+        assert!(!store.released().unwrap()[0].reusable);
     }
 
     #[test]
