@@ -249,25 +249,6 @@ impl Cache {
             self.index.add(name, now);
         }
         self.dirty_overlapping(old, name);
-        self.dirty_claimants_of_serving(old, name);
-    }
-
-    /// The nodes granted a block that entered or left what node `name`
-    /// says it serves (`old` is its status before): whether their grant is
-    /// finished depends on who else serves the block.
-    fn dirty_claimants_of_serving(&mut self, old: Option<&Status>, name: &str) {
-        let serving = |s: Option<&Status>| -> BTreeSet<Cidr> {
-            s.into_iter()
-                .flat_map(|s| s.serving.iter().copied())
-                .collect()
-        };
-        let (before, after) = (serving(old), serving(self.statuses.get(name)));
-        for cidr in before.symmetric_difference(&after) {
-            let block = self.blocks.get(&block_name(cidr));
-            if let Some((_, spec)) = block.and_then(|b| b.spec.as_ref()) {
-                self.dirty.insert(spec.node.clone());
-            }
-        }
     }
 
     /// The nodes whose statuses hold a block overlapping one that entered

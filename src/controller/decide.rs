@@ -709,9 +709,7 @@ impl<'a> Pass<'a> {
     /// nothing: blocks follow the Node. A claim that overlaps a block of
     /// another size in a status enters no status ([`overlap_in_a_status`]):
     /// it cools out, unless its node says it serves it (then it stays, and
-    /// the node is told of the conflict). So does a claim another node
-    /// says it serves while its own node does not: that machine's pods
-    /// hold its addresses, and once it cooled the block is theirs.
+    /// the node is told of the conflict).
     fn finish_claims(&mut self, taken: &TakenIndex) {
         let world = self.world;
         // Claims put into a status by this pass: two blocks of different
@@ -736,14 +734,12 @@ impl<'a> Pass<'a> {
                     false => overlap_in_a_status(&cidr, world.index, taken)
                         .or_else(|| entered.overlapping(&cidr).first().copied()),
                 };
-                let servers = world.index.serving.get(&cidr);
-                let serves = servers.is_some_and(|n| n.contains(&node));
-                // Another machine still serves it (an older object brought
-                // back by an etcd restore names this node): never finished.
-                let served_elsewhere = !serves
-                    && servers.is_some_and(|n| n.iter().any(|o| *o != node && !self.gone(o)));
                 if let Some(other) = overlap
-                    && serves
+                    && world
+                        .index
+                        .serving
+                        .get(&cidr)
+                        .is_some_and(|n| n.contains(&node))
                 {
                     // Kept granted, never put beside the other: said.
                     let why = format!(
@@ -754,7 +750,7 @@ impl<'a> Pass<'a> {
                     }
                     continue;
                 }
-                if listed || gone || overlap.is_some() || served_elsewhere {
+                if listed || gone || overlap.is_some() {
                     let cooling = Cooling {
                         node,
                         since_ms: world.now_ms,
