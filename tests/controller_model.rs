@@ -377,7 +377,14 @@ impl Sim {
             }
         }
         self.view.borrow_mut().fed = None;
-        for node in self.nodes.clone() {
+        // Every machine still there writes its object again, also one
+        // whose Node is missing (its daemon runs on).
+        let absent = self.absent.keys().filter(|n| !self.is_machine_gone(n));
+        let absent: Vec<String> = absent
+            .filter(|n| self.nncs.contains_key(*n))
+            .cloned()
+            .collect();
+        for node in self.nodes.clone().into_iter().chain(absent) {
             self.daemon_writes_again(&node, before.get(&node));
         }
     }
@@ -1926,6 +1933,12 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                     sim.delete_nnc(node);
                 }
                 sim.add_node(node);
+                // Its daemon (a new one, if the machine was gone) writes
+                // its object, and with it what it serves.
+                let served = serving_now(sim, node);
+                sim.edit_nnc(node, |n| {
+                    n["metadata"]["annotations"] = json!({SERVING: served});
+                });
             }
         }
         8 => {
