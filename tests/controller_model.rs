@@ -13,9 +13,8 @@
 //! deciding process's wall clock, and take etcd backups and restore them
 //! (the daemons then write their objects again, their releases
 //! remembered; restores that docs/controller.md says can still break a
-//! rule — an older copy of an object seen since, changed or deleted, a
-//! NonReusable object made since, a controller started right after — are
-//! left out). Each pass decides on what the
+//! rule — an older copy of an object seen changed since, a NonReusable
+//! object made since, a controller started right after — are left out). Each pass decides on what the
 //! controller's own cache (`Cache`) holds, fed every change as a watch
 //! would when it happens: its ledgers, indexes and choice of the nodes
 //! changed, which debug builds check against a pass over every node at
@@ -334,13 +333,13 @@ impl Sim {
             return;
         };
         // Gaps docs/controller.md tells (point 6), left out: an older copy
-        // of an object the controller saw since (changed since, or deleted
-        // since and back) is taken as the block's truth, so a block
-        // released or moved since goes back to its old node; a
-        // NonReusable object made since vanishes and leaves nothing. So
-        // every object of the backup is as it is now, and those made since
-        // vanish.
-        let replaced = (backup.blocks.iter()).any(|(name, old)| self.blocks.get(name) != Some(old));
+        // of an object the controller saw changed since is taken as the
+        // block's truth, so a block moved since goes back to its old node;
+        // a NonReusable object made since vanishes and leaves nothing. So
+        // every object the backup shares with now is as it is now; those
+        // made since vanish, those deleted since come back.
+        let replaced = (backup.blocks.iter())
+            .any(|(name, old)| self.blocks.get(name).is_some_and(|now| now != old));
         let retired_since = (self.blocks.iter()).any(|(name, now)| {
             !backup.blocks.contains_key(name) && now["spec"]["state"] == "NonReusable"
         });

@@ -1539,16 +1539,18 @@ fn conflict(name: &str, cidr: &Cidr, takers: &[(Cidr, Taker)]) -> Option<String>
     found.map(|(_, why)| why)
 }
 
-/// A block of another size in a status that `cidr`, a claim missing from
-/// its node's status, overlaps: the claim was decided before a block-size
-/// change (a stale controller's create, which the API server could not
-/// refuse: the names differ).
+/// A block of another size that `cidr`, a claim missing from its node's
+/// status, overlaps, and that a status holds or a machine says it serves:
+/// the claim was decided before a block-size change (a stale controller's
+/// create, which the API server could not refuse: the names differ), or
+/// an etcd restore brought back an old one over a block made since.
 fn overlap_in_a_status(cidr: &Cidr, index: &StatusIndex, taken: &TakenIndex) -> Option<Cidr> {
     let held = |o: &Cidr| index.held.get(o).is_some_and(|names| !names.is_empty());
+    let served = |o: &Cidr| index.serving.get(o).is_some_and(|names| !names.is_empty());
     taken
         .overlapping(cidr)
         .into_iter()
-        .find(|o| o != cidr && held(o))
+        .find(|o| o != cidr && (held(o) || served(o)))
 }
 
 fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
