@@ -1475,6 +1475,55 @@ fn a_served_block_beyond_its_servers_quota_goes_to_no_other_node() {
     sim.check();
 }
 
+/// etcd restored to a backup that has a /28's old grant to a, but not
+/// the /29 inside it made since for b, which b still serves: the /29's
+/// object vanished (it cools for b) and a's status lacks the /28. The
+/// /28 is not put into a's status over the /29: it cools out.
+#[test]
+fn a_restored_grant_stays_out_of_a_status_over_a_smaller_block_still_served() {
+    let (mut sim, held) = a_granted_beside_b();
+    let block = held.iter().find(|c| !c.contains(':')).unwrap().clone();
+    let cidr: Cidr = block.parse().unwrap();
+    let inner = Cidr::new(cidr.base(), cidr.prefix_len() + 1).unwrap();
+    let spec = metis::controller::block::BlockSpec {
+        pool: "v4".into(),
+        network: "default".into(),
+        cidr: inner.to_string(),
+        node: "b".into(),
+        state: BlockState::Cooling,
+        reason: "Released".into(),
+    };
+    let name = metis::controller::block::block_name(&inner);
+    let rv = sim.bump();
+    let object = metis::controller::block::object(&spec, &name, &rv, true);
+    sim.blocks.insert(name.clone(), object);
+    sim.feed();
+    // The restore takes the /29 away; b's daemon says it serves it.
+    sim.blocks.remove(&name);
+    sim.view.borrow_mut().fed = None;
+    sim.served
+        .entry("b".into())
+        .or_default()
+        .insert(inner.to_string());
+    if let Some(served) = sim.served.get_mut("a") {
+        served.remove(&block);
+    }
+    sim.edit_nnc("a", |n| {
+        let entries = n["status"]["podCIDRs"].as_array_mut().unwrap();
+        entries.retain(|e| e["cidr"] != block.as_str());
+    });
+    sim.edit_nnc("b", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: inner.to_string()});
+    });
+    sim.settle();
+    assert!(!cidrs_of(&sim.nncs["a"]).contains(&block));
+    assert_eq!(
+        sim.blocks_in(BlockState::Cooling).get(&block),
+        Some(&"a".to_string())
+    );
+    sim.check();
+}
+
 fn a_granted_beside_b() -> (Sim, Vec<String>) {
     let mut sim = Sim::new();
     two_pools(&mut sim);
