@@ -1102,16 +1102,9 @@ impl Sim {
         }
         // Nor one another machine says it still serves.
         for (other, nnc) in self.nncs.iter().filter(|(n, _)| *n != node) {
-            if self.is_machine_gone(other) {
-                continue;
+            if !self.is_machine_gone(other) {
+                taken.extend(status::serving(nnc));
             }
-            let text = nnc["metadata"]["annotations"][SERVING]
-                .as_str()
-                .unwrap_or("");
-            taken.extend(
-                text.split(',')
-                    .filter_map(|c| c.trim().parse::<Cidr>().ok()),
-            );
         }
         let releasable: Vec<String> = self.nncs[node]["spec"]["releasableCIDRs"]
             .as_array()
@@ -1359,14 +1352,7 @@ fn overlapping_blocks_given_back_to_a_returning_node_enter_its_status_one_at_mos
     sim.settle();
     assert!(cidrs_of(&sim.nncs["a"]).contains(&"198.18.0.0/28".to_string()));
     let inner: Cidr = "198.18.0.0/29".parse().unwrap();
-    let spec = metis::controller::block::BlockSpec {
-        pool: "v4".into(),
-        network: "default".into(),
-        cidr: inner.to_string(),
-        node: "a".into(),
-        state: BlockState::Granted,
-        reason: metis::controller::block::GRANTED.into(),
-    };
+    let spec = v4_block_spec(&inner, "a", BlockState::Granted);
     let create = decide::BlockWrite {
         name: metis::controller::block::block_name(&inner),
         cidr: inner,
@@ -1485,14 +1471,7 @@ fn a_restored_grant_stays_out_of_a_status_over_a_smaller_block_still_served() {
     let block = held.iter().find(|c| !c.contains(':')).unwrap().clone();
     let cidr: Cidr = block.parse().unwrap();
     let inner = Cidr::new(cidr.base(), cidr.prefix_len() + 1).unwrap();
-    let spec = metis::controller::block::BlockSpec {
-        pool: "v4".into(),
-        network: "default".into(),
-        cidr: inner.to_string(),
-        node: "b".into(),
-        state: BlockState::Cooling,
-        reason: "Released".into(),
-    };
+    let spec = v4_block_spec(&inner, "b", BlockState::Cooling);
     let name = metis::controller::block::block_name(&inner);
     let rv = sim.bump();
     let object = metis::controller::block::object(&spec, &name, &rv, true);
@@ -1522,6 +1501,26 @@ fn a_restored_grant_stays_out_of_a_status_over_a_smaller_block_still_served() {
         Some(&"a".to_string())
     );
     sim.check();
+}
+
+/// The spec of a block of pool v4 made by hand: granted, or released.
+fn v4_block_spec(
+    cidr: &Cidr,
+    node: &str,
+    state: BlockState,
+) -> metis::controller::block::BlockSpec {
+    let reason = match state {
+        BlockState::Granted => metis::controller::block::GRANTED,
+        _ => metis::controller::block::RELEASED,
+    };
+    metis::controller::block::BlockSpec {
+        pool: "v4".into(),
+        network: "default".into(),
+        cidr: cidr.to_string(),
+        node: node.into(),
+        state,
+        reason: reason.into(),
+    }
 }
 
 fn a_granted_beside_b() -> (Sim, Vec<String>) {

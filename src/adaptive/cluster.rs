@@ -39,8 +39,12 @@ pub struct Cluster {
     /// When taken-back blocks were last swept (wall-clock ms): a cooldown
     /// that ended before it was already looked at.
     swept_at_ms: i64,
-    /// The object's uids as the store records them (`None`: not read yet).
-    uids_recorded: Option<Vec<String>>,
+    /// Whether the uids earlier processes followed were read (at the
+    /// first copy).
+    uids_resumed: bool,
+    /// The last write of the uids followed was refused: written again at
+    /// the next copy.
+    uids_unrecorded: bool,
 }
 
 impl Cluster {
@@ -54,40 +58,39 @@ impl Cluster {
             notices: BTreeSet::new(),
             taken_back: Vec::new(),
             swept_at_ms: 0,
-            uids_recorded: None,
+            uids_resumed: false,
+            uids_unrecorded: false,
         }
     }
 
     /// A copy from the stream, judged as [`Follower::stream`] does, with
-    /// the uids this node's earlier processes followed: their record is
-    /// read once and kept up to date, so that an earlier object coming back
-    /// after a restart is still known for one.
+    /// the uids this node's earlier processes followed: read once, and
+    /// recorded whenever the uid followed changes, so that an earlier
+    /// object coming back after a restart is still known for one.
     fn follow_stream(&mut self, store: &mut Store, epoch: u64, meta: &Meta) -> Verdict {
         let kind = self.source.name();
-        if self.uids_recorded.is_none() {
-            let recorded = store.followed_uids(kind).unwrap_or_else(|err| {
-                log::error(
+        if !self.uids_resumed {
+            self.uids_resumed = true;
+            match store.followed_uids(kind) {
+                Ok(uids) => self.follower.resume(uids),
+                Err(err) => log::error(
                     "daemon",
                     "reading the followed uids failed",
                     &[("error", &err)],
-                );
-                Vec::new()
-            });
-            self.follower.resume(recorded.clone());
-            self.uids_recorded = Some(recorded);
+                ),
+            }
         }
+        let another = self.follower.uid() != Some(meta.uid.as_str());
         let verdict = self.follower.stream(epoch, meta);
-        let uids = self.follower.uids();
-        if self.uids_recorded.as_ref() != Some(&uids) {
-            match store.set_followed_uids(kind, &uids) {
-                Ok(()) => self.uids_recorded = Some(uids),
-                Err(err) => {
-                    log::error(
-                        "daemon",
-                        "recording the followed uids failed",
-                        &[("error", &err)],
-                    );
-                }
+        if (another && verdict != Verdict::Ignore) || self.uids_unrecorded {
+            let recorded = store.set_followed_uids(kind, &self.follower.uids());
+            self.uids_unrecorded = recorded.is_err();
+            if let Err(err) = recorded {
+                log::error(
+                    "daemon",
+                    "recording the followed uids failed",
+                    &[("error", &err)],
+                );
             }
         }
         verdict
@@ -241,7 +244,7 @@ impl Cluster {
         self.log_recreated(verdict, &nnc.meta);
         let epoch = self.follower.epoch();
         if verdict == Verdict::WentBack {
-            self.returns.went_back(epoch);
+            self.returns.new_epoch(epoch);
         }
         if verdict == Verdict::Recreated
             && let Err(err) = monitor::start_over(store, &mut self.returns, epoch)

@@ -88,9 +88,10 @@ impl Returns {
             .collect();
     }
 
-    /// The object went back to an earlier one (an etcd restore): what it
-    /// lists of this node's releases is old, not granted again.
-    pub fn went_back(&mut self, epoch: u64) {
+    /// Copies from `epoch` on owe nothing to what earlier copies did not
+    /// list: a relist, or the object back to an earlier one (an etcd
+    /// restore), whose listings of this node's releases are old.
+    pub fn new_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
         self.left.clear();
     }
@@ -99,8 +100,7 @@ impl Returns {
     /// before [`decide`] reads it.
     pub fn observe(&mut self, epoch: u64, nnc: Option<&Nnc>, released: &[ReleasedBlock]) {
         if epoch != self.epoch {
-            self.epoch = epoch;
-            self.left.clear();
+            self.new_epoch(epoch);
         }
         for release in released {
             let listed = nnc.is_some_and(|nnc| lists(nnc, &release.network, &release.cidr));

@@ -155,7 +155,13 @@ impl Cache {
     /// its node's grace if its Node is missing (as `decide::frees_at`).
     fn vanished_until(&self, name: &str) -> i64 {
         let since = self.cooling_seen.get(name).copied().unwrap_or(self.now_ms);
-        let block = self.blocks.get(name).and_then(|b| b.spec.as_ref());
+        self.kept_until(since, self.blocks.get(name))
+    }
+
+    /// [`vanished_until`](Cache::vanished_until) of `block`, cooling since
+    /// `since`.
+    fn kept_until(&self, since: i64, block: Option<&Block>) -> i64 {
+        let block = block.and_then(|b| b.spec.as_ref());
         let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| p.name == spec.pool));
         let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
         let graced = block
@@ -189,22 +195,20 @@ impl Cache {
         let Some(kept) = kept_when_vanished(old) else {
             return false;
         };
-        let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
         let since = match seen {
             Some(seen) if is_cooling(old) => seen,
             _ => self.now_ms,
         };
-        self.cooling_seen.insert(name.to_string(), since);
-        self.blocks.insert(name.to_string(), kept);
-        let until = self.vanished_until(name);
+        let until = self.kept_until(since, Some(&kept));
         if until <= self.now_ms {
             // Cooled already: another replica let it go while this one
             // was not listening (a relist after a 410), or nothing is left
             // to wait for either way.
-            self.blocks.remove(name);
-            self.cooling_seen.remove(name);
             return false;
         }
+        let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
+        self.cooling_seen.insert(name.to_string(), since);
+        self.blocks.insert(name.to_string(), kept);
         self.vanished.insert(name.to_string());
         self.vanished_due = self.vanished_due.map(|due| due.min(until));
         self.vanished_news

@@ -215,6 +215,11 @@ impl Follower {
         self.superseded = uids.split_off(first).into();
     }
 
+    /// The uid of the object followed now.
+    pub fn uid(&self) -> Option<&str> {
+        self.uid.as_deref()
+    }
+
     /// The uids followed: those replaced, oldest first, then the current.
     pub fn uids(&self) -> Vec<String> {
         self.superseded.iter().chain(&self.uid).cloned().collect()

@@ -174,19 +174,17 @@ impl Store {
     /// The uids of this node's `kind` object the daemon followed, the
     /// current one last (none recorded: empty).
     pub fn followed_uids(&self, kind: &str) -> Result<Vec<String>, StoreError> {
-        let key = format!("{}{kind}", crate::store::db::schema::KEY_FOLLOWED_UIDS);
-        let text = self.setting(&key)?.unwrap_or_default();
+        let text = self.setting(&followed_uids_key(kind))?.unwrap_or_default();
         Ok(text.split_whitespace().map(str::to_string).collect())
     }
 
     /// Records [`followed_uids`](Store::followed_uids).
     pub fn set_followed_uids(&mut self, kind: &str, uids: &[String]) -> Result<(), StoreError> {
-        let key = format!("{}{kind}", crate::store::db::schema::KEY_FOLLOWED_UIDS);
         // A uid is a UUID; one that could not be read back whole is left out.
         let kept: Vec<&str> = (uids.iter().map(String::as_str))
             .filter(|u| !u.is_empty() && !u.contains(char::is_whitespace))
             .collect();
-        self.put_setting(&key, Some(&kept.join(" ")))
+        self.put_setting(&followed_uids_key(kind), Some(&kept.join(" ")))
     }
 
     /// Forgets a reusable release: the cluster granted the block again.
@@ -378,6 +376,11 @@ fn owner_of(conn: &Connection, network: &str, cidr: &str) -> Result<String, Stor
         true => "no source any more (retired, kept until its pods are gone)".to_string(),
         false => words.join(" and "),
     })
+}
+
+/// The `metis_settings` key of the uids followed of `kind` objects.
+fn followed_uids_key(kind: &str) -> String {
+    format!("{}{kind}", crate::store::db::schema::KEY_FOLLOWED_UIDS)
 }
 
 #[cfg(test)]
