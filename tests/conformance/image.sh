@@ -131,7 +131,6 @@ run_plugin() { # run_plugin VERB CONTAINER_ID < config
     CNI_COMMAND=$1 CNI_CONTAINERID=$2 CNI_NETNS=/var/run/netns/none CNI_IFNAME=eth0 \
         CNI_PATH="$cni_dir/bin" "$plugin"
 }
-sql() { sqlite3 -readonly "$db" "$1"; }
 held_by() { sql "SELECT group_concat(address) FROM ip_addresses WHERE container_id = '$1' AND is_allocated = 1"; }
 allocations() { sql "SELECT container_id || ' ' || address FROM ip_addresses WHERE is_allocated = 1 AND container_id != '' ORDER BY 1"; }
 # Direct mode would also allocate; the plugin logs when it falls back to it.

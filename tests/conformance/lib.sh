@@ -4,6 +4,11 @@
 pass() { echo "PASS $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
 
+# sql QUERY: one read of the caller's Metis database ($db). A reader can be
+# told "database is locked" while another process recovers the WAL after a
+# SIGKILL (a plugin in direct mode): it waits up to 5 s for the lock.
+sql() { sqlite3 -readonly -cmd ".timeout 5000" "$db" "$1"; }
+
 # wait_for SECONDS CMD...: poll CMD until it succeeds or the deadline passes.
 wait_for() {
     local deadline=$((SECONDS + $1))

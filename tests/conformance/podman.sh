@@ -115,7 +115,6 @@ start_daemon() {
 if start_daemon; then pass "daemon serves"; else fail "daemon serves" "$(cat "$work/daemon.log")"; exit 1; fi
 
 # --- helpers -----------------------------------------------------------------
-sql() { sqlite3 -readonly "$db" "$1"; }
 id_of() { podman inspect --format '{{.Id}}' "$1"; }
 ip_of() { podman inspect --format "{{(index .NetworkSettings.Networks \"$net\").IPAddress}}" "$1"; }
 # The address Metis holds for a container (empty when none).

@@ -64,7 +64,6 @@ wait_for 10 test -S "$socket"
 if [ -S "$socket" ]; then pass "daemon listens"; else fail "daemon listens" "$(cat "$work/daemon.log")"; exit 1; fi
 
 cniclient() { "$work/bin/cniclient" -path "$work/bin:/usr/lib/cni" -cache "$work/cache" "$@"; }
-sql() { sqlite3 -readonly "$db" "$1"; }
 # Allocated rows owned by a container (reserved rows have no owner).
 held_by() { sql "SELECT COUNT(*) FROM ip_addresses WHERE container_id = '$1' AND is_allocated = 1"; }
 # A network's pool: owned addresses, block counters, allocated rows.
