@@ -423,14 +423,26 @@ impl Sim {
         });
     }
 
+    /// Blocks whose object vanished in a restore: the controller keeps
+    /// them cooling for their node (docs/controller.md, point 6), and they
+    /// refuse a pool of another block size as an object would.
+    fn kept_vanished(&self) -> Vec<Cidr> {
+        let view = self.view.borrow();
+        (view.cache.blocks.iter())
+            .filter(|(name, _)| !self.blocks.contains_key(*name))
+            .filter_map(|(_, b)| Some(b.spec.as_ref()?.0))
+            .collect()
+    }
+
     /// What a controller reads.
     fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Status>) {
         let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
         let blocks: Vec<Block> = self.blocks.values().cloned().map(Block::parse).collect();
-        let cidrs: Vec<Cidr> = blocks
+        let mut cidrs: Vec<Cidr> = blocks
             .iter()
             .filter_map(|b| Some(b.spec.as_ref()?.0))
             .collect();
+        cidrs.extend(self.kept_vanished());
         pool::validate(&mut pools, &cidrs);
         let pools = pool::with_ledgers(&pools, &blocks, &self.cooling_seen, self.now);
         let nncs = self
@@ -1087,14 +1099,7 @@ impl Sim {
             .flat_map(cidrs_of)
             .filter_map(|c| c.parse().ok())
             .collect();
-        // Blocks whose object vanished in a restore: the controller keeps
-        // them cooling for their node (docs/controller.md, point 6).
-        let view = self.view.borrow();
-        let kept = (view.cache.blocks.iter())
-            .filter(|(name, _)| !self.blocks.contains_key(*name))
-            .filter_map(|(_, b)| Some(b.spec.as_ref()?.0));
-        taken.extend(kept);
-        drop(view);
+        taken.extend(self.kept_vanished());
         for p in pools {
             taken.extend(p.ledger.claims.keys());
             taken.extend(p.ledger.cooling.keys());
