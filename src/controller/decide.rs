@@ -1118,6 +1118,7 @@ impl<'a> Pass<'a> {
                 });
             }
         }
+        one_write_per_object(&mut decision.block_writes);
         decision.next_due_ms = next_due(&world, &self.ledgers);
         // An object let go is deleted by the next pass, which nothing
         // else may bring soon.
@@ -1328,6 +1329,19 @@ fn block_writes(
         });
     }
     writes
+}
+
+/// A block one pool lets go (it cooled out) and another grants in the same
+/// pass is one object: only the grant, a PUT over the object, is written.
+/// Else the let-go lands, the PUT finds the object gone, and a status
+/// relying on the block's name would take it in without an object.
+fn one_write_per_object(writes: &mut Vec<BlockWrite>) {
+    let ends = |w: &BlockWrite| matches!(w.op, BlockOp::LetGo(..) | BlockOp::Delete(_));
+    let kept: BTreeSet<String> = (writes.iter())
+        .filter(|w| !ends(w))
+        .map(|w| w.name.clone())
+        .collect();
+    writes.retain(|w| !(ends(w) && kept.contains(&w.name)));
 }
 
 /// The NodeNetworkConfigs of `plans` that `wants`, in the order they are
@@ -2002,6 +2016,49 @@ mod tests {
         let decision = decide_every(&[p], &nncs, &statuses, now, 1_795_971_700_000);
         assert_eq!(decision.block_writes[0].op, BlockOp::Delete("9".into()));
         assert_ne!(decision.next_due_ms, Some(now + 1));
+    }
+
+    /// A block that cools out of one pool's ledger (its range moved away)
+    /// while another pool grants it in the same pass is written once: a
+    /// PUT over its object, never a let-go the grant's PUT then misses.
+    #[test]
+    fn a_block_cooled_in_one_pool_and_granted_by_another_is_written_once() {
+        use crate::controller::informer::{Item, Resource};
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let mut moved = cooling_for_n1(block);
+        if let Ok(spec) = moved.spec.as_mut() {
+            spec.ranges.retain(|r| r.family == Family::V6);
+        }
+        let taker = Pool::parse(&json!({
+            "metadata": {"name": "q", "creationTimestamp": "2026-01-02T00:00:00Z",
+                         "resourceVersion": "8", "generation": 1},
+            "spec": {"network": "default",
+                     "ipv4": {"cidrs": ["198.18.0.0/24"], "blockPrefixLength": 28}},
+        }));
+        let object = json!({
+            "metadata": {"name": "n2", "resourceVersion": "5"},
+            "spec": {"allocations": [{"network": "default", "pods": 4}]}});
+        let Item::Nnc(nnc, status) = Item::parse(Resource::Nnc, object) else {
+            panic!("not an NNC");
+        };
+        let nncs = BTreeMap::from([("n2".to_string(), *nnc)]);
+        let statuses = BTreeMap::from([("n2".to_string(), status)]);
+        let now = 1_000 + moved.spec.as_ref().unwrap().reclaim_delay_ms;
+        let decision = decide_every(&[moved, taker], &nncs, &statuses, now, 1_795_971_700_000);
+        let to_block: Vec<&BlockOp> = (decision.block_writes.iter())
+            .filter(|w| w.cidr == block)
+            .map(|w| &w.op)
+            .collect();
+        match &to_block[..] {
+            [BlockOp::Update(version, spec)] => {
+                assert_eq!(version, "9");
+                let said = (spec.pool.as_str(), spec.node.as_str(), spec.state);
+                assert_eq!(said, ("q", "n2", BlockState::Granted));
+            }
+            other => panic!("{other:?}: {decision:?}"),
+        }
+        let to_n2 = &decision.nnc_writes[0];
+        assert!(to_n2.status.contains("198.18.0.0/28"), "{to_n2:?}");
     }
 
     /// A node whose status holds a copy of a block cooling for another
