@@ -1467,6 +1467,43 @@ fn a_served_block_beyond_its_servers_quota_goes_to_no_other_node() {
     sim.check();
 }
 
+/// a's Node gone past the grace with its NodeNetworkConfig: its block
+/// cools for it. An older copy of that block's object (an etcd restore)
+/// is all that says so while b's machine serves the block. a's Node comes
+/// back on a new machine: the block is not given back to it.
+#[test]
+fn a_block_another_machine_serves_is_not_given_back_to_a_returning_node() {
+    let (mut sim, held) = a_granted_beside_b();
+    let block = held.iter().find(|c| !c.contains(':')).unwrap().clone();
+    sim.delete_node("a", true);
+    sim.advance(GRACE_MS);
+    sim.settle();
+    assert_eq!(
+        sim.blocks_in(BlockState::Cooling).get(&block),
+        Some(&"a".into())
+    );
+    sim.served
+        .entry("b".into())
+        .or_default()
+        .insert(block.clone());
+    let annotation = serving_now(&sim, "b");
+    sim.edit_nnc("b", |n| {
+        n["metadata"]["annotations"] = json!({SERVING: annotation})
+    });
+    sim.add_node("a");
+    sim.set_demand("a", 10);
+    sim.settle();
+    assert!(
+        !cidrs_of(&sim.nncs["a"]).contains(&block),
+        "{:?}",
+        sim.history.get(&block)
+    );
+    assert!(!sim.blocks_in(BlockState::Granted).contains_key(&block));
+    // b is told: the block cools for a, whose machine is gone.
+    assert_eq!(sim.ready("b").unwrap().0, decide::INVALID);
+    sim.check();
+}
+
 /// etcd restored to a backup that has a /28's old grant to a, but not
 /// the /29 inside it made since for b, which b still serves: the /29's
 /// object vanished (it cools for b) and a's status lacks the /28. The

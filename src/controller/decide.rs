@@ -450,15 +450,13 @@ impl<'a> Pass<'a> {
 
     /// Whether Node `name` is gone past the grace.
     fn gone(&self, name: &str) -> bool {
-        let world = &self.world;
-        world
-            .absent
-            .get(name)
-            .is_some_and(|since| world.now_ms.saturating_sub(*since) >= world.node_grace_ms)
+        gone_past_grace(&self.world, name)
     }
 
-    /// Blocks taken from a Node that is back go back to it; blocks cooled
-    /// long enough leave the ledger (free once no status holds them).
+    /// Blocks taken from a Node that is back go back to it (unless another
+    /// machine says it serves one: then it is that machine's conflict, not
+    /// a second server); blocks cooled long enough leave the ledger (free
+    /// once no status holds them).
     fn cool_down(&mut self) {
         let world = self.world;
         for (pool, ledger) in world.pools.iter().zip(&mut self.ledgers) {
@@ -472,7 +470,8 @@ impl<'a> Pass<'a> {
             let mut back = Vec::new();
             let mut cooled = Vec::new();
             for (cidr, c) in ledger.coolings() {
-                if c.node_gone && !world.absent.contains_key(&c.node) {
+                let returned = c.node_gone && !world.absent.contains_key(&c.node);
+                if returned && !served_by_another(&world, cidr, &c.node) {
                     back.push((*cidr, c.node.clone()));
                 } else if world.now_ms >= frees_at(&world, c, delay)
                     && !(c.node_gone && untold(&c.node))
@@ -992,11 +991,9 @@ impl<'a> Pass<'a> {
             }
             // Never one the node lists releasable, nor one another machine
             // says it still serves (its own block beyond its quota, say).
-            let index = &self.world.index;
             let skip = |c: &Cidr| {
                 lists_releasable(ask.nnc, &c.to_string())
-                    || (index.serving.get(c))
-                        .is_some_and(|n| n.iter().any(|o| o != ask.name && !self.gone(o)))
+                    || served_by_another(&self.world, c, ask.name)
             };
             let Some(block) = first_free(range, taken.index(), &skip) else {
                 empty.push(i);
@@ -1329,6 +1326,21 @@ fn block_writes(
         });
     }
     writes
+}
+
+/// Whether node `name`'s Node has been missing for `--node-grace` or longer.
+fn gone_past_grace(world: &World, name: &str) -> bool {
+    (world.absent.get(name))
+        .is_some_and(|since| world.now_ms.saturating_sub(*since) >= world.node_grace_ms)
+}
+
+/// Whether a machine other than `node`'s (its Node not gone past the
+/// grace) says it still serves `cidr`: such a block goes to no other node,
+/// not even back to a returning one (an etcd restore brought back an older
+/// copy of its object).
+fn served_by_another(world: &World, cidr: &Cidr, node: &str) -> bool {
+    (world.index.serving.get(cidr))
+        .is_some_and(|names| (names.iter()).any(|o| o != node && !gone_past_grace(world, o)))
 }
 
 /// A block one pool lets go (it cooled out) and another grants in the same
