@@ -207,6 +207,20 @@ impl Sim {
 
     /// A controller with `env` set (a skewed wall clock).
     fn start_controller_with_env(&mut self, env: &[(&str, &str)]) {
+        self.spawn_controller(env, self.dir.join("controller.kubeconfig"));
+    }
+
+    /// A controller whose requests carry the bearer token `client` (the
+    /// API server's counts and held watches tell it from the others);
+    /// its identity.
+    fn start_controller_as(&mut self, client: &str) -> String {
+        let kubeconfig = self.dir.join(&format!("{client}.kubeconfig"));
+        self.api.kubeconfig_as(&kubeconfig, client);
+        self.spawn_controller(&[], kubeconfig);
+        format!("controller-{}", self.started)
+    }
+
+    fn spawn_controller(&mut self, env: &[(&str, &str)], kubeconfig: PathBuf) {
         self.started += 1;
         let identity = format!("controller-{}", self.started);
         let log = self.dir.join(&format!("{identity}.log"));
@@ -214,7 +228,7 @@ impl Sim {
         let child = Command::new(METIS)
             .arg("controller")
             .arg("--kubeconfig")
-            .arg(self.dir.join("controller.kubeconfig"))
+            .arg(kubeconfig)
             .args(["--identity", &identity])
             .args(LEASE)
             .args(["--node-grace", "4s"])
@@ -1493,6 +1507,125 @@ fn a_block_the_leader_let_go_is_free_to_its_successor() {
     );
 }
 
+/// A standby whose watches lag takes the Lease: it decides nothing on its
+/// stale view. It reads every object first and waits until its watches
+/// have delivered what the read found — here, a node it last saw refused
+/// for an exhausted pool, and the block the leader granted that node once
+/// the pool grew, which the standby would otherwise claim again.
+#[test]
+fn a_successor_decides_only_once_its_view_reaches_a_read_after_the_takeover() {
+    const TAKEN: &str = "198.19.0.0/28";
+    const GROWN: &str = "198.19.0.16/28";
+    let mut sim = Sim::start();
+    sim.start_controller();
+    let first = sim.wait_for_leader(None);
+    sim.set_pool(&[TAKEN]);
+    let standby = sim.start_controller_as("standby");
+    let object = |name: &str, pods: u64| {
+        json!({"metadata": {"name": name},
+               "spec": {"allocations": [{"network": "default", "pods": pods}]}})
+    };
+    let asks = |name: &str, pods: u64| {
+        sim.api.with_state(|s| {
+            s.create(NODES, "", &json!({"metadata": {"name": name}, "spec": {}}))
+                .unwrap();
+            s.create(NNCS, "", &object(name, pods)).unwrap();
+        });
+    };
+    asks("holder", 10);
+    asks("waiter", 10);
+    let held_by = |s: &common::kube_api::State, name: &str| {
+        s.get(&Key::cluster(NNCS, name)).map(status_cidrs)
+    };
+    let refused = |s: &common::kube_api::State| {
+        s.get(&Key::cluster(NNCS, "waiter")).is_some_and(|n| {
+            let conditions = n["status"]["conditions"].as_array().into_iter().flatten();
+            conditions.into_iter().any(|c| {
+                c["type"] == "Ready"
+                    && c["reason"]
+                        .as_str()
+                        .is_some_and(|r| r.starts_with("QuotaExceeded"))
+            })
+        })
+    };
+    sim.api
+        .wait_until("holder granted, waiter refused", WAIT, |s| {
+            held_by(s, "holder") == Some(vec![TAKEN.to_string()]) && refused(s)
+        });
+    // The standby has watched everything so far: it saw the waiter refused.
+    let watching = |s: &common::kube_api::State| {
+        let counts = s.counts_of("standby");
+        [NNCS, NODES, POOLS, BLOCKS]
+            .iter()
+            .all(|r| counts.contains_key(&("watch".to_string(), r.to_string())))
+    };
+    sim.api.wait_until("the standby watching", WAIT, watching);
+    sim.api
+        .wait_until("the standby saw the refusal", WAIT, |s| {
+            s.watched_up_to("standby", NNCS, &Key::cluster(NNCS, "waiter"))
+        });
+    sim.api.with_state(|s| {
+        for resource in [NNCS, BLOCKS] {
+            s.held_watches.insert(("standby".into(), resource.into()));
+        }
+    });
+    // The pool grows: the leader grants the new block to the waiter; the
+    // standby sees the pool grow, not the grant.
+    sim.api.with_state(|s| {
+        s.edit(&Key::cluster(POOLS, POOL), |p| {
+            p["spec"]["ipv4"]["cidrs"] = json!([TAKEN, GROWN]);
+        })
+        .unwrap();
+    });
+    sim.api.wait_until("the waiter granted", WAIT, |s| {
+        held_by(s, "waiter") == Some(vec![GROWN.to_string()])
+    });
+    sim.signal_controller(&first, nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(sim.wait_for_leader(Some(&first)), standby);
+    let log_of = |sim: &Sim| {
+        let c = sim.controllers.iter().find(|c| c.identity == standby);
+        c.unwrap().log()
+    };
+    let writes = |s: &common::kube_api::State| -> u64 {
+        let counts = s.counts_of("standby");
+        let verbs = ["create", "update", "patch", "delete"];
+        (counts.iter())
+            .filter(|((verb, resource), _)| verbs.contains(&verb.as_str()) && resource != LEASES)
+            .map(|(_, n)| n)
+            .sum()
+    };
+    // It reads everything, and then waits for its watches: no write on
+    // what it saw before (the block granted since, claimed again).
+    let read = "read every object after taking the lease";
+    let acted = || {
+        let wrote = sim.api.with_state(|s| writes(s)) > 0;
+        (wrote || log_of(&sim).contains(read)).then_some(())
+    };
+    common::poll(WAIT, acted).unwrap_or_else(|| panic!("{}", sim.controller_logs()));
+    let counts = sim.api.with_state(|s| s.counts_of("standby"));
+    assert_eq!(
+        sim.api.with_state(|s| writes(s)),
+        0,
+        "{counts:?}: {}",
+        log_of(&sim)
+    );
+    assert!(log_of(&sim).contains(read));
+    // Its watches deliver: it reaches the read, and nothing needs writing.
+    sim.api.with_state(|s| s.held_watches.clear());
+    let reached = "the view reached the read";
+    common::poll(WAIT, || log_of(&sim).contains(reached).then_some(()))
+        .unwrap_or_else(|| panic!("never reached the read: {}", log_of(&sim)));
+    sim.api.with_state(|s| {
+        assert_eq!(held_by(s, "waiter"), Some(vec![GROWN.to_string()]));
+        assert_eq!(held_by(s, "holder"), Some(vec![TAKEN.to_string()]));
+        let creates = s
+            .counts_of("standby")
+            .get(&("create".to_string(), BLOCKS.to_string()))
+            .copied();
+        assert_eq!(creates, None, "the standby claimed a block granted already");
+    });
+}
+
 #[test]
 fn a_simulated_cluster_keeps_every_block_and_address_single_owned() {
     let mut rng = Rng::from_env("CLUSTER_SEED");
@@ -1770,12 +1903,13 @@ fn a_list_whose_continue_token_expires_is_listed_again_from_the_first_page() {
         "paged-008 stopped demanding between the pages"
     );
     assert_eq!(holders.len(), served.len());
-    // The first page, its expired continue, and the two pages again.
+    // The first page, its expired continue, and the two pages again; then
+    // the two pages of the read after taking the Lease.
     let lists = state
         .counts_of("controller")
         .get(&("list".to_string(), NNCS.to_string()))
         .copied();
-    assert_eq!(lists, Some(4), "{:?}", state.counts_of("controller"));
+    assert_eq!(lists, Some(6), "{:?}", state.counts_of("controller"));
     drop(state);
     let log = sim.controllers[0].log();
     assert!(

@@ -69,6 +69,11 @@ pub struct Cache {
     /// Blocks kept as vanished since the loop last asked, with their node
     /// ([`Cache::take_vanished`]): the loop says so loudly.
     vanished_news: Vec<(String, String)>,
+    /// What a read at this process's takeover found that the stream has
+    /// not delivered yet: an object's version (`Some`; `""` for a Node's
+    /// presence) or its deletion (`None`). No pass runs until none is left
+    /// ([`Cache::reach`]).
+    catch_up: BTreeMap<(Resource, String), Option<String>>,
 }
 
 impl Cache {
@@ -84,6 +89,91 @@ impl Cache {
     /// Every kind was listed at least once: the view is whole.
     pub fn synced(&self) -> bool {
         Resource::ALL.iter().all(|kind| self.listed.contains(kind))
+    }
+
+    /// A read of `kind` (each object's name and version) taken after this
+    /// process acquired the Lease: another leader may have written what
+    /// the stream has not delivered yet (a lagging watch), so the view
+    /// must reach the read before this process decides. Versions are only
+    /// compared for equality: what the view holds already is reached, the
+    /// rest waits for the stream to deliver that version or the deletion
+    /// (or for a list), which it does in order.
+    pub fn reach(&mut self, kind: Resource, read: Vec<(String, String)>) {
+        self.catch_up.retain(|(k, _), _| *k != kind);
+        let read_names: BTreeSet<&str> = read.iter().map(|(name, _)| name.as_str()).collect();
+        let gone: Vec<String> = (self.names(kind).into_iter())
+            .filter(|name| !read_names.contains(name.as_str()))
+            .collect();
+        for name in gone {
+            self.catch_up.insert((kind, name), None);
+        }
+        for (name, version) in read {
+            if !self.holds(kind, &name, Some(&version)) {
+                self.catch_up.insert((kind, name), Some(version));
+            }
+        }
+    }
+
+    /// The view reached the last read at a takeover ([`Cache::reach`]).
+    pub fn caught_up(&self) -> bool {
+        self.catch_up.is_empty()
+    }
+
+    /// How many objects the view still waits for ([`Cache::reach`]).
+    pub fn catching_up(&self) -> usize {
+        self.catch_up.len()
+    }
+
+    /// The names of `kind`'s objects the view holds from the API server
+    /// (a block kept as vanished is not one).
+    fn names(&self, kind: Resource) -> Vec<String> {
+        match kind {
+            Resource::Nnc => self.nncs.keys().cloned().collect(),
+            Resource::Node => self.nodes.iter().cloned().collect(),
+            Resource::Pool => self.specs.keys().cloned().collect(),
+            Resource::Block => (self.blocks.keys())
+                .filter(|name| !self.vanished.contains(*name))
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// Whether the view holds `kind`'s object `name` (a block kept as
+    /// vanished too).
+    fn has(&self, kind: Resource, name: &str) -> bool {
+        match kind {
+            Resource::Nnc => self.nncs.contains_key(name),
+            Resource::Node => self.nodes.contains(name),
+            Resource::Pool => self.specs.contains_key(name),
+            Resource::Block => self.blocks.contains_key(name),
+        }
+    }
+
+    /// Whether the view holds `kind`'s object `name` at `version` (a Node
+    /// has none: present), or, for `None`, none from the API server.
+    fn holds(&self, kind: Resource, name: &str, version: Option<&str>) -> bool {
+        match version {
+            None => !self.has(kind, name) || self.vanished.contains(name),
+            Some(_) if kind == Resource::Node => self.nodes.contains(name),
+            Some(v) => self.version_of(kind, name) == Some(v),
+        }
+    }
+
+    /// Ends the waits [`Cache::reach`] left for `kind` that the view now
+    /// meets (after a change, a deletion or a list).
+    fn reached(&mut self, kind: Resource) {
+        if self.catch_up.is_empty() {
+            return;
+        }
+        let waits: Vec<((Resource, String), Option<String>)> = (self.catch_up.iter())
+            .filter(|((k, _), _)| *k == kind)
+            .map(|(key, want)| (key.clone(), want.clone()))
+            .collect();
+        for ((k, name), want) in waits {
+            if self.holds(k, &name, want.as_deref()) {
+                self.catch_up.remove(&(k, name));
+            }
+        }
     }
 
     pub fn listed(&mut self, kind: Resource, items: Vec<Item>) {
@@ -109,7 +199,7 @@ impl Cache {
         self.ahead.retain(|(k, _), _| *k != kind);
         self.whole = true;
         for item in items {
-            self.put(kind, item);
+            self.put_item(kind, item);
         }
         if kind == Resource::Block {
             self.keep_vanished(before);
@@ -121,6 +211,7 @@ impl Cache {
         self.recount_followed();
         self.reindex();
         self.listed.insert(kind);
+        self.reached(kind);
     }
 
     /// The indexes over the statuses and ledgers again, from scratch
@@ -365,6 +456,12 @@ impl Cache {
     /// echo of this process's own write, or a version held already, does
     /// not, and calls for no pass).
     pub fn put(&mut self, kind: Resource, item: Item) -> bool {
+        let changed = self.put_item(kind, item);
+        self.reached(kind);
+        changed
+    }
+
+    fn put_item(&mut self, kind: Resource, item: Item) -> bool {
         let name = item.name().to_string();
         let version = item.resource_version().to_string();
         let key = (kind, name);
@@ -445,7 +542,9 @@ impl Cache {
     /// held it. A block whose copy here still carried its finalizer is
     /// kept as vanished: nothing says how it went.
     pub fn remove(&mut self, kind: Resource, name: &str) -> bool {
-        self.take_out(kind, name, true)
+        let held = self.take_out(kind, name, true);
+        self.reached(kind);
+        held
     }
 
     /// Object `name` was deleted: by this process's own write (a DELETE,
@@ -453,18 +552,14 @@ impl Cache {
     /// DELETED event says (the API server deletes an object only once its
     /// finalizers are gone). Nothing vanished; whether the view held it.
     pub fn forget(&mut self, kind: Resource, name: &str) -> bool {
-        self.take_out(kind, name, false)
+        let held = self.take_out(kind, name, false);
+        self.reached(kind);
+        held
     }
 
     fn take_out(&mut self, kind: Resource, name: &str, may_vanish: bool) -> bool {
         self.ahead.remove(&(kind, name.to_string()));
-        let held = match kind {
-            Resource::Nnc => self.nncs.contains_key(name),
-            Resource::Node => self.nodes.contains(name),
-            Resource::Pool => self.specs.contains_key(name),
-            Resource::Block => self.blocks.contains_key(name),
-        };
-        if !held {
+        if !self.has(kind, name) {
             return false;
         }
         match kind {
@@ -858,6 +953,61 @@ mod tests {
 
     fn version(cache: &Cache) -> &str {
         &cache.nncs["n1"].meta.resource_version
+    }
+
+    /// After a takeover the view waits for what a read found: each object
+    /// at the version read (the stream delivers it in order), each object
+    /// the read lacks gone, a Node present; a list ends the waits it meets.
+    /// Versions are compared for equality only (opaque ones here).
+    #[test]
+    fn a_takeovers_read_is_reached_before_the_view_is_caught_up() {
+        let named = |name: &str, version: &str| (name.to_string(), version.to_string());
+        let mut cache = Cache::default();
+        cache.put(Resource::Nnc, nnc("a.1", 1));
+        cache.put(Resource::Node, Item::Node("n1".into()));
+        cache.reach(Resource::Nnc, vec![named("n1", "a.1")]);
+        cache.reach(Resource::Node, vec![named("n1", "")]);
+        assert!(cache.caught_up(), "what the view holds is reached");
+        cache.reach(Resource::Nnc, vec![named("n1", "c.3"), named("n2", "b.2")]);
+        cache.reach(Resource::Node, vec![named("n2", "")]);
+        assert_eq!(cache.catching_up(), 4);
+        cache.put(Resource::Nnc, nnc("b.2", 2));
+        assert_eq!(
+            cache.catching_up(),
+            4,
+            "an older copy of n1 reaches nothing"
+        );
+        cache.put(Resource::Nnc, nnc("c.3", 3));
+        cache.put(Resource::Node, Item::Node("n2".into()));
+        assert_eq!(cache.catching_up(), 2, "n2's object, and n1's Node gone");
+        cache.forget(Resource::Node, "n1");
+        let n2 = json!({"metadata": {"name": "n2", "resourceVersion": "b.2"}, "spec": {}});
+        cache.listed(
+            Resource::Nnc,
+            vec![nnc("c.3", 3), Item::parse(Resource::Nnc, n2)],
+        );
+        assert!(cache.caught_up());
+        // A read lacking a block: its deletion is waited for.
+        let block = |version: &str| {
+            let spec = BlockSpec {
+                pool: "p".into(),
+                network: "default".into(),
+                cidr: "198.18.0.0/28".into(),
+                node: "n1".into(),
+                state: BlockState::Granted,
+                reason: super::super::block::GRANTED.into(),
+            };
+            let name = "v4-198-18-0-0-28";
+            let object = super::super::block::object(&spec, name, version, true);
+            Item::Block(Box::new(Block::parse(object)))
+        };
+        cache.put(Resource::Block, block("d.4"));
+        cache.reach(Resource::Block, Vec::new());
+        assert!(!cache.caught_up());
+        cache.put(Resource::Block, block("e.5"));
+        assert!(!cache.caught_up(), "a change is no deletion");
+        cache.forget(Resource::Block, "v4-198-18-0-0-28");
+        assert!(cache.caught_up());
     }
 
     #[test]

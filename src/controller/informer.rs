@@ -215,6 +215,36 @@ fn list(
     metrics: &ControllerMetrics,
 ) -> Result<(Vec<Item>, String), KubeError> {
     let mut items = Vec::new();
+    let version = list_pages(client, kind, metrics, |page| items.extend(page))?;
+    Ok((items, version))
+}
+
+/// Each object's name and version, as a LIST reads them now: the versions
+/// a view must reach before it decides ([`super::cache::Cache::reach`]).
+/// Page by page, so that only one page's objects are alive at a time.
+pub fn list_versions(
+    client: &ApiClient,
+    kind: Resource,
+    metrics: &ControllerMetrics,
+) -> Result<Vec<(String, String)>, KubeError> {
+    let mut versions = Vec::new();
+    list_pages(client, kind, metrics, |page| {
+        let named = page
+            .iter()
+            .map(|item| (item.name().to_string(), item.resource_version().to_string()));
+        versions.extend(named);
+    })?;
+    Ok(versions)
+}
+
+/// Lists `kind` page by page into `each_page`; the resourceVersion the
+/// pages were served at.
+fn list_pages(
+    client: &ApiClient,
+    kind: Resource,
+    metrics: &ControllerMetrics,
+    mut each_page: impl FnMut(Vec<Item>),
+) -> Result<String, KubeError> {
     let mut next: Option<String> = None;
     loop {
         let mut path = format!("{}?limit={PAGE_SIZE}", kind.collection());
@@ -224,10 +254,10 @@ fn list(
         }
         metrics.api_request("list", kind.plural());
         let page = client.get_streamed(&path, PageSeed(kind))?;
-        items.extend(page.items);
+        each_page(page.items);
         match page.next {
             Some(token) => next = Some(token),
-            None => return Ok((items, page.resource_version)),
+            None => return Ok(page.resource_version),
         }
     }
 }

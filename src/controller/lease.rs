@@ -10,7 +10,7 @@
 //! `ReleaseOnCancel`). Writes carry the Lease's resourceVersion: of two
 //! candidates only one wins (409 for the other).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
@@ -49,6 +49,9 @@ pub struct Leadership {
     /// The loop found this candidate not leading and sleeps: the next
     /// renewal that finds it leading wakes the loop.
     call_back: AtomicBool,
+    /// How often this candidate took the Lease from another holder (or
+    /// from none): each time, another may have written since its view.
+    acquisitions: AtomicU64,
 }
 
 impl Leadership {
@@ -58,7 +61,13 @@ impl Leadership {
             renewed: Mutex::new(None),
             stopping: AtomicBool::new(false),
             call_back: AtomicBool::new(false),
+            acquisitions: AtomicU64::new(0),
         }
+    }
+
+    /// How often this candidate acquired the Lease (renewals not counted).
+    pub fn acquisitions(&self) -> u64 {
+        self.acquisitions.load(Ordering::SeqCst)
     }
 
     /// Asks for an `Update::Leadership(true)` at the next renewal that
@@ -137,6 +146,7 @@ impl Elector {
                 return match client.post(&collection, &body) {
                     Ok(created) => {
                         self.observe(&lenient(&created), sent);
+                        self.leadership.acquisitions.fetch_add(1, Ordering::SeqCst);
                         self.renewed_at(sent);
                         Ok(true)
                     }
@@ -170,6 +180,9 @@ impl Elector {
                     );
                 }
                 self.observe(&lenient(&updated), sent);
+                if !mine {
+                    self.leadership.acquisitions.fetch_add(1, Ordering::SeqCst);
+                }
                 self.renewed_at(sent);
                 Ok(true)
             }

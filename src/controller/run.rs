@@ -43,6 +43,8 @@ const PASS_NODES: usize = 500;
 /// A pass decides every node at least this often, changed or not: what a
 /// scoped pass might leave undecided is decided again (level-triggered).
 const RESYNC_INTERVAL: Duration = Duration::from_secs(300);
+/// How soon a failed read after taking the Lease is tried again.
+const TAKEOVER_READ_RETRY: Duration = Duration::from_secs(1);
 /// How long each watch stays open (1–2× this) and the backoff's cap.
 const TIMING: ApiTiming = ApiTiming {
     watch_timeout: Duration::from_secs(300),
@@ -369,6 +371,11 @@ struct Controller<'c> {
     resync_at: Instant,
     /// The last node a bounded pass wrote: the next starts after it.
     bound_after: Option<String>,
+    /// The Lease acquisitions the view was last read for: after another,
+    /// no pass runs before a read and the view reaching it.
+    read_for: u64,
+    /// Since when the view catches up with the read after a takeover.
+    catching_up: Option<Instant>,
 }
 
 impl<'c> Controller<'c> {
@@ -401,6 +408,8 @@ impl<'c> Controller<'c> {
             pools_written: BTreeMap::new(),
             resync_at: Instant::now() + RESYNC_INTERVAL,
             bound_after: None,
+            read_for: 0,
+            catching_up: None,
         }
     }
 
@@ -519,9 +528,63 @@ impl<'c> Controller<'c> {
             self.leadership.call_back();
             return;
         }
+        if !self.caught_up_since_takeover() {
+            return;
+        }
         self.pending = false;
         self.next_pass = now + MIN_PASS_INTERVAL;
         self.pass(clock);
+    }
+
+    /// Whether the view is at least as new as a read taken after this
+    /// process last acquired the Lease (another leader may have written
+    /// what a lagging watch has not delivered: a block of another size, a
+    /// status); reads everything once it acquired the Lease again. While
+    /// the stream catches up the loop waits for its updates; a failed read
+    /// is tried again shortly.
+    fn caught_up_since_takeover(&mut self) -> bool {
+        let acquisitions = self.leadership.acquisitions();
+        if acquisitions != self.read_for {
+            let started = Instant::now();
+            if let Err(err) = self.read_everything() {
+                log::warn(
+                    "controller",
+                    "reading every object after taking the lease failed, retrying",
+                    &[("error", &err)],
+                );
+                self.next_pass = started + TAKEOVER_READ_RETRY;
+                return false;
+            }
+            self.read_for = acquisitions;
+            self.catching_up = Some(started);
+            log::info(
+                "controller",
+                "read every object after taking the lease; deciding once the watches deliver them",
+                &[("waiting_for", &self.cache.catching_up())],
+            );
+        }
+        if !self.cache.caught_up() {
+            self.standing_by = true;
+            return false;
+        }
+        if let Some(since) = self.catching_up.take() {
+            let waited = since.elapsed().as_millis();
+            log::info(
+                "controller",
+                "the view reached the read",
+                &[("took_ms", &waited)],
+            );
+        }
+        true
+    }
+
+    /// Reads each kind's names and versions for the view to reach.
+    fn read_everything(&mut self) -> Result<(), crate::kube::client::KubeError> {
+        for kind in Resource::ALL {
+            let read = informer::list_versions(&self.client, kind, &self.metrics)?;
+            self.cache.reach(kind, read);
+        }
+        Ok(())
     }
 
     fn pass(&mut self, clock: Clock) {

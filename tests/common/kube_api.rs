@@ -299,6 +299,12 @@ pub struct State {
     pub reactors: Vec<Reactor>,
     /// While set, open watches send nothing (a lagging watch).
     pub hold_watches: bool,
+    /// Watches that send nothing while listed here, by client (its bearer
+    /// token) and resource: one process's watch lagging.
+    pub held_watches: BTreeSet<(String, String)>,
+    /// The revision each client's last watch of each resource has sent
+    /// every event up to.
+    pub watch_followed: BTreeMap<(String, String), u64>,
     /// Open watches send each change only this long after it was made.
     pub watch_lag: Option<Duration>,
     /// Resource versions are opaque strings (see [`State::rv`]), not the
@@ -704,6 +710,19 @@ impl State {
             false => rv.parse().ok(),
             true => rv.rsplit('.').next()?.parse().ok(),
         }
+    }
+
+    /// Whether `client`'s watch of `resource` has sent every change up to
+    /// the object at `key` as it is now.
+    pub fn watched_up_to(&self, client: &str, resource: &str, key: &Key) -> bool {
+        let now = self
+            .get(key)
+            .and_then(|o| o["metadata"]["resourceVersion"].as_str());
+        let now = now.and_then(|rv| self.position(rv));
+        let followed = self
+            .watch_followed
+            .get(&(client.to_string(), resource.to_string()));
+        now.is_some_and(|at| followed.is_some_and(|f| *f >= at))
     }
 
     /// Logged requests of `method` (`WATCH` for watches) answered `status`.
@@ -1731,6 +1750,8 @@ fn follow(
             *state.watch_bytes.entry(key).or_insert(0) += written;
             written = 0;
         }
+        let key = (request.token.clone(), watch.counted.to_string());
+        state.watch_followed.insert(key, sent);
         if ended {
             drop(state);
             let _ = write!(stream, "0\r\n\r\n");
@@ -1746,7 +1767,8 @@ fn follow(
             let _ = write!(stream, "0\r\n\r\n");
             return;
         }
-        sent = pending_since(&state, route, &selector, sent, &mut pending);
+        let held = (state.held_watches).contains(&(request.token.clone(), route.counted()));
+        sent = pending_since(&state, route, &selector, (sent, held), &mut pending);
         let idle = state
             .bookmark_every
             .is_some_and(|every| last_sent.elapsed() >= every);
@@ -1785,22 +1807,23 @@ fn follow(
 }
 
 /// Adds to `pending` the events of changes after version `sent` that the
-/// watch may send now; returns the version it has then followed to.
+/// watch may send now (nothing while it is `held`); returns the version it
+/// has then followed to.
 fn pending_since(
     state: &State,
     route: &Route,
     selector: &Selector,
-    sent: u64,
+    (sent, held): (u64, bool),
     pending: &mut Vec<Arc<str>>,
 ) -> u64 {
+    let hold = state.hold_watches || held;
     let start = state.changes.partition_point(|c| c.version <= sent);
     // Each change's event was serialised once, when it was made (a
     // test that edited `changes` by hand gets its events made here).
     let aligned = state.events.len() == state.changes.len();
-    let delayed = state.hold_watches || state.watch_lag.is_some();
+    let delayed = hold || state.watch_lag.is_some();
     for (at, change) in state.changes.iter().enumerate().skip(start) {
-        let due =
-            !state.hold_watches && state.watch_lag.is_none_or(|lag| change.at.elapsed() >= lag);
+        let due = !hold && state.watch_lag.is_none_or(|lag| change.at.elapsed() >= lag);
         if delayed && !due {
             // A lagging watch: this change and the later ones wait.
             return state.changes[..at]
