@@ -10,7 +10,7 @@
 //! cooling, hand-edit statuses, delete MetisBlocks by hand, let a second
 //! controller decide from a stale copy, cut write sequences short (a
 //! crash), refuse every write of one node's NodeNetworkConfig, skew the
-//! deciding process's wall clock, and take etcd backups and (when asked) restore them
+//! deciding process's wall clock, and take etcd backups and restore them
 //! (the daemons then write their objects again, their releases
 //! remembered; restores that docs/controller.md says can still break a
 //! rule — an older copy of an object seen changed since, a NonReusable
@@ -35,8 +35,7 @@
 //! - a controller that has nothing new to say writes nothing.
 //!
 //! `CONTROLLER_MODEL_SEED`, `CONTROLLER_MODEL_RUNS` and
-//! `CONTROLLER_MODEL_STEPS` size and replay it; `CONTROLLER_MODEL_RESTORES=1`
-//! turns the etcd restores on.
+//! `CONTROLLER_MODEL_STEPS` size and replay it.
 
 #![cfg(feature = "kube")]
 
@@ -2154,10 +2153,8 @@ fn step(sim: &mut Sim, rng: &mut Rng, stale: &mut Option<Sim>, trace: &mut Vec<S
                 hand_made: sim.hand_made.clone(),
             }));
         }
-        // Restores run only when asked (`CONTROLLER_MODEL_RESTORES=1`):
-        // the actor's oracle still fails at random on what the controller
-        // keeps for vanished blocks (two CI seeds on 2026-12-06).
-        20 if env("CONTROLLER_MODEL_RESTORES", 0) == 1 && rng.below(2) == 0 => sim.restore(),
+        // etcd is restored to the last backup (half as often as the rest).
+        20 if rng.below(2) == 0 => sim.restore(),
         15 => {
             // The deciding process's wall clock runs ahead (by up to 10
             // more minutes): no delay may follow it.
