@@ -334,6 +334,12 @@ const CONTROLLER_LEADER: Metric = Metric::new(
     &[],
     "1 while this controller holds the Lease and writes, else 0.",
 );
+const CONTROLLER_CATCHING_UP: Metric = Metric::new(
+    "metis_controller_catching_up_objects",
+    Type::Gauge,
+    &[],
+    "Objects a controller that took the Lease still waits for its watches to deliver (read after the takeover); it decides nothing until 0.",
+);
 const CONTROLLER_POOL_BLOCKS: Metric = Metric::new(
     "metis_controller_pool_blocks",
     Type::Gauge,
@@ -386,9 +392,10 @@ const CONTROLLER_PASS_SECONDS: Metric = Metric::new(
 );
 
 /// The controller's metrics (`metis controller --metrics-address`).
-pub const CONTROLLER_METRICS: [&Metric; 10] = [
+pub const CONTROLLER_METRICS: [&Metric; 11] = [
     &BUILD_INFO,
     &CONTROLLER_LEADER,
+    &CONTROLLER_CATCHING_UP,
     &CONTROLLER_POOL_BLOCKS,
     &CONTROLLER_EXHAUSTED,
     &CONTROLLER_CONFLICTS,
@@ -402,6 +409,7 @@ pub const CONTROLLER_METRICS: [&Metric; 10] = [
 #[derive(Default)]
 struct ControllerCounters {
     leader: bool,
+    catching_up: usize,
     /// (pool, family) → (free, granted, cooling).
     pool_blocks: BTreeMap<(String, &'static str), (u64, u64, u64)>,
     exhausted: u64,
@@ -427,6 +435,10 @@ impl ControllerMetrics {
 
     pub fn set_leader(&self, leader: bool) {
         self.with(|c| c.leader = leader);
+    }
+
+    pub fn set_catching_up(&self, objects: usize) {
+        self.with(|c| c.catching_up = objects);
     }
 
     /// The blocks of every pool family now (pools gone drop out).
@@ -474,6 +486,8 @@ impl ControllerMetrics {
         self.with(|c| {
             CONTROLLER_LEADER.header(&mut out);
             CONTROLLER_LEADER.sample(&mut out, &[], u8::from(c.leader));
+            CONTROLLER_CATCHING_UP.header(&mut out);
+            CONTROLLER_CATCHING_UP.sample(&mut out, &[], c.catching_up);
             CONTROLLER_POOL_BLOCKS.header(&mut out);
             for ((pool, family), (free, granted, cooling)) in &c.pool_blocks {
                 for (state, value) in [("free", free), ("granted", granted), ("cooling", cooling)] {
@@ -856,6 +870,7 @@ mod tests {
     fn a_controller_scrape_shows_every_controller_metric() {
         let metrics = ControllerMetrics::default();
         metrics.set_leader(true);
+        metrics.set_catching_up(3);
         metrics.api_request("put", "nodenetworkconfigs");
         metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
         metrics.exhausted();
@@ -869,6 +884,7 @@ mod tests {
         }
         for line in [
             "metis_controller_leader 1\n",
+            "metis_controller_catching_up_objects 3\n",
             "metis_controller_pool_blocks{pool=\"p\",family=\"ipv4\",state=\"cooling\"} 1\n",
             "metis_controller_exhausted_total 1\n",
             "metis_controller_conflicts_total 0\n",

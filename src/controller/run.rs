@@ -563,6 +563,7 @@ impl<'c> Controller<'c> {
                 &[("waiting_for", &self.cache.catching_up())],
             );
         }
+        self.metrics.set_catching_up(self.cache.catching_up());
         if !self.cache.caught_up() {
             self.standing_by = true;
             return false;
