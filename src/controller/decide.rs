@@ -1349,6 +1349,9 @@ fn served_by_another(world: &World, cidr: &Cidr, node: &str) -> bool {
 /// relying on the block's name would take it in without an object.
 fn one_write_per_object(writes: &mut Vec<BlockWrite>) {
     let ends = |w: &BlockWrite| matches!(w.op, BlockOp::LetGo(..) | BlockOp::Delete(_));
+    if !writes.iter().any(ends) {
+        return;
+    }
     let kept: BTreeSet<String> = (writes.iter())
         .filter(|w| !ends(w))
         .map(|w| w.name.clone())
