@@ -575,6 +575,15 @@ impl Sim {
     /// Applies a decision as the API server would, cut after `limit`
     /// writes (a crash). Returns how many writes succeeded.
     fn apply(&mut self, decision: &Decision, limit: usize) -> usize {
+        // One write per object and decision: a status relies on the
+        // block's name (a let-go and a grant of one block once were two).
+        let objects: BTreeSet<&String> = decision.block_writes.iter().map(|w| &w.name).collect();
+        assert_eq!(
+            objects.len(),
+            decision.block_writes.len(),
+            "two writes to one object: {:?}",
+            decision.block_writes
+        );
         let mut done = 0;
         let mut written = BTreeSet::new();
         // As `Cache::restart_cooling`: only blocks cooling now (a stale
