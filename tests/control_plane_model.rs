@@ -239,11 +239,14 @@ fn followed(model: &Model, node: &Node) -> bool {
                 .iter()
                 .any(|e| e.ready && e.cidr == *cidr && !model.never_again.contains(cidr))
     });
+    // A block released before and listed again is taken again unless the
+    // daemon still remembers the release: waited for like any other (a
+    // step that then drops it must not find it still on its way in).
     let remembered = node.released();
     let missing = model.status.iter().any(|e| {
         e.ready
             && !remembered.contains(&e.cidr)
-            && !model.released_ever.contains(&e.cidr)
+            && !model.never_again.contains(&e.cidr)
             && !blocks
                 .iter()
                 .any(|(c, state, retired)| *c == e.cidr && serving(state, *retired))
