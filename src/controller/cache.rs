@@ -132,7 +132,7 @@ impl Cache {
             Resource::Node => self.nodes.iter().cloned().collect(),
             Resource::Pool => self.specs.keys().cloned().collect(),
             Resource::Block => (self.blocks.keys())
-                .filter(|name| !self.vanished.contains(*name))
+                .filter(|name| self.on_server(kind, name))
                 .cloned()
                 .collect(),
         }
@@ -149,11 +149,17 @@ impl Cache {
         }
     }
 
+    /// Whether the view holds `kind`'s object `name` as the API server
+    /// has it (a block kept as vanished is not).
+    fn on_server(&self, kind: Resource, name: &str) -> bool {
+        self.has(kind, name) && !(kind == Resource::Block && self.vanished.contains(name))
+    }
+
     /// Whether the view holds `kind`'s object `name` at `version` (a Node
     /// has none: present), or, for `None`, none from the API server.
     fn holds(&self, kind: Resource, name: &str, version: Option<&str>) -> bool {
         match version {
-            None => !self.has(kind, name) || self.vanished.contains(name),
+            None => !self.on_server(kind, name),
             Some(_) if kind == Resource::Node => self.nodes.contains(name),
             Some(v) => self.version_of(kind, name) == Some(v),
         }
