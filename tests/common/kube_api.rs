@@ -1758,14 +1758,19 @@ fn follow(
     let mut last_sent = Instant::now();
     let mut written = 0u64;
     let mut ended = false;
+    // This watch's client and resource, as the counts and holds name them.
+    let key = (request.token.clone(), watch.counted.to_string());
     loop {
         if written > 0 {
-            let key = (request.token.clone(), watch.counted.to_string());
-            *state.watch_bytes.entry(key).or_insert(0) += written;
+            *state.watch_bytes.entry(key.clone()).or_insert(0) += written;
             written = 0;
         }
-        let key = (request.token.clone(), watch.counted.to_string());
-        state.watch_followed.insert(key, sent);
+        match state.watch_followed.get_mut(&key) {
+            Some(followed) => *followed = sent,
+            None => {
+                state.watch_followed.insert(key.clone(), sent);
+            }
+        }
         if ended {
             drop(state);
             let _ = write!(stream, "0\r\n\r\n");
@@ -1781,7 +1786,7 @@ fn follow(
             let _ = write!(stream, "0\r\n\r\n");
             return;
         }
-        let held = (state.held_watches).contains(&(request.token.clone(), route.counted()));
+        let held = state.held_watches.contains(&key);
         sent = pending_since(&state, route, &selector, (sent, held), &mut pending);
         let idle = state
             .bookmark_every
