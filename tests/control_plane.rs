@@ -17,7 +17,7 @@ use common::cluster::{
     NODE, block_state, blocks_in_db, default_conf, health_detail, start_daemon,
     start_daemon_over_https, status_entry,
 };
-use common::kube_api::{NNCS, fail_next};
+use common::kube_api::{Backup, EVENTS, NNCS, fail_next};
 use common::scrape::{http_get, metrics_addr, series};
 use common::{Plugin, TestDir, assert_ok, json, metis, wait_for};
 use serde_json::{Value, json};
@@ -374,17 +374,23 @@ fn item3_opaque_versions_follow_the_stream_and_a_late_copy_resurrects_nothing() 
     }
 }
 
-#[test]
-fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
-    let dir = TestDir::new("cp-restore");
+/// A daemon that asked for its first 10 pods, a backup of its object as
+/// it was then, and 30 more pods since (granted blocks past the backup).
+fn grown_past_a_backup(name: &str) -> (TestDir, Cloud, common::TestDaemon, String, Backup) {
+    let dir = TestDir::new(name);
     let api = Cloud::start(&[]);
     let daemon = start_daemon(&dir, &api, "nnc", &["--api-max-backoff", "200ms"]);
     let config = default_conf(&dir, "1.0.0", r#"[[{"subnet":"198.18.0.0/28"}]]"#);
     common::add_concurrently(&config, 0..10);
     api.wait_until("the first request", WAIT, |s| s.pods("default").is_some());
-    // The backup: the object as it is now.
     let backup = api.state().backup();
     common::add_concurrently(&config, 10..40);
+    (dir, api, daemon, config, backup)
+}
+
+#[test]
+fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
+    let (dir, api, daemon, config, backup) = grown_past_a_backup("cp-restore");
     let grown = api.state().status_cidrs();
     // etcd comes back from the backup: versions go back, watches end.
     let lists_before = lists(&api);
@@ -428,6 +434,53 @@ fn item3_after_an_etcd_restore_growth_resumes_without_a_restart() {
         lost.is_empty() || detail.contains("no longer grants"),
         "{detail}"
     );
+}
+
+/// etcd restored without `--bump-revision`, and other objects' writes
+/// hand its versions out again past the node's before its watch resumes:
+/// the watch resumes without an error, and the node's object is back at a
+/// version the node saw before its newer copy. The read after the first
+/// conflict is older than the copy the patch went from: the state went
+/// back, and the node follows it at once (skipped as old, every patch
+/// would go from the newer copy and conflict until the object changed).
+#[test]
+fn item3_after_a_restore_without_new_versions_a_conflict_read_is_the_state_going_back() {
+    let (_dir, api, daemon, config, backup) = grown_past_a_backup("cp-restore-unbumped");
+    let (lists_before, restored_at) = (lists(&api), api.state().log.len());
+    api.with_state(|s| {
+        let handed_out = s.version;
+        s.restore(backup);
+        let mut n = 0;
+        while s.version <= handed_out {
+            n += 1;
+            let event = json!({"metadata": {"name": format!("other-{n}")}});
+            s.create(EVENTS, "default", &event).unwrap();
+        }
+    });
+    common::add_concurrently(&config, 40..60);
+    let patches_since = |s: &common::kube_api::State, status: u16| {
+        s.log[restored_at..]
+            .iter()
+            .filter(|r| r.method == "PATCH" && r.status == status)
+            .count()
+    };
+    api.wait_until("a patch of the restored object", WAIT, |s| {
+        patches_since(s, 200) >= 1
+    });
+    let conflicts = patches_since(&api.state(), 409);
+    assert!(
+        conflicts <= 2,
+        "{conflicts} conflicts: {:?}",
+        api.state().log
+    );
+    assert_eq!(lists(&api), lists_before, "the watch resumed: no relist");
+    assert!(
+        daemon.log().contains("went back to an earlier one"),
+        "{}",
+        daemon.log()
+    );
+    let detail = health_detail(&daemon);
+    assert!(!detail.contains("conflicts in a row"), "{detail}");
 }
 
 #[test]

@@ -269,9 +269,9 @@ impl Cluster {
                 "this node's object was created anew (another uid): starting over from what it grants"
             }
             Verdict::WentBack => {
-                "this node's object went back to an earlier one (a uid it saw replaced): the \
-                 cluster's state was restored; what it lists is old, and blocks this node \
-                 released stay released"
+                "this node's object went back to an earlier one (a uid it saw replaced, or \
+                 an answer older than a copy the watch delivered): the cluster's state was \
+                 restored; what it lists is old, and blocks this node released stay released"
             }
             Verdict::Apply | Verdict::Ignore => return,
         };

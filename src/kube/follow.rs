@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use super::fresh::{Fresh, Freshness};
+use super::fresh::{Asked, Fresh, Freshness};
 use super::nnc::{Kind, Meta};
 use crate::log;
 
@@ -126,8 +126,9 @@ pub enum Verdict {
     /// over from it, as after a delete.
     Recreated,
     /// The truth now, of an object this node saw replaced before (an
-    /// earlier `uid` back): the cluster's state went back (an etcd
-    /// restore). What it lists is old, not granted anew.
+    /// earlier `uid` back), or an answer older than the copy its request
+    /// was sent from: the cluster's state went back (an etcd restore).
+    /// What it lists is old, not granted anew.
     WentBack,
     /// Not news (the stream is already past it): ignore it.
     Ignore,
@@ -140,8 +141,8 @@ pub struct Follower {
     uid: Option<String>,
     version: Option<String>,
     fresh: Freshness,
-    /// The version (and its epoch) the patch in flight was computed from.
-    sent: Option<(String, u64)>,
+    /// Where the patch in flight was computed from.
+    sent: Option<Asked>,
     /// Uids of this name seen replaced by another, oldest first.
     superseded: VecDeque<String>,
 }
@@ -164,7 +165,11 @@ impl Follower {
 
     /// A patch computed from the current copy went out.
     pub fn patch_sent(&mut self, base: &str) {
-        self.sent = Some((base.to_string(), self.fresh.epoch()));
+        self.sent = Some(Asked {
+            base: base.to_string(),
+            epoch: self.fresh.epoch(),
+            position: self.fresh.position(),
+        });
     }
 
     /// A copy read or written outside the stream for the patch computed
@@ -172,22 +177,23 @@ impl Follower {
     /// 409. Adopted when it is newer than the copy held (the freshness
     /// rule) and of the same object; an answer to a patch nobody sent, or
     /// sent before a relist (after an etcd restore the same version names
-    /// another object), is not.
+    /// another object), is not. An answer older than the copy the patch
+    /// was sent from is the state going back.
     pub fn answered(&mut self, base: &str, meta: &Meta) -> Verdict {
-        let Some((sent, epoch)) = self.sent.take() else {
+        let Some(sent) = self.sent.take() else {
             return Verdict::Ignore;
         };
         let same_object = self.uid.as_deref().is_none_or(|uid| uid == meta.uid);
-        if sent != base || !same_object {
+        if sent.base != base || !same_object {
             return Verdict::Ignore;
         }
-        match self.fresh.fetched(epoch, &meta.resource_version) {
-            Fresh::Stale => Verdict::Ignore,
-            Fresh::Newer => {
-                self.version = Some(meta.resource_version.clone());
-                Verdict::Apply
-            }
-        }
+        let verdict = match self.fresh.fetched(&sent, &meta.resource_version) {
+            Fresh::Stale => return Verdict::Ignore,
+            Fresh::Newer => Verdict::Apply,
+            Fresh::Back => Verdict::WentBack,
+        };
+        self.version = Some(meta.resource_version.clone());
+        verdict
     }
 
     /// The object is gone (deleted, or a list found none). Its uid is kept:
@@ -384,6 +390,29 @@ mod tests {
         assert_eq!(
             follower.answered("13", &meta("n", "u1", "14")),
             Verdict::Ignore
+        );
+    }
+
+    /// etcd restored without new versions while the watch went on: the
+    /// patch from 6 conflicts and the read answers 5, which the stream
+    /// delivered before 6. Skipped as old, every later patch would go
+    /// from 6 and conflict again.
+    #[test]
+    fn a_read_older_than_the_copy_a_patch_was_sent_from_is_the_state_going_back() {
+        let mut follower = Follower::default();
+        follower.stream(1, &meta("n", "u1", "5"));
+        follower.stream(1, &meta("n", "u1", "6"));
+        follower.patch_sent("6");
+        assert_eq!(
+            follower.answered("6", &meta("n", "u1", "5")),
+            Verdict::WentBack
+        );
+        assert_eq!(follower.version(), Some("5"));
+        follower.patch_sent("5");
+        assert_eq!(
+            follower.answered("5", &meta("n", "u1", "6")),
+            Verdict::Apply,
+            "a version handed out again"
         );
     }
 

@@ -7,7 +7,10 @@
 //! unless the stream already delivered that very version (then the
 //! stream's later copies are newer). After adopting such a copy the
 //! stream's copies are skipped until it delivers that version; a relist
-//! (a new epoch) or a deletion ends the wait.
+//! (a new epoch) or a deletion ends the wait. An answer at a version the
+//! stream delivered before the request went out, other than the one it
+//! was sent from, is older than what the server already said: its state
+//! went back (etcd restored without new versions).
 
 use std::collections::VecDeque;
 
@@ -22,6 +25,20 @@ pub enum Fresh {
     Newer,
     /// Not newer than the copy held (an older one, or the same): skip it.
     Stale,
+    /// An answer older than the copy its request was sent from: the
+    /// server's state went back. The truth now; the versions the epoch
+    /// delivered are forgotten (they may name other contents now).
+    Back,
+}
+
+/// Where a request stood in the stream when it went out: the version it
+/// was sent from (the copy held then) and how many copies the epoch had
+/// delivered ([`Freshness::position`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Asked {
+    pub base: String,
+    pub epoch: u64,
+    pub position: u64,
 }
 
 /// What one process knows of one object's versions.
@@ -30,6 +47,9 @@ pub struct Freshness {
     epoch: u64,
     /// Versions the stream delivered in this epoch, oldest first.
     delivered: VecDeque<String>,
+    /// How many copies the stream delivered in this epoch (the last of
+    /// `delivered` is the `count`-th).
+    count: u64,
     /// A version read or written outside the stream that the stream has
     /// not delivered yet: its copies before it are older.
     awaiting: Option<String>,
@@ -44,6 +64,7 @@ impl Freshness {
             self.delivered.pop_front();
         }
         self.delivered.push_back(version.to_string());
+        self.count += 1;
         match self.awaiting.as_deref() {
             None => Fresh::Newer,
             Some(awaited) => {
@@ -57,15 +78,34 @@ impl Freshness {
     }
 
     /// A copy read (GET) or written (a write's answer) outside the stream,
-    /// by a request sent in stream epoch `epoch`.
-    pub fn fetched(&mut self, epoch: u64, version: &str) -> Fresh {
-        if epoch != self.epoch || self.delivered.iter().any(|v| v == version) {
-            // A relist came in between (its copy is as new), or the stream
-            // already delivered this version and maybe later ones.
+    /// by the request `asked`.
+    pub fn fetched(&mut self, asked: &Asked, version: &str) -> Fresh {
+        if asked.epoch != self.epoch {
+            // A relist came in between: its copy is as new.
             return Fresh::Stale;
         }
-        self.awaiting = Some(version.to_string());
-        Fresh::Newer
+        let Some(index) = self.delivered.iter().position(|v| v == version) else {
+            self.awaiting = Some(version.to_string());
+            return Fresh::Newer;
+        };
+        let position = self.count - (self.delivered.len() - index) as u64;
+        if position >= asked.position || version == asked.base {
+            // Delivered since the request went out (the stream may be past
+            // it), or the copy it was sent from.
+            return Fresh::Stale;
+        }
+        // The stream delivered this version before the request's base,
+        // which the server had answered or sent already: it went back.
+        // Its versions of this epoch may name other contents now.
+        self.delivered.clear();
+        self.awaiting = None;
+        Fresh::Back
+    }
+
+    /// How many copies the stream delivered in this epoch: a request sent
+    /// now records it ([`Asked`]).
+    pub fn position(&self) -> u64 {
+        self.count
     }
 
     /// The stream (of epoch `epoch`) says the object was deleted, or a
@@ -81,6 +121,7 @@ impl Freshness {
         if epoch != self.epoch {
             self.epoch = epoch;
             self.delivered.clear();
+            self.count = 0;
             self.awaiting = None;
         }
     }
@@ -95,13 +136,23 @@ impl Freshness {
 mod tests {
     use super::*;
 
+    /// A request sent now from `base`.
+    fn sent(fresh: &Freshness, base: &str) -> Asked {
+        Asked {
+            base: base.into(),
+            epoch: fresh.epoch(),
+            position: fresh.position(),
+        }
+    }
+
     #[test]
     fn a_lagging_watch_never_replaces_a_copy_read_or_written_later() {
         let mut fresh = Freshness::default();
         assert_eq!(fresh.streamed(1, "105"), Fresh::Newer);
         // A PATCH from 105 answered 107 (the controller wrote 106 and 107
         // in between... or our write was 106 and the controller's 107).
-        assert_eq!(fresh.fetched(1, "107"), Fresh::Newer);
+        let patch = sent(&fresh, "105");
+        assert_eq!(fresh.fetched(&patch, "107"), Fresh::Newer);
         // The watch lags: 106, then 107 itself, are not news.
         assert_eq!(fresh.streamed(1, "106"), Fresh::Stale);
         assert_eq!(fresh.streamed(1, "107"), Fresh::Stale);
@@ -113,8 +164,9 @@ mod tests {
     fn versions_are_never_ordered() {
         let mut fresh = Freshness::default();
         fresh.streamed(1, "zz");
+        let patch = sent(&fresh, "zz");
         assert_eq!(
-            fresh.fetched(1, "aa"),
+            fresh.fetched(&patch, "aa"),
             Fresh::Newer,
             "not sorted: equal only"
         );
@@ -127,25 +179,52 @@ mod tests {
     fn a_copy_the_stream_already_delivered_is_not_news() {
         let mut fresh = Freshness::default();
         fresh.streamed(1, "5");
+        let patch = sent(&fresh, "5");
         fresh.streamed(1, "6");
-        // A GET answered 5, handled after the stream brought 6.
-        assert_eq!(fresh.fetched(1, "5"), Fresh::Stale);
-        assert_eq!(fresh.fetched(1, "6"), Fresh::Stale, "the same copy");
+        // A GET after the patch's 409 answered 5 or 6, handled after the
+        // stream brought 6: the stream is as far.
+        assert_eq!(fresh.fetched(&patch, "5"), Fresh::Stale, "its base");
+        assert_eq!(fresh.fetched(&patch, "6"), Fresh::Stale, "the same copy");
         assert_eq!(fresh.streamed(1, "7"), Fresh::Newer, "nothing awaited");
+    }
+
+    /// Only a server whose state went back answers a request with a
+    /// version the stream delivered before the copy it was sent from
+    /// (etcd restored without `--bump-revision`): the answer is the truth
+    /// now, and the versions delivered before it mean nothing any more.
+    #[test]
+    fn an_answer_older_than_the_copy_it_was_sent_from_is_the_state_going_back() {
+        let mut fresh = Freshness::default();
+        fresh.streamed(1, "5");
+        fresh.streamed(1, "6");
+        let patch = sent(&fresh, "6");
+        assert_eq!(fresh.fetched(&patch, "5"), Fresh::Back);
+        // The next write lands at a version handed out before: news.
+        let patch = sent(&fresh, "5");
+        assert_eq!(fresh.fetched(&patch, "6"), Fresh::Newer);
+        assert_eq!(fresh.streamed(1, "6"), Fresh::Stale, "awaited");
+        assert_eq!(fresh.streamed(1, "7"), Fresh::Newer);
+        // Also when the base came from outside the stream.
+        let patch = sent(&fresh, "7");
+        assert_eq!(fresh.fetched(&patch, "9"), Fresh::Newer);
+        let read = sent(&fresh, "9");
+        assert_eq!(fresh.fetched(&read, "7"), Fresh::Back);
     }
 
     #[test]
     fn a_relist_or_a_deletion_ends_the_wait() {
         let mut fresh = Freshness::default();
         fresh.streamed(1, "5");
-        assert_eq!(fresh.fetched(1, "9"), Fresh::Newer);
+        let before = sent(&fresh, "5");
+        assert_eq!(fresh.fetched(&before, "9"), Fresh::Newer);
         // A relist: its copy is a read of what is true now.
         assert_eq!(fresh.streamed(2, "8"), Fresh::Newer);
         assert_eq!(fresh.epoch(), 2);
         // An answer to a request sent before the relist is not adopted
         // (after an etcd restore the same version names another content).
-        assert_eq!(fresh.fetched(1, "10"), Fresh::Stale);
-        assert_eq!(fresh.fetched(2, "10"), Fresh::Newer);
+        assert_eq!(fresh.fetched(&before, "10"), Fresh::Stale);
+        let after = sent(&fresh, "8");
+        assert_eq!(fresh.fetched(&after, "10"), Fresh::Newer);
         fresh.gone(2);
         assert_eq!(fresh.streamed(2, "11"), Fresh::Newer);
     }
@@ -158,6 +237,10 @@ mod tests {
         }
         assert_eq!(fresh.delivered.len(), REMEMBERED);
         let last = (REMEMBERED + 9).to_string();
-        assert_eq!(fresh.fetched(1, &last), Fresh::Stale);
+        let patch = sent(&fresh, &last);
+        assert_eq!(fresh.fetched(&patch, &last), Fresh::Stale);
+        // Positions still count from the epoch's first copy.
+        let first_kept = 10.to_string();
+        assert_eq!(fresh.fetched(&patch, &first_kept), Fresh::Back);
     }
 }
