@@ -14,6 +14,7 @@ use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::{Status, StatusIndex};
 use super::taken::TakenIndex;
 use crate::cidr::Cidr;
+use crate::kube::fresh::{self, Streamed};
 use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default, Clone)]
@@ -46,7 +47,8 @@ pub struct Cache {
     followed: BTreeMap<String, usize>,
     /// Objects whose copy came from outside the stream (a GET after a 409,
     /// a PUT's answer), by version: the stream's copies of them are older
-    /// until it delivers that very version (its order is the objects').
+    /// until it delivers that very version (its order is the objects';
+    /// the rule is the node's, `kube::fresh::against_awaited`).
     ahead: BTreeMap<(Resource, String), String>,
     /// Nodes whose NodeNetworkConfig, Node or blocks changed since the
     /// last pass: the next pass decides them.
@@ -471,14 +473,13 @@ impl Cache {
         let name = item.name().to_string();
         let version = item.resource_version().to_string();
         let key = (kind, name);
-        match self.ahead.get(&key) {
-            Some(fetched) if *fetched == version => {
+        match fresh::against_awaited(self.ahead.get(&key).map(String::as_str), &version) {
+            Streamed::Reached => {
                 self.ahead.remove(&key);
                 return false;
             }
-            // Older than the copy fetched: the stream still catches up.
-            Some(_) => return false,
-            None => {}
+            Streamed::Behind => return false,
+            Streamed::News => {}
         }
         if !version.is_empty() && self.version_of(kind, &key.1) == Some(version.as_str()) {
             return false;

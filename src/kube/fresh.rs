@@ -10,7 +10,10 @@
 //! (a new epoch) or a deletion ends the wait. An answer at a version the
 //! stream delivered before the request went out, other than the one it
 //! was sent from, is older than what the server already said: its state
-//! went back (etcd restored without new versions).
+//! went back (etcd restored without new versions). The controller's view
+//! shares the stream's side ([`against_awaited`]); it keeps no history of
+//! delivered versions for its thousands of objects, so it judges an answer
+//! only against the version it holds (`controller::cache`).
 
 use std::collections::VecDeque;
 
@@ -29,6 +32,29 @@ pub enum Fresh {
     /// server's state went back. The truth now; the versions the epoch
     /// delivered are forgotten (they may name other contents now).
     Back,
+}
+
+/// A copy the stream delivered, against the version `awaited` (read or
+/// written outside the stream, not delivered yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streamed {
+    /// Nothing awaited: the truth now.
+    News,
+    /// Older than the copy held: the stream still catches up.
+    Behind,
+    /// The awaited version itself: the copy held already; what follows
+    /// is newer.
+    Reached,
+}
+
+/// The stream's side of the rule, for the node ([`Freshness`]) and the
+/// controller's view alike.
+pub fn against_awaited(awaited: Option<&str>, version: &str) -> Streamed {
+    match awaited {
+        None => Streamed::News,
+        Some(awaited) if awaited == version => Streamed::Reached,
+        Some(_) => Streamed::Behind,
+    }
 }
 
 /// Where a request stood in the stream when it went out: the version it
@@ -65,13 +91,11 @@ impl Freshness {
         }
         self.delivered.push_back(version.to_string());
         self.count += 1;
-        match self.awaiting.as_deref() {
-            None => Fresh::Newer,
-            Some(awaited) => {
-                if awaited == version {
-                    // Caught up: what follows is newer than the copy held.
-                    self.awaiting = None;
-                }
+        match against_awaited(self.awaiting.as_deref(), version) {
+            Streamed::News => Fresh::Newer,
+            Streamed::Behind => Fresh::Stale,
+            Streamed::Reached => {
+                self.awaiting = None;
                 Fresh::Stale
             }
         }
