@@ -10,7 +10,9 @@
 //! (a new epoch) or a deletion ends the wait. An answer at a version the
 //! stream delivered before the request went out, other than the one it
 //! was sent from, is older than what the server already said: its state
-//! went back (etcd restored without new versions). The controller's view
+//! went back (etcd restored without new versions); so is one the stream
+//! delivered since, while the request's base, an answer, is still awaited
+//! (the stream went past it without it). The controller's view
 //! shares the stream's side ([`against_awaited`]); it keeps no history of
 //! delivered versions for its thousands of objects, so it judges an answer
 //! only against the version it holds (`controller::cache`).
@@ -113,14 +115,17 @@ impl Freshness {
             return Fresh::Newer;
         };
         let position = self.count - (self.delivered.len() - index) as u64;
-        if position >= asked.position || version == asked.base {
-            // Delivered since the request went out (the stream may be past
-            // it), or the copy it was sent from.
+        let base_awaited = self.awaiting.as_deref() == Some(asked.base.as_str());
+        if version == asked.base || position >= asked.position && !base_awaited {
+            // The copy it was sent from, or delivered since the request
+            // went out (the stream may be past it).
             return Fresh::Stale;
         }
         // The stream delivered this version before the request's base,
-        // which the server had answered or sent already: it went back.
-        // Its versions of this epoch may name other contents now.
+        // which the server had answered or sent already; or after the
+        // request went out, yet never that base (an answer this process
+        // awaits): either way the server's state went back. Its versions
+        // of this epoch may name other contents now.
         self.delivered.clear();
         self.awaiting = None;
         Fresh::Back
@@ -235,6 +240,22 @@ mod tests {
         assert_eq!(fresh.fetched(&read, "7"), Fresh::Back);
     }
 
+    /// A restore lost the answer this process awaits: the stream goes on
+    /// past it (its copies skipped, as older than the answer), and the
+    /// next request's answer is one of those copies. In a history that
+    /// never went back the stream would have delivered the answer first.
+    #[test]
+    fn a_stream_past_an_awaited_answer_it_never_delivered_went_back() {
+        let mut fresh = Freshness::default();
+        fresh.streamed(1, "5");
+        let patch = sent(&fresh, "5");
+        assert_eq!(fresh.fetched(&patch, "9"), Fresh::Newer);
+        let patch = sent(&fresh, "9");
+        assert_eq!(fresh.streamed(1, "12"), Fresh::Stale, "awaiting 9");
+        assert_eq!(fresh.fetched(&patch, "12"), Fresh::Back);
+        assert_eq!(fresh.streamed(1, "13"), Fresh::Newer);
+    }
+
     #[test]
     fn a_relist_or_a_deletion_ends_the_wait() {
         let mut fresh = Freshness::default();
@@ -266,5 +287,183 @@ mod tests {
         // Positions still count from the epoch's first copy.
         let first_kept = 10.to_string();
         assert_eq!(fresh.fetched(&patch, &first_kept), Fresh::Back);
+    }
+}
+
+/// Random interleavings of one object's life against one process: other
+/// writers, a watch that lags, requests answered and handled late, and
+/// etcd restores (with or without `--bump-revision`; the watch then lists
+/// again or resumes silently). Without a restore, no copy ever replaces a
+/// newer one and no answer is taken for the state going back; with one,
+/// an answer taken so is the server's state when it answered.
+#[cfg(test)]
+mod model {
+    use super::*;
+    use crate::testutil::Rng;
+
+    /// The object's versions in order, each with the content it names
+    /// (after a restore without a bump, a version may come back with
+    /// another content).
+    struct Server {
+        history: Vec<(u64, u64)>,
+        last_version: u64,
+        contents: u64,
+    }
+
+    impl Server {
+        fn write(&mut self) {
+            self.last_version += 1;
+            self.contents += 1;
+            self.history.push((self.last_version, self.contents));
+        }
+
+        fn now(&self) -> (u64, u64) {
+            self.history[self.history.len() - 1]
+        }
+    }
+
+    /// A request sent from the copy held, answered by the server at some
+    /// later step, handled by the process later still.
+    struct Request {
+        asked: Asked,
+        answer: Option<(u64, u64)>,
+        /// How many restores came before it was sent.
+        sent_after: u32,
+    }
+
+    struct Process {
+        fresh: Freshness,
+        held: (u64, u64),
+        /// The history index of the watch's next copy.
+        cursor: usize,
+        request: Option<Request>,
+    }
+
+    /// The history index of `copy`, when the history holds it.
+    fn index_of(server: &Server, copy: (u64, u64)) -> Option<usize> {
+        server.history.iter().position(|c| *c == copy)
+    }
+
+    fn run(seed: u64, steps: usize) {
+        let mut rng = Rng(seed | 1);
+        let mut server = Server {
+            history: vec![(1, 1)],
+            last_version: 1,
+            contents: 1,
+        };
+        let mut p = Process {
+            fresh: Freshness::default(),
+            held: (1, 1),
+            cursor: 1,
+            request: None,
+        };
+        p.fresh.streamed(1, "1");
+        let mut epoch = 1;
+        let mut restored = false;
+        let mut restores = 0;
+        for step in 0..steps {
+            let before = index_of(&server, p.held);
+            match rng.below(20) {
+                0..=4 => server.write(),
+                5..=9 if p.cursor < server.history.len() => {
+                    let (version, content) = server.history[p.cursor];
+                    p.cursor += 1;
+                    if p.fresh.streamed(epoch, &version.to_string()) == Fresh::Newer {
+                        p.held = (version, content);
+                    }
+                }
+                10..=12 if p.request.is_none() => {
+                    let asked = Asked {
+                        base: p.held.0.to_string(),
+                        epoch: p.fresh.epoch(),
+                        position: p.fresh.position(),
+                    };
+                    p.request = Some(Request {
+                        asked,
+                        answer: None,
+                        sent_after: restores,
+                    });
+                }
+                13..=15 => {
+                    if let Some(request) = p.request.as_mut().filter(|r| r.answer.is_none()) {
+                        // A patch lands on its base; otherwise the 409's read.
+                        if server.now().0.to_string() == request.asked.base {
+                            server.write();
+                        }
+                        request.answer = Some(server.now());
+                    }
+                }
+                16..=18 => {
+                    if let Some(request) = p.request.take_if(|r| r.answer.is_some()) {
+                        let answer = request.answer.unwrap_or_default();
+                        let verdict = p.fresh.fetched(&request.asked, &answer.0.to_string());
+                        assert!(
+                            verdict != Fresh::Back || restored,
+                            "seed {seed} step {step}: {answer:?} taken for the state going back"
+                        );
+                        if verdict != Fresh::Stale {
+                            p.held = answer;
+                        }
+                        // A request sent since the last restore and in
+                        // this epoch leaves a copy of the state there is:
+                        // its answer, or a newer one the stream delivered.
+                        assert!(
+                            request.sent_after < restores
+                                || request.asked.epoch != p.fresh.epoch()
+                                || index_of(&server, p.held).is_some(),
+                            "seed {seed} step {step}: {:?} kept over {answer:?}",
+                            p.held
+                        );
+                    }
+                }
+                19 if server.history.len() > 1 => {
+                    restored = true;
+                    restores += 1;
+                    let versions = u64::try_from(server.history.len()).unwrap_or(u64::MAX);
+                    let kept = 1 + usize::try_from(rng.below(versions - 1)).unwrap_or(0);
+                    server.history.truncate(kept);
+                    p.cursor = kept;
+                    match rng.below(3) {
+                        // `--bump-revision`: versions go on; watches get 410.
+                        0 => {}
+                        // No bump, and other objects' writes hand the
+                        // versions out again past every one this process
+                        // saw: the watch resumes without an error, the
+                        // object's own version back to one it delivered.
+                        // (Handed out again to this object before that, a
+                        // version would name two contents on a silent
+                        // stream, which no client can tell apart.)
+                        1 => {
+                            server.last_version += rng.below(3);
+                            continue;
+                        }
+                        // No bump: a watch from past the server's version
+                        // is refused, and lists again.
+                        _ => server.last_version = server.now().0,
+                    }
+                    epoch += 1;
+                    let (version, content) = server.now();
+                    p.fresh.streamed(epoch, &version.to_string());
+                    p.held = (version, content);
+                }
+                _ => {}
+            }
+            if !restored {
+                let after = index_of(&server, p.held);
+                assert!(
+                    after >= before,
+                    "seed {seed} step {step}: {:?} replaced by an older copy {:?}",
+                    before,
+                    after
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn no_copy_goes_back_and_only_a_restore_is_taken_for_one() {
+        for seed in 0..2_000 {
+            run(seed, 300);
+        }
     }
 }
