@@ -365,6 +365,13 @@ const CONTROLLER_VANISHED: Metric = Metric::new(
     "MetisBlocks that vanished while their finalizer held them (the cluster's state went back, \
      as after an etcd restore): each cools for its node.",
 );
+const CONTROLLER_WENT_BACK: Metric = Metric::new(
+    "metis_controller_blocks_went_back_total",
+    Type::Counter,
+    &[],
+    "MetisBlocks a list brought back older than the copy the controller held (an etcd restore): \
+     the newer copy is kept and written back.",
+);
 const CONTROLLER_API_REQUESTS: Metric = Metric::new(
     "metis_controller_api_requests_total",
     Type::Counter,
@@ -392,7 +399,7 @@ const CONTROLLER_PASS_SECONDS: Metric = Metric::new(
 );
 
 /// The controller's metrics (`metis controller --metrics-address`).
-pub const CONTROLLER_METRICS: [&Metric; 11] = [
+pub const CONTROLLER_METRICS: [&Metric; 12] = [
     &BUILD_INFO,
     &CONTROLLER_LEADER,
     &CONTROLLER_CATCHING_UP,
@@ -400,6 +407,7 @@ pub const CONTROLLER_METRICS: [&Metric; 11] = [
     &CONTROLLER_EXHAUSTED,
     &CONTROLLER_CONFLICTS,
     &CONTROLLER_VANISHED,
+    &CONTROLLER_WENT_BACK,
     &CONTROLLER_API_REQUESTS,
     &CONTROLLER_WRITE_FAILURES,
     &CONTROLLER_PASSES,
@@ -415,6 +423,7 @@ struct ControllerCounters {
     exhausted: u64,
     conflicts: u64,
     vanished: u64,
+    went_back: u64,
     api_requests: BTreeMap<(&'static str, &'static str), u64>,
     write_failures: BTreeMap<(&'static str, u16), u64>,
     passes: u64,
@@ -458,6 +467,10 @@ impl ControllerMetrics {
         self.with(|c| c.vanished += 1);
     }
 
+    pub fn went_back(&self) {
+        self.with(|c| c.went_back += 1);
+    }
+
     pub fn api_request(&self, verb: &'static str, resource: &'static str) {
         self.with(|c| *c.api_requests.entry((verb, resource)).or_default() += 1);
     }
@@ -498,6 +511,7 @@ impl ControllerMetrics {
                 (&CONTROLLER_EXHAUSTED, c.exhausted),
                 (&CONTROLLER_CONFLICTS, c.conflicts),
                 (&CONTROLLER_VANISHED, c.vanished),
+                (&CONTROLLER_WENT_BACK, c.went_back),
                 (&CONTROLLER_PASSES, c.passes),
             ] {
                 metric.header(&mut out);
@@ -875,6 +889,7 @@ mod tests {
         metrics.set_pool_blocks(BTreeMap::from([(("p".to_string(), "ipv4"), (3, 2, 1))]));
         metrics.exhausted();
         metrics.vanished();
+        metrics.went_back();
         metrics.write_failure("nodenetworkconfigs", 422);
         metrics.pass(Duration::from_millis(1500));
         metrics.pass(Duration::from_millis(250));
@@ -889,6 +904,7 @@ mod tests {
             "metis_controller_exhausted_total 1\n",
             "metis_controller_conflicts_total 0\n",
             "metis_controller_vanished_blocks_total 1\n",
+            "metis_controller_blocks_went_back_total 1\n",
             "metis_controller_api_requests_total{verb=\"put\",resource=\"nodenetworkconfigs\"} 1\n",
             "metis_controller_write_failures_total{resource=\"nodenetworkconfigs\",code=\"422\"} 1\n",
             "metis_controller_passes_total 2\n",

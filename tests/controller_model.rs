@@ -13,8 +13,8 @@
 //! deciding process's wall clock, and take etcd backups and restore them
 //! (the daemons then write their objects again, their releases
 //! remembered; restores that docs/controller.md says can still break a
-//! rule — an older copy of an object seen changed since, a NonReusable
-//! object made since, a controller started right after — are left out). Each pass decides on what the
+//! rule — a NonReusable object made since, a controller started right
+//! after — are left out). Each pass decides on what the
 //! controller's own cache (`Cache`) holds, fed every change as a watch
 //! would when it happens: its ledgers, indexes and choice of the nodes
 //! changed, which debug builds check against a pass over every node at
@@ -104,6 +104,9 @@ struct Sim {
     /// never serves one again from a status that brings it back (an etcd
     /// restore), and gives a NonReusable one back as such again.
     released: BTreeMap<String, BTreeMap<String, bool>>,
+    /// Status entries an etcd restore brought back that the status
+    /// before it lacked, by node: old copies, not grants.
+    restored_entries: BTreeSet<(String, String)>,
     /// The objects as an etcd backup holds them, to be restored.
     backup: Option<Box<Backup>>,
     /// When etcd was last restored.
@@ -188,6 +191,7 @@ impl Sim {
             history: BTreeMap::new(),
             served: BTreeMap::new(),
             released: BTreeMap::new(),
+            restored_entries: BTreeSet::new(),
             backup: None,
             restored_at: None,
             view: RefCell::new(View::default()),
@@ -332,18 +336,14 @@ impl Sim {
         let Some(backup) = self.backup.clone() else {
             return;
         };
-        // Gaps docs/controller.md tells (point 6), left out: an older copy
-        // of an object the controller saw changed since is taken as the
-        // block's truth, so a block moved since goes back to its old node;
-        // a NonReusable object made since vanishes and leaves nothing. So
-        // every object the backup shares with now is as it is now; those
-        // made since vanish, those deleted since come back.
-        let replaced = (backup.blocks.iter())
-            .any(|(name, old)| self.blocks.get(name).is_some_and(|now| now != old));
+        // A gap docs/controller.md tells (point 6), left out: a NonReusable
+        // object made since vanishes and leaves nothing. Objects changed
+        // since come back older, those made since vanish, those deleted
+        // since come back.
         let retired_since = (self.blocks.iter()).any(|(name, now)| {
             !backup.blocks.contains_key(name) && now["spec"]["state"] == "NonReusable"
         });
-        if replaced || retired_since {
+        if retired_since {
             return;
         }
         self.restored_at = Some(self.now);
@@ -352,6 +352,12 @@ impl Sim {
             let kept = self.nncs.get(node).map(cidrs_of).unwrap_or_default();
             for cidr in cidrs_of(nnc).into_iter().filter(|c| !kept.contains(c)) {
                 self.leaves(node, &cidr, "taken by the restore from");
+            }
+        }
+        for (node, nnc) in &self.nncs {
+            let had = before.get(node).map(cidrs_of).unwrap_or_default();
+            for cidr in cidrs_of(nnc).into_iter().filter(|c| !had.contains(c)) {
+                self.restored_entries.insert((node.clone(), cidr));
             }
         }
         let note = format!("{} etcd restored", self.now);
@@ -601,6 +607,15 @@ impl Sim {
             if let Some(changed) = self.write_block(write) {
                 written.insert(write.name.clone());
                 done += usize::from(changed);
+                // The writer takes in the answer of a PUT that changed
+                // nothing (no watch event comes for it).
+                if let Some(object) = self.blocks.get(&write.name).filter(|_| !changed) {
+                    let answer = Item::parse(Resource::Block, object.clone());
+                    self.view
+                        .borrow_mut()
+                        .cache
+                        .put_fetched(Resource::Block, answer);
+                }
             }
         }
         let mut left = limit.saturating_sub(decision.block_writes.len());
@@ -663,6 +678,8 @@ impl Sim {
                     );
                 }
                 self.freed_by_hand.remove(cidr);
+                self.restored_entries
+                    .remove(&(write.name.clone(), cidr.clone()));
                 if !self.is_machine_gone(&write.name) {
                     let served = self.served.entry(write.name.clone()).or_default();
                     served.insert(cidr.clone());
@@ -674,7 +691,8 @@ impl Sim {
                 self.history.entry(cidr.clone()).or_default().push(note);
             }
             for cidr in before.difference(&after) {
-                let copy = self.hand_made.contains(&(write.name.clone(), cidr.clone()));
+                let copy = self.hand_made.contains(&(write.name.clone(), cidr.clone()))
+                    || self.is_restored_copy(&write.name, cidr);
                 self.leaves(&write.name, cidr, "left");
                 self.cools_from_now(cidr);
                 let kind = nnc["status"]["podCIDRs"]
@@ -837,9 +855,26 @@ impl Sim {
     /// `cidr` left `node`'s status. The reclaim delay is timed from there
     /// for blocks the controller granted; a copy someone else wrote is
     /// reported, not timed.
+    /// Whether `node`'s status entry for `cidr` is an old copy a restore
+    /// brought back, of a block its machine does not serve: it says
+    /// nothing of the block now (neither a leave nor a retirement).
+    fn is_restored_copy(&self, node: &str, cidr: &str) -> bool {
+        let key = (node.to_string(), cidr.to_string());
+        self.restored_entries.contains(&key)
+            && !self.served.get(node).is_some_and(|s| s.contains(cidr))
+    }
+
     fn leaves(&mut self, node: &str, cidr: &str, how: &str) {
         let note = format!("{} {how} {node}", self.now);
         self.history.entry(cidr.to_string()).or_default().push(note);
+        // An entry a restore brought back, for a block the machine does
+        // not serve, gave it no address: its leaving starts no delay.
+        let restored = self.is_restored_copy(node, cidr);
+        self.restored_entries
+            .remove(&(node.to_string(), cidr.to_string()));
+        if restored {
+            return;
+        }
         let copy = self.hand_made.remove(&(node.to_string(), cidr.to_string()));
         if !copy && !self.freed_by_hand.contains(cidr) {
             self.left

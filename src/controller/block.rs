@@ -77,6 +77,24 @@ pub struct Block {
     pub spec: Option<(Cidr, BlockSpec)>,
     /// Whether the object carries [`PROTECTION`].
     pub protected: bool,
+    /// The versions of this object this process saw before this copy,
+    /// hashed, oldest first ([`Block::succeeds`]): a list that brings one
+    /// back is the cluster's state going back (an etcd restore).
+    pub past: Vec<u64>,
+    /// The object is older than this copy (a list brought it back): the
+    /// next pass writes this copy back over it.
+    pub behind: bool,
+}
+
+/// Versions of a block object remembered as seen before its copy: a
+/// block's object changes a few times in its life.
+const PAST_VERSIONS: usize = 8;
+
+/// A version's hash: versions are only compared for equality.
+fn version_hash(version: &str) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(version, &mut hasher);
+    std::hash::Hasher::finish(&hasher)
 }
 
 impl Block {
@@ -97,7 +115,26 @@ impl Block {
             resource_version,
             spec,
             protected: finalizers.iter().any(|f| f == PROTECTION),
+            past: Vec::new(),
+            behind: false,
         }
+    }
+
+    /// This copy follows `older`, the copy held before: it remembers the
+    /// versions seen so far.
+    pub fn succeeds(&mut self, older: &Block) {
+        self.past.clone_from(&older.past);
+        if older.resource_version != self.resource_version && !older.resource_version.is_empty() {
+            if self.past.len() == PAST_VERSIONS {
+                self.past.remove(0);
+            }
+            self.past.push(version_hash(&older.resource_version));
+        }
+    }
+
+    /// Whether `version` is one this process saw before this copy's.
+    pub fn saw_before(&self, version: &str) -> bool {
+        version != self.resource_version && self.past.contains(&version_hash(version))
     }
 }
 

@@ -71,6 +71,13 @@ pub struct Cache {
     /// Blocks kept as vanished since the loop last asked, with their node
     /// ([`Cache::take_vanished`]): the loop says so loudly.
     vanished_news: Vec<(String, String)>,
+    /// Blocks whose object a list brought back older than the copy held
+    /// ([`Cache::relisted`]), with their node: the loop says so loudly.
+    went_back_news: Vec<(String, String)>,
+    /// The versions of block objects that left the view, by name, for the
+    /// next object of the name ([`Cache::remember_gone`]): at most one
+    /// entry per block the pools name.
+    gone_past: BTreeMap<String, Vec<u64>>,
     /// What a read at this process's takeover found that the stream has
     /// not delivered yet: an object's version (`Some`; `""` for a Node's
     /// presence) or its deletion (`None`). No pass runs until none is left
@@ -207,6 +214,10 @@ impl Cache {
         self.ahead.retain(|(k, _), _| *k != kind);
         self.whole = true;
         for item in items {
+            let item = match item {
+                Item::Block(block) => Item::Block(Box::new(self.relisted(*block, &before))),
+                item => item,
+            };
             self.put_item(kind, item);
         }
         if kind == Resource::Block {
@@ -220,6 +231,53 @@ impl Cache {
         self.reindex();
         self.listed.insert(kind);
         self.reached(kind);
+    }
+
+    /// Block `listed` as a list brought it, against the copy held before
+    /// the list (`before`). A copy at a version seen before the held one's
+    /// is older than it: the cluster's state went back (etcd restored
+    /// from a backup). The held copy stays the block's truth, since the
+    /// machines serve what it says, at the listed version, so that the
+    /// next write of the block puts it back over the older object.
+    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<String, Block>) -> Block {
+        let Some(held) = before.get(&listed.name) else {
+            return listed;
+        };
+        let same = says(&listed) == says(held) && listed.protected == held.protected;
+        if same || held.resource_version.is_empty() || !held.saw_before(&listed.resource_version) {
+            listed.succeeds(held);
+            return listed;
+        }
+        let node = held.spec.as_ref().map(|(_, spec)| spec.node.clone());
+        self.went_back_news
+            .push((held.name.clone(), node.unwrap_or_default()));
+        Block {
+            resource_version: listed.resource_version,
+            protected: listed.protected,
+            behind: true,
+            ..held.clone()
+        }
+    }
+
+    /// Block `gone`'s object left the view: the versions it and the
+    /// objects of its name before it had are remembered for the next
+    /// object of that name (one a restore brings back is older).
+    fn remember_gone(&mut self, gone: &Block) {
+        let mut past = Block {
+            resource_version: String::new(),
+            ..gone.clone()
+        };
+        past.succeeds(gone);
+        if !past.past.is_empty() {
+            self.gone_past.insert(gone.name.clone(), past.past);
+        }
+    }
+
+    /// Blocks whose object a list brought back older than the copy held,
+    /// since the loop last asked, with the node the copy kept names
+    /// ([`Cache::relisted`]).
+    pub fn take_went_back(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.went_back_news)
     }
 
     /// The indexes over the statuses and ledgers again, from scratch
@@ -278,8 +336,14 @@ impl Cache {
                 continue;
             }
             let seen = self.cooling_seen.get(&name).copied();
-            if !self.keep_if_vanished(&name, &old, seen) && self.vanished.contains(&name) {
-                self.blocks.insert(name, old);
+            if self.keep_if_vanished(&name, &old, seen) {
+                continue;
+            }
+            match self.vanished.contains(&name) {
+                true => {
+                    self.blocks.insert(name, old);
+                }
+                false => self.remember_gone(&old),
             }
         }
         let blocks = &self.blocks;
@@ -481,7 +545,11 @@ impl Cache {
             Streamed::Behind => return false,
             Streamed::News => {}
         }
-        if !version.is_empty() && self.version_of(kind, &key.1) == Some(version.as_str()) {
+        // A block written back over an older object (`behind`) takes the
+        // copy its write brings, unchanged or not.
+        let behind = kind == Resource::Block && self.blocks.get(&key.1).is_some_and(|b| b.behind);
+        if !version.is_empty() && self.version_of(kind, &key.1) == Some(version.as_str()) && !behind
+        {
             return false;
         }
         match item {
@@ -529,7 +597,16 @@ impl Cache {
                 }
                 let follows = followed_node(&block).map(str::to_string);
                 let name = block.name.clone();
-                let old = self.blocks.insert(name.clone(), *block);
+                let mut block = *block;
+                match self.blocks.get(&name) {
+                    Some(old) => block.succeeds(old),
+                    None => {
+                        if let Some(past) = self.gone_past.remove(&name) {
+                            block.past = past;
+                        }
+                    }
+                }
+                let old = self.blocks.insert(name.clone(), block);
                 if self.other_size(old.as_ref(), &name) {
                     return true;
                 }
@@ -597,6 +674,9 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
+                if let Some(old) = &old {
+                    self.remember_gone(old);
+                }
                 let seen = self.cooling_seen.remove(name);
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
@@ -935,7 +1015,16 @@ fn kept_when_vanished(block: &Block) -> Option<Block> {
         resource_version: String::new(),
         spec: Some((*cidr, spec)),
         protected: true,
+        past: block.past.clone(),
+        behind: false,
     })
+}
+
+/// What a block's object says that the decision reads: its pool, state,
+/// node and reason (its network follows its pool).
+fn says(block: &Block) -> Option<(&str, BlockState, &str, &str)> {
+    let (_, spec) = block.spec.as_ref()?;
+    Some((&spec.pool, spec.state, &spec.node, &spec.reason))
 }
 
 fn is_cooling(block: &Block) -> bool {
@@ -1176,17 +1265,6 @@ mod tests {
         };
         let granted = |node: &str, cidr: &str, version: &str, protected: bool| {
             block_item(cidr, node, BlockState::Granted, version, protected)
-        };
-        let decide_at = |cache: &mut Cache, now_ms: i64| {
-            let pools = cache.pools_with_ledgers();
-            let mut taken = cache.lend_taken();
-            let clock = Clock {
-                now_ms,
-                wall_ms: 1_795_971_700_000 + now_ms,
-            };
-            let decision = decide::decide(&cache.world(&pools, clock, None), &mut taken);
-            cache.give_back_taken(taken);
-            decision
         };
         let creates = |d: &decide::Decision| -> Vec<(String, String)> {
             let mut found = Vec::new();
@@ -1519,6 +1597,80 @@ mod tests {
         assert!(!cache.remove(Resource::Block, name));
         assert!(cache.blocks.is_empty() && cache.vanished.is_empty());
         assert!(cache.pools_with_ledgers()[0].ledger.cooling.is_empty());
+    }
+
+    /// A pass over every node, at `now_ms`.
+    fn decide_at(cache: &mut Cache, now_ms: i64) -> crate::controller::decide::Decision {
+        let pools = cache.pools_with_ledgers();
+        let mut taken = cache.lend_taken();
+        let clock = Clock {
+            now_ms,
+            wall_ms: 1_795_971_700_000 + now_ms,
+        };
+        let world = cache.world(&pools, clock, None);
+        let decision = crate::controller::decide::decide(&world, &mut taken);
+        cache.give_back_taken(taken);
+        decision
+    }
+
+    /// etcd restored to before a block moved: a list brings its object
+    /// back at a version this process saw before the copy it holds. The
+    /// held copy (the block with n2, whose machine serves it) stays the
+    /// truth at the listed version, is said once, and the next pass
+    /// writes it back over the older object, until a copy of the object
+    /// comes again (the write's answer, changed or not). A version never
+    /// seen is taken as listed, and so is an older one that says the
+    /// same; a block deleted and made again keeps the versions of its
+    /// name.
+    #[test]
+    fn a_block_listed_older_than_the_copy_held_is_kept_and_written_back() {
+        use crate::controller::decide::BlockOp;
+        let (cidr, name) = ("198.18.0.0/28", "v4-198-18-0-0-28");
+        let at = |node: &str, state: BlockState, version: &str| {
+            block_item(cidr, node, state, version, true)
+        };
+        let says = |cache: &Cache| {
+            let block = &cache.blocks[name];
+            let node = block.spec.as_ref().map(|(_, s)| s.node.clone());
+            (block.resource_version.clone(), node, block.behind)
+        };
+        let updates = |cache: &mut Cache| -> Vec<(String, String)> {
+            let d = decide_at(cache, 2_000);
+            (d.block_writes.iter())
+                .filter_map(|w| match &w.op {
+                    BlockOp::Update(version, spec) => Some((version.clone(), spec.node.clone())),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut cache = with_pool("198.18.0.0/27");
+        cache.listed(Resource::Block, vec![at("n1", BlockState::Granted, "5")]);
+        cache.put(Resource::Block, at("n1", BlockState::Cooling, "6"));
+        cache.put(Resource::Block, at("n2", BlockState::Granted, "9"));
+        cache.listed(Resource::Block, vec![at("n1", BlockState::Granted, "5")]);
+        assert_eq!(says(&cache), ("5".into(), Some("n2".into()), true));
+        let told = vec![(name.to_string(), "n2".to_string())];
+        assert_eq!(cache.take_went_back(), told);
+        assert!(cache.take_went_back().is_empty());
+        assert_eq!(updates(&mut cache), [("5".to_string(), "n2".to_string())]);
+        // Its write changed nothing (the answer at the same version).
+        cache.put_fetched(Resource::Block, at("n2", BlockState::Granted, "5"));
+        assert_eq!(says(&cache), ("5".into(), Some("n2".into()), false));
+        assert!(updates(&mut cache).is_empty());
+        // Never seen: as listed. Seen, saying the same: as listed.
+        cache.listed(Resource::Block, vec![at("n3", BlockState::Granted, "77")]);
+        assert_eq!(says(&cache), ("77".into(), Some("n3".into()), false));
+        cache.put(Resource::Block, at("n3", BlockState::Granted, "78"));
+        cache.listed(Resource::Block, vec![at("n3", BlockState::Granted, "77")]);
+        assert_eq!(says(&cache), ("77".into(), Some("n3".into()), false));
+        // Deleted, then made again for n4: an older object of the name is
+        // older than the new one too.
+        cache.forget(Resource::Block, name);
+        cache.put(Resource::Block, at("n4", BlockState::Granted, "80"));
+        cache.listed(Resource::Block, vec![at("n3", BlockState::Granted, "78")]);
+        assert_eq!(says(&cache), ("78".into(), Some("n4".into()), true));
+        cache.put(Resource::Block, at("n4", BlockState::Granted, "81"));
+        assert_eq!(says(&cache), ("81".into(), Some("n4".into()), false));
     }
 
     /// Block `cidr` of pool "p" in `state` for `node`, as read at

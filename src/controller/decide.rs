@@ -749,6 +749,17 @@ impl<'a> Pass<'a> {
                     }
                     continue;
                 }
+                if !(listed || gone)
+                    && let Some(why) = held_elsewhere(&world, &cidr, &node)
+                {
+                    // An older copy of an object or status (an etcd
+                    // restore): the block enters no second status, and
+                    // the machine serving it keeps it alone.
+                    if let Some(plan) = self.plans.get_mut(node.as_str()) {
+                        plan.trouble.get_or_insert(Trouble::Conflict(why));
+                    }
+                    continue;
+                }
                 if listed || gone || overlap.is_some() {
                     let cooling = Cooling {
                         node,
@@ -1294,13 +1305,15 @@ fn block_writes(
 ) -> Vec<BlockWrite> {
     // A block this pass did not change is as read: written only when a
     // status relies on it.
-    let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).collect();
+    let behind = &pool.ledger.behind;
+    let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).chain(behind).collect();
     let mut writes = Vec::new();
     for cidr in cidrs {
         let before = block_state(ledger.read.held(cidr));
         let after = block_state(ledger.held(cidr));
         let version = pool.ledger.versions.get(cidr);
-        if before == after && !(needed.contains(cidr) && version.is_some()) {
+        let confirm = needed.contains(cidr) || behind.contains(cidr);
+        if before == after && !(confirm && version.is_some()) {
             continue;
         }
         let spec = after.map(|after| block_spec(pool, cidr, after));
@@ -1332,6 +1345,22 @@ fn block_writes(
 fn gone_past_grace(world: &World, name: &str) -> bool {
     (world.absent.get(name))
         .is_some_and(|since| world.now_ms.saturating_sub(*since) >= world.node_grace_ms)
+}
+
+/// Why `cidr`, granted to `node` and missing from its status, stays out
+/// of it for now: another node's status holds it, or another machine
+/// says it serves it.
+fn held_elsewhere(world: &World, cidr: &Cidr, node: &str) -> Option<String> {
+    let status = (world.index.held.get(cidr)).and_then(|names| names.iter().find(|n| *n != node));
+    let granted = format!("podCIDR {cidr}, granted to {node},");
+    match status {
+        Some(other) => Some(format!(
+            "{granted} is in the status of {other}; it enters once it leaves there"
+        )),
+        None => served_by_another(world, cidr, node).then(|| {
+            format!("{granted} is served by another machine; it enters once that one lets it go")
+        }),
+    }
 }
 
 /// Whether a machine other than `node`'s (its Node not gone past the
@@ -2175,6 +2204,58 @@ mod tests {
     /// The Ready condition is replaced, typed; another condition keeps
     /// its fields unknown here, and an entry that is no condition is
     /// dropped with the rewrite.
+    /// A grant missing from its node's status (an etcd restore brought
+    /// back an older object naming it) enters no second status, nor one
+    /// while another machine says it serves the block: the node is told
+    /// why, and the block enters once the other copy or server is gone.
+    #[test]
+    fn a_grant_enters_no_status_while_another_holds_or_serves_its_block() {
+        use crate::controller::informer::{Item, Resource};
+        let block: Cidr = "198.18.0.0/28".parse().unwrap();
+        let mut p = pool(json!({}));
+        p.ledger.claim(block, "n1");
+        p.ledger.versions.insert(block, "9".into());
+        let nnc = |name: &str, serving: &str, held: bool| {
+            let entries = match held {
+                true => json!([{"cidr": "198.18.0.0/28", "network": "default"}]),
+                false => json!([]),
+            };
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": "5",
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": [{"network": "default", "pods": 1}]},
+                "status": {"podCIDRs": entries}});
+            match Item::parse(Resource::Nnc, object) {
+                Item::Nnc(nnc, status) => (name.to_string(), (*nnc, status)),
+                _ => unreachable!(),
+            }
+        };
+        let pools = [p];
+        let decide_for = |objects: [(String, (Nnc, Status)); 2]| {
+            let nncs = (objects.iter())
+                .map(|(n, (o, _))| (n.clone(), o.clone()))
+                .collect();
+            let statuses = objects.into_iter().map(|(n, (_, s))| (n, s)).collect();
+            let d = decide_every(&pools, &nncs, &statuses, 2_000, 1_795_971_700_000);
+            let n1 = d.nnc_writes.into_iter().find(|w| w.name == "n1");
+            n1.map(|w| w.status).unwrap_or_default()
+        };
+        let enters = |status: &str| status.contains("\"cidr\":\"198.18.0.0/28\"");
+        let cases = [
+            (nnc("n2", "", true), "is in the status of n2"),
+            (
+                nnc("n2", "198.18.0.0/28", false),
+                "is served by another machine",
+            ),
+        ];
+        for (other, why) in cases {
+            let status = decide_for([nnc("n1", "", false), other]);
+            assert!(!enters(&status) && status.contains(why), "{status}");
+        }
+        let status = decide_for([nnc("n1", "", false), nnc("n2", "", false)]);
+        assert!(enters(&status), "{status}");
+    }
+
     #[test]
     fn a_rewritten_status_keeps_other_conditions_whole() {
         use crate::controller::informer::{Item, Resource};

@@ -111,6 +111,9 @@ pub struct Ledger {
     /// Blocks whose object lacks the protection finalizer (let go, or
     /// written before it): deleted once free, never let go again.
     pub unprotected: BTreeSet<Cidr>,
+    /// Blocks whose object is older than the copy kept (an etcd restore
+    /// brought it back): the next pass writes the copy back over it.
+    pub behind: BTreeSet<Cidr>,
     /// The claims by node: a pass reads one node's without walking all.
     pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
     /// The blocks of the pool's range of each family (IPv4, IPv6) in each
@@ -453,6 +456,9 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<C
     if !block.protected {
         ledger.unprotected.insert(*cidr);
     }
+    if block.behind {
+        ledger.behind.insert(*cidr);
+    }
     match spec.state {
         BlockState::Granted => ledger.claim(*cidr, &spec.node),
         BlockState::Cooling => {
@@ -495,6 +501,7 @@ pub fn leave_block(pools: &mut [Pool], cidr: &Cidr) -> bool {
         let ledger = &mut pool.ledger;
         ledger.versions.remove(cidr);
         ledger.unprotected.remove(cidr);
+        ledger.behind.remove(cidr);
         if let Some(holder) = ledger.claims.remove(cidr)
             && let Some(held) = ledger.by_node.get_mut(&holder.node)
         {

@@ -494,9 +494,10 @@ impl<'c> Controller<'c> {
         true
     }
 
-    /// Says loudly what the view kept as vanished: a MetisBlock gone while
-    /// its finalizer held it means the cluster's state went back (an etcd
-    /// restore) or someone removed the finalizer by hand.
+    /// Says loudly what the view kept as vanished, or kept over an older
+    /// copy: a MetisBlock gone while its finalizer held it, or back at a
+    /// version seen before, means the cluster's state went back (an etcd
+    /// restore), or someone removed the finalizer by hand.
     fn report_vanished(&mut self) {
         for (block, node) in self.cache.take_vanished() {
             self.metrics.vanished();
@@ -504,6 +505,15 @@ impl<'c> Controller<'c> {
                 "controller",
                 "a MetisBlock vanished while its finalizer held it (an etcd restore?): \
                  its block cools for its node, given to no other meanwhile",
+                &[("block", &block), ("node", &node)],
+            );
+        }
+        for (block, node) in self.cache.take_went_back() {
+            self.metrics.went_back();
+            log::warn(
+                "controller",
+                "a MetisBlock came back older than the copy this controller held (an etcd \
+                 restore?): the newer copy stays the block's truth and is written back",
                 &[("block", &block), ("node", &node)],
             );
         }
