@@ -587,39 +587,43 @@ impl Cache {
                 self.revalidate();
                 self.whole = true;
             }
-            Item::Block(block) => {
-                self.vanished.remove(&block.name);
-                if is_cooling(&block) {
-                    let now = self.now_ms;
-                    self.cooling_seen.entry(block.name.clone()).or_insert(now);
-                } else {
-                    self.cooling_seen.remove(&block.name);
-                }
-                let follows = followed_node(&block).map(str::to_string);
-                let name = block.name.clone();
-                let mut block = *block;
-                match self.blocks.get(&name) {
-                    Some(old) => block.succeeds(old),
-                    None => {
-                        if let Some(past) = self.gone_past.remove(&name) {
-                            block.past = past;
-                        }
-                    }
-                }
-                let old = self.blocks.insert(name.clone(), block);
-                if self.other_size(old.as_ref(), &name) {
-                    return true;
-                }
-                self.enter_ledger(old.as_ref(), &name);
-                self.dirty_holders(old.as_ref(), &name);
-                let followed = old.as_ref().and_then(followed_node).map(str::to_string);
-                if followed != follows {
-                    followed.inspect(|n| self.follow(n, false));
-                    follows.inspect(|n| self.follow(n, true));
+            Item::Block(block) => self.put_block(*block),
+        }
+        true
+    }
+
+    /// A block's copy into the view (its ledger, the nodes it follows and
+    /// those it concerns); it succeeds the copy held, or the versions
+    /// remembered of its name.
+    fn put_block(&mut self, mut block: Block) {
+        self.vanished.remove(&block.name);
+        if is_cooling(&block) {
+            let now = self.now_ms;
+            self.cooling_seen.entry(block.name.clone()).or_insert(now);
+        } else {
+            self.cooling_seen.remove(&block.name);
+        }
+        let follows = followed_node(&block).map(str::to_string);
+        let name = block.name.clone();
+        match self.blocks.get(&name) {
+            Some(old) => block.succeeds(old),
+            None => {
+                if let Some(past) = self.gone_past.remove(&name) {
+                    block.past = past;
                 }
             }
         }
-        true
+        let old = self.blocks.insert(name.clone(), block);
+        if self.other_size(old.as_ref(), &name) {
+            return;
+        }
+        self.enter_ledger(old.as_ref(), &name);
+        self.dirty_holders(old.as_ref(), &name);
+        let followed = old.as_ref().and_then(followed_node).map(str::to_string);
+        if followed != follows {
+            followed.inspect(|n| self.follow(n, false));
+            follows.inspect(|n| self.follow(n, true));
+        }
     }
 
     /// Object `name` was found gone by a write (a 404); whether the view
