@@ -731,7 +731,8 @@ impl<'a> Pass<'a> {
                 let overlap = match listed || gone {
                     true => None,
                     false => overlap_in_a_status(&cidr, world.index, taken)
-                        .or_else(|| entered.overlapping(&cidr).first().copied()),
+                        .or_else(|| entered.overlapping(&cidr).first().copied())
+                        .or_else(|| self.overlap_of_another(&cidr, &node, taken)),
                 };
                 if let Some(other) = overlap
                     && world
@@ -780,6 +781,23 @@ impl<'a> Pass<'a> {
                 }
             }
         }
+    }
+
+    /// A block of another size overlapping `cidr` that a ledger grants to
+    /// another node than `node`, or cools for one: `cidr`'s claim is then
+    /// an older copy of its object (an etcd restore) beside a block made
+    /// since.
+    fn overlap_of_another(&self, cidr: &Cidr, node: &str, taken: &TakenIndex) -> Option<Cidr> {
+        let another = |o: &Cidr| {
+            self.ledgers.iter().any(|l| {
+                l.claim(o).is_some_and(|h| h.node != node)
+                    || l.cooling(o).is_some_and(|c| c.node != node)
+            })
+        };
+        taken
+            .overlapping(cidr)
+            .into_iter()
+            .find(|o| o != cidr && another(o))
     }
 
     /// The claims of ledger `i` whose node this pass decides, in block
@@ -2254,6 +2272,47 @@ mod tests {
         }
         let status = decide_for([nnc("n1", "", false), nnc("n2", "", false)]);
         assert!(enters(&status), "{status}");
+    }
+
+    /// An older object (an etcd restore) grants n1 a /28 inside a /27
+    /// that cools for n2, made since with another block size: the /28
+    /// enters no status, and cools out.
+    #[test]
+    fn a_grant_overlapping_another_nodes_block_of_another_size_cools_out() {
+        use crate::controller::informer::{Item, Resource};
+        let small: Cidr = "198.18.0.16/28".parse().unwrap();
+        let large: Cidr = "198.18.0.0/27".parse().unwrap();
+        let mut p = pool(json!({}));
+        p.ledger.claim(small, "n1");
+        p.ledger.versions.insert(small, "9".into());
+        let cooling = Cooling {
+            node: "n2".into(),
+            since_ms: 1_000,
+            node_gone: false,
+        };
+        p.ledger.cooling.insert(large, cooling);
+        p.ledger.versions.insert(large, "8".into());
+        let object = json!({
+            "metadata": {"name": "n1", "resourceVersion": "5"},
+            "spec": {"allocations": [{"network": "default", "pods": 1}]},
+            "status": {"podCIDRs": []}});
+        let (nnc, status) = match Item::parse(Resource::Nnc, object) {
+            Item::Nnc(nnc, status) => (*nnc, status),
+            _ => unreachable!(),
+        };
+        let nncs = BTreeMap::from([("n1".to_string(), nnc)]);
+        let statuses = BTreeMap::from([("n1".to_string(), status)]);
+        let d = decide_every(&[p], &nncs, &statuses, 2_000, 1_795_971_700_000);
+        let n1 = d.nnc_writes.iter().find(|w| w.name == "n1");
+        assert!(
+            n1.is_none_or(|w| !w.status.contains("198.18.0.16/28")),
+            "{d:?}"
+        );
+        let cools = d.block_writes.iter().any(|w| {
+            w.cidr == small
+                && matches!(&w.op, BlockOp::Update(_, spec) if spec.state == BlockState::Cooling)
+        });
+        assert!(cools, "{d:?}");
     }
 
     #[test]
