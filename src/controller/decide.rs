@@ -1864,6 +1864,16 @@ mod tests {
 
     /// A pass over every node of this world (no Node missing, a minute's
     /// grace), with the indexes its statuses and ledgers make.
+    /// A NodeNetworkConfig as the cache keeps it: the object and its
+    /// status as read.
+    fn nnc_read(object: Value) -> (Nnc, Status) {
+        use crate::controller::informer::{Item, Resource};
+        match Item::parse(Resource::Nnc, object) {
+            Item::Nnc(nnc, status) => (*nnc, status),
+            _ => unreachable!(),
+        }
+    }
+
     fn decide_every(
         pools: &[Pool],
         nncs: &BTreeMap<String, Nnc>,
@@ -1905,7 +1915,6 @@ mod tests {
     #[test]
     fn a_granted_block_overlapping_another_size_in_a_status_enters_none() {
         use crate::controller::block::{self, Block, BlockSpec, BlockState};
-        use crate::controller::informer::{Item, Resource};
         let stray = BlockSpec {
             pool: "p".into(),
             network: "default".into(),
@@ -1928,10 +1937,8 @@ mod tests {
                              "annotations": {"metis.x-k8s.io/serving": serving}},
                 "spec": {"allocations": [], "releasableCIDRs": []},
                 "status": {"podCIDRs": entries}});
-            match Item::parse(Resource::Nnc, object) {
-                Item::Nnc(nnc, status) => (name.to_string(), *nnc, status),
-                _ => unreachable!(),
-            }
+            let (nnc, status) = nnc_read(object);
+            (name.to_string(), nnc, status)
         };
         for serving in ["", "198.18.0.0/28"] {
             let all = [nnc("n1", serving, &[]), nnc("n2", "", &["198.18.0.0/27"])];
@@ -2129,7 +2136,6 @@ mod tests {
     /// block over: saying it still serves it is a conflict until it cooled.
     #[test]
     fn releasing_a_copy_of_another_nodes_cooling_block_takes_nothing() {
-        use crate::controller::informer::{Item, Resource};
         let block: Cidr = "198.18.0.0/28".parse().unwrap();
         let p = cooling_for_n1(block);
         let nnc = |releasable: bool| {
@@ -2143,10 +2149,7 @@ mod tests {
                              "annotations": {"metis.x-k8s.io/serving": "198.18.0.0/28"}},
                 "spec": {"allocations": [], "releasableCIDRs": listed},
                 "status": {"podCIDRs": [{"cidr": "198.18.0.0/28", "network": "default"}]}});
-            match Item::parse(Resource::Nnc, object) {
-                Item::Nnc(nnc, status) => (*nnc, status),
-                _ => unreachable!(),
-            }
+            nnc_read(object)
         };
         for releasable in [true, false] {
             let (n0, status) = nnc(releasable);
@@ -2169,7 +2172,6 @@ mod tests {
     /// own copy, that text changes, so the pass is one over every node.
     #[test]
     fn a_copy_dropped_in_scope_decides_the_other_copys_node_again() {
-        use crate::controller::informer::{Item, Resource};
         let block: Cidr = "198.18.0.0/28".parse().unwrap();
         let mut p = pool(json!({}));
         p.ledger.claim(block, "n2");
@@ -2184,10 +2186,7 @@ mod tests {
                 "metadata": {"name": name, "resourceVersion": "5"},
                 "spec": {"allocations": [], "releasableCIDRs": listed},
                 "status": {"podCIDRs": [{"cidr": "198.18.0.0/28", "network": "default"}]}});
-            match Item::parse(Resource::Nnc, object) {
-                Item::Nnc(nnc, status) => (name.to_string(), (*nnc, status)),
-                _ => unreachable!(),
-            }
+            (name.to_string(), nnc_read(object))
         };
         // n0 and n2 settled as before; n1 has just released its copy.
         let objects = BTreeMap::from([nnc("n0", false), nnc("n1", true), nnc("n2", false)]);
@@ -2219,16 +2218,12 @@ mod tests {
         );
     }
 
-    /// The Ready condition is replaced, typed; another condition keeps
-    /// its fields unknown here, and an entry that is no condition is
-    /// dropped with the rewrite.
     /// A grant missing from its node's status (an etcd restore brought
     /// back an older object naming it) enters no second status, nor one
     /// while another machine says it serves the block: the node is told
     /// why, and the block enters once the other copy or server is gone.
     #[test]
     fn a_grant_enters_no_status_while_another_holds_or_serves_its_block() {
-        use crate::controller::informer::{Item, Resource};
         let block: Cidr = "198.18.0.0/28".parse().unwrap();
         let mut p = pool(json!({}));
         p.ledger.claim(block, "n1");
@@ -2243,10 +2238,7 @@ mod tests {
                              "annotations": {"metis.x-k8s.io/serving": serving}},
                 "spec": {"allocations": [{"network": "default", "pods": 1}]},
                 "status": {"podCIDRs": entries}});
-            match Item::parse(Resource::Nnc, object) {
-                Item::Nnc(nnc, status) => (name.to_string(), (*nnc, status)),
-                _ => unreachable!(),
-            }
+            (name.to_string(), nnc_read(object))
         };
         let pools = [p];
         let decide_for = |objects: [(String, (Nnc, Status)); 2]| {
@@ -2279,7 +2271,6 @@ mod tests {
     /// enters no status, and cools out.
     #[test]
     fn a_grant_overlapping_another_nodes_block_of_another_size_cools_out() {
-        use crate::controller::informer::{Item, Resource};
         let small: Cidr = "198.18.0.16/28".parse().unwrap();
         let large: Cidr = "198.18.0.0/27".parse().unwrap();
         let mut p = pool(json!({}));
@@ -2296,10 +2287,7 @@ mod tests {
             "metadata": {"name": "n1", "resourceVersion": "5"},
             "spec": {"allocations": [{"network": "default", "pods": 1}]},
             "status": {"podCIDRs": []}});
-        let (nnc, status) = match Item::parse(Resource::Nnc, object) {
-            Item::Nnc(nnc, status) => (*nnc, status),
-            _ => unreachable!(),
-        };
+        let (nnc, status) = nnc_read(object);
         let nncs = BTreeMap::from([("n1".to_string(), nnc)]);
         let statuses = BTreeMap::from([("n1".to_string(), status)]);
         let d = decide_every(&[p], &nncs, &statuses, 2_000, 1_795_971_700_000);
@@ -2315,9 +2303,11 @@ mod tests {
         assert!(cools, "{d:?}");
     }
 
+    /// The Ready condition is replaced, typed; another condition keeps
+    /// its fields unknown here, and an entry that is no condition is
+    /// dropped with the rewrite.
     #[test]
     fn a_rewritten_status_keeps_other_conditions_whole() {
-        use crate::controller::informer::{Item, Resource};
         let object = json!({
             "metadata": {"name": "n0", "resourceVersion": "5", "generation": 2},
             "spec": {"allocations": []},
@@ -2326,10 +2316,8 @@ mod tests {
                 {"type": "Zeta", "status": "True", "since": "then", "observedGeneration": 1},
                 {"type": "Ready", "status": "False", "reason": QUOTA_EXCEEDED, "message": "m",
                  "lastTransitionTime": "2026-01-01T00:00:00.000Z"}]}});
-        let Item::Nnc(nnc, status) = Item::parse(Resource::Nnc, object) else {
-            unreachable!()
-        };
-        let nncs = BTreeMap::from([("n0".to_string(), *nnc)]);
+        let (nnc, status) = nnc_read(object);
+        let nncs = BTreeMap::from([("n0".to_string(), nnc)]);
         let statuses = BTreeMap::from([("n0".to_string(), status)]);
         let wall_ms = 1_795_971_700_000;
         let decision = decide_every(&[], &nncs, &statuses, 2_000, wall_ms);
