@@ -123,13 +123,23 @@ impl Block {
     /// This copy follows `older`, the copy held before: it remembers the
     /// versions seen so far.
     pub fn succeeds(&mut self, older: &Block) {
-        self.past.clone_from(&older.past);
-        if older.resource_version != self.resource_version && !older.resource_version.is_empty() {
-            if self.past.len() == PAST_VERSIONS {
-                self.past.remove(0);
+        self.past = match older.resource_version == self.resource_version {
+            true => older.past.clone(),
+            false => older.versions_seen(),
+        };
+    }
+
+    /// The versions of this object seen so far, this copy's last (none
+    /// for a copy kept without one), hashed.
+    pub fn versions_seen(&self) -> Vec<u64> {
+        let mut seen = self.past.clone();
+        if !self.resource_version.is_empty() {
+            if seen.len() == PAST_VERSIONS {
+                seen.remove(0);
             }
-            self.past.push(version_hash(&older.resource_version));
+            seen.push(version_hash(&self.resource_version));
         }
+        seen
     }
 
     /// Whether `version` is one this process saw before this copy's.

@@ -263,13 +263,9 @@ impl Cache {
     /// objects of its name before it had are remembered for the next
     /// object of that name (one a restore brings back is older).
     fn remember_gone(&mut self, gone: &Block) {
-        let mut past = Block {
-            resource_version: String::new(),
-            ..gone.clone()
-        };
-        past.succeeds(gone);
-        if !past.past.is_empty() {
-            self.gone_past.insert(gone.name.clone(), past.past);
+        let seen = gone.versions_seen();
+        if !seen.is_empty() {
+            self.gone_past.insert(gone.name.clone(), seen);
         }
     }
 
@@ -678,9 +674,6 @@ impl Cache {
             }
             Resource::Block => {
                 let old = self.blocks.remove(name);
-                if let Some(old) = &old {
-                    self.remember_gone(old);
-                }
                 let seen = self.cooling_seen.remove(name);
                 // An object that still carried its finalizer cannot have
                 // been deleted: the cluster's state went back. Its node may
@@ -688,6 +681,9 @@ impl Cache {
                 let vanished = old.as_ref().filter(|_| may_vanish);
                 if !vanished.is_some_and(|old| self.keep_if_vanished(name, old, seen)) {
                     self.vanished.remove(name);
+                    if let Some(old) = &old {
+                        self.remember_gone(old);
+                    }
                 }
                 if self.other_size(old.as_ref(), name) {
                     return true;

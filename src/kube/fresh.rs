@@ -294,8 +294,9 @@ mod tests {
 /// writers, a watch that lags, requests answered and handled late, and
 /// etcd restores (with or without `--bump-revision`; the watch then lists
 /// again or resumes silently). Without a restore, no copy ever replaces a
-/// newer one and no answer is taken for the state going back; with one,
-/// an answer taken so is the server's state when it answered.
+/// newer one and no answer is taken for the state going back; after one,
+/// the first request sent in the epoch leaves a copy of the state there
+/// is.
 #[cfg(test)]
 mod model {
     use super::*;
