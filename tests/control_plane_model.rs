@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use common::cloud::{Cloud, NodeView};
 use common::cluster::start_daemon;
-use common::kube_api::Backup;
+use common::kube_api::{Backup, State};
 use common::rng::Rng;
 use common::tls::{Authority, TlsServer, replace_file};
 use common::{TestDaemon, TestDir, db, v4_add_request};
@@ -452,17 +452,21 @@ fn control_step(
                 .into_iter()
                 .filter(|e| !model.released_ever.contains(&e.cidr))
                 .collect();
-            let lists = |api: &Cloud| api.state().requests("GET", "nodenetworkconfigs");
-            let before = lists(api);
-            api.restore(backup);
+            let lists = |state: &State| state.requests("GET", "nodenetworkconfigs");
+            let before = api.with_state(|state| {
+                state.restore(backup);
+                lists(state)
+            });
             // Writes resume once the API servers restarted on the restored
             // store; a node past the restored version lists first (its
             // watch is answered ResourceVersionTooLarge). Without that
             // pause the same version could name two contents on a silent
             // stream, which no client can tell apart (docs/design.md).
+            // Only a list answered after the restore counts: one the node
+            // began for an earlier step may carry the store as it was.
             // A pause, not a check: a node may have nothing to list again.
             let _ = common::poll(Duration::from_secs(3), || {
-                (lists(api) != before).then_some(())
+                (lists(&api.state()) != before).then_some(())
             });
             api.set_status(model.status_json());
             "etcd restore".into()
