@@ -462,7 +462,7 @@ impl Cache {
     /// whose statuses hold one.
     fn dirty_around(&mut self, cidr: &Cidr) {
         let serving = self.index.serving_overlapping(cidr);
-        self.dirty.extend(serving.into_iter().cloned());
+        self.dirty.extend(serving.into_iter().map(String::from));
         self.dirty_status_holders(cidr);
     }
 
@@ -470,7 +470,7 @@ impl Cache {
     fn dirty_status_holders(&mut self, cidr: &Cidr) {
         for other in self.taken.overlapping(cidr) {
             let holders = self.index.held.get(&other).into_iter().flatten();
-            self.dirty.extend(holders.cloned());
+            self.dirty.extend(holders.map(String::from));
         }
     }
 

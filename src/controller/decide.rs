@@ -35,7 +35,7 @@ use super::pool::{
     BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
     Working,
 };
-use super::status::{self, Entry, ReadyRead, Status, StatusIndex, merge_condition};
+use super::status::{self, Entry, Names, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
 use crate::kube::nnc::{Nnc, QuotaEnd};
@@ -227,7 +227,7 @@ struct Plan<'a> {
 /// Who holds each status entry in this pass: the statuses as read, but
 /// for the nodes it decides, whose statuses are their plans.
 struct Holders<'a> {
-    read: &'a BTreeMap<Cidr, BTreeSet<String>>,
+    read: &'a BTreeMap<Cidr, Names>,
     decided: BTreeSet<&'a str>,
     planned: BTreeMap<Cidr, Vec<&'a str>>,
 }
@@ -236,10 +236,7 @@ impl<'a> Holders<'a> {
     /// The nodes whose status holds `cidr`, in name order.
     fn of(&self, cidr: &Cidr) -> Vec<&'a str> {
         let read = self.read.get(cidr).into_iter().flatten();
-        let mut names: Vec<&'a str> = read
-            .map(String::as_str)
-            .filter(|n| !self.decided.contains(n))
-            .collect();
+        let mut names: Vec<&'a str> = read.filter(|n| !self.decided.contains(n)).collect();
         names.extend(self.planned.get(cidr).into_iter().flatten());
         names.sort_unstable();
         names
@@ -251,7 +248,7 @@ impl<'a> Holders<'a> {
             || self
                 .read
                 .get(cidr)
-                .is_some_and(|names| names.iter().any(|n| !self.decided.contains(n.as_str())))
+                .is_some_and(|names| names.iter().any(|n| !self.decided.contains(n)))
     }
 }
 
@@ -419,13 +416,13 @@ impl<'a> Pass<'a> {
         if world.scope.is_none() {
             return false;
         }
-        let outside = |nodes: Option<&BTreeSet<String>>| {
+        let outside = |nodes: Option<&Names>| {
             let mut nodes = nodes.into_iter().flatten();
-            nodes.any(|n| !self.plans.contains_key(n.as_str()))
+            nodes.any(|n| !self.plans.contains_key(n))
         };
         let serving_outside = |cidr: &Cidr| {
             let nodes = world.index.serving_overlapping(cidr);
-            nodes.iter().any(|n| !self.plans.contains_key(n.as_str()))
+            nodes.iter().any(|n| !self.plans.contains_key(n))
         };
         let mut changed: BTreeSet<Cidr> = self
             .ledgers
@@ -625,7 +622,7 @@ impl<'a> Pass<'a> {
                 }
                 // The first status (by node name) holding it, if not its own.
                 let first = world.index.held.get(cidr).and_then(|names| names.first());
-                let elsewhere = first.map(String::as_str).filter(|n| *n != name.as_str());
+                let elsewhere = first.filter(|n| *n != name.as_str());
                 if let Err(why) = self.keep_serving(name, cidr, elsewhere, taken)
                     && let Some(plan) = self.plans.get_mut(name.as_str())
                     && !matches!(plan.trouble, Some(Trouble::Gone(_)))

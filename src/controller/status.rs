@@ -262,16 +262,66 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
         .and_then(crate::log::parse_rfc3339_ms)
 }
 
+/// The nodes named for one block in a [`StatusIndex`], sorted and
+/// distinct. Almost always one: a boxed slice costs two small allocations
+/// where a `BTreeSet<String>` costs a whole tree node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Names(Box<[Box<str>]>);
+
+impl Names {
+    pub fn insert(&mut self, name: &str) {
+        if let Err(at) = self.0.binary_search_by(|n| (**n).cmp(name)) {
+            let mut names = std::mem::take(&mut self.0).into_vec();
+            names.insert(at, name.into());
+            self.0 = names.into_boxed_slice();
+        }
+    }
+
+    pub fn remove(&mut self, name: &str) {
+        if let Ok(at) = self.0.binary_search_by(|n| (**n).cmp(name)) {
+            let mut names = std::mem::take(&mut self.0).into_vec();
+            names.remove(at);
+            self.0 = names.into_boxed_slice();
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.binary_search_by(|n| (**n).cmp(name)).is_ok()
+    }
+
+    /// The first name in name order.
+    pub fn first(&self) -> Option<&str> {
+        self.0.first().map(|n| &**n)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|n| &**n)
+    }
+}
+
+impl<'a> IntoIterator for &'a Names {
+    type Item = &'a str;
+    type IntoIter = std::iter::Map<std::slice::Iter<'a, Box<str>>, fn(&Box<str>) -> &str>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|n| &**n)
+    }
+}
+
 /// What the statuses say that a pass looks up by block or node, kept by
 /// the cache status by status ([`StatusIndex::add`], [`StatusIndex::remove`])
 /// or built whole ([`StatusIndex::of`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatusIndex {
     /// Which nodes' statuses hold each block.
-    pub held: BTreeMap<Cidr, BTreeSet<String>>,
+    pub held: BTreeMap<Cidr, Names>,
     /// Which nodes say they still serve each block (`serving`): a change
     /// to the block decides them again.
-    pub serving: BTreeMap<Cidr, BTreeSet<String>>,
+    pub serving: BTreeMap<Cidr, Names>,
     /// The time (wall ms) each refused node was told its refusal stands
     /// until.
     pub told: BTreeMap<String, i64>,
@@ -289,11 +339,10 @@ impl StatusIndex {
     /// Node `name`'s status is `status`.
     pub fn add(&mut self, name: &str, status: &Status) {
         for cidr in status.entries.iter().filter_map(|e| e.cidr) {
-            self.held.entry(cidr).or_default().insert(name.to_string());
+            self.held.entry(cidr).or_default().insert(name);
         }
         for cidr in &status.serving {
-            let nodes = self.serving.entry(*cidr).or_default();
-            nodes.insert(name.to_string());
+            self.serving.entry(*cidr).or_default().insert(name);
         }
         if let Some(until) = status.told_until {
             self.told.insert(name.to_string(), until);
@@ -302,12 +351,12 @@ impl StatusIndex {
 
     /// The nodes that say they serve a block overlapping `cidr`: one
     /// inside it, or one holding it (a block of another size).
-    pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&String> {
+    pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&str> {
         let family = cidr.family();
         let (_, hi) = super::taken::span(cidr);
         let inside = (self.serving.range(*cidr..))
             .take_while(|(c, _)| c.family() == family && to_u128(c.base()) <= hi);
-        let mut found: BTreeSet<&String> = inside.flat_map(|(_, nodes)| nodes).collect();
+        let mut found: BTreeSet<&str> = inside.flat_map(|(_, nodes)| nodes).collect();
         for length in 0..cidr.prefix_len() {
             let wider = cidr.widened(length).and_then(|w| self.serving.get(&w));
             found.extend(wider.into_iter().flatten());
@@ -325,11 +374,7 @@ impl StatusIndex {
 }
 
 /// `name` no longer stands for `cidrs` in `index`.
-fn unindex(
-    index: &mut BTreeMap<Cidr, BTreeSet<String>>,
-    cidrs: impl Iterator<Item = Cidr>,
-    name: &str,
-) {
+fn unindex(index: &mut BTreeMap<Cidr, Names>, cidrs: impl Iterator<Item = Cidr>, name: &str) {
     for cidr in cidrs {
         if let Some(nodes) = index.get_mut(&cidr) {
             nodes.remove(name);
@@ -360,6 +405,25 @@ mod tests {
     use crate::kube::nnc::QUOTA_UNTIL;
     use serde_json::json;
 
+    /// A block's names stay sorted and distinct through inserts and
+    /// removes, whatever their order.
+    #[test]
+    fn names_are_a_sorted_set() {
+        let mut names = Names::default();
+        for name in ["n2", "n0", "n2", "n1"] {
+            names.insert(name);
+        }
+        assert_eq!(names.iter().collect::<Vec<_>>(), ["n0", "n1", "n2"]);
+        assert_eq!(names.first(), Some("n0"));
+        assert!(names.contains("n1") && !names.contains("n3"));
+        names.remove("n1");
+        names.remove("n3");
+        assert_eq!((&names).into_iter().collect::<Vec<_>>(), ["n0", "n2"]);
+        names.remove("n0");
+        names.remove("n2");
+        assert!(names.is_empty() && names.first().is_none());
+    }
+
     /// The nodes serving a block overlapping one: inside it, holding it
     /// or the same; neither a neighbour nor the other family.
     #[test]
@@ -381,7 +445,7 @@ mod tests {
         let index = StatusIndex::of(&statuses);
         let found = |cidr: &str| -> Vec<&str> {
             let found = index.serving_overlapping(&cidr.parse().unwrap());
-            found.into_iter().map(String::as_str).collect()
+            found.into_iter().collect()
         };
         assert_eq!(found("198.18.0.32/28"), ["inside", "same", "wider"]);
         assert_eq!(found("198.18.0.32/29"), ["same", "wider"]);
