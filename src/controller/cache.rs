@@ -19,8 +19,10 @@ use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default, Clone)]
 pub struct Cache {
-    pub nncs: BTreeMap<String, Nnc>,
-    pub statuses: BTreeMap<String, Status>,
+    /// Values boxed: a map's nodes are about half full (names come in
+    /// order), and a pointer wastes less of them than a whole object.
+    pub nncs: BTreeMap<String, Box<Nnc>>,
+    pub statuses: BTreeMap<String, Box<Status>>,
     /// What the statuses say, by block and by node.
     index: StatusIndex,
     /// What the statuses and the ledgers take (lent to each pass).
@@ -31,7 +33,7 @@ pub struct Cache {
     /// block: a pass reads it, never rebuilds it).
     pools: Arc<Vec<Pool>>,
     /// The MetisBlocks by name.
-    pub blocks: BTreeMap<String, Block>,
+    pub blocks: BTreeMap<String, Box<Block>>,
     /// When this process first saw each cooling block cooling (monotonic
     /// ms, by block name): its delay counts from then.
     cooling_seen: BTreeMap<String, i64>,
@@ -224,7 +226,7 @@ impl Cache {
             self.keep_vanished(before);
             let blocks = &self.blocks;
             self.cooling_seen
-                .retain(|name, _| blocks.get(name).is_some_and(is_cooling));
+                .retain(|name, _| blocks.get(name).is_some_and(|b| is_cooling(b)));
             self.revalidate();
         }
         self.recount_followed();
@@ -239,7 +241,7 @@ impl Cache {
     /// from a backup). The held copy stays the block's truth, since the
     /// machines serve what it says, at the listed version, so that the
     /// next write of the block puts it back over the older object.
-    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<String, Block>) -> Block {
+    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<String, Box<Block>>) -> Block {
         let Some(held) = before.get(&listed.name) else {
             return listed;
         };
@@ -255,7 +257,7 @@ impl Cache {
             resource_version: listed.resource_version,
             protected: listed.protected,
             behind: true,
-            ..held.clone()
+            ..(**held).clone()
         }
     }
 
@@ -308,7 +310,7 @@ impl Cache {
     /// its node's grace if its Node is missing (as `decide::frees_at`).
     fn vanished_until(&self, name: &str) -> i64 {
         let since = self.cooling_seen.get(name).copied().unwrap_or(self.now_ms);
-        self.kept_until(since, self.blocks.get(name))
+        self.kept_until(since, self.blocks.get(name).map(|b| &**b))
     }
 
     /// [`vanished_until`](Cache::vanished_until) of `block`, cooling since
@@ -326,7 +328,7 @@ impl Cache {
     /// The blocks of `before` (the view before a list) that the list
     /// lacks: those that vanished are kept as [`vanished`](Cache::vanished)
     /// ones, and so are those kept so before, until their delay ends.
-    fn keep_vanished(&mut self, before: BTreeMap<String, Block>) {
+    fn keep_vanished(&mut self, before: BTreeMap<String, Box<Block>>) {
         for (name, old) in before {
             if self.blocks.contains_key(&name) {
                 continue;
@@ -367,7 +369,7 @@ impl Cache {
         }
         let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
         self.cooling_seen.insert(name.to_string(), since);
-        self.blocks.insert(name.to_string(), kept);
+        self.blocks.insert(name.to_string(), Box::new(kept));
         self.vanished.insert(name.to_string());
         self.vanished_due = self.vanished_due.map(|due| due.min(until));
         self.vanished_news
@@ -385,7 +387,7 @@ impl Cache {
     /// (none: the object is gone) does not: they left a status now, and
     /// their delay counts from now (not from when this process first saw
     /// them cooling while a status still held them).
-    fn left_status(&mut self, old: Option<Status>, name: Option<&String>) {
+    fn left_status(&mut self, old: Option<Box<Status>>, name: Option<&String>) {
         let Some(old) = old else { return };
         let now = name.and_then(|n| self.statuses.get(n));
         let left: Vec<String> = old
@@ -394,7 +396,7 @@ impl Cache {
             .filter_map(|e| e.cidr)
             .filter(|cidr| !now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(*cidr))))
             .map(|cidr| block_name(&cidr))
-            .filter(|name| self.blocks.get(name).is_some_and(is_cooling))
+            .filter(|name| self.blocks.get(name).is_some_and(|b| is_cooling(b)))
             .collect();
         for name in left {
             self.cool_since(&name, self.now_ms);
@@ -423,7 +425,7 @@ impl Cache {
                 .flat_map(|s| s.entries.iter().filter_map(|e| e.cidr))
                 .collect()
         };
-        let (before, after) = (cidrs(old), cidrs(self.statuses.get(name)));
+        let (before, after) = (cidrs(old), cidrs(self.statuses.get(name).map(|s| &**s)));
         for cidr in before.symmetric_difference(&after) {
             self.dirty_status_holders(cidr);
         }
@@ -479,7 +481,7 @@ impl Cache {
     /// would make its next cooling start early.
     pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
         for (name, since) in restarts {
-            if self.blocks.get(name).is_some_and(is_cooling) {
+            if self.blocks.get(name).is_some_and(|b| is_cooling(b)) {
                 self.cool_since(name, *since);
             }
         }
@@ -553,13 +555,13 @@ impl Cache {
                 let name = nnc.meta.name.clone();
                 self.dirty.insert(name.clone());
                 let told = status.gone_told;
-                let old = self.statuses.insert(name.clone(), status);
+                let old = self.statuses.insert(name.clone(), Box::new(status));
                 if old.as_ref().is_none_or(|o| o.gone_told != told) {
                     self.dirty_around_blocks_of_missing(&name);
                 }
-                self.reindex_status(old.as_ref(), &name);
+                self.reindex_status(old.as_deref(), &name);
                 self.left_status(old, Some(&name));
-                if self.nncs.insert(name.clone(), *nnc).is_none() {
+                if self.nncs.insert(name.clone(), nnc).is_none() {
                     self.follow(&name, true);
                 }
             }
@@ -609,13 +611,13 @@ impl Cache {
                 }
             }
         }
-        let old = self.blocks.insert(name.clone(), block);
-        if self.other_size(old.as_ref(), &name) {
+        let old = self.blocks.insert(name.clone(), Box::new(block));
+        if self.other_size(old.as_deref(), &name) {
             return;
         }
-        self.enter_ledger(old.as_ref(), &name);
-        self.dirty_holders(old.as_ref(), &name);
-        let followed = old.as_ref().and_then(followed_node).map(str::to_string);
+        self.enter_ledger(old.as_deref(), &name);
+        self.dirty_holders(old.as_deref(), &name);
+        let followed = old.as_deref().and_then(followed_node).map(str::to_string);
         if followed != follows {
             followed.inspect(|n| self.follow(n, false));
             follows.inspect(|n| self.follow(n, true));
@@ -659,7 +661,7 @@ impl Cache {
                     self.follow(name, false);
                 }
                 let old = self.statuses.remove(name);
-                self.reindex_status(old.as_ref(), name);
+                self.reindex_status(old.as_deref(), name);
                 self.left_status(old, None);
                 self.dirty_around_blocks_of_missing(name);
             }
@@ -685,13 +687,13 @@ impl Cache {
                         self.remember_gone(old);
                     }
                 }
-                if self.other_size(old.as_ref(), name) {
+                if self.other_size(old.as_deref(), name) {
                     return true;
                 }
-                self.enter_ledger(old.as_ref(), name);
-                self.dirty_holders(old.as_ref(), name);
-                let follows = self.blocks.get(name).and_then(followed_node);
-                let followed = old.as_ref().and_then(followed_node);
+                self.enter_ledger(old.as_deref(), name);
+                self.dirty_holders(old.as_deref(), name);
+                let follows = self.blocks.get(name).and_then(|b| followed_node(b));
+                let followed = old.as_deref().and_then(followed_node);
                 if followed != follows {
                     let (followed, follows) =
                         (followed.map(str::to_string), follows.map(str::to_string));
@@ -733,7 +735,7 @@ impl Cache {
     /// ledgers and indexes rebuilt and every node decided.
     fn other_size(&mut self, old: Option<&Block>, name: &str) -> bool {
         let cidr = |b: Option<&Block>| b.and_then(|b| b.spec.as_ref()).map(|(c, _)| *c);
-        let (before, after) = (cidr(old), cidr(self.blocks.get(name)));
+        let (before, after) = (cidr(old), cidr(self.blocks.get(name).map(|b| &**b)));
         let odd =
             |c: &Option<Cidr>| c.is_some_and(|c| pool::is_other_size(self.specs.values(), &c));
         if before == after || !(odd(&before) || odd(&after)) {
@@ -798,7 +800,7 @@ impl Cache {
     /// that say they serve it and those whose statuses hold it (or an
     /// overlapping block) are decided again.
     fn dirty_holders(&mut self, old: Option<&Block>, name: &str) {
-        let now = self.blocks.get(name);
+        let now = self.blocks.get(name).map(|b| &**b);
         let mut cidrs = BTreeSet::new();
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
@@ -888,7 +890,7 @@ impl Cache {
     /// kind whole), and notes which are missing.
     fn recount_followed(&mut self) {
         let mut followed: BTreeMap<String, usize> = BTreeMap::new();
-        let of_blocks = self.blocks.values().filter_map(followed_node);
+        let of_blocks = self.blocks.values().filter_map(|b| followed_node(b));
         for name in self.nncs.keys().map(String::as_str).chain(of_blocks) {
             *followed.entry(name.to_string()).or_default() += 1;
         }
@@ -917,8 +919,12 @@ impl Cache {
                     ..p.clone()
                 })
                 .collect();
-            let mut rebuilt =
-                pool::with_ledgers(&bare, self.blocks.values(), &self.cooling_seen, self.now_ms);
+            let mut rebuilt = pool::with_ledgers(
+                &bare,
+                self.blocks.values().map(|b| &**b),
+                &self.cooling_seen,
+                self.now_ms,
+            );
             let mut kept = self.pools.to_vec();
             for pool in rebuilt.iter_mut().chain(kept.iter_mut()) {
                 pool.ledger.non_reusable.sort();
@@ -1136,7 +1142,7 @@ mod tests {
     /// The missing Nodes as the old full pass computed them: the names of
     /// NodeNetworkConfigs and of blocks that follow a Node, without a Node.
     fn absent_from_scratch(cache: &Cache) -> BTreeSet<String> {
-        let of_blocks = cache.blocks.values().filter_map(followed_node);
+        let of_blocks = cache.blocks.values().filter_map(|b| followed_node(b));
         cache
             .nncs
             .keys()

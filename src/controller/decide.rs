@@ -57,9 +57,9 @@ pub struct World<'a> {
     /// Validated (`pool::validate`): a refused spec grants nothing and
     /// takes nothing back, but its ledger still counts.
     pub pools: &'a [Pool],
-    pub nncs: &'a BTreeMap<String, Nnc>,
+    pub nncs: &'a BTreeMap<String, Box<Nnc>>,
     /// The status of each NodeNetworkConfig as read (kept whole).
-    pub statuses: &'a BTreeMap<String, Status>,
+    pub statuses: &'a BTreeMap<String, Box<Status>>,
     /// What the statuses say by block and by node (`StatusIndex::of`).
     pub index: &'a StatusIndex,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
@@ -495,7 +495,7 @@ impl<'a> Pass<'a> {
             let names: BTreeSet<&String> = scope.iter().chain(world.absent.keys()).collect();
             for name in names {
                 if let Some((name, nnc)) = world.nncs.get_key_value(name.as_str()) {
-                    let plan = self.release_of(name, nnc, world.statuses.get(name));
+                    let plan = self.release_of(name, nnc, world.statuses.get(name).map(|s| &**s));
                     self.plans.insert(name, plan);
                 }
             }
@@ -507,7 +507,7 @@ impl<'a> Pass<'a> {
         let mut plans = Vec::with_capacity(world.nncs.len());
         for (name, nnc) in world.nncs {
             while statuses.next_if(|(n, _)| *n < name).is_some() {}
-            let read = statuses.next_if(|(n, _)| *n == name).map(|(_, s)| s);
+            let read = statuses.next_if(|(n, _)| *n == name).map(|(_, s)| &**s);
             plans.push((name.as_str(), self.release_of(name, nnc, read)));
         }
         self.plans = plans.into_iter().collect();
@@ -1871,6 +1871,13 @@ mod tests {
         }
     }
 
+    /// The objects as the cache keeps them.
+    fn boxed<T: Clone>(objects: &BTreeMap<String, T>) -> BTreeMap<String, Box<T>> {
+        let each = objects.iter();
+        each.map(|(name, o)| (name.clone(), Box::new(o.clone())))
+            .collect()
+    }
+
     fn decide_every(
         pools: &[Pool],
         nncs: &BTreeMap<String, Nnc>,
@@ -1878,18 +1885,20 @@ mod tests {
         now_ms: i64,
         wall_ms: i64,
     ) -> Decision {
+        let nncs = boxed(nncs);
+        let statuses = boxed(statuses);
         let world = World {
             pools,
-            nncs,
-            statuses,
-            index: &StatusIndex::of(statuses),
+            nncs: &nncs,
+            statuses: &statuses,
+            index: &StatusIndex::of(&statuses),
             absent: &BTreeMap::new(),
             now_ms,
             wall_ms,
             node_grace_ms: 60_000,
             scope: None,
         };
-        let mut taken = TakenIndex::of(statuses, pools.iter().map(|p| &p.ledger));
+        let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
         decide(&world, &mut taken)
     }
 
@@ -2189,9 +2198,11 @@ mod tests {
         let objects = BTreeMap::from([nnc("n0", false), nnc("n1", true), nnc("n2", false)]);
         let nncs = objects
             .iter()
-            .map(|(n, (o, _))| (n.clone(), o.clone()))
+            .map(|(n, (o, _))| (n.clone(), Box::new(o.clone())))
             .collect();
-        let statuses = objects.into_iter().map(|(n, (_, s))| (n, s)).collect();
+        let statuses = (objects.into_iter())
+            .map(|(n, (_, s))| (n, Box::new(s)))
+            .collect();
         let pools = [p];
         let scope = BTreeSet::from(["n1".to_string()]);
         let world = World {

@@ -328,7 +328,7 @@ pub struct StatusIndex {
 }
 
 impl StatusIndex {
-    pub fn of(statuses: &BTreeMap<String, Status>) -> StatusIndex {
+    pub fn of(statuses: &BTreeMap<String, Box<Status>>) -> StatusIndex {
         let mut index = StatusIndex::default();
         for (name, status) in statuses {
             index.add(name, status);
@@ -428,9 +428,11 @@ mod tests {
     /// or the same; neither a neighbour nor the other family.
     #[test]
     fn serving_overlapping_finds_blocks_inside_and_around() {
-        let serving = |cidrs: &[&str]| Status {
-            serving: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
-            ..Status::default()
+        let serving = |cidrs: &[&str]| {
+            Box::new(Status {
+                serving: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+                ..Status::default()
+            })
         };
         let statuses = BTreeMap::from([
             ("wider".to_string(), serving(&["198.18.0.0/26"])),

@@ -48,7 +48,7 @@ fn slot(family: Family) -> usize {
 impl TakenIndex {
     /// What `statuses` and `ledgers` take.
     pub fn of<'l>(
-        statuses: &BTreeMap<String, Status>,
+        statuses: &BTreeMap<String, Box<Status>>,
         ledgers: impl IntoIterator<Item = &'l Ledger>,
     ) -> TakenIndex {
         let mut index = TakenIndex::default();
