@@ -1,8 +1,9 @@
 //! Leader election with a `coordination.k8s.io/v1` Lease, as client-go's
 //! `leaderelection` does it: a candidate takes the Lease when it is free or
 //! its record has not changed for a lease duration (measured on this
-//! process's monotonic clock from when the change was seen, never by
-//! comparing clocks); the holder renews every retry period; a holder that
+//! machine's boot clock, monotonic and counting suspends, from when the
+//! change was seen, never by comparing clocks); the holder renews every
+//! retry period; a holder that
 //! has not renewed for the renew deadline stops writing, which is before
 //! anyone else may take the Lease (renew deadline < lease duration, and
 //! the time counts from before the renewal was sent). On SIGTERM the
@@ -14,10 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
+use super::clock::BootInstant;
 use crate::kube::client::{ApiClient, KubeError};
 use crate::kube::objects::{Lease, ObjectMeta, lenient};
 use crate::log::{self, now_ms, rfc3339_seconds};
@@ -35,7 +37,7 @@ pub struct LeaseTiming {
 struct Observed {
     record: crate::kube::objects::LeaseSpec,
     resource_version: String,
-    at: Instant,
+    at: BootInstant,
 }
 
 /// Whether this process may write, shared by the lease thread and the
@@ -44,7 +46,7 @@ struct Observed {
 pub struct Leadership {
     renew_deadline: Duration,
     /// When the last successful acquire or renew was sent.
-    renewed: Mutex<Option<Instant>>,
+    renewed: Mutex<Option<BootInstant>>,
     stopping: AtomicBool,
     /// The loop found this candidate not leading and sleeps: the next
     /// renewal that finds it leading wakes the loop.
@@ -85,7 +87,7 @@ impl Leadership {
             && renewed.is_some_and(|at| at.elapsed() < self.renew_deadline)
     }
 
-    fn renewed_at(&self, sent: Instant) {
+    fn renewed_at(&self, sent: BootInstant) {
         *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = Some(sent);
     }
 
@@ -132,7 +134,7 @@ impl Elector {
         client: &ApiClient,
         metrics: &ControllerMetrics,
     ) -> Result<bool, KubeError> {
-        let sent = Instant::now();
+        let sent = BootInstant::now();
         metrics.api_request("get", "leases");
         let current: Lease = match client.get(&self.path()) {
             Ok(lease) => lenient(&lease),
@@ -156,7 +158,7 @@ impl Elector {
             }
             Err(err) => return Err(err),
         };
-        self.observe(&current, Instant::now());
+        self.observe(&current, BootInstant::now());
         let holder = current.spec.holder_identity.clone();
         let mine = holder == self.identity;
         if !mine && !holder.is_empty() && !self.expired(&current) {
@@ -220,12 +222,12 @@ impl Elector {
         }
     }
 
-    fn renewed_at(&self, sent: Instant) {
+    fn renewed_at(&self, sent: BootInstant) {
         self.leadership.renewed_at(sent);
     }
 
     /// Remembers the Lease; a changed record restarts its clock.
-    fn observe(&mut self, lease: &Lease, at: Instant) {
+    fn observe(&mut self, lease: &Lease, at: BootInstant) {
         let record = lease.spec.clone();
         let resource_version = lease.metadata.resource_version.clone();
         let changed = self.observed.as_ref().is_none_or(|o| o.record != record);
@@ -353,17 +355,19 @@ mod tests {
         let lease: Lease = lenient(
             &json!({"metadata": {"resourceVersion": "1"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15}}),
         );
-        let long_ago = Instant::now().checked_sub(Duration::from_secs(16)).unwrap();
+        let long_ago = BootInstant::now()
+            .checked_sub(Duration::from_secs(16))
+            .unwrap();
         e.observe(&lease, long_ago);
         assert!(e.expired(&lease));
         // The same record seen again later does not restart the clock...
-        e.observe(&lease, Instant::now());
+        e.observe(&lease, BootInstant::now());
         assert!(e.expired(&lease));
         // ...a renewal (a changed record) does.
         let renewed: Lease = lenient(
             &json!({"metadata": {"resourceVersion": "2"}, "spec": {"holderIdentity": "b", "leaseDurationSeconds": 15, "renewTime": "x"}}),
         );
-        e.observe(&renewed, Instant::now());
+        e.observe(&renewed, BootInstant::now());
         assert!(!e.expired(&renewed));
     }
 
@@ -372,11 +376,15 @@ mod tests {
         let e = elector();
         let l = &e.leadership;
         assert!(!l.leading());
-        e.renewed_at(Instant::now());
+        e.renewed_at(BootInstant::now());
         assert!(l.leading());
-        e.renewed_at(Instant::now().checked_sub(Duration::from_secs(10)).unwrap());
+        e.renewed_at(
+            BootInstant::now()
+                .checked_sub(Duration::from_secs(10))
+                .unwrap(),
+        );
         assert!(!l.leading(), "past the renew deadline (10 s < 15 s lease)");
-        e.renewed_at(Instant::now());
+        e.renewed_at(BootInstant::now());
         l.stop();
         assert!(!l.leading(), "stopping");
     }
@@ -412,7 +420,7 @@ mod tests {
             let mut other = elector();
             other.observe(
                 &body,
-                Instant::now()
+                BootInstant::now()
                     .checked_sub(Duration::from_millis(ago_ms))
                     .unwrap(),
             );

@@ -10,6 +10,7 @@
 
 pub mod block;
 pub mod cache;
+pub mod clock;
 pub mod decide;
 pub mod informer;
 pub mod lease;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{SigSet, Signal};
 
 use super::cache::{Cache, Clock};
+use super::clock::BootInstant;
 use super::decide::{Decision, decide};
 use super::informer::{self, Resource, Update};
 use super::lease::{self, Elector, LeaseTiming};
@@ -347,9 +348,10 @@ struct Controller<'c> {
     leadership: Arc<lease::Leadership>,
     cache: Cache,
     retries: Retries,
-    /// The monotonic clock's origin, and the wall clock's offset (tests
-    /// only: a replica whose clock is skewed).
-    origin: Instant,
+    /// The monotonic clock's origin (the boot clock: delays count on
+    /// through a suspend), and the wall clock's offset (tests only: a
+    /// replica whose clock is skewed).
+    origin: BootInstant,
     wall_offset_ms: i64,
     /// The earliest a pass may run (a burst of events is one pass).
     next_pass: Instant,
@@ -398,7 +400,7 @@ impl<'c> Controller<'c> {
                 i64::try_from(config.node_grace.as_millis()).unwrap_or(i64::MAX),
             ),
             retries: Retries::new(TIMING.max_backoff),
-            origin: Instant::now(),
+            origin: BootInstant::now(),
             wall_offset_ms,
             next_pass: Instant::now(),
             pending: true,
