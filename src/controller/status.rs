@@ -269,8 +269,13 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
 pub struct Names(Box<[Box<str>]>);
 
 impl Names {
+    /// Where `name` is (`Ok`) or would go (`Err`).
+    fn find(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|n| (**n).cmp(name))
+    }
+
     pub fn insert(&mut self, name: &str) {
-        if let Err(at) = self.0.binary_search_by(|n| (**n).cmp(name)) {
+        if let Err(at) = self.find(name) {
             let mut names = std::mem::take(&mut self.0).into_vec();
             names.insert(at, name.into());
             self.0 = names.into_boxed_slice();
@@ -278,7 +283,7 @@ impl Names {
     }
 
     pub fn remove(&mut self, name: &str) {
-        if let Ok(at) = self.0.binary_search_by(|n| (**n).cmp(name)) {
+        if let Ok(at) = self.find(name) {
             let mut names = std::mem::take(&mut self.0).into_vec();
             names.remove(at);
             self.0 = names.into_boxed_slice();
@@ -290,7 +295,7 @@ impl Names {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.0.binary_search_by(|n| (**n).cmp(name)).is_ok()
+        self.find(name).is_ok()
     }
 
     /// The first name in name order.
@@ -299,7 +304,7 @@ impl Names {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &str> {
-        self.0.iter().map(|n| &**n)
+        self.into_iter()
     }
 }
 
