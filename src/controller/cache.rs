@@ -306,11 +306,16 @@ impl Cache {
         self.vanished_due = Some(until.min().unwrap_or(i64::MAX));
     }
 
+    /// Block `name`'s copy, if held.
+    fn block(&self, name: &str) -> Option<&Block> {
+        self.blocks.get(name).map(|b| &**b)
+    }
+
     /// When vanished block `name`'s reclaim delay ends (monotonic ms), and
     /// its node's grace if its Node is missing (as `decide::frees_at`).
     fn vanished_until(&self, name: &str) -> i64 {
         let since = self.cooling_seen.get(name).copied().unwrap_or(self.now_ms);
-        self.kept_until(since, self.blocks.get(name).map(|b| &**b))
+        self.kept_until(since, self.block(name))
     }
 
     /// [`vanished_until`](Cache::vanished_until) of `block`, cooling since
@@ -396,7 +401,7 @@ impl Cache {
             .filter_map(|e| e.cidr)
             .filter(|cidr| !now.is_some_and(|s| s.entries.iter().any(|e| e.cidr == Some(*cidr))))
             .map(|cidr| block_name(&cidr))
-            .filter(|name| self.blocks.get(name).is_some_and(|b| is_cooling(b)))
+            .filter(|name| self.block(name).is_some_and(is_cooling))
             .collect();
         for name in left {
             self.cool_since(&name, self.now_ms);
@@ -481,7 +486,7 @@ impl Cache {
     /// would make its next cooling start early.
     pub fn restart_cooling(&mut self, restarts: &[(String, i64)]) {
         for (name, since) in restarts {
-            if self.blocks.get(name).is_some_and(|b| is_cooling(b)) {
+            if self.block(name).is_some_and(is_cooling) {
                 self.cool_since(name, *since);
             }
         }
@@ -692,7 +697,7 @@ impl Cache {
                 }
                 self.enter_ledger(old.as_deref(), name);
                 self.dirty_holders(old.as_deref(), name);
-                let follows = self.blocks.get(name).and_then(|b| followed_node(b));
+                let follows = self.block(name).and_then(followed_node);
                 let followed = old.as_deref().and_then(followed_node);
                 if followed != follows {
                     let (followed, follows) =
@@ -735,7 +740,7 @@ impl Cache {
     /// ledgers and indexes rebuilt and every node decided.
     fn other_size(&mut self, old: Option<&Block>, name: &str) -> bool {
         let cidr = |b: Option<&Block>| b.and_then(|b| b.spec.as_ref()).map(|(c, _)| *c);
-        let (before, after) = (cidr(old), cidr(self.blocks.get(name).map(|b| &**b)));
+        let (before, after) = (cidr(old), cidr(self.block(name)));
         let odd =
             |c: &Option<Cidr>| c.is_some_and(|c| pool::is_other_size(self.specs.values(), &c));
         if before == after || !(odd(&before) || odd(&after)) {
