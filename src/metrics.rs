@@ -363,7 +363,7 @@ const CONTROLLER_VANISHED: Metric = Metric::new(
     Type::Counter,
     &[],
     "MetisBlocks that vanished while their finalizer held them (the cluster's state went back, \
-     as after an etcd restore): each cools for its node.",
+     as after an etcd restore): each cools for its node, a NonReusable one stays retired.",
 );
 const CONTROLLER_WENT_BACK: Metric = Metric::new(
     "metis_controller_blocks_went_back_total",

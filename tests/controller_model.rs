@@ -12,9 +12,8 @@
 //! crash), refuse every write of one node's NodeNetworkConfig, skew the
 //! deciding process's wall clock, and take etcd backups and restore them
 //! (the daemons then write their objects again, their releases
-//! remembered; restores that docs/controller.md says can still break a
-//! rule — a NonReusable object made since, a controller started right
-//! after — are left out). Each pass decides on what the
+//! remembered; a restore that docs/controller.md says can still break a
+//! rule — a controller started right after it — is left out). Each pass decides on what the
 //! controller's own cache (`Cache`) holds, fed every change as a watch
 //! would when it happens: its ledgers, indexes and choice of the nodes
 //! changed, which debug builds check against a pass over every node at
@@ -336,16 +335,8 @@ impl Sim {
         let Some(backup) = self.backup.clone() else {
             return;
         };
-        // A gap docs/controller.md tells (point 6), left out: a NonReusable
-        // object made since vanishes and leaves nothing. Objects changed
-        // since come back older, those made since vanish, those deleted
-        // since come back.
-        let retired_since = (self.blocks.iter()).any(|(name, now)| {
-            !backup.blocks.contains_key(name) && now["spec"]["state"] == "NonReusable"
-        });
-        if retired_since {
-            return;
-        }
+        // Objects changed since come back older, those made since vanish
+        // (a NonReusable one is made again), those deleted since come back.
         self.restored_at = Some(self.now);
         let before = std::mem::replace(&mut self.nncs, backup.nncs);
         for (node, nnc) in &before {

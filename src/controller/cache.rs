@@ -322,6 +322,9 @@ impl Cache {
     /// `since`.
     fn kept_until(&self, since: i64, block: Option<&Block>) -> i64 {
         let block = block.and_then(|b| b.spec.as_ref());
+        if block.is_some_and(|(_, spec)| spec.state == BlockState::NonReusable) {
+            return i64::MAX;
+        }
         let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| p.name == spec.pool));
         let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
         let graced = block
@@ -373,7 +376,9 @@ impl Cache {
             return false;
         }
         let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
-        self.cooling_seen.insert(name.to_string(), since);
+        if is_cooling(&kept) {
+            self.cooling_seen.insert(name.to_string(), since);
+        }
         self.blocks.insert(name.to_string(), Box::new(kept));
         self.vanished.insert(name.to_string());
         self.vanished_due = self.vanished_due.map(|due| due.min(until));
@@ -383,7 +388,7 @@ impl Cache {
     }
 
     /// The blocks kept as vanished since the last call, each with the node
-    /// it cools for.
+    /// it cools for ("" for a NonReusable one).
     pub fn take_vanished(&mut self) -> Vec<(String, String)> {
         std::mem::take(&mut self.vanished_news)
     }
@@ -1006,20 +1011,26 @@ fn followed_node(block: &Block) -> Option<&str> {
 }
 
 /// What is kept of `block` when its object vanished while it still
-/// carried its protection finalizer and gave its node addresses (granted
-/// or cooling): the block cooling for that node, with no version (none
-/// when the controller had let it go, or it was NonReusable).
+/// carried its protection finalizer (none when the controller had let it
+/// go): a block that gave its node addresses (granted or cooling) cools
+/// for that node, with no version; a NonReusable one stays retired, and
+/// its object is made again (`behind`), since it is never free.
 fn kept_when_vanished(block: &Block) -> Option<Block> {
     let (cidr, spec) = block.spec.as_ref()?;
-    let live = matches!(spec.state, BlockState::Granted | BlockState::Cooling);
-    if block.resource_version.is_empty() || !block.protected || !live {
+    if block.resource_version.is_empty() || !block.protected {
         return None;
     }
-    let gone = spec.state == BlockState::Cooling && spec.reason == NODE_GONE;
-    let spec = BlockSpec {
-        state: BlockState::Cooling,
-        reason: (if gone { NODE_GONE } else { RELEASED }).to_string(),
-        ..spec.clone()
+    let retired = spec.state == BlockState::NonReusable;
+    let spec = match spec.state {
+        BlockState::NonReusable => spec.clone(),
+        BlockState::Granted | BlockState::Cooling => {
+            let gone = spec.state == BlockState::Cooling && spec.reason == NODE_GONE;
+            BlockSpec {
+                state: BlockState::Cooling,
+                reason: (if gone { NODE_GONE } else { RELEASED }).to_string(),
+                ..spec.clone()
+            }
+        }
     };
     Some(Block {
         name: block.name.clone(),
@@ -1027,7 +1038,7 @@ fn kept_when_vanished(block: &Block) -> Option<Block> {
         spec: Some((*cidr, spec)),
         protected: true,
         past: block.past.clone(),
-        behind: false,
+        behind: retired,
     })
 }
 
@@ -1334,6 +1345,58 @@ mod tests {
             assert!(cache.vanished.is_empty(), "{by_list}");
             assert!(!cache.blocks.contains_key("v4-198-18-0-0-28"), "{by_list}");
         }
+    }
+
+    /// A NonReusable block whose object vanishes with its finalizer (an
+    /// etcd restore to before its release) is never free: it stays
+    /// retired, past any delay, no node is granted it, and its object is
+    /// made again; once that lands, nothing more is written for it.
+    #[test]
+    fn a_nonreusable_block_whose_object_vanished_stays_retired_and_is_made_again() {
+        use crate::controller::decide::BlockOp;
+        let name = "v4-198-18-0-0-28";
+        let mut cache = with_pool("198.18.0.0/27");
+        let node = Item::parse(Resource::Node, json!({"metadata": {"name": "n2"}}));
+        cache.listed(Resource::Node, vec![node]);
+        let retired =
+            |version| block_item("198.18.0.0/28", "", BlockState::NonReusable, version, true);
+        cache.listed(Resource::Block, vec![retired("5")]);
+        let asking = json!({"metadata": {"name": "n2", "resourceVersion": "7"},
+                            "spec": {"allocations": [{"network": "default", "pods": 20}]},
+                            "status": {"podCIDRs": []}});
+        cache.listed(Resource::Nnc, vec![Item::parse(Resource::Nnc, asking)]);
+        cache.at(2_000);
+        cache.listed(Resource::Block, Vec::new());
+        assert_eq!(
+            cache.take_vanished(),
+            vec![(name.to_string(), String::new())]
+        );
+        let ops = |cache: &mut Cache, at| {
+            let d = decide_at(cache, at);
+            (d.block_writes.iter())
+                .map(|w| match &w.op {
+                    BlockOp::Create(spec) => (w.name.clone(), spec.node.clone(), spec.state),
+                    op => panic!("{op:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        let made_again = (name.to_string(), String::new(), BlockState::NonReusable);
+        let to_n2 = (
+            "v4-198-18-0-16-28".to_string(),
+            "n2".to_string(),
+            BlockState::Granted,
+        );
+        assert_eq!(
+            ops(&mut cache, 2_000),
+            vec![made_again.clone(), to_n2.clone()]
+        );
+        let later = 2_000 + 10 * pool::DEFAULT_RECLAIM_DELAY_MS;
+        cache.at(later);
+        assert!(cache.blocks.contains_key(name) && cache.vanished.contains(name));
+        assert_eq!(ops(&mut cache, later), vec![made_again, to_n2.clone()]);
+        cache.put(Resource::Block, retired("9"));
+        assert!(cache.vanished.is_empty() && !cache.blocks[name].behind);
+        assert_eq!(ops(&mut cache, later), vec![to_n2]);
     }
 
     /// Vanished blocks are let go each when its own delay ends, the pool's

@@ -1328,7 +1328,9 @@ fn block_writes(
         let after = block_state(ledger.held(cidr));
         let version = pool.ledger.versions.get(cidr);
         let confirm = needed.contains(cidr) || behind.contains(cidr);
-        if before == after && !(confirm && version.is_some()) {
+        // A copy kept over an object gone (a NonReusable block's, after an
+        // etcd restore) is written back too: created again.
+        if before == after && !(confirm && version.is_some()) && !behind.contains(cidr) {
             continue;
         }
         let spec = after.map(|after| block_spec(pool, cidr, after));

@@ -506,7 +506,8 @@ impl<'c> Controller<'c> {
             log::warn(
                 "controller",
                 "a MetisBlock vanished while its finalizer held it (an etcd restore?): \
-                 its block cools for its node, given to no other meanwhile",
+                 its block cools for its node (a NonReusable one stays retired and its \
+                 object is made again), given to no other meanwhile",
                 &[("block", &block), ("node", &node)],
             );
         }
