@@ -188,11 +188,14 @@ impl PodCidrEntry {
 /// malformed entry is skipped); whether the list held more than `cap`.
 pub fn entries<T: DeserializeOwned>(list: &Value, cap: usize) -> (Vec<T>, bool) {
     let all = list.as_array().map_or(&[][..], Vec::as_slice);
-    let read = all
+    let mut read: Vec<T> = all
         .iter()
         .take(cap)
         .filter_map(|entry| T::deserialize(entry).ok())
         .collect();
+    // Kept for the object's life (the controller holds thousands): not
+    // the four slots a collect starts with for a list of one.
+    read.shrink_to_fit();
     (read, all.len() > cap)
 }
 
