@@ -17,6 +17,7 @@ pub mod lease;
 pub mod pool;
 pub mod retry;
 pub mod run;
+pub mod small_set;
 pub mod status;
 pub mod taken;
 pub mod writer;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::block::{Block, BlockState, NODE_GONE};
+use super::small_set::SmallSet;
 use crate::cidr::{Cidr, Family};
 use crate::duration::parse_duration_ms;
 use crate::kube::objects::{Condition, ObjectMeta, lenient, lenient_field};
@@ -115,7 +116,7 @@ pub struct Ledger {
     /// brought it back): the next pass writes the copy back over it.
     pub behind: BTreeSet<Cidr>,
     /// The claims by node: a pass reads one node's without walking all.
-    pub by_node: BTreeMap<String, BTreeSet<Cidr>>,
+    pub by_node: BTreeMap<String, SmallSet<Cidr>>,
     /// The blocks of the pool's range of each family (IPv4, IPv6) in each
     /// state (granted, cooling, retired): its counts without a walk.
     pub tally: [[u64; 3]; 2],

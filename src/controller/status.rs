@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::small_set::SmallSet;
 use crate::cidr::{Cidr, to_u128};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
@@ -263,31 +264,19 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
 }
 
 /// The nodes named for one block in a [`StatusIndex`], sorted and
-/// distinct. Almost always one: a boxed slice costs two small allocations
-/// where a `BTreeSet<String>` costs a whole tree node.
+/// distinct (almost always one).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Names(Box<[Box<str>]>);
+pub struct Names(SmallSet<Box<str>>);
 
 impl Names {
-    /// Where `name` is (`Ok`) or would go (`Err`).
-    fn find(&self, name: &str) -> Result<usize, usize> {
-        self.0.binary_search_by(|n| (**n).cmp(name))
-    }
-
     pub fn insert(&mut self, name: &str) {
-        if let Err(at) = self.find(name) {
-            let mut names = std::mem::take(&mut self.0).into_vec();
-            names.insert(at, name.into());
-            self.0 = names.into_boxed_slice();
+        if !self.0.contains(name) {
+            self.0.insert(name.into());
         }
     }
 
     pub fn remove(&mut self, name: &str) {
-        if let Ok(at) = self.find(name) {
-            let mut names = std::mem::take(&mut self.0).into_vec();
-            names.remove(at);
-            self.0 = names.into_boxed_slice();
-        }
+        self.0.remove(name);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -295,12 +284,12 @@ impl Names {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.find(name).is_ok()
+        self.0.contains(name)
     }
 
     /// The first name in name order.
     pub fn first(&self) -> Option<&str> {
-        self.0.first().map(|n| &**n)
+        self.iter().next()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &str> {
@@ -313,7 +302,7 @@ impl<'a> IntoIterator for &'a Names {
     type IntoIter = std::iter::Map<std::slice::Iter<'a, Box<str>>, fn(&Box<str>) -> &str>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|n| &**n)
+        self.0.as_slice().iter().map(|n| &**n)
     }
 }
 
