@@ -839,7 +839,7 @@ impl Sim {
             .map(Block::parse)
             .filter_map(|b| b.spec)
             .filter(|(_, spec)| spec.state == state)
-            .map(|(cidr, spec)| (cidr.to_string(), spec.node))
+            .map(|(cidr, spec)| (cidr.to_string(), spec.node.into()))
             .collect()
     }
 
@@ -1593,7 +1593,7 @@ fn v4_block_spec(
     metis::controller::block::BlockSpec {
         pool: "v4".into(),
         network: "default".into(),
-        cidr: cidr.to_string(),
+        cidr: cidr.to_string().into(),
         node: node.into(),
         state,
         reason: reason.into(),
@@ -1933,7 +1933,7 @@ fn a_bad_pool_is_refused_whole_and_grants_nothing() {
             "{valid}"
         );
         let blocks = sim.blocks.values().cloned().map(Block::parse);
-        assert!(!blocks.filter_map(|b| b.spec).any(|(_, s)| s.pool == pool));
+        assert!(!blocks.filter_map(|b| b.spec).any(|(_, s)| *s.pool == *pool));
     }
     assert!(
         !cidrs_of(&sim.nncs["a"])

@@ -43,13 +43,13 @@ pub const GRANTED: &str = "Granted";
 /// `spec`, written by the controller only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockSpec {
-    pub pool: String,
-    pub network: String,
-    pub cidr: String,
-    pub node: String,
+    pub pool: Box<str>,
+    pub network: Box<str>,
+    pub cidr: Box<str>,
+    pub node: Box<str>,
     pub state: BlockState,
     #[serde(default)]
-    pub reason: String,
+    pub reason: Box<str>,
 }
 
 /// A `MetisBlock` object as read and written: the spec is kept as read
@@ -195,7 +195,7 @@ pub fn object(spec: &BlockSpec, name: &str, resource_version: &str, protected: b
     let mut labels = Map::new();
     for (key, value) in [(POOL_LABEL, &spec.pool), (NODE_LABEL, &spec.node)] {
         if is_label_value(value) {
-            labels.insert(key.into(), Value::from(value.as_str()));
+            labels.insert(key.into(), Value::from(&**value));
         }
     }
     let mut rest = Map::new();
@@ -270,7 +270,7 @@ mod tests {
         assert_eq!(Block::parse(json!("text")).spec, None);
         // A node name that is no label value goes without the label.
         let mut long = spec("198.18.0.16/28");
-        long.node = "n".repeat(64);
+        long.node = "n".repeat(64).into();
         let written = object(&long, "v4-198-18-0-16-28", "3", true);
         assert!(written["metadata"]["labels"].get(NODE_LABEL).is_none());
         assert_eq!(written["metadata"]["resourceVersion"], "3");

@@ -250,7 +250,7 @@ impl Cache {
             listed.succeeds(held);
             return listed;
         }
-        let node = held.spec.as_ref().map(|(_, spec)| spec.node.clone());
+        let node = held.spec.as_ref().map(|(_, spec)| spec.node.to_string());
         self.went_back_news
             .push((held.name.clone(), node.unwrap_or_default()));
         Block {
@@ -325,10 +325,10 @@ impl Cache {
         if block.is_some_and(|(_, spec)| spec.state == BlockState::NonReusable) {
             return i64::MAX;
         }
-        let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| p.name == spec.pool));
+        let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| *p.name == *spec.pool));
         let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
         let graced = block
-            .and_then(|(_, spec)| self.absent.get(&spec.node))
+            .and_then(|(_, spec)| self.absent.get(&*spec.node))
             .map(|missing| missing.saturating_add(self.node_grace_ms));
         since.saturating_add(delay).max(graced.unwrap_or(i64::MIN))
     }
@@ -375,7 +375,7 @@ impl Cache {
             // to wait for either way.
             return false;
         }
-        let node = kept.spec.as_ref().map(|(_, s)| s.node.clone());
+        let node = kept.spec.as_ref().map(|(_, s)| s.node.to_string());
         if is_cooling(&kept) {
             self.cooling_seen.insert(name.to_string(), since);
         }
@@ -462,7 +462,7 @@ impl Cache {
         }
         let cidrs: Vec<Cidr> = (self.blocks.values())
             .filter_map(|b| b.spec.as_ref())
-            .filter(|(_, spec)| spec.node == node)
+            .filter(|(_, spec)| *spec.node == *node)
             .map(|(cidr, _)| *cidr)
             .collect();
         for cidr in &cidrs {
@@ -814,7 +814,7 @@ impl Cache {
         let mut cidrs = BTreeSet::new();
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
-                self.dirty.insert(spec.node.clone());
+                self.dirty.insert(spec.node.to_string());
                 cidrs.insert(*cidr);
             }
         }
@@ -1005,9 +1005,9 @@ pub struct Clock {
 fn followed_node(block: &Block) -> Option<&str> {
     let (_, spec) = block.spec.as_ref()?;
     let follows = spec.state == BlockState::Granted
-        || (spec.state == BlockState::Cooling && spec.reason == NODE_GONE)
+        || (spec.state == BlockState::Cooling && *spec.reason == *NODE_GONE)
         || block.resource_version.is_empty();
-    follows.then_some(spec.node.as_str())
+    follows.then_some(&*spec.node)
 }
 
 /// What is kept of `block` when its object vanished while it still
@@ -1024,10 +1024,10 @@ fn kept_when_vanished(block: &Block) -> Option<Block> {
     let spec = match spec.state {
         BlockState::NonReusable => spec.clone(),
         BlockState::Granted | BlockState::Cooling => {
-            let gone = spec.state == BlockState::Cooling && spec.reason == NODE_GONE;
+            let gone = spec.state == BlockState::Cooling && *spec.reason == *NODE_GONE;
             BlockSpec {
                 state: BlockState::Cooling,
-                reason: (if gone { NODE_GONE } else { RELEASED }).to_string(),
+                reason: (if gone { NODE_GONE } else { RELEASED }).into(),
                 ..spec.clone()
             }
         }
@@ -1218,7 +1218,7 @@ mod tests {
                         pool: "p".into(),
                         network: "default".into(),
                         cidr: "198.18.0.0/28".into(),
-                        node,
+                        node: node.into(),
                         state,
                         reason: reason.into(),
                     };
@@ -1292,7 +1292,7 @@ mod tests {
             let mut found = Vec::new();
             for w in &d.block_writes {
                 if let BlockOp::Create(spec) = &w.op {
-                    found.push((spec.cidr.clone(), spec.node.clone()));
+                    found.push((spec.cidr.to_string(), spec.node.to_string()));
                 }
             }
             found
@@ -1375,7 +1375,7 @@ mod tests {
             let d = decide_at(cache, at);
             (d.block_writes.iter())
                 .map(|w| match &w.op {
-                    BlockOp::Create(spec) => (w.name.clone(), spec.node.clone(), spec.state),
+                    BlockOp::Create(spec) => (w.name.clone(), spec.node.to_string(), spec.state),
                     op => panic!("{op:?}"),
                 })
                 .collect::<Vec<_>>()
@@ -1615,7 +1615,7 @@ mod tests {
             unreachable!()
         };
         if let Some((_, spec)) = taken.spec.as_mut() {
-            spec.reason = NODE_GONE.to_string();
+            spec.reason = NODE_GONE.into();
         }
         cache.listed(Resource::Block, vec![Item::Block(taken)]);
         cache.listed(Resource::Node, vec![Item::Node("n1".into())]);
@@ -1712,7 +1712,9 @@ mod tests {
             let d = decide_at(cache, 2_000);
             (d.block_writes.iter())
                 .filter_map(|w| match &w.op {
-                    BlockOp::Update(version, spec) => Some((version.clone(), spec.node.clone())),
+                    BlockOp::Update(version, spec) => {
+                        Some((version.clone(), spec.node.to_string()))
+                    }
                     _ => None,
                 })
                 .collect()

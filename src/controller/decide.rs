@@ -1292,16 +1292,12 @@ fn block_state(held: Option<Held<'_>>) -> Option<BlockStateOf<'_>> {
 /// `pool`'s object spec for `cidr` in `state`, for `node`, for `reason`.
 fn block_spec(pool: &Pool, cidr: &Cidr, (state, node, reason): BlockStateOf) -> BlockSpec {
     BlockSpec {
-        pool: pool.name.clone(),
-        network: pool
-            .spec
-            .as_ref()
-            .map_or("", |s| s.network.as_str())
-            .to_string(),
-        cidr: cidr.to_string(),
-        node: node.to_string(),
+        pool: pool.name.as_str().into(),
+        network: pool.spec.as_ref().map_or("", |s| s.network.as_str()).into(),
+        cidr: cidr.to_string().into(),
+        node: node.into(),
         state,
-        reason: reason.to_string(),
+        reason: reason.into(),
     }
 }
 
@@ -2078,10 +2074,7 @@ mod tests {
                 },
             ] => {
                 assert_eq!(version, "9");
-                assert_eq!(
-                    (spec.state, spec.node.as_str()),
-                    (BlockState::Cooling, "n1")
-                );
+                assert_eq!((spec.state, &*spec.node), (BlockState::Cooling, "n1"));
             }
             other => panic!("{other:?}"),
         }
@@ -2129,7 +2122,7 @@ mod tests {
         match &to_block[..] {
             [BlockOp::Update(version, spec)] => {
                 assert_eq!(version, "9");
-                let said = (spec.pool.as_str(), spec.node.as_str(), spec.state);
+                let said = (&*spec.pool, &*spec.node, spec.state);
                 assert_eq!(said, ("q", "n2", BlockState::Granted));
             }
             other => panic!("{other:?}: {decision:?}"),

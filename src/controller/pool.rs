@@ -464,9 +464,9 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<C
         BlockState::Granted => ledger.claim(*cidr, &spec.node),
         BlockState::Cooling => {
             let cooling = Cooling {
-                node: spec.node.clone(),
+                node: spec.node.to_string(),
                 since_ms,
-                node_gone: spec.reason == NODE_GONE,
+                node_gone: *spec.reason == *NODE_GONE,
             };
             ledger.cooling.insert(*cidr, cooling);
         }
