@@ -1269,9 +1269,8 @@ fn unchanged(read: &Status, plan: &Plan, generation: i64, now: i64) -> bool {
                 Cow::Owned(b) => a == b,
             })
         && read
-            .ready
-            .as_ref()
-            .is_some_and(|r| ready_stands(r, plan.trouble.as_ref(), generation, now))
+            .ready()
+            .is_some_and(|r| ready_stands(&r, plan.trouble.as_ref(), generation, now))
 }
 
 /// A block's state, node and reason, as its object says them.
@@ -2035,7 +2034,7 @@ mod tests {
             let (condition, _) = ready_condition(&[], trouble.as_ref(), 4, now);
             let read = Status::parse(json!({"podCIDRs": [], "conditions": [
                 {"type": "Other", "status": "True"}, condition]}));
-            let ready = read.ready.as_ref().expect("a written condition is read");
+            let ready = &read.ready().expect("a written condition is read");
             assert!(ready_stands(ready, trouble.as_ref(), 4, now + 1));
             assert!(!ready_stands(ready, trouble.as_ref(), 5, now + 1));
             let other = Trouble::Gone("gone".into());

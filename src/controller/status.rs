@@ -82,10 +82,6 @@ pub struct Status {
     /// Its Ready condition says the Node is gone and its blocks were taken
     /// back ([`GONE_TOLD`]): that write landed.
     pub gone_told: bool,
-    /// Its Ready condition, when it is exactly as the controller writes one
-    /// and putting it back changes no condition: a pass that would write the
-    /// same skips rebuilding the status.
-    pub ready: Option<ReadyRead>,
 }
 
 /// The fields of a Ready condition the controller decides.
@@ -178,8 +174,16 @@ impl Status {
             refused_since,
             serving: Vec::new(),
             gone_told,
-            ready: ready_read(&status["conditions"], &conditions),
         }
+    }
+
+    /// Its Ready condition, when it is exactly as the controller writes one
+    /// and putting it back changes no condition: a pass that would write the
+    /// same skips rebuilding the status. Read from `rest` when a pass asks
+    /// (for a node it decides), not kept for every node.
+    pub fn ready(&self) -> Option<ReadyRead> {
+        let rest = self.rest();
+        ready_read(&rest["conditions"], &conditions(&rest))
     }
 
     /// The status without `podCIDRs` (`Null` when it is not an object).
@@ -507,7 +511,7 @@ mod tests {
             "lastTransitionTime": "2026-01-01T00:00:00.000Z", "observedGeneration": 2});
         let other = json!({"type": "Other", "status": "True"});
         let read = |conditions: Value| {
-            Status::parse(json!({"podCIDRs": [], "conditions": conditions})).ready
+            Status::parse(json!({"podCIDRs": [], "conditions": conditions})).ready()
         };
         let expected = ReadyRead {
             status: "True".into(),
