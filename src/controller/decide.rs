@@ -529,9 +529,8 @@ impl<'a> Pass<'a> {
         for raw in raw_entries {
             let released = gone
                 || raw
-                    .cidr_text
-                    .as_deref()
-                    .is_some_and(|cidr| lists_releasable(nnc, cidr));
+                    .cidr_text()
+                    .is_some_and(|cidr| lists_releasable(nnc, &cidr));
             match (released, raw.cidr) {
                 (true, Some(cidr)) => {
                     if self.release_block(name, cidr, raw.reusable, gone) {
@@ -962,7 +961,7 @@ impl<'a> Pass<'a> {
         let mut capacity: u128 = plan
             .entries
             .iter()
-            .filter(|e| *e.network == **ask.network)
+            .filter(|e| e.network() == *ask.network)
             .filter_map(|e| e.cidr)
             .filter(|c| c.family() == ask.family)
             .map(|c| c.size())
@@ -1168,7 +1167,7 @@ fn covered(plan: &Plan, nnc: &Nnc, served: &[(&str, Family)]) -> bool {
         [(network, _)] => {
             let want = pods(network);
             let mut have = [0u128; 2];
-            for entry in plan.entries.iter().filter(|e| *e.network == **network) {
+            for entry in plan.entries.iter().filter(|e| e.network() == *network) {
                 if let Some(cidr) = entry.cidr {
                     let at = usize::from(cidr.family() == Family::V6);
                     have[at] = have[at].saturating_add(cidr.size());

@@ -6,6 +6,7 @@
 //! are: the decision compares texts, and parses only the small part it
 //! rewrites (the conditions) and the statuses it writes.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Deserialize;
@@ -24,11 +25,13 @@ pub const GONE_TOLD: &str = "is gone: its blocks were taken back";
 /// A `status.podCIDRs` entry, kept whole (it is written back as read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
-    /// Its `cidr` field as written, and parsed.
-    pub cidr_text: Option<Box<str>>,
+    /// Its `cidr` field parsed, and as written when that is not the
+    /// parsed CIDR's own spelling (kept for thousands of entries: the
+    /// usual one is not kept twice).
     pub cidr: Option<Cidr>,
-    /// Its `network` (the default network when empty or missing).
-    pub network: Box<str>,
+    odd_cidr_text: Option<Box<str>>,
+    /// Its `network`, when not the default one (empty or missing).
+    other_network: Option<Box<str>>,
     /// `type` is not `NonReusable`.
     pub reusable: bool,
     /// The whole entry, compact.
@@ -39,18 +42,33 @@ impl Entry {
     pub fn parse(entry: &Value) -> Entry {
         let read: EntryFields = lenient(entry);
         let cidr_text = read.cidr.as_deref();
+        let cidr: Option<Cidr> = cidr_text.and_then(|c| c.parse().ok());
+        let canonical = cidr.map(|c| c.to_string());
+        let network = read
+            .network
+            .filter(|n| !n.is_empty() && n != DEFAULT_NETWORK);
         Entry {
-            cidr_text: cidr_text.map(Box::from),
-            cidr: cidr_text.and_then(|c| c.parse().ok()),
-            network: read
-                .network
-                .as_deref()
-                .filter(|n| !n.is_empty())
-                .unwrap_or(DEFAULT_NETWORK)
-                .into(),
+            cidr,
+            odd_cidr_text: cidr_text
+                .filter(|t| canonical.as_deref() != Some(*t))
+                .map(Box::from),
+            other_network: network.map(String::into_boxed_str),
             reusable: read.kind.as_deref() != Some("NonReusable"),
             text: entry.to_string().into(),
         }
+    }
+
+    /// Its `cidr` field as written.
+    pub fn cidr_text(&self) -> Option<Cow<'_, str>> {
+        match (&self.odd_cidr_text, self.cidr) {
+            (Some(text), _) => Some(Cow::Borrowed(text)),
+            (None, cidr) => cidr.map(|c| Cow::Owned(c.to_string())),
+        }
+    }
+
+    /// Its `network` (the default network when empty or missing).
+    pub fn network(&self) -> &str {
+        self.other_network.as_deref().unwrap_or(DEFAULT_NETWORK)
     }
 
     pub fn to_value(&self) -> Value {
@@ -453,6 +471,19 @@ mod tests {
         assert_eq!(found("2001:db8::10/124"), ["v6"]);
     }
 
+    /// An entry's `cidr` reads back as written, spelled otherwise or not
+    /// a CIDR at all; the usual spelling is not kept twice.
+    #[test]
+    fn an_entry_gives_its_cidr_back_as_written() {
+        for written in ["198.18.0.0/28", "2001:DB8::/120", "198.18.0.1/28", "x"] {
+            let entry = Entry::parse(&json!({"cidr": written}));
+            assert_eq!(entry.cidr_text().as_deref(), Some(written));
+            let canonical = entry.cidr.is_some_and(|c| c.to_string() == written);
+            assert_eq!(entry.odd_cidr_text.is_none(), canonical, "{written}");
+        }
+        assert_eq!(Entry::parse(&json!({})).cidr_text(), None);
+    }
+
     #[test]
     fn a_status_keeps_what_it_read_in_text_and_compares_by_it() {
         let read = json!({
@@ -477,9 +508,19 @@ mod tests {
                 None
             ]
         );
-        assert_eq!(status.entries[2].cidr_text.as_deref(), Some("not a cidr"));
-        assert_eq!(&*status.entries[0].network, DEFAULT_NETWORK);
-        assert_eq!(&*status.entries[1].network, "blue");
+        let texts: Vec<_> = status.entries.iter().map(Entry::cidr_text).collect();
+        let texts: Vec<Option<&str>> = texts.iter().map(Option::as_deref).collect();
+        assert_eq!(
+            texts,
+            [
+                Some("198.18.0.0/28"),
+                Some("198.18.0.16/28"),
+                Some("not a cidr"),
+                None
+            ]
+        );
+        assert_eq!(status.entries[0].network(), DEFAULT_NETWORK);
+        assert_eq!(status.entries[1].network(), "blue");
         let reusable: Vec<bool> = status.entries.iter().map(|e| e.reusable).collect();
         assert_eq!(reusable, [true, false, true, true]);
         assert_eq!(
