@@ -34,6 +34,11 @@ pub struct Cache {
     pools: Arc<Vec<Pool>>,
     /// The MetisBlocks by name.
     pub blocks: BTreeMap<String, Box<Block>>,
+    /// What machines whose NodeNetworkConfig is gone last said they serve,
+    /// by node: kept (in the index, and their Node followed) until their
+    /// daemon writes an object again or their Node is gone past the grace,
+    /// since blocks follow the machine, not its object.
+    served_gone: BTreeMap<String, Vec<Cidr>>,
     /// When this process first saw each cooling block cooling (monotonic
     /// ms, by block name): its delay counts from then.
     cooling_seen: BTreeMap<String, i64>,
@@ -194,11 +199,12 @@ impl Cache {
     }
 
     pub fn listed(&mut self, kind: Resource, items: Vec<Item>) {
+        let statuses_before = match kind {
+            Resource::Nnc => std::mem::take(&mut self.statuses),
+            _ => BTreeMap::new(),
+        };
         match kind {
-            Resource::Nnc => {
-                self.nncs.clear();
-                self.statuses.clear();
-            }
+            Resource::Nnc => self.nncs.clear(),
             Resource::Node => self.nodes.clear(),
             Resource::Pool => {
                 Arc::make_mut(&mut self.pools).clear();
@@ -221,6 +227,12 @@ impl Cache {
                 item => item,
             };
             self.put_item(kind, item);
+        }
+        // Objects the list lacks: what their machines said they serve stands.
+        for (name, status) in statuses_before {
+            if !self.nncs.contains_key(&name) && !status.serving.is_empty() {
+                self.served_gone.entry(name).or_insert(status.serving);
+            }
         }
         if kind == Resource::Block {
             self.keep_vanished(before);
@@ -281,16 +293,60 @@ impl Cache {
     /// The indexes over the statuses and ledgers again, from scratch
     /// (after a list replaced a kind whole, or the pools changed).
     fn reindex(&mut self) {
-        self.index = StatusIndex::of(&self.statuses);
+        self.index = self.index_from_scratch();
         let ledgers = self.pools.iter().map(|p| &p.ledger);
         self.taken = TakenIndex::of(&self.statuses, ledgers);
     }
 
+    /// The status index as the statuses and [`served_gone`](Cache::served_gone)
+    /// make it.
+    fn index_from_scratch(&self) -> StatusIndex {
+        let mut index = StatusIndex::of(&self.statuses);
+        for (name, cidrs) in &self.served_gone {
+            index.serve(name, cidrs);
+        }
+        index
+    }
+
+    /// Node `name`'s object is gone, its machine having said it serves
+    /// `cidrs`: that stands until its daemon writes again or its Node is
+    /// gone past the grace.
+    fn keep_served(&mut self, name: &str, cidrs: &[Cidr]) {
+        if cidrs.is_empty() || self.served_gone.contains_key(name) {
+            return;
+        }
+        self.served_gone.insert(name.to_string(), cidrs.to_vec());
+        self.index.serve(name, cidrs);
+        self.follow(name, true);
+    }
+
+    /// What node `name`'s machine said with its object gone stands no
+    /// more; the nodes around those blocks are decided again.
+    fn drop_served(&mut self, name: &str) {
+        let Some(cidrs) = self.served_gone.remove(name) else {
+            return;
+        };
+        self.index.unserve(name, &cidrs);
+        self.follow(name, false);
+        for cidr in &cidrs {
+            self.dirty_around(cidr);
+        }
+    }
+
     /// What arrives from now on arrives at `now_ms` (monotonic); blocks
-    /// that vanished a reclaim delay ago are let go.
+    /// that vanished a reclaim delay ago are let go, and what machines gone
+    /// past the grace said they serve is forgotten.
     /// Between those times it costs nothing, however many vanished.
     pub fn at(&mut self, now_ms: i64) {
         self.now_ms = now_ms;
+        let grace = self.node_grace_ms;
+        let past_grace: Vec<String> = (self.served_gone.keys())
+            .filter(|n| (self.absent.get(*n)).is_some_and(|since| now_ms - since >= grace))
+            .cloned()
+            .collect();
+        for name in past_grace {
+            self.drop_served(&name);
+        }
         if self.vanished_due.is_some_and(|due| now_ms < due) {
             return;
         }
@@ -563,6 +619,7 @@ impl Cache {
         match item {
             Item::Nnc(nnc, status) => {
                 let name = nnc.meta.name.clone();
+                self.drop_served(&name);
                 self.dirty.insert(name.clone());
                 let told = status.gone_told;
                 let old = self.statuses.insert(name.clone(), Box::new(status));
@@ -672,6 +729,9 @@ impl Cache {
                 }
                 let old = self.statuses.remove(name);
                 self.reindex_status(old.as_deref(), name);
+                if let Some(old) = &old {
+                    self.keep_served(name, &old.serving);
+                }
                 self.left_status(old, None);
                 self.dirty_around_blocks_of_missing(name);
             }
@@ -901,7 +961,14 @@ impl Cache {
     fn recount_followed(&mut self) {
         let mut followed: BTreeMap<String, usize> = BTreeMap::new();
         let of_blocks = self.blocks.values().filter_map(|b| followed_node(b));
-        for name in self.nncs.keys().map(String::as_str).chain(of_blocks) {
+        let gone = self.served_gone.keys().map(String::as_str);
+        for name in self
+            .nncs
+            .keys()
+            .map(String::as_str)
+            .chain(of_blocks)
+            .chain(gone)
+        {
             *followed.entry(name.to_string()).or_default() += 1;
         }
         self.followed = followed;
@@ -971,7 +1038,7 @@ impl Cache {
     ) -> World<'a> {
         debug_assert_eq!(
             self.index,
-            StatusIndex::of(&self.statuses),
+            self.index_from_scratch(),
             "the status index kept is not the statuses'"
         );
         World {
@@ -1156,14 +1223,17 @@ mod tests {
     }
 
     /// The missing Nodes as the old full pass computed them: the names of
-    /// NodeNetworkConfigs and of blocks that follow a Node, without a Node.
+    /// NodeNetworkConfigs, of blocks that follow a Node and of machines
+    /// whose object is gone but what they serve stands, without a Node.
     fn absent_from_scratch(cache: &Cache) -> BTreeSet<String> {
         let of_blocks = cache.blocks.values().filter_map(|b| followed_node(b));
+        let gone = cache.served_gone.keys().map(String::as_str);
         cache
             .nncs
             .keys()
             .map(String::as_str)
             .chain(of_blocks)
+            .chain(gone)
             .filter(|n| !cache.nodes.contains(*n))
             .map(str::to_string)
             .collect()
@@ -1397,6 +1467,64 @@ mod tests {
         cache.put(Resource::Block, retired("9"));
         assert!(cache.vanished.is_empty() && !cache.blocks[name].behind);
         assert_eq!(ops(&mut cache, later), vec![to_n2]);
+    }
+
+    /// What a machine said it serves stands when its NodeNetworkConfig is
+    /// deleted: no other node is granted the block until its daemon writes
+    /// an object again, or its Node is gone past the grace.
+    #[test]
+    fn what_a_machine_serves_stands_after_its_object_is_deleted() {
+        use crate::controller::decide::BlockOp;
+        let nnc = |name: &str, version: &str, pods: i64, serving: &str| {
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": version,
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": [{"network": "default", "pods": pods}]},
+                "status": {"podCIDRs": []}});
+            Item::parse(Resource::Nnc, object)
+        };
+        let creates = |cache: &mut Cache, at| -> Vec<(String, String)> {
+            let d = decide_at(cache, at);
+            (d.block_writes.iter())
+                .filter_map(|w| match &w.op {
+                    BlockOp::Create(spec) => Some((spec.cidr.to_string(), spec.node.to_string())),
+                    _ => None,
+                })
+                .collect()
+        };
+        let served = ("198.18.0.0/28".to_string(), "n2".to_string());
+        let other = ("198.18.0.16/28".to_string(), "n2".to_string());
+        for back in [false, true] {
+            let mut cache = with_pool("198.18.0.0/27");
+            let nodes =
+                ["n1", "n2"].map(|n| Item::parse(Resource::Node, json!({"metadata": {"name": n}})));
+            cache.listed(Resource::Node, nodes.to_vec());
+            let objects = vec![nnc("n1", "5", 0, "198.18.0.0/28"), nnc("n2", "6", 20, "")];
+            cache.listed(Resource::Nnc, objects);
+            // While its object says so, the block is claimed for n1.
+            let claimed = ("198.18.0.0/28".to_string(), "n1".to_string());
+            assert_eq!(creates(&mut cache, 1_000), vec![claimed, other.clone()]);
+            cache.remove(Resource::Nnc, "n1");
+            assert_eq!(creates(&mut cache, 1_000), vec![other.clone()], "{back}");
+            if back {
+                // Its daemon writes its object again, saying nothing more.
+                cache.put(Resource::Nnc, nnc("n1", "7", 0, ""));
+                assert_eq!(
+                    creates(&mut cache, 1_000),
+                    vec![served.clone(), other.clone()]
+                );
+                continue;
+            }
+            cache.remove(Resource::Node, "n1");
+            cache.at(1_000 + 59_999);
+            assert_eq!(creates(&mut cache, 60_999), vec![other.clone()]);
+            cache.at(1_000 + 60_000);
+            assert!(cache.served_gone.is_empty());
+            assert_eq!(
+                creates(&mut cache, 61_000),
+                vec![served.clone(), other.clone()]
+            );
+        }
     }
 
     /// Vanished blocks are let go each when its own delay ends, the pool's

@@ -357,9 +357,7 @@ impl StatusIndex {
         for cidr in status.entries.iter().filter_map(|e| e.cidr) {
             self.held.entry(cidr).or_default().insert(name);
         }
-        for cidr in &status.serving {
-            self.serving.entry(*cidr).or_default().insert(name);
-        }
+        self.serve(name, &status.serving);
         if let Some(until) = status.told_until {
             self.told.insert(name.to_string(), until);
         }
@@ -384,8 +382,20 @@ impl StatusIndex {
     pub fn remove(&mut self, name: &str, status: &Status) {
         let entries = status.entries.iter().filter_map(|e| e.cidr);
         unindex(&mut self.held, entries, name);
-        unindex(&mut self.serving, status.serving.iter().copied(), name);
+        self.unserve(name, &status.serving);
         self.told.remove(name);
+    }
+
+    /// Node `name`'s machine says it serves `cidrs`.
+    pub fn serve(&mut self, name: &str, cidrs: &[Cidr]) {
+        for cidr in cidrs {
+            self.serving.entry(*cidr).or_default().insert(name);
+        }
+    }
+
+    /// Node `name`'s machine says so of `cidrs` no more.
+    pub fn unserve(&mut self, name: &str, cidrs: &[Cidr]) {
+        unindex(&mut self.serving, cidrs.iter().copied(), name);
     }
 }
 
