@@ -89,10 +89,6 @@ struct Sim {
     /// Retired blocks whose object an operator deleted, until they are
     /// granted again: leaving a status starts no delay for them.
     freed_by_hand: BTreeSet<String>,
-    /// What each machine's object said it serves when the object went (a
-    /// deletion, a restore): it stands while the machine is not gone and
-    /// has written no object since, as the controller keeps it.
-    said_when_gone: BTreeMap<String, Vec<String>>,
     writes: usize,
     /// What happened to each block, for a failure's report.
     history: BTreeMap<String, Vec<String>>,
@@ -190,7 +186,6 @@ impl Sim {
             left: BTreeMap::new(),
             retired: BTreeSet::new(),
             freed_by_hand: BTreeSet::new(),
-            said_when_gone: BTreeMap::new(),
             writes: 0,
             history: BTreeMap::new(),
             served: BTreeMap::new(),
@@ -263,12 +258,7 @@ impl Sim {
         let Some(nnc) = self.nncs.remove(name) else {
             return;
         };
-        self.said_when_gone.remove(name);
-        let said = status::serving(&nnc);
-        if !said.is_empty() {
-            let said = said.iter().map(Cidr::to_string).collect();
-            self.said_when_gone.insert(name.to_string(), said);
-        }
+
         for cidr in cidrs_of(&nnc) {
             self.leaves(name, &cidr, "deleted with");
             self.cools_from_now(&cidr);
@@ -350,14 +340,6 @@ impl Sim {
         // (a NonReusable one is made again), those deleted since come back.
         self.restored_at = Some(self.now);
         let before = std::mem::replace(&mut self.nncs, backup.nncs);
-        // An object the restore takes away: what it said stands (as the
-        // controller's list keeps it).
-        for (node, nnc) in before.iter().filter(|(n, _)| !self.nncs.contains_key(*n)) {
-            let said: Vec<String> = status::serving(nnc).iter().map(Cidr::to_string).collect();
-            if !said.is_empty() {
-                self.said_when_gone.entry(node.clone()).or_insert(said);
-            }
-        }
         for (node, nnc) in &before {
             let kept = self.nncs.get(node).map(cidrs_of).unwrap_or_default();
             for cidr in cidrs_of(nnc).into_iter().filter(|c| !kept.contains(c)) {
@@ -1166,9 +1148,12 @@ impl Sim {
                 taken.extend(status::serving(nnc));
             }
         }
-        for (other, said) in &self.said_when_gone {
-            if other != node && !self.nncs.contains_key(other) && !self.is_machine_gone(other) {
-                taken.extend(said.iter().filter_map(|c| c.parse::<Cidr>().ok()));
+        // What the controller was last told by machines whose object went
+        // (their daemons' later words never reached it).
+        let view = self.view.borrow();
+        for (other, said) in view.cache.served_without_object() {
+            if other != node && !self.is_machine_gone(other) {
+                taken.extend(said);
             }
         }
         let releasable: Vec<String> = self.nncs[node]["spec"]["releasableCIDRs"]

@@ -320,6 +320,11 @@ impl Cache {
         self.follow(name, true);
     }
 
+    /// What machines whose object is gone said they serve, as kept.
+    pub fn served_without_object(&self) -> impl Iterator<Item = (&str, &[Cidr])> {
+        (self.served_gone.iter()).map(|(name, cidrs)| (name.as_str(), cidrs.as_slice()))
+    }
+
     /// What node `name`'s machine said with its object gone stands no
     /// more; the nodes around those blocks are decided again.
     fn drop_served(&mut self, name: &str) {
