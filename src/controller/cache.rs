@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::block::{Block, BlockSpec, BlockState, NODE_GONE, RELEASED, block_name};
-use super::decide::World;
+use super::decide::{World, frees_at, grace_ends};
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::{Status, StatusIndex};
@@ -68,10 +68,11 @@ pub struct Cache {
     /// hand), by name: kept in `blocks` as cooling for their node, without
     /// a version, for the reclaim delay (from `cooling_seen`).
     vanished: BTreeSet<String>,
-    /// No vanished block's delay ends before this time (monotonic ms):
-    /// until then [`Cache::at`] walks none of them. `None` when a pool or
-    /// a vanished block's cooling changed since the last walk.
-    vanished_due: Option<i64>,
+    /// No vanished block's delay and no grace of what a machine without
+    /// its object serves ends before this time (monotonic ms): until then
+    /// [`Cache::at`] walks none of them. `None` when a pool, a Node's
+    /// absence or what is kept changed since the last walk.
+    due: Option<i64>,
     /// How long a missing Node may come back (`--node-grace`): a vanished
     /// block of a missing Node is kept at least until its grace ends.
     node_grace_ms: i64,
@@ -230,8 +231,8 @@ impl Cache {
         }
         // Objects the list lacks: what their machines said they serve stands.
         for (name, status) in statuses_before {
-            if !self.nncs.contains_key(&name) && !status.serving.is_empty() {
-                self.served_gone.entry(name).or_insert(status.serving);
+            if !self.nncs.contains_key(&name) {
+                self.keep_served(&name, &status.serving);
             }
         }
         if kind == Resource::Block {
@@ -318,6 +319,7 @@ impl Cache {
         self.served_gone.insert(name.to_string(), cidrs.to_vec());
         self.index.serve(name, cidrs);
         self.follow(name, true);
+        self.due = None;
     }
 
     /// What machines whose object is gone said they serve, as kept.
@@ -344,16 +346,15 @@ impl Cache {
     /// Between those times it costs nothing, however many vanished.
     pub fn at(&mut self, now_ms: i64) {
         self.now_ms = now_ms;
-        let grace = self.node_grace_ms;
+        if self.due.is_some_and(|due| now_ms < due) {
+            return;
+        }
         let past_grace: Vec<String> = (self.served_gone.keys())
-            .filter(|n| (self.absent.get(*n)).is_some_and(|since| now_ms - since >= grace))
+            .filter(|name| self.served_gone_until(name) <= now_ms)
             .cloned()
             .collect();
         for name in past_grace {
             self.drop_served(&name);
-        }
-        if self.vanished_due.is_some_and(|due| now_ms < due) {
-            return;
         }
         let cooled: Vec<String> = (self.vanished.iter())
             .filter(|name| self.vanished_until(name) <= now_ms)
@@ -364,7 +365,17 @@ impl Cache {
         }
         // After the forgetting: a Node no longer followed is not missing.
         let until = self.vanished.iter().map(|name| self.vanished_until(name));
-        self.vanished_due = Some(until.min().unwrap_or(i64::MAX));
+        let graced = self
+            .served_gone
+            .keys()
+            .map(|name| self.served_gone_until(name));
+        self.due = Some(until.chain(graced).min().unwrap_or(i64::MAX));
+    }
+
+    /// When what node `name`'s machine said with its object gone stops
+    /// standing: its Node gone past the grace (never while it is there).
+    fn served_gone_until(&self, name: &str) -> i64 {
+        (self.absent.get(name)).map_or(i64::MAX, |since| grace_ends(*since, self.node_grace_ms))
     }
 
     /// Block `name`'s copy, if held.
@@ -388,10 +399,8 @@ impl Cache {
         }
         let pool = block.and_then(|(_, spec)| self.pools.iter().find(|p| *p.name == *spec.pool));
         let delay = pool.map_or(pool::DEFAULT_RECLAIM_DELAY_MS, Pool::reclaim_delay_ms);
-        let graced = block
-            .and_then(|(_, spec)| self.absent.get(&*spec.node))
-            .map(|missing| missing.saturating_add(self.node_grace_ms));
-        since.saturating_add(delay).max(graced.unwrap_or(i64::MIN))
+        let missing_since = block.and_then(|(_, spec)| self.absent.get(&*spec.node));
+        frees_at(since, delay, missing_since.copied(), self.node_grace_ms)
     }
 
     /// The blocks of `before` (the view before a list) that the list
@@ -442,7 +451,7 @@ impl Cache {
         }
         self.blocks.insert(name.to_string(), Box::new(kept));
         self.vanished.insert(name.to_string());
-        self.vanished_due = self.vanished_due.map(|due| due.min(until));
+        self.due = self.due.map(|due| due.min(until));
         self.vanished_news
             .push((name.to_string(), node.unwrap_or_default()));
         true
@@ -824,7 +833,7 @@ impl Cache {
 
     /// Checks the pools against each other again, from their specs as read.
     fn revalidate(&mut self) {
-        self.vanished_due = None;
+        self.due = None;
         let pools = Arc::make_mut(&mut self.pools);
         for pool in pools.iter_mut() {
             if let Some(spec) = self.specs.get(&pool.name) {
@@ -910,7 +919,7 @@ impl Cache {
     fn cool_since(&mut self, name: &str, since: i64) {
         self.cooling_seen.insert(name.to_string(), since);
         if self.vanished.contains(name) {
-            self.vanished_due = None;
+            self.due = None;
         }
         let Some((cidr, _)) = self.blocks.get(name).and_then(|b| b.spec.as_ref()) else {
             return;
@@ -956,7 +965,7 @@ impl Cache {
         // vanished one may be kept longer or shorter now, and what
         // overlapping blocks' holders are told of them changes.
         if was != self.absent.contains_key(name) {
-            self.vanished_due = None;
+            self.due = None;
             self.dirty_around_blocks_of(name);
         }
     }
@@ -1522,6 +1531,8 @@ mod tests {
             }
             cache.remove(Resource::Node, "n1");
             cache.at(1_000 + 59_999);
+            // Its grace's end is when `at` walks next.
+            assert_eq!(cache.due, Some(61_000));
             assert_eq!(creates(&mut cache, 60_999), vec![other.clone()]);
             cache.at(1_000 + 60_000);
             assert!(cache.served_gone.is_empty());
@@ -1558,18 +1569,18 @@ mod tests {
         cache.at(5_000);
         cache.remove(Resource::Block, second);
         cache.at(10_999);
-        assert_eq!(cache.vanished_due, Some(11_000));
+        assert_eq!(cache.due, Some(11_000));
         assert_eq!(cache.vanished.len(), 2);
         cache.at(11_000);
         assert_eq!(cache.vanished.iter().collect::<Vec<_>>(), [second]);
-        assert_eq!(cache.vanished_due, Some(15_000));
+        assert_eq!(cache.due, Some(15_000));
         // A shorter delay, edited into the pool, counts from the same start.
         cache.put(Resource::Pool, pool_with_delay("8s"));
         cache.at(12_999);
         assert_eq!(cache.vanished.len(), 1);
         cache.at(13_000);
         assert!(cache.vanished.is_empty() && !cache.blocks.contains_key(second));
-        assert_eq!(cache.vanished_due, Some(i64::MAX));
+        assert_eq!(cache.due, Some(i64::MAX));
     }
 
     /// A cooling block whose object goes without a deletion cools for what

@@ -470,7 +470,7 @@ impl<'a> Pass<'a> {
                 let returned = c.node_gone && !world.absent.contains_key(&c.node);
                 if returned && !served_by_another(&world, cidr, &c.node) {
                     back.push((*cidr, c.node.clone()));
-                } else if world.now_ms >= frees_at(&world, c, delay)
+                } else if world.now_ms >= cooled_at(&world, c, delay)
                     && !(c.node_gone && untold(&c.node))
                 {
                     cooled.push(*cidr);
@@ -1355,7 +1355,24 @@ fn block_writes(
 /// Whether node `name`'s Node has been missing for `--node-grace` or longer.
 fn gone_past_grace(world: &World, name: &str) -> bool {
     (world.absent.get(name))
-        .is_some_and(|since| world.now_ms.saturating_sub(*since) >= world.node_grace_ms)
+        .is_some_and(|since| world.now_ms >= grace_ends(*since, world.node_grace_ms))
+}
+
+/// When a Node missing since `missing_since` is gone past the grace
+/// (monotonic ms): the one reading of `--node-grace`, for the passes and
+/// for what the cache keeps.
+pub fn grace_ends(missing_since: i64, grace_ms: i64) -> i64 {
+    missing_since.saturating_add(grace_ms)
+}
+
+/// When a block cooling since `since` comes free: `delay` after that, and
+/// not before its node's Node, if missing (since `missing_since`), is gone
+/// past the grace. A node whose Node is missing may still serve what it
+/// released or lost track of (a block whose object an etcd restore took
+/// away): until the grace ends, nothing of its comes free.
+pub fn frees_at(since: i64, delay: i64, missing_since: Option<i64>, grace_ms: i64) -> i64 {
+    let freed = since.saturating_add(delay);
+    missing_since.map_or(freed, |missing| freed.max(grace_ends(missing, grace_ms)))
 }
 
 /// Why `cidr`, granted to `node` and missing from its status, stays out
@@ -1456,7 +1473,7 @@ impl Promise<'_> {
                 ledgers[i]
                     .coolings()
                     .filter(|(c, _)| range.is_block(c) && !promised.contains(*c) && !skip(c))
-                    .map(|(c, cool)| (frees_at(world, cool, spec.reclaim_delay_ms), *c, i)),
+                    .map(|(c, cool)| (cooled_at(world, cool, spec.reclaim_delay_ms), *c, i)),
             );
         }
         cooling.sort();
@@ -1483,17 +1500,10 @@ impl Promise<'_> {
     }
 }
 
-/// When `cooling` comes free: `delay` after it began, and not before its
-/// node's Node, if missing, is gone past the grace. A node whose Node is
-/// missing may still serve what it released or lost track of (a block
-/// whose object an etcd restore took away): until the grace ends, nothing
-/// of its comes free.
-fn frees_at(world: &World, cooling: &Cooling, delay: i64) -> i64 {
-    let freed = cooling.since_ms.saturating_add(delay);
-    match world.absent.get(&cooling.node) {
-        Some(since) => freed.max(since.saturating_add(world.node_grace_ms)),
-        None => freed,
-    }
+/// When `cooling` comes free ([`frees_at`]).
+fn cooled_at(world: &World, cooling: &Cooling, delay: i64) -> i64 {
+    let missing_since = world.absent.get(&cooling.node).copied();
+    frees_at(cooling.since_ms, delay, missing_since, world.node_grace_ms)
 }
 
 /// The first time after `world.now_ms` at which a cooling block of
@@ -1504,12 +1514,12 @@ fn next_due(world: &World, ledgers: &[Working]) -> Option<i64> {
         let delay = pool.reclaim_delay_ms();
         ledger
             .coolings()
-            .map(move |(_, c)| frees_at(world, c, delay))
+            .map(move |(_, c)| cooled_at(world, c, delay))
     });
     let graced = world
         .absent
         .values()
-        .map(|since| since.saturating_add(world.node_grace_ms));
+        .map(|since| grace_ends(*since, world.node_grace_ms));
     // A refusal told "until" a time is rewritten once it passed (the node
     // stops failing fast then and waits for the next answer).
     let told = world.index.told.values().map(|wall| {
