@@ -42,7 +42,7 @@ use crate::kube::nnc::{Nnc, QuotaEnd};
 use crate::kube::objects::Condition;
 use crate::log::{rfc3339_millis, rfc3339_seconds};
 
-pub const READY: &str = "NodeNetworkConfigReady";
+pub use super::status::READY;
 pub use crate::kube::nnc::QUOTA_EXCEEDED;
 pub const INVALID: &str = "InvalidParametersToUpdateNetworkInterfacePodCIDRs";
 pub use crate::kube::nnc::QUOTA_UNTIL as UNTIL;
@@ -770,7 +770,7 @@ impl<'a> Pass<'a> {
                         .spec
                         .as_ref()
                         .map_or(crate::defaults::DEFAULT_NETWORK, |s| &s.network);
-                    let entry = granted_entry(&pool.name, network, &cidr, world.wall_ms);
+                    let entry = Entry::granted(&pool.name, network, &cidr, world.wall_ms);
                     plan.entries.push(Cow::Owned(entry));
                     plan.blocks.insert(cidr);
                     entered.add(cidr);
@@ -1026,7 +1026,7 @@ impl<'a> Pass<'a> {
             };
             taken.add(block);
             self.ledgers[i].set_claim(block, ask.name);
-            let entry = granted_entry(&pools[i].name, ask.network, &block, self.world.wall_ms);
+            let entry = Entry::granted(&pools[i].name, ask.network, &block, self.world.wall_ms);
             if let Some(plan) = self.plans.get_mut(ask.name.as_str()) {
                 plan.entries.push(Cow::Owned(entry));
                 plan.blocks.insert(block);
@@ -1632,31 +1632,6 @@ fn overlap_in_a_status(cidr: &Cidr, index: &StatusIndex, taken: &TakenIndex) -> 
         .find(|o| o != cidr && (held(o) || served(o)))
 }
 
-fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
-    let id: String = format!("{pool}-{cidr}")
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    Entry::parse(&json!({
-        "id": id,
-        "network": network,
-        "cidr": cidr.to_string(),
-        "condition": {
-            "type": "Ready",
-            "status": "True",
-            "reason": "PodCIDRReady",
-            "message": format!("granted from MetisPool {pool}"),
-            "lastTransitionTime": rfc3339_seconds(now).to_string(),
-        },
-    }))
-}
-
 /// What a node's Ready condition says of `trouble`: (status, reason,
 /// message).
 fn ready_says(trouble: Option<&Trouble>) -> (&'static str, &'static str, String) {
@@ -1667,7 +1642,7 @@ fn ready_says(trouble: Option<&Trouble>) -> (&'static str, &'static str, String)
 /// [`ready_says`], its message borrowed (a pass asks it of every node).
 fn ready_text(trouble: Option<&Trouble>) -> (&'static str, &'static str, &str) {
     match trouble {
-        None => ("True", READY, "the granted blocks cover the demand"),
+        None => ("True", READY, status::COVERED),
         Some(Trouble::Quota(why)) => ("False", QUOTA_EXCEEDED, why),
         Some(Trouble::Conflict(why)) => ("False", INVALID, why),
         Some(Trouble::Gone(why)) => ("False", INVALID, why),

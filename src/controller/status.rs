@@ -1,10 +1,13 @@
 //! A NodeNetworkConfig's status as the controller keeps it between passes:
 //! compact JSON text plus the few fields the decision reads, instead of the
-//! parsed tree (a `serde_json::Value` of one granted status is several KiB,
-//! this about 600 bytes). Text is serde_json's compact form, whose object
-//! keys come out sorted, so two parts are equal exactly when their texts
-//! are: the decision compares texts, and parses only the small part it
-//! rewrites (the conditions) and the statuses it writes.
+//! parsed tree (a `serde_json::Value` of one granted status is several KiB).
+//! A part exactly as this controller writes it (a granted entry, the Ready
+//! condition of a covered node) is kept as the few values that make it, and
+//! made again when asked: most of thousands of statuses are that. Text is
+//! serde_json's compact form, whose object keys come out sorted, so two
+//! parts are equal exactly when their texts are: the decision compares
+//! texts, and parses only the small part it rewrites (the conditions) and
+//! the statuses it writes.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -17,10 +20,19 @@ use crate::cidr::{Cidr, to_u128};
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{QUOTA_EXCEEDED, QuotaEnd};
 use crate::kube::objects::{Condition, Metadata, entries, lenient, lenient_field};
+use crate::log::{parse_rfc3339_ms, rfc3339_millis, rfc3339_seconds};
 
 /// The end of the Ready message that says the Node is gone past the grace
 /// and its blocks were taken back.
 pub const GONE_TOLD: &str = "is gone: its blocks were taken back";
+
+/// The reason of the Ready condition the controller writes (whatever its
+/// status), and the message of one whose node's demand is covered.
+pub const READY: &str = "NodeNetworkConfigReady";
+pub const COVERED: &str = "the granted blocks cover the demand";
+/// Begins the message of a granted entry's condition; the pool's name
+/// follows.
+const GRANTED_FROM: &str = "granted from MetisPool ";
 
 /// A `status.podCIDRs` entry, kept whole (it is written back as read).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,8 +46,20 @@ pub struct Entry {
     other_network: Option<Box<str>>,
     /// `type` is not `NonReusable`.
     pub reusable: bool,
-    /// The whole entry, compact.
-    text: Box<str>,
+    whole: Whole,
+}
+
+/// An entry whole: what makes one exactly as this controller grants it
+/// (most of thousands, whose text is then not kept), or its compact text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Whole {
+    /// [`granted_entry`] of the entry's CIDR and network from `pool` at
+    /// `since_ms` (whole seconds).
+    Granted {
+        pool: Box<str>,
+        since_ms: i64,
+    },
+    Text(Box<str>),
 }
 
 impl Entry {
@@ -47,15 +71,40 @@ impl Entry {
         let network = read
             .network
             .filter(|n| !n.is_empty() && n != DEFAULT_NETWORK);
-        Entry {
+        let mut parsed = Entry {
             cidr,
             odd_cidr_text: cidr_text
                 .filter(|t| canonical.as_deref() != Some(*t))
                 .map(Box::from),
             other_network: network.map(String::into_boxed_str),
             reusable: read.kind.as_deref() != Some("NonReusable"),
-            text: entry.to_string().into(),
-        }
+            whole: Whole::Text(Box::default()),
+        };
+        parsed.whole = match parsed.as_granted(entry) {
+            Some(granted) => granted,
+            None => Whole::Text(entry.to_string().into()),
+        };
+        parsed
+    }
+
+    /// `entry` (this entry as read) as the few values it is made of, when
+    /// [`granted_entry`] makes exactly it from them.
+    fn as_granted(&self, entry: &Value) -> Option<Whole> {
+        let condition = &entry["condition"];
+        let pool = condition["message"].as_str()?.strip_prefix(GRANTED_FROM)?;
+        let since = condition["lastTransitionTime"].as_str()?;
+        let since_ms = parse_rfc3339_ms(since)?;
+        let cidr = self.cidr.as_ref()?;
+        (granted_entry(pool, self.network(), cidr, since_ms) == *entry).then(|| Whole::Granted {
+            pool: pool.into(),
+            since_ms,
+        })
+    }
+
+    /// The entry of `cidr` in `network` as this controller grants it from
+    /// `pool` at `now` (Unix ms).
+    pub fn granted(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Entry {
+        Entry::parse(&granted_entry(pool, network, cidr, now))
     }
 
     /// Its `cidr` field as written.
@@ -72,8 +121,42 @@ impl Entry {
     }
 
     pub fn to_value(&self) -> Value {
-        serde_json::from_str(&self.text).unwrap_or(Value::Null)
+        match (&self.whole, &self.cidr) {
+            (Whole::Granted { pool, since_ms }, Some(cidr)) => {
+                granted_entry(pool, self.network(), cidr, *since_ms)
+            }
+            (Whole::Text(text), _) => serde_json::from_str(text).unwrap_or(Value::Null),
+            (Whole::Granted { .. }, None) => Value::Null,
+        }
     }
+}
+
+/// The `podCIDRs` entry of `cidr` in `network` that this controller writes
+/// when it grants the block from `pool` at `now` (Unix ms; written to the
+/// second).
+fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
+    let id: String = format!("{pool}-{cidr}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    serde_json::json!({
+        "id": id,
+        "network": network,
+        "cidr": cidr.to_string(),
+        "condition": {
+            "type": "Ready",
+            "status": "True",
+            "reason": "PodCIDRReady",
+            "message": format!("{GRANTED_FROM}{pool}"),
+            "lastTransitionTime": rfc3339_seconds(now).to_string(),
+        },
+    })
 }
 
 /// A status as read.
@@ -83,9 +166,9 @@ pub struct Status {
     pub entries: Vec<Entry>,
     /// `podCIDRs` is a list (an absent or malformed one is rewritten).
     pub listed: bool,
-    /// The rest of the status (conditions, fields unknown here), compact;
-    /// `None` when the status is not an object.
-    rest: Option<Box<str>>,
+    /// The rest of the status (conditions, fields unknown here); `None`
+    /// when the status is not an object.
+    rest: Option<Rest>,
     /// The time a `QuotaExceeded` Ready condition says the refusal stands
     /// until (Unix ms), if it says.
     pub told_until: Option<i64>,
@@ -100,6 +183,65 @@ pub struct Status {
     /// Its Ready condition says the Node is gone and its blocks were taken
     /// back ([`GONE_TOLD`]): that write landed.
     pub gone_told: bool,
+}
+
+/// A status without `podCIDRs`: the two values of one whose only content
+/// is the Ready condition this controller writes for a node whose demand
+/// is covered (most of thousands, whose text is then not kept), or its
+/// compact text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Rest {
+    /// [`covered_rest`] of these values.
+    Covered {
+        since_ms: i64,
+        generation: i64,
+    },
+    Text(Box<str>),
+}
+
+impl Rest {
+    fn parse(rest: &Value) -> Rest {
+        let ready = &rest["conditions"][0];
+        let since = ready["lastTransitionTime"]
+            .as_str()
+            .and_then(parse_rfc3339_ms);
+        let generation = ready["observedGeneration"].as_i64();
+        match (since, generation) {
+            (Some(since_ms), Some(generation)) if covered_rest(since_ms, generation) == *rest => {
+                Rest::Covered {
+                    since_ms,
+                    generation,
+                }
+            }
+            _ => Rest::Text(rest.to_string().into()),
+        }
+    }
+
+    fn to_value(&self) -> Value {
+        match self {
+            Rest::Covered {
+                since_ms,
+                generation,
+            } => covered_rest(*since_ms, *generation),
+            Rest::Text(text) => serde_json::from_str(text).unwrap_or(Value::Null),
+        }
+    }
+}
+
+/// A status without `podCIDRs` that holds only the Ready condition this
+/// controller writes for a node whose demand is covered: since `since_ms`
+/// (Unix ms), answering `generation`.
+fn covered_rest(since_ms: i64, generation: i64) -> Value {
+    let ready = Condition {
+        kind: Some("Ready".into()),
+        status: Some("True".into()),
+        reason: Some(READY.into()),
+        message: Some(COVERED.into()),
+        last_transition_time: Some(rfc3339_millis(since_ms).to_string()),
+        observed_generation: Some(generation),
+        rest: Map::new(),
+    };
+    serde_json::json!({ "conditions": [ready] })
 }
 
 /// The fields of a Ready condition the controller decides.
@@ -187,7 +329,7 @@ impl Status {
         Status {
             listed: pod_cidrs.as_ref().is_some_and(Value::is_array),
             entries,
-            rest: Some(status.to_string().into()),
+            rest: Some(Rest::parse(&status)),
             told_until,
             refused_since,
             serving: Vec::new(),
@@ -206,10 +348,7 @@ impl Status {
 
     /// The status without `podCIDRs` (`Null` when it is not an object).
     pub fn rest(&self) -> Value {
-        self.rest
-            .as_deref()
-            .and_then(|text| serde_json::from_str(text).ok())
-            .unwrap_or(Value::Null)
+        self.rest.as_ref().map_or(Value::Null, Rest::to_value)
     }
 
     /// Whether `rest` (without `podCIDRs`) and `entries` are this status.
@@ -217,7 +356,11 @@ impl Status {
         self.listed
             && self.entries.len() == entries.len()
             && self.entries.iter().zip(entries).all(|(a, b)| a == *b)
-            && self.rest.as_deref() == Some(rest.to_string().as_str())
+            && match &self.rest {
+                Some(Rest::Text(text)) => *rest.to_string() == **text,
+                Some(covered) => covered.to_value() == *rest,
+                None => false,
+            }
     }
 }
 
@@ -551,6 +694,73 @@ mod tests {
         )
         .unwrap();
         assert_eq!(Entry::parse(&reordered), status.entries[1]);
+    }
+
+    /// An entry as this controller grants one, and a status whose only
+    /// condition is the Ready one of a covered node, are kept as their
+    /// few values and give back exactly what was read; any difference
+    /// keeps the text, which gives it back as exactly.
+    #[test]
+    fn what_the_controller_writes_is_kept_as_values_and_given_back_exactly() {
+        let cidr: Cidr = "198.18.0.8/29".parse().unwrap();
+        let at = 1_765_000_000_000;
+        let granted = granted_entry("bench", "default", &cidr, at);
+        let covered = covered_rest(at + 123, 4);
+        let entry_variants: [fn(&mut Value); 5] = [
+            |e| e["id"] = json!("x"),
+            |e| e["network"] = json!(""),
+            |e| e["condition"]["lastTransitionTime"] = json!("2025-12-06T05:46:40.5Z"),
+            |e| e["extra"] = json!(1),
+            |e| e["condition"]["message"] = json!("granted from MetisPool "),
+        ];
+        let rest_variants: [fn(&mut Value); 5] = [
+            |r| r["note"] = json!({"kept": 1}),
+            |r| r["conditions"][0]["message"] = json!("other"),
+            |r| r["conditions"][0]["lastTransitionTime"] = json!("2025-12-06T05:46:40Z"),
+            |r| {
+                let other = json!({"type": "Other", "status": "True"});
+                if let Some(c) = r["conditions"].as_array_mut() {
+                    c.push(other);
+                }
+            },
+            |r| {
+                drop(
+                    r["conditions"][0]
+                        .as_object_mut()
+                        .map(|c| c.remove("observedGeneration")),
+                )
+            },
+        ];
+        let whole = |entry: Value, rest: Value| {
+            let mut read = rest.clone();
+            read["podCIDRs"] = json!([entry]);
+            let status = Status::parse(read.clone());
+            let entries: Vec<&Entry> = status.entries.iter().collect();
+            assert_eq!(assemble(status.rest(), &entries), read);
+            assert!(status.is(&rest, &entries));
+            status
+        };
+        let status = whole(granted.clone(), covered.clone());
+        assert!(matches!(status.entries[0].whole, Whole::Granted { .. }));
+        assert!(matches!(status.rest, Some(Rest::Covered { .. })));
+        // The same second's grant is the same entry.
+        let again = Entry::granted("bench", "default", &cidr, at + 999);
+        assert_eq!(status.entries[0], again);
+        for change in entry_variants {
+            let mut entry = granted.clone();
+            change(&mut entry);
+            let status = whole(entry.clone(), covered.clone());
+            assert!(matches!(status.entries[0].whole, Whole::Text(_)), "{entry}");
+            assert_ne!(status.entries[0], again);
+        }
+        for change in rest_variants {
+            let mut rest = covered.clone();
+            change(&mut rest);
+            let status = whole(granted.clone(), rest.clone());
+            assert!(matches!(status.rest, Some(Rest::Text(_))), "{rest}");
+            let entries: Vec<&Entry> = status.entries.iter().collect();
+            assert!(!status.is(&covered, &entries), "{rest}");
+        }
     }
 
     /// Only a Ready condition exactly as the controller writes it, in a
