@@ -47,10 +47,10 @@ use metis::cidr::Cidr;
 use metis::controller::block::{Block, BlockState};
 use metis::controller::cache::{Cache, Clock};
 use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED};
+use metis::controller::demand::Demand;
 use metis::controller::informer::{Item, Resource};
 use metis::controller::pool::{self, Pool};
 use metis::controller::status::{self, Status};
-use metis::kube::nnc::Nnc;
 use serde_json::{Value, json};
 
 const DELAY_MS: i64 = 60_000;
@@ -433,7 +433,13 @@ impl Sim {
     }
 
     /// What a controller reads.
-    fn world(&self) -> (Vec<Pool>, BTreeMap<String, Nnc>, BTreeMap<String, Status>) {
+    fn world(
+        &self,
+    ) -> (
+        Vec<Pool>,
+        BTreeMap<String, Demand>,
+        BTreeMap<String, Status>,
+    ) {
         let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
         let blocks: Vec<Block> = self.blocks.values().cloned().map(Block::parse).collect();
         let mut cidrs: Vec<Cidr> = blocks
@@ -446,7 +452,7 @@ impl Sim {
         let nncs = self
             .nncs
             .iter()
-            .map(|(k, v)| (k.clone(), Nnc::parse(v)))
+            .map(|(k, v)| (k.clone(), Demand::parse(v).1))
             .collect();
         let statuses = self
             .nncs

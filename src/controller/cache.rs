@@ -9,19 +9,19 @@ use std::sync::Arc;
 
 use super::block::{Block, BlockSpec, BlockState, NODE_GONE, RELEASED, block_name};
 use super::decide::{World, frees_at, grace_ends};
+use super::demand::Demand;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::status::{Status, StatusIndex};
 use super::taken::TakenIndex;
 use crate::cidr::Cidr;
 use crate::kube::fresh::{self, Streamed};
-use crate::kube::nnc::Nnc;
 
 #[derive(Debug, Default, Clone)]
 pub struct Cache {
     /// Values boxed: a map's nodes are about half full (names come in
     /// order), and a pointer wastes less of them than a whole object.
-    pub nncs: BTreeMap<String, Box<Nnc>>,
+    pub nncs: BTreeMap<String, Box<Demand>>,
     pub statuses: BTreeMap<String, Box<Status>>,
     /// What the statuses say, by block and by node.
     index: StatusIndex,
@@ -585,10 +585,7 @@ impl Cache {
 
     fn version_of(&self, kind: Resource, name: &str) -> Option<&str> {
         match kind {
-            Resource::Nnc => self
-                .nncs
-                .get(name)
-                .map(|n| n.meta.resource_version.as_str()),
+            Resource::Nnc => self.nncs.get(name).map(|n| &*n.resource_version),
             Resource::Node => None,
             Resource::Pool => self
                 .pools
@@ -631,8 +628,7 @@ impl Cache {
             return false;
         }
         match item {
-            Item::Nnc(nnc, status) => {
-                let name = nnc.meta.name.clone();
+            Item::Nnc(name, nnc, status) => {
                 self.drop_served(&name);
                 self.dirty.insert(name.clone());
                 let told = status.gone_told;
@@ -1151,7 +1147,7 @@ mod tests {
     }
 
     fn version(cache: &Cache) -> &str {
-        &cache.nncs["n1"].meta.resource_version
+        &cache.nncs["n1"].resource_version
     }
 
     /// After a takeover the view waits for what a read found: each object

@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Value, json};
 
 use super::block::{self, BlockSpec, BlockState, GRANTED, NODE_GONE, RELEASED};
+use super::demand::Demand;
 use super::pool::{
     BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
     Working,
@@ -38,7 +39,7 @@ use super::pool::{
 use super::status::{self, Entry, Names, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
-use crate::kube::nnc::{Nnc, QuotaEnd};
+use crate::kube::nnc::QuotaEnd;
 use crate::kube::objects::Condition;
 use crate::log::{rfc3339_millis, rfc3339_seconds};
 
@@ -57,7 +58,7 @@ pub struct World<'a> {
     /// Validated (`pool::validate`): a refused spec grants nothing and
     /// takes nothing back, but its ledger still counts.
     pub pools: &'a [Pool],
-    pub nncs: &'a BTreeMap<String, Box<Nnc>>,
+    pub nncs: &'a BTreeMap<String, Box<Demand>>,
     /// The status of each NodeNetworkConfig as read (kept whole).
     pub statuses: &'a BTreeMap<String, Box<Status>>,
     /// What the statuses say by block and by node (`StatusIndex::of`).
@@ -215,7 +216,7 @@ enum Trouble {
 /// the status read, and those it gains.
 struct Plan<'a> {
     name: &'a String,
-    nnc: &'a Nnc,
+    nnc: &'a Demand,
     /// The status as read (none yet: a new object).
     read: Option<&'a Status>,
     entries: Vec<Cow<'a, Entry>>,
@@ -312,13 +313,13 @@ fn pool_of(pools: &[Pool], ledgers: &[Working], cidr: &Cidr) -> Option<usize> {
 }
 
 /// Whether the node lists `cidr` in `releasableCIDRs`.
-fn lists_releasable(nnc: &Nnc, cidr: &str) -> bool {
-    nnc.releasable.iter().any(|r| r.cidr() == Some(cidr))
+fn lists_releasable(nnc: &Demand, cidr: &str) -> bool {
+    nnc.lists_releasable(cidr)
 }
 
 /// [`lists_releasable`] of a parsed block (its text made only when the
 /// node lists something).
-fn lists_releasable_cidr(nnc: &Nnc, cidr: &Cidr) -> bool {
+fn lists_releasable_cidr(nnc: &Demand, cidr: &Cidr) -> bool {
     !nnc.releasable.is_empty() && lists_releasable(nnc, &cidr.to_string())
 }
 
@@ -514,7 +515,12 @@ impl<'a> Pass<'a> {
     }
 
     /// Node `name`'s plan: its status as `read`, without what it releases.
-    fn release_of(&mut self, name: &'a String, nnc: &'a Nnc, read: Option<&'a Status>) -> Plan<'a> {
+    fn release_of(
+        &mut self,
+        name: &'a String,
+        nnc: &'a Demand,
+        read: Option<&'a Status>,
+    ) -> Plan<'a> {
         let gone = self.gone(name);
         let mut plan = Plan {
             name,
@@ -608,7 +614,7 @@ impl<'a> Pass<'a> {
     /// nothing (their daemon is gone).
     fn reassert(&mut self, taken: &TakenIndex) {
         let world = self.world;
-        let serving: Vec<(&'a String, &'a Nnc, &'a Status)> = self
+        let serving: Vec<(&'a String, &'a Demand, &'a Status)> = self
             .plans
             .values()
             .filter_map(|p| Some((p.name, p.nnc, p.read?)))
@@ -928,8 +934,9 @@ impl<'a> Pass<'a> {
         for (name, nnc) in grant_order(&self.plans, wants) {
             self.wanted.insert(name.as_str());
             let mut networks = BTreeSet::new();
-            for (network, pods) in &nnc.allocations {
-                if !networks.insert(network.as_str()) {
+            for allocation in &nnc.allocations {
+                let (network, pods) = (allocation.network(), allocation.pods);
+                if !networks.insert(network) {
                     continue;
                 }
                 for family in FAMILIES {
@@ -938,7 +945,7 @@ impl<'a> Pass<'a> {
                         nnc,
                         network,
                         family,
-                        pods: u128::try_from(*pods).unwrap_or(0),
+                        pods: u128::try_from(pods).unwrap_or(0),
                     };
                     let mut state = GrantState {
                         taken: &mut *taken,
@@ -961,7 +968,7 @@ impl<'a> Pass<'a> {
         let mut capacity: u128 = plan
             .entries
             .iter()
-            .filter(|e| e.network() == *ask.network)
+            .filter(|e| e.network() == ask.network)
             .filter_map(|e| e.cidr)
             .filter(|c| c.family() == ask.family)
             .map(|c| c.size())
@@ -1157,25 +1164,23 @@ impl<'a> Pass<'a> {
 /// `nnc` asks for that a pool serves (`served`), so that granting adds
 /// nothing: told from one walk of the entries, as most nodes are in any
 /// pass.
-fn covered(plan: &Plan, nnc: &Nnc, served: &[(&str, Family)]) -> bool {
-    let pods = |network: &str| {
-        let asked = nnc.allocations.iter().find(|(n, _)| n == network);
-        asked.map_or(0, |(_, pods)| u128::try_from(*pods).unwrap_or(0))
-    };
-    match nnc.allocations.as_slice() {
+fn covered(plan: &Plan, nnc: &Demand, served: &[(&str, Family)]) -> bool {
+    match &*nnc.allocations {
         [] => true,
-        [(network, _)] => {
-            let want = pods(network);
+        [allocation] => {
+            let network = allocation.network();
+            let want = u128::try_from(allocation.pods).unwrap_or(0);
             let mut have = [0u128; 2];
-            for entry in plan.entries.iter().filter(|e| e.network() == *network) {
+            for entry in plan.entries.iter().filter(|e| e.network() == network) {
                 if let Some(cidr) = entry.cidr {
                     let at = usize::from(cidr.family() == Family::V6);
                     have[at] = have[at].saturating_add(cidr.size());
                 }
             }
-            FAMILIES.iter().zip(have).all(|(family, have)| {
-                have >= want || !served.contains(&(network.as_str(), *family))
-            })
+            FAMILIES
+                .iter()
+                .zip(have)
+                .all(|(family, have)| have >= want || !served.contains(&(network, *family)))
         }
         // Several networks: `grant` tells each.
         _ => false,
@@ -1185,8 +1190,8 @@ fn covered(plan: &Plan, nnc: &Nnc, served: &[(&str, Family)]) -> bool {
 /// What one node asks of one network and family.
 struct Ask<'a> {
     name: &'a String,
-    nnc: &'a Nnc,
-    network: &'a String,
+    nnc: &'a Demand,
+    network: &'a str,
     family: Family,
     pods: u128,
 }
@@ -1246,7 +1251,7 @@ fn status_write(
     }
     let write = Write {
         name: name.to_string(),
-        resource_version: nnc.meta.resource_version.clone(),
+        resource_version: nnc.resource_version.to_string(),
         status: status::assemble(status, &entries).to_string(),
         after_blocks: plan.blocks.iter().map(block::block_name).collect(),
     };
@@ -1422,10 +1427,10 @@ fn one_write_per_object(writes: &mut Vec<BlockWrite>) {
 fn grant_order<'a>(
     plans: &BTreeMap<&'a str, Plan<'a>>,
     wants: impl Fn(&Plan) -> bool,
-) -> Vec<(&'a String, &'a Nnc)> {
+) -> Vec<(&'a String, &'a Demand)> {
     // The map is in name order already: only the refused few are sorted.
-    let mut refused: Vec<(i64, &'a String, &'a Nnc)> = Vec::new();
-    let mut rest: Vec<(&'a String, &'a Nnc)> = Vec::new();
+    let mut refused: Vec<(i64, &'a String, &'a Demand)> = Vec::new();
+    let mut rest: Vec<(&'a String, &'a Demand)> = Vec::new();
     for plan in plans.values().filter(|p| wants(p)) {
         match plan.read.and_then(|s| s.refused_since) {
             Some(since) => refused.push((since, plan.name, plan.nnc)),
@@ -1844,10 +1849,10 @@ mod tests {
     /// grace), with the indexes its statuses and ledgers make.
     /// A NodeNetworkConfig as the cache keeps it: the object and its
     /// status as read.
-    fn nnc_read(object: Value) -> (Nnc, Status) {
+    fn nnc_read(object: Value) -> (Demand, Status) {
         use crate::controller::informer::{Item, Resource};
         match Item::parse(Resource::Nnc, object) {
-            Item::Nnc(nnc, status) => (*nnc, status),
+            Item::Nnc(_, nnc, status) => (*nnc, status),
             _ => unreachable!(),
         }
     }
@@ -1861,7 +1866,7 @@ mod tests {
 
     fn decide_every(
         pools: &[Pool],
-        nncs: &BTreeMap<String, Nnc>,
+        nncs: &BTreeMap<String, Demand>,
         statuses: &BTreeMap<String, Status>,
         now_ms: i64,
         wall_ms: i64,
@@ -2091,7 +2096,7 @@ mod tests {
         let object = json!({
             "metadata": {"name": "n2", "resourceVersion": "5"},
             "spec": {"allocations": [{"network": "default", "pods": 4}]}});
-        let Item::Nnc(nnc, status) = Item::parse(Resource::Nnc, object) else {
+        let Item::Nnc(_, nnc, status) = Item::parse(Resource::Nnc, object) else {
             panic!("not an NNC");
         };
         let nncs = BTreeMap::from([("n2".to_string(), *nnc)]);
@@ -2227,7 +2232,7 @@ mod tests {
             (name.to_string(), nnc_read(object))
         };
         let pools = [p];
-        let decide_for = |objects: [(String, (Nnc, Status)); 2]| {
+        let decide_for = |objects: [(String, (Demand, Status)); 2]| {
             let nncs = (objects.iter())
                 .map(|(n, (o, _))| (n.clone(), o.clone()))
                 .collect();

@@ -14,11 +14,12 @@ use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess,
 use serde_json::Value;
 
 use super::block::{BLOCK_PATH, Block};
+use super::demand::Demand;
 use super::pool::{POOL_PATH, Pool};
 use super::status::Status;
 use crate::kube::backoff::{ApiTiming, Backoff};
 use crate::kube::client::{ApiClient, KubeError};
-use crate::kube::nnc::{Meta, Nnc, resource_version};
+use crate::kube::nnc::{Meta, resource_version};
 use crate::kube::worker::{needs_relist, watch_error};
 use crate::log;
 use crate::metrics::ControllerMetrics;
@@ -73,8 +74,8 @@ impl Resource {
 /// An object as the controller keeps it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Item {
-    /// The spec and metadata, and the status as read (compact).
-    Nnc(Box<Nnc>, Status),
+    /// The name, what the node asks, and the status as read (compact).
+    Nnc(String, Box<Demand>, Status),
     Node(String),
     Pool(Box<Pool>),
     Block(Box<Block>),
@@ -90,7 +91,8 @@ impl Item {
                 let status = object.get_mut("status").map(Value::take);
                 let mut status = Status::parse(status.unwrap_or_default());
                 status.serving = super::status::serving(&object);
-                Item::Nnc(Box::new(Nnc::parse(&object)), status)
+                let (name, demand) = Demand::parse(&object);
+                Item::Nnc(name, Box::new(demand), status)
             }
             Resource::Node => Item::Node(Meta::parse(&object).name),
             Resource::Pool => Item::Pool(Box::new(Pool::parse(&object))),
@@ -100,7 +102,7 @@ impl Item {
 
     pub fn resource_version(&self) -> &str {
         match self {
-            Item::Nnc(nnc, _) => &nnc.meta.resource_version,
+            Item::Nnc(_, demand, _) => &demand.resource_version,
             Item::Node(_) => "",
             Item::Pool(pool) => &pool.resource_version,
             Item::Block(block) => &block.resource_version,
@@ -109,7 +111,7 @@ impl Item {
 
     pub fn name(&self) -> &str {
         match self {
-            Item::Nnc(nnc, _) => &nnc.meta.name,
+            Item::Nnc(name, _, _) => name,
             Item::Node(name) => name,
             Item::Pool(pool) => &pool.name,
             Item::Block(block) => &block.name,
@@ -426,12 +428,13 @@ mod tests {
         let node = json!({"metadata": {"name": "n1", "resourceVersion": "4"}, "status": {"images": ["big"]}});
         assert_eq!(Item::parse(Resource::Node, node), Item::Node("n1".into()));
         let nnc = json!({"metadata": {"name": "n1", "uid": "u"}, "spec": {"allocations": [{"pods": 3}]}, "status": {"podCIDRs": []}});
-        let Item::Nnc(parsed, status) = Item::parse(Resource::Nnc, nnc.clone()) else {
+        let Item::Nnc(name, parsed, status) = Item::parse(Resource::Nnc, nnc.clone()) else {
             panic!()
         };
-        assert_eq!(parsed.pods("default"), Some(3));
+        assert_eq!(name, "n1");
+        let asked = &parsed.allocations[0];
+        assert_eq!((asked.network(), asked.pods), ("default", 3));
         assert_eq!(status, Status::parse(json!({"podCIDRs": []})));
-        assert!(parsed.pod_cidrs.is_empty(), "the status is kept once");
         assert_eq!(Item::parse(Resource::Pool, nnc).name(), "n1");
         assert_eq!(
             Resource::Pool.watch_path("7", 300),

@@ -12,6 +12,7 @@ pub mod block;
 pub mod cache;
 pub mod clock;
 pub mod decide;
+pub mod demand;
 pub mod informer;
 pub mod lease;
 pub mod pool;

@@ -1,0 +1,100 @@
+//! What the controller keeps of a NodeNetworkConfig besides its status, for
+//! every node of the cluster: what the node asks and releases, and the
+//! version its status is written against. The daemon's `Nnc` reads more of
+//! its one object (its own status, its uid, the annotation as text); this
+//! is that read cut down to what the passes use, kept by name.
+
+use serde_json::Value;
+
+use crate::defaults::DEFAULT_NETWORK;
+use crate::kube::nnc::{Nnc, PodCidr};
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Demand {
+    pub resource_version: Box<str>,
+    /// `metadata.generation`: counts changes of the spec.
+    pub generation: i64,
+    /// `spec.allocations`, in order.
+    pub allocations: Box<[Allocation]>,
+    /// `spec.releasableCIDRs`, whole objects.
+    pub releasable: Box<[PodCidr]>,
+}
+
+/// One `spec.allocations` entry: the pods asked of a network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    /// The network when not the default one (the usual one is not kept
+    /// for every node).
+    other_network: Option<Box<str>>,
+    pub pods: i64,
+}
+
+impl Allocation {
+    pub fn new(network: &str, pods: i64) -> Allocation {
+        Allocation {
+            other_network: (network != DEFAULT_NETWORK).then(|| network.into()),
+            pods,
+        }
+    }
+
+    pub fn network(&self) -> &str {
+        self.other_network.as_deref().unwrap_or(DEFAULT_NETWORK)
+    }
+}
+
+impl Demand {
+    /// The object's name and its demand (`object` without its status: the
+    /// controller keeps that apart).
+    pub fn parse(object: &Value) -> (String, Demand) {
+        Demand::of(Nnc::parse(object))
+    }
+
+    /// `nnc` cut down, and its name.
+    pub fn of(nnc: Nnc) -> (String, Demand) {
+        let allocations = (nnc.allocations.iter())
+            .map(|(network, pods)| Allocation::new(network, *pods))
+            .collect();
+        let demand = Demand {
+            resource_version: nnc.meta.resource_version.into(),
+            generation: nnc.generation,
+            allocations,
+            releasable: nnc.releasable.into(),
+        };
+        (nnc.meta.name, demand)
+    }
+
+    /// Whether `spec.releasableCIDRs` lists `cidr` (as written).
+    pub fn lists_releasable(&self, cidr: &str) -> bool {
+        self.releasable.iter().any(|r| r.cidr() == Some(cidr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The demand is read as the daemon's `Nnc` reads it, the default
+    /// network spelled or not.
+    #[test]
+    fn a_demand_is_the_spec_as_the_node_wrote_it() {
+        let object = json!({
+            "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7", "generation": 3},
+            "spec": {"allocations": [{"network": "default", "pods": 5},
+                                     {"network": "", "pods": 1},
+                                     {"network": "blue", "pods": 2}],
+                     "releasableCIDRs": [{"cidr": "198.18.0.0/28", "network": "blue"}]}});
+        let (name, demand) = Demand::parse(&object);
+        assert_eq!(name, "n1");
+        assert_eq!(&*demand.resource_version, "7");
+        assert_eq!(demand.generation, 3);
+        let asked: Vec<(&str, i64)> = (demand.allocations.iter())
+            .map(|a| (a.network(), a.pods))
+            .collect();
+        assert_eq!(asked, [("default", 5), ("default", 1), ("blue", 2)]);
+        assert!(demand.lists_releasable("198.18.0.0/28"));
+        assert!(!demand.lists_releasable("198.18.0.16/28"));
+        let (_, empty) = Demand::parse(&json!({"metadata": {"name": "n2"}, "spec": 7}));
+        assert!(empty.allocations.is_empty() && empty.releasable.is_empty());
+    }
+}
