@@ -1,16 +1,52 @@
-//! A few values, sorted and distinct, in one boxed slice: the sets the
-//! controller keeps per block or per node (the nodes naming a block, the
-//! blocks granted to a node) hold one value almost always, and a
-//! `BTreeSet` spends a whole tree node (about 200–300 B) on it.
+//! A few values, sorted and distinct: the sets the controller keeps per
+//! block or per node (the nodes naming a block, the blocks granted to a
+//! node) hold one value almost always. A `BTreeSet` spends a whole tree
+//! node (about 200–300 B) on it, a boxed slice an allocation; one value is
+//! kept inline.
 
 use std::borrow::Borrow;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SmallSet<T>(Box<[T]>);
+pub enum SmallSet<T> {
+    One(T),
+    /// None, or two and more.
+    Many(Box<[T]>),
+}
 
 impl<T> Default for SmallSet<T> {
     fn default() -> Self {
-        SmallSet(Box::default())
+        SmallSet::Many(Box::default())
+    }
+}
+
+impl<T> SmallSet<T> {
+    pub fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+
+    /// The values in order.
+    pub fn as_slice(&self) -> &[T] {
+        match self {
+            SmallSet::One(value) => std::slice::from_ref(value),
+            SmallSet::Many(values) => values,
+        }
+    }
+
+    fn from_vec(mut values: Vec<T>) -> Self {
+        match (values.len(), values.pop()) {
+            (1, Some(value)) => SmallSet::One(value),
+            (_, last) => {
+                values.extend(last);
+                SmallSet::Many(values.into_boxed_slice())
+            }
+        }
+    }
+
+    fn into_vec(self) -> Vec<T> {
+        match self {
+            SmallSet::One(value) => vec![value],
+            SmallSet::Many(values) => values.into_vec(),
+        }
     }
 }
 
@@ -20,14 +56,14 @@ impl<T: Ord> SmallSet<T> {
     where
         T: Borrow<Q>,
     {
-        self.0.binary_search_by(|v| v.borrow().cmp(value))
+        self.as_slice().binary_search_by(|v| v.borrow().cmp(value))
     }
 
     pub fn insert(&mut self, value: T) {
         if let Err(at) = self.find(value.borrow()) {
-            let mut values = std::mem::take(&mut self.0).into_vec();
+            let mut values = std::mem::take(self).into_vec();
             values.insert(at, value);
-            self.0 = values.into_boxed_slice();
+            *self = SmallSet::from_vec(values);
         }
     }
 
@@ -36,9 +72,9 @@ impl<T: Ord> SmallSet<T> {
         T: Borrow<Q>,
     {
         if let Ok(at) = self.find(value) {
-            let mut values = std::mem::take(&mut self.0).into_vec();
+            let mut values = std::mem::take(self).into_vec();
             values.remove(at);
-            self.0 = values.into_boxed_slice();
+            *self = SmallSet::from_vec(values);
         }
     }
 
@@ -48,15 +84,6 @@ impl<T: Ord> SmallSet<T> {
     {
         self.find(value).is_ok()
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The values in order.
-    pub fn as_slice(&self) -> &[T] {
-        &self.0
-    }
 }
 
 impl<'a, T> IntoIterator for &'a SmallSet<T> {
@@ -64,7 +91,7 @@ impl<'a, T> IntoIterator for &'a SmallSet<T> {
     type IntoIter = std::slice::Iter<'a, T>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter()
+        self.as_slice().iter()
     }
 }
 
@@ -81,12 +108,16 @@ mod tests {
             set.insert(value);
         }
         assert_eq!(set.as_slice(), [0, 1, 2]);
+        assert!(matches!(set, SmallSet::Many(_)));
         assert!(set.contains(&1) && !set.contains(&3));
         set.remove(&1);
         set.remove(&3);
         assert_eq!((&set).into_iter().copied().collect::<Vec<_>>(), [0, 2]);
         set.remove(&0);
+        assert_eq!(set, SmallSet::One(2), "one value is kept inline");
         set.remove(&2);
         assert!(set.is_empty());
+        set.insert(5);
+        assert_eq!(set, SmallSet::One(5));
     }
 }
