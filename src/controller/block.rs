@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::short_text::ShortText;
 use crate::cidr::Cidr;
 use crate::kube::objects::{ObjectMeta, lenient, lenient_field, to_json};
 
@@ -43,13 +44,13 @@ pub const GRANTED: &str = "Granted";
 /// `spec`, written by the controller only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockSpec {
-    pub pool: Box<str>,
-    pub network: Box<str>,
-    pub cidr: Box<str>,
+    pub pool: ShortText,
+    pub network: ShortText,
+    pub cidr: ShortText,
     pub node: Box<str>,
     pub state: BlockState,
     #[serde(default)]
-    pub reason: Box<str>,
+    pub reason: ShortText,
 }
 
 /// A `MetisBlock` object as read and written: the spec is kept as read
@@ -70,7 +71,7 @@ pub struct MetisBlock {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
     pub name: String,
-    pub resource_version: String,
+    pub resource_version: ShortText,
     /// `None` when unreadable: a spec missing or malformed, or a CIDR
     /// whose name is not this object's (nobody but this controller writes
     /// blocks; such an object is reported, never trusted).
@@ -112,7 +113,7 @@ impl Block {
         });
         Block {
             name,
-            resource_version,
+            resource_version: resource_version.into(),
             spec,
             protected: finalizers.iter().any(|f| f == PROTECTION),
             past: Vec::new(),
@@ -144,7 +145,7 @@ impl Block {
 
     /// Whether `version` is one this process saw before this copy's.
     pub fn saw_before(&self, version: &str) -> bool {
-        version != self.resource_version && self.past.contains(&version_hash(version))
+        *version != *self.resource_version && self.past.contains(&version_hash(version))
     }
 }
 
@@ -193,9 +194,9 @@ fn is_label_value(value: &str) -> bool {
 /// controller reads.
 pub fn object(spec: &BlockSpec, name: &str, resource_version: &str, protected: bool) -> Value {
     let mut labels = Map::new();
-    for (key, value) in [(POOL_LABEL, &spec.pool), (NODE_LABEL, &spec.node)] {
+    for (key, value) in [(POOL_LABEL, &*spec.pool), (NODE_LABEL, &*spec.node)] {
         if is_label_value(value) {
-            labels.insert(key.into(), Value::from(&**value));
+            labels.insert(key.into(), Value::from(value));
         }
     }
     let mut rest = Map::new();

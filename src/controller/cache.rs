@@ -12,6 +12,7 @@ use super::decide::{World, frees_at, grace_ends};
 use super::demand::Demand;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
+use super::short_text::ShortText;
 use super::status::{Status, StatusIndex};
 use super::taken::TakenIndex;
 use crate::cidr::Cidr;
@@ -1111,7 +1112,7 @@ fn kept_when_vanished(block: &Block) -> Option<Block> {
     };
     Some(Block {
         name: block.name.clone(),
-        resource_version: String::new(),
+        resource_version: ShortText::default(),
         spec: Some((*cidr, spec)),
         protected: true,
         past: block.past.clone(),

@@ -1336,14 +1336,14 @@ fn block_writes(
         let elsewhere = || pools.iter().find_map(|p| p.ledger.versions.get(cidr));
         let op = match (version, spec) {
             (None, Some(spec)) => match elsewhere() {
-                Some(version) => BlockOp::Update(version.clone(), spec),
+                Some(version) => BlockOp::Update(version.to_string(), spec),
                 None => BlockOp::Create(spec),
             },
-            (Some(version), Some(spec)) => BlockOp::Update(version.clone(), spec),
+            (Some(version), Some(spec)) => BlockOp::Update(version.to_string(), spec),
             (Some(version), None) if !holders.held(cidr) => {
                 match before.filter(|_| !pool.ledger.unprotected.contains(cidr)) {
-                    Some(read) => BlockOp::LetGo(version.clone(), block_spec(pool, cidr, read)),
-                    None => BlockOp::Delete(version.clone()),
+                    Some(read) => BlockOp::LetGo(version.to_string(), block_spec(pool, cidr, read)),
+                    None => BlockOp::Delete(version.to_string()),
                 }
             }
             _ => continue,

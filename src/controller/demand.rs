@@ -6,12 +6,13 @@
 
 use serde_json::Value;
 
+use super::short_text::ShortText;
 use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{Nnc, PodCidr};
 
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Demand {
-    pub resource_version: Box<str>,
+    pub resource_version: ShortText,
     /// `metadata.generation`: counts changes of the spec.
     pub generation: i64,
     /// `spec.allocations`, in order.

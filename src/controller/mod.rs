@@ -18,6 +18,7 @@ pub mod lease;
 pub mod pool;
 pub mod retry;
 pub mod run;
+pub mod short_text;
 pub mod small_set;
 pub mod status;
 pub mod taken;

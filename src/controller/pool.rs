@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::block::{Block, BlockState, NODE_GONE};
+use super::short_text::ShortText;
 use super::small_set::SmallSet;
 use crate::cidr::{Cidr, Family};
 use crate::duration::parse_duration_ms;
@@ -108,7 +109,7 @@ pub struct Ledger {
     pub cooling: BTreeMap<Cidr, Cooling>,
     pub non_reusable: Vec<Cidr>,
     /// The resourceVersion of each block's object (absent: no object).
-    pub versions: BTreeMap<Cidr, String>,
+    pub versions: BTreeMap<Cidr, ShortText>,
     /// Blocks whose object lacks the protection finalizer (let go, or
     /// written before it): deleted once free, never let go again.
     pub unprotected: BTreeSet<Cidr>,
