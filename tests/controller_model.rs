@@ -427,7 +427,7 @@ impl Sim {
     fn kept_vanished(&self) -> Vec<Cidr> {
         let view = self.view.borrow();
         (view.cache.blocks.iter())
-            .filter(|(name, _)| !self.blocks.contains_key(*name))
+            .filter(|(name, _)| !self.blocks.contains_key(name.as_str()))
             .filter_map(|(_, b)| Some(b.spec.as_ref()?.0))
             .collect()
     }

@@ -70,7 +70,7 @@ pub struct MetisBlock {
 /// A block as read from the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
-    pub name: String,
+    pub name: ShortText,
     pub resource_version: ShortText,
     /// `None` when unreadable: a spec missing or malformed, or a CIDR
     /// whose name is not this object's (nobody but this controller writes
@@ -112,7 +112,7 @@ impl Block {
             (block_name(&cidr) == name && resource_version.len() < 64).then_some((cidr, spec))
         });
         Block {
-            name,
+            name: name.into(),
             resource_version: resource_version.into(),
             spec,
             protected: finalizers.iter().any(|f| f == PROTECTION),

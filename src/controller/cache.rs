@@ -34,7 +34,7 @@ pub struct Cache {
     /// block: a pass reads it, never rebuilds it).
     pools: Arc<Vec<Pool>>,
     /// The MetisBlocks by name.
-    pub blocks: BTreeMap<String, Box<Block>>,
+    pub blocks: BTreeMap<ShortText, Box<Block>>,
     /// What machines whose NodeNetworkConfig is gone last said they serve,
     /// by node: kept (in the index, and their Node followed) until their
     /// daemon writes an object again or their Node is gone past the grace,
@@ -151,7 +151,7 @@ impl Cache {
             Resource::Pool => self.specs.keys().cloned().collect(),
             Resource::Block => (self.blocks.keys())
                 .filter(|name| self.on_server(kind, name))
-                .cloned()
+                .map(ShortText::to_string)
                 .collect(),
         }
     }
@@ -240,7 +240,7 @@ impl Cache {
             self.keep_vanished(before);
             let blocks = &self.blocks;
             self.cooling_seen
-                .retain(|name, _| blocks.get(name).is_some_and(|b| is_cooling(b)));
+                .retain(|name, _| blocks.get(name.as_str()).is_some_and(|b| is_cooling(b)));
             self.revalidate();
         }
         self.recount_followed();
@@ -255,8 +255,8 @@ impl Cache {
     /// from a backup). The held copy stays the block's truth, since the
     /// machines serve what it says, at the listed version, so that the
     /// next write of the block puts it back over the older object.
-    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<String, Box<Block>>) -> Block {
-        let Some(held) = before.get(&listed.name) else {
+    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<ShortText, Box<Block>>) -> Block {
+        let Some(held) = before.get(listed.name.as_str()) else {
             return listed;
         };
         let same = says(&listed) == says(held) && listed.protected == held.protected;
@@ -266,7 +266,7 @@ impl Cache {
         }
         let node = held.spec.as_ref().map(|(_, spec)| spec.node.to_string());
         self.went_back_news
-            .push((held.name.clone(), node.unwrap_or_default()));
+            .push((held.name.to_string(), node.unwrap_or_default()));
         Block {
             resource_version: listed.resource_version,
             protected: listed.protected,
@@ -281,7 +281,7 @@ impl Cache {
     fn remember_gone(&mut self, gone: &Block) {
         let seen = gone.versions_seen();
         if !seen.is_empty() {
-            self.gone_past.insert(gone.name.clone(), seen);
+            self.gone_past.insert(gone.name.to_string(), seen);
         }
     }
 
@@ -407,16 +407,16 @@ impl Cache {
     /// The blocks of `before` (the view before a list) that the list
     /// lacks: those that vanished are kept as [`vanished`](Cache::vanished)
     /// ones, and so are those kept so before, until their delay ends.
-    fn keep_vanished(&mut self, before: BTreeMap<String, Box<Block>>) {
+    fn keep_vanished(&mut self, before: BTreeMap<ShortText, Box<Block>>) {
         for (name, old) in before {
-            if self.blocks.contains_key(&name) {
+            if self.blocks.contains_key(name.as_str()) {
                 continue;
             }
-            let seen = self.cooling_seen.get(&name).copied();
+            let seen = self.cooling_seen.get(name.as_str()).copied();
             if self.keep_if_vanished(&name, &old, seen) {
                 continue;
             }
-            match self.vanished.contains(&name) {
+            match self.vanished.contains(name.as_str()) {
                 true => {
                     self.blocks.insert(name, old);
                 }
@@ -424,7 +424,8 @@ impl Cache {
             }
         }
         let blocks = &self.blocks;
-        self.vanished.retain(|name| blocks.contains_key(name));
+        self.vanished
+            .retain(|name| blocks.contains_key(name.as_str()));
     }
 
     /// Block `name`'s object went from under its copy `old` (seen cooling
@@ -450,7 +451,7 @@ impl Cache {
         if is_cooling(&kept) {
             self.cooling_seen.insert(name.to_string(), since);
         }
-        self.blocks.insert(name.to_string(), Box::new(kept));
+        self.blocks.insert(name.into(), Box::new(kept));
         self.vanished.insert(name.to_string());
         self.due = self.due.map(|due| due.min(until));
         self.vanished_news
@@ -623,7 +624,8 @@ impl Cache {
         }
         // A block written back over an older object (`behind`) takes the
         // copy its write brings, unchanged or not.
-        let behind = kind == Resource::Block && self.blocks.get(&key.1).is_some_and(|b| b.behind);
+        let behind =
+            kind == Resource::Block && self.blocks.get(key.1.as_str()).is_some_and(|b| b.behind);
         if !version.is_empty() && self.version_of(kind, &key.1) == Some(version.as_str()) && !behind
         {
             return false;
@@ -672,19 +674,21 @@ impl Cache {
     /// those it concerns); it succeeds the copy held, or the versions
     /// remembered of its name.
     fn put_block(&mut self, mut block: Block) {
-        self.vanished.remove(&block.name);
+        self.vanished.remove(block.name.as_str());
         if is_cooling(&block) {
             let now = self.now_ms;
-            self.cooling_seen.entry(block.name.clone()).or_insert(now);
+            self.cooling_seen
+                .entry(block.name.to_string())
+                .or_insert(now);
         } else {
-            self.cooling_seen.remove(&block.name);
+            self.cooling_seen.remove(block.name.as_str());
         }
         let follows = followed_node(&block).map(str::to_string);
         let name = block.name.clone();
         match self.blocks.get(&name) {
             Some(old) => block.succeeds(old),
             None => {
-                if let Some(past) = self.gone_past.remove(&name) {
+                if let Some(past) = self.gone_past.remove(name.as_str()) {
                     block.past = past;
                 }
             }
@@ -854,7 +858,7 @@ impl Cache {
             pool.ledger = Ledger::default();
         }
         for block in self.blocks.values() {
-            let since = self.cooling_seen.get(&block.name).copied();
+            let since = self.cooling_seen.get(block.name.as_str()).copied();
             pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
         }
         self.reindex();
@@ -1613,7 +1617,10 @@ mod tests {
         cache.listed(Resource::Block, Vec::new());
         let kept: Vec<&String> = cache.vanished.iter().collect();
         assert_eq!(kept, [&cooling, &granted]);
-        assert!(!cache.blocks.contains_key(&cooled) && !cache.blocks.contains_key(&deleted));
+        assert!(
+            !cache.blocks.contains_key(cooled.as_str())
+                && !cache.blocks.contains_key(deleted.as_str())
+        );
         let told = |name: &String, node: &str| (name.clone(), node.to_string());
         // In the order they went: `granted` with the first list.
         assert_eq!(

@@ -434,7 +434,10 @@ pub fn with_ledgers<'a>(
 ) -> Vec<Pool> {
     let mut pools = pools.to_vec();
     for block in blocks {
-        let since_ms = cooling_seen.get(&block.name).copied().unwrap_or(now_ms);
+        let since_ms = cooling_seen
+            .get(block.name.as_str())
+            .copied()
+            .unwrap_or(now_ms);
         enter_block(&mut pools, block, since_ms);
     }
     pools
