@@ -846,7 +846,7 @@ impl Sim {
             .map(Block::parse)
             .filter_map(|b| b.spec)
             .filter(|(_, spec)| spec.state == state)
-            .map(|(cidr, spec)| (cidr.to_string(), spec.node.into()))
+            .map(|(cidr, spec)| (cidr.to_string(), spec.node.to_string()))
             .collect()
     }
 
@@ -1024,7 +1024,7 @@ impl Sim {
                         .ledger
                         .claims
                         .iter()
-                        .filter(|(c, h)| &h.node == name && c.family() == family)
+                        .filter(|(c, h)| *h.node == **name && c.family() == family)
                         .count();
                     if mine >= spec.max_blocks_per_node {
                         continue;
@@ -1048,7 +1048,10 @@ impl Sim {
                     // it is free, or a status still holds it (an overlap).
                     // A missing Node's blocks cool until its grace ends.
                     let cools = |c: &metis::controller::pool::Cooling| {
-                        let graced = self.absent.get(&c.node).map(|since| since + GRACE_MS);
+                        let graced = self
+                            .absent
+                            .get(c.node.as_str())
+                            .map(|since| since + GRACE_MS);
                         self.now < (c.since_ms + spec.reclaim_delay_ms).max(graced.unwrap_or(0))
                     };
                     cooling += pool

@@ -47,7 +47,7 @@ pub struct BlockSpec {
     pub pool: ShortText,
     pub network: ShortText,
     pub cidr: ShortText,
-    pub node: Box<str>,
+    pub node: ShortText,
     pub state: BlockState,
     #[serde(default)]
     pub reason: ShortText,

@@ -468,7 +468,7 @@ impl<'a> Pass<'a> {
             let mut back = Vec::new();
             let mut cooled = Vec::new();
             for (cidr, c) in ledger.coolings() {
-                let returned = c.node_gone && !world.absent.contains_key(&c.node);
+                let returned = c.node_gone && !world.absent.contains_key(c.node.as_str());
                 if returned && !served_by_another(&world, cidr, &c.node) {
                     back.push((*cidr, c.node.clone()));
                 } else if world.now_ms >= cooled_at(&world, c, delay)
@@ -594,7 +594,7 @@ impl<'a> Pass<'a> {
                 self.restarts.push((block::block_name(&cidr), now));
             }
             let cooling = Cooling {
-                node: node.to_string(),
+                node: node.into(),
                 since_ms: now,
                 node_gone: gone,
             };
@@ -765,7 +765,7 @@ impl<'a> Pass<'a> {
                 }
                 if listed || gone || overlap.is_some() {
                     let cooling = Cooling {
-                        node,
+                        node: node.into(),
                         since_ms: world.now_ms,
                         node_gone: gone,
                     };
@@ -810,7 +810,10 @@ impl<'a> Pass<'a> {
     fn claims_decided(&self, i: usize) -> Vec<(Cidr, String)> {
         let ledger = &self.ledgers[i];
         let mut claims: Vec<(Cidr, String)> = match self.world.scope {
-            None => ledger.claims().map(|(c, h)| (*c, h.node.clone())).collect(),
+            None => ledger
+                .claims()
+                .map(|(c, h)| (*c, h.node.to_string()))
+                .collect(),
             Some(_) => {
                 let absent = self.world.absent.keys().map(String::as_str);
                 let nodes: BTreeSet<&str> = self.plans.keys().copied().chain(absent).collect();
@@ -1507,7 +1510,7 @@ impl Promise<'_> {
 
 /// When `cooling` comes free ([`frees_at`]).
 fn cooled_at(world: &World, cooling: &Cooling, delay: i64) -> i64 {
-    let missing_since = world.absent.get(&cooling.node).copied();
+    let missing_since = world.absent.get(cooling.node.as_str()).copied();
     frees_at(cooling.since_ms, delay, missing_since, world.node_grace_ms)
 }
 

@@ -85,13 +85,13 @@ impl PoolSpec {
 /// machine, not its NodeNetworkConfig object).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Holder {
-    pub node: String,
+    pub node: ShortText,
 }
 
 /// A block waiting out the reclaim delay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cooling {
-    pub node: String,
+    pub node: ShortText,
     /// When this process first saw it cooling (its monotonic clock, ms):
     /// a new leader starts the delay over, it never shortens.
     pub since_ms: i64,
@@ -117,7 +117,7 @@ pub struct Ledger {
     /// brought it back): the next pass writes the copy back over it.
     pub behind: BTreeSet<Cidr>,
     /// The claims by node: a pass reads one node's without walking all.
-    pub by_node: BTreeMap<String, SmallSet<Cidr>>,
+    pub by_node: BTreeMap<ShortText, SmallSet<Cidr>>,
     /// The blocks of the pool's range of each family (IPv4, IPv6) in each
     /// state (granted, cooling, retired): its counts without a walk.
     pub tally: [[u64; 3]; 2],
@@ -468,7 +468,7 @@ pub fn enter_block(pools: &mut [Pool], block: &Block, since_ms: i64) -> Option<C
         BlockState::Granted => ledger.claim(*cidr, &spec.node),
         BlockState::Cooling => {
             let cooling = Cooling {
-                node: spec.node.to_string(),
+                node: spec.node.clone(),
                 since_ms,
                 node_gone: *spec.reason == *NODE_GONE,
             };
@@ -554,14 +554,9 @@ impl Ledger {
 
     /// Grants `cidr` to `node` (the block's object says so).
     pub fn claim(&mut self, cidr: Cidr, node: &str) {
-        let holder = Holder {
-            node: node.to_string(),
-        };
+        let holder = Holder { node: node.into() };
         self.claims.insert(cidr, holder);
-        self.by_node
-            .entry(node.to_string())
-            .or_default()
-            .insert(cidr);
+        self.by_node.entry(node.into()).or_default().insert(cidr);
     }
 }
 
@@ -653,9 +648,7 @@ impl<'r> Working<'r> {
     }
 
     pub fn set_claim(&mut self, cidr: Cidr, node: &str) {
-        let holder = Holder {
-            node: node.to_string(),
-        };
+        let holder = Holder { node: node.into() };
         self.set(cidr, Some(Slot::Claim(holder)));
     }
 

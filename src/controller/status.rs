@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::short_text::ShortText;
 use super::small_set::SmallSet;
 use crate::cidr::{Cidr, to_u128};
 use crate::defaults::DEFAULT_NETWORK;
@@ -431,7 +432,7 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
 /// The nodes named for one block in a [`StatusIndex`], sorted and
 /// distinct (almost always one).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Names(SmallSet<Box<str>>);
+pub struct Names(SmallSet<ShortText>);
 
 impl Names {
     pub fn insert(&mut self, name: &str) {
@@ -464,10 +465,10 @@ impl Names {
 
 impl<'a> IntoIterator for &'a Names {
     type Item = &'a str;
-    type IntoIter = std::iter::Map<std::slice::Iter<'a, Box<str>>, fn(&Box<str>) -> &str>;
+    type IntoIter = std::iter::Map<std::slice::Iter<'a, ShortText>, fn(&ShortText) -> &str>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.as_slice().iter().map(|n| &**n)
+        self.0.as_slice().iter().map(ShortText::as_str)
     }
 }
 
