@@ -500,7 +500,8 @@ impl Cache {
 
     /// The nodes whose statuses hold a block overlapping one that entered
     /// or left `name`'s status (`old` is the status before) are decided
-    /// again: what they are told of an overlap may change with it.
+    /// again: what they are told of an overlap may change with it; so are
+    /// those around a block its machine began or stopped saying it serves.
     fn dirty_overlapping(&mut self, old: Option<&Status>, name: &str) {
         let cidrs = |s: Option<&Status>| -> BTreeSet<Cidr> {
             s.into_iter()
@@ -510,6 +511,16 @@ impl Cache {
         let (before, after) = (cidrs(old), cidrs(self.statuses.get(name).map(|s| &**s)));
         for cidr in before.symmetric_difference(&after) {
             self.dirty_status_holders(cidr);
+        }
+        // What a machine serves holds a block back from others.
+        let serving = |s: Option<&Status>| -> BTreeSet<Cidr> {
+            s.into_iter()
+                .flat_map(|s| s.serving.iter().copied())
+                .collect()
+        };
+        let (before, after) = (serving(old), serving(self.statuses.get(name).map(|s| &**s)));
+        for cidr in before.symmetric_difference(&after) {
+            self.dirty_around(cidr);
         }
     }
 
@@ -542,12 +553,20 @@ impl Cache {
         }
     }
 
-    /// The nodes that say they serve a block overlapping `cidr`, and those
-    /// whose statuses hold one.
+    /// The nodes that say they serve a block overlapping `cidr`, those
+    /// whose statuses hold one, and those its block objects name (a block
+    /// taken from a Node that is back waits for what others hold or serve
+    /// of it to go).
     fn dirty_around(&mut self, cidr: &Cidr) {
         let serving = self.index.serving_overlapping(cidr);
         self.dirty.extend(serving.into_iter().map(String::from));
         self.dirty_status_holders(cidr);
+        for other in self.taken.overlapping(cidr) {
+            let block = self.blocks.get(block_name(&other).as_str());
+            if let Some((_, spec)) = block.and_then(|b| b.spec.as_ref()) {
+                self.dirty.insert(spec.node.to_string());
+            }
+        }
     }
 
     /// The nodes whose statuses hold a block overlapping `cidr`.
@@ -1542,6 +1561,65 @@ mod tests {
                 vec![served.clone(), other.clone()]
             );
         }
+    }
+
+    /// A block taken from a Node that is back waits while another machine
+    /// says it serves it; once that machine stops saying so, the pass over
+    /// what changed decides the returning node too, and gives it back.
+    #[test]
+    fn a_block_waiting_on_another_server_goes_back_once_it_stops_serving() {
+        use crate::controller::block::{self, BlockSpec};
+        use crate::controller::decide::BlockOp;
+        let nnc = |name: &str, version: &str, serving: &str| {
+            let object = json!({
+                "metadata": {"name": name, "resourceVersion": version,
+                             "annotations": {"metis.x-k8s.io/serving": serving}},
+                "spec": {"allocations": [{"network": "default", "pods": 0}]},
+                "status": {"podCIDRs": []}});
+            Item::parse(Resource::Nnc, object)
+        };
+        let cidr = "198.18.0.0/28";
+        let spec = BlockSpec {
+            pool: "p".into(),
+            network: "default".into(),
+            cidr: cidr.into(),
+            node: "n3".into(),
+            state: BlockState::Cooling,
+            reason: NODE_GONE.into(),
+        };
+        let name = block::block_name(&cidr.parse().unwrap());
+        let taken = Item::parse(Resource::Block, block::object(&spec, &name, "4", true));
+        let mut cache = with_pool("198.18.0.0/27");
+        let nodes =
+            ["n2", "n3"].map(|n| Item::parse(Resource::Node, json!({"metadata": {"name": n}})));
+        cache.listed(Resource::Node, nodes.to_vec());
+        cache.listed(
+            Resource::Nnc,
+            vec![nnc("n2", "5", cidr), nnc("n3", "6", "")],
+        );
+        cache.listed(Resource::Block, vec![taken]);
+        let back = |d: &crate::controller::decide::Decision| {
+            (d.block_writes.iter()).any(|w| matches!(&w.op, BlockOp::Update(_, s) if *s.node == *"n3" && s.state == BlockState::Granted))
+        };
+        assert!(!back(&decide_at(&mut cache, 1_000)), "n2 serves it");
+        assert_eq!(cache.take_scope(BTreeSet::new()), None);
+        cache.put(Resource::Nnc, nnc("n2", "7", ""));
+        let scope = cache.take_scope(BTreeSet::new()).unwrap();
+        assert!(scope.contains("n3"), "{scope:?}");
+        let pools = cache.pools_with_ledgers();
+        let mut taken = cache.lend_taken();
+        let clock = Clock {
+            now_ms: 1_000,
+            wall_ms: 1_795_971_701_000,
+        };
+        let decision = crate::controller::decide::decide(
+            &cache.world(&pools, clock, Some(&scope)),
+            &mut taken,
+        );
+        cache.give_back_taken(taken);
+        assert!(back(&decision));
+        let n3 = decision.nnc_writes.iter().find(|w| w.name == "n3");
+        assert!(n3.is_some_and(|w| w.status.contains(cidr)), "{decision:?}");
     }
 
     /// Vanished blocks are let go each when its own delay ends, the pool's
