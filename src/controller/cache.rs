@@ -22,13 +22,13 @@ use crate::kube::fresh::{self, Streamed};
 pub struct Cache {
     /// Values boxed: a map's nodes are about half full (names come in
     /// order), and a pointer wastes less of them than a whole object.
-    pub nncs: BTreeMap<String, Box<Demand>>,
-    pub statuses: BTreeMap<String, Box<Status>>,
+    pub nncs: BTreeMap<ShortText, Box<Demand>>,
+    pub statuses: BTreeMap<ShortText, Box<Status>>,
     /// What the statuses say, by block and by node.
     index: StatusIndex,
     /// What the statuses and the ledgers take (lent to each pass).
     taken: TakenIndex,
-    pub nodes: BTreeSet<String>,
+    pub nodes: BTreeSet<ShortText>,
     /// The pools, checked against each other when one changes (not at
     /// every pass), each with its ledger as the blocks say (kept block by
     /// block: a pass reads it, never rebuilds it).
@@ -52,7 +52,7 @@ pub struct Cache {
     /// How many NodeNetworkConfigs and blocks follow each Node name (a
     /// granted block, one taken from a gone Node): kept as objects come
     /// and go, so a missing Node is noted in what one change costs.
-    followed: BTreeMap<String, usize>,
+    followed: BTreeMap<ShortText, usize>,
     /// Objects whose copy came from outside the stream (a GET after a 409,
     /// a PUT's answer), by version: the stream's copies of them are older
     /// until it delivers that very version (its order is the objects';
@@ -146,8 +146,8 @@ impl Cache {
     /// (a block kept as vanished is not one).
     fn names(&self, kind: Resource) -> Vec<String> {
         match kind {
-            Resource::Nnc => self.nncs.keys().cloned().collect(),
-            Resource::Node => self.nodes.iter().cloned().collect(),
+            Resource::Nnc => self.nncs.keys().map(ShortText::to_string).collect(),
+            Resource::Node => self.nodes.iter().map(ShortText::to_string).collect(),
             Resource::Pool => self.specs.keys().cloned().collect(),
             Resource::Block => (self.blocks.keys())
                 .filter(|name| self.on_server(kind, name))
@@ -471,7 +471,7 @@ impl Cache {
     /// them cooling while a status still held them).
     fn left_status(&mut self, old: Option<Box<Status>>, name: Option<&String>) {
         let Some(old) = old else { return };
-        let now = name.and_then(|n| self.statuses.get(n));
+        let now = name.and_then(|n| self.statuses.get(n.as_str()));
         let left: Vec<String> = old
             .entries
             .iter()
@@ -654,19 +654,19 @@ impl Cache {
                 self.drop_served(&name);
                 self.dirty.insert(name.clone());
                 let told = status.gone_told;
-                let old = self.statuses.insert(name.clone(), Box::new(status));
+                let old = self.statuses.insert(name.as_str().into(), Box::new(status));
                 if old.as_ref().is_none_or(|o| o.gone_told != told) {
                     self.dirty_around_blocks_of_missing(&name);
                 }
                 self.reindex_status(old.as_deref(), &name);
                 self.left_status(old, Some(&name));
-                if self.nncs.insert(name.clone(), nnc).is_none() {
+                if self.nncs.insert(name.as_str().into(), nnc).is_none() {
                     self.follow(&name, true);
                 }
             }
             Item::Node(name) => {
                 // A Node's heartbeats change nothing the decision reads.
-                if !self.nodes.insert(name.clone()) {
+                if !self.nodes.insert(name.as_str().into()) {
                     return false;
                 }
                 self.note_absence(&name);
@@ -959,7 +959,7 @@ impl Cache {
     /// One NodeNetworkConfig or block more (`more`) or less follows Node
     /// `name`.
     fn follow(&mut self, name: &str, more: bool) {
-        let count = self.followed.entry(name.to_string()).or_default();
+        let count = self.followed.entry(name.into()).or_default();
         *count = if more {
             count.saturating_add(1)
         } else {
@@ -993,25 +993,21 @@ impl Cache {
     /// Counts again what follows each Node name (after a list replaced a
     /// kind whole), and notes which are missing.
     fn recount_followed(&mut self) {
-        let mut followed: BTreeMap<String, usize> = BTreeMap::new();
+        let mut followed: BTreeMap<ShortText, usize> = BTreeMap::new();
         let of_blocks = self.blocks.values().filter_map(|b| followed_node(b));
         let gone = self.served_gone.keys().map(String::as_str);
         for name in self
             .nncs
             .keys()
-            .map(String::as_str)
+            .map(ShortText::as_str)
             .chain(of_blocks)
             .chain(gone)
         {
-            *followed.entry(name.to_string()).or_default() += 1;
+            *followed.entry(name.into()).or_default() += 1;
         }
         self.followed = followed;
-        let names: BTreeSet<String> = self
-            .followed
-            .keys()
-            .chain(self.absent.keys())
-            .cloned()
-            .collect();
+        let followed = self.followed.keys().map(ShortText::to_string);
+        let names: BTreeSet<String> = followed.chain(self.absent.keys().cloned()).collect();
         for name in names {
             self.note_absence(&name);
         }
@@ -1265,7 +1261,7 @@ mod tests {
         cache
             .nncs
             .keys()
-            .map(String::as_str)
+            .map(ShortText::as_str)
             .chain(of_blocks)
             .chain(gone)
             .filter(|n| !cache.nodes.contains(*n))

@@ -36,6 +36,7 @@ use super::pool::{
     BlockCounts, Cooling, FamilyRange, Held, Pool, PoolCondition, PoolSpec, PoolStatus, Slot,
     Working,
 };
+use super::short_text::ShortText;
 use super::status::{self, Entry, Names, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
@@ -58,9 +59,9 @@ pub struct World<'a> {
     /// Validated (`pool::validate`): a refused spec grants nothing and
     /// takes nothing back, but its ledger still counts.
     pub pools: &'a [Pool],
-    pub nncs: &'a BTreeMap<String, Box<Demand>>,
+    pub nncs: &'a BTreeMap<ShortText, Box<Demand>>,
     /// The status of each NodeNetworkConfig as read (kept whole).
-    pub statuses: &'a BTreeMap<String, Box<Status>>,
+    pub statuses: &'a BTreeMap<ShortText, Box<Status>>,
     /// What the statuses say by block and by node (`StatusIndex::of`).
     pub index: &'a StatusIndex,
     /// Node names (of NodeNetworkConfigs and blocks) whose Node is
@@ -215,7 +216,7 @@ enum Trouble {
 /// One node's status being rebuilt: the entries it keeps, borrowed from
 /// the status read, and those it gains.
 struct Plan<'a> {
-    name: &'a String,
+    name: &'a ShortText,
     nnc: &'a Demand,
     /// The status as read (none yet: a new object).
     read: Option<&'a Status>,
@@ -517,7 +518,7 @@ impl<'a> Pass<'a> {
     /// Node `name`'s plan: its status as `read`, without what it releases.
     fn release_of(
         &mut self,
-        name: &'a String,
+        name: &'a ShortText,
         nnc: &'a Demand,
         read: Option<&'a Status>,
     ) -> Plan<'a> {
@@ -614,7 +615,7 @@ impl<'a> Pass<'a> {
     /// nothing (their daemon is gone).
     fn reassert(&mut self, taken: &TakenIndex) {
         let world = self.world;
-        let serving: Vec<(&'a String, &'a Demand, &'a Status)> = self
+        let serving: Vec<(&'a ShortText, &'a Demand, &'a Status)> = self
             .plans
             .values()
             .filter_map(|p| Some((p.name, p.nnc, p.read?)))
@@ -727,7 +728,7 @@ impl<'a> Pass<'a> {
                 })
                 .collect();
             for (cidr, node) in missing {
-                let nnc = world.nncs.get(&node);
+                let nnc = world.nncs.get(node.as_str());
                 let gone = self.gone(&node);
                 let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
                 let overlap = match listed || gone {
@@ -933,7 +934,8 @@ impl<'a> Pass<'a> {
             .collect();
         // Only a node's own grants change what it holds: who still needs
         // a block is told once, before any grant.
-        let wants = |p: &Plan| !world.absent.contains_key(p.name) && !covered(p, p.nnc, &served);
+        let wants =
+            |p: &Plan| !world.absent.contains_key(p.name.as_str()) && !covered(p, p.nnc, &served);
         for (name, nnc) in grant_order(&self.plans, wants) {
             self.wanted.insert(name.as_str());
             let mut networks = BTreeSet::new();
@@ -1128,7 +1130,7 @@ impl<'a> Pass<'a> {
                     .is_some_and(|s| s.told_until.is_some() || s.refused_since.is_some());
             let write = status_write(&world, plan, &mut decision.events);
             if waits || write.is_some() {
-                decision.unsettled.insert(name.clone());
+                decision.unsettled.insert(name.to_string());
             }
             if let Some((write, blocks)) = write {
                 needed.extend(blocks);
@@ -1192,7 +1194,7 @@ fn covered(plan: &Plan, nnc: &Demand, served: &[(&str, Family)]) -> bool {
 
 /// What one node asks of one network and family.
 struct Ask<'a> {
-    name: &'a String,
+    name: &'a ShortText,
     nnc: &'a Demand,
     network: &'a str,
     family: Family,
@@ -1430,10 +1432,10 @@ fn one_write_per_object(writes: &mut Vec<BlockWrite>) {
 fn grant_order<'a>(
     plans: &BTreeMap<&'a str, Plan<'a>>,
     wants: impl Fn(&Plan) -> bool,
-) -> Vec<(&'a String, &'a Demand)> {
+) -> Vec<(&'a ShortText, &'a Demand)> {
     // The map is in name order already: only the refused few are sorted.
-    let mut refused: Vec<(i64, &'a String, &'a Demand)> = Vec::new();
-    let mut rest: Vec<(&'a String, &'a Demand)> = Vec::new();
+    let mut refused: Vec<(i64, &'a ShortText, &'a Demand)> = Vec::new();
+    let mut rest: Vec<(&'a ShortText, &'a Demand)> = Vec::new();
     for plan in plans.values().filter(|p| wants(p)) {
         match plan.read.and_then(|s| s.refused_since) {
             Some(since) => refused.push((since, plan.name, plan.nnc)),
@@ -1861,9 +1863,9 @@ mod tests {
     }
 
     /// The objects as the cache keeps them.
-    fn boxed<T: Clone>(objects: &BTreeMap<String, T>) -> BTreeMap<String, Box<T>> {
+    fn boxed<T: Clone>(objects: &BTreeMap<String, T>) -> BTreeMap<ShortText, Box<T>> {
         let each = objects.iter();
-        each.map(|(name, o)| (name.clone(), Box::new(o.clone())))
+        each.map(|(name, o)| (name.as_str().into(), Box::new(o.clone())))
             .collect()
     }
 
@@ -2184,10 +2186,10 @@ mod tests {
         let objects = BTreeMap::from([nnc("n0", false), nnc("n1", true), nnc("n2", false)]);
         let nncs = objects
             .iter()
-            .map(|(n, (o, _))| (n.clone(), Box::new(o.clone())))
+            .map(|(n, (o, _))| (n.as_str().into(), Box::new(o.clone())))
             .collect();
         let statuses = (objects.into_iter())
-            .map(|(n, (_, s))| (n, Box::new(s)))
+            .map(|(n, (_, s))| (n.into(), Box::new(s)))
             .collect();
         let pools = [p];
         let scope = BTreeSet::from(["n1".to_string()]);

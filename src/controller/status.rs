@@ -488,7 +488,7 @@ pub struct StatusIndex {
 }
 
 impl StatusIndex {
-    pub fn of(statuses: &BTreeMap<String, Box<Status>>) -> StatusIndex {
+    pub fn of(statuses: &BTreeMap<ShortText, Box<Status>>) -> StatusIndex {
         let mut index = StatusIndex::default();
         for (name, status) in statuses {
             index.add(name, status);
@@ -605,14 +605,14 @@ mod tests {
             })
         };
         let statuses = BTreeMap::from([
-            ("wider".to_string(), serving(&["198.18.0.0/26"])),
-            ("same".to_string(), serving(&["198.18.0.32/28"])),
-            ("inside".to_string(), serving(&["198.18.0.40/29"])),
+            ("wider".into(), serving(&["198.18.0.0/26"])),
+            ("same".into(), serving(&["198.18.0.32/28"])),
+            ("inside".into(), serving(&["198.18.0.40/29"])),
             (
-                "beside".to_string(),
+                "beside".into(),
                 serving(&["198.18.0.48/28", "198.18.0.16/28"]),
             ),
-            ("v6".to_string(), serving(&["2001:db8::/120"])),
+            ("v6".into(), serving(&["2001:db8::/120"])),
         ]);
         let index = StatusIndex::of(&statuses);
         let found = |cidr: &str| -> Vec<&str> {

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::pool::Ledger;
+use super::short_text::ShortText;
 use super::status::Status;
 use crate::cidr::{Cidr, Family, to_u128};
 
@@ -48,7 +49,7 @@ fn slot(family: Family) -> usize {
 impl TakenIndex {
     /// What `statuses` and `ledgers` take.
     pub fn of<'l>(
-        statuses: &BTreeMap<String, Box<Status>>,
+        statuses: &BTreeMap<ShortText, Box<Status>>,
         ledgers: impl IntoIterator<Item = &'l Ledger>,
     ) -> TakenIndex {
         let mut index = TakenIndex::default();
