@@ -1154,7 +1154,7 @@ impl Sim {
         // object went).
         for (other, nnc) in self.nncs.iter().filter(|(n, _)| *n != node) {
             if !self.is_machine_gone(other) {
-                taken.extend(status::serving(nnc));
+                taken.extend(status::serving(nnc).as_slice());
             }
         }
         // What the controller was last told by machines whose object went

@@ -233,7 +233,7 @@ impl Cache {
         // Objects the list lacks: what their machines said they serve stands.
         for (name, status) in statuses_before {
             if !self.nncs.contains_key(&name) {
-                self.keep_served(&name, &status.serving);
+                self.keep_served(&name, status.serving.as_slice());
             }
         }
         if kind == Resource::Block {
@@ -515,7 +515,7 @@ impl Cache {
         // What a machine serves holds a block back from others.
         let serving = |s: Option<&Status>| -> BTreeSet<Cidr> {
             s.into_iter()
-                .flat_map(|s| s.serving.iter().copied())
+                .flat_map(|s| s.serving.as_slice().iter().copied())
                 .collect()
         };
         let (before, after) = (serving(old), serving(self.statuses.get(name).map(|s| &**s)));
@@ -764,7 +764,7 @@ impl Cache {
                 let old = self.statuses.remove(name);
                 self.reindex_status(old.as_deref(), name);
                 if let Some(old) = &old {
-                    self.keep_served(name, &old.serving);
+                    self.keep_served(name, old.serving.as_slice());
                 }
                 self.left_status(old, None);
                 self.dirty_around_blocks_of_missing(name);

@@ -86,6 +86,15 @@ impl<T: Ord> SmallSet<T> {
     }
 }
 
+impl<T: Ord> FromIterator<T> for SmallSet<T> {
+    fn from_iter<I: IntoIterator<Item = T>>(values: I) -> Self {
+        let mut values: Vec<T> = values.into_iter().collect();
+        values.sort();
+        values.dedup();
+        SmallSet::from_vec(values)
+    }
+}
+
 impl<'a, T> IntoIterator for &'a SmallSet<T> {
     type Item = &'a T;
     type IntoIter = std::slice::Iter<'a, T>;

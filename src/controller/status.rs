@@ -57,7 +57,7 @@ enum Whole {
     /// [`granted_entry`] of the entry's CIDR and network from `pool` at
     /// `since_ms` (whole seconds).
     Granted {
-        pool: Box<str>,
+        pool: ShortText,
         since_ms: i64,
     },
     Text(Box<str>),
@@ -180,7 +180,7 @@ pub struct Status {
     /// The blocks the node says it still serves (its
     /// `metis.x-k8s.io/serving` annotation, read with the status: the
     /// controller reads both from one object).
-    pub serving: Vec<Cidr>,
+    pub serving: SmallSet<Cidr>,
     /// Its Ready condition says the Node is gone and its blocks were taken
     /// back ([`GONE_TOLD`]): that write landed.
     pub gone_told: bool,
@@ -262,24 +262,20 @@ const MAX_SERVING: usize = 4096;
 
 /// The CIDRs an NNC's `serving` annotation lists; what is not a
 /// canonical CIDR is skipped (the rest still count).
-pub fn serving(object: &Value) -> Vec<Cidr> {
+pub fn serving(object: &Value) -> SmallSet<Cidr> {
     let Metadata { metadata } = lenient(object);
     let text = metadata
         .annotations
         .get(SERVING_ANNOTATION)
         .and_then(Value::as_str)
         .unwrap_or_default();
-    let mut cidrs: Vec<Cidr> = text
-        .split(',')
+    text.split(',')
         .filter_map(|item| {
             let cidr: Cidr = item.trim().parse().ok()?;
             (cidr.to_string() == item.trim()).then_some(cidr)
         })
         .take(MAX_SERVING)
-        .collect();
-    cidrs.sort();
-    cidrs.dedup();
-    cidrs
+        .collect()
 }
 
 /// The fields of a `podCIDRs` entry the decision reads, field by field:
@@ -333,7 +329,7 @@ impl Status {
             rest: Some(Rest::parse(&status)),
             told_until,
             refused_since,
-            serving: Vec::new(),
+            serving: SmallSet::default(),
             gone_told,
         }
     }
@@ -501,7 +497,7 @@ impl StatusIndex {
         for cidr in status.entries.iter().filter_map(|e| e.cidr) {
             self.held.entry(cidr).or_default().insert(name);
         }
-        self.serve(name, &status.serving);
+        self.serve(name, status.serving.as_slice());
         if let Some(until) = status.told_until {
             self.told.insert(name.to_string(), until);
         }
@@ -526,7 +522,7 @@ impl StatusIndex {
     pub fn remove(&mut self, name: &str, status: &Status) {
         let entries = status.entries.iter().filter_map(|e| e.cidr);
         unindex(&mut self.held, entries, name);
-        self.unserve(name, &status.serving);
+        self.unserve(name, status.serving.as_slice());
         self.told.remove(name);
     }
 
@@ -821,7 +817,11 @@ mod tests {
     fn the_serving_annotation_lists_canonical_cidrs_only() {
         let object = json!({"metadata": {"annotations": {SERVING_ANNOTATION:
             "198.18.0.16/28,198.18.0.0/28, 198.18.0.32/28,198.18.0.1/28,junk,,2001:db8::10/124,198.18.0.0/28"}}});
-        let listed: Vec<String> = serving(&object).iter().map(Cidr::to_string).collect();
+        let listed: Vec<String> = serving(&object)
+            .as_slice()
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
         assert_eq!(
             listed,
             [
