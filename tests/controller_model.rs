@@ -55,7 +55,7 @@ use serde_json::{Value, json};
 
 const DELAY_MS: i64 = 60_000;
 /// The nodes whose statuses one of the leader's passes writes at most
-/// (`Decision::bound`; the controller's is 100): small, so that the
+/// (`decide::Bound`; the controller's is 500): small, so that the
 /// random sequences defer nodes to later passes.
 const PASS_NODES: usize = 2;
 const GRACE_MS: i64 = 120_000;
@@ -483,12 +483,19 @@ impl Sim {
             now_ms: self.now,
             wall_ms: self.now + self.wall_skew,
         };
-        let world = cache.world(&pools, clock, scope.as_ref());
-        let mut decision = decide::decide(&world, &mut taken);
+        let after = self.bound_after.borrow().clone();
+        let world = decide::World {
+            bound: decide::Bound {
+                nodes,
+                after: after.as_deref(),
+                ready: &|_| true,
+            },
+            ..cache.world(&pools, clock, scope.as_ref())
+        };
+        let decision = decide::decide(&world, &mut taken);
         assert_eq!(taken, before, "a pass left the taken index changed");
         cache.give_back_taken(taken);
-        let after = self.bound_after.borrow().clone();
-        let bounded = decision.bound(nodes, after.as_deref(), &|_| true);
+        let bounded = decision.bounded_after.clone();
         if bounded.is_some() {
             *self.bound_after.borrow_mut() = bounded.clone();
         }

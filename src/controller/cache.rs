@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::block::{Block, BlockSpec, BlockState, NODE_GONE, RELEASED, block_name};
-use super::decide::{World, frees_at, grace_ends};
+use super::decide::{Bound, World, frees_at, grace_ends};
 use super::demand::Demand;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
@@ -1081,6 +1081,7 @@ impl Cache {
             now_ms: clock.now_ms,
             wall_ms: clock.wall_ms,
             node_grace_ms: self.node_grace_ms,
+            bound: Bound::NONE,
         }
     }
 }

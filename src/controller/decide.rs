@@ -78,6 +78,42 @@ pub struct World<'a> {
     /// the rest are as the last pass left them: settled, their statuses
     /// only read (taken blocks, overlaps). `None`: every node.
     pub scope: Option<&'a BTreeSet<String>>,
+    /// How many nodes' status writes the pass keeps.
+    pub bound: Bound<'a>,
+}
+
+/// How many nodes' status writes one pass keeps: at most `nodes` that are
+/// `ready` (a paused one costs its pass nothing: the writer skips it),
+/// taken in name order from just after `after` (round robin: no node waits
+/// behind busier ones), with the block writes they rely on. The other
+/// nodes' writes, blocks and Events wait for the next pass, which decides
+/// those nodes again; their texts are dropped as they are made, so what
+/// one pass holds, writes and queues stays bounded whatever the cluster's
+/// size.
+#[derive(Clone, Copy)]
+pub struct Bound<'b> {
+    pub nodes: usize,
+    pub after: Option<&'b str>,
+    pub ready: &'b dyn Fn(&str) -> bool,
+}
+
+impl Bound<'_> {
+    /// Every node's writes kept.
+    pub const NONE: Bound<'static> = Bound {
+        nodes: usize::MAX,
+        after: None,
+        ready: &every_node_ready,
+    };
+
+    /// Whether node `name` comes after the wrap: name order starts just
+    /// after `after`.
+    fn wraps(&self, name: &str) -> bool {
+        self.after.is_some_and(|after| name <= after)
+    }
+}
+
+fn every_node_ready(_: &str) -> bool {
+    true
 }
 
 /// One write of a `MetisBlock` object (named by its CIDR).
@@ -155,54 +191,9 @@ pub struct Decision {
     /// written, a trouble said, a block still wanted, a refusal's time
     /// running): the next pass decides them again, changed or not.
     pub unsettled: BTreeSet<String>,
-}
-
-impl Decision {
-    /// Keeps the status writes of at most `nodes` nodes that are `ready`
-    /// (a paused one costs its pass nothing: the writer skips it), taken in
-    /// name order from just after `after` (round robin: no node waits
-    /// behind busier ones), and the block writes they rely on; the other
-    /// nodes' writes wait for the next pass, which decides those nodes
-    /// again. So what one pass writes, and the echoes it queues, stay
-    /// bounded whatever the cluster's size. Returns the last node kept.
-    pub fn bound(
-        &mut self,
-        nodes: usize,
-        after: Option<&str>,
-        ready: &dyn Fn(&str) -> bool,
-    ) -> Option<String> {
-        let all = std::mem::take(&mut self.nnc_writes);
-        let (mut writes, paused): (Vec<Write>, Vec<Write>) =
-            all.into_iter().partition(|w| ready(&w.name));
-        if writes.len() <= nodes {
-            self.nnc_writes = writes;
-            self.nnc_writes.extend(paused);
-            return None;
-        }
-        // Name order from just after `after`, then from the start.
-        let wraps = |w: &Write| after.is_some_and(|a| w.name.as_str() <= a);
-        writes.sort_by(|a, b| (wraps(a), &a.name).cmp(&(wraps(b), &b.name)));
-        let later = writes.split_off(nodes);
-        let last = writes.last().map(|w| w.name.clone());
-        self.nnc_writes = writes;
-        self.nnc_writes.extend(paused);
-        let kept: BTreeSet<&str> = self
-            .nnc_writes
-            .iter()
-            .flat_map(|w| w.after_blocks.iter().map(String::as_str))
-            .collect();
-        let waiting: BTreeSet<&str> = later
-            .iter()
-            .flat_map(|w| w.after_blocks.iter().map(String::as_str))
-            .filter(|b| !kept.contains(b))
-            .collect();
-        self.block_writes
-            .retain(|b| !waiting.contains(b.name.as_str()));
-        let deferred: BTreeSet<&str> = later.iter().map(|w| w.name.as_str()).collect();
-        self.events.retain(|e| !deferred.contains(e.node.as_str()));
-        self.unsettled.extend(later.iter().map(|w| w.name.clone()));
-        last
-    }
+    /// The last node whose write was kept, when the [`Bound`] left others'
+    /// for the next pass (which starts after it).
+    pub bounded_after: Option<String>,
 }
 
 /// Why a node's Ready condition is not `NodeNetworkConfigReady`.
@@ -1120,25 +1111,12 @@ impl<'a> Pass<'a> {
             cooling_restarts: self.restarts,
             ..Decision::default()
         };
-        let mut needed: BTreeSet<Cidr> = BTreeSet::new();
-        for plan in self.plans.into_values() {
-            let name = plan.name;
-            let waits = plan.trouble.is_some()
-                || self.wanted.contains(name.as_str())
-                || plan
-                    .read
-                    .is_some_and(|s| s.told_until.is_some() || s.refused_since.is_some());
-            let write = status_write(&world, plan, &mut decision.events);
-            if waits || write.is_some() {
-                decision.unsettled.insert(name.to_string());
-            }
-            if let Some((write, blocks)) = write {
-                needed.extend(blocks);
-                decision.nnc_writes.push(write);
-            }
-        }
+        let wanted = self.wanted;
+        let (needed, deferred) = status_writes(&world, self.plans, &wanted, &mut decision);
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
-            let writes = block_writes(pool, ledger, &needed, holders, world.pools);
+            let writes = block_writes(pool, ledger, &needed, holders, world.pools)
+                .into_iter()
+                .filter(|w| needed.contains(&w.cidr) || !deferred.contains(&w.cidr));
             decision.block_writes.extend(writes);
             let waiting = waiting.get(&i).copied().unwrap_or(0);
             let (status, gauges) = pool_status(pool, ledger, waiting, world.wall_ms);
@@ -1163,6 +1141,59 @@ impl<'a> Pass<'a> {
         }
         decision
     }
+}
+
+/// The status writes of `plans` into `decision`, as many as its bound
+/// keeps (in the bound's order, the paused ones last), their Events, and
+/// the nodes left unsettled; and the blocks the kept writes rely on, and
+/// those only the writes left for the next pass rely on (whose block
+/// writes wait with them).
+fn status_writes(
+    world: &World,
+    plans: BTreeMap<&str, Plan>,
+    wanted: &BTreeSet<&str>,
+    decision: &mut Decision,
+) -> (BTreeSet<Cidr>, BTreeSet<Cidr>) {
+    let bound = world.bound;
+    let (mut needed, mut deferred) = (BTreeSet::new(), BTreeSet::new());
+    let mut plans: Vec<Plan> = plans.into_values().collect();
+    plans.sort_by_key(|p| (bound.wraps(p.name), p.name));
+    let (mut kept, mut paused) = (Vec::new(), Vec::new());
+    let mut left = false;
+    for plan in plans {
+        let name = plan.name;
+        let waits = plan.trouble.is_some()
+            || wanted.contains(name.as_str())
+            || plan
+                .read
+                .is_some_and(|s| s.told_until.is_some() || s.refused_since.is_some());
+        let mut events = Vec::new();
+        let write = status_write(world, plan, &mut events);
+        if waits || write.is_some() {
+            decision.unsettled.insert(name.to_string());
+        }
+        let Some((write, blocks)) = write else {
+            continue;
+        };
+        let ready = (bound.ready)(name);
+        if ready && kept.len() >= bound.nodes {
+            deferred.extend(blocks);
+            left = true;
+            continue;
+        }
+        needed.extend(blocks);
+        decision.events.extend(events);
+        match ready {
+            true => kept.push(write),
+            false => paused.push(write),
+        }
+    }
+    if left {
+        decision.bounded_after = kept.last().map(|w| w.name.clone());
+    }
+    decision.nnc_writes = kept;
+    decision.nnc_writes.extend(paused);
+    (needed, deferred)
 }
 
 /// Whether `plan`'s entries already cover every network and family
@@ -1876,6 +1907,17 @@ mod tests {
         now_ms: i64,
         wall_ms: i64,
     ) -> Decision {
+        let clock = (now_ms, wall_ms);
+        decide_bounded(pools, nncs, statuses, clock, Bound::NONE)
+    }
+
+    fn decide_bounded(
+        pools: &[Pool],
+        nncs: &BTreeMap<String, Demand>,
+        statuses: &BTreeMap<String, Status>,
+        (now_ms, wall_ms): (i64, i64),
+        bound: Bound,
+    ) -> Decision {
         let nncs = boxed(nncs);
         let statuses = boxed(statuses);
         let world = World {
@@ -1888,6 +1930,7 @@ mod tests {
             wall_ms,
             node_grace_ms: 60_000,
             scope: None,
+            bound,
         };
         let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
         decide(&world, &mut taken)
@@ -2203,6 +2246,7 @@ mod tests {
             wall_ms: 1_795_971_700_000,
             node_grace_ms: 60_000,
             scope: Some(&scope),
+            bound: Bound::NONE,
         };
         let mut taken = TakenIndex::of(&statuses, pools.iter().map(|p| &p.ledger));
         assert_eq!(decide_in(&world, &mut taken).map(|d| d.nnc_writes), None);
@@ -2349,74 +2393,51 @@ mod tests {
 
     /// A bounded pass keeps the first nodes' status writes from just after
     /// the last node written, with the block writes they rely on; the rest
-    /// (their blocks and Events too) wait, their nodes unsettled.
+    /// (their blocks and Events too) wait, their nodes unsettled. A paused
+    /// node's write (the writer skips it) is kept and counts for nothing.
     #[test]
     fn a_bounded_pass_writes_a_few_nodes_in_turn_and_leaves_the_rest_unsettled() {
-        let status = |name: &str, blocks: &[&str]| Write {
-            name: name.to_string(),
-            resource_version: "1".to_string(),
-            status: "{}".to_string(),
-            after_blocks: blocks.iter().map(|b| b.to_string()).collect(),
+        let ask = |name: &str| {
+            let object = json!({"metadata": {"name": name, "resourceVersion": "5"},
+                "spec": {"allocations": [{"network": "default", "pods": 4}]}});
+            (name.to_string(), nnc_read(object).0)
         };
-        let block = |cidr: &str| BlockWrite {
-            name: block::block_name(&cidr.parse().unwrap()),
-            cidr: cidr.parse().unwrap(),
-            op: BlockOp::Delete("1".to_string()),
+        let nncs = BTreeMap::from(["n1", "n2", "n3"].map(ask));
+        let pools = [pool(json!({}))];
+        let pass = |nodes: usize, after: Option<&str>, ready: &dyn Fn(&str) -> bool| {
+            let bound = Bound {
+                nodes,
+                after,
+                ready,
+            };
+            let clock = (2_000, 1_795_971_700_000);
+            let d = decide_bounded(&pools, &nncs, &BTreeMap::new(), clock, bound);
+            let written: Vec<&str> = d.nnc_writes.iter().map(|w| w.name.as_str()).collect();
+            let created: BTreeSet<&str> = (d.block_writes.iter())
+                .filter_map(|w| match &w.op {
+                    BlockOp::Create(spec) => Some(&*spec.node),
+                    _ => None,
+                })
+                .collect();
+            let written_set: BTreeSet<&str> = written.iter().copied().collect();
+            assert_eq!(created, written_set, "the blocks of the writes kept");
+            let unsettled: Vec<&str> = d.unsettled.iter().map(String::as_str).collect();
+            assert_eq!(unsettled, ["n1", "n2", "n3"]);
+            (written.join(","), d.bounded_after.clone())
         };
-        let event = |node: &str| NodeEvent {
-            node: node.to_string(),
-            reason: QUOTA_EVENT,
-            message: String::new(),
-        };
-        let [a, b, c, free] = [
-            "198.18.0.0/28",
-            "198.18.0.16/28",
-            "198.18.0.32/28",
-            "198.18.0.48/28",
-        ]
-        .map(block);
-        let full = Decision {
-            // A block write no status relies on (one cooled out) is kept.
-            block_writes: vec![a.clone(), b.clone(), c.clone(), free.clone()],
-            nnc_writes: vec![
-                status("n1", &[&a.name]),
-                status("n2", &[&b.name]),
-                status("n3", &[&c.name, &a.name]),
-            ],
-            events: vec![event("n2"), event("n3")],
-            ..Decision::default()
-        };
-        let mut first = full.clone();
-        assert_eq!(first.bound(2, None, &|_| true), Some("n2".to_string()));
-        let names = |d: &Decision| {
-            d.nnc_writes
-                .iter()
-                .map(|w| w.name.clone())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&first), ["n1", "n2"]);
-        assert_eq!(first.block_writes, [a.clone(), b.clone(), free.clone()]);
-        assert_eq!(first.events, [event("n2")]);
-        assert_eq!(first.unsettled, BTreeSet::from(["n3".to_string()]));
+        let all = |_: &str| true;
+        let first = pass(2, None, &all);
+        assert_eq!(first, ("n1,n2".to_string(), Some("n2".to_string())));
         // The next starts after n2 and wraps round.
-        let mut next = full.clone();
-        assert_eq!(next.bound(2, Some("n2"), &|_| true), Some("n1".to_string()));
-        assert_eq!(names(&next), ["n3", "n1"]);
-        assert_eq!(next.block_writes, [a, c, free]);
-        assert_eq!(next.events, [event("n3")]);
-        assert_eq!(next.unsettled, BTreeSet::from(["n2".to_string()]));
-        // Within the bound: nothing changes.
-        let mut all = full.clone();
-        assert_eq!(all.bound(3, Some("n1"), &|_| true), None);
-        assert_eq!(all, full);
-        // A paused node's write (the writer skips it) is kept and counts
-        // for nothing: two ready ones fit.
-        let mut paused = full.clone();
-        assert_eq!(paused.bound(2, None, &|n| n != "n1"), None);
-        assert_eq!(names(&paused), ["n2", "n3", "n1"]);
-        let mut one = full.clone();
-        assert_eq!(one.bound(1, None, &|n| n != "n1"), Some("n2".to_string()));
-        assert_eq!(names(&one), ["n2", "n1"]);
-        assert_eq!(one.unsettled, BTreeSet::from(["n3".to_string()]));
+        let next = pass(2, Some("n2"), &all);
+        assert_eq!(next, ("n3,n1".to_string(), Some("n1".to_string())));
+        // Within the bound: nothing waits.
+        assert_eq!(pass(3, Some("n1"), &all), ("n2,n3,n1".to_string(), None));
+        assert_eq!(pass(usize::MAX, None, &all).1, None);
+        // n1 paused: two ready ones fit, or one of them does.
+        let paused = |n: &str| n != "n1";
+        assert_eq!(pass(2, None, &paused), ("n2,n3,n1".to_string(), None));
+        let one = pass(1, None, &paused);
+        assert_eq!(one, ("n2,n1".to_string(), Some("n2".to_string())));
     }
 }

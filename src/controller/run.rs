@@ -13,7 +13,7 @@ use nix::sys::signal::{SigSet, Signal};
 
 use super::cache::{Cache, Clock};
 use super::clock::BootInstant;
-use super::decide::{Decision, decide};
+use super::decide::{Bound, Decision, World, decide};
 use super::informer::{self, Resource, Update};
 use super::lease::{self, Elector, LeaseTiming};
 use super::retry::Retries;
@@ -37,7 +37,7 @@ const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(1);
 pub const WALL_OFFSET_ENV: &str = "METIS_TEST_WALL_CLOCK_OFFSET_MS";
 /// Shortest pause between two passes: a burst of events is one pass.
 const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
-/// The nodes whose statuses one pass writes at most (`Decision::bound`):
+/// The nodes whose statuses one pass writes at most (`decide::Bound`):
 /// a burst (5,000 nodes asking at once) is written 500 at a time, each
 /// batch decided on what the previous one's answers and echoes left.
 const PASS_NODES: usize = 500;
@@ -612,7 +612,15 @@ impl<'c> Controller<'c> {
         }
         let pools = self.cache.pools_with_ledgers();
         let mut taken = self.cache.lend_taken();
-        let world = self.cache.world(&pools, clock, scope.as_ref());
+        let ready = |name: &str| self.retries.ready(Resource::Nnc, name, started);
+        let world = World {
+            bound: Bound {
+                nodes: PASS_NODES,
+                after: self.bound_after.as_deref(),
+                ready: &ready,
+            },
+            ..self.cache.world(&pools, clock, scope.as_ref())
+        };
         let mut decision = decide(&world, &mut taken);
         drop(pools);
         self.cache.give_back_taken(taken);
@@ -678,16 +686,14 @@ impl<'c> Controller<'c> {
         self.due = [self.due, retry].into_iter().flatten().min();
     }
 
-    /// Keeps [`PASS_NODES`] nodes' writes of `decision` (those paused count
-    /// for nothing); the nodes left for later are decided by the next pass,
-    /// as soon as the events queued meanwhile are taken in.
+    /// When `decision` kept [`PASS_NODES`] nodes' writes and left others
+    /// for later, the next pass decides those, as soon as the events
+    /// queued meanwhile are taken in, starting after the last one kept.
     fn bound(&mut self, decision: &mut Decision) {
-        let now = Instant::now();
-        let ready = |name: &str| self.retries.ready(Resource::Nnc, name, now);
-        if let Some(last) = decision.bound(PASS_NODES, self.bound_after.as_deref(), &ready) {
+        if let Some(last) = decision.bounded_after.take() {
             self.bound_after = Some(last);
             self.pending = true;
-            self.next_pass = now;
+            self.next_pass = Instant::now();
         }
     }
 
