@@ -610,20 +610,7 @@ impl<'c> Controller<'c> {
         if scope.is_none() {
             self.resync_at = started + RESYNC_INTERVAL;
         }
-        let pools = self.cache.pools_with_ledgers();
-        let mut taken = self.cache.lend_taken();
-        let ready = |name: &str| self.retries.ready(Resource::Nnc, name, started);
-        let world = World {
-            bound: Bound {
-                nodes: PASS_NODES,
-                after: self.bound_after.as_deref(),
-                ready: &ready,
-            },
-            ..self.cache.world(&pools, clock, scope.as_ref())
-        };
-        let mut decision = decide(&world, &mut taken);
-        drop(pools);
-        self.cache.give_back_taken(taken);
+        let mut decision = self.decide(clock, scope.as_ref(), started);
         self.bound(&mut decision);
         self.unsettled = std::mem::take(&mut decision.unsettled);
         self.metrics.pass(started.elapsed());
@@ -684,6 +671,26 @@ impl<'c> Controller<'c> {
         self.pending |= applied.conflicts > 0;
         let retry = self.retries.next_due(Instant::now());
         self.due = [self.due, retry].into_iter().flatten().min();
+    }
+
+    /// The decision over `scope` (every node: `None`), keeping at most
+    /// [`PASS_NODES`] nodes' writes from just after the last one written.
+    fn decide(&mut self, clock: Clock, scope: Option<&BTreeSet<String>>, at: Instant) -> Decision {
+        let pools = self.cache.pools_with_ledgers();
+        let mut taken = self.cache.lend_taken();
+        let ready = |name: &str| self.retries.ready(Resource::Nnc, name, at);
+        let world = World {
+            bound: Bound {
+                nodes: PASS_NODES,
+                after: self.bound_after.as_deref(),
+                ready: &ready,
+            },
+            ..self.cache.world(&pools, clock, scope)
+        };
+        let decision = decide(&world, &mut taken);
+        drop(pools);
+        self.cache.give_back_taken(taken);
+        decision
     }
 
     /// When `decision` kept [`PASS_NODES`] nodes' writes and left others
