@@ -503,24 +503,16 @@ impl Cache {
     /// again: what they are told of an overlap may change with it; so are
     /// those around a block its machine began or stopped saying it serves.
     fn dirty_overlapping(&mut self, old: Option<&Status>, name: &str) {
-        let cidrs = |s: Option<&Status>| -> BTreeSet<Cidr> {
-            s.into_iter()
-                .flat_map(|s| s.entries.iter().filter_map(|e| e.cidr))
-                .collect()
-        };
-        let (before, after) = (cidrs(old), cidrs(self.statuses.get(name).map(|s| &**s)));
-        for cidr in before.symmetric_difference(&after) {
-            self.dirty_status_holders(cidr);
+        let now = self.statuses.get(name).map(|s| &**s);
+        let held = |s: &Status| s.entries.iter().filter_map(|e| e.cidr).collect();
+        let serving = |s: &Status| s.serving.as_slice().iter().copied().collect();
+        let (held, serving) = (changed(old, now, held), changed(old, now, serving));
+        for cidr in held {
+            self.dirty_status_holders(&cidr);
         }
         // What a machine serves holds a block back from others.
-        let serving = |s: Option<&Status>| -> BTreeSet<Cidr> {
-            s.into_iter()
-                .flat_map(|s| s.serving.as_slice().iter().copied())
-                .collect()
-        };
-        let (before, after) = (serving(old), serving(self.statuses.get(name).map(|s| &**s)));
-        for cidr in before.symmetric_difference(&after) {
-            self.dirty_around(cidr);
+        for cidr in serving {
+            self.dirty_around(&cidr);
         }
     }
 
@@ -560,8 +552,8 @@ impl Cache {
     fn dirty_around(&mut self, cidr: &Cidr) {
         let serving = self.index.serving_overlapping(cidr);
         self.dirty.extend(serving.into_iter().map(String::from));
-        self.dirty_status_holders(cidr);
         for other in self.taken.overlapping(cidr) {
+            self.dirty_holders_of(&other);
             let block = self.blocks.get(block_name(&other).as_str());
             if let Some((_, spec)) = block.and_then(|b| b.spec.as_ref()) {
                 self.dirty.insert(spec.node.to_string());
@@ -572,9 +564,14 @@ impl Cache {
     /// The nodes whose statuses hold a block overlapping `cidr`.
     fn dirty_status_holders(&mut self, cidr: &Cidr) {
         for other in self.taken.overlapping(cidr) {
-            let holders = self.index.held.get(&other).into_iter().flatten();
-            self.dirty.extend(holders.map(String::from));
+            self.dirty_holders_of(&other);
         }
+    }
+
+    /// The nodes whose statuses hold `cidr` itself.
+    fn dirty_holders_of(&mut self, cidr: &Cidr) {
+        let holders = self.index.held.get(cidr).into_iter().flatten();
+        self.dirty.extend(holders.map(String::from));
     }
 
     /// The delay of these blocks, released again, starts over.
@@ -1106,6 +1103,18 @@ fn followed_node(block: &Block) -> Option<&str> {
         || (spec.state == BlockState::Cooling && *spec.reason == *NODE_GONE)
         || block.resource_version.is_empty();
     follows.then_some(&*spec.node)
+}
+
+/// The CIDRs that `of` finds in one of `old` and `now` (a status before and
+/// after a change; none for a status absent) and not in the other.
+fn changed(
+    old: Option<&Status>,
+    now: Option<&Status>,
+    of: impl Fn(&Status) -> BTreeSet<Cidr>,
+) -> Vec<Cidr> {
+    let (before, after) = (old.map(&of), now.map(&of));
+    let (before, after) = (before.unwrap_or_default(), after.unwrap_or_default());
+    before.symmetric_difference(&after).copied().collect()
 }
 
 /// What is kept of `block` when its object vanished while it still

@@ -304,15 +304,10 @@ fn pool_of(pools: &[Pool], ledgers: &[Working], cidr: &Cidr) -> Option<usize> {
         .or_else(|| (!pools.is_empty()).then_some(0))
 }
 
-/// Whether the node lists `cidr` in `releasableCIDRs`.
-fn lists_releasable(nnc: &Demand, cidr: &str) -> bool {
-    nnc.lists_releasable(cidr)
-}
-
-/// [`lists_releasable`] of a parsed block (its text made only when the
-/// node lists something).
+/// [`Demand::lists_releasable`] of a parsed block (its text made only
+/// when the node lists something).
 fn lists_releasable_cidr(nnc: &Demand, cidr: &Cidr) -> bool {
-    !nnc.releasable.is_empty() && lists_releasable(nnc, &cidr.to_string())
+    !nnc.releasable.is_empty() && nnc.lists_releasable(&cidr.to_string())
 }
 
 /// One pass being decided: the ledgers as they become and each node's
@@ -528,7 +523,7 @@ impl<'a> Pass<'a> {
             let released = gone
                 || raw
                     .cidr_text()
-                    .is_some_and(|cidr| lists_releasable(nnc, &cidr));
+                    .is_some_and(|cidr| nnc.lists_releasable(&cidr));
             match (released, raw.cidr) {
                 (true, Some(cidr)) => {
                     if self.release_block(name, cidr, raw.reusable, gone) {
@@ -721,7 +716,7 @@ impl<'a> Pass<'a> {
             for (cidr, node) in missing {
                 let nnc = world.nncs.get(node.as_str());
                 let gone = self.gone(&node);
-                let listed = nnc.is_some_and(|n| lists_releasable(n, &cidr.to_string()));
+                let listed = nnc.is_some_and(|n| n.lists_releasable(&cidr.to_string()));
                 let overlap = match listed || gone {
                     true => None,
                     false => overlap_in_a_status(&cidr, world.index, taken)
@@ -1020,7 +1015,7 @@ impl<'a> Pass<'a> {
             // Never one the node lists releasable, nor one another machine
             // says it still serves (its own block beyond its quota, say).
             let skip = |c: &Cidr| {
-                lists_releasable(ask.nnc, &c.to_string())
+                ask.nnc.lists_releasable(&c.to_string())
                     || served_by_another(&self.world, c, ask.name)
             };
             let Some(block) = first_free(range, taken.index(), &skip) else {
@@ -1114,9 +1109,8 @@ impl<'a> Pass<'a> {
         let wanted = self.wanted;
         let (needed, deferred) = status_writes(&world, self.plans, &wanted, &mut decision);
         for (i, (pool, ledger)) in world.pools.iter().zip(&self.ledgers).enumerate() {
-            let writes = block_writes(pool, ledger, &needed, holders, world.pools)
-                .into_iter()
-                .filter(|w| needed.contains(&w.cidr) || !deferred.contains(&w.cidr));
+            let relied = (&needed, &deferred);
+            let writes = block_writes(pool, ledger, relied, holders, world.pools);
             decision.block_writes.extend(writes);
             let waiting = waiting.get(&i).copied().unwrap_or(0);
             let (status, gauges) = pool_status(pool, ledger, waiting, world.wall_ms);
@@ -1346,10 +1340,12 @@ fn block_spec(pool: &Pool, cidr: &Cidr, (state, node, reason): BlockStateOf) -> 
 /// left the ledger (cooled) is deleted only when no status holds it. A
 /// block whose object another of `pools` knows (its pool refused now, a
 /// status adopting it here) is PUT over that object, never created again.
+/// A block only writes left for the next pass rely on (`deferred`) waits
+/// with them.
 fn block_writes(
     pool: &Pool,
     ledger: &Working,
-    needed: &BTreeSet<Cidr>,
+    (needed, deferred): (&BTreeSet<Cidr>, &BTreeSet<Cidr>),
     holders: &Holders,
     pools: &[Pool],
 ) -> Vec<BlockWrite> {
@@ -1357,8 +1353,9 @@ fn block_writes(
     // status relies on it.
     let behind = &pool.ledger.behind;
     let cidrs: BTreeSet<&Cidr> = ledger.changed().chain(needed).chain(behind).collect();
+    let waits = |cidr: &Cidr| deferred.contains(cidr) && !needed.contains(cidr);
     let mut writes = Vec::new();
-    for cidr in cidrs {
+    for cidr in cidrs.into_iter().filter(|c| !waits(c)) {
         let before = block_state(ledger.read.held(cidr));
         let after = block_state(ledger.held(cidr));
         let version = pool.ledger.versions.get(cidr);
@@ -1503,7 +1500,7 @@ impl Promise<'_> {
         let pools = world.pools;
         let family = ask.family;
         // Never granted to it while it lists the block releasable.
-        let skip = |c: &Cidr| lists_releasable(ask.nnc, &c.to_string());
+        let skip = |c: &Cidr| ask.nnc.lists_releasable(&c.to_string());
         let mut cooling: Vec<(i64, Cidr, usize)> = Vec::new();
         for &i in empty {
             let Ok(spec) = &pools[i].spec else { continue };
