@@ -7,7 +7,6 @@
 use serde_json::Value;
 
 use super::short_text::ShortText;
-use crate::defaults::DEFAULT_NETWORK;
 use crate::kube::nnc::{Nnc, PodCidr};
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -24,22 +23,20 @@ pub struct Demand {
 /// One `spec.allocations` entry: the pods asked of a network.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allocation {
-    /// The network when not the default one (the usual one is not kept
-    /// for every node).
-    other_network: Option<Box<str>>,
+    network: ShortText,
     pub pods: i64,
 }
 
 impl Allocation {
     pub fn new(network: &str, pods: i64) -> Allocation {
         Allocation {
-            other_network: (network != DEFAULT_NETWORK).then(|| network.into()),
+            network: network.into(),
             pods,
         }
     }
 
     pub fn network(&self) -> &str {
-        self.other_network.as_deref().unwrap_or(DEFAULT_NETWORK)
+        &self.network
     }
 }
 

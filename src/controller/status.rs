@@ -43,8 +43,8 @@ pub struct Entry {
     /// usual one is not kept twice).
     pub cidr: Option<Cidr>,
     odd_cidr_text: Option<Box<str>>,
-    /// Its `network`, when not the default one (empty or missing).
-    other_network: Option<Box<str>>,
+    /// Its `network` (the default one when empty or missing).
+    network: ShortText,
     /// `type` is not `NonReusable`.
     pub reusable: bool,
     whole: Whole,
@@ -69,15 +69,15 @@ impl Entry {
         let cidr_text = read.cidr.as_deref();
         let cidr: Option<Cidr> = cidr_text.and_then(|c| c.parse().ok());
         let canonical = cidr.map(|c| c.to_string());
-        let network = read
-            .network
-            .filter(|n| !n.is_empty() && n != DEFAULT_NETWORK);
+        let network = (read.network.as_deref())
+            .filter(|n| !n.is_empty())
+            .unwrap_or(DEFAULT_NETWORK);
         let mut parsed = Entry {
             cidr,
             odd_cidr_text: cidr_text
                 .filter(|t| canonical.as_deref() != Some(*t))
                 .map(Box::from),
-            other_network: network.map(String::into_boxed_str),
+            network: network.into(),
             reusable: read.kind.as_deref() != Some("NonReusable"),
             whole: Whole::Text(Box::default()),
         };
@@ -118,7 +118,7 @@ impl Entry {
 
     /// Its `network` (the default network when empty or missing).
     pub fn network(&self) -> &str {
-        self.other_network.as_deref().unwrap_or(DEFAULT_NETWORK)
+        &self.network
     }
 
     pub fn to_value(&self) -> Value {
