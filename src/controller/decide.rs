@@ -37,6 +37,7 @@ use super::pool::{
     Working,
 };
 use super::short_text::ShortText;
+use super::small_set::SmallSet;
 use super::status::{self, Entry, Names, ReadyRead, Status, StatusIndex, merge_condition};
 use super::taken::{Applied, TakenIndex, span};
 use crate::cidr::{Cidr, Family, from_u128};
@@ -104,12 +105,6 @@ impl Bound<'_> {
         after: None,
         ready: &every_node_ready,
     };
-
-    /// Whether node `name` comes after the wrap: name order starts just
-    /// after `after`.
-    fn wraps(&self, name: &str) -> bool {
-        self.after.is_some_and(|after| name <= after)
-    }
 }
 
 fn every_node_ready(_: &str) -> bool {
@@ -212,8 +207,9 @@ struct Plan<'a> {
     /// The status as read (none yet: a new object).
     read: Option<&'a Status>,
     entries: Vec<Cow<'a, Entry>>,
-    /// Blocks whose object must be written before this status.
-    blocks: BTreeSet<Cidr>,
+    /// Blocks whose object must be written before this status (one,
+    /// almost always).
+    blocks: SmallSet<Cidr>,
     trouble: Option<Trouble>,
 }
 
@@ -477,26 +473,30 @@ impl<'a> Pass<'a> {
     /// blocks of a Node gone past the grace, leave its status and cool.
     fn release(&mut self) {
         let world = self.world;
+        // The plans are made in name order and the map built from them in
+        // one go (its nodes full, as inserting one by one leaves them not).
+        let mut plans = Vec::new();
         if let Some(scope) = world.scope {
             // Nodes whose Node is missing are always decided: their grace
             // runs out with time alone.
             let names: BTreeSet<&String> = scope.iter().chain(world.absent.keys()).collect();
+            plans.reserve(names.len());
             for name in names {
                 if let Some((name, nnc)) = world.nncs.get_key_value(name.as_str()) {
                     let plan = self.release_of(name, nnc, world.statuses.get(name).map(|s| &**s));
-                    self.plans.insert(name, plan);
+                    plans.push((name.as_str(), plan));
                 }
             }
-            return;
-        }
-        // Both maps are by name: walked side by side, without a lookup per
-        // node, and the plans built in one go in that order.
-        let mut statuses = world.statuses.iter().peekable();
-        let mut plans = Vec::with_capacity(world.nncs.len());
-        for (name, nnc) in world.nncs {
-            while statuses.next_if(|(n, _)| *n < name).is_some() {}
-            let read = statuses.next_if(|(n, _)| *n == name).map(|(_, s)| &**s);
-            plans.push((name.as_str(), self.release_of(name, nnc, read)));
+        } else {
+            // Both maps are by name: walked side by side, without a lookup
+            // per node.
+            let mut statuses = world.statuses.iter().peekable();
+            plans.reserve(world.nncs.len());
+            for (name, nnc) in world.nncs {
+                while statuses.next_if(|(n, _)| *n < name).is_some() {}
+                let read = statuses.next_if(|(n, _)| *n == name).map(|(_, s)| &**s);
+                plans.push((name.as_str(), self.release_of(name, nnc, read)));
+            }
         }
         self.plans = plans.into_iter().collect();
     }
@@ -514,7 +514,7 @@ impl<'a> Pass<'a> {
             nnc,
             read,
             entries: Vec::new(),
-            blocks: BTreeSet::new(),
+            blocks: SmallSet::default(),
             trouble: gone.then(|| Trouble::Gone(format!("Node {name} {}", status::GONE_TOLD))),
         };
         let raw_entries = read.map_or(&[][..], |s| s.entries.as_slice());
@@ -1026,6 +1026,8 @@ impl<'a> Pass<'a> {
             self.ledgers[i].set_claim(block, ask.name);
             let entry = Entry::granted(&pools[i].name, ask.network, &block, self.world.wall_ms);
             if let Some(plan) = self.plans.get_mut(ask.name.as_str()) {
+                // Most plans gain one entry: room for that one only.
+                plan.entries.reserve_exact(1);
                 plan.entries.push(Cow::Owned(entry));
                 plan.blocks.insert(block);
             }
@@ -1150,11 +1152,9 @@ fn status_writes(
 ) -> (BTreeSet<Cidr>, BTreeSet<Cidr>) {
     let bound = world.bound;
     let (mut needed, mut deferred) = (BTreeSet::new(), BTreeSet::new());
-    let mut plans: Vec<Plan> = plans.into_values().collect();
-    plans.sort_by_key(|p| (bound.wraps(p.name), p.name));
     let (mut kept, mut paused) = (Vec::new(), Vec::new());
     let mut left = false;
-    for plan in plans {
+    for plan in in_bound_order(plans, bound.after) {
         let name = plan.name;
         let waits = plan.trouble.is_some()
             || wanted.contains(name.as_str())
@@ -1171,11 +1171,11 @@ fn status_writes(
         };
         let ready = (bound.ready)(name);
         if ready && kept.len() >= bound.nodes {
-            deferred.extend(blocks);
+            deferred.extend(&blocks);
             left = true;
             continue;
         }
-        needed.extend(blocks);
+        needed.extend(&blocks);
         decision.events.extend(events);
         match ready {
             true => kept.push(write),
@@ -1188,6 +1188,24 @@ fn status_writes(
     decision.nnc_writes = kept;
     decision.nnc_writes.extend(paused);
     (needed, deferred)
+}
+
+/// `plans` in name order from just after `after` (round robin), taken
+/// apart without a second collection of them.
+fn in_bound_order<'a>(
+    mut plans: BTreeMap<&'a str, Plan<'a>>,
+    after: Option<&str>,
+) -> impl Iterator<Item = Plan<'a>> {
+    let (later, at) = match after {
+        Some(after) => {
+            let mut later = plans.split_off(after);
+            let at = later.remove(after);
+            (later, at)
+        }
+        None => (BTreeMap::new(), None),
+    };
+    let wrapped = plans.into_values().chain(at);
+    later.into_values().chain(wrapped)
 }
 
 /// Whether `plan`'s entries already cover every network and family
@@ -1246,7 +1264,7 @@ fn status_write(
     world: &World,
     plan: Plan,
     events: &mut Vec<NodeEvent>,
-) -> Option<(Write, BTreeSet<Cidr>)> {
+) -> Option<(Write, SmallSet<Cidr>)> {
     let (name, nnc, read) = (plan.name, plan.nnc, plan.read);
     let stands = read.is_some_and(|r| unchanged(r, &plan, nnc.generation, world.wall_ms));
     if stands && !cfg!(debug_assertions) {
@@ -1283,7 +1301,12 @@ fn status_write(
         name: name.to_string(),
         resource_version: nnc.resource_version.to_string(),
         status: status::assemble(status, &entries).to_string(),
-        after_blocks: plan.blocks.iter().map(block::block_name).collect(),
+        after_blocks: plan
+            .blocks
+            .as_slice()
+            .iter()
+            .map(block::block_name)
+            .collect(),
     };
     Some((write, plan.blocks))
 }
