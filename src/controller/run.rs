@@ -281,6 +281,7 @@ fn identity(parsed: &flags::Parsed) -> Result<String, FlagError> {
 
 /// Runs until SIGTERM or SIGINT; gives the Lease up before returning.
 pub fn run(config: &Config) -> std::io::Result<()> {
+    one_malloc_arena();
     // Blocked before any thread starts, so every thread inherits it and
     // only the waiter below receives them.
     let mut signals = SigSet::empty();
@@ -724,6 +725,24 @@ impl<'c> Controller<'c> {
         self.due = [self.due, later].into_iter().flatten().min();
     }
 }
+
+/// Every thread allocates from one malloc arena. The informers' threads
+/// parse the objects the loop keeps: with an arena each, glibc strands
+/// freed pages between kept objects in each arena. One arena lowers the
+/// 5,000-node peak by a tenth for a little CPU (bench/history.md).
+#[cfg(target_env = "gnu")]
+#[allow(unsafe_code)]
+fn one_malloc_arena() {
+    // SAFETY: mallopt sets an allocator parameter, touching no memory of
+    // ours; it runs before this process starts a thread.
+    unsafe {
+        nix::libc::mallopt(nix::libc::M_ARENA_MAX, 1);
+    }
+}
+
+/// Other C libraries' allocators have no such arenas to bound.
+#[cfg(not(target_env = "gnu"))]
+fn one_malloc_arena() {}
 
 /// SIGTERM and SIGINT become [`Update::Stop`].
 fn wait_for_signals(signals: SigSet, updates: Sender<Update>) -> std::io::Result<()> {
