@@ -305,7 +305,7 @@ impl Cache {
     fn index_from_scratch(&self) -> StatusIndex {
         let mut index = StatusIndex::of(&self.statuses);
         for (name, cidrs) in &self.served_gone {
-            index.serve(name, cidrs);
+            index.serve(&self.node_name(name), cidrs);
         }
         index
     }
@@ -318,7 +318,8 @@ impl Cache {
             return;
         }
         self.served_gone.insert(name.to_string(), cidrs.to_vec());
-        self.index.serve(name, cidrs);
+        let name_kept = self.node_name(name);
+        self.index.serve(&name_kept, cidrs);
         self.follow(name, true);
         self.due = None;
     }
@@ -491,7 +492,7 @@ impl Cache {
             self.taken.remove_status(old);
             self.index.remove(name, old);
         }
-        if let Some(now) = self.statuses.get(name) {
+        if let Some((name, now)) = self.statuses.get_key_value(name) {
             self.taken.add_status(now);
             self.index.add(name, now);
         }
@@ -651,19 +652,21 @@ impl Cache {
                 self.drop_served(&name);
                 self.dirty.insert(name.clone());
                 let told = status.gone_told;
-                let old = self.statuses.insert(name.as_str().into(), Box::new(status));
+                let old = self
+                    .statuses
+                    .insert(self.node_name(&name), Box::new(status));
                 if old.as_ref().is_none_or(|o| o.gone_told != told) {
                     self.dirty_around_blocks_of_missing(&name);
                 }
                 self.reindex_status(old.as_deref(), &name);
                 self.left_status(old, Some(&name));
-                if self.nncs.insert(name.as_str().into(), nnc).is_none() {
+                if self.nncs.insert(self.node_name(&name), nnc).is_none() {
                     self.follow(&name, true);
                 }
             }
             Item::Node(name) => {
                 // A Node's heartbeats change nothing the decision reads.
-                if !self.nodes.insert(name.as_str().into()) {
+                if !self.nodes.insert(self.node_name(&name)) {
                     return false;
                 }
                 self.note_absence(&name);
@@ -690,6 +693,9 @@ impl Cache {
     /// those it concerns); it succeeds the copy held, or the versions
     /// remembered of its name.
     fn put_block(&mut self, mut block: Block) {
+        if let Some((_, spec)) = block.spec.as_mut() {
+            spec.node = self.node_name(&spec.node);
+        }
         self.vanished.remove(block.name.as_str());
         if is_cooling(&block) {
             let now = self.now_ms;
@@ -953,10 +959,20 @@ impl Cache {
         Arc::clone(&self.pools)
     }
 
+    /// Node `name` as the cache keeps it: one kept already (a Node, an
+    /// NNC, a followed name) is cloned, so that a name too long to be kept
+    /// inline is one allocation however many maps and blocks name it.
+    fn node_name(&self, name: &str) -> ShortText {
+        (self.nodes.get(name))
+            .or_else(|| self.nncs.get_key_value(name).map(|(k, _)| k))
+            .or_else(|| self.followed.get_key_value(name).map(|(k, _)| k))
+            .map_or_else(|| name.into(), ShortText::clone)
+    }
+
     /// One NodeNetworkConfig or block more (`more`) or less follows Node
     /// `name`.
     fn follow(&mut self, name: &str, more: bool) {
-        let count = self.followed.entry(name.into()).or_default();
+        let count = self.followed.entry(self.node_name(name)).or_default();
         *count = if more {
             count.saturating_add(1)
         } else {
@@ -1000,7 +1016,7 @@ impl Cache {
             .chain(of_blocks)
             .chain(gone)
         {
-            *followed.entry(name.into()).or_default() += 1;
+            *followed.entry(self.node_name(name)).or_default() += 1;
         }
         self.followed = followed;
         let followed = self.followed.keys().map(ShortText::to_string);
@@ -2008,6 +2024,41 @@ mod tests {
             Resource::Block,
             block::object(&spec, &name, version, protected),
         )
+    }
+
+    /// A node name too long to be kept inline is one copy of its text,
+    /// however many maps and blocks name it: the Node, its NNC and status,
+    /// the block granted to it, the ledger's claim, the status index.
+    #[test]
+    fn a_long_node_name_is_kept_once() {
+        let long = "ip-10-0-1-23.us-west-2.compute.internal";
+        let mut cache = with_pool("198.18.0.0/26");
+        let node = json!({"metadata": {"name": long, "uid": "u1"}});
+        cache.put(Resource::Node, Item::parse(Resource::Node, node));
+        cache.put(
+            Resource::Nnc,
+            nnc_holding(long, "2", &["198.18.0.0/28"], None),
+        );
+        let block = block_item("198.18.0.0/28", long, BlockState::Granted, "3", true);
+        cache.put(Resource::Block, block);
+        let cidr: Cidr = "198.18.0.0/28".parse().unwrap();
+        let pools = cache.pools_with_ledgers();
+        let spec = cache.blocks.values().find_map(|b| b.spec.as_ref());
+        let copies = [
+            cache.nodes.get(long).map(ShortText::as_str),
+            cache.nncs.get_key_value(long).map(|(k, _)| k.as_str()),
+            cache.statuses.get_key_value(long).map(|(k, _)| k.as_str()),
+            spec.map(|(_, s)| s.node.as_str()),
+            pools[0].ledger.claims.get(&cidr).map(|h| h.node.as_str()),
+            cache.followed.get_key_value(long).map(|(k, _)| k.as_str()),
+            cache.index.held.get(&cidr).and_then(|names| names.first()),
+        ];
+        let first = copies[0].expect("the Node is kept");
+        for (i, copy) in copies.iter().enumerate() {
+            let copy = copy.unwrap_or_else(|| panic!("copy {i} is missing"));
+            assert_eq!(copy, long);
+            assert!(std::ptr::eq(copy, first), "copy {i} is a text of its own");
+        }
     }
 
     /// A cache at 1 s, with a minute's grace for missing Nodes, that has

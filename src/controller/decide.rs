@@ -2231,7 +2231,7 @@ mod tests {
     fn a_copy_dropped_in_scope_decides_the_other_copys_node_again() {
         let block: Cidr = "198.18.0.0/28".parse().unwrap();
         let mut p = pool(json!({}));
-        p.ledger.claim(block, "n2");
+        p.ledger.claim(block, &"n2".into());
         p.ledger.versions.insert(block, "9".into());
         let nnc = |name: &str, releasable: bool| {
             let listed = if releasable {
@@ -2286,7 +2286,7 @@ mod tests {
     fn a_grant_enters_no_status_while_another_holds_or_serves_its_block() {
         let block: Cidr = "198.18.0.0/28".parse().unwrap();
         let mut p = pool(json!({}));
-        p.ledger.claim(block, "n1");
+        p.ledger.claim(block, &"n1".into());
         p.ledger.versions.insert(block, "9".into());
         let nnc = |name: &str, serving: &str, held: bool| {
             let entries = match held {
@@ -2334,7 +2334,7 @@ mod tests {
         let small: Cidr = "198.18.0.16/28".parse().unwrap();
         let large: Cidr = "198.18.0.0/27".parse().unwrap();
         let mut p = pool(json!({}));
-        p.ledger.claim(small, "n1");
+        p.ledger.claim(small, &"n1".into());
         p.ledger.versions.insert(small, "9".into());
         let cooling = Cooling {
             node: "n2".into(),

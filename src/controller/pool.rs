@@ -553,10 +553,10 @@ impl Ledger {
     }
 
     /// Grants `cidr` to `node` (the block's object says so).
-    pub fn claim(&mut self, cidr: Cidr, node: &str) {
-        let holder = Holder { node: node.into() };
+    pub fn claim(&mut self, cidr: Cidr, node: &ShortText) {
+        let holder = Holder { node: node.clone() };
         self.claims.insert(cidr, holder);
-        self.by_node.entry(node.into()).or_default().insert(cidr);
+        self.by_node.entry(node.clone()).or_default().insert(cidr);
     }
 }
 

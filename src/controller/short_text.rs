@@ -1,11 +1,14 @@
 //! Text the controller keeps for every block that is short by nature (a
-//! CIDR, a network, a pool's name, a reason, a resourceVersion): up to 22
-//! bytes are kept inline, longer text on the heap. A `Box<str>` of a few
-//! bytes costs a 32-byte allocation besides its pointer.
+//! CIDR, a network, a pool's name, a reason, a resourceVersion) or copied
+//! into many maps (a node's name): up to 22 bytes are kept inline, longer
+//! text on the heap, shared by its clones. A `Box<str>` of a few bytes
+//! costs a 32-byte allocation besides its pointer; a cloud's node names
+//! (`ip-10-0-1-23.us-west-2.compute.internal`) are longer than 22 bytes.
 
 use std::borrow::Borrow;
 use std::fmt;
 use std::ops::Deref;
+use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -14,8 +17,12 @@ const INLINE: usize = 22;
 
 #[derive(Clone)]
 pub enum ShortText {
-    Inline { len: u8, bytes: [u8; INLINE] },
-    Heap(Box<str>),
+    Inline {
+        len: u8,
+        bytes: [u8; INLINE],
+    },
+    /// Shared by clones: one copy of a long node name serves every map.
+    Heap(Arc<str>),
 }
 
 impl ShortText {
@@ -26,7 +33,7 @@ impl ShortText {
                 bytes[..text.len()].copy_from_slice(text.as_bytes());
                 ShortText::Inline { len, bytes }
             }
-            _ => ShortText::Heap(text.into()),
+            _ => ShortText::Heap(Arc::from(text)),
         }
     }
 
@@ -155,6 +162,12 @@ mod tests {
             assert_eq!(serde_json::from_str::<ShortText>(&json).unwrap(), kept);
         }
         assert_eq!(std::mem::size_of::<ShortText>(), 24);
+        let long = ShortText::from("ip-10-0-1-23.us-west-2.compute.internal");
+        let copy = long.clone();
+        assert!(
+            std::ptr::eq(long.as_str(), copy.as_str()),
+            "a clone shares the text"
+        );
         let (a, b) = (ShortText::from("a"), ShortText::from("b"));
         assert!(a < b && b == *"b");
         assert!(serde_json::from_str::<ShortText>("7").is_err());

@@ -431,9 +431,9 @@ fn refused_since(conditions: &[Condition]) -> Option<i64> {
 pub struct Names(SmallSet<ShortText>);
 
 impl Names {
-    pub fn insert(&mut self, name: &str) {
-        if !self.0.contains(name) {
-            self.0.insert(name.into());
+    pub fn insert(&mut self, name: &ShortText) {
+        if !self.0.contains(name.as_str()) {
+            self.0.insert(name.clone());
         }
     }
 
@@ -493,7 +493,7 @@ impl StatusIndex {
     }
 
     /// Node `name`'s status is `status`.
-    pub fn add(&mut self, name: &str, status: &Status) {
+    pub fn add(&mut self, name: &ShortText, status: &Status) {
         for cidr in status.entries.iter().filter_map(|e| e.cidr) {
             self.held.entry(cidr).or_default().insert(name);
         }
@@ -527,7 +527,7 @@ impl StatusIndex {
     }
 
     /// Node `name`'s machine says it serves `cidrs`.
-    pub fn serve(&mut self, name: &str, cidrs: &[Cidr]) {
+    pub fn serve(&mut self, name: &ShortText, cidrs: &[Cidr]) {
         for cidr in cidrs {
             self.serving.entry(*cidr).or_default().insert(name);
         }
@@ -577,7 +577,7 @@ mod tests {
     fn names_are_a_sorted_set() {
         let mut names = Names::default();
         for name in ["n2", "n0", "n2", "n1"] {
-            names.insert(name);
+            names.insert(&name.into());
         }
         assert_eq!(names.iter().collect::<Vec<_>>(), ["n0", "n1", "n2"]);
         assert_eq!(names.first(), Some("n0"));
