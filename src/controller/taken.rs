@@ -10,16 +10,14 @@ use std::collections::BTreeMap;
 use super::pool::Ledger;
 use super::short_text::ShortText;
 use super::status::Status;
-use crate::cidr::{Cidr, Family, to_u128};
-
-/// (IPv6, first address, prefix length): the count's order, so that the
-/// CIDRs starting inside an interval are one range.
-type Key = (bool, u128, u8);
+use crate::cidr::{Cidr, Family, from_u128, to_u128};
 
 /// The CIDRs taken, counted, and their intervals merged.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct TakenIndex {
-    count: BTreeMap<Key, (Cidr, u32)>,
+    /// By CIDR, whose order (family, first address, prefix length) makes
+    /// the CIDRs starting inside an interval one range.
+    count: BTreeMap<Cidr, u32>,
     /// How many counted CIDRs have each (IPv6, prefix length): the lengths
     /// a CIDR containing another can have.
     lengths: BTreeMap<(bool, u8), u32>,
@@ -28,12 +26,9 @@ pub struct TakenIndex {
     merged: [BTreeMap<u128, u128>; 2],
 }
 
-fn key(cidr: &Cidr) -> Key {
-    (
-        cidr.family() == Family::V6,
-        to_u128(cidr.base()),
-        cidr.prefix_len(),
-    )
+/// The key of `lengths`: (IPv6, prefix length).
+fn length_of(cidr: &Cidr) -> (bool, u8) {
+    (cidr.family() == Family::V6, cidr.prefix_len())
 }
 
 /// The first and last address of `cidr`.
@@ -79,29 +74,27 @@ impl TakenIndex {
 
     /// One taker more of `cidr`.
     pub fn add(&mut self, cidr: Cidr) {
-        let entry = self.count.entry(key(&cidr)).or_insert((cidr, 0));
-        entry.1 += 1;
-        if entry.1 > 1 {
+        let count = self.count.entry(cidr).or_insert(0);
+        *count += 1;
+        if *count > 1 {
             return;
         }
-        let (v6, _, len) = key(&cidr);
-        *self.lengths.entry((v6, len)).or_default() += 1;
+        *self.lengths.entry(length_of(&cidr)).or_default() += 1;
         let (lo, hi) = span(&cidr);
         self.merge(slot(cidr.family()), lo, hi);
     }
 
     /// One taker less of `cidr` (none counted: nothing).
     pub fn remove(&mut self, cidr: Cidr) {
-        let k = key(&cidr);
-        let Some(entry) = self.count.get_mut(&k) else {
+        let Some(count) = self.count.get_mut(&cidr) else {
             return;
         };
-        entry.1 -= 1;
-        if entry.1 > 0 {
+        *count -= 1;
+        if *count > 0 {
             return;
         }
-        self.count.remove(&k);
-        let length = (k.0, k.2);
+        self.count.remove(&cidr);
+        let length = length_of(&cidr);
         if let Some(n) = self.lengths.get_mut(&length) {
             *n -= 1;
             if *n == 0 {
@@ -187,25 +180,41 @@ impl TakenIndex {
     /// The counted CIDRs overlapping `cidr`: those starting inside it, and
     /// those containing it (looked up by the lengths counted).
     pub fn overlapping(&self, cidr: &Cidr) -> Vec<Cidr> {
-        let (v6, lo, len) = key(cidr);
-        let (_, hi) = span(cidr);
-        let inside = self.count.range((v6, lo, 0)..=(v6, hi, u8::MAX));
-        let mut found: Vec<Cidr> = inside.map(|(_, (c, _))| *c).collect();
+        let (v6, len) = length_of(cidr);
+        let (lo, hi) = span(cidr);
+        let mut found: Vec<Cidr> = match starting_in(cidr, hi) {
+            Some(range) => self.count.range(range).map(|(c, _)| *c).collect(),
+            // Not reached (both bounds are prefixes of the family); a walk
+            // finds the same, in the same order.
+            None => (self.count.keys())
+                .filter(|c| c.family() == cidr.family() && (lo..=hi).contains(&to_u128(c.base())))
+                .copied()
+                .collect(),
+        };
         let wider = self.lengths.range((v6, 0)..(v6, len)).map(|((_, l), _)| *l);
         for length in wider {
             let Some(holder) = cidr.widened(length) else {
                 continue;
             };
-            let (_, base, _) = key(&holder);
             // One starting where `cidr` does is among those inside.
-            if base < lo
-                && let Some((c, _)) = self.count.get(&(v6, base, length))
-            {
-                found.push(*c);
+            if to_u128(holder.base()) < lo && self.count.contains_key(&holder) {
+                found.push(holder);
             }
         }
         found
     }
+}
+
+/// The CIDRs of `cidr`'s family starting from its first address to `hi`,
+/// as bounds in the count's order: the shortest prefix at that address
+/// (its trailing zero bits), then the host prefix at `hi`.
+fn starting_in(cidr: &Cidr, hi: u128) -> Option<std::ops::RangeInclusive<Cidr>> {
+    let family = cidr.family();
+    let zeros = to_u128(cidr.base()).trailing_zeros();
+    let shortest = u32::from(family.bits()).saturating_sub(zeros);
+    let first = cidr.widened(u8::try_from(shortest).ok()?)?;
+    let last = Cidr::new(from_u128(family, hi), family.bits()).ok()?;
+    Some(first..=last)
 }
 
 /// Changes applied to an index for one pass, taken back when dropped (the
@@ -231,7 +240,7 @@ impl<'t> Applied<'t> {
 
     /// One taker less (only of a CIDR counted).
     pub fn remove(&mut self, cidr: Cidr) {
-        if self.index.count.contains_key(&key(&cidr)) {
+        if self.index.count.contains_key(&cidr) {
             self.index.remove(cidr);
             self.done.push((cidr, false));
         }
@@ -263,8 +272,8 @@ mod tests {
     fn merged_of(index: &TakenIndex) -> [BTreeMap<u128, u128>; 2] {
         let mut spans: Vec<(usize, u128, u128)> = index
             .count
-            .values()
-            .map(|(c, _)| (slot(c.family()), span(c).0, span(c).1))
+            .keys()
+            .map(|c| (slot(c.family()), span(c).0, span(c).1))
             .collect();
         spans.sort_unstable();
         let mut merged: [BTreeMap<u128, u128>; 2] = Default::default();
@@ -289,7 +298,7 @@ mod tests {
     }
 
     fn overlapping_by_walk(index: &TakenIndex, cidr: &Cidr) -> BTreeSet<Cidr> {
-        let all = index.count.values().map(|(c, _)| *c);
+        let all = index.count.keys().copied();
         all.filter(|c| c.overlaps(cidr)).collect()
     }
 
