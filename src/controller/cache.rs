@@ -12,6 +12,7 @@ use super::decide::{Bound, World, frees_at, grace_ends};
 use super::demand::Demand;
 use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
+use super::refill;
 use super::short_text::ShortText;
 use super::status::{Status, StatusIndex};
 use super::taken::TakenIndex;
@@ -92,6 +93,9 @@ pub struct Cache {
     /// presence) or its deletion (`None`). No pass runs until none is left
     /// ([`Cache::reach`]).
     catch_up: BTreeMap<(Resource, String), Option<String>>,
+    /// The objects held when the maps were last rebuilt with full nodes
+    /// ([`Cache::refill`]).
+    refilled_at: usize,
 }
 
 impl Cache {
@@ -247,6 +251,7 @@ impl Cache {
         self.reindex();
         self.listed.insert(kind);
         self.reached(kind);
+        self.refill();
     }
 
     /// Block `listed` as a list brought it, against the copy held before
@@ -624,7 +629,33 @@ impl Cache {
     pub fn put(&mut self, kind: Resource, item: Item) -> bool {
         let changed = self.put_item(kind, item);
         self.reached(kind);
+        if refill::due(self.refilled_at, self.held()) {
+            self.refill();
+        }
         changed
+    }
+
+    /// The objects held (Nodes, NNCs, blocks).
+    fn held(&self) -> usize {
+        self.nodes.len() + self.nncs.len() + self.blocks.len()
+    }
+
+    /// Rebuilds the maps with full nodes: filled in key order, as lists
+    /// and grants fill them, they keep about half of each node empty. After
+    /// each list, and once the objects held grew by a quarter
+    /// ([`refill::due`]).
+    fn refill(&mut self) {
+        self.refilled_at = self.held();
+        refill::map(&mut self.nncs);
+        refill::map(&mut self.statuses);
+        refill::map(&mut self.blocks);
+        refill::set(&mut self.nodes);
+        refill::map(&mut self.followed);
+        self.index.refill();
+        self.taken.refill();
+        for pool in Arc::make_mut(&mut self.pools) {
+            pool.ledger.refill();
+        }
     }
 
     fn put_item(&mut self, kind: Resource, item: Item) -> bool {

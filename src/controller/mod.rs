@@ -16,6 +16,7 @@ pub mod demand;
 pub mod informer;
 pub mod lease;
 pub mod pool;
+pub mod refill;
 pub mod retry;
 pub mod run;
 pub mod short_text;

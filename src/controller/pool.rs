@@ -541,6 +541,17 @@ impl Held<'_> {
 }
 
 impl Ledger {
+    /// Its maps rebuilt with full nodes ([`super::refill`]).
+    pub fn refill(&mut self) {
+        use super::refill::{map, set};
+        map(&mut self.claims);
+        map(&mut self.cooling);
+        map(&mut self.versions);
+        set(&mut self.unprotected);
+        set(&mut self.behind);
+        map(&mut self.by_node);
+    }
+
     /// `cidr`'s state (a block is in one state at most: its object says one).
     pub fn held(&self, cidr: &Cidr) -> Option<Held<'_>> {
         if let Some(holder) = self.claims.get(cidr) {

@@ -484,6 +484,13 @@ pub struct StatusIndex {
 }
 
 impl StatusIndex {
+    /// Its maps rebuilt with full nodes ([`super::refill`]).
+    pub fn refill(&mut self) {
+        super::refill::map(&mut self.held);
+        super::refill::map(&mut self.serving);
+        super::refill::map(&mut self.told);
+    }
+
     pub fn of(statuses: &BTreeMap<ShortText, Box<Status>>) -> StatusIndex {
         let mut index = StatusIndex::default();
         for (name, status) in statuses {

@@ -42,6 +42,14 @@ fn slot(family: Family) -> usize {
 }
 
 impl TakenIndex {
+    /// Its maps rebuilt with full nodes ([`super::refill`]).
+    pub fn refill(&mut self) {
+        super::refill::map(&mut self.count);
+        for merged in &mut self.merged {
+            super::refill::map(merged);
+        }
+    }
+
     /// What `statuses` and `ledgers` take.
     pub fn of<'l>(
         statuses: &BTreeMap<ShortText, Box<Status>>,
