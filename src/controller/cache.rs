@@ -93,9 +93,9 @@ pub struct Cache {
     /// presence) or its deletion (`None`). No pass runs until none is left
     /// ([`Cache::reach`]).
     catch_up: BTreeMap<(Resource, String), Option<String>>,
-    /// The objects held when the maps were last rebuilt with full nodes
+    /// Objects changed since the maps were last rebuilt with full nodes
     /// ([`Cache::refill`]).
-    refilled_at: usize,
+    puts_since_refill: usize,
 }
 
 impl Cache {
@@ -629,7 +629,8 @@ impl Cache {
     pub fn put(&mut self, kind: Resource, item: Item) -> bool {
         let changed = self.put_item(kind, item);
         self.reached(kind);
-        if refill::due(self.refilled_at, self.held()) {
+        self.puts_since_refill += usize::from(changed);
+        if refill::due(self.puts_since_refill, self.held()) {
             self.refill();
         }
         changed
@@ -642,10 +643,10 @@ impl Cache {
 
     /// Rebuilds the maps with full nodes: filled in key order, as lists
     /// and grants fill them, they keep about half of each node empty. After
-    /// each list, and once the objects held grew by a quarter
-    /// ([`refill::due`]).
+    /// each list, and once an eighth of what is held was put since the
+    /// last ([`refill::due`]).
     fn refill(&mut self) {
-        self.refilled_at = self.held();
+        self.puts_since_refill = 0;
         refill::map(&mut self.nncs);
         refill::map(&mut self.statuses);
         refill::map(&mut self.blocks);

@@ -17,20 +17,21 @@ pub fn set<T: Ord>(set: &mut BTreeSet<T>) {
     *set = std::mem::take(set).into_iter().collect();
 }
 
-/// When the entries a cache holds (`now`) have grown by a quarter since
-/// it was last refilled with `then` (and by more than a few): each
-/// refill then costs a walk over what at least a fifth of it added, so a
-/// change's share stays constant however large the cluster.
-pub fn due(then: usize, now: usize) -> bool {
-    now > then.saturating_add(then / 4).saturating_add(256)
+/// When a cache that holds `held` objects, `changes` of them put since
+/// it was last refilled, is due again: once an eighth of it (and more
+/// than a few) came in since, so that a refill's walk costs each change
+/// a constant share however large the cluster, and what a burst added
+/// is not left half empty for long.
+pub fn due(changes: usize, held: usize) -> bool {
+    changes > (held / 8).saturating_add(256)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The entries stay as they were; a refill is due once the entries
-    /// grew by a quarter and by more than 256.
+    /// The entries stay as they were; a refill is due once an eighth of
+    /// what is held, and more than 256, came in since the last.
     #[test]
     fn a_refilled_map_keeps_its_entries() {
         let mut kept: BTreeMap<u32, u32> = (0..1000).map(|i| (i, i * 2)).collect();
@@ -44,7 +45,7 @@ mod tests {
         let mut names: BTreeSet<&str> = ["b", "a", "c"].into_iter().collect();
         set(&mut names);
         assert_eq!(names.into_iter().collect::<Vec<_>>(), ["a", "b", "c"]);
-        assert!(!due(0, 256) && due(0, 257));
-        assert!(!due(4000, 5256) && due(4000, 5257));
+        assert!(!due(256, 0) && due(257, 0));
+        assert!(!due(881, 5000) && due(882, 5000));
     }
 }
