@@ -50,6 +50,7 @@ use metis::controller::decide::{self, BlockOp, Decision, QUOTA_EXCEEDED};
 use metis::controller::demand::Demand;
 use metis::controller::informer::{Item, Resource};
 use metis::controller::pool::{self, Pool};
+use metis::controller::short_text::ShortText;
 use metis::controller::status::{self, Status};
 use serde_json::{Value, json};
 
@@ -136,7 +137,7 @@ struct Backup {
 struct View {
     cache: Cache,
     fed: Option<Fed>,
-    unsettled: BTreeSet<String>,
+    unsettled: BTreeSet<ShortText>,
 }
 
 impl Default for View {
@@ -506,7 +507,7 @@ impl Sim {
 
     /// What the next pass decides, as the controller's loop chooses it: the
     /// cache, fed what changed, is asked for its scope.
-    fn scope(&self) -> Option<BTreeSet<String>> {
+    fn scope(&self) -> Option<BTreeSet<ShortText>> {
         self.feed();
         let mut view = self.view.borrow_mut();
         let unsettled = std::mem::take(&mut view.unsettled);

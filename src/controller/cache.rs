@@ -61,7 +61,7 @@ pub struct Cache {
     ahead: BTreeMap<(Resource, String), String>,
     /// Nodes whose NodeNetworkConfig, Node or blocks changed since the
     /// last pass: the next pass decides them.
-    dirty: BTreeSet<String>,
+    dirty: BTreeSet<ShortText>,
     /// The next pass decides every node (a list, a pool changed, this
     /// process began to lead).
     whole: bool,
@@ -557,12 +557,13 @@ impl Cache {
     /// of it to go).
     fn dirty_around(&mut self, cidr: &Cidr) {
         let serving = self.index.serving_overlapping(cidr);
-        self.dirty.extend(serving.into_iter().map(String::from));
+        let serving: Vec<ShortText> = serving.into_iter().map(|n| self.node_name(n)).collect();
+        self.dirty.extend(serving);
         for other in self.taken.overlapping(cidr) {
             self.dirty_holders_of(&other);
             let block = self.blocks.get(block_name(&other).as_str());
             if let Some((_, spec)) = block.and_then(|b| b.spec.as_ref()) {
-                self.dirty.insert(spec.node.to_string());
+                self.dirty.insert(spec.node.clone());
             }
         }
     }
@@ -577,7 +578,8 @@ impl Cache {
     /// The nodes whose statuses hold `cidr` itself.
     fn dirty_holders_of(&mut self, cidr: &Cidr) {
         let holders = self.index.held.get(cidr).into_iter().flatten();
-        self.dirty.extend(holders.map(String::from));
+        let holders: Vec<ShortText> = holders.map(|n| self.node_name(n)).collect();
+        self.dirty.extend(holders);
     }
 
     /// The delay of these blocks, released again, starts over.
@@ -682,27 +684,27 @@ impl Cache {
         match item {
             Item::Nnc(name, nnc, status) => {
                 self.drop_served(&name);
-                self.dirty.insert(name.clone());
+                let kept_name = self.node_name(&name);
+                self.dirty.insert(kept_name.clone());
                 let told = status.gone_told;
-                let old = self
-                    .statuses
-                    .insert(self.node_name(&name), Box::new(status));
+                let old = self.statuses.insert(kept_name.clone(), Box::new(status));
                 if old.as_ref().is_none_or(|o| o.gone_told != told) {
                     self.dirty_around_blocks_of_missing(&name);
                 }
                 self.reindex_status(old.as_deref(), &name);
                 self.left_status(old, Some(&name));
-                if self.nncs.insert(self.node_name(&name), nnc).is_none() {
+                if self.nncs.insert(kept_name, nnc).is_none() {
                     self.follow(&name, true);
                 }
             }
             Item::Node(name) => {
                 // A Node's heartbeats change nothing the decision reads.
-                if !self.nodes.insert(self.node_name(&name)) {
+                let kept_name = self.node_name(&name);
+                if !self.nodes.insert(kept_name.clone()) {
                     return false;
                 }
                 self.note_absence(&name);
-                self.dirty.insert(name);
+                self.dirty.insert(kept_name);
             }
             Item::Pool(pool) => {
                 if self.same_spec(&pool) {
@@ -786,7 +788,7 @@ impl Cache {
         }
         match kind {
             Resource::Nnc | Resource::Node => {
-                self.dirty.insert(name.to_string());
+                self.dirty.insert(self.node_name(name));
             }
             Resource::Pool => self.whole = true,
             Resource::Block => {}
@@ -943,7 +945,7 @@ impl Cache {
         let mut cidrs = BTreeSet::new();
         for block in old.into_iter().chain(now) {
             if let Some((cidr, spec)) = &block.spec {
-                self.dirty.insert(spec.node.to_string());
+                self.dirty.insert(spec.node.clone());
                 cidrs.insert(*cidr);
             }
         }
@@ -955,7 +957,7 @@ impl Cache {
     /// What the next pass decides: the nodes changed since the last one
     /// and those it left unsettled (`carried`), or every node (`None`).
     /// Both start over.
-    pub fn take_scope(&mut self, carried: BTreeSet<String>) -> Option<BTreeSet<String>> {
+    pub fn take_scope(&mut self, carried: BTreeSet<ShortText>) -> Option<BTreeSet<ShortText>> {
         let dirty = std::mem::take(&mut self.dirty);
         if std::mem::take(&mut self.whole) {
             return None;
@@ -1109,7 +1111,7 @@ impl Cache {
         &'a self,
         pools: &'a [Pool],
         clock: Clock,
-        scope: Option<&'a BTreeSet<String>>,
+        scope: Option<&'a BTreeSet<ShortText>>,
     ) -> World<'a> {
         debug_assert_eq!(
             self.index,
@@ -1826,10 +1828,7 @@ mod tests {
         let granted = block_item("198.18.0.0/28", "n1", BlockState::Granted, "9", true);
         assert!(cache.put(Resource::Block, granted));
         let scope = cache.take_scope(BTreeSet::new());
-        assert_eq!(
-            scope,
-            Some(BTreeSet::from(["n1".to_string(), "n2".to_string()]))
-        );
+        assert_eq!(scope, Some(BTreeSet::from(["n1".into(), "n2".into()])));
     }
 
     /// NodeNetworkConfig `name` at `version` whose status holds `cidrs`,
@@ -1865,7 +1864,7 @@ mod tests {
         ];
         cache.listed(Resource::Nnc, statuses);
         assert_eq!(cache.take_scope(BTreeSet::new()), None);
-        let names = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect());
+        let names = |names: &[&str]| Some(names.iter().map(|n| ShortText::from(*n)).collect());
         let copied = nnc_holding("n2", "5", &["198.18.0.0/28"], None);
         assert!(cache.put(Resource::Nnc, copied));
         assert_eq!(
@@ -1909,7 +1908,7 @@ mod tests {
         let told = format!("Node gone {}", crate::controller::status::GONE_TOLD);
         assert!(cache.put(Resource::Nnc, nnc_holding("gone", "4", &[], Some(&told))));
         let scope = cache.take_scope(BTreeSet::new());
-        assert_eq!(scope, Some(["gone", "n1"].map(String::from).into()));
+        assert_eq!(scope, Some(["gone", "n1"].map(ShortText::from).into()));
         assert!(cache.forget(Resource::Nnc, "gone"));
         assert_eq!(cache.take_scope(BTreeSet::new()), scope);
     }
@@ -1931,7 +1930,7 @@ mod tests {
         ];
         cache.listed(Resource::Nnc, statuses);
         assert_eq!(cache.take_scope(BTreeSet::new()), None);
-        let scope = Some(["n1", "n2"].map(String::from).into());
+        let scope = Some(["n1", "n2"].map(ShortText::from).into());
         assert!(cache.forget(Resource::Node, "n1"));
         assert_eq!(cache.take_scope(BTreeSet::new()), scope);
         assert!(cache.put(Resource::Node, Item::Node("n1".into())));

@@ -78,7 +78,7 @@ pub struct World<'a> {
     /// The nodes this pass decides (with those whose Node is missing);
     /// the rest are as the last pass left them: settled, their statuses
     /// only read (taken blocks, overlaps). `None`: every node.
-    pub scope: Option<&'a BTreeSet<String>>,
+    pub scope: Option<&'a BTreeSet<ShortText>>,
     /// How many nodes' status writes the pass keeps.
     pub bound: Bound<'a>,
 }
@@ -185,7 +185,7 @@ pub struct Decision {
     /// The nodes decided that this pass did not leave settled (a status
     /// written, a trouble said, a block still wanted, a refusal's time
     /// running): the next pass decides them again, changed or not.
-    pub unsettled: BTreeSet<String>,
+    pub unsettled: BTreeSet<ShortText>,
     /// The last node whose write was kept, when the [`Bound`] left others'
     /// for the next pass (which starts after it).
     pub bounded_after: Option<String>,
@@ -479,10 +479,11 @@ impl<'a> Pass<'a> {
         if let Some(scope) = world.scope {
             // Nodes whose Node is missing are always decided: their grace
             // runs out with time alone.
-            let names: BTreeSet<&String> = scope.iter().chain(world.absent.keys()).collect();
+            let absent = world.absent.keys().map(String::as_str);
+            let names: BTreeSet<&str> = scope.iter().map(ShortText::as_str).chain(absent).collect();
             plans.reserve(names.len());
             for name in names {
-                if let Some((name, nnc)) = world.nncs.get_key_value(name.as_str()) {
+                if let Some((name, nnc)) = world.nncs.get_key_value(name) {
                     let plan = self.release_of(name, nnc, world.statuses.get(name).map(|s| &**s));
                     plans.push((name.as_str(), plan));
                 }
@@ -1164,7 +1165,7 @@ fn status_writes(
         let mut events = Vec::new();
         let write = status_write(world, plan, &mut events);
         if waits || write.is_some() {
-            decision.unsettled.insert(name.to_string());
+            decision.unsettled.insert(name.clone());
         }
         let Some((write, blocks)) = write else {
             continue;
@@ -2255,7 +2256,7 @@ mod tests {
             .map(|(n, (_, s))| (n.into(), Box::new(s)))
             .collect();
         let pools = [p];
-        let scope = BTreeSet::from(["n1".to_string()]);
+        let scope = BTreeSet::from([ShortText::from("n1")]);
         let world = World {
             pools: &pools,
             nncs: &nncs,
@@ -2441,7 +2442,7 @@ mod tests {
                 .collect();
             let written_set: BTreeSet<&str> = written.iter().copied().collect();
             assert_eq!(created, written_set, "the blocks of the writes kept");
-            let unsettled: Vec<&str> = d.unsettled.iter().map(String::as_str).collect();
+            let unsettled: Vec<&str> = d.unsettled.iter().map(ShortText::as_str).collect();
             assert_eq!(unsettled, ["n1", "n2", "n3"]);
             (written.join(","), d.bounded_after.clone())
         };

@@ -17,6 +17,7 @@ use super::decide::{Bound, Decision, World, decide};
 use super::informer::{self, Resource, Update};
 use super::lease::{self, Elector, LeaseTiming};
 use super::retry::Retries;
+use super::short_text::ShortText;
 use super::writer;
 use crate::duration::parse_duration_ms;
 use crate::flags::{self, FlagError, FlagSpec};
@@ -366,7 +367,7 @@ struct Controller<'c> {
     /// the lease thread, or any event) wakes the loop.
     standing_by: bool,
     /// The nodes the last pass left unsettled: the next decides them too.
-    unsettled: BTreeSet<String>,
+    unsettled: BTreeSet<ShortText>,
     /// When each pool's counts were last written: at most once per
     /// [`POOL_STATUS_INTERVAL`].
     pools_written: BTreeMap<String, Instant>,
@@ -676,7 +677,12 @@ impl<'c> Controller<'c> {
 
     /// The decision over `scope` (every node: `None`), keeping at most
     /// [`PASS_NODES`] nodes' writes from just after the last one written.
-    fn decide(&mut self, clock: Clock, scope: Option<&BTreeSet<String>>, at: Instant) -> Decision {
+    fn decide(
+        &mut self,
+        clock: Clock,
+        scope: Option<&BTreeSet<ShortText>>,
+        at: Instant,
+    ) -> Decision {
         let pools = self.cache.pools_with_ledgers();
         let mut taken = self.cache.lend_taken();
         let ready = |name: &str| self.retries.ready(Resource::Nnc, name, at);
