@@ -300,12 +300,6 @@ fn pool_of(pools: &[Pool], ledgers: &[Working], cidr: &Cidr) -> Option<usize> {
         .or_else(|| (!pools.is_empty()).then_some(0))
 }
 
-/// [`Demand::lists_releasable`] of a parsed block (its text made only
-/// when the node lists something).
-fn lists_releasable_cidr(nnc: &Demand, cidr: &Cidr) -> bool {
-    !nnc.releasable.is_empty() && nnc.lists_releasable(&cidr.to_string())
-}
-
 /// One pass being decided: the ledgers as they become and each node's
 /// status as it becomes.
 struct Pass<'a> {
@@ -610,7 +604,7 @@ impl<'a> Pass<'a> {
             .collect();
         for (name, nnc, status) in serving {
             for cidr in &status.serving {
-                if lists_releasable_cidr(nnc, cidr) || self.claimed_by(cidr, name) {
+                if nnc.lists_releasable_block(cidr) || self.claimed_by(cidr, name) {
                     continue;
                 }
                 // The first status (by node name) holding it, if not its own.
@@ -717,7 +711,7 @@ impl<'a> Pass<'a> {
             for (cidr, node) in missing {
                 let nnc = world.nncs.get(node.as_str());
                 let gone = self.gone(&node);
-                let listed = nnc.is_some_and(|n| n.lists_releasable(&cidr.to_string()));
+                let listed = nnc.is_some_and(|n| n.lists_releasable_block(&cidr));
                 let overlap = match listed || gone {
                     true => None,
                     false => overlap_in_a_status(&cidr, world.index, taken)
@@ -1016,8 +1010,7 @@ impl<'a> Pass<'a> {
             // Never one the node lists releasable, nor one another machine
             // says it still serves (its own block beyond its quota, say).
             let skip = |c: &Cidr| {
-                ask.nnc.lists_releasable(&c.to_string())
-                    || served_by_another(&self.world, c, ask.name)
+                ask.nnc.lists_releasable_block(c) || served_by_another(&self.world, c, ask.name)
             };
             let Some(block) = first_free(range, taken.index(), &skip) else {
                 empty.push(i);
@@ -1524,7 +1517,7 @@ impl Promise<'_> {
         let pools = world.pools;
         let family = ask.family;
         // Never granted to it while it lists the block releasable.
-        let skip = |c: &Cidr| ask.nnc.lists_releasable(&c.to_string());
+        let skip = |c: &Cidr| ask.nnc.lists_releasable_block(c);
         let mut cooling: Vec<(i64, Cidr, usize)> = Vec::new();
         for &i in empty {
             let Ok(spec) = &pools[i].spec else { continue };

@@ -7,6 +7,7 @@
 use serde_json::Value;
 
 use super::short_text::ShortText;
+use crate::cidr::Cidr;
 use crate::kube::nnc::{Nnc, PodCidr};
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -65,6 +66,13 @@ impl Demand {
     pub fn lists_releasable(&self, cidr: &str) -> bool {
         self.releasable.iter().any(|r| r.cidr() == Some(cidr))
     }
+
+    /// [`Demand::lists_releasable`] of a parsed block: its text is made
+    /// only when the node lists something (a grant asks it of every
+    /// candidate block).
+    pub fn lists_releasable_block(&self, cidr: &Cidr) -> bool {
+        !self.releasable.is_empty() && self.lists_releasable(&cidr.to_string())
+    }
 }
 
 #[cfg(test)]
@@ -92,6 +100,9 @@ mod tests {
         assert_eq!(asked, [("default", 5), ("default", 1), ("blue", 2)]);
         assert!(demand.lists_releasable("198.18.0.0/28"));
         assert!(!demand.lists_releasable("198.18.0.16/28"));
+        let block = |cidr: &str| cidr.parse::<Cidr>().unwrap();
+        assert!(demand.lists_releasable_block(&block("198.18.0.0/28")));
+        assert!(!demand.lists_releasable_block(&block("198.18.0.16/28")));
         let (_, empty) = Demand::parse(&json!({"metadata": {"name": "n2"}, "spec": 7}));
         assert!(empty.allocations.is_empty() && empty.releasable.is_empty());
     }
