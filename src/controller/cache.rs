@@ -14,7 +14,7 @@ use super::informer::{Item, Resource};
 use super::pool::{self, Ledger, Pool, PoolSpec};
 use super::refill;
 use super::short_text::ShortText;
-use super::status::{Status, StatusIndex};
+use super::status::{Names, Status, StatusIndex};
 use super::taken::TakenIndex;
 use crate::cidr::Cidr;
 use crate::kube::fresh::{self, Streamed};
@@ -557,8 +557,7 @@ impl Cache {
     /// of it to go).
     fn dirty_around(&mut self, cidr: &Cidr) {
         let serving = self.index.serving_overlapping(cidr);
-        let serving: Vec<ShortText> = serving.into_iter().map(|n| self.node_name(n)).collect();
-        self.dirty.extend(serving);
+        self.dirty.extend(serving.into_iter().cloned());
         for other in self.taken.overlapping(cidr) {
             self.dirty_holders_of(&other);
             let block = self.blocks.get(block_name(&other).as_str());
@@ -577,9 +576,8 @@ impl Cache {
 
     /// The nodes whose statuses hold `cidr` itself.
     fn dirty_holders_of(&mut self, cidr: &Cidr) {
-        let holders = self.index.held.get(cidr).into_iter().flatten();
-        let holders: Vec<ShortText> = holders.map(|n| self.node_name(n)).collect();
-        self.dirty.extend(holders);
+        let holders = self.index.held.get(cidr).map_or(&[][..], Names::kept);
+        self.dirty.extend(holders.iter().cloned());
     }
 
     /// The delay of these blocks, released again, starts over.

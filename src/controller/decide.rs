@@ -400,7 +400,7 @@ impl<'a> Pass<'a> {
         };
         let serving_outside = |cidr: &Cidr| {
             let nodes = world.index.serving_overlapping(cidr);
-            nodes.iter().any(|n| !self.plans.contains_key(n))
+            nodes.iter().any(|n| !self.plans.contains_key(n.as_str()))
         };
         let mut changed: BTreeSet<Cidr> = self
             .ledgers

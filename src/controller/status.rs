@@ -457,6 +457,11 @@ impl Names {
     pub fn iter(&self) -> impl Iterator<Item = &str> {
         self.into_iter()
     }
+
+    /// The names as kept: a clone shares a long name's text.
+    pub fn kept(&self) -> &[ShortText] {
+        self.0.as_slice()
+    }
 }
 
 impl<'a> IntoIterator for &'a Names {
@@ -512,15 +517,15 @@ impl StatusIndex {
 
     /// The nodes that say they serve a block overlapping `cidr`: one
     /// inside it, or one holding it (a block of another size).
-    pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&str> {
+    pub fn serving_overlapping(&self, cidr: &Cidr) -> BTreeSet<&ShortText> {
         let family = cidr.family();
         let (_, hi) = super::taken::span(cidr);
         let inside = (self.serving.range(*cidr..))
             .take_while(|(c, _)| c.family() == family && to_u128(c.base()) <= hi);
-        let mut found: BTreeSet<&str> = inside.flat_map(|(_, nodes)| nodes).collect();
+        let mut found: BTreeSet<&ShortText> = inside.flat_map(|(_, nodes)| nodes.kept()).collect();
         for length in 0..cidr.prefix_len() {
             let wider = cidr.widened(length).and_then(|w| self.serving.get(&w));
-            found.extend(wider.into_iter().flatten());
+            found.extend(wider.into_iter().flat_map(Names::kept));
         }
         found
     }
@@ -620,7 +625,7 @@ mod tests {
         let index = StatusIndex::of(&statuses);
         let found = |cidr: &str| -> Vec<&str> {
             let found = index.serving_overlapping(&cidr.parse().unwrap());
-            found.into_iter().collect()
+            found.into_iter().map(ShortText::as_str).collect()
         };
         assert_eq!(found("198.18.0.32/28"), ["inside", "same", "wider"]);
         assert_eq!(found("198.18.0.32/29"), ["same", "wider"]);
