@@ -6,15 +6,27 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// `map` with the same entries and full nodes: one walk, and a moment's
-/// second copy of its entries.
+/// `map` with the same entries and full nodes, and no second copy of them
+/// at any moment: `BTreeMap::append` of two non-empty maps merges them
+/// into a tree built from the left, freeing the old one's nodes as it
+/// goes (`collect` would gather every entry and sort them first).
 pub fn map<K: Ord, V>(map: &mut BTreeMap<K, V>) {
-    *map = std::mem::take(map).into_iter().collect();
+    let Some(first) = map.pop_first() else {
+        return;
+    };
+    let mut refilled = BTreeMap::from([first]);
+    refilled.append(map);
+    *map = refilled;
 }
 
 /// [`map`] for a set.
 pub fn set<T: Ord>(set: &mut BTreeSet<T>) {
-    *set = std::mem::take(set).into_iter().collect();
+    let Some(first) = set.pop_first() else {
+        return;
+    };
+    let mut refilled = BTreeSet::from([first]);
+    refilled.append(set);
+    *set = refilled;
 }
 
 /// When a cache that holds `held` objects, `changes` of them put since
