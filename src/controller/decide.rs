@@ -409,7 +409,7 @@ impl<'a> Pass<'a> {
             .copied()
             .collect();
         for plan in self.plans.values() {
-            let read = plan.read.map_or(&[][..], |s| s.entries.as_slice());
+            let read = plan.read.map_or(&[][..], |s| &s.entries[..]);
             let before: BTreeSet<Cidr> = read.iter().filter_map(|e| e.cidr).collect();
             let after: BTreeSet<Cidr> = plan.entries.iter().filter_map(|e| e.cidr).collect();
             changed.extend(before.symmetric_difference(&after));
@@ -512,7 +512,7 @@ impl<'a> Pass<'a> {
             blocks: SmallSet::default(),
             trouble: gone.then(|| Trouble::Gone(format!("Node {name} {}", status::GONE_TOLD))),
         };
-        let raw_entries = read.map_or(&[][..], |s| s.entries.as_slice());
+        let raw_entries = read.map_or(&[][..], |s| &s.entries[..]);
         plan.entries.reserve(raw_entries.len());
         for raw in raw_entries {
             let released = gone
@@ -830,7 +830,7 @@ impl<'a> Pass<'a> {
         // Taken back only once added again: no interval is split for a
         // block that stays.
         for plan in self.plans.values() {
-            let read = plan.read.map_or(&[][..], |s| s.entries.as_slice());
+            let read = plan.read.map_or(&[][..], |s| &s.entries[..]);
             for cidr in read.iter().filter_map(|e| e.cidr) {
                 view.remove(cidr);
             }
@@ -920,7 +920,7 @@ impl<'a> Pass<'a> {
         for (name, nnc) in grant_order(&self.plans, wants) {
             self.wanted.insert(name.as_str());
             let mut networks = BTreeSet::new();
-            for allocation in &nnc.allocations {
+            for allocation in nnc.allocations.iter() {
                 let (network, pods) = (allocation.network(), allocation.pods);
                 if !networks.insert(network) {
                     continue;

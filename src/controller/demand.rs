@@ -4,6 +4,8 @@
 //! its one object (its own status, its uid, the annotation as text); this
 //! is that read cut down to what the passes use, kept by name.
 
+use std::ops::Deref;
+
 use serde_json::Value;
 
 use super::short_text::ShortText;
@@ -16,7 +18,7 @@ pub struct Demand {
     /// `metadata.generation`: counts changes of the spec.
     pub generation: i64,
     /// `spec.allocations`, in order.
-    pub allocations: Box<[Allocation]>,
+    pub allocations: Allocations,
     /// `spec.releasableCIDRs`, whole objects.
     pub releasable: Box<[PodCidr]>,
 }
@@ -38,6 +40,46 @@ impl Allocation {
 
     pub fn network(&self) -> &str {
         &self.network
+    }
+}
+
+/// `spec.allocations`: the one network nearly every node asks of, kept in
+/// the demand itself (a slice of one would cost an allocation per node),
+/// or any other number of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Allocations {
+    One(Allocation),
+    /// None, or two and more.
+    Many(Box<[Allocation]>),
+}
+
+impl Default for Allocations {
+    fn default() -> Self {
+        Allocations::Many(Box::default())
+    }
+}
+
+impl Deref for Allocations {
+    type Target = [Allocation];
+
+    fn deref(&self) -> &[Allocation] {
+        match self {
+            Allocations::One(one) => std::slice::from_ref(one),
+            Allocations::Many(all) => all,
+        }
+    }
+}
+
+impl FromIterator<Allocation> for Allocations {
+    fn from_iter<I: IntoIterator<Item = Allocation>>(iter: I) -> Self {
+        let mut all: Vec<Allocation> = iter.into_iter().collect();
+        match (all.pop(), all.is_empty()) {
+            (Some(one), true) => Allocations::One(one),
+            (last, _) => {
+                all.extend(last);
+                Allocations::Many(all.into_boxed_slice())
+            }
+        }
     }
 }
 
@@ -81,7 +123,7 @@ mod tests {
     use serde_json::json;
 
     /// The demand is read as the daemon's `Nnc` reads it, the default
-    /// network spelled or not.
+    /// network spelled or not; one network's allocation is kept inline.
     #[test]
     fn a_demand_is_the_spec_as_the_node_wrote_it() {
         let object = json!({
@@ -105,5 +147,14 @@ mod tests {
         assert!(!demand.lists_releasable_block(&block("198.18.0.16/28")));
         let (_, empty) = Demand::parse(&json!({"metadata": {"name": "n2"}, "spec": 7}));
         assert!(empty.allocations.is_empty() && empty.releasable.is_empty());
+        let (_, one) = Demand::parse(&json!({"metadata": {"name": "n3"},
+            "spec": {"allocations": [{"network": "default", "pods": 4}]}}));
+        assert_eq!(
+            one.allocations,
+            Allocations::One(Allocation::new("default", 4))
+        );
+        assert_eq!(one.allocations.len(), 1);
+        assert_eq!(demand.allocations.len(), 3);
+        assert_eq!(std::mem::size_of::<Allocations>(), 32);
     }
 }
