@@ -163,8 +163,9 @@ fn granted_entry(pool: &str, network: &str, cidr: &Cidr, now: i64) -> Value {
 /// A status as read.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Status {
-    /// `podCIDRs`, when it is a list.
-    pub entries: Vec<Entry>,
+    /// `podCIDRs`, when it is a list (read once and never grown: no
+    /// spare capacity, and the status a word smaller).
+    pub entries: Box<[Entry]>,
     /// `podCIDRs` is a list (an absent or malformed one is rewritten).
     pub listed: bool,
     /// The rest of the status (conditions, fields unknown here); `None`
@@ -318,7 +319,7 @@ impl Status {
         let gone_told = conditions.iter().any(|c| {
             is_ready(c, "False") && c.message.as_deref().is_some_and(|m| m.ends_with(GONE_TOLD))
         });
-        let entries: Vec<Entry> = pod_cidrs
+        let entries: Box<[Entry]> = pod_cidrs
             .as_ref()
             .and_then(Value::as_array)
             .map(|list| list.iter().map(Entry::parse).collect())
