@@ -314,7 +314,7 @@ impl Sim {
         let Some(object) = self.blocks.get(name).cloned() else {
             return;
         };
-        if let Some((cidr, spec)) = Block::parse(object).spec
+        if let Some((cidr, spec)) = Block::parse(object).1.spec
             && spec.state == BlockState::NonReusable
         {
             let cidr = cidr.to_string();
@@ -442,14 +442,16 @@ impl Sim {
         BTreeMap<String, Status>,
     ) {
         let mut pools: Vec<Pool> = self.pools.values().map(Pool::parse).collect();
-        let blocks: Vec<Block> = self.blocks.values().cloned().map(Block::parse).collect();
+        let blocks: Vec<(String, Block)> =
+            self.blocks.values().cloned().map(Block::parse).collect();
         let mut cidrs: Vec<Cidr> = blocks
             .iter()
-            .filter_map(|b| Some(b.spec.as_ref()?.0))
+            .filter_map(|(_, b)| Some(b.spec.as_ref()?.0))
             .collect();
         cidrs.extend(self.kept_vanished());
         pool::validate(&mut pools, &cidrs);
-        let pools = pool::with_ledgers(&pools, &blocks, &self.cooling_seen, self.now);
+        let named = blocks.iter().map(|(name, block)| (name.as_str(), block));
+        let pools = pool::with_ledgers(&pools, named, &self.cooling_seen, self.now);
         let nncs = self
             .nncs
             .iter()
@@ -852,7 +854,7 @@ impl Sim {
             .values()
             .cloned()
             .map(Block::parse)
-            .filter_map(|b| b.spec)
+            .filter_map(|(_, b)| b.spec)
             .filter(|(_, spec)| spec.state == state)
             .map(|(cidr, spec)| (cidr.to_string(), spec.node.to_string()))
             .collect()
@@ -1960,7 +1962,11 @@ fn a_bad_pool_is_refused_whole_and_grants_nothing() {
             "{valid}"
         );
         let blocks = sim.blocks.values().cloned().map(Block::parse);
-        assert!(!blocks.filter_map(|b| b.spec).any(|(_, s)| *s.pool == *pool));
+        assert!(
+            !blocks
+                .filter_map(|(_, b)| b.spec)
+                .any(|(_, s)| *s.pool == *pool)
+        );
     }
     assert!(
         !cidrs_of(&sim.nncs["a"])

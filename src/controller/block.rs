@@ -67,10 +67,10 @@ pub struct MetisBlock {
     pub rest: Map<String, Value>,
 }
 
-/// A block as read from the API server.
+/// A block as read from the API server (its name is the key it is kept
+/// under).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
-    pub name: ShortText,
     pub resource_version: ShortText,
     /// `None` when unreadable: a spec missing or malformed, or a CIDR
     /// whose name is not this object's (nobody but this controller writes
@@ -81,7 +81,7 @@ pub struct Block {
     /// The versions of this object this process saw before this copy,
     /// hashed, oldest first ([`Block::succeeds`]): a list that brings one
     /// back is the cluster's state going back (an etcd restore).
-    pub past: Vec<u64>,
+    pub past: Box<[u64]>,
     /// The object is older than this copy (a list brought it back): the
     /// next pass writes this copy back over it.
     pub behind: bool,
@@ -99,7 +99,8 @@ fn version_hash(version: &str) -> u64 {
 }
 
 impl Block {
-    pub fn parse(object: Value) -> Block {
+    /// The object's name, and the block it is.
+    pub fn parse(object: Value) -> (String, Block) {
         let object: MetisBlock = lenient(&object);
         let ObjectMeta {
             name,
@@ -111,14 +112,14 @@ impl Block {
             let cidr: Cidr = spec.cidr.parse().ok()?;
             (block_name(&cidr) == name && resource_version.len() < 64).then_some((cidr, spec))
         });
-        Block {
-            name: name.into(),
+        let block = Block {
             resource_version: resource_version.into(),
             spec,
             protected: finalizers.iter().any(|f| f == PROTECTION),
-            past: Vec::new(),
+            past: Box::default(),
             behind: false,
-        }
+        };
+        (name, block)
     }
 
     /// This copy follows `older`, the copy held before: it remembers the
@@ -126,14 +127,14 @@ impl Block {
     pub fn succeeds(&mut self, older: &Block) {
         self.past = match older.resource_version == self.resource_version {
             true => older.past.clone(),
-            false => older.versions_seen(),
+            false => older.versions_seen().into_boxed_slice(),
         };
     }
 
     /// The versions of this object seen so far, this copy's last (none
     /// for a copy kept without one), hashed.
     pub fn versions_seen(&self) -> Vec<u64> {
-        let mut seen = self.past.clone();
+        let mut seen = self.past.to_vec();
         if !self.resource_version.is_empty() {
             if seen.len() == PAST_VERSIONS {
                 seen.remove(0);
@@ -250,25 +251,32 @@ mod tests {
         assert!(written["metadata"].get("resourceVersion").is_none());
         let mut read = written.clone();
         read["metadata"]["resourceVersion"] = json!("7");
-        let block = Block::parse(read.clone());
+        let (name, block) = Block::parse(read.clone());
+        assert_eq!(name, "v4-198-18-0-16-28");
         assert_eq!(block.resource_version, "7");
         let (cidr, back) = block.spec.unwrap();
         assert_eq!(cidr.to_string(), "198.18.0.16/28");
         assert_eq!(back, spec("198.18.0.16/28"));
         // Another block's name, a bad state, no spec: unreadable.
         read["metadata"]["name"] = json!("v4-198-18-0-32-28");
-        assert_eq!(Block::parse(read.clone()).spec, None);
+        assert_eq!(Block::parse(read.clone()).1.spec, None);
         read["metadata"]["name"] = json!("v4-198-18-0-16-28");
         read["spec"]["state"] = json!("Stolen");
-        assert_eq!(Block::parse(read.clone()).spec, None);
-        assert_eq!(Block::parse(json!({"metadata": {"name": "x"}})).spec, None);
+        assert_eq!(Block::parse(read.clone()).1.spec, None);
+        assert_eq!(
+            Block::parse(json!({"metadata": {"name": "x"}})).1.spec,
+            None
+        );
         // A field of the wrong type, or no object at all: unreadable, no panic.
         read["spec"]["state"] = json!("Granted");
         read["spec"]["node"] = json!(7);
-        assert_eq!(Block::parse(read.clone()).spec, None);
+        assert_eq!(Block::parse(read.clone()).1.spec, None);
         read["metadata"]["name"] = json!(["v4-198-18-0-16-28"]);
-        assert_eq!(Block::parse(read.clone()).name, "");
-        assert_eq!(Block::parse(json!("text")).spec, None);
+        assert_eq!(Block::parse(read.clone()).0, "");
+        // Its name is the key it is kept under, not a field: a block's box
+        // is 200 bytes (232 with the name and a `Vec` of past versions).
+        assert_eq!(std::mem::size_of::<Block>(), 200);
+        assert_eq!(Block::parse(json!("text")).1.spec, None);
         // A node name that is no label value goes without the label.
         let mut long = spec("198.18.0.16/28");
         long.node = "n".repeat(64).into();
@@ -281,12 +289,12 @@ mod tests {
     fn a_block_is_written_protected_and_goes_with_its_last_finalizer() {
         let mut read = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "7", true);
         assert_eq!(read["metadata"]["finalizers"], json!([PROTECTION]));
-        assert!(Block::parse(read.clone()).protected);
+        assert!(Block::parse(read.clone()).1.protected);
         read["metadata"]["deletionTimestamp"] = json!("2026-12-05T23:00:00Z");
         assert!(!is_gone(&read), "its finalizer still holds it");
         let mut let_go = object(&spec("198.18.0.16/28"), "v4-198-18-0-16-28", "8", false);
         assert!(let_go["metadata"].get("finalizers").is_none());
-        assert!(!Block::parse(let_go.clone()).protected);
+        assert!(!Block::parse(let_go.clone()).1.protected);
         assert!(!is_gone(&let_go), "not marked for deletion: it stays");
         let_go["metadata"]["deletionTimestamp"] = json!("2026-12-05T23:00:00Z");
         assert!(is_gone(&let_go));

@@ -229,7 +229,10 @@ impl Cache {
         self.whole = true;
         for item in items {
             let item = match item {
-                Item::Block(block) => Item::Block(Box::new(self.relisted(*block, &before))),
+                Item::Block(name, block) => {
+                    let block = self.relisted(&name, *block, &before);
+                    Item::Block(name, Box::new(block))
+                }
                 item => item,
             };
             self.put_item(kind, item);
@@ -260,8 +263,13 @@ impl Cache {
     /// from a backup). The held copy stays the block's truth, since the
     /// machines serve what it says, at the listed version, so that the
     /// next write of the block puts it back over the older object.
-    fn relisted(&mut self, mut listed: Block, before: &BTreeMap<ShortText, Box<Block>>) -> Block {
-        let Some(held) = before.get(listed.name.as_str()) else {
+    fn relisted(
+        &mut self,
+        name: &str,
+        mut listed: Block,
+        before: &BTreeMap<ShortText, Box<Block>>,
+    ) -> Block {
+        let Some(held) = before.get(name) else {
             return listed;
         };
         let same = says(&listed) == says(held) && listed.protected == held.protected;
@@ -271,7 +279,7 @@ impl Cache {
         }
         let node = held.spec.as_ref().map(|(_, spec)| spec.node.to_string());
         self.went_back_news
-            .push((held.name.to_string(), node.unwrap_or_default()));
+            .push((name.to_string(), node.unwrap_or_default()));
         Block {
             resource_version: listed.resource_version,
             protected: listed.protected,
@@ -283,10 +291,10 @@ impl Cache {
     /// Block `gone`'s object left the view: the versions it and the
     /// objects of its name before it had are remembered for the next
     /// object of that name (one a restore brings back is older).
-    fn remember_gone(&mut self, gone: &Block) {
+    fn remember_gone(&mut self, name: &str, gone: &Block) {
         let seen = gone.versions_seen();
         if !seen.is_empty() {
-            self.gone_past.insert(gone.name.to_string(), seen);
+            self.gone_past.insert(name.to_string(), seen);
         }
     }
 
@@ -426,7 +434,7 @@ impl Cache {
                 true => {
                     self.blocks.insert(name, old);
                 }
-                false => self.remember_gone(&old),
+                false => self.remember_gone(&name, &old),
             }
         }
         let blocks = &self.blocks;
@@ -716,7 +724,7 @@ impl Cache {
                 self.revalidate();
                 self.whole = true;
             }
-            Item::Block(block) => self.put_block(*block),
+            Item::Block(name, block) => self.put_block(&name, *block),
         }
         true
     }
@@ -724,26 +732,24 @@ impl Cache {
     /// A block's copy into the view (its ledger, the nodes it follows and
     /// those it concerns); it succeeds the copy held, or the versions
     /// remembered of its name.
-    fn put_block(&mut self, mut block: Block) {
+    fn put_block(&mut self, name: &str, mut block: Block) {
         if let Some((_, spec)) = block.spec.as_mut() {
             spec.node = self.node_name(&spec.node);
         }
-        self.vanished.remove(block.name.as_str());
+        self.vanished.remove(name);
         if is_cooling(&block) {
             let now = self.now_ms;
-            self.cooling_seen
-                .entry(block.name.to_string())
-                .or_insert(now);
+            self.cooling_seen.entry(name.to_string()).or_insert(now);
         } else {
-            self.cooling_seen.remove(block.name.as_str());
+            self.cooling_seen.remove(name);
         }
         let follows = followed_node(&block).map(str::to_string);
-        let name = block.name.clone();
+        let name = ShortText::from(name);
         match self.blocks.get(&name) {
             Some(old) => block.succeeds(old),
             None => {
                 if let Some(past) = self.gone_past.remove(name.as_str()) {
-                    block.past = past;
+                    block.past = past.into_boxed_slice();
                 }
             }
         }
@@ -823,7 +829,7 @@ impl Cache {
                 if !vanished.is_some_and(|old| self.keep_if_vanished(name, old, seen)) {
                     self.vanished.remove(name);
                     if let Some(old) = &old {
-                        self.remember_gone(old);
+                        self.remember_gone(name, old);
                     }
                 }
                 if self.other_size(old.as_deref(), name) {
@@ -911,8 +917,8 @@ impl Cache {
         for pool in pools.iter_mut() {
             pool.ledger = Ledger::default();
         }
-        for block in self.blocks.values() {
-            let since = self.cooling_seen.get(block.name.as_str()).copied();
+        for (name, block) in &self.blocks {
+            let since = self.cooling_seen.get(name.as_str()).copied();
             pool::enter_block(pools, block, since.unwrap_or(self.now_ms));
         }
         self.reindex();
@@ -1073,7 +1079,7 @@ impl Cache {
                 .collect();
             let mut rebuilt = pool::with_ledgers(
                 &bare,
-                self.blocks.values().map(|b| &**b),
+                self.blocks.iter().map(|(name, b)| (name.as_str(), &**b)),
                 &self.cooling_seen,
                 self.now_ms,
             );
@@ -1188,7 +1194,6 @@ fn kept_when_vanished(block: &Block) -> Option<Block> {
         }
     };
     Some(Block {
-        name: block.name.clone(),
         resource_version: ShortText::default(),
         spec: Some((*cidr, spec)),
         protected: true,
@@ -1272,7 +1277,8 @@ mod tests {
             };
             let name = "v4-198-18-0-0-28";
             let object = super::super::block::object(&spec, name, version, true);
-            Item::Block(Box::new(Block::parse(object)))
+            let (name, block) = Block::parse(object);
+            Item::Block(name, Box::new(block))
         };
         cache.put(Resource::Block, block("d.4"));
         cache.reach(Resource::Block, Vec::new());
@@ -1888,13 +1894,13 @@ mod tests {
         use crate::controller::block::NODE_GONE;
         let mut cache = with_pool("198.18.0.0/26");
         let taken = block_item("198.18.0.0/28", "gone", BlockState::Cooling, "9", true);
-        let Item::Block(mut taken) = taken else {
+        let Item::Block(name, mut taken) = taken else {
             unreachable!()
         };
         if let Some((_, spec)) = taken.spec.as_mut() {
             spec.reason = NODE_GONE.into();
         }
-        cache.listed(Resource::Block, vec![Item::Block(taken)]);
+        cache.listed(Resource::Block, vec![Item::Block(name, taken)]);
         cache.listed(Resource::Node, vec![Item::Node("n1".into())]);
         let statuses = vec![
             nnc_holding("gone", "1", &[], None),

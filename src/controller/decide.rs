@@ -1980,7 +1980,7 @@ mod tests {
         let object = block::object(&stray, "v4-198-18-0-0-28", "4", true);
         let pools = crate::controller::pool::with_ledgers(
             &[pool(json!({}))],
-            &[Block::parse(object)],
+            [&Block::parse(object)].map(|(name, block)| (name.as_str(), block)),
             &BTreeMap::new(),
             1_000,
         );
@@ -2042,8 +2042,9 @@ mod tests {
                 "spec": {"pool": "p", "network": "default", "cidr": cidr, "node": "n",
                          "state": state, "reason": state}}))
         });
+        let named = blocks.iter().map(|(name, block)| (name.as_str(), block));
         let pools =
-            crate::controller::pool::with_ledgers(&[pool(json!({}))], &blocks, &BTreeMap::new(), 0);
+            crate::controller::pool::with_ledgers(&[pool(json!({}))], named, &BTreeMap::new(), 0);
         let ledger = pools[0].ledger.clone();
         let now = 1_795_971_700_000;
         let (text, gauges) = pool_status(&pool(json!({})), &Working::new(&ledger), 2, now);

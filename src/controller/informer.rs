@@ -78,7 +78,8 @@ pub enum Item {
     Nnc(String, Box<Demand>, Status),
     Node(String),
     Pool(Box<Pool>),
-    Block(Box<Block>),
+    /// The name, and the block.
+    Block(String, Box<Block>),
 }
 
 impl Item {
@@ -96,7 +97,10 @@ impl Item {
             }
             Resource::Node => Item::Node(Meta::parse(&object).name),
             Resource::Pool => Item::Pool(Box::new(Pool::parse(&object))),
-            Resource::Block => Item::Block(Box::new(Block::parse(object))),
+            Resource::Block => {
+                let (name, block) = Block::parse(object);
+                Item::Block(name, Box::new(block))
+            }
         }
     }
 
@@ -105,7 +109,7 @@ impl Item {
             Item::Nnc(_, demand, _) => &demand.resource_version,
             Item::Node(_) => "",
             Item::Pool(pool) => &pool.resource_version,
-            Item::Block(block) => &block.resource_version,
+            Item::Block(_, block) => &block.resource_version,
         }
     }
 
@@ -114,7 +118,7 @@ impl Item {
             Item::Nnc(name, _, _) => name,
             Item::Node(name) => name,
             Item::Pool(pool) => &pool.name,
-            Item::Block(block) => &block.name,
+            Item::Block(name, _) => name,
         }
     }
 }

@@ -422,22 +422,19 @@ fn pool_index(pools: &[Pool], cidr: &Cidr, named: &str) -> Option<usize> {
     })
 }
 
-/// `pools` with their ledgers filled from `blocks`. A cooling block cools
+/// `pools` with their ledgers filled from `blocks` (by name). A cooling block cools
 /// from when this process first saw it cooling (`cooling_seen`, by name;
 /// `now_ms` if not noted yet). Unreadable blocks and blocks no pool knows
 /// are left out (nothing is granted from outside a pool).
 pub fn with_ledgers<'a>(
     pools: &[Pool],
-    blocks: impl IntoIterator<Item = &'a Block>,
+    blocks: impl IntoIterator<Item = (&'a str, &'a Block)>,
     cooling_seen: &BTreeMap<String, i64>,
     now_ms: i64,
 ) -> Vec<Pool> {
     let mut pools = pools.to_vec();
-    for block in blocks {
-        let since_ms = cooling_seen
-            .get(block.name.as_str())
-            .copied()
-            .unwrap_or(now_ms);
+    for (name, block) in blocks {
+        let since_ms = cooling_seen.get(name).copied().unwrap_or(now_ms);
         enter_block(&mut pools, block, since_ms);
     }
     pools
@@ -888,7 +885,8 @@ mod tests {
             object("198.18.9.0/28", "gone", BlockState::Granted, "", "5"),
         ];
         let seen = BTreeMap::from([("v4-198-18-0-16-28".to_string(), 100)]);
-        let ledger = with_ledgers(&pools, &blocks, &seen, 500).remove(0).ledger;
+        let named = blocks.iter().map(|(name, block)| (name.as_str(), block));
+        let ledger = with_ledgers(&pools, named, &seen, 500).remove(0).ledger;
         let cidr = |c: &str| -> Cidr { c.parse().unwrap() };
         assert_eq!(ledger.claims[&cidr("198.18.0.0/28")].node, "n1");
         let released = &ledger.cooling[&cidr("198.18.0.16/28")];
