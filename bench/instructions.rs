@@ -246,8 +246,13 @@ struct Threads {
 }
 
 impl Drop for CountedDaemon {
+    /// SIGTERM: the daemon stops and valgrind removes its vgdb FIFOs from
+    /// the temporary directory, which a SIGKILL leaves behind.
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        if nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).is_err() {
+            let _ = self.child.kill();
+        }
         let _ = self.child.wait();
     }
 }
