@@ -184,7 +184,7 @@ impl CountedDaemon {
         self.control("--dump");
         self.dumps += 1;
         let prefix = format!("daemon.callgrind.{}-", self.dumps);
-        let mut threads = Threads { main: 0, others: 0 };
+        let mut threads = Threads::default();
         for entry in std::fs::read_dir(&self.dir.path).unwrap() {
             let path = entry.unwrap().path();
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -229,7 +229,7 @@ impl CountedDaemon {
                 }
                 self.dump()
             }
-            false => Threads { main: 0, others: 0 },
+            false => Threads::default(),
         };
         let per = |add: u64, del: u64| Pair {
             add: add / n as u64,
@@ -240,6 +240,7 @@ impl CountedDaemon {
 }
 
 /// Instructions of the daemon's main thread (its loop) and of its others.
+#[derive(Default)]
 struct Threads {
     main: u64,
     others: u64,
@@ -466,7 +467,8 @@ pub fn report(bench: &Bench, report: &mut Report) {
          callgrind over a run of ADDs then of DELs (`callgrind_control --dump` around each), \
          divided by their number, on its loop's thread (`--separate-threads=yes`): its \
          checkpoint thread's passes run every 100 ms while frames come, so how many fall in a \
-         run follows the machine's speed, and they are given apart. host-local (Go) is not counted: valgrind aborts on it."
+         run follows the machine's speed, and they are given apart. host-local (Go) is not \
+         counted: valgrind aborts on it."
             .into(),
     );
 }

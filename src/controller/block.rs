@@ -127,13 +127,13 @@ impl Block {
     pub fn succeeds(&mut self, older: &Block) {
         self.past = match older.resource_version == self.resource_version {
             true => older.past.clone(),
-            false => older.versions_seen().into_boxed_slice(),
+            false => older.versions_seen(),
         };
     }
 
     /// The versions of this object seen so far, this copy's last (none
     /// for a copy kept without one), hashed.
-    pub fn versions_seen(&self) -> Vec<u64> {
+    pub fn versions_seen(&self) -> Box<[u64]> {
         let mut seen = self.past.to_vec();
         if !self.resource_version.is_empty() {
             if seen.len() == PAST_VERSIONS {
@@ -141,7 +141,7 @@ impl Block {
             }
             seen.push(version_hash(&self.resource_version));
         }
-        seen
+        seen.into_boxed_slice()
     }
 
     /// Whether `version` is one this process saw before this copy's.

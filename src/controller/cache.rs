@@ -87,7 +87,7 @@ pub struct Cache {
     /// The versions of block objects that left the view, by name, for the
     /// next object of the name ([`Cache::remember_gone`]): at most one
     /// entry per block the pools name.
-    gone_past: BTreeMap<String, Vec<u64>>,
+    gone_past: BTreeMap<String, Box<[u64]>>,
     /// What a read at this process's takeover found that the stream has
     /// not delivered yet: an object's version (`Some`; `""` for a Node's
     /// presence) or its deletion (`None`). No pass runs until none is left
@@ -749,7 +749,7 @@ impl Cache {
             Some(old) => block.succeeds(old),
             None => {
                 if let Some(past) = self.gone_past.remove(name.as_str()) {
-                    block.past = past.into_boxed_slice();
+                    block.past = past;
                 }
             }
         }

@@ -72,13 +72,10 @@ impl Deref for Allocations {
 
 impl FromIterator<Allocation> for Allocations {
     fn from_iter<I: IntoIterator<Item = Allocation>>(iter: I) -> Self {
-        let mut all: Vec<Allocation> = iter.into_iter().collect();
-        match (all.pop(), all.is_empty()) {
-            (Some(one), true) => Allocations::One(one),
-            (last, _) => {
-                all.extend(last);
-                Allocations::Many(all.into_boxed_slice())
-            }
+        let all: Vec<Allocation> = iter.into_iter().collect();
+        match <[Allocation; 1]>::try_from(all) {
+            Ok([one]) => Allocations::One(one),
+            Err(all) => Allocations::Many(all.into_boxed_slice()),
         }
     }
 }

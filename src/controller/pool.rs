@@ -422,9 +422,9 @@ fn pool_index(pools: &[Pool], cidr: &Cidr, named: &str) -> Option<usize> {
     })
 }
 
-/// `pools` with their ledgers filled from `blocks` (by name). A cooling block cools
-/// from when this process first saw it cooling (`cooling_seen`, by name;
-/// `now_ms` if not noted yet). Unreadable blocks and blocks no pool knows
+/// `pools` with their ledgers filled from `blocks` (by name). A cooling
+/// block cools from when this process first saw it cooling
+/// (`cooling_seen`, by name; `now_ms` if not noted yet). Unreadable blocks and blocks no pool knows
 /// are left out (nothing is granted from outside a pool).
 pub fn with_ledgers<'a>(
     pools: &[Pool],

@@ -64,6 +64,16 @@ enum Whole {
     },
 }
 
+impl Whole {
+    /// The entry's `cidr` field as written, when not its CIDR's spelling.
+    fn odd_cidr(&self) -> Option<&str> {
+        match self {
+            Whole::Text { odd_cidr, .. } => odd_cidr.as_deref(),
+            Whole::Granted { .. } => None,
+        }
+    }
+}
+
 impl Entry {
     pub fn parse(entry: &Value) -> Entry {
         let read: EntryFields = lenient(entry);
@@ -80,14 +90,16 @@ impl Entry {
             reusable: read.kind.as_deref() != Some("NonReusable"),
             whole: Whole::Text {
                 text: Box::default(),
+                odd_cidr: None,
+            },
+        };
+        parsed.whole = match parsed.as_granted(entry) {
+            Some(granted) => granted,
+            None => Whole::Text {
+                text: entry.to_string().into(),
                 odd_cidr: odd_cidr.map(Box::from),
             },
         };
-        if let Some(granted) = parsed.as_granted(entry) {
-            parsed.whole = granted;
-        } else if let Whole::Text { text, .. } = &mut parsed.whole {
-            *text = entry.to_string().into();
-        }
         parsed
     }
 
@@ -113,15 +125,9 @@ impl Entry {
 
     /// Its `cidr` field as written.
     pub fn cidr_text(&self) -> Option<Cow<'_, str>> {
-        match (&self.whole, self.cidr) {
-            (
-                Whole::Text {
-                    odd_cidr: Some(text),
-                    ..
-                },
-                _,
-            ) => Some(Cow::Borrowed(text)),
-            (_, cidr) => cidr.map(|c| Cow::Owned(c.to_string())),
+        match self.whole.odd_cidr() {
+            Some(text) => Some(Cow::Borrowed(text)),
+            None => self.cidr.map(|c| Cow::Owned(c.to_string())),
         }
     }
 
@@ -651,13 +657,7 @@ mod tests {
             let entry = Entry::parse(&json!({"cidr": written}));
             assert_eq!(entry.cidr_text().as_deref(), Some(written));
             let canonical = entry.cidr.is_some_and(|c| c.to_string() == written);
-            let odd = matches!(
-                entry.whole,
-                Whole::Text {
-                    odd_cidr: Some(_),
-                    ..
-                }
-            );
+            let odd = entry.whole.odd_cidr().is_some();
             assert_eq!(!odd, canonical, "{written}");
         }
         assert_eq!(Entry::parse(&json!({})).cidr_text(), None);
