@@ -8,6 +8,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use common::tmpfs::Tmpfs;
 use common::{TestDaemon, TestDir, allocated_v4, node, wait_for};
 use metis::wire::frame::{self, MAX_REQUEST_FRAME, MAX_RESPONSE_FRAME};
 use metis::wire::{Code, Request, Response, reason, request};
@@ -106,38 +107,43 @@ fn more_requests_than_one_batch_are_all_answered_in_order() {
     }
 }
 
-/// A deferred foreign key is only checked at COMMIT: a row a trigger adds
-/// for container `poison` makes the commit of its batch fail.
-fn poison_commits(daemon: &TestDaemon) {
+/// Leaves the next commit on `fs` without room: the WAL emptied (a
+/// checkpoint that truncates it, which a daemon between turns allows),
+/// then the file system filled. Statements before the commit write nothing
+/// to disk, so the batch's commit is the first write that fails.
+fn full_at_commit(daemon: &TestDaemon, fs: &Tmpfs) -> std::path::PathBuf {
     let conn = rusqlite::Connection::open(&daemon.db).unwrap();
-    conn.execute_batch(
-        "CREATE TABLE test_parent (id INTEGER PRIMARY KEY);
-         CREATE TABLE test_blocker (parent INTEGER
-             REFERENCES test_parent(id) DEFERRABLE INITIALLY DEFERRED);
-         CREATE TRIGGER test_poison_update AFTER UPDATE ON ip_addresses
-             WHEN NEW.container_id = 'poison'
-             BEGIN INSERT INTO test_blocker VALUES (1); END;
-         CREATE TRIGGER test_poison_insert AFTER INSERT ON ip_addresses
-             WHEN NEW.container_id = 'poison'
-             BEGIN INSERT INTO test_blocker VALUES (1); END;",
-    )
-    .unwrap();
+    let busy: i64 = conn
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(busy, 0, "the checkpoint could not truncate the WAL");
+    assert_eq!(
+        std::fs::metadata(daemon.db.with_extension("sqlite-wal"))
+            .unwrap()
+            .len(),
+        0
+    );
+    fs.fill("filler")
 }
 
 #[test]
 fn a_failed_commit_fails_every_request_of_its_batch_and_keeps_none() {
-    let dir = TestDir::new("batch-commit");
-    let daemon = TestDaemon::start(&dir, &[]);
+    // Only the database on the small file system: the log must have room.
+    let (dir, fs) = (
+        TestDir::new("batch-commit"),
+        Tmpfs::mount("batch-commit-db", "8m"),
+    );
+    let daemon = TestDaemon::start_on(&dir, &fs.dir.join("metis.sqlite"));
     let (_stream, warm) = pipeline(&daemon, &frame_of(&allocate("", "warm", RANGE, "")), 1);
     allocated_v4(&warm[0]);
-    poison_commits(&daemon);
+    let filler = full_at_commit(&daemon, &fs);
 
     let mut bytes = Vec::new();
-    bytes.extend(frame_of(&allocate("", "innocent-1", RANGE, "")));
-    bytes.extend(frame_of(&allocate("", "poison", RANGE, "")));
+    bytes.extend(frame_of(&allocate("", "first", RANGE, "")));
+    bytes.extend(frame_of(&allocate("", "second", RANGE, "")));
     // Not a request at all: its answer does not depend on the commit.
     bytes.extend(frame::encode(&[0xff, 0xff, 0xff], MAX_REQUEST_FRAME).unwrap());
-    bytes.extend(frame_of(&allocate("", "innocent-2", RANGE, "")));
+    bytes.extend(frame_of(&allocate("", "third", RANGE, "")));
     let (_stream, replies) = pipeline(&daemon, &bytes, 4);
 
     for at in [0, 1, 3] {
@@ -146,7 +152,7 @@ fn a_failed_commit_fails_every_request_of_its_batch_and_keeps_none() {
     }
     assert_eq!(replies[2].code(), Code::InvalidArgument);
     assert_eq!(replies[2].reason(), reason::MALFORMED_REQUEST);
-    for container in ["innocent-1", "poison", "innocent-2"] {
+    for container in ["first", "second", "third"] {
         assert!(
             held(&daemon, container).is_empty(),
             "{container} kept a row"
@@ -158,13 +164,15 @@ fn a_failed_commit_fails_every_request_of_its_batch_and_keeps_none() {
             .contains("committing a batch of requests failed")
     );
 
-    // The next batch starts clean: the innocent requests, retried, succeed.
-    let mut bytes = frame_of(&allocate("", "innocent-1", RANGE, ""));
-    bytes.extend(frame_of(&allocate("", "innocent-2", RANGE, "")));
+    // Once there is room, the next batch starts clean: the requests,
+    // retried, succeed.
+    std::fs::remove_file(filler).unwrap();
+    let mut bytes = frame_of(&allocate("", "first", RANGE, ""));
+    bytes.extend(frame_of(&allocate("", "third", RANGE, "")));
     let (_stream, replies) = pipeline(&daemon, &bytes, 2);
-    assert_eq!(held(&daemon, "innocent-1"), [allocated_v4(&replies[0])]);
-    assert_eq!(held(&daemon, "innocent-2"), [allocated_v4(&replies[1])]);
-    assert!(held(&daemon, "poison").is_empty());
+    assert_eq!(held(&daemon, "first"), [allocated_v4(&replies[0])]);
+    assert_eq!(held(&daemon, "third"), [allocated_v4(&replies[1])]);
+    assert!(held(&daemon, "second").is_empty());
 }
 
 #[test]

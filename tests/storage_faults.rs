@@ -53,28 +53,6 @@ fn daemon_output(socket: &Path, db: &Path) -> Output {
         .unwrap()
 }
 
-/// Fills the file system holding `dir` until a write fails with ENOSPC,
-/// with the file `name`.
-fn fill(dir: &TestDir, name: &str) -> PathBuf {
-    use std::io::Write;
-    let path = dir.join(name);
-    let mut file = std::fs::File::create(&path).unwrap();
-    let chunk = vec![0u8; 64 * 1024];
-    loop {
-        match file.write(&chunk) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(err) => {
-                assert_eq!(err.raw_os_error(), Some(28), "{err}"); // ENOSPC
-                break;
-            }
-        }
-    }
-    // Byte by byte, so not even a page is left.
-    while file.write(&[0]).is_ok_and(|n| n == 1) {}
-    path
-}
-
 #[test]
 fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let fs = Tmpfs::mount("fault-full", "3m");
@@ -83,7 +61,7 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
     let daemon = TestDaemon::start(dir, &[]);
     assert_ok(&Plugin::new("ADD", "keep").run(&config(dir, "small", "198.18.0.0/24")));
     let kept = held(&db, "keep");
-    let filler = fill(dir, "filler");
+    let filler = fs.fill("filler");
 
     // A new network of 4096 addresses needs pages the disk does not have.
     let big = config(dir, "big", "198.18.16.0/20");
@@ -95,7 +73,7 @@ fn a_full_disk_is_try_again_later_and_loses_nothing() {
 
     // Direct mode, with the disk still full (the daemon's stop may have
     // freed the pages of its WAL).
-    let more = fill(dir, "filler-2");
+    let more = fs.fill("filler-2");
     let direct = Plugin::new("ADD", "new").run(&big);
     assert_error(&direct, 11, "full");
 

@@ -13,7 +13,7 @@
 
 /// `updated_at = …` with the expression of upstream's `updated_at`
 /// triggers, set by every Metis UPDATE of `ip_addresses` and `cidr_blocks`
-/// (a one-request process runs with the triggers off), spelled once.
+/// (Metis's connections run with the triggers off), spelled once.
 macro_rules! stamped {
     () => {
         "updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)"

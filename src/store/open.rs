@@ -145,8 +145,10 @@ fn configure(conn: &Connection, opts: &StoreOptions) -> Result<(), StoreError> {
     // on every reuse: a third of each allocation went to re-parsing.
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
     // Upstream's triggers only stamp `updated_at`, which every Metis UPDATE
-    // of those tables stamps itself (SQLite's clock, or the caller's where
-    // it names one); a one-request process would compile them into each.
-    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, !opts.one_request)?;
+    // of those tables stamps itself (`stamped!`, or the caller's clock where
+    // it names one). Fired, they make each UPDATE in a transaction copy the
+    // pages it changes into a statement journal, and a one-request process
+    // compile them into each; the file keeps them for upstream's writes.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, false)?;
     Ok(())
 }

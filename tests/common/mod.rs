@@ -103,6 +103,12 @@ impl TestDaemon {
         TestDaemon::launch(Path::new(METIS), dir, extra, &[])
     }
 
+    /// Like [`TestDaemon::start`], with the database at `db` (on another
+    /// file system, say) instead of in `dir`.
+    pub fn start_on(dir: &TestDir, db: &Path) -> TestDaemon {
+        TestDaemon::launch_on(Path::new(METIS), dir, db, &[], &[])
+    }
+
     /// Like [`TestDaemon::start`], with extra environment; any cluster
     /// settings of the test's own environment are scrubbed first.
     pub fn start_with_env(dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
@@ -116,7 +122,17 @@ impl TestDaemon {
     }
 
     fn launch(binary: &Path, dir: &TestDir, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
-        let mut daemon = TestDaemon::spawn_logging(binary, dir, extra, env, "daemon.log");
+        TestDaemon::launch_on(binary, dir, &dir.join("metis.sqlite"), extra, env)
+    }
+
+    fn launch_on(
+        binary: &Path,
+        dir: &TestDir,
+        db: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> TestDaemon {
+        let mut daemon = TestDaemon::spawn_logging(binary, dir, db, extra, env, "daemon.log");
         let socket = daemon.socket.clone();
         let listening = poll(Duration::from_secs(10), || {
             if let Ok(Some(status)) = daemon.child.try_wait() {
@@ -134,18 +150,19 @@ impl TestDaemon {
     /// waiting for anything (a second daemon on the same socket and
     /// database, for instance).
     pub fn spawn(dir: &TestDir, extra: &[&str], log_name: &str) -> TestDaemon {
-        TestDaemon::spawn_logging(Path::new(METIS), dir, extra, &[], log_name)
+        let db = dir.join("metis.sqlite");
+        TestDaemon::spawn_logging(Path::new(METIS), dir, &db, extra, &[], log_name)
     }
 
     fn spawn_logging(
         binary: &Path,
         dir: &TestDir,
+        db: &Path,
         extra: &[&str],
         env: &[(&str, &str)],
         log_name: &str,
     ) -> TestDaemon {
         let socket = dir.join("metis.sock");
-        let db = dir.join("metis.sqlite");
         let stderr_path = dir.join(log_name);
         let stderr = std::fs::OpenOptions::new()
             .create(true)
@@ -167,7 +184,7 @@ impl TestDaemon {
             .arg("--socket-path")
             .arg(&socket)
             .arg("--db-path")
-            .arg(&db)
+            .arg(db)
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -177,7 +194,7 @@ impl TestDaemon {
         TestDaemon {
             child,
             socket,
-            db,
+            db: db.to_path_buf(),
             stderr_path,
         }
     }

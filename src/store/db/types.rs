@@ -59,9 +59,7 @@ pub struct StoreOptions {
     /// `Some(ms)` (the daemon): record `ms` (if different) and use it.
     pub release_cooldown: Option<i64>,
     /// A process that serves one request and exits (direct mode): the
-    /// store leaves the WAL on close (`Store::leave_wal_on_close`), and its
-    /// connection runs without upstream's `updated_at` triggers (every
-    /// Metis UPDATE stamps the column itself, `stamped!`).
+    /// store leaves the WAL on close (`Store::leave_wal_on_close`).
     pub one_request: bool,
 }
 

@@ -263,32 +263,34 @@ fn the_stamp_is_upstreams_trigger_expression() {
 }
 
 #[test]
-fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
-    // Twins: the daemon's store (triggers on) and direct mode's (off),
-    // each step on a store of its own, as processes would.
-    let (daemon, direct) = (TempDir::new(), TempDir::new());
-    drop((daemon.store(), direct.store()));
+fn metis_stamps_updated_at_where_upstreams_triggers_would() {
+    // Twins: a store as Metis opens it (the triggers off, daemon and
+    // direct mode alike) and one whose connection then fires them, each
+    // step on a store of its own, as processes would.
+    let (metis, fired) = (TempDir::new(), TempDir::new());
+    drop((metis.store(), fired.store()));
     type Step = fn(Store);
-    let steps: [(&str, Option<ReserveMode>, Step); 9] = [
-        ("boot", None, |s| boot(s, "boot-1")),
-        ("ADD a", None, |s| served_once(s, &add("a"))),
-        ("ADD b", None, |s| served_once(s, &add("b"))),
-        ("DEL a", None, |s| served_once(s, &del("a"))),
-        ("first-block", Some(ReserveMode::FirstBlock), drop),
-        ("ADD c", None, |s| served_once(s, &add("c"))),
-        ("every-block", Some(ReserveMode::EveryBlock), drop),
-        ("new boot", None, |s| boot(s, "boot-2")),
-        ("ADD d", None, |s| served_once(s, &add("d"))),
+    let steps: [(&str, Step); 9] = [
+        ("boot", |s| boot(s, "boot-1")),
+        ("ADD a", |s| served_once(s, &add("a"))),
+        ("ADD b", |s| served_once(s, &add("b"))),
+        ("DEL a", |s| served_once(s, &del("a"))),
+        ("first-block", |s| reserve(s, ReserveMode::FirstBlock)),
+        ("ADD c", |s| served_once(s, &add("c"))),
+        ("every-block", |s| reserve(s, ReserveMode::EveryBlock)),
+        ("new boot", |s| boot(s, "boot-2")),
+        ("ADD d", |s| served_once(s, &add("d"))),
     ];
-    for (what, mode, step) in steps {
+    for (what, step) in steps {
         let mut touched = Vec::new();
-        for (dir, one_request) in [(&daemon, false), (&direct, true)] {
+        for (dir, triggers) in [(&metis, false), (&fired, true)] {
             unstamp(dir);
-            let options = StoreOptions {
-                one_request,
-                ..opts(mode, None)
-            };
-            step(Store::open(&dir.db(), &options).unwrap());
+            let store = Store::open(&dir.db(), &opts(None, None)).unwrap();
+            assert!(stamped(dir).is_empty(), "{what}: the open stamped rows");
+            let fire = rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER;
+            assert!(!store.conn.db_config(fire).unwrap());
+            store.conn.set_db_config(fire, triggers).unwrap();
+            step(store);
             touched.push(stamped(dir));
         }
         assert_eq!(touched[0], touched[1], "{what}");
@@ -296,6 +298,15 @@ fn direct_mode_stamps_updated_at_where_upstreams_triggers_would() {
             assert!(!touched[0].is_empty(), "{what}: nothing stamped");
         }
     }
+}
+
+/// The reservation mode changed to `mode` on `store` and the file healed
+/// for it, as an open asked for a new mode does.
+fn reserve(mut store: Store, mode: ReserveMode) {
+    let (reserve, changed) = store.settle_reserve_mode(Some(mode)).unwrap();
+    assert!(changed);
+    store.reserve = reserve;
+    store.repair().unwrap();
 }
 
 /// `requests` served as one turn of the daemon serves them (in its batch,
