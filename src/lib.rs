@@ -23,6 +23,7 @@ pub mod kube;
 pub mod log;
 pub mod metrics;
 pub mod names;
+pub mod start;
 pub mod store;
 pub mod wire;
 

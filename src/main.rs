@@ -1,8 +1,9 @@
 //! The `metis` binary: a CNI plugin when the runtime executes it (with
 //! `CNI_COMMAND` set), otherwise a set of subcommands. Exit codes are decided
 //! here and nowhere else.
-
-use std::process::ExitCode;
+// On Linux with glibc the process starts as a C `main`, without the Rust
+// runtime's start-up (`metis::start`), which every plugin exec would pay.
+#![cfg_attr(all(target_os = "linux", target_env = "gnu"), no_main)]
 
 use metis::cli::{ArgsError, CommandError, admin, check, downgrade, health, host_local, install};
 use metis::flags::EXIT_USAGE;
@@ -25,9 +26,12 @@ Usage:
 
 Run `metis COMMAND --help` for a command's flags.";
 
-fn main() -> ExitCode {
+metis::entry_point!(run);
+
+/// What the process does, as its exit status.
+fn run() -> u8 {
     if std::env::var_os("CNI_COMMAND").is_some() {
-        return ExitCode::from(cni::plugin::main());
+        return cni::plugin::main();
     }
     let args: Vec<String> = match std::env::args_os()
         .skip(1)
@@ -37,13 +41,13 @@ fn main() -> ExitCode {
         Ok(args) => args,
         Err(arg) => {
             eprintln!("metis: argument {arg:?} is not valid UTF-8");
-            return ExitCode::from(EXIT_USAGE);
+            return EXIT_USAGE;
         }
     };
     let Some((command, rest)) = args.split_first() else {
         // As the reference plugins do when run by hand: say what we are.
         eprintln!("{}", cni::plugin::about());
-        return ExitCode::SUCCESS;
+        return 0;
     };
     let (name, result) = match command.as_str() {
         "daemon" => ("metis daemon", run_daemon(rest)),
@@ -55,15 +59,15 @@ fn main() -> ExitCode {
         "export" => run_host_local(host_local::Direction::Export, rest),
         "-h" | "--help" | "help" => {
             println!("{ABOUT}");
-            return ExitCode::SUCCESS;
+            return 0;
         }
         "--version" | "version" => {
             println!("metis {}", env!("CARGO_PKG_VERSION"));
-            return ExitCode::SUCCESS;
+            return 0;
         }
         other => {
             eprintln!("metis: unknown command {other:?}\n\n{ABOUT}");
-            return ExitCode::from(EXIT_USAGE);
+            return EXIT_USAGE;
         }
     };
     exit_status(name, result)
@@ -72,22 +76,22 @@ fn main() -> ExitCode {
 /// The one place a subcommand's outcome becomes its exit status: help on
 /// stdout (0), misuse on stderr with the usage (2), a failure's lines on
 /// stderr (1).
-fn exit_status(command: &str, result: Result<(), CommandError>) -> ExitCode {
+fn exit_status(command: &str, result: Result<(), CommandError>) -> u8 {
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(CommandError::Args(ArgsError::Help(text))) => {
             print!("{text}");
-            ExitCode::SUCCESS
+            0
         }
         Err(CommandError::Args(ArgsError::Usage { message, usage })) => {
             eprintln!("{command}: {message}\n\n{usage}");
-            ExitCode::from(EXIT_USAGE)
+            EXIT_USAGE
         }
         Err(CommandError::Failed(lines)) => {
             for line in lines {
                 eprintln!("{command}: {line}");
             }
-            ExitCode::FAILURE
+            1
         }
     }
 }

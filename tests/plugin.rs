@@ -279,6 +279,55 @@ fn version_lists_supported_versions() {
     }
 }
 
+/// A reader gone from stdout is a failed write (exit 1), not death by
+/// SIGPIPE: the binary ignores the signal, as Rust's runtime start-up,
+/// which it skips, would have.
+#[test]
+fn a_closed_stdout_pipe_is_an_error_not_sigpipe() {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut command = Plugin::new("VERSION", "").command();
+    command.stdout(writer).stderr(std::process::Stdio::null());
+    let mut child = command.stdin(std::process::Stdio::piped()).spawn().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, br#"{"cniVersion":"1.0.0"}"#).unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    assert_eq!(
+        (status.code(), status.signal()),
+        (Some(1), None),
+        "{status:?}"
+    );
+}
+
+/// Started with stdout and stderr closed, the plugin gives neither number
+/// to a file it opens: the result goes nowhere instead of into its log,
+/// and the ADD is made.
+#[test]
+fn closed_standard_descriptors_are_given_to_no_file() {
+    let dir = TestDir::new("plugin-closed-fds");
+    let config = conf(&dir, "1.0.0", V4, "");
+    let plugin = Plugin::new("ADD", "closed-fds").command();
+    let mut command = std::process::Command::new("sh");
+    command.args(["-c", r#"exec "$0" >&- 2>&-"#, common::METIS]);
+    for (key, value) in plugin.get_envs() {
+        match value {
+            Some(value) => command.env(key, value),
+            None => command.env_remove(key),
+        };
+    }
+    let output = common::run_with_stdin(command, &config);
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    assert_eq!(allocated_count(&dir), 1);
+    let log = cni_log(&dir);
+    assert!(log.contains("using direct mode"), "{log}");
+    assert!(
+        !log.contains(r#""ips""#),
+        "the result went into the log: {log}"
+    );
+}
+
 /// CHECK per spec: later plugins may add addresses and interfaces to the
 /// result; only Metis's own allocation must be present and unchanged.
 #[test]
