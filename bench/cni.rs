@@ -17,7 +17,7 @@ use crate::Bench;
 use crate::limit::Replay;
 use crate::report::{Report, Row};
 use crate::util::{
-    Build, Daemon, HOST_LOCAL, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
+    Build, Daemon, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
     ms, ratio, result_address, with_prev_result,
 };
 
@@ -138,7 +138,8 @@ fn direct_dirs(builds: &[Build]) -> Vec<TempDir> {
 /// every build (against its own daemon, in direct mode and against a
 /// replaying daemon), host-local and the floor once, the order rotating
 /// every round.
-pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> Cycles {
+pub fn cycles(bench: &Bench, warmup: usize, cycles: usize) -> Cycles {
+    let (builds, floor) = (&bench.builds[..], &bench.floor);
     let named = |what: &str| -> Vec<TempDir> {
         builds
             .iter()
@@ -172,7 +173,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
     }
     let host_local_dir = TempDir::new("cycles-host-local");
     subjects.push(Subject::new(
-        Path::new(HOST_LOCAL),
+        &bench.host_local,
         host_local_conf(&host_local_dir, RANGE_V4),
         true,
     ));
@@ -203,7 +204,7 @@ pub fn cycles(builds: &[Build], floor: &Path, warmup: usize, cycles: usize) -> C
 /// ADD+DEL rows: each build against the floor and host-local.
 pub fn report_cycles(bench: &Bench, report: &mut Report) {
     let plan = &bench.plan;
-    let c = cycles(&bench.builds, &bench.floor, plan.warmup, plan.cycles);
+    let c = cycles(bench, plan.warmup, plan.cycles);
     for ((build, t), limit) in bench.builds.iter().zip(&c.builds).zip(&c.limit) {
         for (reference, theirs, target) in [
             ("trivial-binary floor", c.floor.median, 1.25),

@@ -44,7 +44,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use report::Report;
-use util::{Build, Flavour, HOST_LOCAL, TempDir};
+use util::{Build, Flavour, HOST_LOCAL, Installed, TempDir};
 
 /// How much of everything to do.
 pub struct Plan {
@@ -100,11 +100,15 @@ const SMOKE: Plan = Plan {
 };
 
 /// What every section gets: the plan, the builds, the floor program (linked
-/// as the full build is).
+/// as the full build is) and host-local, each run from its copy in the
+/// bench's [`Installed`] directory (where `make` and dpkg put them:
+/// `built`, `floor_built` and `HOST_LOCAL`).
 pub struct Bench {
     pub plan: Plan,
     pub builds: Vec<Build>,
     pub floor: PathBuf,
+    pub floor_built: PathBuf,
+    pub host_local: PathBuf,
 }
 
 type Section = fn(&Bench, &mut Report);
@@ -159,26 +163,34 @@ fn main() {
     } else {
         FULL
     };
+    let installed = Installed::new();
+    let built = |path: &Path, by: &str| {
+        std::fs::canonicalize(path)
+            .unwrap_or_else(|e| panic!("{}: {e} (`{by}` builds it)", path.display()))
+    };
+    let build = |flavour: Flavour, path: &Path, by: &str, name: &str| {
+        let built = built(path, by);
+        let binary = installed.copy(&built, name);
+        Build {
+            flavour,
+            built,
+            binary,
+        }
+    };
     let builds = vec![
-        Build {
-            flavour: Flavour::Full,
-            binary: std::fs::canonicalize(&full)
-                .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", full.display())),
-        },
-        Build {
-            flavour: Flavour::Edge,
-            binary: std::fs::canonicalize(&edge)
-                .unwrap_or_else(|e| panic!("{}: {e} (`make edge` builds it)", edge.display())),
-        },
+        build(Flavour::Full, &full, "make build", "metis-full"),
+        build(Flavour::Edge, &edge, "make edge", "metis-edge"),
     ];
     check_edge(&builds[1]);
     let started = Instant::now();
     let floor = value("--floor").expect("--floor BINARY is required (`make bench` passes it)");
+    let floor_built = built(&floor, "make build");
     let bench = Bench {
         plan,
         builds,
-        floor: std::fs::canonicalize(&floor)
-            .unwrap_or_else(|e| panic!("{}: {e} (`make build` builds it)", floor.display())),
+        floor: installed.copy(&floor_built, "metis-floor"),
+        floor_built,
+        host_local: installed.copy(Path::new(HOST_LOCAL), "host-local"),
     };
     let mut report = Report::default();
     // `--only TEXT`: the sections whose name contains TEXT (a figure
@@ -202,7 +214,7 @@ fn main() {
     let text = report::render(
         &bench.plan,
         &bench.builds,
-        &bench.floor,
+        &bench.floor_built,
         &report,
         started.elapsed(),
     );

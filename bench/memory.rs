@@ -76,7 +76,7 @@ pub fn report(bench: &Bench, report: &mut Report) {
     let allocations = bench.plan.memory_allocations;
     let reference_dir = TempDir::new("memory-reference");
     let host_local = add_rss(
-        Path::new(HOST_LOCAL),
+        &bench.host_local,
         &host_local_conf(&reference_dir, RANGE_V4),
     );
     let floor = add_rss(&bench.floor, &metis_conf(&reference_dir, RANGE_V4));

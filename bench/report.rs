@@ -185,7 +185,7 @@ fn header(out: &mut String, builds: &[Build], floor: &Path, took: Duration) {
             out,
             "| metis, {} build | `{}`, {} |",
             build.name(),
-            build.binary.display(),
+            build.built.display(),
             build.features()
         );
     }
@@ -201,6 +201,11 @@ fn header(out: &mut String, builds: &[Build], floor: &Path, took: Duration) {
             "dpkg-query",
             &["-W", "-f", "${Version}", "containernetworking-plugins"]
         )
+    );
+    let _ = writeln!(
+        out,
+        "| programs run | copies of the four above in a directory of the bench's, \
+         made as `metis install` makes one |"
     );
     let _ = writeln!(out, "| run time | {:.0} s |\n", took.as_secs_f64());
 }

@@ -31,11 +31,39 @@ pub enum Flavour {
     Edge,
 }
 
-/// A build of Metis under measurement: which one, and its binary.
+/// A build of Metis under measurement: which one, its binary as `make`
+/// built it, and the copy the bench runs ([`Installed`]).
 #[derive(Debug, Clone)]
 pub struct Build {
     pub flavour: Flavour,
+    pub built: PathBuf,
     pub binary: PathBuf,
+}
+
+/// Every program the bench runs, copied once into a directory of its own
+/// as `metis install` copies the plugin onto a node (the DaemonSet does at
+/// every start). How a file's page cache was filled (written, or read
+/// ahead) sets how much of it one page fault maps, and so an exec's cost:
+/// copied, every program starts alike, whoever wrote it first (the linker,
+/// dpkg). The figures: bench/history.md, "the binary as the linker left it".
+pub struct Installed {
+    dir: TempDir,
+}
+
+impl Installed {
+    pub fn new() -> Installed {
+        Installed {
+            dir: TempDir::new("installed"),
+        }
+    }
+
+    /// `program` copied to `name` in the directory, mode and all.
+    pub fn copy(&self, program: &Path, name: &str) -> PathBuf {
+        let to = self.dir.join(name);
+        std::fs::copy(program, &to)
+            .unwrap_or_else(|e| panic!("copy {} to {}: {e}", program.display(), to.display()));
+        to
+    }
 }
 
 impl Build {
