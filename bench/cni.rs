@@ -17,8 +17,8 @@ use crate::Bench;
 use crate::limit::Replay;
 use crate::report::{Report, Row};
 use crate::util::{
-    Build, Daemon, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf,
-    ms, ratio, result_address, with_prev_result,
+    Build, Daemon, Invocation, RANGE_V4, Summary, TempDir, host_local_conf, metis_conf, ms, ratio,
+    result_address, with_prev_result,
 };
 
 /// ADD+DEL latency of one program: the pair, ADD alone, DEL alone.

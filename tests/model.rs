@@ -378,7 +378,7 @@ impl Model {
                     .flat_map(|b| (0..b.size()).map(|o| b.nth(o)))
                     .any(|ip| {
                         self.surely_free(ip, owner, conf, db_blocks, false)
-                            && !self.named_gateway_as_said(ip, msg)
+                            && !self.named_gateway_as_said(ip, msg, db_blocks)
                     })
             })
     }
@@ -386,11 +386,14 @@ impl Model {
     /// Whether `msg` passes `ip` over (or refuses it, requested) as "the
     /// gateway of the result container C interface I holds in network N",
     /// and the model agrees:
-    /// (N, C, I) still holds an address, and `ip` is the gateway (base + 1)
-    /// of a block of some configuration or `--cidr` flag holding that
-    /// address — the result it was handed out with named it, and while
+    /// (N, C, I) still holds an address, and `ip` is the gateway of a
+    /// block of some configuration, `--cidr` flag or the database holding
+    /// that address — the result it was handed out with named it, and while
     /// that allocation lives no one else may hold it (`store::named_gateway`).
-    fn named_gateway_as_said(&self, ip: IpAddr, msg: &str) -> bool {
+    /// The gateway is base + 1, or, while a pod held that, a stand-in: an
+    /// address of the block above its base (below an IPv4 block's
+    /// broadcast; `store::layout::gateway::stand_in` takes the highest free).
+    fn named_gateway_as_said(&self, ip: IpAddr, msg: &str, db_blocks: &[(String, Block)]) -> bool {
         // The message is JSON-escaped: quotes come as \".
         let msg = msg.replace("\\\"", "\"");
         let Some(rest) = msg
@@ -416,18 +419,26 @@ impl Model {
             .filter_map(|flag| flag.split_once('='))
             .filter(|(net, _)| net == network)
             .map(|(_, cidr)| Block::parse(cidr));
+        let stored = db_blocks
+            .iter()
+            .filter(|(net, _)| net == network)
+            .map(|(_, block)| *block);
         let blocks: Vec<Block> = self
             .configs
             .iter()
             .flat_map(NetConf::blocks)
             .chain(flag_blocks)
+            .chain(stored)
             .collect();
+        // base + 1, or a stand-in anywhere above it.
+        let gateway_of =
+            |b: &Block| b.contains(ip) && ip != b.nth(0) && (b.v6 || ip != b.nth(b.size() - 1));
         self.held.get(&owner).is_some_and(|ips| {
             ips.iter().any(|held| {
                 let held = strip_prefix(held);
                 blocks
                     .iter()
-                    .any(|b| b.size() >= 4 && b.contains(held) && b.nth(1) == ip)
+                    .any(|b| b.size() >= 4 && b.contains(held) && gateway_of(b))
             })
         })
     }
@@ -789,7 +800,7 @@ impl Sequence {
                             || request.address().is_some_and(|ip| {
                                 holds_other(ip)
                                     || !self.model.surely_free(ip, &owner, conf, &db_blocks, true)
-                                    || self.model.named_gateway_as_said(ip, &msg)
+                                    || self.model.named_gateway_as_said(ip, &msg, &db_blocks)
                             })
                     }
                     _ => false,
