@@ -14,6 +14,7 @@ use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
 use crate::Bench;
+use crate::common::rng::Rng;
 use crate::limit::Replay;
 use crate::report::{Report, Row};
 use crate::util::{
@@ -134,10 +135,22 @@ fn direct_dirs(builds: &[Build]) -> Vec<TempDir> {
         .collect()
 }
 
+/// The seed of the rounds' orders: the same sequence in every run.
+const CYCLE_ORDER_SEED: u64 = 0x6379_636c_6573;
+
+/// Puts `order` in a random order (Fisher–Yates).
+fn shuffle(order: &mut [usize], rng: &mut Rng) {
+    for last in (1..order.len()).rev() {
+        order.swap(last, rng.index(last + 1));
+    }
+}
+
 /// `cycles` measured rounds (after `warmup` unrecorded ones), each running
 /// every build (against its own daemon, in direct mode and against a
-/// replaying daemon), host-local and the floor once, the order rotating
-/// every round.
+/// replaying daemon), host-local and the floor once, in a new random order
+/// every round: a fixed rotation would give every subject the same
+/// predecessor in every round, and a heavy predecessor (a direct-mode exec
+/// that leaves writeback behind) slows the one after it.
 pub fn cycles(bench: &Bench, warmup: usize, cycles: usize) -> Cycles {
     let (builds, floor) = (&bench.builds[..], &bench.floor);
     let named = |what: &str| -> Vec<TempDir> {
@@ -178,10 +191,12 @@ pub fn cycles(bench: &Bench, warmup: usize, cycles: usize) -> Cycles {
         true,
     ));
     subjects.push(Subject::new(floor, metis_conf(&dirs[0], RANGE_V4), false));
+    let mut order: Vec<usize> = (0..subjects.len()).collect();
+    let mut rng = Rng::new(CYCLE_ORDER_SEED);
     for round in 0..warmup + cycles {
         let container_id = format!("bench-cycle-{round:06}");
-        for k in 0..subjects.len() {
-            let index = (round + k) % subjects.len();
+        shuffle(&mut order, &mut rng);
+        for &index in &order {
             subjects[index].cycle(&container_id, round >= warmup);
         }
     }
@@ -288,7 +303,7 @@ pub fn report_cycles(bench: &Bench, report: &mut Report) {
          (against its own daemon), each build in direct mode (no daemon, its own database), \
          each build against the design's limit (a thread of the bench that answers every \
          request at once with the frame its build's daemon sent to one of the same kind), \
-         host-local and the floor program, the order rotating.",
+         host-local and the floor program, in a new random order every round.",
         plan.cycles, plan.warmup,
     ));
 }
